@@ -1,0 +1,1 @@
+"""Framework-free core: level schemes, distributions, statistics, adaptation, reference codec."""

@@ -1,0 +1,99 @@
+"""The quantization methods: identity, norm, adaptivity and level sets.
+
+Level sets are sorted float64 arrays in [-1, 1] with -1 and 1 as endpoints and no zero level
+(TernGrad excepted), as in Faghri et al. (NeurIPS 2020), Table 1 of ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_BITS = 2
+MAX_BITS = 8
+
+
+@dataclass(frozen=True)
+class Method:
+    """Static description of one quantization method."""
+
+    name: str
+    id: int
+    norm: str  # "l2" or "linf"
+    adapts: str | None  # None (fixed), "levels" (ALQ) or "multiplier" (AMQ)
+    normless: bool  # adaptive statistics: single truncated normal instead of the mixture
+
+    @property
+    def adaptive(self) -> bool:
+        return self.adapts is not None
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("qsgdinf", 0, "linf", None, False),
+        Method("qsgd", 1, "l2", None, False),
+        Method("nuqsgd", 2, "l2", None, False),
+        Method("terngrad", 3, "linf", None, False),
+        Method("alq", 4, "l2", "levels", False),
+        Method("alq-n", 5, "l2", "levels", True),
+        Method("amq", 6, "l2", "multiplier", False),
+        Method("amq-n", 7, "l2", "multiplier", True),
+    )
+}
+METHODS_BY_ID: dict[int, Method] = {m.id: m for m in METHODS.values()}
+
+
+def get_method(name: str) -> Method:
+    """Look a method up by name (case-insensitive); ValueError names the allowed values."""
+    key = str(name).lower() if isinstance(name, str) else name
+    if key not in METHODS:
+        raise ValueError(f"unknown method {name!r}; allowed: {', '.join(METHODS)}")
+    return METHODS[key]
+
+
+def check_bits(method: Method, bits: int) -> int:
+    """Validate ``bits`` for ``method`` and return it as int."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+        raise ValueError(f"bits must be an integer from {MIN_BITS} to {MAX_BITS}, got {bits!r}")
+    bits = int(bits)
+    if method.name == "terngrad":
+        if bits != 2:
+            raise ValueError(f"terngrad sends its 3 levels on 2 bits; bits must be 2, got {bits}")
+    elif not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be from {MIN_BITS} to {MAX_BITS}, got {bits}")
+    return bits
+
+
+def uniform_levels(bits: int) -> np.ndarray:
+    """QSGD / QSGDinf: ``2**bits`` uniformly spaced levels on [-1, 1]."""
+    return np.linspace(-1.0, 1.0, 2**bits)
+
+
+def multiplier_levels(p: float, bits: int) -> np.ndarray:
+    """AMQ levels ``+-{p**s, ..., p, 1}`` with ``s = 2**(bits-1) - 1``; ``p = 0.5`` is NUQSGD."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"multiplier p must lie in (0, 1), got {p!r}")
+    s = 2 ** (bits - 1) - 1
+    half = float(p) ** np.arange(s, -1, -1, dtype=np.float64)
+    return np.concatenate([-half[::-1], half])
+
+
+def nuqsgd_levels(bits: int) -> np.ndarray:
+    """NUQSGD: ``+-{2**-s, ..., 1/2, 1}``."""
+    return multiplier_levels(0.5, bits)
+
+
+def terngrad_levels() -> np.ndarray:
+    """TernGrad: {-1, 0, 1}."""
+    return np.array([-1.0, 0.0, 1.0])
+
+
+def initial_levels(method: Method, bits: int) -> np.ndarray:
+    """Fixed levels of a fixed method, or the starting levels of an adaptive one (NUQSGD's)."""
+    if method.name in ("qsgd", "qsgdinf"):
+        return uniform_levels(bits)
+    if method.name == "terngrad":
+        return terngrad_levels()
+    return nuqsgd_levels(bits)
