@@ -67,8 +67,9 @@ def check_bits(method: Method, bits: int) -> int:
 
 
 def uniform_levels(bits: int) -> np.ndarray:
-    """QSGD / QSGDinf: ``2**bits`` uniformly spaced levels on [-1, 1]."""
-    return np.linspace(-1.0, 1.0, 2**bits)
+    """QSGD / QSGDinf: ``2**bits`` uniformly spaced levels on [-1, 1], exactly antisymmetric."""
+    count = 2**bits
+    return (2.0 * np.arange(count) - (count - 1)) / (count - 1)
 
 
 def multiplier_levels(p: float, bits: int) -> np.ndarray:

@@ -1,0 +1,13 @@
+"""PyTorch compressors for ``hvd.DistributedOptimizer(compression=...)`` and ``hvd.allreduce``."""
+
+from .compressor import (
+    ALQCompressor,
+    AMQCompressor,
+    NUQSGDCompressor,
+    QSGDCompressor,
+    QuantizedCompressor,
+    TernGradCompressor,
+)
+
+__all__ = ["ALQCompressor", "AMQCompressor", "NUQSGDCompressor", "QSGDCompressor",
+           "QuantizedCompressor", "TernGradCompressor"]

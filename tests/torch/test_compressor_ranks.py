@@ -1,0 +1,120 @@
+"""The PyTorch compressors across real ranks (mpirun and horovodrun --gloo)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from multiproc import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.multiproc
+ALL = ["alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd", "terngrad"]
+
+
+def _exchange(method, np_=2, launcher="mpi", op="average", rounds=150, bits=3):
+    return run_ranks("torch_compressor.py", np=np_, launcher=launcher, timeout=300,
+                     args=["exchange", "--method", method, "--op", op, "--rounds", rounds,
+                           "--bits", bits, "--n", 3000, "--bucket", 512])
+
+
+def _assert_unbiased(res, n_coords=3000):
+    # 3000 coordinates, |z| > 5.5 has probability ~4e-8 each under an unbiased estimator
+    # (t-distribution with 149 degrees of freedom is close to normal at this sample size).
+    assert res["max_abs_z"] < 5.5, res["max_abs_z"]
+    assert abs(res["mean_z_scaled"]) < 5.0, res["mean_z_scaled"]
+    assert res["zero_se_exact"]
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_average_unbiased_and_identical_on_all_ranks(method):
+    res = _exchange(method)
+    for r in res:
+        _assert_unbiased(r)
+    assert res[0]["digests"] == res[1]["digests"], "ranks got different averaged gradients"
+    assert res[0]["levels"] == res[1]["levels"]
+    bits = 2 if method == "terngrad" else 3
+    # 32-byte header per 3000-coordinate tensor, one float32 norm per 512 coordinates
+    expected = bits + (32 + 4 * 6) * 8 / 3000
+    assert res[0]["bits_per_coordinate"] == pytest.approx(expected, rel=1e-3)
+    if method in ("alq", "alq-n", "amq", "amq-n"):
+        assert res[0]["level_updates"] == 2
+
+
+@pytest.mark.parametrize("launcher,np_", [("gloo", 2), ("mpi", 3)])
+def test_sum_op_unbiased_gloo_and_three_ranks(launcher, np_):
+    res = _exchange("alq", np_=np_, launcher=launcher, op="sum", rounds=120)
+    for r in res:
+        _assert_unbiased(r)
+    assert all(r["digests"] == res[0]["digests"] for r in res)
+    assert all(r["levels"] == res[0]["levels"] for r in res)
+
+
+def _train(method, launcher="mpi", np_=2, **extra):
+    args = ["train", "--method", method, "--bucket", 512, "--steps", 150]
+    for key, value in extra.items():
+        args += [f"--{key}", value]
+    return run_ranks("torch_compressor.py", np=np_, launcher=launcher, args=args, timeout=300)
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_training_converges_with_identical_parameters(method):
+    res = _train(method, bits=4 if method != "terngrad" else 2)
+    for r in res:
+        assert r["last_loss"] < 0.5 * r["first_loss"]
+        assert r["accuracy"] > 0.85, r["accuracy"]
+    assert res[0]["params"] == res[1]["params"], "parameters diverged across ranks"
+    assert res[0]["levels"] == res[1]["levels"]
+    assert res[0]["step"] == 150 and res[0]["core_decoded_shape"] == [128 * 64]
+    if method in ("alq", "alq-n", "amq", "amq-n"):
+        assert res[0]["level_updates"] == 3
+        assert res[0]["levels"] != res[0]["start_levels"], "adaptive levels never moved"
+    else:
+        assert res[0]["levels"] == res[0]["start_levels"]
+
+
+def test_training_with_groups_and_backward_passes_over_gloo():
+    res = _train("alq", launcher="gloo", groups=2, bpps=2)
+    assert res[0]["params"] == res[1]["params"]
+    assert res[0]["accuracy"] > 0.85
+    assert res[0]["step"] == 150 and res[0]["level_updates"] == 3
+
+
+def test_wire_bits_per_coordinate_on_large_tensors():
+    res = run_ranks("torch_compressor.py", np=2, timeout=300,
+                    args=["exchange", "--method", "alq", "--n", 65536, "--bucket", 8192, "--rounds", 3])
+    # bits + 32 / bucket_size, within 1% (header: 32 bytes per 65536 coordinates)
+    assert res[0]["bits_per_coordinate"] == pytest.approx(3 + 32 / 8192, rel=0.01)
+    assert res[0]["payload_bytes"] * 8 / res[0]["coordinates"] < 3.01
+
+
+@pytest.mark.parametrize("what,needle", [
+    ("bits", "bits=4"), ("bucket", "bucket_size=512"), ("levels", "levels differ"), ("method", "amq")])
+def test_mismatched_configuration_is_refused_on_every_rank(what, needle):
+    res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["mismatch", "--what", what])
+    for rank, r in enumerate(res):
+        assert r["error"] is not None, f"rank {rank} decoded a mismatched payload"
+        assert needle in r["error"] and "payload from rank" in r["error"], r["error"]
+
+
+def test_dtypes_shapes_and_nan_stay_visible():
+    res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["dtypes"])
+    for r in res:
+        for name in ("float16", "bfloat16", "float32", "float64"):
+            big, small = r[f"{name}.1000"], r[f"{name}.10"]
+            assert big["dtype"] == f"torch.{name}" and big["same_shape"]
+            assert big["rel_err"] < 0.5  # 4-bit ALQ, bucket 128: quantization noise, not garbage
+            assert small["exact"] and small["dtype"] == f"torch.{name}"
+        for name in ("int32", "int64"):
+            assert r[f"{name}.1000"]["exact"] and r[f"{name}.10"]["exact"]
+        assert r["nan_buckets"] == [False, False, True, False]
+    assert res[0]["float32.1000"]["digest"] == res[1]["float32.1000"]["digest"]
+
+
+def test_state_dict_round_trip_continues_identically():
+    res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["state"])
+    for r in res:
+        assert r["levels_equal"] and r["step"] == 5 and r["updates"] == 2 and r["same_output"]
+        assert r["levels"] != r["start_levels"]
+    assert res[0]["levels"] == res[1]["levels"]

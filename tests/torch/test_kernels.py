@@ -1,0 +1,122 @@
+"""Torch kernels against the NumPy reference codec: one wire format, both directions."""
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_alq.core import Quantizer
+from horovod_alq.core.wire import Header, pack_header
+from horovod_alq.torch import fused, kernels
+
+METHODS = ["qsgdinf", "qsgd", "nuqsgd", "terngrad", "alq", "alq-n", "amq", "amq-n"]
+
+
+def _torch_encode(q: Quantizer, x: torch.Tensor, use_fused: bool, seed: int = 1) -> torch.Tensor:
+    header = torch.frombuffer(bytearray(pack_header(Header(
+        _method_id(q), q.bits, q.bucket_size, x.numel(), q.fingerprint))), dtype=torch.uint8)
+    levels = torch.as_tensor(q.levels)
+    norm = "linf" if q.method in ("qsgdinf", "terngrad") else "l2"
+    if use_fused:
+        module = fused.load()
+        if module is None:
+            pytest.skip(f"fused codec unavailable: {fused.status()}")
+        return module.encode(x.reshape(-1).contiguous(), levels, header, q.bits, q.bucket_size,
+                             norm == "linf", seed)
+    gen = torch.Generator().manual_seed(seed)
+    return kernels.encode(x, levels, header, bits=q.bits, bucket_size=q.bucket_size, norm=norm, generator=gen)
+
+
+def _method_id(q):
+    from horovod_alq.core.methods import get_method
+    return get_method(q.method).id
+
+
+def _torch_decode(q: Quantizer, payloads: list, n: int, use_fused: bool, scale: float = 1.0) -> torch.Tensor:
+    levels = torch.as_tensor(q.levels)
+    buf = torch.cat([torch.as_tensor(p) for p in payloads])
+    offsets = np.cumsum([0] + [len(p) for p in payloads[:-1]]).tolist()
+    out = torch.zeros(n, dtype=torch.float32)
+    if use_fused:
+        module = fused.load()
+        if module is None:
+            pytest.skip(f"fused codec unavailable: {fused.status()}")
+        return module.decode_sum(out, buf, offsets, levels, q.bits, q.bucket_size, scale)
+    for off in offsets:
+        kernels.decode_into(out, buf[off:], levels, bits=q.bits, bucket_size=q.bucket_size)
+    return out.mul_(scale)
+
+
+@pytest.mark.parametrize("use_fused", [False, True], ids=["torch", "fused"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n,bucket", [(1000, 64), (12345, 1000), (7, 8192)])
+def test_torch_payload_decodes_with_numpy_core(method, n, bucket, use_fused):
+    q = Quantizer(method, bucket_size=bucket, seed=0)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    payload = _torch_encode(q, x, use_fused).numpy()
+    assert payload.size == 32 + 4 * -(-n // bucket) + -(-n * q.bits // 8)
+    decoded = q.decode(payload)
+    # every value is norm * level of its bucket, one of the two levels around x / norm
+    norms = np.repeat(payload[32: 32 + 4 * -(-n // bucket)].view("<f4"), bucket)[:n]
+    candidates = norms[:, None] * q.levels.astype(np.float32)[None, :]
+    assert (decoded[:, None] == candidates).any(axis=1).all()
+    r = x.double().numpy() / norms
+    cell = np.clip(np.searchsorted(q.levels, r, side="right") - 1, 0, q.levels.size - 2)
+    tol = 1e-5 * norms
+    assert (decoded >= norms * q.levels[cell] - tol).all()
+    assert (decoded <= norms * q.levels[cell + 1] + tol).all()
+
+
+@pytest.mark.parametrize("use_fused", [False, True], ids=["torch", "fused"])
+@pytest.mark.parametrize("method", ["alq", "qsgdinf", "terngrad"])
+def test_numpy_payloads_decode_and_sum_with_torch(method, use_fused):
+    q = Quantizer(method, bucket_size=100, seed=3)
+    xs = [np.random.default_rng(i).standard_normal(1003).astype(np.float32) for i in range(3)]
+    payloads = [q.encode(x) for x in xs]
+    expected = sum(q.decode(p).astype(np.float64) for p in payloads) / 3
+    got = _torch_decode(q, payloads, 1003, use_fused, scale=1 / 3).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_fused", [False, True], ids=["torch", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_unbiased_for_every_dtype(dtype, use_fused):
+    """Mean of M decodes approaches x: per-coordinate z-scores from the sample size."""
+    q = Quantizer("nuqsgd", bucket_size=256, seed=0)
+    x = torch.randn(512, generator=torch.Generator().manual_seed(5)).to(dtype)
+    m = 400
+    dec = np.stack([q.decode(_torch_encode(q, x, use_fused, seed=s).numpy()) for s in range(m)]).astype(np.float64)
+    mean, se = dec.mean(0), dec.std(0, ddof=1) / np.sqrt(m)
+    target = x.double().numpy()
+    z = (mean - target)[se > 0] / se[se > 0]
+    # 512 coordinates: |z| > 5 has probability ~3e-7 each under unbiasedness
+    assert np.abs(z).max() < 5.0
+    assert abs(z.mean()) * np.sqrt(z.size) < 5.0
+
+
+@pytest.mark.parametrize("use_fused", [False, True], ids=["torch", "fused"])
+def test_non_finite_bucket_only(use_fused):
+    q = Quantizer("alq", bucket_size=10, seed=0)
+    x = torch.randn(40)
+    x[15] = float("nan")
+    x[33] = float("inf")
+    x[0:10] = 0.0
+    dec = q.decode(_torch_encode(q, x, use_fused).numpy())
+    assert np.isnan(dec[10:20]).all() and np.isnan(dec[30:40]).all()
+    assert (dec[0:10] == 0).all() and np.isfinite(dec[20:30]).all()
+
+
+def test_fused_and_torch_norms_agree():
+    q = Quantizer("alq", bucket_size=4096, seed=0)
+    x = torch.randn(3 * 4096 + 5)
+    a = _torch_encode(q, x, True).numpy()[32: 32 + 16].view("<f4")
+    b = _torch_encode(q, x, False).numpy()[32: 32 + 16].view("<f4")
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_corrupted_codes_decode_to_nan_not_garbage():
+    q = Quantizer("terngrad", bucket_size=8, seed=0)
+    payload = q.encode(np.ones(8, dtype=np.float32))
+    payload[-2:] = 0xFF  # code 3 does not exist for TernGrad's 3 levels
+    for use_fused in (False, True):
+        out = _torch_decode(q, [payload], 8, use_fused).numpy()
+        assert np.isnan(out).all()

@@ -1,0 +1,204 @@
+"""Worker for tests/torch/test_compressor_ranks.py: one scenario per run, chosen by argv[1]."""
+
+import argparse
+import hashlib
+import json
+
+import numpy as np
+import torch
+
+import horovod.torch as hvd
+from common import report
+
+from horovod_alq.core import Quantizer
+from horovod_alq.torch import (ALQCompressor, AMQCompressor, NUQSGDCompressor, QSGDCompressor,
+                               TernGradCompressor)
+
+FACTORIES = {
+    "alq": lambda **kw: ALQCompressor(**kw),
+    "alq-n": lambda **kw: ALQCompressor(normless=True, **kw),
+    "amq": lambda **kw: AMQCompressor(**kw),
+    "amq-n": lambda **kw: AMQCompressor(normless=True, **kw),
+    "qsgdinf": lambda **kw: QSGDCompressor(**kw),
+    "qsgd": lambda **kw: QSGDCompressor(norm="l2", **kw),
+    "nuqsgd": lambda **kw: NUQSGDCompressor(**kw),
+    "terngrad": lambda bits=2, **kw: TernGradCompressor(**kw),
+}
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+def rank_data(rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(n, generator=g) * (1 + rank) + 0.1 * rank
+
+
+def exchange(args) -> dict:
+    """M rounds of hvd.allreduce with the compressor: z-scores of the mean against the truth."""
+    size, rank = hvd.size(), hvd.rank()
+    comp = FACTORIES[args.method](bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
+                                  update_every=0, min_size=16, seed=args.seed)
+    op = hvd.Sum if args.op == "sum" else hvd.Average
+    x = rank_data(rank, args.n)
+    truth = sum(rank_data(r, args.n).double() for r in range(size))
+    if op == hvd.Average:
+        truth = truth / size
+    outs, digests = [], []
+    for i in range(args.rounds):
+        out = hvd.allreduce(x, compression=comp, op=op, name=f"x{i}")
+        outs.append(out.double())
+        digests.append(digest(out))
+    stack = torch.stack(outs)
+    mean, se = stack.mean(0), stack.std(0) / args.rounds ** 0.5
+    ok = se > 0
+    z = ((mean - truth)[ok] / se[ok]).numpy()
+    m = comp.metrics()
+    return {"max_abs_z": float(np.abs(z).max()), "mean_z_scaled": float(z.mean() * np.sqrt(z.size)),
+            "zero_se_exact": bool(torch.allclose(mean[~ok], truth[~ok], atol=1e-6)),
+            "digests": digests, "levels": m["levels"].tolist(), "level_updates": m["level_updates"],
+            "bits_per_coordinate": m["bits_per_coordinate"], "payload_bytes": m["payload_bytes"],
+            "coordinates": m["coordinates"], "dtype": str(outs[0].dtype)}
+
+
+def digits_data(rank: int, size: int):
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    train_x, train_y, test_x, test_y = x[:1500], y[:1500], x[1500:], y[1500:]
+    return train_x[rank::size], train_y[rank::size], test_x, test_y
+
+
+def train(args) -> dict:
+    size, rank = hvd.size(), hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if args.method == "none":
+        comp = hvd.Compression.none
+    else:
+        comp = FACTORIES[args.method](bits=args.bits, bucket_size=args.bucket, update_steps=(0, 20, 60),
+                                      update_every=0, min_size=100, seed=args.seed)
+    start_levels = None if args.method == "none" else comp.levels.tolist()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    kwargs = {}
+    if args.groups:
+        kwargs["num_groups"] = args.groups
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
+                                   backward_passes_per_step=args.bpps, **kwargs)
+    tx, ty, vx, vy = digits_data(rank, size)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for step in range(args.steps):
+        opt.zero_grad()
+        for _ in range(args.bpps):
+            idx = torch.randint(0, len(tx), (32,), generator=g)
+            loss = torch.nn.functional.cross_entropy(model(tx[idx]), ty[idx])
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        acc = (model(vx).argmax(1) == vy).float().mean().item()
+    result = {"first_loss": float(np.mean(losses[:10])), "last_loss": float(np.mean(losses[-10:])),
+              "accuracy": acc, "params": [digest(p) for p in model.parameters()]}
+    if args.method != "none":
+        m = comp.metrics()
+        # the live levels and fingerprint agree with the NumPy core: its decoder reads our payload
+        q = Quantizer(comp._method.name, bits=comp.bits, bucket_size=comp.bucket_size)
+        q.set_levels(m["levels"])
+        w = model[0].weight.grad if model[0].weight.grad is not None else model[0].weight
+        payload = comp._encode(w.detach(), 0).numpy()
+        decoded = q.decode(payload)
+        result.update(start_levels=start_levels, levels=m["levels"].tolist(), level_updates=m["level_updates"],
+                      step=m["step"], bits_per_coordinate=m["bits_per_coordinate"],
+                      uncompressed=m["uncompressed_coordinates"], coordinates=m["coordinates"],
+                      core_decoded_shape=list(decoded.shape), state=json.loads(json.dumps(
+                          {k: v for k, v in comp.state_dict().items() if k in ("step", "level_updates")})))
+    return result
+
+
+def mismatch(args) -> dict:
+    """Rank 1 differs from rank 0 (bits, bucket size, levels or method): every rank must refuse."""
+    rank = hvd.rank()
+    kw = dict(bits=3, bucket_size=256, min_size=16, seed=0)
+    if rank == 1 and args.what == "bits":
+        kw["bits"] = 4
+    if rank == 1 and args.what == "bucket":
+        kw["bucket_size"] = 512
+    comp = AMQCompressor(**kw) if rank == 1 and args.what == "method" else ALQCompressor(**kw)
+    if rank == 1 and args.what == "levels":
+        comp._quantizer.set_levels(np.array([-1, -0.3, -0.1, -0.01, 0.01, 0.1, 0.3, 1.0]))
+    try:
+        out = hvd.allreduce(torch.randn(4096), compression=comp, name="mismatch")
+        return {"error": None, "out": digest(out)}
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def dtypes(args) -> dict:
+    size, rank = hvd.size(), hvd.rank()
+    comp = ALQCompressor(bits=4, bucket_size=128, min_size=64, seed=1)
+    res = {}
+    for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
+        dt = getattr(torch, name)
+        for n in (1000, 10):  # compressed, and passed through
+            base = rank_data(rank, n)
+            x = (base * 10).to(dt) if not dt.is_floating_point else base.to(dt).view(10, n // 10)
+            out = hvd.allreduce(x, compression=comp, name=f"{name}.{n}")
+            ref = hvd.allreduce(x if dt != torch.bfloat16 else x.float(), name=f"ref.{name}.{n}").to(dt)
+            err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+            res[f"{name}.{n}"] = {"dtype": str(out.dtype), "shape": list(out.shape),
+                                  "same_shape": out.shape == x.shape, "rel_err": err,
+                                  "exact": bool(torch.equal(out, ref)), "digest": digest(out.float())}
+    nan = rank_data(rank, 512)
+    nan[300] = float("nan") if rank == 1 else nan[300]
+    out = hvd.allreduce(nan, compression=comp, name="nan")
+    res["nan_buckets"] = [bool(torch.isnan(out[i * 128:(i + 1) * 128]).all()) for i in range(4)]
+    return res
+
+
+def state(args) -> dict:
+    rank = hvd.rank()
+    comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, update_steps=(0, 3), update_every=0, seed=7)
+    x = rank_data(rank, 5000)
+    for i in range(5):
+        hvd.allreduce(x * (i + 1), compression=comp, name=f"s{i}")
+    saved = comp.state_dict()
+    restored = ALQCompressor(bits=3, bucket_size=256, min_size=16, update_steps=(0, 3), update_every=0)
+    restored.load_state_dict(saved)
+    a = hvd.allreduce(x, compression=comp, name="after.a")
+    b = hvd.allreduce(x, compression=restored, name="after.b")
+    return {"levels_equal": bool(np.array_equal(comp.levels, restored.levels)),
+            "step": restored.metrics()["step"], "updates": restored.metrics()["level_updates"],
+            "same_output": bool(torch.equal(a, b)), "levels": comp.levels.tolist(),
+            "start_levels": ALQCompressor(bits=3).levels.tolist()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["exchange", "train", "mismatch", "dtypes", "state"])
+    p.add_argument("--method", default="alq")
+    p.add_argument("--bits", type=int, default=3)
+    p.add_argument("--bucket", type=int, default=512)
+    p.add_argument("--n", type=int, default=3000)
+    p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--op", default="average")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--groups", type=int, default=0)
+    p.add_argument("--bpps", type=int, default=1)
+    p.add_argument("--what", default="bits")
+    args = p.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    report(globals()[args.scenario](args))
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
