@@ -32,25 +32,46 @@ void bucket_norms(const scalar_t* x, int64_t n, int64_t d, bool linf, float* nor
   at::parallel_for(0, nb, std::max<int64_t>(1, kGrain * 8 / d), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t s = b * d, e = std::min(n, s + d);
-      double acc = 0.0;
+      double acc[4] = {0.0, 0.0, 0.0, 0.0};  // four chains: no serial dependency per element
       bool nan_seen = false;
+      int64_t i = s;
       if (linf) {
-        for (int64_t i = s; i < e; ++i) {
+        for (; i < e; ++i) {
           const double v = std::fabs(static_cast<double>(x[i]));
           nan_seen |= (v != v);
-          acc = v > acc ? v : acc;
+          acc[0] = v > acc[0] ? v : acc[0];
         }
       } else {
-        for (int64_t i = s; i < e; ++i) {
+        for (; i + 4 <= e; i += 4)
+          for (int k = 0; k < 4; ++k) {
+            const double v = static_cast<double>(x[i + k]);
+            acc[k] += v * v;
+          }
+        for (; i < e; ++i) {
           const double v = static_cast<double>(x[i]);
-          acc += v * v;
+          acc[0] += v * v;
         }
-        acc = std::sqrt(acc);
+        acc[0] = std::sqrt((acc[0] + acc[1]) + (acc[2] + acc[3]));
       }
-      const float norm = static_cast<float>(acc);
+      const float norm = static_cast<float>(acc[0]);
       norms[b] = (nan_seen || !std::isfinite(norm)) ? std::numeric_limits<float>::quiet_NaN() : norm;
     }
   });
+}
+
+// Index of the cell [levels[j], levels[j+1]] holding r: branch-free count for few levels.
+inline int64_t find_cell(const double* levels, int64_t num_levels, double r) {
+  if (num_levels <= 16) {
+    int64_t cell = 0;
+    for (int64_t j = 1; j < num_levels - 1; ++j) cell += (levels[j] <= r);
+    return cell;
+  }
+  int64_t lo = 0, hi = num_levels - 1;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (levels[mid] <= r) lo = mid; else hi = mid;
+  }
+  return lo;
 }
 
 template <typename scalar_t>
@@ -58,25 +79,33 @@ void encode_codes(const scalar_t* x, int64_t n, int64_t d, const float* norms, c
                   int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* out) {
   const int64_t groups = (n + 7) / 8;
   const int64_t total_bytes = (n * bits + 7) / 8;
-  const uint64_t key = splitmix64(seed);  // the stream of element i is splitmix64(key + i)
+  const uint64_t key = splitmix64(seed);  // element i draws splitmix64(key + i)
   at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
+    int64_t bucket = g0 * 8 / d, bucket_end = std::min(n, (bucket + 1) * d);
+    double inv = 0.0;
+    bool live = false;  // bucket has a positive finite norm
+    auto enter = [&]() {
+      const float norm = norms[bucket];
+      live = norm > 0.0f;  // zero or NaN norm: code 0, decodes to 0 or NaN
+      inv = live ? 1.0 / static_cast<double>(norm) : 0.0;
+    };
+    enter();
     for (int64_t g = g0; g < g1; ++g) {
       uint64_t word = 0;
       const int64_t i0 = g * 8, i1 = std::min(n, i0 + 8);
       for (int64_t i = i0; i < i1; ++i) {
-        const float norm = norms[i / d];
-        if (!(norm > 0.0f)) continue;  // zero or NaN norm: code 0, decodes to 0 or NaN
-        double r = static_cast<double>(x[i]) / static_cast<double>(norm);
-        r = r < -1.0 ? -1.0 : (r > 1.0 ? 1.0 : r);
-        int64_t lo = 0, hi = num_levels - 1;  // levels[lo] <= r <= levels[hi]
-        while (hi - lo > 1) {
-          const int64_t mid = (lo + hi) >> 1;
-          if (levels[mid] <= r) lo = mid; else hi = mid;
+        if (i == bucket_end) {
+          ++bucket;
+          bucket_end = std::min(n, bucket_end + d);
+          enter();
         }
-        const double p = (r - levels[lo]) / (levels[hi] - levels[lo]);
+        if (!live) continue;
+        double r = static_cast<double>(x[i]) * inv;
+        r = r < -1.0 ? -1.0 : (r > 1.0 ? 1.0 : r);
+        const int64_t lo = find_cell(levels, num_levels, r);
+        const double p = (r - levels[lo]) / (levels[lo + 1] - levels[lo]);
         const double u = static_cast<double>(splitmix64(key + static_cast<uint64_t>(i)) >> 11) * 0x1.0p-53;
-        const uint64_t code = static_cast<uint64_t>(lo) + (u < p ? 1u : 0u);
-        word |= code << ((i - i0) * bits);
+        word |= static_cast<uint64_t>(lo + (u < p ? 1 : 0)) << ((i - i0) * bits);
       }
       const int64_t offset = g * bits;
       std::memcpy(out + offset, &word, std::min<int64_t>(bits, total_bytes - offset));
@@ -135,23 +164,30 @@ torch::Tensor decode_sum(torch::Tensor out, torch::Tensor payloads, std::vector<
   const float fscale = static_cast<float>(scale);
   const int64_t groups = (n + 7) / 8;
   at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      const int64_t i0 = g * 8, i1 = std::min(n, i0 + 8);
-      const int64_t offset = g * bits;
-      const int64_t nbytes = std::min<int64_t>(bits, code_bytes - offset);
-      for (int64_t off : offsets) {
-        const uint8_t* norms = base + off + kHeaderBytes;
+    const int64_t first = g0 * 8, last = std::min(n, g1 * 8);
+    for (size_t p = 0; p < offsets.size(); ++p) {  // payload by payload over this chunk (in cache)
+      const uint8_t* norms = base + offsets[p] + kHeaderBytes;
+      const uint8_t* codes = norms + 4 * nb;
+      int64_t bucket = first / d, bucket_end = std::min(n, (bucket + 1) * d);
+      float norm;
+      std::memcpy(&norm, norms + 4 * bucket, 4);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t i0 = g * 8, i1 = std::min(n, i0 + 8);
         uint64_t word = 0;
-        std::memcpy(&word, norms + 4 * nb + offset, nbytes);
+        std::memcpy(&word, codes + g * bits, std::min<int64_t>(bits, code_bytes - g * bits));
         for (int64_t i = i0; i < i1; ++i) {
-          float norm;
-          std::memcpy(&norm, norms + 4 * (i / d), 4);
-          acc[i - i0] += norm * table[(word >> ((i - i0) * bits)) & mask];
+          if (i == bucket_end) {
+            ++bucket;
+            bucket_end = std::min(n, bucket_end + d);
+            std::memcpy(&norm, norms + 4 * bucket, 4);
+          }
+          const float value = norm * table[(word >> ((i - i0) * bits)) & mask];
+          po[i] = p == 0 ? value : po[i] + value;
         }
       }
-      for (int64_t i = i0; i < i1; ++i) po[i] = acc[i - i0] * fscale;
     }
+    if (offsets.empty()) std::fill(po + first, po + last, 0.0f);
+    for (int64_t i = first; i < last; ++i) po[i] *= fscale;
   });
   return out;
 }
