@@ -1,0 +1,282 @@
+"""Adaptive level schemes: ALQ (levels by coordinate descent) and AMQ (multiplier by GD).
+
+Faghri et al., "Adaptive Gradient Quantization for Data-Parallel SGD", NeurIPS 2020, sec. 4-5.
+Both minimize Psi (``objective.py``) for a distribution of normalized coordinates
+(``distributions.py``). Both are deterministic: the same input gives bit-identical output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from .distributions import _Distribution
+from .methods import nuqsgd_levels, uniform_levels
+from .objective import (
+    _amq_psi_grad,
+    _check_bits,
+    _check_p,
+    _psi_batch,
+    _psi_from_moments,
+    _two_cell_cost,
+    check_levels,
+)
+
+__all__ = ["fit_alq_levels", "fit_amq_multiplier"]
+
+#: A level is optimal for its two cells when |F(l_j) - q_j| is below this (F units).
+_FTOL = 1e-13
+#: Newton iterations stop when the bracket is this narrow (relative).
+_XTOL = 2e-16
+_NEWTON_MAXITER = 100
+#: Within a sweep, F(l_j) = q is solved to this fraction of the starting residual (later
+#: sweeps refine it; the fixed point is the same).
+_NEWTON_RTOL = 0.1
+#: New levels stay this fraction of the interval away from the neighbours (a candidate that is
+#: not strictly inside after rounding is rejected).
+_MARGIN = 1e-9
+#: Grid size of the fallback 1-D minimization of the two-cell cost.
+_FALLBACK_POINTS = 33
+#: Fallback only when the closed-form candidate failed and the level is clearly not optimal.
+_FALLBACK_FTOL = 1e-7
+
+
+def _quantile_levels(dist: _Distribution, n: int) -> np.ndarray:
+    """Levels at the quantiles j / (n - 1) of ``dist``, made strictly increasing if needed."""
+    inner = np.asarray(dist.ppf(np.arange(1, n - 1) / (n - 1)), dtype=np.float64)
+    levels = np.concatenate([[-1.0], inner, [1.0]])
+    if not (np.all(np.isfinite(levels)) and np.all(np.diff(levels) > 0)):
+        levels = np.nan_to_num(levels, nan=0.0)
+        levels = 0.999 * np.maximum.accumulate(levels) + 0.001 * np.linspace(-1.0, 1.0, n)
+        levels[0], levels[-1] = -1.0, 1.0
+    return levels
+
+
+def _newton(
+    dist: _Distribution, q: np.ndarray, a: np.ndarray, b: np.ndarray, x: np.ndarray,
+    m: np.ndarray, active: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Solve ``F(x) = q`` in ``(a, b)`` by safeguarded Newton steps from ``x`` (rows ``active``).
+
+    ``F(a) <= q <= F(b)``; ``m = dist._mpdf(x)``, shape (4, I). Stops at a residual below
+    ``_NEWTON_RTOL`` times the starting one (or ``_FTOL``). Returns the new ``x`` and
+    ``dist._mpdf(x)``; rows not ``active`` are meaningless (the caller masks them).
+    """
+    r = m[0] - q
+    tol = np.maximum(_NEWTON_RTOL * np.abs(r), _FTOL)
+    lo = np.where(r < 0, x, a)
+    hi = np.where(r > 0, x, b)
+    for it in range(_NEWTON_MAXITER):
+        with np.errstate(all="ignore"):
+            xn = x - r / m[3]
+        inside = (xn > lo) & (xn < hi)
+        if not inside.all():
+            xn = np.where(inside, xn, 0.5 * (lo + hi))
+        if it == 0:  # rows inactive from the start are masked by the caller
+            x, m = xn, dist._mpdf(xn)
+        else:  # rows that have converged stay where they are
+            x, m = np.where(active, xn, x), np.where(active, dist._mpdf(xn), m)
+        r = m[0] - q
+        active = active & (np.abs(r) > tol)
+        if not active.any():
+            break
+        lo = np.where(r < 0, x, lo)
+        hi = np.where(r > 0, x, hi)
+        active &= hi - lo > _XTOL * (np.abs(lo) + np.abs(hi))
+        if not active.any():
+            break
+    return x, m
+
+
+def _coordinate_descent(levels: np.ndarray, dist: _Distribution, sweeps: int) -> np.ndarray:
+    """ALQ sweeps on several level sets at once.
+
+    Parameters
+    ----------
+    levels : ndarray, shape (I, L)
+        Valid level sets (strictly increasing, endpoints -1 and 1).
+    dist : distribution
+    sweeps : int
+
+    Returns
+    -------
+    ndarray, shape (I, L)
+        Psi of each row is nonincreasing over sweeps (checked after every sweep; a sweep that
+        increased Psi by rounding is undone and that row stops). A row stops early at a fixed
+        point (a sweep that changes nothing), which gives the same result as more sweeps.
+    """
+    lev = np.array(levels, dtype=np.float64)
+    n_rows, n_levels = lev.shape
+    mom = dist._mpdf(lev)  # (4, I, L): M0, M1, M2, pdf at every level
+    psi = _psi_from_moments(lev, mom)
+    live = np.ones(n_rows, dtype=bool)
+    exact = dist._exact_ppf
+    for _ in range(sweeps):
+        prev_lev, prev_mom = lev.copy(), mom.copy()
+        changed = np.zeros(n_rows, dtype=bool)
+        for j in range(1, n_levels - 1):
+            a, x0, b = lev[:, j - 1], lev[:, j], lev[:, j + 1]
+            ma, m0, mb = mom[:, :, j - 1], mom[:, :, j], mom[:, :, j + 1]
+            w = b - a
+            # The two-cell cost is convex in l_j with derivative w * (F(l_j) - q): its
+            # minimizers solve F(l_j) = q (the paper's closed form).
+            q = mb[0] - ((mb[1] - ma[1]) - a * (mb[0] - ma[0])) / w
+            resid = np.abs(m0[0] - q)
+            act = live & (resid > _FTOL)
+            if not act.any():
+                continue
+            if exact:
+                x = dist._ppf_raw(np.minimum(np.maximum(q, ma[0]), mb[0]))
+                mx = None
+            else:
+                x, mx = _newton(dist, q, a, b, x0, m0, act)
+            lo, hi = a + _MARGIN * w, b - _MARGIN * w
+            xc = np.minimum(np.maximum(x, lo), hi)
+            if mx is None or (xc != x).any():
+                mx = dist._mpdf(xc)
+            # cost(x) - cost(x0) = w * (I(x) - I(x0) - q (x - x0)), I(x) = x F(x) - M1(x).
+            gain = (x0 * m0[0] - m0[1]) - (xc * mx[0] - mx[1]) + q * (xc - x0)
+            acc = act & (gain > 0) & (xc > a) & (xc < b)
+            fail = act & ~acc
+            if fail.any():
+                retry = fail & (resid > _FALLBACK_FTOL) & (lo < hi)
+                if retry.any():
+                    xc, mx, acc = _fallback(dist, retry, a, x0, b, ma, m0, mb, lo, hi, xc, mx, acc)
+            lev[:, j] = np.where(acc, xc, x0)
+            mom[:, :, j] = np.where(acc, mx, m0)
+            changed |= acc
+        new_psi = _psi_from_moments(lev, mom)
+        worse = ~(new_psi <= psi)
+        if worse.any():
+            lev[worse], mom[:, worse] = prev_lev[worse], prev_mom[:, worse]
+        psi = np.where(worse, psi, new_psi)
+        live &= ~worse & changed
+        if not live.any():
+            break
+    return lev
+
+
+def _fallback(dist, rows, a, x0, b, ma, m0, mb, lo, hi, x, mx, acc):
+    """Bounded 1-D minimization of the convex two-cell cost on a grid (rows ``rows``), at once."""
+    r = np.flatnonzero(rows)
+    t = np.linspace(0.0, 1.0, _FALLBACK_POINTS)
+    xs = lo[r, None] + (hi[r] - lo[r])[:, None] * t
+    ms = dist._mpdf(xs)
+    cost = _two_cell_cost(a[r, None], xs, b[r, None], ma[:, r, None], ms, mb[:, r, None])
+    cost = np.where(np.isfinite(cost), cost, np.inf)
+    k = np.argmin(cost, axis=1)
+    i = np.arange(r.size)
+    old = _two_cell_cost(a[r], x0[r], b[r], ma[:, r], m0[:, r], mb[:, r])
+    better = (cost[i, k] < old) & (xs[i, k] > a[r]) & (xs[i, k] < b[r])
+    x, mx, acc = x.copy(), mx.copy(), acc.copy()
+    x[r] = np.where(better, xs[i, k], x[r])
+    mx[:, r] = np.where(better, ms[:, i, k], mx[:, r])
+    acc[r] = better
+    return x, mx, acc
+
+
+def fit_alq_levels(
+    dist: _Distribution, bits: int, sweeps: int = 30, init: ArrayLike | None = None
+) -> np.ndarray:
+    """ALQ: levels minimizing Psi by coordinate descent over the interior levels.
+
+    Each sweep updates l_1, ..., l_{L-2} in order to the minimizer of the cost of its two cells,
+    ``l_j* = F^-1(F(l_{j+1}) - int_{l_{j-1}}^{l_{j+1}} (r - l_{j-1}) dF / (l_{j+1} - l_{j-1}))``
+    (the two-cell cost is convex in l_j with derivative proportional to F(l_j) - that level).
+    F^-1 is exact for :class:`TruncatedNormal` and :class:`GridDistribution`; for the mixture it
+    is a safeguarded Newton solve warm-started at the current level, to a tenth of the starting
+    residual per visit (later sweeps refine it). The new level is kept strictly inside
+    (l_{j-1}, l_{j+1}) and accepted only if it lowers the two-cell cost (else a bounded grid
+    minimization of that cost is tried), so Psi never increases, also where the density is
+    (nearly) zero; all starts are swept at once. Starts: the quantiles of F, uniform levels,
+    NUQSGD's levels and ``init``; the result is the level set of lowest Psi among the results
+    and the starts.
+
+    Parameters
+    ----------
+    dist : distribution on [-1, 1] (``distributions.py``)
+    bits : int, 2..8
+        ``2**bits`` levels.
+    sweeps : int, default 30
+        Maximum number of sweeps (the paper's runs use 30); stops early at a fixed point.
+    init : array_like, shape (2**bits,), optional
+        An additional starting level set, e.g. the current levels.
+
+    Returns
+    -------
+    ndarray, shape (2**bits,), float64
+        Strictly increasing, ``levels[0] == -1``, ``levels[-1] == 1``.
+    """
+    bits = _check_bits(bits)
+    if isinstance(sweeps, bool) or not isinstance(sweeps, (int, np.integer)) or sweeps < 0:
+        raise ValueError(f"sweeps must be a nonnegative integer, got {sweeps!r}")
+    n = 2**bits
+    starts = [_quantile_levels(dist, n), uniform_levels(bits), nuqsgd_levels(bits)]
+    if init is not None:
+        starts.append(check_levels(init, size=n))
+    start = np.stack(starts)
+    final = _coordinate_descent(start, dist, int(sweeps))
+    candidates = np.concatenate([final, start])
+    psi = _psi_batch(candidates, dist)
+    psi = np.where(np.isfinite(psi), psi, np.inf)
+    return candidates[int(np.argmin(psi))].copy()
+
+
+def fit_amq_multiplier(
+    dist: _Distribution,
+    bits: int,
+    steps: int = 50,
+    lr: float = 0.7,
+    starts: ArrayLike = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+    previous: float | None = None,
+) -> float:
+    """AMQ: the multiplier p of the levels ``+-{p^s, ..., p, 1}`` minimizing Psi.
+
+    Projected gradient descent with the exact derivative (``objective.amq_derivative``) from
+    every start (and ``previous``) at once; p is kept in ``[p_min, 1 - 1e-6]`` with
+    ``p_min = max(1e-6, 1e-300**(1/s))`` (so ``p**s`` does not underflow). The result is the
+    iterate of lowest Psi over all starts and steps (ties: the earliest).
+
+    Parameters
+    ----------
+    dist : distribution on [-1, 1]
+    bits : int, 2..8
+    steps : int, default 50
+    lr : float, default 0.7
+        Step size on ``dPsi/dp / 2``: for a symmetric distribution that is the paper's
+        positive-half objective V(p), whose official step is 0.7.
+    starts : sequence of float in (0, 1), default 0.1, ..., 0.9
+    previous : float in (0, 1), optional
+        The previous best p, tried as one more start.
+
+    Returns
+    -------
+    float
+        p in (0, 1).
+    """
+    bits = _check_bits(bits)
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+        raise ValueError(f"steps must be a nonnegative integer, got {steps!r}")
+    lr = float(lr)
+    if not (np.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be positive, got {lr!r}")
+    p0 = [_check_p(v) for v in np.ravel(np.asarray(starts, dtype=np.float64))]
+    if previous is not None:
+        p0.append(_check_p(previous))
+    if not p0:
+        raise ValueError("starts is empty and previous is None")
+    s = 2 ** (bits - 1) - 1
+    p_min, p_max = max(1e-6, 1e-300 ** (1.0 / s)), 1.0 - 1e-6
+    p = np.clip(np.array(p0), p_min, p_max)
+    best_p, best_psi = float(p[0]), np.inf
+    for step in range(int(steps) + 1):
+        psi, grad = _amq_psi_grad(p, bits, dist)
+        psi = np.where(np.isfinite(psi), psi, np.inf)
+        i = int(np.argmin(psi))
+        if psi[i] < best_psi:
+            best_p, best_psi = float(p[i]), float(psi[i])
+        if step == steps:
+            break
+        grad = np.where(np.isfinite(grad), grad, 0.0)
+        p = np.clip(p - lr * 0.5 * grad, p_min, p_max)
+    return best_p

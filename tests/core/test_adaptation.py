@@ -1,0 +1,167 @@
+"""ALQ (coordinate descent on the levels) and AMQ (gradient descent on the multiplier)."""
+
+import numpy as np
+import pytest
+from scipy import optimize
+
+from horovod_alq.core.adaptation import _quantile_levels, fit_alq_levels, fit_amq_multiplier
+from horovod_alq.core.distributions import GridDistribution, NormWeightedMixture, TruncatedNormal
+from horovod_alq.core.methods import multiplier_levels, nuqsgd_levels, uniform_levels
+from horovod_alq.core.objective import amq_objective, expected_variance
+
+GRID = np.concatenate([-np.geomspace(1e-6, 1, 400)[::-1], [0.0], np.geomspace(1e-6, 1, 400)])
+
+
+def _mixture(n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    return NormWeightedMixture(rng.uniform(0.1, 1, n), rng.normal(0, 0.01, n), rng.uniform(0.005, 0.05, n))
+
+
+DISTS = {
+    "tn-0.01": TruncatedNormal(0.0, 0.01),
+    "tn-0.02-shifted": TruncatedNormal(0.004, 0.02),
+    "tn-0.05": TruncatedNormal(0.0, 0.05),
+    "mixture": _mixture(),
+    "grid": GridDistribution(GRID, _mixture(seed=1).cdf(GRID)),
+}
+
+# Near-zero density between or around the mass.
+SPARSE = {
+    "two-narrow": NormWeightedMixture([1.0, 1.0], [-0.5, 0.5], [1e-3, 1e-3]),
+    "two-very-narrow": NormWeightedMixture([1.0, 3.0], [-0.5, 0.5], [1e-6, 1e-6]),
+    "tn-1e-4": TruncatedNormal(0.0, 1e-4),
+    "grid-gaps": GridDistribution([-1, -0.5, -0.49, 0.3, 0.31, 1], [0, 0, 0.5, 0.5, 1, 1]),
+}
+
+
+def check_valid(levels, bits):
+    assert levels.dtype == np.float64 and levels.shape == (2**bits,)
+    assert levels[0] == -1.0 and levels[-1] == 1.0
+    assert np.all(np.diff(levels) > 0)
+
+
+@pytest.mark.parametrize("name", DISTS)
+@pytest.mark.parametrize("bits", [2, 3])
+def test_alq_beats_fixed_schemes_and_its_starts(name, bits):
+    d = DISTS[name]
+    levels = fit_alq_levels(d, bits)
+    check_valid(levels, bits)
+    psi = expected_variance(levels, d)
+    for start in (uniform_levels(bits), nuqsgd_levels(bits), _quantile_levels(d, 2**bits)):
+        assert psi <= expected_variance(start, d)
+    if bits == 3:  # normalized gradients are concentrated near 0: far better than fixed levels
+        assert psi < 0.1 * expected_variance(nuqsgd_levels(bits), d)
+
+
+def test_alq_with_init_never_worse_than_init():
+    d = DISTS["mixture"]
+    init = np.array([-1.0, -0.07, -0.03, -0.01, 0.01, 0.03, 0.07, 1.0])
+    levels = fit_alq_levels(d, 3, init=init)
+    assert expected_variance(levels, d) <= expected_variance(init, d)
+    again = fit_alq_levels(d, 3, init=levels)  # refitting from the result keeps it optimal
+    assert expected_variance(again, d) <= expected_variance(levels, d)
+    with pytest.raises(ValueError, match="expected 8 levels"):
+        fit_alq_levels(d, 3, init=nuqsgd_levels(2))
+
+
+@pytest.mark.parametrize("sigma", [0.02, 0.2])
+def test_alq_reaches_the_optimum_for_2_bits(sigma):
+    # Symmetric F, 2 bits: levels -1, -l, l, 1; minimize Psi over l directly.
+    d = TruncatedNormal(0.0, sigma)
+    res = optimize.minimize_scalar(lambda l: expected_variance([-1, -l, l, 1], d), bounds=(1e-6, 1 - 1e-6),
+                                   method="bounded", options={"xatol": 1e-12})
+    levels = fit_alq_levels(d, 2, sweeps=200)
+    assert expected_variance(levels, d) <= res.fun * (1 + 1e-9)
+    np.testing.assert_allclose(levels[1:3], [-res.x, res.x], rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", SPARSE)
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_alq_sparse_density_is_robust_and_monotone(name, bits):
+    d = SPARSE[name]
+    psis = []
+    for sweeps in range(0, 9):
+        levels = fit_alq_levels(d, bits, sweeps=sweeps)
+        check_valid(levels, bits)
+        psis.append(expected_variance(levels, d))
+    assert all(b <= a for a, b in zip(psis, psis[1:])), psis
+    assert psis[-1] <= expected_variance(nuqsgd_levels(bits), d)
+
+
+def test_alq_level_stuck_in_an_empty_region():
+    # A start with levels where there is no mass at all (the official closed form leaves the
+    # interval here): the result stays valid and never gets worse than the start.
+    d = SPARSE["two-very-narrow"]
+    init = np.array([-1.0, -0.9, -0.8, -0.1, 0.0, 0.1, 0.2, 1.0])
+    for sweeps in (1, 30):
+        levels = fit_alq_levels(d, 3, sweeps=sweeps, init=init)
+        check_valid(levels, 3)
+        assert expected_variance(levels, d) <= expected_variance(init, d)
+
+
+@pytest.mark.parametrize("name", ["mixture", "grid", "tn-0.02-shifted"])
+def test_alq_is_deterministic(name):
+    d = DISTS[name]
+    a = fit_alq_levels(d, 3)
+    b = fit_alq_levels(d, 3)
+    assert a.tobytes() == b.tobytes()
+    if name == "mixture":  # a fresh, equal object gives the same bits
+        assert fit_alq_levels(_mixture(), 3).tobytes() == a.tobytes()
+
+
+def test_alq_bad_arguments():
+    d = DISTS["tn-0.01"]
+    with pytest.raises(ValueError, match="bits"):
+        fit_alq_levels(d, 1)
+    with pytest.raises(ValueError, match="sweeps"):
+        fit_alq_levels(d, 3, sweeps=-1)
+    check_valid(fit_alq_levels(d, 3, sweeps=0), 3)
+
+
+@pytest.mark.parametrize("name", list(DISTS) + ["two-narrow", "tn-1e-4"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_amq_beats_nuqsgd(name, bits):
+    d = {**DISTS, **SPARSE}[name]
+    p = fit_amq_multiplier(d, bits)
+    assert isinstance(p, float) and 0.0 < p < 1.0
+    assert amq_objective(p, bits, d) <= expected_variance(nuqsgd_levels(bits), d)
+    assert amq_objective(p, bits, d) == expected_variance(multiplier_levels(p, bits), d)
+
+
+def test_amq_near_grid_optimum_and_uses_previous():
+    d = DISTS["tn-0.02-shifted"]
+    p = fit_amq_multiplier(d, 3)
+    ps = np.linspace(0.01, 0.99, 981)
+    best = min(amq_objective(x, 3, d) for x in ps)
+    assert amq_objective(p, 3, d) <= best * 1.01
+    q = fit_amq_multiplier(d, 3, starts=[0.9], steps=0, previous=p)
+    assert q == p
+
+
+def test_amq_is_deterministic_and_validates():
+    d = DISTS["mixture"]
+    assert fit_amq_multiplier(d, 3) == fit_amq_multiplier(d, 3)
+    assert fit_amq_multiplier(d, 3, previous=0.3) == fit_amq_multiplier(d, 3, previous=0.3)
+    with pytest.raises(ValueError, match="multiplier p"):
+        fit_amq_multiplier(d, 3, starts=[0.0, 0.5])
+    with pytest.raises(ValueError, match="multiplier p"):
+        fit_amq_multiplier(d, 3, previous=1.5)
+    with pytest.raises(ValueError, match="lr"):
+        fit_amq_multiplier(d, 3, lr=0.0)
+
+
+class _WrongPpf(TruncatedNormal):
+    """A distribution whose quantile function is wrong: the safeguards must catch it."""
+
+    def _ppf_raw(self, q):
+        return np.full(np.shape(q), -1.0)
+
+
+def test_alq_safeguard_rejects_bad_closed_form_candidates():
+    d, good = _WrongPpf(0.0, 0.05), TruncatedNormal(0.0, 0.05)
+    psis = [expected_variance(fit_alq_levels(d, 3, sweeps=k), good) for k in range(0, 6)]
+    assert all(b <= a for a, b in zip(psis, psis[1:]))
+    levels = fit_alq_levels(d, 3)
+    check_valid(levels, 3)
+    # The fallback (bounded minimization of the two-cell cost) still gets close to the optimum.
+    assert expected_variance(levels, good) <= 1.05 * expected_variance(fit_alq_levels(good, 3), good)
