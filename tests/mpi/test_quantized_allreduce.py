@@ -1,0 +1,263 @@
+"""horovod_alq.mpi.QuantizedAllreduce across real ranks: mpirun with 2 and 4 ranks (and two
+sub-communicators of 2), no framework; and its payloads read by the torch kernels.
+
+Each rank count is one launch of tests/workers/mpi_allreduce.py that runs every scenario; the tests
+below check what the ranks reported.
+
+Unbiasedness, with tolerances from the sample size: for M calls with fixed levels the worker
+computes the exact law of one output (per coordinate: expectation, variance and the range of each
+rank's term, from the ranks' arrays, norms and levels). The tests require
+
+- the exact expectation to equal the true average up to float32 rounding;
+- the deviation of the mean of the M outputs from the expectation to stay within Bernstein's bound
+  (from the per-coordinate standard error sqrt(variance / M) and the size of one term) at total
+  failure probability ALPHA for an unbiased codec: for every coordinate, and for the sum of the
+  coordinates' z-scores, plain (an offset) and signed by the expectation (a scale error).
+
+A normal quantile on per-coordinate z-scores would not do: a coordinate rounded up with a small
+probability p has a mean of M draws far from normal unless M p is large. Seeds are fixed, so every
+run sees the same draws.
+"""
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from multiproc import run_ranks  # noqa: E402
+
+from horovod_alq.core import Quantizer  # noqa: E402
+from horovod_alq.core.rounds import RoundState  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ADAPTIVE = {"alq", "alq-n", "amq", "amq-n"}
+ALPHA = 1e-6  # failure probability of the unbiasedness checks of one method if the codec is unbiased
+
+RUNS = {
+    2: ["--n", 800, "--bucket", 128, "--reps", 120, "--alpha", ALPHA],
+    4: ["--methods", "alq,amq-n,terngrad", "--n", 600, "--bucket", 128, "--reps", 80, "--alpha", ALPHA, "--split"],
+}
+
+
+def _env() -> dict:
+    # the ranks import horovod_alq from this checkout, installed (make install) or not
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS), ids=lambda n: f"np{n}")
+def run(request):
+    np_ = request.param
+    return run_ranks("mpi_allreduce.py", np=np_, args=RUNS[np_], timeout=120, env=_env())
+
+
+def _wire_bytes(n: int, bits: int, bucket: int) -> int:
+    return 32 + 4 * math.ceil(n / bucket) + math.ceil(n * bits / 8)
+
+
+# ---------------------------------------------------------------------------------- exchange
+def _assert_unbiased(res, what):
+    info = (what, {k: res[k] for k in ("bernstein_coordinates", "bernstein_z_sum", "bernstein_z_signed",
+                                       "max_abs_z", "sum_z", "n_z")})
+    assert res["expect_vs_truth"] < 1e-6, info
+    assert res["bernstein_coordinates"] < 1, info
+    assert res["bernstein_z_sum"] < 1, info
+    assert res["bernstein_z_signed"] < 1, info
+    assert res["n_z"] >= 0.75 * res["n"], info  # most coordinates are in the z-score sums
+
+
+@pytest.mark.multiproc
+def test_unbiased(run):
+    for method, res in run[0]["unbiased"].items():
+        _assert_unbiased(res, method)
+
+
+@pytest.mark.multiproc
+def test_identical_results_and_levels_on_all_ranks(run):
+    for method in run[0]["unbiased"]:
+        per_rank = [r["unbiased"][method] for r in run]
+        assert len({r["outputs"] for r in per_rank}) == 1, f"{method}: ranks got different averages"
+        assert all(r["levels"] == per_rank[0]["levels"] for r in per_rank), method
+        assert len({r["fingerprint"] for r in per_rank}) == 1, method
+        assert all(r["dtype"] == "float32" for r in per_rank)
+        # same seed on every rank, yet independent rounding noise: the ranks' payloads differ
+        assert len({r["own_payload"] for r in per_rank}) == len(run), method
+
+
+@pytest.mark.multiproc
+def test_adapt_moves_levels_of_adaptive_methods_only(run):
+    for method, res in run[0]["unbiased"].items():
+        if method in ADAPTIVE:
+            assert res["refit"] and res["level_updates"] == 1, method
+            assert res["levels"] != res["start_levels"], method
+        else:
+            assert not res["refit"] and res["level_updates"] == 0, method
+            assert res["levels"] == res["start_levels"], method
+
+
+@pytest.mark.multiproc
+def test_bytes_on_the_wire_and_metrics(run):
+    parity = set(RoundState(Quantizer("alq")).metrics())
+    for method, res in run[0]["unbiased"].items():
+        bits = 2 if method == "terngrad" else 3
+        one = _wire_bytes(res["n"], bits, 128)
+        assert res["one_payload"] == one
+        assert res["step"] == 3 + res["reps"] + 1  # warm-up, measured, and the final allgather
+        assert res["payload_bytes"] == res["step"] * one
+        assert res["coordinates"] == res["step"] * res["n"]
+        assert res["payload_sizes"] == [one] * len(run)
+        assert res["gathered_bytes"] == len(run) * one
+        assert res["bits_per_coordinate"] == pytest.approx(8 * one / res["n"])
+        assert res["uncompressed"] == 0
+        assert set(res["metric_keys"]) == parity
+
+
+@pytest.mark.multiproc
+def test_dtype_and_shape_follow_the_input(run):
+    for r in run:
+        res = r["dtypes"]
+        for name in ("float16", "float32", "float64"):
+            for label in (name, name + ".strided"):
+                assert res[label]["dtype"] == name and res[label]["same_shape"], label
+                # 4 bits, buckets of 64: one call is within ~30% of the exact average (in L2)
+                assert res[label]["rel_err"] < 0.5, (label, res[label]["rel_err"])
+        assert res["sum_over_average"] == pytest.approx(len(run))
+        assert res["nan_buckets"] == [False, True, False, False]  # rank 1's NaN spoils its bucket only
+        assert res["empty"] == [0]
+    for label in run[0]["dtypes"]:
+        if isinstance(run[0]["dtypes"][label], dict):
+            assert len({r["dtypes"][label]["digest"] for r in run}) == 1, label
+
+
+# ---------------------------------------------------------------------------------- errors
+MISMATCH = {  # case: what every rank's message must say
+    "bits": "bits=",
+    "bucket": "bucket_size=",
+    "method": "method",
+    "levels": "levels differ",
+    "adapt_levels": "differ in levels",
+    "adapt_config": "differ in bits",
+}
+BAD_INPUT = {  # only rank 1 is at fault; everyone names it
+    "numel": "different element counts (rank 0: 500, rank 1: 499",
+    "int_input": "rank 1: ValueError: x must be a floating-point array",
+    "str_input": "rank 1: ValueError: x must be a floating-point array",
+    "adapt_stats": "could not adapt on rank 1: ValueError: stats has shape (3,)",
+    "bad_op": "rank 1: ValueError: op must be one of ('average', 'sum'), got 'max'",
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", sorted(MISMATCH))
+def test_mismatch_raises_on_every_rank(run, case):
+    for r in run:
+        err = r["errors"]["errors"][case]
+        assert err is not None, f"rank {r['rank']} did not raise for {case}"
+        assert err.startswith("ValueError: horovod_alq.mpi:") and MISMATCH[case] in err, err
+        if case in ("bits", "bucket", "method", "levels"):  # payload checks name the other side
+            assert ("rank 0" if r["rank"] == 1 else "rank 1") in err, err
+    assert len({r["errors"]["after"][case] for r in run}) == 1, "communicator unusable or ranks disagree afterwards"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_on_one_rank_raises_on_every_rank(run, case):
+    for r in run:
+        err = r["errors"]["errors"][case]
+        assert err is not None and BAD_INPUT[case] in err, (r["rank"], err)
+    assert len({r["errors"]["after"][case] for r in run}) == 1
+
+
+# ---------------------------------------------------------------------------------- state, sub-communicators
+@pytest.mark.multiproc
+def test_state_dict_round_trip(run):
+    for r in run:
+        s = r["state"]
+        assert s["same_output_own_state"] and s["root_state_runs"]
+        assert s["loaded_levels_equal"] and s["adapted_levels_equal"]
+        assert s["step"] == 3 and s["level_updates"] == 2  # 2 saved + 1 after loading; 1 saved + 1
+        assert 0 < s["multiplier"] < 1
+
+
+@pytest.mark.multiproc
+def test_statistics_collection_and_empty_adapt(run):
+    for r in run:
+        c = r["collect"]
+        assert c["nothing_recorded"] == [False, True]  # collect_every=0: adapt() has nothing to fit
+        assert c["on_request"] == [True, False]  # collect=True recorded the call; the levels moved
+        assert c["every_2nd"]  # collect_every=2: calls 0 and 2 since the last adapt()
+        assert c["all_zero"] == [False, 0]  # zeros only: no bucket to fit, the levels stay
+        assert c["explicit"][0] is True
+        assert c["fixed"] == [False, None]
+    assert len({str(r["collect"]["explicit"][1]) for r in run}) == 1
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", [4], indirect=True, ids=["np4"])
+def test_sub_communicators_exchange_independently(run):
+    halves = {}
+    for r in run:
+        s = r["split"]
+        assert s["sub_size"] == 2 and s["members"] == [s["color"], s["color"] + 2]
+        halves.setdefault(s["color"], []).append(s)
+    for color, half in halves.items():
+        assert half[0]["outputs"] == half[1]["outputs"] and half[0]["levels"] == half[1]["levels"]
+        assert half[0]["refit"] and half[0]["levels"] != half[0]["start_levels"]
+        _assert_unbiased(half[0], f"half {color}")
+        assert half[0]["gathered_bytes"] == 2 * half[0]["one_payload"]
+    assert halves[0][0]["outputs"] != halves[1][0]["outputs"]
+    assert halves[0][0]["levels"] != halves[1][0]["levels"]  # each half fit its own data
+    # a mismatch inside the odd half raises on both of its ranks and leaves the even half alone
+    assert all(s["half_mismatch"] is None for s in halves[0])
+    assert all(s["half_mismatch"] and "bits=" in s["half_mismatch"] for s in halves[1])
+
+
+# ---------------------------------------------------------------------------------- torch side
+def _payloads(res):
+    torch = pytest.importorskip("torch")
+    payloads = [torch.frombuffer(bytearray.fromhex(p), dtype=torch.uint8) for p in res["payloads"]]
+    numel = int(np.frombuffer(bytes.fromhex(res["payloads"][0])[16:24], "<u8")[0])  # header field
+    return torch, payloads, torch.tensor(res["levels"], dtype=torch.float64), numel
+
+
+def _core_decode(res):
+    q = Quantizer(res["method"], bits=res["bits"], bucket_size=res["bucket_size"])
+    q.set_levels(res["levels"])  # the adapted levels: the payloads carry their fingerprint
+    return [q.decode(bytes.fromhex(p)) for p in res["payloads"]]
+
+
+@pytest.mark.multiproc
+def test_payloads_decode_with_the_torch_kernels(run):
+    res = run[0]["payload"]
+    assert all(r["payload"]["payloads"] == res["payloads"] for r in run)
+    torch, payloads, levels, numel = _payloads(res)
+    from horovod_alq.torch import kernels
+
+    core = _core_decode(res)
+    assert numel == core[0].size == 1003
+    for payload, expected in zip(payloads, core):
+        out = torch.zeros(numel, dtype=torch.float32)
+        kernels.decode_into(out, payload, levels, bits=res["bits"], bucket_size=res["bucket_size"])
+        np.testing.assert_array_equal(out.numpy(), expected)  # the same float32 products
+    mean = np.asarray(res["mean"], dtype=np.float32)  # what QuantizedAllreduce returned
+    np.testing.assert_array_equal(mean, sum(core[1:], core[0].copy()) / np.float32(len(core)))
+
+
+@pytest.mark.multiproc
+def test_payloads_decode_with_the_fused_codec(run):
+    res = run[0]["payload"]
+    torch, payloads, levels, numel = _payloads(res)
+    from horovod_alq.torch import fused
+
+    module = fused.load()
+    if module is None:
+        pytest.skip(f"fused codec unavailable: {fused.status()}")
+    offsets = np.cumsum([0] + [p.numel() for p in payloads[:-1]]).tolist()
+    out = torch.empty(numel, dtype=torch.float32)
+    module.decode_sum(out, torch.cat(payloads), offsets, levels, res["bits"], res["bucket_size"],
+                      1.0 / len(payloads))
+    np.testing.assert_allclose(out.numpy(), np.asarray(res["mean"], dtype=np.float32), rtol=1e-6, atol=1e-7)

@@ -1,0 +1,308 @@
+"""Worker for tests/mpi/test_quantized_allreduce.py: every scenario in one launch (mpirun start-up
+dominates), reported as one dict per rank. Only mpi4py, NumPy and the core: no framework."""
+
+import argparse
+import hashlib
+
+import numpy as np
+from mpi4py import MPI
+
+from common import report
+
+from horovod_alq.core.methods import get_method
+from horovod_alq.core.statistics import normalize
+from horovod_alq.core.wire import payload_size
+from horovod_alq.mpi import QuantizedAllreduce
+
+ALL = ["alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd", "terngrad"]
+ADAPTIVE = {"alq", "alq-n", "amq", "amq-n"}
+
+
+def digest(a) -> str:
+    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def rank_data(world_rank: int, n: int) -> np.ndarray:
+    """Different scale, offset and tails on every rank (some buckets heavy-tailed)."""
+    rng = np.random.default_rng([7, world_rank])
+    x = rng.standard_normal(n) * (1 + world_rank) + 0.1 * world_rank
+    x[: n // 4] = rng.standard_t(3, n // 4) * 0.01
+    return x.astype(np.float32)
+
+
+def bits_of(method: str) -> int:
+    return 2 if method == "terngrad" else 3
+
+
+def output_law(xs: list, levels: np.ndarray, bucket: int, norm: str) -> tuple:
+    """Exact law of one call's output given the ranks' arrays and the levels, per coordinate: the
+    expectation, the variance, and the largest range of one rank's term.
+
+    Rank ``r`` sends ``n32 * l32[j]`` or ``n32 * l32[j+1]`` (products rounded to float32 as the
+    decoder does), the upper one with probability ``p = (x / n32 - l_j) / (l_{j+1} - l_j)``;
+    the ranks' draws are independent; the output is the mean over ranks.
+    """
+    size = len(xs)
+    l64 = np.asarray(levels, dtype=np.float64)
+    l32 = l64.astype(np.float32).astype(np.float64)
+    expect = var = width = 0.0
+    for x in xs:
+        nz = normalize(x, bucket, norm)
+        n = x.size
+        r = nz.r.reshape(-1)[:n]
+        scale = np.repeat(nz.norms.astype(np.float64), bucket)[:n]
+        j = np.clip(np.searchsorted(l64, r, side="right") - 1, 0, l64.size - 2)
+        p = (r - l64[j]) / (l64[j + 1] - l64[j])
+        lo = (scale * l32[j]).astype(np.float32).astype(np.float64)
+        hi = (scale * l32[j + 1]).astype(np.float32).astype(np.float64)
+        expect = expect + ((1 - p) * lo + p * hi) / size
+        var = var + p * (1 - p) * (hi - lo) ** 2 / size**2
+        width = np.maximum(width, (hi - lo) / size)
+    return expect, var, width
+
+
+def bernstein_ratio(dev: float, var: float, bound: float, log_term: float, slack: float) -> float:
+    """``|dev|`` over Bernstein's half-width: a sum of independent centred terms, each at most
+    ``bound`` in size, total variance ``var``, exceeds ``t = b L / 3 + sqrt((b L / 3)**2 + 2 var L)``
+    with probability at most ``2 exp(-L)``. ``slack`` absorbs float32 rounding of the outputs."""
+    a = bound * log_term / 3
+    return float(abs(dev) / (a + np.sqrt(a * a + 2 * var * log_term) + slack))
+
+
+def unbiased(comm, method: str, n: int, bucket: int, reps: int, alpha: float) -> dict:
+    """Warm up, adapt, then ``reps`` calls with fixed levels: the mean output against its exact law.
+
+    Reports ratios of deviations to Bernstein's bound at total failure probability ``alpha`` (so < 1
+    unless biased): every coordinate's ``mean - expectation``; and the sum of the z-scores
+    ``(mean - expectation) / sqrt(variance / reps)``, plain (an offset) and signed by the
+    expectation (a scale error), over the coordinates whose terms are at most one standard error
+    in size (``reps * p * (1 - p) >= 1`` on one rank). Bernstein, not a normal quantile, because
+    stochastic rounding with a small probability makes a coordinate's mean of ``reps`` draws skewed.
+    """
+    world = MPI.COMM_WORLD.Get_rank()
+    members = comm.allgather(world)
+    x = rank_data(world, n)
+    xs = [rank_data(r, n) for r in members]
+    truth = np.mean([v.astype(np.float64) for v in xs], axis=0)
+    bits = bits_of(method)
+    ar = QuantizedAllreduce(comm, method, bits=bits, bucket_size=bucket, seed=11 + ALL.index(method))
+    start = ar.levels
+    for i in range(3):
+        ar(x * np.float32(1 + 0.5 * i))
+    refit = ar.adapt()
+    outs = np.empty((reps, n), dtype=np.float64)
+    h = hashlib.sha1()
+    for i in range(reps):
+        out = ar(x, collect=False)
+        h.update(out.tobytes())
+        outs[i] = out
+    expect, var, width = output_law(xs, ar.levels, bucket, get_method(method).norm)
+    dev = outs.mean(0) - expect
+    v, b = var / reps, width / reps  # of the mean of reps calls: one term per call and rank
+    scale = float(np.abs(truth).max())
+    slack = 1e-6 * scale  # float32 rounding of the outputs
+    log_term = np.log(2 * (n + 2) / alpha)  # union over the coordinates and the two sums
+    per_coord = max(bernstein_ratio(d, vi, bi, log_term, slack) for d, vi, bi in zip(dev, v, b))
+    regular = (v > 0) & (b * b <= v)
+    z = dev[regular] / np.sqrt(v[regular])
+    zb = float((b[regular] / np.sqrt(v[regular])).max())  # terms of a z-score are at most this
+    z_slack = float((slack / np.sqrt(v[regular])).sum())
+    parts = ar.allgather(x)
+    m = ar.metrics()
+    return {
+        "n": n, "reps": reps, "alpha": alpha,
+        "expect_vs_truth": float(np.abs(expect - truth).max() / scale),
+        "bernstein_coordinates": per_coord,
+        "bernstein_z_sum": bernstein_ratio(z.sum(), z.size, zb, log_term, z_slack),
+        "bernstein_z_signed": bernstein_ratio(np.sign(expect[regular]) @ z, z.size, zb, log_term, z_slack),
+        "max_abs_z": float(np.abs(z).max()), "sum_z": float(z.sum()), "n_z": int(z.size),
+        "outputs": h.hexdigest(), "dtype": str(out.dtype), "refit": refit,
+        "start_levels": start.tolist(), "levels": ar.levels.tolist(), "fingerprint": ar.quantizer.fingerprint,
+        "level_updates": m["level_updates"], "step": m["step"], "payload_bytes": m["payload_bytes"],
+        "coordinates": m["coordinates"], "uncompressed": m["uncompressed_coordinates"],
+        "bits_per_coordinate": m["bits_per_coordinate"], "metric_keys": sorted(m),
+        "one_payload": payload_size(n, bits, bucket),
+        "gathered_bytes": int(sum(p.size for p in parts)), "payload_sizes": [int(p.size) for p in parts],
+        "own_payload": digest(parts[comm.Get_rank()]), "members": members,
+    }
+
+
+def dtypes(comm) -> dict:
+    """float16/32/64 in -> same dtype and shape out; close to the exact average."""
+    rank = comm.Get_rank()
+    ar = QuantizedAllreduce(comm, "alq", bits=4, bucket_size=64, seed=3)
+    res = {}
+    for name in ("float16", "float32", "float64"):
+        x = rank_data(rank, 600).reshape(20, 30).astype(name)
+        exact = comm.allreduce(x.astype(np.float64)) / comm.Get_size()
+        for label, arr in ((name, x), (name + ".strided", x[:, ::2])):
+            out = ar(arr)
+            ref = exact if arr is x else exact[:, ::2]
+            res[label] = {"dtype": str(out.dtype), "shape": list(out.shape), "same_shape": out.shape == arr.shape,
+                          "rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)), "digest": digest(out)}
+    x = rank_data(rank, 256)
+    res["sum_over_average"] = float(np.median(ar(x, op="sum") / ar(x)))
+    nan = rank_data(rank, 256)
+    if rank == 1:
+        nan[70] = np.nan
+    out = ar(nan)
+    res["nan_buckets"] = [bool(np.isnan(out[i * 64:(i + 1) * 64]).all()) for i in range(4)]
+    res["empty"] = list(ar(np.zeros(0, np.float32)).shape)
+    return res
+
+
+def _attempt(fn) -> str | None:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def errors(comm) -> dict:
+    """Rank 1 differs in one thing per case: every rank must raise (no hang), and afterwards the
+    communicator still works."""
+    rank = comm.Get_rank()
+    odd = rank == 1
+    x = rank_data(rank, 500)
+    good = QuantizedAllreduce(comm, "alq", bits=3, bucket_size=64, seed=0)
+    res, after = {}, {}
+
+    def config(**changes):
+        kw = dict(method="alq", bits=3, bucket_size=64, seed=0)
+        if odd:
+            kw.update(changes)
+        return QuantizedAllreduce(comm, **kw)
+
+    other_levels = np.array([-1, -0.4, -0.1, -0.01, 0.01, 0.1, 0.4, 1.0])
+
+    def levels_ar():
+        ar = config()
+        if odd:
+            ar.quantizer.set_levels(other_levels)
+        return ar
+
+    cases = {
+        "bits": lambda: config(bits=4)(x),
+        "bucket": lambda: config(bucket_size=32)(x),
+        "method": lambda: config(method="amq")(x),
+        "levels": lambda: levels_ar()(x),
+        "numel": lambda: good(x[:-1] if odd else x),
+        "int_input": lambda: good(x.astype(np.int32) if odd else x),
+        "str_input": lambda: good(np.array(["a", "b"]) if odd else x),
+        "adapt_levels": lambda: levels_ar().adapt(),
+        "adapt_stats": lambda: good.adapt(np.ones(3) if odd else None),
+        "adapt_config": lambda: config(bits=4).adapt(),
+    }
+    for name, fn in cases.items():
+        res[name] = _attempt(fn)
+        after[name] = digest(good(x))  # the communicator is still usable, results still identical
+    res["bad_op"] = _attempt(lambda: good(x, op="max" if odd else "average"))
+    after["bad_op"] = digest(good(x))
+    return {"errors": res, "after": after, "good_levels": good.levels.tolist()}
+
+
+def state(comm) -> dict:
+    rank = comm.Get_rank()
+    x = rank_data(rank, 700)
+    ar = QuantizedAllreduce(comm, "amq", bits=3, bucket_size=100, seed=5)
+    ar(x)
+    ar.adapt()
+    ar(x * 2)
+    own = ar.state_dict()
+    root = comm.bcast(own, root=0)
+    mine = QuantizedAllreduce(comm, "amq", bits=3, bucket_size=100)
+    mine.load_state_dict(own)
+    from_root = QuantizedAllreduce(comm, "amq", bits=3, bucket_size=100)
+    from_root.load_state_dict(root)
+    loaded_equal = bool(np.array_equal(ar.levels, mine.levels) and np.array_equal(ar.levels, from_root.levels))
+    a, b, c = ar(x), mine(x), from_root(x)
+    ar.adapt()
+    mine.adapt()
+    return {"same_output_own_state": bool(np.array_equal(a, b)), "root_state_runs": bool(np.isfinite(c).all()),
+            "loaded_levels_equal": loaded_equal, "adapted_levels_equal": bool(np.array_equal(ar.levels, mine.levels)),
+            "step": from_root.metrics()["step"], "level_updates": mine.metrics()["level_updates"],
+            "multiplier": ar.metrics()["multiplier"]}
+
+
+def collect(comm) -> dict:
+    """Which calls record statistics, and adapt() with nothing (or only zeros) recorded."""
+    rank = comm.Get_rank()
+    x = rank_data(rank, 400)
+    res = {}
+    ar = QuantizedAllreduce(comm, "alq", bits=3, bucket_size=50, collect_every=0)
+    start = ar.levels
+    ar(x)
+    res["nothing_recorded"] = [ar.adapt(), bool(np.array_equal(ar.levels, start))]
+    ar(x, collect=True)
+    res["on_request"] = [ar.adapt(), bool(np.array_equal(ar.levels, start))]
+    every2 = QuantizedAllreduce(comm, "alq-n", bits=3, bucket_size=50, collect_every=2)
+    for i in range(4):
+        every2(x * np.float32(i + 1))
+    expected = every2.quantizer.statistics(x) + every2.quantizer.statistics(x * np.float32(3))
+    res["every_2nd"] = bool(np.allclose(every2.state_dict()["pending"], expected, rtol=1e-12))
+    zeros = QuantizedAllreduce(comm, "amq", bits=3, bucket_size=50)
+    zeros(np.zeros(400, np.float32))
+    res["all_zero"] = [zeros.adapt(), zeros.metrics()["level_updates"]]
+    explicit = QuantizedAllreduce(comm, "amq", bits=3, bucket_size=50)
+    res["explicit"] = [explicit.adapt(explicit.quantizer.statistics(x)), explicit.levels.tolist()]
+    fixed = QuantizedAllreduce(comm, "qsgd", bits=3, bucket_size=50)
+    fixed(x)
+    res["fixed"] = [fixed.adapt(), fixed.state_dict()["pending"]]
+    return res
+
+
+def payload_dump(comm) -> dict:
+    """Payloads made here, for the torch-side decode in the test process."""
+    rank = comm.Get_rank()
+    ar = QuantizedAllreduce(comm, "alq", bits=3, bucket_size=100, seed=9)
+    x = rank_data(rank, 1003)
+    ar(x)
+    ar.adapt()
+    parts = ar.allgather(x)
+    mean = ar.reduce(parts)
+    return {"method": ar.method, "bits": ar.bits, "bucket_size": ar.bucket_size, "levels": ar.levels.tolist(),
+            "payloads": [p.tobytes().hex() for p in parts], "mean": mean.tolist(), "mean_digest": digest(mean)}
+
+
+def split(comm, alpha: float) -> dict:
+    """Two halves (even and odd world ranks) exchange independently on their own communicators;
+    the odd half then has a mismatch, which must not disturb the even half."""
+    rank = comm.Get_rank()
+    sub = comm.Split(color=rank % 2, key=rank)
+    res = unbiased(sub, "alq", n=800, bucket=64, reps=60, alpha=alpha)
+    res["color"] = rank % 2
+    res["sub_rank"] = sub.Get_rank()
+    res["sub_size"] = sub.Get_size()
+    bits = 4 if rank % 2 == 1 and sub.Get_rank() == 1 else 3
+    ar = QuantizedAllreduce(sub, "alq", bits=bits, bucket_size=64)
+    res["half_mismatch"] = _attempt(lambda: ar(rank_data(rank, 300)))
+    sub.Free()
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--methods", default=",".join(ALL))
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--bucket", type=int, default=128)
+    p.add_argument("--reps", type=int, default=120)
+    p.add_argument("--alpha", type=float, default=1e-6)
+    p.add_argument("--split", action="store_true")
+    args = p.parse_args()
+    comm = MPI.COMM_WORLD
+    out = {"rank": comm.Get_rank(), "size": comm.Get_size()}
+    out["unbiased"] = {m: unbiased(comm, m, args.n, args.bucket, args.reps, args.alpha)
+                       for m in args.methods.split(",")}
+    out["dtypes"] = dtypes(comm)
+    out["errors"] = errors(comm)
+    out["state"] = state(comm)
+    out["collect"] = collect(comm)
+    out["payload"] = payload_dump(comm)
+    if args.split:
+        out["split"] = split(comm, args.alpha)
+    report(out)
+
+
+if __name__ == "__main__":
+    main()
