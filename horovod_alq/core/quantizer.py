@@ -321,6 +321,10 @@ class Quantizer:
         ALQ: coordinate descent on the levels, started from the current ones. AMQ: gradient descent
         on the multiplier, one start at the current ``p``. Deterministic, so ranks given the same
         vector end with the same levels. No-op for fixed methods.
+
+        The fitted levels (AMQ: the multiplier) are rounded to float32, the precision they have on
+        the wire anyway, so that a last-ulp difference between two CPUs' math libraries cannot give
+        ranks different levels (except in the rare case that it straddles a float32 rounding point).
         """
         if not self._method.adaptive:
             return
@@ -328,8 +332,12 @@ class Quantizer:
 
         dist = distribution_from_statistics(self._method, stats)
         if self._method.adapts == "levels":
-            self.set_levels(fit_alq_levels(dist, self._bits, init=self._levels.copy()))
+            fitted = fit_alq_levels(dist, self._bits, init=self._levels.copy())
+            rounded = fitted.astype(np.float32).astype(np.float64)
+            self.set_levels(rounded if np.all(np.diff(rounded) > 0) else fitted)
         else:
             p = float(fit_amq_multiplier(dist, self._bits, previous=self._multiplier))
+            p32 = float(np.float32(p))
+            p = p32 if 0.0 < p32 < 1.0 else p
             self._multiplier = p
             self._store_levels(multiplier_levels(p, self._bits))
