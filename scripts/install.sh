@@ -1,0 +1,235 @@
+#!/usr/bin/env bash
+# Install horovod-alq for development: Debian packages, a virtual environment at .venv with the
+# pinned packages of requirements/pinned.txt, this package in editable mode, and Horovod built
+# from its PyPI source distribution with TensorFlow, PyTorch, MPI and Gloo.
+#
+# Called by `make install`. Idempotent: a second run with nothing changed takes seconds.
+#
+# Environment:
+#   PYTHON                      interpreter for the venv (default: python3; needs >= 3.10)
+#   HOROVOD_ALQ_CACHE           cache folder, shared by all clones (default: ~/.cache/horovod-alq);
+#                               Horovod wheels go to $HOROVOD_ALQ_CACHE/wheels/<key>/, build logs
+#                               to $HOROVOD_ALQ_CACHE/logs/
+#   HOROVOD_ALQ_SYSTEM_HOROVOD  1: reuse the Horovod (and torch, TensorFlow) that $PYTHON already
+#                               imports: the venv sees $PYTHON's site-packages, the pins are not
+#                               applied, and Horovod is neither built nor installed, only checked
+#   HOROVOD_ALQ_JOBS            parallel compile jobs for the Horovod build (default: nproc)
+set -euo pipefail
+
+HOROVOD_VERSION=0.28.1
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV="$ROOT/.venv"
+VPY="$VENV/bin/python"
+PIN="$ROOT/requirements/pinned.txt"
+PYTHON=${PYTHON:-python3}
+CACHE=${HOROVOD_ALQ_CACHE:-$HOME/.cache/horovod-alq}
+SYSTEM_HOROVOD=${HOROVOD_ALQ_SYSTEM_HOROVOD:-0}
+JOBS=${HOROVOD_ALQ_JOBS:-$(nproc 2>/dev/null || echo 2)}
+
+STEP="start"
+HINT=""
+BUILD_TMP=""
+
+on_exit() {
+    local rc=$?
+    if [[ -n "$BUILD_TMP" && -d "$BUILD_TMP" ]]; then
+        rm -rf "$BUILD_TMP"
+    fi
+    if [[ $rc -ne 0 ]]; then
+        echo >&2
+        echo "install failed at step '$STEP': $HINT" >&2
+    fi
+    exit $rc
+}
+trap on_exit EXIT
+
+# step NAME HINT: print a header; HINT is what to do if this step fails.
+step() {
+    STEP=$1
+    HINT=$2
+    echo "==> $STEP"
+}
+
+sha() { sha256sum | cut -c1-16; }
+
+# --------------------------------------------------------------------------------------------
+step "system packages" "install them by hand: apt-get update && apt-get install -y openmpi-bin libopenmpi-dev cmake g++ (as root)"
+packages=(openmpi-bin libopenmpi-dev g++)
+[[ "$SYSTEM_HOROVOD" == 1 ]] || packages+=(cmake)
+missing=()
+if command -v dpkg-query >/dev/null; then
+    for p in "${packages[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+else
+    for c in mpirun mpicc g++ cmake; do
+        command -v "$c" >/dev/null || missing+=("$c")
+    done
+fi
+if [[ ${#missing[@]} -eq 0 ]]; then
+    echo "    present: ${packages[*]}"
+elif ! command -v apt-get >/dev/null; then
+    HINT="not a Debian system: install Open MPI (with mpicc), cmake and g++ yourself; missing: ${missing[*]}"
+    false
+elif [[ $(id -u) -ne 0 ]]; then
+    HINT="run as root, or first: sudo apt-get update && sudo apt-get install -y ${missing[*]}"
+    false
+else
+    echo "    installing: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q "${missing[@]}"
+fi
+
+# --------------------------------------------------------------------------------------------
+step "python" "set PYTHON to a Python >= 3.10 that has the venv module (Debian: apt-get install python3-venv python3-dev)"
+command -v "$PYTHON" >/dev/null || { HINT="no '$PYTHON' on PATH; $HINT"; false; }
+"$PYTHON" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))'
+echo "    $("$PYTHON" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+
+# --------------------------------------------------------------------------------------------
+step "virtual environment (.venv)" "delete .venv (make clean) and run make install again"
+if [[ "$SYSTEM_HOROVOD" == 1 ]]; then site=true; else site=false; fi
+if [[ ! -x "$VPY" ]]; then
+    args=()
+    [[ $site == true ]] && args+=(--system-site-packages)
+    "$PYTHON" -m venv "${args[@]}" "$VENV"
+    echo "    created $VENV (system site-packages: $site)"
+else
+    # Switch the existing venv's view of the system site-packages if the mode changed.
+    if ! grep -q "^include-system-site-packages = $site\$" "$VENV/pyvenv.cfg"; then
+        sed -i "s/^include-system-site-packages = .*/include-system-site-packages = $site/" "$VENV/pyvenv.cfg"
+        echo "    switched system site-packages to $site"
+    fi
+    echo "    present: $VENV"
+fi
+
+# --------------------------------------------------------------------------------------------
+step "python packages" "read pip's error above; versions live in requirements/pinned.txt (torch 2.13.0+cpu must be reachable by pip, e.g. PIP_FIND_LINKS=<folder with its wheel>)"
+pip_args=(--no-input --quiet)
+# torch's CPU wheel lies on disk on these machines; make sure pip looks there even if the
+# environment does not say so.
+if [[ -d /opt/wheels && "${PIP_FIND_LINKS:-}" != */opt/wheels* ]]; then
+    pip_args+=(--find-links /opt/wheels)
+fi
+stamp="$VENV/.horovod-alq-packages"
+want=$(cat "$PIN" "$ROOT/setup.cfg" "$ROOT/pyproject.toml" <(echo "system=$SYSTEM_HOROVOD") | sha)
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    echo "    up to date (requirements/pinned.txt, setup.cfg, pyproject.toml unchanged)"
+else
+    rm -f "$stamp"
+    echo "    pip install (the first time: about 1 GB of downloads and a few minutes)"
+    if [[ "$SYSTEM_HOROVOD" == 1 ]]; then
+        # Leave the user's frameworks alone: install only what is missing, unpinned.
+        "$VPY" -m pip install "${pip_args[@]}" pip setuptools wheel numpy scipy mpi4py pytest hypothesis tqdm matplotlib
+    else
+        "$VPY" -m pip install "${pip_args[@]}" --no-deps "$(grep -E '^pip==' "$PIN")"
+        "$VPY" -m pip install "${pip_args[@]}" --no-deps -r "$PIN"
+    fi
+    # (PYTHONWARNINGS: setuptools warns about every editable install)
+    PYTHONWARNINGS=ignore "$VPY" -m pip install "${pip_args[@]}" --no-deps --no-build-isolation -e "$ROOT"
+    HINT="a pinned package is missing or broken; if requirements/pinned.txt lacks a dependency, add it"
+    if [[ "$SYSTEM_HOROVOD" == 1 ]]; then
+        "$VPY" -c 'import numpy, scipy, mpi4py.MPI, pytest, hypothesis, tqdm, matplotlib, horovod_alq'
+    else
+        TF_CPP_MIN_LOG_LEVEL=3 "$VPY" -c 'import numpy, scipy, torch, tensorflow, tf_keras, mpi4py.MPI, pytest, hypothesis, tqdm, matplotlib, sklearn, mlxtend, yaml, psutil, cloudpickle, horovod_alq'
+    fi
+    echo "$want" > "$stamp"
+    echo "    installed"
+fi
+
+# --------------------------------------------------------------------------------------------
+if [[ "$SYSTEM_HOROVOD" == 1 ]]; then
+    step "horovod (reusing the existing installation)" "HOROVOD_ALQ_SYSTEM_HOROVOD=1 needs a Horovod that '$PYTHON' imports; PYTHON must be a system or conda Python, not another venv (its packages are invisible to a new venv)"
+    hvd_id=$("$VPY" -c 'import horovod; print("horovod", horovod.__version__, "from", horovod.__file__)')
+    echo "    $hvd_id"
+else
+    step "horovod $HOROVOD_VERSION" "read the build log named above; delete $CACHE/wheels to force a rebuild"
+    versions=$("$VPY" - <<'EOF'
+import sys
+from importlib.metadata import version
+print(f"py{sys.version_info[0]}.{sys.version_info[1]}_torch{version('torch')}_tf{version('tensorflow-cpu')}")
+EOF
+)
+    # The wheel depends on the frameworks' versions, the patch, the build settings and the MPI.
+    build_env=(MAKEFLAGS="-j$JOBS" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+               HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)
+    detail=$(cat "$ROOT/scripts/patch_horovod.py" <(printf '%s\n' "${build_env[@]:1}") <(mpirun --version 2>&1 | head -1) <(g++ -dumpfullversion) | sha)
+    key="horovod${HOROVOD_VERSION}_${versions}_${detail}"
+    wheel_dir="$CACHE/wheels/$key"
+    hstamp="$VENV/.horovod-alq-horovod"
+    installed=$("$VPY" -c "from importlib.metadata import version; print(version('horovod'))" 2>/dev/null || true)
+    if [[ "$installed" == "$HOROVOD_VERSION" && -f "$hstamp" && "$(cat "$hstamp")" == "$key" ]]; then
+        echo "    up to date (cache key $key)"
+    else
+        mkdir -p "$CACHE/wheels" "$CACHE/logs"
+        # One build at a time per cache, also across clones.
+        exec 9>"$CACHE/.lock"
+        flock 9
+        if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+            echo "    using cached wheel $(ls "$wheel_dir"/horovod-*.whl)"
+        else
+            log="$CACHE/logs/build-$key.log"
+            echo "    no cached wheel for $key"
+            echo "    building from the PyPI source distribution, about 10 minutes on 2 cores; log: $log"
+            BUILD_TMP=$(mktemp -d "$CACHE/build.XXXXXX")
+            HINT="could not download the horovod==$HOROVOD_VERSION sdist from PyPI; check the network"
+            "$VPY" -m pip download -q --no-input --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$BUILD_TMP"
+            tar -xzf "$BUILD_TMP/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD_TMP"
+            HINT="scripts/patch_horovod.py no longer matches the Horovod source; see docs in that script"
+            "$VPY" "$ROOT/scripts/patch_horovod.py" "$BUILD_TMP/horovod-$HOROVOD_VERSION"
+            HINT="the Horovod build failed: see the end of $log (printed above)"
+            start=$SECONDS
+            if ! (cd "$BUILD_TMP/horovod-$HOROVOD_VERSION" &&
+                  env "${build_env[@]}" "$VPY" -m pip wheel -v --no-input --no-build-isolation --no-deps \
+                      -w "$BUILD_TMP/wheel" .) >"$log" 2>&1; then
+                tail -n 40 "$log" >&2
+                false
+            fi
+            echo "    built in $((SECONDS - start)) s"
+            mkdir -p "$wheel_dir"
+            mv "$BUILD_TMP"/wheel/horovod-*.whl "$wheel_dir/"
+        fi
+        HINT="pip could not install the cached wheel; delete $wheel_dir to rebuild it"
+        "$VPY" -m pip install -q --no-input --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+        flock -u 9
+        echo "$key" > "$hstamp"
+        echo "    installed horovod $HOROVOD_VERSION"
+    fi
+    hvd_id=$key
+fi
+
+# --------------------------------------------------------------------------------------------
+step "horovodrun --check-build" "Horovod was built without a required part; delete $CACHE/wheels and rerun, and read the build log in $CACHE/logs"
+# The full check imports TensorFlow several times (about 30 s), so it runs once per Horovod
+# installation; later runs only check that Horovod's framework libraries are still there.
+cstamp="$VENV/.horovod-alq-checked"
+libs_present() {
+    [[ "$SYSTEM_HOROVOD" == 1 ]] && return 0
+    "$VPY" - <<'EOF'
+import glob, importlib.util, os, sys
+root = os.path.dirname(importlib.util.find_spec("horovod").origin)
+sys.exit(not all(glob.glob(os.path.join(root, sub, "mpi_lib*.so")) for sub in ("torch", "tensorflow")))
+EOF
+}
+if [[ -f "$cstamp" && "$(cat "$cstamp")" == "$hvd_id" ]] && libs_present; then
+    echo "    passed when this Horovod was installed; to see it again: .venv/bin/horovodrun --check-build"
+else
+    rm -f "$cstamp"
+    if [[ -x "$VENV/bin/horovodrun" ]]; then hvdrun="$VENV/bin/horovodrun"; else hvdrun=horovodrun; fi
+    check=$(TF_CPP_MIN_LOG_LEVEL=3 "$hvdrun" --check-build 2>&1) || { echo "$check" >&2; false; }
+    grep -E '^Horovod v|:$|\[[ X]\]' <<<"$check" | sed 's/^/    /'
+    required=(TensorFlow PyTorch MPI Gloo)
+    if [[ "$SYSTEM_HOROVOD" == 1 ]]; then required=(); fi
+    absent=()
+    for part in "${required[@]}"; do
+        grep -q "\[X\] $part\s*$" <<<"$check" || absent+=("$part")
+    done
+    if [[ ${#absent[@]} -gt 0 ]]; then
+        HINT="horovodrun --check-build lacks: ${absent[*]}. $HINT"
+        false
+    fi
+    echo "$hvd_id" > "$cstamp"
+fi
+echo "==> install done"

@@ -1,0 +1,195 @@
+"""Run a worker script on several ranks (mpirun or horovodrun) and collect what each rank reports.
+
+Usage in a test::
+
+    from multiproc import run_ranks
+
+    @pytest.mark.multiproc
+    @pytest.mark.parametrize("launcher", ["mpi", "gloo"])
+    def test_something(launcher):
+        results = run_ranks("my_worker.py", np=2, launcher=launcher, args=["--bits", "3"])
+        assert results[1]["value"] == ...
+
+The worker (a script, relative paths are taken from tests/workers/) calls
+``common.report(obj)`` once per rank; ``run_ranks`` returns those objects in rank order. A rank that
+exits non-zero or does not report, a launcher that fails, or a run that exceeds ``timeout``
+(everything is killed; nothing hangs) fails the test with every rank's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+BOOT = WORKERS / "_boot.py"
+LAUNCHERS = ("mpi", "gloo")
+
+# Every rank gets one thread per library: 2 ranks on 2 cores must not oversubscribe.
+RANK_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONFAULTHANDLER": "1",
+    # Open MPI refuses root unless told; harmless for other users.
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+}
+
+# Quiet, single-host Open MPI: shared memory and loopback only, no InfiniBand probing; no
+# single-copy (CMA) shared memory, which containers often forbid.
+MPI_OPTIONS = (
+    "--allow-run-as-root",
+    "--oversubscribe",
+    "--bind-to", "none",
+    "--mca", "btl", "self,vader,tcp",
+    "--mca", "btl_vader_single_copy_mechanism", "none",
+    "--mca", "btl_tcp_if_include", "lo",
+    "--mca", "oob_tcp_if_include", "lo",
+)
+
+_TAIL = 4000
+
+
+def _tool(name: str) -> str:
+    """``name`` next to this Python (the venv's bin/) if it is there, else from PATH."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} not found next to {sys.executable} or on PATH; run `make install`")
+    return found
+
+
+def launch_command(launcher: str, np: int) -> list[str]:
+    """The command prefix that starts ``np`` local ranks with ``launcher`` ("mpi" or "gloo")."""
+    if launcher == "mpi":
+        return [_tool("mpirun"), *MPI_OPTIONS, "-np", str(np)]
+    if launcher == "gloo":
+        return [_tool("horovodrun"), "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
+    raise ValueError(f"launcher must be one of {LAUNCHERS}, not {launcher!r}")
+
+
+def _tail(text: str, n: int = _TAIL) -> str:
+    return text if len(text) <= n else "...\n" + text[-n:]
+
+
+def _kill_everything(proc: subprocess.Popen, result_dir: Path) -> None:
+    """Kill the launcher's process group and every rank that recorded its pid."""
+    own_group = os.getpgrp()
+    pids = []
+    for pid_file in result_dir.glob("rank*.pid"):
+        try:
+            pids.append(int(pid_file.read_text()))
+        except ValueError:
+            pass
+    for pid in pids:
+        try:
+            group = os.getpgid(pid)
+            if group != own_group:
+                os.killpg(group, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_ranks(
+    worker: str | os.PathLike,
+    np: int = 2,
+    launcher: str = "mpi",
+    args: Sequence[Any] = (),
+    timeout: float = 180,
+    env: Mapping[str, str] | None = None,
+) -> list:
+    """Run ``worker`` on ``np`` ranks and return each rank's reported object, in rank order.
+
+    Parameters
+    ----------
+    worker : path of a Python script; a relative path is taken from tests/workers/.
+    np : number of ranks.
+    launcher : "mpi" (mpirun, Horovod's MPI controller) or "gloo" (horovodrun --gloo).
+    args : command-line arguments for the worker (converted with ``str``).
+    timeout : seconds for the whole run; past it every process is killed and the test fails.
+    env : extra environment variables for the ranks (override the defaults in ``RANK_ENV``).
+
+    Returns
+    -------
+    list of the ``np`` objects the ranks passed to ``common.report``, decoded from JSON.
+    """
+    path = Path(worker)
+    if not path.is_absolute():
+        path = WORKERS / path
+    if not path.is_file():
+        raise FileNotFoundError(f"worker script {path} not found")
+    cmd = [*launch_command(launcher, np), sys.executable, str(BOOT), str(path), *map(str, args)]
+
+    with tempfile.TemporaryDirectory(prefix="horovod-alq-ranks-") as tmp:
+        result_dir = Path(tmp)
+        run_env = dict(os.environ)
+        run_env.update(RANK_ENV)
+        run_env["HOROVOD_ALQ_RESULT_DIR"] = str(result_dir)
+        if env:
+            run_env.update(env)
+
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            cmd, env=run_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, text=True, errors="replace")
+        timed_out = False
+        try:
+            launcher_out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_everything(proc, result_dir)
+            try:
+                launcher_out, _ = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                launcher_out = "(launcher output unavailable: it did not exit after SIGKILL)"
+        elapsed = time.monotonic() - start
+
+        results, problems, logs = [], [], []
+        for rank in range(np):
+            log_file = result_dir / f"rank{rank}.log"
+            log = log_file.read_text(errors="replace") if log_file.exists() else "(rank never started)"
+            logs.append(log)
+            result_file = result_dir / f"rank{rank}.json"
+            if result_file.exists():
+                results.append(json.loads(result_file.read_text()))
+            else:
+                problems.append(f"rank {rank} did not report")
+
+        if timed_out:
+            problems.insert(0, f"timed out after {timeout:g} s; killed all processes")
+        elif proc.returncode != 0:
+            problems.insert(0, f"launcher exited with status {proc.returncode}")
+        if problems:
+            parts = [
+                f"{launcher} run of {path.name} on {np} ranks failed after {elapsed:.1f} s: "
+                + "; ".join(problems),
+                "command: " + " ".join(cmd),
+                "---- launcher output (tail) ----\n" + _tail(launcher_out or "(none)"),
+            ]
+            for rank, log in enumerate(logs):
+                parts.append(f"---- rank {rank} output (tail) ----\n" + _tail(log or "(empty)"))
+            pytest.fail("\n".join(parts), pytrace=False)
+        return results
