@@ -13,7 +13,7 @@ import numpy as np
 
 from .methods import Method, check_bits, get_method, initial_levels, multiplier_levels
 from .packing import pack_codes, unpack_codes
-from .statistics import distribution_from_statistics, moments_of, normalize, summarize
+from .statistics import distribution_from_statistics, normalize, summarize
 from .wire import HEADER_SIZE, Header, check_header, levels_fingerprint, pack_header, parse_payload, payload_size
 
 _MAX_BUCKET = 2**32 - 1  # the header's bucket size field is a uint32
@@ -313,7 +313,7 @@ class Quantizer:
         np.ndarray, shape (statistics.statistics_length(method),), float64
         """
         x = self._flat_float(x)
-        return summarize(self._method, moments_of(normalize(x, self._bucket_size, self._method.norm)))
+        return summarize(self._method, normalize(x, self._bucket_size, self._method.norm))
 
     def adapt(self, stats: np.ndarray) -> None:
         """Refit the levels from a statistics vector, or the sum or mean of several workers' vectors.

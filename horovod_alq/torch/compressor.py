@@ -28,7 +28,7 @@ import torch
 from ..core.methods import get_method
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
-from ..core.statistics import BucketMoments, summarize
+from ..core.statistics import GRID, BucketMoments, normless_statistics
 from ..core.wire import HEADER_SIZE, Header, check_header, pack_header, parse_header
 from . import fused, kernels
 
@@ -123,6 +123,7 @@ class QuantizedCompressor:
         self._use_fused = fused
         self._uid = next(_UIDS)
         self._levels_cache: dict[str, torch.Tensor] = {}
+        self._grid: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ configuration
     @classmethod
@@ -233,10 +234,13 @@ class QuantizedCompressor:
         return kernels.encode(tensor, levels, self._header(tensor.numel()), bits=self.bits,
                               bucket_size=self.bucket_size, norm=self._method.norm, generator=generator)
 
-    def _statistics(self, tensor: torch.Tensor) -> np.ndarray:
-        norms, count, sum_r, sum_r2 = kernels.bucket_moments(tensor, bucket_size=self.bucket_size,
-                                                             norm=self._method.norm)
-        return summarize(self._method, BucketMoments(norms, count, sum_r, sum_r2)).tolist()
+    def _statistics(self, tensor: torch.Tensor) -> list:
+        d, norm = self.bucket_size, self._method.norm
+        if self._method.normless:
+            return normless_statistics(BucketMoments(*kernels.bucket_moments(tensor, bucket_size=d, norm=norm))).tolist()
+        if self._grid is None or self._grid.device != tensor.device:
+            self._grid = torch.as_tensor(GRID, dtype=torch.float64, device=tensor.device)
+        return kernels.grid_statistics(tensor, self._grid, bucket_size=d, norm=norm).tolist()
 
     def _check_pairing(self, reduced: np.ndarray, slot: int) -> float:
         scale = float(reduced[0])

@@ -118,17 +118,35 @@ def decode_into(out: torch.Tensor, payload: torch.Tensor, levels: torch.Tensor, 
     return out.add_(values)
 
 
-def bucket_moments(tensor: torch.Tensor, *, bucket_size: int, norm: str):
-    """Per-bucket ``(norms, count, sum_r, sum_r2)`` as float64 NumPy arrays, over finite buckets
-    with a non-zero norm: the small input of :func:`horovod_alq.core.statistics.summarize`."""
+def _normalized(tensor: torch.Tensor, bucket_size: int, norm: str):
     flat = tensor.detach().reshape(-1).to(work_dtype(tensor.dtype))
-    n = flat.numel()
     buckets = bucket_view(flat, bucket_size)
     norms = bucket_norms(buckets, norm)
-    r = normalize(buckets, norms).double()
-    count = torch.full((buckets.shape[0],), float(bucket_size), dtype=torch.float64, device=r.device)
+    counts = torch.full((buckets.shape[0],), float(bucket_size), dtype=torch.float64, device=flat.device)
     if buckets.shape[0]:
-        count[-1] = n - (buckets.shape[0] - 1) * bucket_size
+        counts[-1] = flat.numel() - (buckets.shape[0] - 1) * bucket_size
     keep = torch.isfinite(norms) & (norms > 0)
-    out = (norms.double(), count, r.sum(dim=1), (r * r).sum(dim=1))
+    return normalize(buckets, norms).double(), norms.double(), counts, keep
+
+
+def bucket_moments(tensor: torch.Tensor, *, bucket_size: int, norm: str):
+    """Per-bucket ``(norms, count, sum_r, sum_r2)`` as float64 NumPy arrays over finite buckets with
+    a non-zero norm: the input of :func:`horovod_alq.core.statistics.normless_statistics`."""
+    r, norms, counts, keep = _normalized(tensor, bucket_size, norm)
+    out = (norms, counts, r.sum(dim=1), (r * r).sum(dim=1))
     return tuple(t[keep].cpu().numpy() for t in out)
+
+
+def grid_statistics(tensor: torch.Tensor, grid: torch.Tensor, *, bucket_size: int, norm: str):
+    """Norm-based statistics vector ``[W, C(grid)]`` (float64 NumPy), computed on the tensor's
+    device as :func:`horovod_alq.core.statistics.grid_statistics` defines it."""
+    r, norms, counts, keep = _normalized(tensor, bucket_size, norm)
+    n = tensor.numel()
+    weights = torch.where(keep, norms / counts, torch.zeros_like(norms))
+    weights = weights[:, None].expand_as(r).reshape(-1)[:n]
+    cells = torch.bucketize(r.reshape(-1)[:n], grid.to(r.device), right=False).clamp_(min=1)
+    hist = torch.zeros(grid.numel() + 1, dtype=torch.float64, device=r.device).index_add_(0, cells, weights)
+    out = torch.empty(grid.numel() + 1, dtype=torch.float64, device=r.device)
+    out[0] = norms[keep].sum()
+    out[1:] = hist[: grid.numel()].cumsum(0)
+    return out.cpu().numpy()

@@ -56,14 +56,14 @@ def test_moments_skip_nonfinite_and_zero_buckets():
     np.testing.assert_allclose(m.sum_r2, [(v**2).sum() / n32**2], rtol=1e-15)
     empty = bucket_moments(np.zeros(0, np.float32), 4, "l2")
     assert empty.norms.size == 0
-    np.testing.assert_array_equal(summarize("alq-n", empty), [0, 0, 0, 0])
+    np.testing.assert_array_equal(summarize("alq-n", normalize(np.zeros(0, np.float32), 4, "l2")), [0, 0, 0, 0])
 
 
 def test_normless_vector_and_distribution():
     rng = np.random.default_rng(1)
     x = rng.normal(0.3, 1.0, 1000)
     nz = normalize(x, 64, "l2")
-    s = summarize("alq-n", bucket_moments(x, 64, "l2"))
+    s = summarize("alq-n", nz)
     r = [nz.r[b, :c] for b, c in enumerate(nz.counts)]
     expected = [1000, sum(v.sum() for v in r), sum((v**2).sum() for v in r), sum(v.sum() ** 2 / v.size for v in r)]
     np.testing.assert_allclose(s, expected, rtol=1e-12)
@@ -72,28 +72,31 @@ def test_normless_vector_and_distribution():
     np.testing.assert_allclose([dist.mu, dist.sigma], [expected[1] / 1000, np.sqrt(within)], rtol=1e-9)
 
 
-def test_norm_based_vector_is_the_norm_weighted_mixture():
+def test_norm_based_vector_is_the_norm_weighted_empirical_cdf():
     rng = np.random.default_rng(2)
     x = rng.standard_t(3, 20 * 32 + 7)
-    m = bucket_moments(x, 32, "l2")
-    s = summarize("alq", m)
-    mu = m.sum_r / m.count
-    sigma = np.maximum(np.sqrt(np.maximum(m.sum_r2 / m.count - mu**2, 0)), SIGMA_FLOOR)
-    cdfs = sps.truncnorm((-1 - mu[:, None]) / sigma[:, None], (1 - mu[:, None]) / sigma[:, None],
-                         loc=mu[:, None], scale=sigma[:, None]).cdf(GRID)
-    np.testing.assert_allclose(s[0], m.norms.sum(), rtol=1e-14)
-    np.testing.assert_allclose(s[1:], m.norms @ cdfs, rtol=1e-9, atol=1e-12)
+    x[32:64] = 0.0  # a zero bucket carries no weight
+    nz = normalize(x, 32, "l2")
+    s = summarize("alq", nz)
+    expected = np.zeros(GRID.size)
+    for b, count in enumerate(nz.counts):
+        if nz.norms[b] > 0:
+            r = nz.r[b, :count]
+            expected += nz.norms[b] / count * (r[None, :] <= GRID[:, None]).sum(axis=1)
+    expected[0] = 0.0  # a coordinate at exactly -1 counts in the first cell
+    np.testing.assert_allclose(s[0], nz.norms.astype(np.float64).sum(), rtol=1e-14)
+    np.testing.assert_allclose(s[1:], expected, rtol=1e-12, atol=1e-12)
     dist = distribution_from_statistics("alq", s)
-    np.testing.assert_allclose(dist.cdf(GRID), m.norms @ cdfs / m.norms.sum(), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(dist.cdf(GRID), expected / expected[-1], rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("method", ["alq", "alq-n", "amq", "amq-n", "qsgd", "terngrad"])
 def test_shards_sum_to_whole(method):
     norm = "linf" if method == "terngrad" else "l2"
     x = np.random.default_rng(3).standard_normal(4 * 3 * 256 + 100)
-    whole = summarize(method, bucket_moments(x, 256, norm))
+    whole = summarize(method, normalize(x, 256, norm))
     edges = [0, 3 * 256, 6 * 256, 9 * 256, x.size]  # bucket-aligned shards
-    parts = [summarize(method, bucket_moments(x[a:b], 256, norm)) for a, b in zip(edges, edges[1:])]
+    parts = [summarize(method, normalize(x[a:b], 256, norm)) for a, b in zip(edges, edges[1:])]
     np.testing.assert_allclose(np.sum(parts, axis=0), whole, rtol=1e-12, atol=1e-12)
     d_sum = distribution_from_statistics(method, np.sum(parts, axis=0))
     d_mean = distribution_from_statistics(method, np.mean(parts, axis=0))

@@ -120,3 +120,20 @@ def test_corrupted_codes_decode_to_nan_not_garbage():
     for use_fused in (False, True):
         out = _torch_decode(q, [payload], 8, use_fused).numpy()
         assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("method", ["alq", "alq-n", "amq", "amq-n"])
+def test_statistics_match_the_numpy_core(method):
+    from horovod_alq.core.methods import get_method
+    from horovod_alq.core.statistics import GRID, BucketMoments, normless_statistics
+
+    q = Quantizer(method, bucket_size=300, seed=0)
+    x = torch.distributions.StudentT(3.0).sample((5 * 300 + 17,))
+    x[300:600] = 0.0
+    x[700] = float("nan")
+    if get_method(method).normless:
+        got = normless_statistics(BucketMoments(*kernels.bucket_moments(x, bucket_size=300, norm="l2")))
+    else:
+        got = kernels.grid_statistics(x, torch.tensor(GRID), bucket_size=300, norm="l2")
+    # norms agree to float32 rounding (torch reduces in float32, the core in float64)
+    np.testing.assert_allclose(got, q.statistics(x.numpy()), rtol=1e-6, atol=1e-12)
