@@ -53,6 +53,12 @@ step() {
 
 sha() { sha256sum | cut -c1-16; }
 
+# pip in the venv, without the warnings about local index folders that lack a package (this
+# machine's pip configuration lists local indexes that hold only some packages).
+vpip() {
+    "$VPY" -m pip "$@" 2> >(grep -v "^WARNING: Location 'file://.*' is ignored" >&2)
+}
+
 # --------------------------------------------------------------------------------------------
 step "system packages" "install them by hand: apt-get update && apt-get install -y openmpi-bin libopenmpi-dev cmake g++ (as root)"
 packages=(openmpi-bin libopenmpi-dev g++)
@@ -122,13 +128,13 @@ else
     echo "    pip install (the first time: about 1 GB of downloads and a few minutes)"
     if [[ "$SYSTEM_HOROVOD" == 1 ]]; then
         # Leave the user's frameworks alone: install only what is missing, unpinned.
-        "$VPY" -m pip install "${pip_args[@]}" pip setuptools wheel numpy scipy mpi4py pytest hypothesis tqdm matplotlib
+        vpip install "${pip_args[@]}" pip setuptools wheel numpy scipy mpi4py pytest hypothesis tqdm matplotlib
     else
-        "$VPY" -m pip install "${pip_args[@]}" --no-deps "$(grep -E '^pip==' "$PIN")"
-        "$VPY" -m pip install "${pip_args[@]}" --no-deps -r "$PIN"
+        vpip install "${pip_args[@]}" --no-deps "$(grep -E '^pip==' "$PIN")"
+        vpip install "${pip_args[@]}" --no-deps -r "$PIN"
     fi
     # (PYTHONWARNINGS: setuptools warns about every editable install)
-    PYTHONWARNINGS=ignore "$VPY" -m pip install "${pip_args[@]}" --no-deps --no-build-isolation -e "$ROOT"
+    PYTHONWARNINGS=ignore vpip install "${pip_args[@]}" --no-deps --no-build-isolation -e "$ROOT"
     HINT="a pinned package is missing or broken; if requirements/pinned.txt lacks a dependency, add it"
     if [[ "$SYSTEM_HOROVOD" == 1 ]]; then
         "$VPY" -c 'import numpy, scipy, mpi4py.MPI, pytest, hypothesis, tqdm, matplotlib, horovod_alq'
@@ -175,7 +181,7 @@ EOF
             echo "    building from the PyPI source distribution, about 10 minutes on 2 cores; log: $log"
             BUILD_TMP=$(mktemp -d "$CACHE/build.XXXXXX")
             HINT="could not download the horovod==$HOROVOD_VERSION sdist from PyPI; check the network"
-            "$VPY" -m pip download -q --no-input --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$BUILD_TMP"
+            vpip download -q --no-input --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$BUILD_TMP"
             tar -xzf "$BUILD_TMP/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD_TMP"
             HINT="scripts/patch_horovod.py no longer matches the Horovod source; see docs in that script"
             "$VPY" "$ROOT/scripts/patch_horovod.py" "$BUILD_TMP/horovod-$HOROVOD_VERSION"
@@ -192,7 +198,7 @@ EOF
             mv "$BUILD_TMP"/wheel/horovod-*.whl "$wheel_dir/"
         fi
         HINT="pip could not install the cached wheel; delete $wheel_dir to rebuild it"
-        "$VPY" -m pip install -q --no-input --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+        vpip install -q --no-input --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
         flock -u 9
         echo "$key" > "$hstamp"
         echo "    installed horovod $HOROVOD_VERSION"
@@ -232,4 +238,4 @@ else
     fi
     echo "$hvd_id" > "$cstamp"
 fi
-echo "==> install done"
+echo "==> install done in ${SECONDS} s"

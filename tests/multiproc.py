@@ -90,27 +90,40 @@ def _tail(text: str, n: int = _TAIL) -> str:
     return text if len(text) <= n else "...\n" + text[-n:]
 
 
-def _kill_everything(proc: subprocess.Popen, result_dir: Path) -> None:
-    """Kill the launcher's process group and every rank that recorded its pid."""
+def _signal_everything(proc: subprocess.Popen, result_dir: Path, sig: int) -> None:
+    """Send ``sig`` to the launcher's process group and to every rank that recorded its pid
+    (and its process group: launchers such as horovodrun start ranks in their own sessions)."""
     own_group = os.getpgrp()
-    pids = []
     for pid_file in result_dir.glob("rank*.pid"):
         try:
-            pids.append(int(pid_file.read_text()))
-        except ValueError:
-            pass
-    for pid in pids:
-        try:
+            pid = int(pid_file.read_text())
             group = os.getpgid(pid)
             if group != own_group:
-                os.killpg(group, signal.SIGKILL)
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+                os.killpg(group, sig)
+            os.kill(pid, sig)
+        except (ValueError, ProcessLookupError, PermissionError):
             pass
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill_everything(proc: subprocess.Popen, result_dir: Path) -> str:
+    """Stop a timed-out run: SIGTERM first (lets the launcher stop ranks it is still starting),
+    SIGKILL after a grace period. Returns the launcher's output."""
+    _signal_everything(proc, result_dir, signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        out = None
+    _signal_everything(proc, result_dir, signal.SIGKILL)
+    if out is None:
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out = "(launcher output unavailable: it did not exit after SIGKILL)"
+    return out
 
 
 def run_ranks(
@@ -160,11 +173,7 @@ def run_ranks(
             launcher_out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _kill_everything(proc, result_dir)
-            try:
-                launcher_out, _ = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                launcher_out = "(launcher output unavailable: it did not exit after SIGKILL)"
+            launcher_out = _kill_everything(proc, result_dir)
         elapsed = time.monotonic() - start
 
         results, problems, logs = [], [], []
