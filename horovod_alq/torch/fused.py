@@ -1,26 +1,60 @@
-"""The compiled CPU codec (``csrc/fused_codec.cpp``), built on first use with
-``torch.utils.cpp_extension`` and cached under ``$HOROVOD_ALQ_CACHE`` (default
-``~/.cache/horovod-alq``). ``HOROVOD_ALQ_FUSED=0`` disables it; where it cannot be built the
-compressors fall back to the plain torch kernels and say so once.
+"""The compiled CPU codec (``csrc/fused_codec.cpp``).
+
+Built on first use with ``torch.utils.cpp_extension`` in a private temporary folder, then moved
+atomically to ``$HOROVOD_ALQ_CACHE/torch_extensions/`` (default ``~/.cache/horovod-alq``) under a
+name keyed by the source, the compile flags and the torch version. No lock file is involved, so a
+build killed half-way cannot block later runs, and checkouts with different sources never share a
+binary. ``make install`` builds it once
+(``python -c "from horovod_alq.torch import fused; print(fused.status())"``). ``HOROVOD_ALQ_FUSED=0`` disables it; where it cannot be
+built the compressors fall back to the plain torch kernels and warn once.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
+
+NAME = "horovod_alq_fused_codec"
+SOURCE = Path(__file__).with_name("csrc") / "fused_codec.cpp"
+CFLAGS = ["-O3", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 _MODULE = None
 _FAILED: str | None = None
 
 
-def _build_dir() -> Path:
-    root = Path(os.environ.get("HOROVOD_ALQ_CACHE", Path.home() / ".cache" / "horovod-alq"))
+def cached_library() -> Path:
+    """Where the compiled library for this source, these flags and this torch lives."""
     import torch
 
-    path = root / "torch_extensions" / f"torch-{torch.__version__}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, LDFLAGS, torch.__version__)).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("HOROVOD_ALQ_CACHE", Path.home() / ".cache" / "horovod-alq"))
+    return root / "torch_extensions" / f"{NAME}-{key}.so"
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(target: Path, verbose: bool):
+    from torch.utils.cpp_extension import load as load_extension
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="build-", dir=target.parent) as tmp:
+        module = load_extension(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                extra_ldflags=LDFLAGS, build_directory=tmp, verbose=verbose)
+        staged = Path(tmp) / "staged.so"
+        shutil.copy2(Path(tmp) / f"{NAME}.so", staged)
+        os.replace(staged, target)  # atomic: concurrent builders just overwrite an identical file
+    return module
 
 
 def load(verbose: bool = False):
@@ -32,18 +66,11 @@ def load(verbose: bool = False):
         _FAILED = "disabled by HOROVOD_ALQ_FUSED=0"
         return None
     try:
-        from torch.utils.cpp_extension import load as load_extension
+        import torch  # noqa: F401  (the library links against libtorch)
 
-        source = Path(__file__).with_name("csrc") / "fused_codec.cpp"
-        _MODULE = load_extension(
-            name="horovod_alq_fused_codec",
-            sources=[str(source)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(_build_dir()),
-            verbose=verbose,
-        )
-    except Exception as exc:  # compiler missing, headers missing, ...
+        target = cached_library()
+        _MODULE = _import(target) if target.exists() else _build(target, verbose)
+    except Exception as exc:  # no compiler, no headers, a corrupt cache file, ...
         _FAILED = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"horovod_alq: fused CPU codec unavailable ({_FAILED}); using plain torch kernels")
     return _MODULE
@@ -53,3 +80,4 @@ def status() -> str:
     """One line: whether the fused codec is in use, and if not, why."""
     load()
     return "fused CPU codec loaded" if _MODULE is not None else f"plain torch kernels ({_FAILED})"
+
