@@ -23,8 +23,13 @@ def test_fixed_level_tables():
     np.testing.assert_array_equal(Quantizer("terngrad").levels, [-1, 0, 1])
     np.testing.assert_array_equal(Quantizer("nuqsgd", bits=2).levels, [-1, -0.5, 0.5, 1])
     np.testing.assert_array_equal(Quantizer("nuqsgd", bits=4).levels[8:], 2.0 ** -np.arange(7, -1, -1))
-    for m in ADAPTIVE:  # adaptive methods start at NUQSGD's levels
-        np.testing.assert_array_equal(Quantizer(m, bits=5).levels, Quantizer("nuqsgd", bits=5).levels)
+    for m in ADAPTIVE:  # adaptive methods start fitted to Gaussian gradients: N(0, 1/d), truncated
+        for d in (512, 8192):
+            prior = TruncatedNormal(0.0, d**-0.5)
+            start = Quantizer(m, bits=3, bucket_size=d).levels
+            assert expected_variance(start, prior) < 0.1 * expected_variance(Quantizer("nuqsgd").levels, prior)
+            assert not np.array_equal(start, Quantizer("nuqsgd").levels)
+            np.testing.assert_array_equal(start, Quantizer(m, bits=3, bucket_size=d).levels)  # deterministic
     for bits in range(2, 9):
         lv = Quantizer("alq", bits=bits).levels
         assert lv.size == 2**bits and lv[0] == -1 and lv[-1] == 1 and np.all(np.diff(lv) > 0)
@@ -32,7 +37,8 @@ def test_fixed_level_tables():
 
 def test_properties_and_defaults():
     q = Quantizer("AMQ-N", bucket_size=512, seed=1)
-    assert (q.method, q.bits, q.bucket_size, q.multiplier) == ("amq-n", 3, 512, 0.5)
+    assert (q.method, q.bits, q.bucket_size) == ("amq-n", 3, 512)
+    assert 0 < q.multiplier < 1 and np.array_equal(q.levels, multiplier_levels(q.multiplier, 3))
     assert Quantizer("terngrad").bits == 2 and Quantizer("alq").bucket_size == 8192
     assert Quantizer("alq").multiplier is None
     lv = q.levels

@@ -108,6 +108,8 @@ def test_dtypes_shapes_and_nan_stay_visible():
         for name in ("int32", "int64"):
             assert r[f"{name}.1000"]["exact"] and r[f"{name}.10"]["exact"]
         assert r["nan_buckets"] == [False, False, True, False]
+        # default ALQ (3 bits, bucket 8192) on 4096 Gaussian values: noise ~0.5 of the norm, not garbage
+        assert r["class_rel_err"] < 1.0 and r["class_metrics_coordinates"] == 4096
     assert res[0]["float32.1000"]["digest"] == res[1]["float32.1000"]["digest"]
 
 
@@ -118,3 +120,11 @@ def test_state_dict_round_trip_continues_identically():
         assert r["levels_equal"] and r["step"] == 6 and r["updates"] == 2 and r["same_output"]
         assert r["levels"] != r["start_levels"]
     assert res[0]["levels"] == res[1]["levels"]
+
+
+def test_grad_scaler_sees_an_overflow_on_one_rank():
+    res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["amp"])
+    for r in res:
+        assert r["skipped"], "the step with an inf gradient on rank 1 was not skipped"
+        assert r["scale"] == 512.0 and r["moved_after"]
+    assert res[0]["params"] == res[1]["params"]

@@ -180,11 +180,48 @@ def dtypes(args) -> dict:
             res[f"{name}.{n}"] = {"dtype": str(out.dtype), "shape": list(out.shape),
                                   "same_shape": out.shape == x.shape, "rel_err": err,
                                   "exact": bool(torch.equal(out, ref)), "digest": digest(out.float())}
+    # the class itself as compression= (one default instance per class), also its metrics()
+    plain = rank_data(rank, 4096)
+    via_class = hvd.allreduce(plain, compression=ALQCompressor, name="class")
+    exact = hvd.allreduce(plain, name="class.ref")
+    res["class_rel_err"] = ((via_class - exact).norm() / exact.norm()).item()
+    res["class_metrics_coordinates"] = ALQCompressor.metrics()["coordinates"]
     nan = rank_data(rank, 512)
     nan[300] = float("nan") if rank == 1 else nan[300]
     out = hvd.allreduce(nan, compression=comp, name="nan")
     res["nan_buckets"] = [bool(torch.isnan(out[i * 128:(i + 1) * 128]).all()) for i in range(4)]
     return res
+
+
+def amp(args) -> dict:
+    """torch.amp's GradScaler must still see an overflow on one rank: the step is skipped everywhere."""
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 64)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=ALQCompressor(bits=3, bucket_size=1024, min_size=100))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = digest(model.weight)
+    x = torch.randn(8, 256)
+    if rank == 1:
+        x[0, 5] = float("inf")  # overflow on rank 1 only
+    opt.zero_grad()
+    scaler.scale(model(x).pow(2).mean()).backward()
+    opt.synchronize()
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    skipped = digest(model.weight) == before
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(8, 256)).pow(2).mean()).backward()
+    opt.synchronize()
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    return {"skipped": skipped, "scale": scaler.get_scale(), "moved_after": digest(model.weight) != before,
+            "params": digest(model.weight)}
 
 
 def state(args) -> dict:
@@ -206,7 +243,7 @@ def state(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["exchange", "train", "mismatch", "dtypes", "state"])
+    p.add_argument("scenario", choices=["exchange", "train", "mismatch", "dtypes", "state", "amp"])
     p.add_argument("--method", default="alq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket", type=int, default=512)
