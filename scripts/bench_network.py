@@ -1,0 +1,360 @@
+#!/usr/bin/env python
+"""Wall-clock per training step under limited bandwidth: 4 Horovod workers, each in its own network
+namespace, linked through a bridge with tc-shaped veths, time per step for none (fp32), fp16,
+QSGDinf and ALQ, as ratios to none. Needs root (ip netns, tc).
+
+    python scripts/bench_network.py --out-dir docs                 # unshaped, 1gbit, 100mbit
+    python scripts/bench_network.py --quick --out-dir /tmp/net     # small model, 1 rate, 2 steps
+
+Topology (created by this script, torn down at the end, also on failure, Ctrl-C or SIGTERM):
+
+    netns alqnet-w0 .. alqnet-w3   eth0 = 10.213.0.1 .. 10.213.0.4/24, tc tbf egress at --rates
+    netns alqnet-head              eth0 = 10.213.0.100/24 (unshaped; mpirun runs here)
+    netns alqnet-br                bridge br0 with the peer veths (tbf egress toward each worker)
+
+Only interfaces inside these namespaces are created or shaped: the machine's own interfaces,
+loopback and routing are never touched. Each worker's link is shaped in both directions (its own
+eth0 egress and the bridge port toward it), like a full-duplex NIC of the given rate per worker.
+
+Launch: mpirun runs in the head namespace with a hostfile of the four worker addresses and
+``--mca plm_rsh_agent <agent>``; the agent is a small shell script (written to a temp dir) that maps
+the address to the worker's namespace and runs Open MPI's orted there with ``ip netns exec``.
+Open MPI's out-of-band and TCP BTL traffic are restricted to 10.213.0.0/24 (``btl self,tcp``: no
+shared memory between ranks, since they are on "different hosts"), so every byte of the gradient
+exchange crosses the shaped veths. Horovod uses MPI for its CPU collectives (HOROVOD_CPU_OPERATIONS=mpi).
+
+The model is a wide MLP (784 -> H -> H -> 10, about 17.6M parameters for H = 4096) with a batch of
+8 per worker: communication dominates. Each method runs --warmup untimed then --steps timed steps;
+the reported time is the median over steps of the slowest rank's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PREFIX = "alqnet"
+SUBNET = "10.213.0"
+N_WORKERS = 4
+METHODS = ["none", "fp16", "qsgdinf", "alq"]
+LABELS = {"none": "none (fp32)", "fp16": "fp16", "qsgdinf": "QSGDinf 3b", "alq": "ALQ 3b"}
+
+
+# ---------------------------------------------------------------------------------------- worker
+def worker(args) -> int:
+    """Runs on every rank (inside its namespace): time training steps per method."""
+    import torch
+    import torch.nn.functional as F
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    from horovod_alq.torch import ALQCompressor, QSGDCompressor
+
+    common = dict(bits=args.bits, bucket_size=args.bucket_size, update_steps=(0,), update_every=0, seed=1)
+    comps = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+             "qsgdinf": QSGDCompressor(**common), "alq": ALQCompressor(**common)}
+    h = args.hidden
+    results = {}
+    for method in args.methods.split(","):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(784, h), torch.nn.ReLU(), torch.nn.Linear(h, h),
+                                    torch.nn.ReLU(), torch.nn.Linear(h, 10))
+        params = sum(p.numel() for p in model.parameters())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), compression=comps[method])
+        x = torch.randn(args.batch_size, 784)
+        y = torch.randint(0, 10, (args.batch_size,))
+        times, compute = [], []
+        for step in range(args.warmup + args.steps):
+            hvd.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            if step >= args.warmup:
+                times.append(t2 - t0)
+                compute.append(t1 - t0)
+        per_rank = hvd.allgather_object((times, compute))
+        step_max = [max(r[0][i] for r in per_rank) for i in range(len(times))]
+        results[method] = {"step_s": statistics.median(step_max), "steps": step_max,
+                           "compute_s": statistics.median(max(r[1][i] for r in per_rank) for i in range(len(times))),
+                           "params": params}
+        del opt
+    if hvd.rank() == 0:
+        Path(args.worker_out).write_text(json.dumps({"size": hvd.size(), "results": results}))
+    hvd.shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- network
+def sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, shell=True, text=True, capture_output=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`{cmd}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def ns_names() -> list[str]:
+    return [f"{PREFIX}-w{i}" for i in range(N_WORKERS)] + [f"{PREFIX}-head", f"{PREFIX}-br"]
+
+
+def existing_namespaces() -> list[str]:
+    out = sh("ip netns list", check=False).stdout.split("\n")
+    return [line.split()[0] for line in out if line.strip() and line.split()[0] in ns_names()]
+
+
+def teardown() -> list[str]:
+    """Kill processes left in our namespaces, delete the namespaces (their veths go with them).
+    Returns the namespaces still present afterwards (should be empty)."""
+    for ns in existing_namespaces():
+        for pid in sh(f"ip netns pids {ns}", check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    for ns in existing_namespaces():
+        sh(f"ip netns del {ns}", check=False)
+    return existing_namespaces()
+
+
+def setup() -> None:
+    br = f"{PREFIX}-br"
+    sh(f"ip netns add {br}")
+    sh(f"ip -n {br} link set lo up")
+    sh(f"ip -n {br} link add br0 type bridge")
+    sh(f"ip -n {br} link set br0 up")
+    hosts = [(f"{PREFIX}-w{i}", f"{SUBNET}.{i + 1}", f"p{i}") for i in range(N_WORKERS)]
+    hosts.append((f"{PREFIX}-head", f"{SUBNET}.100", "phead"))
+    for ns, ip, port in hosts:
+        sh(f"ip netns add {ns}")
+        # create the pair inside the bridge namespace, then move one end: nothing in the root namespace
+        sh(f"ip -n {br} link add {port} type veth peer name eth0 netns {ns}")
+        sh(f"ip -n {br} link set {port} master br0 up")
+        sh(f"ip -n {ns} link set lo up")
+        sh(f"ip -n {ns} addr add {ip}/24 dev eth0")
+        sh(f"ip -n {ns} link set eth0 up")
+    # connectivity is checked by measure_throughput (no ping on this machine)
+
+
+def shape(rate: str | None) -> None:
+    """tbf on both ends of every worker link (never the head's link, whose traffic is control only)."""
+    br = f"{PREFIX}-br"
+    for i in range(N_WORKERS):
+        for cmd_ns, dev in ((f"{PREFIX}-w{i}", "eth0"), (br, f"p{i}")):
+            sh(f"ip netns exec {cmd_ns} tc qdisc del dev {dev} root", check=False)
+            if rate:
+                bits = parse_rate(rate)
+                burst = max(64 * 1024, int(bits / 8 / 250 * 2))  # >= 2 timer ticks at HZ=250, >= one GSO frame
+                sh(f"ip netns exec {cmd_ns} tc qdisc add dev {dev} root tbf rate {rate} burst {burst} latency 100ms")
+
+
+def parse_rate(rate: str) -> float:
+    r = rate.lower().removesuffix("bit").removesuffix("bps")
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9}.get(r[-1], 1)
+    return float(r.rstrip("kmg")) * scale
+
+
+def measure_throughput(seconds: float = 2.0) -> float:
+    """Bytes/s from w0 to w1 over the shaped link (one TCP stream, Python sockets)."""
+    code = ("import socket,sys,time\n"
+            "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('{ip}',5999));s.listen(1)\n"
+            "c,_=s.accept();n=0;t=time.time()\n"
+            "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
+            "print(n/(time.time()-t))")
+    server = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}-w1", sys.executable, "-c",
+                               code.format(ip=f"{SUBNET}.2")], stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    client = ("import socket,time\ns=socket.create_connection(('{ip}',5999));b=bytes(1<<20);t=time.time()\n"
+              "while time.time()-t<{sec}: s.sendall(b)\ns.close()").format(ip=f"{SUBNET}.2", sec=seconds)
+    sh(f"ip netns exec {PREFIX}-w0 {sys.executable} -c {shlex.quote(client)}")
+    out, _ = server.communicate(timeout=30)
+    return float(out.strip())
+
+
+AGENT = """#!/bin/sh
+# Open MPI rsh agent: "$1" is the host (a worker address), the rest is the command for a shell.
+host="$1"; shift
+case "$host" in
+{cases}
+  *) echo "agent: unknown host $host" >&2; exit 1;;
+esac
+exec ip netns exec "$ns" /bin/sh -c "$*"
+"""
+
+
+def run_workers(args, tmp: Path, rate_label: str) -> dict:
+    cases = "\n".join(f"  {SUBNET}.{i + 1}) ns={PREFIX}-w{i};;" for i in range(N_WORKERS))
+    agent = tmp / "netns_agent.sh"
+    agent.write_text(AGENT.format(cases=cases))
+    agent.chmod(0o755)
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("".join(f"{SUBNET}.{i + 1} slots=1\n" for i in range(N_WORKERS)))
+    out = tmp / f"result_{rate_label}.json"
+    env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOROVOD_CPU_OPERATIONS": "mpi",
+                "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none",
+           "-np", str(N_WORKERS), "--hostfile", str(hostfile), "--map-by", "node",
+           "--mca", "plm_rsh_agent", str(agent), "--mca", "plm_rsh_no_tree_spawn", "1",
+           "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
+           "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",]
+    for k, v in env_vars.items():
+        cmd += ["-x", f"{k}={v}"]
+    cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+            "--methods", args.methods, "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
+            "--bits", str(args.bits), "--bucket-size", str(args.bucket_size),
+            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    full = ["ip", "netns", "exec", f"{PREFIX}-head", *cmd]
+    print(f"[{rate_label}] {shlex.join(full)}", flush=True)
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    log = tmp / f"mpirun_{rate_label}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(full, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=args.timeout, cwd=ROOT)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"mpirun failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------------------------------- driver
+def wire_bits(method: str, bits: int, bucket: int, n: int) -> float:
+    """Bits each worker receives per coordinate (docs: Horovod wire arithmetic)."""
+    if method == "none":
+        return 2 * (n - 1) / n * 32
+    if method == "fp16":
+        return 2 * (n - 1) / n * 16
+    return (n - 1) * (bits + 32 / bucket)
+
+
+def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
+    rates = list(runs)
+    lines = [f"Command: `python scripts/bench_network.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
+             f"({wall:.0f} s in all).", "",
+             f"{N_WORKERS} workers in network namespaces, MLP 784-{args.hidden}-{args.hidden}-10 "
+             f"({next(iter(runs.values()))['results'][METHODS[0] if METHODS[0] in next(iter(runs.values()))['results'] else next(iter(next(iter(runs.values()))['results']))]['params'] / 1e6:.1f}M parameters), "
+             f"batch {args.batch_size} per worker, {args.bits} bits, bucket {args.bucket_size}; median over "
+             f"{args.steps} timed steps (after {args.warmup} warm-up) of the slowest rank's step time.", "",
+             "| link | measured TCP throughput w0->w1 | " + " | ".join(LABELS.get(m, m) for m in args.methods.split(","))
+             + " | compute (fwd+bwd) |",
+             "|---|---|" + "---|" * (len(args.methods.split(",")) + 1)]
+    for rate in rates:
+        res = runs[rate]["results"]
+        base = res.get("none", {}).get("step_s")
+        cells = []
+        for m in args.methods.split(","):
+            s = res[m]["step_s"]
+            cells.append(f"{s * 1e3:.0f} ms" + (f" ({s / base:.2f}x)" if base else ""))
+        comp = max(r["compute_s"] for r in res.values())
+        lines.append(f"| {rate} | {throughput.get(rate, float('nan')) * 8 / 1e6:.0f} Mbit/s | " + " | ".join(cells)
+                     + f" | {comp * 1e3:.0f} ms |")
+    lines += ["", "Ratios in parentheses are to none (fp32) on the same link. Wire arithmetic per worker "
+              "and coordinate: " + ", ".join(f"{LABELS.get(m, m)} {wire_bits(m, args.bits, args.bucket_size, N_WORKERS):.2f} bits"
+                                              for m in args.methods.split(",")) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict, args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    methods = args.methods.split(",")
+    rates = list(runs)
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    w = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        vals = [runs[r]["results"][m]["step_s"] for r in rates]
+        xs = np.arange(len(rates)) + (j - (len(methods) - 1) / 2) * w
+        ax.bar(xs, vals, w, label=LABELS.get(m, m))
+    ax.set_xticks(np.arange(len(rates)), rates)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds per step (median, slowest rank)")
+    ax.set_title(f"{N_WORKERS} workers in netns, tc tbf per worker link, MLP {args.hidden}x{args.hidden}")
+    ax.grid(axis="y", alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="unshaped,1gbit,100mbit", help="tc tbf rates; 'unshaped' = no qdisc")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--hidden", type=int, default=4096, help="MLP width; default 4096 (17.6M parameters)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--bits", type=int, default=3)
+    p.add_argument("--bucket-size", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per mpirun")
+    p.add_argument("--out-dir", default="docs")
+    p.add_argument("--quick", action="store_true", help="1gbit only, MLP 512, 2 steps")
+    p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of this script")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.rates, args.hidden, args.steps, args.warmup = "1gbit", 512, 2, 1
+    if os.geteuid() != 0:
+        print("bench_network.py needs root (ip netns, tc)", file=sys.stderr)
+        return 2
+    if args.teardown_only:
+        left = teardown()
+        print("left:", left)
+        return 1 if left else 0
+    if existing_namespaces():
+        print(f"namespaces {existing_namespaces()} exist (another run, or a killed one?); "
+              "remove with --teardown-only", file=sys.stderr)
+        return 2
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    runs, throughput = {}, {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="alqnet-") as tmp:
+            setup()
+            for rate in args.rates.split(","):
+                shape(None if rate == "unshaped" else rate)
+                throughput[rate] = measure_throughput()
+                print(f"[{rate}] TCP throughput w0->w1: {throughput[rate] * 8 / 1e6:.0f} Mbit/s", flush=True)
+                runs[rate] = run_workers(args, Path(tmp), rate)
+                print(json.dumps({m: round(r["step_s"], 4) for m, r in runs[rate]["results"].items()}), flush=True)
+    finally:
+        left = teardown()
+        print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
+    wall = time.monotonic() - start
+    text = report(runs, args, argv, throughput, wall)
+    (out_dir / "bench_network.md").write_text(text)
+    (out_dir / "bench_network.json").write_text(json.dumps({"args": vars(args), "throughput_Bps": throughput,
+                                                             "runs": runs}, indent=1))
+    plot(runs, args, out_dir / "bench_network.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
