@@ -7,7 +7,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none \
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 
-.PHONY: install test demo clean
+.PHONY: install test demo clean bench
 
 install:
 	bash scripts/install.sh
@@ -20,6 +20,14 @@ test: install
 DEMO_ARGS ?=
 demo: install
 	OMP_NUM_THREADS=1 $(MPIRUN) -np $(NP) $(PY) scripts/train.py --methods alq,none $(DEMO_ARGS)
+
+# Quick versions of the evidence in docs/results.md (variance, codec speed, accuracy, netns
+# wall-clock; the last needs root), written to build/bench/.
+bench: install
+	$(PY) scripts/variance.py --quick --out-dir build/bench
+	OMP_NUM_THREADS=1 $(MPIRUN) -np 2 $(PY) scripts/bench_codec.py --quick --out build/bench/bench_codec.md
+	$(PY) scripts/run_accuracy.py --quick --out-dir build/bench
+	$(PY) scripts/bench_network.py --quick --out-dir build/bench
 
 # Removes the venv and build leftovers; the Horovod wheel cache (~/.cache/horovod-alq) stays.
 clean:

@@ -3,6 +3,15 @@
 same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
 
     mpirun -np 2 python scripts/bench_codec.py --sizes 16M --out docs/bench_codec.md
+    mpirun -np 2 python scripts/bench_codec.py --quick
+
+Besides Horovod's none and fp16 and this package's compressors, it times torch's own 8-bit
+quantization from torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks, run the way
+``quantization_pertensor_hook`` runs it (MinMaxObserver scale and zero point, allgather of those,
+``_quantize_per_tensor_backend`` to uint8, allgather of the codes, ``_dequantize_per_tensor_backend``
+of every rank's codes, mean), with Horovod's allgather in place of torch.distributed's, on the same
+tensor. "ALQ, refit every step" collects the level statistics in every call and refits (the cost
+of a refit round; by default the compressors refit at steps 0, 100, 2000 and every 10,000).
 
 Each measurement is ``hvd.allreduce(tensor, compression=c)`` (what the optimizer does per tensor),
 median of --repeats timed calls after --warmup calls, methods interleaved round-robin so that noise
@@ -40,8 +49,30 @@ def compressors(bits: int, bucket: int):
         f"AMQ {bits}b": AMQCompressor(bits=bits, **common),
         f"QSGDinf {bits}b": QSGDCompressor(bits=bits, **common),
         "TernGrad": TernGradCompressor(**common),
+        f"ALQ {bits}b, refit every step": ALQCompressor(bits=bits, bucket_size=bucket, update_steps=(0,),
+                                                         update_every=1, seed=0),
         f"ALQ {bits}b, plain torch kernels": ALQCompressor(bits=bits, fused=False, **common),
+        "torch 8-bit quantization hook helpers": TorchQuant8(),
     }
+
+
+class TorchQuant8:
+    """torch's per-tensor 8-bit DDP quantization hook, with Horovod allgathers (see module doc)."""
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks import (
+            _dequantize_per_tensor_backend, _quantize_per_tensor_backend)
+
+        observer = torch.ao.quantization.MinMaxObserver()
+        observer(tensor)
+        s, z = observer.calculate_qparams()
+        sz = hvd.allgather(torch.tensor([[float(s), float(z)]]), name="bench.q8.sz")
+        codes = _quantize_per_tensor_backend(tensor, s, z)
+        gathered = hvd.allgather(codes.view(1, -1), name="bench.q8.codes")
+        out = torch.zeros_like(tensor)
+        for i in range(gathered.shape[0]):
+            out += _dequantize_per_tensor_backend(gathered[i], sz[i, 0], sz[i, 1]).view_as(tensor)
+        return out / gathered.shape[0]
 
 
 def time_methods(methods: dict, tensor: torch.Tensor, warmup: int, repeats: int) -> dict:
@@ -50,7 +81,10 @@ def time_methods(methods: dict, tensor: torch.Tensor, warmup: int, repeats: int)
         for name, comp in methods.items():
             hvd.barrier()
             start = time.perf_counter()
-            hvd.allreduce(tensor, compression=comp, name=f"bench.{name}")
+            if isinstance(comp, TorchQuant8):
+                comp(tensor)
+            else:
+                hvd.allreduce(tensor, compression=comp, name=f"bench.{name}")
             elapsed = time.perf_counter() - start
             if i >= warmup:
                 times[name].append(elapsed)
@@ -59,6 +93,7 @@ def time_methods(methods: dict, tensor: torch.Tensor, warmup: int, repeats: int)
 
 
 def adaptation_ms(bits: int, bucket: int) -> dict:
+    """Median ms of ``q.adapt(stats)`` (the level fit alone) per adaptive method, 1M-element gradient."""
     import numpy as np
 
     from horovod_alq.core import Quantizer
@@ -85,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="1M elements, 3 repeats")
+    p.add_argument("--skip-slow-above", default="16M",
+                   help="sizes above this skip the plain-torch-kernel ALQ (minutes per call); default 16M")
     p.add_argument("--out", help="rank 0 writes a Markdown table here")
     args = p.parse_args(argv)
     if args.quick:
@@ -97,7 +134,9 @@ def main(argv=None) -> int:
     for size_text in args.sizes.split(","):
         n = parse_size(size_text)
         tensor = torch.randn(n, generator=torch.Generator().manual_seed(hvd.rank()))
-        med = time_methods(methods, tensor, args.warmup, args.repeats)
+        chosen = {k: v for k, v in methods.items()
+                  if not (n > parse_size(args.skip_slow_above) and "plain torch" in k)}
+        med = time_methods(chosen, tensor, args.warmup, args.repeats)
         for name, seconds in med.items():
             rows.append((size_text, name, seconds, seconds / med["fp16"], seconds / med["none (fp32)"]))
     adapt = adaptation_ms(args.bits, args.bucket_size)

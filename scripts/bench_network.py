@@ -9,6 +9,7 @@ QSGDinf and ALQ, as ratios to none. Needs root (ip netns, tc).
 Topology (created by this script, torn down at the end, also on failure, Ctrl-C or SIGTERM):
 
     netns alqnet-w0 .. alqnet-w3   eth0 = 10.213.0.1 .. 10.213.0.4/24, tc tbf egress at --rates
+                                   (--workers N: w0 .. w{N-1})
     netns alqnet-head              eth0 = 10.213.0.100/24 (unshaped; mpirun runs here)
     netns alqnet-br                bridge br0 with the peer veths (tbf egress toward each worker)
 
@@ -109,7 +110,7 @@ def sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def ns_names() -> list[str]:
-    return [f"{PREFIX}-w{i}" for i in range(N_WORKERS)] + [f"{PREFIX}-head", f"{PREFIX}-br"]
+    return [f"{PREFIX}-w{i}" for i in range(8)] + [f"{PREFIX}-head", f"{PREFIX}-br"]
 
 
 def existing_namespaces() -> list[str]:
@@ -241,10 +242,11 @@ def wire_bits(method: str, bits: int, bucket: int, n: int) -> float:
 
 def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
     rates = list(runs)
+    params = next(iter(next(iter(runs.values()))["results"].values()))["params"]
     lines = [f"Command: `python scripts/bench_network.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
              f"({wall:.0f} s in all).", "",
              f"{N_WORKERS} workers in network namespaces, MLP 784-{args.hidden}-{args.hidden}-10 "
-             f"({next(iter(runs.values()))['results'][METHODS[0] if METHODS[0] in next(iter(runs.values()))['results'] else next(iter(next(iter(runs.values()))['results']))]['params'] / 1e6:.1f}M parameters), "
+             f"({params / 1e6:.1f}M parameters), "
              f"batch {args.batch_size} per worker, {args.bits} bits, bucket {args.bucket_size}; median over "
              f"{args.steps} timed steps (after {args.warmup} warm-up) of the slowest rank's step time.", "",
              "| link | measured TCP throughput w0->w1 | " + " | ".join(LABELS.get(m, m) for m in args.methods.split(","))
@@ -296,6 +298,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="unshaped,1gbit,100mbit", help="tc tbf rates; 'unshaped' = no qdisc")
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--workers", type=int, default=4, help="worker namespaces and ranks, 2..8; default 4")
     p.add_argument("--hidden", type=int, default=4096, help="MLP width; default 4096 (17.6M parameters)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--bits", type=int, default=3)
@@ -304,6 +307,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1200, help="seconds per mpirun")
     p.add_argument("--out-dir", default="docs")
+    p.add_argument("--tag", default="", help="suffix of the output file names (bench_network<tag>.md/.json/.png)")
     p.add_argument("--quick", action="store_true", help="1gbit only, MLP 512, 2 steps")
     p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of this script")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -311,6 +315,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
+    global N_WORKERS
+    if not 2 <= args.workers <= 8:
+        p.error("--workers must be 2..8")
+    N_WORKERS = args.workers
     if args.quick:
         args.rates, args.hidden, args.steps, args.warmup = "1gbit", 512, 2, 1
     if os.geteuid() != 0:
@@ -348,10 +356,10 @@ def main(argv=None) -> int:
         print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
     wall = time.monotonic() - start
     text = report(runs, args, argv, throughput, wall)
-    (out_dir / "bench_network.md").write_text(text)
-    (out_dir / "bench_network.json").write_text(json.dumps({"args": vars(args), "throughput_Bps": throughput,
-                                                             "runs": runs}, indent=1))
-    plot(runs, args, out_dir / "bench_network.png")
+    (out_dir / f"bench_network{args.tag}.md").write_text(text)
+    (out_dir / f"bench_network{args.tag}.json").write_text(json.dumps({"args": vars(args), "throughput_Bps": throughput,
+                                                                    "runs": runs}, indent=1))
+    plot(runs, args, out_dir / f"bench_network{args.tag}.png")
     print(text)
     return 0
 

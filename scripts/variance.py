@@ -16,7 +16,7 @@ compressors do: statistics of round t, new levels from round t + 1). Three sched
     every   refit every --refit-every iterations
 
     python scripts/variance.py --out-dir docs            # 2,500 iterations, 2/3/4 bits, d=512,8192
-    python scripts/variance.py --quick --out-dir /tmp/v  # 60 iterations, 3 bits, d=512
+    python scripts/variance.py --quick --out-dir /tmp/v  # 30 iterations, 3 bits, d=512
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="docs", help="variance.md/.json and PNGs go here")
-    p.add_argument("--quick", action="store_true", help="60 iterations, 3 bits, bucket 512")
+    p.add_argument("--quick", action="store_true", help="30 iterations, 3 bits, bucket 512")
     p.add_argument("--replot", action="store_true", help="only rebuild variance.md and the PNGs from variance.json")
     args = p.parse_args(argv)
     if args.quick:
-        args.iters, args.eval_every, args.refit_every, args.paper_steps = 60, 20, 20, "0,40"
+        args.iters, args.eval_every, args.refit_every, args.paper_steps = 30, 10, 10, "0,20"
         args.bits, args.buckets = "3", "512"
     return args
 

@@ -1,0 +1,77 @@
+"""Smoke tests of the evidence scripts (docs/results.md): each one's --help, and the short paths
+that write its outputs. Kept brief; the real runs are `make bench` and the commands in results.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multiproc import MPI_OPTIONS, RANK_ENV, _tool
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load(name: str):
+    sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["variance", "run_accuracy", "bench_network", "bench_codec"])
+def test_help(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        load(name).main(["--help"])
+    assert exc.value.code == 0
+    assert "--quick" in capsys.readouterr().out
+
+
+def test_variance_quick(tmp_path):
+    assert load("variance").main(["--quick", "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "variance.json").read_text())
+    assert data["iterations"] == [0, 10, 20, 30]
+    v = data["variance"]
+    assert all(x > 0 for x in v["alq|3|512|paper"])
+    # the adaptive levels beat NUQSGD's once fitted (NUQSGD's levels are where they start)
+    assert v["alq|3|512|every"][-1] < v["nuqsgd|3|512|-"][-1]
+    for png in ("variance_vs_iter.png", "variance_staleness.png", "levels_vs_iter.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
+    assert "| alq" in (tmp_path / "variance.md").read_text()
+
+
+def test_run_accuracy_aggregates(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for seed, acc in ((0, 0.9), (1, 0.92)):
+        results = [{"method": "alq", "bucket_size": 512, "accuracy": acc},
+                   {"method": "none", "bucket_size": None, "accuracy": acc + 0.01}]
+        (raw / f"np4_b3_d512_s{seed}_e4_alq-none.json").write_text(
+            json.dumps({"args": {"seed": seed}, "results": results}))
+        (raw / f"np4_b3_d8192_s{seed}_e4_alq.json").write_text(
+            json.dumps({"args": {"seed": seed}, "results": [{"method": "alq", "bucket_size": 8192, "accuracy": acc - 0.1}]}))
+    mod = load("run_accuracy")
+    assert mod.main(["--aggregate-only", "--raw-dir", str(raw), "--out-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "accuracy.json").read_text())["summary"]
+    assert summary["alq@512"]["n"] == 2 and summary["alq@512"]["mean"] == pytest.approx(91.0)
+    assert summary["none@None"]["mean"] == pytest.approx(92.0)
+    assert "-10.00" in (tmp_path / "accuracy.md").read_text()  # bucket-size change 512 -> 8192
+    assert (tmp_path / "accuracy.png").stat().st_size > 10_000
+
+
+@pytest.mark.multiproc
+def test_bench_codec_two_ranks(tmp_path):
+    out = tmp_path / "codec.md"
+    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, str(SCRIPTS / "bench_codec.py"),
+           "--sizes", "64K", "--repeats", "1", "--warmup", "0", "--out", str(out)]
+    env = {**__import__("os").environ, **RANK_ENV}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = out.read_text()
+    for name in ("fp16", "ALQ 3b", "torch 8-bit quantization hook helpers"):
+        assert f"| {name} |" in text
