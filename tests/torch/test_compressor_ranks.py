@@ -14,7 +14,7 @@ ALL = ["alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd", "terngrad"]
 
 
 def _exchange(method, np_=2, launcher="mpi", op="average", rounds=150, bits=3):
-    return run_ranks("torch_compressor.py", np=np_, launcher=launcher, timeout=300,
+    return run_ranks("torch_compressor.py", np=np_, launcher=launcher, timeout=600,
                      args=["exchange", "--method", method, "--op", op, "--rounds", rounds,
                            "--bits", bits, "--numel", 3000, "--bucket", 512])
 
@@ -26,9 +26,26 @@ def _assert_unbiased(res):
     assert abs(res["aggregate_z"]) < 5.0, res["aggregate_z"]
 
 
+@pytest.fixture(scope="module")
+def exchanged():
+    """One 2-rank launch: 150 averaged exchanges with every method."""
+    res = _exchange(",".join(ALL))
+    return {m: [r[m] for r in res] for m in ALL}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """One 2-rank launch: the small model trained through the stock optimizer with every method."""
+    res = _train(",".join(m for m in ALL if m != "terngrad"), bits=4)
+    res_tern = _train("terngrad", bits=2)
+    out = {m: [r[m] for r in res] for m in ALL if m != "terngrad"}
+    out["terngrad"] = res_tern
+    return out
+
+
 @pytest.mark.parametrize("method", ALL)
-def test_average_unbiased_and_identical_on_all_ranks(method):
-    res = _exchange(method)
+def test_average_unbiased_and_identical_on_all_ranks(method, exchanged):
+    res = exchanged[method]
     for r in res:
         _assert_unbiased(r)
     assert res[0]["digests"] == res[1]["digests"], "ranks got different averaged gradients"
@@ -54,12 +71,12 @@ def _train(method, launcher="mpi", np_=2, **extra):
     args = ["train", "--method", method, "--bucket", 512, "--steps", 150]
     for key, value in extra.items():
         args += [f"--{key}", value]
-    return run_ranks("torch_compressor.py", np=np_, launcher=launcher, args=args, timeout=300)
+    return run_ranks("torch_compressor.py", np=np_, launcher=launcher, args=args, timeout=600)
 
 
 @pytest.mark.parametrize("method", ALL)
-def test_training_converges_with_identical_parameters(method):
-    res = _train(method, bits=4 if method != "terngrad" else 2)
+def test_training_converges_with_identical_parameters(method, trained):
+    res = trained[method]
     for r in res:
         assert r["last_loss"] < 0.5 * r["first_loss"]
         assert r["accuracy"] > 0.85, r["accuracy"]

@@ -258,7 +258,14 @@ def main() -> None:
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    report(globals()[args.scenario](args))
+    if args.scenario in ("exchange", "train") and "," in args.method:  # several methods, one launch
+        results = {}
+        for method in args.method.split(","):
+            args.method = method
+            results[method] = globals()[args.scenario](args)
+        report(results)
+    else:
+        report(globals()[args.scenario](args))
     hvd.shutdown()
 
 
