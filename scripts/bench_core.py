@@ -100,7 +100,7 @@ def report(args, adapt_rows, tput_rows, var_table, elapsed: float) -> str:
         "",
         f"## Adaptation (3 bits, bucket 8192, {args.n_adapt:,} Gaussian coordinates, median of {args.repeats})",
         "",
-        "statistics = `q.statistics(x)` on one worker's gradient; adapt = `q.adapt(stats)` from NUQSGD's levels "
+        "statistics = `q.statistics(x)` on one worker's gradient; adapt = `q.adapt(stats)` from the starting levels "
         "(ALQ: 30 coordinate-descent sweeps; AMQ: multi-start gradient descent on p).",
         "",
         "| method | statistics (ms) | adapt (ms) |",
