@@ -24,7 +24,7 @@ Open MPI's out-of-band and TCP BTL traffic are restricted to 10.213.0.0/24 (``bt
 shared memory between ranks, since they are on "different hosts"), so every byte of the gradient
 exchange crosses the shaped veths. Horovod uses MPI for its CPU collectives (HOROVOD_CPU_OPERATIONS=mpi).
 
-The model is a wide MLP (784 -> H -> H -> 10, about 17.6M parameters for H = 4096) with a batch of
+The model is a wide MLP (784 -> H -> H -> 10, about 20.0M parameters for H = 4096) with a batch of
 8 per worker: communication dominates. Each method runs --warmup untimed then --steps timed steps;
 the reported time is the median over steps of the slowest rank's step time.
 """
@@ -250,7 +250,7 @@ def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
              f"batch {args.batch_size} per worker, {args.bits} bits, bucket {args.bucket_size}; median over "
              f"{args.steps} timed steps (after {args.warmup} warm-up) of the slowest rank's step time.", "",
              "| link | measured TCP throughput w0->w1 | " + " | ".join(LABELS.get(m, m) for m in args.methods.split(","))
-             + " | compute (fwd+bwd) |",
+             + " | fwd+bwd incl. compress calls (max over methods) |",
              "|---|---|" + "---|" * (len(args.methods.split(",")) + 1)]
     for rate in rates:
         res = runs[rate]["results"]
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     p.add_argument("--rates", default="unshaped,1gbit,100mbit", help="tc tbf rates; 'unshaped' = no qdisc")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--workers", type=int, default=4, help="worker namespaces and ranks, 2..8; default 4")
-    p.add_argument("--hidden", type=int, default=4096, help="MLP width; default 4096 (17.6M parameters)")
+    p.add_argument("--hidden", type=int, default=4096, help="MLP width; default 4096 (20.0M parameters)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket-size", type=int, default=8192)

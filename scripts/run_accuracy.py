@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
     p.add_argument("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/accuracy_raw")
     p.add_argument("--out-dir", default="docs", help="accuracy.md, accuracy.json, accuracy.png go here")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per launch; default 1800")
+    p.add_argument("--timeout", type=float, default=7200, help="seconds per launch; default 7200")
     p.add_argument("--aggregate-only", action="store_true", help="do not launch, only aggregate")
     p.add_argument("--quick", action="store_true", help="2 ranks, seed 0, alq+fp16, bucket 8192, 1 epoch")
     args = p.parse_args(argv)
