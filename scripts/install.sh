@@ -223,8 +223,8 @@ if [[ -f "$cstamp" && "$(cat "$cstamp")" == "$hvd_id" ]] && libs_present; then
     echo "    passed when this Horovod was installed; to see it again: .venv/bin/horovodrun --check-build"
 else
     rm -f "$cstamp"
-    if [[ -x "$VENV/bin/horovodrun" ]]; then hvdrun="$VENV/bin/horovodrun"; else hvdrun=horovodrun; fi
-    check=$(TF_CPP_MIN_LOG_LEVEL=3 "$hvdrun" --check-build 2>&1) || { echo "$check" >&2; false; }
+    # (= .venv/bin/horovodrun --check-build, also where horovodrun lies outside the venv)
+    check=$(TF_CPP_MIN_LOG_LEVEL=3 "$VPY" -m horovod.runner.launch --check-build 2>&1) || { echo "$check" >&2; false; }
     grep -E '^Horovod v|:$|\[[ X]\]' <<<"$check" | sed 's/^/    /'
     required=(TensorFlow PyTorch MPI Gloo)
     if [[ "$SYSTEM_HOROVOD" == 1 ]]; then required=(); fi

@@ -82,7 +82,10 @@ def launch_command(launcher: str, np: int) -> list[str]:
     if launcher == "mpi":
         return [_tool("mpirun"), *MPI_OPTIONS, "-np", str(np)]
     if launcher == "gloo":
-        return [_tool("horovodrun"), "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
+        # horovodrun of this Python's Horovod (outside a venv when reusing an existing Horovod).
+        local = Path(sys.executable).parent / "horovodrun"
+        horovodrun = [str(local)] if local.exists() else [sys.executable, "-m", "horovod.runner.launch"]
+        return [*horovodrun, "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
     raise ValueError(f"launcher must be one of {LAUNCHERS}, not {launcher!r}")
 
 
