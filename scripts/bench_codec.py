@@ -141,7 +141,7 @@ def main(argv=None) -> int:
             rows.append((size_text, name, seconds, seconds / med["fp16"], seconds / med["none (fp32)"]))
     adapt = adaptation_ms(args.bits, args.bucket_size)
     if hvd.rank() == 0:
-        lines = [f"# Codec speed: compress + exchange + decompress", "",
+        lines = ["# Codec speed: compress + exchange + decompress", "",
                  f"Command: `mpirun -np {hvd.size()} python scripts/bench_codec.py "
                  f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
                  f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads per rank, "

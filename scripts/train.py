@@ -34,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-size", type=int, default=8192, help="coordinates per norm; default 8192")
     p.add_argument("--epochs", type=int, default=4, help="passes over the 4,000 training digits; default 4")
     p.add_argument("--batch-size", type=int, default=32, help="per worker; default 32")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9); default 0.05")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9), not scaled with the worker count; default 0.05")
     p.add_argument("--seed", type=int, default=0, help="model, data order and rounding seed; default 0")
     p.add_argument("--update-steps", default="0,100,2000", help="steps whose statistics refit the levels")
     p.add_argument("--update-every", type=int, default=10000, help="then refit every this many steps")
@@ -107,7 +107,7 @@ def run(method: str, args: argparse.Namespace, data) -> dict:
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     compressor = make_compressor(method, args)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compressor)
     shard_x, shard_y = train_x[rank::size], train_y[rank::size]

@@ -239,7 +239,7 @@ class QuantizedCompressor:
         if self._method.normless:
             return normless_statistics(BucketMoments(*kernels.bucket_moments(tensor, bucket_size=d, norm=norm))).tolist()
         if self._grid is None or self._grid.device != tensor.device:
-            self._grid = torch.as_tensor(GRID, dtype=torch.float64, device=tensor.device)
+            self._grid = torch.tensor(GRID, dtype=torch.float64, device=tensor.device)
         return kernels.grid_statistics(tensor, self._grid, bucket_size=d, norm=norm).tolist()
 
     def _check_pairing(self, reduced: np.ndarray, slot: int) -> float:

@@ -2,11 +2,9 @@
 
 import numpy as np
 import pytest
-from scipy import stats as sps
 
 from horovod_alq.core.statistics import (
     GRID,
-    SIGMA_FLOOR,
     bucket_moments,
     distribution_from_statistics,
     normalize,

@@ -166,7 +166,7 @@ def mismatch(args) -> dict:
 
 
 def dtypes(args) -> dict:
-    size, rank = hvd.size(), hvd.rank()
+    rank = hvd.rank()
     comp = ALQCompressor(bits=4, bucket_size=128, min_size=64, seed=1)
     res = {}
     for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
