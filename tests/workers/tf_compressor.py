@@ -1,0 +1,407 @@
+"""Worker for tests/tensorflow/test_compressor_ranks.py: one scenario per run, chosen by argv[1].
+
+TensorFlow starts slowly, so each scenario checks several things in one run. The ``keras``
+scenario sets TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then tf_keras).
+"""
+
+import argparse
+import hashlib
+import os
+import sys
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["exchange", "train", "keras", "mismatch", "misc"])
+    p.add_argument("--methods", default="alq")
+    p.add_argument("--bits", type=int, default=3)
+    p.add_argument("--bucket", type=int, default=512)
+    p.add_argument("--n", type=int, default=3000)
+    p.add_argument("--rounds", type=int, default=150)
+    p.add_argument("--op", default="average")
+    p.add_argument("--mode", default="function", choices=["function", "eager"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--large", action="store_true", help="exchange: also a 65536-element tensor")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.scenario == "keras":
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow is imported
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+from common import report
+
+from horovod_alq.core import Quantizer
+from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, NUQSGDCompressor, QSGDCompressor, TernGradCompressor
+
+FACTORIES = {
+    "alq": lambda **kw: ALQCompressor(**kw),
+    "alq-n": lambda **kw: ALQCompressor(normless=True, **kw),
+    "amq": lambda **kw: AMQCompressor(**kw),
+    "amq-n": lambda **kw: AMQCompressor(normless=True, **kw),
+    "qsgdinf": lambda **kw: QSGDCompressor(**kw),
+    "qsgd": lambda **kw: QSGDCompressor(norm="l2", **kw),
+    "nuqsgd": lambda **kw: NUQSGDCompressor(**kw),
+    "terngrad": lambda bits=2, **kw: TernGradCompressor(**kw),
+}
+ADAPTIVE = ("alq", "alq-n", "amq", "amq-n")
+
+
+def digest(*tensors) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(np.ascontiguousarray(np.asarray(t)).tobytes())
+    return h.hexdigest()
+
+
+def rank_data(rank: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 + rank)
+    return (rng.standard_normal(n) * (1 + rank) + 0.1 * rank).astype(np.float32)
+
+
+def core_decodes(comp, x: np.ndarray) -> list:
+    """A payload encoded with the compressor's live levels, header and seed decodes with the core."""
+    m = comp.metrics()
+    q = Quantizer(comp._method.name, bits=comp.bits, bucket_size=comp.bucket_size)
+    q.set_levels(m["levels"])
+    payload = comp._fns.encode(tf.constant(x), comp._levels, comp._header(x.size),
+                              tf.constant([1, 2], tf.int64)).numpy()
+    return list(q.decode(payload).shape)
+
+
+def reduce_fn(comp, op, mode):
+    def fn(x):
+        return hvd.allreduce(x, compression=comp, op=op)
+
+    return fn if mode == "eager" else tf.function(fn)
+
+
+def _cell_moments(x: np.ndarray, levels: np.ndarray, bucket: int, norm: str):
+    """Exact per-coordinate variance of n * Q(x / n) and the width of its support."""
+    n = x.size
+    nb = -(-n // bucket)
+    padded = np.zeros(nb * bucket)
+    padded[:n] = x
+    b = padded.reshape(nb, bucket)
+    norms = np.sqrt((b * b).sum(1)) if norm == "l2" else np.abs(b).max(1)
+    norms = np.repeat(norms.astype(np.float32).astype(np.float64), bucket)[:n]
+    r = np.clip(np.divide(x, norms, out=np.zeros(n), where=norms > 0), -1, 1)
+    cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
+    lo, hi = levels[cell], levels[cell + 1]
+    return norms**2 * (hi - r) * (r - lo), norms * (hi - lo)
+
+
+def exchange(args) -> dict:
+    """M rounds of hvd.allreduce per method. Unbiasedness: a Bernstein bound per coordinate from the
+    exact variance of every round (its levels are known: in TF a round's refit happens when it
+    begins, so the levels read after the call are the ones it used); identical results on all ranks."""
+    size, rank = hvd.size(), hvd.rank()
+    op = hvd.Sum if args.op == "sum" else hvd.Average
+    xs = [rank_data(r, args.n).astype(np.float64) for r in range(size)]
+    x = tf.constant(rank_data(rank, args.n))
+    scale = 1.0 if op == hvd.Sum else 1.0 / size
+    truth = scale * sum(xs)
+    out = {}
+    for method in args.methods.split(","):
+        comp = FACTORIES[method](bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
+                                 update_every=0, min_size=16, seed=args.seed)
+        norm = comp._method.norm
+        start = comp.levels.tolist()
+        fn = reduce_fn(comp, op, args.mode)
+        dev_sum, var_sum, width = np.zeros(args.n), np.zeros(args.n), np.zeros(args.n)
+        h = hashlib.sha1()
+        for _ in range(args.rounds):
+            y = fn(x).numpy()
+            levels = comp.levels
+            for x_r in xs:
+                var, w = _cell_moments(x_r, levels, args.bucket, norm)
+                var_sum += scale**2 * var
+                width = np.maximum(width, w)
+            dev_sum += y.astype(np.float64) - truth
+            h.update(y.tobytes())
+        # Bernstein: P(|sum| >= s) <= 2 exp(-s^2 / (2 (V + c s / 3))), c = largest single deviation
+        c = scale * size * width
+        log_term = np.log(2 / 1e-10)  # 1e-10 per coordinate: ~3e-7 for 3000 coordinates
+        bound = c * log_term / 3 + np.sqrt((c * log_term / 3) ** 2 + 2 * var_sum * log_term)
+        bound += args.rounds * 1e-6 * np.abs(truth) + 1e-9  # float32 rounding of the outputs
+        m = comp.metrics()
+        out[method] = {
+            "worst_ratio": float(np.max(np.abs(dev_sum) / bound)),
+            "aggregate_z": float(dev_sum.sum() / np.sqrt(var_sum.sum())),
+            "digest": h.hexdigest(), "levels": m["levels"].tolist(), "start_levels": start,
+            "level_updates": m["level_updates"], "step": m["step"], "calls": m["calls"],
+            "bits_per_coordinate": m["bits_per_coordinate"], "dtype": str(y.dtype),
+            "core_decoded_shape": core_decodes(comp, rank_data(rank, args.n))}
+    if args.large:
+        comp = ALQCompressor(bits=3, bucket_size=8192, min_size=16, seed=args.seed, update_steps=(0,))
+        fn = reduce_fn(comp, op, args.mode)
+        big = tf.constant(rank_data(rank, 65536))
+        for _ in range(3):
+            y = fn(big)
+        m = comp.metrics()
+        out["large"] = {"bits_per_coordinate": m["bits_per_coordinate"], "payload_bytes": m["payload_bytes"],
+                        "coordinates": m["coordinates"], "digest": digest(y.numpy()),
+                        "rel_err": float(np.linalg.norm(y.numpy() - sum(rank_data(r, 65536) for r in range(size))
+                                                        / (size if op == hvd.Average else 1))
+                                         / np.linalg.norm(y.numpy()))}
+    return out
+
+
+def digits_data(rank: int, size: int):
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.int64)
+    perm = np.random.default_rng(0).permutation(len(x))
+    x, y = x[perm], y[perm]
+    return x[:1500][rank::size], y[:1500][rank::size], x[1500:], y[1500:]
+
+
+class MLP(tf.Module):
+    """64 -> 128 -> 10 with plain tf.Variables, the same initial values on every rank."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        init = tf.keras.initializers.GlorotUniform(seed=seed)
+        self.w1 = tf.Variable(init([64, 128]), name="w1")
+        self.b1 = tf.Variable(tf.zeros([128]), name="b1")
+        self.w2 = tf.Variable(init([128, 10]), name="w2")
+        self.b2 = tf.Variable(tf.zeros([10]), name="b2")
+
+    def __call__(self, x):
+        return tf.matmul(tf.nn.relu(tf.matmul(x, self.w1) + self.b1), self.w2) + self.b2
+
+
+def train_loop(variables, forward, comp, data, steps: int, lr: float = 0.1, seed: int = 0):
+    """SGD with momentum 0.9 in a tf.function around hvd.DistributedGradientTape."""
+    tx, ty, vx, vy = data
+    momenta = [tf.Variable(tf.zeros_like(v)) for v in variables]
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, forward(xb)))
+        tape = hvd.DistributedGradientTape(tape, compression=comp)
+        grads = tape.gradient(loss, variables)
+        for v, m, g in zip(variables, momenta, grads):
+            m.assign(0.9 * m + g)
+            v.assign_sub(lr * m)
+        return loss
+
+    rng = np.random.default_rng(seed * 100 + hvd.rank())
+    losses = []
+    for _ in range(steps):
+        idx = rng.integers(0, len(tx), 32)
+        losses.append(float(step(tx[idx], ty[idx])))
+    acc = float(np.mean(np.argmax(forward(vx).numpy(), 1) == vy))
+    return {"first_loss": float(np.mean(losses[:10])), "last_loss": float(np.mean(losses[-10:])),
+            "accuracy": acc, "params": [digest(v.numpy()) for v in variables],
+            "traces": step.experimental_get_tracing_count()}
+
+
+def make_train_compressor(method: str, args):
+    bits = 2 if method == "terngrad" else 4
+    return FACTORIES[method](bits=bits, bucket_size=args.bucket, update_steps=(0, 20, 60), update_every=0,
+                             min_size=100, seed=args.seed)
+
+
+def train(args) -> dict:
+    """A small model on sklearn digits, per method; then a Keras 3 model through its tf.Variables."""
+    size, rank = hvd.size(), hvd.rank()
+    data = digits_data(rank, size)
+    out = {}
+    for method in args.methods.split(","):
+        model = MLP(seed=1)
+        comp = make_train_compressor(method, args)
+        start = comp.levels.tolist()
+        res = train_loop([model.w1, model.b1, model.w2, model.b2], model, comp, data, args.steps)
+        m = comp.metrics()
+        res.update(start_levels=start, levels=m["levels"].tolist(), level_updates=m["level_updates"],
+                   step=m["step"], uncompressed=m["uncompressed_coordinates"], coordinates=m["coordinates"],
+                   core_decoded_shape=core_decodes(comp, model.w1.numpy()))
+        out[method] = res
+
+    # Keras 3: DistributedGradientTape needs the Keras variables' underlying tf.Variables.
+    import keras
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.set_weights(hvd.broadcast_object(model.get_weights(), root_rank=0))
+    comp = make_train_compressor("alq", args)
+    direct_error = None
+    try:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(data[0][:4]))
+        hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, model.trainable_variables)
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        direct_error = f"{type(err).__name__}: {err}"
+    res = train_loop([v.value for v in model.trainable_variables], lambda x: model(x), comp, data, args.steps)
+    res.update(keras_version=keras.__version__, direct_error=direct_error,
+               level_updates=comp.metrics()["level_updates"])
+    out["keras3"] = res
+    return out
+
+
+def keras_fit(args) -> dict:
+    """Keras model.fit through horovod.tensorflow.keras with tf_keras (TF_USE_LEGACY_KERAS=1)."""
+    import horovod.tensorflow.keras as hvdk
+
+    keras = tf.keras
+    size, rank = hvdk.size(), hvdk.rank()
+    tx, ty, vx, vy = digits_data(rank, size)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.layers.Dense(128, activation="relu", input_shape=(64,)),
+                              keras.layers.Dense(10)])
+    comp = ALQCompressor(bits=4, bucket_size=args.bucket, update_steps=(0, 20, 60), update_every=0,
+                         min_size=100, seed=args.seed)
+    start = comp.levels.tolist()
+    opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), compression=comp)
+    model.compile(optimizer=opt, metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    hist = model.fit(tx, ty, batch_size=32, epochs=args.steps, shuffle=True, verbose=0,
+                     callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0)])
+    acc = float(np.mean(np.argmax(model.predict(vx, verbose=0), 1) == vy))
+    m = comp.metrics()
+    import tf_keras
+
+    return {"keras": keras.__name__, "keras_version": tf_keras.__version__, "loss": hist.history["loss"], "accuracy": acc,
+            "params": [digest(w) for w in model.get_weights()], "start_levels": start,
+            "levels": m["levels"].tolist(), "level_updates": m["level_updates"], "step": m["step"],
+            "bits_per_coordinate": m["bits_per_coordinate"]}
+
+
+def mismatch(args) -> dict:
+    """Rank 1 differs from rank 0 (bits, bucket size, levels or method): every rank must refuse,
+    eagerly and inside tf.function. After each refusal the ranks go on to the next case."""
+    rank = hvd.rank()
+    out = {}
+    for mode in ("eager", "function"):
+        for what in ("bits", "bucket", "levels", "method"):
+            kw = dict(bits=3, bucket_size=256, min_size=16, seed=0, update_steps=())
+            if rank == 1 and what == "bits":
+                kw["bits"] = 4
+            if rank == 1 and what == "bucket":
+                kw["bucket_size"] = 512
+            comp = AMQCompressor(**kw) if rank == 1 and what == "method" else ALQCompressor(**kw)
+            if rank == 1 and what == "levels":
+                state = comp.state_dict()
+                state["quantizer"]["levels"] = np.array([-1, -0.3, -0.1, -0.01, 0.01, 0.1, 0.3, 1.0])
+                comp.load_state_dict(state)
+            x = tf.constant(rank_data(rank, 4096))
+            try:
+                y = reduce_fn(comp, hvd.Average, mode)(x)
+                out[f"{mode}.{what}"] = {"error": None, "out": digest(y.numpy())}
+            except Exception as err:  # noqa: BLE001 - reported to the test
+                out[f"{mode}.{what}"] = {"error": f"{type(err).__name__}: {err}"[-1500:]}
+    # After all of that, a matching exchange still works.
+    comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, seed=0)
+    out["after"] = digest(hvd.allreduce(tf.constant(rank_data(0, 4096)), compression=comp).numpy())
+    return out
+
+
+def misc(args) -> dict:
+    """Checkpointing (tf.train.Checkpoint and state_dict), dtypes, NaN buckets, class-as-compression,
+    grouped allreduce, and the per-step randomness inside tf.function."""
+    import tempfile
+
+    size, rank = hvd.size(), hvd.rank()
+    out = {}
+    kw = dict(bits=3, bucket_size=256, min_size=16, update_steps=(0, 3), update_every=0, seed=7)
+    comp = ALQCompressor(**kw)
+    x = tf.constant(rank_data(rank, 5000))
+    fn = tf.function(lambda t: hvd.allreduce(t, compression=comp))
+    draws = [fn(x).numpy() for _ in range(5)]  # rounds 1-3 share their levels
+    out["draws_differ"] = len({digest(d) for d in draws}) == 5
+    out["draws_digest"] = digest(*draws)
+    ckpt_dir = tempfile.mkdtemp(prefix=f"alq-ckpt-{rank}-")
+    path = tf.train.Checkpoint(compressor=comp).save(os.path.join(ckpt_dir, "c"))
+    saved = comp.state_dict()
+    from_ckpt = ALQCompressor(**{**kw, "seed": 99})
+    tf.train.Checkpoint(compressor=from_ckpt).restore(path).assert_existing_objects_matched()
+    from_state = ALQCompressor(**{**kw, "seed": 98})
+    from_state.load_state_dict(saved)
+    outs = {}
+    for name, c in (("original", comp), ("checkpoint", from_ckpt), ("state_dict", from_state)):
+        f = tf.function(lambda t, c=c: hvd.allreduce(t, compression=c))
+        outs[name] = digest(f(x).numpy(), f(2 * x).numpy())
+        outs[name + ".metrics"] = {k: v for k, v in c.metrics().items() if k != "levels"}
+        outs[name + ".levels"] = c.levels.tolist()
+    out["state"] = outs
+    out["state_levels_moved"] = saved["quantizer"]["levels"].tolist() != ALQCompressor(bits=3).levels.tolist()
+    out["state_step"], out["state_updates"] = saved["step"], saved["level_updates"]
+
+    comp = ALQCompressor(bits=4, bucket_size=128, min_size=64, seed=1)
+    res = {}
+    for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
+        dt = getattr(tf, name)
+        for n in (1000, 10):  # compressed, and passed through
+            base = rank_data(rank, n)
+            t = tf.cast(base * 10, dt) if not dt.is_floating else tf.reshape(tf.cast(base, dt), [10, n // 10])
+            y = hvd.allreduce(t, compression=comp, name=f"{name}.{n}")
+            ref = tf.cast(hvd.allreduce(tf.cast(t, tf.float32) if dt == tf.bfloat16 else t, name=f"ref.{name}.{n}"),
+                          dt)
+            yd, rd = tf.cast(y, tf.float64).numpy(), tf.cast(ref, tf.float64).numpy()
+            res[f"{name}.{n}"] = {"dtype": y.dtype.name, "same_shape": y.shape == t.shape,
+                                  "rel_err": float(np.linalg.norm(yd - rd) / max(np.linalg.norm(rd), 1e-12)),
+                                  "exact": bool(np.array_equal(yd, rd)), "digest": digest(yd)}
+    out["dtypes"] = res
+    nan = rank_data(rank, 512)
+    if rank == 1:
+        nan[300] = np.nan
+    y = hvd.allreduce(tf.constant(nan), compression=comp, name="nan").numpy()
+    out["nan_buckets"] = [bool(np.isnan(y[i * 128:(i + 1) * 128]).all()) for i in range(4)]
+
+    # the same tensor on both ranks, same seed: the ranks' payloads still differ (rank in the seed)
+    same = QSGDCompressor(bits=3, bucket_size=256, min_size=16, seed=11)
+    small, ctx = same.compress(tf.constant(rank_data(0, 4096)))
+    same.decompress(hvd.allreduce(small, name="same.small"), ctx)
+    halves = np.split(ctx.gathered.numpy(), size)
+    out["rank_payloads_differ"] = (digest(halves[0][32:]) != digest(halves[1][32:])
+                                   and digest(halves[0][:32]) == digest(halves[1][:32]))
+
+    # the class itself as compression=, and a grouped allreduce (eager: one round of two slots)
+    y = hvd.allreduce(tf.constant(rank_data(rank, 2048)), compression=QSGDCompressor, name="cls")
+    out["class_default"] = {"shape": list(y.shape), "calls": QSGDCompressor.metrics()["calls"]}
+    comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, update_steps=(0,), seed=3)
+    ys = hvd.grouped_allreduce([tf.constant(rank_data(rank, 2048)), tf.constant(rank_data(rank + 5, 1024))],
+                               compression=comp)
+    m = comp.metrics()
+    out["grouped"] = {"shapes": [list(t.shape) for t in ys], "step": m["step"], "calls": m["calls"],
+                      "digest": digest(*[t.numpy() for t in ys])}
+    hvd.allreduce(tf.constant(rank_data(rank, 2048)), compression=comp)
+    out["grouped"]["updates_after_next_round"] = comp.metrics()["level_updates"]
+
+    # DistributedGradientTape outside tf.function (Horovod still traces its allreduce function):
+    # one round per gradient() call.
+    model = MLP(seed=2)
+    variables = [model.w1, model.b1, model.w2, model.b2]
+    comp = ALQCompressor(bits=4, bucket_size=512, min_size=100, update_steps=(0, 2), update_every=0, seed=5)
+    tx, ty, _, _ = digits_data(rank, size)
+    for i in range(4):
+        with tf.GradientTape() as tape:
+            logits = model(tx[i * 16:(i + 1) * 16])
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(ty[i * 16:(i + 1) * 16], logits))
+        grads = hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, variables)
+        for v, g in zip(variables, grads):
+            v.assign_sub(0.1 * g)
+    m = comp.metrics()
+    out["eager_tape"] = {"params": [digest(v.numpy()) for v in variables], "step": m["step"],
+                         "calls": m["calls"], "level_updates": m["level_updates"],
+                         "uncompressed": m["uncompressed_coordinates"]}
+    return out
+
+
+def main() -> None:
+    hvd.init()
+    scenario = "keras_fit" if ARGS.scenario == "keras" else ARGS.scenario
+    report(globals()[scenario](ARGS))
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
