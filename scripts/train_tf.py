@@ -35,7 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-size", type=int, default=8192, help="coordinates per norm; default 8192")
     p.add_argument("--epochs", type=int, default=4, help="passes over the 4,000 training digits; default 4")
     p.add_argument("--batch-size", type=int, default=32, help="per worker; default 32")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9); default 0.05")
+    p.add_argument("--lr", type=float, default=0.05,
+                   help="SGD learning rate (momentum 0.9), not scaled with the worker count; default 0.05")
     p.add_argument("--seed", type=int, default=0, help="model, data order and rounding seed; default 0")
     p.add_argument("--update-steps", default="0,100,2000", help="steps whose statistics refit the levels")
     p.add_argument("--update-every", type=int, default=10000, help="then refit every this many steps")
@@ -118,7 +119,7 @@ def run(tf, hvd, method: str, args: argparse.Namespace, data) -> dict:
     hvd.broadcast_variables(variables, root_rank=0)
     momenta = [tf.Variable(tf.zeros_like(v)) for v in variables]
     compressor = make_compressor(hvd, method, args)
-    lr = args.lr * size
+    lr = args.lr
 
     @tf.function
     def step(xb, yb):
