@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from demo_common import BASELINES, QUANTIZED  # scripts/ is on sys.path when this runs as a script
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train.py"
-QUANTIZED = ["alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd", "terngrad"]
-BASELINES = ["none", "fp16"]
 # Same single-host Open MPI options as tests/multiproc.py and the Makefile.
 MPI_OPTIONS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                "--mca", "btl", "self,vader,tcp", "--mca", "btl_vader_single_copy_mechanism", "none",

