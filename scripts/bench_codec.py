@@ -22,6 +22,7 @@ path) and the level adaptation.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -30,12 +31,7 @@ import time
 import torch
 
 import horovod.torch as hvd
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
-    return int(float(text.rstrip("KM")) * scale)
+from bench_common import parse_size, ratio_rows, timing_table, write_report
 
 
 def compressors(bits: int, bucket: int):
@@ -131,14 +127,15 @@ def main(argv=None) -> int:
 
     methods = compressors(args.bits, args.bucket_size)
     rows = []
+    load_before = os.getloadavg()[0]
     for size_text in args.sizes.split(","):
         n = parse_size(size_text)
         tensor = torch.randn(n, generator=torch.Generator().manual_seed(hvd.rank()))
         chosen = {k: v for k, v in methods.items()
                   if not (n > parse_size(args.skip_slow_above) and "plain torch" in k)}
         med = time_methods(chosen, tensor, args.warmup, args.repeats)
-        for name, seconds in med.items():
-            rows.append((size_text, name, seconds, seconds / med["fp16"], seconds / med["none (fp32)"]))
+        rows += ratio_rows(size_text, med)
+    load_after = os.getloadavg()[0]
     adapt = adaptation_ms(args.bits, args.bucket_size)
     if hvd.rank() == 0:
         lines = ["# Codec speed: compress + exchange + decompress", "",
@@ -146,16 +143,11 @@ def main(argv=None) -> int:
                  f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
                  f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads per rank, "
                  f"{hvd.size()} ranks on one host (shared memory), CPU. {fused.status()}. "
-                 f"Bucket size {args.bucket_size}. Median of {args.repeats} calls, slowest rank.", "",
-                 "| elements | compressor | ms | vs fp16 | vs fp32 |", "|---|---|---|---|---|"]
-        lines += [f"| {s} | {name} | {1e3 * t:.1f} | {r16:.2f} | {r32:.2f} |" for s, name, t, r16, r32 in rows]
+                 f"Bucket size {args.bucket_size}. Median of {args.repeats} calls, slowest rank. "
+                 f"Load average {load_before:.1f} before, {load_after:.1f} after.", "", *timing_table(rows)]
         lines += ["", f"Level adaptation ({args.bits} bits, statistics of a 1M-element gradient): "
                   + ", ".join(f"{m} {ms:.1f} ms" for m, ms in adapt.items())]
-        text = "\n".join(lines) + "\n"
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        write_report(lines, args.out)
     hvd.shutdown()
     return 0
 

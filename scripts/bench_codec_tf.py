@@ -21,11 +21,7 @@ import statistics
 import sys
 import time
 
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
-    return int(float(text.rstrip("KM")) * scale)
+from bench_common import parse_size, ratio_rows, timing_table, write_report
 
 
 def compressors(hvd, bits: int, bucket: int, extra_rows: bool) -> dict:
@@ -98,8 +94,7 @@ def main(argv=None) -> int:
         n = parse_size(size_text)
         tensor = tf.random.stateless_normal([n], seed=[hvd.rank(), 0])
         med = time_methods(tf, hvd, methods, tensor, args.warmup, args.repeats)
-        for name, seconds in med.items():
-            rows.append((size_text, name, seconds, seconds / med["fp16"], seconds / med["none (fp32)"]))
+        rows += ratio_rows(size_text, med)
     load_after = os.getloadavg()[0]
     if hvd.rank() == 0:
         threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "default")
@@ -111,19 +106,13 @@ def main(argv=None) -> int:
                   f"Bucket size {args.bucket_size}. Each call is a tf.function around hvd.allreduce, "
                   f"traced before timing; median of {args.repeats} calls, slowest rank. "
                   f"Load average {load_before:.1f} before, {load_after:.1f} after (other jobs share "
-                  f"this machine; ratios are more stable than absolute times)."), "",
-                 "| elements | compressor | ms | vs fp16 | vs fp32 |", "|---|---|---|---|---|"]
-        lines += [f"| {s} | {name} | {1e3 * t:.1f} | {r16:.2f} | {r32:.2f} |" for s, name, t, r16, r32 in rows]
+                  f"this machine; ratios are more stable than absolute times)."), "", *timing_table(rows)]
         lines += ["", "On one host the wire is shared memory, so these times are mostly codec compute. The "
                   "quantizers allgather b + 32/d bits per coordinate where fp16 allreduces 16: they pay off "
                   "on slow links, not here. The TF codec is TF ops compiled by XLA (the random draws come "
                   "from TF's Philox kernel, about a third of the encoder's time); the torch compressors have "
                   "a fused C++ codec (docs/bench_codec.md)."]
-        text = "\n".join(lines) + "\n"
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        write_report(lines, args.out)
     hvd.shutdown()
     return 0
 

@@ -66,15 +66,7 @@ def make_compressor(hvd, alq, method: str, args: argparse.Namespace):
     steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
     common = dict(bucket_size=args.bucket_size, update_steps=steps, update_every=args.update_every,
                   min_size=args.min_size, seed=args.seed)
-    if method == "terngrad":
-        return alq.TernGradCompressor(**common)
-    classes = {"alq": alq.ALQCompressor, "amq": alq.AMQCompressor}
-    base = method.removesuffix("-n")
-    if base in classes:
-        return classes[base](bits=args.bits, normless=method.endswith("-n"), **common)
-    if method in ("qsgdinf", "qsgd"):
-        return alq.QSGDCompressor(bits=args.bits, norm="linf" if method == "qsgdinf" else "l2", **common)
-    return alq.NUQSGDCompressor(bits=args.bits, **common)
+    return alq.compressor(method, bits=args.bits, **common)
 
 
 def result(method: str, args: argparse.Namespace, compressor, *, accuracy: float, final_loss: float,

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Accuracy sweep: final test accuracy of every method over several seeds and bucket sizes, each run
 a real Horovod job of scripts/train.py (``mpirun -np 4 ... train.py --json``), aggregated into a
-Markdown table (mean, standard deviation, min..max) and a PNG.
+Markdown table (mean, standard deviation, min..max; and the same-seed difference to fp32, mean and
+standard error) and a PNG.
 
-    python scripts/run_accuracy.py --out-dir docs            # the full sweep (long)
+    python scripts/run_accuracy.py --out-dir docs            # the full sweep (~18 min on 2 cores)
     python scripts/run_accuracy.py --quick --out-dir /tmp/q  # 2 ranks, 1 seed, 2 methods, 1 epoch
 
 Every launch writes its own JSON under --raw-dir; a launch whose JSON already exists is skipped,
@@ -40,12 +41,12 @@ LABELS = {"none": "fp32", "fp16": "fp16"}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--np", type=int, default=4, help="workers (ranks); default 4")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; default 0,1,2")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds; default 0,1,2,3,4")
     p.add_argument("--buckets", default="512,8192", help="bucket sizes; default 512,8192")
     p.add_argument("--bits", type=int, default=3, help="default 3")
     p.add_argument("--methods", default=",".join(QUANTIZED), help="quantized methods; default all")
     p.add_argument("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
-    p.add_argument("--epochs", type=int, default=4, help="train.py --epochs; default 4")
+    p.add_argument("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
     p.add_argument("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
     p.add_argument("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/accuracy_raw")
     p.add_argument("--out-dir", default="docs", help="accuracy.md, accuracy.json, accuracy.png go here")
@@ -96,48 +97,85 @@ def run_launch(job: dict, args, raw_dir: Path) -> Path:
 
 def collect(raw_dir: Path, args) -> dict:
     """{(method, bucket or None): [accuracy, ...]} over the JSON files matching np, bits and epochs."""
-    table: dict = {}
+    runs: dict = {}
     for path in sorted(raw_dir.glob(f"np{args.np}_b{args.bits}_d*_e{args.epochs}_*.json")):
         data = json.loads(path.read_text())
+        if args.lr is not None and data["args"]["lr"] != args.lr:
+            print(f"[skip] {path.name}: lr {data['args']['lr']}, not {args.lr}", flush=True)
+            continue
         for r in data["results"]:
-            key = (r["method"], r["bucket_size"])
-            table.setdefault(key, []).append((data["args"]["seed"], r["accuracy"]))
+            key = (r["method"], r["bucket_size"], data["args"]["seed"])
+            if key in runs:
+                raise ValueError(f"{path.name} repeats {key} (method, bucket, seed) of another raw file")
+            runs[key] = r["accuracy"]
+    table: dict = {}
+    for (method, bucket, seed), accuracy in sorted(runs.items(), key=lambda kv: kv[0][2]):
+        table.setdefault((method, bucket), []).append((seed, accuracy))
     return table
 
 
-def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
+def _stats(values) -> dict:
     import numpy as np
 
+    v = np.asarray(values, dtype=float)
+    return {"n": int(v.size), "mean": float(v.mean()), "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
+            "min": float(v.min()), "max": float(v.max())}
+
+
+def summarize(table: dict) -> tuple[list, list, dict]:
+    """Methods, buckets and, per ``method@bucket``, accuracy statistics (percent) over seeds plus
+    ``vs_fp32``: the same-seed difference to fp32 (seeds fix the initial model and the data order,
+    so pairing removes most of the seed-to-seed spread)."""
     buckets = sorted({b for _, b in table if b is not None})
     methods = [m for m in QUANTIZED + BASELINES if any(k[0] == m for k in table)]
-    rows, summary = [], {}
+    reference = {seed: 100 * a for seed, a in table.get(("none", None), [])}
+    summary = {}
     for m in methods:
-        cells = []
-        for b in buckets:
-            key = (m, None if m in BASELINES else b)
-            acc = np.array([a for _, a in table.get(key, [])]) * 100
-            if acc.size:
-                summary[f"{m}@{key[1]}"] = {"n": int(acc.size), "mean": float(acc.mean()),
-                                             "std": float(acc.std(ddof=1)) if acc.size > 1 else 0.0,
-                                             "min": float(acc.min()), "max": float(acc.max())}
-                s = summary[f"{m}@{key[1]}"]
-                cells.append(f"{s['mean']:.2f} ± {s['std']:.2f} ({s['min']:.1f}..{s['max']:.1f}, n={s['n']})")
-            else:
-                cells.append("-")
-            if m in BASELINES:
-                break
+        for b in [None] if m in BASELINES else buckets:
+            runs = table.get((m, b), [])
+            if not runs:
+                continue
+            cell = _stats([100 * a for _, a in runs])
+            diffs = [100 * a - reference[seed] for seed, a in runs if seed in reference]
+            if diffs and m != "none":
+                d = _stats(diffs)
+                cell["vs_fp32"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
+            summary[f"{m}@{b}"] = cell
+    return methods, buckets, summary
+
+
+def markdown(methods: list, buckets: list, summary: dict) -> str:
+    def acc(s):
+        return f"{s['mean']:.2f} ± {s['std']:.2f} ({s['min']:.1f}..{s['max']:.1f}, n={s['n']})" if s else "-"
+
+    def paired(s):
+        d = (s or {}).get("vs_fp32")
+        return f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-"
+
+    head = "| method | " + " | ".join(f"bucket {b}" for b in buckets) + f" | change {buckets[0]}→{buckets[-1]} |"
+    lines = [head, "|---|" + "---|" * (len(buckets) + 1)]
+    for m in methods:
         if m in BASELINES:
-            cells = cells + ["(same)"] * (len(buckets) - 1)
-        delta = "-"
-        if m not in BASELINES and len(buckets) >= 2:
+            cells = [acc(summary.get(f"{m}@None"))] + ["(same)"] * (len(buckets) - 1)
+            delta = "-"
+        else:
+            cells = [acc(summary.get(f"{m}@{b}")) for b in buckets]
             a, z = summary.get(f"{m}@{buckets[0]}"), summary.get(f"{m}@{buckets[-1]}")
-            if a and z:
-                delta = f"{z['mean'] - a['mean']:+.2f}"
-        rows.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {delta} |")
-    head = ("| method | " + " | ".join(f"bucket {b}" for b in buckets)
-            + f" | change {buckets[0]}→{buckets[-1]} (points) |" if buckets else "| method |")
-    lines = [head, "|---|" + "---|" * (len(buckets) + 1), *rows]
-    text = "\n".join(lines) + "\n"
+            delta = f"{z['mean'] - a['mean']:+.2f}" if a and z and len(buckets) > 1 else "-"
+        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {delta} |")
+    lines += ["", "Difference to fp32 on the same seed (points): mean ± standard error over seeds.", "",
+              "| method | " + " | ".join(f"bucket {b}" for b in buckets) + " |", "|---|" + "---|" * len(buckets)]
+    for m in methods:
+        if m == "none":
+            continue
+        keys = [f"{m}@None"] if m in BASELINES else [f"{m}@{b}" for b in buckets]
+        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(paired(summary.get(k)) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
+    methods, buckets, summary = summarize(table)
+    text = markdown(methods, buckets, summary)
     (out_dir / "accuracy.json").write_text(json.dumps({"np": args.np, "bits": args.bits, "epochs": args.epochs,
                                                        "lr": args.lr, "wall_seconds": wall,
                                                        "summary": summary}, indent=2))
@@ -147,32 +185,53 @@ def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
 
 
 def plot(summary: dict, methods: list, buckets: list, path: Path, args) -> None:
+    """Left: accuracy, mean and min..max over seeds. Right: same-seed difference to fp32, mean ± 2
+    standard errors, on a scale where the working methods are visible (collapsed ones are marked)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.4))
     x = np.arange(len(methods))
     width = 0.8 / max(1, len(buckets))
-    for i, b in enumerate(buckets):
-        means, lo, hi, xs = [], [], [], []
+    series = [(f"bucket {b}", b, (i - (len(buckets) - 1) / 2) * width, f"C{i}") for i, b in enumerate(buckets)]
+    series.append(("fp32 / fp16 (no buckets)", None, 0.0, "gray"))
+    limit = 4.0
+    for label, bucket, shift, color in series:
+        xs, means, lo, hi, dxs, dmeans, derr = [], [], [], [], [], [], []
         for j, m in enumerate(methods):
-            s = summary.get(f"{m}@{None if m in BASELINES else b}")
-            if not s or (m in BASELINES and i > 0):
+            s = summary.get(f"{m}@{bucket}")
+            if not s or (m in BASELINES) != (bucket is None):
                 continue
-            xs.append(j + (0 if m in BASELINES else (i - (len(buckets) - 1) / 2) * width))
+            xs.append(j + shift)
             means.append(s["mean"])
             lo.append(s["mean"] - s["min"])
             hi.append(s["max"] - s["mean"])
-        label = f"bucket {b}" if i or True else None
-        ax.errorbar(xs, means, yerr=[lo, hi], fmt="o", capsize=4, label=f"bucket {b} (fp32/fp16: n/a)" if i == 0 else f"bucket {b}")
-    ax.set_xticks(x, [LABELS.get(m, m) for m in methods])
+            d = s.get("vs_fp32")
+            if d and d["mean"] > -limit:
+                dxs.append(j + shift)
+                dmeans.append(d["mean"])
+                derr.append(2 * d["sem"])
+            elif d:
+                bx.annotate("collapsed", (j + shift, -limit), xytext=(0, 6), textcoords="offset points",
+                            rotation=90, ha="center", va="bottom", color=color, fontsize=8)
+        if xs:
+            ax.errorbar(xs, means, yerr=[lo, hi], fmt="o", capsize=4, label=label, color=color)
+        if dxs:
+            bx.errorbar(dxs, dmeans, yerr=derr, fmt="o", capsize=4, label=label, color=color)
+    ax.set_xticks(x, [LABELS.get(m, m) for m in methods], rotation=30)
     ax.set_ylabel("final test accuracy (%)")
-    ax.set_title(f"MNIST digits, {args.np} workers, {args.bits} bits, {args.epochs} epochs: mean, min..max over seeds")
+    ax.set_title(f"{args.np} workers, {args.bits} bits, {args.epochs} epochs: mean, min..max over seeds", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="lower left")
+    bx.axhline(0, color="black", lw=0.8)
+    bx.set_ylim(-limit, limit)
+    bx.set_xticks(x, [LABELS.get(m, m) for m in methods], rotation=30)
+    bx.set_ylabel("accuracy − fp32, same seed (points)")
+    bx.set_title("paired difference to fp32: mean ± 2 standard errors", fontsize=10)
+    bx.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -56,12 +56,22 @@ def test_run_accuracy_aggregates(tmp_path):
         (raw / f"np4_b3_d8192_s{seed}_e4_alq.json").write_text(
             json.dumps({"args": {"seed": seed}, "results": [{"method": "alq", "bucket_size": 8192, "accuracy": acc - 0.1}]}))
     mod = load("run_accuracy")
-    assert mod.main(["--aggregate-only", "--raw-dir", str(raw), "--out-dir", str(tmp_path)]) == 0
+    assert mod.main(["--aggregate-only", "--epochs", "4", "--raw-dir", str(raw), "--out-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "accuracy.json").read_text())["summary"]
     assert summary["alq@512"]["n"] == 2 and summary["alq@512"]["mean"] == pytest.approx(91.0)
     assert summary["none@None"]["mean"] == pytest.approx(92.0)
     assert "-10.00" in (tmp_path / "accuracy.md").read_text()  # bucket-size change 512 -> 8192
+    # same-seed difference to fp32: -1 and -11 points on both seeds, so no spread
+    assert summary["alq@512"]["vs_fp32"]["mean"] == pytest.approx(-1.0)
+    assert summary["alq@8192"]["vs_fp32"]["mean"] == pytest.approx(-11.0)
+    assert summary["alq@8192"]["vs_fp32"]["sem"] == pytest.approx(0.0, abs=1e-9)
+    assert "vs_fp32" not in summary["none@None"]
     assert (tmp_path / "accuracy.png").stat().st_size > 10_000
+    # a raw file that repeats a (method, bucket, seed) run is an error, not a silent double count
+    (raw / "np4_b3_d512_s0_e4_alq-again.json").write_text(
+        json.dumps({"args": {"seed": 0}, "results": [{"method": "alq", "bucket_size": 512, "accuracy": 0.5}]}))
+    with pytest.raises(ValueError, match="repeats"):
+        mod.main(["--aggregate-only", "--epochs", "4", "--raw-dir", str(raw), "--out-dir", str(tmp_path)])
 
 
 @pytest.mark.multiproc

@@ -7,7 +7,8 @@ from .compressor import (
     QSGDCompressor,
     QuantizedCompressor,
     TernGradCompressor,
+    compressor,
 )
 
 __all__ = ["ALQCompressor", "AMQCompressor", "NUQSGDCompressor", "QSGDCompressor",
-           "QuantizedCompressor", "TernGradCompressor"]
+           "QuantizedCompressor", "TernGradCompressor", "compressor"]

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..core import frontends
 from ..core.methods import get_method
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
@@ -116,9 +117,7 @@ class QuantizedCompressor:
         self._method = get_method(method)
         self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size)
         self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every))
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-            raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
-        self.min_size = min_size
+        self.min_size = frontends.check_min_size(min_size)
         self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
         self._use_fused = fused
         self._uid = next(_UIDS)
@@ -293,50 +292,28 @@ class QuantizedCompressor:
         return out.to(device)
 
 
-class ALQCompressor(QuantizedCompressor):
-    """ALQ: levels adapted by coordinate descent to the gradients' statistics (Faghri et al. 2020).
-
-    ``normless=True`` gives ALQ-N (one truncated normal instead of the norm-weighted mixture)."""
-
-    method = "alq"
-
-    def __init__(self, bits: int = 3, bucket_size: int = 8192, normless: bool = False, **kwargs) -> None:
-        super().__init__("alq-n" if normless else "alq", bits, bucket_size, **kwargs)
+class ALQCompressor(frontends.ALQ, QuantizedCompressor):
+    __doc__ = frontends.ALQ.__doc__
 
 
-class AMQCompressor(QuantizedCompressor):
-    """AMQ: levels ``+-{p**s, ..., p, 1}`` with the multiplier ``p`` adapted; ``normless=True``: AMQ-N."""
-
-    method = "amq"
-
-    def __init__(self, bits: int = 3, bucket_size: int = 8192, normless: bool = False, **kwargs) -> None:
-        super().__init__("amq-n" if normless else "amq", bits, bucket_size, **kwargs)
+class AMQCompressor(frontends.AMQ, QuantizedCompressor):
+    __doc__ = frontends.AMQ.__doc__
 
 
-class QSGDCompressor(QuantizedCompressor):
-    """QSGD with uniform levels; ``norm="linf"`` (default) is QSGDinf, ``norm="l2"`` the original QSGD."""
-
-    method = "qsgdinf"
-
-    def __init__(self, bits: int = 3, bucket_size: int = 8192, norm: str = "linf", **kwargs) -> None:
-        if norm not in ("linf", "l2"):
-            raise ValueError(f"norm must be 'linf' (QSGDinf) or 'l2' (QSGD), got {norm!r}")
-        super().__init__("qsgdinf" if norm == "linf" else "qsgd", bits, bucket_size, **kwargs)
+class QSGDCompressor(frontends.QSGD, QuantizedCompressor):
+    __doc__ = frontends.QSGD.__doc__
 
 
-class NUQSGDCompressor(QuantizedCompressor):
-    """NUQSGD: fixed exponential levels ``+-{2**-s, ..., 1/2, 1}``."""
-
-    method = "nuqsgd"
-
-    def __init__(self, bits: int = 3, bucket_size: int = 8192, **kwargs) -> None:
-        super().__init__("nuqsgd", bits, bucket_size, **kwargs)
+class NUQSGDCompressor(frontends.NUQSGD, QuantizedCompressor):
+    __doc__ = frontends.NUQSGD.__doc__
 
 
-class TernGradCompressor(QuantizedCompressor):
-    """TernGrad: levels {-1, 0, 1} scaled by the bucket's max-abs, 2 bits on the wire."""
+class TernGradCompressor(frontends.TernGrad, QuantizedCompressor):
+    __doc__ = frontends.TernGrad.__doc__
 
-    method = "terngrad"
 
-    def __init__(self, bucket_size: int = 8192, **kwargs) -> None:
-        super().__init__("terngrad", 2, bucket_size, **kwargs)
+def compressor(method: str, **kwargs) -> QuantizedCompressor:
+    """The compressor for a method name ("alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd",
+    "terngrad"), with the classes' keywords: ``compressor("alq-n", bits=3)`` is
+    ``ALQCompressor(bits=3, normless=True)``. TernGrad ignores ``bits`` (always 2)."""
+    return frontends.compressor_by_name(globals(), method, **kwargs)

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 RESULT_DIR_ENV = "HOROVOD_ALQ_RESULT_DIR"
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMI_RANK", "PMIX_RANK")
 
@@ -45,3 +47,19 @@ def report(obj: Any) -> None:
     tmp = result_dir / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(obj, default=_plain))
     tmp.replace(result_dir / f"rank{rank}.json")
+
+
+def cell_moments(x: np.ndarray, levels: np.ndarray, bucket: int, norm: str):
+    """Exact per-coordinate variance of n * Q(x / n) and the width of its support, for a tensor
+    ``x`` quantized in buckets of ``bucket`` with norm ``norm`` ("l2" or "linf") and ``levels``."""
+    n = x.size
+    nb = -(-n // bucket)
+    padded = np.zeros(nb * bucket)
+    padded[:n] = x
+    b = padded.reshape(nb, bucket)
+    norms = np.sqrt((b * b).sum(1)) if norm == "l2" else np.abs(b).max(1)
+    norms = np.repeat(norms.astype(np.float32).astype(np.float64), bucket)[:n]
+    r = np.clip(np.divide(x, norms, out=np.zeros(n), where=norms > 0), -1, 1)
+    cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
+    lo, hi = levels[cell], levels[cell + 1]
+    return norms**2 * (hi - r) * (r - lo), norms * (hi - lo)

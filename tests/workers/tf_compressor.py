@@ -33,21 +33,11 @@ if ARGS.scenario == "keras":
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-from common import report
+from common import cell_moments, report
 
 from horovod_alq.core import Quantizer
-from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, NUQSGDCompressor, QSGDCompressor, TernGradCompressor
+from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, QSGDCompressor, compressor
 
-FACTORIES = {
-    "alq": lambda **kw: ALQCompressor(**kw),
-    "alq-n": lambda **kw: ALQCompressor(normless=True, **kw),
-    "amq": lambda **kw: AMQCompressor(**kw),
-    "amq-n": lambda **kw: AMQCompressor(normless=True, **kw),
-    "qsgdinf": lambda **kw: QSGDCompressor(**kw),
-    "qsgd": lambda **kw: QSGDCompressor(norm="l2", **kw),
-    "nuqsgd": lambda **kw: NUQSGDCompressor(**kw),
-    "terngrad": lambda bits=2, **kw: TernGradCompressor(**kw),
-}
 ADAPTIVE = ("alq", "alq-n", "amq", "amq-n")
 
 
@@ -80,21 +70,6 @@ def reduce_fn(comp, op, mode):
     return fn if mode == "eager" else tf.function(fn)
 
 
-def _cell_moments(x: np.ndarray, levels: np.ndarray, bucket: int, norm: str):
-    """Exact per-coordinate variance of n * Q(x / n) and the width of its support."""
-    n = x.size
-    nb = -(-n // bucket)
-    padded = np.zeros(nb * bucket)
-    padded[:n] = x
-    b = padded.reshape(nb, bucket)
-    norms = np.sqrt((b * b).sum(1)) if norm == "l2" else np.abs(b).max(1)
-    norms = np.repeat(norms.astype(np.float32).astype(np.float64), bucket)[:n]
-    r = np.clip(np.divide(x, norms, out=np.zeros(n), where=norms > 0), -1, 1)
-    cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
-    lo, hi = levels[cell], levels[cell + 1]
-    return norms**2 * (hi - r) * (r - lo), norms * (hi - lo)
-
-
 def exchange(args) -> dict:
     """M rounds of hvd.allreduce per method. Unbiasedness: a Bernstein bound per coordinate from the
     exact variance of every round (its levels are known: in TF a round's refit happens when it
@@ -107,8 +82,8 @@ def exchange(args) -> dict:
     truth = scale * sum(xs)
     out = {}
     for method in args.methods.split(","):
-        comp = FACTORIES[method](bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
-                                 update_every=0, min_size=16, seed=args.seed)
+        comp = compressor(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
+                          update_every=0, min_size=16, seed=args.seed)
         norm = comp._method.norm
         start = comp.levels.tolist()
         fn = reduce_fn(comp, op, args.mode)
@@ -118,7 +93,7 @@ def exchange(args) -> dict:
             y = fn(x).numpy()
             levels = comp.levels
             for x_r in xs:
-                var, w = _cell_moments(x_r, levels, args.bucket, norm)
+                var, w = cell_moments(x_r, levels, args.bucket, norm)
                 var_sum += scale**2 * var
                 width = np.maximum(width, w)
             dev_sum += y.astype(np.float64) - truth
@@ -206,8 +181,8 @@ def train_loop(variables, forward, comp, data, steps: int, lr: float = 0.1, seed
 
 def make_train_compressor(method: str, args):
     bits = 2 if method == "terngrad" else 4
-    return FACTORIES[method](bits=bits, bucket_size=args.bucket, update_steps=(0, 20, 60), update_every=0,
-                             min_size=100, seed=args.seed)
+    return compressor(method, bits=bits, bucket_size=args.bucket, update_steps=(0, 20, 60), update_every=0,
+                      min_size=100, seed=args.seed)
 
 
 def train(args) -> dict:

@@ -8,22 +8,11 @@ import numpy as np
 import torch
 
 import horovod.torch as hvd
-from common import report
+from common import cell_moments, report
 
 from horovod_alq.core import Quantizer
-from horovod_alq.torch import (ALQCompressor, AMQCompressor, NUQSGDCompressor, QSGDCompressor,
-                               TernGradCompressor)
+from horovod_alq.torch import ALQCompressor, AMQCompressor, compressor
 
-FACTORIES = {
-    "alq": lambda **kw: ALQCompressor(**kw),
-    "alq-n": lambda **kw: ALQCompressor(normless=True, **kw),
-    "amq": lambda **kw: AMQCompressor(**kw),
-    "amq-n": lambda **kw: AMQCompressor(normless=True, **kw),
-    "qsgdinf": lambda **kw: QSGDCompressor(**kw),
-    "qsgd": lambda **kw: QSGDCompressor(norm="l2", **kw),
-    "nuqsgd": lambda **kw: NUQSGDCompressor(**kw),
-    "terngrad": lambda bits=2, **kw: TernGradCompressor(**kw),
-}
 
 
 def digest(t: torch.Tensor) -> str:
@@ -35,27 +24,12 @@ def rank_data(rank: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=g) * (1 + rank) + 0.1 * rank
 
 
-def _cell_moments(x: np.ndarray, levels: np.ndarray, bucket: int, norm: str):
-    """Exact per-coordinate variance of n * Q(x / n) and the width of its support."""
-    n = x.size
-    nb = -(-n // bucket)
-    padded = np.zeros(nb * bucket)
-    padded[:n] = x
-    b = padded.reshape(nb, bucket)
-    norms = np.sqrt((b * b).sum(1)) if norm == "l2" else np.abs(b).max(1)
-    norms = np.repeat(norms.astype(np.float32).astype(np.float64), bucket)[:n]
-    r = np.clip(np.divide(x, norms, out=np.zeros(n), where=norms > 0), -1, 1)
-    cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
-    lo, hi = levels[cell], levels[cell + 1]
-    return norms**2 * (hi - r) * (r - lo), norms * (hi - lo)
-
-
 def exchange(args) -> dict:
     """M rounds of hvd.allreduce with the compressor; a Bernstein bound per coordinate with the
     exact variance of each round (its levels are known) says whether the mean is unbiased."""
     size, rank = hvd.size(), hvd.rank()
-    comp = FACTORIES[args.method](bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
-                                  update_every=0, min_size=16, seed=args.seed)
+    comp = compressor(args.method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
+                      update_every=0, min_size=16, seed=args.seed)
     norm = "linf" if args.method in ("qsgdinf", "terngrad") else "l2"
     op = hvd.Sum if args.op == "sum" else hvd.Average
     xs = [rank_data(r, args.numel).double().numpy() for r in range(size)]
@@ -68,7 +42,7 @@ def exchange(args) -> dict:
     for i in range(args.rounds):
         levels = comp.levels
         for x_r in xs:  # round i uses the levels it starts with
-            var, w = _cell_moments(x_r, levels, args.bucket, norm)
+            var, w = cell_moments(x_r, levels, args.bucket, norm)
             var_sum += scale**2 * var
             width = np.maximum(width, w)
         out = hvd.allreduce(x, compression=comp, op=op, name=f"x{i}")
@@ -107,8 +81,8 @@ def train(args) -> dict:
     if args.method == "none":
         comp = hvd.Compression.none
     else:
-        comp = FACTORIES[args.method](bits=args.bits, bucket_size=args.bucket, update_steps=(0, 20, 60),
-                                      update_every=0, min_size=100, seed=args.seed)
+        comp = compressor(args.method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 20, 60),
+                          update_every=0, min_size=100, seed=args.seed)
     start_levels = None if args.method == "none" else comp.levels.tolist()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     kwargs = {}

@@ -1,0 +1,94 @@
+"""The five user-facing quantization schemes, shared by the PyTorch and TensorFlow compressors.
+
+Each class here is a mixin that turns a scheme's own keywords (``normless=``, ``norm=``) into a
+method name of :mod:`horovod_alq.core.methods` and calls the framework's base class with it::
+
+    class ALQCompressor(ALQ, QuantizedCompressor): ...
+
+so the keywords, defaults and their checks exist once for both frameworks.
+"""
+
+from __future__ import annotations
+
+
+class ALQ:
+    """ALQ: levels adapted by coordinate descent to the gradients' statistics (Faghri et al. 2020).
+
+    ``normless=True`` gives ALQ-N (one truncated normal instead of the norm-weighted mixture)."""
+
+    method = "alq"
+
+    def __init__(self, bits: int = 3, bucket_size: int = 8192, normless: bool = False, **kwargs) -> None:
+        super().__init__("alq-n" if normless else "alq", bits, bucket_size, **kwargs)
+
+
+class AMQ:
+    """AMQ: levels ``+-{p**s, ..., p, 1}`` with the multiplier ``p`` adapted; ``normless=True``: AMQ-N."""
+
+    method = "amq"
+
+    def __init__(self, bits: int = 3, bucket_size: int = 8192, normless: bool = False, **kwargs) -> None:
+        super().__init__("amq-n" if normless else "amq", bits, bucket_size, **kwargs)
+
+
+class QSGD:
+    """QSGD with uniform levels; ``norm="linf"`` (default) is QSGDinf, ``norm="l2"`` the original QSGD."""
+
+    method = "qsgdinf"
+
+    def __init__(self, bits: int = 3, bucket_size: int = 8192, norm: str = "linf", **kwargs) -> None:
+        if norm not in ("linf", "l2"):
+            raise ValueError(f"norm must be 'linf' (QSGDinf) or 'l2' (QSGD), got {norm!r}")
+        super().__init__("qsgdinf" if norm == "linf" else "qsgd", bits, bucket_size, **kwargs)
+
+
+class NUQSGD:
+    """NUQSGD: fixed exponential levels ``+-{2**-s, ..., 1/2, 1}``."""
+
+    method = "nuqsgd"
+
+    def __init__(self, bits: int = 3, bucket_size: int = 8192, **kwargs) -> None:
+        super().__init__("nuqsgd", bits, bucket_size, **kwargs)
+
+
+class TernGrad:
+    """TernGrad: levels {-1, 0, 1} scaled by the bucket's max-abs, 2 bits on the wire."""
+
+    method = "terngrad"
+
+    def __init__(self, bucket_size: int = 8192, bits: int = 2, **kwargs) -> None:
+        if bits != 2:
+            raise ValueError(f"TernGrad always sends 2 bits per coordinate, got bits={bits!r}")
+        super().__init__("terngrad", 2, bucket_size, **kwargs)
+
+
+def check_min_size(min_size) -> int:
+    """``min_size`` as given, or ValueError: tensors smaller than it travel uncompressed."""
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
+    return min_size
+
+
+# method name -> (class name in each framework package, the keywords that select the method)
+_BY_NAME = {
+    "alq": ("ALQCompressor", {}),
+    "alq-n": ("ALQCompressor", {"normless": True}),
+    "amq": ("AMQCompressor", {}),
+    "amq-n": ("AMQCompressor", {"normless": True}),
+    "qsgdinf": ("QSGDCompressor", {"norm": "linf"}),
+    "qsgd": ("QSGDCompressor", {"norm": "l2"}),
+    "nuqsgd": ("NUQSGDCompressor", {}),
+    "terngrad": ("TernGradCompressor", {}),
+}
+
+
+def compressor_by_name(classes: dict, method: str, **kwargs):
+    """Build ``method``'s compressor from ``classes`` (a framework module's namespace).
+
+    TernGrad ignores ``bits`` (it always sends 2 bits)."""
+    if method not in _BY_NAME:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(_BY_NAME)}")
+    name, selected = _BY_NAME[method]
+    if method == "terngrad":
+        kwargs.pop("bits", None)
+    return classes[name](**selected, **kwargs)

@@ -1,0 +1,73 @@
+"""The five public compressor classes and ``compressor(name)``: same keywords, same methods, same
+errors in PyTorch and TensorFlow (both are built from horovod_alq.core.frontends)."""
+
+import importlib
+
+import numpy as np
+import pytest
+
+from horovod_alq.core import Quantizer
+from horovod_alq.core.methods import METHODS
+
+FRAMEWORKS = ["horovod_alq.torch", "horovod_alq.tensorflow"]
+
+# (class name, keywords) -> the method and bits it must configure
+CLASS_CASES = [
+    ("ALQCompressor", {}, "alq", 3),
+    ("ALQCompressor", {"normless": True, "bits": 4}, "alq-n", 4),
+    ("AMQCompressor", {"bits": 2}, "amq", 2),
+    ("AMQCompressor", {"normless": True}, "amq-n", 3),
+    ("QSGDCompressor", {}, "qsgdinf", 3),
+    ("QSGDCompressor", {"norm": "l2", "bits": 5}, "qsgd", 5),
+    ("NUQSGDCompressor", {"bits": 4}, "nuqsgd", 4),
+    ("TernGradCompressor", {}, "terngrad", 2),
+    ("TernGradCompressor", {"bits": 2}, "terngrad", 2),
+]
+
+
+@pytest.fixture(scope="module", params=FRAMEWORKS)
+def package(request):
+    if request.param.endswith("tensorflow"):
+        pytest.importorskip("tensorflow")
+    return importlib.import_module(request.param)
+
+
+def _method_name(comp) -> str:
+    return comp._method.name
+
+
+@pytest.mark.parametrize("cls_name, kwargs, method, bits", CLASS_CASES)
+def test_class_keywords_select_method(package, cls_name, kwargs, method, bits):
+    comp = getattr(package, cls_name)(bucket_size=512, **kwargs)
+    assert (_method_name(comp), comp.bits, comp.bucket_size) == (method, bits, 512)
+    assert isinstance(comp, package.QuantizedCompressor)
+    # starting levels are the core's for that configuration
+    np.testing.assert_array_equal(comp.levels, Quantizer(method, bits=bits, bucket_size=512).levels)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_compressor_by_name(package, method):
+    comp = package.compressor(method, bits=4, bucket_size=1024, min_size=10)
+    assert _method_name(comp) == method
+    assert comp.bits == (2 if method == "terngrad" else 4)  # TernGrad ignores bits, as documented
+    assert (comp.bucket_size, comp.min_size) == (1024, 10)
+
+
+def test_class_docstrings_and_default_instance(package):
+    assert "coordinate descent" in package.ALQCompressor.__doc__
+    default = package.AMQCompressor.default()
+    assert default is package.AMQCompressor.default()  # one per class
+    assert _method_name(default) == "amq" and default.bits == 3
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.compressor("alq-x"), "unknown method 'alq-x'"),
+    (lambda p: p.QSGDCompressor(norm="l1"), "norm must be 'linf' (QSGDinf) or 'l2' (QSGD), got 'l1'"),
+    (lambda p: p.ALQCompressor(min_size=-1), "min_size must be a non-negative integer, got -1"),
+    (lambda p: p.ALQCompressor(min_size=True), "min_size must be a non-negative integer, got True"),
+    (lambda p: p.ALQCompressor(bits=9), "bits"),
+    (lambda p: p.TernGradCompressor(bits=3), "TernGrad always sends 2 bits per coordinate, got bits=3"),
+])
+def test_bad_arguments_name_the_problem(package, make, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        make(package)
