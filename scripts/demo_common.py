@@ -66,7 +66,7 @@ def make_compressor(hvd, alq, method: str, args: argparse.Namespace):
     steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
     common = dict(bucket_size=args.bucket_size, update_steps=steps, update_every=args.update_every,
                   min_size=args.min_size, seed=args.seed)
-    return alq.compressor(method, bits=args.bits, **common)
+    return alq.compressor_for(method, bits=args.bits, **common)
 
 
 def result(method: str, args: argparse.Namespace, compressor, *, accuracy: float, final_loss: float,

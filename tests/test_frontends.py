@@ -1,4 +1,4 @@
-"""The five public compressor classes and ``compressor(name)``: same keywords, same methods, same
+"""The five public compressor classes and ``compressor_for(name)``: same keywords, same methods, same
 errors in PyTorch and TensorFlow (both are built from horovod_alq.core.frontends)."""
 
 import importlib
@@ -47,7 +47,7 @@ def test_class_keywords_select_method(package, cls_name, kwargs, method, bits):
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_compressor_by_name(package, method):
-    comp = package.compressor(method, bits=4, bucket_size=1024, min_size=10)
+    comp = package.compressor_for(method, bits=4, bucket_size=1024, min_size=10)
     assert _method_name(comp) == method
     assert comp.bits == (2 if method == "terngrad" else 4)  # TernGrad ignores bits, as documented
     assert (comp.bucket_size, comp.min_size) == (1024, 10)
@@ -61,7 +61,7 @@ def test_class_docstrings_and_default_instance(package):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda p: p.compressor("alq-x"), "unknown method 'alq-x'"),
+    (lambda p: p.compressor_for("alq-x"), "unknown method 'alq-x'"),
     (lambda p: p.QSGDCompressor(norm="l1"), "norm must be 'linf' (QSGDinf) or 'l2' (QSGD), got 'l1'"),
     (lambda p: p.ALQCompressor(min_size=-1), "min_size must be a non-negative integer, got -1"),
     (lambda p: p.ALQCompressor(min_size=True), "min_size must be a non-negative integer, got True"),
@@ -71,3 +71,11 @@ def test_class_docstrings_and_default_instance(package):
 def test_bad_arguments_name_the_problem(package, make, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
         make(package)
+
+
+def test_compressor_module_not_shadowed(package):
+    """``package.compressor`` stays the module (a function of that name once shadowed it)."""
+    import types
+
+    assert isinstance(package.compressor, types.ModuleType)
+    assert package.compressor.compressor_for is package.compressor_for

@@ -7,8 +7,8 @@ from .compressor import (
     QSGDCompressor,
     QuantizedCompressor,
     TernGradCompressor,
-    compressor,
+    compressor_for,
 )
 
 __all__ = ["ALQCompressor", "AMQCompressor", "NUQSGDCompressor", "QSGDCompressor",
-           "QuantizedCompressor", "TernGradCompressor", "compressor"]
+           "QuantizedCompressor", "TernGradCompressor", "compressor_for"]

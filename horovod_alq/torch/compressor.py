@@ -312,8 +312,8 @@ class TernGradCompressor(frontends.TernGrad, QuantizedCompressor):
     __doc__ = frontends.TernGrad.__doc__
 
 
-def compressor(method: str, **kwargs) -> QuantizedCompressor:
+def compressor_for(method: str, **kwargs) -> QuantizedCompressor:
     """The compressor for a method name ("alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd",
-    "terngrad"), with the classes' keywords: ``compressor("alq-n", bits=3)`` is
+    "terngrad"), with the classes' keywords: ``compressor_for("alq-n", bits=3)`` is
     ``ALQCompressor(bits=3, normless=True)``. TernGrad ignores ``bits`` (always 2)."""
     return frontends.compressor_by_name(globals(), method, **kwargs)

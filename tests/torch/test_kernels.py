@@ -93,6 +93,55 @@ def test_unbiased_for_every_dtype(dtype, use_fused):
     assert abs(z.mean()) * np.sqrt(z.size) < 5.0
 
 
+# The fused encoder has a vectorized path (blocks of 64 coordinates inside one bucket, bits <= 4)
+# and a coordinate-by-coordinate one (bucket edges inside a block, tails, bits > 4): cover both,
+# with a zero bucket, at every bit width's extremes.
+FUSED_PATHS = [("qsgdinf", 2, 256, 1000), ("alq", 3, 100, 1000), ("amq", 4, 1024, 3000),
+               ("qsgd", 5, 64, 700), ("nuqsgd", 6, 1000, 2100), ("qsgdinf", 8, 40, 333)]
+
+
+@pytest.mark.parametrize("method,bits,bucket,n", FUSED_PATHS)
+def test_fused_unbiased_on_every_path(method, bits, bucket, n):
+    """The mean of M fused encodes is within a Bernstein bound of x, per coordinate, with the exact
+    variance of each coordinate (its norm and the two levels around it are known)."""
+    q = Quantizer(method, bits=bits, bucket_size=bucket, seed=0)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(bits))
+    x[:bucket] = 0.0  # a dead (zero-norm) bucket: exact zeros
+    m = 300
+    payloads = [_torch_encode(q, x, True, seed=s).numpy() for s in range(m)]
+    mean = np.stack([q.decode(p) for p in payloads]).astype(np.float64).mean(0)
+    nb = -(-n // bucket)
+    norms = np.repeat(payloads[0][32: 32 + 4 * nb].view("<f4").astype(np.float64), bucket)[:n]
+    levels = q.levels.astype(np.float32).astype(np.float64)  # the values the decoder multiplies
+    target = x.double().numpy()
+    r = np.clip(np.divide(target, norms, out=np.zeros(n), where=norms > 0), -1, 1)
+    cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
+    lo, hi = levels[cell], levels[cell + 1]
+    var = norms**2 * np.clip((hi - r) * (r - lo), 0, None)  # of one draw
+    c = norms * (hi - lo) / m  # largest single deviation of the mean
+    log_term = np.log(2 / 1e-9)  # 1e-9 per coordinate, ~3e-6 for 3,000 coordinates
+    bound = c * log_term / 3 + np.sqrt((c * log_term / 3) ** 2 + 2 * var / m * log_term)
+    bound += 1e-6 * (np.abs(target) + norms)  # float32 arithmetic of the encoder
+    assert (np.abs(mean - target) <= bound).all()
+    assert (mean[:bucket] == 0).all()
+    assert abs((mean - target).sum()) <= 5 * np.sqrt(var.sum() / m) + 1e-6 * np.abs(target).sum()
+
+
+def test_fused_encode_does_not_depend_on_thread_count():
+    q = Quantizer("alq", bits=3, bucket_size=1000, seed=0)
+    x = torch.randn(300_001, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _torch_encode(q, x, True, seed=9)
+        torch.set_num_threads(2)
+        two = _torch_encode(q, x, True, seed=9)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert not torch.equal(one, _torch_encode(q, x, True, seed=10))
+
+
 @pytest.mark.parametrize("use_fused", [False, True], ids=["torch", "fused"])
 def test_non_finite_bucket_only(use_fused):
     q = Quantizer("alq", bucket_size=10, seed=0)

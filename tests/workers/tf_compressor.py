@@ -36,7 +36,7 @@ import tensorflow as tf
 from common import cell_moments, report
 
 from horovod_alq.core import Quantizer
-from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, QSGDCompressor, compressor
+from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, QSGDCompressor, compressor_for
 
 ADAPTIVE = ("alq", "alq-n", "amq", "amq-n")
 
@@ -82,8 +82,8 @@ def exchange(args) -> dict:
     truth = scale * sum(xs)
     out = {}
     for method in args.methods.split(","):
-        comp = compressor(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
-                          update_every=0, min_size=16, seed=args.seed)
+        comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
+                              update_every=0, min_size=16, seed=args.seed)
         norm = comp._method.norm
         start = comp.levels.tolist()
         fn = reduce_fn(comp, op, args.mode)
@@ -181,8 +181,8 @@ def train_loop(variables, forward, comp, data, steps: int, lr: float = 0.1, seed
 
 def make_train_compressor(method: str, args):
     bits = 2 if method == "terngrad" else 4
-    return compressor(method, bits=bits, bucket_size=args.bucket, update_steps=(0, 20, 60), update_every=0,
-                      min_size=100, seed=args.seed)
+    return compressor_for(method, bits=bits, bucket_size=args.bucket, update_steps=(0, 20, 60), update_every=0,
+                          min_size=100, seed=args.seed)
 
 
 def train(args) -> dict:

@@ -11,7 +11,7 @@ import horovod.torch as hvd
 from common import cell_moments, report
 
 from horovod_alq.core import Quantizer
-from horovod_alq.torch import ALQCompressor, AMQCompressor, compressor
+from horovod_alq.torch import ALQCompressor, AMQCompressor, compressor_for
 
 
 
@@ -28,8 +28,8 @@ def exchange(args) -> dict:
     """M rounds of hvd.allreduce with the compressor; a Bernstein bound per coordinate with the
     exact variance of each round (its levels are known) says whether the mean is unbiased."""
     size, rank = hvd.size(), hvd.rank()
-    comp = compressor(args.method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
-                      update_every=0, min_size=16, seed=args.seed)
+    comp = compressor_for(args.method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
+                          update_every=0, min_size=16, seed=args.seed)
     norm = "linf" if args.method in ("qsgdinf", "terngrad") else "l2"
     op = hvd.Sum if args.op == "sum" else hvd.Average
     xs = [rank_data(r, args.numel).double().numpy() for r in range(size)]
@@ -81,8 +81,8 @@ def train(args) -> dict:
     if args.method == "none":
         comp = hvd.Compression.none
     else:
-        comp = compressor(args.method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 20, 60),
-                          update_every=0, min_size=100, seed=args.seed)
+        comp = compressor_for(args.method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 20, 60),
+                              update_every=0, min_size=100, seed=args.seed)
     start_levels = None if args.method == "none" else comp.levels.tolist()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     kwargs = {}
