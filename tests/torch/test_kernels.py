@@ -177,6 +177,7 @@ def test_statistics_match_the_numpy_core(method):
     from horovod_alq.core.statistics import GRID, BucketMoments, normless_statistics
 
     q = Quantizer(method, bucket_size=300, seed=0)
+    torch.manual_seed(0)
     x = torch.distributions.StudentT(3.0).sample((5 * 300 + 17,))
     x[300:600] = 0.0
     x[700] = float("nan")
@@ -184,5 +185,6 @@ def test_statistics_match_the_numpy_core(method):
         got = normless_statistics(BucketMoments(*kernels.bucket_moments(x, bucket_size=300, norm="l2")))
     else:
         got = kernels.grid_statistics(x, torch.tensor(GRID), bucket_size=300, norm="l2")
-    # norms agree to float32 rounding (torch reduces in float32, the core in float64)
-    np.testing.assert_allclose(got, q.statistics(x.numpy()), rtol=1e-6, atol=1e-12)
+    # agree to float32 rounding (torch reduces in float32, the core in float64); sum r cancels,
+    # so its error is relative to sum |r| (~100 here), not to its value: atol 1e-5
+    np.testing.assert_allclose(got, q.statistics(x.numpy()), rtol=1e-6, atol=1e-5)

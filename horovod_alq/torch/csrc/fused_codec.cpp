@@ -99,12 +99,16 @@ inline uint64_t stochastic_code(float r, float u, const float* levels, const flo
 
 constexpr int64_t kChunk = 64;  // coordinates per vectorizable block (8 groups of 8)
 
+constexpr int64_t kMaxVectorLevels = 16;  // encode_chunk serves bits <= 4
+
 // kChunk coordinates of one live bucket: straight-line loops the compiler vectorizes (the level
-// search is a select over all 2^BITS levels, padded with +inf, instead of a table lookup).
+// search is a select over 2^BITS levels, at least 8, padded with +inf, instead of a table lookup;
+// GCC does not vectorize the 4-level loop of 2 bits).
 template <int BITS, typename scalar_t>
 void encode_chunk(const scalar_t* x, int64_t i0, float inv, const float* levels, const float* widths,
                   uint64_t key, uint8_t* codes) {
-  constexpr int64_t num_levels = int64_t{1} << BITS;
+  constexpr int64_t num_levels = BITS < 3 ? 8 : int64_t{1} << BITS;
+  static_assert(num_levels <= kMaxVectorLevels, "encode_chunk: bits <= 4 only");
   float lv[num_levels], wd[num_levels];  // local copies: lets the compiler vectorize the search
   std::memcpy(lv, levels, sizeof lv);
   std::memcpy(wd, widths, sizeof wd);
@@ -139,14 +143,13 @@ void encode_codes(const scalar_t* x, int64_t n, int64_t d, const float* norms, c
   std::vector<float> widths(num_levels - 1);
   for (int64_t j = 0; j + 1 < num_levels; ++j) widths[j] = levels[j + 1] - levels[j];
   const float* w = widths.data();
-  // 2^BITS levels for encode_chunk: the top level repeated with width 0, then +inf (never selected)
-  constexpr int64_t kPadded = int64_t{1} << BITS;
-  float padded_levels[kPadded], padded_widths[kPadded];
-  for (int64_t j = 0; j < kPadded; ++j) {
+  // levels for encode_chunk: the top level with width 0, then +inf (never selected)
+  float padded_levels[kMaxVectorLevels], padded_widths[kMaxVectorLevels];
+  for (int64_t j = 0; j < kMaxVectorLevels; ++j) {
     padded_levels[j] = j < num_levels ? levels[j] : std::numeric_limits<float>::infinity();
     padded_widths[j] = j + 1 < num_levels ? widths[j] : 0.0f;
   }
-  const bool vectorizable = BITS <= 4;
+  const bool vectorizable = num_levels <= kMaxVectorLevels;
   at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
     int64_t bucket = g0 * 8 / d, bucket_end = std::min(n, (bucket + 1) * d);
     float inv = 0.0f;
@@ -165,14 +168,16 @@ void encode_codes(const scalar_t* x, int64_t n, int64_t d, const float* norms, c
         bucket_end = std::min(n, bucket_end + d);
         enter();
       }
-      if (vectorizable && g + kChunk / 8 <= g1 && i0 + kChunk <= bucket_end) {
-        if (live) {
-          encode_chunk<BITS>(x, i0, inv, padded_levels, padded_widths, key, out + g * BITS);
-        } else {
-          std::memset(out + g * BITS, 0, kChunk / 8 * BITS);
+      if constexpr (BITS <= 4) {
+        if (vectorizable && g + kChunk / 8 <= g1 && i0 + kChunk <= bucket_end) {
+          if (live) {
+            encode_chunk<BITS>(x, i0, inv, padded_levels, padded_widths, key, out + g * BITS);
+          } else {
+            std::memset(out + g * BITS, 0, kChunk / 8 * BITS);
+          }
+          g += kChunk / 8;
+          continue;
         }
-        g += kChunk / 8;
-        continue;
       }
       uint64_t word = 0;  // one group, coordinate by coordinate (bucket edges, many levels, tails)
       const int64_t i1 = std::min(n, i0 + 8);
