@@ -2,6 +2,7 @@
 errors in PyTorch and TensorFlow (both are built from horovod_alq.core.frontends)."""
 
 import importlib
+import pickle
 
 import numpy as np
 import pytest
@@ -55,6 +56,10 @@ def test_compressor_by_name(package, method):
 
 def test_class_docstrings_and_default_instance(package):
     assert "coordinate descent" in package.ALQCompressor.__doc__
+    for name in ("ALQCompressor", "AMQCompressor", "QSGDCompressor", "NUQSGDCompressor", "TernGradCompressor"):
+        cls = getattr(package, name)  # a class of the framework's compressor module, found by pickle
+        assert (cls.__name__, cls.__module__) == (name, package.__name__ + ".compressor")
+        assert pickle.loads(pickle.dumps(cls)) is cls
     default = package.AMQCompressor.default()
     assert default is package.AMQCompressor.default()  # one per class
     assert _method_name(default) == "amq" and default.bits == 3

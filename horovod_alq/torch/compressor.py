@@ -292,24 +292,8 @@ class QuantizedCompressor:
         return out.to(device)
 
 
-class ALQCompressor(frontends.ALQ, QuantizedCompressor):
-    __doc__ = frontends.ALQ.__doc__
-
-
-class AMQCompressor(frontends.AMQ, QuantizedCompressor):
-    __doc__ = frontends.AMQ.__doc__
-
-
-class QSGDCompressor(frontends.QSGD, QuantizedCompressor):
-    __doc__ = frontends.QSGD.__doc__
-
-
-class NUQSGDCompressor(frontends.NUQSGD, QuantizedCompressor):
-    __doc__ = frontends.NUQSGD.__doc__
-
-
-class TernGradCompressor(frontends.TernGrad, QuantizedCompressor):
-    __doc__ = frontends.TernGrad.__doc__
+ALQCompressor, AMQCompressor, QSGDCompressor, NUQSGDCompressor, TernGradCompressor = frontends.bind(
+    QuantizedCompressor)
 
 
 def compressor_for(method: str, **kwargs) -> QuantizedCompressor:
