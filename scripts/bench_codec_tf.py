@@ -109,9 +109,9 @@ def main(argv=None) -> int:
                   f"this machine; ratios are more stable than absolute times)."), "", *timing_table(rows)]
         lines += ["", "On one host the wire is shared memory, so these times are mostly codec compute. The "
                   "quantizers allgather b + 32/d bits per coordinate where fp16 allreduces 16: they pay off "
-                  "on slow links, not here. The TF codec is TF ops compiled by XLA (the random draws come "
-                  "from TF's Philox kernel, about a third of the encoder's time); the torch compressors have "
-                  "a fused C++ codec (docs/bench_codec.md)."]
+                  "on slow links, not here. The TF codec is TF ops compiled by XLA, random draws included (a "
+                  "counter-based uint32 hash); the torch compressors have a fused C++ codec "
+                  "(docs/bench_codec.md)."]
         write_report(lines, args.out)
     hvd.shutdown()
     return 0

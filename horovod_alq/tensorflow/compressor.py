@@ -133,12 +133,8 @@ def _codec(bits: int, bucket_size: int, norm: str, jit_compile: bool) -> types.S
     """The codec of one configuration as ``tf.function`` s: ``encode(tensor, levels, header, seed)``,
     ``decoder(numel, ranks)(gathered, levels, scale)``, ``normless(tensor)`` and ``grid(tensor)``."""
     opts = dict(bits=bits, bucket_size=bucket_size)
-    quantize = tf.function(functools.partial(kernels.encode_with_uniforms, norm=norm, unrolled=jit_compile, **opts),
-                           autograph=False, jit_compile=jit_compile)
-
-    def encode(tensor, levels, header, seed):
-        # TF's own random kernel draws (XLA's CPU generator is slow); the rest is one XLA cluster
-        return quantize(tensor, levels, header, kernels.uniforms(tensor, seed, bucket_size))
+    encode = tf.function(functools.partial(kernels.encode, norm=norm, unrolled=jit_compile, **opts),
+                         autograph=False, jit_compile=jit_compile)
 
     decoders: dict = {}
 

@@ -2,8 +2,8 @@
 rounding, b-bit packing into a payload, and the decode-and-sum of gathered payloads.
 
 Plain TF ops with static shapes, usable eagerly and inside ``tf.function`` (the compressors wrap
-them in their own ``tf.function`` per tensor shape). Randomness is stateless
-(``tf.random.stateless_uniform``): the caller passes a seed pair that changes every call.
+them in their own ``tf.function`` per tensor shape). Randomness is a counter-based hash of a seed
+pair that the caller changes every call (:func:`uniforms`), compiled with the rest.
 """
 
 from __future__ import annotations
@@ -97,11 +97,33 @@ def cells(r: tf.Tensor, levels: tf.Tensor) -> tf.Tensor:
     return tf.reshape(j, tf.shape(r))
 
 
+def _fmix32(h: tf.Tensor) -> tf.Tensor:
+    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche), in uint32 ops."""
+    shift = tf.bitwise.right_shift
+    h = tf.bitwise.bitwise_xor(h, shift(h, tf.constant(16, tf.uint32))) * tf.constant(0x85EBCA6B, tf.uint32)
+    h = tf.bitwise.bitwise_xor(h, shift(h, tf.constant(13, tf.uint32))) * tf.constant(0xC2B2AE35, tf.uint32)
+    return tf.bitwise.bitwise_xor(h, shift(h, tf.constant(16, tf.uint32)))
+
+
 def uniforms(tensor: tf.Tensor, seed: tf.Tensor, bucket_size: int) -> tf.Tensor:
     """The uniform draws of one encoding: shape ``(num_buckets, bucket_size)``, in the codec's work
-    dtype, from ``tf.random.stateless_uniform`` with the seed pair ``seed`` (int64, shape (2,))."""
+    dtype. Counter-based: draw i hashes (seed, i) with uint32 arithmetic only, so XLA compiles it
+    into the encoder (TF's random kernels cost a third of the encoder). Each draw is
+    ``(2k + 1) / 2^24`` with k 23 bits of the hash: exact in float32, P(u < p) is p to the nearest
+    2^-23. ``seed``: int64 pair (both words of both enter the keys)."""
     nb = num_buckets(tensor.shape.num_elements(), bucket_size)
-    return tf.random.stateless_uniform([nb, bucket_size], seed=seed, dtype=work_dtype(tensor.dtype))
+    count = nb * bucket_size
+    if count >= 2**32:
+        raise ValueError(f"horovod_alq: tensors of {count} or more elements (2**32) are not supported")
+    words = tf.reshape(tf.bitcast(tf.cast(seed, tf.int64), tf.uint32), [4])
+    xor = tf.bitwise.bitwise_xor
+    key0 = _fmix32(xor(words[0], _fmix32(words[1] + tf.constant(0x9E3779B9, tf.uint32))))
+    key1 = _fmix32(xor(words[2], _fmix32(xor(words[3], key0))))
+    index = tf.bitcast(tf.range(count, dtype=tf.int32), tf.uint32)
+    h = _fmix32(xor(_fmix32(index * tf.constant(0x9E3779B9, tf.uint32) + key0), key1))
+    k = tf.bitwise.right_shift(h, tf.constant(9, tf.uint32))
+    u = tf.cast(tf.bitcast(2 * k + 1, tf.int32), tf.float32) * (2.0 ** -24)
+    return tf.reshape(tf.cast(u, work_dtype(tensor.dtype)), [nb, bucket_size])
 
 
 #: Under XLA, up to this many levels the cell search is an unrolled chain of comparisons and
@@ -178,7 +200,7 @@ def unpack_codes(packed: tf.Tensor, bits: int, n: int) -> tf.Tensor:
 
 
 def encode(tensor: tf.Tensor, levels: tf.Tensor, header: tf.Tensor, seed: tf.Tensor, *, bits: int,
-           bucket_size: int, norm: str) -> tf.Tensor:
+           bucket_size: int, norm: str, unrolled: bool = False) -> tf.Tensor:
     """Encode a float tensor (static shape) into one payload ``header | float32 norms | packed codes``.
 
     Parameters
@@ -190,20 +212,21 @@ def encode(tensor: tf.Tensor, levels: tf.Tensor, header: tf.Tensor, seed: tf.Ten
         Seed pair of the rounding's draws (:func:`uniforms`).
     bits, bucket_size : int
     norm : {"l2", "linf"}
+    unrolled : bool
+        See :func:`stochastic_codes` (True under XLA).
 
     Returns
     -------
     tf.Tensor, shape (payload_size(n, bits, bucket_size),), uint8
     """
     u = uniforms(tensor, seed, bucket_size)
-    return encode_with_uniforms(tensor, levels, header, u, bits=bits, bucket_size=bucket_size, norm=norm)
+    return encode_with_uniforms(tensor, levels, header, u, bits=bits, bucket_size=bucket_size, norm=norm,
+                                unrolled=unrolled)
 
 
 def encode_with_uniforms(tensor: tf.Tensor, levels: tf.Tensor, header: tf.Tensor, u: tf.Tensor, *, bits: int,
                          bucket_size: int, norm: str, unrolled: bool = False) -> tf.Tensor:
-    """:func:`encode` with the uniform draws given (``u`` from :func:`uniforms`). No random op, so
-    the compressors compile it with XLA (``jit_compile``, then ``unrolled=True``), whose CPU random
-    generator is slow."""
+    """:func:`encode` with the uniform draws given (``u`` from :func:`uniforms`)."""
     flat = tf.reshape(tf.cast(tensor, work_dtype(tensor.dtype)), [-1])
     n = int(flat.shape[0])
     buckets = bucket_view(flat, bucket_size)

@@ -174,3 +174,21 @@ def test_xla_compiled_codec_reads_and_writes_the_same_format(method, bits):
     decode = tf.function(functools.partial(kernels.decode_sum, ranks=2, numel=x.size, **opts), jit_compile=True)
     both = decode(tf.constant(np.concatenate([xla, plain])), tf.constant(q.levels), tf.constant(0.5)).numpy()
     assert np.allclose(both, 0.5 * (a + b), rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_uniforms_are_uniform_and_independent():
+    """The counter-hash draws: in (0, 1), uniform (chi-square over 64 bins), uncorrelated between
+    neighbours and between two calls' seeds; tolerances from the sample size, fixed seeds."""
+    from scipy import stats
+
+    x = tf.zeros([1 << 18])
+    a = kernels.uniforms(x, tf.constant([7, 1], tf.int64), 4096).numpy().ravel().astype(np.float64)
+    b = kernels.uniforms(x, tf.constant([7, 2], tf.int64), 4096).numpy().ravel().astype(np.float64)
+    n = a.size
+    assert a.min() > 0 and a.max() < 1
+    assert abs(a.mean() - 0.5) < 5 * np.sqrt(1 / 12 / n)
+    counts = np.histogram(a, bins=64, range=(0, 1))[0]
+    assert stats.chisquare(counts).pvalue > 1e-4
+    for u, v in ((a[:-1], a[1:]), (a, b)):  # neighbours; the next call's draws
+        assert abs(np.corrcoef(u, v)[0, 1]) < 5 / np.sqrt(n)
+    assert not np.array_equal(a, kernels.uniforms(x, tf.constant([8, 1], tf.int64), 4096).numpy().ravel())
