@@ -6,7 +6,8 @@ method name of :mod:`horovod_alq.core.methods` and calls the framework's base cl
 
     ALQCompressor, AMQCompressor, ... = bind(QuantizedCompressor)   # ALQCompressor(ALQ, QuantizedCompressor)
 
-so the keywords, defaults, docstrings and checks exist once for both frameworks.
+so the keywords, defaults, docstrings and checks exist once for both frameworks; so do the base
+pieces of their ``QuantizedCompressor`` (:class:`CompressorBase`, :class:`ClassOrInstance`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,40 @@ def check_min_size(min_size) -> int:
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
     return min_size
+
+
+class ClassOrInstance:
+    """Method usable on an instance or on the class itself (``compression=ALQCompressor``), in
+    which case it binds to the class's :meth:`CompressorBase.default` instance."""
+
+    def __init__(self, func):
+        self.func = func
+        self.__doc__ = func.__doc__
+
+    def __get__(self, obj, cls):
+        if obj is None:
+            obj = cls.default()
+        return self.func.__get__(obj, cls)
+
+
+class CompressorBase:
+    """What the frameworks' ``QuantizedCompressor`` s share: the default instance behind the class
+    used as ``compression=``, and the configuration read from their NumPy ``_quantizer``."""
+
+    @classmethod
+    def default(cls):
+        """The instance used when the class itself is passed as ``compression=``."""
+        if "_default_instance" not in cls.__dict__:
+            cls._default_instance = cls()
+        return cls._default_instance
+
+    @property
+    def bits(self) -> int:
+        return self._quantizer.bits
+
+    @property
+    def bucket_size(self) -> int:
+        return self._quantizer.bucket_size
 
 
 # method name -> (class name in each framework package, the keywords that select the method)

@@ -152,22 +152,16 @@ def _codec(bits: int, bucket_size: int, norm: str, jit_compile: bool) -> types.S
                          autograph=False))
 
 
-class _ClassOrInstance:
-    """Method usable on an instance or on the class itself (``compression=ALQCompressor``), in
-    which case it binds to one default instance per class."""
+class _ClassOrInstance(frontends.ClassOrInstance):
+    """:class:`frontends.ClassOrInstance` whose method autograph leaves alone: it is plain Python
+    over static shapes, called from inside tf.function."""
 
     def __init__(self, func):
-        # Plain Python over static shapes: autograph must not rewrite it when a tf.function calls it.
-        self.func = tf.autograph.experimental.do_not_convert(func)
+        super().__init__(tf.autograph.experimental.do_not_convert(func))
         self.__doc__ = func.__doc__
 
-    def __get__(self, obj, cls):
-        if obj is None:
-            obj = cls.default()
-        return self.func.__get__(obj, cls)
 
-
-class QuantizedCompressor(tf.Module):
+class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     """Base class: a Horovod ``compression=`` object for one quantization method (TensorFlow).
 
     A ``tf.Module``: its state (levels, AMQ multiplier, counters, pending statistics, seed) lives in
@@ -244,21 +238,6 @@ class QuantizedCompressor(tf.Module):
                                           stats=codec.normless if self._stats_len == 4 else codec.grid)
 
     # ------------------------------------------------------------------ configuration
-    @classmethod
-    def default(cls) -> QuantizedCompressor:
-        """The instance used when the class itself is passed as ``compression=``."""
-        if "_default_instance" not in cls.__dict__:
-            cls._default_instance = cls()
-        return cls._default_instance
-
-    @property
-    def bits(self) -> int:
-        return self._quantizer.bits
-
-    @property
-    def bucket_size(self) -> int:
-        return self._quantizer.bucket_size
-
     @property
     def levels(self) -> np.ndarray:
         """Current levels, shape (L,), float64 (read eagerly)."""

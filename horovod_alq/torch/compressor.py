@@ -71,21 +71,7 @@ class _PassThrough:
     dtype: torch.dtype
 
 
-class _ClassOrInstance:
-    """Method usable on an instance or on the class itself (``compression=ALQCompressor``), in
-    which case it binds to one default instance per class."""
-
-    def __init__(self, func):
-        self.func = func
-        self.__doc__ = func.__doc__
-
-    def __get__(self, obj, cls):
-        if obj is None:
-            obj = cls.default()
-        return self.func.__get__(obj, cls)
-
-
-class QuantizedCompressor:
+class QuantizedCompressor(frontends.CompressorBase):
     """Base class: a Horovod ``compression=`` object for one quantization method.
 
     Parameters
@@ -125,21 +111,6 @@ class QuantizedCompressor:
         self._grid: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ configuration
-    @classmethod
-    def default(cls) -> "QuantizedCompressor":
-        """The instance used when the class itself is passed as ``compression=``."""
-        if "_default_instance" not in cls.__dict__:
-            cls._default_instance = cls()
-        return cls._default_instance
-
-    @property
-    def bits(self) -> int:
-        return self._quantizer.bits
-
-    @property
-    def bucket_size(self) -> int:
-        return self._quantizer.bucket_size
-
     @property
     def levels(self) -> np.ndarray:
         return self._quantizer.levels
@@ -149,7 +120,7 @@ class QuantizedCompressor:
                 f"bucket_size={self.bucket_size}, min_size={self.min_size})")
 
     # ------------------------------------------------------------------ Horovod interface
-    @_ClassOrInstance
+    @frontends.ClassOrInstance
     def compress(self, tensor: torch.Tensor):
         """Encode ``tensor``, start the allgather of its payload, return the small vector to allreduce."""
         if tensor.dtype not in COMPRESSIBLE or tensor.numel() < max(self.min_size, 1) or tensor.is_sparse:
@@ -168,7 +139,7 @@ class QuantizedCompressor:
         small = torch.tensor(head, dtype=torch.float64, device=tensor.device)
         return small, _Exchange(slot, tensor.shape, tensor.dtype, tensor.numel(), handle, collecting)
 
-    @_ClassOrInstance
+    @frontends.ClassOrInstance
     def decompress(self, tensor: torch.Tensor, ctx):
         """Wait for the payloads, check them, and return the reduced gradient in shape and dtype."""
         if ctx is None:  # sparse gradients: Horovod reduced them itself
@@ -188,7 +159,7 @@ class QuantizedCompressor:
         return out.to(ctx.dtype).view(ctx.shape)
 
     # ------------------------------------------------------------------ metrics and state
-    @_ClassOrInstance
+    @frontends.ClassOrInstance
     def metrics(self) -> dict:
         """``levels``, ``level_updates``, ``payload_bytes``, ``coordinates``, ``uncompressed_coordinates``,
         ``bits_per_coordinate`` (of compressed tensors, on the wire), ``step``, ``multiplier``."""
