@@ -1,11 +1,10 @@
-"""Bookkeeping shared by the framework compressors: exchange rounds, the refit schedule,
-statistics accumulated across a round, metrics and checkpoint state.
+"""Round bookkeeping shared by every front-end: the refit schedule, the quantizers whose levels
+the rounds refit, the counters behind ``metrics()`` and one ``state_dict`` schema.
 
 Horovod's compressor interface passes no step, name or rank, so steps are inferred: a *round*
-runs from the first ``compress`` while no exchange is outstanding until every exchange begun in
-it has been decompressed. With ``hvd.DistributedOptimizer`` a round is one optimizer step (all
-hooks compress, then ``synchronize`` decompresses); with a plain ``hvd.allreduce`` it is one call.
-Every rank sees the same rounds, slots and reduced statistics, so every rank refits identically.
+runs from the first ``compress`` to the first ``decompress`` after it (``horovod_alq.exchange``);
+``step`` counts the rounds whose exchange ran. Every rank sees the same rounds and the same
+reduced statistics, so every rank refits identically.
 """
 
 from __future__ import annotations
@@ -48,89 +47,63 @@ class RefitSchedule:
         return self.every > 0 and step > last and step % self.every == 0
 
 
+_COUNTERS = ("step", "level_updates", "calls", "payload_bytes", "coordinates", "uncompressed_coordinates",
+             "bytes_sent", "bytes_received")
+
+
 @dataclass
 class RoundState:
-    """Per-compressor state: the quantizer (levels), round counters, pending statistics, metrics."""
+    """Per-compressor state: the quantizers (``quantizer`` for the ranks' own codes, ``second`` for
+    the re-quantized sums of the two-phase exchange), the schedule, counters and metrics."""
 
     quantizer: Quantizer
     schedule: RefitSchedule = field(default_factory=RefitSchedule)
-    step: int = 0  # completed rounds
+    second: Quantizer | None = None
+    adapt_second: bool = True
+    step: int = 0  # rounds whose exchange ran
     level_updates: int = 0
-    payload_bytes: int = 0
+    calls: int = 0  # compress calls of compressed tensors
+    payload_bytes: int = 0  # this rank's own encoded payloads (headers included)
     coordinates: int = 0
     uncompressed_coordinates: int = 0
-    calls: int = 0  # compress calls ever made: seeds the per-call randomness
-    _outstanding: int = 0
-    _slot: int = 0
-    _pending: list = field(default_factory=list)
+    bytes_sent: int = 0  # payload bytes this rank put on the wire (all phases, headers included)
+    bytes_received: int = 0
+    exchange: str | None = None  # the exchange used by the last round
+
+    def __post_init__(self) -> None:
+        if self.second is None:
+            q = self.quantizer
+            self.second = Quantizer(q.method, bits=q.bits, bucket_size=q.bucket_size)
 
     @property
     def collecting(self) -> bool:
-        """Whether the current (or next) round gathers statistics for a refit."""
+        """Whether the next round gathers statistics for a refit."""
         return get_method(self.quantizer.method).adaptive and self.schedule.collects(self.step)
 
-    def begin(self, numel: int, payload_bytes: int) -> int:
-        """Register one compressed exchange; returns its slot ``k`` in the round."""
-        if self._outstanding == 0:
-            self._slot = 0
-        k = self._slot
-        self._slot += 1
-        self._outstanding += 1
-        self.calls += 1
-        self.coordinates += int(numel)
-        self.payload_bytes += int(payload_bytes)
-        return k
-
-    def end(self, k: int, stats: np.ndarray | None) -> None:
-        """Finish the exchange in slot ``k`` with its reduced statistics (or None)."""
-        if self._outstanding <= 0:
-            raise RuntimeError("decompress called without a matching compress")
-        if stats is not None:
-            self._pending.append((k, np.asarray(stats, dtype=np.float64)))
-        self._outstanding -= 1
-        if self._outstanding == 0:
-            self._close_round()
-
-    def _close_round(self) -> None:
-        if self._pending and self.collecting:
-            self._pending.sort(key=lambda item: item[0])
-            total = np.sum([s for _, s in self._pending], axis=0)
-            self.quantizer.adapt(total)
-            self.level_updates += 1
-        self._pending.clear()
-        self.step += 1
-
     def metrics(self) -> dict:
-        return {
+        out = {
             "levels": self.quantizer.levels,
             "multiplier": self.quantizer.multiplier,
-            "level_updates": self.level_updates,
-            "step": self.step,
-            "payload_bytes": self.payload_bytes,
-            "coordinates": self.coordinates,
-            "uncompressed_coordinates": self.uncompressed_coordinates,
-            "bits_per_coordinate": 8.0 * self.payload_bytes / self.coordinates if self.coordinates else float("nan"),
+            "second_levels": self.second.levels,
+            "exchange": self.exchange,
         }
+        out.update({key: getattr(self, key) for key in _COUNTERS})
+        out["bits_per_coordinate"] = 8.0 * self.payload_bytes / self.coordinates if self.coordinates else float("nan")
+        return out
 
     def state_dict(self) -> dict:
-        if self._outstanding:
-            raise RuntimeError("state_dict() during an exchange: call it between optimizer steps")
-        return {
-            "quantizer": self.quantizer.state_dict(),
-            "step": self.step,
-            "level_updates": self.level_updates,
-            "calls": self.calls,
-            "payload_bytes": self.payload_bytes,
-            "coordinates": self.coordinates,
-            "uncompressed_coordinates": self.uncompressed_coordinates,
-        }
+        out = {"quantizer": self.quantizer.state_dict(), "second": self.second.state_dict()}
+        out.update({key: getattr(self, key) for key in _COUNTERS})
+        return out
 
     def load_state_dict(self, state: dict) -> None:
-        if self._outstanding:
-            raise RuntimeError("load_state_dict() during an exchange: call it between optimizer steps")
+        """Restore a :meth:`state_dict`; states saved before the two-phase exchange (no ``second``,
+        ``bytes_*``) load with the second quantizer's initial levels and zero byte counters."""
         self.quantizer.load_state_dict(state["quantizer"])
-        for key in ("step", "level_updates", "calls", "payload_bytes", "coordinates", "uncompressed_coordinates"):
-            setattr(self, key, int(state[key]))
+        if state.get("second") is not None:
+            self.second.load_state_dict(state["second"])
+        for key in _COUNTERS:
+            setattr(self, key, int(state.get(key, 0)))
 
 
 def schedule_from(update_steps: Sequence[int] | None, update_every: int | None) -> RefitSchedule:

@@ -7,18 +7,18 @@ Usage::
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=ALQCompressor(bits=3, bucket_size=8192))
 
-How the exchange works (``docs/design.md``): ``compress`` encodes the gradient into a uint8 payload,
-starts an allgather of it and hands Horovod's allreduce a small float64 vector
-``[1, k, k**2, statistics...]``; ``decompress`` checks the reduced vector (same tensor on every
-rank, the reduction's scale), waits for the allgather, validates every rank's header, decodes,
-sums and scales. Statistics of refit rounds are combined by that same allreduce, and every rank
-refits from the identical sum.
+How the exchange works (``docs/design.md``): ``compress`` records the gradient and hands Horovod's
+allreduce a small float64 control vector (``horovod_alq.core.protocol``); the first ``decompress``
+of the round checks the ranks agree, fuses the round's gradients into buffers, quantizes them and
+exchanges the codes (``exchange="allgather"`` or ``"two-phase"``), all through
+``horovod_alq.exchange``; each ``decompress`` returns its tensor's reduced values.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -27,41 +27,25 @@ import torch
 
 from ..core import frontends
 from ..core.methods import get_method
+from ..core.protocol import PREFIX
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
-from ..core.statistics import GRID, BucketMoments, normless_statistics
-from ..core.wire import HEADER_SIZE, Header, check_header, pack_header, parse_header
-from . import fused, kernels
+from ..exchange import Engine, Entry
+from .transport import HorovodTransport, TorchOps, hvd
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _UIDS = itertools.count()
-
-
-def _hvd():
-    """horovod.torch, imported on first use so that the kernels work without Horovod."""
-    import horovod.torch as hvd
-
-    return hvd
-
-
-def _splitmix64(z: int) -> int:
-    mask = (1 << 64) - 1
-    z = (z + 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return z ^ (z >> 31)
 
 
 @dataclass
 class _Exchange:
     """Context of one compressed tensor between compress and decompress."""
 
-    slot: int
+    entry: Entry
     shape: torch.Size
     dtype: torch.dtype
-    numel: int
-    handle: Any
-    collecting: bool
+    device: torch.device
+    source: torch.Tensor | None  # the input, when autograd needs it
 
 
 @dataclass
@@ -69,6 +53,24 @@ class _PassThrough:
     """Context of a tensor that travels uncompressed (too small, or not floating point)."""
 
     dtype: torch.dtype
+
+
+class _QuantizedAllreduceGrad(torch.autograd.Function):
+    """Connects the output of ``hvd.allreduce(x, compression=...)`` to ``x`` for autograd: the
+    gradient of a (scaled) sum over ranks is the same sum of the incoming gradients, which is what
+    Horovod's own allreduce computes in its backward (exactly, without quantization)."""
+
+    @staticmethod
+    def forward(ctx, source, values, scale, process_set):
+        ctx.scale = scale
+        ctx.process_set = process_set
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h = hvd()
+        summed = h.allreduce(grad.contiguous(), op=h.Sum, process_set=ctx.process_set)
+        return summed * ctx.scale, None, None, None
 
 
 class QuantizedCompressor(frontends.CompressorBase):
@@ -89,178 +91,132 @@ class QuantizedCompressor(frontends.CompressorBase):
     min_size : int
         Tensors with fewer elements travel uncompressed (Horovod's plain allreduce). Default 1024.
     seed : int, optional
-        Seed of the stochastic rounding (combined with the rank). Default: fresh entropy.
+        Seed of the stochastic rounding (combined with the rank, round, buffer and phase).
+        Default: fresh entropy.
     fused : bool, optional
         Use the compiled CPU codec (default: when it builds). CUDA tensors use torch kernels.
+    exchange : {"auto", "allgather", "two-phase"}
+        How codes travel: ``allgather`` (every rank gathers every rank's codes: ``(N-1)(b + 32/d)``
+        bits received per coordinate, one quantization), ``two-phase`` (scatter-reduce, re-quantize
+        the sums once, allgather: about ``2(N-1)/N (b + 32/d)`` bits, independent of N, at the cost
+        of a second quantization), ``auto`` (default): two-phase from 4 ranks on (docs/results.md).
+    fusion_bytes : int, optional
+        A round's compressed gradients are quantized and exchanged in buffers of this many bytes of
+        float32 (default 64 MiB, or ``$HOROVOD_ALQ_FUSION_BYTES``); 0: one buffer per tensor.
+    bits_second : int, optional
+        Bits of the second (two-phase) quantization; default ``bits``.
+    adapt_second : bool
+        Adaptive methods refit the second quantization's levels from the statistics of the reduced
+        shards (default True); False keeps them at their initial fit.
+    process_set : horovod.torch.ProcessSet, optional
+        The process set of the allreduces this compressor serves (default: global). Pass the same
+        one to ``hvd.DistributedOptimizer(process_set=...)`` / ``hvd.allreduce(process_set=...)``.
     """
 
     method: str = ""
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
-                 min_size: int = 1024, seed: int | None = None, fused: bool | None = None) -> None:
+                 min_size: int = 1024, seed: int | None = None, fused: bool | None = None,
+                 exchange: str = "auto", fusion_bytes: int | None = None, bits_second: int | None = None,
+                 adapt_second: bool = True, process_set=None) -> None:
         method = method or self.method
         self._method = get_method(method)
         self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size)
-        self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every))
+        second = Quantizer(self._method.name, bits=self._quantizer.bits if bits_second is None else bits_second,
+                           bucket_size=bucket_size)
+        self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every), second,
+                                 bool(adapt_second))
         self.min_size = frontends.check_min_size(min_size)
-        self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
+        seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
+        self._engine = Engine(self._quantizer, self._state, exchange=exchange, fusion_bytes=fusion_bytes,
+                              seed=seed, uid=str(next(_UIDS)))
         self._use_fused = fused
-        self._uid = next(_UIDS)
-        self._levels_cache: dict[str, torch.Tensor] = {}
-        self._grid: torch.Tensor | None = None
+        self._process_set = process_set
+        self._transport_cache: HorovodTransport | None = None
+        self._ops: dict[str, TorchOps] = {}
 
     # ------------------------------------------------------------------ configuration
     @property
     def levels(self) -> np.ndarray:
         return self._quantizer.levels
 
+    @property
+    def exchange(self) -> str:
+        return self._engine.exchange
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(method={self._method.name!r}, bits={self.bits}, "
-                f"bucket_size={self.bucket_size}, min_size={self.min_size})")
+                f"bucket_size={self.bucket_size}, min_size={self.min_size}, exchange={self.exchange!r})")
 
     # ------------------------------------------------------------------ Horovod interface
     @frontends.ClassOrInstance
     def compress(self, tensor: torch.Tensor):
-        """Encode ``tensor``, start the allgather of its payload, return the small vector to allreduce."""
+        """Record ``tensor`` for this round's exchange; return the control vector to allreduce."""
         if tensor.dtype not in COMPRESSIBLE or tensor.numel() < max(self.min_size, 1) or tensor.is_sparse:
             self._state.uncompressed_coordinates += tensor.numel()
             if tensor.dtype == torch.bfloat16:  # Horovod's torch allreduce rejects bfloat16
                 return tensor.float(), _PassThrough(tensor.dtype)
             return tensor, _PassThrough(tensor.dtype)
-        state = self._state
-        collecting = state.collecting
-        payload = self._encode(tensor, state.calls)
-        slot = state.begin(tensor.numel(), payload.numel())
-        handle = _hvd().allgather_async(payload, name=f"horovod_alq.{self._uid}.{slot}")
-        head = [1.0, float(slot), float(slot) ** 2]
-        if collecting:
-            head.extend(self._statistics(tensor))
-        small = torch.tensor(head, dtype=torch.float64, device=tensor.device)
-        return small, _Exchange(slot, tensor.shape, tensor.dtype, tensor.numel(), handle, collecting)
+        transport = self._transport()
+        flat = tensor.detach().reshape(-1)
+        entry, vec = self._engine.add(flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport)
+        small = torch.from_numpy(vec).to(tensor.device)
+        weakref.finalize(small, entry.abandon)
+        source = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
+        return small, _Exchange(entry, tensor.shape, tensor.dtype, tensor.device, source)
 
     @frontends.ClassOrInstance
     def decompress(self, tensor: torch.Tensor, ctx):
-        """Wait for the payloads, check them, and return the reduced gradient in shape and dtype."""
+        """Exchange the round's codes (first call of a round) and return this tensor's reduced values."""
         if ctx is None:  # sparse gradients: Horovod reduced them itself
             return tensor
         if isinstance(ctx, _PassThrough):
             return tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
         reduced = tensor.detach().double().cpu().numpy()
-        gathered = _hvd().synchronize(ctx.handle)
-        try:
-            scale = self._check_pairing(reduced, ctx.slot)
-            offsets = self._check_payloads(gathered, ctx.numel)
-            out = self._decode_sum(gathered, offsets, ctx.numel, scale / _hvd().size(), tensor.device)
-        except Exception:
-            self._state.end(ctx.slot, None)
-            raise
-        self._state.end(ctx.slot, reduced[3:] / reduced[0] if ctx.collecting else None)
-        return out.to(ctx.dtype).view(ctx.shape)
+        out, scale = self._engine.finish(ctx.entry, reduced, self._ops_for(ctx.device), self._transport())
+        out = out.to(device=ctx.device, dtype=ctx.dtype).view(ctx.shape)
+        if ctx.source is not None:
+            out = _QuantizedAllreduceGrad.apply(ctx.source, out, scale, self._transport().process_set)
+        return out
 
     # ------------------------------------------------------------------ metrics and state
     @frontends.ClassOrInstance
     def metrics(self) -> dict:
-        """``levels``, ``level_updates``, ``payload_bytes``, ``coordinates``, ``uncompressed_coordinates``,
-        ``bits_per_coordinate`` (of compressed tensors, on the wire), ``step``, ``multiplier``."""
+        """``levels``, ``multiplier``, ``second_levels``, ``level_updates``, ``step``, ``calls``,
+        ``payload_bytes`` (this rank's own payloads), ``coordinates``, ``uncompressed_coordinates``,
+        ``bits_per_coordinate`` (of compressed tensors), ``bytes_sent`` / ``bytes_received`` (payload
+        bytes this rank put on / took off the wire, all phases, headers included), ``exchange``."""
         return self._state.metrics()
 
     def state_dict(self) -> dict:
-        """Levels, multiplier, round and call counters: a resumed run continues with identical levels."""
-        return {"seed": self._seed, **self._state.state_dict()}
+        """Levels (both quantizations), counters and seed: a resumed run continues identically."""
+        if self._engine.pending():
+            raise RuntimeError("state_dict() during an exchange: call it between optimizer steps")
+        return {"seed": self._engine.seed, **self._state.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        if self._engine.pending():
+            raise RuntimeError("load_state_dict() during an exchange: call it between optimizer steps")
         self._state.load_state_dict(state)
-        self._seed = int(state["seed"])
-        self._levels_cache.clear()
+        self._engine.seed = int(state["seed"])
+
+    def reset(self) -> None:
+        """Drop the round in progress (e.g. after a Horovod elastic reset); levels and counters stay."""
+        self._engine.reset()
+        self._transport_cache = None
 
     # ------------------------------------------------------------------ internals
-    def _levels_on(self, device: torch.device) -> torch.Tensor:
-        key = f"{device}:{self._quantizer.fingerprint}"
-        if key not in self._levels_cache:
-            self._levels_cache.clear() if len(self._levels_cache) > 8 else None
-            self._levels_cache[key] = torch.as_tensor(self._quantizer.levels, dtype=torch.float64, device=device)
-        return self._levels_cache[key]
+    def _transport(self) -> HorovodTransport:
+        if self._transport_cache is None:
+            self._transport_cache = HorovodTransport(self._process_set)
+        return self._transport_cache
 
-    def _header(self, numel: int) -> torch.Tensor:
-        q = self._quantizer
-        raw = pack_header(Header(self._method.id, q.bits, q.bucket_size, numel, q.fingerprint))
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-    def _fused_module(self, tensor: torch.Tensor):
-        if tensor.device.type != "cpu" or self._use_fused is False:
-            return None
-        return fused.load()
-
-    def _encode(self, tensor: torch.Tensor, call: int) -> torch.Tensor:
-        seed = _splitmix64(self._seed ^ _splitmix64(_hvd().rank() * 0x10001 + (call << 20)))
-        levels = self._levels_on(tensor.device)
-        module = self._fused_module(tensor)
-        if module is not None:
-            flat = tensor.detach().reshape(-1).contiguous()
-            return module.encode(flat, levels, self._header(tensor.numel()), self.bits,
-                                 self.bucket_size, self._method.norm == "linf", seed >> 1)
-        generator = torch.Generator(device=tensor.device).manual_seed(seed >> 1)
-        return kernels.encode(tensor, levels, self._header(tensor.numel()), bits=self.bits,
-                              bucket_size=self.bucket_size, norm=self._method.norm, generator=generator)
-
-    def _statistics(self, tensor: torch.Tensor) -> list:
-        d, norm = self.bucket_size, self._method.norm
-        if self._method.normless:
-            return normless_statistics(BucketMoments(*kernels.bucket_moments(tensor, bucket_size=d, norm=norm))).tolist()
-        if self._grid is None or self._grid.device != tensor.device:
-            self._grid = torch.tensor(GRID, dtype=torch.float64, device=tensor.device)
-        return kernels.grid_statistics(tensor, self._grid, bucket_size=d, norm=norm).tolist()
-
-    def _check_pairing(self, reduced: np.ndarray, slot: int) -> float:
-        scale = float(reduced[0])
-        ok = scale != 0 and np.isfinite(reduced[:3]).all()
-        if ok:
-            ok = abs(reduced[1] / scale - slot) < 1e-6 and abs(reduced[2] / scale - slot * slot) < 1e-6 * max(1, slot * slot)
-        if not ok:
-            raise RuntimeError(
-                f"horovod_alq: ranks exchanged different tensors in slot {slot} of this step (the ranks "
-                f"compressed their tensors in different orders or different tensors); refusing to "
-                f"decode. Reduced check vector: {reduced[:3].tolist()}")
-        return scale
-
-    def _check_payloads(self, gathered: torch.Tensor, numel: int) -> list[int]:
-        q = self._quantizer
-        size = _hvd().size()
-        offsets, offset, total = [], 0, gathered.numel()
-        for rank in range(size):
-            if offset + HEADER_SIZE > total:
-                raise ValueError(f"horovod_alq: payload of rank {rank} missing or truncated "
-                                 f"({total} bytes gathered from {size} ranks)")
-            try:
-                header = parse_header(gathered[offset: offset + HEADER_SIZE].cpu().numpy())
-                check_header(header, self._method.id, q.bits, q.bucket_size, q.fingerprint)
-                if header.numel != numel:
-                    raise ValueError(f"payload has {header.numel} elements, this rank's tensor has {numel}")
-                if offset + header.payload_size > total:
-                    raise ValueError(f"payload truncated: {total - offset} bytes, header says {header.payload_size}")
-            except ValueError as err:
-                raise ValueError(f"horovod_alq: payload from rank {rank} does not match this rank "
-                                 f"(rank {_hvd().rank()}): {err}") from None
-            offsets.append(offset)
-            offset += header.payload_size
-        if offset != total:
-            raise ValueError(f"horovod_alq: {total - offset} unexpected bytes after {size} payloads")
-        return offsets
-
-    def _decode_sum(self, gathered: torch.Tensor, offsets: list[int], numel: int, scale: float,
-                    device: torch.device) -> torch.Tensor:
-        levels = self._levels_on(gathered.device)
-        out = torch.empty(numel, dtype=torch.float32, device=gathered.device)
-        module = self._fused_module(gathered)
-        if module is not None:
-            module.decode_sum(out, gathered.contiguous(), offsets, levels, self.bits, self.bucket_size, scale)
-        else:
-            out.zero_()
-            for offset in offsets:
-                kernels.decode_into(out, gathered[offset:], levels, bits=self.bits, bucket_size=self.bucket_size)
-            out.mul_(scale)
-        return out.to(device)
+    def _ops_for(self, device: torch.device) -> TorchOps:
+        key = str(device)
+        if key not in self._ops:
+            self._ops[key] = TorchOps(device, self._use_fused)
+        return self._ops[key]
 
 
 ALQCompressor, AMQCompressor, QSGDCompressor, NUQSGDCompressor, TernGradCompressor = frontends.bind(

@@ -1,0 +1,230 @@
+"""The safety protocol of the quantized exchange, written once for every front-end (``docs/design.md``).
+
+Two small messages keep every rank on the same path, whatever the ranks do:
+
+* the **tensor vector**, what ``compress`` hands the framework's allreduce in place of the gradient.
+  The allreduce pairs tensors by name, so its result tells every rank, for *this* tensor, which op
+  reduced it and with which scale, which process set took part, whether all ranks passed the same
+  shape and dtype, whether some rank failed to encode it, and the slot every rank gave it in its
+  round (so ranks that compressed their tensors in different orders are paired correctly);
+* the **round handshake**, one tiny allreduce (max of ``v`` and ``-v``, so every rank learns the
+  minimum and the maximum of each field) before any payload moves: settings, levels, round number,
+  refit flag and the round's layout. Payload collectives are issued only after it agreed, so no
+  rank issues a collective that another rank will not issue.
+
+Everything here is NumPy; the transports only move the vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+PREFIX = "horovod_alq"
+MASK64 = (1 << 64) - 1
+
+# ---------------------------------------------------------------------------------------------
+# Seeds
+
+
+def splitmix64(z: int) -> int:
+    """One step of SplitMix64 (a 64-bit mixing function)."""
+    z = (int(z) + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def derive_seed(base: int, *keys: int) -> int:
+    """A 63-bit seed for one encode: ``base`` mixed with every key (rank, round, buffer, shard, phase).
+
+    Different keys give independent-looking streams; the same keys give the same stream on every run."""
+    z = int(base) & MASK64
+    for key in keys:
+        z = splitmix64(z ^ splitmix64(int(key) & MASK64))
+    return z >> 1
+
+
+def stable_hash(*parts, bits: int = 62) -> int:
+    """A hash of ``repr(parts)`` that is the same on every rank and every run (unlike ``hash``)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << bits) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor vector
+
+_HEAD = 6  # [1, p, p**2, h, h**2, error], p = rank + 1, h = shape/dtype hash in [1, 2**20)
+_SHAPE_BITS = 20
+
+
+def tensor_vector_length(size: int) -> int:
+    """Length of the tensor vector for a process set of ``size`` ranks."""
+    return _HEAD + int(size)
+
+
+def shape_hash(shape: Sequence[int], dtype: str) -> int:
+    """Hash of a tensor's shape and dtype in ``[1, 2**20)``: small enough that sums of squares over
+    thousands of ranks stay exact in float64."""
+    return 1 + stable_hash(tuple(int(s) for s in shape), str(dtype), bits=_SHAPE_BITS) % ((1 << _SHAPE_BITS) - 1)
+
+
+def tensor_vector(rank: int, size: int, slot: int, shape_code: int, failed: bool) -> np.ndarray:
+    """This rank's tensor vector (float64) for the tensor in ``slot`` of its round."""
+    p = float(rank + 1)
+    h = float(shape_code)
+    vec = np.zeros(tensor_vector_length(size), dtype=np.float64)
+    vec[:_HEAD] = [1.0, p, p * p, h, h * h, 1.0 if failed else 0.0]
+    vec[_HEAD + rank] = slot + 1
+    return vec
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """What the reduced tensor vector says about one tensor.
+
+    Attributes
+    ----------
+    scale : float
+        Multiply the *sum* of the ranks' decoded values by this: 1 for Sum, 1/N for Average, with
+        Horovod's pre- and postscale factors folded in.
+    slots : tuple of int
+        The slot every rank of the process set gave this tensor in its round, in rank order.
+    """
+
+    scale: float
+    slots: tuple[int, ...]
+
+
+def _close(a: float, b: float, rtol: float = 1e-9) -> bool:
+    return abs(a - b) <= rtol * max(1.0, abs(b))
+
+
+class ProtocolError(RuntimeError):
+    """Raised identically on every rank when the protocol finds that ranks disagree."""
+
+
+def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int,
+                       local_error: str | None = None) -> Reduced:
+    """Check a reduced tensor vector and return the scale and the ranks' slots.
+
+    Every rank receives the same reduced vector for the same tensor, so every rank raises the same
+    error for the same tensor (``local_error`` only makes the message of the failing rank precise).
+
+    Raises
+    ------
+    ProtocolError
+        The allreduce was not a Sum or an Average over exactly this process set (Min, Max, Product,
+        Adasum, a reducescatter, ``hvd.join``, another process set), a rank failed to encode the
+        tensor, ranks passed different shapes or dtypes, or the slots are not valid.
+    """
+    v = np.asarray(reduced, dtype=np.float64).ravel()
+    n = int(size)
+    expected = tensor_vector_length(n)
+    if v.size != expected:
+        raise ProtocolError(
+            f"{PREFIX}: the reduced control vector has {v.size} elements, expected {expected}: the "
+            f"compressed tensor went through a collective other than allreduce (a reducescatter, or an "
+            f"allreduce over another process set with a different size); horovod_alq compressors "
+            f"support allreduce with op=Sum or op=Average only (use hvd.Compression.none here)")
+    if not np.isfinite(v).all() or v[0] == 0:
+        raise ProtocolError(f"{PREFIX}: the reduced control vector is not finite or its scale is 0 "
+                            f"({v[:3].tolist()}): the allreduce used an op other than Sum or Average")
+    fact = math.factorial(n) if n <= 20 else float("inf")
+    if n > 1:
+        if v[0] == 1 and v[1] == 1 and v[2] == 1:
+            op = "Min"
+        elif v[0] == 1 and _close(v[1], n) and _close(v[2], n * n) and n > 2:
+            op = "Max"
+        elif v[0] == 1 and _close(v[1], fact) and _close(v[2], fact * fact):
+            op = "Max or Product" if n == 2 else "Product"
+        else:
+            op = None
+        if op is not None:
+            raise ProtocolError(
+                f"{PREFIX}: this allreduce used op={op}; a quantized exchange can only sum or average "
+                f"(the ranks' decoded values are summed), so horovod_alq compressors support op=Sum and "
+                f"op=Average only. Pass compression=hvd.Compression.none for this call")
+    w = v * (n / v[0])  # the sums the vector would have under op=Sum without scaling
+    slots_raw = w[_HEAD:]
+    absent = [r for r in range(n) if slots_raw[r] < 0.5]
+    ok_op = _close(w[1], n * (n + 1) / 2) and _close(w[2], n * (n + 1) * (2 * n + 1) / 6)
+    if absent or not ok_op:
+        who = f"ranks {absent} of the compressor's process set contributed nothing" if absent else \
+            "the reduced control vector does not match a Sum or Average over the compressor's process set"
+        raise ProtocolError(
+            f"{PREFIX}: {who} (process set of {n} ranks; reduced head {v[:3].tolist()}). Causes: "
+            f"op=Adasum or another op than Sum/Average; hvd.join() (a joined rank cannot send "
+            f"quantized payloads); or an allreduce over another process set than the compressor's "
+            f"(pass the same process_set= to the compressor and to the allreduce / optimizer)")
+    if w[5] > 0.5:
+        mine = f" (this rank: {local_error})" if local_error else ""
+        raise ProtocolError(f"{PREFIX}: {int(round(w[5]))} rank(s) could not encode this tensor{mine}; "
+                            f"refusing to decode on every rank")
+    # All ranks passed the same shape and dtype iff (sum h)**2 == n * sum h**2 (Cauchy-Schwarz).
+    s1, s2 = round(w[3]), round(w[4])
+    if s1 * s1 != n * s2 or s1 != n * shape_code:
+        raise ProtocolError(
+            f"{PREFIX}: the ranks passed tensors of different shapes or dtypes to the same allreduce "
+            f"(this rank's differs from another rank's); Horovod requires the same shape and dtype on "
+            f"every rank")
+    slots = tuple(int(round(s)) - 1 for s in slots_raw)
+    if any(abs(s + 1 - x) > 1e-6 * max(1.0, x) for s, x in zip(slots, slots_raw)) or slots[rank] != slot:
+        raise ProtocolError(f"{PREFIX}: the reduced slots {slots_raw.tolist()} are not whole numbers or "
+                            f"do not include this rank's slot {slot}: corrupted control vector")
+    return Reduced(float(v[0]) / n, slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# The round handshake
+
+HANDSHAKE_FIELDS = ("error", "settings", "levels", "round", "collecting", "tensors", "elements",
+                    "contents", "order")
+
+
+def handshake_vector(**fields: int) -> np.ndarray:
+    """The int64 vector ``[v, -v]`` of the handshake fields (each in ``[0, 2**62)``): reduced with
+    MAX it gives every rank the maximum and (negated) the minimum of each field."""
+    values = np.array([int(fields[name]) for name in HANDSHAKE_FIELDS], dtype=np.int64)
+    if (values < 0).any() or (values >= 1 << 62).any():
+        raise ValueError(f"handshake fields must lie in [0, 2**62): {fields}")
+    return np.concatenate([values, -values])
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The outcome of a handshake: ``ordered`` if every rank laid its round out identically (the
+    fast path); otherwise the ranks hold the same tensors in different orders."""
+
+    ordered: bool
+
+
+def read_handshake(reduced_max: np.ndarray, local_error: str | None = None) -> Agreement:
+    """Check the MAX-reduced ``[v, -v]`` handshake; raise :class:`ProtocolError` on every rank if the
+    ranks may not exchange payloads this round."""
+    r = np.asarray(reduced_max, dtype=np.int64)
+    k = len(HANDSHAKE_FIELDS)
+    hi = dict(zip(HANDSHAKE_FIELDS, r[:k].tolist()))
+    lo = dict(zip(HANDSHAKE_FIELDS, (-r[k:]).tolist()))
+    if hi["error"]:
+        mine = f" This rank: {local_error}" if local_error else " (see the failing rank's error)"
+        raise ProtocolError(f"{PREFIX}: a rank failed before the payload exchange of this round; "
+                            f"refusing to exchange on every rank.{mine}")
+    differ = [f for f in ("settings", "levels", "round", "collecting") if hi[f] != lo[f]]
+    if differ:
+        meaning = {"settings": "compressor settings (method, bits, bucket size, norm, exchange, fusion)",
+                   "levels": "quantization levels", "round": "round numbers (a previous exchange failed on "
+                   "some ranks only)", "collecting": "refit schedules"}
+        raise ProtocolError(f"{PREFIX}: the ranks differ in their " + "; ".join(meaning[f] for f in differ)
+                            + ". Every rank must build the compressor with the same arguments and load the "
+                              "same state")
+    if any(hi[f] != lo[f] for f in ("tensors", "elements", "contents")):
+        raise ProtocolError(
+            f"{PREFIX}: the ranks compressed different tensors in this round ({lo['tensors']} to "
+            f"{hi['tensors']} tensors, {lo['elements']} to {hi['elements']} elements); every rank must "
+            f"allreduce the same tensors with this compressor between two optimizer steps")
+    return Agreement(ordered=hi["order"] == lo["order"])

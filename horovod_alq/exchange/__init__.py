@@ -1,0 +1,20 @@
+"""The quantized exchange, written once for every front-end (``docs/design.md``, "Exchange").
+
+Three axes vary independently:
+
+* **exchanges** (how payloads travel): :mod:`.allgather` (every rank gathers every rank's codes)
+  and :mod:`.two_phase` (scatter-reduce, re-quantize, allgather); a new one is one module and one
+  entry in :data:`EXCHANGES`;
+* **transports** (how bytes move): Horovod for PyTorch (:mod:`horovod_alq.torch.transport`),
+  mpi4py (:mod:`horovod_alq.mpi`); each is an allgather, an alltoall and two small allreduces;
+* **tensor ops** (the codec on the framework's tensors): :class:`.base.TensorOps`.
+
+:class:`.engine.Engine` drives rounds: it fuses a round's tensors into buckets-aligned buffers,
+runs the protocol of :mod:`horovod_alq.core.protocol` and one exchange, and refits the levels.
+"""
+
+from .base import Layout, TensorOps, Transport, plan_layout
+from .engine import EXCHANGE_CHOICES, Engine, Entry, resolve_fusion_bytes
+
+__all__ = ["EXCHANGE_CHOICES", "Engine", "Entry", "Layout", "TensorOps", "Transport", "plan_layout",
+           "resolve_fusion_bytes"]

@@ -1,0 +1,51 @@
+"""Allgather exchange: every rank gathers every rank's payload of each buffer and decodes all.
+
+Per worker and coordinate it receives ``(N - 1)(b + 32/d)`` bits: the cheapest for a few workers,
+and one quantization only (the variance of the average is that of the ranks' own codes, / N**2).
+When the ranks laid their rounds out in different orders (:func:`gather_streams`), each rank's
+whole stream is gathered once and every tensor is taken from each rank where that rank put it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.wire import payload_size
+from .base import Job, Tensor, check_payloads
+
+NAME = "allgather"
+
+
+def run(job: Job) -> tuple[Tensor, np.ndarray | None]:
+    """Sum over ranks of the decoded stream (float32, the layout's length); no second-phase statistics."""
+    q, ops, t = job.first, job.ops, job.transport
+    waits = []
+    for i, (lo, hi) in enumerate(job.layout.buffers):
+        payload = job.encode(job.stream[lo:hi], q, job.seed(i))
+        sizes = [payload_size(hi - lo, q.bits, q.bucket_size)] * t.size
+        job.count_allgather(sizes)
+        waits.append(t.allgather(payload, sizes, job.name(f"ag{i}")))
+    total = ops.zeros(job.layout.length)
+    for i, ((lo, hi), wait) in enumerate(zip(job.layout.buffers, waits)):
+        gathered = wait()
+        offsets = check_payloads(ops, gathered, [hi - lo] * t.size, q, f"buffer {i}")
+        ops.decode_sum(total[lo:hi], gathered, offsets, q)
+    return total, None
+
+
+def gather_streams(job: Job) -> list[Tensor]:
+    """The decoded stream of every rank, separately (for rounds whose ranks ordered tensors
+    differently: every rank's stream has the same length, since the tensors are the same)."""
+    q, ops, t = job.first, job.ops, job.transport
+    n = job.layout.length
+    payload = job.encode(job.stream, q, job.seed(0))
+    sizes = [payload_size(n, q.bits, q.bucket_size)] * t.size
+    job.count_allgather(sizes)
+    gathered = t.allgather(payload, sizes, job.name("ag-unordered"))()
+    offsets = check_payloads(ops, gathered, [n] * t.size, q, "unordered round")
+    streams = []
+    for offset in offsets:
+        out = ops.zeros(n)
+        ops.decode_sum(out, gathered, [offset], q)
+        streams.append(out)
+    return streams

@@ -1,0 +1,172 @@
+"""What the exchanges share: the round's layout, the interfaces of transports and tensor ops, and
+the check of received payloads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from ..core.methods import get_method
+from ..core.protocol import PREFIX, ProtocolError
+from ..core.quantizer import Quantizer
+from ..core.wire import HEADER_SIZE, check_header, parse_header, payload_size
+
+Tensor = Any  # a framework tensor (torch.Tensor, np.ndarray): sliceable, 1-D where it matters
+
+
+class Transport(Protocol):
+    """How bytes move between the ranks of one process set. Names pair collectives across ranks
+    (Horovod); transports that pair by call order (MPI) ignore them."""
+
+    rank: int
+    size: int
+
+    def allgather(self, payload: Tensor, sizes: Sequence[int], name: str) -> Callable[[], Tensor]:
+        """Start gathering every rank's uint8 ``payload`` (rank ``r`` sends ``sizes[r]`` bytes);
+        the returned function waits and returns the concatenation in rank order."""
+
+    def alltoall(self, payload: Tensor, splits: Sequence[int], received: Sequence[int],
+                 name: str) -> Callable[[], Tensor]:
+        """Start sending ``payload[sum(splits[:j]):][:splits[j]]`` to rank ``j`` and receiving
+        ``received[r]`` bytes from every rank ``r``; the function waits and returns them in rank order."""
+
+    def allreduce_sum(self, vec: np.ndarray, name: str) -> np.ndarray:
+        """Elementwise sum of a small float64 vector over the ranks."""
+
+    def allreduce_max(self, vec: np.ndarray, name: str) -> np.ndarray:
+        """Elementwise maximum of a small int64 vector over the ranks."""
+
+
+class TensorOps(Protocol):
+    """The codec and the few tensor operations an exchange needs, on one framework and device."""
+
+    def stream(self, parts: Sequence[Tensor], starts: Sequence[int], length: int) -> Tensor:
+        """A zero-filled float32 vector of ``length`` with the flattened ``parts`` at ``starts``."""
+
+    def zeros(self, n: int) -> Tensor:
+        """float32 zeros."""
+
+    def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
+        """One payload (uint8) of the float32 vector ``x`` with the quantizer's levels."""
+
+    def decode_sum(self, out: Tensor, payloads: Tensor, offsets: Sequence[int], quantizer: Quantizer) -> None:
+        """``out = sum`` of the decoded payloads starting at ``offsets`` (already validated)."""
+
+    def statistics(self, x: Tensor, quantizer: Quantizer) -> np.ndarray:
+        """The statistics vector of ``x`` for the quantizer's method and norm."""
+
+    def cat(self, parts: Sequence[Tensor]) -> Tensor:
+        """Concatenate uint8 vectors."""
+
+    def to_numpy(self, x: Tensor) -> np.ndarray:
+        """A host copy (NumPy)."""
+
+    def from_numpy(self, a: np.ndarray) -> Tensor:
+        """A uint8 vector on the ops' device."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a round's tensors sit in its stream, and how the stream is cut into fusion buffers.
+
+    Every tensor starts on a bucket boundary (the stream is zero-padded up to the next one), so a
+    fused buffer quantizes each tensor exactly as it would alone: the same buckets, the same norms.
+    """
+
+    numels: tuple[int, ...]
+    starts: tuple[int, ...]
+    length: int
+    buffers: tuple[tuple[int, int], ...]
+    bucket_size: int
+    padding: tuple[tuple[int, int], ...] = field(default=())
+
+    def padding_in(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The padding ranges that overlap ``[lo, hi)``, clipped to it."""
+        return [(max(a, lo), min(b, hi)) for a, b in self.padding if a < hi and b > lo]
+
+
+def plan_layout(numels: Sequence[int], bucket_size: int, capacity: int | None) -> Layout:
+    """Lay out tensors of ``numels`` elements (in slot order) and cut buffers of at most
+    ``capacity`` elements (a tensor larger than that gets a buffer of its own; None: one buffer
+    for all, 0: one buffer per tensor). The same inputs give the same layout on every rank."""
+    d = int(bucket_size)
+    starts, padding, pos = [], [], 0
+    for n in numels:
+        starts.append(pos)
+        end = pos + int(n)
+        pos = -(-end // d) * d
+        if pos > end:
+            padding.append((end, pos))
+    buffers: list[tuple[int, int]] = []
+    lo = 0
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else pos
+        if start > lo and (capacity == 0 or (capacity is not None and end - lo > capacity)):
+            buffers.append((lo, start))
+            lo = start
+    if pos > lo:
+        buffers.append((lo, pos))
+    return Layout(tuple(int(n) for n in numels), tuple(starts), pos, tuple(buffers), d, tuple(padding))
+
+
+def check_payloads(ops: TensorOps, gathered: Tensor, numels: Sequence[int], quantizer: Quantizer,
+                   what: str) -> list[int]:
+    """Validate the payloads of every rank, back to back in ``gathered`` (rank ``r``'s holds
+    ``numels[r]`` elements), and return their offsets. Raises :class:`ProtocolError` naming the rank."""
+    q = quantizer
+    sizes = [payload_size(n, q.bits, q.bucket_size) for n in numels]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    host = ops.to_numpy(gathered)
+    if host.size != offsets[-1]:
+        raise ProtocolError(f"{PREFIX}: {what}: received {host.size} bytes, expected {int(offsets[-1])}")
+    for rank, (offset, n) in enumerate(zip(offsets[:-1].tolist(), numels)):
+        try:
+            header = parse_header(host[offset: offset + HEADER_SIZE])
+            check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint)
+            if header.numel != n:
+                raise ValueError(f"payload has {header.numel} elements, expected {n}")
+        except ValueError as err:
+            raise ProtocolError(f"{PREFIX}: {what}: the payload of rank {rank} does not match this rank's "
+                                f"({q.method}, bits={q.bits}, bucket_size={q.bucket_size}): {err}") from None
+    return offsets[:-1].tolist()
+
+
+@dataclass
+class Job:
+    """One round's exchange: what every exchange module receives.
+
+    ``seed(*keys)`` gives the seed of one encode; ``name(tag)`` a collective's name, the same on
+    every rank; ``sent`` / ``received`` accumulate this rank's payload bytes on the wire."""
+
+    stream: Tensor
+    layout: Layout
+    ops: TensorOps
+    transport: Transport
+    first: Quantizer
+    second: Quantizer | None
+    seed: Callable[..., int]
+    name: Callable[[str], str]
+    collect_second: bool = False
+    sent: int = 0
+    received: int = 0
+    encoded: int = 0  # bytes of this rank's own (first-phase) payloads
+
+    def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
+        """A payload; an empty ``x`` gives the bare header."""
+        payload = self.ops.encode(x, quantizer, seed)
+        if quantizer is self.first:
+            self.encoded += int(payload.shape[0])
+        return payload
+
+    def count_allgather(self, sizes: Sequence[int]) -> None:
+        """Bytes of an allgather: this rank's payload reaches the N - 1 others (as a ring forwards it)."""
+        me = self.transport.rank
+        self.sent += (self.transport.size - 1) * int(sizes[me])
+        self.received += sum(int(s) for r, s in enumerate(sizes) if r != me)
+
+    def count_alltoall(self, splits: Sequence[int], received: Sequence[int]) -> None:
+        me = self.transport.rank
+        self.sent += sum(int(s) for j, s in enumerate(splits) if j != me)
+        self.received += sum(int(s) for r, s in enumerate(received) if r != me)

@@ -1,0 +1,294 @@
+"""Rounds, fusion and the protocol around one exchange: what every front-end's compressor runs.
+
+A *round* is a run of ``compress`` calls (:meth:`Engine.add`) followed by their ``decompress``
+calls (:meth:`Engine.finish`); with ``hvd.DistributedOptimizer`` it is one optimizer step, with a
+plain ``hvd.allreduce`` one call. ``compress`` issues no collective: it records the tensor and
+returns the tensor vector of :mod:`horovod_alq.core.protocol` for the framework's allreduce. The
+first ``decompress`` of the round runs, on every rank alike, the handshake, the exchange of all the
+round's fused buffers and (in refit rounds) one allreduce of the statistics and the refit; every
+``decompress`` then takes its tensor from the result, from each rank where that rank put it.
+
+Why no collective in ``compress``: a round whose ranks disagree (different orders, a tensor one
+rank passes uncompressed, an error Horovod raised on every rank before ``decompress``) must never
+leave a payload collective on one rank that another rank does not issue, or that pairs with the
+wrong data. The price is that payloads move only once the backward pass is over.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..core.methods import get_method
+from ..core.protocol import (PREFIX, ProtocolError, derive_seed, handshake_vector, read_handshake,
+                             read_tensor_vector, stable_hash, tensor_vector)
+from ..core.quantizer import Quantizer
+from ..core.rounds import RoundState
+from . import allgather, two_phase
+from .base import Job, Layout, TensorOps, Transport, plan_layout
+
+#: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
+EXCHANGES = {allgather.NAME: allgather, two_phase.NAME: two_phase}
+EXCHANGE_CHOICES = (*EXCHANGES, "auto")
+#: Fusion buffers hold this many bytes of float32 gradient by default (``fusion_bytes=``,
+#: ``HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per tensor).
+DEFAULT_FUSION_BYTES = 64 << 20
+#: ``exchange="auto"`` uses the two-phase exchange from this many ranks on (docs/results.md).
+TWO_PHASE_FROM = 4
+
+
+def resolve_fusion_bytes(value: int | None) -> int:
+    """``fusion_bytes`` as given, else ``$HOROVOD_ALQ_FUSION_BYTES``, else 64 MiB; ValueError if bad."""
+    source = "fusion_bytes"
+    if value is None:
+        env = os.environ.get("HOROVOD_ALQ_FUSION_BYTES")
+        if env is None:
+            return DEFAULT_FUSION_BYTES
+        source = "HOROVOD_ALQ_FUSION_BYTES"
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"{source} must be a non-negative integer (bytes), got {env!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{source} must be a non-negative integer (bytes; 0 turns fusion off), got {value!r}")
+    return int(value)
+
+
+def check_exchange(exchange: str) -> str:
+    if exchange not in EXCHANGE_CHOICES:
+        raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGE_CHOICES))}, got {exchange!r}")
+    return exchange
+
+
+def choose_exchange(exchange: str, size: int) -> str:
+    """The exchange in use for ``size`` ranks: ``auto`` is two-phase from :data:`TWO_PHASE_FROM` ranks on."""
+    if exchange != "auto":
+        return exchange
+    return two_phase.NAME if size >= TWO_PHASE_FROM else allgather.NAME
+
+
+@dataclass(eq=False)
+class Entry:
+    """One compressed tensor between ``compress`` and ``decompress``."""
+
+    round: "_Round"
+    slot: int
+    flat: Any
+    numel: int
+    shape_code: int
+    error: str | None = None
+    done: bool = False
+    abandoned: bool = False
+
+    def abandon(self) -> None:
+        """The framework dropped this exchange without decompressing it (it raised before)."""
+        if not self.done:
+            self.abandoned = True
+
+
+@dataclass(eq=False)
+class _Round:
+    entries: list[Entry] = field(default_factory=list)
+    result: Any = None
+    failure: Exception | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.result is not None or self.failure is not None
+
+    def live(self) -> list[Entry]:
+        return [e for e in self.entries if not e.abandoned]
+
+
+@dataclass
+class _Ordered:
+    total: Any
+    layout: Layout
+
+
+@dataclass
+class _Unordered:
+    streams: list
+    starts: list[dict[int, int]]  # per rank: slot -> start in its stream
+
+
+class Engine:
+    """Drives the rounds of one compressor.
+
+    Parameters
+    ----------
+    quantizer : Quantizer
+        The (first-phase) codec and its levels.
+    state : RoundState
+        Counters, schedule and checkpoint state (shared with the front-end's ``metrics``).
+    exchange : {"allgather", "two-phase", "auto"}
+    fusion_bytes : int
+        Bytes of float32 gradient per fusion buffer; 0: one buffer per tensor.
+    seed : int
+        Base of every encode's seed (mixed with rank, round, buffer, shard and phase).
+    uid : str
+        Part of every collective's name; must be the same on every rank for this compressor.
+    manual_refit : bool
+        The front-end refits itself (mpi4py's ``adapt()``): rounds collect no statistics.
+    """
+
+    def __init__(self, quantizer: Quantizer, state: RoundState, *, exchange: str = "auto",
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, seed: int = 0, uid: str = "0",
+                 manual_refit: bool = False) -> None:
+        self.quantizer = quantizer
+        self.state = state
+        self.exchange = check_exchange(exchange)
+        self.fusion_bytes = resolve_fusion_bytes(fusion_bytes)
+        self.seed = int(seed)
+        self.uid = uid
+        self.manual_refit = manual_refit
+        self._round = _Round()
+        self.last_second_statistics: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ compress
+    def add(self, flat: Any, numel: int, shape, dtype, transport: Transport,
+            error: str | None = None) -> tuple[Entry, np.ndarray]:
+        """Record one tensor of the current round; returns its entry and tensor vector."""
+        rnd = self._round
+        if rnd.started or (rnd.entries and not rnd.live()):
+            rnd = self._round = _Round()
+        code = _shape_code(shape, dtype)
+        entry = Entry(rnd, len(rnd.entries), flat, int(numel), code, error)
+        rnd.entries.append(entry)
+        self.state.calls += 1
+        vec = tensor_vector(transport.rank, transport.size, entry.slot, code, error is not None)
+        return entry, vec
+
+    # ------------------------------------------------------------------ decompress
+    def pending(self) -> bool:
+        """Whether a round has tensors that were compressed and not yet exchanged."""
+        return not self._round.started and any(not e.done for e in self._round.live())
+
+    def reset(self) -> None:
+        """Drop the round in progress (its tensors will not be exchanged)."""
+        self._round = _Round()
+
+    def finish(self, entry: Entry, reduced: np.ndarray, ops: TensorOps, transport: Transport):
+        """The reduced values of ``entry`` (float32, 1-D), scaled as the allreduce's op asks, and
+        that scale (1 for Sum, 1/N for Average, times Horovod's pre- and postscale factors)."""
+        if entry.done:
+            raise RuntimeError(f"{PREFIX}: decompress called twice for the same compressed tensor")
+        entry.done = True
+        rnd = entry.round
+        err = None
+        try:
+            info = read_tensor_vector(reduced, rank=transport.rank, size=transport.size, slot=entry.slot,
+                                      shape_code=entry.shape_code, local_error=entry.error)
+        except ProtocolError as exc:
+            err = exc
+        if not rnd.started:
+            try:
+                self._run_round(rnd, ops, transport, None if err is None else str(err))
+            except Exception as exc:
+                rnd.failure = exc
+                raise
+        if err is not None:
+            raise err
+        if rnd.failure is not None:
+            raise ProtocolError(f"{PREFIX}: the exchange of this round failed: {rnd.failure}")
+        if isinstance(rnd.result, _Ordered):
+            start = rnd.result.layout.starts[rnd.live().index(entry)]
+            out = rnd.result.total[start: start + entry.numel] * info.scale
+        else:
+            res = rnd.result
+            out = None
+            for r, slot in enumerate(info.slots):
+                start = res.starts[r][slot]
+                part = res.streams[r][start: start + entry.numel]
+                out = part * 1.0 if out is None else out + part
+            out = out * info.scale
+        entry.flat = None
+        return out, info.scale
+
+    # ------------------------------------------------------------------ the round
+    def _run_round(self, rnd: _Round, ops: TensorOps, transport: Transport, local_error: str | None) -> None:
+        q, st = self.quantizer, self.state
+        live = rnd.live()
+        epoch = st.step
+        exchange = choose_exchange(self.exchange, transport.size)
+        collecting = (not self.manual_refit) and st.collecting
+        order = tuple((e.numel, e.shape_code) for e in live)
+        fields = dict(
+            error=int(local_error is not None or any(e.error is not None for e in live)),
+            settings=stable_hash(q.method, q.bits, q.bucket_size, _norm(q), exchange, self.fusion_bytes,
+                                 st.second.bits, st.adapt_second),
+            levels=stable_hash(q.fingerprint, st.second.fingerprint),
+            round=epoch, collecting=int(collecting), tensors=len(live),
+            elements=sum(e.numel for e in live), contents=stable_hash(tuple(sorted(order))),
+            order=stable_hash(order))
+        own = local_error or next((e.error for e in live if e.error), None)
+        prefix = f"{PREFIX}.{self.uid}.{epoch}"
+        agreement = read_handshake(transport.allreduce_max(handshake_vector(**fields), f"{prefix}.handshake"), own)
+        st.step += 1  # every rank passed the handshake: the round counts, whatever happens next
+
+        capacity = self.fusion_bytes // 4 if self.fusion_bytes else 0
+        layout = plan_layout([e.numel for e in live], q.bucket_size, capacity if agreement.ordered else None)
+        stream = ops.stream([e.flat for e in live], layout.starts, layout.length)
+        job = Job(stream, layout, ops, transport, q, st.second,
+                  seed=lambda *keys: derive_seed(self.seed, transport.rank, epoch, *keys),
+                  name=lambda tag: f"{prefix}.{tag}",
+                  collect_second=collecting and st.adapt_second and exchange == two_phase.NAME)
+        st.coordinates += sum(e.numel for e in live)
+        try:
+            if agreement.ordered:
+                total, second_stats = EXCHANGES[exchange].run(job)
+                rnd.result = _Ordered(total, layout)
+                st.exchange = exchange
+            else:
+                rnd.result = self._unordered(job, live)
+                second_stats = None
+                st.exchange = allgather.NAME + " (unordered round)"
+        finally:
+            st.bytes_sent += job.sent
+            st.bytes_received += job.received
+            st.payload_bytes += job.encoded
+        if collecting:
+            self._refit(job, second_stats, prefix)
+        elif self.manual_refit:
+            self.last_second_statistics = second_stats
+
+    def _unordered(self, job: Job, live: list[Entry]) -> _Unordered:
+        """Ranks hold the same tensors in different orders: gather every rank's stream and layout."""
+        t = job.transport
+        mine = np.array([[e.slot, s] for e, s in zip(live, job.layout.starts)], dtype=np.int64).ravel()
+        raw = job.ops.from_numpy(mine.view(np.uint8))
+        tables = job.ops.to_numpy(t.allgather(raw, [raw.shape[0]] * t.size, job.name("layouts"))())
+        tables = tables.view(np.int64).reshape(t.size, -1, 2)
+        streams = allgather.gather_streams(job)
+        return _Unordered(streams, [dict(map(tuple, table.tolist())) for table in tables])
+
+    def _refit(self, job: Job, second_stats: np.ndarray | None, prefix: str) -> None:
+        """One allreduce of the round's statistics (both quantizers'), then every rank refits alike."""
+        st, ops, q = self.state, job.ops, job.first
+        first = sum(ops.statistics(job.stream[lo:hi], q) for lo, hi in job.layout.buffers)
+        parts = [np.asarray(first, dtype=np.float64)]
+        if job.collect_second:
+            parts.append(np.zeros_like(parts[0]) if second_stats is None else np.asarray(second_stats, np.float64))
+        total = job.transport.allreduce_sum(np.concatenate(parts), f"{prefix}.statistics")
+        k = parts[0].size
+        updated = False
+        if total[0] > 0:
+            q.adapt(total[:k])
+            updated = True
+        if job.collect_second and total[k] > 0:
+            st.second.adapt(total[k:])
+            updated = True
+        st.level_updates += int(updated)
+
+
+def _shape_code(shape, dtype) -> int:
+    from ..core.protocol import shape_hash
+
+    return shape_hash(tuple(shape), str(dtype))
+
+
+def _norm(q: Quantizer) -> str:
+    return getattr(q, "norm", get_method(q.method).norm)

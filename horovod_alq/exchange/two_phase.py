@@ -1,0 +1,102 @@
+"""Two-phase exchange ("scatter-reduce, then allgather"): traffic per worker independent of N.
+
+Each buffer is cut into N shards of whole buckets. Phase 1: shard ``j`` of every rank's codes goes
+to rank ``j`` (one alltoall); rank ``j`` decodes and sums its N shards. Phase 2: rank ``j``
+re-quantizes the sum once with the *second* quantizer and the re-quantized shards are allgathered;
+every rank, the owner included, decodes them, so every rank ends with identical values. Per worker
+and coordinate it sends about ``2 (N - 1) / N (b + 32/d)`` bits.
+
+The estimate stays unbiased (``E[Q2(S)] = S``, ``E[S] = sum of the ranks' values``); the second
+quantization adds the variance of one quantization of the sum, which does not shrink with N. The
+second quantizer may use more bits, and for adaptive methods its levels adapt to the statistics of
+the reduced shards (averaging thins the tails), collected by the owners in refit rounds.
+
+An owner that finds an invalid payload among its shards sends a poisoned phase-2 payload, so that
+every rank raises (none waits in a collective that the owner will not issue).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.protocol import PREFIX, ProtocolError
+from ..core.wire import HEADER_SIZE, payload_size
+from .base import Job, Tensor, check_payloads
+
+NAME = "two-phase"
+POISON = b"ER"
+
+
+def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` (whole buckets) cut into ``parts`` runs of whole buckets, the last ones possibly empty."""
+    d = bucket_size
+    per = -(-(hi - lo) // d // parts) if hi > lo else 0
+    bounds = [min(lo + j * per * d, hi) for j in range(parts + 1)]
+    return [(bounds[j], bounds[j + 1]) for j in range(parts)]
+
+
+def run(job: Job) -> tuple[Tensor, np.ndarray | None]:
+    """Sum over ranks of the decoded stream via the two phases; also the owners' statistics of the
+    reduced shards (for the second quantizer's refit) when ``job.collect_second``."""
+    q1, q2, ops, t = job.first, job.second, job.ops, job.transport
+    n, me = t.size, t.rank
+    cuts = [shards(lo, hi, n, q1.bucket_size) for lo, hi in job.layout.buffers]
+
+    first = []
+    for i, parts in enumerate(cuts):
+        payloads = [job.encode(job.stream[a:b], q1, job.seed(i, j, 1)) for j, (a, b) in enumerate(parts)]
+        splits = [payload_size(b - a, q1.bits, q1.bucket_size) for a, b in parts]
+        a, b = parts[me]
+        received = [payload_size(b - a, q1.bits, q1.bucket_size)] * n
+        job.count_alltoall(splits, received)
+        first.append(t.alltoall(ops.cat(payloads), splits, received, job.name(f"a2a{i}")))
+
+    stats = None
+    second, failures = [], []
+    for i, (parts, wait) in enumerate(zip(cuts, first)):
+        a, b = parts[me]
+        gathered = wait()
+        acc = ops.zeros(b - a)
+        try:
+            offsets = check_payloads(ops, gathered, [b - a] * n, q1, f"shard {me} of buffer {i}")
+            ops.decode_sum(acc, gathered, offsets, q1)
+        except ProtocolError as err:
+            failures.append(err)
+        for pa, pb in job.layout.padding_in(a, b):  # keep padding out of the second norms
+            acc[pa - a: pb - a] = 0
+        if job.collect_second and b > a:
+            s = ops.statistics(acc, q2)
+            stats = s if stats is None else stats + s
+        payload = job.encode(acc, q2, job.seed(i, me, 2))
+        if failures:
+            payload = _poisoned(ops, payload)
+        sizes = [payload_size(pb - pa, q2.bits, q2.bucket_size) for pa, pb in parts]
+        job.count_allgather(sizes)
+        second.append(t.allgather(payload, sizes, job.name(f"ag2-{i}")))
+
+    total = ops.zeros(job.layout.length)
+    for i, (parts, wait) in enumerate(zip(cuts, second)):
+        gathered = wait()
+        host = ops.to_numpy(gathered)
+        sizes = [payload_size(b - a, q2.bits, q2.bucket_size) for a, b in parts]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        bad = [j for j in range(n) if host.size >= offsets[j] + 2 and bytes(host[offsets[j]: offsets[j] + 2]) == POISON]
+        if bad:
+            if failures:
+                raise failures[0]
+            raise ProtocolError(f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
+                                f"shards of buffer {i} (see their errors); refusing to decode on every rank")
+        check = check_payloads(ops, gathered, [b - a for a, b in parts], q2, f"second phase of buffer {i}")
+        for (a, b), offset in zip(parts, check):
+            if b > a:
+                ops.decode_sum(total[a:b], gathered, [offset], q2)
+    if failures:
+        raise failures[0]
+    return total, stats
+
+
+def _poisoned(ops, payload: Tensor) -> Tensor:
+    host = ops.to_numpy(payload).copy()
+    host[:2] = np.frombuffer(POISON, dtype=np.uint8)
+    host[2:HEADER_SIZE] = 0
+    return ops.from_numpy(host)

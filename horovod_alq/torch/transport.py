@@ -1,0 +1,124 @@
+"""The torch side of the exchange engine: Horovod collectives over a process set, and the codec's
+tensor operations on one device (``horovod_alq.exchange``)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..core.methods import get_method
+from ..core.quantizer import Quantizer
+from ..core.statistics import GRID, BucketMoments, normless_statistics
+from ..core.wire import Header, pack_header
+from . import fused, kernels
+
+
+def hvd():
+    """horovod.torch, imported on first use so that the kernels work without Horovod."""
+    import horovod.torch as hvd_module
+
+    return hvd_module
+
+
+class HorovodTransport:
+    """Collectives of :mod:`horovod.torch` over one process set (default: the global one)."""
+
+    def __init__(self, process_set=None) -> None:
+        h = hvd()
+        self.process_set = h.global_process_set if process_set is None else process_set
+        if not self.process_set.included():
+            raise RuntimeError("horovod_alq: this rank is not a member of the compressor's process set")
+        self.rank = int(self.process_set.rank())
+        self.size = int(self.process_set.size())
+
+    def allgather(self, payload: torch.Tensor, sizes: Sequence[int], name: str):
+        handle = hvd().allgather_async(payload, name=name, process_set=self.process_set)
+        return lambda: hvd().synchronize(handle)
+
+    def alltoall(self, payload: torch.Tensor, splits: Sequence[int], received: Sequence[int], name: str):
+        split_tensor = torch.tensor(list(splits), dtype=torch.int32)
+        handle = hvd().alltoall_async(payload, splits=split_tensor, name=name, process_set=self.process_set)
+        return lambda: hvd().synchronize(handle)[0]
+
+    def allreduce_sum(self, vec: np.ndarray, name: str) -> np.ndarray:
+        out = hvd().allreduce(torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float64)), op=hvd().Sum,
+                              name=name, process_set=self.process_set)
+        return out.numpy()
+
+    def allreduce_max(self, vec: np.ndarray, name: str) -> np.ndarray:
+        out = hvd().allreduce(torch.from_numpy(np.ascontiguousarray(vec, dtype=np.int64)), op=hvd().Max,
+                              name=name, process_set=self.process_set)
+        return out.numpy()
+
+
+class TorchOps:
+    """The codec on ``device``: the compiled CPU codec where it loads (CPU tensors), else torch ops."""
+
+    def __init__(self, device: torch.device, use_fused: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self._fused = fused.load() if self.device.type == "cpu" and use_fused is not False else None
+        self._levels: dict[int, torch.Tensor] = {}
+        self._grid: torch.Tensor | None = None
+
+    def levels(self, q: Quantizer) -> torch.Tensor:
+        key = q.fingerprint
+        if key not in self._levels:
+            if len(self._levels) > 8:
+                self._levels.clear()
+            self._levels[key] = torch.as_tensor(q.levels, dtype=torch.float64, device=self.device)
+        return self._levels[key]
+
+    def stream(self, parts, starts, length):
+        out = torch.zeros(length, dtype=torch.float32, device=self.device)
+        for part, start in zip(parts, starts):
+            out[start: start + part.numel()].copy_(part.reshape(-1))
+        return out
+
+    def zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float32, device=self.device)
+
+    def encode(self, x: torch.Tensor, q: Quantizer, seed: int) -> torch.Tensor:
+        method = get_method(q.method)
+        norm = getattr(q, "norm", method.norm)
+        header = torch.frombuffer(bytearray(pack_header(Header(method.id, q.bits, q.bucket_size, x.numel(),
+                                                               q.fingerprint))), dtype=torch.uint8)
+        if x.numel() == 0:
+            return header.to(self.device)
+        x = x.contiguous()
+        if self._fused is not None:
+            return self._fused.encode(x, self.levels(q), header, q.bits, q.bucket_size, norm == "linf", seed)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        return kernels.encode(x, self.levels(q), header, bits=q.bits, bucket_size=q.bucket_size, norm=norm,
+                              generator=generator)
+
+    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets, q: Quantizer) -> None:
+        if out.numel() == 0:
+            return
+        if self._fused is not None and out.is_contiguous():
+            self._fused.decode_sum(out, payloads.contiguous(), list(offsets), self.levels(q), q.bits,
+                                   q.bucket_size, 1.0)
+            return
+        out.zero_()
+        for offset in offsets:
+            kernels.decode_into(out, payloads[offset:], self.levels(q), bits=q.bits, bucket_size=q.bucket_size)
+
+    def statistics(self, x: torch.Tensor, q: Quantizer) -> np.ndarray:
+        method = get_method(q.method)
+        norm = getattr(q, "norm", method.norm)
+        if not method.adaptive or method.normless:
+            moments = kernels.bucket_moments(x, bucket_size=q.bucket_size, norm=norm)
+            return normless_statistics(BucketMoments(*moments))
+        if self._grid is None:
+            self._grid = torch.tensor(GRID, dtype=torch.float64, device=self.device)
+        return kernels.grid_statistics(x, self._grid, bucket_size=q.bucket_size, norm=norm)
+
+    def cat(self, parts) -> torch.Tensor:
+        return torch.cat(list(parts)) if len(parts) > 1 else parts[0]
+
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        return x.detach().cpu().numpy()
+
+    def from_numpy(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
