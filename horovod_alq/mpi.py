@@ -11,8 +11,10 @@ compressors (wire format of ``docs/design.md``), exchanged with MPI collectives:
     mean = ar(grad)    # NumPy in, NumPy out: the average over ranks of the decoded payloads
     ar.adapt()         # refit the levels from the statistics of every rank since the last adapt()
 
-Per call: one ``Allgather`` of three int64 per rank (status, element count, payload bytes), then one
-``Allgatherv`` of the uint8 payloads; every rank checks and decodes every payload. Per
+Per call: one ``Allgather`` of three int64 per rank (status, element count, payload bytes), then the
+exchange engine of :mod:`horovod_alq.exchange` (the protocol's control vector and handshake, then
+``exchange="allgather"``: one ``Allgatherv`` of the payloads, or ``"two-phase"``: an ``Alltoallv``
+and an ``Allgatherv``), the same protocol and payloads as the Horovod compressors. Per
 :meth:`~QuantizedAllreduce.adapt`: two tiny agreement ``Allreduce`` calls around one ``Allreduce``
 (SUM) of the fixed-length statistics vector. Only mpi4py and :mod:`horovod_alq.core` are used.
 
@@ -26,15 +28,19 @@ which aborts the whole job on an uncaught exception.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from .core.methods import get_method
+from .core.protocol import ProtocolError
 from .core.quantizer import Quantizer
+from .core.rounds import RoundState
 from .core.statistics import statistics_length
-from .core.wire import check_header, parse_payload
+from .core.wire import check_header, parse_header, parse_payload
+from .exchange import Engine
 
 __all__ = ["QuantizedAllreduce"]
 
@@ -49,6 +55,77 @@ def _rank_seed(seed: int | None, rank: int) -> int | None:
         return None
     state = np.random.SeedSequence(int(seed), spawn_key=(int(rank),)).generate_state(4, np.uint32)
     return int.from_bytes(state.tobytes(), "little")
+
+
+class MpiTransport:
+    """The exchange engine's transport over an mpi4py communicator (collectives pair by call order)."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    @staticmethod
+    def _displacements(counts) -> list[int]:
+        return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+
+    def allgather(self, payload, sizes, name):
+        counts = [int(c) for c in sizes]
+        buf = np.empty(sum(counts), dtype=np.uint8)
+        self.comm.Allgatherv([np.ascontiguousarray(payload), MPI.BYTE],
+                             [buf, (counts, self._displacements(counts)), MPI.BYTE])
+        return lambda: buf
+
+    def alltoall(self, payload, splits, received, name):
+        send, recv = [int(c) for c in splits], [int(c) for c in received]
+        buf = np.empty(sum(recv), dtype=np.uint8)
+        self.comm.Alltoallv([np.ascontiguousarray(payload), (send, self._displacements(send)), MPI.BYTE],
+                            [buf, (recv, self._displacements(recv)), MPI.BYTE])
+        return lambda: buf
+
+    def allreduce_sum(self, vec, name):
+        out = np.empty_like(vec, dtype=np.float64)
+        self.comm.Allreduce(np.ascontiguousarray(vec, dtype=np.float64), out, op=MPI.SUM)
+        return out
+
+    def allreduce_max(self, vec, name):
+        out = np.empty_like(vec, dtype=np.int64)
+        self.comm.Allreduce(np.ascontiguousarray(vec, dtype=np.int64), out, op=MPI.MAX)
+        return out
+
+
+class NumpyOps:
+    """The exchange engine's tensor ops on NumPy arrays, with the core's reference codec."""
+
+    def stream(self, parts, starts, length):
+        out = np.zeros(length, dtype=np.float32)
+        for part, start in zip(parts, starts):
+            out[start: start + part.size] = part.ravel()
+        return out
+
+    def zeros(self, n):
+        return np.zeros(n, dtype=np.float32)
+
+    def encode(self, x, quantizer, seed):
+        return quantizer.encode(x, rng=np.random.default_rng(seed))
+
+    def decode_sum(self, out, payloads, offsets, quantizer):
+        out[:] = 0
+        for offset in offsets:
+            size = parse_header(payloads[offset:]).payload_size
+            out += quantizer.decode(payloads[offset: offset + size])
+
+    def statistics(self, x, quantizer):
+        return quantizer.statistics(x)
+
+    def cat(self, parts):
+        return np.concatenate(list(parts))
+
+    def to_numpy(self, x):
+        return x
+
+    def from_numpy(self, a):
+        return np.ascontiguousarray(a)
 
 
 class QuantizedAllreduce:
@@ -79,6 +156,11 @@ class QuantizedAllreduce:
         so runs repeat exactly while the ranks' noise stays independent. None: fresh entropy.
     clip : bool or float
         TernGrad only: clip buckets at this many standard deviations (biased; off by default).
+    exchange : {"auto", "allgather", "two-phase"}
+        How payloads travel (see :class:`horovod_alq.torch.ALQCompressor`); ``auto`` is two-phase
+        from 4 ranks on. The two-phase exchange re-quantizes the summed shards with a second
+        quantizer (``bits_second`` bits, default ``bits``), whose levels :meth:`adapt` refits too.
+    bits_second : int, optional
     collect_every : int, optional
         Which calls record this rank's statistics for the next :meth:`adapt`: every
         ``collect_every``-th call since the last :meth:`adapt` (1, the default for adaptive methods:
@@ -121,6 +203,8 @@ class QuantizedAllreduce:
         seed: int | None = None,
         clip: bool | float = False,
         collect_every: int | None = None,
+        exchange: str = "auto",
+        bits_second: int | None = None,
     ) -> None:
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
@@ -139,11 +223,16 @@ class QuantizedAllreduce:
         self._collect_every = int(collect_every)
         self._stats_length = statistics_length(self._method)
         self._pending: np.ndarray | None = None  # this rank's statistics since the last adapt()
+        self._pending_second: np.ndarray | None = None  # its reduced shards' (two-phase owner)
         self._calls_since_adapt = 0
-        self._step = 0
-        self._level_updates = 0
-        self._payload_bytes = 0
-        self._coordinates = 0
+        q = self._quantizer
+        second = Quantizer(method, q.bits if bits_second is None else bits_second, q.bucket_size)
+        self._state = RoundState(q, second=second)
+        self._transport = MpiTransport(comm)
+        self._ops = NumpyOps()
+        self._engine = Engine(q, self._state, exchange=exchange, fusion_bytes=0,
+                              seed=int.from_bytes(os.urandom(8), "little") if seed is None else int(seed),
+                              uid="mpi", manual_refit=True)
 
     # ----------------------------------------------------------------- configuration
     @property
@@ -201,9 +290,18 @@ class QuantizedAllreduce:
             On every rank: a rank's input is not a floating-point array, the ranks' element counts
             differ, or a payload was made with a different method, bits, bucket size or levels.
         """
-        payloads = self._exchange(x, collect, op)
-        arr = np.asarray(x)
-        return self.reduce(payloads, op=op, dtype=arr.dtype).reshape(arr.shape)
+        arr, stats = self._preflight(x, collect, op, encode=False)
+        entry, vec = self._engine.add(arr.ravel(), arr.size, (arr.size,), "float", self._transport)
+        reduced = self._transport.allreduce_sum(vec, "control")
+        try:
+            out, _ = self._engine.finish(entry, reduced, self._ops, self._transport)
+        except ProtocolError as err:
+            raise ValueError(f"{_PREFIX}: {err}") from None
+        self._record(stats, self._engine.last_second_statistics)
+        if op == "average":
+            out /= np.float32(self._size)
+        return out.astype(arr.dtype, copy=False).reshape(arr.shape)
+
 
     def allgather(self, x: Any, *, collect: bool | None = None) -> list[np.ndarray]:
         """Encode ``x``, exchange the payloads and check every rank's. Collective.
@@ -220,16 +318,34 @@ class QuantizedAllreduce:
         return self._exchange(x, collect, None)
 
     def _exchange(self, x: Any, collect: bool | None, op: str | None) -> list[np.ndarray]:
+        arr, stats, payload = self._preflight(x, collect, op, encode=True)
+        counts = [payload.size] * self._size
+        buf = self._transport.allgather(payload, counts, "payloads")()
+        parts = [buf[i * payload.size: (i + 1) * payload.size] for i in range(self._size)]
+        self._check_payloads(parts, arr.size)
+        st = self._state
+        st.step += 1
+        st.payload_bytes += payload.size
+        st.bytes_sent += (self._size - 1) * payload.size
+        st.bytes_received += (self._size - 1) * payload.size
+        st.coordinates += arr.size
+        self._record(stats, None)
+        return parts
+
+    def _preflight(self, x: Any, collect: bool | None, op: str | None, encode: bool):
+        """Every local check, and what only this rank can compute, then one ``Allgather`` of
+        (status, element count, payload bytes): a failure on one rank raises on every rank."""
         q = self._quantizer
-        payload, stats, numel, error = None, None, -1, None
-        try:  # every local check in here: a failure on one rank is reported to all below
+        arr, payload, stats, numel, error = None, None, None, -1, None
+        try:
             if op is not None and op not in _OPS:
                 raise ValueError(f"op must be one of {_OPS}, got {op!r}")
             arr = np.asarray(x)
             if not np.issubdtype(arr.dtype, np.floating):
                 raise ValueError(f"x must be a floating-point array (float16/32/64), got dtype {arr.dtype}")
             numel = arr.size
-            payload = q.encode(arr)
+            if encode:
+                payload = q.encode(arr)
             if self._collects(collect):
                 stats = q.statistics(arr)
         except Exception as err:  # reported to every rank below, so that no rank waits alone
@@ -243,22 +359,15 @@ class QuantizedAllreduce:
         if not (table[:, 1] == numel).all():
             sizes = ", ".join(f"rank {r}: {int(n)}" for r, n in enumerate(table[:, 1]))
             raise ValueError(f"{_PREFIX}: the ranks passed arrays with different element counts ({sizes})")
+        return (arr, stats, payload) if encode else (arr, stats)
 
-        counts = table[:, 2]
-        displs = np.zeros(self._size, dtype=np.int64)
-        np.cumsum(counts[:-1], out=displs[1:])
-        buf = np.empty(int(counts.sum()), dtype=np.uint8)
-        self._comm.Allgatherv([payload, MPI.BYTE], [buf, (counts.tolist(), displs.tolist()), MPI.BYTE])
-        parts = [buf[d: d + c] for d, c in zip(displs.tolist(), counts.tolist())]
-        self._check_payloads(parts, numel)
-
-        self._step += 1
+    def _record(self, stats: np.ndarray | None, second: np.ndarray | None) -> None:
+        """Count the call and keep this rank's statistics for the next :meth:`adapt`."""
         self._calls_since_adapt += 1
-        self._payload_bytes += payload.size
-        self._coordinates += numel
         if stats is not None:
             self._pending = stats if self._pending is None else self._pending + stats
-        return parts
+            if second is not None:
+                self._pending_second = second if self._pending_second is None else self._pending_second + second
 
     def reduce(self, payloads: list[np.ndarray], *, op: str = "average", dtype: Any = np.float32) -> np.ndarray:
         """Decode payloads (e.g. from :meth:`allgather`) and average or sum them. Local.
@@ -373,27 +482,35 @@ class QuantizedAllreduce:
                   "bucket_size": q.bucket_size, "levels": q.fingerprint}
         self._agree(fields, error)
 
-        self._pending = None
+        second = self._state.second
+        # the owners' statistics of reduced shards (two-phase): refit the second quantizer as well
+        own_second = self._pending_second if stats is None else None
+        vec2 = np.zeros(self._stats_length, dtype=np.float64) if own_second is None else own_second
+        self._pending = self._pending_second = None
         self._calls_since_adapt = 0
         if not self._method.adaptive:
             return False
-        total = np.empty_like(vec)
-        self._comm.Allreduce(vec, total, op=MPI.SUM)
-        if not total[0] > 0:
+        total = np.empty(2 * vec.size, dtype=np.float64)
+        self._comm.Allreduce(np.concatenate([vec, vec2]), total, op=MPI.SUM)
+        fit_first, fit_second = total[0] > 0, total[vec.size] > 0 and self._state.adapt_second
+        if not fit_first:
             return False
-        previous = q.state_dict()
+        previous = (q.state_dict(), second.state_dict())
         error = None
         try:
-            q.adapt(total)
+            q.adapt(total[:vec.size])
+            if fit_second:
+                second.adapt(total[vec.size:])
         except Exception as err:  # made collective by the agreement below
             error = f"{type(err).__name__}: {err}"
         try:
-            self._agree({"fit": 0 if error is None else 1, "levels": q.fingerprint}, error, exc=RuntimeError,
-                        after=True)
+            self._agree({"fit": 0 if error is None else 1, "levels": q.fingerprint,
+                         "second": second.fingerprint}, error, exc=RuntimeError, after=True)
         except RuntimeError:
-            q.load_state_dict(previous)
+            q.load_state_dict(previous[0])
+            second.load_state_dict(previous[1])
             raise
-        self._level_updates += 1
+        self._state.level_updates += 1
         return True
 
     def _agree(self, fields: dict[str, int], error: str | None, exc: type = ValueError, after: bool = False) -> None:
@@ -427,48 +544,37 @@ class QuantizedAllreduce:
 
     # ----------------------------------------------------------------- metrics and state
     def metrics(self) -> dict:
-        """The framework compressors' keys: ``levels``, ``multiplier``, ``level_updates``, ``step``
-        (calls made), ``payload_bytes`` (sent by this rank), ``coordinates``, ``uncompressed_coordinates``
-        (always 0: every array is quantized), ``bits_per_coordinate`` (on the wire, per rank)."""
-        q = self._quantizer
-        return {
-            "levels": q.levels,
-            "multiplier": q.multiplier,
-            "level_updates": self._level_updates,
-            "step": self._step,
-            "payload_bytes": self._payload_bytes,
-            "coordinates": self._coordinates,
-            "uncompressed_coordinates": 0,
-            "bits_per_coordinate": 8.0 * self._payload_bytes / self._coordinates if self._coordinates else float("nan"),
-        }
+        """The framework compressors' keys (:meth:`horovod_alq.core.rounds.RoundState.metrics`);
+        ``step`` counts calls, ``uncompressed_coordinates`` is always 0 (every array is quantized)."""
+        return self._state.metrics()
 
     def state_dict(self) -> dict:
-        """Levels, counters, and this rank's random state and pending statistics.
+        """Levels (both quantizers), counters, and this rank's random state and pending statistics.
 
         Save every rank's state, or rank 0's only: loaded on another rank, the random state and
         pending statistics are not taken (that rank keeps its own stream); levels and counters are.
         """
         return {
-            "quantizer": self._quantizer.state_dict(),
+            **self._state.state_dict(),
             "rank": self._rank,
-            "step": self._step,
-            "level_updates": self._level_updates,
-            "payload_bytes": self._payload_bytes,
-            "coordinates": self._coordinates,
+            "seed": self._engine.seed,
             "calls_since_adapt": self._calls_since_adapt,
             "pending": None if self._pending is None else self._pending.copy(),
+            "pending_second": None if self._pending_second is None else self._pending_second.copy(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (same method, bits and bucket size). Local: load the same
         levels on every rank, or the next call fails with a mismatch on every rank."""
         same_rank = state.get("rank") == self._rank
-        quantizer_state = dict(state["quantizer"])
+        state = dict(state, quantizer=dict(state["quantizer"]))
         if not same_rank:
-            quantizer_state["rng"] = None
-        self._quantizer.load_state_dict(quantizer_state)
-        for key in ("step", "level_updates", "payload_bytes", "coordinates", "calls_since_adapt"):
-            setattr(self, f"_{key}", int(state[key]))
+            state["quantizer"]["rng"] = None
+        self._state.load_state_dict(state)
+        self._calls_since_adapt = int(state["calls_since_adapt"])
+        if same_rank and state.get("seed") is not None:
+            self._engine.seed = int(state["seed"])
         pending = state.get("pending") if same_rank else None
         self._pending = None if pending is None else np.array(pending, dtype=np.float64)
-
+        pending = state.get("pending_second") if same_rank else None
+        self._pending_second = None if pending is None else np.array(pending, dtype=np.float64)

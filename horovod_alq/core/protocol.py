@@ -182,8 +182,10 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
 # ---------------------------------------------------------------------------------------------
 # The round handshake
 
-HANDSHAKE_FIELDS = ("error", "settings", "levels", "round", "collecting", "tensors", "elements",
-                    "contents", "order")
+#: Settings every rank must share, in the order the handshake checks them.
+SETTINGS = ("method", "bits", "bucket_size", "norm", "exchange", "fusion_bytes", "bits_second", "adapt_second")
+HANDSHAKE_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting", "tensors", "elements", "contents",
+                    "order")
 
 
 def handshake_vector(**fields: int) -> np.ndarray:
@@ -214,14 +216,14 @@ def read_handshake(reduced_max: np.ndarray, local_error: str | None = None) -> A
         mine = f" This rank: {local_error}" if local_error else " (see the failing rank's error)"
         raise ProtocolError(f"{PREFIX}: a rank failed before the payload exchange of this round; "
                             f"refusing to exchange on every rank.{mine}")
-    differ = [f for f in ("settings", "levels", "round", "collecting") if hi[f] != lo[f]]
+    differ = [f for f in (*SETTINGS, "levels", "round", "collecting") if hi[f] != lo[f]]
     if differ:
-        meaning = {"settings": "compressor settings (method, bits, bucket size, norm, exchange, fusion)",
-                   "levels": "quantization levels", "round": "round numbers (a previous exchange failed on "
-                   "some ranks only)", "collecting": "refit schedules"}
-        raise ProtocolError(f"{PREFIX}: the ranks differ in their " + "; ".join(meaning[f] for f in differ)
-                            + ". Every rank must build the compressor with the same arguments and load the "
-                              "same state")
+        meaning = {"levels": "levels differ (fingerprints", "round": "round numbers (a previous exchange failed "
+                   "on some ranks only:", "collecting": "refit schedules (update_steps / update_every:"}
+        detail = "; ".join(f"{meaning.get(f, f)} {lo[f]} on some ranks, {hi[f]} on others"
+                           + (")" if f in meaning else "") for f in differ)
+        raise ProtocolError(f"{PREFIX}: the ranks differ in {detail}. Every rank must build the compressor "
+                            f"with the same arguments and load the same state")
     if any(hi[f] != lo[f] for f in ("tensors", "elements", "contents")):
         raise ProtocolError(
             f"{PREFIX}: the ranks compressed different tensors in this round ({lo['tensors']} to "

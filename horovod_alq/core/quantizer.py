@@ -245,7 +245,7 @@ class Quantizer:
             clipped = np.where(np.isfinite(xb), np.clip(xb, -bound, bound), xb)  # keep NaN/Inf visible
         return clipped.ravel()[:n]
 
-    def encode(self, x: np.ndarray) -> np.ndarray:
+    def encode(self, x: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
         """Quantize ``x`` into a self-describing payload.
 
         Parameters
@@ -253,6 +253,8 @@ class Quantizer:
         x : np.ndarray, any shape, float16/float32/float64
             Flattened in C order. A bucket holding NaN or Inf (or, for float64 input, values whose
             norm overflows float32) is sent with norm NaN and decodes to NaN.
+        rng : np.random.Generator, optional
+            Source of the rounding draws (default: the quantizer's own generator).
 
         Returns
         -------
@@ -264,7 +266,7 @@ class Quantizer:
             x = self._clipped(x)
         n, d = x.size, self._bucket_size
         nz = normalize(x, d, self._method.norm)
-        codes = stochastic_round(nz.r.reshape(-1)[:n], self._levels, self._rng)
+        codes = stochastic_round(nz.r.reshape(-1)[:n], self._levels, self._rng if rng is None else rng)
         out = np.empty(payload_size(n, self._bits, d), dtype=np.uint8)
         out[:HEADER_SIZE] = np.frombuffer(
             pack_header(Header(self._method.id, self._bits, d, n, self._fingerprint)), dtype=np.uint8

@@ -33,19 +33,21 @@ def run(job: Job) -> tuple[Tensor, np.ndarray | None]:
     return total, None
 
 
-def gather_streams(job: Job) -> list[Tensor]:
+def gather_streams(job: Job, lengths: list[int] | None = None) -> list[Tensor]:
     """The decoded stream of every rank, separately (for rounds whose ranks ordered tensors
-    differently: every rank's stream has the same length, since the tensors are the same)."""
+    differently). ``lengths``: every rank's stream length (they differ when the padding between
+    tensors depends on their order); default: this rank's on every rank."""
     q, ops, t = job.first, job.ops, job.transport
     n = job.layout.length
+    lengths = [n] * t.size if lengths is None else [int(x) for x in lengths]
     payload = job.encode(job.stream, q, job.seed(0))
-    sizes = [payload_size(n, q.bits, q.bucket_size)] * t.size
+    sizes = [payload_size(m, q.bits, q.bucket_size) for m in lengths]
     job.count_allgather(sizes)
     gathered = t.allgather(payload, sizes, job.name("ag-unordered"))()
-    offsets = check_payloads(ops, gathered, [n] * t.size, q, "unordered round")
+    offsets = check_payloads(ops, gathered, lengths, q, "unordered round")
     streams = []
-    for offset in offsets:
-        out = ops.zeros(n)
+    for offset, m in zip(offsets, lengths):
+        out = ops.zeros(m)
         ops.decode_sum(out, gathered, [offset], q)
         streams.append(out)
     return streams

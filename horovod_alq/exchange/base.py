@@ -71,8 +71,9 @@ class TensorOps(Protocol):
 class Layout:
     """Where a round's tensors sit in its stream, and how the stream is cut into fusion buffers.
 
-    Every tensor starts on a bucket boundary (the stream is zero-padded up to the next one), so a
-    fused buffer quantizes each tensor exactly as it would alone: the same buckets, the same norms.
+    Inside a buffer every tensor starts on a bucket boundary (counted from the buffer's start; the
+    gap before it is zero padding), so a fused buffer quantizes each tensor exactly as it would
+    alone: the same buckets, the same norms. The last tensor of a buffer is not padded.
     """
 
     numels: tuple[int, ...]
@@ -92,20 +93,18 @@ def plan_layout(numels: Sequence[int], bucket_size: int, capacity: int | None) -
     ``capacity`` elements (a tensor larger than that gets a buffer of its own; None: one buffer
     for all, 0: one buffer per tensor). The same inputs give the same layout on every rank."""
     d = int(bucket_size)
-    starts, padding, pos = [], [], 0
+    starts, padding, buffers = [], [], []
+    lo = pos = 0
     for n in numels:
-        starts.append(pos)
-        end = pos + int(n)
-        pos = -(-end // d) * d
-        if pos > end:
-            padding.append((end, pos))
-    buffers: list[tuple[int, int]] = []
-    lo = 0
-    for i, start in enumerate(starts):
-        end = starts[i + 1] if i + 1 < len(starts) else pos
-        if start > lo and (capacity == 0 or (capacity is not None and end - lo > capacity)):
-            buffers.append((lo, start))
-            lo = start
+        aligned = lo + -(-(pos - lo) // d) * d
+        full = capacity is not None and (capacity == 0 or aligned + int(n) - lo > capacity)
+        if pos > lo and full:
+            buffers.append((lo, pos))
+            lo = aligned = pos
+        if aligned > pos:
+            padding.append((pos, aligned))
+        starts.append(aligned)
+        pos = aligned + int(n)
     if pos > lo:
         buffers.append((lo, pos))
     return Layout(tuple(int(n) for n in numels), tuple(starts), pos, tuple(buffers), d, tuple(padding))

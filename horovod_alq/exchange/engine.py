@@ -195,6 +195,9 @@ class Engine:
         if rnd.failure is not None:
             raise ProtocolError(f"{PREFIX}: the exchange of this round failed: {rnd.failure}")
         if isinstance(rnd.result, _Ordered):
+            if any(s != entry.slot for s in info.slots):  # never a silent mix of different tensors
+                raise ProtocolError(f"{PREFIX}: the ranks put this tensor in different slots {list(info.slots)} "
+                                    f"of a round exchanged in order; refusing to decode")
             start = rnd.result.layout.starts[rnd.live().index(entry)]
             out = rnd.result.total[start: start + entry.numel] * info.scale
         else:
@@ -218,8 +221,9 @@ class Engine:
         order = tuple((e.numel, e.shape_code) for e in live)
         fields = dict(
             error=int(local_error is not None or any(e.error is not None for e in live)),
-            settings=stable_hash(q.method, q.bits, q.bucket_size, _norm(q), exchange, self.fusion_bytes,
-                                 st.second.bits, st.adapt_second),
+            method=get_method(q.method).id, bits=q.bits, bucket_size=q.bucket_size,
+            norm=("l2", "linf").index(_norm(q)), exchange=list(EXCHANGES).index(exchange),
+            fusion_bytes=self.fusion_bytes, bits_second=st.second.bits, adapt_second=int(st.adapt_second),
             levels=stable_hash(q.fingerprint, st.second.fingerprint),
             round=epoch, collecting=int(collecting), tensors=len(live),
             elements=sum(e.numel for e in live), contents=stable_hash(tuple(sorted(order))),
@@ -228,9 +232,12 @@ class Engine:
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
         agreement = read_handshake(transport.allreduce_max(handshake_vector(**fields), f"{prefix}.handshake"), own)
         st.step += 1  # every rank passed the handshake: the round counts, whatever happens next
+        # The same sequence of shapes proves the same order only if no shape repeats: two tensors of
+        # one shape may sit in swapped slots on some ranks (test_force_allreduce: two heads).
+        ordered = agreement.ordered and len(set(order)) == len(order)
 
         capacity = self.fusion_bytes // 4 if self.fusion_bytes else 0
-        layout = plan_layout([e.numel for e in live], q.bucket_size, capacity if agreement.ordered else None)
+        layout = plan_layout([e.numel for e in live], q.bucket_size, capacity if ordered else None)
         stream = ops.stream([e.flat for e in live], layout.starts, layout.length)
         job = Job(stream, layout, ops, transport, q, st.second,
                   seed=lambda *keys: derive_seed(self.seed, transport.rank, epoch, *keys),
@@ -238,7 +245,7 @@ class Engine:
                   collect_second=collecting and st.adapt_second and exchange == two_phase.NAME)
         st.coordinates += sum(e.numel for e in live)
         try:
-            if agreement.ordered:
+            if ordered:
                 total, second_stats = EXCHANGES[exchange].run(job)
                 rnd.result = _Ordered(total, layout)
                 st.exchange = exchange
@@ -258,12 +265,14 @@ class Engine:
     def _unordered(self, job: Job, live: list[Entry]) -> _Unordered:
         """Ranks hold the same tensors in different orders: gather every rank's stream and layout."""
         t = job.transport
-        mine = np.array([[e.slot, s] for e, s in zip(live, job.layout.starts)], dtype=np.int64).ravel()
+        # every rank's (slot, start) pairs, then (-1, its stream's length): lengths differ with the order
+        rows = [[e.slot, s] for e, s in zip(live, job.layout.starts)] + [[-1, job.layout.length]]
+        mine = np.array(rows, dtype=np.int64).ravel()
         raw = job.ops.from_numpy(mine.view(np.uint8))
         tables = job.ops.to_numpy(t.allgather(raw, [raw.shape[0]] * t.size, job.name("layouts"))())
         tables = tables.view(np.int64).reshape(t.size, -1, 2)
-        streams = allgather.gather_streams(job)
-        return _Unordered(streams, [dict(map(tuple, table.tolist())) for table in tables])
+        streams = allgather.gather_streams(job, [int(table[-1, 1]) for table in tables])
+        return _Unordered(streams, [dict(map(tuple, table[:-1].tolist())) for table in tables])
 
     def _refit(self, job: Job, second_stats: np.ndarray | None, prefix: str) -> None:
         """One allreduce of the round's statistics (both quantizers'), then every rank refits alike."""

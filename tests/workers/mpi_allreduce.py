@@ -85,7 +85,8 @@ def unbiased(comm, method: str, n: int, bucket: int, reps: int, alpha: float) ->
     xs = [rank_data(r, n) for r in members]
     truth = np.mean([v.astype(np.float64) for v in xs], axis=0)
     bits = bits_of(method)
-    ar = QuantizedAllreduce(comm, method, bits=bits, bucket_size=bucket, seed=11 + ALL.index(method))
+    ar = QuantizedAllreduce(comm, method, bits=bits, bucket_size=bucket, seed=11 + ALL.index(method),
+                            exchange="allgather")  # the exact law below is the allgather exchange's
     start = ar.levels
     for i in range(3):
         ar(x * np.float32(1 + 0.5 * i))
@@ -281,6 +282,45 @@ def split(comm, alpha: float) -> dict:
     return res
 
 
+def two_phase(comm, n: int, bucket: int, reps: int, method: str = "alq") -> dict:
+    """The two-phase exchange: ``reps`` calls with fixed levels; unbiasedness from the sample (the
+    exact law of a re-quantized sum is not tractable). The calls are independent, so per-call
+    scalars are i.i.d.: the t-statistics of the deviation summed over all coordinates (plain, and
+    signed by the truth: a scale error) and summed per bucket (the coordinates of a bucket share a
+    random norm, so single coordinates are neither independent nor normal enough for a z-score).
+    Also the traffic of one call per coordinate, for both exchanges."""
+    rank = comm.Get_rank()
+    xs = [rank_data(r, n) for r in range(comm.Get_size())]
+    truth = np.mean([v.astype(np.float64) for v in xs], axis=0)
+    ar = QuantizedAllreduce(comm, method, bits=3, bucket_size=bucket, seed=5, exchange="two-phase")
+    ar(xs[rank])
+    ar.adapt()
+    outs = np.stack([ar(xs[rank], collect=False).astype(np.float64) for _ in range(reps)])
+    before = ar.metrics()
+    ar(xs[rank], collect=False)
+    after = ar.metrics()
+    gather = QuantizedAllreduce(comm, method, bits=3, bucket_size=bucket, seed=5, exchange="allgather")
+    gather(xs[rank], collect=False)
+    g = gather.metrics()
+    dev = outs - truth
+    nb = -(-n // bucket)
+    per_bucket = np.add.reduceat(dev, np.arange(0, nb * bucket, bucket), axis=1)
+
+    def t_stat(samples):  # samples: (reps, k) -> k t-statistics of the means
+        return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
+
+    return {
+        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+        "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
+        "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": reps,
+        "digest": digest(outs), "exchange": after["exchange"], "second_updates": after["level_updates"],
+        "second_levels_moved": bool(np.any(ar.metrics()["second_levels"] != ar.levels)),
+        "sent_per_call": after["bytes_sent"] - before["bytes_sent"],
+        "received_per_call": after["bytes_received"] - before["bytes_received"],
+        "allgather_sent": g["bytes_sent"], "allgather_received": g["bytes_received"],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--methods", default=",".join(ALL))
@@ -289,8 +329,12 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=120)
     p.add_argument("--alpha", type=float, default=1e-6)
     p.add_argument("--split", action="store_true")
+    p.add_argument("--two-phase-only", action="store_true")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
+    if args.two_phase_only:
+        report({"rank": comm.Get_rank(), "two_phase": two_phase(comm, args.n, args.bucket, args.reps)})
+        return
     out = {"rank": comm.Get_rank(), "size": comm.Get_size()}
     out["unbiased"] = {m: unbiased(comm, m, args.n, args.bucket, args.reps, args.alpha)
                        for m in args.methods.split(",")}
@@ -301,6 +345,7 @@ def main() -> None:
     out["payload"] = payload_dump(comm)
     if args.split:
         out["split"] = split(comm, args.alpha)
+    out["two_phase"] = two_phase(comm, args.n, args.bucket, args.reps)
     report(out)
 
 

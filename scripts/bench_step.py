@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""Time one optimizer step's gradient exchange of a ResNet-50-shaped model, per compressor, side by
+side in the same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
+
+    OMP_NUM_THREADS=1 mpirun -np 2 python scripts/bench_step.py --out docs/bench_step.md
+    OMP_NUM_THREADS=1 mpirun -np 2 python scripts/bench_step.py --quick
+    OMP_NUM_THREADS=1 mpirun -np 2 python scripts/bench_step.py --profile alq --profile-out /tmp/alq.prof
+
+The model: the 161 parameters of torchvision's resnet50 (conv weights, batch-norm weights and
+biases, fc weight and bias; 25,557,032 elements, 76 tensors of at least 1,024 elements), generated
+here from the architecture (no torchvision import, no download); --width scales every channel
+count (fc keeps its 1,000 outputs). Each rank fills them with its own random "gradients"
+(normal, a different scale per tensor).
+
+One step is what ``hvd.DistributedOptimizer`` does with ``compression=c``: for every parameter in
+backward order, ``compressed, ctx = c.compress(grad)`` and ``hvd.allreduce_async_(compressed,
+name=..., op=hvd.Average)``; then, in the same order, ``c.decompress(hvd.synchronize(handle),
+ctx)``. The names are the parameter names prefixed by the compressor's label (so that Horovod's
+response cache never sees one name with two shapes). A barrier precedes every step; the step time
+of the slowest rank (an allreduce with Max, outside the timed region) is recorded, and the table
+gives the median over --steps timed steps after --warmup steps. The methods run interleaved, one
+step each in turn, so the machine's noise hits them alike.
+
+Rows: Horovod's none (fp32) and fp16, ALQ at its default settings (3 bits, bucket 8192, 64 MiB
+fusion buffers) with exchange="allgather" and "two-phase", and ALQ with fusion_bytes=0 (one buffer
+per tensor, the exchange before fusion). The ALQ compressors refit their levels only at step 0
+(update_steps=(0,), update_every=0), which the warm-up covers, so the table is the steady state;
+"ALQ, refit round" refits in every step (update_every=1): the cost of a step whose statistics are
+collected, allreduced and fitted (by default steps 0, 100, 2000, then every 10,000).
+
+--profile METHOD runs only that method's steps, under cProfile on rank 0, and prints the functions
+that take the time (also a small breakdown: compress + submit vs synchronize + decompress).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+import horovod.torch as hvd
+
+BLOCKS = (3, 4, 6, 3)  # bottlenecks per stage of ResNet-50
+WIDTHS = (64, 128, 256, 512)
+EXPANSION = 4
+
+
+def resnet50_shapes(width: float = 1.0, classes: int = 1000) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of torchvision's resnet50 parameters, in ``named_parameters()`` order."""
+    c = lambda ch: max(1, int(round(ch * width)))  # noqa: E731
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def conv_bn(prefix_conv: str, prefix_bn: str, out: int, inp: int, k: int) -> None:
+        shapes.append((f"{prefix_conv}.weight", (out, inp, k, k)))
+        shapes.append((f"{prefix_bn}.weight", (out,)))
+        shapes.append((f"{prefix_bn}.bias", (out,)))
+
+    stem = c(64)
+    conv_bn("conv1", "bn1", stem, 3, 7)
+    inplanes = stem
+    for stage, (blocks, w) in enumerate(zip(BLOCKS, WIDTHS), start=1):
+        w = c(w)
+        out = w * EXPANSION
+        for b in range(blocks):
+            p = f"layer{stage}.{b}"
+            conv_bn(f"{p}.conv1", f"{p}.bn1", w, inplanes, 1)
+            conv_bn(f"{p}.conv2", f"{p}.bn2", w, w, 3)
+            conv_bn(f"{p}.conv3", f"{p}.bn3", out, w, 1)
+            if b == 0:
+                conv_bn(f"{p}.downsample.0", f"{p}.downsample.1", out, inplanes, 1)
+            inplanes = out
+    shapes.append(("fc.weight", (classes, inplanes)))
+    shapes.append(("fc.bias", (classes,)))
+    return shapes
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def make_compressors(bits: int, bucket: int, include_refit: bool) -> dict:
+    from horovod_alq.torch import ALQCompressor
+
+    steady = dict(bits=bits, bucket_size=bucket, update_steps=(0,), update_every=0, seed=0)
+    methods = {
+        "none (fp32)": hvd.Compression.none,
+        "fp16": hvd.Compression.fp16,
+        "ALQ, allgather": ALQCompressor(exchange="allgather", **steady),
+        "ALQ, two-phase": ALQCompressor(exchange="two-phase", **steady),
+        "ALQ, allgather, fusion_bytes=0": ALQCompressor(exchange="allgather", fusion_bytes=0, **steady),
+    }
+    if include_refit:
+        methods["ALQ, allgather, refit round"] = ALQCompressor(
+            bits=bits, bucket_size=bucket, update_steps=(0,), update_every=1, seed=0, exchange="allgather")
+    return methods
+
+
+PROFILE_KEYS = {"fp32": "none (fp32)", "none": "none (fp32)", "fp16": "fp16", "alq": "ALQ, allgather",
+                "alq-allgather": "ALQ, allgather", "alq-two-phase": "ALQ, two-phase",
+                "alq-nofusion": "ALQ, allgather, fusion_bytes=0", "alq-refit": "ALQ, allgather, refit round"}
+
+
+def one_step(comp, label: str, params: list, work: list, master: list) -> tuple[float, float]:
+    """One exchange of every gradient; returns (compress + submit, synchronize + decompress) seconds."""
+    for w, m in zip(work, master):  # fp32's in-place allreduce overwrote last step's gradients
+        w.copy_(m)
+    hvd.barrier()
+    t0 = time.perf_counter()
+    handles = []
+    for (name, _), grad in zip(reversed(params), reversed(work)):  # backward order
+        compressed, ctx = comp.compress(grad)
+        handles.append((hvd.allreduce_async_(compressed, name=f"{label}.{name}", op=hvd.Average), ctx))
+    t1 = time.perf_counter()
+    for handle, ctx in handles:
+        comp.decompress(hvd.synchronize(handle), ctx)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def slowest(seconds: float) -> float:
+    return float(hvd.allreduce(torch.tensor([seconds], dtype=torch.float64), op=hvd.Max, name="bench.max")[0])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=7, help="timed steps per method (median); default 7")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (>= 1: step 0 "
+                   "of an ALQ compressor is its refit round); default 2")
+    p.add_argument("--width", type=float, default=1.0, help="channel-count scale of ResNet-50; default 1")
+    p.add_argument("--bits", type=int, default=3)
+    p.add_argument("--bucket-size", type=int, default=8192)
+    p.add_argument("--no-refit-row", action="store_true", help="skip the 'refit round' row")
+    p.add_argument("--quick", action="store_true", help="--width 0.5 --steps 3 --warmup 1 (for make bench)")
+    p.add_argument("--profile", metavar="METHOD", choices=sorted(PROFILE_KEYS),
+                   help="only this method, under cProfile on rank 0: " + ", ".join(sorted(PROFILE_KEYS)))
+    p.add_argument("--profile-out", help="with --profile: write the pstats file here (rank 0)")
+    p.add_argument("--profile-lines", type=int, default=30, help="functions listed per sort; default 30")
+    p.add_argument("--out", help="rank 0 writes the Markdown report here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.width, args.steps, args.warmup = 0.5, 3, 1
+    args.warmup = max(1, args.warmup)
+    hvd.init()
+    from horovod_alq.torch import fused
+
+    shapes = resnet50_shapes(args.width)
+    gen = torch.Generator().manual_seed(1234 + hvd.rank())
+    master = [torch.randn(shape, generator=gen) * (10.0 ** -float(torch.empty(()).uniform_(1, 4, generator=gen)))
+              for _, shape in shapes]
+    work = [m.clone() for m in master]
+    methods = make_compressors(args.bits, args.bucket_size, not args.no_refit_row)
+    if args.profile:
+        key = PROFILE_KEYS[args.profile]
+        return profile(methods[key], key, shapes, work, master, args)
+
+    load_before = os.getloadavg()[0]
+    start = time.monotonic()
+    first: dict[str, float] = {}
+    times: dict[str, list] = {k: [] for k in methods}
+    parts: dict[str, list] = {k: [] for k in methods}
+    for i in range(args.warmup + args.steps):
+        for label, comp in methods.items():
+            submit, finish = one_step(comp, label, shapes, work, master)
+            total = slowest(submit + finish)
+            if i == 0:
+                first[label] = total
+            if i >= args.warmup:
+                times[label].append(total)
+                parts[label].append((slowest(submit), slowest(finish)))
+    wall = time.monotonic() - start
+    load_after = os.getloadavg()[0]
+    if hvd.rank() == 0:
+        lines = report(args, argv, shapes, methods, times, parts, first, load_before, load_after, wall, fused.status())
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+    hvd.shutdown()
+    return 0
+
+
+def report(args, argv, shapes, methods, times, parts, first, load_before, load_after, wall, fused_status) -> list[str]:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    fp16 = med["fp16"]
+    n_all = sum(numel(s) for _, s in shapes)
+    big = [s for _, s in shapes if numel(s) >= 1024]
+    cmd = " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [
+        "# One optimizer step's gradient exchange, ResNet-50 shapes", "",
+        f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} mpirun -np {hvd.size()} "
+        f"python scripts/bench_step.py{' ' + cmd if cmd else ''}`",
+        f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} (local time of the run), {wall:.0f} s wall.", "",
+        f"Model: ResNet-50 parameter shapes (width x{args.width:g}): {len(shapes)} tensors, {n_all:,} elements, "
+        f"{len(big)} tensors of >= 1,024 elements holding {sum(map(numel, big)):,} (compressed by ALQ; the "
+        f"others travel through Horovod's plain allreduce).",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s) per rank, "
+        f"{hvd.size()} ranks on one host (shared memory). {fused_status}. Load average {load_before:.1f} before, "
+        f"{load_after:.1f} after.",
+        f"ALQ: {args.bits} bits, bucket {args.bucket_size}, default fusion (64 MiB of float32 per buffer) unless "
+        f"named; levels refit at step 0 only (inside the warm-up). Median of {args.steps} steps after "
+        f"{args.warmup} warm-up step(s), slowest rank; methods interleaved step by step.", "",
+        "| compressor | ms per step | vs fp16 | vs fp32 | compress + submit ms | synchronize + decompress ms | first step ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label in methods:
+        sub = statistics.median(a for a, _ in parts[label])
+        fin = statistics.median(b for _, b in parts[label])
+        lines.append(f"| {label} | {1e3 * med[label]:.1f} | {med[label] / fp16:.2f} | "
+                     f"{med[label] / med['none (fp32)']:.2f} | {1e3 * sub:.1f} | {1e3 * fin:.1f} | {1e3 * first[label]:.0f} |")
+    lines += ["", "Columns: the two phases are medians of the slowest rank each, so they need not add up to the "
+              "step; \"first step\" is step 0 (for ALQ its refit round, plus first-call costs such as Horovod "
+              "negotiating new names). \"refit round\" refits at every step: statistics of every buffer, one "
+              "allreduce of them, the level fit, on top of a plain step.",
+              f"All steps (ms): " + "; ".join(f"{k}: " + ", ".join(f"{1e3 * t:.0f}" for t in v) for k, v in times.items())]
+    return lines
+
+
+def profile(comp, label: str, shapes, work, master, args) -> int:
+    """Warm up, then run --steps steps of one method with cProfile enabled on rank 0 only."""
+    for _ in range(args.warmup):
+        one_step(comp, label, shapes, work, master)
+    prof = cProfile.Profile() if hvd.rank() == 0 else None
+    totals, subs, fins = [], [], []
+    for _ in range(args.steps):
+        if prof:
+            prof.enable()
+        s, f = one_step(comp, label, shapes, work, master)
+        if prof:
+            prof.disable()
+        totals.append(slowest(s + f))
+        subs.append(s)
+        fins.append(f)
+    if prof:
+        print(f"# profile of {label!r}: {args.steps} steps on rank 0 under cProfile; slowest-rank step median "
+              f"{1e3 * statistics.median(totals):.1f} ms; this rank's compress + submit median "
+              f"{1e3 * statistics.median(subs):.1f} ms, synchronize + decompress {1e3 * statistics.median(fins):.1f} ms")
+        if args.profile_out:
+            prof.dump_stats(args.profile_out)
+        for sort in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(args.profile_lines)
+            print(f"## sorted by {sort}\n" + buf.getvalue())
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
