@@ -58,8 +58,12 @@ def stable_hash(*parts, bits: int = 62) -> int:
 # ---------------------------------------------------------------------------------------------
 # The tensor vector
 
-_HEAD = 6  # [1, p, p**2, h, h**2, error], p = rank + 1, h = shape/dtype hash in [1, 2**20)
+_HEAD = 7  # [1, p, p**2, h, h**2, error, p * 2**45], p = rank + 1, h = shape/dtype hash in [1, 2**20)
 _SHAPE_BITS = 20
+#: The last head field, ``p * 2**45``, dominates the vector's norm and makes the ranks' vectors far
+#: from parallel (norms in ratio p): Adasum, which averages nearly parallel vectors, then gives
+#: unequal weights to the ranks and the sums no longer match (exact in float64: a multiple of 2**45).
+_ADASUM_GUARD = float(2 ** 45)
 
 
 def tensor_vector_length(size: int) -> int:
@@ -78,7 +82,7 @@ def tensor_vector(rank: int, size: int, slot: int, shape_code: int, failed: bool
     p = float(rank + 1)
     h = float(shape_code)
     vec = np.zeros(tensor_vector_length(size), dtype=np.float64)
-    vec[:_HEAD] = [1.0, p, p * p, h, h * h, 1.0 if failed else 0.0]
+    vec[:_HEAD] = [1.0, p, p * p, h, h * h, 1.0 if failed else 0.0, p * _ADASUM_GUARD]
     vec[_HEAD + rank] = slot + 1
     return vec
 
@@ -152,7 +156,8 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
     w = v * (n / v[0])  # the sums the vector would have under op=Sum without scaling
     slots_raw = w[_HEAD:]
     absent = [r for r in range(n) if slots_raw[r] < 0.5]
-    ok_op = _close(w[1], n * (n + 1) / 2) and _close(w[2], n * (n + 1) * (2 * n + 1) / 6)
+    ok_op = (_close(w[1], n * (n + 1) / 2) and _close(w[2], n * (n + 1) * (2 * n + 1) / 6)
+             and _close(w[6], _ADASUM_GUARD * n * (n + 1) / 2))
     if absent or not ok_op:
         who = f"ranks {absent} of the compressor's process set contributed nothing" if absent else \
             "the reduced control vector does not match a Sum or Average over the compressor's process set"

@@ -28,10 +28,15 @@ POISON = b"ER"
 
 
 def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` (whole buckets) cut into ``parts`` runs of whole buckets, the last ones possibly empty."""
+    """``[lo, hi)`` cut into ``parts`` runs of whole buckets (counted from ``lo``), as even as whole
+    buckets allow: the first ``buckets % parts`` runs hold one bucket more; runs may be empty."""
     d = bucket_size
-    per = -(-(hi - lo) // d // parts) if hi > lo else 0
-    bounds = [min(lo + j * per * d, hi) for j in range(parts + 1)]
+    buckets = -(-(hi - lo) // d)
+    base, extra = divmod(buckets, parts)
+    bounds, pos = [lo], lo
+    for j in range(parts):
+        pos += (base + (j < extra)) * d
+        bounds.append(min(pos, hi))
     return [(bounds[j], bounds[j + 1]) for j in range(parts)]
 
 

@@ -162,9 +162,12 @@ class QuantizedCompressor(frontends.CompressorBase):
         flat = tensor.detach().reshape(-1)
         entry, vec = self._engine.add(flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport)
         small = torch.from_numpy(vec).to(tensor.device)
-        weakref.finalize(small, entry.abandon)
         source = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
-        return small, _Exchange(entry, tensor.shape, tensor.dtype, tensor.device, source)
+        ctx = _Exchange(entry, tensor.shape, tensor.dtype, tensor.device, source)
+        # The framework holds ctx until decompress; if it drops ctx first (its allreduce raised), the
+        # entry leaves the round. Not `small`: frameworks may keep only an alias (Adasum: `small.data`).
+        weakref.finalize(ctx, entry.abandon)
+        return small, ctx
 
     @frontends.ClassOrInstance
     def decompress(self, tensor: torch.Tensor, ctx):

@@ -8,6 +8,7 @@ that the test can check that *every* rank raised (and what), and that the ranks 
 
 import argparse
 import hashlib
+import traceback
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ def error_of(fn):
     try:
         return None, fn()
     except Exception as err:  # noqa: BLE001 - reported to the test
+        traceback.print_exc()  # into this rank's log
         return f"{type(err).__name__}: {err}", None
 
 

