@@ -112,11 +112,13 @@ PROFILE_KEYS = {"fp32": "none (fp32)", "none": "none (fp32)", "fp16": "fp16", "a
                 "alq-nofusion": "ALQ, allgather, fusion_bytes=0", "alq-refit": "ALQ, allgather, refit round"}
 
 
-def one_step(comp, label: str, params: list, work: list, master: list) -> tuple[float, float]:
-    """One exchange of every gradient; returns (compress + submit, synchronize + decompress) seconds."""
+def one_step(comp, label: str, params: list, work: list, master: list) -> tuple[float, float, float]:
+    """One exchange of every gradient; returns (compress + submit, synchronize + decompress) wall
+    seconds and the process's CPU seconds (all its threads: Horovod's background thread included)."""
     for w, m in zip(work, master):  # fp32's in-place allreduce overwrote last step's gradients
         w.copy_(m)
     hvd.barrier()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     handles = []
     for (name, _), grad in zip(reversed(params), reversed(work)):  # backward order
@@ -126,7 +128,7 @@ def one_step(comp, label: str, params: list, work: list, master: list) -> tuple[
     for handle, ctx in handles:
         comp.decompress(hvd.synchronize(handle), ctx)
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
+    return t1 - t0, t2 - t1, time.process_time() - c0
 
 
 def slowest(seconds: float) -> float:
@@ -142,9 +144,14 @@ def main(argv=None) -> int:
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket-size", type=int, default=8192)
     p.add_argument("--no-refit-row", action="store_true", help="skip the 'refit round' row")
+    p.add_argument("--methods", help="only these rows (fp32 and fp16 always run), comma-separated from: "
+                   + ", ".join(sorted(PROFILE_KEYS)))
     p.add_argument("--quick", action="store_true", help="--width 0.5 --steps 3 --warmup 1 (for make bench)")
     p.add_argument("--profile", metavar="METHOD", choices=sorted(PROFILE_KEYS),
                    help="only this method, under cProfile on rank 0: " + ", ".join(sorted(PROFILE_KEYS)))
+    p.add_argument("--profile-clock", choices=("wall", "cpu"), default="wall",
+                   help="with --profile: wall time, or the main thread's CPU time (time.thread_time: "
+                        "insensitive to other jobs, blind to waiting); default wall")
     p.add_argument("--profile-out", help="with --profile: write the pstats file here (rank 0)")
     p.add_argument("--profile-lines", type=int, default=30, help="functions listed per sort; default 30")
     p.add_argument("--out", help="rank 0 writes the Markdown report here")
@@ -161,6 +168,9 @@ def main(argv=None) -> int:
               for _, shape in shapes]
     work = [m.clone() for m in master]
     methods = make_compressors(args.bits, args.bucket_size, not args.no_refit_row)
+    if args.methods:
+        keep = {PROFILE_KEYS[k] for k in args.methods.split(",")} | {"none (fp32)", "fp16"}
+        methods = {k: v for k, v in methods.items() if k in keep}
     if args.profile:
         key = PROFILE_KEYS[args.profile]
         return profile(methods[key], key, shapes, work, master, args)
@@ -172,13 +182,13 @@ def main(argv=None) -> int:
     parts: dict[str, list] = {k: [] for k in methods}
     for i in range(args.warmup + args.steps):
         for label, comp in methods.items():
-            submit, finish = one_step(comp, label, shapes, work, master)
+            submit, finish, cpu = one_step(comp, label, shapes, work, master)
             total = slowest(submit + finish)
             if i == 0:
                 first[label] = total
             if i >= args.warmup:
                 times[label].append(total)
-                parts[label].append((slowest(submit), slowest(finish)))
+                parts[label].append((slowest(submit), slowest(finish), slowest(cpu)))
     wall = time.monotonic() - start
     load_after = os.getloadavg()[0]
     if hvd.rank() == 0:
@@ -212,16 +222,19 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
         f"ALQ: {args.bits} bits, bucket {args.bucket_size}, default fusion (64 MiB of float32 per buffer) unless "
         f"named; levels refit at step 0 only (inside the warm-up). Median of {args.steps} steps after "
         f"{args.warmup} warm-up step(s), slowest rank; methods interleaved step by step.", "",
-        "| compressor | ms per step | vs fp16 | vs fp32 | compress + submit ms | synchronize + decompress ms | first step ms |",
-        "|---|---|---|---|---|---|---|",
+        "| compressor | ms per step | vs fp16 | vs fp32 | compress + submit ms | synchronize + decompress ms | CPU ms | first step ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label in methods:
-        sub = statistics.median(a for a, _ in parts[label])
-        fin = statistics.median(b for _, b in parts[label])
+        sub = statistics.median(a for a, _, _ in parts[label])
+        fin = statistics.median(b for _, b, _ in parts[label])
+        cpu = statistics.median(c for _, _, c in parts[label])
         lines.append(f"| {label} | {1e3 * med[label]:.1f} | {med[label] / fp16:.2f} | "
-                     f"{med[label] / med['none (fp32)']:.2f} | {1e3 * sub:.1f} | {1e3 * fin:.1f} | {1e3 * first[label]:.0f} |")
+                     f"{med[label] / med['none (fp32)']:.2f} | {1e3 * sub:.1f} | {1e3 * fin:.1f} | {1e3 * cpu:.0f} | {1e3 * first[label]:.0f} |")
     lines += ["", "Columns: the two phases are medians of the slowest rank each, so they need not add up to the "
-              "step; \"first step\" is step 0 (for ALQ its refit round, plus first-call costs such as Horovod "
+              "step; \"CPU ms\": the process CPU time of the step (all threads of the rank, Horovod's background "
+              "thread and MPI's polling included; slowest rank, median), less sensitive than wall time to other "
+              "jobs on the machine; \"first step\" is step 0 (for ALQ its refit round, plus first-call costs such as Horovod "
               "negotiating new names). \"refit round\" refits at every step: statistics of every buffer, one "
               "allreduce of them, the level fit, on top of a plain step.",
               f"All steps (ms): " + "; ".join(f"{k}: " + ", ".join(f"{1e3 * t:.0f}" for t in v) for k, v in times.items())]
@@ -232,19 +245,20 @@ def profile(comp, label: str, shapes, work, master, args) -> int:
     """Warm up, then run --steps steps of one method with cProfile enabled on rank 0 only."""
     for _ in range(args.warmup):
         one_step(comp, label, shapes, work, master)
-    prof = cProfile.Profile() if hvd.rank() == 0 else None
+    timer = time.thread_time if args.profile_clock == "cpu" else time.perf_counter
+    prof = cProfile.Profile(timer) if hvd.rank() == 0 else None
     totals, subs, fins = [], [], []
     for _ in range(args.steps):
         if prof:
             prof.enable()
-        s, f = one_step(comp, label, shapes, work, master)
+        s, f, _ = one_step(comp, label, shapes, work, master)
         if prof:
             prof.disable()
         totals.append(slowest(s + f))
         subs.append(s)
         fins.append(f)
     if prof:
-        print(f"# profile of {label!r}: {args.steps} steps on rank 0 under cProfile; slowest-rank step median "
+        print(f"# profile of {label!r} ({args.profile_clock} clock): {args.steps} steps on rank 0 under cProfile; slowest-rank step median "
               f"{1e3 * statistics.median(totals):.1f} ms; this rank's compress + submit median "
               f"{1e3 * statistics.median(subs):.1f} ms, synchronize + decompress {1e3 * statistics.median(fins):.1f} ms")
         if args.profile_out:

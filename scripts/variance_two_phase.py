@@ -16,6 +16,8 @@ E1/D1: the first quantizer (the method at --bits); E2/D2: the second quantizer, 
     (a) reuse    the first quantizer's levels, unchanged
     (a0) init    the second quantizer's initial levels, never refit (the product's adapt_second=False)
     (b) adapted  levels refit from the statistics of the reduced sums S (the product's default)
+    (b') adapted as (b), but to an S made with the first quantizer's *new* levels (what a refit of the
+                 second levels one round after the first's would see; not in the product)
     (c) 4 bits   bits_second=4, levels refit as in (b) (fixed methods: their 4-bit levels)
 
 Shards are runs of whole buckets and the codec works bucket by bucket, so quantizing every shard of
@@ -62,9 +64,10 @@ from horovod_alq.core.methods import get_method  # noqa: E402
 from horovod_alq.core.statistics import normalize  # noqa: E402
 
 LABELS = {"alq": "ALQ", "amq": "AMQ", "qsgdinf": "QSGDinf"}
-VARIANTS = ("a", "a0", "b", "c")
+VARIANTS = ("a", "a0", "b", "b2", "c")
 VARIANT_NAMES = {"allgather": "allgather", "a": "two-phase (a) reuse first levels",
                  "a0": "two-phase (a0) initial levels, no refit", "b": "two-phase (b) adapted second levels",
+                 "b2": "two-phase (b') adapted, S of the new first levels",
                  "c": "two-phase (c) 4-bit second, adapted"}
 
 
@@ -77,11 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--buckets", default="8192,512", help="bucket sizes; default 8192,512")
     p.add_argument("--checkpoints", default="50,400,1000,2000",
                    help="training iterations at which to measure; default 50,400,1000,2000")
-    p.add_argument("--draws", type=int, default=4, help="evaluation rounds (fresh minibatches) per checkpoint; default 4")
-    p.add_argument("--samples", type=int, default=3, help="draws of S per evaluation round; default 3")
-    p.add_argument("--unbiased-samples", type=int, default=100,
+    p.add_argument("--draws", type=int, default=3, help="evaluation rounds (fresh minibatches) per checkpoint; default 3")
+    p.add_argument("--samples", type=int, default=2, help="draws of S per evaluation round; default 2")
+    p.add_argument("--unbiased-samples", type=int, default=60,
                    help="full two-phase estimates per setting for the unbiasedness check (last checkpoint, "
-                        "first bucket size, variants b and c); 0 skips it; default 100")
+                        "first bucket size, variants b and c); 0 skips it; default 60")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
@@ -120,6 +123,7 @@ class Setting:
         self.q1 = Quantizer(method, bits=bits, bucket_size=bucket)
         self.second = {"a0": Quantizer(method, bits=bits, bucket_size=bucket),
                        "b": Quantizer(method, bits=bits, bucket_size=bucket),
+                       "b2": Quantizer(method, bits=bits, bucket_size=bucket),
                        "c": Quantizer(method, bits=bits_second, bucket_size=bucket)}
 
     def levels(self, variant: str) -> np.ndarray:
@@ -140,6 +144,9 @@ class Setting:
             q2 = self.second[key]
             q2.adapt(q2.statistics(s))
         q1.adapt(stats1)
+        s_new = np.sum([quantize(q1, g, rng) for g in grads], axis=0, dtype=np.float32)
+        q2 = self.second["b2"]
+        q2.adapt(q2.statistics(s_new))
 
 
 def evaluate(st: Setting, grads: list[np.ndarray], samples: int, rng: np.random.Generator) -> dict:
@@ -280,7 +287,7 @@ def report(data: dict, methods, buckets, workers, checkpoints) -> str:
         for m in methods:
             adaptive = get_method(m).adaptive
             for v in ("allgather", *VARIANTS):
-                if not adaptive and v in ("a0", "b"):
+                if not adaptive and v in ("a0", "b", "b2"):
                     continue  # fixed levels: identical to (a)
                 cells = []
                 for n in workers:
@@ -298,7 +305,7 @@ def report(data: dict, methods, buckets, workers, checkpoints) -> str:
               "| method | exchange | " + " | ".join(f"iter {c}" for c in checkpoints) + " |",
               "|---|---|" + "---|" * len(checkpoints)]
     for m in methods:
-        for v in ("allgather", "a", "b", "c") if get_method(m).adaptive else ("allgather", "a", "c"):
+        for v in ("allgather", "a", "b", "b2", "c") if get_method(m).adaptive else ("allgather", "a", "c"):
             rows = res[f"{m}|{d}|{n}"]
             lines.append(f"| {LABELS.get(m, m)} | {v} | " + " | ".join(f"{_mean(rows, v, c):.3g}" for c in checkpoints) + " |")
     rows = res[f"{methods[0]}|{d}|{n}"]
@@ -311,7 +318,7 @@ def report(data: dict, methods, buckets, workers, checkpoints) -> str:
         if not get_method(m).adaptive:
             continue
         rec = lv[f"{m}|{d}|{n}|{last}"]
-        for key, name in (("first", "first"), ("b", "second (b), adapted"), ("c", f"second (c), {a['bits_second']} bits")):
+        for key, name in (("first", "first"), ("b", "second (b), adapted"), ("b2", "second (b')"), ("c", f"second (c), {a['bits_second']} bits")):
             vals = [x for x in rec[key] if x >= 0]
             lines.append(f"- {LABELS[m]} {name}: " + ", ".join(f"{x:.3g}" for x in vals))
     lines.append("")

@@ -112,6 +112,21 @@ class ProtocolError(RuntimeError):
     """Raised identically on every rank when the protocol finds that ranks disagree."""
 
 
+class ReductionMismatch(ProtocolError):
+    """The tensor vector was not reduced by a Sum or Average over exactly the compressor's process
+    set (another set, ``hvd.join``, a reducescatter, Adasum): some ranks of the set may not be in
+    this collective at all, so no further collective over the set may be issued for this round."""
+
+
+def outsider_vector(size: int) -> np.ndarray:
+    """What a rank outside the compressor's process set (of ``size`` ranks) hands an allreduce over
+    another set: a vector that makes every member's check fail (the head sums stop matching)."""
+    vec = np.zeros(tensor_vector_length(size), dtype=np.float64)
+    vec[0] = 1.0
+    vec[5] = 1.0
+    return vec
+
+
 def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int,
                        local_error: str | None = None) -> Reduced:
     """Check a reduced tensor vector and return the scale and the ranks' slots.
@@ -130,7 +145,7 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
     n = int(size)
     expected = tensor_vector_length(n)
     if v.size != expected:
-        raise ProtocolError(
+        raise ReductionMismatch(
             f"{PREFIX}: the reduced control vector has {v.size} elements, expected {expected}: the "
             f"compressed tensor went through a collective other than allreduce (a reducescatter, or an "
             f"allreduce over another process set with a different size); horovod_alq compressors "
@@ -161,7 +176,7 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
     if absent or not ok_op:
         who = f"ranks {absent} of the compressor's process set contributed nothing" if absent else \
             "the reduced control vector does not match a Sum or Average over the compressor's process set"
-        raise ProtocolError(
+        raise ReductionMismatch(
             f"{PREFIX}: {who} (process set of {n} ranks; reduced head {v[:3].tolist()}). Causes: "
             f"op=Adasum or another op than Sum/Average; hvd.join() (a joined rank cannot send "
             f"quantized payloads); or an allreduce over another process set than the compressor's "

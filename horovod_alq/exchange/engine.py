@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from ..core.methods import get_method
-from ..core.protocol import (PREFIX, ProtocolError, derive_seed, handshake_vector, read_handshake,
-                             read_tensor_vector, stable_hash, tensor_vector)
+from ..core.protocol import (PREFIX, ProtocolError, ReductionMismatch, derive_seed, handshake_vector,
+                             read_handshake, read_tensor_vector, stable_hash, tensor_vector)
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState
 from . import allgather, two_phase
@@ -184,6 +184,11 @@ class Engine:
                                       shape_code=entry.shape_code, local_error=entry.error)
         except ProtocolError as exc:
             err = exc
+        if not rnd.started and isinstance(err, ReductionMismatch):
+            # some ranks of the set may not be in this collective at all (another process set,
+            # hvd.join): a handshake over the set could wait for them forever. Every rank that
+            # compressed this tensor received the same vector and stops here alike.
+            rnd.failure = err
         if not rnd.started:
             try:
                 self._run_round(rnd, ops, transport, None if err is None else str(err))

@@ -27,11 +27,11 @@ import torch
 
 from ..core import frontends
 from ..core.methods import get_method
-from ..core.protocol import PREFIX
+from ..core.protocol import PREFIX, outsider_vector
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
 from ..exchange import Engine, Entry
-from .transport import HorovodTransport, TorchOps, hvd
+from .transport import HorovodTransport, NotMemberError, TorchOps, hvd
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _UIDS = itertools.count()
@@ -46,6 +46,13 @@ class _Exchange:
     dtype: torch.dtype
     device: torch.device
     source: torch.Tensor | None  # the input, when autograd needs it
+
+
+@dataclass
+class _Outsider:
+    """Context of a tensor compressed on a rank outside the compressor's process set."""
+
+    message: str
 
 
 @dataclass
@@ -158,7 +165,13 @@ class QuantizedCompressor(frontends.CompressorBase):
             if tensor.dtype == torch.bfloat16:  # Horovod's torch allreduce rejects bfloat16
                 return tensor.float(), _PassThrough(tensor.dtype)
             return tensor, _PassThrough(tensor.dtype)
-        transport = self._transport()
+        try:
+            transport = self._transport()
+        except NotMemberError as err:
+            # Raising here would leave the members waiting in this collective: take part with a
+            # vector that fails their checks, and raise in decompress.
+            size = len(self._process_set.ranks or ())
+            return torch.from_numpy(outsider_vector(size)).to(tensor.device), _Outsider(str(err))
         flat = tensor.detach().reshape(-1)
         entry, vec = self._engine.add(flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport)
         small = torch.from_numpy(vec).to(tensor.device)
@@ -176,6 +189,8 @@ class QuantizedCompressor(frontends.CompressorBase):
             return tensor
         if isinstance(ctx, _PassThrough):
             return tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
+        if isinstance(ctx, _Outsider):
+            raise RuntimeError(ctx.message)
         reduced = tensor.detach().double().cpu().numpy()
         out, scale = self._engine.finish(ctx.entry, reduced, self._ops_for(ctx.device), self._transport())
         out = out.to(device=ctx.device, dtype=ctx.dtype).view(ctx.shape)

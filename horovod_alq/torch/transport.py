@@ -22,6 +22,10 @@ def hvd():
     return hvd_module
 
 
+class NotMemberError(RuntimeError):
+    """This rank is not in the compressor's process set."""
+
+
 class HorovodTransport:
     """Collectives of :mod:`horovod.torch` over one process set (default: the global one)."""
 
@@ -29,7 +33,9 @@ class HorovodTransport:
         h = hvd()
         self.process_set = h.global_process_set if process_set is None else process_set
         if not self.process_set.included():
-            raise RuntimeError("horovod_alq: this rank is not a member of the compressor's process set")
+            raise NotMemberError(f"horovod_alq: this rank is not a member of the compressor's process set "
+                                 f"{self.process_set.ranks}; use it only in allreduces over that set "
+                                 f"(process_set=), with the same set on every member")
         self.rank = int(self.process_set.rank())
         self.size = int(self.process_set.size())
 

@@ -105,12 +105,14 @@ def test_wire_bits_per_coordinate_on_large_tensors():
 
 
 @pytest.mark.parametrize("what,needle", [
-    ("bits", "bits=4"), ("bucket", "bucket_size=512"), ("levels", "levels differ"), ("method", "amq")])
+    ("bits", "differ in bits 3 on some ranks, 4 on others"), ("bucket", "bucket_size 256 on some ranks, 512 on others"),
+    ("levels", "levels differ"), ("method", "differ in method")])
 def test_mismatched_configuration_is_refused_on_every_rank(what, needle):
+    # the round's handshake finds the difference before any payload moves, on every rank
     res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["mismatch", "--what", what])
     for rank, r in enumerate(res):
         assert r["error"] is not None, f"rank {rank} decoded a mismatched payload"
-        assert needle in r["error"] and "payload from rank" in r["error"], r["error"]
+        assert needle in r["error"], r["error"]
 
 
 def test_dtypes_shapes_and_nan_stay_visible():

@@ -111,7 +111,8 @@ def train(args) -> dict:
         q = Quantizer(comp._method.name, bits=comp.bits, bucket_size=comp.bucket_size)
         q.set_levels(m["levels"])
         w = model[0].weight.grad if model[0].weight.grad is not None else model[0].weight
-        payload = comp._encode(w.detach(), 0).numpy()
+        flat = w.detach().reshape(-1).float()
+        payload = comp._ops_for(flat.device).encode(flat, comp._quantizer, 0).numpy()
         decoded = q.decode(payload)
         result.update(start_levels=start_levels, levels=m["levels"].tolist(), level_updates=m["level_updates"],
                       step=m["step"], bits_per_coordinate=m["bits_per_coordinate"],
