@@ -47,8 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "alqnet"
 SUBNET = "10.213.0"
 N_WORKERS = 4
-METHODS = ["none", "fp16", "qsgdinf", "alq"]
-LABELS = {"none": "none (fp32)", "fp16": "fp16", "qsgdinf": "QSGDinf 3b", "alq": "ALQ 3b"}
+METHODS = ["none", "fp16", "qsgdinf", "alq", "alq-2p"]
+LABELS = {"none": "none (fp32)", "fp16": "fp16", "qsgdinf": "QSGDinf 3b", "alq": "ALQ 3b allgather",
+          "alq-2p": "ALQ 3b two-phase"}
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -65,7 +66,9 @@ def worker(args) -> int:
 
     common = dict(bits=args.bits, bucket_size=args.bucket_size, update_steps=(0,), update_every=0, seed=1)
     comps = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
-             "qsgdinf": QSGDCompressor(**common), "alq": ALQCompressor(**common)}
+             "qsgdinf": QSGDCompressor(**common, exchange="allgather"),
+             "alq": ALQCompressor(**common, exchange="allgather"),
+             "alq-2p": ALQCompressor(**common, exchange="two-phase")}
     h = args.hidden
     results = {}
     for method in args.methods.split(","):

@@ -26,7 +26,11 @@ fusion buffers) with exchange="allgather" and "two-phase", and ALQ with fusion_b
 per tensor, the exchange before fusion). The ALQ compressors refit their levels only at step 0
 (update_steps=(0,), update_every=0), which the warm-up covers, so the table is the steady state;
 "ALQ, refit round" refits in every step (update_every=1): the cost of a step whose statistics are
-collected, allreduced and fitted (by default steps 0, 100, 2000, then every 10,000).
+collected, allreduced and fitted (by default steps 0, 100, 2000, then every 10,000). "no repeated
+shapes (diagnostic)" passes the same gradients as views whose shapes never repeat (a leading 1 per
+earlier tensor of the same shape): the same bytes and codec work, but the engine then takes its
+fast "ordered" path, which it refuses when two compressed tensors of a round share a shape
+(ResNet-50 has many); the difference between the two ALQ allgather rows is the cost of that fallback.
 
 --profile METHOD runs only that method's steps, under cProfile on rank 0, and prints the functions
 that take the time (also a small breakdown: compress + submit vs synchronize + decompress).
@@ -101,15 +105,33 @@ def make_compressors(bits: int, bucket: int, include_refit: bool) -> dict:
         "ALQ, two-phase": ALQCompressor(exchange="two-phase", **steady),
         "ALQ, allgather, fusion_bytes=0": ALQCompressor(exchange="allgather", fusion_bytes=0, **steady),
     }
+    # the same tensors viewed with distinct shapes (see distinct_views): the exchange's "ordered" path
+    methods[DISTINCT] = ALQCompressor(exchange="allgather", **steady)
+    methods[DISTINCT_TP] = ALQCompressor(exchange="two-phase", **steady)
     if include_refit:
         methods["ALQ, allgather, refit round"] = ALQCompressor(
             bits=bits, bucket_size=bucket, update_steps=(0,), update_every=1, seed=0, exchange="allgather")
     return methods
 
 
-PROFILE_KEYS = {"fp32": "none (fp32)", "none": "none (fp32)", "fp16": "fp16", "alq": "ALQ, allgather",
+DISTINCT = "ALQ, allgather, no repeated shapes (diagnostic)"
+DISTINCT_TP = "ALQ, two-phase, no repeated shapes (diagnostic)"
+
+PROFILE_KEYS = {"alq-distinct": DISTINCT, "alq-two-phase-distinct": DISTINCT_TP, "fp32": "none (fp32)", "none": "none (fp32)", "fp16": "fp16", "alq": "ALQ, allgather",
                 "alq-allgather": "ALQ, allgather", "alq-two-phase": "ALQ, two-phase",
                 "alq-nofusion": "ALQ, allgather, fusion_bytes=0", "alq-refit": "ALQ, allgather, refit round"}
+
+
+def distinct_views(work: list) -> list:
+    """The gradients viewed with shapes that never repeat (k leading 1s on the k-th repeat of a shape):
+    the same bytes and work, but a round in which no two compressed tensors share a shape."""
+    seen: dict = {}
+    out = []
+    for w in work:
+        k = seen.get(tuple(w.shape), 0)
+        seen[tuple(w.shape)] = k + 1
+        out.append(w.view((1,) * k + tuple(w.shape)))
+    return out
 
 
 def one_step(comp, label: str, params: list, work: list, master: list) -> tuple[float, float, float]:
@@ -121,7 +143,8 @@ def one_step(comp, label: str, params: list, work: list, master: list) -> tuple[
     c0 = time.process_time()
     t0 = time.perf_counter()
     handles = []
-    for (name, _), grad in zip(reversed(params), reversed(work)):  # backward order
+    grads = distinct_views(work) if label in (DISTINCT, DISTINCT_TP) else work
+    for (name, _), grad in zip(reversed(params), reversed(grads)):  # backward order
         compressed, ctx = comp.compress(grad)
         handles.append((hvd.allreduce_async_(compressed, name=f"{label}.{name}", op=hvd.Average), ctx))
     t1 = time.perf_counter()
@@ -202,6 +225,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def exchange_in_use(comp) -> str:
+    """The exchange the compressor's last round used (``metrics()["exchange"]``), or Horovod's."""
+    metrics = getattr(comp, "metrics", None)
+    if metrics is None:
+        return "Horovod allreduce"
+    try:
+        return str(metrics().get("exchange", "?"))
+    except Exception as exc:  # the library is being changed under this script: report, do not fail
+        return f"? ({type(exc).__name__})"
+
+
 def report(args, argv, shapes, methods, times, parts, first, load_before, load_after, wall, fused_status) -> list[str]:
     med = {k: statistics.median(v) for k, v in times.items()}
     fp16 = med["fp16"]
@@ -222,15 +256,15 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
         f"ALQ: {args.bits} bits, bucket {args.bucket_size}, default fusion (64 MiB of float32 per buffer) unless "
         f"named; levels refit at step 0 only (inside the warm-up). Median of {args.steps} steps after "
         f"{args.warmup} warm-up step(s), slowest rank; methods interleaved step by step.", "",
-        "| compressor | ms per step | vs fp16 | vs fp32 | compress + submit ms | synchronize + decompress ms | CPU ms | first step ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| compressor | ms per step | vs fp16 | vs fp32 | compress + submit ms | synchronize + decompress ms | CPU ms | first step ms | exchange in use |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for label in methods:
         sub = statistics.median(a for a, _, _ in parts[label])
         fin = statistics.median(b for _, b, _ in parts[label])
         cpu = statistics.median(c for _, _, c in parts[label])
         lines.append(f"| {label} | {1e3 * med[label]:.1f} | {med[label] / fp16:.2f} | "
-                     f"{med[label] / med['none (fp32)']:.2f} | {1e3 * sub:.1f} | {1e3 * fin:.1f} | {1e3 * cpu:.0f} | {1e3 * first[label]:.0f} |")
+                     f"{med[label] / med['none (fp32)']:.2f} | {1e3 * sub:.1f} | {1e3 * fin:.1f} | {1e3 * cpu:.0f} | {1e3 * first[label]:.0f} | {exchange_in_use(methods[label])} |")
     lines += ["", "Columns: the two phases are medians of the slowest rank each, so they need not add up to the "
               "step; \"CPU ms\": the process CPU time of the step (all threads of the rank, Horovod's background "
               "thread and MPI's polling included; slowest rank, median), less sensitive than wall time to other "

@@ -127,6 +127,35 @@ def outsider_vector(size: int) -> np.ndarray:
     return vec
 
 
+def op_ok(head: np.ndarray, size: int) -> bool:
+    """Whether the reduced ``[1, p, p**2]`` (p = rank + 1) is a Sum or an Average over ``size`` ranks."""
+    n = int(size)
+    v0, v1, v2 = (float(x) for x in head[:3])
+    return v0 != 0 and _close(v1 / v0, (n + 1) / 2) and _close(v2 / v0, (n + 1) * (2 * n + 1) / 6)
+
+
+def check_op(head: np.ndarray, size: int) -> None:
+    """Raise :class:`ProtocolError` naming the op when the reduced ``[1, p, p**2]`` shows Min, Max
+    or Product over ``size`` ranks (the values each op gives are distinct for N > 1)."""
+    n = int(size)
+    v = [float(x) for x in head[:3]]
+    if n <= 1:
+        return
+    fact = math.factorial(n) if n <= 20 else float("inf")
+    if v == [1.0, 1.0, 1.0]:
+        op = "Min"
+    elif v[0] == 1 and _close(v[1], n) and _close(v[2], n * n) and n > 2:
+        op = "Max"
+    elif v[0] == 1 and _close(v[1], fact) and _close(v[2], fact * fact):
+        op = "Max or Product" if n == 2 else "Product"
+    else:
+        return
+    raise ProtocolError(
+        f"{PREFIX}: this allreduce used op={op}; a quantized exchange can only sum or average "
+        f"(the ranks' decoded values are summed), so horovod_alq compressors support op=Sum and "
+        f"op=Average only. Pass compression=hvd.Compression.none for this call")
+
+
 def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int,
                        local_error: str | None = None) -> Reduced:
     """Check a reduced tensor vector and return the scale and the ranks' slots.
@@ -153,21 +182,7 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
     if not np.isfinite(v).all() or v[0] == 0:
         raise ProtocolError(f"{PREFIX}: the reduced control vector is not finite or its scale is 0 "
                             f"({v[:3].tolist()}): the allreduce used an op other than Sum or Average")
-    fact = math.factorial(n) if n <= 20 else float("inf")
-    if n > 1:
-        if v[0] == 1 and v[1] == 1 and v[2] == 1:
-            op = "Min"
-        elif v[0] == 1 and _close(v[1], n) and _close(v[2], n * n) and n > 2:
-            op = "Max"
-        elif v[0] == 1 and _close(v[1], fact) and _close(v[2], fact * fact):
-            op = "Max or Product" if n == 2 else "Product"
-        else:
-            op = None
-        if op is not None:
-            raise ProtocolError(
-                f"{PREFIX}: this allreduce used op={op}; a quantized exchange can only sum or average "
-                f"(the ranks' decoded values are summed), so horovod_alq compressors support op=Sum and "
-                f"op=Average only. Pass compression=hvd.Compression.none for this call")
+    check_op(v[:3], n)
     w = v * (n / v[0])  # the sums the vector would have under op=Sum without scaling
     slots_raw = w[_HEAD:]
     absent = [r for r in range(n) if slots_raw[r] < 0.5]

@@ -52,10 +52,12 @@ from ..core.methods import get_method
 from ..core.quantizer import Quantizer
 from ..core.rounds import schedule_from
 from ..core.statistics import GRID, statistics_length
+from ..core.protocol import ProtocolError, check_op, op_ok, shape_hash
 from ..core.wire import HEADER_SIZE, Header, check_header, pack_header, parse_header, payload_size
 from . import kernels
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+_HEAD = 7  # [1, k, k**2, p, p**2, h, h**2]: slot k, p = rank + 1, h = shape/dtype hash
 _UIDS = itertools.count()
 _MASK64 = (1 << 64) - 1
 
@@ -118,6 +120,8 @@ class _Exchange:
     levels: tf.Tensor
     header: tf.Tensor
     eager: bool
+    source: Any = None  # the compressed tensor (autograd connects the output to it)
+    shape_code: int = 0
     fitted: Any = None  # the gathered bytes cut or padded to the expected length (set by the check)
 
 
@@ -279,13 +283,15 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         payload = self._fns.encode(tensor, levels, header, seed)
         hvd = _hvd()
         gathered = hvd.allgather(payload, name=f"horovod_alq.{self._uid}.{slot}", ignore_name_scope=True)
-        head = tf.constant([1.0, float(slot), float(slot) ** 2], tf.float64)
+        p = float(_hvd().rank() + 1)
+        h = float(shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name))
+        head = tf.constant([1.0, float(slot), float(slot) ** 2, p, p * p, h, h * h], tf.float64)
         if collecting is None:
             small = head
         else:
             small = tf.cond(collecting, lambda: tf.concat([head, self._statistics(tensor)], 0), lambda: head)
         return small, _Exchange(slot, tensor.shape, tensor.dtype, numel, gathered, collecting, levels, header,
-                                eager)
+                                eager, source=tensor, shape_code=int(h))
 
     @_ClassOrInstance
     def decompress(self, tensor, ctx):
@@ -296,8 +302,8 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             return tf.cast(tensor, ctx.dtype) if tensor.dtype != ctx.dtype else tensor
         try:
             reduced = tf.cast(tensor, tf.float64)
-            head = reduced[:3]
-            pairing_ok = self._pairing_ok(head, ctx.slot)
+            head = reduced[:_HEAD]
+            pairing_ok = self._pairing_ok(head, ctx.slot, ctx.shape_code)
             payloads_ok = self._payloads_ok(ctx)
 
             def decode():
@@ -307,7 +313,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                     return out
 
                 def keep():
-                    with tf.control_dependencies([self._pending.assign_add(reduced[3:] / reduced[0]),
+                    with tf.control_dependencies([self._pending.assign_add(reduced[_HEAD:] / reduced[0]),
                                                   self._pending_count.assign_add(1)]):
                         return tf.constant(True)
 
@@ -336,7 +342,8 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         finally:
             if ctx.eager:
                 self._outstanding -= 1
-        return tf.reshape(tf.cast(out, ctx.dtype), ctx.shape)
+        out = tf.reshape(tf.cast(out, ctx.dtype), ctx.shape)
+        return _connect_gradient(ctx.source, out, reduced[0] / _hvd().size())
 
     # ------------------------------------------------------------------ metrics and state
     @_ClassOrInstance
@@ -483,14 +490,20 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     # ---- checks: cheap in-graph tests; on failure a NumPy explanation raises on every rank
     @staticmethod
-    def _pairing_ok(head: tf.Tensor, slot: int) -> tf.Tensor:
-        """The reduced ``[s, s*k, s*k**2]`` pairs this rank's slot ``k`` with every other rank's."""
-        k = float(slot)
+    def _pairing_ok(head: tf.Tensor, slot: int, shape_code: int) -> tf.Tensor:
+        """The reduced head ``[s, s*k, s*k**2, p.., p**2.., h.., h**2..]`` pairs this rank's slot ``k``
+        with every other rank's, comes from a Sum or an Average (``p = rank + 1``: see
+        :func:`horovod_alq.core.protocol.op_ok`), and every rank passed this shape and dtype
+        (hash ``h``: ``(sum h)**2 == N sum h**2``)."""
+        k, n, h = float(slot), float(_hvd().size()), float(shape_code)
         scale = head[0]
         ok = tf.logical_and(tf.reduce_all(tf.math.is_finite(head)), tf.not_equal(scale, 0.0))
         safe = tf.where(ok, scale, tf.ones_like(scale))
-        ok = tf.logical_and(ok, tf.abs(head[1] / safe - k) < 1e-6)
-        return tf.logical_and(ok, tf.abs(head[2] / safe - k * k) < 1e-6 * max(1.0, k * k))
+        w = head / safe  # per-rank mean of each entry
+        checks = [tf.abs(w[1] - k) < 1e-6, tf.abs(w[2] - k * k) < 1e-6 * max(1.0, k * k),
+                  tf.abs(w[3] - (n + 1) / 2) < 1e-9 * n, tf.abs(w[4] - (n + 1) * (2 * n + 1) / 6) < 1e-9 * n * n,
+                  tf.abs(w[5] - h) < 1e-9 * h, tf.abs(w[6] - h * h) < 1e-9 * h * h]
+        return tf.logical_and(ok, tf.reduce_all(tf.stack(checks)))
 
     def _payloads_ok(self, ctx: _Exchange) -> tf.Tensor:
         """Every rank's payload has this rank's size and header (method, bits, bucket, numel, levels).
@@ -513,6 +526,18 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         """Raise the error that says what differs (called only when a check failed)."""
         head = np.asarray(head, dtype=np.float64)
         scale = head[0]
+        n = _hvd().size()
+        triple = np.array([head[0], head[3], head[4]])
+        check_op(triple, n)
+        if not op_ok(triple, n):
+            raise ProtocolError(
+                f"horovod_alq: the reduced control vector does not match a Sum or Average over all "
+                f"{n} ranks ({triple.tolist()}): op=Adasum, hvd.join(), or an allreduce over a process "
+                f"set (the TensorFlow compressors support the global process set only)")
+        w = head / scale
+        if abs(w[5] * w[5] - w[6]) > 1e-6 * w[6]:
+            raise ProtocolError("horovod_alq: the ranks passed tensors of different shapes or dtypes to the "
+                                "same allreduce; Horovod requires the same shape and dtype on every rank")
         if not (np.isfinite(head).all() and scale != 0 and abs(head[1] / scale - slot) < 1e-6
                 and abs(head[2] / scale - slot * slot) < 1e-6 * max(1, slot * slot)):
             raise RuntimeError(
@@ -544,6 +569,24 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             offset += theirs.payload_size
         if offset != total:
             raise ValueError(f"horovod_alq: {total - offset} unexpected bytes after {hvd.size()} payloads")
+
+
+def _connect_gradient(source, out, scale):
+    """``out`` with a gradient to ``source``: Horovod's own allreduce gradient (an exact sum of the
+    incoming gradients, times the op's ``scale``), as for an uncompressed ``hvd.allreduce``. Without
+    it a tape would see the quantized output as a constant and give zero gradients."""
+    if source is None or not source.dtype.is_floating:
+        return out
+
+    @tf.custom_gradient
+    def connected(x):
+        def grad(dy):
+            summed = _hvd().allreduce(dy, op=_hvd().Sum)
+            return summed * tf.cast(scale, dy.dtype)
+
+        return tf.identity(out), grad
+
+    return connected(source)
 
 
 ALQCompressor, AMQCompressor, QSGDCompressor, NUQSGDCompressor, TernGradCompressor = frontends.bind(

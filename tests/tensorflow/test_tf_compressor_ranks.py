@@ -154,3 +154,18 @@ def test_state_dtypes_nan_grouped_and_eager_tape():
     assert res[0]["grouped"]["digest"] == res[1]["grouped"]["digest"]
     assert res[0]["eager_tape"]["params"] == res[1]["eager_tape"]["params"]
     assert res[0]["dtypes"]["float32.1000"]["digest"] == res[1]["dtypes"]["float32.1000"]["digest"]
+
+
+def test_ops_shapes_and_autograd_are_honoured_or_refused():
+    """Issue 14 in TensorFlow: Min/Max/Product and shape disagreements raise on every rank (eager
+    and tf.function) instead of returning a quantized mean; autograd gives Horovod's gradient."""
+    res = _run("compat")
+    for r in res:
+        for mode in ("eager", "function"):
+            for name in ("Min", "Max", "Product"):
+                err = r[f"{mode}.{name}"]
+                assert err is not None and "op=" in err and "Sum" in err, (mode, name, err)
+            err = r[f"{mode}.shape"]
+            assert err is not None and "different shapes" in err, (mode, err)
+        assert r["after"] == pytest.approx(1.5, rel=1e-6)
+        assert r["grad_norm"] > 0 and r["grad_max_diff"] < 1e-6

@@ -12,7 +12,7 @@ import sys
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["exchange", "train", "keras", "mismatch", "misc"])
+    p.add_argument("scenario", choices=["exchange", "train", "keras", "mismatch", "misc", "compat"])
     p.add_argument("--methods", default="alq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket", type=int, default=512)
@@ -368,6 +368,50 @@ def misc(args) -> dict:
     out["eager_tape"] = {"params": [digest(v.numpy()) for v in variables], "step": m["step"],
                          "calls": m["calls"], "level_updates": m["level_updates"],
                          "uncompressed": m["uncompressed_coordinates"]}
+    return out
+
+
+def compat(args) -> dict:
+    """Horovod compatibility (issue 14), eagerly and in tf.function: ops a quantized exchange cannot
+    honour and shape disagreements raise on every rank; autograd through hvd.allreduce gives
+    Horovod's own gradient, not zeros; afterwards the compressor still works."""
+    size, rank = hvd.size(), hvd.rank()
+    comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3)
+    out = {}
+    x = tf.fill([2048], float(rank + 1))
+    for mode in ("eager", "function"):
+        for name in ("Min", "Max", "Product"):
+            op = getattr(hvd, name)
+            call = (lambda t, op=op: hvd.allreduce(t, compression=comp, op=op))
+            fn = tf.function(call) if mode == "function" else call
+            try:
+                fn(x)
+                out[f"{mode}.{name}"] = None
+            except Exception as err:  # noqa: BLE001 - reported
+                out[f"{mode}.{name}"] = f"{type(err).__name__}: {err}"
+        shape = [64, 32] if rank == 0 else [32, 64]
+        call = lambda t: hvd.allreduce(t, compression=comp, name=f"shape.{mode}")  # noqa: E731
+        fn = tf.function(call) if mode == "function" else call
+        try:
+            fn(tf.ones(shape))
+            out[f"{mode}.shape"] = None
+        except Exception as err:  # noqa: BLE001
+            out[f"{mode}.shape"] = f"{type(err).__name__}: {err}"
+    # a constant tensor is quantized exactly (every coordinate equals its bucket's norm / sqrt(d)... no:
+    # use the mean of constants with QSGDinf, whose level 1 is the max-abs): exact average
+    exact = QSGDCompressor(bits=3, bucket_size=512, min_size=16)
+    out["after"] = float(tf.reduce_mean(hvd.allreduce(x, compression=exact)).numpy())
+    # autograd: d/dx sum(w * allreduce(x)) against Horovod's uncompressed allreduce
+    w = tf.constant(np.linspace(-1, 1, 2048, dtype=np.float32) * (rank + 1))
+    grads = {}
+    for label, compression in (("alq", comp), ("none", hvd.Compression.none)):
+        v = tf.Variable(tf.fill([2048], float(rank + 1)))
+        with tf.GradientTape() as tape:
+            y = hvd.allreduce(v, compression=compression, name=f"grad.{label}")
+            loss = tf.reduce_sum(w * y)
+        grads[label] = tape.gradient(loss, v).numpy()
+    out["grad_max_diff"] = float(np.abs(grads["alq"] - grads["none"]).max())
+    out["grad_norm"] = float(np.linalg.norm(grads["none"]))
     return out
 
 
