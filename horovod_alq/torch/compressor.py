@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,7 +32,7 @@ from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
 from ..core.statistics import GRID, BucketMoments, normless_statistics
 from ..core.wire import HEADER_SIZE, Header, check_header, pack_header, parse_header
-from . import fused, kernels
+from . import codecs
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _UIDS = itertools.count()
@@ -90,22 +91,33 @@ class QuantizedCompressor(frontends.CompressorBase):
         Tensors with fewer elements travel uncompressed (Horovod's plain allreduce). Default 1024.
     seed : int, optional
         Seed of the stochastic rounding (combined with the rank). Default: fresh entropy.
+    codec : str
+        Codec backend (:mod:`horovod_alq.torch.codecs`): "auto" (default: Triton for CUDA tensors
+        when importable, the compiled CPU codec for CPU tensors when it builds, torch ops
+        otherwise), "triton", "cpu" or "torch".
     fused : bool, optional
-        Use the compiled CPU codec (default: when it builds). CUDA tensors use torch kernels.
+        Deprecated: ``fused=False`` is ``codec="torch"``, ``fused=True`` is ``codec="auto"``.
     """
 
     method: str = ""
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
-                 min_size: int = 1024, seed: int | None = None, fused: bool | None = None) -> None:
+                 min_size: int = 1024, seed: int | None = None, codec: str = "auto",
+                 fused: bool | None = None) -> None:
         method = method or self.method
         self._method = get_method(method)
         self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size)
         self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every))
         self.min_size = frontends.check_min_size(min_size)
         self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
-        self._use_fused = fused
+        if fused is not None:
+            warnings.warn("horovod_alq: fused= is deprecated; use codec='torch' (fused=False) or "
+                          "codec='auto' (fused=True)", DeprecationWarning, stacklevel=2)
+            if codec != "auto":
+                raise ValueError("give codec= or the deprecated fused=, not both")
+            codec = "auto" if fused else "torch"
+        self._codec = codecs.check_name(codec)
         self._uid = next(_UIDS)
         self._levels_cache: dict[str, torch.Tensor] = {}
         self._grid: torch.Tensor | None = None
@@ -187,30 +199,23 @@ class QuantizedCompressor(frontends.CompressorBase):
         raw = pack_header(Header(self._method.id, q.bits, q.bucket_size, numel, q.fingerprint))
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
-    def _fused_module(self, tensor: torch.Tensor):
-        if tensor.device.type != "cpu" or self._use_fused is False:
-            return None
-        return fused.load()
-
     def _encode(self, tensor: torch.Tensor, call: int) -> torch.Tensor:
         seed = _splitmix64(self._seed ^ _splitmix64(_hvd().rank() * 0x10001 + (call << 20)))
         levels = self._levels_on(tensor.device)
-        module = self._fused_module(tensor)
-        if module is not None:
-            flat = tensor.detach().reshape(-1).contiguous()
-            return module.encode(flat, levels, self._header(tensor.numel()), self.bits,
-                                 self.bucket_size, self._method.norm == "linf", seed >> 1)
-        generator = torch.Generator(device=tensor.device).manual_seed(seed >> 1)
-        return kernels.encode(tensor, levels, self._header(tensor.numel()), bits=self.bits,
-                              bucket_size=self.bucket_size, norm=self._method.norm, generator=generator)
+        codec = codecs.resolve(self._codec, tensor.device)
+        flat = tensor.detach().reshape(-1).contiguous()
+        return codec.encode(flat, levels, self._header(tensor.numel()), bits=self.bits,
+                            bucket_size=self.bucket_size, norm=self._method.norm, seed=seed >> 1)
 
     def _statistics(self, tensor: torch.Tensor) -> list:
         d, norm = self.bucket_size, self._method.norm
+        codec = codecs.resolve(self._codec, tensor.device)
+        flat = tensor.detach().reshape(-1).contiguous()
         if self._method.normless:
-            return normless_statistics(BucketMoments(*kernels.bucket_moments(tensor, bucket_size=d, norm=norm))).tolist()
+            return normless_statistics(BucketMoments(*codec.bucket_moments(flat, bucket_size=d, norm=norm))).tolist()
         if self._grid is None or self._grid.device != tensor.device:
             self._grid = torch.tensor(GRID, dtype=torch.float64, device=tensor.device)
-        return kernels.grid_statistics(tensor, self._grid, bucket_size=d, norm=norm).tolist()
+        return codec.grid_statistics(flat, self._grid, bucket_size=d, norm=norm).tolist()
 
     def _check_pairing(self, reduced: np.ndarray, slot: int) -> float:
         scale = float(reduced[0])
@@ -252,14 +257,9 @@ class QuantizedCompressor(frontends.CompressorBase):
                     device: torch.device) -> torch.Tensor:
         levels = self._levels_on(gathered.device)
         out = torch.empty(numel, dtype=torch.float32, device=gathered.device)
-        module = self._fused_module(gathered)
-        if module is not None:
-            module.decode_sum(out, gathered.contiguous(), offsets, levels, self.bits, self.bucket_size, scale)
-        else:
-            out.zero_()
-            for offset in offsets:
-                kernels.decode_into(out, gathered[offset:], levels, bits=self.bits, bucket_size=self.bucket_size)
-            out.mul_(scale)
+        codec = codecs.resolve(self._codec, gathered.device)
+        codec.decode_sum(out, gathered.contiguous(), offsets, levels, bits=self.bits,
+                         bucket_size=self.bucket_size, scale=scale)
         return out.to(device)
 
 
