@@ -1,15 +1,19 @@
 """Every codec backend (torch ops, compiled CPU, Triton under its interpreter) against the NumPy
 core and against each other: one wire format, interchangeable payloads, unbiased rounding.
 
-The Triton backend runs on CPU tensors only under Triton's interpreter. The module fixture below
-sets TRITON_INTERPRET=1 for this module alone (restored afterwards); the codec loads its kernels
-in interpreted form on first use whatever was imported before, so the rest of the suite is
-unaffected. The interpreter pays per operation and per program: keep tensors and bucket counts
-small here.
+The Triton backend runs on CPU tensors only under Triton's interpreter, which Triton selects once
+per process, when it is first imported. The module fixture below sets TRITON_INTERPRET=1 and
+imports triton (nothing imports it earlier in the suite: the codecs import it lazily, and "auto"
+never does for CPU tensors), then restores the variable after this module; if triton was already
+imported compiled, the Triton tests skip and say so. Compilation for the GPU runs in a fresh
+process. The interpreter pays per operation and per program: keep tensors and bucket counts small.
 """
 
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 def triton_interpreter():
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
+    triton_codec.import_error()  # imports triton now, under the interpreter, if nothing did before
     yield
     if old is None:
         os.environ.pop("TRITON_INTERPRET", None)
@@ -417,3 +422,18 @@ def test_compressor_codec_keyword():
         assert ALQCompressor(fused=False)._codec == "torch"
     with pytest.warns(DeprecationWarning):
         assert ALQCompressor(fused=True)._codec == "auto"
+
+
+# ---------------------------------------------------------------------- GPU compilation
+def test_triton_kernels_compile_for_the_gpu(tmp_path):
+    """No GPU here: compile the kernels as the GPU would run them (sm_90, H100/H200) down to cubins
+    with the ptxas that ships with Triton, so that a kernel the interpreter accepts but the compiler
+    rejects fails here. In a fresh process: this one imported Triton for the interpreter.
+    (Triton caches the cubins under ~/.triton: later runs take seconds.)"""
+    if triton_codec.import_error() is not None:
+        pytest.skip("triton not installed")
+    script = Path(__file__).with_name("compile_triton_kernels.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("cubin") == 5, result.stdout

@@ -27,11 +27,12 @@ Conventions shared by every kernel:
 import triton
 import triton.language as tl
 
-F64_MAX = 1.7976931348623157e308
-F32_MAX = 3.4028234663852886e38
-TINY_NORM = 5.421010862427522e-20  # 2**-64: below it, scale by 2**64 before taking 1 / norm
-TINY_SCALE = 1.8446744073709552e19  # 2**64
-U_SCALE = 5.9604644775390625e-08  # 2**-24
+# (globals that kernels read must be constexpr for Triton's compiler)
+F64_MAX = tl.constexpr(1.7976931348623157e308)
+F32_MAX = tl.constexpr(3.4028234663852886e38)
+TINY_NORM = tl.constexpr(5.421010862427522e-20)  # 2**-64: below it, scale by 2**64 before 1 / norm
+TINY_SCALE = tl.constexpr(1.8446744073709552e19)  # 2**64
+U_SCALE = tl.constexpr(5.9604644775390625e-08)  # 2**-24
 
 
 @triton.jit

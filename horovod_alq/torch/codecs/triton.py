@@ -18,9 +18,12 @@ per program of ``stats_chunk`` elements (8 KiB per 32768 elements: 1/16 of float
 With the default bucket size 8192 that is below 0.07x the input's bytes, and at most 0.25x for
 any bucket size >= 128 and any input dtype. No copy or cast of the input is made.
 
-CPU tensors run only under Triton's interpreter (``TRITON_INTERPRET=1``), for tests: the kernels
-are then loaded a second time in interpreted form (Triton decides at decoration time), so the
-order of imports does not matter.
+CPU tensors run only under Triton's interpreter, for tests. Triton chooses between interpreter and
+compiler once per process, when ``triton.language`` is first imported (its own library functions,
+``tl.randint4x`` included, are decorated then): ``TRITON_INTERPRET=1`` must be in the environment
+before the first ``import triton``; this codec then serves CPU tensors (and CUDA tensors, through
+the interpreter). Otherwise it serves CUDA tensors with compiled kernels and refuses CPU tensors,
+saying why.
 """
 
 from __future__ import annotations
@@ -61,8 +64,17 @@ def import_error() -> str | None:
     return _IMPORT_ERROR[0]
 
 
+def triton_interpreted() -> bool:
+    """Whether the imported Triton runs under its interpreter (fixed at its first import)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.randint4x, InterpretedFunction)
+
+
 def kernels(interpret: bool):
-    """The kernel module, decorated for the interpreter (``interpret``) or compiled for the GPU."""
+    """The kernel module, decorated for the interpreter (``interpret``) or for the compiler; it
+    must match :func:`triton_interpreted` to run."""
     if interpret not in _KERNELS:
         name = f"{__name__}._kernels_{'interpreted' if interpret else 'compiled'}"
         old = os.environ.get("TRITON_INTERPRET")
@@ -284,16 +296,20 @@ _CODECS: dict[bool, TritonCodec] = {}
 
 def _cpu_message(device: torch.device) -> str:
     return (f"codec 'triton' takes CUDA tensors; tensors on {device} run only under Triton's "
-            f"interpreter, which needs TRITON_INTERPRET=1 in the environment (slow, meant for "
-            f"tests); use codec='auto' or 'cpu' for CPU tensors")
+            f"interpreter, which needs TRITON_INTERPRET=1 in the environment before triton is first "
+            f"imported (slow, meant for tests); use codec='auto' or 'cpu' for CPU tensors")
 
 
 def factory(device: torch.device) -> TritonCodec:
     reason = import_error()
     if reason is not None:
         raise ValueError(f"codec 'triton' needs Triton, which is not importable ({reason}); {INSTALL_HINT}")
-    interpret = interpret_requested()
-    if device.type != "cuda" and not (interpret and device.type == "cpu"):
+    interpret = triton_interpreted()
+    if device.type == "cpu" and interpret_requested() and not interpret:
+        raise ValueError("codec 'triton' on CPU tensors: TRITON_INTERPRET=1 is set, but triton was "
+                         "imported before it was set and runs compiled; set it before the first "
+                         "import of triton (e.g. in the environment of the process)")
+    if device.type != "cuda" and not (interpret and interpret_requested() and device.type == "cpu"):
         raise ValueError(_cpu_message(device))
     if interpret not in _CODECS:
         _CODECS[interpret] = TritonCodec(interpret)
