@@ -388,6 +388,18 @@ def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
     assert codecs.resolve("auto", "cpu").name in ("cpu", "torch")
 
 
+def test_triton_imported_before_the_interpreter_was_asked_for_says_so():
+    if triton_codec.import_error() is not None:
+        pytest.skip("triton not installed")
+    code = ("import os, triton.language; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from horovod_alq.torch import codecs\n"
+            "try:\n    codecs.resolve('triton', 'cpu')\nexcept ValueError as err:\n    print(err)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("TRITON_INTERPRET")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "imported before it was set" in out.stdout, out.stdout + out.stderr
+
+
 def test_triton_not_importable_says_how_to_install(monkeypatch):
     monkeypatch.setattr(triton_codec, "_IMPORT_ERROR", ["ModuleNotFoundError: No module named 'triton'"])
     with pytest.raises(ValueError, match="not importable.*pip install triton==3.6.0"):

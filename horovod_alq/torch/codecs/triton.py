@@ -301,16 +301,21 @@ def _cpu_message(device: torch.device) -> str:
 
 
 def factory(device: torch.device) -> TritonCodec:
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"codec 'triton' takes CUDA tensors (CPU tensors under Triton's interpreter), not {device}")
+    if device.type == "cpu" and not interpret_requested():  # (decided without importing triton)
+        message = _cpu_message(device)
+        if importlib.util.find_spec("triton") is None:
+            message += f"; triton is not installed either: {INSTALL_HINT}"
+        raise ValueError(message)
     reason = import_error()
     if reason is not None:
         raise ValueError(f"codec 'triton' needs Triton, which is not importable ({reason}); {INSTALL_HINT}")
     interpret = triton_interpreted()
-    if device.type == "cpu" and interpret_requested() and not interpret:
+    if device.type == "cpu" and not interpret:
         raise ValueError("codec 'triton' on CPU tensors: TRITON_INTERPRET=1 is set, but triton was "
                          "imported before it was set and runs compiled; set it before the first "
                          "import of triton (e.g. in the environment of the process)")
-    if device.type != "cuda" and not (interpret and interpret_requested() and device.type == "cpu"):
-        raise ValueError(_cpu_message(device))
     if interpret not in _CODECS:
         _CODECS[interpret] = TritonCodec(interpret)
     return _CODECS[interpret]
