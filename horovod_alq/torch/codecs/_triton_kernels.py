@@ -21,7 +21,9 @@ Conventions shared by every kernel:
   counter ``(i >> 5) * 8 + (i & 7)``: one Philox call per 4 elements, and the draw of element ``i``
   depends only on the seed and ``i`` (never on block sizes, the grid or the device);
 - packing: 8 codes make one int64 word (code of element ``8g + c`` at bit ``c * BITS``) whose low
-  BITS bytes are the bytes ``[g * BITS, (g + 1) * BITS)`` of the code stream.
+  BITS bytes are the bytes ``[g * BITS, (g + 1) * BITS)`` of the code stream;
+- the element count, byte counts and the seed are not specialized on (one compiled variant per
+  configuration, whatever the tensor sizes and seeds).
 """
 
 import triton
@@ -159,7 +161,7 @@ def _encode_quads(x_ptr, codes_ptr, u_ptr, q, c, lo_i, hi_i, g_lo, g_hi, code_by
         _store_word(codes_ptr, g, c, word, g_lo, g_hi, code_bytes, BITS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "code_bytes", "seed"])
 def _encode_fused_kernel(x_ptr, norms_ptr, codes_ptr, u_ptr, lv_ptr, wd_ptr, n, d, code_bytes, seed,
                          LINF: tl.constexpr, BITS: tl.constexpr, LINEAR: tl.constexpr,
                          HAS_U: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
@@ -184,7 +186,7 @@ def _encode_fused_kernel(x_ptr, norms_ptr, codes_ptr, u_ptr, lv_ptr, wd_ptr, n, 
                       norms_ptr, norms_ptr, d, seed, lv_ptr, wd_ptr, BITS, LINEAR, HAS_U, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "code_bytes", "seed"])
 def _codes_kernel(x_ptr, inv_ptr, s_ptr, codes_ptr, u_ptr, lv_ptr, wd_ptr, n, d, code_bytes, seed,
                   BITS: tl.constexpr, LINEAR: tl.constexpr, HAS_U: tl.constexpr, Q: tl.constexpr):
     """Codes of Q quads per program, any bucket size: per-element inv and s gathered by bucket."""
@@ -195,7 +197,7 @@ def _codes_kernel(x_ptr, inv_ptr, s_ptr, codes_ptr, u_ptr, lv_ptr, wd_ptr, n, d,
                   inv_ptr, s_ptr, d, seed, lv_ptr, wd_ptr, BITS, LINEAR, HAS_U, True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nb"])
 def _norm_partials_kernel(x_ptr, total_ptr, bad_ptr, n, d, nb, S, CH, LINF: tl.constexpr, RB: tl.constexpr,
                           BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """Partial norms (float64 sum of squares or max-abs, non-finite count) to index ``b * S + s``.
@@ -239,7 +241,7 @@ def _load_f32(ptr, m):
     return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nb"])
 def _decode_sum_kernel(out_ptr, pay_ptr, off_ptr, table_ptr, n, d, nb, scale, NUM_PAYLOADS: tl.constexpr,
                        BITS: tl.constexpr, G: tl.constexpr, ALIGNED: tl.constexpr):
     """out[i] = scale * sum_p norm_p[i // d] * table[code_p[i]] for G groups of 8 per program."""
@@ -268,7 +270,7 @@ def _decode_sum_kernel(out_ptr, pay_ptr, off_ptr, table_ptr, n, d, nb, scale, NU
     tl.store(out_ptr + i, acc * scale, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nb"])
 def _stats_kernel(x_ptr, norms_ptr, grid_ptr, sr_ptr, sr2_ptr, hist_ptr, n, d, nb, S, CH,
                   X64: tl.constexpr, HIST: tl.constexpr, GBITS: tl.constexpr, R: tl.constexpr,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr):
