@@ -449,3 +449,24 @@ def test_triton_kernels_compile_for_the_gpu(tmp_path):
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("cubin") == 5, result.stdout
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("method", ["alq", "alq-n"])
+def test_compressor_calls_its_codec_at_all_three_places(name, method, monkeypatch):
+    """encode, decode-and-sum and statistics of a compressor with codec=name, one rank (Horovod
+    faked): the payload passes the compressor's own checks and decodes as the core decodes it."""
+    from types import SimpleNamespace
+
+    from horovod_alq.torch import compressor as compressor_module
+
+    _resolve(name)
+    monkeypatch.setattr(compressor_module, "_hvd", lambda: SimpleNamespace(rank=lambda: 0, size=lambda: 1))
+    comp = compressor_module.compressor_for(method, bits=3, bucket_size=64, seed=1, codec=name)
+    x = _x(200, torch.float32, seed=5).view(10, 20)
+    payload = comp._encode(x, 0)
+    offsets = comp._check_payloads(payload, x.numel())
+    out = comp._decode_sum(payload, offsets, x.numel(), 0.5, x.device)
+    q = Quantizer(method, bits=3, bucket_size=64, seed=0)
+    np.testing.assert_array_equal(out.numpy(), q.decode(payload.numpy()) * np.float32(0.5))
+    np.testing.assert_allclose(comp._statistics(x), q.statistics(x.numpy()), rtol=1e-6, atol=1e-5)
