@@ -47,7 +47,7 @@ def compressors(bits: int, bucket: int):
         "TernGrad": TernGradCompressor(**common),
         f"ALQ {bits}b, refit every step": ALQCompressor(bits=bits, bucket_size=bucket, update_steps=(0,),
                                                          update_every=1, seed=0),
-        f"ALQ {bits}b, plain torch kernels": ALQCompressor(bits=bits, fused=False, **common),
+        f"ALQ {bits}b, plain torch kernels": ALQCompressor(bits=bits, codec="torch", **common),
         "torch 8-bit quantization hook helpers": TorchQuant8(),
     }
 

@@ -139,7 +139,7 @@ else
     if [[ "$SYSTEM_HOROVOD" == 1 ]]; then
         "$VPY" -c 'import numpy, scipy, mpi4py.MPI, pytest, hypothesis, tqdm, matplotlib, horovod_alq'
     else
-        TF_CPP_MIN_LOG_LEVEL=3 "$VPY" -c 'import numpy, scipy, torch, tensorflow, tf_keras, mpi4py.MPI, pytest, hypothesis, tqdm, matplotlib, sklearn, mlxtend, yaml, psutil, cloudpickle, horovod_alq'
+        TF_CPP_MIN_LOG_LEVEL=3 "$VPY" -c 'import numpy, scipy, torch, triton, tensorflow, tf_keras, mpi4py.MPI, pytest, hypothesis, tqdm, matplotlib, sklearn, mlxtend, yaml, psutil, cloudpickle, horovod_alq'
     fi
     echo "$want" > "$stamp"
     echo "    installed"

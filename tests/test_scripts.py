@@ -85,3 +85,13 @@ def test_bench_codec_two_ranks(tmp_path):
     text = out.read_text()
     for name in ("fp16", "ALQ 3b", "torch 8-bit quantization hook helpers"):
         assert f"| {name} |" in text
+
+
+def test_bench_gpu_help_and_no_device(capsys):
+    """scripts/bench_gpu.py needs a CUDA device; without one it says so (exit status 2)."""
+    mod = load("bench_gpu")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--help"])
+    assert exc.value.code == 0 and "--out" in capsys.readouterr().out
+    if not __import__("torch").cuda.is_available():
+        assert mod.main(["--sizes", "1M"]) == 2

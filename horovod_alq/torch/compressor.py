@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -100,8 +101,12 @@ class QuantizedCompressor(frontends.CompressorBase):
     seed : int, optional
         Seed of the stochastic rounding (combined with the rank, round, buffer and phase).
         Default: fresh entropy.
+    codec : str
+        Codec backend (:mod:`horovod_alq.torch.codecs`): "auto" (default: Triton for CUDA tensors
+        when importable, the compiled CPU codec for CPU tensors when it builds, torch ops
+        otherwise), "triton", "cpu" or "torch".
     fused : bool, optional
-        Use the compiled CPU codec (default: when it builds). CUDA tensors use torch kernels.
+        Deprecated: ``fused=False`` is ``codec="torch"``, ``fused=True`` is ``codec="auto"``.
     exchange : {"auto", "allgather", "two-phase"}
         How codes travel: ``allgather`` (every rank gathers every rank's codes: ``(N-1)(b + 32/d)``
         bits received per coordinate, one quantization), ``two-phase`` (scatter-reduce, re-quantize
@@ -124,8 +129,8 @@ class QuantizedCompressor(frontends.CompressorBase):
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
-                 min_size: int = 1024, seed: int | None = None, fused: bool | None = None,
-                 exchange: str = "auto", fusion_bytes: int | None = None, bits_second: int | None = None,
+                 min_size: int = 1024, seed: int | None = None, codec: str = "auto",
+                 fused: bool | None = None, exchange: str = "auto", fusion_bytes: int | None = None, bits_second: int | None = None,
                  adapt_second: bool = True, process_set=None) -> None:
         method = method or self.method
         self._method = get_method(method)
@@ -138,7 +143,13 @@ class QuantizedCompressor(frontends.CompressorBase):
         seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
         self._engine = Engine(self._quantizer, self._state, exchange=exchange, fusion_bytes=fusion_bytes,
                               seed=seed, uid=str(next(_UIDS)))
-        self._use_fused = fused
+        if fused is not None:
+            warnings.warn("horovod_alq: fused= is deprecated; use codec='torch' (fused=False) or "
+                          "codec='auto' (fused=True)", DeprecationWarning, stacklevel=2)
+            if codec != "auto":
+                raise ValueError("give codec= or the deprecated fused=, not both")
+            codec = "auto" if fused else "torch"
+        self._codec = codecs.check_name(codec)
         self._process_set = process_set
         self._transport_cache: HorovodTransport | None = None
         self._ops: dict[str, TorchOps] = {}
@@ -233,7 +244,7 @@ class QuantizedCompressor(frontends.CompressorBase):
     def _ops_for(self, device: torch.device) -> TorchOps:
         key = str(device)
         if key not in self._ops:
-            self._ops[key] = TorchOps(device, self._use_fused)
+            self._ops[key] = TorchOps(device, self._codec)
         return self._ops[key]
 
 

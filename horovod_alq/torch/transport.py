@@ -12,7 +12,7 @@ from ..core.methods import get_method
 from ..core.quantizer import Quantizer
 from ..core.statistics import GRID, BucketMoments, normless_statistics
 from ..core.wire import Header, pack_header
-from . import fused, kernels
+from . import codecs
 
 
 def hvd():
@@ -60,11 +60,12 @@ class HorovodTransport:
 
 
 class TorchOps:
-    """The codec on ``device``: the compiled CPU codec where it loads (CPU tensors), else torch ops."""
+    """The exchange's tensor ops on ``device`` with one codec backend (:mod:`.codecs`: ``"auto"``
+    is Triton for CUDA tensors, the compiled CPU codec for CPU tensors, torch ops otherwise)."""
 
-    def __init__(self, device: torch.device, use_fused: bool | None = None) -> None:
+    def __init__(self, device: torch.device, codec: str = "auto") -> None:
         self.device = torch.device(device)
-        self._fused = fused.load() if self.device.type == "cpu" and use_fused is not False else None
+        self.codec = codecs.resolve(codec, self.device)
         self._levels: dict[int, torch.Tensor] = {}
         self._grid: torch.Tensor | None = None
 
@@ -87,38 +88,31 @@ class TorchOps:
 
     def encode(self, x: torch.Tensor, q: Quantizer, seed: int) -> torch.Tensor:
         method = get_method(q.method)
-        norm = getattr(q, "norm", method.norm)
         header = torch.frombuffer(bytearray(pack_header(Header(method.id, q.bits, q.bucket_size, x.numel(),
                                                                q.fingerprint))), dtype=torch.uint8)
         if x.numel() == 0:
             return header.to(self.device)
-        x = x.contiguous()
-        if self._fused is not None:
-            return self._fused.encode(x, self.levels(q), header, q.bits, q.bucket_size, norm == "linf", seed)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        return kernels.encode(x, self.levels(q), header, bits=q.bits, bucket_size=q.bucket_size, norm=norm,
-                              generator=generator)
+        return self.codec.encode(x.contiguous(), self.levels(q), header.to(self.device), bits=q.bits,
+                                 bucket_size=q.bucket_size, norm=_norm(q), seed=seed)
 
     def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets, q: Quantizer) -> None:
         if out.numel() == 0:
             return
-        if self._fused is not None and out.is_contiguous():
-            self._fused.decode_sum(out, payloads.contiguous(), list(offsets), self.levels(q), q.bits,
-                                   q.bucket_size, 1.0)
-            return
-        out.zero_()
-        for offset in offsets:
-            kernels.decode_into(out, payloads[offset:], self.levels(q), bits=q.bits, bucket_size=q.bucket_size)
+        target = out if out.is_contiguous() else torch.empty_like(out)
+        self.codec.decode_sum(target, payloads.contiguous(), list(offsets), self.levels(q), bits=q.bits,
+                              bucket_size=q.bucket_size, scale=1.0)
+        if target is not out:
+            out.copy_(target)
 
     def statistics(self, x: torch.Tensor, q: Quantizer) -> np.ndarray:
         method = get_method(q.method)
-        norm = getattr(q, "norm", method.norm)
+        x = x.contiguous()
         if not method.adaptive or method.normless:
-            moments = kernels.bucket_moments(x, bucket_size=q.bucket_size, norm=norm)
+            moments = self.codec.bucket_moments(x, bucket_size=q.bucket_size, norm=_norm(q))
             return normless_statistics(BucketMoments(*moments))
         if self._grid is None:
             self._grid = torch.tensor(GRID, dtype=torch.float64, device=self.device)
-        return kernels.grid_statistics(x, self._grid, bucket_size=q.bucket_size, norm=norm)
+        return self.codec.grid_statistics(x, self._grid, bucket_size=q.bucket_size, norm=_norm(q))
 
     def cat(self, parts) -> torch.Tensor:
         return torch.cat(list(parts)) if len(parts) > 1 else parts[0]
@@ -128,3 +122,7 @@ class TorchOps:
 
     def from_numpy(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+
+def _norm(q: Quantizer) -> str:
+    return getattr(q, "norm", get_method(q.method).norm)

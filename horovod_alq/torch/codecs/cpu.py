@@ -1,0 +1,52 @@
+"""Codec ``cpu``: the compiled CPU codec (:mod:`horovod_alq.torch.fused`, ``csrc/fused_codec.cpp``).
+
+CPU tensors only; statistics use the torch kernels (they run once per refit round).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import fused, kernels
+from . import check_encode_args
+
+
+class CpuCodec:
+    name = "cpu"
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def encode(self, flat: torch.Tensor, levels: torch.Tensor, header: torch.Tensor, *, bits: int,
+               bucket_size: int, norm: str, seed: int) -> torch.Tensor:
+        check_encode_args(flat, bits, bucket_size, norm, seed)
+        return self._module.encode(flat.contiguous(), levels, header, int(bits), int(bucket_size),
+                                   norm == "linf", int(seed))
+
+    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets: Sequence[int],
+                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float) -> torch.Tensor:
+        return self._module.decode_sum(out, payloads.contiguous(), [int(o) for o in offsets], levels,
+                                       int(bits), int(bucket_size), float(scale))
+
+    def grid_statistics(self, flat, grid, *, bucket_size: int, norm: str):
+        return kernels.grid_statistics(flat, grid, bucket_size=bucket_size, norm=norm)
+
+    def bucket_moments(self, flat, *, bucket_size: int, norm: str):
+        return kernels.bucket_moments(flat, bucket_size=bucket_size, norm=norm)
+
+
+_CODEC: CpuCodec | None = None
+
+
+def factory(device: torch.device) -> CpuCodec:
+    global _CODEC
+    if device.type != "cpu":
+        raise ValueError(f"codec 'cpu' (the compiled CPU codec) takes CPU tensors, not {device}")
+    if _CODEC is None:
+        module = fused.load()
+        if module is None:
+            raise ValueError(f"codec 'cpu' is unavailable: {fused.status()}")
+        _CODEC = CpuCodec(module)
+    return _CODEC

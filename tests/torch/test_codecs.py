@@ -1,0 +1,470 @@
+"""Every codec backend (torch ops, compiled CPU, Triton under its interpreter) against the NumPy
+core and against each other: one wire format, interchangeable payloads, unbiased rounding.
+
+The Triton backend runs on CPU tensors only under Triton's interpreter, which Triton selects once
+per process, when it is first imported. The module fixture below sets TRITON_INTERPRET=1 and
+imports triton (nothing imports it earlier in the suite: the codecs import it lazily, and "auto"
+never does for CPU tensors), then restores the variable after this module; if triton was already
+imported compiled, the Triton tests skip and say so. Compilation for the GPU runs in a fresh
+process. The interpreter pays per operation and per program: keep tensors and bucket counts small.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_alq.core import Quantizer
+from horovod_alq.core.methods import get_method
+from horovod_alq.core.packing import unpack_codes
+from horovod_alq.core.statistics import GRID, BucketMoments, normalize, normless_statistics
+from horovod_alq.core.wire import Header, levels_fingerprint, pack_header
+from horovod_alq.torch import codecs
+from horovod_alq.torch.codecs import triton as triton_codec
+
+BACKENDS = ["torch", "cpu", "triton"]
+# NumPy under the interpreter flags inf * 0 in non-finite buckets (their codes do not matter)
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter():
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    triton_codec.import_error()  # imports triton now, under the interpreter, if nothing did before
+    yield
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def _resolve(name):
+    try:
+        return codecs.resolve(name, "cpu")
+    except ValueError as err:  # compiled CPU codec not built, or triton not installed
+        pytest.skip(str(err))
+
+
+@pytest.fixture(params=BACKENDS)
+def codec(request):
+    return _resolve(request.param)
+
+
+@pytest.fixture
+def triton():
+    return _resolve("triton")
+
+
+def _header(method_id, bits, d, n, levels) -> torch.Tensor:
+    raw = pack_header(Header(method_id, bits, d, n, levels_fingerprint(levels)))
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _encode(codec, q: Quantizer, x: torch.Tensor, seed: int = 1, **kw) -> np.ndarray:
+    m = get_method(q.method)
+    payload = codec.encode(x.reshape(-1).contiguous(), torch.as_tensor(q.levels),
+                           _header(m.id, q.bits, q.bucket_size, x.numel(), q.levels), bits=q.bits,
+                           bucket_size=q.bucket_size, norm=m.norm, seed=seed, **kw)
+    assert payload.dtype == torch.uint8 and payload.dim() == 1
+    return payload.numpy()
+
+
+def _decode_sum(codec, q: Quantizer, payloads: list, n: int, scale: float = 1.0) -> np.ndarray:
+    buf = torch.from_numpy(np.concatenate(payloads))
+    offsets = np.cumsum([0] + [p.size for p in payloads[:-1]]).tolist()
+    out = torch.full((n,), 7.0)  # overwritten, not accumulated into
+    got = codec.decode_sum(out, buf, offsets, torch.as_tensor(q.levels), bits=q.bits,
+                           bucket_size=q.bucket_size, scale=scale)
+    assert got is out
+    return out.numpy()
+
+
+def _norms(payload: np.ndarray, n: int, d: int) -> np.ndarray:
+    return payload[32: 32 + 4 * -(-n // d)].view("<f4")
+
+
+def _codes(payload: np.ndarray, n: int, d: int, bits: int) -> np.ndarray:
+    return unpack_codes(payload[32 + 4 * -(-n // d):], bits, n).astype(np.int64)
+
+
+# (method, bits, bucket size, n, dtype): fused Triton path (d % 8 == 0) and generic path,
+# linear level search (bits <= 4) and binary search, short last buckets, every input dtype
+CASES = [("alq", 3, 64, 300, torch.float32), ("qsgdinf", 8, 40, 333, torch.float64),
+         ("nuqsgd", 6, 96, 250, torch.float16), ("terngrad", 2, 256, 600, torch.bfloat16),
+         ("amq", 4, 100, 257, torch.float32), ("qsgd", 5, 48, 200, torch.float32),
+         ("qsgdinf", 7, 24, 100, torch.float16)]
+
+
+def _x(n, dtype, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("method,bits,d,n,dtype", CASES)
+def test_payload_is_the_wire_format(codec, method, bits, d, n, dtype):
+    q = Quantizer(method, bits=bits, bucket_size=d, seed=0)
+    x = _x(n, dtype, seed=bits)
+    payload = _encode(codec, q, x)
+    assert payload.size == 32 + 4 * -(-n // d) + -(-n * q.bits // 8)
+    header = _header(get_method(method).id, q.bits, d, n, q.levels).numpy()
+    assert (payload[:32] == header).all()
+    core_norms = normalize(x.double().numpy(), d, get_method(method).norm).norms
+    if codec.name == "torch":  # float32 reductions
+        np.testing.assert_allclose(_norms(payload, n, d), core_norms, rtol=2e-6)
+    else:  # float64 accumulation, rounded once: the core's float32 norms, byte for byte
+        assert (_norms(payload, n, d) == core_norms).all()
+    used = -(-n * q.bits // 8) * 8 - n * q.bits  # unused trailing bits are 0
+    assert payload[-1] >> (8 - used) == 0 if used else True
+    decoded = q.decode(payload)
+    norms = np.repeat(_norms(payload, n, d), d)[:n]
+    levels = q.levels.astype(np.float32)
+    assert (decoded[:, None] == norms[:, None] * levels[None, :]).any(axis=1).all()
+    r = np.clip(x.double().numpy() / norms, -1, 1)
+    cell = np.clip(np.searchsorted(q.levels, r, side="right") - 1, 0, q.levels.size - 2)
+    tol = 1e-5 * norms
+    assert (decoded >= norms * q.levels[cell] - tol).all()
+    assert (decoded <= norms * q.levels[cell + 1] + tol).all()
+
+
+@pytest.mark.parametrize("method,bits,d,n,dtype", [CASES[0], CASES[1], CASES[4]])
+def test_payloads_decode_identically_with_every_backend_and_the_core(method, bits, d, n, dtype):
+    """A payload from any backend (and from the core) decodes, summed and scaled, to the same
+    values with every backend as with Quantizer.decode."""
+    q = Quantizer(method, bits=bits, bucket_size=d, seed=0)
+    x = _x(n, dtype, seed=7)
+    x[:d] = 0.0  # a zero bucket
+    x[d + 1] = float("nan")  # a NaN bucket
+    available = [name for name in BACKENDS if name in codecs.available("cpu")]
+    payloads = [_encode(codecs.resolve(name, "cpu"), q, x, seed=3) for name in available]
+    payloads.append(q.encode(x.double().numpy()))
+    expected = sum(q.decode(p).astype(np.float64) for p in payloads) * 0.25
+    for name in available:
+        got = _decode_sum(codecs.resolve(name, "cpu"), q, payloads, n, scale=0.25)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+        assert np.isnan(got[d: 2 * d]).all() and (got[:d] == 0).all()
+        for p in payloads:  # each alone: exactly the core's float32 decode
+            np.testing.assert_array_equal(_decode_sum(codecs.resolve(name, "cpu"), q, [p], n), q.decode(p))
+
+
+@pytest.mark.parametrize("bits,d", [(3, 100), (3, 64), (8, 40)])
+def test_decode_sum_of_unaligned_payloads(codec, bits, d):
+    """Payloads back to back at odd byte offsets (as an allgather returns them), scale folded in."""
+    q = Quantizer("qsgdinf", bits=bits, bucket_size=d, seed=3)
+    xs = [np.random.default_rng(i).standard_normal(1003).astype(np.float32) for i in range(3)]
+    payloads = [q.encode(x) for x in xs]
+    assert payloads[0].size % 4 != 0
+    expected = sum(q.decode(p).astype(np.float64) for p in payloads) / 3
+    np.testing.assert_allclose(_decode_sum(codec, q, payloads, 1003, scale=1 / 3), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_corrupted_codes_decode_to_nan(codec):
+    q = Quantizer("terngrad", bucket_size=8, seed=0)
+    payload = q.encode(np.ones(8, dtype=np.float32))
+    payload[-2:] = 0xFF  # code 3 does not exist for TernGrad's 3 levels
+    assert np.isnan(_decode_sum(codec, q, [payload], 8)).all()
+
+
+def test_decode_of_no_payloads_is_zero(codec):
+    q = Quantizer("alq", bucket_size=8, seed=0)
+    out = torch.full((5,), 3.0)
+    codec.decode_sum(out, torch.zeros(0, dtype=torch.uint8), [], torch.as_tensor(q.levels), bits=3,
+                     bucket_size=8, scale=2.0)
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("norm", ["l2", "linf"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_codes_are_exact_where_rounding_is_deterministic(codec, dtype, norm):
+    """Values that are exactly norm * level round to that level with certainty: every backend
+    writes the same codes and decodes x exactly (levels and norm are powers of two)."""
+    levels = np.array([-1.0, -0.5, -0.25, 0.0, 0.125, 0.5, 1.0])
+    idx = np.random.default_rng(0).integers(0, levels.size, 77)
+    idx[::16] = 6  # every bucket of 16 reaches 1, so its max-abs is exactly 4
+    values = 4.0 * levels[idx]
+    if norm == "l2":  # scale so that the bucket's L2 norm is a power of two: one bucket [4, 0, ...]
+        values = np.zeros(16)
+        values[0] = 4.0
+        idx = np.full(16, 3)
+        idx[0] = 6
+    x = torch.tensor(values).to(dtype)
+    d = 16
+    header = _header(0, 3, d, x.numel(), levels)
+    payload = codec.encode(x, torch.as_tensor(levels), header, bits=3, bucket_size=d, norm=norm, seed=5)
+    payload = payload.numpy()
+    assert (_norms(payload, x.numel(), d) == 4.0).all()
+    assert (_codes(payload, x.numel(), d, 3) == idx).all()
+    out = torch.empty(x.numel())
+    codec.decode_sum(out, torch.from_numpy(payload), [0], torch.as_tensor(levels), bits=3, bucket_size=d, scale=1.0)
+    assert (out.numpy() == values).all()
+
+
+# Forced uniforms through the Triton kernels' testing hook: bits 2..8 (linear and binary level
+# search), fused (d % 8 == 0) and generic paths, zero / NaN / tiny-norm buckets, short last bucket.
+EXACT = [("qsgdinf", 2, 64, 200, torch.float32), ("terngrad", 2, 30, 95, torch.float16),
+         ("alq", 3, 64, 190, torch.bfloat16), ("amq", 4, 50, 170, torch.float64),
+         ("qsgd", 5, 72, 200, torch.float32), ("nuqsgd", 6, 33, 100, torch.float32),
+         ("qsgdinf", 7, 128, 300, torch.float64), ("alq", 8, 56, 150, torch.float16),
+         ("qsgd", 8, 20, 90, torch.float32)]
+
+
+@pytest.mark.parametrize("method,bits,d,n,dtype", EXACT)
+def test_triton_codes_for_given_uniforms(triton, method, bits, d, n, dtype):
+    q = Quantizer(method, bits=bits, bucket_size=d, seed=0)
+    x = _x(n, dtype, seed=bits)
+    x[:d] = 0.0  # zero bucket
+    x[d + 2] = float("inf")  # non-finite bucket
+    if dtype == torch.float32:
+        x[2 * d: 3 * d] *= 1e-25  # norm below 2**-64: 1 / norm alone would overflow
+    rng = np.random.default_rng(bits)
+    u = (2 * rng.integers(0, 1 << 23, n) + 1) / 2.0 ** 24
+    u[:5] = [0.5 / 2 ** 23, 1 - 0.5 / 2 ** 23, 0.5, 0.25, 0.75]
+    payload = _encode(triton, q, x, uniforms=torch.tensor(u, dtype=torch.float32))
+    norms = _norms(payload, n, d)
+    assert np.isnan(norms[1]) and norms[0] == 0
+    expected = triton_codec.numpy_reference_codes(x.float().numpy(), norms, q.levels, u, d)
+    assert (_codes(payload, n, d, q.bits) == expected).all()
+    dec = q.decode(payload)
+    assert (dec[:d] == 0).all() and np.isnan(dec[d: 2 * d]).all() and np.isfinite(dec[2 * d:]).all()
+
+
+def test_triton_fused_and_generic_paths_write_identical_payloads(triton):
+    """Draws depend only on the seed and the element index, not on the kernel or its tiling."""
+    q = Quantizer("alq", bits=3, bucket_size=64, seed=0)
+    x = _x(300, torch.float32, seed=1)
+    fused = _encode(triton, q, x, seed=11)
+    saved = triton.max_fused_bucket, triton.encode_quads
+    try:
+        triton.max_fused_bucket, triton.encode_quads = 0, 2  # generic path, several programs
+        generic = _encode(triton, q, x, seed=11)
+    finally:
+        triton.max_fused_bucket, triton.encode_quads = saved
+    assert (fused == generic).all()
+    assert (_encode(triton, q, x, seed=11) == fused).all()
+    assert not (_encode(triton, q, x, seed=12) == fused).all()
+
+
+def test_triton_large_bucket_norm_is_split_over_programs(triton):
+    q = Quantizer("qsgd", bits=4, bucket_size=1000, seed=0)
+    x = _x(2500, torch.float32, seed=2)
+    saved = triton.norm_chunk
+    try:
+        triton.norm_chunk = 96  # buckets of 1000 over 11 programs each, reduced by torch
+        payload = _encode(triton, q, x)
+    finally:
+        triton.norm_chunk = saved
+    assert (_norms(payload, 2500, 1000) == normalize(x.double().numpy(), 1000, "l2").norms).all()
+
+
+@pytest.mark.parametrize("method,bits,d", [("nuqsgd", 3, 64), ("qsgdinf", 2, 40), ("alq", 6, 32)])
+def test_unbiased(codec, method, bits, d):
+    """The mean of M independent encodes is within a Bernstein bound of x, per coordinate, with the
+    exact variance of each coordinate. The M encodes are M copies of x in one tensor (the draws are
+    independent across elements), so that the interpreter runs one call."""
+    n, m = 2 * d, 200
+    q = Quantizer(method, bits=bits, bucket_size=d, seed=0)
+    x = _x(n, torch.float32, seed=bits)
+    x[:d // 2] = 0.0
+    if codec.name == "triton":  # the generic path: a few programs instead of one per bucket
+        saved, codec.max_fused_bucket = codec.max_fused_bucket, 0
+    try:
+        payload = _encode(codec, q, x.repeat(m), seed=9)
+    finally:
+        if codec.name == "triton":
+            codec.max_fused_bucket = saved
+    dec = q.decode(payload).astype(np.float64).reshape(m, n)
+    mean = dec.mean(0)
+    norms = np.repeat(_norms(payload, n, d)[: n // d].astype(np.float64), d)
+    levels = q.levels.astype(np.float32).astype(np.float64)
+    target = x.double().numpy()
+    r = np.clip(target / norms, -1, 1)
+    cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
+    lo, hi = levels[cell], levels[cell + 1]
+    var = norms ** 2 * np.clip((hi - r) * (r - lo), 0, None)
+    c = norms * (hi - lo) / m
+    log_term = np.log(2 / 1e-9)
+    bound = c * log_term / 3 + np.sqrt((c * log_term / 3) ** 2 + 2 * var / m * log_term)
+    bound += 1e-6 * (np.abs(target) + norms)
+    assert (np.abs(mean - target) <= bound).all()
+    assert abs((mean - target).sum()) <= 5 * np.sqrt(var.sum() / m) + 1e-6 * np.abs(target).sum()
+    assert dec.std(0).max() > 0  # the copies did draw independently
+
+
+@pytest.mark.parametrize("norm", ["l2", "linf"])
+def test_non_finite_zero_and_short_buckets(codec, norm):
+    q = Quantizer("qsgdinf" if norm == "linf" else "alq", bucket_size=10, seed=0)
+    x = torch.randn(47, generator=torch.Generator().manual_seed(4))
+    x[15] = float("nan")
+    x[33] = float("-inf")
+    x[0:10] = 0.0
+    dec = q.decode(_encode(codec, q, x))
+    assert np.isnan(dec[10:20]).all() and np.isnan(dec[30:40]).all()
+    assert (dec[0:10] == 0).all() and np.isfinite(dec[20:30]).all() and np.isfinite(dec[40:]).all()
+
+
+def test_empty_tensor(codec):
+    q = Quantizer("alq", bucket_size=16, seed=0)
+    payload = _encode(codec, q, torch.zeros(0))
+    assert payload.size == 32
+
+
+@pytest.mark.parametrize("method,norm", [("alq", "l2"), ("alq-n", "l2"), ("qsgdinf", "linf")])
+def test_statistics_match_the_numpy_core(codec, method, norm):
+    torch.manual_seed(0)
+    d = 300
+    x = torch.distributions.StudentT(3.0).sample((4 * d + 17,))
+    x[d: 2 * d] = 0.0
+    x[2 * d + 5] = float("nan")
+    q = Quantizer(method, bucket_size=d, seed=0)
+    moments = codec.bucket_moments(x, bucket_size=d, norm=norm)
+    want = BucketMoments(*(np.asarray(a) for a in moments))
+    ref = normalize(x.numpy(), d, norm)
+    keep = np.isfinite(ref.norms) & (ref.norms > 0)
+    np.testing.assert_array_equal(want.norms, ref.norms[keep].astype(np.float64))
+    np.testing.assert_array_equal(want.count, [d, d, 17])
+    np.testing.assert_allclose(want.sum_r, ref.r[keep].sum(1), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(want.sum_r2, (ref.r[keep] ** 2).sum(1), rtol=1e-6)
+    if get_method(method).normless or method == "qsgdinf":
+        got = normless_statistics(want)
+    else:
+        got = codec.grid_statistics(x, torch.tensor(GRID), bucket_size=d, norm=norm)
+        if codec.name == "triton":  # exactly: float64-accumulated norms, r = float32(x) / norm
+            np.testing.assert_allclose(got, _grid_reference(x, d, norm), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got, q.statistics(x.numpy()), rtol=1e-6, atol=1e-5)
+
+
+def _grid_reference(x: torch.Tensor, d: int, norm: str) -> np.ndarray:
+    """[W, C(GRID)] in NumPy with the core's float32 norms and r = float32(x) / norm in float32."""
+    ref = normalize(x.double().numpy(), d, norm)
+    n = x.numel()
+    norms = np.repeat(ref.norms, d)[:n]
+    keep = np.isfinite(norms) & (norms > 0)
+    with np.errstate(all="ignore"):
+        r = np.clip(x.float().numpy() / norms, np.float32(-1), np.float32(1)).astype(np.float64)
+    counts = np.repeat(np.minimum(d, n - np.arange(ref.norms.size) * d), d)[:n]
+    weights = np.where(keep, norms.astype(np.float64) / counts, 0.0)
+    cells = np.maximum(np.searchsorted(GRID, np.where(keep, r, 0.0), side="left"), 1)
+    hist = np.bincount(cells, weights=weights, minlength=GRID.size + 1)
+    bucket_keep = np.isfinite(ref.norms) & (ref.norms > 0)
+    return np.concatenate([[ref.norms[bucket_keep].astype(np.float64).sum()], np.cumsum(hist[: GRID.size])])
+
+
+def test_triton_statistics_over_split_and_grouped_buckets(triton):
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(3))
+    x[1000:2000] *= 3
+    saved = triton.stats_chunk
+    try:
+        for chunk in (256, 1 << 15):  # buckets of 1000 split over 4 programs each; all in one program
+            triton.stats_chunk = chunk
+            got = triton.grid_statistics(x, torch.tensor(GRID), bucket_size=1000, norm="l2")
+            np.testing.assert_allclose(got, _grid_reference(x, 1000, "l2"), rtol=1e-12, atol=1e-12)
+            norms, count, sum_r, sum_r2 = triton.bucket_moments(x, bucket_size=1000, norm="l2")
+            ref = normalize(x.double().numpy(), 1000, "l2")
+            np.testing.assert_array_equal(norms, ref.norms)
+            np.testing.assert_array_equal(count, [1000] * 3)
+            np.testing.assert_allclose(sum_r, ref.r.sum(1), rtol=1e-6, atol=1e-5)
+            np.testing.assert_allclose(sum_r2, (ref.r ** 2).sum(1), rtol=1e-6)
+    finally:
+        triton.stats_chunk = saved
+
+
+# ---------------------------------------------------------------------- registry
+def test_unknown_codec_lists_the_choices():
+    with pytest.raises(ValueError, match="unknown codec 'fast'.*'auto', 'torch', 'cpu', 'triton'"):
+        codecs.resolve("fast", "cpu")
+
+
+def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if triton_codec.import_error() is not None:
+        pytest.skip("triton not installed")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        codecs.resolve("triton", "cpu")
+    assert "triton" not in codecs.available("cpu")
+    assert codecs.resolve("auto", "cpu").name in ("cpu", "torch")
+
+
+def test_triton_imported_before_the_interpreter_was_asked_for_says_so():
+    if triton_codec.import_error() is not None:
+        pytest.skip("triton not installed")
+    code = ("import os, triton.language; os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from horovod_alq.torch import codecs\n"
+            "try:\n    codecs.resolve('triton', 'cpu')\nexcept ValueError as err:\n    print(err)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("TRITON_INTERPRET")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "imported before it was set" in out.stdout, out.stdout + out.stderr
+
+
+def test_triton_not_importable_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(triton_codec, "_IMPORT_ERROR", ["ModuleNotFoundError: No module named 'triton'"])
+    with pytest.raises(ValueError, match="not importable.*pip install triton==3.6.0"):
+        codecs.resolve("triton", "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert codecs.resolve("auto", "meta").name == "torch"
+
+
+def test_auto_and_available():
+    names = codecs.available("cpu")
+    assert names[0] == "torch"
+    auto = codecs.resolve("auto", "cpu")
+    assert auto.name == ("cpu" if "cpu" in names else "torch")  # never the interpreter on CPU
+    with pytest.raises(ValueError, match="CPU tensors"):
+        codecs.resolve("cpu", "meta")
+
+
+def test_a_new_backend_is_one_registry_entry(monkeypatch):
+    monkeypatch.setattr(codecs, "_FACTORIES", dict(codecs._FACTORIES))
+    codecs.register("mine", lambda device: codecs.resolve("torch", device))
+    assert "mine" in codecs.names() and "mine" in codecs.available("cpu")
+    assert codecs.resolve("mine", "cpu").name == "torch"
+
+
+def test_compressor_codec_keyword():
+    from horovod_alq.torch import ALQCompressor
+    assert ALQCompressor(codec="triton")._codec == "triton"
+    with pytest.raises(ValueError, match="unknown codec"):
+        ALQCompressor(codec="gpu")
+    with pytest.warns(DeprecationWarning, match="fused= is deprecated"):
+        assert ALQCompressor(fused=False)._codec == "torch"
+    with pytest.warns(DeprecationWarning):
+        assert ALQCompressor(fused=True)._codec == "auto"
+
+
+# ---------------------------------------------------------------------- GPU compilation
+def test_triton_kernels_compile_for_the_gpu(tmp_path):
+    """No GPU here: compile the kernels as the GPU would run them (sm_90, H100/H200) down to cubins
+    with the ptxas that ships with Triton, so that a kernel the interpreter accepts but the compiler
+    rejects fails here. In a fresh process: this one imported Triton for the interpreter.
+    (Triton caches the cubins under ~/.triton: later runs take seconds.)"""
+    if triton_codec.import_error() is not None:
+        pytest.skip("triton not installed")
+    script = Path(__file__).with_name("compile_triton_kernels.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("cubin") == 5, result.stdout
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("method", ["alq", "alq-n"])
+def test_the_exchange_calls_its_codec_at_all_three_places(name, method):
+    """encode, decode-and-sum and statistics of the exchange's torch ops (what a compressor with
+    codec=name runs): the payload decodes as the core decodes it, the statistics are the core's."""
+    from horovod_alq.torch.transport import TorchOps
+
+    _resolve(name)
+    ops = TorchOps("cpu", name)
+    assert ops.codec.name == name
+    x = _x(200, torch.float32, seed=5)
+    q = Quantizer(method, bits=3, bucket_size=64, seed=0)
+    payload = ops.encode(x, q, 1)
+    out = ops.zeros(200)
+    ops.decode_sum(out, torch.cat([payload, payload]), [0, payload.numel()], q)
+    np.testing.assert_array_equal(out.numpy(), q.decode(payload.numpy()) * np.float32(2))
+    np.testing.assert_allclose(ops.statistics(x, q), q.statistics(x.numpy()), rtol=1e-6, atol=1e-5)
