@@ -32,6 +32,7 @@ from ..core.protocol import PREFIX, outsider_vector
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
 from ..exchange import Engine, Entry
+from . import codecs
 from .transport import HorovodTransport, NotMemberError, TorchOps, hvd
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
