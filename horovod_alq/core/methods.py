@@ -20,7 +20,7 @@ class Method:
 
     name: str
     id: int
-    norm: str  # "l2" or "linf"
+    norm: str  # default bucket norm, "l2" or "linf"; adaptive methods take either (check_norm)
     adapts: str | None  # None (fixed), "levels" (ALQ) or "multiplier" (AMQ)
     normless: bool  # adaptive statistics: single truncated normal instead of the mixture
 
@@ -44,6 +44,12 @@ METHODS: dict[str, Method] = {
 }
 METHODS_BY_ID: dict[int, Method] = {m.id: m for m in METHODS.values()}
 
+#: Bucket norms and their code in byte 5 of the payload header.
+NORMS: dict[str, int] = {"l2": 0, "linf": 1}
+NORMS_BY_CODE: dict[int, str] = {code: name for name, code in NORMS.items()}
+#: The norm of the paper (Faghri et al. 2020) for its adaptive methods: L2 buckets.
+PAPER_NORM = "l2"
+
 
 def get_method(name: str) -> Method:
     """Look a method up by name (case-insensitive); ValueError names the allowed values."""
@@ -64,6 +70,29 @@ def check_bits(method: Method, bits: int) -> int:
     elif not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"bits must be from {MIN_BITS} to {MAX_BITS}, got {bits}")
     return bits
+
+
+def check_norm(method: Method, norm: str | None) -> str:
+    """The bucket norm ``method`` uses with ``norm`` (None: the method's default).
+
+    Adaptive methods (ALQ, AMQ and their -N forms) take either ``"l2"`` (the paper's buckets) or
+    ``"linf"`` (max-abs buckets, as QSGDinf and TernGrad); fixed methods keep their own norm.
+
+    Raises
+    ------
+    ValueError
+        ``norm`` is not one of the allowed values, or a fixed method is given the other norm.
+    """
+    if norm is None:
+        return method.norm
+    if not isinstance(norm, str) or norm.lower() not in NORMS:
+        raise ValueError(f"norm must be one of {', '.join(repr(n) for n in NORMS)} (or None: the method's "
+                         f"default), got {norm!r}")
+    norm = norm.lower()
+    if not method.adaptive and norm != method.norm:
+        raise ValueError(f"{method.name} has fixed norm {method.norm!r}; only the adaptive methods "
+                         f"(alq, alq-n, amq, amq-n) take norm={norm!r}")
+    return norm
 
 
 def uniform_levels(bits: int) -> np.ndarray:
