@@ -92,16 +92,20 @@ class QuantizedCompressor(frontends.CompressorBase):
         Seed of the stochastic rounding (combined with the rank). Default: fresh entropy.
     fused : bool, optional
         Use the compiled CPU codec (default: when it builds). CUDA tensors use torch kernels.
+    norm : {"l2", "linf"}, optional
+        Bucket norm (adaptive methods take either; None: the method's default). See
+        :class:`horovod_alq.core.Quantizer`.
     """
 
     method: str = ""
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
-                 min_size: int = 1024, seed: int | None = None, fused: bool | None = None) -> None:
+                 min_size: int = 1024, seed: int | None = None, fused: bool | None = None,
+                 norm: str | None = None) -> None:
         method = method or self.method
         self._method = get_method(method)
-        self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size)
+        self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size, norm=norm)
         self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every))
         self.min_size = frontends.check_min_size(min_size)
         self._seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
@@ -117,7 +121,7 @@ class QuantizedCompressor(frontends.CompressorBase):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(method={self._method.name!r}, bits={self.bits}, "
-                f"bucket_size={self.bucket_size}, min_size={self.min_size})")
+                f"bucket_size={self.bucket_size}, norm={self.norm!r}, min_size={self.min_size})")
 
     # ------------------------------------------------------------------ Horovod interface
     @frontends.ClassOrInstance
@@ -184,7 +188,7 @@ class QuantizedCompressor(frontends.CompressorBase):
 
     def _header(self, numel: int) -> torch.Tensor:
         q = self._quantizer
-        raw = pack_header(Header(self._method.id, q.bits, q.bucket_size, numel, q.fingerprint))
+        raw = pack_header(Header(self._method.id, q.bits, q.bucket_size, numel, q.fingerprint, norm=q.norm))
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
     def _fused_module(self, tensor: torch.Tensor):
@@ -199,13 +203,13 @@ class QuantizedCompressor(frontends.CompressorBase):
         if module is not None:
             flat = tensor.detach().reshape(-1).contiguous()
             return module.encode(flat, levels, self._header(tensor.numel()), self.bits,
-                                 self.bucket_size, self._method.norm == "linf", seed >> 1)
+                                 self.bucket_size, self._quantizer.norm == "linf", seed >> 1)
         generator = torch.Generator(device=tensor.device).manual_seed(seed >> 1)
         return kernels.encode(tensor, levels, self._header(tensor.numel()), bits=self.bits,
-                              bucket_size=self.bucket_size, norm=self._method.norm, generator=generator)
+                              bucket_size=self.bucket_size, norm=self._quantizer.norm, generator=generator)
 
     def _statistics(self, tensor: torch.Tensor) -> list:
-        d, norm = self.bucket_size, self._method.norm
+        d, norm = self.bucket_size, self._quantizer.norm
         if self._method.normless:
             return normless_statistics(BucketMoments(*kernels.bucket_moments(tensor, bucket_size=d, norm=norm))).tolist()
         if self._grid is None or self._grid.device != tensor.device:
@@ -234,7 +238,7 @@ class QuantizedCompressor(frontends.CompressorBase):
                                  f"({total} bytes gathered from {size} ranks)")
             try:
                 header = parse_header(gathered[offset: offset + HEADER_SIZE].cpu().numpy())
-                check_header(header, self._method.id, q.bits, q.bucket_size, q.fingerprint)
+                check_header(header, self._method.id, q.bits, q.bucket_size, q.fingerprint, q.norm)
                 if header.numel != numel:
                     raise ValueError(f"payload has {header.numel} elements, this rank's tensor has {numel}")
                 if offset + header.payload_size > total:
