@@ -141,6 +141,8 @@ MISMATCH = {  # case: what every rank's message must say
     "levels": "levels differ",
     "adapt_levels": "differ in levels",
     "adapt_config": "differ in bits",
+    "norm": "payload made with norm=",
+    "adapt_norm": "differ in norm",
 }
 BAD_INPUT = {  # only rank 1 is at fault; everyone names it
     "numel": "different element counts (rank 0: 500, rank 1: 499",
@@ -158,7 +160,7 @@ def test_mismatch_raises_on_every_rank(run, case):
         err = r["errors"]["errors"][case]
         assert err is not None, f"rank {r['rank']} did not raise for {case}"
         assert err.startswith("ValueError: horovod_alq.mpi:") and MISMATCH[case] in err, err
-        if case in ("bits", "bucket", "method", "levels"):  # payload checks name the other side
+        if case in ("bits", "bucket", "method", "levels", "norm"):  # payload checks name the other side
             assert ("rank 0" if r["rank"] == 1 else "rank 1") in err, err
     assert len({r["errors"]["after"][case] for r in run}) == 1, "communicator unusable or ranks disagree afterwards"
 

@@ -105,7 +105,8 @@ def test_wire_bits_per_coordinate_on_large_tensors():
 
 
 @pytest.mark.parametrize("what,needle", [
-    ("bits", "bits=4"), ("bucket", "bucket_size=512"), ("levels", "levels differ"), ("method", "amq")])
+    ("bits", "bits=4"), ("bucket", "bucket_size=512"), ("levels", "levels differ"), ("method", "amq"),
+    ("norm", "payload made with norm=")])
 def test_mismatched_configuration_is_refused_on_every_rank(what, needle):
     res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["mismatch", "--what", what])
     for rank, r in enumerate(res):

@@ -122,9 +122,11 @@ def train(args) -> dict:
 
 
 def mismatch(args) -> dict:
-    """Rank 1 differs from rank 0 (bits, bucket size, levels or method): every rank must refuse."""
+    """Rank 1 differs from rank 0 (bits, bucket size, levels, method or norm): every rank must refuse."""
     rank = hvd.rank()
     kw = dict(bits=3, bucket_size=256, min_size=16, seed=0)
+    if args.what == "norm":
+        kw["norm"] = "linf" if rank == 1 else "l2"
     if rank == 1 and args.what == "bits":
         kw["bits"] = 4
     if rank == 1 and args.what == "bucket":
