@@ -116,7 +116,7 @@ def collect(raw_dir: Path, args) -> dict:
             for r in data["results"]:
                 config = None
                 if r["bucket_size"] is not None:
-                    config = (2 if r["method"] in BITS_FREE else r["bits"], r["bucket_size"])
+                    config = (2 if r["method"] in BITS_FREE else bits, r["bucket_size"])
                 key = (r["method"], config, data["args"]["seed"])
                 if key in runs:
                     raise ValueError(f"{path.name} repeats {key} (method, (bits, bucket), seed) of another raw file")
@@ -135,8 +135,13 @@ def _stats(values) -> dict:
             "min": float(v.min()), "max": float(v.max())}
 
 
+_ONE_BIT_WIDTH = [True]  # set by summarize(): keys name the bucket only, as before --bits took a list
+
+
 def _key(method: str, config) -> str:
-    return f"{method}@None" if config is None else f"{method}@b{config[0]}d{config[1]}"
+    if config is None:
+        return f"{method}@None"
+    return f"{method}@{config[1]}" if _ONE_BIT_WIDTH[0] else f"{method}@b{config[0]}d{config[1]}"
 
 
 def _config_label(config, configs) -> str:
@@ -145,12 +150,14 @@ def _config_label(config, configs) -> str:
 
 
 def summarize(table: dict) -> tuple[list, list, dict]:
-    """Methods, (bits, bucket) configurations and, per ``method@b<bits>d<bucket>``, accuracy
+    """Methods, (bits, bucket) configurations and, per ``method@b<bits>d<bucket>`` (one bit width:
+    ``method@<bucket>``), accuracy
     statistics (percent) over seeds plus ``vs_fp32``: the same-seed difference to fp32 (seeds fix
     the initial model and the data order, so pairing removes most of the seed-to-seed spread)."""
     configs = sorted({c for m, c in table if c is not None and m not in BITS_FREE})
     if not configs:
         configs = sorted({c for _, c in table if c is not None})
+    _ONE_BIT_WIDTH[0] = len({c[0] for c in configs}) == 1
     methods = [m for m in QUANTIZED + BASELINES if any(k[0] == m for k in table)]
     reference = {seed: 100 * a for seed, a in table.get(("none", None), [])}
     summary = {}

@@ -19,8 +19,8 @@ class ALQ:
     """ALQ: levels adapted by coordinate descent to the gradients' statistics (Faghri et al. 2020).
 
     ``normless=True`` gives ALQ-N (one truncated normal instead of the norm-weighted mixture).
-    ``norm="l2"`` normalizes buckets by their L2 norm (the paper's form), ``norm="linf"`` by their
-    max-abs; None: the method's default (``horovod_alq.core.METHODS["alq"].norm``)."""
+    ``norm="linf"`` (the default) normalizes each bucket by its max-abs; ``norm="l2"`` by its L2
+    norm, the paper's form (2x to 6x the variance on real gradients, docs/results.md)."""
 
     method = "alq"
 
@@ -32,7 +32,7 @@ class ALQ:
 class AMQ:
     """AMQ: levels ``+-{p**s, ..., p, 1}`` with the multiplier ``p`` adapted; ``normless=True``: AMQ-N.
 
-    ``norm="l2"``: the paper's L2 buckets; ``norm="linf"``: max-abs buckets; None: the default."""
+    ``norm="linf"`` (the default): max-abs buckets; ``norm="l2"``: the paper's L2 buckets."""
 
     method = "amq"
 

@@ -96,11 +96,13 @@ class Quantizer:
         quantizing (``True`` means 2.5, the TernGrad paper's choice). Off by default because clipping
         biases the estimate; it lowers the variance on heavy-tailed gradients.
     norm : {"l2", "linf"} or None
-        Bucket norm. None: the method's default (``METHODS[method].norm``). The adaptive methods take
-        either: ``"l2"`` is the paper's form (Faghri et al. normalize by the bucket's L2 norm),
-        ``"linf"`` normalizes by the bucket's max-abs (as QSGDinf and TernGrad), so the end levels
-        +-1 are the largest coordinate and the adapted interior levels cover the bulk. Fixed methods
-        only take their own norm. The norm travels in the payload header.
+        Bucket norm. None: the method's default (``METHODS[method].norm``: ``"linf"`` for the
+        adaptive methods). The adaptive methods take either: ``"linf"`` normalizes by the bucket's
+        max-abs (as QSGDinf and TernGrad), so the end levels +-1 are the largest coordinate and the
+        adapted interior levels cover the bulk; ``"l2"`` is the paper's form (Faghri et al.
+        normalize by the bucket's L2 norm; at d = 8192 the coordinates are ~1/sqrt(d) and the end
+        levels are almost never used). Fixed methods only take their own norm. The norm travels in
+        the payload header.
 
     Examples
     --------

@@ -112,7 +112,7 @@ def test_norms_match_the_core_including_float32_overflow_and_float64_input():
 
 
 def test_stochastic_rounding_is_unbiased_and_seeded():
-    q = Quantizer("alq", bits=3, bucket_size=64)
+    q = Quantizer("alq", bits=3, bucket_size=64, norm="l2")
     x = _data(64, seed=3)
     draws = 4000
     seeds = tf.stack([tf.fill([draws], tf.constant(7, tf.int64)), tf.range(draws, dtype=tf.int64)], axis=1)
