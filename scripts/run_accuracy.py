@@ -171,6 +171,12 @@ def summarize(table: dict) -> tuple[list, list, dict]:
             if diffs and m != "none":
                 d = _stats(diffs)
                 cell["vs_fp32"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
+            if m.endswith("-linf") and (m[:-5] + "-l2", c) in table:  # same method, the paper's L2 buckets
+                l2 = dict(table[(m[:-5] + "-l2", c)])
+                pairs = [100 * (a - l2[seed]) for seed, a in runs if seed in l2]
+                if pairs:
+                    d = _stats(pairs)
+                    cell["vs_l2"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
             summary[_key(m, c)] = cell
     return methods, configs, summary
 
@@ -221,6 +227,16 @@ def markdown(methods: list, configs: list, summary: dict) -> str:
         else:
             cells = [shown(m, c, paired) for c in configs]
         lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
+    normed = [m for m in methods if any("vs_l2" in summary.get(_key(m, c), {}) for c in configs)]
+    if normed:
+        lines += ["", "Max-abs minus L2 buckets, same method and seed (points): mean ± standard error over seeds.",
+                  "", "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(configs)]
+        for m in normed:
+            cells = []
+            for c in configs:
+                d = summary.get(_key(m, c), {}).get("vs_l2")
+                cells.append(f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-")
+            lines.append(f"| {m[:-5]}: linf − l2 | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
