@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .core.methods import get_method
+from .core.methods import NORMS, get_method
 from .core.protocol import ProtocolError
 from .core.quantizer import Quantizer
 from .core.rounds import RoundState
@@ -161,6 +161,9 @@ class QuantizedAllreduce:
         from 4 ranks on. The two-phase exchange re-quantizes the summed shards with a second
         quantizer (``bits_second`` bits, default ``bits``), whose levels :meth:`adapt` refits too.
     bits_second : int, optional
+    norm : {"l2", "linf"}, optional
+        Bucket norm (adaptive methods take either; None: the method's default); see
+        :class:`~horovod_alq.core.Quantizer`.
     collect_every : int, optional
         Which calls record this rank's statistics for the next :meth:`adapt`: every
         ``collect_every``-th call since the last :meth:`adapt` (1, the default for adaptive methods:
@@ -205,6 +208,7 @@ class QuantizedAllreduce:
         collect_every: int | None = None,
         exchange: str = "auto",
         bits_second: int | None = None,
+        norm: str | None = None,
     ) -> None:
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
@@ -214,7 +218,8 @@ class QuantizedAllreduce:
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
         self._method = get_method(method)
-        self._quantizer = Quantizer(method, bits, bucket_size, seed=_rank_seed(seed, self._rank), clip=clip)
+        self._quantizer = Quantizer(method, bits, bucket_size, seed=_rank_seed(seed, self._rank), clip=clip,
+                                    norm=norm)
         if collect_every is None:
             collect_every = 1 if self._method.adaptive else 0
         if isinstance(collect_every, bool) or not isinstance(collect_every, (int, np.integer)) or collect_every < 0:
@@ -226,7 +231,7 @@ class QuantizedAllreduce:
         self._pending_second: np.ndarray | None = None  # its reduced shards' (two-phase owner)
         self._calls_since_adapt = 0
         q = self._quantizer
-        second = Quantizer(method, q.bits if bits_second is None else bits_second, q.bucket_size)
+        second = Quantizer(method, q.bits if bits_second is None else bits_second, q.bucket_size, norm=q.norm)
         self._state = RoundState(q, second=second)
         self._transport = MpiTransport(comm)
         self._ops = NumpyOps()
@@ -255,6 +260,11 @@ class QuantizedAllreduce:
     @property
     def bucket_size(self) -> int:
         return self._quantizer.bucket_size
+
+    @property
+    def norm(self) -> str:
+        """Bucket norm, ``"l2"`` or ``"linf"``."""
+        return self._quantizer.norm
 
     @property
     def levels(self) -> np.ndarray:
@@ -430,7 +440,7 @@ class QuantizedAllreduce:
         for rank, part in enumerate(parts):
             try:
                 header, _, _ = parse_payload(part)
-                check_header(header, self._method.id, q.bits, q.bucket_size, q.fingerprint)
+                check_header(header, self._method.id, q.bits, q.bucket_size, q.fingerprint, q.norm)
                 if header.numel != numel:
                     raise ValueError(f"payload has {header.numel} elements, the ranks' arrays have {numel}")
             except ValueError as err:
@@ -478,7 +488,7 @@ class QuantizedAllreduce:
                 vec[:] = arr
         except (TypeError, ValueError) as err:
             error = f"{type(err).__name__}: {err}"
-        fields = {"stats": 0 if error is None else 1, "method": self._method.id, "bits": q.bits,
+        fields = {"stats": 0 if error is None else 1, "method": self._method.id, "norm": NORMS[q.norm], "bits": q.bits,
                   "bucket_size": q.bucket_size, "levels": q.fingerprint}
         self._agree(fields, error)
 

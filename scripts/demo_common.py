@@ -11,8 +11,20 @@ import sys
 
 import numpy as np
 
-QUANTIZED = ["alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd", "terngrad"]
+ADAPTIVE = ["alq", "alq-n", "amq", "amq-n"]
+# An adaptive method with a bucket norm suffix ("alq-linf", "amq-n-l2") chooses that norm; without
+# a suffix the method's default norm.
+QUANTIZED = ADAPTIVE + ["qsgdinf", "qsgd", "nuqsgd", "terngrad"] + [
+    f"{m}-{norm}" for m in ADAPTIVE for norm in ("l2", "linf")]
 BASELINES = ["none", "fp16"]
+
+
+def split_norm(method: str) -> tuple[str, str | None]:
+    """``"alq-linf"`` -> ``("alq", "linf")``; ``"alq"`` -> ``("alq", None)``."""
+    for norm in ("l2", "linf"):
+        if method.endswith(f"-{norm}"):
+            return method[: -len(norm) - 1], norm
+    return method, None
 
 
 def parse_args(description: str, argv=None) -> argparse.Namespace:
@@ -66,7 +78,10 @@ def make_compressor(hvd, alq, method: str, args: argparse.Namespace):
     steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
     common = dict(bucket_size=args.bucket_size, update_steps=steps, update_every=args.update_every,
                   min_size=args.min_size, seed=args.seed)
-    return alq.compressor_for(method, bits=args.bits, **common)
+    base, norm = split_norm(method)
+    if norm is not None:
+        common["norm"] = norm
+    return alq.compressor_for(base, bits=args.bits, **common)
 
 
 def result(method: str, args: argparse.Namespace, compressor, *, accuracy: float, final_loss: float,
@@ -77,6 +92,7 @@ def result(method: str, args: argparse.Namespace, compressor, *, accuracy: float
            "accuracy": accuracy, "final_loss": final_loss, "seconds_per_step": seconds_per_step,
            "bits_per_coordinate": {"none": 32.0, "fp16": 16.0}.get(method)}
     if method in QUANTIZED:
+        out["norm"] = compressor.norm
         m = compressor.metrics()
         out.update(bits_per_coordinate=m["bits_per_coordinate"], levels=m["levels"].tolist(),
                    level_updates=m["level_updates"],

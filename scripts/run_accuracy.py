@@ -6,11 +6,14 @@ standard error) and a PNG.
 
     python scripts/run_accuracy.py --out-dir docs            # the full sweep (~18 min on 2 cores)
     python scripts/run_accuracy.py --quick --out-dir /tmp/q  # 2 ranks, 1 seed, 2 methods, 1 epoch
+    python scripts/run_accuracy.py --bits 2,3 --buckets 8192 --tag _norm --baselines none \
+        --methods alq-l2,alq-linf,amq-l2,amq-linf,qsgdinf,terngrad --out-dir docs   # bucket norms
 
 Every launch writes its own JSON under --raw-dir; a launch whose JSON already exists is skipped,
 so an interrupted sweep resumes where it stopped, and ``--aggregate-only`` rebuilds the table and
 the plot from what is there. fp32 (``none``) and ``fp16`` do not depend on the bucket size: they
-run once per seed, in the launch of the first bucket size.
+run once per seed, in the launch of the first bucket size (and first bit width); so does TernGrad
+(always 2 bits) when several bit widths are swept.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import time
 from pathlib import Path
 
 from demo_common import BASELINES, QUANTIZED  # scripts/ is on sys.path when this runs as a script
+
+BITS_FREE = ["terngrad"]  # always 2 bits on the wire: one run per seed whatever --bits says
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train.py"
@@ -43,17 +48,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--np", type=int, default=4, help="workers (ranks); default 4")
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds; default 0,1,2,3,4")
     p.add_argument("--buckets", default="512,8192", help="bucket sizes; default 512,8192")
-    p.add_argument("--bits", type=int, default=3, help="default 3")
+    p.add_argument("--bits", default="3", help="comma-separated bit widths; default 3")
     p.add_argument("--methods", default=",".join(QUANTIZED), help="quantized methods; default all")
     p.add_argument("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
     p.add_argument("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
     p.add_argument("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
     p.add_argument("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/accuracy_raw")
     p.add_argument("--out-dir", default="docs", help="accuracy.md, accuracy.json, accuracy.png go here")
+    p.add_argument("--tag", default="", help="suffix of the output names: accuracy<tag>.md etc.; default none")
     p.add_argument("--timeout", type=float, default=7200, help="seconds per launch; default 7200")
     p.add_argument("--aggregate-only", action="store_true", help="do not launch, only aggregate")
     p.add_argument("--quick", action="store_true", help="2 ranks, seed 0, alq+fp16, bucket 8192, 1 epoch")
     args = p.parse_args(argv)
+    args.bits_list = [int(b) for b in str(args.bits).split(",") if b.strip()]
     if args.quick:
         args.np, args.seeds, args.buckets, args.methods, args.baselines, args.epochs = 2, "0", "8192", "alq", "fp16", 1
     return args
@@ -66,20 +73,21 @@ def launches(args) -> list[dict]:
     baselines = [m for m in args.baselines.split(",") if m.strip()]
     out = []
     for seed in seeds:
-        for i, bucket in enumerate(buckets):
-            ms = methods + (baselines if i == 0 else [])
-            if ms:
-                out.append({"seed": seed, "bucket": bucket, "methods": ms})
+        for k, bits in enumerate(args.bits_list):
+            for i, bucket in enumerate(buckets):
+                ms = [m for m in methods if k == 0 or m not in BITS_FREE] + (baselines if i == 0 and k == 0 else [])
+                if ms:
+                    out.append({"seed": seed, "bits": bits, "bucket": bucket, "methods": ms})
     return out
 
 
 def run_launch(job: dict, args, raw_dir: Path) -> Path:
-    path = raw_dir / f"np{args.np}_b{args.bits}_d{job['bucket']}_s{job['seed']}_e{args.epochs}_{'-'.join(job['methods'])}.json"
+    path = raw_dir / f"np{args.np}_b{job['bits']}_d{job['bucket']}_s{job['seed']}_e{args.epochs}_{'-'.join(job['methods'])}.json"
     if path.exists():
         print(f"[skip] {path.name} exists", flush=True)
         return path
     cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), sys.executable, str(TRAIN),
-           "--methods", ",".join(job["methods"]), "--bits", str(args.bits), "--bucket-size", str(job["bucket"]),
+           "--methods", ",".join(job["methods"]), "--bits", str(job["bits"]), "--bucket-size", str(job["bucket"]),
            "--epochs", str(args.epochs), "--seed", str(job["seed"]), "--quiet", "--json", str(path) + ".part"]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
@@ -96,21 +104,26 @@ def run_launch(job: dict, args, raw_dir: Path) -> Path:
 
 
 def collect(raw_dir: Path, args) -> dict:
-    """{(method, bucket or None): [accuracy, ...]} over the JSON files matching np, bits and epochs."""
+    """{(method, (bits, bucket) or None): [(seed, accuracy), ...]} over the JSON files matching np,
+    the bit widths and epochs (TernGrad counts as 2 bits, what it sends)."""
     runs: dict = {}
-    for path in sorted(raw_dir.glob(f"np{args.np}_b{args.bits}_d*_e{args.epochs}_*.json")):
-        data = json.loads(path.read_text())
-        if args.lr is not None and data["args"]["lr"] != args.lr:
-            print(f"[skip] {path.name}: lr {data['args']['lr']}, not {args.lr}", flush=True)
-            continue
-        for r in data["results"]:
-            key = (r["method"], r["bucket_size"], data["args"]["seed"])
-            if key in runs:
-                raise ValueError(f"{path.name} repeats {key} (method, bucket, seed) of another raw file")
-            runs[key] = r["accuracy"]
+    for bits in args.bits_list:
+        for path in sorted(raw_dir.glob(f"np{args.np}_b{bits}_d*_e{args.epochs}_*.json")):
+            data = json.loads(path.read_text())
+            if args.lr is not None and data["args"]["lr"] != args.lr:
+                print(f"[skip] {path.name}: lr {data['args']['lr']}, not {args.lr}", flush=True)
+                continue
+            for r in data["results"]:
+                config = None
+                if r["bucket_size"] is not None:
+                    config = (2 if r["method"] in BITS_FREE else bits, r["bucket_size"])
+                key = (r["method"], config, data["args"]["seed"])
+                if key in runs:
+                    raise ValueError(f"{path.name} repeats {key} (method, (bits, bucket), seed) of another raw file")
+                runs[key] = r["accuracy"]
     table: dict = {}
-    for (method, bucket, seed), accuracy in sorted(runs.items(), key=lambda kv: kv[0][2]):
-        table.setdefault((method, bucket), []).append((seed, accuracy))
+    for (method, config, seed), accuracy in sorted(runs.items(), key=lambda kv: kv[0][2]):
+        table.setdefault((method, config), []).append((seed, accuracy))
     return table
 
 
@@ -122,17 +135,35 @@ def _stats(values) -> dict:
             "min": float(v.min()), "max": float(v.max())}
 
 
+_ONE_BIT_WIDTH = [True]  # set by summarize(): keys name the bucket only, as before --bits took a list
+
+
+def _key(method: str, config) -> str:
+    if config is None:
+        return f"{method}@None"
+    return f"{method}@{config[1]}" if _ONE_BIT_WIDTH[0] else f"{method}@b{config[0]}d{config[1]}"
+
+
+def _config_label(config, configs) -> str:
+    bits = {c[0] for c in configs}
+    return f"bucket {config[1]}" if len(bits) == 1 else f"{config[0]} bits, d={config[1]}"
+
+
 def summarize(table: dict) -> tuple[list, list, dict]:
-    """Methods, buckets and, per ``method@bucket``, accuracy statistics (percent) over seeds plus
-    ``vs_fp32``: the same-seed difference to fp32 (seeds fix the initial model and the data order,
-    so pairing removes most of the seed-to-seed spread)."""
-    buckets = sorted({b for _, b in table if b is not None})
+    """Methods, (bits, bucket) configurations and, per ``method@b<bits>d<bucket>`` (one bit width:
+    ``method@<bucket>``), accuracy
+    statistics (percent) over seeds plus ``vs_fp32``: the same-seed difference to fp32 (seeds fix
+    the initial model and the data order, so pairing removes most of the seed-to-seed spread)."""
+    configs = sorted({c for m, c in table if c is not None and m not in BITS_FREE})
+    if not configs:
+        configs = sorted({c for _, c in table if c is not None})
+    _ONE_BIT_WIDTH[0] = len({c[0] for c in configs}) == 1
     methods = [m for m in QUANTIZED + BASELINES if any(k[0] == m for k in table)]
     reference = {seed: 100 * a for seed, a in table.get(("none", None), [])}
     summary = {}
     for m in methods:
-        for b in [None] if m in BASELINES else buckets:
-            runs = table.get((m, b), [])
+        for c in [None] if m in BASELINES else sorted({k[1] for k in table if k[0] == m}):
+            runs = table.get((m, c), [])
             if not runs:
                 continue
             cell = _stats([100 * a for _, a in runs])
@@ -140,11 +171,24 @@ def summarize(table: dict) -> tuple[list, list, dict]:
             if diffs and m != "none":
                 d = _stats(diffs)
                 cell["vs_fp32"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
-            summary[f"{m}@{b}"] = cell
-    return methods, buckets, summary
+            if m.endswith("-linf") and (m[:-5] + "-l2", c) in table:  # same method, the paper's L2 buckets
+                l2 = dict(table[(m[:-5] + "-l2", c)])
+                pairs = [100 * (a - l2[seed]) for seed, a in runs if seed in l2]
+                if pairs:
+                    d = _stats(pairs)
+                    cell["vs_l2"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
+            summary[_key(m, c)] = cell
+    return methods, configs, summary
 
 
-def markdown(methods: list, buckets: list, summary: dict) -> str:
+def _cell_key(m: str, c, summary: dict) -> str | None:
+    """The summary key shown for method ``m`` in column ``c`` (TernGrad: its 2-bit run at that bucket)."""
+    if m in BITS_FREE and _key(m, c) not in summary:
+        return _key(m, (2, c[1])) if _key(m, (2, c[1])) in summary else None
+    return _key(m, c)
+
+
+def markdown(methods: list, configs: list, summary: dict) -> str:
     def acc(s):
         return f"{s['mean']:.2f} ± {s['std']:.2f} ({s['min']:.1f}..{s['max']:.1f}, n={s['n']})" if s else "-"
 
@@ -152,39 +196,62 @@ def markdown(methods: list, buckets: list, summary: dict) -> str:
         d = (s or {}).get("vs_fp32")
         return f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-"
 
-    head = "| method | " + " | ".join(f"bucket {b}" for b in buckets) + f" | change {buckets[0]}→{buckets[-1]} |"
-    lines = [head, "|---|" + "---|" * (len(buckets) + 1)]
+    def shown(m, c, fmt):
+        k = _cell_key(m, c, summary)
+        if k is None:
+            return "-"
+        text = fmt(summary.get(k))
+        return text if k == _key(m, c) or single_bits else f"(2 bits) {text}"
+
+    labels = [_config_label(c, configs) for c in configs]
+    single_bits = len({c[0] for c in configs}) == 1
+    change = single_bits and len(configs) > 1
+    head = "| method | " + " | ".join(labels) + (f" | change {configs[0][1]}→{configs[-1][1]} |" if change else " |")
+    lines = [head, "|---|" + "---|" * (len(configs) + change)]
     for m in methods:
         if m in BASELINES:
-            cells = [acc(summary.get(f"{m}@None"))] + ["(same)"] * (len(buckets) - 1)
+            cells = [acc(summary.get(f"{m}@None"))] + ["(same)"] * (len(configs) - 1)
             delta = "-"
         else:
-            cells = [acc(summary.get(f"{m}@{b}")) for b in buckets]
-            a, z = summary.get(f"{m}@{buckets[0]}"), summary.get(f"{m}@{buckets[-1]}")
-            delta = f"{z['mean'] - a['mean']:+.2f}" if a and z and len(buckets) > 1 else "-"
-        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {delta} |")
+            cells = [shown(m, c, acc) for c in configs]
+            a, z = (summary.get(_cell_key(m, c, summary) or "") for c in (configs[0], configs[-1]))
+            delta = f"{z['mean'] - a['mean']:+.2f}" if a and z else "-"
+        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + (f" | {delta} |" if change else " |"))
     lines += ["", "Difference to fp32 on the same seed (points): mean ± standard error over seeds.", "",
-              "| method | " + " | ".join(f"bucket {b}" for b in buckets) + " |", "|---|" + "---|" * len(buckets)]
+              "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(configs)]
     for m in methods:
         if m == "none":
             continue
-        keys = [f"{m}@None"] if m in BASELINES else [f"{m}@{b}" for b in buckets]
-        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(paired(summary.get(k)) for k in keys) + " |")
+        if m in BASELINES:
+            cells = [paired(summary.get(f"{m}@None"))]
+        else:
+            cells = [shown(m, c, paired) for c in configs]
+        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
+    normed = [m for m in methods if any("vs_l2" in summary.get(_key(m, c), {}) for c in configs)]
+    if normed:
+        lines += ["", "Max-abs minus L2 buckets, same method and seed (points): mean ± standard error over seeds.",
+                  "", "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(configs)]
+        for m in normed:
+            cells = []
+            for c in configs:
+                d = summary.get(_key(m, c), {}).get("vs_l2")
+                cells.append(f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-")
+            lines.append(f"| {m[:-5]}: linf − l2 | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
-    methods, buckets, summary = summarize(table)
-    text = markdown(methods, buckets, summary)
-    (out_dir / "accuracy.json").write_text(json.dumps({"np": args.np, "bits": args.bits, "epochs": args.epochs,
-                                                       "lr": args.lr, "wall_seconds": wall,
-                                                       "summary": summary}, indent=2))
-    (out_dir / "accuracy.md").write_text(text)
-    plot(summary, methods, buckets, out_dir / "accuracy.png", args)
+    methods, configs, summary = summarize(table)
+    text = markdown(methods, configs, summary)
+    (out_dir / f"accuracy{args.tag}.json").write_text(json.dumps(
+        {"np": args.np, "bits": args.bits_list, "epochs": args.epochs, "lr": args.lr, "wall_seconds": wall,
+         "summary": summary}, indent=2))
+    (out_dir / f"accuracy{args.tag}.md").write_text(text)
+    plot(summary, methods, configs, out_dir / f"accuracy{args.tag}.png", args)
     return text
 
 
-def plot(summary: dict, methods: list, buckets: list, path: Path, args) -> None:
+def plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
     """Left: accuracy, mean and min..max over seeds. Right: same-seed difference to fp32, mean ± 2
     standard errors, on a scale where the working methods are visible (collapsed ones are marked)."""
     import matplotlib
@@ -195,15 +262,19 @@ def plot(summary: dict, methods: list, buckets: list, path: Path, args) -> None:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.4))
     x = np.arange(len(methods))
-    width = 0.8 / max(1, len(buckets))
-    series = [(f"bucket {b}", b, (i - (len(buckets) - 1) / 2) * width, f"C{i}") for i, b in enumerate(buckets)]
+    width = 0.8 / max(1, len(configs))
+    series = [(_config_label(c, configs), c, (i - (len(configs) - 1) / 2) * width, f"C{i}")
+              for i, c in enumerate(configs)]
     series.append(("fp32 / fp16 (no buckets)", None, 0.0, "gray"))
     limit = 4.0
-    for label, bucket, shift, color in series:
+    for label, config, shift, color in series:
         xs, means, lo, hi, dxs, dmeans, derr = [], [], [], [], [], [], []
         for j, m in enumerate(methods):
-            s = summary.get(f"{m}@{bucket}")
-            if not s or (m in BASELINES) != (bucket is None):
+            if (m in BASELINES) != (config is None):
+                continue
+            key = _key(m, None) if config is None else _key(m, config)
+            s = summary.get(key)
+            if not s:
                 continue
             xs.append(j + shift)
             means.append(s["mean"])
@@ -223,9 +294,10 @@ def plot(summary: dict, methods: list, buckets: list, path: Path, args) -> None:
             bx.errorbar(dxs, dmeans, yerr=derr, fmt="o", capsize=4, label=label, color=color)
     ax.set_xticks(x, [LABELS.get(m, m) for m in methods], rotation=30)
     ax.set_ylabel("final test accuracy (%)")
-    ax.set_title(f"{args.np} workers, {args.bits} bits, {args.epochs} epochs: mean, min..max over seeds", fontsize=10)
+    bits = ",".join(str(b) for b in args.bits_list)
+    ax.set_title(f"{args.np} workers, {bits} bits, {args.epochs} epochs: mean, min..max over seeds", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="lower left")
+    ax.legend(loc="lower left", fontsize=8)
     bx.axhline(0, color="black", lw=0.8)
     bx.set_ylim(-limit, limit)
     bx.set_xticks(x, [LABELS.get(m, m) for m in methods], rotation=30)
@@ -247,7 +319,8 @@ def main(argv=None) -> int:
     if not args.aggregate_only:
         jobs = launches(args)
         for k, job in enumerate(jobs):
-            print(f"launch {k + 1}/{len(jobs)}: seed {job['seed']}, bucket {job['bucket']}", flush=True)
+            print(f"launch {k + 1}/{len(jobs)}: seed {job['seed']}, bits {job['bits']}, bucket {job['bucket']}",
+                  flush=True)
             run_launch(job, args, raw_dir)
     wall = None if args.aggregate_only else time.monotonic() - start
     table = collect(raw_dir, args)

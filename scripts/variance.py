@@ -9,13 +9,15 @@ rounding of that iteration's full gradient (scripts/compare_models.py's formula:
 n^2 (hi - r)(r - lo); no sampling). Adaptive methods (ALQ, ALQ-N, AMQ, AMQ-N) use
 horovod_alq.core.Quantizer: at a refit iteration t the variance of g_t is computed with the old
 levels, then q.adapt(q.statistics(g_t)) fits the levels used from t + 1 on (what the Horovod
-compressors do: statistics of round t, new levels from round t + 1). Three schedules:
+compressors do: statistics of round t, new levels from round t + 1). Each adaptive method runs with
+each bucket norm of --norms, named e.g. alq-l2 (the paper's L2 buckets) and alq-linf (max-abs
+buckets). Three schedules:
 
     paper   refit at iterations 0, 100, 2000 (the paper's schedule, the compressors' default)
     once    refit at iteration 0 only (levels go stale)
     every   refit every --refit-every iterations
 
-    python scripts/variance.py --out-dir docs            # 2,500 iterations, 2/3/4 bits, d=512,8192
+    python scripts/variance.py --out-dir docs            # 2,500 iterations, 2/3/4 bits, d=512,8192, both norms
     python scripts/variance.py --quick --out-dir /tmp/v  # 30 iterations, 3 bits, d=512
 """
 
@@ -36,13 +38,29 @@ from compare_models import normalized_variance  # noqa: E402
 from train import Net, load_digits  # noqa: E402
 
 from horovod_alq.core import Quantizer  # noqa: E402
-from horovod_alq.core.methods import get_method  # noqa: E402
 
 FIXED = ["qsgdinf", "qsgd", "nuqsgd", "terngrad"]
-ADAPTIVE = ["alq", "alq-n", "amq", "amq-n"]
+BASES = ["alq", "alq-n", "amq", "amq-n"]
+ADAPTIVE = [f"{m}-{norm}" for m in BASES for norm in ("l2", "linf")]  # narrowed by --norms in main()
 SCHEDULES = ["paper", "once", "every"]
 COLORS = {"alq": "C0", "alq-n": "C9", "amq": "C2", "amq-n": "C8", "qsgdinf": "C1", "qsgd": "C7",
           "nuqsgd": "C3", "terngrad": "C5"}
+
+
+def split_norm(name: str) -> tuple[str, str | None]:
+    """``"alq-linf"`` -> ``("alq", "linf")``; a fixed method -> ``(name, None)``."""
+    for norm in ("l2", "linf"):
+        if name.endswith(f"-{norm}"):
+            return name[: -len(norm) - 1], norm
+    return name, None
+
+
+def _color(name: str) -> str:
+    return COLORS[split_norm(name)[0]]
+
+
+def _style(name: str) -> str:
+    return {"l2": "-.", "linf": "-", None: "--"}[split_norm(name)[1]]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--paper-steps", default="0,100,2000", help="the 'paper' schedule; default 0,100,2000")
     p.add_argument("--bits", default="2,3,4", help="default 2,3,4 (TernGrad: always its 2-bit ternary)")
     p.add_argument("--buckets", default="512,8192", help="default 512,8192")
+    p.add_argument("--norms", default="l2,linf", help="bucket norms of the adaptive methods; default l2,linf")
     p.add_argument("--batch-size", type=int, default=32, help="default 32")
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
@@ -67,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def variance_of(q: Quantizer, g: np.ndarray) -> float:
-    return normalized_variance(q.levels, g, q.bucket_size, get_method(q.method).norm)
+    return normalized_variance(q.levels, g, q.bucket_size, q.norm)
 
 
 def main(argv=None) -> int:
@@ -77,8 +96,11 @@ def main(argv=None) -> int:
     bits_list = [int(b) for b in args.bits.split(",")]
     buckets = [int(b) for b in args.buckets.split(",")]
     paper_steps = {int(s) for s in args.paper_steps.split(",") if s.strip()}
+    norms = [n.strip() for n in args.norms.split(",") if n.strip()]
+    ADAPTIVE[:] = [f"{m}-{norm}" for m in BASES for norm in norms]
     if args.replot:
         data = json.loads((out / "variance.json").read_text())
+        ADAPTIVE[:] = [f"{m}-{norm}" for m in BASES for norm in data["args"].get("norms", "l2").split(",")]
         bits_list = [int(b) for b in data["args"]["bits"].split(",")]
         buckets = [int(b) for b in data["args"]["buckets"].split(",")]
         return write_outputs(data, bits_list, buckets, out, data.get("argv"))
@@ -93,8 +115,9 @@ def main(argv=None) -> int:
             for m in FIXED:
                 quantizers[(m, b, d, "-")] = Quantizer(m, bits=2 if m == "terngrad" else b, bucket_size=d)
             for m in ADAPTIVE:
+                base, norm = split_norm(m)
                 for s in SCHEDULES:
-                    quantizers[(m, b, d, s)] = Quantizer(m, bits=b, bucket_size=d)
+                    quantizers[(m, b, d, s)] = Quantizer(base, bits=b, bucket_size=d, norm=norm)
 
     torch.manual_seed(args.seed)
     train_x, train_y, _, _ = load_digits(args.seed)
@@ -165,16 +188,18 @@ def report(data: dict, bits_list, buckets, argv) -> str:
     early |= (it > 0) & ~early.any()  # tiny runs: the first measurement after iteration 0
     after0 = it > 0
     late = it >= it[-1] * 0.5
+    first = it == 0
     lines = [f"Command: `python scripts/variance.py {' '.join(argv or [])}` "
              f"({data['wall_seconds']:.0f} s; {n} measurements, iterations 0..{it[-1]}).", "",
              "Exact normalized variance E||Q(g)-g||^2/||g||^2 of the full CNN gradient; mean over the "
              "measurements in iterations (0, 10%] (early), over all iterations > 0 (all), and over the second "
-             "half (late); iteration 0 is left out of all three: the adaptive methods still have their "
-             "initial NUQSGD levels there (the product refits from iteration 0's statistics, used from "
-             "iteration 1 on). Adaptive methods on the paper schedule unless a schedule is named. TernGrad "
-             "is always its 2-bit ternary code. Lower is better.", ""]
+             "half (late); iteration 0 (it0) is shown apart and left out of the three means: the adaptive "
+             "methods still have their initial levels there (fitted to Gaussian gradients; the product refits "
+             "from iteration 0's statistics, used from iteration 1 on). Adaptive methods: -l2 normalizes "
+             "buckets by their L2 norm (the paper's form), -linf by their max-abs; on the paper schedule "
+             "unless a schedule is named. TernGrad is always its 2-bit ternary code. Lower is better.", ""]
     for b in bits_list:
-        cols = [f"d={d} {w}" for d in buckets for w in ("early", "all", "late")]
+        cols = [f"d={d} {w}" for d in buckets for w in ("it0", "early", "all", "late")]
         lines += [f"**{b} bits**", "", "| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
         rows = [(m, "-") for m in FIXED] + [(m, s) for m in ADAPTIVE for s in SCHEDULES]
         best = {}
@@ -185,8 +210,8 @@ def report(data: dict, bits_list, buckets, argv) -> str:
             cells = []
             for d in buckets:
                 v = np.array(data["variance"][_key(m, b, d, s)])
-                for mask in (early, after0, late):
-                    cells.append(f"{v[mask].mean():.3g}")
+                for mask in (first, early, after0, late):
+                    cells.append(f"{v[mask].mean():.3g}" if mask.any() else "-")
             mark = " (lowest)" if any(best[d] == (m, s) for d in buckets) else ""
             lines.append(f"| {_label(m, s)}{mark} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -214,8 +239,8 @@ def plot_variance(data, bits_list, buckets, path):
             ax = axes[i][j]
             for m in FIXED + ADAPTIVE:
                 s = "-" if m in FIXED else "paper"
-                ax.plot(it, data["variance"][_key(m, b, d, s)], color=COLORS[m], label=m,
-                        lw=1.6 if m in ADAPTIVE else 1.0, ls="-" if m in ADAPTIVE else "--")
+                ax.plot(it, data["variance"][_key(m, b, d, s)], color=_color(m), label=m,
+                        lw=1.6 if m in ADAPTIVE else 1.0, ls=_style(m))
             ax.set_yscale("log")
             ax.set_title(f"{b} bits, bucket {d}")
             ax.grid(alpha=0.3, which="both")
@@ -223,31 +248,37 @@ def plot_variance(data, bits_list, buckets, path):
                 ax.set_xlabel("iteration")
             if j == 0:
                 ax.set_ylabel("normalized variance")
-    axes[0][0].legend(fontsize=7, ncol=2)
-    fig.suptitle("Exact normalized variance on MNIST-CNN gradients (adaptive: refit at 0, 100, 2000; TernGrad: 2-bit)")
+    axes[0][0].legend(fontsize=6, ncol=2)
+    fig.suptitle("Exact normalized variance on MNIST-CNN gradients (adaptive: refit at 0, 100, 2000; "
+                 "-l2: L2 buckets, -linf: max-abs buckets; TernGrad: 2-bit)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _main_variants():
+    return [m for m in ADAPTIVE if split_norm(m)[0] in ("alq", "amq")]
 
 
 def plot_staleness(data, bits_list, buckets, path):
     plt = _plt()
     it = data["iterations"]
     b = 3 if 3 in bits_list else bits_list[0]
-    fig, axes = plt.subplots(1, len(buckets), figsize=(6 * len(buckets), 3.8), squeeze=False)
+    variants = _main_variants()
+    fig, axes = plt.subplots(1, len(buckets), figsize=(6 * len(buckets), 4.2), squeeze=False)
     styles = {"every": "-", "paper": "--", "once": ":"}
     for i, d in enumerate(buckets):
         ax = axes[0][i]
-        for m in ("alq", "amq"):
+        for k, m in enumerate(variants):
             for s in SCHEDULES:
-                ax.plot(it, data["variance"][_key(m, b, d, s)], color=COLORS[m], ls=styles[s], label=f"{m}, refit {s}")
-        ax.plot(it, data["variance"][_key("qsgdinf", b, d, "-")], color=COLORS["qsgdinf"], lw=0.8, label="qsgdinf (fixed)")
+                ax.plot(it, data["variance"][_key(m, b, d, s)], color=f"C{k}", ls=styles[s], label=f"{m}, refit {s}")
+        ax.plot(it, data["variance"][_key("qsgdinf", b, d, "-")], color="gray", lw=0.8, label="qsgdinf (fixed)")
         ax.set_yscale("log")
         ax.set_title(f"{b} bits, bucket {d}: schedules")
         ax.set_xlabel("iteration")
         ax.set_ylabel("normalized variance")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -257,10 +288,12 @@ def plot_levels(data, bits_list, buckets, path):
     plt = _plt()
     it = data["iterations"]
     b = 3 if 3 in bits_list else bits_list[0]
-    fig, axes = plt.subplots(1, 2 * len(buckets), figsize=(4.2 * 2 * len(buckets), 3.6), squeeze=False)
+    variants = _main_variants()
+    fig, axes = plt.subplots(len(buckets), len(variants), figsize=(4.2 * len(variants), 3.4 * len(buckets)),
+                             squeeze=False)
     for i, d in enumerate(buckets):
-        for j, m in enumerate(("alq", "amq")):
-            ax = axes[0][2 * i + j]
+        for j, m in enumerate(variants):
+            ax = axes[i][j]
             for s, ls in (("every", "-"), ("paper", "--")):
                 lv = np.array(data["levels"][_key(m, b, d, s)])
                 inner = lv[:, 1:-1]  # interior levels (-1 and 1 are fixed)

@@ -84,3 +84,47 @@ def test_compressor_module_not_shadowed(package):
 
     assert isinstance(package.compressor, types.ModuleType)
     assert package.compressor.compressor_for is package.compressor_for
+
+
+@pytest.mark.parametrize("make, norm", [
+    (lambda p: p.ALQCompressor(norm="linf"), "linf"),
+    (lambda p: p.ALQCompressor(norm="l2", normless=True), "l2"),
+    (lambda p: p.AMQCompressor(norm="linf", bits=2), "linf"),
+    (lambda p: p.compressor_for("amq-n", norm="linf"), "linf"),
+    (lambda p: p.compressor_for("alq", norm="l2"), "l2"),
+    (lambda p: p.compressor_for("qsgdinf", norm="linf"), "linf"),  # its own norm: accepted
+    (lambda p: p.compressor_for("terngrad", norm=None), "linf"),
+    (lambda p: p.NUQSGDCompressor(), "l2"),
+])
+def test_norm_keyword(package, make, norm):
+    """norm= reaches the core quantizer of the adaptive methods; levels start where the core's do."""
+    comp = make(package)
+    assert comp.norm == comp._quantizer.norm == norm
+    q = Quantizer(comp._method.name, bits=comp.bits, bucket_size=comp.bucket_size, norm=norm)
+    np.testing.assert_array_equal(comp.levels, q.levels)
+    assert comp.state_dict()["quantizer"]["norm"] == norm
+
+
+def test_default_norm(package):
+    for name in ("ALQCompressor", "AMQCompressor"):
+        comp = getattr(package, name)()
+        assert comp.norm == METHODS[comp._method.name].norm
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.ALQCompressor(norm="l1"), "norm must be one of 'l2', 'linf'"),
+    (lambda p: p.AMQCompressor(norm=2), "norm must be one of 'l2', 'linf'"),
+    (lambda p: p.compressor_for("qsgdinf", norm="l2"), "qsgdinf has fixed norm 'linf'"),
+    (lambda p: p.compressor_for("nuqsgd", norm="linf"), "nuqsgd has fixed norm 'l2'"),
+    (lambda p: p.TernGradCompressor(norm="l2"), "terngrad has fixed norm 'linf'"),
+])
+def test_bad_norm_names_the_allowed_values(package, make, message):
+    with pytest.raises(ValueError, match=message):
+        make(package)
+
+
+def test_state_with_another_norm_is_refused(package):
+    a, b = package.ALQCompressor(norm="linf"), package.ALQCompressor(norm="l2")
+    with pytest.raises(ValueError, match="state has norm='linf', this quantizer has norm='l2'"):
+        b.load_state_dict(a.state_dict())
+    package.ALQCompressor(norm="linf").load_state_dict(a.state_dict())

@@ -37,9 +37,10 @@ def test_variance_quick(tmp_path):
     data = json.loads((tmp_path / "variance.json").read_text())
     assert data["iterations"] == [0, 10, 20, 30]
     v = data["variance"]
-    assert all(x > 0 for x in v["alq|3|512|paper"])
-    # the adaptive levels beat NUQSGD's once fitted (NUQSGD's levels are where they start)
-    assert v["alq|3|512|every"][-1] < v["nuqsgd|3|512|-"][-1]
+    for norm in ("l2", "linf"):  # the adaptive methods with each bucket norm
+        assert all(x > 0 for x in v[f"alq-{norm}|3|512|paper"])
+        # the adaptive levels beat NUQSGD's once fitted
+        assert v[f"alq-{norm}|3|512|every"][-1] < v["nuqsgd|3|512|-"][-1]
     for png in ("variance_vs_iter.png", "variance_staleness.png", "levels_vs_iter.png"):
         assert (tmp_path / png).stat().st_size > 10_000
     assert "| alq" in (tmp_path / "variance.md").read_text()
@@ -95,3 +96,30 @@ def test_bench_gpu_help_and_no_device(capsys):
     assert exc.value.code == 0 and "--out" in capsys.readouterr().out
     if not __import__("torch").cuda.is_available():
         assert mod.main(["--sizes", "1M"]) == 2
+
+
+def test_run_accuracy_aggregates_several_bit_widths(tmp_path):
+    """--bits 2,3: one column per (bits, bucket); TernGrad and fp32 run once per seed (2 bits)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for seed in (0, 1):
+        first = [{"method": "alq-linf", "bucket_size": 8192, "accuracy": 0.90},
+                 {"method": "terngrad", "bucket_size": 8192, "accuracy": 0.88},
+                 {"method": "none", "bucket_size": None, "accuracy": 0.91}]
+        (raw / f"np4_b2_d8192_s{seed}_e8_alq-linf-terngrad-none.json").write_text(
+            json.dumps({"args": {"seed": seed}, "results": first}))
+        (raw / f"np4_b3_d8192_s{seed}_e8_alq-linf.json").write_text(json.dumps(
+            {"args": {"seed": seed}, "results": [{"method": "alq-linf", "bucket_size": 8192, "accuracy": 0.93}]}))
+    mod = load("run_accuracy")
+    assert [j["methods"] for j in mod.launches(mod.parse_args(["--bits", "2,3", "--buckets", "8192", "--seeds", "0",
+                                                                "--methods", "alq-linf,terngrad",
+                                                                "--baselines", "none"]))] == [
+        ["alq-linf", "terngrad", "none"], ["alq-linf"]]
+    assert mod.main(["--aggregate-only", "--bits", "2,3", "--raw-dir", str(raw), "--out-dir", str(tmp_path),
+                     "--tag", "_t"]) == 0
+    summary = json.loads((tmp_path / "accuracy_t.json").read_text())["summary"]
+    assert summary["alq-linf@b2d8192"]["mean"] == pytest.approx(90.0)
+    assert summary["alq-linf@b3d8192"]["vs_fp32"]["mean"] == pytest.approx(2.0)
+    assert summary["terngrad@b2d8192"]["n"] == 2 and "terngrad@b3d8192" not in summary
+    text = (tmp_path / "accuracy_t.md").read_text()
+    assert "| method | 2 bits, d=8192 | 3 bits, d=8192 |" in text and "(2 bits) 88.00" in text

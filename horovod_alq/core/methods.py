@@ -1,7 +1,9 @@
 """The quantization methods: identity, norm, adaptivity and level sets.
 
 Level sets are sorted float64 arrays in [-1, 1] with -1 and 1 as endpoints and no zero level
-(TernGrad excepted), as in Faghri et al. (NeurIPS 2020), Table 1 of ``docs/design.md``.
+(TernGrad excepted), as in Faghri et al. (NeurIPS 2020), Table 1 of ``docs/design.md``. Each method
+has a default bucket norm; the adaptive ones take either (:func:`check_norm`): the paper normalizes
+their buckets by the L2 norm (``norm="l2"``), this package by default by the max-abs (``"linf"``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class Method:
 
     name: str
     id: int
-    norm: str  # "l2" or "linf"
+    norm: str  # default bucket norm, "l2" or "linf"; adaptive methods take either (check_norm)
     adapts: str | None  # None (fixed), "levels" (ALQ) or "multiplier" (AMQ)
     normless: bool  # adaptive statistics: single truncated normal instead of the mixture
 
@@ -36,13 +38,21 @@ METHODS: dict[str, Method] = {
         Method("qsgd", 1, "l2", None, False),
         Method("nuqsgd", 2, "l2", None, False),
         Method("terngrad", 3, "linf", None, False),
-        Method("alq", 4, "l2", "levels", False),
-        Method("alq-n", 5, "l2", "levels", True),
-        Method("amq", 6, "l2", "multiplier", False),
-        Method("amq-n", 7, "l2", "multiplier", True),
+        # Adaptive methods: max-abs buckets by default (lower variance than the paper's L2 buckets
+        # on every case measured, docs/results.md); norm="l2" gives the paper's form.
+        Method("alq", 4, "linf", "levels", False),
+        Method("alq-n", 5, "linf", "levels", True),
+        Method("amq", 6, "linf", "multiplier", False),
+        Method("amq-n", 7, "linf", "multiplier", True),
     )
 }
 METHODS_BY_ID: dict[int, Method] = {m.id: m for m in METHODS.values()}
+
+#: Bucket norms and their code in byte 5 of the payload header.
+NORMS: dict[str, int] = {"l2": 0, "linf": 1}
+NORMS_BY_CODE: dict[int, str] = {code: name for name, code in NORMS.items()}
+#: The norm of the paper (Faghri et al. 2020) for its adaptive methods: L2 buckets.
+PAPER_NORM = "l2"
 
 
 def get_method(name: str) -> Method:
@@ -64,6 +74,29 @@ def check_bits(method: Method, bits: int) -> int:
     elif not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"bits must be from {MIN_BITS} to {MAX_BITS}, got {bits}")
     return bits
+
+
+def check_norm(method: Method, norm: str | None) -> str:
+    """The bucket norm ``method`` uses with ``norm`` (None: the method's default).
+
+    Adaptive methods (ALQ, AMQ and their -N forms) take either ``"l2"`` (the paper's buckets) or
+    ``"linf"`` (max-abs buckets, as QSGDinf and TernGrad); fixed methods keep their own norm.
+
+    Raises
+    ------
+    ValueError
+        ``norm`` is not one of the allowed values, or a fixed method is given the other norm.
+    """
+    if norm is None:
+        return method.norm
+    if not isinstance(norm, str) or norm.lower() not in NORMS:
+        raise ValueError(f"norm must be one of {', '.join(repr(n) for n in NORMS)} (or None: the method's "
+                         f"default), got {norm!r}")
+    norm = norm.lower()
+    if not method.adaptive and norm != method.norm:
+        raise ValueError(f"{method.name} has fixed norm {method.norm!r}; only the adaptive methods "
+                         f"(alq, alq-n, amq, amq-n) take norm={norm!r}")
+    return norm
 
 
 def uniform_levels(bits: int) -> np.ndarray:

@@ -255,7 +255,12 @@ def read_handshake(reduced_max: np.ndarray, local_error: str | None = None) -> A
     if differ:
         meaning = {"levels": "levels differ (fingerprints", "round": "round numbers (a previous exchange failed "
                    "on some ranks only:", "collecting": "refit schedules (update_steps / update_every:"}
-        detail = "; ".join(f"{meaning.get(f, f)} {lo[f]} on some ranks, {hi[f]} on others"
+        named = {"norm": ("l2", "linf"), "exchange": ("allgather", "two-phase")}
+
+        def show(f, v):
+            return named[f][v] if f in named and 0 <= v < len(named[f]) else v
+
+        detail = "; ".join(f"{meaning.get(f, f)} {show(f, lo[f])} on some ranks, {show(f, hi[f])} on others"
                            + (")" if f in meaning else "") for f in differ)
         raise ProtocolError(f"{PREFIX}: the ranks differ in {detail}. Every rank must build the compressor "
                             f"with the same arguments and load the same state")

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .methods import Method, check_bits, get_method, initial_levels, multiplier_levels
+from .methods import PAPER_NORM, Method, check_bits, check_norm, get_method, initial_levels, multiplier_levels
 from .packing import pack_codes, unpack_codes
 from .statistics import distribution_from_statistics, normalize, summarize
 from .wire import HEADER_SIZE, Header, check_header, levels_fingerprint, pack_header, parse_payload, payload_size
@@ -46,6 +46,21 @@ def stochastic_round(r: np.ndarray, levels: np.ndarray, rng: np.random.Generator
     return (j + (rng.random(r.shape) < p)).astype(np.uint8)
 
 
+def gaussian_sigma(bucket_size: int, norm: str) -> float:
+    """Scale of the normalized coordinates of a bucket of ``bucket_size`` i.i.d. Gaussian values:
+    ``1 / sqrt(d)`` for L2 buckets, ``1 / m`` for max-abs buckets with ``m`` the median of the
+    largest of ``d`` absolute standard normals (``P(max |z| <= m) = 1/2``). The adaptive methods
+    start from the levels they fit to ``N(0, sigma**2)`` truncated to [-1, 1]."""
+    d = int(bucket_size)
+    if norm == "l2" or d == 1:
+        return 1.0 / np.sqrt(d)
+    from scipy.special import ndtri
+
+    # (2 Phi(m) - 1)**d = 1/2, solved in a form that keeps precision for large d
+    m = float(ndtri(1.0 - 0.5 * -np.expm1(np.log(0.5) / d)))
+    return 1.0 / m
+
+
 def _check_bucket_size(bucket_size: Any) -> int:
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer)):
         raise ValueError(f"bucket_size must be a positive integer, got {bucket_size!r}")
@@ -63,8 +78,10 @@ class Quantizer:
         Adaptive: ``"alq"``, ``"alq-n"`` (adapted levels), ``"amq"``, ``"amq-n"`` (adapted multiplier
         ``p`` of the levels ``+-{p**s, ..., p, 1}``); the ``-n`` variants fit one truncated normal
         instead of the norm-weighted mixture. Adaptive methods start from the levels they fit to
-        Gaussian gradients, i.e. normalized coordinates ``N(0, 1/bucket_size)`` truncated to [-1, 1]
-        (NUQSGD's fixed levels, the paper's start, lose a factor of ~100 in variance at d = 8192).
+        Gaussian gradients, i.e. normalized coordinates ``N(0, sigma**2)`` truncated to [-1, 1], with
+        ``sigma = 1/sqrt(bucket_size)`` for L2 buckets and 1 / (median max-abs of ``bucket_size``
+        standard normals) for max-abs buckets (:func:`gaussian_sigma`; NUQSGD's fixed levels, the
+        paper's start, lose a factor of ~100 in variance at d = 8192 with L2 buckets).
         Fixed: ``"qsgdinf"``, ``"qsgd"``, ``"nuqsgd"``, ``"terngrad"``.
     bits : int, optional
         Bits per coordinate on the wire, 2 to 8 (``2**bits`` levels). Default 3; TernGrad sends its
@@ -78,6 +95,14 @@ class Quantizer:
         TernGrad only: clip each bucket at ``clip`` standard deviations of its values before
         quantizing (``True`` means 2.5, the TernGrad paper's choice). Off by default because clipping
         biases the estimate; it lowers the variance on heavy-tailed gradients.
+    norm : {"l2", "linf"} or None
+        Bucket norm. None: the method's default (``METHODS[method].norm``: ``"linf"`` for the
+        adaptive methods). The adaptive methods take either: ``"linf"`` normalizes by the bucket's
+        max-abs (as QSGDinf and TernGrad), so the end levels +-1 are the largest coordinate and the
+        adapted interior levels cover the bulk; ``"l2"`` is the paper's form (Faghri et al.
+        normalize by the bucket's L2 norm; at d = 8192 the coordinates are ~1/sqrt(d) and the end
+        levels are almost never used). Fixed methods only take their own norm. The norm travels in
+        the payload header.
 
     Examples
     --------
@@ -94,8 +119,10 @@ class Quantizer:
         bucket_size: int = 8192,
         seed: int | None = None,
         clip: bool | float = False,
+        norm: str | None = None,
     ) -> None:
         self._method: Method = get_method(method)
+        self._norm = check_norm(self._method, norm)
         if bits is None:
             bits = 2 if self._method.name == "terngrad" else 3
         self._bits = check_bits(self._method, bits)
@@ -107,7 +134,7 @@ class Quantizer:
         if self._method.adaptive:
             from .distributions import TruncatedNormal
 
-            self._fit(TruncatedNormal(0.0, 1.0 / np.sqrt(self._bucket_size)))
+            self._fit(TruncatedNormal(0.0, gaussian_sigma(self._bucket_size, self._norm)))
 
     def _check_clip(self, clip: bool | float) -> float | None:
         if clip is False or clip is None:
@@ -134,6 +161,11 @@ class Quantizer:
         return self._bucket_size
 
     @property
+    def norm(self) -> str:
+        """Bucket norm, ``"l2"`` or ``"linf"``."""
+        return self._norm
+
+    @property
     def clip(self) -> float | None:
         """TernGrad clipping threshold in standard deviations, or None."""
         return self._clip
@@ -154,7 +186,7 @@ class Quantizer:
         return self._fingerprint
 
     def __repr__(self) -> str:
-        return f"Quantizer({self.method!r}, bits={self.bits}, bucket_size={self.bucket_size})"
+        return f"Quantizer({self.method!r}, bits={self.bits}, bucket_size={self.bucket_size}, norm={self.norm!r})"
 
     # ----------------------------------------------------------------- levels and state
     def _store_levels(self, levels: np.ndarray) -> None:
@@ -202,14 +234,20 @@ class Quantizer:
             "method": self.method,
             "bits": self.bits,
             "bucket_size": self.bucket_size,
+            "norm": self.norm,
             "levels": self.levels,
             "multiplier": self._multiplier,
             "rng": self._rng.bit_generator.state,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a :meth:`state_dict` of a quantizer with the same method, bits and bucket size."""
-        for key in ("method", "bits", "bucket_size"):
+        """Restore a :meth:`state_dict` of a quantizer with the same method, norm, bits and bucket size.
+
+        A state without ``"norm"`` (saved before the norm was configurable) has the paper's L2 norm
+        for the adaptive methods and the fixed norm for the others."""
+        state = dict(state)
+        state.setdefault("norm", PAPER_NORM if self._method.adaptive else self._method.norm)
+        for key in ("method", "norm", "bits", "bucket_size"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"state has {key}={state[key]!r}, this quantizer has {key}={getattr(self, key)!r}")
         if state.get("multiplier") is not None and self._method.adapts == "multiplier":
@@ -265,11 +303,11 @@ class Quantizer:
         if self._clip is not None:
             x = self._clipped(x)
         n, d = x.size, self._bucket_size
-        nz = normalize(x, d, self._method.norm)
+        nz = normalize(x, d, self._norm)
         codes = stochastic_round(nz.r.reshape(-1)[:n], self._levels, self._rng if rng is None else rng)
         out = np.empty(payload_size(n, self._bits, d), dtype=np.uint8)
         out[:HEADER_SIZE] = np.frombuffer(
-            pack_header(Header(self._method.id, self._bits, d, n, self._fingerprint)), dtype=np.uint8
+            pack_header(Header(self._method.id, self._bits, d, n, self._fingerprint, norm=self._norm)), dtype=np.uint8
         )
         end = HEADER_SIZE + 4 * nz.norms.size
         out[HEADER_SIZE:end] = nz.norms.astype("<f4").view(np.uint8)
@@ -296,7 +334,7 @@ class Quantizer:
             (except TernGrad's unused code 3, which is reported).
         """
         header, norms, packed = parse_payload(payload)
-        check_header(header, self._method.id, self._bits, self._bucket_size, self._fingerprint)
+        check_header(header, self._method.id, self._bits, self._bucket_size, self._fingerprint, self._norm)
         n, d = header.numel, self._bucket_size
         codes = unpack_codes(packed, self._bits, n)
         if self._levels.size < 2**self._bits and n and int(codes.max()) >= self._levels.size:
@@ -321,7 +359,7 @@ class Quantizer:
         np.ndarray, shape (statistics.statistics_length(method),), float64
         """
         x = self._flat_float(x)
-        return summarize(self._method, normalize(x, self._bucket_size, self._method.norm))
+        return summarize(self._method, normalize(x, self._bucket_size, self._norm))
 
     def adapt(self, stats: np.ndarray) -> None:
         """Refit the levels from a statistics vector, or the sum or mean of several workers' vectors.

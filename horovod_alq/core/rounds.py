@@ -73,7 +73,7 @@ class RoundState:
     def __post_init__(self) -> None:
         if self.second is None:
             q = self.quantizer
-            self.second = Quantizer(q.method, bits=q.bits, bucket_size=q.bucket_size)
+            self.second = Quantizer(q.method, bits=q.bits, bucket_size=q.bucket_size, norm=q.norm)
 
     @property
     def collecting(self) -> bool:

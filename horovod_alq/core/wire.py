@@ -1,13 +1,13 @@
-"""Payload header, levels fingerprint and payload slicing (wire format version 1, ``docs/design.md``).
+"""Payload header, levels fingerprint and payload slicing (wire format version 2, ``docs/design.md``).
 
 A payload is a 32-byte header, one float32 norm per bucket, then the packed codes::
 
     offset size field
     0      2    magic b"AQ"
-    2      1    format version (1)
+    2      1    format version (2)
     3      1    method id
     4      1    bits per coordinate (2..8)
-    5      1    reserved, 0
+    5      1    bucket norm code: 0 = l2, 1 = linf (version 1: reserved, 0)
     6      2    reserved, 0
     8      4    bucket size d (uint32)
     12     4    CRC-32 of the 32 header bytes with this field set to 0
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .methods import MAX_BITS, METHODS_BY_ID, MIN_BITS
+from .methods import MAX_BITS, METHODS_BY_ID, MIN_BITS, NORMS, NORMS_BY_CODE
 from .packing import packed_size
 
 MAGIC = b"AQ"
-VERSION = 1
+VERSION = 2  # 2: byte 5 carries the bucket norm (adaptive methods take either)
 HEADER_SIZE = 32
 _HEADER = struct.Struct("<2sBBBBHIIQQ")
 _CRC_OFFSET = 12
@@ -76,6 +76,12 @@ class Header:
     numel: int
     fingerprint: int
     version: int = VERSION
+    norm: str | None = None  # "l2" or "linf"; None: the method's default norm
+
+    def __post_init__(self) -> None:
+        if self.norm is None:
+            method = METHODS_BY_ID.get(self.method_id)
+            object.__setattr__(self, "norm", method.norm if method is not None else "l2")
 
     @property
     def method(self) -> str:
@@ -94,7 +100,9 @@ class Header:
 
 def pack_header(header: Header) -> bytes:
     """Serialize a header to its 32 bytes, checksum included."""
-    fields = [MAGIC, header.version, header.method_id, header.bits, 0, 0,
+    if header.norm not in NORMS:
+        raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {header.norm!r}")
+    fields = [MAGIC, header.version, header.method_id, header.bits, NORMS[header.norm], 0,
               header.bucket_size, 0, header.numel, header.fingerprint]
     raw = bytearray(_HEADER.pack(*fields))
     struct.pack_into("<I", raw, _CRC_OFFSET, zlib.crc32(raw))
@@ -128,7 +136,7 @@ def parse_header(payload) -> Header:
     if buf.size < HEADER_SIZE:
         raise ValueError(f"payload truncated: {buf.size} bytes, shorter than the {HEADER_SIZE}-byte header")
     raw = bytearray(buf[:HEADER_SIZE].tobytes())
-    magic, version, method_id, bits, _, _, bucket_size, crc, numel, fingerprint = _HEADER.unpack(raw)
+    magic, version, method_id, bits, norm_code, _, bucket_size, crc, numel, fingerprint = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}, expected {MAGIC!r}: not a horovod-alq payload")
     struct.pack_into("<I", raw, _CRC_OFFSET, 0)
@@ -142,7 +150,9 @@ def parse_header(payload) -> Header:
         raise ValueError(f"bits={bits} in payload header, must be from {MIN_BITS} to {MAX_BITS}")
     if bucket_size == 0:
         raise ValueError("bucket size 0 in payload header")
-    return Header(method_id, bits, bucket_size, numel, fingerprint, version)
+    if norm_code not in NORMS_BY_CODE:
+        raise ValueError(f"unknown norm code {norm_code} in payload header")
+    return Header(method_id, bits, bucket_size, numel, fingerprint, version, NORMS_BY_CODE[norm_code])
 
 
 def parse_payload(payload) -> tuple[Header, np.ndarray, np.ndarray]:
@@ -177,12 +187,16 @@ def parse_payload(payload) -> tuple[Header, np.ndarray, np.ndarray]:
     return header, norms, buf[end_norms:]
 
 
-def check_header(header: Header, method_id: int, bits: int, bucket_size: int, fingerprint: int) -> None:
-    """Raise ValueError saying how ``header`` differs from the local quantizer's configuration."""
+def check_header(header: Header, method_id: int, bits: int, bucket_size: int, fingerprint: int,
+                 norm: str) -> None:
+    """Raise ValueError saying how ``header`` differs from the local quantizer's configuration
+    (method, bucket norm, bits, bucket size, levels fingerprint; checked in that order)."""
     if header.method_id != method_id:
         raise ValueError(
             f"payload made with method {header.method}, this quantizer uses {METHODS_BY_ID[method_id].name}"
         )
+    if header.norm != norm:
+        raise ValueError(f"payload made with norm={header.norm}, this quantizer uses norm={norm}")
     if header.bits != bits:
         raise ValueError(f"payload made with bits={header.bits}, this quantizer uses bits={bits}")
     if header.bucket_size != bucket_size:

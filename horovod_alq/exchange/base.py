@@ -123,7 +123,7 @@ def check_payloads(ops: TensorOps, gathered: Tensor, numels: Sequence[int], quan
     for rank, (offset, n) in enumerate(zip(offsets[:-1].tolist(), numels)):
         try:
             header = parse_header(host[offset: offset + HEADER_SIZE])
-            check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint)
+            check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint, q.norm)
             if header.numel != n:
                 raise ValueError(f"payload has {header.numel} elements, expected {n}")
         except ValueError as err:

@@ -196,6 +196,9 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         Compile the encoder (all but the random draws) and the decoder with XLA, once per tensor
         shape: several times faster on CPU, at a compile of about a second per shape. Default True;
         False runs the same TF ops op by op.
+    norm : {"l2", "linf"}, optional
+        Bucket norm (adaptive methods take either; None: the method's default). See
+        :class:`horovod_alq.core.Quantizer`.
     """
 
     method: str = ""
@@ -205,11 +208,12 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
-                 min_size: int = 1024, seed: int | None = None, jit_compile: bool = True) -> None:
+                 min_size: int = 1024, seed: int | None = None, jit_compile: bool = True,
+                 norm: str | None = None) -> None:
         super().__init__(name=type(self).__name__)
         method = method or self.method
         self._method = get_method(method)
-        self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size)
+        self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size, norm=norm)
         self._schedule = schedule_from(update_steps, update_every)
         self.min_size = frontends.check_min_size(min_size)
         self.jit_compile = bool(jit_compile)
@@ -237,7 +241,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         # The codec's tf.functions (shared by compressors with the same configuration; one trace and
         # XLA compile per tensor shape) and per-traced-graph call-site counters, in a plain namespace
         # so that tf.Module / tf.train.Checkpoint do not track them.
-        codec = _codec(q.bits, q.bucket_size, self._method.norm, self.jit_compile)
+        codec = _codec(q.bits, q.bucket_size, q.norm, self.jit_compile)
         self._fns = types.SimpleNamespace(sites=weakref.WeakKeyDictionary(), codec=codec, encode=codec.encode,
                                           stats=codec.normless if self._stats_len == 4 else codec.grid)
 
@@ -375,7 +379,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         return {
             "seed": int(self._seed.numpy()) & _MASK64,
             "quantizer": {"method": self._method.name, "bits": self.bits, "bucket_size": self.bucket_size,
-                          "levels": self._levels.numpy(), "multiplier": None if np.isnan(mult) else mult,
+                          "norm": self.norm, "levels": self._levels.numpy(), "multiplier": None if np.isnan(mult) else mult,
                           "rng": None},
             "step": int(self._rounds.numpy()),
             "level_updates": int(self._level_updates.numpy()),
@@ -392,8 +396,8 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         and bucket size: its levels, seed and counters)."""
         if self._outstanding:
             raise RuntimeError("load_state_dict() during an exchange: call it between steps")
-        q = Quantizer(self._method.name, bits=self.bits, bucket_size=self.bucket_size)
-        q.load_state_dict(state["quantizer"])  # validates method, bits, bucket size and levels
+        q = Quantizer(self._method.name, bits=self.bits, bucket_size=self.bucket_size, norm=self.norm)
+        q.load_state_dict(state["quantizer"])  # validates method, norm, bits, bucket size and levels
         pending = np.asarray(state.get("pending_statistics", np.zeros(self._stats_len)), dtype=np.float64)
         if pending.shape != (self._stats_len,):
             raise ValueError(f"pending_statistics has shape {pending.shape}, expected ({self._stats_len},)")
@@ -431,7 +435,8 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     def _header(self, numel: int) -> tf.Tensor:
         q = self._quantizer
-        static = np.frombuffer(pack_header(Header(self._method.id, q.bits, q.bucket_size, numel, 0)), np.uint8)
+        static = np.frombuffer(pack_header(Header(self._method.id, q.bits, q.bucket_size, numel, 0, norm=q.norm)),
+                               np.uint8)
         mixed = tf.bitwise.bitwise_xor(tf.constant(static.astype(np.int32)), self._header_mask.read_value())
         return tf.cast(mixed, tf.uint8)
 
@@ -472,7 +477,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     def _refit_numpy(self, levels: np.ndarray, stats: np.ndarray):
         """The NumPy core's fit (deterministic: identical inputs give identical levels on every rank)."""
-        q = Quantizer(self._method.name, bits=self.bits, bucket_size=self.bucket_size)
+        q = Quantizer(self._method.name, bits=self.bits, bucket_size=self.bucket_size, norm=self.norm)
         q.set_levels(levels)
         updated = 0
         if np.isfinite(stats).all() and stats[0] > 0:  # no finite non-zero bucket seen: keep the levels
@@ -558,7 +563,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                                  f"({total} bytes gathered from {hvd.size()} ranks)")
             try:
                 theirs = parse_header(gathered[offset: offset + HEADER_SIZE])
-                check_header(theirs, local.method_id, local.bits, local.bucket_size, local.fingerprint)
+                check_header(theirs, local.method_id, local.bits, local.bucket_size, local.fingerprint, local.norm)
                 if theirs.numel != numel:
                     raise ValueError(f"payload has {theirs.numel} elements, this rank's tensor has {numel}")
                 if offset + theirs.payload_size > total:

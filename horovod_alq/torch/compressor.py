@@ -124,6 +124,9 @@ class QuantizedCompressor(frontends.CompressorBase):
     process_set : horovod.torch.ProcessSet, optional
         The process set of the allreduces this compressor serves (default: global). Pass the same
         one to ``hvd.DistributedOptimizer(process_set=...)`` / ``hvd.allreduce(process_set=...)``.
+    norm : {"l2", "linf"}, optional
+        Bucket norm (adaptive methods take either; None: the method's default). See
+        :class:`horovod_alq.core.Quantizer`.
     """
 
     method: str = ""
@@ -131,13 +134,14 @@ class QuantizedCompressor(frontends.CompressorBase):
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
                  min_size: int = 1024, seed: int | None = None, codec: str = "auto",
-                 fused: bool | None = None, exchange: str = "auto", fusion_bytes: int | None = None, bits_second: int | None = None,
-                 adapt_second: bool = True, process_set=None) -> None:
+                 fused: bool | None = None, exchange: str = "auto", fusion_bytes: int | None = None,
+                 bits_second: int | None = None, adapt_second: bool = True, process_set=None,
+                 norm: str | None = None) -> None:
         method = method or self.method
         self._method = get_method(method)
-        self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size)
+        self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size, norm=norm)
         second = Quantizer(self._method.name, bits=self._quantizer.bits if bits_second is None else bits_second,
-                           bucket_size=bucket_size)
+                           bucket_size=bucket_size, norm=self._quantizer.norm)
         self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every), second,
                                  bool(adapt_second))
         self.min_size = frontends.check_min_size(min_size)
@@ -166,7 +170,8 @@ class QuantizedCompressor(frontends.CompressorBase):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(method={self._method.name!r}, bits={self.bits}, "
-                f"bucket_size={self.bucket_size}, min_size={self.min_size}, exchange={self.exchange!r})")
+                f"bucket_size={self.bucket_size}, norm={self.norm!r}, min_size={self.min_size}, "
+                f"exchange={self.exchange!r})")
 
     # ------------------------------------------------------------------ Horovod interface
     @frontends.ClassOrInstance

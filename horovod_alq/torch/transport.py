@@ -89,11 +89,11 @@ class TorchOps:
     def encode(self, x: torch.Tensor, q: Quantizer, seed: int) -> torch.Tensor:
         method = get_method(q.method)
         header = torch.frombuffer(bytearray(pack_header(Header(method.id, q.bits, q.bucket_size, x.numel(),
-                                                               q.fingerprint))), dtype=torch.uint8)
+                                                               q.fingerprint, norm=q.norm))), dtype=torch.uint8)
         if x.numel() == 0:
             return header.to(self.device)
         return self.codec.encode(x.contiguous(), self.levels(q), header.to(self.device), bits=q.bits,
-                                 bucket_size=q.bucket_size, norm=_norm(q), seed=seed)
+                                 bucket_size=q.bucket_size, norm=q.norm, seed=seed)
 
     def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets, q: Quantizer) -> None:
         if out.numel() == 0:
@@ -108,11 +108,11 @@ class TorchOps:
         method = get_method(q.method)
         x = x.contiguous()
         if not method.adaptive or method.normless:
-            moments = self.codec.bucket_moments(x, bucket_size=q.bucket_size, norm=_norm(q))
+            moments = self.codec.bucket_moments(x, bucket_size=q.bucket_size, norm=q.norm)
             return normless_statistics(BucketMoments(*moments))
         if self._grid is None:
             self._grid = torch.tensor(GRID, dtype=torch.float64, device=self.device)
-        return self.codec.grid_statistics(x, self._grid, bucket_size=q.bucket_size, norm=_norm(q))
+        return self.codec.grid_statistics(x, self._grid, bucket_size=q.bucket_size, norm=q.norm)
 
     def cat(self, parts) -> torch.Tensor:
         return torch.cat(list(parts)) if len(parts) > 1 else parts[0]
@@ -122,7 +122,3 @@ class TorchOps:
 
     def from_numpy(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-
-
-def _norm(q: Quantizer) -> str:
-    return getattr(q, "norm", get_method(q.method).norm)

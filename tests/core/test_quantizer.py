@@ -23,13 +23,13 @@ def test_fixed_level_tables():
     np.testing.assert_array_equal(Quantizer("terngrad").levels, [-1, 0, 1])
     np.testing.assert_array_equal(Quantizer("nuqsgd", bits=2).levels, [-1, -0.5, 0.5, 1])
     np.testing.assert_array_equal(Quantizer("nuqsgd", bits=4).levels[8:], 2.0 ** -np.arange(7, -1, -1))
-    for m in ADAPTIVE:  # adaptive methods start fitted to Gaussian gradients: N(0, 1/d), truncated
+    for m in ADAPTIVE:  # adaptive methods start fitted to Gaussian gradients: N(0, 1/d) with L2 buckets
         for d in (512, 8192):
             prior = TruncatedNormal(0.0, d**-0.5)
-            start = Quantizer(m, bits=3, bucket_size=d).levels
+            start = Quantizer(m, bits=3, bucket_size=d, norm="l2").levels
             assert expected_variance(start, prior) < 0.1 * expected_variance(Quantizer("nuqsgd").levels, prior)
             assert not np.array_equal(start, Quantizer("nuqsgd").levels)
-            np.testing.assert_array_equal(start, Quantizer(m, bits=3, bucket_size=d).levels)  # deterministic
+            np.testing.assert_array_equal(start, Quantizer(m, bits=3, bucket_size=d, norm="l2").levels)  # deterministic
     for bits in range(2, 9):
         lv = Quantizer("alq", bits=bits).levels
         assert lv.size == 2**bits and lv[0] == -1 and lv[-1] == 1 and np.all(np.diff(lv) > 0)

@@ -1,4 +1,4 @@
-"""Payload header, fingerprint, sizes, slicing and splitting (docs/design.md, wire format v1)."""
+"""Payload header, fingerprint, sizes, slicing and splitting (docs/design.md, wire format v2)."""
 
 import hashlib
 import struct
@@ -27,15 +27,33 @@ def make_payload(numel=3669, bits=3, bucket_size=8192, method_id=4, fingerprint=
 
 
 def test_header_layout():
-    raw = pack_header(Header(method_id=6, bits=5, bucket_size=1024, numel=10**10, fingerprint=0xDEADBEEF01))
+    raw = pack_header(Header(method_id=6, bits=5, bucket_size=1024, numel=10**10, fingerprint=0xDEADBEEF01,
+                             norm="l2"))
     assert len(raw) == 32
-    assert raw[:2] == b"AQ" and raw[2] == 1 and raw[3] == 6 and raw[4] == 5 and raw[5:8] == b"\0\0\0"
+    assert raw[:2] == b"AQ" and raw[2] == 2 and raw[3] == 6 and raw[4] == 5 and raw[5:8] == b"\0\0\0"
     assert struct.unpack_from("<I", raw, 8)[0] == 1024
     assert struct.unpack_from("<Q", raw, 16)[0] == 10**10
     assert struct.unpack_from("<Q", raw, 24)[0] == 0xDEADBEEF01
     zeroed = raw[:12] + b"\0\0\0\0" + raw[16:]
     assert struct.unpack_from("<I", raw, 12)[0] == zlib.crc32(zeroed)
-    assert parse_header(raw) == Header(6, 5, 1024, 10**10, 0xDEADBEEF01)
+    assert parse_header(raw) == Header(6, 5, 1024, 10**10, 0xDEADBEEF01, norm="l2")
+
+
+def test_header_norm_byte():
+    """Byte 5 is the bucket norm (0 = l2, 1 = linf) for every method; unknown codes are refused."""
+    for method_id in range(8):
+        for norm, code in (("l2", 0), ("linf", 1)):
+            raw = pack_header(Header(method_id, 3, 64, 7, 0x55, norm=norm))
+            assert raw[5] == code and raw[6:8] == b"\0\0"
+            assert parse_header(raw).norm == norm
+    assert Header(0, 3, 64, 7, 0).norm == "linf" and Header(1, 3, 64, 7, 0).norm == "l2"  # default: method's
+    bad = bytearray(pack_header(Header(4, 3, 64, 7, 0)))
+    bad[5], bad[12:16] = 2, b"\0\0\0\0"
+    struct.pack_into("<I", bad, 12, zlib.crc32(bytes(bad)))
+    with pytest.raises(ValueError, match="unknown norm code 2"):
+        parse_header(bytes(bad))
+    with pytest.raises(ValueError, match="norm must be one of l2, linf"):
+        pack_header(Header(4, 3, 64, 7, 0, norm="l1"))
 
 
 def test_fingerprint():
@@ -96,21 +114,25 @@ def test_invalid_fields_with_valid_checksum():
         parse_header(pack_header(Header(4, 9, 8, 1, 0)))
     with pytest.raises(ValueError, match="bucket size 0"):
         parse_header(pack_header(Header(4, 3, 0, 1, 0)))
-    with pytest.raises(ValueError, match="unsupported payload format version 2"):
-        parse_header(pack_header(Header(4, 3, 8, 1, 0, version=2)))
+    with pytest.raises(ValueError, match="unsupported payload format version 3, this build reads 2"):
+        parse_header(pack_header(Header(4, 3, 8, 1, 0, version=3)))
+    with pytest.raises(ValueError, match="unsupported payload format version 1, this build reads 2"):
+        parse_header(pack_header(Header(4, 3, 8, 1, 0, version=1)))
 
 
 def test_check_header_messages():
-    h = Header(method_id=4, bits=4, bucket_size=512, numel=10, fingerprint=0xAB)
-    check_header(h, 4, 4, 512, 0xAB)
+    h = Header(method_id=4, bits=4, bucket_size=512, numel=10, fingerprint=0xAB, norm="l2")
+    check_header(h, 4, 4, 512, 0xAB, "l2")
     with pytest.raises(ValueError, match="payload made with method alq, this quantizer uses amq"):
-        check_header(h, 6, 4, 512, 0xAB)
+        check_header(h, 6, 4, 512, 0xAB, "l2")
+    with pytest.raises(ValueError, match="payload made with norm=l2, this quantizer uses norm=linf"):
+        check_header(h, 4, 4, 512, 0xAB, "linf")
     with pytest.raises(ValueError, match="payload made with bits=4, this quantizer uses bits=3"):
-        check_header(h, 4, 3, 512, 0xAB)
+        check_header(h, 4, 3, 512, 0xAB, "l2")
     with pytest.raises(ValueError, match="payload made with bucket_size=512, this quantizer uses bucket_size=8192"):
-        check_header(h, 4, 4, 8192, 0xAB)
+        check_header(h, 4, 4, 8192, 0xAB, "l2")
     with pytest.raises(ValueError, match="levels differ: payload fingerprint 0x00000000000000ab, local 0x00000000000000cd"):
-        check_header(h, 4, 4, 512, 0xCD)
+        check_header(h, 4, 4, 512, 0xCD, "l2")
 
 
 def test_split_payloads():

@@ -188,6 +188,8 @@ MISMATCH = {  # case: what every rank's message must say (the exchange's handsha
     "levels": "levels differ",
     "adapt_levels": "differ in levels",
     "adapt_config": "differ in bits",
+    "norm": "differ in norm l2 on some ranks, linf on others",
+    "adapt_norm": "differ in norm",
 }
 BAD_INPUT = {  # only rank 1 is at fault; everyone names it
     "numel": "different element counts (rank 0: 500, rank 1: 499",

@@ -116,7 +116,8 @@ def test_keras_model_fit_with_tf_keras():
 def test_mismatched_configuration_is_refused_on_every_rank():
     res = _run("mismatch")
     needles = {"bits": ("bits=4", "bits=3"), "bucket": ("bucket_size=512", "bucket_size=256"),
-               "levels": ("levels differ",), "method": ("amq", "alq")}
+               "levels": ("levels differ",), "method": ("amq", "alq"),
+               "norm": ("payload made with norm=", "norm=l2", "norm=linf")}
     for rank, r in enumerate(res):
         for mode in ("eager", "function"):
             for what, words in needles.items():

@@ -18,13 +18,14 @@ CASES = [("alq", 3), ("alq-n", 2), ("amq", 5), ("qsgdinf", 4), ("qsgd", 8), ("nu
 
 
 def _header(q: Quantizer, numel: int) -> np.ndarray:
-    return np.frombuffer(pack_header(Header(q._method.id, q.bits, q.bucket_size, numel, q.fingerprint)), np.uint8)
+    return np.frombuffer(pack_header(Header(q._method.id, q.bits, q.bucket_size, numel, q.fingerprint, norm=q.norm)),
+                         np.uint8)
 
 
 def _tf_encode(q: Quantizer, x: np.ndarray, seed=(1, 2)) -> np.ndarray:
     return kernels.encode(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, x.size)),
                           tf.constant(seed, tf.int64), bits=q.bits, bucket_size=q.bucket_size,
-                          norm=q._method.norm).numpy()
+                          norm=q.norm).numpy()
 
 
 def _tf_decode(q: Quantizer, payloads: list, numel: int, scale: float = 1.0) -> np.ndarray:
@@ -89,7 +90,7 @@ def test_payloads_cross_decode_with_the_torch_kernels(method, bits):
     tk.decode_into(out, torch.from_numpy(payload.copy()), torch.from_numpy(q.levels), bits=bits, bucket_size=64)
     assert np.array_equal(out.numpy(), q.decode(payload))
     tpayload = tk.encode(torch.from_numpy(x), torch.from_numpy(q.levels), torch.from_numpy(_header(q, x.size).copy()),
-                         bits=bits, bucket_size=64, norm=q._method.norm,
+                         bits=bits, bucket_size=64, norm=q.norm,
                          generator=torch.Generator().manual_seed(0)).numpy()
     assert np.array_equal(_tf_decode(q, [tpayload], x.size), q.decode(tpayload))
 
@@ -111,7 +112,7 @@ def test_norms_match_the_core_including_float32_overflow_and_float64_input():
 
 
 def test_stochastic_rounding_is_unbiased_and_seeded():
-    q = Quantizer("alq", bits=3, bucket_size=64)
+    q = Quantizer("alq", bits=3, bucket_size=64, norm="l2")
     x = _data(64, seed=3)
     draws = 4000
     seeds = tf.stack([tf.fill([draws], tf.constant(7, tf.int64)), tf.range(draws, dtype=tf.int64)], axis=1)
@@ -129,14 +130,16 @@ def test_stochastic_rounding_is_unbiased_and_seeded():
     assert not np.array_equal(_tf_encode(q, x, (5, 6)), _tf_encode(q, x, (5, 7)))
 
 
-@pytest.mark.parametrize("method", ["alq", "alq-n", "amq", "amq-n", "qsgdinf"])
-def test_statistics_match_the_core(method):
-    q = Quantizer(method, bits=3, bucket_size=256)
+@pytest.mark.parametrize("method,norm", [("alq", "l2"), ("alq-n", "l2"), ("amq", "l2"), ("amq-n", "l2"),
+                                         ("qsgdinf", "linf"), ("alq", "linf"), ("alq-n", "linf"),
+                                         ("amq", "linf"), ("amq-n", "linf")])
+def test_statistics_match_the_core(method, norm):
+    q = Quantizer(method, bits=3, bucket_size=256, norm=norm)
     x = _data(5000, seed=4)
     x[700] = np.nan  # a non-finite bucket and a zero bucket are left out
     x[1300:1536] = 0.0
     want = q.statistics(x)
-    norm = q._method.norm
+    norm = q.norm
     if want.size == 4:
         got = kernels.normless_statistics(tf.constant(x), bucket_size=256, norm=norm).numpy()
     else:
@@ -156,8 +159,8 @@ def test_xla_compiled_codec_reads_and_writes_the_same_format(method, bits):
     u = kernels.uniforms(tf.constant(x), tf.constant([3, 4], tf.int64), 100)
     opts = dict(bits=bits, bucket_size=100)
     plain = kernels.encode_with_uniforms(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, x.size)), u,
-                                         norm=q._method.norm, **opts).numpy()
-    xla = tf.function(functools.partial(kernels.encode_with_uniforms, norm=q._method.norm, unrolled=True, **opts),
+                                         norm=q.norm, **opts).numpy()
+    xla = tf.function(functools.partial(kernels.encode_with_uniforms, norm=q.norm, unrolled=True, **opts),
                       jit_compile=True)(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, x.size)), u)
     xla = xla.numpy()
     assert xla.shape == plain.shape and np.array_equal(xla[:32], plain[:32])
@@ -174,6 +177,45 @@ def test_xla_compiled_codec_reads_and_writes_the_same_format(method, bits):
     decode = tf.function(functools.partial(kernels.decode_sum, ranks=2, numel=x.size, **opts), jit_compile=True)
     both = decode(tf.constant(np.concatenate([xla, plain])), tf.constant(q.levels), tf.constant(0.5)).numpy()
     assert np.allclose(both, 0.5 * (a + b), rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "xla"])
+@pytest.mark.parametrize("method,norm,bits", [("alq", "linf", 2), ("alq", "linf", 3), ("amq", "linf", 4),
+                                              ("alq-n", "linf", 3), ("amq-n", "linf", 3), ("alq", "l2", 3),
+                                              ("amq", "l2", 2)])
+def test_unbiased_with_either_norm(method, norm, bits, jit):
+    """Mean of M encodes (the compressors' encoder: XLA-compiled and unrolled, or plain TF ops) is
+    within a per-coordinate Bernstein bound of x, with each coordinate's exact rounding variance;
+    the payload says its norm, and a quantizer with the other norm refuses it."""
+    import functools
+
+    q = Quantizer(method, bits=bits, bucket_size=128, norm=norm)
+    n, m = 1000, 300
+    x = _data(n, seed=bits)
+    x[:128] = 0.0  # a zero-norm bucket decodes to exact zeros
+    enc = tf.function(functools.partial(kernels.encode, bits=bits, bucket_size=128, norm=norm, unrolled=jit),
+                      jit_compile=jit)
+    seeds = tf.stack([tf.fill([m], tf.constant(11, tf.int64)), tf.range(m, dtype=tf.int64)], axis=1)
+    payloads = tf.map_fn(lambda s: enc(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, n)), s),
+                         seeds, fn_output_signature=tf.uint8).numpy()
+    assert payloads[0][5] == {"l2": 0, "linf": 1}[norm]
+    other = Quantizer(method, bits=bits, bucket_size=128, norm={"l2": "linf", "linf": "l2"}[norm])
+    with pytest.raises(ValueError, match=f"payload made with norm={norm}, this quantizer uses norm={other.norm}"):
+        other.decode(payloads[0])
+    mean = np.stack([q.decode(p) for p in payloads]).astype(np.float64).mean(0)
+    norms = np.repeat(payloads[0][32: 32 + 4 * 8].view("<f4").astype(np.float64), 128)[:n]
+    levels = q.levels.astype(np.float32).astype(np.float64)
+    target = x.astype(np.float64)
+    r = np.clip(np.divide(target, norms, out=np.zeros(n), where=norms > 0), -1, 1)
+    cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
+    var = norms**2 * np.clip((levels[cell + 1] - r) * (r - levels[cell]), 0, None)
+    c = norms * (levels[cell + 1] - levels[cell]) / m
+    log_term = np.log(2 / 1e-9)  # 1e-9 per coordinate
+    bound = c * log_term / 3 + np.sqrt((c * log_term / 3) ** 2 + 2 * var / m * log_term)
+    bound += 1e-6 * (np.abs(target) + norms)  # float32 arithmetic of the encoder
+    assert (np.abs(mean - target) <= bound).all()
+    assert (mean[:128] == 0).all()
+    assert abs((mean - target).sum()) <= 5 * np.sqrt(var.sum() / m) + 1e-6 * np.abs(target).sum()
 
 
 def test_uniforms_are_uniform_and_independent():

@@ -319,7 +319,7 @@ def test_statistics_match_the_numpy_core(codec, method, norm):
     x = torch.distributions.StudentT(3.0).sample((4 * d + 17,))
     x[d: 2 * d] = 0.0
     x[2 * d + 5] = float("nan")
-    q = Quantizer(method, bucket_size=d, seed=0)
+    q = Quantizer(method, bucket_size=d, seed=0, norm=norm)
     moments = codec.bucket_moments(x, bucket_size=d, norm=norm)
     want = BucketMoments(*(np.asarray(a) for a in moments))
     ref = normalize(x.numpy(), d, norm)

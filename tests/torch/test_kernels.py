@@ -13,9 +13,9 @@ METHODS = ["qsgdinf", "qsgd", "nuqsgd", "terngrad", "alq", "alq-n", "amq", "amq-
 
 def _torch_encode(q: Quantizer, x: torch.Tensor, use_fused: bool, seed: int = 1) -> torch.Tensor:
     header = torch.frombuffer(bytearray(pack_header(Header(
-        _method_id(q), q.bits, q.bucket_size, x.numel(), q.fingerprint))), dtype=torch.uint8)
+        _method_id(q), q.bits, q.bucket_size, x.numel(), q.fingerprint, norm=q.norm))), dtype=torch.uint8)
     levels = torch.as_tensor(q.levels)
-    norm = "linf" if q.method in ("qsgdinf", "terngrad") else "l2"
+    norm = q.norm
     if use_fused:
         module = fused.load()
         if module is None:
@@ -104,11 +104,33 @@ FUSED_PATHS = [("qsgdinf", 2, 256, 1000), ("alq", 3, 100, 1000), ("amq", 4, 1024
 def test_fused_unbiased_on_every_path(method, bits, bucket, n):
     """The mean of M fused encodes is within a Bernstein bound of x, per coordinate, with the exact
     variance of each coordinate (its norm and the two levels around it are known)."""
-    q = Quantizer(method, bits=bits, bucket_size=bucket, seed=0)
+    _check_unbiased(Quantizer(method, bits=bits, bucket_size=bucket, seed=0), n, use_fused=True)
+
+
+# Adaptive methods with either bucket norm, both torch backends, the fused paths of FUSED_PATHS.
+NORM_CASES = [("alq", "linf", 2, 256, 1000), ("alq", "linf", 3, 100, 1000), ("amq", "linf", 4, 1024, 3000),
+              ("alq-n", "linf", 3, 64, 700), ("amq-n", "linf", 6, 1000, 2100), ("alq", "l2", 3, 100, 1000),
+              ("amq", "l2", 2, 256, 1000)]
+
+
+@pytest.mark.parametrize("use_fused", [False, True], ids=["torch", "fused"])
+@pytest.mark.parametrize("method,norm,bits,bucket,n", NORM_CASES)
+def test_unbiased_with_either_norm(method, norm, bits, bucket, n, use_fused):
+    q = Quantizer(method, bits=bits, bucket_size=bucket, seed=0, norm=norm)
+    payload = _torch_encode(q, torch.randn(n), use_fused).numpy()
+    assert payload[5] == {"l2": 0, "linf": 1}[norm]
+    other = Quantizer(method, bits=bits, bucket_size=bucket, seed=0, norm={"l2": "linf", "linf": "l2"}[norm])
+    with pytest.raises(ValueError, match=f"payload made with norm={norm}, this quantizer uses norm={other.norm}"):
+        other.decode(payload)
+    _check_unbiased(q, n, use_fused=use_fused)
+
+
+def _check_unbiased(q: Quantizer, n: int, use_fused: bool) -> None:
+    bits, bucket = q.bits, q.bucket_size
     x = torch.randn(n, generator=torch.Generator().manual_seed(bits))
     x[:bucket] = 0.0  # a dead (zero-norm) bucket: exact zeros
     m = 300
-    payloads = [_torch_encode(q, x, True, seed=s).numpy() for s in range(m)]
+    payloads = [_torch_encode(q, x, use_fused, seed=s).numpy() for s in range(m)]
     mean = np.stack([q.decode(p) for p in payloads]).astype(np.float64).mean(0)
     nb = -(-n // bucket)
     norms = np.repeat(payloads[0][32: 32 + 4 * nb].view("<f4").astype(np.float64), bucket)[:n]
@@ -171,20 +193,21 @@ def test_corrupted_codes_decode_to_nan_not_garbage():
         assert np.isnan(out).all()
 
 
+@pytest.mark.parametrize("norm", ["l2", "linf"])
 @pytest.mark.parametrize("method", ["alq", "alq-n", "amq", "amq-n"])
-def test_statistics_match_the_numpy_core(method):
+def test_statistics_match_the_numpy_core(method, norm):
     from horovod_alq.core.methods import get_method
     from horovod_alq.core.statistics import GRID, BucketMoments, normless_statistics
 
-    q = Quantizer(method, bucket_size=300, seed=0)
+    q = Quantizer(method, bucket_size=300, seed=0, norm=norm)
     torch.manual_seed(0)
     x = torch.distributions.StudentT(3.0).sample((5 * 300 + 17,))
     x[300:600] = 0.0
     x[700] = float("nan")
     if get_method(method).normless:
-        got = normless_statistics(BucketMoments(*kernels.bucket_moments(x, bucket_size=300, norm="l2")))
+        got = normless_statistics(BucketMoments(*kernels.bucket_moments(x, bucket_size=300, norm=norm)))
     else:
-        got = kernels.grid_statistics(x, torch.tensor(GRID), bucket_size=300, norm="l2")
+        got = kernels.grid_statistics(x, torch.tensor(GRID), bucket_size=300, norm=norm)
     # agree to float32 rounding (torch reduces in float32, the core in float64); sum r cancels,
     # so its error is relative to sum |r| (~100 here), not to its value: atol 1e-5
     np.testing.assert_allclose(got, q.statistics(x.numpy()), rtol=1e-6, atol=1e-5)

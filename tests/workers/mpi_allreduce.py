@@ -194,6 +194,8 @@ def errors(comm) -> dict:
         "adapt_levels": lambda: levels_ar().adapt(),
         "adapt_stats": lambda: good.adapt(np.ones(3) if odd else None),
         "adapt_config": lambda: config(bits=4).adapt(),
+        "norm": lambda: config(norm="linf" if good.norm == "l2" else "l2")(x),
+        "adapt_norm": lambda: config(norm="linf" if good.norm == "l2" else "l2").adapt(),
     }
     for name, fn in cases.items():
         res[name] = _attempt(fn)

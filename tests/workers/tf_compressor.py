@@ -84,7 +84,7 @@ def exchange(args) -> dict:
     for method in args.methods.split(","):
         comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
                               update_every=0, min_size=16, seed=args.seed)
-        norm = comp._method.norm
+        norm = comp.norm
         start = comp.levels.tolist()
         fn = reduce_fn(comp, op, args.mode)
         dev_sum, var_sum, width = np.zeros(args.n), np.zeros(args.n), np.zeros(args.n)
@@ -256,8 +256,10 @@ def mismatch(args) -> dict:
     rank = hvd.rank()
     out = {}
     for mode in ("eager", "function"):
-        for what in ("bits", "bucket", "levels", "method"):
+        for what in ("bits", "bucket", "levels", "method", "norm"):
             kw = dict(bits=3, bucket_size=256, min_size=16, seed=0, update_steps=())
+            if what == "norm":
+                kw["norm"] = "linf" if rank == 1 else "l2"
             if rank == 1 and what == "bits":
                 kw["bits"] = 4
             if rank == 1 and what == "bucket":

@@ -28,9 +28,13 @@ def exchange(args) -> dict:
     """M rounds of hvd.allreduce with the compressor; a Bernstein bound per coordinate with the
     exact variance of each round (its levels are known) says whether the mean is unbiased."""
     size, rank = hvd.size(), hvd.rank()
-    comp = compressor_for(args.method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
-                          update_every=0, min_size=16, seed=args.seed)
-    norm = "linf" if args.method in ("qsgdinf", "terngrad") else "l2"
+    method, norm = args.method, None
+    for suffix in ("l2", "linf"):  # "alq-l2": that method with that bucket norm
+        if method.endswith(f"-{suffix}"):
+            method, norm = method[: -len(suffix) - 1], suffix
+    comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
+                          update_every=0, min_size=16, seed=args.seed, norm=norm)
+    norm = comp.norm
     op = hvd.Sum if args.op == "sum" else hvd.Average
     xs = [rank_data(r, args.numel).double().numpy() for r in range(size)]
     x = torch.from_numpy(xs[rank]).float()
@@ -123,9 +127,11 @@ def train(args) -> dict:
 
 
 def mismatch(args) -> dict:
-    """Rank 1 differs from rank 0 (bits, bucket size, levels or method): every rank must refuse."""
+    """Rank 1 differs from rank 0 (bits, bucket size, levels, method or norm): every rank must refuse."""
     rank = hvd.rank()
     kw = dict(bits=3, bucket_size=256, min_size=16, seed=0)
+    if args.what == "norm":
+        kw["norm"] = "linf" if rank == 1 else "l2"
     if rank == 1 and args.what == "bits":
         kw["bits"] = 4
     if rank == 1 and args.what == "bucket":
