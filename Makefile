@@ -7,7 +7,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none \
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 
-.PHONY: install test demo clean bench
+.PHONY: install test demo demo-ddp clean bench
 
 install:
 	bash scripts/install.sh
@@ -20,6 +20,12 @@ test: install
 DEMO_ARGS ?=
 demo: install
 	OMP_NUM_THREADS=1 $(MPIRUN) -np $(NP) $(PY) scripts/train.py --methods alq,none $(DEMO_ARGS)
+
+# The same demo with PyTorch DistributedDataParallel (no Horovod): ALQ as the DDP communication
+# hook against DDP's own allreduce, $(NP) workers started by torchrun over gloo.
+demo-ddp: install
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NP) scripts/train.py --backend ddp \
+		--methods alq,none $(DEMO_ARGS)
 
 # Quick versions of the evidence in docs/results.md (variance, codec speed, accuracy, netns
 # wall-clock; the last needs root), written to build/bench/.

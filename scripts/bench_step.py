@@ -182,6 +182,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.width, args.steps, args.warmup = 0.5, 3, 1
     args.warmup = max(1, args.warmup)
+    # Several compressors x 161 names, cycled step by step, thrash Horovod's default 1,024-entry
+    # response cache (an LRU): every tensor would renegotiate every step. One model alone fits.
+    os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "8192")
     hvd.init()
     from horovod_alq.torch import fused
 
@@ -251,7 +254,8 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
         f"{len(big)} tensors of >= 1,024 elements holding {sum(map(numel, big)):,} (compressed by ALQ; the "
         f"others travel through Horovod's plain allreduce).",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s) per rank, "
-        f"{hvd.size()} ranks on one host (shared memory). {fused_status}. Load average {load_before:.1f} before, "
+        f"{hvd.size()} ranks on one host (shared memory). {fused_status}. "
+        f"HOROVOD_CACHE_CAPACITY={os.environ.get('HOROVOD_CACHE_CAPACITY')}. Load average {load_before:.1f} before, "
         f"{load_after:.1f} after.",
         f"ALQ: {args.bits} bits, bucket {args.bucket_size}, default fusion (64 MiB of float32 per buffer) unless "
         f"named; levels refit at step 0 only (inside the warm-up). Median of {args.steps} steps after "

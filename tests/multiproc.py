@@ -34,7 +34,7 @@ import pytest
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 BOOT = WORKERS / "_boot.py"
-LAUNCHERS = ("mpi", "gloo")
+LAUNCHERS = ("mpi", "gloo", "torchrun")
 
 # Every rank gets one thread per library: 2 ranks on 2 cores must not oversubscribe.
 RANK_ENV = {
@@ -78,9 +78,12 @@ def _tool(name: str) -> str:
 
 
 def launch_command(launcher: str, np: int) -> list[str]:
-    """The command prefix that starts ``np`` local ranks with ``launcher`` ("mpi" or "gloo")."""
+    """The command prefix that starts ``np`` local ranks with ``launcher`` ("mpi", "gloo", or
+    "torchrun": torch.distributed's launcher, for workers that call ``dist.init_process_group``)."""
     if launcher == "mpi":
         return [_tool("mpirun"), *MPI_OPTIONS, "-np", str(np)]
+    if launcher == "torchrun":  # --standalone picks a free port; --no-python: run "python _boot.py ..."
+        return [_tool("torchrun"), "--standalone", "--nproc-per-node", str(np), "--no-python"]
     if launcher == "gloo":
         # horovodrun of this Python's Horovod (outside a venv when reusing an existing Horovod).
         local = Path(sys.executable).parent / "horovodrun"
@@ -143,7 +146,7 @@ def run_ranks(
     ----------
     worker : path of a Python script; a relative path is taken from tests/workers/.
     np : number of ranks.
-    launcher : "mpi" (mpirun, Horovod's MPI controller) or "gloo" (horovodrun --gloo).
+    launcher : "mpi" (mpirun, Horovod's MPI controller), "gloo" (horovodrun --gloo) or "torchrun".
     args : command-line arguments for the worker (converted with ``str``).
     timeout : seconds for the whole run; past it every process is killed and the test fails.
     env : extra environment variables for the ranks (override the defaults in ``RANK_ENV``).

@@ -48,7 +48,7 @@ class RefitSchedule:
 
 
 _COUNTERS = ("step", "level_updates", "calls", "payload_bytes", "coordinates", "uncompressed_coordinates",
-             "bytes_sent", "bytes_received")
+             "bytes_sent", "bytes_received", "recovered")
 
 
 @dataclass
@@ -68,6 +68,7 @@ class RoundState:
     uncompressed_coordinates: int = 0
     bytes_sent: int = 0  # payload bytes this rank put on the wire (all phases, headers included)
     bytes_received: int = 0
+    recovered: int = 0  # tensors re-exchanged alone: ranks had put them in different slots of one shape
     exchange: str | None = None  # the exchange used by the last round
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ from ..core.protocol import (PREFIX, ProtocolError, ReductionMismatch, derive_se
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState
 from . import allgather, two_phase
-from .base import Job, Layout, TensorOps, Transport, plan_layout
+from .base import Job, Layout, TensorOps, Transport, check_payloads, plan_layout
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
 EXCHANGES = {allgather.NAME: allgather, two_phase.NAME: two_phase}
@@ -94,6 +94,10 @@ class _Round:
     entries: list[Entry] = field(default_factory=list)
     result: Any = None
     failure: Exception | None = None
+    prefix: str = ""
+    epoch: int = 0
+    recovery: dict = field(default_factory=dict)  # slot index -> allgather waiter or its result
+    repeated: frozenset = frozenset()  # (numel, shape code) of tensors that share a shape
 
     @property
     def started(self) -> bool:
@@ -199,7 +203,9 @@ class Engine:
             raise err
         if rnd.failure is not None:
             raise ProtocolError(f"{PREFIX}: the exchange of this round failed: {rnd.failure}")
-        if isinstance(rnd.result, _Ordered):
+        if isinstance(rnd.result, _Ordered) and any(s != entry.slot for s in info.slots):
+            out = self._recover(entry, info.slots, ops, transport) * info.scale
+        elif isinstance(rnd.result, _Ordered):
             start = rnd.result.layout.starts[rnd.live().index(entry)]
             out = rnd.result.total[start: start + entry.numel] * info.scale
         else:
@@ -210,8 +216,31 @@ class Engine:
                 part = res.streams[r][start: start + entry.numel]
                 out = part * 1.0 if out is None else out + part
             out = out * info.scale
-        entry.flat = None
+        if (entry.numel, entry.shape_code) not in rnd.repeated:  # like tensors may still need it
+            entry.flat = None
         return out, info.scale
+
+    def exchange_round(self, ops: TensorOps, transport: Transport) -> list:
+        """Exchange the round recorded by :meth:`add` without the per-tensor control vectors, for
+        front-ends whose transport pairs collectives by call order (the DDP hook): the handshake,
+        the exchange and the refit of :meth:`finish`, run once. Returns, per live entry in slot
+        order, the sum over ranks of its decoded values (float32, 1-D, unscaled)."""
+        rnd = self._round
+        if rnd.started:
+            raise RuntimeError(f"{PREFIX}: this round was already exchanged")
+        try:
+            self._run_round(rnd, ops, transport, None)
+        except Exception as exc:
+            rnd.failure = exc
+            raise
+        live = rnd.live()
+        for e in live:
+            e.done, e.flat = True, None
+        res = rnd.result
+        if not isinstance(res, _Ordered):  # the handshake saw another order on some rank
+            raise ProtocolError(f"{PREFIX}: the ranks added the same tensors in different orders; a round "
+                                f"without control vectors pairs tensors by their order")
+        return [res.total[s: s + e.numel] for e, s in zip(live, res.layout.starts)]
 
     # ------------------------------------------------------------------ the round
     def _run_round(self, rnd: _Round, ops: TensorOps, transport: Transport, local_error: str | None) -> None:
@@ -234,11 +263,13 @@ class Engine:
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
         agreement = read_handshake(transport.allreduce_max(handshake_vector(**fields), f"{prefix}.handshake"), own)
         st.step += 1  # every rank passed the handshake: the round counts, whatever happens next
-        # The same sequence of shapes proves the same order only if no shape repeats (Horovod pairs by
-        # name, and a named tensor has one shape on every rank, else its own vector raises): two
-        # tensors of one shape may sit in swapped slots on some ranks (test_force_allreduce with two
-        # like heads), which the handshake cannot see. Such rounds take the unordered path.
-        ordered = agreement.ordered and len(set(order)) == len(order)
+        # The same sequence of shapes gives every rank the same layout, so the fused exchange sums
+        # slot k of every rank; a tensor that some rank put in another slot of the same shape
+        # (ranks that swapped two like tensors: the handshake cannot see it) is found by its control
+        # vector in finish() and exchanged again on its own (_recover).
+        ordered = agreement.ordered
+        rnd.prefix, rnd.epoch = prefix, epoch
+        rnd.repeated = frozenset(k for k in set(order) if order.count(k) > 1)
 
         capacity = self.fusion_bytes // 4 if self.fusion_bytes else 0
         layout = plan_layout([e.numel for e in live], q.bucket_size, capacity if ordered else None)
@@ -265,6 +296,40 @@ class Engine:
             self._refit(job, second_stats, prefix)
         elif self.manual_refit:
             self.last_second_statistics = second_stats
+
+    def _recover(self, entry: Entry, slots: tuple[int, ...], ops: TensorOps, transport: Transport):
+        """The sum over ranks of a tensor that the ranks put in different slots of one shape (the
+        fused sum at its slot mixed it with another tensor). Every rank quantizes again its values
+        at *every* slot of that shape and allgathers them, named by slot: every rank finds the swap
+        in the tensor's control vector, whenever it decompresses it, and issues the same
+        collectives, all before waiting for any (ranks decompress in their own orders). Then rank
+        ``r``'s values are taken from the slot it gave this tensor."""
+        q, rnd = self.quantizer, entry.round
+        live = rnd.live()
+        key = (entry.numel, entry.shape_code)
+        index = {e.slot: k for k, e in enumerate(live)}
+        for k, e in enumerate(live):
+            if (e.numel, e.shape_code) == key and k not in rnd.recovery:
+                x = ops.stream([e.flat], [0], e.numel)
+                payload = ops.encode(x, q, derive_seed(self.seed, transport.rank, rnd.epoch, 1 << 40, k))
+                sizes = [int(payload.shape[0])] * transport.size
+                rnd.recovery[k] = transport.allgather(payload, sizes, f"{rnd.prefix}.recover.{k}")
+                st = self.state
+                st.bytes_sent += (transport.size - 1) * sizes[0]
+                st.bytes_received += (transport.size - 1) * sizes[0]
+                st.payload_bytes += sizes[0]
+        out = ops.zeros(entry.numel)
+        part = ops.zeros(entry.numel)
+        for r, slot in enumerate(slots):
+            k = index[slot]
+            got = rnd.recovery[k]
+            if callable(got):
+                got = rnd.recovery[k] = got()
+            offsets = check_payloads(ops, got, [entry.numel] * transport.size, q, f"re-exchanged slot {k}")
+            ops.decode_sum(part, got, [offsets[r]], q)
+            out += part
+        self.state.recovered += 1
+        return out
 
     def _unordered(self, job: Job, live: list[Entry]) -> _Unordered:
         """Ranks hold the same tensors in different orders: gather every rank's stream and layout."""

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 RESULT_DIR_ENV = "HOROVOD_ALQ_RESULT_DIR"
-_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMI_RANK", "PMIX_RANK")
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK", "PMI_RANK", "PMIX_RANK", "RANK")  # RANK: torchrun
 
 
 def launcher_rank() -> int:

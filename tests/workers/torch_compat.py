@@ -122,7 +122,8 @@ def force_allreduce(args) -> dict:
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
             "cosine_to_exact": float(a @ b / (a.norm() * b.norm())),
             "heads_moved": [float(moved[i].abs().max()) for i in (2, 3, 4, 5)],
-            "exchange": m["exchange"], "step": m["step"], "coordinates": m["coordinates"]}
+            "exchange": m["exchange"], "step": m["step"], "coordinates": m["coordinates"],
+            "recovered": m["recovered"]}
     return res
 
 

@@ -1,0 +1,93 @@
+"""The exchange engine's transport over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+torch.distributed pairs collectives by call order within a process group, so the names the engine
+gives collectives are ignored; every rank of the group issues the same collectives in the same
+order (the engine's handshake guarantees it before any payload moves).
+
+Payloads of different sizes: ``all_gather_into_tensor`` (``all_gather_single``) needs equal sizes on every rank, so each
+rank pads its payload to the largest size and the padding is dropped on arrival (the engine passes
+every rank's size). ``all_to_all_single`` takes the splits directly (gloo and NCCL support uneven
+splits of uint8 tensors). The small vectors go through ``all_reduce`` (SUM of float64, MAX of int64).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+#: ``all_gather_into_tensor`` is called ``all_gather_single`` from PyTorch 2.13 on (the old name warns).
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class DistTransport:
+    """Collectives of one torch.distributed process group (default: the world), for the engine.
+
+    Parameters
+    ----------
+    process_group : ProcessGroup, optional
+        The group (``None``: the default group). This rank must be a member.
+    device : torch.device, optional
+        Where the collectives' tensors live: CUDA (the current device) for NCCL, CPU otherwise.
+    """
+
+    def __init__(self, process_group=None, device: torch.device | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("horovod_alq: torch.distributed is not initialized; call "
+                               "dist.init_process_group() first (torchrun sets the environment)")
+        self.group = process_group
+        rank = dist.get_rank(process_group)
+        if rank < 0:
+            raise RuntimeError("horovod_alq: this rank is not a member of the hook's process group")
+        self.rank = int(rank)
+        self.size = int(dist.get_world_size(process_group))
+        if device is None:
+            nccl = dist.get_backend(process_group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = torch.device(device)
+
+    def allgather(self, payload: torch.Tensor, sizes: Sequence[int], name: str):
+        sizes = [int(s) for s in sizes]
+        width = max(sizes) if sizes else 0
+        src = payload.to(self.device).contiguous()
+        if src.numel() != width:
+            padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
+            padded[: src.numel()] = src
+            src = padded
+        out = torch.empty(width * self.size, dtype=torch.uint8, device=self.device)
+        work = _ALL_GATHER(out, src, group=self.group, async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            if all(s == width for s in sizes):
+                return out
+            return torch.cat([out[r * width: r * width + s] for r, s in enumerate(sizes)])
+
+        return wait
+
+    def alltoall(self, payload: torch.Tensor, splits: Sequence[int], received: Sequence[int], name: str):
+        out = torch.empty(sum(int(r) for r in received), dtype=torch.uint8, device=self.device)
+        work = dist.all_to_all_single(out, payload.to(self.device).contiguous(),
+                                      output_split_sizes=[int(r) for r in received],
+                                      input_split_sizes=[int(s) for s in splits], group=self.group,
+                                      async_op=True)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return out
+
+        return wait
+
+    def _allreduce(self, vec: np.ndarray, dtype, op) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(vec, dtype=dtype)).to(self.device)
+        dist.all_reduce(t, op=op, group=self.group)
+        return t.cpu().numpy()
+
+    def allreduce_sum(self, vec: np.ndarray, name: str) -> np.ndarray:
+        return self._allreduce(vec, np.float64, dist.ReduceOp.SUM)
+
+    def allreduce_max(self, vec: np.ndarray, name: str) -> np.ndarray:
+        return self._allreduce(vec, np.int64, dist.ReduceOp.MAX)

@@ -1,0 +1,130 @@
+"""The DDP communication hook (horovod_alq.torch.ddp) on 2 and 3 gloo ranks launched by torchrun:
+identical parameters and levels on every rank for each method, loss falls, both exchanges
+unbiased, DDP's options (no_sync accumulation, static_graph, find_unused_parameters,
+gradient_as_bucket_view, sub-groups), non-finite gradients skip the GradScaler step, checkpoint
+round trip, and a rank with other settings raises on every rank instead of hanging."""
+
+from __future__ import annotations
+
+import pytest
+from scipy.stats import t as student
+
+from multiproc import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+METHODS = ("alq", "amq", "qsgdinf", "terngrad")
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def ranks(request):
+    np_ = request.param
+    return run_ranks("ddp_worker.py", np=np_, launcher="torchrun", timeout=600,
+                     args=["--methods", ",".join(METHODS), "--steps", "30", "--reps", "60"])
+
+
+def _same(results, key):
+    return len({repr(key(r)) for r in results}) == 1
+
+
+def test_training_identical_and_learning(ranks):
+    size = ranks[0]["size"]
+    for name, first in ranks[0]["train"].items():
+        assert _same(ranks, lambda r: r["train"][name]["params"]), name
+        assert _same(ranks, lambda r: r["train"][name]["levels"]), name
+        assert _same(ranks, lambda r: r["train"][name]["second_levels"]), name
+        assert first["loss_last"] < 0.7 * first["loss_first"], (name, first)
+        assert first["calls"] > 0, (name, first)
+        method = name.split("/")[0]
+        if method in ("alq", "amq"):
+            assert first["level_updates"] == 2, (name, first)
+        else:
+            assert first["level_updates"] == 0, (name, first)
+    train = ranks[0]["train"]
+    assert train["alq/find_unused+bucket_view"]["uncompressed"] > 0  # a small bucket: plain all_reduce
+    assert train["alq"]["step"] == 30 and train["alq"]["exchange"] == "allgather"
+    assert train["alq/two-phase+accumulate"]["step"] == 15  # no_sync steps run no round
+    assert train["alq/two-phase+accumulate"]["exchange"] == "two-phase"
+    assert 3.0 < train["alq"]["bits_per_coordinate"] < 3.3  # 3 bits + 32/256 + headers
+    assert 2.0 < train["terngrad"]["bits_per_coordinate"] < 2.3
+    assert size in (2, 3)
+
+
+def test_unbiased(ranks):
+    for exchange, u in ranks[0]["unbiased"].items():
+        df = u["reps"] - 1
+        assert u["exchange"] == exchange
+        assert abs(u["t_plain"]) < student.isf(1e-6 / 2, df), u
+        assert abs(u["t_signed"]) < student.isf(1e-6 / 2, df), u
+        assert u["t_buckets_max"] < student.isf(1e-6 / (2 * u["buckets"]), df), u
+        assert u["rel_error"] < 1.0, u  # a quantized average, not noise
+        assert _same(ranks, lambda r: r["unbiased"][exchange]["digest"])
+
+
+def test_checkpoint_round_trip(ranks):
+    for r in ranks:
+        c = r["checkpoint"]
+        assert c["first"] == c["second"], c  # same parameters, levels and counters after resuming
+        assert c["restored_levels"] == c["levels_saved"] != c["first"]["levels"]  # step 10 refit
+        assert c["fresh_levels"] == c["levels_saved"] and c["fresh_step"] == 8  # a new state loads it
+        assert c["clone_levels"] == c["second"]["levels"] and c["clone_step"] == 14  # pickle round trip
+        assert c["first"]["metrics"]["step"] == 14
+        assert "other settings" in c["wrong_method"]
+    assert _same(ranks, lambda r: r["checkpoint"]["first"])
+
+
+def test_nonfinite_skips_step(ranks):
+    for r in ranks:
+        n = r["nonfinite"]
+        assert not any(n["finite_grads"]), n  # every bucket of every rank: NaN
+        assert not n["moved"] and n["scale"] == 128.0, n
+    assert _same(ranks, lambda r: r["nonfinite"]["params"])
+
+
+def test_subgroup(ranks):
+    if ranks[0]["size"] < 3:
+        pytest.skip("needs 3 ranks")
+    members = [r["subgroup"] for r in ranks if r["subgroup"]["member"]]
+    assert len(members) == 2 and not ranks[2]["subgroup"]["member"]
+    assert members[0]["params"] == members[1]["params"] and members[0]["levels"] == members[1]["levels"]
+    assert members[0]["step"] == 6
+
+
+@pytest.mark.parametrize("which", ["bits", "min_size"])
+def test_mismatch_raises_everywhere(ranks, which):
+    for r in ranks:
+        m = r["mismatch"][which]
+        assert m["raised"], (which, r["rank"], m)
+        expected = "bits" if which == "bits" else "different tensors"
+        assert expected in m["message"], m
+
+
+def test_train_script_ddp_backend(tmp_path):
+    """scripts/train.py --backend ddp (what `make demo-ddp` runs), one short epoch on 2 ranks."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from multiproc import RANK_ENV, launch_command
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+    out = tmp_path / "r.json"
+    cmd = [*launch_command("torchrun", 2), sys.executable, str(script), "--backend", "ddp", "--methods",
+           "alq,fp16,none", "--epochs", "1", "--quiet", "--json", str(out)]
+    env = {**os.environ, **RANK_ENV}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks (same session)
+        stdout, _ = proc.communicate()
+        pytest.fail(f"train.py --backend ddp timed out after 300 s:\n{stdout[-3000:]}")
+    assert proc.returncode == 0, stdout[-5000:]
+    assert "PyTorch DDP" in stdout
+    results = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["alq"]["bits_per_coordinate"] < 3.1 and results["alq"]["level_updates"] == 1
+    assert all(r["accuracy"] > 0.7 for r in results.values()), results
