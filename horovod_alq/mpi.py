@@ -159,7 +159,9 @@ class QuantizedAllreduce:
     exchange : {"auto", "allgather", "two-phase"}
         How payloads travel (see :class:`horovod_alq.torch.ALQCompressor`); ``auto`` is two-phase
         from 4 ranks on. The two-phase exchange re-quantizes the summed shards with a second
-        quantizer (``bits_second`` bits, default ``bits``), whose levels :meth:`adapt` refits too.
+        quantizer (``bits_second`` bits, default ``bits``): at equal bits it takes the first
+        quantizer's levels at every :meth:`adapt`; with other bits :meth:`adapt` refits it from the
+        statistics of the reduced shards.
     bits_second : int, optional
     norm : {"l2", "linf"}, optional
         Bucket norm (adaptive methods take either; None: the method's default); see
@@ -509,6 +511,7 @@ class QuantizedAllreduce:
         error = None
         try:
             q.adapt(total[:vec.size])
+            self._state.refitted_first()
             if fit_second:
                 second.adapt(total[vec.size:])
         except Exception as err:  # made collective by the agreement below
