@@ -97,8 +97,12 @@ class MpiTransport:
 class NumpyOps:
     """The exchange engine's tensor ops on NumPy arrays, with the core's reference codec."""
 
-    def stream(self, parts, starts, length):
-        out = np.zeros(length, dtype=np.float32)
+    def stream(self, parts, starts, length, out=None, padding=()):
+        if out is None:
+            out = np.zeros(length, dtype=np.float32)
+        else:
+            for a, b in padding:
+                out[a:b] = 0
         for part, start in zip(parts, starts):
             out[start: start + part.size] = part.ravel()
         return out
