@@ -21,6 +21,7 @@ from pathlib import Path
 
 NAME = "horovod_alq_fused_codec"
 SOURCE = Path(__file__).with_name("csrc") / "fused_codec.cpp"
+HEADERS = (SOURCE.with_name("codec_kernels.h"),)
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
@@ -32,7 +33,8 @@ def cached_library() -> Path:
     """Where the compiled library for this source, these flags and this torch lives."""
     import torch
 
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, LDFLAGS, torch.__version__)).encode()).hexdigest()[:16]
+    sources = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    key = hashlib.sha256(sources + repr((CFLAGS, LDFLAGS, torch.__version__)).encode()).hexdigest()[:16]
     root = Path(os.environ.get("HOROVOD_ALQ_CACHE", Path.home() / ".cache" / "horovod-alq"))
     return root / "torch_extensions" / f"{NAME}-{key}.so"
 

@@ -27,7 +27,7 @@ from horovod_alq.core.wire import Header, levels_fingerprint, pack_header
 from horovod_alq.torch import codecs
 from horovod_alq.torch.codecs import triton as triton_codec
 
-BACKENDS = ["torch", "cpu", "triton"]
+BACKENDS = ["torch", "cpu", "cpu-generic", "triton"]  # cpu-generic: the CPU codec without its AVX2 kernels
 # NumPy under the interpreter flags inf * 0 in non-finite buckets (their codes do not matter)
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -53,7 +53,36 @@ def _resolve(name):
 
 @pytest.fixture(params=BACKENDS)
 def codec(request):
-    return _resolve(request.param)
+    if request.param != "cpu-generic":
+        yield _resolve(request.param)
+        return
+    cpu = _resolve("cpu")
+    cpu._module.set_simd(False)
+    try:
+        yield cpu
+    finally:
+        cpu._module.set_simd(True)
+
+
+def test_cpu_codec_kernels_decode_identically_with_and_without_avx2():
+    """Ranks on CPUs with and without AVX2 must turn the same payloads into the same floats."""
+    cpu = _resolve("cpu")
+    if cpu._module.simd() != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    for bits, d, n in [(2, 64, 1000), (3, 8192, 20_011), (4, 100, 3001), (5, 256, 999)]:
+        q = Quantizer("alq", bits=bits, bucket_size=d, seed=0)
+        x = torch.randn(n, generator=torch.Generator().manual_seed(bits))
+        payloads = torch.cat([torch.from_numpy(_encode(cpu, q, x * s, seed=s)) for s in (1, 2, 3)])
+        size = payloads.numel() // 3
+        outs = []
+        for simd in (True, False):
+            cpu._module.set_simd(simd)
+            out = torch.empty(n)
+            cpu.decode_sum(out, payloads, [0, size, 2 * size], torch.tensor(q.levels), bits=bits,
+                           bucket_size=d, scale=0.25)
+            outs.append(out)
+        cpu._module.set_simd(True)
+        assert torch.equal(outs[0], outs[1]), (bits, d, n)
 
 
 @pytest.fixture
@@ -451,7 +480,7 @@ def test_triton_kernels_compile_for_the_gpu(tmp_path):
     assert result.stdout.count("cubin") == 5, result.stdout
 
 
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("method", ["alq", "alq-n"])
 def test_the_exchange_calls_its_codec_at_all_three_places(name, method):
     """encode, decode-and-sum and statistics of the exchange's torch ops (what a compressor with

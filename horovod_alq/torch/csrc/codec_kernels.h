@@ -1,0 +1,341 @@
+// The kernels of the compiled CPU codec, included twice by fused_codec.cpp: once in namespace
+// `generic` (the compiler's default instruction set) and once in namespace `avx2` under
+// `#pragma GCC target("avx2")` with HOROVOD_ALQ_AVX2 defined, picked at run time by the CPU.
+// No header guard and no #include here (fused_codec.cpp includes what this needs first).
+//
+// Both variants compute bit-identical values: the same float32 operations in the same order, no
+// fused multiply-add (the target adds AVX2, not FMA), so ranks on different CPUs still decode a
+// payload to the same floats. Encodes may differ only in which random draw a coordinate gets,
+// never in the draw's law.
+
+constexpr int64_t kGrain = 1 << 12;  // groups of 8 coordinates per parallel task
+
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// A 32-bit hash with full avalanche (C. Wellons' "lowbias32"): 32-bit multiplies only, which
+// vectorize on every x86-64 with AVX2 (64-bit ones need AVX-512).
+inline uint32_t lowbias32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7FEB352DU;
+  h ^= h >> 15;
+  h *= 0x846CA68BU;
+  h ^= h >> 16;
+  return h;
+}
+
+// The key of one encode: two 32-bit words of splitmix64(seed).
+struct Key {
+  uint32_t a, b;
+  explicit Key(uint64_t seed) {
+    const uint64_t k = splitmix64(seed);
+    a = static_cast<uint32_t>(k);
+    b = static_cast<uint32_t>(k >> 32);
+  }
+};
+
+// Uniform for coordinate i: (2k + 1) / 2^24 with k the top 23 bits of a hash of (key, i), exact in
+// float, so P(u < p) is p rounded to the nearest 2^-23: no bias. Depends only on the key and i.
+inline float uniform_at(const Key& key, int64_t i) {
+  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32);
+  const uint32_t h = lowbias32(lowbias32(static_cast<uint32_t>(i) ^ key.a) + (key.b ^ (hi * 0x9E3779B9U)));
+  return static_cast<float>(2 * (h >> 9) + 1) * 0x1.0p-24f;
+}
+
+template <typename scalar_t>
+void bucket_norms(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms) {
+  // max-abs is exact in the input's own precision widened to float; sums of squares need double
+  using max_t = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
+  const int64_t nb = (n + d - 1) / d;
+  at::parallel_for(0, nb, std::max<int64_t>(1, kGrain * 8 / d), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t s = b * d, e = std::min(n, s + d);
+      float norm;
+      bool nan_seen = false;
+      if (linf) {
+        max_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight lanes: vectorizes, no serial dependency
+        int64_t i = s;
+        for (; i + 8 <= e; i += 8)
+          for (int k = 0; k < 8; ++k) {
+            const max_t v = std::fabs(static_cast<max_t>(x[i + k]));
+            nan_seen |= (v != v);
+            acc[k] = v > acc[k] ? v : acc[k];
+          }
+        for (; i < e; ++i) {
+          const max_t v = std::fabs(static_cast<max_t>(x[i]));
+          nan_seen |= (v != v);
+          acc[0] = v > acc[0] ? v : acc[0];
+        }
+        max_t m = acc[0];
+        for (int k = 1; k < 8; ++k) m = acc[k] > m ? acc[k] : m;
+        norm = static_cast<float>(m);
+      } else {
+        double acc[4] = {0.0, 0.0, 0.0, 0.0};  // four chains: no serial dependency per element
+        int64_t i = s;
+        for (; i + 4 <= e; i += 4)
+          for (int k = 0; k < 4; ++k) {
+            const double v = static_cast<double>(x[i + k]);
+            acc[k] += v * v;
+          }
+        for (; i < e; ++i) {
+          const double v = static_cast<double>(x[i]);
+          acc[0] += v * v;
+        }
+        norm = static_cast<float>(std::sqrt((acc[0] + acc[1]) + (acc[2] + acc[3])));
+      }
+      norms[b] = (nan_seen || !std::isfinite(norm)) ? std::numeric_limits<float>::quiet_NaN() : norm;
+    }
+  });
+}
+
+// Index of the cell [levels[j], levels[j+1]] holding r: branch-free count for few levels.
+inline int64_t find_cell(const float* levels, int64_t num_levels, float r) {
+  if (num_levels <= 16) {
+    int64_t cell = 0;
+    for (int64_t j = 1; j < num_levels - 1; ++j) cell += (levels[j] <= r);
+    return cell;
+  }
+  int64_t lo = 0, hi = num_levels - 1;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (levels[mid] <= r) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+inline float clamp_unit(float r) { return r < -1.0f ? -1.0f : (r > 1.0f ? 1.0f : r); }
+
+// Code of r: its cell, plus one with probability (r - lo) / (hi - lo), drawn as u * (hi - lo) < r - lo.
+inline uint64_t stochastic_code(float r, float u, const float* levels, const float* widths, int64_t num_levels) {
+  const int64_t lo = find_cell(levels, num_levels, r);
+  return static_cast<uint64_t>(lo + (u * widths[lo] < r - levels[lo] ? 1 : 0));
+}
+
+constexpr int64_t kChunk = 64;  // coordinates per vectorizable block (8 groups of 8)
+
+constexpr int64_t kMaxVectorLevels = 16;  // encode_chunk serves bits <= 4
+
+// kChunk coordinates of one live bucket: straight-line loops the compiler vectorizes (the level
+// search is a select over 2^BITS levels, at least 8, padded with +inf, instead of a table lookup;
+// GCC does not vectorize the 4-level loop of 2 bits).
+template <int BITS, typename scalar_t>
+void encode_chunk(const scalar_t* x, int64_t i0, float inv, const float* levels, const float* widths,
+                  const Key& key, uint8_t* codes) {
+  constexpr int64_t num_levels = BITS < 3 ? 8 : int64_t{1} << BITS;
+  static_assert(num_levels <= kMaxVectorLevels, "encode_chunk: bits <= 4 only");
+  float lv[num_levels], wd[num_levels];  // local copies: lets the compiler vectorize the search
+  std::memcpy(lv, levels, sizeof lv);
+  std::memcpy(wd, widths, sizeof wd);
+  float r[kChunk], u[kChunk];
+  uint32_t code[kChunk];
+  for (int64_t k = 0; k < kChunk; ++k) u[k] = uniform_at(key, i0 + k);
+  for (int64_t k = 0; k < kChunk; ++k) r[k] = clamp_unit(static_cast<float>(x[i0 + k]) * inv);
+  for (int64_t k = 0; k < kChunk; ++k) {
+    float lo = lv[0], width = wd[0];
+    uint32_t cell = 0;
+    for (int64_t j = 1; j < num_levels - 1; ++j) {
+      const bool ge = lv[j] <= r[k];
+      lo = ge ? lv[j] : lo;
+      width = ge ? wd[j] : width;
+      cell += ge;
+    }
+    code[k] = cell + (u[k] * width < r[k] - lo ? 1u : 0u);
+  }
+  for (int64_t q = 0; q < kChunk / 8; ++q) {
+    uint64_t word = 0;
+    for (int k = 0; k < 8; ++k) word |= static_cast<uint64_t>(code[8 * q + k]) << (k * BITS);
+    std::memcpy(codes + q * BITS, &word, BITS);
+  }
+}
+
+template <int BITS, typename scalar_t>
+void encode_codes(const scalar_t* x, int64_t n, int64_t d, const float* norms, const float* levels,
+                  int64_t num_levels, uint64_t seed, uint8_t* out) {
+  const int64_t groups = (n + 7) / 8;
+  const int64_t total_bytes = (n * BITS + 7) / 8;
+  const Key key(seed);
+  std::vector<float> widths(num_levels - 1);
+  for (int64_t j = 0; j + 1 < num_levels; ++j) widths[j] = levels[j + 1] - levels[j];
+  const float* w = widths.data();
+  // levels for encode_chunk: the top level with width 0, then +inf (never selected)
+  float padded_levels[kMaxVectorLevels], padded_widths[kMaxVectorLevels];
+  for (int64_t j = 0; j < kMaxVectorLevels; ++j) {
+    padded_levels[j] = j < num_levels ? levels[j] : std::numeric_limits<float>::infinity();
+    padded_widths[j] = j + 1 < num_levels ? widths[j] : 0.0f;
+  }
+  const bool vectorizable = num_levels <= kMaxVectorLevels;
+  at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
+    int64_t bucket = g0 * 8 / d, bucket_end = std::min(n, (bucket + 1) * d);
+    float inv = 0.0f;
+    bool live = false;  // bucket has a positive finite norm
+    auto enter = [&]() {
+      const float norm = norms[bucket];
+      live = norm > 0.0f;  // zero or NaN norm: code 0, decodes to 0 or NaN
+      inv = live ? 1.0f / norm : 0.0f;
+    };
+    enter();
+    int64_t g = g0;
+    while (g < g1) {
+      const int64_t i0 = g * 8;
+      while (i0 >= bucket_end) {
+        ++bucket;
+        bucket_end = std::min(n, bucket_end + d);
+        enter();
+      }
+      if constexpr (BITS <= 4) {
+        if (vectorizable && g + kChunk / 8 <= g1 && i0 + kChunk <= bucket_end) {
+          if (live) {
+            encode_chunk<BITS>(x, i0, inv, padded_levels, padded_widths, key, out + g * BITS);
+          } else {
+            std::memset(out + g * BITS, 0, kChunk / 8 * BITS);
+          }
+          g += kChunk / 8;
+          continue;
+        }
+      }
+      uint64_t word = 0;  // one group, coordinate by coordinate (bucket edges, many levels, tails)
+      const int64_t i1 = std::min(n, i0 + 8);
+      for (int64_t i = i0; i < i1; ++i) {
+        if (i == bucket_end) {
+          ++bucket;
+          bucket_end = std::min(n, bucket_end + d);
+          enter();
+        }
+        if (live) {
+          const float r = clamp_unit(static_cast<float>(x[i]) * inv);
+          word |= stochastic_code(r, uniform_at(key, i), levels, w, num_levels) << ((i - i0) * BITS);
+        }
+      }
+      const int64_t offset = g * BITS;
+      std::memcpy(out + offset, &word, std::min<int64_t>(BITS, total_bytes - offset));
+      ++g;
+    }
+  });
+}
+
+#ifdef HOROVOD_ALQ_AVX2
+// Eight coordinates of one bucket (bits <= 4: the codes fit one 32-bit word): the table lookup by
+// in-register permutes. The same float32 multiply and add as the scalar loop below.
+template <int BITS>
+inline void decode_group8(float* o, uint32_t word, __m256 table_lo, __m256 table_hi, float norm, bool assign) {
+  const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+  const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                                       _mm256_set1_epi32((1 << BITS) - 1));
+  __m256 level = _mm256_permutevar8x32_ps(table_lo, idx);  // uses the low 3 bits of idx
+  if (BITS == 4) {
+    const __m256 upper = _mm256_permutevar8x32_ps(table_hi, idx);
+    const __m256 high = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7)));
+    level = _mm256_blendv_ps(level, upper, high);
+  }
+  __m256 value = _mm256_mul_ps(_mm256_set1_ps(norm), level);
+  if (!assign) value = _mm256_add_ps(_mm256_loadu_ps(o), value);
+  _mm256_storeu_ps(o, value);
+}
+#endif
+
+// Sum over payloads of norm * table[code], times scale, into out (first payload assigns).
+template <int BITS>
+void decode_sum_codes(float* po, int64_t n, int64_t d, const uint8_t* base, const std::vector<int64_t>& offsets,
+                      const float* table, float fscale) {
+  constexpr uint64_t mask = (uint64_t{1} << BITS) - 1;
+  const int64_t nb = (n + d - 1) / d;
+  const int64_t code_bytes = (n * BITS + 7) / 8;
+  const int64_t groups = (n + 7) / 8;
+#ifdef HOROVOD_ALQ_AVX2
+  float padded[16];  // table of 2^BITS entries (NaN past the levels), padded to 16
+  for (int k = 0; k < 16; ++k) padded[k] = table[k & static_cast<int>(mask)];
+  const __m256 table_lo = _mm256_loadu_ps(padded), table_hi = _mm256_loadu_ps(padded + 8);
+#endif
+  // groups g with g * BITS + 8 <= code_bytes: their word is one unaligned 8-byte load
+  const int64_t loadable = code_bytes >= 8 ? (code_bytes - 8) / BITS + 1 : 0;
+  at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
+    const int64_t first = g0 * 8, last = std::min(n, g1 * 8);
+    for (size_t p = 0; p < offsets.size(); ++p) {  // payload by payload over this chunk (in cache)
+      const bool assign = p == 0;
+      const uint8_t* norms = base + offsets[p] + kHeaderBytes;
+      const uint8_t* codes = norms + 4 * nb;
+      int64_t bucket = first / d, bucket_end = std::min(n, (bucket + 1) * d);
+      float norm;
+      std::memcpy(&norm, norms + 4 * bucket, 4);
+      int64_t g = g0;
+      while (g < g1) {
+        while (g * 8 >= bucket_end) {
+          ++bucket;
+          bucket_end = std::min(n, bucket_end + d);
+          std::memcpy(&norm, norms + 4 * bucket, 4);
+        }
+        // whole groups of this bucket: a tight loop
+        const int64_t stop = std::min({g1, bucket_end / 8, loadable});
+        for (; g < stop; ++g) {
+          uint64_t word;
+          std::memcpy(&word, codes + g * BITS, 8);
+          float* o = po + g * 8;
+#ifdef HOROVOD_ALQ_AVX2
+          if constexpr (BITS <= 4) {
+            decode_group8<BITS>(o, static_cast<uint32_t>(word), table_lo, table_hi, norm, assign);
+            continue;
+          }
+#endif
+          if (assign) {
+            for (int k = 0; k < 8; ++k) o[k] = norm * table[(word >> (k * BITS)) & mask];
+          } else {
+            for (int k = 0; k < 8; ++k) o[k] += norm * table[(word >> (k * BITS)) & mask];
+          }
+        }
+        if (g >= g1 || g * 8 >= bucket_end) continue;
+        // one group coordinate by coordinate: it crosses a bucket edge, ends the tensor, or its
+        // word is near the end of the payload
+        const int64_t i0 = g * 8, i1 = std::min(n, i0 + 8);
+        uint64_t word = 0;
+        std::memcpy(&word, codes + g * BITS, std::min<int64_t>(BITS, code_bytes - g * BITS));
+        for (int64_t i = i0; i < i1; ++i) {
+          if (i == bucket_end) {
+            ++bucket;
+            bucket_end = std::min(n, bucket_end + d);
+            std::memcpy(&norm, norms + 4 * bucket, 4);
+          }
+          const float value = norm * table[(word >> ((i - i0) * BITS)) & mask];
+          po[i] = assign ? value : po[i] + value;
+        }
+        ++g;
+      }
+    }
+    if (offsets.empty()) std::fill(po + first, po + last, 0.0f);
+    if (fscale != 1.0f)
+      for (int64_t i = first; i < last; ++i) po[i] *= fscale;
+  });
+}
+
+// Calls f with std::integral_constant<int, bits> for bits in 2..8.
+template <typename F>
+void dispatch_bits(int64_t bits, F&& f) {
+  switch (bits) {
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: TORCH_CHECK(false, "bits must be 2..8, got ", bits);
+  }
+}
+
+// The whole encode of one payload's norms and codes (the entry point of this variant).
+template <typename scalar_t>
+void encode_payload(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
+                    int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes) {
+  bucket_norms<scalar_t>(x, n, d, linf, norms);
+  dispatch_bits(bits, [&](auto b) {
+    encode_codes<decltype(b)::value, scalar_t>(x, n, d, norms, levels, num_levels, seed, codes);
+  });
+}
+
+inline void decode_payloads(float* po, int64_t n, int64_t d, const uint8_t* base, const std::vector<int64_t>& offsets,
+                            const float* table, int64_t bits, float fscale) {
+  dispatch_bits(bits, [&](auto b) { decode_sum_codes<decltype(b)::value>(po, n, d, base, offsets, table, fscale); });
+}
