@@ -92,6 +92,21 @@ def launch_command(launcher: str, np: int) -> list[str]:
     raise ValueError(f"launcher must be one of {LAUNCHERS}, not {launcher!r}")
 
 
+def elastic_launch_command(np: int, discovery_script: str | os.PathLike, min_np: int, max_np: int,
+                           elastic_timeout: int = 60) -> list[str]:
+    """horovodrun's elastic Gloo mode on this host, starting ``np`` ranks.
+
+    ``--network-interface lo`` is required on a single host: without it the elastic driver waits
+    for a second host to agree on common interfaces (``gloo_run._get_min_start_hosts``) until the
+    elastic timeout (600 s by default), which looks like a hang. ``--elastic-timeout`` bounds the
+    wait for slots."""
+    local = Path(sys.executable).parent / "horovodrun"
+    horovodrun = [str(local)] if local.exists() else [sys.executable, "-m", "horovod.runner.launch"]
+    return [*horovodrun, "--gloo", "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
+            "--host-discovery-script", str(discovery_script), "--network-interface", "lo",
+            "--elastic-timeout", str(elastic_timeout)]
+
+
 def _tail(text: str, n: int = _TAIL) -> str:
     return text if len(text) <= n else "...\n" + text[-n:]
 
@@ -139,6 +154,7 @@ def run_ranks(
     args: Sequence[Any] = (),
     timeout: float = 180,
     env: Mapping[str, str] | None = None,
+    launch: Sequence[str] | None = None,
 ) -> list:
     """Run ``worker`` on ``np`` ranks and return each rank's reported object, in rank order.
 
@@ -150,6 +166,8 @@ def run_ranks(
     args : command-line arguments for the worker (converted with ``str``).
     timeout : seconds for the whole run; past it every process is killed and the test fails.
     env : extra environment variables for the ranks (override the defaults in ``RANK_ENV``).
+    launch : a launcher command prefix that replaces ``launcher``'s (e.g. ``elastic_launch_command``;
+        ``launcher`` then only names the run in messages).
 
     Returns
     -------
@@ -160,7 +178,8 @@ def run_ranks(
         path = WORKERS / path
     if not path.is_file():
         raise FileNotFoundError(f"worker script {path} not found")
-    cmd = [*launch_command(launcher, np), sys.executable, str(BOOT), str(path), *map(str, args)]
+    prefix = list(launch) if launch is not None else launch_command(launcher, np)
+    cmd = [*prefix, sys.executable, str(BOOT), str(path), *map(str, args)]
 
     with tempfile.TemporaryDirectory(prefix="horovod-alq-ranks-") as tmp:
         result_dir = Path(tmp)

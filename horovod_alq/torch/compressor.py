@@ -246,6 +246,11 @@ class QuantizedCompressor(frontends.CompressorBase):
 
     # ------------------------------------------------------------------ internals
     def _transport(self) -> HorovodTransport:
+        if self._transport_cache is not None and self._transport_cache.stale():
+            # Horovod was re-initialized with other ranks (an elastic reset after a removal or an
+            # addition: hvd.elastic.run then calls neither restore() nor, for a removal, sync()). The
+            # round in progress belongs to the old world and is dropped; levels and counters stay.
+            self.reset()
         if self._transport_cache is None:
             self._transport_cache = HorovodTransport(self._process_set)
         return self._transport_cache

@@ -8,7 +8,10 @@ with Horovod's (public) handler registry, so a compressor passed as a keyword is
     state = hvd.elastic.TorchState(model, optimizer, compressor=compression)
 
 On a reset the round in progress is dropped (its exchange will never complete) and the next round
-starts from the committed levels and counters, identical on every rank after ``sync()``.
+starts from the committed levels and counters, identical on every rank after ``sync()``. A reset
+for removed workers (``HostsUpdatedInterrupt``) calls neither ``restore()`` nor ``sync()``: the
+compressor itself notices that Horovod's rank or size changed and drops its old round and transport.
+Tested with real resets in tests/torch/test_elastic_reset.py.
 """
 
 from __future__ import annotations

@@ -39,6 +39,14 @@ class HorovodTransport:
         self.rank = int(self.process_set.rank())
         self.size = int(self.process_set.size())
 
+    def stale(self) -> bool:
+        """Whether Horovod was re-initialized into another world since this transport was made
+        (an elastic reset that added or removed workers): its rank or size no longer hold."""
+        try:
+            return (int(self.process_set.rank()), int(self.process_set.size())) != (self.rank, self.size)
+        except Exception:  # not initialized, or no longer a member: certainly not this world
+            return True
+
     def allgather(self, payload: torch.Tensor, sizes: Sequence[int], name: str):
         handle = hvd().allgather_async(payload, name=name, process_set=self.process_set)
         return lambda: hvd().synchronize(handle)

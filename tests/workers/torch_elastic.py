@@ -1,9 +1,9 @@
 """Worker for tests/torch/test_elastic.py: a compressor in hvd.elastic.TorchState across a reset.
 
 What hvd.elastic.run does with the state on a HorovodInternalError, done by hand:
-``state.restore()`` then, after the (here skipped) re-initialization, ``state.sync()``. A real
-elastic reset could not be run here: horovodrun's elastic driver hangs in host discovery on this
-machine, and plain Horovod cannot be initialized a second time. The failure comes after every gradient was compressed and before the exchange (a
+``state.restore()`` then, after the (here skipped) re-initialization, ``state.sync()``. Real
+elastic resets under horovodrun are in test_elastic_reset.py (torch_elastic_reset.py); this one
+needs only plain ``horovodrun --gloo``. The failure comes after every gradient was compressed and before the exchange (a
 round in progress); rank 1 also scrambles its levels before the reset, which ``sync()`` must undo.
 The ranks report their parameters, levels and counters.
 """
