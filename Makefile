@@ -27,11 +27,12 @@ demo-ddp: install
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NP) scripts/train.py --backend ddp \
 		--methods alq,none $(DEMO_ARGS)
 
-# Quick versions of the evidence in docs/results.md (variance, codec speed, accuracy, netns
-# wall-clock; the last needs root), written to build/bench/.
+# Quick versions of the evidence in docs/results.md (variance, codec speed, one ResNet-50 step,
+# accuracy, netns wall-clock; the last needs root), written to build/bench/.
 bench: install
 	$(PY) scripts/variance.py --quick --out-dir build/bench
 	OMP_NUM_THREADS=1 $(MPIRUN) -np 2 $(PY) scripts/bench_codec.py --quick --out build/bench/bench_codec.md
+	OMP_NUM_THREADS=1 $(MPIRUN) -np 2 $(PY) scripts/bench_step.py --quick --out build/bench/bench_step.md
 	$(PY) scripts/run_accuracy.py --quick --out-dir build/bench
 	$(PY) scripts/bench_network.py --quick --out-dir build/bench
 

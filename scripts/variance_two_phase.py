@@ -13,12 +13,15 @@ workers, each with its own minibatch gradient g_i (float32, all parameters conca
 
 E1/D1: the first quantizer (the method at --bits); E2/D2: the second quantizer, one of
 
-    (a) reuse    the first quantizer's levels, unchanged
-    (a0) init    the second quantizer's initial levels, never refit (the product's adapt_second=False)
-    (b) adapted  levels refit from the statistics of the reduced sums S (the product's default)
-    (b') adapted as (b), but to an S made with the first quantizer's *new* levels (what a refit of the
-                 second levels one round after the first's would see; not in the product)
+    (a) reuse    the first quantizer's levels, copied at every refit (the product's default at
+                 equal bits)
+    (a0) init    the second quantizer's initial levels, never refit (adapt_second=False at other bits)
+    (b) adapted  levels refit from the statistics of the reduced sums S of the refit round itself
+                 (the product's default before this study)
+    (b') adapted as (b), but to an S made with the first quantizer's *new* levels: the refit of the
+                 second levels one round after the first's (the product's adapt_second=True)
     (c) 4 bits   bits_second=4, levels refit as in (b) (fixed methods: their 4-bit levels)
+    (c') 4 bits  bits_second=4, levels refit as in (b') (the product's default for bits_second=4)
 
 Shards are runs of whole buckets and the codec works bucket by bucket, so quantizing every shard of
 S separately is quantizing S; the simulation works on whole vectors. The statistics of S are the
@@ -64,11 +67,12 @@ from horovod_alq.core.methods import get_method  # noqa: E402
 from horovod_alq.core.statistics import normalize  # noqa: E402
 
 LABELS = {"alq": "ALQ", "amq": "AMQ", "qsgdinf": "QSGDinf"}
-VARIANTS = ("a", "a0", "b", "b2", "c")
+VARIANTS = ("a", "a0", "b", "b2", "c", "c2")
 VARIANT_NAMES = {"allgather": "allgather", "a": "two-phase (a) reuse first levels",
                  "a0": "two-phase (a0) initial levels, no refit", "b": "two-phase (b) adapted second levels",
                  "b2": "two-phase (b') adapted, S of the new first levels",
-                 "c": "two-phase (c) 4-bit second, adapted"}
+                 "c": "two-phase (c) 4-bit second, adapted",
+                 "c2": "two-phase (c') 4-bit second, adapted, S of the new first levels"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=2, help="draws of S per evaluation round; default 2")
     p.add_argument("--unbiased-samples", type=int, default=60,
                    help="full two-phase estimates per setting for the unbiasedness check (last checkpoint, "
-                        "first bucket size, variants b and c); 0 skips it; default 60")
+                        "first bucket size, variants a and c'); 0 skips it; default 60")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
@@ -124,7 +128,8 @@ class Setting:
         self.second = {"a0": Quantizer(method, bits=bits, bucket_size=bucket),
                        "b": Quantizer(method, bits=bits, bucket_size=bucket),
                        "b2": Quantizer(method, bits=bits, bucket_size=bucket),
-                       "c": Quantizer(method, bits=bits_second, bucket_size=bucket)}
+                       "c": Quantizer(method, bits=bits_second, bucket_size=bucket),
+                       "c2": Quantizer(method, bits=bits_second, bucket_size=bucket)}
 
     def levels(self, variant: str) -> np.ndarray:
         return self.q1.levels if variant == "a" else self.second[variant].levels
@@ -145,8 +150,9 @@ class Setting:
             q2.adapt(q2.statistics(s))
         q1.adapt(stats1)
         s_new = np.sum([quantize(q1, g, rng) for g in grads], axis=0, dtype=np.float32)
-        q2 = self.second["b2"]
-        q2.adapt(q2.statistics(s_new))
+        for key in ("b2", "c2"):
+            q2 = self.second[key]
+            q2.adapt(q2.statistics(s_new))
 
 
 def evaluate(st: Setting, grads: list[np.ndarray], samples: int, rng: np.random.Generator) -> dict:
@@ -250,7 +256,7 @@ def main(argv=None) -> int:
         d = buckets[0]
         for m in methods:
             for n in workers:
-                for v in ("b", "c"):
+                for v in ("a", "c2"):  # the product's defaults at equal and at 4 second bits
                     unbiased[f"{m}|{d}|{n}|{v}"] = unbiased_check(settings[(m, d, n)], grads_by_n[n], v,
                                                                   args.unbiased_samples, rng)
         print(f"unbiasedness check: {time.monotonic() - start:.0f} s", flush=True)
@@ -287,7 +293,7 @@ def report(data: dict, methods, buckets, workers, checkpoints) -> str:
         for m in methods:
             adaptive = get_method(m).adaptive
             for v in ("allgather", *VARIANTS):
-                if not adaptive and v in ("a0", "b", "b2"):
+                if not adaptive and v in ("a0", "b", "b2", "c2"):
                     continue  # fixed levels: identical to (a)
                 cells = []
                 for n in workers:
@@ -305,7 +311,7 @@ def report(data: dict, methods, buckets, workers, checkpoints) -> str:
               "| method | exchange | " + " | ".join(f"iter {c}" for c in checkpoints) + " |",
               "|---|---|" + "---|" * len(checkpoints)]
     for m in methods:
-        for v in ("allgather", "a", "b", "b2", "c") if get_method(m).adaptive else ("allgather", "a", "c"):
+        for v in ("allgather", "a", "b", "b2", "c", "c2") if get_method(m).adaptive else ("allgather", "a", "c"):
             rows = res[f"{m}|{d}|{n}"]
             lines.append(f"| {LABELS.get(m, m)} | {v} | " + " | ".join(f"{_mean(rows, v, c):.3g}" for c in checkpoints) + " |")
     rows = res[f"{methods[0]}|{d}|{n}"]

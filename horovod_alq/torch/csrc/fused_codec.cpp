@@ -8,7 +8,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#define HOROVOD_ALQ_X86 1
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +30,7 @@ namespace generic {
 #include "codec_kernels.h"
 }  // namespace generic
 
+#ifdef HOROVOD_ALQ_X86
 #pragma GCC push_options
 #pragma GCC target("avx2")
 namespace avx2 {
@@ -36,9 +40,15 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 
+bool cpu_has_avx2() { return __builtin_cpu_supports("avx2"); }
+#else
+namespace avx2 = generic;  // other architectures: the generic kernels only
+bool cpu_has_avx2() { return false; }
+#endif
+
 // AVX2 when the CPU has it and HOROVOD_ALQ_SIMD is not 0 (set_simd overrides, for tests).
-bool use_avx2 = __builtin_cpu_supports("avx2") && !(std::getenv("HOROVOD_ALQ_SIMD") &&
-                                                    std::strcmp(std::getenv("HOROVOD_ALQ_SIMD"), "0") == 0);
+bool use_avx2 = cpu_has_avx2() && !(std::getenv("HOROVOD_ALQ_SIMD") &&
+                                    std::strcmp(std::getenv("HOROVOD_ALQ_SIMD"), "0") == 0);
 
 }  // namespace
 
@@ -97,6 +107,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &encode, "Encode a 1-D float CPU tensor into a horovod-alq payload");
   m.def("decode_sum", &decode_sum, "Decode payloads, sum them and scale, into a float32 tensor");
   m.def("simd", [] { return std::string(use_avx2 ? "avx2" : "generic"); }, "The kernels in use");
-  m.def("set_simd", [](bool avx2) { use_avx2 = avx2 && __builtin_cpu_supports("avx2"); },
+  m.def("set_simd", [](bool avx2) { use_avx2 = avx2 && cpu_has_avx2(); },
         "Use the AVX2 kernels (where the CPU has them) or the generic ones");
 }
