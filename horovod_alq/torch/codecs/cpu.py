@@ -1,6 +1,6 @@
 """Codec ``cpu``: the compiled CPU codec (:mod:`horovod_alq.torch.fused`, ``csrc/fused_codec.cpp``).
 
-CPU tensors only; statistics use the torch kernels (they run once per refit round).
+CPU tensors only; the norm-less statistics (moments per bucket) use the torch kernels.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class CpuCodec:
                                        int(bits), int(bucket_size), float(scale))
 
     def grid_statistics(self, flat, grid, *, bucket_size: int, norm: str):
-        return kernels.grid_statistics(flat, grid, bucket_size=bucket_size, norm=norm)
+        return self._module.grid_statistics(flat.reshape(-1).contiguous(), grid, int(bucket_size),
+                                            norm == "linf").numpy()
 
     def bucket_moments(self, flat, *, bucket_size: int, norm: str):
         return kernels.bucket_moments(flat, bucket_size=bucket_size, norm=norm)

@@ -103,9 +103,23 @@ torch::Tensor decode_sum(torch::Tensor out, torch::Tensor payloads, std::vector<
   return out;
 }
 
+// Refit statistics of the norm-based methods (see grid_histogram): float64, 1 + grid.numel().
+torch::Tensor grid_statistics(torch::Tensor x, torch::Tensor grid, int64_t bucket_size, bool linf) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "grid_statistics: x must be a contiguous 1-D CPU tensor");
+  TORCH_CHECK(bucket_size > 0, "grid_statistics: bucket_size must be positive");
+  auto g = grid.to(torch::kFloat64).contiguous();
+  auto out = torch::zeros({g.numel() + 1}, torch::kFloat64);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "grid_statistics", [&] {
+    auto run = use_avx2 ? avx2::grid_histogram<scalar_t> : generic::grid_histogram<scalar_t>;
+    run(x.data_ptr<scalar_t>(), x.numel(), bucket_size, linf, g.data_ptr<double>(), g.numel(), out.data_ptr<double>());
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &encode, "Encode a 1-D float CPU tensor into a horovod-alq payload");
   m.def("decode_sum", &decode_sum, "Decode payloads, sum them and scale, into a float32 tensor");
+  m.def("grid_statistics", &grid_statistics, "Refit statistics [W, C(grid)] of the norm-based methods");
   m.def("simd", [] { return std::string(use_avx2 ? "avx2" : "generic"); }, "The kernels in use");
   m.def("set_simd", [](bool avx2) { use_avx2 = avx2 && cpu_has_avx2(); },
         "Use the AVX2 kernels (where the CPU has them) or the generic ones");
