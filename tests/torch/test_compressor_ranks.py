@@ -67,6 +67,25 @@ def test_sum_op_unbiased_gloo_and_three_ranks(launcher, np_):
     assert all(r["levels"] == res[0]["levels"] for r in res)
 
 
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_two_phase_unbiased_and_identical_on_all_ranks(np_):
+    """7 buckets of 512 (the last short): shards of whole buckets that do not divide by N."""
+    from scipy.stats import t
+
+    res = run_ranks("torch_compressor.py", np=np_, timeout=600,
+                    args=["exchange", "--method", "alq", "--exchange", "two-phase", "--rounds", 120,
+                          "--numel", 3100, "--bucket", 512])
+    for r in res:  # two-sided t tests at 1e-6 (per bucket: Bonferroni over the buckets)
+        df = r["reps"] - 1
+        assert abs(r["t_plain"]) < t.isf(1e-6 / 2, df) and abs(r["t_signed"]) < t.isf(1e-6 / 2, df), r
+        assert r["t_buckets_max"] < t.isf(1e-6 / (2 * r["buckets"]), df), r
+        assert r["exchange"] == "two-phase" and r["level_updates"] == 1
+        assert r["second_levels"] == r["levels"]  # equal bits: the second quantizer follows the first
+        assert r["rel_err"] < 0.6, r["rel_err"]
+    assert all(r["digests"] == res[0]["digests"] for r in res), "ranks got different results"
+    assert all(r["levels"] == res[0]["levels"] for r in res)
+
+
 def _train(method, launcher="mpi", np_=2, **extra):
     args = ["train", "--method", method, "--bucket", 512, "--steps", 150]
     for key, value in extra.items():

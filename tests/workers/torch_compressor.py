@@ -32,6 +32,8 @@ def exchange(args) -> dict:
     for suffix in ("l2", "linf"):  # "alq-l2": that method with that bucket norm
         if method.endswith(f"-{suffix}"):
             method, norm = method[: -len(suffix) - 1], suffix
+    if args.exchange != "allgather":
+        return exchange_two_phase(args, method, norm)
     comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
                           update_every=0, min_size=16, seed=args.seed, norm=norm)
     norm = comp.norm
@@ -63,6 +65,40 @@ def exchange(args) -> dict:
             "digests": digests, "levels": m["levels"].tolist(), "level_updates": m["level_updates"],
             "bits_per_coordinate": m["bits_per_coordinate"], "payload_bytes": m["payload_bytes"],
             "coordinates": m["coordinates"]}
+
+
+def exchange_two_phase(args, method, norm) -> dict:
+    """M rounds of hvd.allreduce with the two-phase exchange. The second quantization makes the
+    exact variance intractable, so unbiasedness comes from the sample: after the refit round the
+    rounds are i.i.d., and the t statistics of the per-round deviation summed over all coordinates
+    (plain, and signed by the truth: a scale error) and summed per bucket must be small."""
+    size, rank = hvd.size(), hvd.rank()
+    comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0,), update_every=0,
+                          min_size=16, seed=args.seed, norm=norm, exchange="two-phase")
+    op = hvd.Sum if args.op == "sum" else hvd.Average
+    xs = [rank_data(r, args.numel).float().double().numpy() for r in range(size)]
+    truth = (1.0 if op == hvd.Sum else 1.0 / size) * sum(xs)
+    x = torch.from_numpy(xs[rank]).float()
+    hvd.allreduce(x, compression=comp, op=op, name="refit")
+    devs, digests = [], []
+    for i in range(args.rounds):
+        out = hvd.allreduce(x, compression=comp, op=op, name=f"x{i}")
+        devs.append(out.double().numpy() - truth)
+        digests.append(digest(out))
+    dev = np.stack(devs)
+    nb = -(-args.numel // args.bucket)
+    per_bucket = np.add.reduceat(dev, np.arange(0, nb * args.bucket, args.bucket), axis=1)
+
+    def t_stat(samples):
+        return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
+
+    m = comp.metrics()
+    return {"t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+            "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
+            "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": args.rounds,
+            "rel_err": float(np.sqrt((dev ** 2).sum(1).mean() / (truth ** 2).sum())),
+            "digests": digests, "exchange": m["exchange"], "levels": m["levels"].tolist(),
+            "second_levels": m["second_levels"].tolist(), "level_updates": m["level_updates"]}
 
 
 def digits_data(rank: int, size: int):
@@ -231,6 +267,7 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--op", default="average")
+    p.add_argument("--exchange", default="allgather")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--groups", type=int, default=0)
