@@ -97,8 +97,12 @@ class MpiTransport:
 class NumpyOps:
     """The exchange engine's tensor ops on NumPy arrays, with the core's reference codec."""
 
-    def stream(self, parts, starts, length):
-        out = np.zeros(length, dtype=np.float32)
+    def stream(self, parts, starts, length, out=None, padding=()):
+        if out is None:
+            out = np.zeros(length, dtype=np.float32)
+        else:
+            for a, b in padding:
+                out[a:b] = 0
         for part, start in zip(parts, starts):
             out[start: start + part.size] = part.ravel()
         return out
@@ -159,7 +163,9 @@ class QuantizedAllreduce:
     exchange : {"auto", "allgather", "two-phase"}
         How payloads travel (see :class:`horovod_alq.torch.ALQCompressor`); ``auto`` is two-phase
         from 4 ranks on. The two-phase exchange re-quantizes the summed shards with a second
-        quantizer (``bits_second`` bits, default ``bits``), whose levels :meth:`adapt` refits too.
+        quantizer (``bits_second`` bits, default ``bits``): at equal bits it takes the first
+        quantizer's levels at every :meth:`adapt`; with other bits :meth:`adapt` refits it from the
+        statistics of the reduced shards.
     bits_second : int, optional
     norm : {"l2", "linf"}, optional
         Bucket norm (adaptive methods take either; None: the method's default); see
@@ -509,6 +515,7 @@ class QuantizedAllreduce:
         error = None
         try:
             q.adapt(total[:vec.size])
+            self._state.refitted_first()
             if fit_second:
                 second.adapt(total[vec.size:])
         except Exception as err:  # made collective by the agreement below

@@ -59,7 +59,7 @@ class RoundState:
     quantizer: Quantizer
     schedule: RefitSchedule = field(default_factory=RefitSchedule)
     second: Quantizer | None = None
-    adapt_second: bool = True
+    adapt_second: bool | None = None  # None: adapt only when the second quantizer has other bits
     step: int = 0  # rounds whose exchange ran
     level_updates: int = 0
     calls: int = 0  # compress calls of compressed tensors
@@ -75,11 +75,33 @@ class RoundState:
         if self.second is None:
             q = self.quantizer
             self.second = Quantizer(q.method, bits=q.bits, bucket_size=q.bucket_size, norm=q.norm)
+        if self.adapt_second is None:
+            self.adapt_second = self.second.bits != self.quantizer.bits
+        self.adapt_second = bool(self.adapt_second)
 
     @property
     def collecting(self) -> bool:
-        """Whether the next round gathers statistics for a refit."""
+        """Whether the next round gathers statistics for a refit of the (first) quantizer."""
         return get_method(self.quantizer.method).adaptive and self.schedule.collects(self.step)
+
+    @property
+    def collecting_second(self) -> bool:
+        """Whether the next round gathers statistics of the reduced sums for the second quantizer:
+        the round *after* each refit of the first, so that the sums are made with its new levels
+        (docs/variance_two_phase.md: sums made with the old levels fit worse than no refit)."""
+        return (self.adapt_second and get_method(self.quantizer.method).adaptive
+                and self.step > 0 and self.schedule.collects(self.step - 1))
+
+    @property
+    def follows_first(self) -> bool:
+        """Whether the second quantizer takes the first one's levels at every refit (same bits,
+        ``adapt_second`` off: the default, the best of the measured choices at equal bits)."""
+        return not self.adapt_second and self.second.bits == self.quantizer.bits
+
+    def refitted_first(self) -> None:
+        """Call after every refit of the first quantizer: a following second quantizer copies it."""
+        if self.follows_first:
+            self.second.set_levels(self.quantizer.levels)
 
     def metrics(self) -> dict:
         out = {

@@ -42,8 +42,11 @@ class Transport(Protocol):
 class TensorOps(Protocol):
     """The codec and the few tensor operations an exchange needs, on one framework and device."""
 
-    def stream(self, parts: Sequence[Tensor], starts: Sequence[int], length: int) -> Tensor:
-        """A zero-filled float32 vector of ``length`` with the flattened ``parts`` at ``starts``."""
+    def stream(self, parts: Sequence[Tensor], starts: Sequence[int], length: int, out: Tensor | None = None,
+               padding: Sequence[tuple[int, int]] = ()) -> Tensor:
+        """A float32 vector of ``length`` with the flattened ``parts`` at ``starts`` and zeros
+        elsewhere: a new one, or ``out`` (stale contents) with its ``padding`` ranges zeroed (the
+        parts and the padding cover it)."""
 
     def zeros(self, n: int) -> Tensor:
         """float32 zeros."""
@@ -137,7 +140,9 @@ class Job:
     """One round's exchange: what every exchange module receives.
 
     ``seed(*keys)`` gives the seed of one encode; ``name(tag)`` a collective's name, the same on
-    every rank; ``sent`` / ``received`` accumulate this rank's payload bytes on the wire."""
+    every rank; ``buffer(tag, n)`` a float32 vector of ``n`` with stale contents that the caller
+    overwrites entirely (kept across rounds by the engine); ``sent`` / ``received`` accumulate this
+    rank's payload bytes on the wire."""
 
     stream: Tensor
     layout: Layout
@@ -148,9 +153,14 @@ class Job:
     seed: Callable[..., int]
     name: Callable[[str], str]
     collect_second: bool = False
+    buffer: Callable[[str, int], Tensor] | None = None
     sent: int = 0
     received: int = 0
     encoded: int = 0  # bytes of this rank's own (first-phase) payloads
+
+    def output(self, tag: str, n: int) -> Tensor:
+        """A float32 vector of ``n`` to be overwritten entirely: :attr:`buffer`'s, else a new one."""
+        return self.ops.zeros(n) if self.buffer is None else self.buffer(tag, n)
 
     def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
         """A payload; an empty ``x`` gives the bare header."""

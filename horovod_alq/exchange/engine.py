@@ -26,6 +26,7 @@ from ..core.methods import get_method
 from ..core.protocol import (PREFIX, ProtocolError, ReductionMismatch, derive_seed, handshake_vector,
                              read_handshake, read_tensor_vector, stable_hash, tensor_vector)
 from ..core.quantizer import Quantizer
+from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
 from . import allgather, two_phase
 from .base import Job, Layout, TensorOps, Transport, check_payloads, plan_layout
@@ -151,6 +152,7 @@ class Engine:
         self.manual_refit = manual_refit
         self._round = _Round()
         self.last_second_statistics: np.ndarray | None = None
+        self._kept: dict[str, tuple[Any, _Round]] = {}  # tag -> (buffer, the round that used it last)
 
     # ------------------------------------------------------------------ compress
     def add(self, flat: Any, numel: int, shape, dtype, transport: Transport,
@@ -248,7 +250,11 @@ class Engine:
         live = rnd.live()
         epoch = st.step
         exchange = choose_exchange(self.exchange, transport.size)
-        collecting = (not self.manual_refit) and st.collecting
+        two = exchange == two_phase.NAME
+        collect_first = (not self.manual_refit) and st.collecting
+        # second quantizer: the round after each refit of the first (manual refit: every round)
+        collect_second = two and st.adapt_second and (self.manual_refit or st.collecting_second)
+        collecting = collect_first or (collect_second and not self.manual_refit)
         order = tuple((e.numel, e.shape_code) for e in live)
         fields = dict(
             error=int(local_error is not None or any(e.error is not None for e in live)),
@@ -273,11 +279,13 @@ class Engine:
 
         capacity = self.fusion_bytes // 4 if self.fusion_bytes else 0
         layout = plan_layout([e.numel for e in live], q.bucket_size, capacity if ordered else None)
-        stream = ops.stream([e.flat for e in live], layout.starts, layout.length)
+        kept = self._kept_buffer(rnd, "stream", layout.length, ops)
+        stream = ops.stream([e.flat for e in live], layout.starts, layout.length, out=kept, padding=layout.padding)
         job = Job(stream, layout, ops, transport, q, st.second,
                   seed=lambda *keys: derive_seed(self.seed, transport.rank, epoch, *keys),
                   name=lambda tag: f"{prefix}.{tag}",
-                  collect_second=collecting and st.adapt_second and exchange == two_phase.NAME)
+                  collect_second=collect_second,
+                  buffer=lambda tag, n: self._kept_buffer(rnd, tag, n, ops))
         st.coordinates += sum(e.numel for e in live)
         try:
             if ordered:
@@ -293,9 +301,24 @@ class Engine:
             st.bytes_received += job.received
             st.payload_bytes += job.encoded
         if collecting:
-            self._refit(job, second_stats, prefix)
+            self._refit(job, collect_first, second_stats, prefix)
         elif self.manual_refit:
             self.last_second_statistics = second_stats
+
+    def _kept_buffer(self, rnd: _Round, tag: str, n: int, ops: TensorOps):
+        """A float32 vector of ``n`` for this round's ``tag``, with stale contents: the one of the
+        last round that used ``tag`` once each of that round's tensors was decompressed (nobody
+        reads it any more), else a new one. A fresh 100 MB vector costs its page faults on every
+        round: a quarter of a ResNet-50 step on the CPU (docs/bench_step.md)."""
+        held = self._kept.get(tag)
+        if held is not None:
+            buf, owner = held
+            if int(buf.shape[0]) == n and all(e.done or e.abandoned for e in owner.entries):
+                self._kept[tag] = (buf, rnd)
+                return buf
+        buf = ops.zeros(n)
+        self._kept[tag] = (buf, rnd)
+        return buf
 
     def _recover(self, entry: Entry, slots: tuple[int, ...], ops: TensorOps, transport: Transport):
         """The sum over ranks of a tensor that the ranks put in different slots of one shape (the
@@ -343,18 +366,21 @@ class Engine:
         streams = allgather.gather_streams(job, [int(table[-1, 1]) for table in tables])
         return _Unordered(streams, [dict(map(tuple, table[:-1].tolist())) for table in tables])
 
-    def _refit(self, job: Job, second_stats: np.ndarray | None, prefix: str) -> None:
+    def _refit(self, job: Job, collect_first: bool, second_stats: np.ndarray | None, prefix: str) -> None:
         """One allreduce of the round's statistics (both quantizers'), then every rank refits alike."""
         st, ops, q = self.state, job.ops, job.first
-        first = sum(ops.statistics(job.stream[lo:hi], q) for lo, hi in job.layout.buffers)
+        k = statistics_length(get_method(q.method))
+        first = np.zeros(k)
+        if collect_first:
+            first = sum((ops.statistics(job.stream[lo:hi], q) for lo, hi in job.layout.buffers), first)
         parts = [np.asarray(first, dtype=np.float64)]
         if job.collect_second:
-            parts.append(np.zeros_like(parts[0]) if second_stats is None else np.asarray(second_stats, np.float64))
+            parts.append(np.zeros(k) if second_stats is None else np.asarray(second_stats, np.float64))
         total = job.transport.allreduce_sum(np.concatenate(parts), f"{prefix}.statistics")
-        k = parts[0].size
         updated = False
         if total[0] > 0:
             q.adapt(total[:k])
+            st.refitted_first()
             updated = True
         if job.collect_second and total[k] > 0:
             st.second.adapt(total[k:])

@@ -118,9 +118,12 @@ class QuantizedCompressor(frontends.CompressorBase):
         float32 (default 64 MiB, or ``$HOROVOD_ALQ_FUSION_BYTES``); 0: one buffer per tensor.
     bits_second : int, optional
         Bits of the second (two-phase) quantization; default ``bits``.
-    adapt_second : bool
-        Adaptive methods refit the second quantization's levels from the statistics of the reduced
-        shards (default True); False keeps them at their initial fit.
+    adapt_second : bool, optional
+        How the second (two-phase) quantization's levels follow the gradients. None (default):
+        with ``bits_second == bits`` they are the first quantizer's levels, copied at every refit;
+        with other bits they are refit from the statistics of the reduced shards, collected in the
+        round after each refit of the first quantizer. True: refit them so at equal bits too; False:
+        with other bits, keep their initial fit. (Measured in docs/variance_two_phase.md.)
     process_set : horovod.torch.ProcessSet, optional
         The process set of the allreduces this compressor serves (default: global). Pass the same
         one to ``hvd.DistributedOptimizer(process_set=...)`` / ``hvd.allreduce(process_set=...)``.
@@ -135,7 +138,7 @@ class QuantizedCompressor(frontends.CompressorBase):
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
                  min_size: int = 1024, seed: int | None = None, codec: str = "auto",
                  fused: bool | None = None, exchange: str = "auto", fusion_bytes: int | None = None,
-                 bits_second: int | None = None, adapt_second: bool = True, process_set=None,
+                 bits_second: int | None = None, adapt_second: bool | None = None, process_set=None,
                  norm: str | None = None) -> None:
         method = method or self.method
         self._method = get_method(method)
@@ -143,7 +146,7 @@ class QuantizedCompressor(frontends.CompressorBase):
         second = Quantizer(self._method.name, bits=self._quantizer.bits if bits_second is None else bits_second,
                            bucket_size=bucket_size, norm=self._quantizer.norm)
         self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every), second,
-                                 bool(adapt_second))
+                                 adapt_second)
         self.min_size = frontends.check_min_size(min_size)
         seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
         self._engine = Engine(self._quantizer, self._state, exchange=exchange, fusion_bytes=fusion_bytes,

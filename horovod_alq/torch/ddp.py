@@ -104,8 +104,9 @@ class ALQState:
         (default 64 MiB or ``$HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per DDP bucket).
     bits_second : int, optional
         Bits of the two-phase exchange's second quantization (default ``bits``).
-    adapt_second : bool
-        Adaptive methods also refit the second quantization's levels (default True).
+    adapt_second : bool, optional
+        As for :class:`horovod_alq.torch.ALQCompressor` (default None: the second quantization
+        takes the first one's levels at equal bits, and is refit at other bits).
     norm : {"l2", "linf"}, optional
         Bucket norm (adaptive methods take either; None: the method's default); see
         :class:`horovod_alq.core.Quantizer`.
@@ -122,7 +123,7 @@ class ALQState:
                  exchange: str = "auto", seed: int | None = None, *, update_steps: Sequence[int] | None = None,
                  update_every: int | None = None, min_size: int = 1024, codec: str = "auto",
                  fusion_bytes: int | None = None, bits_second: int | None = None,
-                 adapt_second: bool = True, norm: str | None = None) -> None:
+                 adapt_second: bool | None = None, norm: str | None = None) -> None:
         m = get_method(method)
         if m.name == "terngrad":
             bits = 2
@@ -137,7 +138,7 @@ class ALQState:
         second = Quantizer(m.name, bits=self.bits if bits_second is None else bits_second,
                            bucket_size=self.bucket_size, norm=self.norm)
         self.round_state = RoundState(quantizer, schedule_from(update_steps, update_every), second,
-                                      bool(adapt_second))
+                                      adapt_second)
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
         self.engine = Engine(quantizer, self.round_state, exchange=exchange, fusion_bytes=fusion_bytes,
                              seed=self.seed, uid=f"ddp{next(_UIDS)}")

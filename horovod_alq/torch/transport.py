@@ -77,8 +77,12 @@ class TorchOps:
             self._levels[key] = torch.as_tensor(q.levels, dtype=torch.float64, device=self.device)
         return self._levels[key]
 
-    def stream(self, parts, starts, length):
-        out = torch.zeros(length, dtype=torch.float32, device=self.device)
+    def stream(self, parts, starts, length, out=None, padding=()):
+        if out is None:
+            out = torch.zeros(length, dtype=torch.float32, device=self.device)
+        else:
+            for a, b in padding:
+                out[a:b].zero_()
         for part, start in zip(parts, starts):
             out[start: start + part.numel()].copy_(part.reshape(-1))
         return out

@@ -150,6 +150,7 @@ def test_two_phase_unbiased_identical_and_adapted(run):
         tp = r["two_phase"]
         _assert_two_phase_unbiased(tp)
         assert tp["exchange"] == "two-phase" and tp["second_updates"] == 1
+        assert tp["second_follows_first"] and tp["second_refit_at_other_bits"], tp
     assert len({r["two_phase"]["digest"] for r in run}) == 1, "ranks got different results"
 
 

@@ -252,7 +252,7 @@ def test_different_settings_raise_the_same_error_on_every_rank(settings, exchang
 def test_two_phase_three_ranks_odd_sizes_identical_on_all_ranks():
     res = _run("odd_sizes", np_=3)
     sizes = [[37], [1000], [513], [5003], [17]]
-    for fusion in ("0", "4096"):
+    for fusion in ("0", "4096", "b4"):
         for rnd in range(3):
             key = f"{fusion}.{rnd}"
             assert all(r[key]["shapes"] == sizes for r in res)
@@ -261,4 +261,11 @@ def test_two_phase_three_ranks_odd_sizes_identical_on_all_ranks():
             assert sum(big) / len(big) < 1.2, res[0][key]["rel_err"]
         metrics = [r[f"{fusion}.metrics"] for r in res]
         assert all(m == metrics[0] for m in metrics)
-        assert metrics[0]["exchange"] == "two-phase" and metrics[0]["level_updates"] == 2
+        m = metrics[0]
+        # refits: the first quantizer's at rounds 0 and 1 (the second copies them), or with a
+        # 4-bit second quantization the first's at round 0 and the second's at round 1
+        assert m["exchange"] == "two-phase" and m["level_updates"] == 2
+        if fusion == "b4":
+            assert len(m["second_levels"]) == 16 and m["second_levels"] != m["initial_second"]
+        else:
+            assert m["second_levels"] == m["levels"] != m["initial_second"]

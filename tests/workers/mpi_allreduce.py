@@ -284,6 +284,17 @@ def split(comm, alpha: float) -> dict:
     return res
 
 
+def _second_refit_at_other_bits(comm, method, bucket, x):
+    """With bits_second=4 the second quantizer is refit by adapt() from the reduced shards: its
+    levels leave their initial fit (and are 16, not the first quantizer's 8)."""
+    ar = QuantizedAllreduce(comm, method, bits=3, bucket_size=bucket, seed=6, exchange="two-phase", bits_second=4)
+    initial = ar.metrics()["second_levels"]
+    ar(x)
+    ar.adapt()
+    second = ar.metrics()["second_levels"]
+    return bool(second.size == 16 and np.any(second != initial))
+
+
 def two_phase(comm, n: int, bucket: int, reps: int, method: str = "alq") -> dict:
     """The two-phase exchange: ``reps`` calls with fixed levels; unbiasedness from the sample (the
     exact law of a re-quantized sum is not tractable). The calls are independent, so per-call
@@ -316,7 +327,8 @@ def two_phase(comm, n: int, bucket: int, reps: int, method: str = "alq") -> dict
         "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
         "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": reps,
         "digest": digest(outs), "exchange": after["exchange"], "second_updates": after["level_updates"],
-        "second_levels_moved": bool(np.any(ar.metrics()["second_levels"] != ar.levels)),
+        "second_follows_first": bool(np.array_equal(ar.metrics()["second_levels"], ar.levels)),
+        "second_refit_at_other_bits": _second_refit_at_other_bits(comm, method, bucket, xs[rank]),
         "sent_per_call": after["bytes_sent"] - before["bytes_sent"],
         "received_per_call": after["bytes_received"] - before["bytes_received"],
         "allgather_sent": g["bytes_sent"], "allgather_received": g["bytes_received"],

@@ -340,8 +340,12 @@ def odd_sizes(args) -> dict:
     rank = hvd.rank()
     res = {}
     sizes = (37, 1000, 513, 5003, 17)
-    for fusion in (0, 4096):
-        comp = comp_for("two-phase", fusion_bytes=fusion, update_steps=(0, 1), update_every=0)
+    for fusion in (0, 4096, "b4"):
+        if fusion == "b4":  # 4-bit second quantization: refit in the round after the first's refit
+            comp = comp_for("two-phase", fusion_bytes=4096, update_steps=(0,), update_every=0, bits_second=4)
+        else:
+            comp = comp_for("two-phase", fusion_bytes=fusion, update_steps=(0, 1), update_every=0)
+        initial_second = comp.metrics()["second_levels"].tolist()
         for rnd in range(3):
             g = torch.Generator().manual_seed(rank * 7 + rnd)
             xs = [torch.randn(n, generator=g) * (rank + 1) for n in sizes]
@@ -352,7 +356,8 @@ def odd_sizes(args) -> dict:
                 "rel_err": [float((o - e).norm() / e.norm()) for o, e in zip(outs, exact)]}
         m = comp.metrics()
         res[f"{fusion}.metrics"] = {"exchange": m["exchange"], "levels": m["levels"].tolist(),
-                                    "level_updates": m["level_updates"]}
+                                    "level_updates": m["level_updates"], "initial_second": initial_second,
+                                    "second_levels": m["second_levels"].tolist()}
     return res
 
 

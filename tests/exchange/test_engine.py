@@ -1,0 +1,88 @@
+"""The exchange engine's round logic on one rank (a loopback transport: every collective of a
+1-rank set returns its input), with the NumPy codec. Multi-rank behaviour: tests/mpi, tests/torch."""
+
+import numpy as np
+import pytest
+
+from horovod_alq.core import Quantizer
+from horovod_alq.core.rounds import RefitSchedule, RoundState
+from horovod_alq.exchange.engine import Engine
+from horovod_alq.mpi import NumpyOps
+
+
+class Loopback:
+    rank, size = 0, 1
+
+    def allgather(self, payload, sizes, name):
+        return lambda: payload
+
+    def alltoall(self, payload, splits, received, name):
+        return lambda: payload
+
+    def allreduce_sum(self, vec, name):
+        return np.asarray(vec, dtype=np.float64)
+
+    def allreduce_max(self, vec, name):
+        return np.asarray(vec, dtype=np.int64)
+
+
+def _engine(exchange="allgather", steps=()):
+    q = Quantizer("alq", bits=3, bucket_size=64)
+    return Engine(q, RoundState(q, RefitSchedule(steps, 0)), exchange=exchange, seed=3)
+
+
+def _add(engine, x, t=Loopback()):
+    return engine.add(x, x.size, x.shape, "float32", t)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+def test_kept_buffers_are_not_reused_while_a_round_is_still_read(exchange):
+    """Round 1 = {a, b}; a round 2 runs between the decompressions of a and b: b must still get
+    round 1's values (the result buffer is kept across rounds only once a round is fully read)."""
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(300).astype(np.float32) for _ in range(3))
+    t, ops = Loopback(), NumpyOps()
+
+    ref = _engine(exchange)
+    (ea, va), (eb, vb) = _add(ref, a), _add(ref, b)
+    ref.finish(ea, va, ops, t)
+    b_ref = ref.finish(eb, vb, ops, t)[0].copy()
+
+    eng = _engine(exchange)
+    (ea, va), (eb, vb) = _add(eng, a), _add(eng, b)
+    eng.finish(ea, va, ops, t)
+    ec, vc = _add(eng, c)
+    c_out = eng.finish(ec, vc, ops, t)[0]
+    b_out = eng.finish(eb, vb, ops, t)[0]
+    np.testing.assert_array_equal(b_out, b_ref)
+    assert np.abs(c_out - c).max() <= np.abs(c).max()  # round 2 ran on its own buffers
+
+
+def test_buffers_are_kept_across_finished_rounds():
+    rng = np.random.default_rng(1)
+    t, ops = Loopback(), NumpyOps()
+    eng = _engine()
+    held = []
+    for _ in range(3):
+        x = rng.standard_normal(500).astype(np.float32)
+        entry, vec = _add(eng, x)
+        out = eng.finish(entry, vec, ops, t)[0]
+        assert np.abs(out - x).max() <= np.abs(x).max()
+        held.append((id(eng._kept["stream"][0]), id(eng._kept["total"][0])))
+    assert held[0] == held[1] == held[2]
+
+
+def test_kept_stream_padding_is_zeroed():
+    """Tensors of 70 and 10 elements in 64-buckets: the stream has 58 padding zeros between them,
+    also when a previous round left other values there (its norms would change otherwise)."""
+    t, ops = Loopback(), NumpyOps()
+    eng = _engine()
+    big = np.full(64 + 64 + 10, 5.0, dtype=np.float32)  # the same stream length: its buffer is kept
+    e, v = _add(eng, big)
+    eng.finish(e, v, ops, t)
+    parts = [np.ones(70, dtype=np.float32), np.full(10, 0.5, dtype=np.float32)]
+    entries = [_add(eng, p) for p in parts]
+    outs = [eng.finish(e, v, ops, t)[0] for e, v in entries]
+    assert eng._kept["stream"][0].shape == big.shape
+    # a bucket with max-abs 1 (padding zero) holds the levels -1..1 exactly at +-1: exact decode
+    np.testing.assert_array_equal(outs[0][64:70], parts[0][64:70])
