@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Wall-clock per training step under limited bandwidth: 4 Horovod workers, each in its own network
-namespace, linked through a bridge with tc-shaped veths, time per step for none (fp32), fp16,
-QSGDinf and ALQ, as ratios to none. Needs root (ip netns, tc).
+"""Wall-clock per training step under limited bandwidth: 4 (--workers: 2..8) Horovod workers, each in
+its own network namespace, linked through a bridge with tc-shaped veths, time per step for none
+(fp32), fp16, QSGDinf and ALQ (allgather and two-phase exchange), as ratios to none and to fp16.
+Needs root (ip netns, tc).
 
     python scripts/bench_network.py --out-dir docs                 # unshaped, 1gbit, 100mbit
     python scripts/bench_network.py --quick --out-dir /tmp/net     # small model, 1 rate, 2 steps
@@ -97,6 +98,11 @@ def worker(args) -> int:
         results[method] = {"step_s": statistics.median(step_max), "steps": step_max,
                            "compute_s": statistics.median(max(r[1][i] for r in per_rank) for i in range(len(times))),
                            "params": params}
+        if hasattr(comps[method], "metrics"):  # this package's compressors: payload bytes on the wire
+            m = comps[method].metrics()
+            rounds = max(1, m["step"])
+            results[method].update(exchange=m["exchange"], bytes_sent_per_step=m["bytes_sent"] / rounds,
+                                   bytes_received_per_step=m["bytes_received"] / rounds)
         del opt
     if hvd.rank() == 0:
         Path(args.worker_out).write_text(json.dumps({"size": hvd.size(), "results": results}))
@@ -240,6 +246,8 @@ def wire_bits(method: str, bits: int, bucket: int, n: int) -> float:
         return 2 * (n - 1) / n * 32
     if method == "fp16":
         return 2 * (n - 1) / n * 16
+    if method.endswith("-2p"):  # scatter-reduce + allgather of codes (horovod_alq/exchange/two_phase.py)
+        return 2 * (n - 1) / n * (bits + 32 / bucket)
     return (n - 1) * (bits + 32 / bucket)
 
 
@@ -268,6 +276,31 @@ def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
     lines += ["", "Ratios in parentheses are to none (fp32) on the same link. Wire arithmetic per worker "
               "and coordinate: " + ", ".join(f"{LABELS.get(m, m)} {wire_bits(m, args.bits, args.bucket_size, N_WORKERS):.2f} bits"
                                               for m in args.methods.split(",")) + "."]
+    methods = args.methods.split(",")
+    if "fp16" in methods:
+        others = [m for m in methods if m != "fp16"]
+        lines += ["", "Step time as a fraction of fp16's on the same link (below 1: faster than fp16):", "",
+                  "| link | " + " | ".join(f"{LABELS.get(m, m)} / fp16" for m in others) + " |",
+                  "|---|" + "---|" * len(others)]
+        for rate in rates:
+            res = runs[rate]["results"]
+            lines.append(f"| {rate} | " + " | ".join(f"{res[m]['step_s'] / res['fp16']['step_s']:.2f}" for m in others)
+                         + " |")
+    measured = [m for m in methods if "bytes_received_per_step" in next(iter(runs.values()))["results"][m]]
+    if measured:
+        res = runs[rates[0]]["results"]
+        lines += ["", f"Payload bytes per step and rank, measured by the compressors (rank 0, {rates[0]} run; the "
+                  "same on every link), against the wire arithmetic above times the parameter count:", "",
+                  "| method | exchange | sent | received | arithmetic (received) |", "|---|---|---|---|---|"]
+        for m in measured:
+            r = res[m]
+            lines.append(f"| {LABELS.get(m, m)} | {r['exchange']} | {r['bytes_sent_per_step'] / 1e6:.2f} MB | "
+                         f"{r['bytes_received_per_step'] / 1e6:.2f} MB | "
+                         f"{wire_bits(m, args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
+        lines.append(f"| {LABELS['none']} | ring allreduce (arithmetic) | | | "
+                     f"{wire_bits('none', args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
+        lines.append(f"| fp16 | ring allreduce (arithmetic) | | | "
+                     f"{wire_bits('fp16', args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
     return "\n".join(lines) + "\n"
 
 

@@ -14,13 +14,29 @@ import numpy as np
 ADAPTIVE = ["alq", "alq-n", "amq", "amq-n"]
 # An adaptive method with a bucket norm suffix ("alq-linf", "amq-n-l2") chooses that norm; without
 # a suffix the method's default norm.
-QUANTIZED = ADAPTIVE + ["qsgdinf", "qsgd", "nuqsgd", "terngrad"] + [
+PLAIN = ADAPTIVE + ["qsgdinf", "qsgd", "nuqsgd", "terngrad"] + [
     f"{m}-{norm}" for m in ADAPTIVE for norm in ("l2", "linf")]
+# A quantized method with an exchange suffix chooses the compressor's exchange: "-ag" allgather,
+# "-2p" two-phase ("alq-2p", "amq-linf-ag"); without one the compressor's default ("auto":
+# two-phase from 4 ranks on). PyTorch only (train.py); train_tf.py has the allgather only.
+EXCHANGE_SUFFIXES = {"ag": "allgather", "2p": "two-phase"}
+QUANTIZED = [v for m in PLAIN for v in (m, *(f"{m}-{x}" for x in EXCHANGE_SUFFIXES))]
 BASELINES = ["none", "fp16"]
 
 
+def split_exchange(method: str) -> tuple[str, str | None]:
+    """``"alq-2p"`` -> ``("alq", "two-phase")``; ``"alq-linf-ag"`` -> ``("alq-linf", "allgather")``;
+    ``"alq"`` -> ``("alq", None)``."""
+    for suffix, exchange in EXCHANGE_SUFFIXES.items():
+        if method.endswith(f"-{suffix}"):
+            return method[: -len(suffix) - 1], exchange
+    return method, None
+
+
 def split_norm(method: str) -> tuple[str, str | None]:
-    """``"alq-linf"`` -> ``("alq", "linf")``; ``"alq"`` -> ``("alq", None)``."""
+    """``"alq-linf"`` -> ``("alq", "linf")``; ``"alq"`` -> ``("alq", None)`` (an exchange suffix is
+    dropped: ``"alq-linf-2p"`` -> ``("alq", "linf")``)."""
+    method = split_exchange(method)[0]
     for norm in ("l2", "linf"):
         if method.endswith(f"-{norm}"):
             return method[: -len(norm) - 1], norm
@@ -34,7 +50,9 @@ def parse_args(description: str, argv=None, backends: tuple[str, ...] = ()) -> a
         p.add_argument("--backend", choices=backends, default=backends[0],
                        help=f"how gradients are averaged; default {backends[0]}")
     p.add_argument("--methods", default="alq,none",
-                   help=f"comma-separated, run in turn: {', '.join(QUANTIZED + BASELINES)} (default: alq,none)")
+                   help=f"comma-separated, run in turn: {', '.join(PLAIN + BASELINES)}; a quantized method "
+                        "with -ag or -2p appended (alq-2p, alq-linf-ag) uses the allgather or the two-phase "
+                        "exchange, without: the compressor's default (auto) (default: alq,none)")
     p.add_argument("--bits", type=int, default=3, help="bits per coordinate (TernGrad always 2); default 3")
     p.add_argument("--bucket-size", type=int, default=8192, help="coordinates per norm; default 8192")
     p.add_argument("--epochs", type=int, default=4, help="passes over the 4,000 training digits; default 4")
@@ -50,12 +68,14 @@ def parse_args(description: str, argv=None, backends: tuple[str, ...] = ()) -> a
     return p.parse_args(argv)
 
 
-def selected_methods(args: argparse.Namespace) -> list[str] | None:
-    """The methods of ``--methods``; None (after saying why on stderr) if one is unknown."""
+def selected_methods(args: argparse.Namespace, exchanges: bool = True) -> list[str] | None:
+    """The methods of ``--methods``; None (after saying why on stderr) if one is unknown
+    (``exchanges=False``: the exchange suffixes -ag, -2p are unknown too)."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in QUANTIZED + BASELINES]
+    known = QUANTIZED if exchanges else PLAIN
+    unknown = [m for m in methods if m not in known + BASELINES]
     if unknown:
-        print(f"unknown method(s) {unknown}; choose from {QUANTIZED + BASELINES}", file=sys.stderr)
+        print(f"unknown method(s) {unknown}; choose from {known + BASELINES}", file=sys.stderr)
         return None
     return methods
 
@@ -85,6 +105,9 @@ def make_compressor(hvd, alq, method: str, args: argparse.Namespace):
     base, norm = split_norm(method)
     if norm is not None:
         common["norm"] = norm
+    exchange = split_exchange(method)[1]
+    if exchange is not None:
+        common["exchange"] = exchange
     return alq.compressor_for(base, bits=args.bits, **common)
 
 
@@ -99,7 +122,7 @@ def result(method: str, args: argparse.Namespace, compressor, *, accuracy: float
         out["norm"] = compressor.norm
         m = compressor.metrics()
         out.update(bits_per_coordinate=m["bits_per_coordinate"], levels=m["levels"].tolist(),
-                   level_updates=m["level_updates"],
+                   level_updates=m["level_updates"], exchange=m.get("exchange"),
                    compressed_fraction=m["coordinates"] / max(1, m["coordinates"] + m["uncompressed_coordinates"]))
     return out
 

@@ -8,6 +8,8 @@ standard error) and a PNG.
     python scripts/run_accuracy.py --quick --out-dir /tmp/q  # 2 ranks, 1 seed, 2 methods, 1 epoch
     python scripts/run_accuracy.py --bits 2,3 --buckets 8192 --tag _norm --baselines none \
         --methods alq-l2,alq-linf,amq-l2,amq-linf,qsgdinf,terngrad --out-dir docs   # bucket norms
+    python scripts/run_accuracy.py --buckets 8192 --methods alq-ag,alq-2p --baselines none \
+        --tag _exchange --out-dir docs   # allgather vs two-phase exchange (-ag / -2p suffixes)
 
 Every launch writes its own JSON under --raw-dir; a launch whose JSON already exists is skipped,
 so an interrupted sweep resumes where it stopped, and ``--aggregate-only`` rebuilds the table and
@@ -27,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from demo_common import BASELINES, QUANTIZED  # scripts/ is on sys.path when this runs as a script
+from demo_common import BASELINES, PLAIN, QUANTIZED  # scripts/ is on sys.path when this runs as a script
 
 BITS_FREE = ["terngrad"]  # always 2 bits on the wire: one run per seed whatever --bits says
 
@@ -49,7 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds; default 0,1,2,3,4")
     p.add_argument("--buckets", default="512,8192", help="bucket sizes; default 512,8192")
     p.add_argument("--bits", default="3", help="comma-separated bit widths; default 3")
-    p.add_argument("--methods", default=",".join(QUANTIZED), help="quantized methods; default all")
+    p.add_argument("--methods", default=",".join(PLAIN),
+                   help="quantized methods; default all, each with the compressor's default exchange; "
+                        "-ag / -2p appended: the allgather / two-phase exchange (alq-ag,alq-2p)")
     p.add_argument("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
     p.add_argument("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
     p.add_argument("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
@@ -171,6 +175,12 @@ def summarize(table: dict) -> tuple[list, list, dict]:
             if diffs and m != "none":
                 d = _stats(diffs)
                 cell["vs_fp32"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
+            if m.endswith("-2p") and (m[:-3] + "-ag", c) in table:  # same method, the allgather exchange
+                ag = dict(table[(m[:-3] + "-ag", c)])
+                pairs = [100 * (a - ag[seed]) for seed, a in runs if seed in ag]
+                if pairs:
+                    d = _stats(pairs)
+                    cell["vs_allgather"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
             if m.endswith("-linf") and (m[:-5] + "-l2", c) in table:  # same method, the paper's L2 buckets
                 l2 = dict(table[(m[:-5] + "-l2", c)])
                 pairs = [100 * (a - l2[seed]) for seed, a in runs if seed in l2]
@@ -237,6 +247,16 @@ def markdown(methods: list, configs: list, summary: dict) -> str:
                 d = summary.get(_key(m, c), {}).get("vs_l2")
                 cells.append(f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-")
             lines.append(f"| {m[:-5]}: linf − l2 | " + " | ".join(cells) + " |")
+    two_phase = [m for m in methods if any("vs_allgather" in summary.get(_key(m, c), {}) for c in configs)]
+    if two_phase:
+        lines += ["", "Two-phase minus allgather exchange, same method and seed (points): mean ± standard error "
+                  "over seeds.", "", "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(configs)]
+        for m in two_phase:
+            cells = []
+            for c in configs:
+                d = summary.get(_key(m, c), {}).get("vs_allgather")
+                cells.append(f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-")
+            lines.append(f"| {m[:-3]}: 2p − ag | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

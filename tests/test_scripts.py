@@ -123,3 +123,62 @@ def test_run_accuracy_aggregates_several_bit_widths(tmp_path):
     assert summary["terngrad@b2d8192"]["n"] == 2 and "terngrad@b3d8192" not in summary
     text = (tmp_path / "accuracy_t.md").read_text()
     assert "| method | 2 bits, d=8192 | 3 bits, d=8192 |" in text and "(2 bits) 88.00" in text
+
+
+def test_exchange_suffixes():
+    """-ag / -2p choose the exchange (train.py); train_tf.py (allgather only) rejects them."""
+    import argparse
+
+    sys.path.insert(0, str(SCRIPTS))
+    import demo_common as dc
+
+    assert dc.split_exchange("alq-2p") == ("alq", "two-phase")
+    assert dc.split_exchange("amq-linf-ag") == ("amq-linf", "allgather")
+    assert dc.split_exchange("alq-n") == ("alq-n", None)
+    assert dc.split_norm("alq-linf-2p") == ("alq", "linf") and dc.split_norm("alq-n-ag") == ("alq-n", None)
+    assert dc.selected_methods(argparse.Namespace(methods="alq-2p,amq-ag,none")) == ["alq-2p", "amq-ag", "none"]
+    assert dc.selected_methods(argparse.Namespace(methods="alq-2p"), exchanges=False) is None
+    from horovod_alq import torch as alq
+
+    args = dc.parse_args("", ["--bits", "3"])
+    assert dc.make_compressor(None, alq, "alq-2p", args).exchange == "two-phase"
+    assert dc.make_compressor(None, alq, "amq-linf-ag", args).exchange == "allgather"
+    assert dc.make_compressor(None, alq, "alq", args).exchange == "auto"
+
+
+def test_run_accuracy_aggregates_two_phase(tmp_path):
+    """alq-ag and alq-2p on the same seeds: the same-seed difference two-phase minus allgather."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for seed, acc in ((0, 0.90), (1, 0.94)):
+        results = [{"method": "alq-ag", "bucket_size": 8192, "accuracy": acc},
+                   {"method": "alq-2p", "bucket_size": 8192, "accuracy": acc - 0.005},
+                   {"method": "none", "bucket_size": None, "accuracy": acc + 0.01}]
+        (raw / f"np4_b3_d8192_s{seed}_e8_alq-ag-alq-2p-none.json").write_text(
+            json.dumps({"args": {"seed": seed}, "results": results}))
+    mod = load("run_accuracy")
+    assert [j["methods"] for j in mod.launches(mod.parse_args(["--buckets", "8192", "--seeds", "0",
+                                                                "--methods", "alq-ag,alq-2p",
+                                                                "--baselines", "none"]))] == [
+        ["alq-ag", "alq-2p", "none"]]
+    assert mod.main(["--aggregate-only", "--buckets", "8192", "--raw-dir", str(raw), "--out-dir", str(tmp_path),
+                     "--tag", "_x"]) == 0
+    summary = json.loads((tmp_path / "accuracy_x.json").read_text())["summary"]
+    assert summary["alq-2p@8192"]["vs_allgather"]["mean"] == pytest.approx(-0.5)
+    assert summary["alq-2p@8192"]["vs_fp32"]["mean"] == pytest.approx(-1.5)
+    assert "vs_allgather" not in summary["alq-ag@8192"]
+    assert "| alq: 2p − ag | -0.50 ± 0.00 |" in (tmp_path / "accuracy_x.md").read_text()
+
+
+@pytest.mark.multiproc
+def test_train_exchange_two_ranks(tmp_path):
+    """train.py with alq-ag and alq-2p: each trains with the exchange it names (1 epoch, 2 ranks)."""
+    out = tmp_path / "train.json"
+    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, str(SCRIPTS / "train.py"),
+           "--methods", "alq-ag,alq-2p", "--epochs", "1", "--quiet", "--json", str(out)]
+    env = {**__import__("os").environ, **RANK_ENV}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(r["method"], r["exchange"]) for r in results] == [("alq-ag", "allgather"), ("alq-2p", "two-phase")]
+    assert all(r["accuracy"] > 0.5 and r["bucket_size"] == 8192 for r in results)
