@@ -37,7 +37,7 @@ EXCHANGE_CHOICES = (*EXCHANGES, "auto")
 #: Fusion buffers hold this many bytes of float32 gradient by default (``fusion_bytes=``,
 #: ``HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per tensor).
 DEFAULT_FUSION_BYTES = 64 << 20
-#: ``exchange="auto"`` uses the two-phase exchange from this many ranks on (docs/results.md).
+#: ``exchange="auto"`` uses the two-phase exchange from this many ranks on (docs/results.md, section 7).
 TWO_PHASE_FROM = 4
 
 
