@@ -155,9 +155,9 @@ def test_two_phase_unbiased_identical_and_adapted(run):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("np_", [3, 8])
+@pytest.mark.parametrize("np_", [3, 4, 8])
 def test_two_phase_traffic_does_not_grow_with_ranks(np_):
-    """N = 3 (odd; buffers that do not divide by N) and 8 (oversubscribed, small arrays): bytes per
+    """N = 3 (odd; buffers that do not divide by N), 4 and 8 (oversubscribed, small arrays): bytes per
     coordinate of two-phase against 2 (N - 1) / N (b + 32/d), headers aside; allgather's grow as N - 1."""
     n, d = 8192 * 4 + 100, 512
     res = run_ranks("mpi_allreduce.py", np=np_, timeout=300, env=_env(),
