@@ -243,7 +243,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     method: str = ""
     # Python-side configuration: not part of tf.Module's variable search.
     _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
-        "_fns", "_quantizer", "_schedule", "_method", "_second", "_process_set"})
+        "_fns", "_quantizer", "_schedule", "_method", "_second", "_process_set", "_set_cache"})
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
@@ -258,6 +258,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         self._second = Quantizer(self._method.name, bits=self._quantizer.bits if bits_second is None else bits_second,
                                  bucket_size=bucket_size, norm=self._quantizer.norm)
         self._process_set = process_set
+        self._set_cache = None
         self._schedule = schedule_from(update_steps, update_every)
         self.min_size = frontends.check_min_size(min_size)
         self.jit_compile = bool(jit_compile)
@@ -574,15 +575,21 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         return _signed64(_splitmix64(_hvd().rank() + 1))
 
     # ---- process set
+    def _set_info(self) -> tuple[int, int]:
+        """(size, rank in the set), read from Horovod once (a set's membership does not change)."""
+        if self._set_cache is None:
+            size = self.process_set.size()
+            if size is None:
+                raise ValueError(f"horovod_alq: the compressor's process set {self.process_set} is not "
+                                 f"registered with Horovod (hvd.init(process_sets=...) or hvd.add_process_set)")
+            self._set_cache = (int(size), int(self.process_set.rank()) if self._is_member() else -1)
+        return self._set_cache
+
     def _set_size(self) -> int:
-        size = self.process_set.size()
-        if size is None:
-            raise ValueError(f"horovod_alq: the compressor's process set {self.process_set} is not registered "
-                             f"with Horovod (hvd.init(process_sets=...) or hvd.add_process_set)")
-        return int(size)
+        return self._set_info()[0]
 
     def _set_rank(self) -> int:
-        return int(self.process_set.rank())
+        return self._set_info()[1]
 
     def _is_member(self) -> bool:
         ranks = self.process_set.ranks
