@@ -17,7 +17,7 @@ Usage (the compressor is an object with state: create it once, reuse it every st
 
     hvd.allreduce(tensor, compression=compression)          # eagerly or inside tf.function
 
-What works with TensorFlow 2.21 (Keras 3) and Horovod 0.28.1:
+What works with TensorFlow 2.21 (Keras 3) and Horovod 0.28.1 (also with ``process_set=`` and ``exchange=``):
 
 * ``hvd.DistributedGradientTape`` and ``hvd.allreduce`` / ``hvd.grouped_allreduce`` with
   ``tf.Variable`` s (custom loops, ``tf.Module``), eagerly and inside ``tf.function``.

@@ -8,11 +8,16 @@ Usage::
     compression = ALQCompressor(bits=3, bucket_size=8192)
     tape = hvd.DistributedGradientTape(tape, compression=compression)   # or hvd.allreduce(..., compression=)
 
-Same exchange as the PyTorch compressors (``docs/design.md``): ``compress`` encodes the gradient
-into a uint8 payload (same bytes layout as the NumPy core), starts an allgather of it and hands
-Horovod's allreduce a small float64 vector ``[1, k, k**2, statistics...]``; ``decompress`` checks
-the reduced vector, validates every rank's header against this rank's configuration, decodes all
-payloads, sums and scales. Everything is TF ops, so it works eagerly and inside ``tf.function``
+Same wire format as the PyTorch compressors (``docs/design.md``): ``compress`` encodes the gradient
+into a uint8 payload (same bytes layout as the NumPy core) and hands Horovod's allreduce a small
+float64 head vector ``[1, k, k**2, p, p**2, h, h**2, (config sums), statistics...]``; it issues no
+collective. ``decompress`` checks the reduced head vector (every rank sees the same one, so every
+rank takes the same decision: raise, or exchange), and only then moves the payloads, one tensor at a
+time: ``exchange="allgather"`` gathers every rank's payload, validates its header against this
+rank's configuration, decodes, sums and scales; ``exchange="two-phase"`` runs the scatter-reduce /
+re-quantize / allgather of :mod:`horovod_alq.exchange.two_phase` on the tensor's buckets. Horovod
+errors before ``decompress`` (a dtype or shape mismatch, a rank that passes the tensor uncompressed)
+therefore leave no payload collective behind on any rank. Everything is TF ops, so it works eagerly and inside ``tf.function``
 (traced once, run for many steps): the state lives in ``tf.Variable`` s and the level fits call the
 NumPy core through ``tf.numpy_function``.
 
@@ -29,7 +34,8 @@ A *round* (one optimizer step) begins at the first compressing call of a step:
 
 Statistics of a refit round are summed (in call order, identical on every rank) and the new levels
 are fit when the *next* round begins, before anything is encoded, so all ranks switch at the same
-point. ``metrics()["level_updates"]`` therefore counts a refit once the next round started.
+point. ``metrics()["level_updates"]`` therefore counts a refit once the next round started, and
+``metrics()["step"]`` counts completed rounds (a round completes in ``decompress``).
 """
 
 from __future__ import annotations
@@ -52,12 +58,19 @@ from ..core.methods import get_method
 from ..core.quantizer import Quantizer
 from ..core.rounds import schedule_from
 from ..core.statistics import GRID, statistics_length
-from ..core.protocol import ProtocolError, check_op, op_ok, shape_hash
+from ..core.protocol import ProtocolError, ReductionMismatch, check_op, op_ok, shape_hash
 from ..core.wire import HEADER_SIZE, Header, check_header, pack_header, parse_header, payload_size
+from ..exchange import two_phase
+from ..exchange.engine import check_exchange, choose_exchange
 from . import kernels
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-_HEAD = 7  # [1, k, k**2, p, p**2, h, h**2]: slot k, p = rank + 1, h = shape/dtype hash
+_HEAD = 7  # [1, k, k**2, p, p**2, h, h**2]: slot k, p = rank in the set + 1, h = shape/dtype hash
+#: Two-phase heads add the sums of ``c`` and ``c**2`` for the 32 bytes of the tensor's first header
+#: and ``bits_second``: every rank checks the configurations agree before any payload moves.
+_CONFIG = HEADER_SIZE + 1
+_CONFIG_FIELDS = {3: "method", 4: "bits", 5: "norm", **{i: "bucket_size" for i in range(8, 12)},
+                  **{i: "levels" for i in range(24, 32)}, HEADER_SIZE: "bits_second"}
 _UIDS = itertools.count()
 _MASK64 = (1 << 64) - 1
 
@@ -115,14 +128,27 @@ class _Exchange:
     shape: tf.TensorShape
     dtype: tf.DType
     numel: int
-    gathered: tf.Tensor
+    payload: tf.Tensor  # this rank's payload (two-phase: its first-phase shards, end to end)
     collecting: Any  # bool tensor, or None for fixed methods
     levels: tf.Tensor
     header: tf.Tensor
     eager: bool
+    exchange: str
+    seed: tf.Tensor
+    round: tf.Tensor  # index of this tensor's round
     source: Any = None  # the compressed tensor (autograd connects the output to it)
     shape_code: int = 0
-    fitted: Any = None  # the gathered bytes cut or padded to the expected length (set by the check)
+    config: Any = None  # two-phase: this rank's configuration bytes, float64 (_CONFIG,)
+    done: list = None  # eager: [decompressed?], read by the finalizer of an abandoned exchange
+
+
+@dataclass
+class _Outsider:
+    """Context of a tensor compressed on a rank outside the compressor's process set."""
+
+    message: str
+    shape: tf.TensorShape
+    dtype: tf.DType
 
 
 @dataclass
@@ -172,7 +198,6 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     ``tf.Variable`` s, so ``tf.train.Checkpoint(compressor=c)`` saves and restores it; restore into
     a compressor built with the same arguments. :meth:`state_dict` / :meth:`load_state_dict` give
     the same state as plain Python values (the PyTorch compressors' layout, validated on load).
-    Only Horovod's global process set is supported (the payloads are allgathered over all ranks).
 
     Parameters
     ----------
@@ -199,21 +224,41 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     norm : {"l2", "linf"}, optional
         Bucket norm (adaptive methods take either; None: the method's default). See
         :class:`horovod_alq.core.Quantizer`.
+    exchange : {"auto", "allgather", "two-phase"}
+        How each tensor's codes travel: ``allgather`` (every rank gathers every rank's payload),
+        ``two-phase`` (the tensor's buckets cut into N shards: alltoall, each owner sums its shard
+        and re-quantizes it once, allgather; about ``2(N-1)/N (b + 32/d)`` bits per coordinate,
+        a second quantization's noise), ``auto`` (default): two-phase from 4 ranks on.
+    bits_second : int, optional
+        Bits of the two-phase second quantization; default ``bits``, whose levels then follow the
+        first quantization's (every refit). Other widths keep their initial levels (the second
+        quantization does not adapt in TensorFlow).
+    process_set : horovod.tensorflow.ProcessSet, optional
+        The process set of the allreduces this compressor serves (default: global). Pass the same
+        one to ``hvd.DistributedGradientTape(process_set=...)`` / ``hvd.allreduce(process_set=...)``.
+        Payloads, scaling and statistics stay within the set; each set's compressor fits its own
+        levels. An allreduce over another set raises on every rank that took part.
     """
 
     method: str = ""
     # Python-side configuration: not part of tf.Module's variable search.
     _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
-        "_fns", "_quantizer", "_schedule", "_method"})
+        "_fns", "_quantizer", "_schedule", "_method", "_second", "_process_set", "_set_cache"})
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
                  min_size: int = 1024, seed: int | None = None, jit_compile: bool = True,
-                 norm: str | None = None) -> None:
+                 norm: str | None = None, exchange: str = "auto", bits_second: int | None = None,
+                 process_set=None) -> None:
         super().__init__(name=type(self).__name__)
         method = method or self.method
         self._method = get_method(method)
         self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size, norm=norm)
+        self._exchange = check_exchange(exchange)
+        self._second = Quantizer(self._method.name, bits=self._quantizer.bits if bits_second is None else bits_second,
+                                 bucket_size=bucket_size, norm=self._quantizer.norm)
+        self._process_set = process_set
+        self._set_cache = None
         self._schedule = schedule_from(update_steps, update_every)
         self.min_size = frontends.check_min_size(min_size)
         self.jit_compile = bool(jit_compile)
@@ -230,10 +275,13 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             self._header_mask = tf.Variable(header_mask(q.fingerprint), dtype=tf.int32, trainable=False,
                                             name="header_mask")
             self._seed = tf.Variable(_signed64(seed), dtype=tf.int64, trainable=False, name="seed")
-            self._rounds = tf.Variable(0, dtype=tf.int64, trainable=False, name="rounds")
+            self._rounds = tf.Variable(0, dtype=tf.int64, trainable=False, name="rounds")  # completed
+            self._current = tf.Variable(0, dtype=tf.int64, trainable=False, name="current_round")
             self._level_updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="level_updates")
             # compress calls, payload bytes, compressed coordinates
             self._traffic = tf.Variable([0, 0, 0], dtype=tf.int64, trainable=False, name="traffic")
+            # payload bytes this rank put on / took off the wire (all phases, headers included)
+            self._wire = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="wire_bytes")
             self._uncompressed = tf.Variable(0, dtype=tf.int64, trainable=False, name="uncompressed")
             self._pending = tf.Variable(np.zeros(self._stats_len), dtype=tf.float64, trainable=False,
                                         name="pending_statistics")
@@ -243,7 +291,8 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         # so that tf.Module / tf.train.Checkpoint do not track them.
         codec = _codec(q.bits, q.bucket_size, q.norm, self.jit_compile)
         self._fns = types.SimpleNamespace(sites=weakref.WeakKeyDictionary(), codec=codec, encode=codec.encode,
-                                          stats=codec.normless if self._stats_len == 4 else codec.grid)
+                                          stats=codec.normless if self._stats_len == 4 else codec.grid,
+                                          second=_codec(self._second.bits, q.bucket_size, q.norm, self.jit_compile))
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -251,14 +300,24 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         """Current levels, shape (L,), float64 (read eagerly)."""
         return self._levels.numpy()
 
+    @property
+    def exchange(self) -> str:
+        """The exchange in use: ``exchange=`` with "auto" resolved for the process set's size."""
+        return choose_exchange(self._exchange, self._set_size())
+
+    @property
+    def process_set(self):
+        """The Horovod process set this compressor serves."""
+        return self._process_set if self._process_set is not None else _hvd().global_process_set
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(method={self._method.name!r}, bits={self.bits}, "
-                f"bucket_size={self.bucket_size}, min_size={self.min_size})")
+                f"bucket_size={self.bucket_size}, min_size={self.min_size}, exchange={self._exchange!r})")
 
     # ------------------------------------------------------------------ Horovod interface
     @_ClassOrInstance
     def compress(self, tensor):
-        """Encode ``tensor``, start the allgather of its payload, return the small vector to allreduce."""
+        """Encode ``tensor`` and return the small head vector to allreduce (no collective here)."""
         tensor = tf.convert_to_tensor(tensor)
         numel = tensor.shape.num_elements()
         if tensor.dtype not in COMPRESSIBLE or numel is None or numel < max(self.min_size, 1):
@@ -266,6 +325,12 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             if tensor.dtype == tf.bfloat16:  # Horovod's TF allreduce has no bfloat16
                 return tf.cast(tensor, tf.float32), _PassThrough(tensor.dtype)
             return tensor, _PassThrough(tensor.dtype)
+        if not self._is_member():
+            # Raising here would leave the members waiting in this allreduce: take part with a head
+            # vector that fails their checks (its p sums stop matching), and raise in decompress.
+            head = np.zeros(self._head_len(self.exchange))
+            head[0] = 1.0
+            return tf.constant(head, tf.float64), _Outsider(self._outsider_message(), tensor.shape, tensor.dtype)
         eager = tf.executing_eagerly()
         slot = self._next_slot(eager)
         try:
@@ -278,87 +343,154 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     def _compress(self, tensor, numel: int, slot: int, eager: bool):
         if slot == 0:
             self._begin_round()
-        size = payload_size(numel, self.bits, self.bucket_size)
-        calls = self._traffic.assign_add(tf.constant([1, size, numel], tf.int64))[0] - 1
-        collecting = self._collecting() if self._method.adaptive else None
+        exchange = self.exchange
+        n, me = self._set_size(), self._set_rank()
+        parts = self._parts(numel, exchange, n)
+        sizes = [payload_size(b - a, self.bits, self.bucket_size) for a, b in parts]
+        calls = self._traffic.assign_add(tf.constant([1, sum(sizes), numel], tf.int64))[0] - 1
+        self._wire.assign_add(tf.constant(self._wire_bytes(numel, exchange, n, me), tf.int64))
+        current = self._current.read_value()
+        collecting = self._collecting(current) if self._method.adaptive else None
         levels = self._levels.read_value()
         header = self._header(numel)
         seed = tf.stack([tf.bitwise.bitwise_xor(self._seed.read_value(), self._rank_key()), calls])
-        payload = self._fns.encode(tensor, levels, header, seed)
-        hvd = _hvd()
-        gathered = hvd.allgather(payload, name=f"horovod_alq.{self._uid}.{slot}", ignore_name_scope=True)
-        p = float(_hvd().rank() + 1)
+        p = float(me + 1)
         h = float(shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name))
         head = tf.constant([1.0, float(slot), float(slot) ** 2, p, p * p, h, h * h], tf.float64)
+        config = None
+        if exchange == "allgather":
+            payload = self._fns.encode(tensor, levels, header, seed)
+        else:
+            flat = tf.reshape(tensor, [-1])
+            payload = tf.concat([self._encode_part(self._fns.encode, flat[a:b], levels, self._header(b - a),
+                                                   _part_seed(seed, j, 1)) for j, (a, b) in enumerate(parts)], 0)
+            config = tf.concat([tf.cast(header, tf.float64), tf.constant([float(self._second.bits)], tf.float64)], 0)
+            head = tf.concat([head, config, config * config], 0)
         if collecting is None:
             small = head
         else:
             small = tf.cond(collecting, lambda: tf.concat([head, self._statistics(tensor)], 0), lambda: head)
-        return small, _Exchange(slot, tensor.shape, tensor.dtype, numel, gathered, collecting, levels, header,
-                                eager, source=tensor, shape_code=int(h))
+        ctx = _Exchange(slot, tensor.shape, tensor.dtype, numel, payload, collecting, levels, header, eager,
+                        exchange, seed, current, source=tensor, shape_code=int(h), config=config)
+        if eager:
+            # Horovod drops ctx without decompress when its allreduce raised (a dtype mismatch): the
+            # exchange is then over on this rank, as on the others, which never began it.
+            ctx.done = [False]
+            weakref.finalize(ctx, self._abandon, ctx.done)
+        return small, ctx
 
     @_ClassOrInstance
     def decompress(self, tensor, ctx):
-        """Check the payloads and return the reduced gradient in the original shape and dtype."""
+        """Check the reduced head vector, exchange the payloads, and return the reduced gradient in
+        the original shape and dtype."""
         if ctx is None:
             return tensor
         if isinstance(ctx, _PassThrough):
             return tf.cast(tensor, ctx.dtype) if tensor.dtype != ctx.dtype else tensor
+        if isinstance(ctx, _Outsider):
+            return self._refuse(tensor, ctx)
         try:
             reduced = tf.cast(tensor, tf.float64)
-            head = reduced[:_HEAD]
-            pairing_ok = self._pairing_ok(head, ctx.slot, ctx.shape_code)
-            payloads_ok = self._payloads_ok(ctx)
-
-            def decode():
-                scale = tf.cast(reduced[0] / _hvd().size(), tf.float32)
-                out = self._decode_fn(ctx.numel)(ctx.fitted, ctx.levels, scale)
-                if ctx.collecting is None:
-                    return out
-
-                def keep():
-                    with tf.control_dependencies([self._pending.assign_add(reduced[_HEAD:] / reduced[0]),
-                                                  self._pending_count.assign_add(1)]):
-                        return tf.constant(True)
-
-                kept = tf.cond(ctx.collecting, keep, lambda: tf.constant(False))
-                with tf.control_dependencies([kept]):
-                    return tf.identity(out)
-
-            explain = functools.partial(self._explain, slot=ctx.slot, numel=ctx.numel)
-            if ctx.eager:
-                if not bool(pairing_ok.numpy() and payloads_ok.numpy()):
-                    explain(head.numpy(), ctx.gathered.numpy(), ctx.header.numpy())
-                out = decode()
-            else:
-                # The decode runs only in the branch where every check passed (a control dependency
-                # on the checks is not enough: TF may run an inlined function's ops before it).
-                def fail():
-                    def raise_(*values):
-                        explain(*values)
-                        return np.zeros(ctx.numel, np.float32)  # not reached: explain raises
-
-                    bad = tf.numpy_function(raise_, [head, ctx.gathered, ctx.header], tf.float32,
-                                            stateful=True, name="horovod_alq_check")
-                    return tf.reshape(bad, [ctx.numel])
-
-                out = tf.cond(tf.logical_and(pairing_ok, payloads_ok), decode, fail)
+            head = reduced[:self._head_len(ctx.exchange)]
+            run = self._allgather if ctx.exchange == "allgather" else self._two_phase
+            explain = functools.partial(self._explain, slot=ctx.slot)
+            out = _guarded(self._head_ok(head, ctx), functools.partial(run, ctx, reduced), explain, [head],
+                           ctx.numel, ctx.eager)
         finally:
             if ctx.eager:
+                ctx.done[0] = True
                 self._outstanding -= 1
         out = tf.reshape(tf.cast(out, ctx.dtype), ctx.shape)
-        return _connect_gradient(ctx.source, out, reduced[0] / _hvd().size())
+        return _connect_gradient(ctx.source, out, reduced[0] / self._set_size(), self.process_set)
+
+    def _allgather(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
+        """Gather every rank's payload, check every header, decode and sum (flat float32)."""
+        gathered = _hvd().allgather(ctx.payload, name=f"horovod_alq.{self._uid}.{ctx.slot}", ignore_name_scope=True,
+                                    process_set=self.process_set)
+        ok, fitted = self._payloads_ok(ctx, gathered)
+
+        def decode():
+            return self._kept(ctx, reduced, self._decode_fn(ctx.numel)(fitted, ctx.levels, self._scale(reduced)))
+
+        explain = functools.partial(self._explain_payloads, numel=ctx.numel)
+        return _guarded(ok, decode, explain, [gathered, ctx.header], ctx.numel, ctx.eager)
+
+    def _two_phase(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
+        """:mod:`horovod_alq.exchange.two_phase` on one tensor: shard ``j`` of every rank's codes goes
+        to rank ``j``, which sums them and re-quantizes the sum once; every rank decodes all the
+        re-quantized shards (flat float32, identical on every rank). The configurations were
+        compared through the head vector, so the payloads are not checked again."""
+        hvd, ps = _hvd(), self.process_set
+        n, me, d = self._set_size(), self._set_rank(), self.bucket_size
+        parts = self._parts(ctx.numel, "two-phase", n)
+        splits = [payload_size(b - a, self.bits, d) for a, b in parts]
+        name = f"horovod_alq.{self._uid}.{ctx.slot}"
+        received, rsplits = hvd.alltoall(ctx.payload, splits=splits, name=name + ".a2a", ignore_name_scope=True,
+                                         process_set=ps)
+        received = tf.reshape(received, [n * splits[me]])
+        a, b = parts[me]
+        one = tf.constant(1.0, tf.float32)
+        acc = self._fns.codec.decoder(b - a, n)(received, ctx.levels, one) if b > a else tf.zeros([0], tf.float32)
+        levels2 = ctx.levels if self._follows() else tf.constant(self._second.levels, tf.float64)
+        payload2 = self._encode_part(self._fns.second.encode, acc, levels2, self._header(b - a, second=True),
+                                     _part_seed(ctx.seed, me, 2))
+        # An empty shard's payload reads nothing received, and a graph prunes the ops nothing reads
+        # (control dependencies included): add a zero that reads the alltoall's splits.
+        payload2 += tf.cast(tf.minimum(tf.reduce_min(rsplits), 0), tf.uint8)
+        sizes = [payload_size(pb - pa, self._second.bits, d) for pa, pb in parts]
+        gathered = tf.reshape(hvd.allgather(payload2, name=name + ".ag2", ignore_name_scope=True, process_set=ps),
+                              [sum(sizes)])
+        scale = self._scale(reduced)
+        offsets = np.cumsum([0, *sizes]).tolist()
+        pieces = [self._fns.second.decoder(pb - pa, 1)(gathered[offsets[j]:offsets[j + 1]], levels2, scale)
+                  for j, (pa, pb) in enumerate(parts) if pb > pa]
+        return self._kept(ctx, reduced, tf.concat(pieces, 0))
+
+    def _kept(self, ctx: _Exchange, reduced: tf.Tensor, out: tf.Tensor) -> tf.Tensor:
+        """``out``, once its round counts as completed and the round's reduced statistics were added
+        to the pending ones (refit rounds)."""
+        with tf.control_dependencies([self._rounds.assign(ctx.round + 1)]):
+            out = tf.identity(out)
+        if ctx.collecting is None:
+            return out
+
+        def keep():
+            stats = reduced[self._head_len(ctx.exchange):] / reduced[0]
+            with tf.control_dependencies([self._pending.assign_add(stats), self._pending_count.assign_add(1)]):
+                return tf.constant(True)
+
+        kept = tf.cond(ctx.collecting, keep, lambda: tf.constant(False))
+        with tf.control_dependencies([kept]):
+            return tf.identity(out)
+
+    def _refuse(self, tensor: tf.Tensor, ctx: _Outsider) -> tf.Tensor:
+        """Raise ``ctx.message`` once the allreduce is over (in a graph: when it has run)."""
+        if tf.executing_eagerly():
+            raise ProtocolError(ctx.message)
+
+        def raise_(_):
+            raise ProtocolError(ctx.message)
+
+        bad = tf.numpy_function(raise_, [tensor], ctx.dtype, stateful=True, name="horovod_alq_not_member")
+        return tf.reshape(bad, ctx.shape)
 
     # ------------------------------------------------------------------ metrics and state
     @_ClassOrInstance
     def metrics(self) -> dict:
-        """``levels``, ``multiplier``, ``level_updates``, ``step`` (rounds begun), ``payload_bytes``,
-        ``coordinates``, ``uncompressed_coordinates``, ``bits_per_coordinate`` (compressed tensors,
-        on the wire), ``calls``. Read eagerly, between steps."""
+        """``levels``, ``multiplier``, ``second_levels`` (two-phase), ``level_updates``, ``step``
+        (rounds completed), ``payload_bytes`` (this rank's own first payloads), ``coordinates``,
+        ``uncompressed_coordinates``, ``bits_per_coordinate`` (compressed tensors, on the wire),
+        ``calls``, ``bytes_sent`` / ``bytes_received`` (payload bytes this rank put on / took off the
+        wire, all phases, headers included), ``exchange``. Read eagerly, between steps."""
         calls, payload, coords = (int(v) for v in self._traffic.numpy())
+        sent, received = (int(v) for v in self._wire.numpy())
         mult = float(self._multiplier.numpy())
         return {
             "levels": self._levels.numpy(),
+            "second_levels": self._levels.numpy() if self._follows() else self._second.levels.copy(),
+            "exchange": self.exchange,
+            "bytes_sent": sent,
+            "bytes_received": received,
             "multiplier": None if np.isnan(mult) else mult,
             "level_updates": int(self._level_updates.numpy()),
             "step": int(self._rounds.numpy()),
@@ -387,6 +519,8 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             "payload_bytes": payload,
             "coordinates": coords,
             "uncompressed_coordinates": int(self._uncompressed.numpy()),
+            "bytes_sent": int(self._wire.numpy()[0]),
+            "bytes_received": int(self._wire.numpy()[1]),
             "pending_statistics": self._pending.numpy(),
             "pending_count": int(self._pending_count.numpy()),
         }
@@ -407,6 +541,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         self._level_updates.assign(int(state["level_updates"]))
         self._traffic.assign([int(state["calls"]), int(state["payload_bytes"]), int(state["coordinates"])])
         self._uncompressed.assign(int(state["uncompressed_coordinates"]))
+        self._wire.assign([int(state.get("bytes_sent", 0)), int(state.get("bytes_received", 0))])
         self._pending.assign(pending)
         self._pending_count.assign(int(state.get("pending_count", 0)))
 
@@ -430,19 +565,91 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         self._fns.sites[graph] = k + 1
         return k
 
+    def _abandon(self, done: list) -> None:
+        """Finalizer of an eager exchange: Horovod dropped it without decompress (it raised first)."""
+        if not done[0]:
+            done[0] = True
+            self._outstanding = max(0, self._outstanding - 1)
+
     def _rank_key(self) -> int:
         return _signed64(_splitmix64(_hvd().rank() + 1))
 
-    def _header(self, numel: int) -> tf.Tensor:
-        q = self._quantizer
-        static = np.frombuffer(pack_header(Header(self._method.id, q.bits, q.bucket_size, numel, 0, norm=q.norm)),
-                               np.uint8)
-        mixed = tf.bitwise.bitwise_xor(tf.constant(static.astype(np.int32)), self._header_mask.read_value())
-        return tf.cast(mixed, tf.uint8)
+    # ---- process set
+    def _set_info(self) -> tuple[int, int]:
+        """(size, rank in the set), read from Horovod once (a set's membership does not change)."""
+        if self._set_cache is None:
+            size = self.process_set.size()
+            if size is None:
+                raise ValueError(f"horovod_alq: the compressor's process set {self.process_set} is not "
+                                 f"registered with Horovod (hvd.init(process_sets=...) or hvd.add_process_set)")
+            self._set_cache = (int(size), int(self.process_set.rank()) if self._is_member() else -1)
+        return self._set_cache
 
-    def _collecting(self) -> tf.Tensor:
-        """Whether the current round (index ``rounds - 1``) gathers statistics for a refit."""
-        step = self._rounds.read_value() - 1
+    def _set_size(self) -> int:
+        return self._set_info()[0]
+
+    def _set_rank(self) -> int:
+        return self._set_info()[1]
+
+    def _is_member(self) -> bool:
+        ranks = self.process_set.ranks
+        return not ranks or _hvd().rank() in ranks
+
+    def _outsider_message(self) -> str:
+        return (f"horovod_alq: rank {_hvd().rank()} is not in the compressor's process set (ranks "
+                f"{self.process_set.ranks}): pass this compressor only to allreduces over that set "
+                f"(hvd.allreduce(..., process_set=ps), hvd.DistributedGradientTape(..., process_set=ps))")
+
+    # ---- layout of one tensor's exchange
+    @staticmethod
+    def _head_len(exchange: str) -> int:
+        return _HEAD + (2 * _CONFIG if exchange == "two-phase" else 0)
+
+    def _parts(self, numel: int, exchange: str, n: int) -> list[tuple[int, int]]:
+        """The element ranges encoded as separate payloads: the whole tensor, or its N shards."""
+        if exchange == "allgather":
+            return [(0, numel)]
+        return two_phase.shards(0, numel, n, self.bucket_size)
+
+    def _wire_bytes(self, numel: int, exchange: str, n: int, me: int) -> list[int]:
+        """[sent, received] payload bytes of one tensor's exchange on this rank (as the engine counts)."""
+        parts = self._parts(numel, exchange, n)
+        first = [payload_size(b - a, self.bits, self.bucket_size) for a, b in parts]
+        if exchange == "allgather":
+            return [(n - 1) * first[0], (n - 1) * first[0]]
+        second = [payload_size(b - a, self._second.bits, self.bucket_size) for a, b in parts]
+        others = [j for j in range(n) if j != me]
+        return [sum(first[j] for j in others) + (n - 1) * second[me],
+                (n - 1) * first[me] + sum(second[j] for j in others)]
+
+    @staticmethod
+    def _encode_part(encode, x: tf.Tensor, levels, header: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+        """One payload; an empty shard's is its header alone."""
+        if x.shape.num_elements() == 0:
+            return header
+        return encode(x, levels, header, seed)
+
+    def _follows(self) -> bool:
+        """Whether the second quantization uses the first's levels (same bits)."""
+        return self._second.bits == self._quantizer.bits
+
+    def _scale(self, reduced: tf.Tensor) -> tf.Tensor:
+        """Sum of 1 over the ranks (N for Sum, 1 for Average) over N: the factor on the decoded sum."""
+        return tf.cast(reduced[0] / self._set_size(), tf.float32)
+
+    def _header(self, numel: int, second: bool = False) -> tf.Tensor:
+        """Header of a payload of ``numel`` elements (the second quantization's with ``second``)."""
+        q = self._second if second else self._quantizer
+        static = np.frombuffer(pack_header(Header(self._method.id, q.bits, q.bucket_size, numel,
+                                                  q.fingerprint if second and not self._follows() else 0,
+                                                  norm=q.norm)), np.uint8).astype(np.int32)
+        if second and not self._follows():
+            return tf.constant(static.astype(np.uint8))
+        return tf.cast(tf.bitwise.bitwise_xor(tf.constant(static), self._header_mask.read_value()), tf.uint8)
+
+    def _collecting(self, current: tf.Tensor) -> tf.Tensor:
+        """Whether round ``current`` gathers statistics for a refit."""
+        step = current
         sched = self._schedule
         out = tf.constant(False)
         if sched.steps:
@@ -454,7 +661,11 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         return out
 
     def _begin_round(self) -> None:
-        """Refit from the previous round's statistics (if it collected any), then count the round."""
+        """Refit from the previous round's statistics (if it collected any); the round's index is the
+        number of completed rounds. A round completes in decompress, so a round that failed before it
+        on every rank (Horovod's own errors) or on some (a rank that passed the tensor uncompressed)
+        is begun again by the next call, on every rank alike. Refitting is idempotent: a rank that
+        refit in the failed round and one that refits in the next fit the same statistics."""
         if self._method.adaptive:
             def refit():
                 levels, mult, mask, updated = tf.numpy_function(
@@ -473,7 +684,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                     return tf.constant(True)
 
             tf.cond(self._pending_count > 0, refit_flag, lambda: tf.constant(False))
-        self._rounds.assign_add(1)
+        self._current.assign(self._rounds)
 
     def _refit_numpy(self, levels: np.ndarray, stats: np.ndarray):
         """The NumPy core's fit (deterministic: identical inputs give identical levels on every rank)."""
@@ -491,16 +702,16 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         return self._fns.stats(tensor)
 
     def _decode_fn(self, numel: int):
-        return self._fns.codec.decoder(numel, _hvd().size())
+        return self._fns.codec.decoder(numel, self._set_size())
 
     # ---- checks: cheap in-graph tests; on failure a NumPy explanation raises on every rank
-    @staticmethod
-    def _pairing_ok(head: tf.Tensor, slot: int, shape_code: int) -> tf.Tensor:
-        """The reduced head ``[s, s*k, s*k**2, p.., p**2.., h.., h**2..]`` pairs this rank's slot ``k``
-        with every other rank's, comes from a Sum or an Average (``p = rank + 1``: see
-        :func:`horovod_alq.core.protocol.op_ok`), and every rank passed this shape and dtype
-        (hash ``h``: ``(sum h)**2 == N sum h**2``)."""
-        k, n, h = float(slot), float(_hvd().size()), float(shape_code)
+    def _head_ok(self, head: tf.Tensor, ctx: _Exchange) -> tf.Tensor:
+        """The reduced head ``[s, s*k, s*k**2, p.., p**2.., h.., h**2.., (c.., c**2..)]`` pairs this
+        rank's slot ``k`` with every other rank's, comes from a Sum or an Average over exactly the
+        compressor's process set (``p`` = rank in the set + 1: see
+        :func:`horovod_alq.core.protocol.op_ok`), every rank passed this shape and dtype (hash ``h``:
+        ``(sum h)**2 == N sum h**2``) and, two-phase, has the same configuration bytes ``c``."""
+        k, n, h = float(ctx.slot), float(self._set_size()), float(ctx.shape_code)
         scale = head[0]
         ok = tf.logical_and(tf.reduce_all(tf.math.is_finite(head)), tf.not_equal(scale, 0.0))
         safe = tf.where(ok, scale, tf.ones_like(scale))
@@ -508,37 +719,38 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         checks = [tf.abs(w[1] - k) < 1e-6, tf.abs(w[2] - k * k) < 1e-6 * max(1.0, k * k),
                   tf.abs(w[3] - (n + 1) / 2) < 1e-9 * n, tf.abs(w[4] - (n + 1) * (2 * n + 1) / 6) < 1e-9 * n * n,
                   tf.abs(w[5] - h) < 1e-9 * h, tf.abs(w[6] - h * h) < 1e-9 * h * h]
+        if ctx.config is not None:
+            c, c2 = w[_HEAD:_HEAD + _CONFIG], w[_HEAD + _CONFIG:]
+            checks.append(tf.reduce_all(tf.abs(c * c - c2) <= 1e-9 * tf.maximum(c2, 1.0)))
         return tf.logical_and(ok, tf.reduce_all(tf.stack(checks)))
 
-    def _payloads_ok(self, ctx: _Exchange) -> tf.Tensor:
-        """Every rank's payload has this rank's size and header (method, bits, bucket, numel, levels).
-
-        Also fits ``ctx.gathered`` to exactly ``ranks * payload_size`` bytes (cut or zero-padded), so
-        that no op fails on a wrong size before the explanation is raised: TF may run shape-bound ops
-        of a ``tf.cond`` branch that is not taken."""
-        ranks = _hvd().size()
+    def _payloads_ok(self, ctx: _Exchange, gathered: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """Whether every rank's payload has this rank's size and header (method, bits, bucket, numel,
+        levels), and ``gathered`` fitted to exactly ``ranks * payload_size`` bytes (cut or
+        zero-padded), so that no op fails on a wrong size before the explanation is raised: TF may
+        run shape-bound ops of a ``tf.cond`` branch that is not taken."""
+        ranks = self._set_size()
         expected = ranks * payload_size(ctx.numel, self.bits, self.bucket_size)
-        got = tf.size(ctx.gathered)
-        fitted = tf.pad(ctx.gathered[:expected], [[0, tf.maximum(0, expected - got)]])
+        got = tf.size(gathered)
+        fitted = tf.pad(gathered[:expected], [[0, tf.maximum(0, expected - got)]])
         fitted.set_shape([expected])
         rows = tf.reshape(fitted, [ranks, -1])[:, :HEADER_SIZE]
         ok = tf.logical_and(tf.equal(got, expected), tf.reduce_all(tf.equal(rows, ctx.header[None, :])))
-        ctx.fitted = fitted
-        return ok
+        return ok, fitted
 
-    def _explain(self, head: np.ndarray, gathered: np.ndarray, header: np.ndarray, *, slot: int,
-                 numel: int) -> None:
-        """Raise the error that says what differs (called only when a check failed)."""
+    def _explain(self, head: np.ndarray, *, slot: int) -> None:
+        """Raise the error that says what the reduced head vector shows (called only when a check failed)."""
         head = np.asarray(head, dtype=np.float64)
         scale = head[0]
-        n = _hvd().size()
+        n = self._set_size()
         triple = np.array([head[0], head[3], head[4]])
         check_op(triple, n)
         if not op_ok(triple, n):
-            raise ProtocolError(
-                f"horovod_alq: the reduced control vector does not match a Sum or Average over all "
-                f"{n} ranks ({triple.tolist()}): op=Adasum, hvd.join(), or an allreduce over a process "
-                f"set (the TensorFlow compressors support the global process set only)")
+            raise ReductionMismatch(
+                f"horovod_alq: the reduced control vector does not match a Sum or Average over the "
+                f"compressor's process set of {n} ranks ({triple.tolist()}): op=Adasum, hvd.join(), or an "
+                f"allreduce over another process set than the compressor's (pass the same process_set= to "
+                f"the compressor and to the allreduce / DistributedGradientTape)")
         w = head / scale
         if abs(w[5] * w[5] - w[6]) > 1e-6 * w[6]:
             raise ProtocolError("horovod_alq: the ranks passed tensors of different shapes or dtypes to the "
@@ -548,19 +760,25 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             raise RuntimeError(
                 f"horovod_alq: ranks exchanged different tensors in slot {slot} of this step (the ranks "
                 f"compressed their tensors in different orders or different tensors); refusing to "
-                f"decode. Reduced check vector: {head.tolist()}")
-        self._explain_payloads(np.asarray(gathered), np.asarray(header), numel=numel)
-        raise RuntimeError("horovod_alq: payload check failed")  # not reached
+                f"decode. Reduced check vector: {head[:_HEAD].tolist()}")
+        if head.size <= _HEAD:
+            raise ProtocolError(f"horovod_alq: the reduced control vector fails its checks: {head.tolist()}")
+        c, c2 = w[_HEAD:_HEAD + _CONFIG], w[_HEAD + _CONFIG:]
+        differ = sorted({_CONFIG_FIELDS.get(i, "header") for i in np.flatnonzero(np.abs(c * c - c2) > 1e-9 *
+                                                                                  np.maximum(1.0, c2))})
+        raise ProtocolError(f"horovod_alq: the ranks' compressors differ in {', '.join(differ) or 'configuration'} "
+                            f"(two-phase exchange; compared before any payload moved). Every rank must build "
+                            f"the compressor with the same arguments and load the same state")
 
     def _explain_payloads(self, gathered: np.ndarray, header: np.ndarray, *, numel: int) -> None:
         """Raise ValueError naming the first rank whose payload differs from this rank's configuration."""
-        hvd = _hvd()
+        n, me = self._set_size(), self._set_rank()
         local = parse_header(header)
         offset, total = 0, gathered.size
-        for rank in range(hvd.size()):
+        for rank in range(n):
             if offset + HEADER_SIZE > total:
                 raise ValueError(f"horovod_alq: payload of rank {rank} missing or truncated "
-                                 f"({total} bytes gathered from {hvd.size()} ranks)")
+                                 f"({total} bytes gathered from {n} ranks)")
             try:
                 theirs = parse_header(gathered[offset: offset + HEADER_SIZE])
                 check_header(theirs, local.method_id, local.bits, local.bucket_size, local.fingerprint, local.norm)
@@ -570,23 +788,58 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                     raise ValueError(f"payload truncated: {total - offset} bytes, header says {theirs.payload_size}")
             except ValueError as err:
                 raise ValueError(f"horovod_alq: payload from rank {rank} does not match this rank "
-                                 f"(rank {hvd.rank()}): {err}") from None
+                                 f"(rank {me}): {err}") from None
             offset += theirs.payload_size
         if offset != total:
-            raise ValueError(f"horovod_alq: {total - offset} unexpected bytes after {hvd.size()} payloads")
+            raise ValueError(f"horovod_alq: {total - offset} unexpected bytes after {n} payloads")
 
 
-def _connect_gradient(source, out, scale):
+def _part_seed(seed: tf.Tensor, part: int, phase: int) -> tf.Tensor:
+    """The ``[key, counter]`` seed of one shard's encoding in one phase of the two-phase exchange."""
+    key = _signed64(_splitmix64((int(part) << 2) | int(phase)))
+    return tf.stack([tf.bitwise.bitwise_xor(seed[0], tf.constant(key, tf.int64)), seed[1]])
+
+
+def _guarded(ok, run, explain, args, numel: int, eager: bool):
+    """``run()`` if the in-graph check ``ok`` holds, else ``explain(*args)`` raises on this rank.
+
+    Every rank evaluates ``ok`` on the same reduced data, so all run or all raise. Eagerly ``ok`` is
+    read in Python; in a graph ``run`` is the taken branch of a ``tf.cond`` (and depends on ``ok``),
+    so none of its ops, collectives included, runs after a failed check (a control dependency
+    alone is not enough: TF may run an inlined function's ops before it)."""
+    if eager:
+        if not bool(ok.numpy()):
+            explain(*(a.numpy() for a in args))
+            raise ProtocolError("horovod_alq: check failed")  # not reached: explain raises
+        return run()
+
+    def taken():
+        with tf.control_dependencies([ok]):
+            return run()
+
+    def fail():
+        def raise_(*values):
+            explain(*values)
+            return np.zeros(numel, np.float32)  # not reached: explain raises
+
+        bad = tf.numpy_function(raise_, list(args), tf.float32, stateful=True, name="horovod_alq_check")
+        return tf.reshape(bad, [numel])
+
+    return tf.cond(ok, taken, fail)
+
+
+def _connect_gradient(source, out, scale, process_set):
     """``out`` with a gradient to ``source``: Horovod's own allreduce gradient (an exact sum of the
-    incoming gradients, times the op's ``scale``), as for an uncompressed ``hvd.allreduce``. Without
-    it a tape would see the quantized output as a constant and give zero gradients."""
+    incoming gradients over the process set, times the op's ``scale``), as for an uncompressed
+    ``hvd.allreduce``. Without it a tape would see the quantized output as a constant and give zero
+    gradients."""
     if source is None or not source.dtype.is_floating:
         return out
 
     @tf.custom_gradient
     def connected(x):
         def grad(dy):
-            summed = _hvd().allreduce(dy, op=_hvd().Sum)
+            summed = _hvd().allreduce(dy, op=_hvd().Sum, process_set=process_set)
             return summed * tf.cast(scale, dy.dtype)
 
         return tf.identity(out), grad

@@ -63,3 +63,9 @@ def cell_moments(x: np.ndarray, levels: np.ndarray, bucket: int, norm: str):
     cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
     lo, hi = levels[cell], levels[cell + 1]
     return norms**2 * (hi - r) * (r - lo), norms * (hi - lo)
+
+
+def t_stat(samples: np.ndarray) -> np.ndarray:
+    """t-statistics of the column means of ``samples`` (reps, k): mean / (std / sqrt(reps))."""
+    samples = np.asarray(samples, dtype=np.float64)
+    return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))

@@ -12,7 +12,8 @@ import sys
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["exchange", "train", "keras", "mismatch", "misc", "compat"])
+    p.add_argument("scenario", choices=["exchange", "train", "keras", "mismatch", "misc", "compat", "deadlock",
+                                        "process_sets", "two_phase"])
     p.add_argument("--methods", default="alq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket", type=int, default=512)
@@ -33,7 +34,7 @@ if ARGS.scenario == "keras":
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-from common import cell_moments, report
+from common import cell_moments, report, t_stat
 
 from horovod_alq.core import Quantizer
 from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, QSGDCompressor, compressor_for
@@ -152,16 +153,17 @@ class MLP(tf.Module):
         return tf.matmul(tf.nn.relu(tf.matmul(x, self.w1) + self.b1), self.w2) + self.b2
 
 
-def train_loop(variables, forward, comp, data, steps: int, lr: float = 0.1, seed: int = 0):
+def train_loop(variables, forward, comp, data, steps: int, lr: float = 0.1, seed: int = 0, process_set=None):
     """SGD with momentum 0.9 in a tf.function around hvd.DistributedGradientTape."""
     tx, ty, vx, vy = data
     momenta = [tf.Variable(tf.zeros_like(v)) for v in variables]
+    extra = {} if process_set is None else {"process_set": process_set}
 
     @tf.function
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, forward(xb)))
-        tape = hvd.DistributedGradientTape(tape, compression=comp)
+        tape = hvd.DistributedGradientTape(tape, compression=comp, **extra)
         grads = tape.gradient(loss, variables)
         for v, m, g in zip(variables, momenta, grads):
             m.assign(0.9 * m + g)
@@ -337,7 +339,7 @@ def misc(args) -> dict:
     same = QSGDCompressor(bits=3, bucket_size=256, min_size=16, seed=11)
     small, ctx = same.compress(tf.constant(rank_data(0, 4096)))
     same.decompress(hvd.allreduce(small, name="same.small"), ctx)
-    halves = np.split(ctx.gathered.numpy(), size)
+    halves = np.split(hvd.allgather(ctx.payload, name="same.payloads").numpy(), size)
     out["rank_payloads_differ"] = (digest(halves[0][32:]) != digest(halves[1][32:])
                                    and digest(halves[0][:32]) == digest(halves[1][:32]))
 
@@ -417,8 +419,159 @@ def compat(args) -> dict:
     return out
 
 
+def _attempt(fn, *a):
+    """``fn(*a)`` as ``{"error": None, "value": ...}`` or ``{"error": "Type: message"}``."""
+    try:
+        y = fn(*a)
+        return {"error": None, "digest": digest(y.numpy())}
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(err).__name__}: {err}"[-1500:], "type": type(err).__name__}
+
+
+def deadlock(args) -> dict:
+    """Issue "Horovod compatibility", item 1: ranks that disagree before decompress (a dtype mismatch,
+    as upstream's test_horovod_allreduce_type_error; one rank below min_size) must raise or agree,
+    never leave a payload collective behind; afterwards plain and compressed allreduces work."""
+    rank = hvd.rank()
+    comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3)
+    out = {}
+    for mode in ("eager", "function"):
+        tensor = tf.ones([17] * 3, dtype=tf.int32 if rank % 2 == 0 else tf.float32)
+        call = lambda t, mode=mode: hvd.allreduce(t, compression=comp, name=f"type.{mode}")  # noqa: E731
+        out[f"{mode}.dtype"] = _attempt(call if mode == "eager" else tf.function(call), tensor)
+        small = ALQCompressor(bits=3, bucket_size=512, min_size=1024 if rank == 0 else 4096, seed=3)
+        call = lambda t, mode=mode: hvd.allreduce(t, compression=small, name=f"min.{mode}")  # noqa: E731
+        out[f"{mode}.min_size"] = _attempt(call if mode == "eager" else tf.function(call),
+                                           tf.constant(rank_data(rank, 2048)))
+        x = tf.constant(rank_data(rank, 4096))
+        out[f"{mode}.plain_after"] = float(hvd.allreduce(tf.ones([8]) * (rank + 1), name=f"plain.{mode}")[0])
+        call = lambda t: hvd.allreduce(t, compression=comp)  # noqa: E731
+        out[f"{mode}.compressed_after"] = _attempt(call if mode == "eager" else tf.function(call), x)
+    return out
+
+
+def process_sets(args) -> dict:
+    """Issue item 2 on 3 ranks with the set {0, 1}: values and refits within the set, identical on
+    its members; a non-member and a compressor used over another set raise on every rank taking
+    part, without hanging; DistributedGradientTape(process_set=) trains."""
+    ps = PROCESS_SET
+    rank = hvd.rank()
+    member = rank in ps.ranks
+    out = {"member": member}
+    xs = [rank_data(r, args.n).astype(np.float64) for r in ps.ranks]
+    truth = np.mean(xs, axis=0)
+    # DistributedGradientTape(process_set=ps) inside tf.function, on every rank (rank 2 skips the set's allreduce)
+    model = MLP(seed=1)
+    variables = [model.w1, model.b1, model.w2, model.b2]
+    comp = ALQCompressor(bits=4, bucket_size=512, min_size=100, update_steps=(0, 2), update_every=0, seed=6,
+                         process_set=ps)
+    res = train_loop(variables, model, comp, digits_data(rank, hvd.size()), 6, process_set=ps)
+    res.update(step=comp.metrics()["step"] if member else None)
+    out["tape"] = res
+    x = tf.constant(rank_data(rank, args.n))
+    for exchange in ("allgather", "two-phase"):
+        comp = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=4, update_steps=(0, 3),
+                             update_every=0, process_set=ps, exchange=exchange)
+        if not member:  # (Horovod 0.28.1 itself waits forever in an allreduce over a set without this rank)
+            continue
+        fn = tf.function(lambda t, comp=comp: hvd.allreduce(t, compression=comp, process_set=ps))
+        ys = np.stack([fn(x).numpy().astype(np.float64) for _ in range(args.rounds)])
+        m = comp.metrics()
+        err = np.linalg.norm(ys - truth, axis=1) / np.linalg.norm(truth)
+        out[exchange] = {"digest": digest(ys), "rel_err_single": float(err.max()),
+                         "rel_err_mean": float(np.linalg.norm(ys.mean(0) - truth) / np.linalg.norm(truth)),
+                         "level_updates": m["level_updates"], "step": m["step"], "exchange": m["exchange"],
+                         "levels": m["levels"].tolist()}
+    # the set's compressor with a global allreduce; the global compressor with the set's allreduce
+    # (no refit rounds: there the members' head vectors carry statistics, the outsider's cannot, and
+    # Horovod's own shape-mismatch error was seen to leave the outsider waiting inside tf.function)
+    comp = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=4, update_steps=(), update_every=0,
+                         process_set=ps)
+    for mode in ("eager", "function"):
+        call = lambda t, mode=mode: hvd.allreduce(t, compression=comp, name=f"global.{mode}")  # noqa: E731
+        out[f"{mode}.global"] = _attempt(call if mode == "eager" else tf.function(call), x)
+        if member:
+            glob = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=4, update_steps=(),
+                                 update_every=0)
+            call = lambda t, glob=glob, mode=mode: hvd.allreduce(t, compression=glob, process_set=ps,  # noqa: E731
+                                                                name=f"subset.{mode}")
+            out[f"{mode}.subset"] = _attempt(call if mode == "eager" else tf.function(call), x)
+    out["plain_after"] = float(hvd.allreduce(tf.ones([4]) * (rank + 1), op=hvd.Sum)[0])
+    if member:
+        out["set_after"] = _attempt(lambda t: hvd.allreduce(t, compression=comp, process_set=ps), x)
+    hvd.allreduce(tf.ones([1]), name="process_sets.end")  # no rank shuts Horovod down while others work
+    return out
+
+
+def two_phase(args) -> dict:
+    """Issue item 3: exchange="two-phase" per tensor. Unbiased (t-statistics of the deviation summed
+    over all coordinates, signed by the truth, and per bucket: coordinates of a bucket share a norm),
+    identical on every rank, tensors whose bucket count does not divide by N (and fewer buckets than
+    ranks: empty shards); DistributedGradientTape inside tf.function gives identical variables."""
+    size, rank = hvd.size(), hvd.rank()
+    n, d = args.n, args.bucket
+    xs = [rank_data(r, n).astype(np.float64) for r in range(size)]
+    truth = np.mean(xs, axis=0)
+    tiny = tf.constant(rank_data(rank + 7, 200))  # 2 buckets of 128: empty shards from 3 ranks on
+    out = {}
+    for method, bits_second in (("alq", None), ("qsgdinf", None), ("amq", 4)):
+        comp = compressor_for(method, bits=3, bucket_size=d, update_steps=(0, 5), update_every=0, min_size=16,
+                              seed=args.seed, exchange="two-phase", bits_second=bits_second)
+        print(f"two_phase: {method}", flush=True)
+        fn = tf.function(lambda t, u, comp=comp: hvd.grouped_allreduce([t, u], compression=comp))
+        x = tf.constant(rank_data(rank, n))
+        fn(x, tiny)
+        before = comp.metrics()
+        outs, tinies = [], []
+        for _ in range(args.rounds):
+            y, z = fn(x, tiny)
+            outs.append(y.numpy().astype(np.float64))
+            tinies.append(z.numpy())
+        after = comp.metrics()
+        dev = np.stack(outs) - truth
+        nb = -(-n // d)
+        per_bucket = np.add.reduceat(dev, np.arange(0, nb * d, d), axis=1)
+        gather = compressor_for(method, bits=3, bucket_size=d, min_size=16, seed=1, exchange="allgather")
+        g0 = gather.metrics()
+        hvd.allreduce(x, compression=gather)
+        g1 = gather.metrics()
+        out[method] = {
+            "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+            "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
+            "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": args.rounds,
+            "rel_err": float(np.linalg.norm(dev[-1]) / np.linalg.norm(truth)),
+            "digest": digest(*outs), "tiny_digest": digest(*tinies),
+            "tiny_err": float(np.abs(np.mean(tinies, 0) - np.mean([rank_data(r + 7, 200) for r in range(size)], 0)).max()),
+            "exchange": after["exchange"], "level_updates": after["level_updates"],
+            "levels_moved": after["levels"].tolist() != before["levels"].tolist() or after["level_updates"] > 0,
+            "second_follows": after["second_levels"].tolist() == after["levels"].tolist(),
+            "sent_per_round": (after["bytes_sent"] - before["bytes_sent"]) / args.rounds,
+            "received_per_round": (after["bytes_received"] - before["bytes_received"]) / args.rounds,
+            "allgather_sent": g1["bytes_sent"] - g0["bytes_sent"],
+            "allgather_received": g1["bytes_received"] - g0["bytes_received"],
+        }
+    print("two_phase: tape", flush=True)
+    model = MLP(seed=1)
+    variables = [model.w1, model.b1, model.w2, model.b2]
+    comp = ALQCompressor(bits=4, bucket_size=512, min_size=100, update_steps=(0, 20, 60), update_every=0,
+                         seed=args.seed, exchange="two-phase")
+    res = train_loop(variables, model, comp, digits_data(rank, size), args.steps)
+    m = comp.metrics()
+    res.update(exchange=m["exchange"], level_updates=m["level_updates"], step=m["step"])
+    out["tape"] = res
+    return out
+
+
+PROCESS_SET = None
+
+
 def main() -> None:
-    hvd.init()
+    global PROCESS_SET
+    if ARGS.scenario == "process_sets":
+        PROCESS_SET = hvd.ProcessSet([0, 1])
+        hvd.init(process_sets=[PROCESS_SET])
+    else:
+        hvd.init()
     scenario = "keras_fit" if ARGS.scenario == "keras" else ARGS.scenario
     report(globals()[scenario](ARGS))
     hvd.shutdown()
