@@ -68,14 +68,12 @@ def parse_args(description: str, argv=None, backends: tuple[str, ...] = ()) -> a
     return p.parse_args(argv)
 
 
-def selected_methods(args: argparse.Namespace, exchanges: bool = True) -> list[str] | None:
-    """The methods of ``--methods``; None (after saying why on stderr) if one is unknown
-    (``exchanges=False``: the exchange suffixes -ag, -2p are unknown too)."""
+def selected_methods(args: argparse.Namespace) -> list[str] | None:
+    """The methods of ``--methods``; None (after saying why on stderr) if one is unknown."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    known = QUANTIZED if exchanges else PLAIN
-    unknown = [m for m in methods if m not in known + BASELINES]
+    unknown = [m for m in methods if m not in QUANTIZED + BASELINES]
     if unknown:
-        print(f"unknown method(s) {unknown}; choose from {known + BASELINES}", file=sys.stderr)
+        print(f"unknown method(s) {unknown}; choose from {QUANTIZED + BASELINES}", file=sys.stderr)
         return None
     return methods
 

@@ -116,7 +116,7 @@ def run(tf, hvd, method: str, args: argparse.Namespace, data) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(__doc__, argv)
-    methods = selected_methods(args, exchanges=False)
+    methods = selected_methods(args)
     if methods is None:
         return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

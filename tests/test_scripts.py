@@ -126,7 +126,7 @@ def test_run_accuracy_aggregates_several_bit_widths(tmp_path):
 
 
 def test_exchange_suffixes():
-    """-ag / -2p choose the exchange (train.py); train_tf.py (allgather only) rejects them."""
+    """-ag / -2p choose the exchange (train.py and train_tf.py); unknown names are refused."""
     import argparse
 
     sys.path.insert(0, str(SCRIPTS))
@@ -137,7 +137,7 @@ def test_exchange_suffixes():
     assert dc.split_exchange("alq-n") == ("alq-n", None)
     assert dc.split_norm("alq-linf-2p") == ("alq", "linf") and dc.split_norm("alq-n-ag") == ("alq-n", None)
     assert dc.selected_methods(argparse.Namespace(methods="alq-2p,amq-ag,none")) == ["alq-2p", "amq-ag", "none"]
-    assert dc.selected_methods(argparse.Namespace(methods="alq-2p"), exchanges=False) is None
+    assert dc.selected_methods(argparse.Namespace(methods="alq-3p")) is None
     from horovod_alq import torch as alq
 
     args = dc.parse_args("", ["--bits", "3"])
