@@ -128,3 +128,14 @@ def test_state_with_another_norm_is_refused(package):
     with pytest.raises(ValueError, match="state has norm='linf', this quantizer has norm='l2'"):
         b.load_state_dict(a.state_dict())
     package.ALQCompressor(norm="linf").load_state_dict(a.state_dict())
+
+
+def test_bits_second_of_other_width(package):
+    """Fixed methods take any second width; ALQ/AMQ take one in PyTorch (it adapts there) and
+    refuse it in TensorFlow (it could not adapt: initial levels are a variance trap)."""
+    package.QSGDCompressor(bits=3, bits_second=4)
+    if package.__name__.endswith("tensorflow"):
+        with pytest.raises(ValueError, match="bits_second=4 with bits=3"):
+            package.ALQCompressor(bits=3, bits_second=4)
+    else:
+        assert package.ALQCompressor(bits=3, bits_second=4).metrics()["second_levels"].size == 16

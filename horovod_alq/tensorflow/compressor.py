@@ -231,8 +231,10 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         a second quantization's noise), ``auto`` (default): two-phase from 4 ranks on.
     bits_second : int, optional
         Bits of the two-phase second quantization; default ``bits``, whose levels then follow the
-        first quantization's (every refit). Other widths keep their initial levels (the second
-        quantization does not adapt in TensorFlow).
+        first quantization's (every refit). Other widths only for the fixed methods (their fixed
+        levels): the second quantization does not adapt in TensorFlow, and adaptive levels left at
+        their initial fit give 12 to 16x the variance (docs/variance_two_phase.md), so ALQ and AMQ
+        refuse them (the PyTorch compressors adapt them).
     process_set : horovod.tensorflow.ProcessSet, optional
         The process set of the allreduces this compressor serves (default: global). Pass the same
         one to ``hvd.DistributedGradientTape(process_set=...)`` / ``hvd.allreduce(process_set=...)``.
@@ -257,6 +259,11 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         self._exchange = check_exchange(exchange)
         self._second = Quantizer(self._method.name, bits=self._quantizer.bits if bits_second is None else bits_second,
                                  bucket_size=bucket_size, norm=self._quantizer.norm)
+        if self._method.adaptive and self._second.bits != self._quantizer.bits:
+            raise ValueError(f"bits_second={self._second.bits} with bits={self._quantizer.bits}: the TensorFlow "
+                             f"compressors cannot adapt a second quantization of other bits for {self._method.name} "
+                             f"(its initial levels give 12-16x the variance); use bits_second=bits, or the "
+                             f"PyTorch compressors")
         self._process_set = process_set
         self._set_cache = None
         self._schedule = schedule_from(update_steps, update_every)

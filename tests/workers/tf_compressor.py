@@ -514,7 +514,7 @@ def two_phase(args) -> dict:
     truth = np.mean(xs, axis=0)
     tiny = tf.constant(rank_data(rank + 7, 200))  # 2 buckets of 128: empty shards from 3 ranks on
     out = {}
-    for method, bits_second in (("alq", None), ("qsgdinf", None), ("amq", 4)):
+    for method, bits_second in (("alq", None), ("qsgdinf", 4), ("amq", None)):
         comp = compressor_for(method, bits=3, bucket_size=d, update_steps=(0, 5), update_every=0, min_size=16,
                               seed=args.seed, exchange="two-phase", bits_second=bits_second)
         print(f"two_phase: {method}", flush=True)
