@@ -237,27 +237,28 @@ def markdown(methods: list, configs: list, summary: dict) -> str:
         else:
             cells = [shown(m, c, paired) for c in configs]
         lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
-    normed = [m for m in methods if any("vs_l2" in summary.get(_key(m, c), {}) for c in configs)]
-    if normed:
-        lines += ["", "Max-abs minus L2 buckets, same method and seed (points): mean ± standard error over seeds.",
-                  "", "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(configs)]
-        for m in normed:
-            cells = []
-            for c in configs:
-                d = summary.get(_key(m, c), {}).get("vs_l2")
-                cells.append(f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-")
-            lines.append(f"| {m[:-5]}: linf − l2 | " + " | ".join(cells) + " |")
-    two_phase = [m for m in methods if any("vs_allgather" in summary.get(_key(m, c), {}) for c in configs)]
-    if two_phase:
-        lines += ["", "Two-phase minus allgather exchange, same method and seed (points): mean ± standard error "
-                  "over seeds.", "", "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(configs)]
-        for m in two_phase:
-            cells = []
-            for c in configs:
-                d = summary.get(_key(m, c), {}).get("vs_allgather")
-                cells.append(f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-")
-            lines.append(f"| {m[:-3]}: 2p − ag | " + " | ".join(cells) + " |")
+    lines += _same_seed_table(summary, methods, configs, labels, "vs_l2", "Max-abs minus L2 buckets",
+                              lambda m: f"{m[:-5]}: linf − l2")
+    lines += _same_seed_table(summary, methods, configs, labels, "vs_allgather",
+                              "Two-phase minus allgather exchange", lambda m: f"{m[:-3]}: 2p − ag")
     return "\n".join(lines) + "\n"
+
+
+def _same_seed_table(summary, methods, configs, labels, key: str, title: str, row_label) -> list[str]:
+    """Lines of a table of same-seed differences ``key`` (mean ± standard error over seeds) for the
+    methods that have one; none if no method has."""
+    rows = [m for m in methods if any(key in summary.get(_key(m, c), {}) for c in configs)]
+    if not rows:
+        return []
+    lines = ["", f"{title}, same method and seed (points): mean ± standard error over seeds.", "",
+             "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(configs)]
+    for m in rows:
+        cells = []
+        for c in configs:
+            d = summary.get(_key(m, c), {}).get(key)
+            cells.append(f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-")
+        lines.append(f"| {row_label(m)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
