@@ -43,35 +43,40 @@ struct Key {
 inline float uniform_at(const Key& key, int64_t i) {
   const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32);
   const uint32_t h = lowbias32(lowbias32(static_cast<uint32_t>(i) ^ key.a) + (key.b ^ (hi * 0x9E3779B9U)));
-  return static_cast<float>(2 * (h >> 9) + 1) * 0x1.0p-24f;
+  return static_cast<float>(static_cast<int32_t>(2 * (h >> 9) + 1)) * 0x1.0p-24f;  // signed: converts in one instruction
 }
 
+// Norms of buckets [b0, b1): float32, NaN where a value is not finite.
 template <typename scalar_t>
-void bucket_norms(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms) {
+void norms_of_buckets(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms, int64_t b0, int64_t b1) {
   // max-abs is exact in the input's own precision widened to float; sums of squares need double
   using max_t = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
-  const int64_t nb = (n + d - 1) / d;
-  at::parallel_for(0, nb, std::max<int64_t>(1, kGrain * 8 / d), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t s = b * d, e = std::min(n, s + d);
       float norm;
       bool nan_seen = false;
       if (linf) {
-        max_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight lanes: vectorizes, no serial dependency
+        // eight lanes, branch-free: the maximum of |x| (NaN compares false and never wins) and a
+        // sum of v - v (0 for finite values, NaN for NaN and infinities): both vectorize
+        max_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, bad[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         int64_t i = s;
         for (; i + 8 <= e; i += 8)
           for (int k = 0; k < 8; ++k) {
             const max_t v = std::fabs(static_cast<max_t>(x[i + k]));
-            nan_seen |= (v != v);
-            acc[k] = v > acc[k] ? v : acc[k];
+            acc[k] = acc[k] < v ? v : acc[k];
+            bad[k] += v - v;
           }
         for (; i < e; ++i) {
           const max_t v = std::fabs(static_cast<max_t>(x[i]));
-          nan_seen |= (v != v);
-          acc[0] = v > acc[0] ? v : acc[0];
+          acc[0] = acc[0] < v ? v : acc[0];
+          bad[0] += v - v;
         }
-        max_t m = acc[0];
-        for (int k = 1; k < 8; ++k) m = acc[k] > m ? acc[k] : m;
+        max_t m = acc[0], b = bad[0];
+        for (int k = 1; k < 8; ++k) {
+          m = acc[k] > m ? acc[k] : m;
+          b += bad[k];
+        }
+        nan_seen = b != 0;  // NaN != 0
         norm = static_cast<float>(m);
       } else {
         double acc[4] = {0.0, 0.0, 0.0, 0.0};  // four chains: no serial dependency per element
@@ -89,6 +94,13 @@ void bucket_norms(const scalar_t* x, int64_t n, int64_t d, bool linf, float* nor
       }
       norms[b] = (nan_seen || !std::isfinite(norm)) ? std::numeric_limits<float>::quiet_NaN() : norm;
     }
+}
+
+template <typename scalar_t>
+void bucket_norms(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms) {
+  const int64_t nb = (n + d - 1) / d;
+  at::parallel_for(0, nb, std::max<int64_t>(1, kGrain * 8 / d), [&](int64_t b0, int64_t b1) {
+    norms_of_buckets(x, n, d, linf, norms, b0, b1);
   });
 }
 
@@ -152,8 +164,11 @@ void encode_chunk(const scalar_t* x, int64_t i0, float inv, const float* levels,
   }
 }
 
+// The codes of x into out. With d a multiple of 8 the work goes bucket by bucket, each bucket's norm
+// computed right before its codes (x is read from memory once; the second read hits the cache);
+// otherwise the norms come first, in a pass of their own (groups of 8 may straddle buckets).
 template <int BITS, typename scalar_t>
-void encode_codes(const scalar_t* x, int64_t n, int64_t d, const float* norms, const float* levels,
+void encode_codes(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
                   int64_t num_levels, uint64_t seed, uint8_t* out) {
   const int64_t groups = (n + 7) / 8;
   const int64_t total_bytes = (n * BITS + 7) / 8;
@@ -168,7 +183,7 @@ void encode_codes(const scalar_t* x, int64_t n, int64_t d, const float* norms, c
     padded_widths[j] = j + 1 < num_levels ? widths[j] : 0.0f;
   }
   const bool vectorizable = num_levels <= kMaxVectorLevels;
-  at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
+  auto encode_groups = [&](int64_t g0, int64_t g1) {
     int64_t bucket = g0 * 8 / d, bucket_end = std::min(n, (bucket + 1) * d);
     float inv = 0.0f;
     bool live = false;  // bucket has a positive finite norm
@@ -214,7 +229,19 @@ void encode_codes(const scalar_t* x, int64_t n, int64_t d, const float* norms, c
       std::memcpy(out + offset, &word, std::min<int64_t>(BITS, total_bytes - offset));
       ++g;
     }
-  });
+  };
+  if (d % 8 == 0) {
+    const int64_t nb = (n + d - 1) / d, per_bucket = d / 8;
+    at::parallel_for(0, nb, std::max<int64_t>(1, kGrain / per_bucket), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        norms_of_buckets(x, n, d, linf, norms, b, b + 1);
+        encode_groups(b * per_bucket, std::min(groups, (b + 1) * per_bucket));
+      }
+    });
+  } else {
+    bucket_norms<scalar_t>(x, n, d, linf, norms);
+    at::parallel_for(0, groups, kGrain, encode_groups);
+  }
 }
 
 #ifdef HOROVOD_ALQ_AVX2
@@ -329,9 +356,8 @@ void dispatch_bits(int64_t bits, F&& f) {
 template <typename scalar_t>
 void encode_payload(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
                     int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes) {
-  bucket_norms<scalar_t>(x, n, d, linf, norms);
   dispatch_bits(bits, [&](auto b) {
-    encode_codes<decltype(b)::value, scalar_t>(x, n, d, norms, levels, num_levels, seed, codes);
+    encode_codes<decltype(b)::value, scalar_t>(x, n, d, linf, norms, levels, num_levels, seed, codes);
   });
 }
 
