@@ -110,14 +110,22 @@ class NumpyOps:
     def zeros(self, n):
         return np.zeros(n, dtype=np.float32)
 
+    def empty(self, n):
+        return np.empty(n, dtype=np.float32)
+
     def encode(self, x, quantizer, seed):
         return quantizer.encode(x, rng=np.random.default_rng(seed))
 
-    def decode_sum(self, out, payloads, offsets, quantizer):
+    def encode_parts(self, parts, starts, length, quantizer, seed):
+        return None  # the reference codec encodes the stream
+
+    def decode_sum(self, out, payloads, offsets, quantizer, *, start=0, numel=None, scale=1.0):
         out[:] = 0
         for offset in offsets:
             size = parse_header(payloads[offset:]).payload_size
-            out += quantizer.decode(payloads[offset: offset + size])
+            out += quantizer.decode(payloads[offset: offset + size])[start: start + out.size]
+        if scale != 1.0:
+            out *= np.float32(scale)
 
     def statistics(self, x, quantizer):
         return quantizer.statistics(x)

@@ -11,26 +11,26 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.wire import payload_size
-from .base import Job, Tensor, check_payloads
+from .base import Decoded, Job, Piece, Tensor, check_payloads
 
 NAME = "allgather"
 
 
-def run(job: Job) -> tuple[Tensor, np.ndarray | None]:
-    """Sum over ranks of the decoded stream (float32, the layout's length); no second-phase statistics."""
+def run(job: Job) -> tuple[Decoded, np.ndarray | None]:
+    """Sum over ranks of the decoded stream (decoded on demand); no second-phase statistics."""
     q, ops, t = job.first, job.ops, job.transport
     waits = []
     for i, (lo, hi) in enumerate(job.layout.buffers):
-        payload = job.encode(job.stream[lo:hi], q, job.seed(i))
+        payload = job.encode_range(lo, hi, q, job.seed(i))
         sizes = [payload_size(hi - lo, q.bits, q.bucket_size)] * t.size
         job.count_allgather(sizes)
         waits.append(t.allgather(payload, sizes, job.name(f"ag{i}")))
-    total = job.output("total", job.layout.length)  # the buffers cover it: decode_sum overwrites all
+    pieces = []
     for i, ((lo, hi), wait) in enumerate(zip(job.layout.buffers, waits)):
         gathered = wait()
         offsets = check_payloads(ops, gathered, [hi - lo] * t.size, q, f"buffer {i}")
-        ops.decode_sum(total[lo:hi], gathered, offsets, q)
-    return total, None
+        pieces.append(Piece(lo, hi, gathered, tuple(offsets), job.frozen(q)))
+    return Decoded(ops, job.layout.length, pieces), None
 
 
 def gather_streams(job: Job, lengths: list[int] | None = None) -> list[Tensor]:
@@ -40,7 +40,7 @@ def gather_streams(job: Job, lengths: list[int] | None = None) -> list[Tensor]:
     q, ops, t = job.first, job.ops, job.transport
     n = job.layout.length
     lengths = [n] * t.size if lengths is None else [int(x) for x in lengths]
-    payload = job.encode(job.stream, q, job.seed(0))
+    payload = job.encode_range(0, n, q, job.seed(0))
     sizes = [payload_size(m, q.bits, q.bucket_size) for m in lengths]
     job.count_allgather(sizes)
     gathered = t.allgather(payload, sizes, job.name("ag-unordered"))()

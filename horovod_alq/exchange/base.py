@@ -3,6 +3,7 @@ the check of received payloads."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -51,11 +52,22 @@ class TensorOps(Protocol):
     def zeros(self, n: int) -> Tensor:
         """float32 zeros."""
 
+    def empty(self, n: int) -> Tensor:
+        """A float32 vector of ``n`` with undefined contents."""
+
     def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
         """One payload (uint8) of the float32 vector ``x`` with the quantizer's levels."""
 
-    def decode_sum(self, out: Tensor, payloads: Tensor, offsets: Sequence[int], quantizer: Quantizer) -> None:
-        """``out = sum`` of the decoded payloads starting at ``offsets`` (already validated)."""
+    def encode_parts(self, parts: Sequence[Tensor], starts: Sequence[int], length: int, quantizer: Quantizer,
+                     seed: int) -> Tensor | None:
+        """The payload that :meth:`encode` gives for ``stream(parts, starts, length)``, read from the
+        parts in place; None where the codec cannot (the caller then builds the stream)."""
+
+    def decode_sum(self, out: Tensor, payloads: Tensor, offsets: Sequence[int], quantizer: Quantizer, *,
+                   start: int = 0, numel: int | None = None, scale: float = 1.0) -> None:
+        """``out = scale * sum`` over the payloads starting at ``offsets`` (already validated, each of
+        ``numel`` coordinates; default ``len(out)``) of their decoded coordinates ``[start, start +
+        len(out))``. ``start`` is a multiple of the bucket size."""
 
     def statistics(self, x: Tensor, quantizer: Quantizer) -> np.ndarray:
         """The statistics vector of ``x`` for the quantizer's method and norm."""
@@ -135,16 +147,53 @@ def check_payloads(ops: TensorOps, gathered: Tensor, numels: Sequence[int], quan
     return offsets[:-1].tolist()
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Stream coordinates ``[lo, hi)`` as the sum of decoded payloads of ``hi - lo`` coordinates
+    each, back to back in ``payloads`` (validated) from ``offsets``, encoded with ``quantizer``'s
+    levels (a snapshot, :meth:`Job.frozen`: a refit round replaces the levels before it is read)."""
+
+    lo: int
+    hi: int
+    payloads: Tensor
+    offsets: tuple[int, ...]
+    quantizer: Quantizer
+
+
+class Decoded:
+    """An exchange's result: the reduced stream, decoded on demand from the pieces that cover it, so
+    that each tensor's values are written once, straight into its output, with its scale."""
+
+    def __init__(self, ops: TensorOps, length: int, pieces: Sequence[Piece]) -> None:
+        self.ops = ops
+        self.pieces = sorted((p for p in pieces if p.hi > p.lo), key=lambda p: p.lo)
+        edges = [0] + [e for p in self.pieces for e in (p.lo, p.hi)] + [length]
+        if any(a != b for a, b in zip(edges[::2], edges[1::2])):
+            raise AssertionError(f"{PREFIX}: the decoded pieces do not cover the stream of {length}")
+
+    def read(self, lo: int, hi: int, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
+        """``scale`` times the reduced stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its
+        piece), in ``out`` (float32, ``hi - lo``) or a new vector."""
+        out = self.ops.empty(hi - lo) if out is None else out
+        for p in self.pieces:
+            a, b = max(lo, p.lo), min(hi, p.hi)
+            if a < b:
+                self.ops.decode_sum(out[a - lo: b - lo], p.payloads, p.offsets, p.quantizer, start=a - p.lo,
+                                    numel=p.hi - p.lo, scale=scale)
+        return out
+
+
 @dataclass
 class Job:
     """One round's exchange: what every exchange module receives.
 
+    ``parts`` are the round's flat tensors, at ``layout.starts`` of the round's stream (zeros
+    between them). ``encode_range`` reads them in place where the codec can; ``stream`` builds the
+    stream (once, in ``stream_buffer(n)``, a kept vector with stale contents, when given).
     ``seed(*keys)`` gives the seed of one encode; ``name(tag)`` a collective's name, the same on
-    every rank; ``buffer(tag, n)`` a float32 vector of ``n`` with stale contents that the caller
-    overwrites entirely (kept across rounds by the engine); ``sent`` / ``received`` accumulate this
-    rank's payload bytes on the wire."""
+    every rank; ``sent`` / ``received`` accumulate this rank's payload bytes on the wire."""
 
-    stream: Tensor
+    parts: Sequence[Tensor]
     layout: Layout
     ops: TensorOps
     transport: Transport
@@ -153,17 +202,47 @@ class Job:
     seed: Callable[..., int]
     name: Callable[[str], str]
     collect_second: bool = False
-    buffer: Callable[[str, int], Tensor] | None = None
+    stream_buffer: Callable[[int], Tensor] | None = None
     sent: int = 0
     received: int = 0
     encoded: int = 0  # bytes of this rank's own (first-phase) payloads
+    _stream: Tensor | None = None
+    _frozen: dict = field(default_factory=dict)
 
-    def output(self, tag: str, n: int) -> Tensor:
-        """A float32 vector of ``n`` to be overwritten entirely: :attr:`buffer`'s, else a new one."""
-        return self.ops.zeros(n) if self.buffer is None else self.buffer(tag, n)
+    def frozen(self, quantizer: Quantizer) -> Quantizer:
+        """A copy of ``quantizer`` whose levels a later refit does not change (for :class:`Piece`)."""
+        if id(quantizer) not in self._frozen:
+            self._frozen[id(quantizer)] = copy.copy(quantizer)
+        return self._frozen[id(quantizer)]
+
+    @property
+    def stream(self) -> Tensor:
+        """The round's stream (float32, ``layout.length``), built on first use."""
+        if self._stream is None:
+            lay = self.layout
+            out = None if self.stream_buffer is None else self.stream_buffer(lay.length)
+            self._stream = self.ops.stream(self.parts, lay.starts, lay.length, out=out, padding=lay.padding)
+        return self._stream
+
+    def encode_range(self, lo: int, hi: int, quantizer: Quantizer, seed: int) -> Tensor:
+        """The payload of the stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its buffer)."""
+        payload = None
+        if self._stream is None:
+            parts, starts = [], []
+            for part, s, n in zip(self.parts, self.layout.starts, self.layout.numels):
+                a, b = max(lo, s), min(hi, s + n)
+                if a < b:
+                    parts.append(part[a - s: b - s])
+                    starts.append(a - lo)
+            payload = self.ops.encode_parts(parts, starts, hi - lo, quantizer, seed)
+        if payload is None:
+            payload = self.ops.encode(self.stream[lo:hi], quantizer, seed)
+        if quantizer is self.first:
+            self.encoded += int(payload.shape[0])
+        return payload
 
     def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
-        """A payload; an empty ``x`` gives the bare header."""
+        """A payload of ``x`` (not of the stream); an empty ``x`` gives the bare header."""
         payload = self.ops.encode(x, quantizer, seed)
         if quantizer is self.first:
             self.encoded += int(payload.shape[0])

@@ -16,6 +16,7 @@ wrong data. The price is that payloads move only once the backward pass is over.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
 from . import allgather, two_phase
-from .base import Job, Layout, TensorOps, Transport, check_payloads, plan_layout
+from .base import Decoded, Job, TensorOps, Transport, check_payloads, plan_layout
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
 EXCHANGES = {allgather.NAME: allgather, two_phase.NAME: two_phase}
@@ -110,8 +111,8 @@ class _Round:
 
 @dataclass
 class _Ordered:
-    total: Any
-    layout: Layout
+    values: Decoded
+    starts: dict  # live entry -> its start in the stream
 
 
 @dataclass
@@ -208,8 +209,8 @@ class Engine:
         if isinstance(rnd.result, _Ordered) and any(s != entry.slot for s in info.slots):
             out = self._recover(entry, info.slots, ops, transport) * info.scale
         elif isinstance(rnd.result, _Ordered):
-            start = rnd.result.layout.starts[rnd.live().index(entry)]
-            out = rnd.result.total[start: start + entry.numel] * info.scale
+            start = rnd.result.starts[entry]
+            out = rnd.result.values.read(start, start + entry.numel, info.scale)
         else:
             res = rnd.result
             out = None
@@ -226,7 +227,8 @@ class Engine:
         """Exchange the round recorded by :meth:`add` without the per-tensor control vectors, for
         front-ends whose transport pairs collectives by call order (the DDP hook): the handshake,
         the exchange and the refit of :meth:`finish`, run once. Returns, per live entry in slot
-        order, the sum over ranks of its decoded values (float32, 1-D, unscaled)."""
+        order, a function ``read(scale, out=None)``: ``scale`` times the sum over ranks of its
+        decoded values (float32, 1-D), in ``out`` or a new vector."""
         rnd = self._round
         if rnd.started:
             raise RuntimeError(f"{PREFIX}: this round was already exchanged")
@@ -242,7 +244,7 @@ class Engine:
         if not isinstance(res, _Ordered):  # the handshake saw another order on some rank
             raise ProtocolError(f"{PREFIX}: the ranks added the same tensors in different orders; a round "
                                 f"without control vectors pairs tensors by their order")
-        return [res.total[s: s + e.numel] for e, s in zip(live, res.layout.starts)]
+        return [functools.partial(_read, res.values, res.starts[e], e.numel) for e in live]
 
     # ------------------------------------------------------------------ the round
     def _run_round(self, rnd: _Round, ops: TensorOps, transport: Transport, local_error: str | None) -> None:
@@ -279,18 +281,16 @@ class Engine:
 
         capacity = self.fusion_bytes // 4 if self.fusion_bytes else 0
         layout = plan_layout([e.numel for e in live], q.bucket_size, capacity if ordered else None)
-        kept = self._kept_buffer(rnd, "stream", layout.length, ops)
-        stream = ops.stream([e.flat for e in live], layout.starts, layout.length, out=kept, padding=layout.padding)
-        job = Job(stream, layout, ops, transport, q, st.second,
+        job = Job([e.flat for e in live], layout, ops, transport, q, st.second,
                   seed=lambda *keys: derive_seed(self.seed, transport.rank, epoch, *keys),
                   name=lambda tag: f"{prefix}.{tag}",
                   collect_second=collect_second,
-                  buffer=lambda tag, n: self._kept_buffer(rnd, tag, n, ops))
+                  stream_buffer=lambda n: self._kept_buffer(rnd, "stream", n, ops))
         st.coordinates += sum(e.numel for e in live)
         try:
             if ordered:
-                total, second_stats = EXCHANGES[exchange].run(job)
-                rnd.result = _Ordered(total, layout)
+                values, second_stats = EXCHANGES[exchange].run(job)
+                rnd.result = _Ordered(values, dict(zip(live, layout.starts)))
                 st.exchange = exchange
             else:
                 rnd.result = self._unordered(job, live)
@@ -309,7 +309,8 @@ class Engine:
         """A float32 vector of ``n`` for this round's ``tag``, with stale contents: the one of the
         last round that used ``tag`` once each of that round's tensors was decompressed (nobody
         reads it any more), else a new one. A fresh 100 MB vector costs its page faults on every
-        round: a quarter of a ResNet-50 step on the CPU (docs/bench_step.md)."""
+        round (docs/bench_step.md); the streams of refit rounds and of codecs that cannot encode
+        tensors in place use it."""
         held = self._kept.get(tag)
         if held is not None:
             buf, owner = held
@@ -386,6 +387,10 @@ class Engine:
             st.second.adapt(total[k:])
             updated = True
         st.level_updates += int(updated)
+
+
+def _read(values: Decoded, start: int, numel: int, scale: float, out=None):
+    return values.read(start, start + numel, scale, out)
 
 
 def _shape_code(shape, dtype) -> int:

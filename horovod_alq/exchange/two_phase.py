@@ -21,7 +21,7 @@ import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.wire import HEADER_SIZE, payload_size
-from .base import Job, Tensor, check_payloads
+from .base import Decoded, Job, Piece, Tensor, check_payloads
 
 NAME = "two-phase"
 POISON = b"ER"
@@ -40,8 +40,8 @@ def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, in
     return [(bounds[j], bounds[j + 1]) for j in range(parts)]
 
 
-def run(job: Job) -> tuple[Tensor, np.ndarray | None]:
-    """Sum over ranks of the decoded stream via the two phases; also the owners' statistics of the
+def run(job: Job) -> tuple[Decoded, np.ndarray | None]:
+    """Sum over ranks of the decoded stream via the two phases (decoded on demand); also the owners' statistics of the
     reduced shards (for the second quantizer's refit) when ``job.collect_second``."""
     q1, q2, ops, t = job.first, job.second, job.ops, job.transport
     n, me = t.size, t.rank
@@ -49,7 +49,7 @@ def run(job: Job) -> tuple[Tensor, np.ndarray | None]:
 
     first = []
     for i, parts in enumerate(cuts):
-        payloads = [job.encode(job.stream[a:b], q1, job.seed(i, j, 1)) for j, (a, b) in enumerate(parts)]
+        payloads = [job.encode_range(a, b, q1, job.seed(i, j, 1)) for j, (a, b) in enumerate(parts)]
         splits = [payload_size(b - a, q1.bits, q1.bucket_size) for a, b in parts]
         a, b = parts[me]
         received = [payload_size(b - a, q1.bits, q1.bucket_size)] * n
@@ -79,7 +79,7 @@ def run(job: Job) -> tuple[Tensor, np.ndarray | None]:
         job.count_allgather(sizes)
         second.append(t.allgather(payload, sizes, job.name(f"ag2-{i}")))
 
-    total = job.output("total", job.layout.length)  # the shards cover it: decode_sum overwrites all
+    pieces = []
     for i, (parts, wait) in enumerate(zip(cuts, second)):
         gathered = wait()
         host = ops.to_numpy(gathered)
@@ -92,12 +92,10 @@ def run(job: Job) -> tuple[Tensor, np.ndarray | None]:
             raise ProtocolError(f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
                                 f"shards of buffer {i} (see their errors); refusing to decode on every rank")
         check = check_payloads(ops, gathered, [b - a for a, b in parts], q2, f"second phase of buffer {i}")
-        for (a, b), offset in zip(parts, check):
-            if b > a:
-                ops.decode_sum(total[a:b], gathered, [offset], q2)
+        pieces += [Piece(a, b, gathered, (offset,), job.frozen(q2)) for (a, b), offset in zip(parts, check)]
     if failures:
         raise failures[0]
-    return total, stats
+    return Decoded(ops, job.layout.length, pieces), stats
 
 
 def _poisoned(ops, payload: Tensor) -> Tensor:

@@ -242,12 +242,15 @@ class ALQState:
                 # whose settings quantize some bucket must meet this one there and raise, not hang)
                 self.engine.add(torch.zeros(1, device=device), 1, (-1, 1), torch.float32, transport)
                 st, before = self.round_state, self.round_state.state_dict()
-            sums = self.engine.exchange_round(self._ops_for(device), transport)
+            reads = self.engine.exchange_round(self._ops_for(device), transport)
             if not quantized:
                 for key in ("calls", "payload_bytes", "coordinates", "bytes_sent", "bytes_received"):
                     setattr(st, key, before[key])
-            for (buf, _), total in zip(quantized, sums):
-                buf.copy_(total.div_(n).view_as(buf))
+            for (buf, _), read in zip(quantized, reads):
+                if buf.dtype == torch.float32 and buf.is_contiguous():
+                    read(1.0 / n, buf.view(-1))  # decoded straight into the bucket
+                else:
+                    buf.copy_(read(1.0 / n).view_as(buf))
             works = []
             for _, buf, _, q in pending:
                 if not q:

@@ -98,21 +98,41 @@ class TorchOps:
     def zeros(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.float32, device=self.device)
 
+    def empty(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.float32, device=self.device)
+
+    def _header(self, q: Quantizer, numel: int) -> torch.Tensor:
+        header = pack_header(Header(get_method(q.method).id, q.bits, q.bucket_size, numel, q.fingerprint, norm=q.norm))
+        return torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
+
     def encode(self, x: torch.Tensor, q: Quantizer, seed: int) -> torch.Tensor:
-        method = get_method(q.method)
-        header = torch.frombuffer(bytearray(pack_header(Header(method.id, q.bits, q.bucket_size, x.numel(),
-                                                               q.fingerprint, norm=q.norm))), dtype=torch.uint8)
         if x.numel() == 0:
-            return header.to(self.device)
-        return self.codec.encode(x.contiguous(), self.levels(q), header.to(self.device), bits=q.bits,
+            return self._header(q, 0)
+        return self.codec.encode(x.contiguous(), self.levels(q), self._header(q, x.numel()), bits=q.bits,
                                  bucket_size=q.bucket_size, norm=q.norm, seed=seed)
 
-    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets, q: Quantizer) -> None:
-        if out.numel() == 0:
+    def encode_parts(self, parts, starts, length, q: Quantizer, seed: int):
+        encode = getattr(self.codec, "encode_parts", None)
+        if encode is None or length == 0 or q.bucket_size % 8 or not all(
+                p.dtype == torch.float32 and p.device == self.device for p in parts):
+            return None
+        return encode([p.reshape(-1).contiguous() for p in parts], list(starts), length, self.levels(q),
+                      self._header(q, length), bits=q.bits, bucket_size=q.bucket_size, norm=q.norm, seed=seed)
+
+    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets, q: Quantizer, *, start: int = 0,
+                   numel: int | None = None, scale: float = 1.0) -> None:
+        n = out.numel()
+        numel = n if numel is None else int(numel)
+        if n == 0:
+            return
+        if (start * q.bits) % 8:  # the codes of `start` do not begin on a byte (bucket sizes not 8k)
+            whole = self.empty(numel)
+            self.decode_sum(whole, payloads, offsets, q, scale=scale)
+            out.copy_(whole[start: start + n])
             return
         target = out if out.is_contiguous() else torch.empty_like(out)
         self.codec.decode_sum(target, payloads.contiguous(), list(offsets), self.levels(q), bits=q.bits,
-                              bucket_size=q.bucket_size, scale=1.0)
+                              bucket_size=q.bucket_size, scale=scale, start=start, numel=numel)
         if target is not out:
             out.copy_(target)
 

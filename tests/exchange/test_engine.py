@@ -68,7 +68,8 @@ def test_buffers_are_kept_across_finished_rounds():
         entry, vec = _add(eng, x)
         out = eng.finish(entry, vec, ops, t)[0]
         assert np.abs(out - x).max() <= np.abs(x).max()
-        held.append((id(eng._kept["stream"][0]), id(eng._kept["total"][0])))
+        held.append(id(eng._kept["stream"][0]))
+        assert out is not eng._kept["stream"][0] and not np.shares_memory(out, eng._kept["stream"][0])
     assert held[0] == held[1] == held[2]
 
 
@@ -86,3 +87,79 @@ def test_kept_stream_padding_is_zeroed():
     assert eng._kept["stream"][0].shape == big.shape
     # a bucket with max-abs 1 (padding zero) holds the levels -1..1 exactly at +-1: exact decode
     np.testing.assert_array_equal(outs[0][64:70], parts[0][64:70])
+
+
+class _StreamOnlyOps:
+    """TorchOps that never encode tensors in place (the path of codecs without encode_parts)."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def encode_parts(self, *args):
+        return None
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+@pytest.mark.parametrize("bucket", [64, 100])  # 100: windows whose codes do not begin on a byte
+def test_fused_tensors_come_back_in_place(exchange, bucket):
+    """Tensors of +-c (exact under max-abs buckets) fused into one stream: every tensor's decoded
+    window is its own values, whether the codec reads the tensors in place or from the stream, and
+    both give the same floats for random values too."""
+    torch = pytest.importorskip("torch")
+    from horovod_alq.torch.transport import TorchOps
+
+    rng = np.random.default_rng(bucket)
+    sizes = [3 * bucket, 5, bucket + 1, 2000, 1, 7 * bucket]
+    exact = [torch.from_numpy(np.sign(rng.standard_normal(n)).astype(np.float32) * (k + 1))
+             for k, n in enumerate(sizes)]
+    noisy = [torch.from_numpy(rng.standard_normal(n).astype(np.float32)) for n in sizes]
+    ops = TorchOps("cpu")
+    outs = {}
+    for name, variant in [("in place", ops), ("stream", _StreamOnlyOps(ops))]:
+        for label, xs in [("exact", exact), ("noisy", noisy)]:
+            q = Quantizer("alq", bits=3, bucket_size=bucket)
+            eng = Engine(q, RoundState(q, RefitSchedule((), 0)), exchange=exchange, seed=3)
+            added = [eng.add(x, x.numel(), x.shape, "float32", Loopback()) for x in xs]
+            outs[name, label] = [eng.finish(e, v, variant, Loopback())[0] for e, v in added]
+            if label == "exact":
+                for x, out in zip(xs, outs[name, label]):
+                    assert torch.equal(out, x)
+    for a, b in zip(outs["in place", "noisy"], outs["stream", "noisy"]):
+        assert torch.equal(a, b)
+
+
+def test_exchange_round_reads_into_given_outputs():
+    torch = pytest.importorskip("torch")
+    from horovod_alq.torch.transport import TorchOps
+
+    q = Quantizer("alq", bits=3, bucket_size=64)
+    eng = Engine(q, RoundState(q, RefitSchedule((), 0)), exchange="allgather", seed=3)
+    xs = [torch.full((n,), float(k + 1)) for k, n in enumerate([100, 64, 3])]
+    for x in xs:
+        eng.add(x, x.numel(), (x.numel(),), "float32", Loopback())
+    reads = eng.exchange_round(TorchOps("cpu"), Loopback())
+    for x, read in zip(xs, reads):
+        out = torch.empty_like(x)
+        assert read(0.5, out) is out
+        assert torch.equal(out, x * 0.5)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+def test_a_refit_round_decodes_with_the_levels_it_encoded_with(exchange):
+    """Values on the initial levels round deterministically; the refit at the end of the round
+    changes the levels, and the round's tensors must still decode with the old ones."""
+    q = Quantizer("alq", bits=3, bucket_size=64)
+    eng = Engine(q, RoundState(q, RefitSchedule((0,), 0)), exchange=exchange, seed=3)
+    before = q.levels.astype(np.float32)
+    rng = np.random.default_rng(0)
+    xs = [rng.choice(before, size=n).astype(np.float32) for n in (200, 64)]
+    for x in xs:
+        x[0] = 1.0  # max-abs 1: every value is a level, rounded exactly
+    added = [_add(eng, x) for x in xs]
+    outs = [eng.finish(e, v, NumpyOps(), Loopback())[0] for e, v in added]
+    assert not np.array_equal(q.levels.astype(np.float32), before)  # the round refit the levels
+    for x, out in zip(xs, outs):
+        np.testing.assert_array_equal(out, x)

@@ -85,6 +85,83 @@ def test_cpu_codec_kernels_decode_identically_with_and_without_avx2():
         assert torch.equal(outs[0], outs[1]), (bits, d, n)
 
 
+def test_cpu_codec_kernels_encode_identically_with_and_without_avx2():
+    """The AVX2 encoder does the generic encoder's float32 operations on the same values: the same
+    norms and, draw for draw, the same codes (every bits, both norms, dtypes, bucket edges, zero
+    and non-finite buckets)."""
+    cpu = _resolve("cpu")
+    if cpu._module.simd() != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    cases = [("alq", 2, 64, 1000, torch.float32), ("alq", 3, 8192, 20_011, torch.float32),
+             ("amq", 4, 96, 3001, torch.float32), ("qsgdinf", 5, 256, 999, torch.float32),
+             ("terngrad", 2, 64, 640, torch.float16), ("alq", 3, 100, 777, torch.float64)]
+    for method, bits, d, n, dtype in cases:
+        for norm in ("linf", "l2") if get_method(method).adaptive else (get_method(method).norm,):
+            q = Quantizer(method, bits=bits, bucket_size=d, norm=norm, seed=0)
+            x = torch.randn(n, generator=torch.Generator().manual_seed(bits)) * torch.linspace(0.1, 3, n)
+            x[:d] = 0  # a zero bucket
+            if n > 3 * d:
+                x[2 * d + 5] = float("nan")  # a non-finite one
+            payloads = []
+            for simd in (True, False):
+                cpu._module.set_simd(simd)
+                payloads.append(cpu.encode(x.to(dtype), torch.as_tensor(q.levels),
+                                           _header(get_method(method).id, bits, d, n, q.levels), bits=bits,
+                                           bucket_size=d, norm=norm, seed=5))
+            cpu._module.set_simd(True)
+            assert torch.equal(payloads[0], payloads[1]), (method, bits, d, n, dtype, norm)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "generic"])
+@pytest.mark.parametrize("bits,d,norm", [(3, 64, "linf"), (2, 8, "l2"), (4, 128, "linf"), (6, 32, "l2")])
+def test_cpu_encode_parts_is_the_encode_of_the_stream(simd, bits, d, norm):
+    """Tensors read in place give the payload of the stream that holds them and zeros elsewhere: the
+    same bytes, for parts that fill whole buckets, end inside one, share one, or leave gaps."""
+    cpu = _resolve("cpu")
+    cpu._module.set_simd(simd)
+    try:
+        g = torch.Generator().manual_seed(bits)
+        sizes, gaps = [3 * d, d // 2 + 1, 5, 2 * d + 3, 1, d], [0, d - 1, 0, 7, d, 2]
+        parts, starts, pos = [], [], 0
+        for size, gap in zip(sizes, gaps):
+            pos += gap
+            parts.append(torch.randn(size, generator=g) * (1 + len(parts)))
+            starts.append(pos)
+            pos += size
+        length = pos + 3  # trailing zeros too
+        stream = torch.zeros(length)
+        for part, start in zip(parts, starts):
+            stream[start: start + part.numel()] = part
+        q = Quantizer("alq", bits=bits, bucket_size=d, norm=norm, seed=0)
+        args = dict(bits=bits, bucket_size=d, norm=norm, seed=11)
+        header = _header(get_method("alq").id, bits, d, length, q.levels)
+        want = cpu.encode(stream, torch.as_tensor(q.levels), header, **args)
+        got = cpu.encode_parts(parts, starts, length, torch.as_tensor(q.levels), header, **args)
+        assert torch.equal(got, want)
+        with pytest.raises(RuntimeError, match="overlap"):
+            cpu.encode_parts(parts[:2], [0, 1], length, torch.as_tensor(q.levels), header, **args)
+    finally:
+        cpu._module.set_simd(True)
+
+
+@pytest.mark.parametrize("bits,d", [(3, 64), (2, 8), (5, 16), (3, 100)])
+def test_decode_sum_of_a_window_is_the_window_of_the_decode(codec, bits, d):
+    """Coordinates [start, start + m) of payloads, scaled: the same floats as that slice of the
+    whole decode (the engine decodes each tensor of a fused buffer straight into its output)."""
+    q = Quantizer("alq", bits=bits, bucket_size=d, seed=0)
+    step = next(k * d for k in range(1, 9) if (k * d * bits) % 8 == 0)  # windows whose codes begin on a byte
+    n = 4 * step + 3
+    payloads = [_encode(codec, q, _x(n, torch.float32, seed) * (1 + seed), seed=seed + 1) for seed in range(3)]
+    whole = _decode_sum(codec, q, payloads, n, scale=1 / 3)
+    buf = torch.from_numpy(np.concatenate(payloads))
+    offsets = [0, payloads[0].size, 2 * payloads[0].size]
+    for start, m in [(0, n), (step, 2 * d), (step, n - step), (2 * step, 1), (0, d + 1)]:
+        out = torch.full((m,), 7.0)
+        codec.decode_sum(out, buf, offsets, torch.as_tensor(q.levels), bits=bits, bucket_size=d, scale=1 / 3,
+                         start=start, numel=n)
+        np.testing.assert_array_equal(out.numpy(), whole[start: start + m], err_msg=f"{start}+{m}")
+
+
 @pytest.fixture
 def triton():
     return _resolve("triton")

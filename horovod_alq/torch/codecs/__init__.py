@@ -14,7 +14,8 @@ codec for CPU tensors when it loads, the torch ops otherwise. A new backend is o
 device) and one :func:`register` call at the end of this file.
 
 Every codec has (see :class:`Codec`): ``name``, ``encode``, ``decode_sum``, ``grid_statistics``,
-``bucket_moments``. Payloads are interchangeable between backends and with
+``bucket_moments``; a codec may also have ``encode_parts`` (the payload of a stream of tensors, read
+in place: the compiled CPU codec). Payloads are interchangeable between backends and with
 :class:`horovod_alq.core.Quantizer`; the random draws differ (each backend has its own
 counter-based or seeded generator), the decoded distribution does not.
 """
@@ -44,9 +45,12 @@ class Codec(Protocol):
         [0, 2**63), the only source of randomness."""
 
     def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets: Sequence[int],
-                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float) -> torch.Tensor:
+                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float, start: int = 0,
+                   numel: int | None = None) -> torch.Tensor:
         """Overwrite the float32 ``out`` (n elements) with ``scale * sum_i decode(payloads[offsets[i]:])``
-        and return it. ``payloads``: uint8, already validated payloads back to back."""
+        and return it. ``payloads``: uint8, already validated payloads back to back, each of
+        ``numel`` coordinates (default n), of which coordinates ``[start, start + n)`` are decoded
+        (``start``: a multiple of ``bucket_size`` whose codes begin on a byte)."""
 
     def grid_statistics(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int,
                         norm: str) -> np.ndarray:
@@ -112,6 +116,26 @@ def _auto(device: torch.device) -> Codec:
                 _WARNED.add("triton")
                 warnings.warn(f"horovod_alq: Triton codec unavailable ({err}); using torch ops on {device}")
     return _FACTORIES["torch"](device)
+
+
+def payload_window(payloads: torch.Tensor, offsets: Sequence[int], *, start: int, n: int, numel: int,
+                   bits: int, bucket_size: int) -> tuple[torch.Tensor, list[int]]:
+    """Coordinates ``[start, start + n)`` of payloads of ``numel`` coordinates each, as payloads of
+    their own (header bytes kept, the window's norms and codes copied): for backends that decode
+    whole payloads only."""
+    d = int(bucket_size)
+    if start % d or (start * bits) % 8 or start + n > numel:
+        raise ValueError(f"decode_sum: start {start} is not on a bucket and byte boundary inside {numel}")
+    nb = -(-numel // d)
+    parts = []
+    for offset in offsets:
+        norms = offset + HEADER_BYTES + 4 * (start // d)
+        codes = offset + HEADER_BYTES + 4 * nb + start * bits // 8
+        parts += [payloads[offset: offset + HEADER_BYTES], payloads[norms: norms + 4 * -(-n // d)],
+                  payloads[codes: codes + -(-n * bits // 8)]]
+    window = torch.cat(parts) if parts else payloads[:0]
+    size = HEADER_BYTES + 4 * -(-n // d) + -(-n * bits // 8)
+    return window, [k * size for k in range(len(offsets))]
 
 
 def check_encode_args(flat: torch.Tensor, bits: int, bucket_size: int, norm: str, seed: int) -> None:

@@ -25,10 +25,21 @@ class CpuCodec:
         return self._module.encode(flat.contiguous(), levels, header, int(bits), int(bucket_size),
                                    norm == "linf", int(seed))
 
+    def encode_parts(self, parts: Sequence[torch.Tensor], starts: Sequence[int], length: int,
+                     levels: torch.Tensor, header: torch.Tensor, *, bits: int, bucket_size: int, norm: str,
+                     seed: int) -> torch.Tensor:
+        """The payload that :meth:`encode` gives for the stream of ``length`` coordinates holding the
+        float32 ``parts`` at ``starts`` (increasing) and zeros elsewhere, read in place."""
+        check_encode_args(torch.empty(0), bits, bucket_size, norm, seed)
+        return self._module.encode_parts(list(parts), [int(s) for s in starts], int(length), levels, header,
+                                         int(bits), int(bucket_size), norm == "linf", int(seed))
+
     def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets: Sequence[int],
-                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float) -> torch.Tensor:
+                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float, start: int = 0,
+                   numel: int | None = None) -> torch.Tensor:
         return self._module.decode_sum(out, payloads.contiguous(), [int(o) for o in offsets], levels,
-                                       int(bits), int(bucket_size), float(scale))
+                                       int(bits), int(bucket_size), float(scale), int(start),
+                                       -1 if numel is None else int(numel))
 
     def grid_statistics(self, flat, grid, *, bucket_size: int, norm: str):
         return self._module.grid_statistics(flat.reshape(-1).contiguous(), grid, int(bucket_size),

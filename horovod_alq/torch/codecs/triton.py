@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import HEADER_BYTES, check_encode_args
+from . import HEADER_BYTES, check_encode_args, payload_window
 
 INSTALL_HINT = ("install it with `pip install triton==3.6.0` (pinned in requirements/pinned.txt; "
                 "`make install` installs it; `pip install horovod-alq[gpu]` for the extra)")
@@ -216,10 +216,14 @@ class TritonCodec:
         return payload
 
     def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets: Sequence[int],
-                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float) -> torch.Tensor:
+                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float, start: int = 0,
+                   numel: int | None = None) -> torch.Tensor:
         self._check_device(out.device)
         if out.dtype != torch.float32 or not out.is_contiguous() or payloads.dtype != torch.uint8:
             raise ValueError("decode_sum: out must be contiguous float32 and payloads uint8")
+        if start or (numel is not None and numel != out.numel()):
+            payloads, offsets = payload_window(payloads, offsets, start=start, n=out.numel(), bits=bits,
+                                               numel=out.numel() if numel is None else numel, bucket_size=bucket_size)
         n, d, bits = out.numel(), int(bucket_size), int(bits)
         offsets = [int(o) for o in offsets]
         if n == 0:

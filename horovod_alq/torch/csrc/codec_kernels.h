@@ -4,9 +4,8 @@
 // No header guard and no #include here (fused_codec.cpp includes what this needs first).
 //
 // Both variants compute bit-identical values: the same float32 operations in the same order, no
-// fused multiply-add (the target adds AVX2, not FMA), so ranks on different CPUs still decode a
-// payload to the same floats. Encodes may differ only in which random draw a coordinate gets,
-// never in the draw's law.
+// fused multiply-add (the target adds AVX2, not FMA), so ranks on different CPUs decode a payload
+// to the same floats, and encode a tensor to the same bytes (the same draw for the same coordinate).
 
 constexpr int64_t kGrain = 1 << 12;  // groups of 8 coordinates per parallel task
 
@@ -46,54 +45,95 @@ inline float uniform_at(const Key& key, int64_t i) {
   return static_cast<float>(static_cast<int32_t>(2 * (h >> 9) + 1)) * 0x1.0p-24f;  // signed: converts in one instruction
 }
 
-// Norms of buckets [b0, b1): float32, NaN where a value is not finite.
+// Norm of the m values at v: float32, NaN where a value is not finite.
 template <typename scalar_t>
-void norms_of_buckets(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms, int64_t b0, int64_t b1) {
+float bucket_norm_loops(const scalar_t* v, int64_t m, bool linf) {
   // max-abs is exact in the input's own precision widened to float; sums of squares need double
   using max_t = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t s = b * d, e = std::min(n, s + d);
-      float norm;
-      bool nan_seen = false;
-      if (linf) {
-        // eight lanes, branch-free: the maximum of |x| (NaN compares false and never wins) and a
-        // sum of v - v (0 for finite values, NaN for NaN and infinities): both vectorize
-        max_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, bad[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t i = s;
-        for (; i + 8 <= e; i += 8)
-          for (int k = 0; k < 8; ++k) {
-            const max_t v = std::fabs(static_cast<max_t>(x[i + k]));
-            acc[k] = acc[k] < v ? v : acc[k];
-            bad[k] += v - v;
-          }
-        for (; i < e; ++i) {
-          const max_t v = std::fabs(static_cast<max_t>(x[i]));
-          acc[0] = acc[0] < v ? v : acc[0];
-          bad[0] += v - v;
-        }
-        max_t m = acc[0], b = bad[0];
-        for (int k = 1; k < 8; ++k) {
-          m = acc[k] > m ? acc[k] : m;
-          b += bad[k];
-        }
-        nan_seen = b != 0;  // NaN != 0
-        norm = static_cast<float>(m);
-      } else {
-        double acc[4] = {0.0, 0.0, 0.0, 0.0};  // four chains: no serial dependency per element
-        int64_t i = s;
-        for (; i + 4 <= e; i += 4)
-          for (int k = 0; k < 4; ++k) {
-            const double v = static_cast<double>(x[i + k]);
-            acc[k] += v * v;
-          }
-        for (; i < e; ++i) {
-          const double v = static_cast<double>(x[i]);
-          acc[0] += v * v;
-        }
-        norm = static_cast<float>(std::sqrt((acc[0] + acc[1]) + (acc[2] + acc[3])));
+  float norm;
+  bool nan_seen = false;
+  if (linf) {
+    // eight lanes, branch-free: the maximum of |x| (NaN compares false and never wins) and a
+    // sum of v - v (0 for finite values, NaN for NaN and infinities): both vectorize
+    max_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, bad[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8)
+      for (int k = 0; k < 8; ++k) {
+        const max_t a = std::fabs(static_cast<max_t>(v[i + k]));
+        acc[k] = acc[k] < a ? a : acc[k];
+        bad[k] += a - a;
       }
-      norms[b] = (nan_seen || !std::isfinite(norm)) ? std::numeric_limits<float>::quiet_NaN() : norm;
+    for (; i < m; ++i) {
+      const max_t a = std::fabs(static_cast<max_t>(v[i]));
+      acc[0] = acc[0] < a ? a : acc[0];
+      bad[0] += a - a;
     }
+    max_t top = acc[0], b = bad[0];
+    for (int k = 1; k < 8; ++k) {
+      top = acc[k] > top ? acc[k] : top;
+      b += bad[k];
+    }
+    nan_seen = b != 0;  // NaN != 0
+    norm = static_cast<float>(top);
+  } else {
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};  // four chains: no serial dependency per element
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4)
+      for (int k = 0; k < 4; ++k) {
+        const double a = static_cast<double>(v[i + k]);
+        acc[k] += a * a;
+      }
+    for (; i < m; ++i) {
+      const double a = static_cast<double>(v[i]);
+      acc[0] += a * a;
+    }
+    norm = static_cast<float>(std::sqrt((acc[0] + acc[1]) + (acc[2] + acc[3])));
+  }
+  return (nan_seen || !std::isfinite(norm)) ? std::numeric_limits<float>::quiet_NaN() : norm;
+}
+
+template <typename scalar_t>
+float bucket_norm(const scalar_t* v, int64_t m, bool linf) { return bucket_norm_loops(v, m, linf); }
+
+#ifdef HOROVOD_ALQ_AVX2
+// bucket_norm's max-abs of float32 values, as integers: the bit patterns of non-negative floats
+// order as the floats do, and NaN's lie above infinity's, so one integer maximum per lane finds
+// the norm and any value that is not finite. The same float as the loops above.
+template <>
+inline float bucket_norm<float>(const float* v, int64_t m, bool linf) {
+  if (!linf || m < 32) {  // sums of squares, and short tails: the generic loops
+    return bucket_norm_loops(v, m, linf);
+  }
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+  int64_t i = 0;
+  for (; i + 32 <= m; i += 32)
+    for (int k = 0; k < 4; ++k) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i + 8 * k));
+      acc[k] = _mm256_max_epi32(acc[k], _mm256_and_si256(bits, magnitude));
+    }
+  __m256i top = _mm256_max_epi32(_mm256_max_epi32(acc[0], acc[1]), _mm256_max_epi32(acc[2], acc[3]));
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), top);
+  int32_t best = 0;
+  for (int k = 0; k < 8; ++k) best = lanes[k] > best ? lanes[k] : best;
+  for (; i < m; ++i) {
+    int32_t b;
+    std::memcpy(&b, v + i, 4);
+    b &= 0x7FFFFFFF;
+    best = b > best ? b : best;
+  }
+  if (best >= 0x7F800000) return std::numeric_limits<float>::quiet_NaN();  // an infinity or a NaN
+  float norm;
+  std::memcpy(&norm, &best, 4);
+  return norm;
+}
+#endif
+
+// Norms of buckets [b0, b1) of x (n values, buckets of d).
+template <typename scalar_t>
+void norms_of_buckets(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) norms[b] = bucket_norm(x + b * d, std::min(n, b * d + d) - b * d, linf);
 }
 
 template <typename scalar_t>
@@ -131,11 +171,11 @@ constexpr int64_t kChunk = 64;  // coordinates per vectorizable block (8 groups 
 
 constexpr int64_t kMaxVectorLevels = 16;  // encode_chunk serves bits <= 4
 
-// kChunk coordinates of one live bucket: straight-line loops the compiler vectorizes (the level
+// kChunk coordinates of one live bucket, at xc (i0: the first one's index, for the draws): straight-line loops the compiler vectorizes (the level
 // search is a select over 2^BITS levels, at least 8, padded with +inf, instead of a table lookup;
 // GCC does not vectorize the 4-level loop of 2 bits).
 template <int BITS, typename scalar_t>
-void encode_chunk(const scalar_t* x, int64_t i0, float inv, const float* levels, const float* widths,
+void encode_chunk(const scalar_t* xc, int64_t i0, float inv, const float* levels, const float* widths,
                   const Key& key, uint8_t* codes) {
   constexpr int64_t num_levels = BITS < 3 ? 8 : int64_t{1} << BITS;
   static_assert(num_levels <= kMaxVectorLevels, "encode_chunk: bits <= 4 only");
@@ -145,7 +185,7 @@ void encode_chunk(const scalar_t* x, int64_t i0, float inv, const float* levels,
   float r[kChunk], u[kChunk];
   uint32_t code[kChunk];
   for (int64_t k = 0; k < kChunk; ++k) u[k] = uniform_at(key, i0 + k);
-  for (int64_t k = 0; k < kChunk; ++k) r[k] = clamp_unit(static_cast<float>(x[i0 + k]) * inv);
+  for (int64_t k = 0; k < kChunk; ++k) r[k] = clamp_unit(static_cast<float>(xc[k]) * inv);
   for (int64_t k = 0; k < kChunk; ++k) {
     float lo = lv[0], width = wd[0];
     uint32_t cell = 0;
@@ -164,11 +204,116 @@ void encode_chunk(const scalar_t* x, int64_t i0, float inv, const float* levels,
   }
 }
 
-// The codes of x into out. With d a multiple of 8 the work goes bucket by bucket, each bucket's norm
-// computed right before its codes (x is read from memory once; the second read hits the cache);
-// otherwise the norms come first, in a pass of their own (groups of 8 may straddle buckets).
+#ifdef HOROVOD_ALQ_AVX2
+// lowbias32 on eight lanes (32-bit multiplies: AVX2 has them).
+inline __m256i lowbias32_x8(__m256i h) {
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x7FEB352D));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x846CA68BU)));
+  return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+// encode_chunk with intrinsics: the same float32 operations on the same values as the loops above
+// (so the same codes), the cell's lower level and width looked up by in-register permutes, and the
+// eight codes of a group packed by variable shifts and a horizontal OR.
 template <int BITS, typename scalar_t>
-void encode_codes(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
+void encode_chunk_avx2(const scalar_t* xc, int64_t i0, float inv, const float* levels, const float* widths,
+                       int64_t num_levels, const Key& key, uint8_t* codes) {
+  static_assert(BITS <= 4, "encode_chunk_avx2: bits <= 4 only");
+  __m256 bounds[kMaxVectorLevels];  // interior levels, compared against r
+  const int64_t interior = std::min<int64_t>(num_levels, kMaxVectorLevels) - 1;
+  for (int64_t j = 1; j < interior; ++j) bounds[j] = _mm256_set1_ps(levels[j]);
+  const __m256 lv_lo = _mm256_loadu_ps(levels), wd_lo = _mm256_loadu_ps(widths);
+  const __m256 lv_hi = _mm256_loadu_ps(levels + 8), wd_hi = _mm256_loadu_ps(widths + 8);
+  const __m256 vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+  const __m256i key_a = _mm256_set1_epi32(static_cast<int>(key.a));
+  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(i0) >> 32);  // the same for the chunk
+  const __m256i key_b = _mm256_set1_epi32(static_cast<int>(key.b ^ (hi * 0x9E3779B9U)));
+  for (int64_t q = 0; q < kChunk / 8; ++q) {
+    const int64_t i = i0 + 8 * q;
+    __m256 v;
+    if constexpr (std::is_same<scalar_t, float>::value) {
+      v = _mm256_loadu_ps(xc + 8 * q);
+    } else {
+      alignas(32) float tmp[8];
+      for (int k = 0; k < 8; ++k) tmp[k] = static_cast<float>(xc[8 * q + k]);
+      v = _mm256_load_ps(tmp);
+    }
+    // clamp_unit(x * inv): r < -1 ? -1 : (r > 1 ? 1 : r), for finite r
+    const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, vinv), minus_one), one);
+    __m256i cell = _mm256_setzero_si256();
+    for (int64_t j = 1; j < interior; ++j)  // cell = #{j : levels[j] <= r}: masks are -1
+      cell = _mm256_sub_epi32(cell, _mm256_castps_si256(_mm256_cmp_ps(bounds[j], r, _CMP_LE_OQ)));
+    __m256 lo = _mm256_permutevar8x32_ps(lv_lo, cell), width = _mm256_permutevar8x32_ps(wd_lo, cell);
+    if (BITS == 4) {
+      const __m256 high = _mm256_castsi256_ps(_mm256_cmpgt_epi32(cell, _mm256_set1_epi32(7)));
+      lo = _mm256_blendv_ps(lo, _mm256_permutevar8x32_ps(lv_hi, cell), high);
+      width = _mm256_blendv_ps(width, _mm256_permutevar8x32_ps(wd_hi, cell), high);
+    }
+    // uniform_at(key, i + k) on eight lanes
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))), lane);
+    const __m256i h = lowbias32_x8(_mm256_add_epi32(lowbias32_x8(_mm256_xor_si256(index, key_a)), key_b));
+    const __m256i odd = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(h, 9), 1), _mm256_set1_epi32(1));
+    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(odd), _mm256_set1_ps(0x1.0p-24f));
+    const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, width), _mm256_sub_ps(r, lo), _CMP_LT_OQ);
+    const __m256i code = _mm256_sub_epi32(cell, _mm256_castps_si256(up));
+    __m256i word = _mm256_sllv_epi32(code, shifts);
+    word = _mm256_or_si256(word, _mm256_permute2x128_si256(word, word, 1));
+    word = _mm256_or_si256(word, _mm256_shuffle_epi32(word, 0x4E));
+    word = _mm256_or_si256(word, _mm256_shuffle_epi32(word, 0xB1));
+    const uint32_t packed = static_cast<uint32_t>(_mm256_cvtsi256_si32(word));
+    std::memcpy(codes + q * BITS, &packed, BITS);
+  }
+}
+#endif
+
+// Where encode_codes finds the values of coordinates [s, e) (one bucket): `at` returns a pointer
+// to them, `peek` the same or nullptr where `at` would have to assemble them (for prefetching).
+template <typename scalar_t>
+struct Contiguous {
+  const scalar_t* x;
+  const scalar_t* at(int64_t s, int64_t, scalar_t*) const { return x + s; }
+  const scalar_t* peek(int64_t s, int64_t) const { return x + s; }
+};
+
+// Tensors at increasing, non-overlapping starts of a stream, zeros between them: what the engine's
+// fused stream holds, read in place. A bucket inside one tensor is read where it lies; one that
+// holds padding (a tensor's last bucket) is assembled in `scratch`.
+template <typename scalar_t>
+struct Parts {
+  const scalar_t* const* data;
+  const int64_t* starts;
+  const int64_t* sizes;
+  int64_t count;
+
+  int64_t last_at_or_before(int64_t s) const {
+    return static_cast<int64_t>(std::upper_bound(starts, starts + count, s) - starts) - 1;
+  }
+  const scalar_t* peek(int64_t s, int64_t e) const {
+    const int64_t k = last_at_or_before(s);
+    return k >= 0 && starts[k] + sizes[k] >= e ? data[k] + (s - starts[k]) : nullptr;
+  }
+  const scalar_t* at(int64_t s, int64_t e, scalar_t* scratch) const {
+    if (const scalar_t* direct = peek(s, e)) return direct;
+    std::fill(scratch, scratch + (e - s), scalar_t(0));
+    for (int64_t k = std::max<int64_t>(0, last_at_or_before(s)); k < count && starts[k] < e; ++k) {
+      const int64_t a = std::max(s, starts[k]), b = std::min(e, starts[k] + sizes[k]);
+      if (a < b) std::copy(data[k] + (a - starts[k]), data[k] + (b - starts[k]), scratch + (a - s));
+    }
+    return scratch;
+  }
+};
+
+// The codes of the n values of `src` into out, the bucket norms into norms. With d a multiple of 8
+// the work goes bucket by bucket: each bucket's norm right before its codes (its values come from
+// memory once, the second read hits the cache), and the next bucket prefetched meanwhile. Otherwise
+// (Contiguous sources only) the norms come first, in a pass of their own (groups of 8 may straddle
+// buckets).
+template <int BITS, typename scalar_t, typename Source>
+void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
                   int64_t num_levels, uint64_t seed, uint8_t* out) {
   const int64_t groups = (n + 7) / 8;
   const int64_t total_bytes = (n * BITS + 7) / 8;
@@ -183,7 +328,8 @@ void encode_codes(const scalar_t* x, int64_t n, int64_t d, bool linf, float* nor
     padded_widths[j] = j + 1 < num_levels ? widths[j] : 0.0f;
   }
   const bool vectorizable = num_levels <= kMaxVectorLevels;
-  auto encode_groups = [&](int64_t g0, int64_t g1) {
+  // groups [g0, g1), whose values x0[i - base] cover every coordinate i they hold
+  auto encode_groups = [&](const scalar_t* x0, int64_t base, int64_t g0, int64_t g1, const scalar_t* ahead) {
     int64_t bucket = g0 * 8 / d, bucket_end = std::min(n, (bucket + 1) * d);
     float inv = 0.0f;
     bool live = false;  // bucket has a positive finite norm
@@ -203,8 +349,16 @@ void encode_codes(const scalar_t* x, int64_t n, int64_t d, bool linf, float* nor
       }
       if constexpr (BITS <= 4) {
         if (vectorizable && g + kChunk / 8 <= g1 && i0 + kChunk <= bucket_end) {
+          if (ahead != nullptr)  // the same span of the next bucket: 4 cache lines of float32
+            for (int64_t k = 0; k < kChunk * static_cast<int64_t>(sizeof(scalar_t)); k += 64)
+              __builtin_prefetch(reinterpret_cast<const char*>(ahead + (i0 - base)) + k);
           if (live) {
-            encode_chunk<BITS>(x, i0, inv, padded_levels, padded_widths, key, out + g * BITS);
+#ifdef HOROVOD_ALQ_AVX2
+            encode_chunk_avx2<BITS>(x0 + (i0 - base), i0, inv, padded_levels, padded_widths, num_levels, key,
+                                    out + g * BITS);
+#else
+            encode_chunk<BITS>(x0 + (i0 - base), i0, inv, padded_levels, padded_widths, key, out + g * BITS);
+#endif
           } else {
             std::memset(out + g * BITS, 0, kChunk / 8 * BITS);
           }
@@ -221,7 +375,7 @@ void encode_codes(const scalar_t* x, int64_t n, int64_t d, bool linf, float* nor
           enter();
         }
         if (live) {
-          const float r = clamp_unit(static_cast<float>(x[i]) * inv);
+          const float r = clamp_unit(static_cast<float>(x0[i - base]) * inv);
           word |= stochastic_code(r, uniform_at(key, i), levels, w, num_levels) << ((i - i0) * BITS);
         }
       }
@@ -233,14 +387,23 @@ void encode_codes(const scalar_t* x, int64_t n, int64_t d, bool linf, float* nor
   if (d % 8 == 0) {
     const int64_t nb = (n + d - 1) / d, per_bucket = d / 8;
     at::parallel_for(0, nb, std::max<int64_t>(1, kGrain / per_bucket), [&](int64_t b0, int64_t b1) {
+      std::unique_ptr<scalar_t[]> scratch;  // for buckets that hold padding: allocated when needed
       for (int64_t b = b0; b < b1; ++b) {
-        norms_of_buckets(x, n, d, linf, norms, b, b + 1);
-        encode_groups(b * per_bucket, std::min(groups, (b + 1) * per_bucket));
+        const int64_t s = b * d, e = std::min(n, s + d);
+        const scalar_t* xb = src.peek(s, e);
+        if (xb == nullptr) {
+          if (!scratch) scratch.reset(new scalar_t[d]);
+          xb = src.at(s, e, scratch.get());
+        }
+        const scalar_t* ahead = b + 1 < b1 && s + 2 * d <= n ? src.peek(s + d, s + 2 * d) : nullptr;
+        norms[b] = bucket_norm(xb, e - s, linf);
+        encode_groups(xb, s, b * per_bucket, std::min(groups, (b + 1) * per_bucket), ahead);
       }
     });
   } else {
+    const scalar_t* x = src.at(0, n, nullptr);
     bucket_norms<scalar_t>(x, n, d, linf, norms);
-    at::parallel_for(0, groups, kGrain, encode_groups);
+    at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) { encode_groups(x, 0, g0, g1, nullptr); });
   }
 }
 
@@ -266,10 +429,9 @@ inline void decode_group8(float* o, uint32_t word, __m256 table_lo, __m256 table
 
 // Sum over payloads of norm * table[code], times scale, into out (first payload assigns).
 template <int BITS>
-void decode_sum_codes(float* po, int64_t n, int64_t d, const uint8_t* base, const std::vector<int64_t>& offsets,
-                      const float* table, float fscale) {
+void decode_sum_codes(float* po, int64_t n, int64_t d, const std::vector<const uint8_t*>& norm_bytes,
+                      const std::vector<const uint8_t*>& code_bytes_of, const float* table, float fscale) {
   constexpr uint64_t mask = (uint64_t{1} << BITS) - 1;
-  const int64_t nb = (n + d - 1) / d;
   const int64_t code_bytes = (n * BITS + 7) / 8;
   const int64_t groups = (n + 7) / 8;
 #ifdef HOROVOD_ALQ_AVX2
@@ -281,10 +443,10 @@ void decode_sum_codes(float* po, int64_t n, int64_t d, const uint8_t* base, cons
   const int64_t loadable = code_bytes >= 8 ? (code_bytes - 8) / BITS + 1 : 0;
   at::parallel_for(0, groups, kGrain, [&](int64_t g0, int64_t g1) {
     const int64_t first = g0 * 8, last = std::min(n, g1 * 8);
-    for (size_t p = 0; p < offsets.size(); ++p) {  // payload by payload over this chunk (in cache)
+    for (size_t p = 0; p < norm_bytes.size(); ++p) {  // payload by payload over this chunk (in cache)
       const bool assign = p == 0;
-      const uint8_t* norms = base + offsets[p] + kHeaderBytes;
-      const uint8_t* codes = norms + 4 * nb;
+      const uint8_t* norms = norm_bytes[p];
+      const uint8_t* codes = code_bytes_of[p];
       int64_t bucket = first / d, bucket_end = std::min(n, (bucket + 1) * d);
       float norm;
       std::memcpy(&norm, norms + 4 * bucket, 4);
@@ -331,7 +493,7 @@ void decode_sum_codes(float* po, int64_t n, int64_t d, const uint8_t* base, cons
         ++g;
       }
     }
-    if (offsets.empty()) std::fill(po + first, po + last, 0.0f);
+    if (norm_bytes.empty()) std::fill(po + first, po + last, 0.0f);
     if (fscale != 1.0f)
       for (int64_t i = first; i < last; ++i) po[i] *= fscale;
   });
@@ -357,13 +519,26 @@ template <typename scalar_t>
 void encode_payload(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
                     int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes) {
   dispatch_bits(bits, [&](auto b) {
-    encode_codes<decltype(b)::value, scalar_t>(x, n, d, linf, norms, levels, num_levels, seed, codes);
+    encode_codes<decltype(b)::value, scalar_t>(Contiguous<scalar_t>{x}, n, d, linf, norms, levels, num_levels,
+                                               seed, codes);
   });
 }
 
-inline void decode_payloads(float* po, int64_t n, int64_t d, const uint8_t* base, const std::vector<int64_t>& offsets,
-                            const float* table, int64_t bits, float fscale) {
-  dispatch_bits(bits, [&](auto b) { decode_sum_codes<decltype(b)::value>(po, n, d, base, offsets, table, fscale); });
+// The same for the stream of n values that holds `count` float32 parts (see Parts; d a multiple of 8).
+inline void encode_parts_payload(const float* const* data, const int64_t* starts, const int64_t* sizes,
+                                 int64_t count, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
+                                 int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes) {
+  const Parts<float> parts{data, starts, sizes, count};
+  dispatch_bits(bits, [&](auto b) {
+    encode_codes<decltype(b)::value, float>(parts, n, d, linf, norms, levels, num_levels, seed, codes);
+  });
+}
+
+// out = fscale * the sum over payloads of the decoded n coordinates whose norms and codes start at
+// norms[p] and codes[p].
+inline void decode_payloads(float* po, int64_t n, int64_t d, const std::vector<const uint8_t*>& norms,
+                            const std::vector<const uint8_t*>& codes, const float* table, int64_t bits, float fscale) {
+  dispatch_bits(bits, [&](auto b) { decode_sum_codes<decltype(b)::value>(po, n, d, norms, codes, table, fscale); });
 }
 
 // Statistics of a refit round for the norm-based methods: out[0] = sum of the finite non-zero

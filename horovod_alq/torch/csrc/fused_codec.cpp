@@ -1,7 +1,9 @@
 // Fused CPU kernels for the horovod-alq wire format (docs/design.md).
 //
-// encode: bucket norms, unbiased stochastic rounding and b-bit packing in two passes over the
-// input; decode_sum: unpack every rank's payload, scale by its norms and sum, in one pass.
+// encode: bucket norms, unbiased stochastic rounding and b-bit packing, bucket by bucket;
+// encode_parts: the same for a fused stream of tensors, read where they lie (no stream copy);
+// decode_sum: unpack every rank's payload (or a window of it), scale by its norms and sum, in one
+// pass, straight into the output.
 // Randomness is counter-based (a hash of a seed-derived key and the element index), so results
 // do not depend on the number of threads. The kernels (codec_kernels.h) are compiled twice, for
 // the default instruction set and for AVX2, and the CPU picks one at run time.
@@ -19,6 +21,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -52,43 +56,96 @@ bool use_avx2 = cpu_has_avx2() && !(std::getenv("HOROVOD_ALQ_SIMD") &&
 
 }  // namespace
 
-// x: contiguous 1-D float tensor on the CPU. Returns the whole payload (header, norms, codes).
-torch::Tensor encode(torch::Tensor x, torch::Tensor levels, torch::Tensor header, int64_t bits,
-                     int64_t bucket_size, bool linf, int64_t seed) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "encode: x must be a contiguous 1-D CPU tensor");
-  TORCH_CHECK(bits >= 2 && bits <= 8, "encode: bits must be 2..8");
-  TORCH_CHECK(bucket_size > 0, "encode: bucket_size must be positive");
-  auto lv = levels.to(torch::kFloat64).contiguous();
-  TORCH_CHECK(lv.numel() >= 2 && lv.numel() <= (1 << bits), "encode: bad number of levels");
+namespace {
+
+// A payload of n coordinates with its header copied in; returns (payload, its norms, its codes).
+std::tuple<torch::Tensor, float*, uint8_t*> new_payload(int64_t n, int64_t bits, int64_t bucket_size,
+                                                        const torch::Tensor& header) {
   TORCH_CHECK(header.numel() == kHeaderBytes && header.scalar_type() == torch::kUInt8, "encode: header must be 32 uint8");
-  const int64_t n = x.numel();
   const int64_t nb = (n + bucket_size - 1) / bucket_size;
   const int64_t code_bytes = (n * bits + 7) / 8;
   auto out = torch::empty({kHeaderBytes + 4 * nb + code_bytes}, torch::kUInt8);
   uint8_t* base = out.data_ptr<uint8_t>();
   std::memcpy(base, header.contiguous().data_ptr<uint8_t>(), kHeaderBytes);
-  std::vector<float> norms(nb);
-  auto lf = lv.to(torch::kFloat32).contiguous();  // the decoder's table: encode against the same values
+  return {out, reinterpret_cast<float*>(base + kHeaderBytes), base + kHeaderBytes + 4 * nb};
+}
+
+// The levels as the decoder's float32 table: encode against the same values.
+torch::Tensor level_table(const torch::Tensor& levels, int64_t bits) {
+  auto lv = levels.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(lv.numel() >= 2 && lv.numel() <= (1 << bits), "encode: bad number of levels");
+  return lv;
+}
+
+void check_encode(int64_t bits, int64_t bucket_size) {
+  TORCH_CHECK(bits >= 2 && bits <= 8, "encode: bits must be 2..8");
+  TORCH_CHECK(bucket_size > 0, "encode: bucket_size must be positive");
+}
+
+}  // namespace
+
+// x: contiguous 1-D float tensor on the CPU. Returns the whole payload (header, norms, codes).
+torch::Tensor encode(torch::Tensor x, torch::Tensor levels, torch::Tensor header, int64_t bits,
+                     int64_t bucket_size, bool linf, int64_t seed) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "encode: x must be a contiguous 1-D CPU tensor");
+  check_encode(bits, bucket_size);
+  auto lf = level_table(levels, bits);
+  const int64_t n = x.numel();
+  auto [out, norms, codes] = new_payload(n, bits, bucket_size, header);
+  // norms: aligned to 4 bytes (the header is 32 bytes and torch's storage is aligned)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "encode", [&] {
     const scalar_t* px = x.data_ptr<scalar_t>();
     auto run = use_avx2 ? avx2::encode_payload<scalar_t> : generic::encode_payload<scalar_t>;
-    run(px, n, bucket_size, linf, norms.data(), lf.data_ptr<float>(), lf.numel(), bits,
-        static_cast<uint64_t>(seed), base + kHeaderBytes + 4 * nb);
+    run(px, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed), codes);
   });
-  if (nb) std::memcpy(base + kHeaderBytes, norms.data(), 4 * nb);
   return out;
 }
 
-// Sum of the decoded values of payloads (already validated) at the given byte offsets of
-// `payloads`, times `scale`, written into the float32 tensor `out` of n elements.
+// The payload of the stream of n coordinates that holds the float32 `parts` at `starts` (increasing,
+// not overlapping) and zeros elsewhere, read in place: the same bytes as encode() of that stream.
+torch::Tensor encode_parts(std::vector<torch::Tensor> parts, std::vector<int64_t> starts, int64_t n,
+                           torch::Tensor levels, torch::Tensor header, int64_t bits, int64_t bucket_size,
+                           bool linf, int64_t seed) {
+  check_encode(bits, bucket_size);
+  TORCH_CHECK(bucket_size % 8 == 0, "encode_parts: bucket_size must be a multiple of 8");
+  TORCH_CHECK(parts.size() == starts.size(), "encode_parts: one start per part");
+  std::vector<const float*> data;
+  std::vector<int64_t> sizes;
+  int64_t end = 0;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const auto& p = parts[k];
+    TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == torch::kFloat32 && p.dim() == 1 && p.is_contiguous(),
+                "encode_parts: parts must be contiguous 1-D float32 CPU tensors");
+    TORCH_CHECK(starts[k] >= end && starts[k] + p.numel() <= n, "encode_parts: parts overlap or leave the stream");
+    data.push_back(p.data_ptr<float>());
+    sizes.push_back(p.numel());
+    end = starts[k] + p.numel();
+  }
+  auto lf = level_table(levels, bits);
+  auto [out, norms, codes] = new_payload(n, bits, bucket_size, header);
+  (use_avx2 ? avx2::encode_parts_payload : generic::encode_parts_payload)(
+      data.data(), starts.data(), sizes.data(), static_cast<int64_t>(data.size()), n, bucket_size, linf, norms,
+      lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed), codes);
+  return out;
+}
+
+// Sum of the decoded values of coordinates [start, start + out.numel()) of payloads (already
+// validated) of `numel` coordinates each (-1: out.numel()) at the given byte offsets of `payloads`,
+// times `scale`, written into the float32 tensor `out`. `start`: a multiple of the bucket size
+// whose codes start on a byte.
 torch::Tensor decode_sum(torch::Tensor out, torch::Tensor payloads, std::vector<int64_t> offsets,
-                         torch::Tensor levels, int64_t bits, int64_t bucket_size, double scale) {
+                         torch::Tensor levels, int64_t bits, int64_t bucket_size, double scale,
+                         int64_t start, int64_t numel) {
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "decode_sum: out must be contiguous float32 on the CPU");
   TORCH_CHECK(payloads.scalar_type() == torch::kUInt8 && payloads.is_contiguous(), "decode_sum: payloads must be contiguous uint8");
+  TORCH_CHECK(bits >= 2 && bits <= 8 && bucket_size > 0, "decode_sum: bad bits or bucket_size");
   const int64_t n = out.numel();
   const int64_t d = bucket_size;
-  const int64_t nb = (n + d - 1) / d;
-  const int64_t code_bytes = (n * bits + 7) / 8;
+  if (numel < 0) numel = n;
+  TORCH_CHECK(start >= 0 && start % d == 0 && (start * bits) % 8 == 0 && start + n <= numel,
+              "decode_sum: start must be a multiple of the bucket size, on a byte of codes, inside the payload");
+  const int64_t nb = (numel + d - 1) / d;
+  const int64_t code_bytes = (numel * bits + 7) / 8;
   for (int64_t off : offsets)
     TORCH_CHECK(off >= 0 && off + kHeaderBytes + 4 * nb + code_bytes <= payloads.numel(), "decode_sum: payload out of range");
   // 2**bits entries: codes past the last level (only a corrupted payload has them) decode to NaN.
@@ -97,9 +154,14 @@ torch::Tensor decode_sum(torch::Tensor out, torch::Tensor payloads, std::vector<
   TORCH_CHECK(lv.numel() <= (int64_t{1} << bits), "decode_sum: more levels than codes");
   std::memcpy(table.data(), lv.data_ptr<float>(), 4 * lv.numel());
   const uint8_t* base = payloads.data_ptr<uint8_t>();
+  std::vector<const uint8_t*> norms, codes;  // of coordinate `start` in each payload
+  for (int64_t off : offsets) {
+    norms.push_back(base + off + kHeaderBytes + 4 * (start / d));
+    codes.push_back(base + off + kHeaderBytes + 4 * nb + start * bits / 8);
+  }
   float* po = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  (use_avx2 ? avx2::decode_payloads : generic::decode_payloads)(po, n, d, base, offsets, table.data(), bits, fscale);
+  (use_avx2 ? avx2::decode_payloads : generic::decode_payloads)(po, n, d, norms, codes, table.data(), bits, fscale);
   return out;
 }
 
@@ -118,7 +180,10 @@ torch::Tensor grid_statistics(torch::Tensor x, torch::Tensor grid, int64_t bucke
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &encode, "Encode a 1-D float CPU tensor into a horovod-alq payload");
-  m.def("decode_sum", &decode_sum, "Decode payloads, sum them and scale, into a float32 tensor");
+  m.def("encode_parts", &encode_parts, "Encode the stream that holds float32 tensors at given starts, in place");
+  m.def("decode_sum", &decode_sum, "Decode payloads, sum them and scale, into a float32 tensor", py::arg("out"),
+        py::arg("payloads"), py::arg("offsets"), py::arg("levels"), py::arg("bits"), py::arg("bucket_size"),
+        py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1);
   m.def("grid_statistics", &grid_statistics, "Refit statistics [W, C(grid)] of the norm-based methods");
   m.def("simd", [] { return std::string(use_avx2 ? "avx2" : "generic"); }, "The kernels in use");
   m.def("set_simd", [](bool avx2) { use_avx2 = avx2 && cpu_has_avx2(); },
