@@ -43,6 +43,18 @@ def _nan32():
 
 
 @triton.jit
+def _norm_step(acc, bad, x, LINF: tl.constexpr):
+    """One block of float64 values into the running max-abs (or sum of squares) and count of
+    non-finite values (NaN and +-inf fail the comparison)."""
+    ax = tl.abs(x)
+    if LINF:
+        acc = tl.maximum(acc, ax)
+    else:
+        acc += x * x
+    return acc, bad + tl.where(ax <= F64_MAX, 0, 1)
+
+
+@triton.jit
 def _norm_accumulate(x_ptr, start, end, LINF: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """(sum of squares or max-abs in float64, count of non-finite values) of x[start:end]
     (``end - start <= ITERS * BLOCK``)."""
@@ -52,12 +64,7 @@ def _norm_accumulate(x_ptr, start, end, LINF: tl.constexpr, BLOCK: tl.constexpr,
         idx = start + it * BLOCK + tl.arange(0, BLOCK)
         m = idx < end
         x = tl.load(x_ptr + idx, mask=m, other=0.0).to(tl.float64)
-        ax = tl.abs(x)
-        if LINF:
-            acc = tl.maximum(acc, ax)
-        else:
-            acc += x * x
-        bad += tl.where(ax <= F64_MAX, 0, 1)  # NaN and +-inf fail the comparison
+        acc, bad = _norm_step(acc, bad, x, LINF)
     if LINF:
         total = tl.max(acc, axis=0)
     else:
@@ -216,12 +223,7 @@ def _norm_partials_kernel(x_ptr, total_ptr, bad_ptr, n, d, nb, S, CH, LINF: tl.c
         idx = lo[:, None] + it * BLOCK + tl.arange(0, BLOCK)[None, :]
         m = (idx < hi[:, None]) & valid[:, None]
         x = tl.load(x_ptr + idx, mask=m, other=0.0).to(tl.float64)
-        ax = tl.abs(x)
-        if LINF:
-            acc = tl.maximum(acc, ax)
-        else:
-            acc += x * x
-        bad += tl.where(ax <= F64_MAX, 0, 1)
+        acc, bad = _norm_step(acc, bad, x, LINF)
     if LINF:
         total = tl.max(acc, axis=1)
     else:
