@@ -33,7 +33,7 @@ from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
 from ..exchange import Engine, Entry
 from . import codecs
-from .transport import HorovodTransport, NotMemberError, TorchOps, hvd
+from .transport import HorovodTransport, NotMemberError, TorchOps, hvd, ops_for
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _UIDS = itertools.count()
@@ -256,10 +256,7 @@ class QuantizedCompressor(frontends.CompressorBase):
         return self._transport_cache
 
     def _ops_for(self, device: torch.device) -> TorchOps:
-        key = str(device)
-        if key not in self._ops:
-            self._ops[key] = TorchOps(device, self._codec)
-        return self._ops[key]
+        return ops_for(self._ops, device, self._codec)
 
 
 ALQCompressor, AMQCompressor, QSGDCompressor, NUQSGDCompressor, TernGradCompressor = frontends.bind(

@@ -54,7 +54,7 @@ from ..core.rounds import RoundState, schedule_from
 from ..exchange import Engine
 from . import codecs
 from .dist_transport import DistTransport
-from .transport import TorchOps
+from .transport import TorchOps, ops_for
 
 __all__ = ["ALQState", "alq_hook"]
 
@@ -208,10 +208,7 @@ class ALQState:
         return self._transport
 
     def _ops_for(self, device: torch.device) -> TorchOps:
-        key = str(device)
-        if key not in self._ops:
-            self._ops[key] = TorchOps(device, self.codec)
-        return self._ops[key]
+        return ops_for(self._ops, device, self.codec)
 
     def _add(self, index: int, buffer: torch.Tensor) -> torch.futures.Future:
         if self._pending and index <= self._pending[-1][0]:

@@ -154,3 +154,11 @@ class TorchOps:
 
     def from_numpy(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+
+def ops_for(cache: dict, device: torch.device, codec: str) -> TorchOps:
+    """The :class:`TorchOps` for ``device`` in ``cache`` (made on first use)."""
+    key = str(device)
+    if key not in cache:
+        cache[key] = TorchOps(device, codec)
+    return cache[key]
