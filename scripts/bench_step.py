@@ -6,6 +6,11 @@ side in the same processes, as ratios to Horovod's fp16 compressor. Run under a 
     OMP_NUM_THREADS=1 mpirun -np 2 python scripts/bench_step.py --quick
     OMP_NUM_THREADS=1 mpirun -np 2 python scripts/bench_step.py --profile alq --profile-out /tmp/alq.prof
 
+On a host with fewer cores than busy threads (2 ranks, each a main thread and Horovod's background
+thread, on 2 cores) pass ``--mca mpi_yield_when_idle 1`` to mpirun: else a background thread
+that waits in an MPI collective spins on the core its rank's main thread needs (docs/bench_step.md
+measures both).
+
 The model: the 161 parameters of torchvision's resnet50 (conv weights, batch-norm weights and
 biases, fc weight and bias; 25,557,032 elements, 76 tensors of at least 1,024 elements), generated
 here from the architecture (no torchvision import, no download); --width scales every channel
@@ -255,7 +260,8 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
         f"others travel through Horovod's plain allreduce).",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s) per rank, "
         f"{hvd.size()} ranks on one host (shared memory). {fused_status}. "
-        f"HOROVOD_CACHE_CAPACITY={os.environ.get('HOROVOD_CACHE_CAPACITY')}. Load average {load_before:.1f} before, "
+        f"HOROVOD_CACHE_CAPACITY={os.environ.get('HOROVOD_CACHE_CAPACITY')}, Open MPI mpi_yield_when_idle="
+        f"{os.environ.get('OMPI_MCA_mpi_yield_when_idle', 'default')}. Load average {load_before:.1f} before, "
         f"{load_after:.1f} after.",
         f"ALQ: {args.bits} bits, bucket {args.bucket_size}, default fusion (64 MiB of float32 per buffer) unless "
         f"named; levels refit at step 0 only (inside the warm-up). Median of {args.steps} steps after "
