@@ -412,6 +412,24 @@ def test_non_finite_zero_and_short_buckets(codec, norm):
     assert (dec[0:10] == 0).all() and np.isfinite(dec[20:30]).all() and np.isfinite(dec[40:]).all()
 
 
+def test_unbiased_for_tiny_and_subnormal_norms(codec):
+    """Buckets whose norm is below 2**-64 (1 / norm may overflow float32) or subnormal: the mean of
+    K decodes stays within 6 standard errors of x at every coordinate (one decode's error is at most
+    the norm, so its standard deviation is too). Before the CPU codec scaled such buckets, their
+    zeros decoded to -norm."""
+    d, k = 64, 200
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(3 * d, generator=g) * 2 - 1
+    x[:d] *= 1e-40  # subnormal float32
+    x[d: 2 * d] *= 1e-30  # normal, below 2**-64
+    x[5] = x[d + 5] = 0.0
+    q = Quantizer("alq", bits=3, bucket_size=d, seed=0)
+    mean = np.mean([q.decode(_encode(codec, q, x, seed=s)) for s in range(1, k + 1)], axis=0)
+    norms = np.repeat(np.abs(x.numpy()).reshape(3, d).max(axis=1), d)
+    err = np.abs(mean - x.numpy())
+    assert (err <= 6 * norms / np.sqrt(k) + 1e-45).all(), (err / norms).max()
+
+
 def test_empty_tensor(codec):
     q = Quantizer("alq", bucket_size=16, seed=0)
     payload = _encode(codec, q, torch.zeros(0))

@@ -331,12 +331,15 @@ void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* nor
   // groups [g0, g1), whose values x0[i - base] cover every coordinate i they hold
   auto encode_groups = [&](const scalar_t* x0, int64_t base, int64_t g0, int64_t g1, const scalar_t* ahead) {
     int64_t bucket = g0 * 8 / d, bucket_end = std::min(n, (bucket + 1) * d);
-    float inv = 0.0f;
+    float inv = 0.0f, pre = 1.0f;
     bool live = false;  // bucket has a positive finite norm
+    bool tiny = false;  // ... below 2^-64: 1 / norm could overflow, so r = (x 2^64) / (norm 2^64)
     auto enter = [&]() {
       const float norm = norms[bucket];
       live = norm > 0.0f;  // zero or NaN norm: code 0, decodes to 0 or NaN
-      inv = live ? 1.0f / norm : 0.0f;
+      tiny = live && norm < 0x1p-64f;
+      pre = tiny ? 0x1p64f : 1.0f;
+      inv = live ? 1.0f / (norm * pre) : 0.0f;
     };
     enter();
     int64_t g = g0;
@@ -348,7 +351,7 @@ void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* nor
         enter();
       }
       if constexpr (BITS <= 4) {
-        if (vectorizable && g + kChunk / 8 <= g1 && i0 + kChunk <= bucket_end) {
+        if (vectorizable && !tiny && g + kChunk / 8 <= g1 && i0 + kChunk <= bucket_end) {
           if (ahead != nullptr)  // the same span of the next bucket: 4 cache lines of float32
             for (int64_t k = 0; k < kChunk * static_cast<int64_t>(sizeof(scalar_t)); k += 64)
               __builtin_prefetch(reinterpret_cast<const char*>(ahead + (i0 - base)) + k);
@@ -375,7 +378,7 @@ void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* nor
           enter();
         }
         if (live) {
-          const float r = clamp_unit(static_cast<float>(x0[i - base]) * inv);
+          const float r = clamp_unit(static_cast<float>(x0[i - base]) * pre * inv);
           word |= stochastic_code(r, uniform_at(key, i), levels, w, num_levels) << ((i - i0) * BITS);
         }
       }
