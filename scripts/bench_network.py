@@ -220,7 +220,10 @@ def run_workers(args, tmp: Path, rate_label: str) -> dict:
            "-np", str(N_WORKERS), "--hostfile", str(hostfile), "--map-by", "node",
            "--mca", "plm_rsh_agent", str(agent), "--mca", "plm_rsh_no_tree_spawn", "1",
            "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
-           "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",]
+           "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
+           # every namespace is a 1-slot "host", so Open MPI never sees that all ranks share these
+           # cores, and its waits spin on the cores the other ranks need unless told to yield
+           "--mca", "mpi_yield_when_idle", str(args.yield_when_idle)]
     for k, v in env_vars.items():
         cmd += ["-x", f"{k}={v}"]
     cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
@@ -259,7 +262,8 @@ def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
              f"{N_WORKERS} workers in network namespaces, MLP 784-{args.hidden}-{args.hidden}-10 "
              f"({params / 1e6:.1f}M parameters), "
              f"batch {args.batch_size} per worker, {args.bits} bits, bucket {args.bucket_size}; median over "
-             f"{args.steps} timed steps (after {args.warmup} warm-up) of the slowest rank's step time.", "",
+             f"{args.steps} timed steps (after {args.warmup} warm-up) of the slowest rank's step time; "
+             f"Open MPI mpi_yield_when_idle={args.yield_when_idle}.", "",
              "| link | measured TCP throughput w0->w1 | " + " | ".join(LABELS.get(m, m) for m in args.methods.split(","))
              + " | fwd+bwd incl. compress calls (max over methods) |",
              "|---|---|" + "---|" * (len(args.methods.split(",")) + 1)]
@@ -342,6 +346,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1200, help="seconds per mpirun")
+    p.add_argument("--yield-when-idle", type=int, choices=(0, 1), default=1,
+                   help="Open MPI's mpi_yield_when_idle for the ranks; default 1 (the ranks share this "
+                        "machine's cores; 0: busy-wait, what the runs before 2026-12-01 did)")
     p.add_argument("--out-dir", default="docs")
     p.add_argument("--tag", default="", help="suffix of the output file names (bench_network<tag>.md/.json/.png)")
     p.add_argument("--quick", action="store_true", help="1gbit only, MLP 512, 2 steps")
