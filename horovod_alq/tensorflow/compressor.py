@@ -12,9 +12,10 @@ Same wire format as the PyTorch compressors (``docs/design.md``): ``compress`` e
 into a uint8 payload (same bytes layout as the NumPy core) and hands Horovod's allreduce a small
 float64 head vector ``[1, k, k**2, p, p**2, h, h**2, (config sums), statistics...]``; it issues no
 collective. ``decompress`` checks the reduced head vector (every rank sees the same one, so every
-rank takes the same decision: raise, or exchange), and only then moves the payloads, one tensor at a
-time: ``exchange="allgather"`` gathers every rank's payload, validates its header against this
-rank's configuration, decodes, sums and scales; ``exchange="two-phase"`` runs the scatter-reduce /
+rank takes the same decision: raise, or exchange; a reducescatter, whose pieces are shorter than the
+vector, and a rank in ``hvd.join()``, which adds zeros, fail the checks), and only then moves the
+payloads, one tensor at a time: ``exchange="allgather"`` gathers every rank's payload, validates its
+header against this rank's configuration, decodes, sums and scales; ``exchange="two-phase"`` runs the scatter-reduce /
 re-quantize / allgather of :mod:`horovod_alq.exchange.two_phase` on the tensor's buckets. Horovod
 errors before ``decompress`` (a dtype or shape mismatch, a rank that passes the tensor uncompressed)
 therefore leave no payload collective behind on any rank. Everything is TF ops, so it works eagerly and inside ``tf.function``
@@ -397,18 +398,34 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         if isinstance(ctx, _Outsider):
             return self._refuse(tensor, ctx)
         try:
-            reduced = tf.cast(tensor, tf.float64)
-            head = reduced[:self._head_len(ctx.exchange)]
+            reduced = tf.reshape(tf.cast(tensor, tf.float64), [-1])
+            head, length, expected = self._reduced_head(reduced, ctx)
+            ok = tf.logical_and(tf.equal(length, expected), self._head_ok(head, ctx))
             run = self._allgather if ctx.exchange == "allgather" else self._two_phase
             explain = functools.partial(self._explain, slot=ctx.slot)
-            out = _guarded(self._head_ok(head, ctx), functools.partial(run, ctx, reduced), explain, [head],
+            out = _guarded(ok, functools.partial(run, ctx, reduced), explain, [head, length, expected],
                            ctx.numel, ctx.eager)
         finally:
             if ctx.eager:
                 ctx.done[0] = True
                 self._outstanding -= 1
         out = tf.reshape(tf.cast(out, ctx.dtype), ctx.shape)
-        return _connect_gradient(ctx.source, out, reduced[0] / self._set_size(), self.process_set)
+        return _connect_gradient(ctx.source, out, head[0] / self._set_size(), self.process_set)
+
+    def _reduced_head(self, reduced: tf.Tensor, ctx: _Exchange) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """The head of the reduced vector (cut or zero-padded to its length, so that the checks run on
+        any input), the reduced vector's length and the length compress handed the allreduce (head,
+        plus the statistics in refit rounds). A reducescatter gives every rank of N >= 2 a shorter
+        piece (in refit rounds the first rank's still starts with a valid head): the length check
+        refuses it on every rank."""
+        n = self._head_len(ctx.exchange)
+        length = tf.size(reduced)
+        head = tf.pad(reduced[:n], [[0, n - tf.minimum(length, n)]])
+        head.set_shape([n])
+        expected = tf.constant(n)
+        if ctx.collecting is not None:
+            expected = tf.where(ctx.collecting, n + self._stats_len, n)
+        return head, length, expected
 
     def _allgather(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
         """Gather every rank's payload, check every header, decode and sum (flat float32)."""
@@ -745,19 +762,36 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         ok = tf.logical_and(tf.equal(got, expected), tf.reduce_all(tf.equal(rows, ctx.header[None, :])))
         return ok, fitted
 
-    def _explain(self, head: np.ndarray, *, slot: int) -> None:
-        """Raise the error that says what the reduced head vector shows (called only when a check failed)."""
+    def _explain(self, head: np.ndarray, length=None, expected=None, *, slot: int) -> None:
+        """Raise the error that says what the reduced vector shows (called only when a check failed):
+        ``head`` its first elements, ``length`` its length, ``expected`` the length compress made."""
         head = np.asarray(head, dtype=np.float64)
+        if length is not None and int(length) != int(expected):
+            raise ReductionMismatch(
+                f"horovod_alq: the reduced control vector has {int(length)} elements on this rank, "
+                f"compress made {int(expected)}: the compressed tensor went through a collective other "
+                f"than an allreduce. hvd.reducescatter (and grouped_reducescatter) is not supported with "
+                f"horovod_alq compressors (refused on every rank before any payload moved); pass "
+                f"compression=hvd.Compression.none to reducescatter")
         scale = head[0]
         n = self._set_size()
         triple = np.array([head[0], head[3], head[4]])
-        check_op(triple, n)
+        try:
+            check_op(triple, n)
+        except ProtocolError as err:
+            # op=Sum with every other rank joined reduces [1, p, p**2] to one rank's values, as
+            # Min, Max or Product may: name both causes.
+            raise type(err)(f"{err}. (Or the other ranks are in hvd.join(): a joined rank adds zeros, which "
+                            f"reduce like this under op=Sum and which horovod_alq compressors cannot decode; "
+                            f"finish the compressed allreduces on every rank before hvd.join())") from None
         if not op_ok(triple, n):
             raise ReductionMismatch(
                 f"horovod_alq: the reduced control vector does not match a Sum or Average over the "
-                f"compressor's process set of {n} ranks ({triple.tolist()}): op=Adasum, hvd.join(), or an "
-                f"allreduce over another process set than the compressor's (pass the same process_set= to "
-                f"the compressor and to the allreduce / DistributedGradientTape)")
+                f"compressor's process set of {n} ranks ({triple.tolist()}): hvd.join() on another rank "
+                f"(a joined rank adds zeros, which horovod_alq compressors cannot decode: finish the "
+                f"compressed allreduces on every rank before hvd.join(), refused here before any payload "
+                f"moved), op=Adasum, or an allreduce over another process set than the compressor's (pass "
+                f"the same process_set= to the compressor and to the allreduce / DistributedGradientTape)")
         w = head / scale
         if abs(w[5] * w[5] - w[6]) > 1e-6 * w[6]:
             raise ProtocolError("horovod_alq: the ranks passed tensors of different shapes or dtypes to the "

@@ -263,3 +263,69 @@ def test_two_phase_tape_in_tf_function_gives_identical_variables(two_phase):
         assert r["tape"]["params"] == t0["params"]
     assert t0["exchange"] == "two-phase" and t0["step"] == 40 and t0["traces"] == 1
     assert t0["level_updates"] == 2 and t0["last_loss"] < t0["first_loss"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 14, item 7: hvd.reducescatter and hvd.join with the compressors (refused, never a hang)
+
+REFUSAL_TIMEOUT = 300  # a rank left in a payload collective fails the test here instead of stalling
+
+
+@pytest.fixture(scope="module")
+def reducescatter_refused():
+    return run_ranks("tf_compressor.py", np=2, timeout=REFUSAL_TIMEOUT, args=["reducescatter"])
+
+
+def _after_identical(res, keys):
+    a0, a1 = res[0]["after"], res[1]["after"]
+    assert a0["plain"] == a1["plain"] == 3.0
+    for key in keys:
+        assert a0[key]["digest"] == a1[key]["digest"], f"{key}: ranks differ after the refusal"
+        for a in (a0[key], a1[key]):
+            assert a["steps_before"] == 0, f"{key}: a refused call completed a round"
+            assert a["steps_after"] == 2 and a["rel_err"] < 0.75, (key, a)  # 3-bit noise, not garbage
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_reducescatter_is_refused_on_every_rank_then_works(reducescatter_refused, exchange, mode):
+    keys = [f"{exchange}.{mode}.{kind}" for kind in ("refit", "plain")] + (
+        [f"grouped.{mode}"] if exchange == "allgather" else [])
+    for r in reducescatter_refused:
+        for key in keys:
+            err = r[key]
+            assert err["error"] is not None, f"{key}: reducescatter returned a result"
+            msg = err["error"]
+            assert msg.startswith("horovod_alq:") and "hvd.reducescatter" in msg and "not supported" in msg, msg
+            assert "compression=hvd.Compression.none" in msg
+            assert err["type"] == ("UnknownError" if mode == "function" else "ReductionMismatch"), err["type"]
+    assert reducescatter_refused[0]["uncompressed"] == [[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]
+    _after_identical(reducescatter_refused, keys)
+
+
+@pytest.fixture(scope="module")
+def join_refused():
+    return run_ranks("tf_compressor.py", np=2, timeout=REFUSAL_TIMEOUT, args=["join"])
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("op", ["Average", "Sum"])
+def test_join_is_refused_on_the_allreducing_rank_then_works(join_refused, exchange, mode, op):
+    key = f"{exchange}.{mode}.{op}"
+    for err in join_refused[0][key]:
+        assert err["error"] is not None, f"{key}: the allreduce with a joined rank returned a result"
+        assert err["error"].startswith("horovod_alq:") and "hvd.join()" in err["error"], err["error"]
+        expected = "UnknownError" if mode == "function" else (
+            "ReductionMismatch" if op == "Average" else "ProtocolError")
+        assert err["type"] == expected, err["type"]
+    assert key not in join_refused[1]  # the joined rank only waited in hvd.join()
+    assert join_refused[0]["joined"] == join_refused[1]["joined"] == 0  # rank 0 joined last
+    _after_identical(join_refused, [key])
+
+
+def test_join_with_distributed_gradient_tape_is_refused_then_trains(join_refused):
+    (err,) = join_refused[0]["tape"]
+    assert err["type"] == "UnknownError" and err["error"].startswith("horovod_alq:"), err
+    assert "hvd.join()" in err["error"]
+    _after_identical(join_refused, ["tape"])

@@ -13,7 +13,7 @@ import sys
 def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["exchange", "train", "keras", "mismatch", "misc", "compat", "deadlock",
-                                        "process_sets", "two_phase"])
+                                        "process_sets", "two_phase", "reducescatter", "join"])
     p.add_argument("--methods", default="alq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket", type=int, default=512)
@@ -561,6 +561,113 @@ def two_phase(args) -> dict:
     out["tape"] = res
     return out
 
+
+def _refused(fn, *a) -> dict:
+    """``_attempt``, keeping the message from its first "horovod_alq:" (TF puts node names and a
+    traceback around the errors raised inside tf.function)."""
+    try:
+        y = fn(*a)
+        return {"error": None, "digest": digest(y.numpy())}
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        text = str(err)
+        return {"error": text[max(text.find("horovod_alq:"), 0):][:1500], "type": type(err).__name__}
+
+
+REFUSALS = [(exchange, mode) for exchange in ("allgather", "two-phase") for mode in ("eager", "function")]
+
+
+def _after(comps, rank: int, tag: str) -> dict:
+    """Issue 14, item 7: after a refusal, each compressor (the one that refused) still averages
+    (eagerly and in tf.function; digests compared across ranks by the test), a plain allreduce works,
+    and no round was completed by the refused calls (step 0 before the first good exchange)."""
+    x = tf.constant(rank_data(rank, 2048))
+    truth = np.mean([rank_data(r, 2048) for r in range(hvd.size())], axis=0)
+    out = {"plain": float(hvd.allreduce(tf.ones([4]) * (rank + 1), op=hvd.Sum, name=f"{tag}.plain")[0])}
+    for key, comp in comps.items():
+        steps = comp.metrics()["step"]
+        eager = hvd.allreduce(x, compression=comp, op=hvd.Average, name=f"{tag}.{key}.eager").numpy()
+        fn = tf.function(lambda t, comp=comp: hvd.allreduce(t, compression=comp, op=hvd.Average,
+                                                            name=f"{tag}.{key}.function"))
+        traced = fn(x).numpy()
+        err = max(np.linalg.norm(y - truth) for y in (eager, traced)) / np.linalg.norm(truth)
+        out[key] = {"steps_before": steps, "steps_after": comp.metrics()["step"], "digest": digest(eager, traced),
+                    "rel_err": float(err)}
+    return out
+
+
+def reducescatter(args) -> dict:
+    """Issue 14, item 7: hvd.reducescatter with a compressor is refused on every rank, eagerly and in
+    tf.function, in a refit round (the head carries statistics: the first rank's piece still starts
+    with a valid head) and outside one, before any payload collective (a rank that went on to gather
+    payloads would hang the run); then Horovod and the compressors work."""
+    rank = hvd.rank()
+    x = tf.reshape(tf.constant(rank_data(rank, 2048)), [64, 32])
+    out, comps = {}, {}
+    for exchange, mode in REFUSALS:
+        for refit in (True, False):
+            key = f"{exchange}.{mode}.{'refit' if refit else 'plain'}"
+            comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3, exchange=exchange,
+                                 update_steps=(0,) if refit else (), update_every=0)
+            call = lambda t, comp=comp, key=key: hvd.reducescatter(  # noqa: E731
+                t, compression=comp, op=hvd.Average, name=f"rs.{key}")
+            out[key] = _refused(call if mode == "eager" else tf.function(call), x)
+            comps[key] = comp
+    for mode in ("eager", "function"):  # grouped_reducescatter: each tensor refused alike
+        key = f"grouped.{mode}"
+        comps[key] = comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3, update_steps=(0,),
+                                          update_every=0)
+        call = lambda t, comp=comp: hvd.grouped_reducescatter([t, 2 * t], compression=comp)[0]  # noqa: E731
+        out[key] = _refused(call if mode == "eager" else tf.function(call), x)
+    # reducescatter without compression still works
+    rs = hvd.reducescatter(tf.ones([4, 3]) * (rank + 1), compression=hvd.Compression.none, op=hvd.Sum,
+                           name="rs.none")
+    out["uncompressed"] = rs.numpy().tolist()
+    out["after"] = _after(comps, rank, "rs.after")
+    return out
+
+
+def join(args) -> dict:
+    """Issue 14, item 7: rank 1 calls hvd.join() while rank 0 goes on allreducing with compressors
+    (eagerly and in tf.function, both exchanges, Sum and Average, then DistributedGradientTape in
+    tf.function): every call raises an error naming hvd.join() before any payload moves; then rank 0
+    joins, rank 1 returns from hvd.join(), and both ranks exchange identically. One join per run:
+    in Horovod 0.28.1 a second hvd.join() returns before the other ranks joined (see the README)."""
+    rank = hvd.rank()
+    x = tf.constant(rank_data(rank, 2048))
+    out, comps = {}, {}
+    for exchange, mode in REFUSALS:
+        for op in ("Average", "Sum"):
+            key = f"{exchange}.{mode}.{op}"
+            comps[key] = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3, exchange=exchange,
+                                       update_steps=(0,), update_every=0)
+    model = MLP(seed=1)
+    variables = [model.w1, model.b1, model.w2, model.b2]
+    comps["tape"] = ALQCompressor(bits=4, bucket_size=512, min_size=100, update_steps=(0,), update_every=0, seed=6)
+    tx, ty, _, _ = digits_data(rank, hvd.size())
+
+    @tf.function
+    def grads(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, model(xb)))
+        return hvd.DistributedGradientTape(tape, compression=comps["tape"]).gradient(loss, variables)
+
+    if rank == 1:
+        out["joined"] = int(hvd.join())
+    else:
+        for key, comp in comps.items():
+            if key == "tape":
+                out[key] = [_refused(lambda a, b: grads(a, b)[0], tx[:32], ty[:32])]
+                continue
+            exchange, mode, op = key.split(".")
+            errors = []
+            for i in range(2):
+                call = lambda t, comp=comp, op=op, name=f"join.{key}.{i}": hvd.allreduce(  # noqa: E731
+                    t, compression=comp, op=getattr(hvd, op), name=name)
+                errors.append(_refused(call if mode == "eager" else tf.function(call), x))
+            out[key] = errors
+        out["joined"] = int(hvd.join())
+    out["after"] = _after(comps, rank, "join.after")
+    return out
 
 PROCESS_SET = None
 
