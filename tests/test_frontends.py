@@ -139,3 +139,23 @@ def test_bits_second_of_other_width(package):
             package.ALQCompressor(bits=3, bits_second=4)
     else:
         assert package.ALQCompressor(bits=3, bits_second=4).metrics()["second_levels"].size == 16
+
+
+def test_tensorflow_protocol_errors_are_horovods_error_type():
+    """Eagerly a TensorFlow compressor's protocol error is a FailedPreconditionError (Horovod's error
+    type in TensorFlow), a RuntimeError, and the core's ProtocolError / ReductionMismatch."""
+    tf = pytest.importorskip("tensorflow")
+    from horovod_alq.core import protocol
+    from horovod_alq.tensorflow import compressor
+
+    err = compressor.ReductionMismatch("horovod_alq: test")
+    for cls in (tf.errors.FailedPreconditionError, RuntimeError, protocol.ProtocolError,
+                protocol.ReductionMismatch, compressor.ProtocolError):
+        assert isinstance(err, cls), cls
+    assert str(err) == "horovod_alq: test" and err.error_code == tf.errors.FAILED_PRECONDITION
+
+    def raise_(_):
+        raise compressor.ProtocolError("horovod_alq: raised inside numpy_function")
+
+    with pytest.raises(tf.errors.FailedPreconditionError, match="inside numpy_function"):
+        tf.numpy_function(raise_, [tf.constant(1.0)], tf.float32, stateful=True)

@@ -59,7 +59,8 @@ from ..core.methods import get_method
 from ..core.quantizer import Quantizer
 from ..core.rounds import schedule_from
 from ..core.statistics import GRID, statistics_length
-from ..core.protocol import ProtocolError, ReductionMismatch, check_op, op_ok, shape_hash
+from ..core import protocol
+from ..core.protocol import check_op, op_ok, shape_hash
 from ..core.wire import HEADER_SIZE, Header, check_header, pack_header, parse_header, payload_size
 from ..exchange import two_phase
 from ..exchange.engine import check_exchange, choose_exchange
@@ -74,6 +75,20 @@ _CONFIG_FIELDS = {3: "method", 4: "bits", 5: "norm", **{i: "bucket_size" for i i
                   **{i: "levels" for i in range(24, 32)}, HEADER_SIZE: "bits_second"}
 _UIDS = itertools.count()
 _MASK64 = (1 << 64) - 1
+
+
+class ProtocolError(protocol.ProtocolError, tf.errors.FailedPreconditionError):
+    """horovod_alq's protocol error in TensorFlow: a ``RuntimeError`` and, as Horovod's own errors
+    there, a ``tf.errors.FailedPreconditionError`` (eagerly; inside ``tf.function`` TensorFlow
+    reports any error raised in Python code as ``UnknownError``, with the same message)."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+        self.args = (message,)
+
+
+class ReductionMismatch(ProtocolError, protocol.ReductionMismatch):
+    """:class:`horovod_alq.core.protocol.ReductionMismatch` in TensorFlow (see :class:`ProtocolError`)."""
 
 
 def _hvd():
@@ -778,10 +793,10 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         triple = np.array([head[0], head[3], head[4]])
         try:
             check_op(triple, n)
-        except ProtocolError as err:
+        except protocol.ProtocolError as err:
             # op=Sum with every other rank joined reduces [1, p, p**2] to one rank's values, as
             # Min, Max or Product may: name both causes.
-            raise type(err)(f"{err}. (Or the other ranks are in hvd.join(): a joined rank adds zeros, which "
+            raise ProtocolError(f"{err}. (Or the other ranks are in hvd.join(): a joined rank adds zeros, which "
                             f"reduce like this under op=Sum and which horovod_alq compressors cannot decode; "
                             f"finish the compressed allreduces on every rank before hvd.join())") from None
         if not op_ok(triple, n):
