@@ -67,7 +67,7 @@ class TensorOps(Protocol):
                    start: int = 0, numel: int | None = None, scale: float = 1.0) -> None:
         """``out = scale * sum`` over the payloads starting at ``offsets`` (already validated, each of
         ``numel`` coordinates; default ``len(out)``) of their decoded coordinates ``[start, start +
-        len(out))``. ``start`` is a multiple of the bucket size."""
+        len(out))``. ``start`` is a multiple of the bucket size whose codes begin on a byte."""
 
     def statistics(self, x: Tensor, quantizer: Quantizer) -> np.ndarray:
         """The statistics vector of ``x`` for the quantizer's method and norm."""
@@ -170,16 +170,25 @@ class Decoded:
         edges = [0] + [e for p in self.pieces for e in (p.lo, p.hi)] + [length]
         if any(a != b for a, b in zip(edges[::2], edges[1::2])):
             raise AssertionError(f"{PREFIX}: the decoded pieces do not cover the stream of {length}")
+        self._whole: dict[int, Tensor] = {}  # piece index -> its decoded sum (for windows off a byte)
 
     def read(self, lo: int, hi: int, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
         """``scale`` times the reduced stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its
         piece), in ``out`` (float32, ``hi - lo``) or a new vector."""
         out = self.ops.empty(hi - lo) if out is None else out
-        for p in self.pieces:
+        for k, p in enumerate(self.pieces):
             a, b = max(lo, p.lo), min(hi, p.hi)
-            if a < b:
-                self.ops.decode_sum(out[a - lo: b - lo], p.payloads, p.offsets, p.quantizer, start=a - p.lo,
+            if a >= b:
+                continue
+            start = a - p.lo
+            if (start * p.quantizer.bits) % 8 == 0:  # the window's codes begin on a byte: decode it alone
+                self.ops.decode_sum(out[a - lo: b - lo], p.payloads, p.offsets, p.quantizer, start=start,
                                     numel=p.hi - p.lo, scale=scale)
+            else:  # (bucket sizes that are not multiples of 8) decode the piece once, then slice it
+                if k not in self._whole:
+                    self._whole[k] = self.ops.empty(p.hi - p.lo)
+                    self.ops.decode_sum(self._whole[k], p.payloads, p.offsets, p.quantizer)
+                out[a - lo: b - lo] = self._whole[k][start: start + b - a] * scale
         return out
 
 
@@ -226,7 +235,6 @@ class Job:
 
     def encode_range(self, lo: int, hi: int, quantizer: Quantizer, seed: int) -> Tensor:
         """The payload of the stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its buffer)."""
-        payload = None
         if self._stream is None:
             parts, starts = [], []
             for part, s, n in zip(self.parts, self.layout.starts, self.layout.numels):
@@ -235,15 +243,15 @@ class Job:
                     parts.append(part[a - s: b - s])
                     starts.append(a - lo)
             payload = self.ops.encode_parts(parts, starts, hi - lo, quantizer, seed)
-        if payload is None:
-            payload = self.ops.encode(self.stream[lo:hi], quantizer, seed)
-        if quantizer is self.first:
-            self.encoded += int(payload.shape[0])
-        return payload
+            if payload is not None:
+                return self._counted(payload, quantizer)
+        return self.encode(self.stream[lo:hi], quantizer, seed)
 
     def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
         """A payload of ``x`` (not of the stream); an empty ``x`` gives the bare header."""
-        payload = self.ops.encode(x, quantizer, seed)
+        return self._counted(self.ops.encode(x, quantizer, seed), quantizer)
+
+    def _counted(self, payload: Tensor, quantizer: Quantizer) -> Tensor:
         if quantizer is self.first:
             self.encoded += int(payload.shape[0])
         return payload

@@ -125,11 +125,6 @@ class TorchOps:
         numel = n if numel is None else int(numel)
         if n == 0:
             return
-        if (start * q.bits) % 8:  # the codes of `start` do not begin on a byte (bucket sizes not 8k)
-            whole = self.empty(numel)
-            self.decode_sum(whole, payloads, offsets, q, scale=scale)
-            out.copy_(whole[start: start + n])
-            return
         target = out if out.is_contiguous() else torch.empty_like(out)
         self.codec.decode_sum(target, payloads.contiguous(), list(offsets), self.levels(q), bits=q.bits,
                               bucket_size=q.bucket_size, scale=scale, start=start, numel=numel)

@@ -118,11 +118,14 @@ def _auto(device: torch.device) -> Codec:
     return _FACTORIES["torch"](device)
 
 
-def payload_window(payloads: torch.Tensor, offsets: Sequence[int], *, start: int, n: int, numel: int,
+def payload_window(payloads: torch.Tensor, offsets: Sequence[int], *, start: int, n: int, numel: int | None,
                    bits: int, bucket_size: int) -> tuple[torch.Tensor, list[int]]:
-    """Coordinates ``[start, start + n)`` of payloads of ``numel`` coordinates each, as payloads of
-    their own (header bytes kept, the window's norms and codes copied): for backends that decode
-    whole payloads only."""
+    """Coordinates ``[start, start + n)`` of payloads of ``numel`` coordinates each (None: n), as
+    payloads of their own (header bytes kept, the window's norms and codes copied): for backends
+    that decode whole payloads only. The payloads themselves when the window is all of them."""
+    numel = n if numel is None else int(numel)
+    if start == 0 and numel == n:
+        return payloads, list(offsets)
     d = int(bucket_size)
     if start % d or (start * bits) % 8 or start + n > numel:
         raise ValueError(f"decode_sum: start {start} is not on a bucket and byte boundary inside {numel}")

@@ -26,9 +26,8 @@ class TorchOpsCodec:
     def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets: Sequence[int],
                    levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float, start: int = 0,
                    numel: int | None = None) -> torch.Tensor:
-        if start or (numel is not None and numel != out.numel()):
-            payloads, offsets = payload_window(payloads, offsets, start=start, n=out.numel(), bits=bits,
-                                               numel=out.numel() if numel is None else numel, bucket_size=bucket_size)
+        payloads, offsets = payload_window(payloads, offsets, start=start, n=out.numel(), numel=numel, bits=bits,
+                                           bucket_size=bucket_size)
         out.zero_()
         for offset in offsets:
             kernels.decode_into(out, payloads[int(offset):], levels, bits=bits, bucket_size=bucket_size)

@@ -221,9 +221,8 @@ class TritonCodec:
         self._check_device(out.device)
         if out.dtype != torch.float32 or not out.is_contiguous() or payloads.dtype != torch.uint8:
             raise ValueError("decode_sum: out must be contiguous float32 and payloads uint8")
-        if start or (numel is not None and numel != out.numel()):
-            payloads, offsets = payload_window(payloads, offsets, start=start, n=out.numel(), bits=bits,
-                                               numel=out.numel() if numel is None else numel, bucket_size=bucket_size)
+        payloads, offsets = payload_window(payloads, offsets, start=start, n=out.numel(), numel=numel, bits=bits,
+                                           bucket_size=bucket_size)
         n, d, bits = out.numel(), int(bucket_size), int(bits)
         offsets = [int(o) for o in offsets]
         if n == 0:
