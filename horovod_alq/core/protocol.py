@@ -221,15 +221,19 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
 SETTINGS = ("method", "bits", "bucket_size", "norm", "exchange", "fusion_bytes", "bits_second", "adapt_second")
 HANDSHAKE_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting", "tensors", "elements", "contents",
                     "order")
+#: The handshake of a streamed round (the DDP hook): before its tensors are known, so instead of
+#: their layout the threshold that decides which of them are quantized (the framework guarantees
+#: the same tensors, in the same order, on every rank).
+STREAM_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting", "min_size")
 
 
-def handshake_vector(**fields: int) -> np.ndarray:
-    """The int64 vector ``[v, -v]`` of the handshake fields (each in ``[0, 2**62)``): reduced with
-    MAX it gives every rank the maximum and (negated) the minimum of each field."""
-    values = np.array([int(fields[name]) for name in HANDSHAKE_FIELDS], dtype=np.int64)
-    if (values < 0).any() or (values >= 1 << 62).any():
-        raise ValueError(f"handshake fields must lie in [0, 2**62): {fields}")
-    return np.concatenate([values, -values])
+def handshake_vector(*, fields: Sequence[str] = HANDSHAKE_FIELDS, **values: int) -> np.ndarray:
+    """The int64 vector ``[v, -v]`` of the handshake ``fields`` (each value in ``[0, 2**62)``):
+    reduced with MAX it gives every rank the maximum and (negated) the minimum of each field."""
+    vec = np.array([int(values[name]) for name in fields], dtype=np.int64)
+    if (vec < 0).any() or (vec >= 1 << 62).any():
+        raise ValueError(f"handshake fields must lie in [0, 2**62): {values}")
+    return np.concatenate([vec, -vec])
 
 
 @dataclass(frozen=True)
@@ -240,13 +244,15 @@ class Agreement:
     ordered: bool
 
 
-def read_handshake(reduced_max: np.ndarray, local_error: str | None = None) -> Agreement:
-    """Check the MAX-reduced ``[v, -v]`` handshake; raise :class:`ProtocolError` on every rank if the
-    ranks may not exchange payloads this round."""
+def read_handshake(reduced_max: np.ndarray, local_error: str | None = None, *,
+                   fields: Sequence[str] = HANDSHAKE_FIELDS) -> Agreement:
+    """Check the MAX-reduced ``[v, -v]`` handshake of ``fields``; raise :class:`ProtocolError` on
+    every rank if the ranks may not exchange payloads this round."""
     r = np.asarray(reduced_max, dtype=np.int64)
-    k = len(HANDSHAKE_FIELDS)
-    hi = dict(zip(HANDSHAKE_FIELDS, r[:k].tolist()))
-    lo = dict(zip(HANDSHAKE_FIELDS, (-r[k:]).tolist()))
+    fields = tuple(fields)
+    k = len(fields)
+    hi = dict(zip(fields, r[:k].tolist()))
+    lo = dict(zip(fields, (-r[k:]).tolist()))
     if hi["error"]:
         mine = f" This rank: {local_error}" if local_error else " (see the failing rank's error)"
         raise ProtocolError(f"{PREFIX}: a rank failed before the payload exchange of this round; "
@@ -264,6 +270,12 @@ def read_handshake(reduced_max: np.ndarray, local_error: str | None = None) -> A
                            + (")" if f in meaning else "") for f in differ)
         raise ProtocolError(f"{PREFIX}: the ranks differ in {detail}. Every rank must build the compressor "
                             f"with the same arguments and load the same state")
+    if "min_size" in hi and hi["min_size"] != lo["min_size"]:
+        raise ProtocolError(
+            f"{PREFIX}: the ranks quantize different tensors (min_size {lo['min_size']} on some ranks, "
+            f"{hi['min_size']} on others): every rank must build the hook's state with the same arguments")
+    if "tensors" not in hi:
+        return Agreement(ordered=True)
     if any(hi[f] != lo[f] for f in ("tensors", "elements", "contents")):
         raise ProtocolError(
             f"{PREFIX}: the ranks compressed different tensors in this round ({lo['tensors']} to "

@@ -4,6 +4,11 @@ Per worker and coordinate it receives ``(N - 1)(b + 32/d)`` bits: the cheapest f
 and one quantization only (the variance of the average is that of the ranks' own codes, / N**2).
 When the ranks laid their rounds out in different orders (:func:`gather_streams`), each rank's
 whole stream is gathered once and every tensor is taken from each rank where that rank put it.
+
+An exchange module is ``steps(job, i)``: the protocol of one buffer as a generator that yields each
+collective it needs (:class:`.base.Allgather`, :class:`.base.Alltoall`), receives what it gathered
+and returns the buffer's :class:`.base.Piece` list; a driver (:func:`.base.run`, or the streamed
+round of :mod:`.stream`) decides when each collective is issued.
 """
 
 from __future__ import annotations
@@ -11,26 +16,21 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.wire import payload_size
-from .base import Decoded, Job, Piece, Tensor, check_payloads
+from .base import Allgather, Job, Piece, Steps, Tensor, check_payloads
 
+#: Collectives per buffer (a streamed round gives each its own transport).
+STAGES = 1
 NAME = "allgather"
 
 
-def run(job: Job) -> tuple[Decoded, np.ndarray | None]:
-    """Sum over ranks of the decoded stream (decoded on demand); no second-phase statistics."""
-    q, ops, t = job.first, job.ops, job.transport
-    waits = []
-    for i, (lo, hi) in enumerate(job.layout.buffers):
-        payload = job.encode_range(lo, hi, q, job.seed(i))
-        sizes = [payload_size(hi - lo, q.bits, q.bucket_size)] * t.size
-        job.count_allgather(sizes)
-        waits.append(t.allgather(payload, sizes, job.name(f"ag{i}")))
-    pieces = []
-    for i, ((lo, hi), wait) in enumerate(zip(job.layout.buffers, waits)):
-        gathered = wait()
-        offsets = check_payloads(ops, gathered, [hi - lo] * t.size, q, f"buffer {i}")
-        pieces.append(Piece(lo, hi, gathered, tuple(offsets), job.frozen(q)))
-    return Decoded(ops, job.layout.length, pieces), None
+def steps(job: Job, i: int) -> Steps:
+    """Buffer ``i``: encode it, gather every rank's payload, check them; one :class:`Piece`."""
+    q, t = job.first, job.transport
+    lo, hi = job.layout.buffers[i]
+    payload = job.encode_range(lo, hi, q, job.seed(i))
+    gathered = yield Allgather(payload, [payload_size(hi - lo, q.bits, q.bucket_size)] * t.size, f"ag{i}")
+    offsets = check_payloads(job.ops, gathered, [hi - lo] * t.size, q, f"buffer {i}")
+    return [Piece(lo, hi, gathered, tuple(offsets), job.frozen(q))]
 
 
 def gather_streams(job: Job, lengths: list[int] | None = None) -> list[Tensor]:

@@ -1,11 +1,11 @@
-"""What the exchanges share: the round's layout, the interfaces of transports and tensor ops, and
-the check of received payloads."""
+"""What the exchanges share: the round's layout, the interfaces of transports and tensor ops, the
+collectives an exchange asks for and the driver that issues them, and the check of received payloads."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Generator, Protocol, Sequence
 
 import numpy as np
 
@@ -215,6 +215,7 @@ class Job:
     sent: int = 0
     received: int = 0
     encoded: int = 0  # bytes of this rank's own (first-phase) payloads
+    second_statistics: np.ndarray | None = None  # the owners' statistics of their reduced shards
     _stream: Tensor | None = None
     _frozen: dict = field(default_factory=dict)
 
@@ -256,6 +257,18 @@ class Job:
             self.encoded += int(payload.shape[0])
         return payload
 
+    def add_second_statistics(self, stats: np.ndarray) -> None:
+        self.second_statistics = stats if self.second_statistics is None else self.second_statistics + stats
+
+    def issue(self, request: "Allgather | Alltoall", transport: Transport | None = None) -> Callable[[], Tensor]:
+        """Start ``request`` on ``transport`` (default: the job's), counting its bytes; returns its wait."""
+        t = self.transport if transport is None else transport
+        if isinstance(request, Allgather):
+            self.count_allgather(request.sizes)
+            return t.allgather(request.payload, request.sizes, self.name(request.tag))
+        self.count_alltoall(request.splits, request.received)
+        return t.alltoall(request.payload, request.splits, request.received, self.name(request.tag))
+
     def count_allgather(self, sizes: Sequence[int]) -> None:
         """Bytes of an allgather: this rank's payload reaches the N - 1 others (as a ring forwards it)."""
         me = self.transport.rank
@@ -266,3 +279,50 @@ class Job:
         me = self.transport.rank
         self.sent += sum(int(s) for j, s in enumerate(splits) if j != me)
         self.received += sum(int(s) for r, s in enumerate(received) if r != me)
+
+
+@dataclass(frozen=True)
+class Allgather:
+    """A collective an exchange asks for: gather every rank's ``payload`` (rank ``r``'s has ``sizes[r]`` bytes)."""
+
+    payload: Tensor
+    sizes: Sequence[int]
+    tag: str
+
+
+@dataclass(frozen=True)
+class Alltoall:
+    """A collective an exchange asks for: ``splits[j]`` bytes of ``payload`` to rank ``j``, ``received[r]`` from rank ``r``."""
+
+    payload: Tensor
+    splits: Sequence[int]
+    received: Sequence[int]
+    tag: str
+
+
+#: One buffer's exchange: yields the collectives it needs, receives each one's result (the gathered
+#: bytes in rank order), returns the buffer's pieces.
+Steps = Generator["Allgather | Alltoall", Tensor, list]
+
+
+def run(job: Job, steps: Callable[[Job, int], Steps]) -> Decoded:
+    """Every buffer of ``job`` through ``steps``, stage by stage: all buffers' first collectives are
+    issued, then each buffer waits for its first and issues its second, and so on, so every rank
+    issues the same collectives in the same order and none waits before it has issued all of a stage.
+    Exchanges raise only after their last collective, so an error leaves no collective unissued."""
+    gens = [steps(job, i) for i in range(len(job.layout.buffers))]
+    waits: list[Callable[[], Tensor] | None] = [None] * len(gens)
+    pieces: list[Piece] = []
+    active = list(range(len(gens)))
+    while active:
+        still = []
+        for k in active:
+            try:
+                request = gens[k].send(None if waits[k] is None else waits[k]())
+            except StopIteration as stop:
+                pieces += stop.value
+                continue
+            waits[k] = job.issue(request)
+            still.append(k)
+        active = still
+    return Decoded(job.ops, job.layout.length, pieces)

@@ -19,18 +19,19 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..core.methods import get_method
-from ..core.protocol import (PREFIX, ProtocolError, ReductionMismatch, derive_seed, handshake_vector,
-                             read_handshake, read_tensor_vector, stable_hash, tensor_vector)
+from ..core.protocol import (PREFIX, STREAM_FIELDS, ProtocolError, ReductionMismatch, derive_seed,
+                             handshake_vector, read_handshake, read_tensor_vector, stable_hash, tensor_vector)
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
 from . import allgather, two_phase
-from .base import Decoded, Job, TensorOps, Transport, check_payloads, plan_layout
+from .base import Decoded, Job, TensorOps, Transport, check_payloads, plan_layout, run
+from .stream import StreamedRound
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
 EXCHANGES = {allgather.NAME: allgather, two_phase.NAME: two_phase}
@@ -247,6 +248,39 @@ class Engine:
         return [functools.partial(_read, res.values, res.starts[e], e.numel) for e in live]
 
     # ------------------------------------------------------------------ the round
+    def _settings(self, exchange: str, epoch: int, collecting: bool) -> dict:
+        """The handshake fields every rank must share: settings, levels, round number, refit flag."""
+        q, st = self.quantizer, self.state
+        return dict(method=get_method(q.method).id, bits=q.bits, bucket_size=q.bucket_size,
+                    norm=("l2", "linf").index(q.norm), exchange=list(EXCHANGES).index(exchange),
+                    fusion_bytes=self.fusion_bytes, bits_second=st.second.bits, adapt_second=int(st.adapt_second),
+                    levels=stable_hash(q.fingerprint, st.second.fingerprint), round=epoch,
+                    collecting=int(collecting))
+
+    def open_stream(self, ops: TensorOps, stages: Sequence[Transport], *, min_size: int = 0) -> StreamedRound:
+        """Start a streamed round (:mod:`.stream`, for front-ends whose transport pairs collectives
+        by call order and whose framework hands every rank the same tensors in the same order):
+        the handshake on ``stages[0]``, then a round that takes buffers one by one. ``stages``:
+        one transport per collective of a buffer (two-phase: 2), each pairing its own collectives."""
+        q, st = self.quantizer, self.state
+        transport = stages[0]
+        epoch = st.step
+        exchange = choose_exchange(self.exchange, transport.size)
+        module = EXCHANGES[exchange]
+        if len(stages) < module.STAGES:
+            raise ValueError(f"{PREFIX}: a streamed {exchange} round needs {module.STAGES} transports, got "
+                             f"{len(stages)}")
+        collect_first = (not self.manual_refit) and st.collecting
+        collect_second = exchange == two_phase.NAME and st.adapt_second and st.collecting_second
+        prefix = f"{PREFIX}.{self.uid}.{epoch}"
+        vec = handshake_vector(fields=STREAM_FIELDS, error=0, min_size=int(min_size),
+                               **self._settings(exchange, epoch, collect_first or collect_second))
+        read_handshake(transport.allreduce_max(vec, f"{prefix}.handshake"), fields=STREAM_FIELDS)
+        st.step += 1
+        st.exchange = exchange
+        return StreamedRound(self, ops, stages[:module.STAGES], module.steps, epoch=epoch, prefix=prefix,
+                             collect_first=collect_first, collect_second=collect_second)
+
     def _run_round(self, rnd: _Round, ops: TensorOps, transport: Transport, local_error: str | None) -> None:
         q, st = self.quantizer, self.state
         live = rnd.live()
@@ -260,11 +294,7 @@ class Engine:
         order = tuple((e.numel, e.shape_code) for e in live)
         fields = dict(
             error=int(local_error is not None or any(e.error is not None for e in live)),
-            method=get_method(q.method).id, bits=q.bits, bucket_size=q.bucket_size,
-            norm=("l2", "linf").index(q.norm), exchange=list(EXCHANGES).index(exchange),
-            fusion_bytes=self.fusion_bytes, bits_second=st.second.bits, adapt_second=int(st.adapt_second),
-            levels=stable_hash(q.fingerprint, st.second.fingerprint),
-            round=epoch, collecting=int(collecting), tensors=len(live),
+            **self._settings(exchange, epoch, collecting), tensors=len(live),
             elements=sum(e.numel for e in live), contents=stable_hash(tuple(sorted(order))),
             order=stable_hash(order))
         own = local_error or next((e.error for e in live if e.error), None)
@@ -289,7 +319,8 @@ class Engine:
         st.coordinates += sum(e.numel for e in live)
         try:
             if ordered:
-                values, second_stats = EXCHANGES[exchange].run(job)
+                values = run(job, EXCHANGES[exchange].steps)
+                second_stats = job.second_statistics
                 rnd.result = _Ordered(values, dict(zip(live, layout.starts)))
                 st.exchange = exchange
             else:
@@ -369,21 +400,31 @@ class Engine:
 
     def _refit(self, job: Job, collect_first: bool, second_stats: np.ndarray | None, prefix: str) -> None:
         """One allreduce of the round's statistics (both quantizers'), then every rank refits alike."""
-        st, ops, q = self.state, job.ops, job.first
-        k = statistics_length(get_method(q.method))
-        first = np.zeros(k)
+        k = statistics_length(get_method(job.first.method))
+        first = second = None
         if collect_first:
-            first = sum((ops.statistics(job.stream[lo:hi], q) for lo, hi in job.layout.buffers), first)
-        parts = [np.asarray(first, dtype=np.float64)]
+            first = sum((job.ops.statistics(job.stream[lo:hi], job.first) for lo, hi in job.layout.buffers),
+                        np.zeros(k))
         if job.collect_second:
-            parts.append(np.zeros(k) if second_stats is None else np.asarray(second_stats, np.float64))
-        total = job.transport.allreduce_sum(np.concatenate(parts), f"{prefix}.statistics")
+            second = np.zeros(k) if second_stats is None else second_stats
+        self.refit_from(first, second, job.transport, f"{prefix}.statistics")
+
+    def refit_from(self, first: np.ndarray | None, second: np.ndarray | None, transport: Transport,
+                   name: str) -> None:
+        """Sum this rank's statistics of the first quantizer (None: zeros) and, when ``second`` is
+        given, of the second, over the ranks (one allreduce), then refit both alike on every rank."""
+        st, q = self.state, self.quantizer
+        k = statistics_length(get_method(q.method))
+        parts = [np.zeros(k) if first is None else np.asarray(first, dtype=np.float64)]
+        if second is not None:
+            parts.append(np.asarray(second, dtype=np.float64))
+        total = transport.allreduce_sum(np.concatenate(parts), name)
         updated = False
         if total[0] > 0:
             q.adapt(total[:k])
             st.refitted_first()
             updated = True
-        if job.collect_second and total[k] > 0:
+        if second is not None and total[k] > 0:
             st.second.adapt(total[k:])
             updated = True
         st.level_updates += int(updated)

@@ -21,8 +21,10 @@ import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.wire import HEADER_SIZE, payload_size
-from .base import Decoded, Job, Piece, Tensor, check_payloads
+from .base import Allgather, Alltoall, Job, Piece, Steps, Tensor, check_payloads
 
+#: Collectives per buffer (a streamed round gives each its own transport).
+STAGES = 2
 NAME = "two-phase"
 POISON = b"ER"
 
@@ -40,62 +42,44 @@ def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, in
     return [(bounds[j], bounds[j + 1]) for j in range(parts)]
 
 
-def run(job: Job) -> tuple[Decoded, np.ndarray | None]:
-    """Sum over ranks of the decoded stream via the two phases (decoded on demand); also the owners' statistics of the
-    reduced shards (for the second quantizer's refit) when ``job.collect_second``."""
+def steps(job: Job, i: int) -> Steps:
+    """Buffer ``i`` through the two phases; the owners' statistics of their reduced shards (for the
+    second quantizer's refit) are added to ``job.second_statistics`` when ``job.collect_second``."""
     q1, q2, ops, t = job.first, job.second, job.ops, job.transport
     n, me = t.size, t.rank
-    cuts = [shards(lo, hi, n, q1.bucket_size) for lo, hi in job.layout.buffers]
+    parts = shards(*job.layout.buffers[i], n, q1.bucket_size)
+    a, b = parts[me]
+    payloads = [job.encode_range(pa, pb, q1, job.seed(i, j, 1)) for j, (pa, pb) in enumerate(parts)]
+    splits = [payload_size(pb - pa, q1.bits, q1.bucket_size) for pa, pb in parts]
+    gathered = yield Alltoall(ops.cat(payloads), splits, [payload_size(b - a, q1.bits, q1.bucket_size)] * n,
+                              f"a2a{i}")
+    acc = ops.zeros(b - a)
+    failure = None
+    try:
+        offsets = check_payloads(ops, gathered, [b - a] * n, q1, f"shard {me} of buffer {i}")
+        ops.decode_sum(acc, gathered, offsets, q1)
+    except ProtocolError as err:
+        failure = err
+    for pa, pb in job.layout.padding_in(a, b):  # keep padding out of the second norms
+        acc[pa - a: pb - a] = 0
+    if job.collect_second and b > a:
+        job.add_second_statistics(ops.statistics(acc, q2))
+    payload = job.encode(acc, q2, job.seed(i, me, 2))
+    if failure is not None:
+        payload = _poisoned(ops, payload)
+    sizes = [payload_size(pb - pa, q2.bits, q2.bucket_size) for pa, pb in parts]
+    gathered = yield Allgather(payload, sizes, f"ag2-{i}")
 
-    first = []
-    for i, parts in enumerate(cuts):
-        payloads = [job.encode_range(a, b, q1, job.seed(i, j, 1)) for j, (a, b) in enumerate(parts)]
-        splits = [payload_size(b - a, q1.bits, q1.bucket_size) for a, b in parts]
-        a, b = parts[me]
-        received = [payload_size(b - a, q1.bits, q1.bucket_size)] * n
-        job.count_alltoall(splits, received)
-        first.append(t.alltoall(ops.cat(payloads), splits, received, job.name(f"a2a{i}")))
-
-    stats = None
-    second, failures = [], []
-    for i, (parts, wait) in enumerate(zip(cuts, first)):
-        a, b = parts[me]
-        gathered = wait()
-        acc = ops.zeros(b - a)
-        try:
-            offsets = check_payloads(ops, gathered, [b - a] * n, q1, f"shard {me} of buffer {i}")
-            ops.decode_sum(acc, gathered, offsets, q1)
-        except ProtocolError as err:
-            failures.append(err)
-        for pa, pb in job.layout.padding_in(a, b):  # keep padding out of the second norms
-            acc[pa - a: pb - a] = 0
-        if job.collect_second and b > a:
-            s = ops.statistics(acc, q2)
-            stats = s if stats is None else stats + s
-        payload = job.encode(acc, q2, job.seed(i, me, 2))
-        if failures:
-            payload = _poisoned(ops, payload)
-        sizes = [payload_size(pb - pa, q2.bits, q2.bucket_size) for pa, pb in parts]
-        job.count_allgather(sizes)
-        second.append(t.allgather(payload, sizes, job.name(f"ag2-{i}")))
-
-    pieces = []
-    for i, (parts, wait) in enumerate(zip(cuts, second)):
-        gathered = wait()
-        host = ops.to_numpy(gathered)
-        sizes = [payload_size(b - a, q2.bits, q2.bucket_size) for a, b in parts]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-        bad = [j for j in range(n) if host.size >= offsets[j] + 2 and bytes(host[offsets[j]: offsets[j] + 2]) == POISON]
-        if bad:
-            if failures:
-                raise failures[0]
-            raise ProtocolError(f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
-                                f"shards of buffer {i} (see their errors); refusing to decode on every rank")
-        check = check_payloads(ops, gathered, [b - a for a, b in parts], q2, f"second phase of buffer {i}")
-        pieces += [Piece(a, b, gathered, (offset,), job.frozen(q2)) for (a, b), offset in zip(parts, check)]
-    if failures:
-        raise failures[0]
-    return Decoded(ops, job.layout.length, pieces), stats
+    host = ops.to_numpy(gathered)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+    bad = [j for j in range(n) if host.size >= offsets[j] + 2 and bytes(host[offsets[j]: offsets[j] + 2]) == POISON]
+    if bad:
+        if failure is not None:
+            raise failure
+        raise ProtocolError(f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
+                            f"shards of buffer {i} (see their errors); refusing to decode on every rank")
+    check = check_payloads(ops, gathered, [pb - pa for pa, pb in parts], q2, f"second phase of buffer {i}")
+    return [Piece(pa, pb, gathered, (offset,), job.frozen(q2)) for (pa, pb), offset in zip(parts, check)]
 
 
 def _poisoned(ops, payload: Tensor) -> Tensor:

@@ -17,14 +17,19 @@ Usage (launched with ``torchrun``; gloo on CPU, NCCL on GPU)::
 How it works: one DDP step (one backward with gradient synchronization) is one round of the
 exchange engine of :mod:`horovod_alq.exchange`, the same engine, protocol, wire format, methods,
 refit schedule and exchanges (allgather, two-phase) as the Horovod compressors. DDP calls the hook
-once per gradient bucket, in bucket order; each call records the bucket and returns a future; the
-call for the last bucket (``bucket.is_last()``) runs the round on every rank alike: the handshake
-(settings, levels, round number and the buckets of every rank must agree, else every rank raises),
-the quantized exchange of all the step's buckets, fused into bucket-aligned buffers, the refit in
-refit steps, then the plain ``all_reduce`` of the buckets that travel uncompressed (fewer than
-``min_size`` elements, or not floating point), and completes every bucket's future with the
-average over the group. Nothing is sent before the last bucket: the price of never leaving a rank
-in a collective that another rank does not issue.
+once per gradient bucket, in bucket order, with the same buckets on every rank (it checks the
+parameters' shapes across ranks and rebuilds the buckets in one order for all). The round is
+*streamed* (:mod:`horovod_alq.exchange.stream`): the first bucket's hook runs a small handshake
+(settings, levels, round number, refit flag, ``min_size``: a rank that differs raises on every
+rank before any payload moves); then every bucket's hook quantizes its bucket and starts its
+collectives at once, so the first buckets travel while the backward pass computes the next. Each
+bucket's future completes when its own exchange is done (its payload headers checked, its sum
+decoded straight into the bucket); the two-phase exchange's second collective of each bucket is
+started as its first completes, on a companion process group of the same ranks. Buckets that
+travel uncompressed (fewer than ``min_size`` elements, or not floating point) are ``all_reduce``d
+when their hook runs. In refit steps the last bucket's hook waits for every bucket, combines the
+statistics of every rank once (one small allreduce) and refits: every rank switches levels at the
+same step.
 
 Semantics: the hook gets each bucket's local gradients and returns their average over the process
 group (as DDP's default allreduce does). Works with ``no_sync()`` accumulation (no hook runs
@@ -37,6 +42,7 @@ holding NaN or Inf comes back NaN, so ``torch.amp.GradScaler`` skips the step. N
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -52,8 +58,9 @@ from ..core.protocol import PREFIX
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
 from ..exchange import Engine
+from ..exchange.engine import choose_exchange
 from . import codecs
-from .dist_transport import DistTransport
+from .dist_transport import DistTransport, companion_group
 from .transport import TorchOps, ops_for
 
 __all__ = ["ALQState", "alq_hook"]
@@ -142,9 +149,10 @@ class ALQState:
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
         self.engine = Engine(quantizer, self.round_state, exchange=exchange, fusion_bytes=fusion_bytes,
                              seed=self.seed, uid=f"ddp{next(_UIDS)}")
-        self._transport: DistTransport | None = None
+        self._transports: list[DistTransport] = []
         self._ops: dict[str, TorchOps] = {}
-        self._pending: list[tuple[int, torch.Tensor, torch.futures.Future, bool]] = []
+        self._round = None  # the streamed round of the step in progress
+        self._last = -1  # the index of its last bucket so far
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -202,73 +210,78 @@ class ALQState:
         self.load_state_dict(saved["state"])
 
     # ------------------------------------------------------------------ the round
-    def _transport_for(self) -> DistTransport:
-        if self._transport is None:
-            self._transport = DistTransport(self.process_group)
-        return self._transport
-
     def _ops_for(self, device: torch.device) -> TorchOps:
         return ops_for(self._ops, device, self.codec)
 
     def _add(self, index: int, buffer: torch.Tensor) -> torch.futures.Future:
-        if self._pending and index <= self._pending[-1][0]:
+        """One bucket's hook: open the step's round at bucket 0, start this bucket's exchange."""
+        if self._round is not None and index <= self._last:
             # the previous step never reached its last bucket on this rank (its backward raised)
-            self._fail(RuntimeError(f"{PREFIX}: a DDP step was abandoned before its last bucket"))
-        transport = self._transport_for()
-        quantized = buffer.dtype in COMPRESSIBLE and buffer.numel() >= max(self.min_size, 1)
-        if quantized:
+            self._round = None
+        if index == 0:
+            self._round = self.engine.open_stream(self._ops_for(buffer.device), self._stages(),
+                                                  min_size=self.min_size)
+        future: torch.futures.Future = torch.futures.Future()
+        if self._round is None:
+            future.set_exception(RuntimeError(f"{PREFIX}: the exchange of this DDP step failed at its first "
+                                              f"bucket (see that error)"))
+            return future
+        self._last = index
+        n = self._stages()[0].size
+        if buffer.dtype in COMPRESSIBLE and buffer.numel() >= max(self.min_size, 1):
             flat = buffer.detach().reshape(-1)
-            # (index, numel) as the "shape": unique per bucket, so the engine takes its ordered path
-            self.engine.add(flat, flat.numel(), (index, flat.numel()), buffer.dtype, transport)
+            self._round.add(flat, flat.numel(), functools.partial(_complete, future, buffer, 1.0 / n))
         else:
             self.round_state.uncompressed_coordinates += buffer.numel()
-        future: torch.futures.Future = torch.futures.Future()
-        self._pending.append((index, buffer, future, quantized))
+            buffer.div_(n)
+            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+            work.get_future().then(lambda f: _settle(future, f, buffer))
         return future
 
-    def _run(self) -> None:
-        """The last bucket's hook: exchange the step, then complete every bucket's future."""
-        pending, self._pending = self._pending, []
-        try:
-            transport = self._transport_for()
-            n = transport.size
-            quantized = [(buf, fut) for _, buf, fut, q in pending if q]
-            device = pending[-1][1].device
-            if not quantized:
-                # a 1-element placeholder, so that this rank still takes part in the handshake (a rank
-                # whose settings quantize some bucket must meet this one there and raise, not hang)
-                self.engine.add(torch.zeros(1, device=device), 1, (-1, 1), torch.float32, transport)
-                st, before = self.round_state, self.round_state.state_dict()
-            reads = self.engine.exchange_round(self._ops_for(device), transport)
-            if not quantized:
-                for key in ("calls", "payload_bytes", "coordinates", "bytes_sent", "bytes_received"):
-                    setattr(st, key, before[key])
-            for (buf, _), read in zip(quantized, reads):
-                if buf.dtype == torch.float32 and buf.is_contiguous():
-                    read(1.0 / n, buf.view(-1))  # decoded straight into the bucket
-                else:
-                    buf.copy_(read(1.0 / n).view_as(buf))
-            works = []
-            for _, buf, _, q in pending:
-                if not q:
-                    buf.div_(n)
-                    works.append(dist.all_reduce(buf, group=self.process_group, async_op=True))
-            for work in works:
-                work.wait()
-        except BaseException as exc:
-            self.engine.reset()
-            for _, _, fut, _ in pending:
-                fut.set_exception(exc)
-            raise
-        for _, buf, fut, _ in pending:
-            fut.set_result(buf)
+    def _close(self) -> None:
+        """The last bucket's hook: the step's refit, if any (waits for every bucket then)."""
+        rnd, self._round = self._round, None
+        if rnd is not None:
+            rnd.close()
 
-    def _fail(self, exc: BaseException) -> None:
-        pending, self._pending = self._pending, []
-        self.engine.reset()
-        for _, _, fut, _ in pending:
-            if not fut.done():
-                fut.set_exception(exc)
+    def _stages(self) -> list[DistTransport]:
+        """The transports of a streamed round: the group, then (two-phase) its companion group."""
+        if not self._transports:
+            self._transports.append(DistTransport(self.process_group))
+        size = self._transports[0].size
+        if choose_exchange(self.exchange, size) == "two-phase" and len(self._transports) < 2:
+            self._transports.append(DistTransport(companion_group(self.process_group)))
+        return self._transports
+
+    @property
+    def _pending(self) -> bool:
+        return self._round is not None
+
+
+def _complete(future: torch.futures.Future, buffer: torch.Tensor, scale: float, decoded, error) -> None:
+    """A bucket's exchange finished: its average into the bucket, or the error, on its future."""
+    if error is not None:
+        future.set_exception(error)
+        return
+    try:
+        n = buffer.numel()
+        if buffer.dtype == torch.float32 and buffer.is_contiguous():
+            decoded.read(0, n, scale, buffer.view(-1))  # decoded straight into the bucket
+        else:
+            buffer.copy_(decoded.read(0, n, scale).view_as(buffer))
+    except BaseException as exc:  # noqa: BLE001
+        future.set_exception(exc)
+        return
+    future.set_result(buffer)
+
+
+def _settle(future: torch.futures.Future, done: torch.futures.Future, buffer: torch.Tensor) -> None:
+    try:
+        done.wait()
+    except BaseException as exc:  # noqa: BLE001
+        future.set_exception(exc)
+        return
+    future.set_result(buffer)
 
 
 def alq_hook(state: ALQState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -276,11 +289,11 @@ def alq_hook(state: ALQState, bucket: dist.GradBucket) -> torch.futures.Future[t
     quantized with ``state``'s method (register with ``model.register_comm_hook(state, alq_hook)``).
 
     Returns a future holding one tensor of the bucket's shape and dtype (the bucket's own buffer,
-    overwritten with the average); it completes when the step's last bucket has been exchanged.
+    overwritten with the average); it completes when this bucket's exchange is done.
     """
     future = state._add(bucket.index(), bucket.buffer())
     if bucket.is_last():
-        state._run()
+        state._close()
     return future
 
 

@@ -2,7 +2,9 @@
 
 torch.distributed pairs collectives by call order within a process group, so the names the engine
 gives collectives are ignored; every rank of the group issues the same collectives in the same
-order (the engine's handshake guarantees it before any payload moves).
+order (the engine's handshake guarantees it before any payload moves). A streamed round (the DDP
+hook) issues the second collective of each buffer from completion callbacks, on a
+:func:`companion_group` of the same members, so that each group sees one order.
 
 Payloads of different sizes: ``all_gather_into_tensor`` (``all_gather_single``) needs equal sizes on every rank, so each
 rank pads its payload to the largest size and the padding is dropped on arrival (the engine passes
@@ -60,13 +62,12 @@ class DistTransport:
         out = torch.empty(width * self.size, dtype=torch.uint8, device=self.device)
         work = _ALL_GATHER(out, src, group=self.group, async_op=True)
 
-        def wait() -> torch.Tensor:
-            work.wait()
+        def result() -> torch.Tensor:
             if all(s == width for s in sizes):
                 return out
             return torch.cat([out[r * width: r * width + s] for r, s in enumerate(sizes)])
 
-        return wait
+        return _Pending(work, result)
 
     def alltoall(self, payload: torch.Tensor, splits: Sequence[int], received: Sequence[int], name: str):
         out = torch.empty(sum(int(r) for r in received), dtype=torch.uint8, device=self.device)
@@ -74,12 +75,7 @@ class DistTransport:
                                       output_split_sizes=[int(r) for r in received],
                                       input_split_sizes=[int(s) for s in splits], group=self.group,
                                       async_op=True)
-
-        def wait() -> torch.Tensor:
-            work.wait()
-            return out
-
-        return wait
+        return _Pending(work, lambda: out)
 
     def _allreduce(self, vec: np.ndarray, dtype, op) -> np.ndarray:
         t = torch.from_numpy(np.ascontiguousarray(vec, dtype=dtype)).to(self.device)
@@ -91,3 +87,47 @@ class DistTransport:
 
     def allreduce_max(self, vec: np.ndarray, name: str) -> np.ndarray:
         return self._allreduce(vec, np.int64, dist.ReduceOp.MAX)
+
+
+class _Pending:
+    """A started collective: calling it waits and returns the result; ``then(callback)`` runs the
+    callback (on a thread of the backend) once the collective completed, and a call from the
+    callback returns the result (or raises the collective's error) without waiting on the work,
+    which would wait for the callback itself."""
+
+    __slots__ = ("work", "result", "ready", "error")
+
+    def __init__(self, work, result) -> None:
+        self.work, self.result = work, result
+        self.ready, self.error = False, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        if not self.ready:
+            self.work.wait()
+        return self.result()
+
+    def then(self, callback) -> None:
+        def run(future) -> None:
+            try:
+                future.wait()
+                self.ready = True
+            except BaseException as exc:  # noqa: BLE001 - raised by the call in the callback
+                self.error = exc
+            callback()
+
+        self.work.get_future().then(run)
+
+
+_COMPANIONS: dict[tuple[int, ...], object] = {}
+
+
+def companion_group(process_group=None):
+    """A second process group with the members of ``process_group`` (made once per member set,
+    by every member on first use, at the same point of their programs): its collectives pair
+    apart from the group's own, so collectives issued from completion callbacks keep one order."""
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    if ranks not in _COMPANIONS:
+        _COMPANIONS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _COMPANIONS[ranks]

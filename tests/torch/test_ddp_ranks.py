@@ -90,6 +90,30 @@ def test_subgroup(ranks):
     assert members[0]["step"] == 6
 
 
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+def test_payloads_move_during_backward(ranks, exchange):
+    """Each bucket's payload collective starts in its own hook, before DDP hands over the last
+    bucket (the backward pass still computes the later gradients), in every step after the first
+    (DDP's first step runs one bucket, then it rebuilds them in gradient order)."""
+    for r in ranks:
+        o = r["overlap"][exchange]
+        assert o["exchange"] == exchange
+        first_kind = ["payload", "allgather" if exchange == "allgather" else "alltoall"]  # (JSON lists)
+        assert len(o["events"]) == 4
+        for events in o["events"][1:]:
+            hooks = [i for i, e in enumerate(events) if e[0] == "hook"]
+            assert [events[i][1] for i in hooks] == list(range(len(hooks))), events
+            assert events[hooks[-1]][2] and not any(events[i][2] for i in hooks[:-1]), events
+            quantized = [events[i][3] >= 1024 for i in hooks]  # the worker's min_size
+            assert sum(quantized[:-1]) >= 4, events  # five 512x512 weights, several buckets
+            # each quantized bucket's first collective starts inside its own hook call, so all but
+            # the last bucket's are under way before DDP hands the hook the last bucket
+            for k, i in enumerate(hooks):
+                end = hooks[k + 1] if k + 1 < len(hooks) else len(events)
+                assert events[i + 1: end].count(first_kind) == int(quantized[k]), (k, events)
+    assert _same(ranks, lambda r: r["overlap"][exchange]["grads"])
+
+
 @pytest.mark.parametrize("which", ["bits", "min_size"])
 def test_mismatch_raises_everywhere(ranks, which):
     for r in ranks:

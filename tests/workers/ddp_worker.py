@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common import report
 
 from horovod_alq.torch.ddp import ALQState, alq_hook
+from horovod_alq.torch.dist_transport import DistTransport
 
 
 def digest(tensors) -> str:
@@ -237,6 +238,45 @@ def subgroup(rank: int, size: int) -> dict:
             "step": state.metrics()["step"], "losses": losses}
 
 
+def overlap(rank: int, exchange: str, steps: int = 4) -> dict:
+    """An MLP of five 512x512 layers with bucket_cap_mb=1 (several DDP buckets): per step, the
+    order in which DDP calls the hook for each bucket and the hook starts its payload collectives
+    (recorded at the transport: allgather, alltoall)."""
+    events = []
+    originals = {name: getattr(DistTransport, name) for name in ("allgather", "alltoall")}
+
+    def recording(name):
+        def call(self, payload, *args):
+            events.append(("payload", name))
+            return originals[name](self, payload, *args)
+        return call
+
+    def hook(state, bucket):
+        events.append(("hook", bucket.index(), bucket.is_last(), bucket.buffer().numel()))
+        return alq_hook(state, bucket)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[m for _ in range(5) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())])
+    model = DDP(net, bucket_cap_mb=1)
+    state = state_for("alq", exchange=exchange, bucket_size=512, min_size=1024)
+    model.register_comm_hook(state, hook)
+    g = torch.Generator().manual_seed(50 + rank)
+    per_step = []
+    for name in originals:
+        setattr(DistTransport, name, recording(name))
+    try:
+        for _ in range(steps):
+            events.clear()
+            model.zero_grad()
+            model(torch.randn(16, 512, generator=g)).pow(2).mean().backward()
+            per_step.append(list(events))
+    finally:
+        for name, f in originals.items():
+            setattr(DistTransport, name, f)
+    return {"events": per_step, "grads": digest(p.grad for p in model.parameters()),
+            "exchange": state.metrics()["exchange"]}
+
+
 def mismatch(rank: int, size: int, which: str) -> dict:
     """The last rank builds its state with other settings: every rank must raise, none may hang."""
     kwargs = {}
@@ -276,6 +316,7 @@ def main() -> None:
     out["nonfinite"] = nonfinite(rank)
     if size > 2:
         out["subgroup"] = subgroup(rank, size)
+    out["overlap"] = {ex: overlap(rank, ex) for ex in ("allgather", "two-phase")}
     out["mismatch"] = {w: mismatch(rank, size, w) for w in ("bits", "min_size")}
     report(out)
     # After a comm hook raised inside backward (the mismatch scenarios), PyTorch sometimes aborts at

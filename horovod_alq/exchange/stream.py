@@ -1,0 +1,168 @@
+"""A streamed round: buffers are exchanged one by one as the framework hands them over, so the
+first ones travel while the backward pass still computes the next (the DDP hook, whose buckets
+arrive in the same order on every rank and whose transport pairs collectives by call order).
+
+The round opens with one small handshake (settings, levels, round number, refit flag, the
+threshold below which buffers travel uncompressed): after it, every rank knows that every other
+rank quantizes the same buffers with the same codec, so it can issue each buffer's collectives
+without waiting for the rest of the round. Each buffer is one :class:`.base.Job` run through the
+exchange's ``steps``; its first collective is issued by :meth:`StreamedRound.add` on the calling
+thread (buffer order on every rank). Later collectives are issued as earlier ones complete (on
+the transport's completion threads), on a transport of their own per stage (``stages[s]``), in
+buffer order within each stage: every transport sees the same collectives in the same order on
+every rank. Payload checks (method, bits, bucket size, levels, element count in every header) run
+on every buffer as in a whole round; an error in a buffer is that buffer's alone (``on_done``
+receives it) and every rank finds it alike. Refit statistics are combined once, by
+:meth:`StreamedRound.close`, after every buffer completed: every rank switches levels at the same
+round.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..core.methods import get_method
+from ..core.protocol import derive_seed
+from ..core.statistics import statistics_length
+from .base import Decoded, Job, TensorOps, Transport, plan_layout
+
+#: The seed key that keeps a streamed buffer's draws apart from a whole round's.
+_STREAM_KEY = 1 << 41
+
+
+class StreamedRound:
+    """One round of :class:`.engine.Engine` exchanged buffer by buffer (made by
+    :meth:`.engine.Engine.open_stream`, after its handshake).
+
+    ``stages[s]`` carries the ``s``-th collective of every buffer (``stages[0]`` is the engine's
+    transport: the handshake, the first collectives and the statistics). A transport's wait
+    function may have ``then(callback)`` (run the callback once the collective completed, on any
+    thread); one without is waited for at once.
+    """
+
+    def __init__(self, engine, ops: TensorOps, stages: Sequence[Transport], steps, *, epoch: int,
+                 prefix: str, collect_first: bool, collect_second: bool) -> None:
+        self.engine, self.ops, self.stages = engine, ops, list(stages)
+        self.steps, self.epoch, self.prefix = steps, epoch, prefix
+        self.collect_first, self.collect_second = collect_first, collect_second
+        q = engine.quantizer
+        k = statistics_length(get_method(q.method))
+        self._first_stats = np.zeros(k)
+        self._second_stats = np.zeros(k)
+        self._lock = threading.Condition()
+        self._ready: list[dict[int, Any]] = [dict() for _ in self.stages]  # stage -> buffer -> request
+        self._next = [0] * len(self.stages)  # stage -> the next buffer to issue there
+        self._buffers: list[_Buffer] = []
+        self._open = 0  # buffers not yet completed
+        self.failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ the calling thread
+    def add(self, flat: Any, numel: int, on_done: Callable[[Decoded | None, BaseException | None], None]) -> None:
+        """Quantize buffer ``flat`` (1-D, ``numel`` elements), issue its first collective and return;
+        ``on_done(decoded, None)`` gets the sum over ranks of its values (``decoded.read``) once its
+        exchange completed, or ``on_done(None, error)``; on any thread."""
+        eng, t = self.engine, self.stages[0]
+        st, q = eng.state, eng.quantizer
+        index = len(self._buffers)
+        base, rank, epoch = eng.seed, t.rank, self.epoch
+        job = Job([flat], plan_layout([int(numel)], q.bucket_size, None), self.ops, t, q, st.second,
+                  seed=lambda *keys: derive_seed(base, rank, epoch, _STREAM_KEY, index, *keys),
+                  name=lambda tag: f"{self.prefix}.b{index}.{tag}", collect_second=self.collect_second)
+        if self.collect_first:
+            self._first_stats = self._first_stats + self.ops.statistics(job.stream, q)
+        buf = _Buffer(index, job, self.steps(job, 0), on_done)
+        st.calls += 1
+        st.coordinates += int(numel)
+        with self._lock:
+            self._buffers.append(buf)
+            self._open += 1
+        self._advance(buf, 0, None)
+
+    def close(self) -> None:
+        """The round's end (after the last :meth:`add`): in refit rounds, wait for every buffer,
+        combine the statistics of every rank once and refit (the next round uses the new levels);
+        an error of any buffer is raised here then, on every rank alike, instead of the refit."""
+        if not (self.collect_first or self.collect_second):
+            return
+        self.wait()
+        if self.failure is not None:
+            raise self.failure
+        self.engine.refit_from(self._first_stats if self.collect_first else None,
+                               self._second_stats if self.collect_second else None,
+                               self.stages[0], f"{self.prefix}.statistics")
+
+    def wait(self) -> None:
+        """Until every buffer added so far completed."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._open == 0)
+
+    # ------------------------------------------------------------------ any thread
+    def _advance(self, buf: "_Buffer", stage: int, wait: Callable[[], Any] | None) -> None:
+        """Run buffer ``buf``'s exchange, with the result of ``wait`` (its previous collective), up
+        to its next collective (stage ``stage``) or to its end."""
+        try:
+            request = buf.steps.send(None if wait is None else wait())
+        except StopIteration as stop:
+            self._done(buf, Decoded(self.ops, buf.job.layout.length, stop.value), None)
+            return
+        except BaseException as exc:  # noqa: BLE001 - the buffer's consumer raises it
+            self._done(buf, None, exc)
+            return
+        if stage >= len(self.stages):
+            self._done(buf, None, RuntimeError(f"horovod_alq: the exchange asked for more than "
+                                               f"{len(self.stages)} collectives per buffer"))
+            return
+        with self._lock:
+            self._ready[stage][buf.index] = request
+            issue = []
+            while self._next[stage] in self._ready[stage]:
+                k = self._next[stage]
+                issue.append((self._buffers[k], self._ready[stage].pop(k)))
+                self._next[stage] += 1
+            # issued under the lock: a stage's collectives leave in buffer order on every rank
+            started, failed = [], []
+            for b, r in issue:
+                try:
+                    started.append((b, b.job.issue(r, self.stages[stage])))
+                except BaseException as exc:  # noqa: BLE001
+                    failed.append((b, exc))
+        for b, exc in failed:
+            self._done(b, None, exc)
+        for b, wait in started:
+            _then(wait, lambda b=b, wait=wait: self._advance(b, stage + 1, wait))
+
+    def _done(self, buf: "_Buffer", decoded: Decoded | None, error: BaseException | None) -> None:
+        st, job = self.engine.state, buf.job
+        with self._lock:  # counted before the consumer learns the buffer is done
+            st.bytes_sent += job.sent
+            st.bytes_received += job.received
+            st.payload_bytes += job.encoded
+            if job.second_statistics is not None:
+                self._second_stats = self._second_stats + job.second_statistics
+        try:
+            buf.on_done(decoded, error)
+        except BaseException as exc:  # noqa: BLE001
+            error = error or exc
+        with self._lock:
+            if error is not None and self.failure is None:
+                self.failure = error
+            self._open -= 1
+            self._lock.notify_all()
+
+
+class _Buffer:
+    __slots__ = ("index", "job", "steps", "on_done")
+
+    def __init__(self, index, job, steps, on_done) -> None:
+        self.index, self.job, self.steps, self.on_done = index, job, steps, on_done
+
+
+def _then(wait: Callable[[], Any], callback: Callable[[], None]) -> None:
+    then = getattr(wait, "then", None)
+    if then is None:
+        callback()
+    else:
+        then(callback)
