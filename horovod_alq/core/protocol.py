@@ -220,7 +220,7 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
 #: Settings every rank must share, in the order the handshake checks them.
 SETTINGS = ("method", "bits", "bucket_size", "norm", "exchange", "fusion_bytes", "bits_second", "adapt_second")
 HANDSHAKE_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting", "tensors", "elements", "contents",
-                    "order")
+                    "order", "early", "early_ok")
 #: The handshake of a streamed round (the DDP hook): before its tensors are known, so instead of
 #: their layout the threshold that decides which of them are quantized (the framework guarantees
 #: the same tensors, in the same order, on every rank).
@@ -242,6 +242,15 @@ class Agreement:
     fast path); otherwise the ranks hold the same tensors in different orders."""
 
     ordered: bool
+
+
+def handshake_range(reduced_max: np.ndarray, field: str, *,
+                    fields: Sequence[str] = HANDSHAKE_FIELDS) -> tuple[int, int]:
+    """The minimum and maximum over the ranks of one handshake field (read before any check, for
+    what every rank must do whatever the checks find: the buffers some rank started early)."""
+    r = np.asarray(reduced_max, dtype=np.int64)
+    k = list(fields).index(field)
+    return int(-r[len(fields) + k]), int(r[k])
 
 
 def read_handshake(reduced_max: np.ndarray, local_error: str | None = None, *,

@@ -33,6 +33,12 @@ def steps(job: Job, i: int) -> Steps:
     return [Piece(lo, hi, gathered, tuple(offsets), job.frozen(q))]
 
 
+def empty_first(ops, size: int) -> Allgather:
+    """The first collective of ``steps(job, 0)`` with nothing to contribute (a buffer that other
+    ranks started early and this one did not: it completes theirs)."""
+    return Allgather(ops.from_numpy(np.zeros(0, dtype=np.uint8)), [0] * size, "ag0")
+
+
 def gather_streams(job: Job, lengths: list[int] | None = None) -> list[Tensor]:
     """The decoded stream of every rank, separately (for rounds whose ranks ordered tensors
     differently). ``lengths``: every rank's stream length (they differ when the padding between

@@ -2,16 +2,26 @@
 
 A *round* is a run of ``compress`` calls (:meth:`Engine.add`) followed by their ``decompress``
 calls (:meth:`Engine.finish`); with ``hvd.DistributedOptimizer`` it is one optimizer step, with a
-plain ``hvd.allreduce`` one call. ``compress`` issues no collective: it records the tensor and
-returns the tensor vector of :mod:`horovod_alq.core.protocol` for the framework's allreduce. The
-first ``decompress`` of the round runs, on every rank alike, the handshake, the exchange of all the
-round's fused buffers and (in refit rounds) one allreduce of the statistics and the refit; every
-``decompress`` then takes its tensor from the result, from each rank where that rank put it.
+plain ``hvd.allreduce`` one call. ``compress`` records the tensor and returns the tensor vector of
+:mod:`horovod_alq.core.protocol` for the framework's allreduce; with ``early`` (the Horovod
+compressors' ``overlap=True``) it also starts the exchange of each fusion buffer that this tensor
+completes (under a name of its own), so those payloads travel during the backward pass. The first
+``decompress`` of the round runs, on every rank alike, the handshake, the exchange of the round's
+other buffers (continuing the early ones) and (in refit rounds) one allreduce of the statistics
+and the refit; every ``decompress`` then takes its tensor from the result, from each rank where
+that rank put it.
 
-Why no collective in ``compress``: a round whose ranks disagree (different orders, a tensor one
-rank passes uncompressed, an error Horovod raised on every rank before ``decompress``) must never
-leave a payload collective on one rank that another rank does not issue, or that pairs with the
-wrong data. The price is that payloads move only once the backward pass is over.
+Why that is safe: a round whose ranks disagree (different orders, a tensor one rank passes
+uncompressed, an error Horovod raised on every rank before ``decompress``) must never leave a rank
+waiting in a collective that another rank does not issue, or pair payloads of different tensors.
+Early buffers are only ever *waited for* after the handshake, which tells every rank how many
+buffers each rank started: every rank first completes, with empty contributions, those it did not
+start, and the early results are used only if every rank started the same buffers of one layout;
+otherwise they are drained and the round runs as if none had started. A buffer's codes do not
+depend on whether it started early (same seeds), so neither do the results. A round that ends
+before its handshake (the control vector shows another op or process set, or ``hvd.join``)
+leaves early collectives that some rank may never complete; nothing waits for them.
+Streamed rounds (:meth:`Engine.open_stream`, the DDP hook) are in :mod:`.stream`.
 """
 
 from __future__ import annotations
@@ -19,18 +29,18 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..core.methods import get_method
-from ..core.protocol import (PREFIX, STREAM_FIELDS, ProtocolError, ReductionMismatch, derive_seed,
+from ..core.protocol import (PREFIX, STREAM_FIELDS, ProtocolError, ReductionMismatch, derive_seed, handshake_range,
                              handshake_vector, read_handshake, read_tensor_vector, stable_hash, tensor_vector)
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
 from . import allgather, two_phase
-from .base import Decoded, Job, TensorOps, Transport, check_payloads, plan_layout, run
+from .base import Decoded, Job, Started, TensorOps, Transport, check_payloads, plan_layout, run
 from .stream import StreamedRound
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
@@ -101,6 +111,9 @@ class _Round:
     epoch: int = 0
     recovery: dict = field(default_factory=dict)  # slot index -> allgather waiter or its result
     repeated: frozenset = frozenset()  # (numel, shape code) of tensors that share a shape
+    early: list = field(default_factory=list)  # buffers started in add(), in order (base.Started)
+    cut: tuple = (0, 0, 0)  # the fusion plan so far: (buffer start, stream end, first slot of the buffer)
+    early_off: bool = False  # a tensor of this round stopped early starts (it carried an error)
 
     @property
     def started(self) -> bool:
@@ -140,11 +153,16 @@ class Engine:
         Part of every collective's name; must be the same on every rank for this compressor.
     manual_refit : bool
         The front-end refits itself (mpi4py's ``adapt()``): rounds collect no statistics.
+    early : bool
+        Start a fusion buffer's exchange in :meth:`add`, as soon as the buffer is complete (a later
+        tensor does not fit in it), instead of at the round's first :meth:`finish`: its payloads
+        travel while the framework still computes the next gradients. For transports that pair
+        collectives by name (Horovod); see :meth:`_start_early`.
     """
 
     def __init__(self, quantizer: Quantizer, state: RoundState, *, exchange: str = "auto",
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, seed: int = 0, uid: str = "0",
-                 manual_refit: bool = False) -> None:
+                 manual_refit: bool = False, early: bool = False) -> None:
         self.quantizer = quantizer
         self.state = state
         self.exchange = check_exchange(exchange)
@@ -152,14 +170,16 @@ class Engine:
         self.seed = int(seed)
         self.uid = uid
         self.manual_refit = manual_refit
+        self.early = early
         self._round = _Round()
         self.last_second_statistics: np.ndarray | None = None
         self._kept: dict[str, tuple[Any, _Round]] = {}  # tag -> (buffer, the round that used it last)
 
     # ------------------------------------------------------------------ compress
     def add(self, flat: Any, numel: int, shape, dtype, transport: Transport,
-            error: str | None = None) -> tuple[Entry, np.ndarray]:
-        """Record one tensor of the current round; returns its entry and tensor vector."""
+            error: str | None = None, ops: TensorOps | None = None) -> tuple[Entry, np.ndarray]:
+        """Record one tensor of the current round; returns its entry and tensor vector. With
+        ``early`` (and ``ops``), a fusion buffer that this tensor closes starts its exchange."""
         rnd = self._round
         if rnd.started or (rnd.entries and not rnd.live()):
             rnd = self._round = _Round()
@@ -168,7 +188,52 @@ class Engine:
         rnd.entries.append(entry)
         self.state.calls += 1
         vec = tensor_vector(transport.rank, transport.size, entry.slot, code, error is not None)
+        rnd.early_off |= error is not None
+        if self.early and ops is not None and not rnd.early_off:
+            self._plan(rnd, entry, ops, transport)
         return entry, vec
+
+    def _plan(self, rnd: _Round, entry: Entry, ops: TensorOps, transport: Transport) -> None:
+        """Extend the round's fusion plan by ``entry`` exactly as :func:`.base.plan_layout` cuts the
+        whole round, and start the buffer it closes."""
+        d = self.quantizer.bucket_size
+        capacity = self.fusion_bytes // 4 if self.fusion_bytes else 0
+        lo, pos, first = rnd.cut
+        aligned = lo + -(-(pos - lo) // d) * d
+        if pos > lo and (capacity == 0 or aligned + entry.numel - lo > capacity):
+            self._start_early(rnd, rnd.entries[first: entry.slot], lo, ops, transport)
+            lo = aligned = pos
+            first = entry.slot
+        rnd.cut = (lo, aligned + entry.numel, first)
+
+    def _early_name(self, epoch: int, i: int) -> Callable[[str], str]:
+        return lambda tag: f"{PREFIX}.{self.uid}.{epoch}.early{i}.{tag}"
+
+    def _start_early(self, rnd: _Round, entries: list[Entry], offset: int, ops: TensorOps,
+                     transport: Transport) -> None:
+        """Quantize the complete buffer of ``entries`` (at ``offset`` of the round's stream) and issue
+        its first collective, under a name of its own (``...early<i>``) with the seeds it would have
+        in the round: a buffer's codes do not depend on when it starts. The handshake then tells
+        every rank how many buffers each rank started; every rank completes, with an empty
+        contribution, the ones another rank started, and only if every rank started the same
+        buffers of the same round layout are their results used (:meth:`_run_round`)."""
+        q, st = self.quantizer, self.state
+        epoch, i, base, rank = st.step, len(rnd.early), self.seed, transport.rank
+        exchange = choose_exchange(self.exchange, transport.size)
+        job = Job([e.flat for e in entries], plan_layout([e.numel for e in entries], q.bucket_size, None), ops,
+                  transport, q, st.second, seed=lambda *keys: derive_seed(base, rank, epoch, i, *keys[1:]),
+                  name=self._early_name(epoch, i), collect_second=self._collects(exchange)[1])
+        steps = EXCHANGES[exchange].steps(job, 0)
+        rnd.early.append(Started(job, steps, job.issue(next(steps)), offset))
+
+    def _collects(self, exchange: str) -> tuple[bool, bool]:
+        """Whether this round collects statistics for the first and for the second quantizer."""
+        st = self.state
+        collect_first = (not self.manual_refit) and st.collecting
+        # second quantizer: the round after each refit of the first (manual refit: every round)
+        collect_second = (exchange == two_phase.NAME and st.adapt_second
+                          and (self.manual_refit or st.collecting_second))
+        return collect_first, collect_second
 
     # ------------------------------------------------------------------ decompress
     def pending(self) -> bool:
@@ -270,8 +335,7 @@ class Engine:
         if len(stages) < module.STAGES:
             raise ValueError(f"{PREFIX}: a streamed {exchange} round needs {module.STAGES} transports, got "
                              f"{len(stages)}")
-        collect_first = (not self.manual_refit) and st.collecting
-        collect_second = exchange == two_phase.NAME and st.adapt_second and st.collecting_second
+        collect_first, collect_second = self._collects(exchange)
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
         vec = handshake_vector(fields=STREAM_FIELDS, error=0, min_size=int(min_size),
                                **self._settings(exchange, epoch, collect_first or collect_second))
@@ -286,20 +350,25 @@ class Engine:
         live = rnd.live()
         epoch = st.step
         exchange = choose_exchange(self.exchange, transport.size)
-        two = exchange == two_phase.NAME
-        collect_first = (not self.manual_refit) and st.collecting
-        # second quantizer: the round after each refit of the first (manual refit: every round)
-        collect_second = two and st.adapt_second and (self.manual_refit or st.collecting_second)
+        collect_first, collect_second = self._collects(exchange)
         collecting = collect_first or (collect_second and not self.manual_refit)
         order = tuple((e.numel, e.shape_code) for e in live)
         fields = dict(
             error=int(local_error is not None or any(e.error is not None for e in live)),
             **self._settings(exchange, epoch, collecting), tensors=len(live),
             elements=sum(e.numel for e in live), contents=stable_hash(tuple(sorted(order))),
-            order=stable_hash(order))
+            order=stable_hash(order), early=len(rnd.early), early_ok=int(len(live) == len(rnd.entries)))
         own = local_error or next((e.error for e in live if e.error), None)
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
-        agreement = read_handshake(transport.allreduce_max(handshake_vector(**fields), f"{prefix}.handshake"), own)
+        reduced = transport.allreduce_max(handshake_vector(**fields), f"{prefix}.handshake")
+        early = self._settle_early(rnd, reduced, ops, transport, exchange, epoch)
+        try:
+            agreement = read_handshake(reduced, own)
+        except ProtocolError:
+            self._drain(rnd, reduced)
+            raise
+        if not early:
+            self._drain(rnd, reduced)
         st.step += 1  # every rank passed the handshake: the round counts, whatever happens next
         # The same sequence of shapes gives every rank the same layout, so the fused exchange sums
         # slot k of every rank; a tensor that some rank put in another slot of the same shape
@@ -317,9 +386,15 @@ class Engine:
                   collect_second=collect_second,
                   stream_buffer=lambda n: self._kept_buffer(rnd, "stream", n, ops))
         st.coordinates += sum(e.numel for e in live)
+        started = {}
+        if early:
+            started = dict(enumerate(rnd.early))
+            planned = [(s.offset, s.offset + s.job.layout.length) for s in rnd.early]
+            if list(layout.buffers[:len(planned)]) != planned:  # the same on every rank: plans are deterministic
+                raise AssertionError(f"{PREFIX}: early buffers {planned} are not the layout's {layout.buffers}")
         try:
             if ordered:
-                values = run(job, EXCHANGES[exchange].steps)
+                values = run(job, EXCHANGES[exchange].steps, started)
                 second_stats = job.second_statistics
                 rnd.result = _Ordered(values, dict(zip(live, layout.starts)))
                 st.exchange = exchange
@@ -335,6 +410,33 @@ class Engine:
             self._refit(job, collect_first, second_stats, prefix)
         elif self.manual_refit:
             self.last_second_statistics = second_stats
+
+    def _settle_early(self, rnd: _Round, reduced: np.ndarray, ops: TensorOps, transport: Transport,
+                      exchange: str, epoch: int) -> bool:
+        """After the handshake, before any of its checks: complete with empty contributions the
+        early buffers that other ranks started and this one did not (so no rank waits for them),
+        and say whether the early buffers' results may be used: every rank started the same number,
+        no tensor left the round, and the ranks' layouts agree (same order)."""
+        lo, hi = handshake_range(reduced, "early")
+        for i in range(len(rnd.early), hi):
+            request = EXCHANGES[exchange].empty_first(ops, transport.size)
+            Job([], plan_layout([], 1, None), ops, transport, self.quantizer, None, seed=lambda *k: 0,
+                name=self._early_name(epoch, i)).issue(request)
+        order = handshake_range(reduced, "order")
+        return bool(rnd.early) and lo == hi and handshake_range(reduced, "early_ok")[0] == 1 and order[0] == order[1]
+
+    def _drain(self, rnd: _Round, reduced: np.ndarray) -> None:
+        """Wait for the early buffers whose results are not used (their collectives complete: every
+        rank issued them), so that the transport lets go of them; none where the ranks disagree on
+        the round or the exchange (their names differ: such collectives never complete)."""
+        early, rnd.early = rnd.early, []
+        if not early or any(len(set(handshake_range(reduced, f))) > 1 for f in ("round", "exchange")):
+            return
+        for s in early:
+            try:
+                s.wait()
+            except Exception:  # noqa: BLE001 - the round fails on its own terms
+                pass
 
     def _kept_buffer(self, rnd: _Round, tag: str, n: int, ops: TensorOps):
         """A float32 vector of ``n`` for this round's ``tag``, with stale contents: the one of the

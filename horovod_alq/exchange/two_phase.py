@@ -82,6 +82,11 @@ def steps(job: Job, i: int) -> Steps:
     return [Piece(pa, pb, gathered, (offset,), job.frozen(q2)) for (pa, pb), offset in zip(parts, check)]
 
 
+def empty_first(ops, size: int) -> Alltoall:
+    """The first collective of ``steps(job, 0)`` with nothing to contribute (see allgather's)."""
+    return Alltoall(ops.from_numpy(np.zeros(0, dtype=np.uint8)), [0] * size, [0] * size, "a2a0")
+
+
 def _poisoned(ops, payload: Tensor) -> Tensor:
     host = ops.to_numpy(payload).copy()
     host[:2] = np.frombuffer(POISON, dtype=np.uint8)

@@ -8,10 +8,12 @@ Usage::
                                          compression=ALQCompressor(bits=3, bucket_size=8192))
 
 How the exchange works (``docs/design.md``): ``compress`` records the gradient and hands Horovod's
-allreduce a small float64 control vector (``horovod_alq.core.protocol``); the first ``decompress``
-of the round checks the ranks agree, fuses the round's gradients into buffers, quantizes them and
-exchanges the codes (``exchange="allgather"`` or ``"two-phase"``), all through
-``horovod_alq.exchange``; each ``decompress`` returns its tensor's reduced values.
+allreduce a small float64 control vector (``horovod_alq.core.protocol``); the round's gradients
+are fused into buffers, and each buffer that is complete (a later gradient does not fit in it)
+is quantized and its codes start moving from ``compress`` (``overlap=True``), during the backward
+pass; the first ``decompress`` of the round checks the ranks agree, exchanges the rest
+(``exchange="allgather"`` or ``"two-phase"``), all through ``horovod_alq.exchange``; each
+``decompress`` returns its tensor's reduced values.
 """
 
 from __future__ import annotations
@@ -130,6 +132,10 @@ class QuantizedCompressor(frontends.CompressorBase):
     norm : {"l2", "linf"}, optional
         Bucket norm (adaptive methods take either; None: the method's default). See
         :class:`horovod_alq.core.Quantizer`.
+    overlap : bool
+        Start each fusion buffer's exchange as soon as it is complete, during the backward pass
+        (default), not at the round's first ``decompress``. Results are the same either way; ranks
+        whose rounds disagree complete each other's early collectives and run the round as usual.
     """
 
     method: str = ""
@@ -139,7 +145,7 @@ class QuantizedCompressor(frontends.CompressorBase):
                  min_size: int = 1024, seed: int | None = None, codec: str = "auto",
                  fused: bool | None = None, exchange: str = "auto", fusion_bytes: int | None = None,
                  bits_second: int | None = None, adapt_second: bool | None = None, process_set=None,
-                 norm: str | None = None) -> None:
+                 norm: str | None = None, overlap: bool = True) -> None:
         method = method or self.method
         self._method = get_method(method)
         self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size, norm=norm)
@@ -150,7 +156,7 @@ class QuantizedCompressor(frontends.CompressorBase):
         self.min_size = frontends.check_min_size(min_size)
         seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
         self._engine = Engine(self._quantizer, self._state, exchange=exchange, fusion_bytes=fusion_bytes,
-                              seed=seed, uid=str(next(_UIDS)))
+                              seed=seed, uid=str(next(_UIDS)), early=bool(overlap))
         if fused is not None:
             warnings.warn("horovod_alq: fused= is deprecated; use codec='torch' (fused=False) or "
                           "codec='auto' (fused=True)", DeprecationWarning, stacklevel=2)
@@ -193,7 +199,8 @@ class QuantizedCompressor(frontends.CompressorBase):
             size = len(self._process_set.ranks or ())
             return torch.from_numpy(outsider_vector(size)).to(tensor.device), _Outsider(str(err))
         flat = tensor.detach().reshape(-1)
-        entry, vec = self._engine.add(flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport)
+        entry, vec = self._engine.add(flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport,
+                                      ops=self._ops_for(tensor.device))
         small = torch.from_numpy(vec).to(tensor.device)
         source = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
         ctx = _Exchange(entry, tensor.shape, tensor.dtype, tensor.device, source)

@@ -166,3 +166,29 @@ def test_grad_scaler_sees_an_overflow_on_one_rank():
         assert r["skipped"], "the step with an inf gradient on rank 1 was not skipped"
         assert r["scale"] == 512.0 and r["moved_after"]
     assert res[0]["params"] == res[1]["params"]
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+def test_payloads_start_inside_backward(exchange):
+    """Four fusion buffers: the first three start their payload collectives while loss.backward()
+    runs (the compress calls close them), in every step; the results are bit for bit those of
+    overlap=False on every rank (same seeds, same codes), and the overlapped average is unbiased."""
+    from scipy.stats import t as student
+
+    res = run_ranks("torch_compressor.py", np=2, timeout=300,
+                    args=["overlap", "--exchange", exchange, "--rounds", 40])
+    first = "allgather" if exchange == "allgather" else "alltoall"
+    for r in res:
+        on, off = r["True"], r["False"]
+        for step in on["early"]:
+            assert [e[0] for e in step] == [first] * 3, step  # buffers 0-2, during backward
+            assert all(".early" in e[2] for e in step), step
+        assert all(step == [] for step in off["early"]), off["early"]
+        assert on["grads"] == off["grads"] and on["params"] == off["params"]
+        assert on["exchange"] == exchange and on["level_updates"] == 2
+        u = r["unbiased"]
+        df = u["reps"] - 1
+        assert u["buckets"] == 32 and u["t_max"] < student.isf(1e-6 / (2 * u["buckets"]), df), u
+        assert abs(u["t_sum"]) < student.isf(1e-6 / 2, df), u
+    assert res[0]["True"]["params"] == res[1]["True"]["params"]
+    assert res[0]["unbiased"]["digest"] == res[1]["unbiased"]["digest"]
