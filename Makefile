@@ -28,8 +28,9 @@ demo-ddp: install
 		--methods alq,none $(DEMO_ARGS)
 
 # Quick versions of the evidence in docs/results.md (variance, codec speed, one ResNet-50 step,
-# accuracy, netns wall-clock; the last needs root), written to build/bench/. The 2 ranks and their
-# Horovod background threads share 2 cores: Open MPI must yield when idle, not spin.
+# accuracy, netns wall-clock, a full ResNet-18-shaped training step with Horovod and DDP on 4 netns
+# workers over 1 Gbit/s links; the last two need root), written to build/bench/. The 2 ranks and
+# their Horovod background threads share 2 cores: Open MPI must yield when idle, not spin.
 bench: install
 	$(PY) scripts/variance.py --quick --out-dir build/bench
 	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np 2 $(PY) scripts/bench_codec.py --quick \
@@ -38,6 +39,7 @@ bench: install
 		--out build/bench/bench_step.md
 	$(PY) scripts/run_accuracy.py --quick --out-dir build/bench
 	$(PY) scripts/bench_network.py --quick --out-dir build/bench
+	$(PY) scripts/bench_train_step.py --quick --out build/bench/bench_train_step.md
 
 # Removes the venv and build leftovers; the Horovod wheel cache (~/.cache/horovod-alq) stays.
 clean:

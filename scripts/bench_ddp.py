@@ -27,9 +27,12 @@ The ALQ rows use the defaults (3 bits, bucket 8192) and refit their levels only 
 # no `from __future__ import annotations`: DDP checks the hooks' annotations as objects
 
 import argparse
+import cProfile
 import datetime
+import io
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -122,6 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip", default="", help="comma-separated substrings of rows to leave out")
     p.add_argument("--quick", action="store_true", help="width 0.25, 3 steps, 1 warm-up")
     p.add_argument("--out", help="rank 0 writes the markdown table here")
+    p.add_argument("--profile", default="", help="rows whose label contains this: rank 0 runs their timed "
+                   "steps under cProfile (the hook's thread: encode, handshake, waits; decodes run on gloo's "
+                   "threads) and the table gains the top functions by own time")
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.steps, args.warmup = 0.25, 3, 1
@@ -141,14 +147,20 @@ def main(argv=None) -> int:
         models[label] = (model, None if spec is None else spec[0])
     times = {label: [] for label in models}
     failed = {}
+    profiles = {label: cProfile.Profile() for label in models if args.profile and args.profile in label}
     for step in range(args.warmup + args.steps):
         for label, (model, _) in models.items():
             if label in failed:
                 continue
             dist.barrier()
             start = time.perf_counter()
+            prof = profiles.get(label) if rank == 0 and step >= args.warmup else None
             try:
+                if prof is not None:
+                    prof.enable()
                 model(grads).backward()
+                if prof is not None:
+                    prof.disable()
             except Exception as err:  # noqa: BLE001  (a baseline hook that does not run on gloo)
                 failed[label] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
                 continue
@@ -188,6 +200,13 @@ def main(argv=None) -> int:
             f"after {args.warmup} warm-up steps; the slowest rank's step, rows interleaved.",
             "",
         ]
+        for label, prof in profiles.items():
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+            body = buf.getvalue()
+            body = body[body.find("ncalls"):] if "ncalls" in body else body
+            lines += ["", f"Profile of rank 0's hook thread, {label}, {args.steps} timed steps (cProfile, by own time):",
+                      "", "```", body.rstrip(), "```"]
         text = "\n".join(header + lines) + "\n"
         print(text, flush=True)
         if args.out:

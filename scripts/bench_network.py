@@ -141,13 +141,14 @@ def teardown() -> list[str]:
     return existing_namespaces()
 
 
-def setup() -> None:
+def setup(n: int | None = None) -> None:
+    """The bridge, the head and ``n`` (default N_WORKERS) worker namespaces."""
     br = f"{PREFIX}-br"
     sh(f"ip netns add {br}")
     sh(f"ip -n {br} link set lo up")
     sh(f"ip -n {br} link add br0 type bridge")
     sh(f"ip -n {br} link set br0 up")
-    hosts = [(f"{PREFIX}-w{i}", f"{SUBNET}.{i + 1}", f"p{i}") for i in range(N_WORKERS)]
+    hosts = [(f"{PREFIX}-w{i}", f"{SUBNET}.{i + 1}", f"p{i}") for i in range(N_WORKERS if n is None else n)]
     hosts.append((f"{PREFIX}-head", f"{SUBNET}.100", "phead"))
     for ns, ip, port in hosts:
         sh(f"ip netns add {ns}")
@@ -160,10 +161,11 @@ def setup() -> None:
     # connectivity is checked by measure_throughput (no ping on this machine)
 
 
-def shape(rate: str | None) -> None:
-    """tbf on both ends of every worker link (never the head's link, whose traffic is control only)."""
+def shape(rate: str | None, n: int | None = None) -> None:
+    """tbf on both ends of every worker link (never the head's link, whose traffic is control only);
+    ``n``: the first n workers (default N_WORKERS)."""
     br = f"{PREFIX}-br"
-    for i in range(N_WORKERS):
+    for i in range(N_WORKERS if n is None else n):
         for cmd_ns, dev in ((f"{PREFIX}-w{i}", "eth0"), (br, f"p{i}")):
             sh(f"ip netns exec {cmd_ns} tc qdisc del dev {dev} root", check=False)
             if rate:
@@ -206,39 +208,53 @@ exec ip netns exec "$ns" /bin/sh -c "$*"
 """
 
 
-def run_workers(args, tmp: Path, rate_label: str) -> dict:
-    cases = "\n".join(f"  {SUBNET}.{i + 1}) ns={PREFIX}-w{i};;" for i in range(N_WORKERS))
+def mpirun_command(tmp: Path, yield_when_idle: int = 1, n: int | None = None,
+                   env: dict | None = None) -> list[str]:
+    """``ip netns exec <head> mpirun ...`` for ``n`` (default N_WORKERS) ranks, one per worker
+    namespace, with the agent and hostfile written to ``tmp``; append the program and its arguments.
+    ``env``: more variables exported to the ranks."""
+    n = N_WORKERS if n is None else n
+    cases = "\n".join(f"  {SUBNET}.{i + 1}) ns={PREFIX}-w{i};;" for i in range(n))
     agent = tmp / "netns_agent.sh"
     agent.write_text(AGENT.format(cases=cases))
     agent.chmod(0o755)
     hostfile = tmp / "hostfile"
-    hostfile.write_text("".join(f"{SUBNET}.{i + 1} slots=1\n" for i in range(N_WORKERS)))
-    out = tmp / f"result_{rate_label}.json"
+    hostfile.write_text("".join(f"{SUBNET}.{i + 1} slots=1\n" for i in range(n)))
     env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOROVOD_CPU_OPERATIONS": "mpi",
-                "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+                "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), **(env or {})}
     cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none",
-           "-np", str(N_WORKERS), "--hostfile", str(hostfile), "--map-by", "node",
+           "-np", str(n), "--hostfile", str(hostfile), "--map-by", "node",
            "--mca", "plm_rsh_agent", str(agent), "--mca", "plm_rsh_no_tree_spawn", "1",
            "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
            "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
            # every namespace is a 1-slot "host", so Open MPI never sees that all ranks share these
            # cores, and its waits spin on the cores the other ranks need unless told to yield
-           "--mca", "mpi_yield_when_idle", str(args.yield_when_idle)]
+           "--mca", "mpi_yield_when_idle", str(yield_when_idle)]
     for k, v in env_vars.items():
         cmd += ["-x", f"{k}={v}"]
-    cmd += [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+    return ["ip", "netns", "exec", f"{PREFIX}-head", *cmd]
+
+
+def launch(full: list[str], log: Path, timeout: float) -> int:
+    """Run a :func:`mpirun_command` line from the repository root, output to ``log``; its exit status."""
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    with open(log, "w") as f:
+        return subprocess.run(full, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout, cwd=ROOT).returncode
+
+
+def run_workers(args, tmp: Path, rate_label: str) -> dict:
+    out = tmp / f"result_{rate_label}.json"
+    full = mpirun_command(tmp, args.yield_when_idle) + [
+            sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
             "--methods", args.methods, "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
             "--bits", str(args.bits), "--bucket-size", str(args.bucket_size),
             "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    full = ["ip", "netns", "exec", f"{PREFIX}-head", *cmd]
     print(f"[{rate_label}] {shlex.join(full)}", flush=True)
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     log = tmp / f"mpirun_{rate_label}.log"
-    with open(log, "w") as f:
-        proc = subprocess.run(full, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=args.timeout, cwd=ROOT)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"mpirun failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
+    rc = launch(full, log, args.timeout)
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"mpirun failed ({rc}):\n{log.read_text()[-4000:]}")
     return json.loads(out.read_text())
 
 
@@ -334,6 +350,30 @@ def plot(runs: dict, args, path: Path) -> None:
     plt.close(fig)
 
 
+def preflight(script: str, teardown_only: bool, hint: str = "") -> int | None:
+    """Before any namespace is made: root, ``--teardown-only``, namespaces left by another run, and
+    SIGTERM / SIGHUP raised as KeyboardInterrupt (so the caller's cleanup tears the namespaces
+    down). Returns an exit status to stop with, or None to go on."""
+    if os.geteuid() != 0:
+        print(f"{script} needs root (ip netns, tc){hint}", file=sys.stderr)
+        return 2
+    if teardown_only:
+        left = teardown()
+        print("left:", left)
+        return 1 if left else 0
+    if existing_namespaces():
+        print(f"namespaces {existing_namespaces()} exist (another run, or a killed one?); "
+              "remove with --teardown-only", file=sys.stderr)
+        return 2
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="unshaped,1gbit,100mbit", help="tc tbf rates; 'unshaped' = no qdisc")
@@ -364,23 +404,9 @@ def main(argv=None) -> int:
     N_WORKERS = args.workers
     if args.quick:
         args.rates, args.hidden, args.steps, args.warmup = "1gbit", 512, 2, 1
-    if os.geteuid() != 0:
-        print("bench_network.py needs root (ip netns, tc)", file=sys.stderr)
-        return 2
-    if args.teardown_only:
-        left = teardown()
-        print("left:", left)
-        return 1 if left else 0
-    if existing_namespaces():
-        print(f"namespaces {existing_namespaces()} exist (another run, or a killed one?); "
-              "remove with --teardown-only", file=sys.stderr)
-        return 2
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)
+    status = preflight("bench_network.py", args.teardown_only)
+    if status is not None:
+        return status
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

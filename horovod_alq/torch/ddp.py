@@ -107,8 +107,8 @@ class ALQState:
         when importable, the compiled CPU codec for CPU buckets when it builds, else torch ops),
         or a backend's name.
     fusion_bytes : int, optional
-        The step's buckets are quantized and exchanged in buffers of this many bytes of float32
-        (default 64 MiB or ``$HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per DDP bucket).
+        Checked to be the same on every rank, otherwise unused: each DDP bucket is exchanged as one
+        buffer as soon as its hook runs (DDP's ``bucket_cap_mb`` is the fusion).
     bits_second : int, optional
         Bits of the two-phase exchange's second quantization (default ``bits``).
     adapt_second : bool, optional

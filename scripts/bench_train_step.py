@@ -1,0 +1,547 @@
+#!/usr/bin/env python
+"""What users feel: the wall-clock time of a FULL training step (forward, backward, gradient
+exchange, optimizer step) of a ResNet-18-shaped CNN computed on CPU, with Horovod and with
+PyTorch DDP, on 4 and 8 workers in network namespaces with tc-shaped links (unshaped, 1 Gbit/s,
+100 Mbit/s). Needs root (ip netns, tc), except --local and --help.
+
+    python scripts/bench_train_step.py                                # 4,8 workers x unshaped,1gbit,100mbit
+    python scripts/bench_train_step.py --quick                        # width 0.25, 4 workers, 1gbit, 5 steps
+    python scripts/bench_train_step.py --local --workers 2 --quick    # no namespaces, loopback, no root
+
+The namespaces, links, shaping and the mpirun launch (a hostfile of worker addresses and an rsh
+agent that runs Open MPI's orted in each worker's namespace; Open MPI's traffic restricted to the
+shaped links) are scripts/bench_network.py's, imported from it; see its docstring. Every rank
+also joins a torch.distributed gloo group (rendezvous at rank 0's address on --gloo-ifname,
+``eth0`` in the namespaces, sent to the other ranks with Horovod), so Horovod's and DDP's
+traffic both cross the shaped veths, from the same processes. The full run (6 tables of the
+11.2M-parameter model) takes about an hour on 2 cores (estimated, not timed); 8 ranks of it need
+about 20 GB (the script compares its estimate with MemAvailable before launching).
+
+Rows, all in the same processes and interleaved (each row takes one step in turn, a barrier
+before each, so the machine's noise hits them alike), one model and optimizer per row (same
+initial weights, SGD lr 0.01 (momentum 0 by default: memory, see --momentum), the same random batch
+every step, a different one per rank):
+
+- local: forward + backward + SGD with no exchange at all (the compute the others must hide);
+- Horovod (``hvd.DistributedOptimizer``, MPI CPU operations): fp32 (``hvd.Compression.none``),
+  fp16 (``hvd.Compression.fp16``), ``ALQCompressor(bits=3)`` (exchange "auto": two-phase from 4
+  ranks on, allgather below), the same with ``fusion_bytes=4 MiB`` (several fusion buffers, so
+  the first start during the backward pass), ``exchange="allgather"``, ``exchange="two-phase"``;
+- DDP (gloo): default allreduce, ``fp16_compress_hook``, ``powerSGD_hook`` at
+  matrix_approximation_rank 2 and 8 (its defaults otherwise: error feedback, warm start,
+  min_compression_rate 2, except start_powerSGD_iter=2, the smallest it takes, which --warmup
+  covers), ``alq_hook`` with ``ALQState(bits=3)`` (exchange "auto").
+
+PowerSGD on gloo: ``powerSGD_hook`` issues its second and third allreduce from future callbacks,
+which gloo runs on its own worker threads when the previous allreduce completes, while the autograd
+thread goes on issuing the next DDP bucket's allreduce. Gloo pairs collectives across ranks by a
+tag taken when a collective is issued, so with more than one DDP bucket the ranks can issue them in
+different orders and pair, e.g., one rank's P allreduce with another's next-bucket allreduce
+("Received data size doesn't match expected size", or a hang). The PowerSGD rows therefore run with
+one DDP bucket (``bucket_cap_mb`` above the model's size: the hook's three allreduces are then the
+only collectives of the backward, issued in the same order everywhere); --powersgd-fix wait keeps
+DDP's buckets and waits for each bucket's chain in the hook instead; --powersgd-fix none runs it as
+it stands (to reproduce the failure).
+(``batched_powerSGD_hook`` also issues its second allreduce from a callback, and in torch 2.13 it
+fails before that on every backend: it passes its 2-D Q to ``_orthogonalize``, which asserts a
+3-D batch.)
+
+For every row: the median over --steps timed steps (after --warmup) of the slowest rank's step
+time; the ratio to fp16 (Horovod rows to Horovod fp16, DDP rows to DDP's fp16_compress_hook);
+bytes sent per step and rank, measured for the ALQ rows (``metrics()["bytes_sent"]`` over the
+timed steps, plus ring arithmetic for the few tensors that travel uncompressed) and for PowerSGD
+from its own counters (``total_numel_after_compression``, allreduced in fp32) times a
+bandwidth-optimal allreduce's 2(N-1)/N, arithmetic for fp32 and fp16 (2(N-1)/N x 4 or 2 bytes
+x parameters); and the ratio of the step to two limits at the measured TCP throughput R of a
+worker link: without overlap ``local + bytes / R``, with perfect overlap ``max(local, bytes / R)``.
+Last column: the largest difference of any parameter between rank 0 and another rank after all
+steps (0 for every exchange that averages correctly).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_network as net  # noqa: E402  (namespaces, tc, mpirun agent)
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = ["local", "hvd-fp32", "hvd-fp16", "hvd-alq", "hvd-alq-f4", "hvd-alq-ag", "hvd-alq-2p",
+        "ddp-fp32", "ddp-fp16", "ddp-psgd2", "ddp-psgd8", "ddp-alq"]
+LABELS = {"local": "fwd+bwd+SGD alone (no exchange)",
+          "hvd-fp32": "Horovod fp32 (Compression.none)", "hvd-fp16": "Horovod fp16 (Compression.fp16)",
+          "hvd-alq": "Horovod ALQCompressor(bits=3), auto",
+          "hvd-alq-f4": "Horovod ALQ 3b, auto, fusion_bytes=4 MiB", "hvd-alq-ag": "Horovod ALQ 3b, allgather",
+          "hvd-alq-2p": "Horovod ALQ 3b, two-phase",
+          "ddp-fp32": "DDP allreduce (fp32)", "ddp-fp16": "DDP fp16_compress_hook",
+          "ddp-psgd2": "DDP powerSGD_hook rank 2", "ddp-psgd8": "DDP powerSGD_hook rank 8",
+          "ddp-alq": "DDP alq_hook, ALQState(bits=3), auto"}
+FP16_OF = {"hvd": "hvd-fp16", "ddp": "ddp-fp16"}
+PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState accepts with error feedback / warm start
+FULL = dict(workers="4,8", rates="unshaped,1gbit,100mbit", width=1.0, batch_size=8, steps=5, warmup=3, timeout=3600.0)
+QUICK = dict(workers="4", rates="1gbit", width=0.25, batch_size=8, steps=5, warmup=3, timeout=600.0)
+
+
+# ---------------------------------------------------------------------------------------- model
+def resnet18(width: float = 1.0, num_classes: int = 10):
+    """ResNet-18 in its CIFAR form (3x3 stem, no max-pool, 4 stages of 2 basic blocks, widths c,
+    2c, 4c, 8c with c = 64 x width, global average pool, linear), for 3x32x32 inputs: 11,173,962
+    parameters at width 1."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.shortcut = nn.Sequential()
+            if stride != 1 or cin != cout:
+                self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            out = F.relu(self.bn1(self.conv1(x)))
+            return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+    c = max(4, round(64 * width))
+    layers = [nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU()]
+    cin = c
+    for i, cout in enumerate((c, 2 * c, 4 * c, 8 * c)):
+        layers += [Block(cin, cout, 1 if i == 0 else 2), Block(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------------------------- worker
+def if_addr(name: str) -> str:
+    """IPv4 address of network interface ``name`` (SIOCGIFADDR)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))[20:24])
+
+
+def free_port(addr: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def worker(args) -> int:
+    """Runs on every rank: build every row, time the steps, check the parameters, rank 0 writes JSON."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import horovod
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    rank, n = hvd.rank(), hvd.size()
+    os.environ["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
+    where = None
+    if rank == 0:
+        addr = if_addr(args.gloo_ifname)
+        where = (addr, free_port(addr))
+    addr, port = hvd.broadcast_object(where, root_rank=0, name="bench_train_step.gloo_address")
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=args.gloo_timeout))
+
+    from horovod_alq.torch import ALQCompressor
+    from horovod_alq.torch.ddp import ALQState, alq_hook
+
+    def powersgd_wait_hook(state: psgd.PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """powerSGD_hook, its future chain waited for before the backward goes on."""
+        fut = psgd.powerSGD_hook(state, bucket)
+        fut.wait()
+        return fut
+
+    keys = args.rows.split(",")
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(args.batch_size, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (args.batch_size,), generator=g)
+    rows = {}
+    for key in keys:
+        torch.manual_seed(0)  # the same initial weights in every row and on every rank
+        model = resnet18(args.width)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=args.momentum)
+        row = {"model": model, "opt": sgd, "state": None}
+        if key.startswith("hvd-"):
+            comp = {"hvd-fp32": hvd.Compression.none, "hvd-fp16": hvd.Compression.fp16,
+                    "hvd-alq": ALQCompressor(bits=3), "hvd-alq-f4": ALQCompressor(bits=3, fusion_bytes=4 << 20),
+                    "hvd-alq-ag": ALQCompressor(bits=3, exchange="allgather"),
+                    "hvd-alq-2p": ALQCompressor(bits=3, exchange="two-phase")}[key]
+            # names prefixed by the row: Horovod's response cache never sees one name in two rows
+            row["opt"] = hvd.DistributedOptimizer(sgd, named_parameters=[(f"{key}.{k}", p) for k, p in
+                                                                         model.named_parameters()],
+                                                  compression=comp)
+            row["state"] = comp if hasattr(comp, "metrics") else None
+        elif key.startswith("ddp-"):
+            bucket_mb = args.ddp_bucket_mb
+            if key.startswith("ddp-psgd") and args.powersgd_fix == "one-bucket":
+                bucket_mb = 4 * sum(p.numel() for p in model.parameters()) / 2**20 + 1  # one bucket
+            model = row["model"] = DDP(model, bucket_cap_mb=bucket_mb)  # (the SGD above holds the same parameters)
+            if key == "ddp-fp16":
+                model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif key.startswith("ddp-psgd"):
+                state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(key[8:]),
+                                           start_powerSGD_iter=PSGD_START)
+                model.register_comm_hook(state, powersgd_wait_hook if args.powersgd_fix == "wait"
+                                         else psgd.powerSGD_hook)
+                row["state"] = state
+            elif key == "ddp-alq":
+                row["state"] = ALQState(bits=3)
+                model.register_comm_hook(row["state"], alq_hook)
+        rows[key] = row
+    base = rows[keys[0]]["model"]
+    params = sum(p.numel() for p in base.parameters())
+    buffers = sum(b.numel() for b in base.buffers())
+
+    def counters(key):
+        st = rows[key]["state"]
+        if st is None:
+            return None
+        if isinstance(st, psgd.PowerSGDState):
+            return {"numel_after": st.total_numel_after_compression, "numel_before": st.total_numel_before_compression}
+        m = st.metrics()
+        return {"bytes_sent": m["bytes_sent"], "uncompressed": m["uncompressed_coordinates"],
+                "step": m["step"], "exchange": m["exchange"]}
+
+    times = {k: [] for k in keys}
+    fwd_bwd = {k: [] for k in keys}
+    before = {}
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            before = {k: counters(k) for k in keys}
+        for key in keys:
+            row = rows[key]
+            dist.barrier()
+            t0 = time.perf_counter()
+            F.cross_entropy(row["model"](x), y).backward()
+            t1 = time.perf_counter()
+            row["opt"].step()
+            t2 = time.perf_counter()
+            # set_to_none (torch's default): this row's gradients are freed until its next step, as
+            # a training loop's zero_grad() before the backward would free them (11 rows' gradients
+            # held at once would not fit 8 ranks of the full model in this machine's memory)
+            row["opt"].zero_grad()
+            if step >= args.warmup:
+                times[key].append(t2 - t0)
+                fwd_bwd[key].append(t1 - t0)
+        if rank == 0:
+            print(f"step {step + 1}/{args.warmup + args.steps} done", flush=True)
+    after = {k: counters(k) for k in keys}
+
+    # parameters after all steps: the largest difference to rank 0's (0 when every rank averaged alike)
+    diffs = {}
+    for key in keys:
+        flat = torch.cat([p.detach().reshape(-1) for p in rows[key]["model"].parameters()])
+        ref = flat.clone()
+        dist.broadcast(ref, 0)
+        d = torch.tensor([float((flat - ref).abs().max()) if torch.isfinite(flat).all() else float("inf")],
+                         dtype=torch.float64)
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        diffs[key] = float(d)
+
+    per_rank = hvd.allgather_object({"times": times, "fwd_bwd": fwd_bwd,
+                                     "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    ring = 2 * (n - 1) / n
+    results = {}
+    for key in keys:
+        slow = [max(r["times"][key][i] for r in per_rank) for i in range(args.steps)]
+        slow_fb = [max(r["fwd_bwd"][key][i] for r in per_rank) for i in range(args.steps)]
+        res = {"label": LABELS[key], "step_s": statistics.median(slow), "steps_s": slow,
+               "fwd_bwd_s": statistics.median(slow_fb), "max_param_diff": diffs[key]}
+        b, a = before.get(key), after[key]
+        if key == "local":
+            res.update(bytes_per_step=0.0, bytes_how="none")
+        elif key.endswith(("fp32", "fp16")):
+            res.update(bytes_per_step=ring * (4 if key.endswith("fp32") else 2) * params,
+                       bytes_how=f"arithmetic: 2(N-1)/N x {4 if key.endswith('fp32') else 2} B x parameters")
+        elif "psgd" in key:
+            numel = (a["numel_after"] - b["numel_after"]) / args.steps
+            res.update(bytes_per_step=ring * 4 * numel, numel_after_per_step=numel,
+                       numel_before_per_step=(a["numel_before"] - b["numel_before"]) / args.steps,
+                       bytes_how="PowerSGD counters: 2(N-1)/N x 4 B x total_numel_after_compression")
+        else:
+            rounds = max(1, a["step"] - b["step"])
+            sent = (a["bytes_sent"] - b["bytes_sent"]) / rounds
+            unc = (a["uncompressed"] - b["uncompressed"]) / rounds
+            res.update(bytes_per_step=sent + ring * 4 * unc, bytes_sent_per_step=sent, uncompressed_per_step=unc,
+                       exchange=a["exchange"], rounds=rounds,
+                       bytes_how="measured: metrics() bytes_sent + 2(N-1)/N x 4 B x uncompressed coordinates")
+        results[key] = res
+    if rank == 0:
+        Path(args.worker_out).write_text(json.dumps({
+            "size": n, "params": params, "param_tensors": len(list(base.parameters())), "buffers": buffers,
+            "maxrss_mb": max(r["maxrss_mb"] for r in per_rank), "torch": torch.__version__,
+            "horovod": horovod.__version__, "results": results}))
+    dist.destroy_process_group()
+    hvd.shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- driver
+def worker_args(args, out: Path, ifname: str) -> list[str]:
+    extra = [] if args.ddp_bucket_mb is None else ["--ddp-bucket-mb", str(args.ddp_bucket_mb)]
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+            "--gloo-ifname", ifname, "--rows", args.rows, "--width", str(args.width),
+            "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--powersgd-fix", args.powersgd_fix, "--gloo-timeout", str(args.gloo_timeout),
+            "--momentum", str(args.momentum), *extra]
+
+
+def log_path(args, n: int, rate: str) -> Path:
+    """mpirun's output, kept next to the report (<out stem>_logs/)."""
+    folder = Path(args.out).parent / f"{Path(args.out).stem}_logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"mpirun_{n}_{rate}.log"
+
+
+def run_netns(args, tmp: Path, n: int, rate: str) -> dict:
+    out = tmp / f"result_{n}_{rate}.json"
+    full = net.mpirun_command(tmp, args.yield_when_idle, n) + worker_args(args, out, "eth0")
+    log = log_path(args, n, rate)
+    print(f"[{n} workers, {rate}] {shlex.join(full)}\n  (output: {log})", flush=True)
+    rc = net.launch(full, log, args.timeout)
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"mpirun failed ({rc}):\n{log.read_text()[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def run_local(args, tmp: Path, n: int) -> dict:
+    """The same worker on this host's loopback (no namespaces, no shaping, shared memory allowed)."""
+    out = tmp / f"result_{n}_local.json"
+    full = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(n),
+            "--mca", "btl", "self,vader,tcp", "--mca", "btl_vader_single_copy_mechanism", "none",
+            "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo",
+            "--mca", "mpi_yield_when_idle", str(args.yield_when_idle)]
+    for k, v in {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOROVOD_CPU_OPERATIONS": "mpi",
+                 "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}.items():
+        full += ["-x", f"{k}={v}"]
+    full += worker_args(args, out, "lo")
+    log = log_path(args, n, "loopback")
+    print(f"[{n} workers, loopback] {shlex.join(full)}\n  (output: {log})", flush=True)
+    rc = net.launch(full, log, args.timeout)
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"mpirun failed ({rc}):\n{log.read_text()[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def memory_check(args, workers: list[int]) -> str | None:
+    """None, or why the largest launch would not fit in MemAvailable. Per rank: 0.45 GB (torch,
+    Horovod, MPI) plus 15 bytes per parameter and row (parameters, gradients, DDP buckets, hook and
+    compressor buffers), 4 more with momentum; measured peaks: 2.35 GB at width 1 with momentum 0,
+    2.83 GB with 0.9, 0.68 GB at width 0.25, 11 rows."""
+    params = sum(p.numel() for p in resnet18(args.width).parameters())
+    rows = len(args.rows.split(","))
+    per_rank = 0.45e9 + params * rows * (15 + (4 if args.momentum else 0)) * 1.1
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    need = max(workers) * per_rank
+    if need <= avail:
+        return None
+    return (f"{max(workers)} ranks x about {per_rank / 1e9:.2f} GB ({params:,} parameters x {rows} rows) = "
+            f"{need / 1e9:.1f} GB > {avail / 1e9:.1f} GB available; use --momentum 0, a smaller --width, fewer "
+            "--rows or --workers (or --skip-memory-check)")
+
+
+def ms(s: float) -> str:
+    return f"{s * 1e3:.0f}" if s >= 0.1 else f"{s * 1e3:.1f}"
+
+
+def table(run: dict, rate_Bps: float | None) -> list[str]:
+    res = run["results"]
+    local = res.get("local", {}).get("step_s")
+    lines = []
+    if "local" in res:
+        lines.append(f"Alone (no exchange, same oversubscription): fwd+bwd {ms(res['local']['fwd_bwd_s'])} ms, "
+                     f"fwd+bwd+SGD step {ms(local)} ms (the compute in the limits).")
+        lines.append("")
+    lines += ["| row | step ms | fwd+bwd ms | vs fp16 | MB sent / step / rank | comm at R, ms "
+              "| limit no overlap, ms | step / limit | limit overlap, ms | step / limit "
+              "| max param diff across ranks |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, r in res.items():
+        fam = key.split("-")[0]
+        ref = res.get(FP16_OF.get(fam, ""), {}).get("step_s")
+        ratio = f"{r['step_s'] / ref:.2f}" if ref and key != "local" else "-"
+        cells = [r["label"] + (f" [{r['exchange']}]" if r.get("exchange") else ""), ms(r["step_s"]),
+                 ms(r["fwd_bwd_s"]), ratio,
+                 f"{r['bytes_per_step'] / 1e6:.3f}"]
+        if rate_Bps and local is not None and key != "local":
+            comm = r["bytes_per_step"] / rate_Bps
+            no_ov, ov = local + comm, max(local, comm)
+            cells += [ms(comm), ms(no_ov), f"{r['step_s'] / no_ov:.2f}", ms(ov), f"{r['step_s'] / ov:.2f}"]
+        else:
+            cells += ["-"] * 5
+        cells.append("-" if key == "local" else f"{r['max_param_diff']:.3g}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def report(args, argv, runs: list[dict], wall: float) -> str:
+    first = runs[0]["run"]
+    cores = os.cpu_count()
+    cmd = "python scripts/bench_train_step.py" + "".join(f" {shlex.quote(a)}" for a in
+                                                        (argv if argv is not None else sys.argv[1:]))
+    workers = sorted({r["workers"] for r in runs})
+    lines = ["# Full training step (forward + backward + exchange + SGD): ResNet-18-shaped CNN on CPU, "
+             "Horovod and DDP", "",
+             f"Command: `{cmd}` ({wall:.0f} s in all).", "",
+             f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {first['torch']}, "
+             f"Horovod {first['horovod']}, Python {platform.python_version()}.", "",
+             f"Machine: {platform.machine()}, {cores} CPU cores shared by all ranks (and their Horovod, "
+             f"Open MPI and gloo threads): "
+             + ", ".join(f"{w} ranks on {cores} cores = compute oversubscribed {w / cores:g}x" if w > cores
+                         else f"{w} ranks on {cores} cores (one core per rank at most)" for w in workers)
+             + ", so every step time, the local one included, is that of ranks competing for the cores; "
+             f"peak RSS per rank {max(r['run']['maxrss_mb'] for r in runs):.0f} MB.", "",
+             f"Model: ResNet-18 (CIFAR form) at width {args.width}, {first['params']:,} parameters in "
+             f"{first['param_tensors']} tensors ({first['buffers']:,} batch-norm buffer elements, which DDP "
+             f"broadcasts from rank 0 at every forward and Horovod leaves alone); 3x32x32 inputs, batch "
+             f"{args.batch_size} per worker; SGD lr 0.01 momentum {args.momentum:g}. Median over {args.steps} "
+             "timed steps "
+             f"(after {args.warmup} warm-up) of the slowest rank's step; rows interleaved, a barrier before each "
+             f"step. Open MPI mpi_yield_when_idle={args.yield_when_idle}. PowerSGD: start_powerSGD_iter="
+             f"{PSGD_START}, " + {"one-bucket": "one DDP bucket (bucket_cap_mb above the model's size)",
+                                  "wait": "DDP's buckets, each bucket's future chain waited for in the hook",
+                                  "none": "DDP's buckets, the hook as it stands"}[args.powersgd_fix]
+             + "; the other DDP rows DDP's default buckets"
+             + (f" ({args.ddp_bucket_mb} MB)" if args.ddp_bucket_mb else " (25 MB)") + ".", ""]
+    for r in runs:
+        rate_Bps = r.get("throughput_Bps")
+        head = f"## {r['workers']} workers, {r['rate']}"
+        if rate_Bps:
+            head += f" (measured TCP throughput w0->w1 R = {rate_Bps * 8 / 1e6:.0f} Mbit/s)"
+        lines += [head, ""] + table(r["run"], rate_Bps) + [""]
+    lines += [
+        "Columns: step ms = median of the slowest rank's full step; fwd+bwd ms = the same for the forward "
+        "and backward alone (with DDP: its exchange, which ends in the backward; with Horovod: the "
+        "exchange started during the backward, finished in optimizer.step()); vs fp16 = Horovod rows over "
+        "Horovod fp16, "
+        "DDP rows over DDP's fp16_compress_hook; MB sent: the ALQ rows measured (metrics()['bytes_sent'] "
+        "over the timed steps, plus 2(N-1)/N x 4 B per coordinate that travelled uncompressed), PowerSGD "
+        "from its counters (2(N-1)/N x 4 B x total_numel_after_compression: its P, Q and uncompressed "
+        "tensors are allreduced in fp32), fp32 and fp16 by arithmetic (2(N-1)/N x 4 or 2 B x parameters: a "
+        "bandwidth-optimal ring allreduce; Open MPI and gloo may send more); comm at R = bytes / R with R the "
+        "measured TCP throughput of one worker link; limit no overlap = local step + comm, limit overlap = "
+        "max(local step, comm), 'local step' being the fwd+bwd+SGD row; max param diff: the largest "
+        "|parameter - rank 0's| over ranks after all steps.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", help=f"comma-separated worker counts, 2..8; default {FULL['workers']}")
+    p.add_argument("--rates", help=f"tc tbf rates, 'unshaped' = no qdisc; default {FULL['rates']}")
+    p.add_argument("--width", type=float, help=f"ResNet-18 channel scale; default {FULL['width']}")
+    p.add_argument("--batch-size", type=int, help=f"per worker; default {FULL['batch_size']}")
+    p.add_argument("--steps", type=int, help=f"timed steps per row; default {FULL['steps']}")
+    p.add_argument("--warmup", type=int, help=f"untimed steps per row first (>= 3 for PowerSGD's "
+                                               f"steady state); default {FULL['warmup']}")
+    p.add_argument("--quick", action="store_true",
+                   help="defaults for a check of 2-3 minutes: " + ", ".join(f"{k} {v:g}" if isinstance(v, float)
+                                                                          else f"{k} {v}" for k, v in QUICK.items()))
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, in this order: {','.join(ROWS)}")
+    p.add_argument("--powersgd-fix", choices=("one-bucket", "wait", "none"), default="one-bucket",
+                   help="how powerSGD_hook is kept in step on gloo (see above); default one-bucket")
+    p.add_argument("--ddp-bucket-mb", type=float, help="bucket_cap_mb of the other DDP rows; default DDP's (25)")
+    p.add_argument("--momentum", type=float, default=0.0,
+                   help="SGD momentum; default 0 (its buffers are one more model copy per row: with 0.9 the "
+                        "11 rows of the full model take 2.8 GB per rank, 8 ranks more than 23 GB)")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="launch even if the ranks' estimated memory exceeds MemAvailable")
+    p.add_argument("--yield-when-idle", type=int, choices=(0, 1), default=1, help="Open MPI's; default 1")
+    p.add_argument("--local", action="store_true",
+                   help="no namespaces or shaping: the ranks on this host's loopback (no root needed)")
+    p.add_argument("--out", help="markdown report (JSON next to it); default docs/bench_train_step.md, "
+                                 "with --quick build/bench/bench_train_step.md")
+    p.add_argument("--timeout", type=float, help="seconds per mpirun; default 3600 (--quick: 600)")
+    p.add_argument("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
+    p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of bench_network.py")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--gloo-ifname", default="eth0", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for k, v in (QUICK if args.quick else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.worker:
+        return worker(args)
+    unknown = [r for r in args.rows.split(",") if r not in ROWS]
+    if unknown:
+        p.error(f"unknown rows {unknown}; choose from {ROWS}")
+    workers = [int(w) for w in args.workers.split(",")]
+    if not all(2 <= w <= 8 for w in workers):
+        p.error("--workers must be 2..8")
+    if any("psgd" in r for r in args.rows.split(",")) and args.warmup < PSGD_START + 1:
+        print(f"note: --warmup {args.warmup} < {PSGD_START + 1}: PowerSGD's timed steps include its first "
+              "(allocating, vanilla) ones", file=sys.stderr)
+    if args.out is None:
+        args.out = "build/bench/bench_train_step.md" if args.quick else "docs/bench_train_step.md"
+    if not args.skip_memory_check and not args.teardown_only:
+        problem = memory_check(args, workers)
+        if problem:
+            print(f"bench_train_step.py: {problem}", file=sys.stderr)
+            return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    runs = []
+    if args.local:
+        with tempfile.TemporaryDirectory(prefix="alqtrain-") as tmp:
+            for n in workers:
+                runs.append({"workers": n, "rate": "loopback (no namespaces)", "run": run_local(args, Path(tmp), n)})
+    else:
+        status = net.preflight("bench_train_step.py", args.teardown_only, "; --local runs without")
+        if status is not None:
+            return status
+        try:
+            with tempfile.TemporaryDirectory(prefix="alqtrain-") as tmp:
+                net.setup(max(workers))
+                for rate in args.rates.split(","):
+                    net.shape(None if rate == "unshaped" else rate, max(workers))
+                    bps = net.measure_throughput()
+                    print(f"[{rate}] TCP throughput w0->w1: {bps * 8 / 1e6:.0f} Mbit/s", flush=True)
+                    for n in workers:
+                        run = run_netns(args, Path(tmp), n, rate)
+                        runs.append({"workers": n, "rate": rate, "throughput_Bps": bps, "run": run})
+                        print(json.dumps({k: round(r["step_s"], 4) for k, r in run["results"].items()}), flush=True)
+        finally:
+            left = net.teardown()
+            print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
+    rates = args.rates.split(",")
+    runs.sort(key=lambda r: (r["workers"], rates.index(r["rate"]) if r["rate"] in rates else 0))
+    text = report(args, argv, runs, time.monotonic() - start)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"args": vars(args), "argv": argv if argv is not None else sys.argv[1:], "runs": runs}, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
