@@ -263,12 +263,11 @@ class Job:
 
     def issue(self, request: "Allgather | Alltoall", transport: Transport | None = None) -> Callable[[], Tensor]:
         """Start ``request`` on ``transport`` (default: the job's), counting its bytes; returns its wait."""
-        t = self.transport if transport is None else transport
         if isinstance(request, Allgather):
             self.count_allgather(request.sizes)
-            return t.allgather(request.payload, request.sizes, self.name(request.tag))
-        self.count_alltoall(request.splits, request.received)
-        return t.alltoall(request.payload, request.splits, request.received, self.name(request.tag))
+        else:
+            self.count_alltoall(request.splits, request.received)
+        return issue(self.transport if transport is None else transport, request, self.name(request.tag))
 
     def count_allgather(self, sizes: Sequence[int]) -> None:
         """Bytes of an allgather: this rank's payload reaches the N - 1 others (as a ring forwards it)."""
@@ -301,6 +300,13 @@ class Alltoall:
     tag: str
 
 
+def issue(transport: Transport, request: "Allgather | Alltoall", name: str) -> Callable[[], Tensor]:
+    """Start ``request`` on ``transport`` under ``name``; returns its wait."""
+    if isinstance(request, Allgather):
+        return transport.allgather(request.payload, request.sizes, name)
+    return transport.alltoall(request.payload, request.splits, request.received, name)
+
+
 #: One buffer's exchange: yields the collectives it needs, receives each one's result (the gathered
 #: bytes in rank order), returns the buffer's pieces.
 Steps = Generator["Allgather | Alltoall", Tensor, list]
@@ -314,7 +320,7 @@ class Started:
 
     job: Job
     steps: Steps
-    wait: Callable[[], Tensor]
+    wait: Callable[[], Tensor] | None
     offset: int
 
 

@@ -40,7 +40,7 @@ from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
 from . import allgather, two_phase
-from .base import Decoded, Job, Started, TensorOps, Transport, check_payloads, plan_layout, run
+from .base import Decoded, Job, Started, TensorOps, Transport, check_payloads, issue, plan_layout, run
 from .stream import StreamedRound
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
@@ -420,8 +420,7 @@ class Engine:
         lo, hi = handshake_range(reduced, "early")
         for i in range(len(rnd.early), hi):
             request = EXCHANGES[exchange].empty_first(ops, transport.size)
-            Job([], plan_layout([], 1, None), ops, transport, self.quantizer, None, seed=lambda *k: 0,
-                name=self._early_name(epoch, i)).issue(request)
+            issue(transport, request, self._early_name(epoch, i)(request.tag))
         order = handshake_range(reduced, "order")
         return bool(rnd.early) and lo == hi and handshake_range(reduced, "early_ok")[0] == 1 and order[0] == order[1]
 
