@@ -26,7 +26,6 @@ Streamed rounds (:meth:`Engine.open_stream`, the DDP hook) are in :mod:`.stream`
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -289,29 +288,6 @@ class Engine:
             entry.flat = None
         return out, info.scale
 
-    def exchange_round(self, ops: TensorOps, transport: Transport) -> list:
-        """Exchange the round recorded by :meth:`add` without the per-tensor control vectors, for
-        front-ends whose transport pairs collectives by call order (the DDP hook): the handshake,
-        the exchange and the refit of :meth:`finish`, run once. Returns, per live entry in slot
-        order, a function ``read(scale, out=None)``: ``scale`` times the sum over ranks of its
-        decoded values (float32, 1-D), in ``out`` or a new vector."""
-        rnd = self._round
-        if rnd.started:
-            raise RuntimeError(f"{PREFIX}: this round was already exchanged")
-        try:
-            self._run_round(rnd, ops, transport, None)
-        except Exception as exc:
-            rnd.failure = exc
-            raise
-        live = rnd.live()
-        for e in live:
-            e.done, e.flat = True, None
-        res = rnd.result
-        if not isinstance(res, _Ordered):  # the handshake saw another order on some rank
-            raise ProtocolError(f"{PREFIX}: the ranks added the same tensors in different orders; a round "
-                                f"without control vectors pairs tensors by their order")
-        return [functools.partial(_read, res.values, res.starts[e], e.numel) for e in live]
-
     # ------------------------------------------------------------------ the round
     def _settings(self, exchange: str, epoch: int, collecting: bool) -> dict:
         """The handshake fields every rank must share: settings, levels, round number, refit flag."""
@@ -529,10 +505,6 @@ class Engine:
             st.second.adapt(total[k:])
             updated = True
         st.level_updates += int(updated)
-
-
-def _read(values: Decoded, start: int, numel: int, scale: float, out=None):
-    return values.read(start, start + numel, scale, out)
 
 
 def _shape_code(shape, dtype) -> int:

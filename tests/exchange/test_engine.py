@@ -131,20 +131,33 @@ def test_fused_tensors_come_back_in_place(exchange, bucket):
         assert torch.equal(a, b)
 
 
-def test_exchange_round_reads_into_given_outputs():
-    torch = pytest.importorskip("torch")
-    from horovod_alq.torch.transport import TorchOps
-
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+def test_streamed_round_hands_each_buffer_its_values_and_refits_at_close(exchange):
+    """A streamed round on one rank (collectives complete at once): every buffer's consumer gets
+    its own values, decoded with the levels it was encoded with (values on the initial levels round
+    exactly); the refit happens at close, after every buffer, and the round counts once."""
     q = Quantizer("alq", bits=3, bucket_size=64)
-    eng = Engine(q, RoundState(q, RefitSchedule((), 0)), exchange="allgather", seed=3)
-    xs = [torch.full((n,), float(k + 1)) for k, n in enumerate([100, 64, 3])]
+    eng = Engine(q, RoundState(q, RefitSchedule((0,), 0)), exchange=exchange, seed=3)
+    before = q.levels.astype(np.float32)
+    rng = np.random.default_rng(2)
+    xs = [rng.choice(before, size=n).astype(np.float32) for n in (200, 64, 3)]
     for x in xs:
-        eng.add(x, x.numel(), (x.numel(),), "float32", Loopback())
-    reads = eng.exchange_round(TorchOps("cpu"), Loopback())
-    for x, read in zip(xs, reads):
-        out = torch.empty_like(x)
-        assert read(0.5, out) is out
-        assert torch.equal(out, x * 0.5)
+        x[0] = 1.0  # max-abs 1: every value is a level, rounded exactly
+    rnd = eng.open_stream(NumpyOps(), [Loopback(), Loopback()], min_size=16)
+    got = {}
+    for k, x in enumerate(xs):
+        rnd.add(x, x.size, lambda decoded, error, k=k: got.setdefault(k, (decoded, error)))
+    assert set(got) == {0, 1, 2} and np.array_equal(q.levels.astype(np.float32), before)
+    rnd.close()
+    assert not np.array_equal(q.levels.astype(np.float32), before)  # refit at close
+    for k, x in enumerate(xs):
+        decoded, error = got[k]
+        assert error is None
+        out = np.empty(x.size, dtype=np.float32)
+        assert decoded.read(0, x.size, 0.5, out) is out
+        np.testing.assert_array_equal(out, x * 0.5)
+    m = eng.state.metrics()
+    assert (m["step"], m["calls"], m["coordinates"], m["level_updates"]) == (1, 3, 267, 1)
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
