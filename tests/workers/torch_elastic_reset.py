@@ -93,11 +93,15 @@ def train(state):
         g = torch.Generator().manual_seed(1000 * state.batch + hvd.rank())
         x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()  # compresses every gradient
+        phase = "backward"
         try:
+            torch.nn.functional.cross_entropy(model(x), y).backward()  # compresses every gradient
+            phase = "step"
             opt.step()  # decompresses: the round's exchange
         except HorovodInternalError:  # a peer failed: this rank's round is still pending
-            events.append({"event": "failed", "batch": state.batch, **round_state()})
+            # in backward when Horovod has already shut down by the time a gradient hook enqueues
+            # (the small biases go through Horovod's own allreduce), else in step()
+            events.append({"event": "failed", "batch": state.batch, "phase": phase, **round_state()})
             raise
         state.batch += 1
         trace[state.batch] = {"rank": hvd.rank(), "size": hvd.size(), **snapshot()}
