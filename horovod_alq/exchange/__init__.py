@@ -2,9 +2,10 @@
 
 Three axes vary independently:
 
-* **exchanges** (how payloads travel): :mod:`.allgather` (every rank gathers every rank's codes)
-  and :mod:`.two_phase` (scatter-reduce, re-quantize, allgather); a new one is one module and one
-  entry in :data:`EXCHANGES`;
+* **exchanges** (how payloads travel): :mod:`.allgather` (every rank gathers every rank's codes),
+  :mod:`.two_phase` (scatter-reduce, re-quantize, allgather) and, for streamed rounds only,
+  :mod:`.reduce_scatter` (FSDP2: each rank keeps the sum of its shard); a new one is one module
+  and one entry in :data:`.engine.EXCHANGES` (or :data:`.engine.STREAMED`);
 * **transports** (how bytes move): Horovod for PyTorch (:mod:`horovod_alq.torch.transport`),
   mpi4py (:mod:`horovod_alq.mpi`); each is an allgather, an alltoall and two small allreduces;
 * **tensor ops** (the codec on the framework's tensors): :class:`.base.TensorOps`.

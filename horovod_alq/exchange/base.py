@@ -162,15 +162,16 @@ class Piece:
 
 
 class Decoded:
-    """An exchange's result: the reduced stream, decoded on demand from the pieces that cover it, so
-    that each tensor's values are written once, straight into its output, with its scale."""
+    """An exchange's result: the reduced stream ``[start, start + length)`` (all of it, or the shard
+    a reduce-scatter leaves on this rank), decoded on demand from the pieces that cover it, so that
+    each tensor's values are written once, straight into its output, with its scale."""
 
-    def __init__(self, ops: TensorOps, length: int, pieces: Sequence[Piece]) -> None:
-        self.ops = ops
+    def __init__(self, ops: TensorOps, length: int, pieces: Sequence[Piece], start: int = 0) -> None:
+        self.ops, self.start, self.length = ops, int(start), int(length)
         self.pieces = sorted((p for p in pieces if p.hi > p.lo), key=lambda p: p.lo)
-        edges = [0] + [e for p in self.pieces for e in (p.lo, p.hi)] + [length]
+        edges = [start] + [e for p in self.pieces for e in (p.lo, p.hi)] + [start + length]
         if any(a != b for a, b in zip(edges[::2], edges[1::2])):
-            raise AssertionError(f"{PREFIX}: the decoded pieces do not cover the stream of {length}")
+            raise AssertionError(f"{PREFIX}: the decoded pieces do not cover [{start}, {start + length}) of the stream")
         self._whole: dict[int, Tensor] = {}  # piece index -> its decoded sum (for windows off a byte)
 
     def read(self, lo: int, hi: int, scale: float = 1.0, out: Tensor | None = None) -> Tensor:

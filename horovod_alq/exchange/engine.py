@@ -38,13 +38,15 @@ from ..core.protocol import (PREFIX, STREAM_FIELDS, ProtocolError, ReductionMism
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
-from . import allgather, two_phase
+from . import allgather, reduce_scatter, two_phase
 from .base import Decoded, Job, Started, TensorOps, Transport, check_payloads, issue, plan_layout, run
 from .stream import StreamedRound
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
 EXCHANGES = {allgather.NAME: allgather, two_phase.NAME: two_phase}
 EXCHANGE_CHOICES = (*EXCHANGES, "auto")
+#: The exchanges of streamed rounds: also the reduce-scatter (FSDP2), whose result is one shard.
+STREAMED = {**EXCHANGES, reduce_scatter.NAME: reduce_scatter}
 #: Fusion buffers hold this many bytes of float32 gradient by default (``fusion_bytes=``,
 #: ``HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per tensor).
 DEFAULT_FUSION_BYTES = 64 << 20
@@ -293,21 +295,26 @@ class Engine:
         """The handshake fields every rank must share: settings, levels, round number, refit flag."""
         q, st = self.quantizer, self.state
         return dict(method=get_method(q.method).id, bits=q.bits, bucket_size=q.bucket_size,
-                    norm=("l2", "linf").index(q.norm), exchange=list(EXCHANGES).index(exchange),
+                    norm=("l2", "linf").index(q.norm), exchange=list(STREAMED).index(exchange),
                     fusion_bytes=self.fusion_bytes, bits_second=st.second.bits, adapt_second=int(st.adapt_second),
                     levels=stable_hash(q.fingerprint, st.second.fingerprint), round=epoch,
                     collecting=int(collecting))
 
-    def open_stream(self, ops: TensorOps, stages: Sequence[Transport], *, min_size: int = 0) -> StreamedRound:
+    def open_stream(self, ops: TensorOps, stages: Sequence[Transport], *, min_size: int = 0,
+                    exchange: str | None = None) -> StreamedRound:
         """Start a streamed round (:mod:`.stream`, for front-ends whose transport pairs collectives
         by call order and whose framework hands every rank the same tensors in the same order):
         the handshake on ``stages[0]``, then a round that takes buffers one by one. ``stages``:
-        one transport per collective of a buffer (two-phase: 2), each pairing its own collectives."""
+        one transport per collective of a buffer (two-phase: 2), each pairing its own collectives.
+        ``exchange``: one of :data:`STREAMED` instead of the engine's (FSDP2: "reduce-scatter")."""
         q, st = self.quantizer, self.state
         transport = stages[0]
         epoch = st.step
-        exchange = choose_exchange(self.exchange, transport.size)
-        module = EXCHANGES[exchange]
+        exchange = choose_exchange(self.exchange, transport.size) if exchange is None else exchange
+        if exchange not in STREAMED:
+            raise ValueError(f"{PREFIX}: a streamed round's exchange is one of {', '.join(STREAMED)}, "
+                             f"not {exchange!r}")
+        module = STREAMED[exchange]
         if len(stages) < module.STAGES:
             raise ValueError(f"{PREFIX}: a streamed {exchange} round needs {module.STAGES} transports, got "
                              f"{len(stages)}")
@@ -318,7 +325,7 @@ class Engine:
         read_handshake(transport.allreduce_max(vec, f"{prefix}.handshake"), fields=STREAM_FIELDS)
         st.step += 1
         st.exchange = exchange
-        return StreamedRound(self, ops, stages[:module.STAGES], module.steps, epoch=epoch, prefix=prefix,
+        return StreamedRound(self, ops, stages[:module.STAGES], module, epoch=epoch, prefix=prefix,
                              collect_first=collect_first, collect_second=collect_second)
 
     def _run_round(self, rnd: _Round, ops: TensorOps, transport: Transport, local_error: str | None) -> None:

@@ -43,10 +43,11 @@ class StreamedRound:
     thread); one without is waited for at once.
     """
 
-    def __init__(self, engine, ops: TensorOps, stages: Sequence[Transport], steps, *, epoch: int,
+    def __init__(self, engine, ops: TensorOps, stages: Sequence[Transport], module, *, epoch: int,
                  prefix: str, collect_first: bool, collect_second: bool) -> None:
         self.engine, self.ops, self.stages = engine, ops, list(stages)
-        self.steps, self.epoch, self.prefix = steps, epoch, prefix
+        self.steps, self.epoch, self.prefix = module.steps, epoch, prefix
+        self.span = getattr(module, "span", _whole)  # what of a buffer's stream the exchange leaves here
         self.collect_first, self.collect_second = collect_first, collect_second
         q = engine.quantizer
         k = statistics_length(get_method(q.method))
@@ -62,8 +63,9 @@ class StreamedRound:
     # ------------------------------------------------------------------ the calling thread
     def add(self, flat: Any, numel: int, on_done: Callable[[Decoded | None, BaseException | None], None]) -> None:
         """Quantize buffer ``flat`` (1-D, ``numel`` elements), issue its first collective and return;
-        ``on_done(decoded, None)`` gets the sum over ranks of its values (``decoded.read``) once its
-        exchange completed, or ``on_done(None, error)``; on any thread."""
+        ``on_done(decoded, None)`` gets the sum over ranks of its values (``decoded.read``; a
+        reduce-scatter: of this rank's shard only) once its exchange completed, or
+        ``on_done(None, error)``; on any thread."""
         eng, t = self.engine, self.stages[0]
         st, q = eng.state, eng.quantizer
         index = len(self._buffers)
@@ -106,7 +108,8 @@ class StreamedRound:
         try:
             request = buf.steps.send(None if wait is None else wait())
         except StopIteration as stop:
-            self._done(buf, Decoded(self.ops, buf.job.layout.length, stop.value), None)
+            start, length = self.span(buf.job)
+            self._done(buf, Decoded(self.ops, length, stop.value, start), None)
             return
         except BaseException as exc:  # noqa: BLE001 - the buffer's consumer raises it
             self._done(buf, None, exc)
@@ -158,6 +161,10 @@ class _Buffer:
 
     def __init__(self, index, job, steps, on_done) -> None:
         self.index, self.job, self.steps, self.on_done = index, job, steps, on_done
+
+
+def _whole(job: Job) -> tuple[int, int]:
+    return 0, job.layout.length
 
 
 def _then(wait: Callable[[], Any], callback: Callable[[], None]) -> None:

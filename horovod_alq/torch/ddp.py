@@ -45,34 +45,21 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
-from typing import Any, Sequence
+from typing import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core import frontends
-from ..core.methods import get_method
 from ..core.protocol import PREFIX
-from ..core.quantizer import Quantizer
-from ..core.rounds import RoundState, schedule_from
-from ..exchange import Engine
-from ..exchange.engine import choose_exchange
-from . import codecs
-from .dist_transport import DistTransport, companion_group
-from .transport import TorchOps, ops_for
+from .streamed import COMPRESSIBLE, StreamedState
 
 __all__ = ["ALQState", "alq_hook"]
 
 logger = logging.getLogger(__name__)
-COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _UIDS = itertools.count()
-#: Keywords saved by ``state_dict`` and checked by ``load_state_dict``.
-_SETTINGS = ("method", "bits", "bucket_size", "norm")
 
 
-class ALQState:
+class ALQState(StreamedState):
     """State of :func:`alq_hook`: the method settings, the levels and the round bookkeeping.
 
     Create one per DDP model, on every rank with the same arguments, and register it with
@@ -126,93 +113,23 @@ class ALQState:
         Counters, schedule and both quantizers (what :meth:`metrics` and :meth:`state_dict` read).
     """
 
+    what = "hook's state"
+
     def __init__(self, process_group=None, method: str = "alq", bits: int = 3, bucket_size: int = 8192,
                  exchange: str = "auto", seed: int | None = None, *, update_steps: Sequence[int] | None = None,
                  update_every: int | None = None, min_size: int = 1024, codec: str = "auto",
                  fusion_bytes: int | None = None, bits_second: int | None = None,
                  adapt_second: bool | None = None, norm: str | None = None) -> None:
-        m = get_method(method)
-        if m.name == "terngrad":
-            bits = 2
-        self.process_group = process_group
-        self.method = m.name
-        self.min_size = frontends.check_min_size(min_size)
-        self.codec = codecs.check_name(codec)
-        quantizer = Quantizer(m.name, bits=bits, bucket_size=bucket_size, norm=norm)
-        self.bits = quantizer.bits
-        self.bucket_size = quantizer.bucket_size
-        self.norm = quantizer.norm
-        second = Quantizer(m.name, bits=self.bits if bits_second is None else bits_second,
-                           bucket_size=self.bucket_size, norm=self.norm)
-        self.round_state = RoundState(quantizer, schedule_from(update_steps, update_every), second,
-                                      adapt_second)
-        self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
-        self.engine = Engine(quantizer, self.round_state, exchange=exchange, fusion_bytes=fusion_bytes,
-                             seed=self.seed, uid=f"ddp{next(_UIDS)}")
-        self._transports: list[DistTransport] = []
-        self._ops: dict[str, TorchOps] = {}
-        self._round = None  # the streamed round of the step in progress
-        self._last = -1  # the index of its last bucket so far
+        self._configure(process_group, method, bits, bucket_size, exchange, seed, update_steps, update_every,
+                        min_size, codec, fusion_bytes, bits_second, adapt_second, norm, uid=f"ddp{next(_UIDS)}")
+        self._last = -1  # the index of the step's last bucket so far
 
-    # ------------------------------------------------------------------ configuration
-    @property
-    def levels(self) -> np.ndarray:
-        return self.engine.quantizer.levels
-
-    @property
-    def exchange(self) -> str:
-        return self.engine.exchange
-
-    def __repr__(self) -> str:
-        return (f"ALQState(method={self.method!r}, bits={self.bits}, bucket_size={self.bucket_size}, "
-                f"norm={self.norm!r}, min_size={self.min_size}, exchange={self.exchange!r})")
-
-    # ------------------------------------------------------------------ metrics and state
-    def metrics(self) -> dict:
-        """``levels``, ``multiplier``, ``second_levels``, ``level_updates``, ``step`` (DDP steps
-        exchanged), ``calls`` (quantized DDP buckets), ``payload_bytes``, ``coordinates``,
-        ``uncompressed_coordinates``, ``bits_per_coordinate``, ``bytes_sent`` / ``bytes_received``,
-        ``exchange``: the keys of the Horovod compressors' ``metrics()``."""
-        return self.round_state.metrics()
-
-    def state_dict(self) -> dict:
-        """Levels (both quantizations), counters, seed and settings: a resumed run continues with
-        identical levels. Call between steps."""
-        if self._pending:
-            raise RuntimeError("state_dict() during a DDP step's exchange: call it between steps")
-        return {**{k: getattr(self, k) for k in _SETTINGS}, "seed": self.engine.seed,
-                **self.round_state.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a :meth:`state_dict` (same method, bits, bucket size and norm). Load the same state on
-        every rank, or the next step raises on every rank (the handshake compares the levels)."""
-        if self._pending:
-            raise RuntimeError("load_state_dict() during a DDP step's exchange: call it between steps")
-        differ = [f"{k}: saved {state[k]!r}, this state {getattr(self, k)!r}" for k in _SETTINGS
-                  if k in state and state[k] != getattr(self, k)]
-        if differ:
-            raise ValueError(f"{PREFIX}: the saved state has other settings ({'; '.join(differ)})")
-        self.round_state.load_state_dict(state)
-        self.seed = self.engine.seed = int(state["seed"])
-
-    def __getstate__(self) -> dict:
-        """Pickling (``torch.save(state)``): settings and :meth:`state_dict`; the process group is
-        not picklable and comes back as the default group."""
-        config = {k: getattr(self, k) for k in ("method", "bits", "bucket_size", "norm", "min_size", "codec")}
+    def _config(self) -> dict:
         st = self.round_state
-        config.update(exchange=self.exchange, fusion_bytes=self.engine.fusion_bytes,
-                      update_steps=st.schedule.steps, update_every=st.schedule.every,
-                      bits_second=st.second.bits, adapt_second=st.adapt_second)
-        return {"config": config, "state": self.state_dict()}
-
-    def __setstate__(self, saved: dict) -> None:
-        self.__init__(None, **saved["config"])
-        self.load_state_dict(saved["state"])
+        return {**super()._config(), "exchange": self.exchange, "fusion_bytes": self.engine.fusion_bytes,
+                "bits_second": st.second.bits, "adapt_second": st.adapt_second}
 
     # ------------------------------------------------------------------ the round
-    def _ops_for(self, device: torch.device) -> TorchOps:
-        return ops_for(self._ops, device, self.codec)
-
     def _add(self, index: int, buffer: torch.Tensor) -> torch.futures.Future:
         """One bucket's hook: open the step's round at bucket 0, start this bucket's exchange."""
         if self._round is not None and index <= self._last:
@@ -243,19 +160,6 @@ class ALQState:
         rnd, self._round = self._round, None
         if rnd is not None:
             rnd.close()
-
-    def _stages(self) -> list[DistTransport]:
-        """The transports of a streamed round: the group, then (two-phase) its companion group."""
-        if not self._transports:
-            self._transports.append(DistTransport(self.process_group))
-        size = self._transports[0].size
-        if choose_exchange(self.exchange, size) == "two-phase" and len(self._transports) < 2:
-            self._transports.append(DistTransport(companion_group(self.process_group)))
-        return self._transports
-
-    @property
-    def _pending(self) -> bool:
-        return self._round is not None
 
 
 def _complete(future: torch.futures.Future, buffer: torch.Tensor, scale: float, decoded, error) -> None:

@@ -1,0 +1,234 @@
+"""FSDP2's gradient reduce-scatter with the adaptive quantizers (``fully_shard``, no Horovod).
+
+Usage (launched with ``torchrun``; gloo on CPU, NCCL on GPU)::
+
+    from torch.distributed.fsdp import fully_shard
+    from horovod_alq.torch.fsdp import ALQReduceScatter, quantize_reduce_scatter
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    comm = quantize_reduce_scatter(model, ALQReduceScatter(method="alq", bits=3, bucket_size=8192))
+    ...
+    comm.metrics()          # the Horovod compressors' keys
+    torch.save({"alq": comm.state_dict(), ...}, path)
+
+How it works: FSDP2 reduces each parameter group's gradients with one reduce-scatter of a flat
+input of ``N * S`` coordinates, shard ``j`` (``S`` of them) being what rank ``j`` owns. This comm
+quantizes the N shards separately, sends shard ``j``'s codes to rank ``j`` (one ``all_to_all_single``
+of bit-packed codes) and rank ``j`` decodes and sums its N shards in float32, straight into FSDP's
+output (:mod:`horovod_alq.exchange.reduce_scatter`): one quantization, about ``(N - 1)/N (b + 32/d)``
+bits sent per coordinate. One backward pass is one *streamed round* of the same engine, protocol,
+wire format, methods and refit schedule as the DDP hook and the Horovod compressors: the first
+reduce-scatter of a backward runs a small handshake (settings, levels, round number, refit flag,
+``min_size``; a rank that differs raises on every rank before any payload moves), every later one
+exchanges at once, and at the end of the backward (an autograd engine callback) a refit round
+combines the statistics of every rank with one small allreduce: every rank switches levels at the
+same step. A call outside a backward pass is a round of its own.
+
+Ops: ``ReduceOp.AVG``, ``SUM`` and ``PREMUL_SUM`` (its factor scales the decoded sum; FSDP passes
+it for ``set_reduce_scatter_divide_factor``); any other raises naming it. Inputs of float32,
+bfloat16, float16 or float64 (``MixedPrecisionPolicy(reduce_dtype=...)``) are quantized from
+float32 and the output is written in the input's dtype. Inputs with fewer than ``min_size``
+elements go through torch.distributed's own reduce-scatter. A quantization bucket holding NaN or
+Inf comes back NaN in its owner's shard. HSDP (``fully_shard(mesh=...)`` with a replicate
+dimension): the reduce-scatter over the shard dimension is quantized; the all-reduce across
+replicas stays FSDP's own (float).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from ..core.protocol import PREFIX
+from ..exchange.reduce_scatter import NAME
+from .streamed import COMPRESSIBLE, StreamedState
+
+__all__ = ["ALQReduceScatter", "quantize_reduce_scatter"]
+
+_UIDS = itertools.count()
+#: ``reduce_scatter_tensor`` is called ``reduce_scatter_single`` from PyTorch 2.13 on.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ALQReduceScatter(StreamedState, ReduceScatter):
+    """A ``torch.distributed.fsdp`` ``ReduceScatter`` comm that sends bit-packed quantized codes.
+
+    Create one per model, on every rank with the same arguments, and set it on every FSDP module
+    (:func:`quantize_reduce_scatter`, or ``module.set_custom_reduce_scatter(comm)``).
+
+    Parameters (also attributes)
+    ----------------------------
+    process_group : ProcessGroup, optional
+        The group to reduce over; None (default): the group FSDP passes (its shard group). When
+        given, a call with another group raises.
+    method : str
+        ``"alq"``, ``"alq-n"``, ``"amq"``, ``"amq-n"`` (adaptive), ``"qsgdinf"``, ``"qsgd"``,
+        ``"nuqsgd"``, ``"terngrad"`` (fixed levels; TernGrad always sends 2 bits).
+    bits : int
+        Bits per coordinate on the wire, 2..8. Default 3.
+    bucket_size : int
+        Coordinates per float32 norm, counted from each shard's start. Default 8192.
+    seed : int, optional
+        Seed of the stochastic rounding (mixed with rank, round, call and shard); None: fresh
+        entropy on every rank.
+    update_steps : sequence of int, optional
+        Rounds (backward passes) whose statistics refit the levels (default (0, 100, 2000)); new
+        levels apply from the next backward.
+    update_every : int, optional
+        After the last of ``update_steps``, refit every this many rounds (default 10000; 0: never).
+    min_size : int
+        Reduce-scatter inputs with fewer elements travel uncompressed. Default 1024.
+    codec : str
+        Codec backend (:mod:`horovod_alq.torch.codecs`): "auto" (default), or a backend's name.
+    norm : {"l2", "linf"}, optional
+        Bucket norm (adaptive methods take either; None: the method's default).
+    """
+
+    what = "reduce-scatter comm"
+
+    def __init__(self, process_group=None, method: str = "alq", bits: int = 3, bucket_size: int = 8192,
+                 seed: int | None = None, *, update_steps: Sequence[int] | None = None,
+                 update_every: int | None = None, min_size: int = 1024, codec: str = "auto",
+                 norm: str | None = None) -> None:
+        self._configure(process_group, method, bits, bucket_size, "allgather", seed, update_steps, update_every,
+                        min_size, codec, None, None, None, norm, uid=f"fsdp{next(_UIDS)}")
+        self._task = -1  # the autograd graph task of the round in progress (-1: outside backward)
+
+    @property
+    def exchange(self) -> str:
+        return NAME
+
+    # ------------------------------------------------------------------ the Comm interface
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer for FSDP's reduce-scatter input or output (a plain tensor)."""
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        """Reduce ``input_tensor`` (N shards) over ``group`` and leave this rank's shard, scaled
+        as ``op`` says, in ``output_tensor``. With ``async_op`` returns a Work whose ``wait()``
+        leaves the result there; otherwise returns None with the result in place."""
+        group = self._group(group)
+        stages = self._stages(group, NAME)
+        n = stages[0].size
+        scale = _scale(op, n)
+        _check(output_tensor, input_tensor, n)
+        if input_tensor.dtype not in COMPRESSIBLE or input_tensor.numel() < max(self.min_size, 1):
+            self.round_state.uncompressed_coordinates += input_tensor.numel()
+            _REDUCE_SCATTER(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+            if scale != 1.0:
+                output_tensor.mul_(scale)
+            return _done_work() if async_op else None
+        rnd = self._open(stages, input_tensor.device)
+        flat = input_tensor.detach().reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        future: torch.futures.Future = torch.futures.Future()
+        rnd.add(flat, flat.numel(), functools.partial(_complete, future, output_tensor, scale))
+        if self._task < 0:  # a call outside a backward pass is a round of its own
+            self._close()
+        if async_op:
+            return torch._C._distributed_c10d._create_work_from_future(future)
+        future.wait()
+        return None
+
+    # ------------------------------------------------------------------ the round
+    def _group(self, group):
+        if self.process_group is not None and group is not self.process_group:
+            raise ValueError(f"{PREFIX}: this reduce-scatter comm was made for process group "
+                             f"{dist.get_process_group_ranks(self.process_group)}, and FSDP called it for "
+                             f"{dist.get_process_group_ranks(group)}; make it with process_group=None "
+                             f"(the group FSDP passes) or the FSDP mesh's shard group")
+        return group
+
+    def _open(self, stages, device: torch.device):
+        """The round of the backward pass in progress: opened (the handshake) by its first call."""
+        task = torch._C._current_graph_task_id()
+        if self._round is not None and task != self._task:
+            self._round = None  # the backward of that round raised before its end on this rank
+        if self._round is None:
+            self._round = self.engine.open_stream(self._ops_for(device), stages, min_size=self.min_size,
+                                                  exchange=NAME)
+            self._task = task
+            if task >= 0:  # closed once the backward pass is over (after FSDP's own final callback)
+                torch.autograd.Variable._execution_engine.queue_callback(self._close)
+        return self._round
+
+    def _close(self) -> None:
+        """The round's end: its refit, if any (waits for every call of the round then)."""
+        rnd, self._round, self._task = self._round, None, -1
+        if rnd is not None:
+            rnd.close()
+
+
+def _scale(op, size: int) -> float:
+    """The factor on the sum that ``op`` asks for; ValueError naming any op but AVG, SUM, PREMUL_SUM."""
+    kind = getattr(op, "op", op)
+    if kind == dist.ReduceOp.AVG:
+        return 1.0 / size
+    if kind == dist.ReduceOp.SUM:
+        return 1.0
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        return float(op.factor)
+    raise ValueError(f"{PREFIX}: a quantized reduce-scatter can average or sum (ReduceOp.AVG, SUM, "
+                     f"PREMUL_SUM), not {kind}")
+
+
+def _check(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
+    if not (input.is_floating_point() and output.is_floating_point()):
+        raise TypeError(f"{PREFIX}: a quantized reduce-scatter reduces floating-point tensors, got input "
+                        f"{input.dtype} and output {output.dtype}")
+    if input.numel() != size * output.numel():
+        raise ValueError(f"{PREFIX}: a reduce-scatter over {size} ranks needs an input of {size} x the output's "
+                         f"elements; got an input of {input.numel()} and an output of {output.numel()}")
+    if not output.is_contiguous():
+        raise ValueError(f"{PREFIX}: the reduce-scatter output must be contiguous")
+
+
+def _complete(future: torch.futures.Future, output: torch.Tensor, scale: float, decoded, error) -> None:
+    """A call's exchange finished: this rank's shard, scaled, into the output (or the error)."""
+    if error is not None:
+        future.set_exception(error)
+        return
+    try:
+        lo, hi = decoded.start, decoded.start + decoded.length
+        if output.dtype == torch.float32:
+            decoded.read(lo, hi, scale, output.view(-1))
+        else:
+            output.view(-1).copy_(decoded.read(lo, hi, scale))
+    except BaseException as exc:  # noqa: BLE001
+        future.set_exception(exc)
+        return
+    future.set_result(None)
+
+
+def _done_work():
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(None)
+    return torch._C._distributed_c10d._create_work_from_future(future)
+
+
+def quantize_reduce_scatter(model: torch.nn.Module, comm: ALQReduceScatter | None = None,
+                            **kwargs) -> ALQReduceScatter:
+    """Set ``comm`` (default: ``ALQReduceScatter(**kwargs)``) as the reduce-scatter of every
+    ``fully_shard``-ed module of ``model`` (one comm: one round per backward); returns it.
+    Raises ValueError if no module of ``model`` is an FSDP module."""
+    if comm is None:
+        comm = ALQReduceScatter(**kwargs)
+    elif kwargs:
+        raise TypeError("give a comm or its keywords, not both")
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError(f"{PREFIX}: no module of this {type(model).__name__} was fully_shard-ed; call "
+                         f"torch.distributed.fsdp.fully_shard on its blocks and on the model first")
+    for module in modules:
+        module.set_custom_reduce_scatter(comm)
+    return comm
