@@ -35,7 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .core.methods import NORMS, get_method
-from .core.protocol import ProtocolError
+from .core.protocol import ProtocolError, resolve_timeout, wait_for
 from .core.quantizer import Quantizer
 from .core.rounds import RoundState
 from .core.statistics import statistics_length
@@ -58,40 +58,50 @@ def _rank_seed(seed: int | None, rank: int) -> int | None:
 
 
 class MpiTransport:
-    """The exchange engine's transport over an mpi4py communicator (collectives pair by call order)."""
+    """The exchange engine's transport over an mpi4py communicator (collectives pair by call order):
+    nonblocking collectives, each wait bounded by ``timeout`` seconds
+    (:func:`horovod_alq.core.protocol.resolve_timeout`)."""
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
+    def __init__(self, comm: MPI.Intracomm, timeout: float | None = None) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.scope = f"communicator {comm.Get_name() or 'of ' + str(self.size) + ' ranks'}"
+        self.timeout = resolve_timeout(timeout)
 
     @staticmethod
     def _displacements(counts) -> list[int]:
         return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
 
+    def _waiter(self, request, buf, name: str):
+        def wait():
+            wait_for(request.Test, self.timeout, name, self.scope)
+            return buf
+        return wait
+
     def allgather(self, payload, sizes, name):
         counts = [int(c) for c in sizes]
         buf = np.empty(sum(counts), dtype=np.uint8)
-        self.comm.Allgatherv([np.ascontiguousarray(payload), MPI.BYTE],
-                             [buf, (counts, self._displacements(counts)), MPI.BYTE])
-        return lambda: buf
+        request = self.comm.Iallgatherv([np.ascontiguousarray(payload), MPI.BYTE],
+                                        [buf, (counts, self._displacements(counts)), MPI.BYTE])
+        return self._waiter(request, buf, name)
 
     def alltoall(self, payload, splits, received, name):
         send, recv = [int(c) for c in splits], [int(c) for c in received]
         buf = np.empty(sum(recv), dtype=np.uint8)
-        self.comm.Alltoallv([np.ascontiguousarray(payload), (send, self._displacements(send)), MPI.BYTE],
-                            [buf, (recv, self._displacements(recv)), MPI.BYTE])
-        return lambda: buf
+        request = self.comm.Ialltoallv([np.ascontiguousarray(payload), (send, self._displacements(send)), MPI.BYTE],
+                                       [buf, (recv, self._displacements(recv)), MPI.BYTE])
+        return self._waiter(request, buf, name)
+
+    def _allreduce(self, vec, dtype, op, name):
+        out = np.empty(np.shape(vec), dtype=dtype)
+        return self._waiter(self.comm.Iallreduce(np.ascontiguousarray(vec, dtype=dtype), out, op=op), out, name)()
 
     def allreduce_sum(self, vec, name):
-        out = np.empty_like(vec, dtype=np.float64)
-        self.comm.Allreduce(np.ascontiguousarray(vec, dtype=np.float64), out, op=MPI.SUM)
-        return out
+        return self._allreduce(vec, np.float64, MPI.SUM, name)
 
     def allreduce_max(self, vec, name):
-        out = np.empty_like(vec, dtype=np.int64)
-        self.comm.Allreduce(np.ascontiguousarray(vec, dtype=np.int64), out, op=MPI.MAX)
-        return out
+        return self._allreduce(vec, np.int64, MPI.MAX, name)
 
 
 class NumpyOps:
@@ -183,6 +193,10 @@ class QuantizedAllreduce:
         ``collect_every``-th call since the last :meth:`adapt` (1, the default for adaptive methods:
         every call); 0: only calls made with ``collect=True``. Fixed methods never collect. With an
         adaptive method that you never :meth:`adapt`, pass 0 to skip the statistics' cost.
+    timeout : float, optional
+        Seconds to wait for one of the exchange's collectives (payloads, handshake) before raising
+        an error that names it and the likely causes; default ``$HOROVOD_ALQ_TIMEOUT``, else 300;
+        0: no limit. (The per-call status allgather and :meth:`adapt`'s collectives still block.)
 
     Notes
     -----
@@ -223,6 +237,7 @@ class QuantizedAllreduce:
         exchange: str = "auto",
         bits_second: int | None = None,
         norm: str | None = None,
+        timeout: float | None = None,
     ) -> None:
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
@@ -247,7 +262,7 @@ class QuantizedAllreduce:
         q = self._quantizer
         second = Quantizer(method, q.bits if bits_second is None else bits_second, q.bucket_size, norm=q.norm)
         self._state = RoundState(q, second=second)
-        self._transport = MpiTransport(comm)
+        self._transport = MpiTransport(comm, timeout)
         self._ops = NumpyOps()
         self._engine = Engine(q, self._state, exchange=exchange, fusion_bytes=0,
                               seed=int.from_bytes(os.urandom(8), "little") if seed is None else int(seed),

@@ -320,9 +320,11 @@ def log_path(args, n: int, rate: str) -> Path:
     return folder / f"mpirun_{n}_{rate}.log"
 
 
-def run_netns(args, tmp: Path, n: int, rate: str) -> dict:
+def run_netns(args, tmp: Path, n: int, rate: str, make_args=None) -> dict:
+    """The worker on ``n`` ranks in the namespaces; ``make_args(args, out, ifname)``: its command
+    line (default :func:`worker_args`)."""
     out = tmp / f"result_{n}_{rate}.json"
-    full = net.mpirun_command(tmp, args.yield_when_idle, n) + worker_args(args, out, "eth0")
+    full = net.mpirun_command(tmp, args.yield_when_idle, n) + (make_args or worker_args)(args, out, "eth0")
     log = log_path(args, n, rate)
     print(f"[{n} workers, {rate}] {shlex.join(full)}\n  (output: {log})", flush=True)
     rc = net.launch(full, log, args.timeout)
@@ -331,7 +333,7 @@ def run_netns(args, tmp: Path, n: int, rate: str) -> dict:
     return json.loads(out.read_text())
 
 
-def run_local(args, tmp: Path, n: int) -> dict:
+def run_local(args, tmp: Path, n: int, make_args=None) -> dict:
     """The same worker on this host's loopback (no namespaces, no shaping, shared memory allowed)."""
     out = tmp / f"result_{n}_local.json"
     full = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(n),
@@ -341,7 +343,7 @@ def run_local(args, tmp: Path, n: int) -> dict:
     for k, v in {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOROVOD_CPU_OPERATIONS": "mpi",
                  "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}.items():
         full += ["-x", f"{k}={v}"]
-    full += worker_args(args, out, "lo")
+    full += (make_args or worker_args)(args, out, "lo")
     log = log_path(args, n, "loopback")
     print(f"[{n} workers, loopback] {shlex.join(full)}\n  (output: {log})", flush=True)
     rc = net.launch(full, log, args.timeout)
@@ -510,37 +512,57 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    runs = []
     if args.local:
-        with tempfile.TemporaryDirectory(prefix="alqtrain-") as tmp:
-            for n in workers:
-                runs.append({"workers": n, "rate": "loopback (no namespaces)", "run": run_local(args, Path(tmp), n)})
+        runs = sweep_local(args, workers, "alqtrain-", run_local)
     else:
         status = net.preflight("bench_train_step.py", args.teardown_only, "; --local runs without")
         if status is not None:
             return status
-        try:
-            with tempfile.TemporaryDirectory(prefix="alqtrain-") as tmp:
-                net.setup(max(workers))
-                for rate in args.rates.split(","):
-                    net.shape(None if rate == "unshaped" else rate, max(workers))
-                    bps = net.measure_throughput()
-                    print(f"[{rate}] TCP throughput w0->w1: {bps * 8 / 1e6:.0f} Mbit/s", flush=True)
-                    for n in workers:
-                        run = run_netns(args, Path(tmp), n, rate)
-                        runs.append({"workers": n, "rate": rate, "throughput_Bps": bps, "run": run})
-                        print(json.dumps({k: round(r["step_s"], 4) for k, r in run["results"].items()}), flush=True)
-        finally:
-            left = net.teardown()
-            print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
+        runs = sweep_netns(args, workers, "alqtrain-", run_netns)
+    write_results(args, argv, runs, out, report(args, argv, sorted_runs(args, runs), time.monotonic() - start))
+    return 0
+
+
+def sweep_local(args, workers: list[int], prefix: str, run) -> list[dict]:
+    """``run(args, tmp, n)`` for every worker count on the loopback (no namespaces)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        return [{"workers": n, "rate": "loopback (no namespaces)", "run": run(args, Path(tmp), n)} for n in workers]
+
+
+def sweep_netns(args, workers: list[int], prefix: str, run) -> list[dict]:
+    """``run(args, tmp, n, rate)`` for every rate of ``args.rates`` (the links shaped, their TCP
+    throughput measured) and worker count, in the namespaces of bench_network.py, removed at the end."""
+    runs = []
+    try:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            net.setup(max(workers))
+            for rate in args.rates.split(","):
+                net.shape(None if rate == "unshaped" else rate, max(workers))
+                bps = net.measure_throughput()
+                print(f"[{rate}] TCP throughput w0->w1: {bps * 8 / 1e6:.0f} Mbit/s", flush=True)
+                for n in workers:
+                    result = run(args, Path(tmp), n, rate)
+                    runs.append({"workers": n, "rate": rate, "throughput_Bps": bps, "run": result})
+                    print(json.dumps({k: round(r["step_s"], 4) for k, r in result["results"].items()}), flush=True)
+    finally:
+        left = net.teardown()
+        print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
+    return runs
+
+
+def sorted_runs(args, runs: list[dict]) -> list[dict]:
+    """By worker count, then in the order of ``args.rates``."""
     rates = args.rates.split(",")
-    runs.sort(key=lambda r: (r["workers"], rates.index(r["rate"]) if r["rate"] in rates else 0))
-    text = report(args, argv, runs, time.monotonic() - start)
+    return sorted(runs, key=lambda r: (r["workers"], rates.index(r["rate"]) if r["rate"] in rates else 0))
+
+
+def write_results(args, argv, runs: list[dict], out: Path, text: str) -> None:
+    """The markdown report at ``out``, the runs as JSON next to it, the report on stdout."""
     out.write_text(text)
     out.with_suffix(".json").write_text(json.dumps(
-        {"args": vars(args), "argv": argv if argv is not None else sys.argv[1:], "runs": runs}, indent=1))
+        {"args": vars(args), "argv": argv if argv is not None else sys.argv[1:], "runs": sorted_runs(args, runs)},
+        indent=1))
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

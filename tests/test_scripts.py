@@ -24,7 +24,8 @@ def load(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["variance", "run_accuracy", "bench_network", "bench_codec", "bench_train_step"])
+@pytest.mark.parametrize("name", ["variance", "run_accuracy", "bench_network", "bench_codec", "bench_train_step",
+                                  "bench_fsdp"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
         load(name).main(["--help"])

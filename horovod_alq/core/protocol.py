@@ -18,9 +18,12 @@ Everything here is NumPy; the transports only move the vectors.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
+import os
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -53,6 +56,70 @@ def stable_hash(*parts, bits: int = 62) -> int:
     """A hash of ``repr(parts)`` that is the same on every rank and every run (unlike ``hash``)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << bits) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collective names and bounded waits
+
+_FIRST_USE: dict[str, itertools.count] = {}
+
+
+def first_use_uid(scope: str) -> str:
+    """The name part of the next compressor *used* (not created) in ``scope`` (a process set's
+    identity) by this process: ``"<scope>.<k>"`` for the ``k``-th. Ranks that run the same program
+    first use their compressors of one process set in the same order, whatever objects each rank
+    created (a compressor per process set, one made on some ranks only), so their collectives get
+    the same names; compressors of different process sets never share a name."""
+    counter = _FIRST_USE.setdefault(scope, itertools.count())
+    return f"{scope}.{next(counter)}"
+
+
+#: Seconds a rank waits for one of this package's own collectives before it raises; keyword
+#: ``timeout=`` of every front-end, else ``$HOROVOD_ALQ_TIMEOUT``; 0: wait forever.
+DEFAULT_TIMEOUT = 300.0
+
+
+def resolve_timeout(value: float | None = None) -> float:
+    """``value``, else ``$HOROVOD_ALQ_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`; 0 means no limit
+    (``inf``). ValueError for a negative or non-numeric value."""
+    source = "timeout"
+    if value is None:
+        env = os.environ.get("HOROVOD_ALQ_TIMEOUT")
+        if env is None:
+            return DEFAULT_TIMEOUT
+        source, value = "HOROVOD_ALQ_TIMEOUT", env
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source} must be a number of seconds (0: no limit), got {value!r}") from None
+    if not seconds >= 0:
+        raise ValueError(f"{source} must be a number of seconds >= 0 (0: no limit), got {value!r}")
+    return math.inf if seconds == 0 else seconds
+
+
+def timeout_error(name: str, seconds: float, scope: str) -> "CollectiveTimeout":
+    """The error of a rank that waited ``seconds`` for collective ``name`` over ``scope``."""
+    return CollectiveTimeout(
+        f"{PREFIX}: collective {name!r} over {scope} did not complete within {seconds:g} s "
+        f"(timeout=, $HOROVOD_ALQ_TIMEOUT). Likely causes: a rank stopped calling in the middle of a "
+        f"round (it raised, or took another branch); ranks used their compressors in different "
+        f"orders or a rank used one that others did not (collective names follow the order in which "
+        f"each rank first uses its compressors of a process set); ranks built them with different "
+        f"arguments. Horovod's own stall warnings, if any, name the ranks that did not join")
+
+
+def wait_for(done: Callable[[], bool], seconds: float, name: str, scope: str) -> None:
+    """Return once ``done()`` is true; raise :func:`timeout_error` after ``seconds``. Polls with a
+    backoff from 20 microseconds to 1 ms, so a short collective costs little more than a blocking wait."""
+    if done():
+        return
+    deadline = time.monotonic() + seconds
+    pause = 2e-5
+    while not done():
+        if time.monotonic() > deadline:
+            raise timeout_error(name, seconds, scope)
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +185,10 @@ class ReductionMismatch(ProtocolError):
     this collective at all, so no further collective over the set may be issued for this round."""
 
 
+class CollectiveTimeout(ProtocolError, TimeoutError):
+    """One of this package's collectives did not complete within the timeout (:func:`wait_for`)."""
+
+
 def outsider_vector(size: int) -> np.ndarray:
     """What a rank outside the compressor's process set (of ``size`` ranks) hands an allreduce over
     another set: a vector that makes every member's check fail (the head sums stop matching)."""
@@ -157,11 +228,13 @@ def check_op(head: np.ndarray, size: int) -> None:
 
 
 def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int,
-                       local_error: str | None = None) -> Reduced:
+                       local_error: str | None = None, scope: str = "") -> Reduced:
     """Check a reduced tensor vector and return the scale and the ranks' slots.
 
     Every rank receives the same reduced vector for the same tensor, so every rank raises the same
     error for the same tensor (``local_error`` only makes the message of the failing rank precise).
+
+    ``scope`` names the compressor's process set in messages (e.g. "process set [0, 1]").
 
     Raises
     ------
@@ -173,15 +246,27 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
     v = np.asarray(reduced, dtype=np.float64).ravel()
     n = int(size)
     expected = tensor_vector_length(n)
+    where = f"the compressor's {scope or 'process set'} ({n} ranks)"
     if v.size != expected:
         raise ReductionMismatch(
-            f"{PREFIX}: the reduced control vector has {v.size} elements, expected {expected}: the "
-            f"compressed tensor went through a collective other than allreduce (a reducescatter, or an "
-            f"allreduce over another process set with a different size); horovod_alq compressors "
-            f"support allreduce with op=Sum or op=Average only (use hvd.Compression.none here)")
+            f"{PREFIX}: the reduced control vector has {v.size} elements, expected {expected} for {where}: "
+            f"the compressed tensor went through a collective other than allreduce (a reducescatter), or "
+            f"an allreduce over another process set than the compressor's. Pass the same process_set= to "
+            f"the compressor and to the allreduce / optimizer (or use hvd.Compression.none here)")
     if not np.isfinite(v).all() or v[0] == 0:
         raise ProtocolError(f"{PREFIX}: the reduced control vector is not finite or its scale is 0 "
                             f"({v[:3].tolist()}): the allreduce used an op other than Sum or Average")
+    entries = v[_HEAD:]
+    missing = [r for r in range(n) if entries[r] == 0]
+    if entries[rank] > 0 and missing:
+        # this rank's own entry survived and others' are 0: a Sum or Average over a subset of the
+        # set (Min and Product zero this rank's entry too; Max keeps every entry)
+        raise ReductionMismatch(
+            f"{PREFIX}: this allreduce reduced over {n - len(missing)} of the {n} ranks of {where}: "
+            f"ranks {missing} (in the set's numbering) contributed nothing. The allreduce ran over "
+            f"another process set than the compressor's (pass the same process_set= to the compressor "
+            f"and to the allreduce / optimizer, or make one compressor per process set), or those ranks "
+            f"were in hvd.join() (a joined rank cannot send quantized payloads)")
     check_op(v[:3], n)
     w = v * (n / v[0])  # the sums the vector would have under op=Sum without scaling
     slots_raw = w[_HEAD:]

@@ -150,8 +150,9 @@ class Engine:
         Bytes of float32 gradient per fusion buffer; 0: one buffer per tensor.
     seed : int
         Base of every encode's seed (mixed with rank, round, buffer, shard and phase).
-    uid : str
-        Part of every collective's name; must be the same on every rank for this compressor.
+    uid : str, optional
+        Part of every collective's name; must be the same on every rank for this compressor (the
+        Horovod compressors set it at first use, :func:`horovod_alq.core.protocol.first_use_uid`).
     manual_refit : bool
         The front-end refits itself (mpi4py's ``adapt()``): rounds collect no statistics.
     early : bool
@@ -162,7 +163,7 @@ class Engine:
     """
 
     def __init__(self, quantizer: Quantizer, state: RoundState, *, exchange: str = "auto",
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES, seed: int = 0, uid: str = "0",
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, seed: int = 0, uid: str | None = "0",
                  manual_refit: bool = False, early: bool = False) -> None:
         self.quantizer = quantizer
         self.state = state
@@ -255,7 +256,8 @@ class Engine:
         err = None
         try:
             info = read_tensor_vector(reduced, rank=transport.rank, size=transport.size, slot=entry.slot,
-                                      shape_code=entry.shape_code, local_error=entry.error)
+                                      shape_code=entry.shape_code, local_error=entry.error,
+                                      scope=getattr(transport, "scope", ""))
         except ProtocolError as exc:
             err = exc
         if not rnd.started and isinstance(err, ReductionMismatch):

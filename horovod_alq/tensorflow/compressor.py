@@ -42,7 +42,6 @@ point. ``metrics()["level_updates"]`` therefore counts a refit once the next rou
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import types
 import weakref
@@ -73,7 +72,6 @@ _HEAD = 7  # [1, k, k**2, p, p**2, h, h**2]: slot k, p = rank in the set + 1, h 
 _CONFIG = HEADER_SIZE + 1
 _CONFIG_FIELDS = {3: "method", 4: "bits", 5: "norm", **{i: "bucket_size" for i in range(8, 12)},
                   **{i: "levels" for i in range(24, 32)}, HEADER_SIZE: "bits_second"}
-_UIDS = itertools.count()
 _MASK64 = (1 << 64) - 1
 
 
@@ -261,7 +259,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     method: str = ""
     # Python-side configuration: not part of tf.Module's variable search.
     _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
-        "_fns", "_quantizer", "_schedule", "_method", "_second", "_process_set", "_set_cache"})
+        "_fns", "_quantizer", "_schedule", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid"})
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
@@ -286,7 +284,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         self.min_size = frontends.check_min_size(min_size)
         self.jit_compile = bool(jit_compile)
         seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & _MASK64
-        self._uid = next(_UIDS)
+        self._claimed_uid = None  # the name part of its collectives, claimed at first use (_names)
         self._stats_len = statistics_length(self._method)
         self._outstanding = 0  # eager exchanges begun and not yet decompressed
         self._slot = 0
@@ -338,6 +336,15 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                 f"bucket_size={self.bucket_size}, min_size={self.min_size}, exchange={self._exchange!r})")
 
     # ------------------------------------------------------------------ Horovod interface
+    def _names(self) -> str:
+        """The name part of this compressor's collectives: after the process set and the order in
+        which this process first compresses with compressors of that set
+        (:func:`horovod_alq.core.protocol.first_use_uid`): ranks that created different numbers of
+        compressors still pair their collectives."""
+        if self._claimed_uid is None:
+            self._claimed_uid = protocol.first_use_uid(f"ps{self.process_set.process_set_id}")
+        return self._claimed_uid
+
     @_ClassOrInstance
     def compress(self, tensor):
         """Encode ``tensor`` and return the small head vector to allreduce (no collective here)."""
@@ -354,6 +361,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             head = np.zeros(self._head_len(self.exchange))
             head[0] = 1.0
             return tf.constant(head, tf.float64), _Outsider(self._outsider_message(), tensor.shape, tensor.dtype)
+        self._names()  # claimed at the first compress of a compressible tensor, as in torch
         eager = tf.executing_eagerly()
         slot = self._next_slot(eager)
         try:
@@ -444,7 +452,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     def _allgather(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
         """Gather every rank's payload, check every header, decode and sum (flat float32)."""
-        gathered = _hvd().allgather(ctx.payload, name=f"horovod_alq.{self._uid}.{ctx.slot}", ignore_name_scope=True,
+        gathered = _hvd().allgather(ctx.payload, name=f"horovod_alq.{self._names()}.{ctx.slot}", ignore_name_scope=True,
                                     process_set=self.process_set)
         ok, fitted = self._payloads_ok(ctx, gathered)
 
@@ -463,7 +471,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         n, me, d = self._set_size(), self._set_rank(), self.bucket_size
         parts = self._parts(ctx.numel, "two-phase", n)
         splits = [payload_size(b - a, self.bits, d) for a, b in parts]
-        name = f"horovod_alq.{self._uid}.{ctx.slot}"
+        name = f"horovod_alq.{self._names()}.{ctx.slot}"
         received, rsplits = hvd.alltoall(ctx.payload, splits=splits, name=name + ".a2a", ignore_name_scope=True,
                                          process_set=ps)
         received = tf.reshape(received, [n * splits[me]])

@@ -18,7 +18,6 @@ pass; the first ``decompress`` of the round checks the ranks agree, exchanges th
 
 from __future__ import annotations
 
-import itertools
 import os
 import warnings
 import weakref
@@ -30,7 +29,7 @@ import torch
 
 from ..core import frontends
 from ..core.methods import get_method
-from ..core.protocol import PREFIX, outsider_vector
+from ..core.protocol import PREFIX, first_use_uid, outsider_vector, resolve_timeout
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
 from ..exchange import Engine, Entry
@@ -38,7 +37,6 @@ from . import codecs
 from .transport import HorovodTransport, NotMemberError, TorchOps, hvd, ops_for
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_UIDS = itertools.count()
 
 
 @dataclass
@@ -136,6 +134,15 @@ class QuantizedCompressor(frontends.CompressorBase):
         Start each fusion buffer's exchange as soon as it is complete, during the backward pass
         (default), not at the round's first ``decompress``. Results are the same either way; ranks
         whose rounds disagree complete each other's early collectives and run the round as usual.
+    timeout : float, optional
+        Seconds to wait for any of this compressor's own collectives (payloads, handshake,
+        statistics) before raising an error that names the collective and the likely causes;
+        default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit. Horovod's own allreduce of the
+        control vector is Horovod's (its stall warnings apply).
+
+    Collective names: a compressor's collectives are named after its process set and the order in
+    which this process first *uses* compressors of that set, so ranks that created different numbers
+    of compressors (one per process set, one on some ranks only) still pair (docs/design.md).
     """
 
     method: str = ""
@@ -145,7 +152,7 @@ class QuantizedCompressor(frontends.CompressorBase):
                  min_size: int = 1024, seed: int | None = None, codec: str = "auto",
                  fused: bool | None = None, exchange: str = "auto", fusion_bytes: int | None = None,
                  bits_second: int | None = None, adapt_second: bool | None = None, process_set=None,
-                 norm: str | None = None, overlap: bool = True) -> None:
+                 norm: str | None = None, overlap: bool = True, timeout: float | None = None) -> None:
         method = method or self.method
         self._method = get_method(method)
         self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size, norm=norm)
@@ -156,7 +163,8 @@ class QuantizedCompressor(frontends.CompressorBase):
         self.min_size = frontends.check_min_size(min_size)
         seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
         self._engine = Engine(self._quantizer, self._state, exchange=exchange, fusion_bytes=fusion_bytes,
-                              seed=seed, uid=str(next(_UIDS)), early=bool(overlap))
+                              seed=seed, uid=None, early=bool(overlap))  # uid: at first use
+        self._timeout = resolve_timeout(timeout)
         if fused is not None:
             warnings.warn("horovod_alq: fused= is deprecated; use codec='torch' (fused=False) or "
                           "codec='auto' (fused=True)", DeprecationWarning, stacklevel=2)
@@ -198,6 +206,8 @@ class QuantizedCompressor(frontends.CompressorBase):
             # vector that fails their checks, and raise in decompress.
             size = len(self._process_set.ranks or ())
             return torch.from_numpy(outsider_vector(size)).to(tensor.device), _Outsider(str(err))
+        if self._engine.uid is None:
+            self._engine.uid = first_use_uid(transport.key)
         flat = tensor.detach().reshape(-1)
         entry, vec = self._engine.add(flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport,
                                       ops=self._ops_for(tensor.device))
@@ -259,7 +269,7 @@ class QuantizedCompressor(frontends.CompressorBase):
             # round in progress belongs to the old world and is dropped; levels and counters stay.
             self.reset()
         if self._transport_cache is None:
-            self._transport_cache = HorovodTransport(self._process_set)
+            self._transport_cache = HorovodTransport(self._process_set, self._timeout)
         return self._transport_cache
 
     def _ops_for(self, device: torch.device) -> TorchOps:

@@ -43,7 +43,6 @@ holding NaN or Inf comes back NaN, so ``torch.amp.GradScaler`` skips the step. N
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 from typing import Sequence
 
@@ -56,7 +55,6 @@ from .streamed import COMPRESSIBLE, StreamedState
 __all__ = ["ALQState", "alq_hook"]
 
 logger = logging.getLogger(__name__)
-_UIDS = itertools.count()
 
 
 class ALQState(StreamedState):
@@ -104,6 +102,11 @@ class ALQState(StreamedState):
     norm : {"l2", "linf"}, optional
         Bucket norm (adaptive methods take either; None: the method's default); see
         :class:`horovod_alq.core.Quantizer`.
+    timeout : float, optional
+        Seconds the hook waits for one of its own collectives (the handshake, the statistics, a
+        bucket's payloads when the hook itself waits) before it raises naming the collective;
+        default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit. DDP's own wait for a bucket's
+        future is bounded by the process group's timeout only.
 
     Attributes
     ----------
@@ -119,9 +122,9 @@ class ALQState(StreamedState):
                  exchange: str = "auto", seed: int | None = None, *, update_steps: Sequence[int] | None = None,
                  update_every: int | None = None, min_size: int = 1024, codec: str = "auto",
                  fusion_bytes: int | None = None, bits_second: int | None = None,
-                 adapt_second: bool | None = None, norm: str | None = None) -> None:
+                 adapt_second: bool | None = None, norm: str | None = None, timeout: float | None = None) -> None:
         self._configure(process_group, method, bits, bucket_size, exchange, seed, update_steps, update_every,
-                        min_size, codec, fusion_bytes, bits_second, adapt_second, norm, uid=f"ddp{next(_UIDS)}")
+                        min_size, codec, fusion_bytes, bits_second, adapt_second, norm, uid="ddp", timeout=timeout)
         self._last = -1  # the index of the step's last bucket so far
 
     def _config(self) -> dict:

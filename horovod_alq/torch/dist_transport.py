@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..core.protocol import resolve_timeout, wait_for
+
 
 #: ``all_gather_into_tensor`` is called ``all_gather_single`` from PyTorch 2.13 on (the old name warns).
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -34,9 +36,13 @@ class DistTransport:
         The group (``None``: the default group). This rank must be a member.
     device : torch.device, optional
         Where the collectives' tensors live: CUDA (the current device) for NCCL, CPU otherwise.
+    timeout : float, optional
+        Seconds a wait for one of its collectives may take before it raises
+        (:func:`horovod_alq.core.protocol.resolve_timeout`: default ``$HOROVOD_ALQ_TIMEOUT`` or 300).
     """
 
-    def __init__(self, process_group=None, device: torch.device | None = None) -> None:
+    def __init__(self, process_group=None, device: torch.device | None = None,
+                 timeout: float | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("horovod_alq: torch.distributed is not initialized; call "
                                "dist.init_process_group() first (torchrun sets the environment)")
@@ -50,6 +56,13 @@ class DistTransport:
             nccl = dist.get_backend(process_group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
+        self.scope = f"process group {dist.get_process_group_ranks(process_group or dist.group.WORLD)}"
+        self.timeout = resolve_timeout(timeout)
+
+    def wait(self, work, name: str) -> None:
+        """Wait for ``work`` (bounded by the timeout), raising its error if it failed."""
+        wait_for(work.is_completed, self.timeout, name, self.scope)
+        work.wait()
 
     def allgather(self, payload: torch.Tensor, sizes: Sequence[int], name: str):
         sizes = [int(s) for s in sizes]
@@ -67,7 +80,7 @@ class DistTransport:
                 return out
             return torch.cat([out[r * width: r * width + s] for r, s in enumerate(sizes)])
 
-        return _Pending(work, result)
+        return _Pending(self, work, result, name)
 
     def alltoall(self, payload: torch.Tensor, splits: Sequence[int], received: Sequence[int], name: str):
         out = torch.empty(sum(int(r) for r in received), dtype=torch.uint8, device=self.device)
@@ -75,18 +88,18 @@ class DistTransport:
                                       output_split_sizes=[int(r) for r in received],
                                       input_split_sizes=[int(s) for s in splits], group=self.group,
                                       async_op=True)
-        return _Pending(work, lambda: out)
+        return _Pending(self, work, lambda: out, name)
 
-    def _allreduce(self, vec: np.ndarray, dtype, op) -> np.ndarray:
+    def _allreduce(self, vec: np.ndarray, dtype, op, name: str) -> np.ndarray:
         t = torch.from_numpy(np.ascontiguousarray(vec, dtype=dtype)).to(self.device)
-        dist.all_reduce(t, op=op, group=self.group)
+        self.wait(dist.all_reduce(t, op=op, group=self.group, async_op=True), name)
         return t.cpu().numpy()
 
     def allreduce_sum(self, vec: np.ndarray, name: str) -> np.ndarray:
-        return self._allreduce(vec, np.float64, dist.ReduceOp.SUM)
+        return self._allreduce(vec, np.float64, dist.ReduceOp.SUM, name)
 
     def allreduce_max(self, vec: np.ndarray, name: str) -> np.ndarray:
-        return self._allreduce(vec, np.int64, dist.ReduceOp.MAX)
+        return self._allreduce(vec, np.int64, dist.ReduceOp.MAX, name)
 
 
 class _Pending:
@@ -95,17 +108,17 @@ class _Pending:
     callback returns the result (or raises the collective's error) without waiting on the work,
     which would wait for the callback itself."""
 
-    __slots__ = ("work", "result", "ready", "error")
+    __slots__ = ("transport", "work", "result", "name", "ready", "error")
 
-    def __init__(self, work, result) -> None:
-        self.work, self.result = work, result
+    def __init__(self, transport: DistTransport, work, result, name: str) -> None:
+        self.transport, self.work, self.result, self.name = transport, work, result, name
         self.ready, self.error = False, None
 
     def __call__(self) -> torch.Tensor:
         if self.error is not None:
             raise self.error
         if not self.ready:
-            self.work.wait()
+            self.transport.wait(self.work, self.name)
         return self.result()
 
     def then(self, callback) -> None:

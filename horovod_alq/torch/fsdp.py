@@ -39,7 +39,6 @@ replicas stays FSDP's own (float).
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Sequence
 
 import torch
@@ -47,13 +46,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from ..core.protocol import PREFIX
+from ..core.protocol import PREFIX, wait_for
 from ..exchange.reduce_scatter import NAME
 from .streamed import COMPRESSIBLE, StreamedState
 
 __all__ = ["ALQReduceScatter", "quantize_reduce_scatter"]
 
-_UIDS = itertools.count()
 #: ``reduce_scatter_tensor`` is called ``reduce_scatter_single`` from PyTorch 2.13 on.
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -90,6 +88,9 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         Codec backend (:mod:`horovod_alq.torch.codecs`): "auto" (default), or a backend's name.
     norm : {"l2", "linf"}, optional
         Bucket norm (adaptive methods take either; None: the method's default).
+    timeout : float, optional
+        Seconds a call waits for its exchange (and the round's handshake and statistics) before it
+        raises naming the collective; default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit.
     """
 
     what = "reduce-scatter comm"
@@ -97,9 +98,9 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
     def __init__(self, process_group=None, method: str = "alq", bits: int = 3, bucket_size: int = 8192,
                  seed: int | None = None, *, update_steps: Sequence[int] | None = None,
                  update_every: int | None = None, min_size: int = 1024, codec: str = "auto",
-                 norm: str | None = None) -> None:
+                 norm: str | None = None, timeout: float | None = None) -> None:
         self._configure(process_group, method, bits, bucket_size, "allgather", seed, update_steps, update_every,
-                        min_size, codec, None, None, None, norm, uid=f"fsdp{next(_UIDS)}")
+                        min_size, codec, None, None, None, norm, uid="fsdp", timeout=timeout)
         self._task = -1  # the autograd graph task of the round in progress (-1: outside backward)
 
     @property
@@ -137,6 +138,7 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
             self._close()
         if async_op:
             return torch._C._distributed_c10d._create_work_from_future(future)
+        wait_for(future.done, self.timeout, f"{PREFIX}.fsdp.{self.round_state.step - 1}.rs", stages[0].scope)
         future.wait()
         return None
 

@@ -13,7 +13,7 @@ import torch
 
 from ..core import frontends
 from ..core.methods import get_method
-from ..core.protocol import PREFIX
+from ..core.protocol import PREFIX, resolve_timeout
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
 from ..exchange import Engine
@@ -37,7 +37,7 @@ class StreamedState:
     def _configure(self, process_group, method: str, bits: int, bucket_size: int, exchange: str,
                    seed: int | None, update_steps: Sequence[int] | None, update_every: int | None,
                    min_size: int, codec: str, fusion_bytes: int | None, bits_second: int | None,
-                   adapt_second: bool | None, norm: str | None, uid: str) -> None:
+                   adapt_second: bool | None, norm: str | None, uid: str, timeout: float | None) -> None:
         m = get_method(method)
         if m.name == "terngrad":
             bits = 2
@@ -56,6 +56,7 @@ class StreamedState:
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
         self.engine = Engine(quantizer, self.round_state, exchange=exchange, fusion_bytes=fusion_bytes,
                              seed=self.seed, uid=uid)
+        self.timeout = resolve_timeout(timeout)
         self._transports: dict[object, list[DistTransport]] = {}  # process group -> its stages
         self._ops: dict[str, TorchOps] = {}
         self._round = None  # the streamed round in progress
@@ -104,6 +105,7 @@ class StreamedState:
     def _config(self) -> dict:
         """The keywords that rebuild this object (pickling)."""
         config = {k: getattr(self, k) for k in ("method", "bits", "bucket_size", "norm", "min_size", "codec")}
+        config["timeout"] = 0 if self.timeout == float("inf") else self.timeout
         st = self.round_state
         config.update(update_steps=st.schedule.steps, update_every=st.schedule.every)
         return config
@@ -127,10 +129,10 @@ class StreamedState:
         group = self.process_group if group is None else group
         stages = self._transports.setdefault(group, [])
         if not stages:
-            stages.append(DistTransport(group))
+            stages.append(DistTransport(group, timeout=self.timeout))
         exchange = exchange or choose_exchange(self.exchange, stages[0].size)
         if exchange == "two-phase" and len(stages) < 2:
-            stages.append(DistTransport(companion_group(group)))
+            stages.append(DistTransport(companion_group(group), timeout=self.timeout))
         return stages
 
     @property

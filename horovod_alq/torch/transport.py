@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..core.methods import get_method
+from ..core.protocol import resolve_timeout, wait_for
 from ..core.quantizer import Quantizer
 from ..core.statistics import GRID, BucketMoments, normless_statistics
 from ..core.wire import Header, pack_header
@@ -27,9 +28,10 @@ class NotMemberError(RuntimeError):
 
 
 class HorovodTransport:
-    """Collectives of :mod:`horovod.torch` over one process set (default: the global one)."""
+    """Collectives of :mod:`horovod.torch` over one process set (default: the global one); each
+    wait is bounded by ``timeout`` seconds (:func:`horovod_alq.core.protocol.resolve_timeout`)."""
 
-    def __init__(self, process_set=None) -> None:
+    def __init__(self, process_set=None, timeout: float | None = None) -> None:
         h = hvd()
         self.process_set = h.global_process_set if process_set is None else process_set
         if not self.process_set.included():
@@ -38,6 +40,14 @@ class HorovodTransport:
                                  f"(process_set=), with the same set on every member")
         self.rank = int(self.process_set.rank())
         self.size = int(self.process_set.size())
+        ranks = self.process_set.ranks
+        self.scope = "global process set" if ranks is None else f"process set {list(ranks)}"
+        self.key = f"ps{self.process_set.process_set_id}"  # the same on every rank (Horovod's ids)
+        self.timeout = resolve_timeout(timeout)
+
+    def _wait(self, handle, name: str):
+        wait_for(lambda: hvd().poll(handle), self.timeout, name, self.scope)
+        return hvd().synchronize(handle)
 
     def stale(self) -> bool:
         """Whether Horovod was re-initialized into another world since this transport was made
@@ -49,22 +59,23 @@ class HorovodTransport:
 
     def allgather(self, payload: torch.Tensor, sizes: Sequence[int], name: str):
         handle = hvd().allgather_async(payload, name=name, process_set=self.process_set)
-        return lambda: hvd().synchronize(handle)
+        return lambda: self._wait(handle, name)
 
     def alltoall(self, payload: torch.Tensor, splits: Sequence[int], received: Sequence[int], name: str):
         split_tensor = torch.tensor(list(splits), dtype=torch.int32)
         handle = hvd().alltoall_async(payload, splits=split_tensor, name=name, process_set=self.process_set)
-        return lambda: hvd().synchronize(handle)[0]
+        return lambda: self._wait(handle, name)[0]
 
     def allreduce_sum(self, vec: np.ndarray, name: str) -> np.ndarray:
-        out = hvd().allreduce(torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float64)), op=hvd().Sum,
-                              name=name, process_set=self.process_set)
-        return out.numpy()
+        return self._allreduce(vec, np.float64, hvd().Sum, name)
 
     def allreduce_max(self, vec: np.ndarray, name: str) -> np.ndarray:
-        out = hvd().allreduce(torch.from_numpy(np.ascontiguousarray(vec, dtype=np.int64)), op=hvd().Max,
-                              name=name, process_set=self.process_set)
-        return out.numpy()
+        return self._allreduce(vec, np.int64, hvd().Max, name)
+
+    def _allreduce(self, vec: np.ndarray, dtype, op, name: str) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(vec, dtype=dtype))
+        handle = hvd().allreduce_async(t, op=op, name=name, process_set=self.process_set)
+        return self._wait(handle, name).numpy()
 
 
 class TorchOps:

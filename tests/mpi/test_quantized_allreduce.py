@@ -220,6 +220,16 @@ def test_bad_input_on_one_rank_raises_on_every_rank(run, case):
     assert len({r["errors"]["after"][case] for r in run}) == 1
 
 
+@pytest.mark.multiproc
+def test_a_late_rank_makes_the_waiting_rank_raise_not_hang(run):
+    if run[0]["size"] != 2:
+        pytest.skip("run on 2 ranks")
+    err, seconds = run[0]["bounded_wait"]["error"], run[0]["bounded_wait"]["seconds"]
+    assert err is not None and "'late'" in err and "did not complete within 1 s" in err, err
+    assert 1 <= seconds < 2.5, seconds  # raised at the timeout, before rank 1 came (3 s)
+    assert run[1]["bounded_wait"]["error"] is None
+
+
 # ---------------------------------------------------------------------------------- state, sub-communicators
 @pytest.mark.multiproc
 def test_state_dict_round_trip(run):

@@ -7,21 +7,10 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from horovod_alq.torch import ALQCompressor
 from horovod_alq.torch.ddp import ALQState, alq_hook
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    if dist.is_initialized():
-        pytest.skip("torch.distributed already initialized in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "file"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _model(dtype=torch.float32):

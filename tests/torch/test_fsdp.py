@@ -13,16 +13,6 @@ from horovod_alq.torch import ALQCompressor
 from horovod_alq.torch.fsdp import ALQReduceScatter, quantize_reduce_scatter
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    if dist.is_initialized():
-        pytest.skip("torch.distributed already initialized in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "file"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_set_on_every_fsdp_module(group):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     with pytest.raises(ValueError, match="no module of this Sequential was fully_shard-ed"):

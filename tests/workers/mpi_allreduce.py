@@ -205,6 +205,29 @@ def errors(comm) -> dict:
     return {"errors": res, "after": after, "good_levels": good.levels.tolist()}
 
 
+def bounded_wait(comm) -> dict:
+    """Rank 0 waits for an allreduce that rank 1 joins only 3 s later, with a 1 s timeout: rank 0
+    raises naming it (no hang); rank 1's late call then completes the pending collective."""
+    import time
+
+    from horovod_alq.core.protocol import CollectiveTimeout
+    from horovod_alq.mpi import MpiTransport
+
+    t = MpiTransport(comm, timeout=1)
+    out = {"error": None}
+    if comm.Get_rank() == 0:
+        start = time.monotonic()
+        try:
+            t.allreduce_max(np.ones(4, dtype=np.int64), "late")
+        except CollectiveTimeout as err:
+            out = {"error": str(err), "seconds": time.monotonic() - start}
+    else:
+        time.sleep(3)
+        t.comm.Iallreduce(np.ones(4, dtype=np.int64), np.empty(4, dtype=np.int64), op=MPI.MAX).Wait()
+    comm.Barrier()
+    return out
+
+
 def state(comm) -> dict:
     rank = comm.Get_rank()
     x = rank_data(rank, 700)
@@ -354,6 +377,8 @@ def main() -> None:
                        for m in args.methods.split(",")}
     out["dtypes"] = dtypes(comm)
     out["errors"] = errors(comm)
+    if comm.Get_size() == 2:
+        out["bounded_wait"] = bounded_wait(comm)
     out["state"] = state(comm)
     out["collect"] = collect(comm)
     out["payload"] = payload_dump(comm)

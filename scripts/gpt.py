@@ -1,0 +1,111 @@
+"""A small GPT (decoder-only transformer) and a character-level corpus: the English text that ships
+with Python (``pydoc_data.topics``, about 465k characters, 103 distinct).
+
+    from gpt import GPT, char_splits, sample_batch
+
+    train, val, chars = char_splits()                  # 1-D int64 tensors of character ids
+    model = GPT(len(chars), width=192, layers=4, heads=4, context=128)
+    x, y = sample_batch(train, 8, 128, torch.Generator().manual_seed(0))
+    loss = model.loss(x, y)
+
+Each transformer block is one element of ``model.blocks`` (an ``nn.ModuleList``), so FSDP2 can
+``fully_shard`` them one by one (and then the root: embeddings, final LayerNorm, head).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))`` (causal attention, GELU MLP of 4x width)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not a multiple of heads {heads}")
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token and learned position embeddings, ``layers`` blocks, final LayerNorm, linear head to
+    ``vocab`` logits; inputs of at most ``context`` tokens. About ``12 x layers x width^2``
+    parameters (1.84M for width 192, 4 layers, vocab 103, context 128)."""
+
+    def __init__(self, vocab: int, width: int = 192, layers: int = 4, heads: int = 4, context: int = 128) -> None:
+        super().__init__()
+        self.context = context
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, time, vocab) for token ids ``idx`` (batch, time)."""
+        t = idx.shape[1]
+        if t > self.context:
+            raise ValueError(f"{t} tokens exceed the context of {self.context}")
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of next-token predictions ``self(x)`` against targets ``y``."""
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def corpus() -> str:
+    """Python's pydoc topics (its ``help()`` text), joined in key order."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[k] for k in sorted(topics))
+
+
+def char_splits(val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(train, val, chars): the corpus encoded as indices into ``chars`` (its sorted distinct
+    characters), the last ``val_fraction`` of it held out for validation."""
+    text = corpus()
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([index[c] for c in text], dtype=torch.long)
+    cut = int(len(data) * (1 - val_fraction))
+    return data[:cut], data[cut:], chars
+
+
+def sample_batch(data: torch.Tensor, batch_size: int, context: int,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_size`` random windows of ``data``: inputs (batch, context) and the next characters as targets."""
+    start = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
+    offsets = start[:, None] + torch.arange(context + 1)
+    windows = data[offsets]
+    return windows[:, :-1], windows[:, 1:]
+
+
+def decode(ids, chars: list[str]) -> str:
+    """Characters of the indices ``ids``."""
+    return "".join(chars[int(i)] for i in ids)
