@@ -184,13 +184,13 @@ def _scale(op, size: int) -> float:
                      f"PREMUL_SUM), not {kind}")
 
 
-def _check(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
-    if not (input.is_floating_point() and output.is_floating_point()):
+def _check(output: torch.Tensor, source: torch.Tensor, size: int) -> None:
+    if not (source.is_floating_point() and output.is_floating_point()):
         raise TypeError(f"{PREFIX}: a quantized reduce-scatter reduces floating-point tensors, got input "
-                        f"{input.dtype} and output {output.dtype}")
-    if input.numel() != size * output.numel():
+                        f"{source.dtype} and output {output.dtype}")
+    if source.numel() != size * output.numel():
         raise ValueError(f"{PREFIX}: a reduce-scatter over {size} ranks needs an input of {size} x the output's "
-                         f"elements; got an input of {input.numel()} and an output of {output.numel()}")
+                         f"elements; got an input of {source.numel()} and an output of {output.numel()}")
     if not output.is_contiguous():
         raise ValueError(f"{PREFIX}: the reduce-scatter output must be contiguous")
 

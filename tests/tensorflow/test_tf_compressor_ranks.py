@@ -236,7 +236,7 @@ def two_phase(request):
     """exchange="two-phase" on 2 and 3 ranks: 2900 elements in 23 buckets of 128 (no multiple of
     2 or 3), and a 200-element tensor (2 buckets: an empty shard on 3 ranks)."""
     return run_ranks("tf_compressor.py", np=request.param, timeout=TIMEOUT,
-                     args=["two_phase", "--rounds", 120, "--n", 2900, "--bucket", 128, "--steps", 40])
+                     args=["two_phase", "--rounds", 60, "--n", 2900, "--bucket", 128, "--steps", 40])
 
 
 @pytest.mark.parametrize("method", ["alq", "qsgdinf", "amq"])

@@ -416,8 +416,8 @@ def test_unbiased_for_tiny_and_subnormal_norms(codec):
     """Buckets whose norm is below 2**-64 (1 / norm may overflow float32) or subnormal: the mean of
     K decodes stays within 6 standard errors of x at every coordinate (one decode's error is at most
     the norm, so its standard deviation is too). Before the CPU codec scaled such buckets, their
-    zeros decoded to -norm."""
-    d, k = 64, 200
+    zeros decoded to -norm. (Fewer decodes for Triton, interpreted on CPU: the bound follows K.)"""
+    d, k = 64, 60 if codec.name == "triton" else 200
     g = torch.Generator().manual_seed(3)
     x = torch.rand(3 * d, generator=g) * 2 - 1
     x[:d] *= 1e-40  # subnormal float32
