@@ -338,7 +338,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     # ------------------------------------------------------------------ Horovod interface
     def _names(self) -> str:
         """The name part of this compressor's collectives: after the process set and the order in
-        which this process first compresses with compressors of that set
+        which this process first compresses (any tensor) with compressors of that set
         (:func:`horovod_alq.core.protocol.first_use_uid`): ranks that created different numbers of
         compressors still pair their collectives."""
         if self._claimed_uid is None:
@@ -348,6 +348,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     @_ClassOrInstance
     def compress(self, tensor):
         """Encode ``tensor`` and return the small head vector to allreduce (no collective here)."""
+        self._names()  # claimed at the first compress of any tensor (every rank of the allreduce calls it)
         tensor = tf.convert_to_tensor(tensor)
         numel = tensor.shape.num_elements()
         if tensor.dtype not in COMPRESSIBLE or numel is None or numel < max(self.min_size, 1):
@@ -361,7 +362,6 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             head = np.zeros(self._head_len(self.exchange))
             head[0] = 1.0
             return tf.constant(head, tf.float64), _Outsider(self._outsider_message(), tensor.shape, tensor.dtype)
-        self._names()  # claimed at the first compress of a compressible tensor, as in torch
         eager = tf.executing_eagerly()
         slot = self._next_slot(eager)
         try:

@@ -194,6 +194,9 @@ class QuantizedCompressor(frontends.CompressorBase):
     @frontends.ClassOrInstance
     def compress(self, tensor: torch.Tensor):
         """Record ``tensor`` for this round's exchange; return the control vector to allreduce."""
+        if self._engine.uid is None:  # named at its first compress of any tensor (every rank calls it)
+            ps = self._process_set if self._process_set is not None else hvd().global_process_set
+            self._engine.uid = first_use_uid(f"ps{ps.process_set_id}")
         if tensor.dtype not in COMPRESSIBLE or tensor.numel() < max(self.min_size, 1) or tensor.is_sparse:
             self._state.uncompressed_coordinates += tensor.numel()
             if tensor.dtype == torch.bfloat16:  # Horovod's torch allreduce rejects bfloat16
@@ -206,8 +209,6 @@ class QuantizedCompressor(frontends.CompressorBase):
             # vector that fails their checks, and raise in decompress.
             size = len(self._process_set.ranks or ())
             return torch.from_numpy(outsider_vector(size)).to(tensor.device), _Outsider(str(err))
-        if self._engine.uid is None:
-            self._engine.uid = first_use_uid(transport.key)
         flat = tensor.detach().reshape(-1)
         entry, vec = self._engine.add(flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport,
                                       ops=self._ops_for(tensor.device))

@@ -42,7 +42,6 @@ class HorovodTransport:
         self.size = int(self.process_set.size())
         ranks = self.process_set.ranks
         self.scope = "global process set" if ranks is None else f"process set {list(ranks)}"
-        self.key = f"ps{self.process_set.process_set_id}"  # the same on every rank (Horovod's ids)
         self.timeout = resolve_timeout(timeout)
 
     def _wait(self, handle, name: str):
