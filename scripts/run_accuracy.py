@@ -319,11 +319,19 @@ def plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
     ax.set_title(f"{args.np} workers, {bits} bits, {args.epochs} epochs: mean, min..max over seeds", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
-    bx.axhline(0, color="black", lw=0.8)
     bx.set_ylim(-limit, limit)
     bx.set_xticks(x, [LABELS.get(m, m) for m in methods], rotation=30)
-    bx.set_ylabel("accuracy − fp32, same seed (points)")
-    bx.set_title("paired difference to fp32: mean ± 2 standard errors", fontsize=10)
+    finish_paired_plot(fig, bx, "accuracy − fp32, same seed (points)", path)
+
+
+def finish_paired_plot(fig, bx, ylabel: str, path: Path,
+                       title: str = "paired difference to fp32: mean ± 2 standard errors") -> None:
+    """The paired-difference axis's zero line, labels and grid; the figure saved and closed."""
+    import matplotlib.pyplot as plt
+
+    bx.axhline(0, color="black", lw=0.8)
+    bx.set_ylabel(ylabel)
+    bx.set_title(title, fontsize=10)
     bx.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

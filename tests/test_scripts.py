@@ -25,7 +25,7 @@ def load(name: str):
 
 
 @pytest.mark.parametrize("name", ["variance", "run_accuracy", "bench_network", "bench_codec", "bench_train_step",
-                                  "bench_fsdp"])
+                                  "bench_fsdp", "run_accuracy_gpt", "variance_gpt"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
         load(name).main(["--help"])
@@ -183,3 +183,54 @@ def test_train_exchange_two_ranks(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [(r["method"], r["exchange"]) for r in results] == [("alq-ag", "allgather"), ("alq-2p", "two-phase")]
     assert all(r["accuracy"] > 0.5 and r["bucket_size"] == 8192 for r in results)
+
+
+@pytest.mark.multiproc
+def test_gpt_accuracy_quick(tmp_path):
+    """run_accuracy_gpt.py --quick: one 2-rank launch of train_gpt.py (ALQ through Horovod, fp32,
+    PowerSGD at the rank matched to 3-bit ALQ's bytes through DDP in the same processes)."""
+    mod = load("run_accuracy_gpt")
+    assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "accuracy_gpt.json").read_text())["summary"]
+    pairs = summary.pop("pairs")
+    assert set(summary) == {"alq@3", "none", "psgd-match"}
+    assert set(pairs) == {"alq@3 - none", "alq@3 - psgd-match", "psgd-match - none"}
+    d = pairs["alq@3 - none"]
+    assert d["n"] == 1 and d["mean"] == pytest.approx(summary["alq@3"]["loss"]["mean"] - summary["none"]["loss"]["mean"])
+    for cell in summary.values():
+        assert cell["loss"]["mean"] < 0.85 * __import__("math").log(103), cell  # learned: below the uniform guess
+        assert [s for s, _ in cell["curve"]] == [20]
+    assert summary["none"]["bits_per_coordinate"] == 32.0
+    assert 3.0 < summary["alq@3"]["bits_per_coordinate"] < 3.6  # 3 bits, norms, uncompressed biases
+    # the matched PowerSGD rank's own counters agree with the byte arithmetic that chose it
+    train_gpt, gpt = load("train_gpt"), load("gpt")
+    model = gpt.GPT(103, 128, 4, 4, 64)
+    r = summary["psgd-match"]["powersgd_rank"]
+    params = sum(p.numel() for p in model.parameters())
+    assert summary["psgd-match"]["bits_per_coordinate"] == pytest.approx(8 * train_gpt.powersgd_bytes(model, r) / params,
+                                                                          rel=0.02)
+    target = 8 * train_gpt.quantized_bytes(model, 3, 8192, 1024) / params
+    assert abs(summary["psgd-match"]["bits_per_coordinate"] - target) < 0.2 * target
+    assert summary["alq@3"]["vs_fp32"]["n"] == 1 and "vs_fp32" in summary["psgd-match"]
+    assert (tmp_path / "accuracy_gpt.png").stat().st_size > 10_000
+    assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0  # resumes: the launch's file exists
+
+
+def test_variance_gpt_quick(tmp_path):
+    mod = load("variance_gpt")
+    assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "variance_gpt.json").read_text())
+    assert data["iterations"] == [0, 20]
+    assert {mod.layer_type(n) for n in data["parameters"]} == set(mod.TYPES) | {"norm"}
+    v = data["variance"]
+    for label, _, _ in mod.METHODS:
+        assert all(0 < row["total"] for row in v[f"{label}|3"]), label
+    assert v["alq|3"][-1]["total"] < v["qsgdinf|3"][-1]["total"]  # fitted levels beat the uniform ones
+    sizes = data["quantized_sizes"]
+    for m in mod.ALLOC_METHODS:  # bits per tensor at budget 3: within it, and no worse than uniform 3 bits
+        for bits in data["refit_bits"][f"{m}|3.0"].values():
+            assert sum(b * n for b, n in zip(bits, sizes)) <= 3.0 * sum(sizes) and set(bits) <= set(mod.ALLOC_WIDTHS)
+        last = data["allocation"][f"{m}|3.0"][-1]
+        assert last["oracle"] <= last["uniform3"] + 1e-12 and last["stale"] < last["uniform3"], last
+    assert (tmp_path / "variance_gpt.png").stat().st_size > 10_000
+    assert "| alq |" in (tmp_path / "variance_gpt.md").read_text()

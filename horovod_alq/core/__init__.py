@@ -35,6 +35,8 @@ _EXPORTS = {
     "statistics_length": "statistics",
     "distribution_from_statistics": "statistics",
     "GRID": "statistics",
+    "allocate_bits": "allocation",
+    "Allocation": "allocation",
 }
 
 __all__ = sorted(_EXPORTS)

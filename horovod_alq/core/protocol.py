@@ -74,6 +74,11 @@ def first_use_uid(scope: str) -> str:
     return f"{scope}.{next(counter)}"
 
 
+def process_set_uid(process_set) -> str:
+    """:func:`first_use_uid` for a Horovod process set (torch or TF): scope ``"ps<id>"``."""
+    return first_use_uid(f"ps{process_set.process_set_id}")
+
+
 #: Seconds a rank waits for one of this package's own collectives before it raises; keyword
 #: ``timeout=`` of every front-end, else ``$HOROVOD_ALQ_TIMEOUT``; 0: wait forever.
 DEFAULT_TIMEOUT = 300.0

@@ -342,7 +342,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         (:func:`horovod_alq.core.protocol.first_use_uid`): ranks that created different numbers of
         compressors still pair their collectives."""
         if self._claimed_uid is None:
-            self._claimed_uid = protocol.first_use_uid(f"ps{self.process_set.process_set_id}")
+            self._claimed_uid = protocol.process_set_uid(self.process_set)
         return self._claimed_uid
 
     @_ClassOrInstance

@@ -29,7 +29,7 @@ import torch
 
 from ..core import frontends
 from ..core.methods import get_method
-from ..core.protocol import PREFIX, first_use_uid, outsider_vector, resolve_timeout
+from ..core.protocol import PREFIX, outsider_vector, process_set_uid, resolve_timeout
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
 from ..exchange import Engine, Entry
@@ -196,7 +196,7 @@ class QuantizedCompressor(frontends.CompressorBase):
         """Record ``tensor`` for this round's exchange; return the control vector to allreduce."""
         if self._engine.uid is None:  # named at its first compress of any tensor (every rank calls it)
             ps = self._process_set if self._process_set is not None else hvd().global_process_set
-            self._engine.uid = first_use_uid(f"ps{ps.process_set_id}")
+            self._engine.uid = process_set_uid(ps)
         if tensor.dtype not in COMPRESSIBLE or tensor.numel() < max(self.min_size, 1) or tensor.is_sparse:
             self._state.uncompressed_coordinates += tensor.numel()
             if tensor.dtype == torch.bfloat16:  # Horovod's torch allreduce rejects bfloat16

@@ -113,8 +113,18 @@ def test_keras_model_fit_with_tf_keras():
     assert r0["levels"] != r0["start_levels"]
 
 
-def test_mismatched_configuration_is_refused_on_every_rank():
-    res = _run("mismatch")
+@pytest.fixture(scope="module")
+def checks():
+    """One 2-rank launch of four scenarios in turn (TensorFlow starts once); the refusing ones last."""
+    return _run("misc+compat+mismatch+deadlock")
+
+
+def _scenario(runs, name):
+    return [r[name] for r in runs]
+
+
+def test_mismatched_configuration_is_refused_on_every_rank(checks):
+    res = _scenario(checks, "mismatch")
     needles = {"bits": ("bits=4", "bits=3"), "bucket": ("bucket_size=512", "bucket_size=256"),
                "levels": ("levels differ",), "method": ("amq", "alq"),
                "norm": ("payload made with norm=", "norm=l2", "norm=linf")}
@@ -127,8 +137,8 @@ def test_mismatched_configuration_is_refused_on_every_rank():
         assert r["after"] == res[0]["after"], "a matching exchange after the refusals failed"
 
 
-def test_state_dtypes_nan_grouped_and_eager_tape():
-    res = _run("misc")
+def test_state_dtypes_nan_grouped_and_eager_tape(checks):
+    res = _scenario(checks, "misc")
     for r in res:
         assert r["draws_differ"], "the same rounding draws repeated across steps of a tf.function"
         assert r["rank_payloads_differ"], "two ranks drew the same rounding for the same tensor"
@@ -157,10 +167,10 @@ def test_state_dtypes_nan_grouped_and_eager_tape():
     assert res[0]["dtypes"]["float32.1000"]["digest"] == res[1]["dtypes"]["float32.1000"]["digest"]
 
 
-def test_ops_shapes_and_autograd_are_honoured_or_refused():
+def test_ops_shapes_and_autograd_are_honoured_or_refused(checks):
     """Issue 14 in TensorFlow: Min/Max/Product and shape disagreements raise on every rank (eager
     and tf.function) instead of returning a quantized mean; autograd gives Horovod's gradient."""
-    res = _run("compat")
+    res = _scenario(checks, "compat")
     for r in res:
         for mode in ("eager", "function"):
             for name in ("Min", "Max", "Product"):
@@ -172,12 +182,12 @@ def test_ops_shapes_and_autograd_are_honoured_or_refused():
         assert r["grad_norm"] > 0 and r["grad_max_diff"] < 1e-6
 
 
-def test_ranks_that_disagree_before_decompress_raise_and_recover():
+def test_ranks_that_disagree_before_decompress_raise_and_recover(checks):
     """Issue "Horovod compatibility", item 1: compress issues no collective, so a dtype mismatch
     (upstream's test_horovod_allreduce_type_error, int32 on one rank, a compressed float32 on the
     other) and one rank below min_size raise Horovod's error on both ranks instead of hanging; then
     plain and compressed allreduces work (eager and tf.function)."""
-    res = _run("deadlock")
+    res = _scenario(checks, "deadlock")
     for mode in ("eager", "function"):
         for case in ("dtype", "min_size"):
             errors = [r[f"{mode}.{case}"] for r in res]
@@ -231,11 +241,12 @@ def test_tape_with_process_set_trains_the_members_alike(process_sets):
     assert t0["step"] == 6 and t2["step"] is None and t0["traces"] == 1
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def two_phase(request):
-    """exchange="two-phase" on 2 and 3 ranks: 2900 elements in 23 buckets of 128 (no multiple of
-    2 or 3), and a 200-element tensor (2 buckets: an empty shard on 3 ranks)."""
-    return run_ranks("tf_compressor.py", np=request.param, timeout=TIMEOUT,
+@pytest.fixture(scope="module")
+def two_phase():
+    """exchange="two-phase" on 3 ranks: 2900 elements in 23 buckets of 128 (no multiple of 3), and
+    a 200-element tensor (2 buckets: an empty shard). Two ranks: the process-set scenario's set
+    {0, 1} runs the two-phase exchange (identical results, error of one draw and of the mean)."""
+    return run_ranks("tf_compressor.py", np=3, timeout=TIMEOUT,
                      args=["two_phase", "--rounds", 60, "--n", 2900, "--bucket", 128, "--steps", 40])
 
 
@@ -272,8 +283,14 @@ REFUSAL_TIMEOUT = 300  # a rank left in a payload collective fails the test here
 
 
 @pytest.fixture(scope="module")
-def reducescatter_refused():
-    return run_ranks("tf_compressor.py", np=2, timeout=REFUSAL_TIMEOUT, args=["reducescatter"])
+def refusals():
+    """hvd.reducescatter and hvd.join with the compressors, in turn in one 2-rank launch."""
+    return run_ranks("tf_compressor.py", np=2, timeout=REFUSAL_TIMEOUT, args=["reducescatter+join"])
+
+
+@pytest.fixture(scope="module")
+def reducescatter_refused(refusals):
+    return _scenario(refusals, "reducescatter")
 
 
 def _after_identical(res, keys):
@@ -304,8 +321,8 @@ def test_reducescatter_is_refused_on_every_rank_then_works(reducescatter_refused
 
 
 @pytest.fixture(scope="module")
-def join_refused():
-    return run_ranks("tf_compressor.py", np=2, timeout=REFUSAL_TIMEOUT, args=["join"])
+def join_refused(refusals):
+    return _scenario(refusals, "join")
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "two-phase"])

@@ -1,7 +1,9 @@
-"""Worker for tests/tensorflow/test_compressor_ranks.py: one scenario per run, chosen by argv[1].
+"""Worker for tests/tensorflow/test_tf_compressor_ranks.py: the scenario chosen by argv[1].
 
-TensorFlow starts slowly, so each scenario checks several things in one run. The ``keras``
-scenario sets TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then tf_keras).
+TensorFlow starts slowly, so each scenario checks several things in one run, and scenarios joined
+by "+" ("misc+compat") run in turn in one launch, reported as {scenario: result}. The ``keras``
+scenario sets TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then tf_keras);
+it and ``process_sets`` (its own hvd.init) run alone.
 """
 
 import argparse
@@ -10,10 +12,13 @@ import os
 import sys
 
 
+SCENARIOS = ["exchange", "train", "keras", "mismatch", "misc", "compat", "deadlock", "process_sets", "two_phase",
+             "reducescatter", "join"]
+
+
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["exchange", "train", "keras", "mismatch", "misc", "compat", "deadlock",
-                                        "process_sets", "two_phase", "reducescatter", "join"])
+    p.add_argument("scenario", help="one of " + ", ".join(SCENARIOS) + ", or several joined by '+'")
     p.add_argument("--methods", default="alq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket", type=int, default=512)
@@ -24,7 +29,13 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--large", action="store_true", help="exchange: also a 65536-element tensor")
-    return p.parse_args()
+    args = p.parse_args()
+    args.scenarios = args.scenario.split("+")
+    unknown = [s for s in args.scenarios if s not in SCENARIOS]
+    alone = {"keras", "process_sets"} & set(args.scenarios)
+    if unknown or (alone and len(args.scenarios) > 1):
+        p.error(f"scenario {args.scenario!r}: unknown {unknown} or {sorted(alone)} not alone")
+    return args
 
 
 ARGS = parse_args()
@@ -679,8 +690,10 @@ def main() -> None:
         hvd.init(process_sets=[PROCESS_SET])
     else:
         hvd.init()
-    scenario = "keras_fit" if ARGS.scenario == "keras" else ARGS.scenario
-    report(globals()[scenario](ARGS))
+    if len(ARGS.scenarios) > 1:
+        report({name: globals()[name](ARGS) for name in ARGS.scenarios})
+    else:
+        report(globals()["keras_fit" if ARGS.scenario == "keras" else ARGS.scenario](ARGS))
     hvd.shutdown()
 
 
