@@ -44,7 +44,11 @@ GRIDS = {
 # Same-seed comparisons shown in the second table: (row, against).
 PAIRS = [("alq@3", "qsgdinf@3"), ("amq@3", "qsgdinf@3"), ("alq@2", "qsgdinf@2"), ("alq@2", "terngrad"),
          ("alq@3", "amq@3"), ("alq@3", "psgd-match"), ("amq@3", "psgd-match"), ("alq@3", "none"), ("amq@3", "none"),
-         ("psgd-match", "none"), ("qsgdinf@3", "none"), ("fp16", "none")]
+         ("psgd-match", "none"), ("qsgdinf@3", "none"), ("fp16", "none"),
+         # the wider grid: 4 bits, norm-less forms, L2 buckets, allgather against two-phase (auto)
+         ("alq@4", "qsgdinf@4"), ("alq-n@3", "alq@3"), ("amq-n@3", "amq@3"), ("alq@3", "alq-l2@3"),
+         ("amq@3", "amq-l2@3"), ("alq-ag@3", "alq@3"), ("amq-ag@3", "amq@3"), ("qsgdinf-ag@3", "qsgdinf@3"),
+         ("nuqsgd@3", "qsgdinf@3")]
 LABELS = {"none": "fp32", "fp16": "fp16", "terngrad": "TernGrad", "psgd2": "PowerSGD rank 2"}
 
 
@@ -170,7 +174,9 @@ def order(labels) -> list:
 
 def markdown(summary: dict) -> str:
     def pm(d):
-        return f"{d['mean']:+.4f} ± {d['sem']:.4f}" if d else "-"
+        if not d:
+            return "-"
+        return f"{d['mean']:+.4f} ± {d['sem']:.4f}" if d["n"] > 1 else f"{d['mean']:+.4f} (one seed)"
 
     lines = ["| method | bits/coord sent | eval loss (nats/char) | bits/char | − fp32, same seed | "
              "− QSGDinf same bits, same seed | seeds |", "|---|---:|---:|---:|---:|---:|---:|"]
