@@ -234,3 +234,16 @@ def test_variance_gpt_quick(tmp_path):
         assert last["oracle"] <= last["uniform3"] + 1e-12 and last["stale"] < last["uniform3"], last
     assert (tmp_path / "variance_gpt.png").stat().st_size > 10_000
     assert "| alq |" in (tmp_path / "variance_gpt.md").read_text()
+
+
+def test_gpt_corpus_split_is_deterministic_and_round_trips():
+    gpt = load("gpt")
+    train, val, chars = gpt.char_splits()
+    again = gpt.char_splits()
+    assert train.equal(again[0]) and val.equal(again[1]) and chars == again[2]
+    text = gpt.corpus()
+    assert len(train) + len(val) == len(text) and len(val) == len(text) - int(0.9 * len(text))
+    assert gpt.decode(train[:2000], chars) == text[:2000] and gpt.decode(val[-500:], chars) == text[-500:]
+    assert len(chars) == len(set(text)) and chars == sorted(chars)
+    x, y = gpt.sample_batch(train, 4, 16, __import__("torch").Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 16) and x[:, 1:].equal(y[:, :-1])  # targets: the next character
