@@ -129,7 +129,7 @@ def evaluate(model: torch.nn.Module, val: torch.Tensor, args) -> float:
     return float(torch.stack(losses).sum() / len(starts))
 
 
-def make_run(name: str, bits: int | None, args, vocab: int, hvd, dist):
+def make_run(name: str, bits: int | None, args, vocab: int, hvd):
     """(model to call, model whose parameters are evaluated, optimizer, state with metrics or None, extra record)."""
     from horovod_alq import torch as alq
 
@@ -173,7 +173,7 @@ def make_run(name: str, bits: int | None, args, vocab: int, hvd, dist):
     return ddp, model, adamw, state, extra
 
 
-def sent_bits(name: str, state, params: int) -> float:
+def sent_bits(name: str, state) -> float:
     """Bits per coordinate a rank put into its exchange (the payload; a ring allreduce sends about
     twice that, allgather and two-phase per their design)."""
     if name == "none":
@@ -187,11 +187,11 @@ def sent_bits(name: str, state, params: int) -> float:
     return (m["bits_per_coordinate"] * m["coordinates"] + 32.0 * m["uncompressed_coordinates"]) / max(1, coords)
 
 
-def train(spec: str, args, data, hvd, dist) -> dict:
+def train(spec: str, args, data, hvd) -> dict:
     name, bits = parse_method(spec)
     train_ids, val_ids, chars = data
     rank = hvd.rank()
-    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd, dist)
+    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     curve, losses = [], []
     start = time.perf_counter()
@@ -214,7 +214,7 @@ def train(spec: str, args, data, hvd, dist) -> dict:
     out = {"method": name, "spec": spec, "bits": bits, "bucket_size": args.bucket_size if bits else None,
            "eval_loss": curve[-1][1] if curve else None, "curve": curve,
            "train_loss_last50": sum(losses[-50:]) / len(losses[-50:]), "seconds_per_step": seconds / args.steps,
-           "bits_per_coordinate": sent_bits(name, state, params), "params": params,
+           "bits_per_coordinate": sent_bits(name, state), "params": params,
            "max_abs_param": float(worst), **extra}
     if curve:
         out["eval_bpc"] = curve[-1][1] / math.log(2)
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     data = char_splits()
     results = []
     for spec in specs:
-        r = train(spec, args, data, hvd, dist)
+        r = train(spec, args, data, hvd)
         results.append(r)
         if hvd.rank() == 0:
             print(f"{spec:>12}  eval loss {r['eval_loss']:.4f}  ({r['eval_bpc']:.3f} bits/char)  "

@@ -100,8 +100,7 @@ def allocate_bits(errors: np.ndarray, sizes: Sequence[int], budget: float, width
         raise ValueError(f"budget {budget} is below the narrowest width {int(widths_a[0])}")
     hulls = [_hull(widths_a, errors[t]) for t in range(len(sizes_a))]
     position = [0] * len(sizes_a)  # index into each tensor's hull
-    spare = budget * float(sizes_a.sum()) - float((sizes_a * widths_a[[h[0] for h in hulls]]).sum())
-    # the narrowest width may not be on a hull: a tensor starts at its hull's first point
+    spare = (budget - float(widths_a[0])) * float(sizes_a.sum())  # every hull starts at the narrowest width
     heap: list[tuple[float, int]] = []
 
     def push(t: int) -> None:
