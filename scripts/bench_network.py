@@ -390,7 +390,7 @@ def main(argv=None) -> int:
                    help="Open MPI's mpi_yield_when_idle for the ranks; default 1 (the ranks share this "
                         "machine's cores; 0: busy-wait, what the runs before 2026-12-01 did)")
     p.add_argument("--out-dir", default="docs")
-    p.add_argument("--tag", default="", help="suffix of the output file names (bench_network<tag>.md/.json/.png)")
+    p.add_argument("--tag", default="", help="suffix of the output file names (bench_network<tag>.md/.png, data/bench_network<tag>.json)")
     p.add_argument("--quick", action="store_true", help="1gbit only, MLP 512, 2 steps")
     p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of this script")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
     if status is not None:
         return status
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "data").mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     runs, throughput = {}, {}
     try:
@@ -426,7 +426,7 @@ def main(argv=None) -> int:
     wall = time.monotonic() - start
     text = report(runs, args, argv, throughput, wall)
     (out_dir / f"bench_network{args.tag}.md").write_text(text)
-    (out_dir / f"bench_network{args.tag}.json").write_text(json.dumps({"args": vars(args), "throughput_Bps": throughput,
+    (out_dir / "data" / f"bench_network{args.tag}.json").write_text(json.dumps({"args": vars(args), "throughput_Bps": throughput,
                                                                     "runs": runs}, indent=1))
     plot(runs, args, out_dir / f"bench_network{args.tag}.png")
     print(text)

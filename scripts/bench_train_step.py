@@ -314,8 +314,8 @@ def worker_args(args, out: Path, ifname: str) -> list[str]:
 
 
 def log_path(args, n: int, rate: str) -> Path:
-    """mpirun's output, kept next to the report (<out stem>_logs/)."""
-    folder = Path(args.out).parent / f"{Path(args.out).stem}_logs"
+    """mpirun's output, kept beside the report (data/<out stem>_logs/)."""
+    folder = Path(args.out).parent / "data" / f"{Path(args.out).stem}_logs"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"mpirun_{n}_{rate}.log"
 
@@ -557,9 +557,11 @@ def sorted_runs(args, runs: list[dict]) -> list[dict]:
 
 
 def write_results(args, argv, runs: list[dict], out: Path, text: str) -> None:
-    """The markdown report at ``out``, the runs as JSON next to it, the report on stdout."""
+    """The markdown report at ``out``, the runs as JSON in data/ beside it, the report on stdout."""
     out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(
+    data = out.parent / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / out.with_suffix(".json").name).write_text(json.dumps(
         {"args": vars(args), "argv": argv if argv is not None else sys.argv[1:], "runs": sorted_runs(args, runs)},
         indent=1))
     print(text)

@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
     p.add_argument("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
     p.add_argument("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/accuracy_raw")
-    p.add_argument("--out-dir", default="docs", help="accuracy.md, accuracy.json, accuracy.png go here")
+    p.add_argument("--out-dir", default="docs", help="accuracy.md and accuracy.png go here, accuracy.json and the raw runs to its data/")
     p.add_argument("--tag", default="", help="suffix of the output names: accuracy<tag>.md etc.; default none")
     p.add_argument("--timeout", type=float, default=7200, help="seconds per launch; default 7200")
     p.add_argument("--aggregate-only", action="store_true", help="do not launch, only aggregate")
@@ -264,7 +264,7 @@ def _same_seed_table(summary, methods, configs, labels, key: str, title: str, ro
 def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
     methods, configs, summary = summarize(table)
     text = markdown(methods, configs, summary)
-    (out_dir / f"accuracy{args.tag}.json").write_text(json.dumps(
+    (out_dir / "data" / f"accuracy{args.tag}.json").write_text(json.dumps(
         {"np": args.np, "bits": args.bits_list, "epochs": args.epochs, "lr": args.lr, "wall_seconds": wall,
          "summary": summary}, indent=2))
     (out_dir / f"accuracy{args.tag}.md").write_text(text)
@@ -341,8 +341,8 @@ def finish_paired_plot(fig, bx, ylabel: str, path: Path,
 def main(argv=None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
-    raw_dir = Path(args.raw_dir) if args.raw_dir else out_dir / "accuracy_raw"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    raw_dir = Path(args.raw_dir) if args.raw_dir else out_dir / "data" / "accuracy_raw"
+    (out_dir / "data").mkdir(parents=True, exist_ok=True)
     raw_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     if not args.aggregate_only:

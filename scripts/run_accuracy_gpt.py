@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=250, help="train_gpt.py --steps; default 250")
     p.add_argument("--batch-size", type=int, default=8, help="train_gpt.py --batch-size; default 8")
     p.add_argument("--extra", default="", help="more train_gpt.py arguments, quoted")
-    p.add_argument("--out-dir", default="docs", help="accuracy_gpt.md/.json/.png go here")
+    p.add_argument("--out-dir", default="docs", help="accuracy_gpt.md/.png go here, accuracy_gpt.json and the raw runs to its data/")
     p.add_argument("--timeout", type=float, default=5400, help="seconds per launch; default 5400")
     p.add_argument("--aggregate-only", action="store_true")
     p.add_argument("--quick", action="store_true", help="2 ranks, seed 0, alq@3, none, psgd-match, 20 steps")
@@ -200,7 +200,7 @@ def markdown(summary: dict) -> str:
 
 def preamble(args, rows: dict) -> str:
     """What the table is: model, data, budget, workers, seeds, date."""
-    first = json.loads(next(iter(sorted((Path(args.out_dir) / "accuracy_gpt_raw").glob(
+    first = json.loads(next(iter(sorted((Path(args.out_dir) / "data" / "accuracy_gpt_raw").glob(
         f"np{args.np}_d*_t{args.steps}_b{args.batch_size}_*.json")))).read_text())
     a = first["args"]
     params = next(iter(next(iter(rows.values())).values()))["params"]
@@ -250,7 +250,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
-    raw_dir = out_dir / "accuracy_gpt_raw"
+    raw_dir = out_dir / "data" / "accuracy_gpt_raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     if not args.aggregate_only:
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         return 1
     summary = summarize(rows)
     text = preamble(args, rows) + markdown(summary)
-    (out_dir / "accuracy_gpt.json").write_text(json.dumps(
+    (out_dir / "data" / "accuracy_gpt.json").write_text(json.dumps(
         {"np": args.np, "steps": args.steps, "batch_size": args.batch_size, "summary": summary}, indent=2))
     (out_dir / "accuracy_gpt.md").write_text(text)
     plot(summary, out_dir / "accuracy_gpt.png",

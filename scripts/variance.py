@@ -75,9 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="default 32")
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="docs", help="variance.md/.json and PNGs go here")
+    p.add_argument("--out-dir", default="docs", help="variance.md and PNGs go here, variance.json to its data/")
     p.add_argument("--quick", action="store_true", help="30 iterations, 3 bits, bucket 512")
-    p.add_argument("--replot", action="store_true", help="only rebuild variance.md and the PNGs from variance.json")
+    p.add_argument("--replot", action="store_true", help="only rebuild variance.md and the PNGs from data/variance.json")
     args = p.parse_args(argv)
     if args.quick:
         args.iters, args.eval_every, args.refit_every, args.paper_steps = 30, 10, 10, "0,20"
@@ -92,14 +92,14 @@ def variance_of(q: Quantizer, g: np.ndarray) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "data").mkdir(parents=True, exist_ok=True)
     bits_list = [int(b) for b in args.bits.split(",")]
     buckets = [int(b) for b in args.buckets.split(",")]
     paper_steps = {int(s) for s in args.paper_steps.split(",") if s.strip()}
     norms = [n.strip() for n in args.norms.split(",") if n.strip()]
     ADAPTIVE[:] = [f"{m}-{norm}" for m in BASES for norm in norms]
     if args.replot:
-        data = json.loads((out / "variance.json").read_text())
+        data = json.loads((out / "data" / "variance.json").read_text())
         ADAPTIVE[:] = [f"{m}-{norm}" for m in BASES for norm in data["args"].get("norms", "l2").split(",")]
         bits_list = [int(b) for b in data["args"]["bits"].split(",")]
         buckets = [int(b) for b in data["args"]["buckets"].split(",")]
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
             "variance": var, "levels": levels, "wall_seconds": wall,
             "statistics_plus_adapt_ms_mean": 1e3 * adapt_seconds / max(1, adapt_calls),
             "argv": argv if argv is not None else sys.argv[1:]}
-    (out / "variance.json").write_text(json.dumps(data))
+    (out / "data" / "variance.json").write_text(json.dumps(data))
     return write_outputs(data, bits_list, buckets, out, data["argv"])
 
 

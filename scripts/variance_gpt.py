@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (train_gpt.py's); default 3e-3")
     p.add_argument("--budgets", default="2.5,3", help="mean bits per coordinate of the allocations; '' for none")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="docs", help="variance_gpt.md/.json/.png go here")
+    p.add_argument("--out-dir", default="docs", help="variance_gpt.md/.png go here, variance_gpt.json to its data/")
     p.add_argument("--quick", action="store_true", help="20 iterations, 3 bits")
     args = p.parse_args(argv)
     if args.quick:
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     from train_gpt import lr_at
 
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "data").mkdir(parents=True, exist_ok=True)
     bits_list = [int(b) for b in args.bits.split(",")]
     refits = {int(s) for s in args.refit_steps.split(",") if s.strip()}
     quantizers = {(label, b): Quantizer(m, bits=2 if m == "terngrad" else b, bucket_size=args.bucket_size, norm=n)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     record.update(args=vars(args), wall_seconds=time.monotonic() - start, parameters=names,
                   quantized_parameters=[n for n, g in quantized], quantized_sizes=sizes,
                   argv=argv if argv is not None else sys.argv[1:])
-    (out / "variance_gpt.json").write_text(json.dumps(record))
+    (out / "data" / "variance_gpt.json").write_text(json.dumps(record))
     text = report(record, bits_list)
     (out / "variance_gpt.md").write_text(text)
     plot(record, bits_list, out / "variance_gpt.png")

@@ -92,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the Markdown report here (and the raw numbers next to it, .json)")
+    p.add_argument("--out", help="write the Markdown report here (and the raw numbers to data/<name>.json beside it)")
     p.add_argument("--quick", action="store_true", help="2 checkpoints (20, 60), 2 draws, bucket 8192, 20 unbiased samples")
     args = p.parse_args(argv)
     if args.quick:
@@ -268,8 +268,10 @@ def main(argv=None) -> int:
     text = report(data, methods, buckets, workers, checkpoints)
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(data))
+        out = Path(args.out)
+        out.write_text(text)
+        (out.parent / "data").mkdir(parents=True, exist_ok=True)
+        (out.parent / "data" / out.with_suffix(".json").name).write_text(json.dumps(data))
     return 0
 
 

@@ -35,7 +35,7 @@ def test_help(name, capsys):
 
 def test_variance_quick(tmp_path):
     assert load("variance").main(["--quick", "--out-dir", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "variance.json").read_text())
+    data = json.loads((tmp_path / "data" / "variance.json").read_text())
     assert data["iterations"] == [0, 10, 20, 30]
     v = data["variance"]
     for norm in ("l2", "linf"):  # the adaptive methods with each bucket norm
@@ -59,7 +59,7 @@ def test_run_accuracy_aggregates(tmp_path):
             json.dumps({"args": {"seed": seed}, "results": [{"method": "alq", "bucket_size": 8192, "accuracy": acc - 0.1}]}))
     mod = load("run_accuracy")
     assert mod.main(["--aggregate-only", "--epochs", "4", "--raw-dir", str(raw), "--out-dir", str(tmp_path)]) == 0
-    summary = json.loads((tmp_path / "accuracy.json").read_text())["summary"]
+    summary = json.loads((tmp_path / "data" / "accuracy.json").read_text())["summary"]
     assert summary["alq@512"]["n"] == 2 and summary["alq@512"]["mean"] == pytest.approx(91.0)
     assert summary["none@None"]["mean"] == pytest.approx(92.0)
     assert "-10.00" in (tmp_path / "accuracy.md").read_text()  # bucket-size change 512 -> 8192
@@ -118,7 +118,7 @@ def test_run_accuracy_aggregates_several_bit_widths(tmp_path):
         ["alq-linf", "terngrad", "none"], ["alq-linf"]]
     assert mod.main(["--aggregate-only", "--bits", "2,3", "--raw-dir", str(raw), "--out-dir", str(tmp_path),
                      "--tag", "_t"]) == 0
-    summary = json.loads((tmp_path / "accuracy_t.json").read_text())["summary"]
+    summary = json.loads((tmp_path / "data" / "accuracy_t.json").read_text())["summary"]
     assert summary["alq-linf@b2d8192"]["mean"] == pytest.approx(90.0)
     assert summary["alq-linf@b3d8192"]["vs_fp32"]["mean"] == pytest.approx(2.0)
     assert summary["terngrad@b2d8192"]["n"] == 2 and "terngrad@b3d8192" not in summary
@@ -164,7 +164,7 @@ def test_run_accuracy_aggregates_two_phase(tmp_path):
         ["alq-ag", "alq-2p", "none"]]
     assert mod.main(["--aggregate-only", "--buckets", "8192", "--raw-dir", str(raw), "--out-dir", str(tmp_path),
                      "--tag", "_x"]) == 0
-    summary = json.loads((tmp_path / "accuracy_x.json").read_text())["summary"]
+    summary = json.loads((tmp_path / "data" / "accuracy_x.json").read_text())["summary"]
     assert summary["alq-2p@8192"]["vs_allgather"]["mean"] == pytest.approx(-0.5)
     assert summary["alq-2p@8192"]["vs_fp32"]["mean"] == pytest.approx(-1.5)
     assert "vs_allgather" not in summary["alq-ag@8192"]
@@ -191,7 +191,7 @@ def test_gpt_accuracy_quick(tmp_path):
     PowerSGD at the rank matched to 3-bit ALQ's bytes through DDP in the same processes)."""
     mod = load("run_accuracy_gpt")
     assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0
-    summary = json.loads((tmp_path / "accuracy_gpt.json").read_text())["summary"]
+    summary = json.loads((tmp_path / "data" / "accuracy_gpt.json").read_text())["summary"]
     pairs = summary.pop("pairs")
     assert set(summary) == {"alq@3", "none", "psgd-match"}
     assert set(pairs) == {"alq@3 - none", "alq@3 - psgd-match", "psgd-match - none"}
@@ -219,7 +219,7 @@ def test_gpt_accuracy_quick(tmp_path):
 def test_variance_gpt_quick(tmp_path):
     mod = load("variance_gpt")
     assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "variance_gpt.json").read_text())
+    data = json.loads((tmp_path / "data" / "variance_gpt.json").read_text())
     assert data["iterations"] == [0, 20]
     assert {mod.layer_type(n) for n in data["parameters"]} == set(mod.TYPES) | {"norm"}
     v = data["variance"]

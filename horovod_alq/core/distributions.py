@@ -222,11 +222,13 @@ class TruncatedNormal(_Distribution):
         return out
 
     def pdf(self, x: ArrayLike) -> np.ndarray | float:
+        """Density at ``x`` (0 outside the support)."""
         x = _asfloat(x)
         phiz = self._eval(x)[1]
         return _out(np.where((x >= self.a) & (x <= self.b), phiz / self.sigma, 0.0))
 
     def cdf(self, x: ArrayLike) -> np.ndarray | float:
+        """Cumulative distribution function at ``x``."""
         return _out(np.clip(self._eval(_asfloat(x))[0], 0.0, 1.0))
 
     def _ppf_raw(self, q: np.ndarray) -> np.ndarray:
@@ -263,9 +265,11 @@ class TruncatedNormal(_Distribution):
         return _out(np.where((q >= 0) & (q <= 1), x, np.nan))
 
     def mean(self) -> np.ndarray | float:
+        """Mean of the distribution."""
         return _out(self.mu - self.sigma * (self._phiz_b - self._phiz_a))
 
     def var(self) -> np.ndarray | float:
+        """Variance of the distribution."""
         mu, s = self.mu, self.sigma
         d = self._phiz_b - self._phiz_a
         v = s * s * (1.0 - ((self.b - mu) * self._phiz_b - (self.a - mu) * self._phiz_a) / s - d * d)
@@ -329,6 +333,7 @@ class NormWeightedMixture(_Distribution):
         return out
 
     def cdf(self, x: ArrayLike) -> np.ndarray | float:
+        """Cumulative distribution function at ``x``."""
         x = _asfloat(x)
         f = np.sum(self.components._eval(x[..., None])[0] * self.weights, axis=-1)
         return _out(np.clip(f, 0.0, 1.0))
@@ -363,9 +368,11 @@ class NormWeightedMixture(_Distribution):
         return _out(x.reshape(shape))
 
     def mean(self) -> float:
+        """Mean of the distribution."""
         return float(np.sum(self.weights * self.components.mean()))
 
     def var(self) -> float:
+        """Variance of the distribution."""
         m = self.components.mean()
         mean = np.sum(self.weights * m)
         return float(np.sum(self.weights * (self.components.var() + (m - mean) ** 2)))
@@ -441,6 +448,7 @@ class GridDistribution(_Distribution):
         return out
 
     def cdf(self, x: ArrayLike) -> np.ndarray | float:
+        """Cumulative distribution function at ``x``."""
         x = _asfloat(x)
         return _out(np.where(np.isnan(x), np.nan, np.interp(x, self.grid, self.cdf_values)))
 
@@ -458,9 +466,11 @@ class GridDistribution(_Distribution):
         return _out(np.where((q >= 0) & (q <= 1), self._ppf_raw(q), np.nan))
 
     def mean(self) -> float:
+        """Mean of the distribution."""
         return float(self._p1[-1])
 
     def var(self) -> float:
+        """Variance of the distribution."""
         mid = (self.grid[:-1] + self.grid[1:]) / 2.0
         return float(np.sum(self._dc * ((mid - self.mean()) ** 2 + self._h**2 / 12.0)))
 

@@ -2,17 +2,16 @@
 
 Each class here is a mixin that turns a scheme's own keywords (``normless=``, ``norm=``) into a
 method name of :mod:`horovod_alq.core.methods` and calls the framework's base class with it;
-:func:`bind` makes the public classes of a framework from its base::
+each framework declares its public classes on top of its base::
 
-    ALQCompressor, AMQCompressor, ... = bind(QuantizedCompressor)   # ALQCompressor(ALQ, QuantizedCompressor)
+    class ALQCompressor(frontends.ALQ, QuantizedCompressor): ...
 
-so the keywords, defaults, docstrings and checks exist once for both frameworks; so do the base
-pieces of their ``QuantizedCompressor`` (:class:`CompressorBase`, :class:`ClassOrInstance`).
+so the keywords, defaults and checks exist once for both frameworks; so do the base pieces of
+their ``QuantizedCompressor`` (:class:`CompressorBase`, :class:`ClassOrInstance`).
 """
 
 from __future__ import annotations
 
-import types
 
 
 class ALQ:
@@ -73,21 +72,6 @@ class TernGrad:
 
 
 SCHEMES = (ALQ, AMQ, QSGD, NUQSGD, TernGrad)
-
-
-def bind(base: type) -> tuple[type, ...]:
-    """The public classes ``ALQCompressor, AMQCompressor, QSGDCompressor, NUQSGDCompressor,
-    TernGradCompressor`` of a framework: each scheme's mixin on top of ``base``, defined in
-    ``base``'s module (so they pickle and print as that module's classes)."""
-    classes = []
-    for scheme in SCHEMES:
-        name = f"{scheme.__name__}Compressor"
-
-        def body(ns, scheme=scheme, name=name):
-            ns.update(__doc__=scheme.__doc__, __module__=base.__module__, __qualname__=name)
-
-        classes.append(types.new_class(name, (scheme, base), exec_body=body))
-    return tuple(classes)
 
 
 def check_min_size(min_size) -> int:

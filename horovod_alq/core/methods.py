@@ -46,6 +46,7 @@ METHODS: dict[str, Method] = {
         Method("amq-n", 7, "linf", "multiplier", True),
     )
 }
+"""Every quantization method by name: the adaptive ALQ, AMQ (and -N forms) and the fixed schemes."""
 METHODS_BY_ID: dict[int, Method] = {m.id: m for m in METHODS.values()}
 
 #: Bucket norms and their code in byte 5 of the payload header.

@@ -21,8 +21,8 @@ import numpy as np
 
 from .methods import Method, get_method
 
-#: Fixed symmetric grid of the norm-based statistics: 0 and +-geomspace(1e-6, 1, 400), sorted.
 GRID: np.ndarray = np.concatenate([-np.geomspace(1e-6, 1.0, 400)[::-1], [0.0], np.geomspace(1e-6, 1.0, 400)])
+"""Fixed symmetric grid of the norm-based statistics: 0 and +-geomspace(1e-6, 1, 400), sorted."""
 GRID.setflags(write=False)
 
 #: Floor on a bucket's (or the pooled) standard deviation of normalized coordinates. A bucket whose

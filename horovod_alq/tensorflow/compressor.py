@@ -911,8 +911,31 @@ def _connect_gradient(source, out, scale, process_set):
     return connected(source)
 
 
-ALQCompressor, AMQCompressor, QSGDCompressor, NUQSGDCompressor, TernGradCompressor = frontends.bind(
-    QuantizedCompressor)
+class ALQCompressor(frontends.ALQ, QuantizedCompressor):
+    """ALQ for Horovod TensorFlow: levels adapted to the gradients' statistics (``normless=True``: ALQ-N).
+
+    ``ALQCompressor(bits=3, bucket_size=8192, normless=False, norm=None, **keywords)``; ``norm="linf"``
+    (max-abs buckets, the default) or ``"l2"`` (the paper's form); the other keywords are those of
+    :class:`QuantizedCompressor`."""
+
+
+class AMQCompressor(frontends.AMQ, QuantizedCompressor):
+    """AMQ for Horovod TensorFlow: levels ``+-{p**s, ..., p, 1}`` with the multiplier ``p`` adapted
+    (``normless=True``: AMQ-N). Keywords as :class:`ALQCompressor`."""
+
+
+class QSGDCompressor(frontends.QSGD, QuantizedCompressor):
+    """QSGD for Horovod TensorFlow, uniform levels: ``norm="linf"`` (default) is QSGDinf, ``norm="l2"``
+    the original QSGD. Other keywords: those of :class:`QuantizedCompressor`."""
+
+
+class NUQSGDCompressor(frontends.NUQSGD, QuantizedCompressor):
+    """NUQSGD for Horovod TensorFlow: fixed exponential levels ``+-{2**-s, ..., 1/2, 1}``, L2 buckets."""
+
+
+class TernGradCompressor(frontends.TernGrad, QuantizedCompressor):
+    """TernGrad for Horovod TensorFlow: levels {-1, 0, 1} times the bucket's max-abs, 2 bits per
+    coordinate (``bits`` other than 2 is refused)."""
 
 
 def compressor_for(method: str, **kwargs) -> QuantizedCompressor:

@@ -140,6 +140,8 @@ class QuantizedCompressor(frontends.CompressorBase):
         default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit. Horovod's own allreduce of the
         control vector is Horovod's (its stall warnings apply).
 
+    Notes
+    -----
     Collective names: a compressor's collectives are named after its process set and the order in
     which this process first *uses* compressors of that set, so ranks that created different numbers
     of compressors (one per process set, one on some ranks only) still pair (docs/design.md).
@@ -277,8 +279,31 @@ class QuantizedCompressor(frontends.CompressorBase):
         return ops_for(self._ops, device, self._codec)
 
 
-ALQCompressor, AMQCompressor, QSGDCompressor, NUQSGDCompressor, TernGradCompressor = frontends.bind(
-    QuantizedCompressor)
+class ALQCompressor(frontends.ALQ, QuantizedCompressor):
+    """ALQ for Horovod PyTorch: levels adapted to the gradients' statistics (``normless=True``: ALQ-N).
+
+    ``ALQCompressor(bits=3, bucket_size=8192, normless=False, norm=None, **keywords)``; ``norm="linf"``
+    (max-abs buckets, the default) or ``"l2"`` (the paper's form); the other keywords are those of
+    :class:`QuantizedCompressor`."""
+
+
+class AMQCompressor(frontends.AMQ, QuantizedCompressor):
+    """AMQ for Horovod PyTorch: levels ``+-{p**s, ..., p, 1}`` with the multiplier ``p`` adapted
+    (``normless=True``: AMQ-N). Keywords as :class:`ALQCompressor`."""
+
+
+class QSGDCompressor(frontends.QSGD, QuantizedCompressor):
+    """QSGD for Horovod PyTorch, uniform levels: ``norm="linf"`` (default) is QSGDinf, ``norm="l2"``
+    the original QSGD. Other keywords: those of :class:`QuantizedCompressor`."""
+
+
+class NUQSGDCompressor(frontends.NUQSGD, QuantizedCompressor):
+    """NUQSGD for Horovod PyTorch: fixed exponential levels ``+-{2**-s, ..., 1/2, 1}``, L2 buckets."""
+
+
+class TernGradCompressor(frontends.TernGrad, QuantizedCompressor):
+    """TernGrad for Horovod PyTorch: levels {-1, 0, 1} times the bucket's max-abs, 2 bits per
+    coordinate (``bits`` other than 2 is refused)."""
 
 
 def compressor_for(method: str, **kwargs) -> QuantizedCompressor:

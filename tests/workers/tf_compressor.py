@@ -642,7 +642,7 @@ def join(args) -> dict:
     (eagerly and in tf.function, both exchanges, Sum and Average, then DistributedGradientTape in
     tf.function): every call raises an error naming hvd.join() before any payload moves; then rank 0
     joins, rank 1 returns from hvd.join(), and both ranks exchange identically. One join per run:
-    in Horovod 0.28.1 a second hvd.join() returns before the other ranks joined (see the README)."""
+    in Horovod 0.28.1 a second hvd.join() returns before the other ranks joined (see docs/horovod-tensorflow.md)."""
     rank = hvd.rank()
     x = tf.constant(rank_data(rank, 2048))
     out, comps = {}, {}

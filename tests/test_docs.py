@@ -1,0 +1,202 @@
+"""The documentation: the site builds with no warning, every public object is documented in the API
+reference, every error the protocol raises is on the troubleshooting page, and every code snippet
+of the README and the front-end pages runs as written (2 ranks where it needs ranks)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multiproc import RANK_ENV, launch_command
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PACKAGE = ROOT / "horovod_alq"
+
+# The public API: the modules users import, with their __all__.
+PUBLIC_MODULES = ("horovod_alq.torch", "horovod_alq.torch.ddp", "horovod_alq.torch.fsdp",
+                  "horovod_alq.tensorflow", "horovod_alq.mpi", "horovod_alq.core")
+# The errors every rank raises when the ranks of an exchange disagree or a collective times out.
+PROTOCOL_ERRORS = {"ProtocolError", "ReductionMismatch", "CollectiveTimeout", "NotMemberError"}
+SNIPPET_PAGES = ("README.md", "docs/index.md", "docs/horovod-torch.md", "docs/horovod-tensorflow.md",
+                 "docs/ddp.md", "docs/fsdp.md", "docs/mpi4py.md", "docs/core.md")
+
+
+def _mkdocs() -> str:
+    tool = Path(sys.executable).parent / "mkdocs"
+    if not tool.exists():
+        pytest.fail(f"mkdocs not found next to {sys.executable}; run `make install`")
+    return str(tool)
+
+
+def test_site_builds_with_no_warning(tmp_path):
+    site = tmp_path / "site"
+    proc = subprocess.run([_mkdocs(), "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "WARNING" not in log, log[-4000:]
+    reference = (site / "reference" / "torch.html").read_text()
+    assert 'id="horovod_alq.torch.ALQCompressor"' in reference
+    assert "Bits per coordinate on the wire" in reference  # a parameter of QuantizedCompressor's docstring
+    results = (site / "results.html").read_text()
+    assert re.search(r'<img [^>]*src="variance_vs_iter.png"', results)
+    assert (site / "variance_vs_iter.png").stat().st_size > 10_000
+
+
+def _public_objects():
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        lazy = getattr(module, "_EXPORTS", {})  # horovod_alq.core: name -> submodule
+        for name in module.__all__:
+            obj = getattr(module, name)
+            defined_in = f"{module_name}.{lazy[name]}" if name in lazy else getattr(obj, "__module__", module_name)
+            yield module_name, name, defined_in
+
+
+def _reference_directives() -> set[str]:
+    text = "\n".join(p.read_text() for p in (DOCS / "reference").glob("*.md"))
+    return set(re.findall(r"^::: ([\w.]+)", text, flags=re.M))
+
+
+def test_every_public_object_is_in_the_reference_with_a_docstring():
+    import griffe
+
+    documented = _reference_directives()
+    loader = griffe.GriffeLoader(search_paths=[str(ROOT)])
+    missing, undocumented = [], []
+    for module_name, name, defined_in in _public_objects():
+        paths = {f"{module_name}.{name}", f"{defined_in}.{name}"}
+        if not paths & documented:
+            missing.append(f"{module_name}.{name}")
+            continue
+        path = sorted(paths & documented)[0]
+        found = loader.load(path.rsplit(".", 1)[0])[path.rsplit(".", 1)[1]]
+        targets = [found] + [m for m in getattr(found, "members", {}).values()
+                             if not m.name.startswith("_") and (m.is_function or m.is_class)
+                             and not m.is_alias and m.name != "__init__"]
+        undocumented += [t.path for t in targets if not (t.docstring and t.docstring.value.strip())]
+    assert not missing, f"public objects missing from docs/reference/*.md (add a ::: line): {missing}"
+    assert not undocumented, f"public objects without a docstring: {undocumented}"
+
+
+def _pieces(node: ast.AST) -> list:
+    """The literal text of a message expression: strings, with None where a value is formatted in
+    (``{PREFIX}`` is the package name)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        out = []
+        for value in node.values:
+            if isinstance(value, ast.FormattedValue) and getattr(value.value, "id", None) == "PREFIX":
+                out.append("horovod_alq")
+            else:
+                out += _pieces(value) if isinstance(value, ast.Constant) else [None]
+        return out
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _pieces(node.left) + _pieces(node.right)
+    return [None]
+
+
+def protocol_messages() -> list[tuple[str, str]]:
+    """(where, message) for every protocol error the package constructs; a formatted value is '…'."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name in PROTOCOL_ERRORS:
+                text = "".join("…" if p is None else p for p in _pieces(node.args[0]))
+                if text.strip("… "):  # a message passed through from elsewhere has no text of its own
+                    found.append((f"{path.relative_to(ROOT)}:{node.lineno}", " ".join(text.split())))
+    return found
+
+
+def test_protocol_messages_are_found():
+    messages = dict(protocol_messages())
+    assert len(messages) >= 15
+    assert any("did not complete within" in m for m in messages.values())  # the timeout
+    assert any("op=Sum and op=Average only" in m for m in messages.values())
+
+
+def test_every_protocol_error_is_on_the_troubleshooting_page():
+    page = " ".join((DOCS / "troubleshooting.md").read_text().split())
+    missing = [f"{where}: {message}" for where, message in protocol_messages() if message not in page]
+    assert not missing, ("messages missing from docs/troubleshooting.md (copy each, with … for the "
+                         "values filled in at run time):\n" + "\n".join(missing))
+
+
+_BLOCK = re.compile(r"(?:<!-- snippet: (?P<spec>[^>]*?) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)\n```", re.S)
+
+
+def snippets():
+    """(page, spec, code) for every python block of SNIPPET_PAGES; spec is the marker before it."""
+    for page in SNIPPET_PAGES:
+        for m in _BLOCK.finditer((ROOT / page).read_text()):
+            if m.group("lang") == "python":
+                yield page, m.group("spec"), m.group("code")
+
+
+def _runnable():
+    return [pytest.param(code, spec, id=f"{Path(page).stem}-{i}")
+            for i, (page, spec, code) in enumerate(snippets()) if spec and not spec.startswith("excerpt of")]
+
+
+def test_every_snippet_is_marked_and_every_excerpt_is_part_of_a_program():
+    programs = {page: code for page, spec, code in snippets() if spec and not spec.startswith("excerpt")}
+    problems = []
+    for page, spec, code in snippets():
+        if spec is None:
+            problems.append(f"{page}: a python block without a <!-- snippet: ... --> marker:\n{code[:200]}")
+        elif spec.startswith("excerpt of "):
+            source = spec.removeprefix("excerpt of ")
+            if source not in programs:
+                problems.append(f"{page}: excerpt of {source}, which has no runnable snippet")
+                continue
+            lines = iter(line.strip() for line in programs[source].splitlines())
+            for line in (line.strip() for line in code.splitlines()):
+                if line and not any(line == other for other in lines):
+                    problems.append(f"{page}: excerpt line not in {source}'s program, in order: {line!r}")
+                    break
+        elif spec not in ("python", "mpirun -np 2", "torchrun --nproc-per-node 2"):
+            problems.append(f"{page}: unknown snippet marker {spec!r}")
+    assert not problems, "\n".join(problems)
+    assert len(programs) >= 6
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("code, spec", _runnable())
+def test_snippet_runs_as_written(code, spec, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(code + "\n")
+    if spec == "python":
+        command, ranks = [sys.executable, str(script)], 1
+    else:
+        launcher = "mpi" if spec.startswith("mpirun") else "torchrun"
+        command, ranks = [*launch_command(launcher, 2), sys.executable, str(script)], 2
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**os.environ, **RANK_ENV})
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"snippet timed out after 300 s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    if ranks == 1:
+        assert "bits/coordinate" in out, out[-2000:]
+        return
+    # (the ranks' lines may run together: mpirun forwards their output as it comes)
+    sums = dict(re.findall(r"rank (\d+): [^\n]*?sum (?:of the mean )?(-?\d+\.\d{6})", out))
+    assert sorted(sums) == ["0", "1"], out[-3000:]
+    assert sums["0"] == sums["1"], f"ranks differ: {sums}"
