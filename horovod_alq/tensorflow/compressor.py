@@ -912,7 +912,8 @@ def _connect_gradient(source, out, scale, process_set):
 
 
 class ALQCompressor(frontends.ALQ, QuantizedCompressor):
-    """ALQ for Horovod TensorFlow: levels adapted to the gradients' statistics (``normless=True``: ALQ-N).
+    """ALQ for Horovod TensorFlow: levels fitted by coordinate descent to the gradients'
+    statistics (``normless=True``: ALQ-N).
 
     ``ALQCompressor(bits=3, bucket_size=8192, normless=False, norm=None, **keywords)``; ``norm="linf"``
     (max-abs buckets, the default) or ``"l2"`` (the paper's form); the other keywords are those of

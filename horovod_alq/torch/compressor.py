@@ -19,6 +19,7 @@ pass; the first ``decompress`` of the round checks the ranks agree, exchanges th
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -55,6 +56,14 @@ class _Outsider:
     """Context of a tensor compressed on a rank outside the compressor's process set."""
 
     message: str
+
+
+@dataclass
+class _Delegated:
+    """Context of a tensor compressed by the compressor's stand-in for another process set."""
+
+    compressor: "QuantizedCompressor"
+    ctx: Any
 
 
 @dataclass
@@ -125,8 +134,10 @@ class QuantizedCompressor(frontends.CompressorBase):
         round after each refit of the first quantizer. True: refit them so at equal bits too; False:
         with other bits, keep their initial fit. (Measured in docs/variance_two_phase.md.)
     process_set : horovod.torch.ProcessSet, optional
-        The process set of the allreduces this compressor serves (default: global). Pass the same
-        one to ``hvd.DistributedOptimizer(process_set=...)`` / ``hvd.allreduce(process_set=...)``.
+        Pin the compressor to this process set: allreduces over another set raise, naming it.
+        Default: not pinned; the compressor serves every set it is used with (the global one, and
+        each other set through a compressor of its own with these settings, made at the set's
+        first use: levels, statistics and rounds per set; ``docs/design.md``).
     norm : {"l2", "linf"}, optional
         Bucket norm (adaptive methods take either; None: the method's default). See
         :class:`horovod_alq.core.Quantizer`.
@@ -177,6 +188,15 @@ class QuantizedCompressor(frontends.CompressorBase):
         self._process_set = process_set
         self._transport_cache: HorovodTransport | None = None
         self._ops: dict[str, TorchOps] = {}
+        # Without process_set=, allreduces over other process sets get a compressor of their own
+        # (made at first use, with these settings): levels, statistics and rounds per set.
+        self._settings = dict(bits=bits, bucket_size=bucket_size, update_steps=update_steps,
+                              update_every=update_every, min_size=self.min_size, seed=seed,
+                              codec=self._codec, exchange=exchange, fusion_bytes=fusion_bytes,
+                              bits_second=bits_second, adapt_second=adapt_second,
+                              norm=self._quantizer.norm, overlap=bool(overlap), timeout=timeout)
+        self._per_set: dict[tuple, QuantizedCompressor] = {}
+        self._per_set_states: dict[tuple, dict] = {}  # loaded before the set's first use
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -196,6 +216,10 @@ class QuantizedCompressor(frontends.CompressorBase):
     @frontends.ClassOrInstance
     def compress(self, tensor: torch.Tensor):
         """Record ``tensor`` for this round's exchange; return the control vector to allreduce."""
+        other = self._for_calling_process_set()
+        if other is not None:
+            small, ctx = other.compress(tensor)
+            return small, _Delegated(other, ctx)
         if self._engine.uid is None:  # named at its first compress of any tensor (every rank calls it)
             ps = self._process_set if self._process_set is not None else hvd().global_process_set
             self._engine.uid = process_set_uid(ps)
@@ -227,6 +251,8 @@ class QuantizedCompressor(frontends.CompressorBase):
         """Exchange the round's codes (first call of a round) and return this tensor's reduced values."""
         if ctx is None:  # sparse gradients: Horovod reduced them itself
             return tensor
+        if isinstance(ctx, _Delegated):
+            return ctx.compressor.decompress(tensor, ctx.ctx)
         if isinstance(ctx, _PassThrough):
             return tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
         if isinstance(ctx, _Outsider):
@@ -244,25 +270,42 @@ class QuantizedCompressor(frontends.CompressorBase):
         """``levels``, ``multiplier``, ``second_levels``, ``level_updates``, ``step``, ``calls``,
         ``payload_bytes`` (this rank's own payloads), ``coordinates``, ``uncompressed_coordinates``,
         ``bits_per_coordinate`` (of compressed tensors), ``bytes_sent`` / ``bytes_received`` (payload
-        bytes this rank put on / took off the wire, all phases, headers included), ``exchange``."""
-        return self._state.metrics()
+        bytes this rank put on / took off the wire, all phases, headers included), ``exchange``;
+        ``process_sets``: the same for each other process set this compressor served (by ranks)."""
+        out = self._state.metrics()
+        if self._per_set:
+            out["process_sets"] = {ranks: c.metrics() for ranks, c in self._per_set.items()}
+        return out
 
     def state_dict(self) -> dict:
         """Levels (both quantizations), counters and seed: a resumed run continues identically."""
-        if self._engine.pending():
+        if self._engine.pending() or any(c._engine.pending() for c in self._per_set.values()):
             raise RuntimeError("state_dict() during an exchange: call it between optimizer steps")
-        return {"seed": self._engine.seed, **self._state.state_dict()}
+        state = {"seed": self._engine.seed, **self._state.state_dict()}
+        sets = {**self._per_set_states, **{r: c.state_dict() for r, c in self._per_set.items()}}
+        if sets:
+            state["process_sets"] = {",".join(map(str, r)): s for r, s in sets.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        if self._engine.pending():
+        """Restore what :meth:`state_dict` saved (the other process sets' states included)."""
+        if self._engine.pending() or any(c._engine.pending() for c in self._per_set.values()):
             raise RuntimeError("load_state_dict() during an exchange: call it between optimizer steps")
+        state = dict(state)
+        sets = {tuple(int(r) for r in key.split(",")): s for key, s in state.pop("process_sets", {}).items()}
         self._state.load_state_dict(state)
         self._engine.seed = int(state["seed"])
+        self._per_set_states = {r: s for r, s in sets.items() if r not in self._per_set}
+        for ranks, child in self._per_set.items():
+            if ranks in sets:
+                child.load_state_dict(sets[ranks])
 
     def reset(self) -> None:
         """Drop the round in progress (e.g. after a Horovod elastic reset); levels and counters stay."""
         self._engine.reset()
         self._transport_cache = None
+        for child in self._per_set.values():
+            child.reset()
 
     # ------------------------------------------------------------------ internals
     def _transport(self) -> HorovodTransport:
@@ -278,9 +321,47 @@ class QuantizedCompressor(frontends.CompressorBase):
     def _ops_for(self, device: torch.device) -> TorchOps:
         return ops_for(self._ops, device, self._codec)
 
+    def _for_calling_process_set(self) -> QuantizedCompressor | None:
+        """The compressor that serves the process set of the Horovod allreduce calling ``compress``,
+        when it is not the global set and this compressor was made without ``process_set=``; None
+        otherwise. Horovod does not pass the set to ``compress``: it is read from the calling frame
+        of horovod.torch (``allreduce``/``grouped_allreduce``: their ``process_set`` argument;
+        ``DistributedOptimizer``: its ``process_set``). The reduced control vector checks the
+        result: a wrong guess raises on every rank, naming the set."""
+        if self._process_set is not None:
+            return None
+        ps = _calling_process_set()
+        if ps is None or ps.process_set_id in (None, 0):
+            return None
+        ranks = tuple(int(r) for r in ps.ranks)
+        child = self._per_set.get(ranks)
+        if child is None:
+            child = QuantizedCompressor(self._method.name, process_set=ps, **self._settings)
+            if ranks in self._per_set_states:
+                child.load_state_dict(self._per_set_states.pop(ranks))
+            self._per_set[ranks] = child
+        return child
+
+
+def _calling_process_set(depth: int = 4):
+    """The ``process_set`` of the nearest horovod.torch frame above ``compress`` (within ``depth``
+    frames), or None."""
+    frame = sys._getframe(3)  # above this function, _for_calling_process_set and compress
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_globals.get("__name__", "").startswith("horovod.torch"):
+            local = frame.f_locals
+            ps = local.get("process_set", getattr(local.get("self"), "process_set", None))
+            if ps is not None and hasattr(ps, "process_set_id"):
+                return ps
+        frame = frame.f_back
+    return None
+
 
 class ALQCompressor(frontends.ALQ, QuantizedCompressor):
-    """ALQ for Horovod PyTorch: levels adapted to the gradients' statistics (``normless=True``: ALQ-N).
+    """ALQ for Horovod PyTorch: levels fitted by coordinate descent to the gradients'
+    statistics (``normless=True``: ALQ-N).
 
     ``ALQCompressor(bits=3, bucket_size=8192, normless=False, norm=None, **keywords)``; ``norm="linf"``
     (max-abs buckets, the default) or ``"l2"`` (the paper's form); the other keywords are those of

@@ -1,7 +1,8 @@
 """No hang, and the right error, whatever ranks create (3 real ranks, Horovod torch, mpirun):
 collective names follow the order in which each process first *uses* its compressors of a process
-set, so ranks that created different compressors still pair; a compressor used over another process
-set raises on every member naming the set; a rank that stops calling in the middle of a round makes
+set, so ranks that created different compressors still pair; a compressor made without process_set=
+serves every process set it is used with (state per set), one pinned to a set raises on every member
+of another set, naming the set; a rank that stops calling in the middle of a round makes
 the others raise after HOROVOD_ALQ_TIMEOUT instead of waiting forever (worker: torch_no_hang.py)."""
 
 from __future__ import annotations
@@ -27,7 +28,22 @@ def test_uneven_compressor_creation_pairs(ranks):
     assert len({r["uneven"]["digest"] for r in ranks}) == 1  # identical results on every rank
 
 
-def test_compressor_of_another_process_set_names_it(ranks):
+def test_one_compressor_serves_every_process_set(ranks):
+    a = [r["any_set"] for r in ranks]
+    for r, s in enumerate(a):
+        assert s["global_rel"] < 0.05 and s["alone_rel"] < 0.05, s  # 8 bits: the quantized means
+        assert s["state_round_trip"], s
+    for r, s in enumerate(a[:2]):
+        assert s["ps01_rel"] < 0.05, s
+        assert s["sets"] == sorted(["0,1", str(r)]), s  # a compressor per set this rank used
+        assert s["ps01_updates"] >= 2, s  # the set refits its own levels (steps 0 and 2)
+    assert a[2]["sets"] == ["2"], a[2]
+    assert a[0]["ps01_digest"] == a[1]["ps01_digest"] and a[0]["model_digest"] == a[1]["model_digest"]
+    assert a[0]["set_levels"]["0,1"] == a[1]["set_levels"]["0,1"]  # the set's levels agree
+    assert len({s["global_digest"] for s in a}) == 1  # identical results on every rank
+
+
+def test_compressor_pinned_to_another_process_set_names_it(ranks):
     for r in ranks[:2]:
         err = r["wrong_set"]["error"]
         assert err is not None and "over 2 of the 3 ranks of the compressor's process set [0, 1, 2]" in err, err

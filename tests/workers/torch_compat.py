@@ -219,12 +219,16 @@ def process_sets(args) -> dict:
     # the set's compressor in a global allreduce: every rank (the non-member too) uses it
     err, out = error_of(lambda: hvd.allreduce(torch.full((1024,), value), compression=comp, name="ps.global"))
     res["global"] = {"error": err, "out": None if out is None else out[:4].tolist()}
-    # a global compressor in an allreduce over the set (members only)
+    # a compressor pinned to the global set in an allreduce over the set (members only) raises; one
+    # made without process_set= serves the set with a compressor of its own
     if member:
-        glob = comp_for()
-        err, out = error_of(lambda: hvd.allreduce(torch.full((1024,), value), compression=glob,
+        pinned = comp_for(process_set=hvd.global_process_set)
+        err, out = error_of(lambda: hvd.allreduce(torch.full((1024,), value), compression=pinned,
                                                   name="ps.swapped", process_set=ps))
         res["swapped"] = {"error": err, "out": None if out is None else out[:4].tolist()}
+        err, out = error_of(lambda: hvd.allreduce(torch.full((1024,), value), compression=comp_for(),
+                                                  name="ps.unpinned", process_set=ps))
+        res["unpinned"] = {"error": err, "out": None if out is None else out[:4].tolist()}
         res["after"] = check_mean(comp, torch.full((1024,), value), "ps.after", process_set=ps)
     hvd.barrier()
     # the optimizer over the set, trained on the members only

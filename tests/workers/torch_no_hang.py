@@ -1,6 +1,7 @@
 """Worker for tests/torch/test_no_hang.py (3 ranks, Horovod torch): ranks that create compressors
-unevenly still pair, a compressor used over another process set raises naming it, and a rank that
-stops calling in the middle of a round makes the others raise after the timeout (not hang)."""
+unevenly still pair; a compressor made without process_set= serves every process set it is used
+with, one pinned to a set raises naming it when used over another; and a rank that stops calling in
+the middle of a round makes the others raise after the timeout (not hang)."""
 
 import time
 
@@ -11,10 +12,11 @@ import horovod.torch as hvd
 from common import report
 
 from horovod_alq.core.protocol import CollectiveTimeout, ProtocolError
-from horovod_alq.torch import ALQCompressor
+from horovod_alq.torch import ALQCompressor, AMQCompressor
 
 PS01 = hvd.ProcessSet([0, 1])
-hvd.init(process_sets=[PS01])
+ALONE = [hvd.ProcessSet([r]) for r in range(3)]  # each rank in a set of its own
+hvd.init(process_sets=[PS01, *ALONE])
 RANK, SIZE = hvd.rank(), hvd.size()
 
 
@@ -49,11 +51,45 @@ def uneven() -> dict:
     return out
 
 
+def any_set() -> dict:
+    """One compressor (no process_set=) in allreduces over [0, 1], the global set, each rank's own
+    set, and a DistributedOptimizer over [0, 1] (Horovod's test_optimizer_process_sets pattern)."""
+    c = AMQCompressor(bits=8, bucket_size=512, min_size=16, seed=4, update_steps=(0, 2))  # AMQ: fast refits
+    out = {}
+    if RANK in (0, 1):
+        r = hvd.allreduce(data(), compression=c, name="a01", process_set=PS01)
+        out.update(ps01_rel=rel(r, (0, 1)), ps01_digest=float(r.double().sum()))
+    r = hvd.allreduce(data(), compression=c, name="aall")
+    out.update(global_rel=rel(r, range(SIZE)), global_digest=float(r.double().sum()))
+    r = hvd.allreduce(data(), compression=c, name=f"alone{RANK}", process_set=ALONE[RANK])
+    out["alone_rel"] = rel(r, (RANK,))
+    if RANK in (0, 1):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=c,
+                                       named_parameters=model.named_parameters(), process_set=PS01)
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.from_numpy(np.random.default_rng([9, RANK, step]).standard_normal((8, 64))
+                                   .astype(np.float32))).square().mean().backward()
+            opt.step()
+        out["model_digest"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+    metrics = c.metrics()
+    out["sets"] = sorted(",".join(map(str, r)) for r in metrics.get("process_sets", {}))
+    out["set_levels"] = {",".join(map(str, r)): m["levels"].tolist() for r, m in metrics.get("process_sets", {}).items()}
+    out["ps01_updates"] = metrics.get("process_sets", {}).get((0, 1), {}).get("level_updates")
+    state = c.state_dict()
+    fresh = AMQCompressor(bits=8, bucket_size=512, min_size=16, seed=4)
+    fresh.load_state_dict(state)
+    out["state_round_trip"] = sorted(fresh.state_dict().get("process_sets", {})) == sorted(state.get("process_sets", {}))
+    return out
+
+
 def wrong_set() -> dict:
-    """A compressor for the global set in an allreduce over [0, 1]: both members raise, naming it."""
+    """A compressor pinned to the global set in an allreduce over [0, 1]: both members raise, naming it."""
     if RANK == 2:
         return {}
-    c = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=1)
+    c = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=1, process_set=hvd.global_process_set)
     try:
         hvd.allreduce(data(), compression=c, name="w01", process_set=PS01)
         return {"error": None}
@@ -79,7 +115,8 @@ def stop_mid_round() -> dict:
 
 
 # one launch for all (start-up dominates); the stop scenario leaves a collective pending: last
-report({"rank": RANK, "uneven": uneven(), "wrong_set": wrong_set(), "stop": stop_mid_round()})
+report({"rank": RANK, "uneven": uneven(), "any_set": any_set(), "wrong_set": wrong_set(),
+        "stop": stop_mid_round()})
 # every rank here, then shut down (the handshake that rank 2 never joined is cancelled there)
 hvd.allreduce(torch.zeros(1), name="end")
 hvd.shutdown()
