@@ -65,7 +65,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -297,33 +296,19 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
 
 def report(args, argv, runs: list[dict], wall: float) -> str:
     first = runs[0]["run"]
-    cores = os.cpu_count()
-    cmd = "python scripts/bench_fsdp.py" + "".join(f" {shlex.quote(a)}" for a in
-                                                  (argv if argv is not None else sys.argv[1:]))
-    workers = sorted({r["workers"] for r in runs})
-    lines = ["# Full FSDP2 training step (forward + backward + reduce-scatter + AdamW): small GPT on CPU, "
-             "fp32 / bf16 / ALQ reduce-scatter", "",
-             f"Command: `{cmd}` ({wall:.0f} s in all).", "",
-             f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {first['torch']}, "
-             f"Python {platform.python_version()}, gloo.", "",
-             f"Machine: {platform.machine()}, {cores} CPU cores shared by all ranks (and their gloo threads): "
-             + ", ".join(f"{w} ranks on {cores} cores = compute oversubscribed {w / cores:g}x" if w > cores
-                         else f"{w} ranks on {cores} cores" for w in workers)
-             + ", so every step time, the local one included, is that of ranks competing for the cores (and with "
-             f"whatever else ran on the machine; the rows are interleaved so it hits them alike); peak RSS per rank "
-             f"{max(r['run']['maxrss_mb'] for r in runs):.0f} MB.", "",
-             f"Model: GPT(vocab {first['vocab']}, width {args.width}, layers {args.layers}, heads {args.heads}, "
+    lines = bts.report_head("# Full FSDP2 training step (forward + backward + reduce-scatter + AdamW): small GPT "
+                            "on CPU, fp32 / bf16 / ALQ reduce-scatter", "bench_fsdp.py", argv, runs, wall,
+                            f"Python {platform.python_version()}, gloo", "gloo threads",
+                            load=" (and with whatever else ran on the machine; the rows are interleaved so it "
+                                 "hits them alike)")
+    lines += [f"Model: GPT(vocab {first['vocab']}, width {args.width}, layers {args.layers}, heads {args.heads}, "
              f"context {args.context}), {first['params']:,} parameters in {first['param_tensors']} tensors "
              f"(blocks {first['block_elements']:,} and root {first['root_elements']:,} elements as FSDP pads "
              f"them on {first['size']} ranks); character-level, batch {args.batch_size} x {args.context} tokens per "
              f"rank; AdamW lr {args.lr:g}. Median over {args.steps} timed steps (after {args.warmup} warm-up) of the "
              "slowest rank's step; rows interleaved, a barrier before each step.", ""]
     for r in runs:
-        rate_Bps = r.get("throughput_Bps")
-        head = f"## {r['workers']} workers, {r['rate']}"
-        if rate_Bps:
-            head += f" (measured TCP throughput w0->w1 R = {rate_Bps * 8 / 1e6:.0f} Mbit/s)"
-        lines += [head, ""] + table(r["run"], rate_Bps) + [""]
+        lines += [bts.rate_heading(r), ""] + table(r["run"], r.get("throughput_Bps")) + [""]
     lines += [
         "Columns: step ms = median of the slowest rank's full step; fwd+bwd ms = the same for forward + backward "
         "alone (FSDP's all-gathers and reduce-scatters run inside them); vs bf16 / vs fp32 = the step over "

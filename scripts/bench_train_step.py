@@ -404,24 +404,40 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
     return lines
 
 
+def report_head(title: str, script: str, argv, runs: list[dict], wall: float, versions: str,
+                threads: str, fewer_ranks: str = "", load: str = "") -> list[str]:
+    """A report's title, command, date and machine lines (this script's and bench_fsdp.py's):
+    ``versions`` follows the date, ``threads`` names the threads that share the cores,
+    ``fewer_ranks`` qualifies a run with no more ranks than cores, ``load`` ends the machine line."""
+    first, cores = runs[0]["run"], os.cpu_count()
+    cmd = f"python scripts/{script}" + "".join(f" {shlex.quote(a)}" for a in
+                                               (argv if argv is not None else sys.argv[1:]))
+    workers = sorted({r["workers"] for r in runs})
+    return [title, "",
+            f"Command: `{cmd}` ({wall:.0f} s in all).", "",
+            f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {first['torch']}, {versions}.", "",
+            f"Machine: {platform.machine()}, {cores} CPU cores shared by all ranks (and their {threads}): "
+            + ", ".join(f"{w} ranks on {cores} cores = compute oversubscribed {w / cores:g}x" if w > cores
+                        else f"{w} ranks on {cores} cores{fewer_ranks}" for w in workers)
+            + f", so every step time, the local one included, is that of ranks competing for the cores{load}; "
+            f"peak RSS per rank {max(r['run']['maxrss_mb'] for r in runs):.0f} MB.", ""]
+
+
+def rate_heading(r: dict) -> str:
+    """The section heading of one (workers, link) run, with the link's measured throughput."""
+    head = f"## {r['workers']} workers, {r['rate']}"
+    if r.get("throughput_Bps"):
+        head += f" (measured TCP throughput w0->w1 R = {r['throughput_Bps'] * 8 / 1e6:.0f} Mbit/s)"
+    return head
+
+
 def report(args, argv, runs: list[dict], wall: float) -> str:
     first = runs[0]["run"]
-    cores = os.cpu_count()
-    cmd = "python scripts/bench_train_step.py" + "".join(f" {shlex.quote(a)}" for a in
-                                                        (argv if argv is not None else sys.argv[1:]))
-    workers = sorted({r["workers"] for r in runs})
-    lines = ["# Full training step (forward + backward + exchange + SGD): ResNet-18-shaped CNN on CPU, "
-             "Horovod and DDP", "",
-             f"Command: `{cmd}` ({wall:.0f} s in all).", "",
-             f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {first['torch']}, "
-             f"Horovod {first['horovod']}, Python {platform.python_version()}.", "",
-             f"Machine: {platform.machine()}, {cores} CPU cores shared by all ranks (and their Horovod, "
-             f"Open MPI and gloo threads): "
-             + ", ".join(f"{w} ranks on {cores} cores = compute oversubscribed {w / cores:g}x" if w > cores
-                         else f"{w} ranks on {cores} cores (one core per rank at most)" for w in workers)
-             + ", so every step time, the local one included, is that of ranks competing for the cores; "
-             f"peak RSS per rank {max(r['run']['maxrss_mb'] for r in runs):.0f} MB.", "",
-             f"Model: ResNet-18 (CIFAR form) at width {args.width}, {first['params']:,} parameters in "
+    lines = report_head("# Full training step (forward + backward + exchange + SGD): ResNet-18-shaped CNN on "
+                        "CPU, Horovod and DDP", "bench_train_step.py", argv, runs, wall,
+                        f"Horovod {first['horovod']}, Python {platform.python_version()}",
+                        "Horovod, Open MPI and gloo threads", fewer_ranks=" (one core per rank at most)")
+    lines += [f"Model: ResNet-18 (CIFAR form) at width {args.width}, {first['params']:,} parameters in "
              f"{first['param_tensors']} tensors ({first['buffers']:,} batch-norm buffer elements, which DDP "
              f"broadcasts from rank 0 at every forward and Horovod leaves alone); 3x32x32 inputs, batch "
              f"{args.batch_size} per worker; SGD lr 0.01 momentum {args.momentum:g}. Median over {args.steps} "
@@ -434,11 +450,7 @@ def report(args, argv, runs: list[dict], wall: float) -> str:
              + "; the other DDP rows DDP's default buckets"
              + (f" ({args.ddp_bucket_mb} MB)" if args.ddp_bucket_mb else " (25 MB)") + ".", ""]
     for r in runs:
-        rate_Bps = r.get("throughput_Bps")
-        head = f"## {r['workers']} workers, {r['rate']}"
-        if rate_Bps:
-            head += f" (measured TCP throughput w0->w1 R = {rate_Bps * 8 / 1e6:.0f} Mbit/s)"
-        lines += [head, ""] + table(r["run"], rate_Bps) + [""]
+        lines += [rate_heading(r), ""] + table(r["run"], r.get("throughput_Bps")) + [""]
     lines += [
         "Columns: step ms = median of the slowest rank's full step; fwd+bwd ms = the same for the forward "
         "and backward alone (with DDP: its exchange, which ends in the backward; with Horovod: the "
