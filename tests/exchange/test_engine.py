@@ -7,7 +7,7 @@ import pytest
 from horovod_alq.core import Quantizer
 from horovod_alq.core.rounds import RefitSchedule, RoundState
 from horovod_alq.exchange.engine import Engine
-from horovod_alq.mpi import NumpyOps
+from horovod_alq.exchange.numpy_ops import NumpyOps
 
 
 class Loopback:
