@@ -211,7 +211,7 @@ def bounded_wait(comm) -> dict:
     import time
 
     from horovod_alq.core.protocol import CollectiveTimeout
-    from horovod_alq.mpi import MpiTransport
+    from horovod_alq.mpi_transport import MpiTransport
 
     t = MpiTransport(comm, timeout=1)
     out = {"error": None}
