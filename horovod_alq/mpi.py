@@ -11,143 +11,47 @@ compressors (wire format of ``docs/design.md``), exchanged with MPI collectives:
     mean = ar(grad)    # NumPy in, NumPy out: the average over ranks of the decoded payloads
     ar.adapt()         # refit the levels from the statistics of every rank since the last adapt()
 
-Per call: one ``Allgather`` of three int64 per rank (status, element count, payload bytes), then the
-exchange engine of :mod:`horovod_alq.exchange` (the protocol's control vector and handshake, then
-``exchange="allgather"``: one ``Allgatherv`` of the payloads, or ``"two-phase"``: an ``Alltoallv``
-and an ``Allgatherv``), the same protocol and payloads as the Horovod compressors. Per
-:meth:`~QuantizedAllreduce.adapt`: two tiny agreement ``Allreduce`` calls around one ``Allreduce``
-(SUM) of the fixed-length statistics vector. Only mpi4py and :mod:`horovod_alq.core` are used.
+Every call is one streamed round of the exchange engine (:mod:`horovod_alq.exchange`, the protocol
+and payloads of the Horovod compressors): its handshake (one tiny ``Allreduce``: settings, levels,
+round number, element count and whether some rank's input is bad), then ``exchange="allgather"``:
+one ``Allgatherv`` of the payloads, or ``"two-phase"``: an ``Alltoallv`` and an ``Allgatherv``.
+:meth:`~QuantizedAllreduce.adapt` is the engine's refit (:meth:`Engine.refit`): a handshake, one
+``Allreduce`` (SUM) of the fixed-length statistics vectors, and a handshake on the new levels. Only
+mpi4py and :mod:`horovod_alq.core` are used; every wait is bounded (``timeout=``).
 
 Errors are collective: a bad input, a rank with a different array size, or a payload made with a
 different configuration or levels raises on *every* rank of the communicator (no rank is left
 waiting in a collective), naming the rank and what differs, and the communicator stays usable.
 Exceptions raised *outside* these calls on one rank only (e.g. a typo in a script) still leave the
-others waiting in their next collective; run scripts with ``mpiexec python -m mpi4py script.py``,
-which aborts the whole job on an uncaught exception.
+others waiting in their next collective until its timeout; run scripts with
+``mpiexec python -m mpi4py script.py``, which aborts the whole job on an uncaught exception.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from .core.methods import NORMS, get_method
-from .core.protocol import ProtocolError, resolve_timeout, wait_for
+from .core.methods import get_method
+from .core.protocol import CollectiveTimeout, ProtocolError
 from .core.quantizer import Quantizer
-from .core.rounds import RoundState
+from .core.rounds import RefitSchedule, RoundState
 from .core.statistics import statistics_length
-from .core.wire import check_header, parse_header, parse_payload
+from .core.wire import parse_header, payload_size
 from .exchange import Engine
+from .exchange.base import check_payloads
+from .exchange.engine import RefitError
+from .exchange.numpy_ops import NumpyOps
+from .mpi_transport import MpiTransport
 
 __all__ = ["QuantizedAllreduce"]
 
 _PREFIX = "horovod_alq.mpi"
 _OPS = ("average", "sum")
-_U64 = np.uint64
-
-
-def _rank_seed(seed: int | None, rank: int) -> int | None:
-    """A per-rank seed derived from ``(seed, rank)``: independent rounding noise on every rank."""
-    if seed is None:
-        return None
-    state = np.random.SeedSequence(int(seed), spawn_key=(int(rank),)).generate_state(4, np.uint32)
-    return int.from_bytes(state.tobytes(), "little")
-
-
-class MpiTransport:
-    """The exchange engine's transport over an mpi4py communicator (collectives pair by call order):
-    nonblocking collectives, each wait bounded by ``timeout`` seconds
-    (:func:`horovod_alq.core.protocol.resolve_timeout`)."""
-
-    def __init__(self, comm: MPI.Intracomm, timeout: float | None = None) -> None:
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        self.scope = f"communicator {comm.Get_name() or 'of ' + str(self.size) + ' ranks'}"
-        self.timeout = resolve_timeout(timeout)
-
-    @staticmethod
-    def _displacements(counts) -> list[int]:
-        return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
-
-    def _waiter(self, request, buf, name: str):
-        def wait():
-            wait_for(request.Test, self.timeout, name, self.scope)
-            return buf
-        return wait
-
-    def allgather(self, payload, sizes, name):
-        counts = [int(c) for c in sizes]
-        buf = np.empty(sum(counts), dtype=np.uint8)
-        request = self.comm.Iallgatherv([np.ascontiguousarray(payload), MPI.BYTE],
-                                        [buf, (counts, self._displacements(counts)), MPI.BYTE])
-        return self._waiter(request, buf, name)
-
-    def alltoall(self, payload, splits, received, name):
-        send, recv = [int(c) for c in splits], [int(c) for c in received]
-        buf = np.empty(sum(recv), dtype=np.uint8)
-        request = self.comm.Ialltoallv([np.ascontiguousarray(payload), (send, self._displacements(send)), MPI.BYTE],
-                                       [buf, (recv, self._displacements(recv)), MPI.BYTE])
-        return self._waiter(request, buf, name)
-
-    def _allreduce(self, vec, dtype, op, name):
-        out = np.empty(np.shape(vec), dtype=dtype)
-        return self._waiter(self.comm.Iallreduce(np.ascontiguousarray(vec, dtype=dtype), out, op=op), out, name)()
-
-    def allreduce_sum(self, vec, name):
-        return self._allreduce(vec, np.float64, MPI.SUM, name)
-
-    def allreduce_max(self, vec, name):
-        return self._allreduce(vec, np.int64, MPI.MAX, name)
-
-
-class NumpyOps:
-    """The exchange engine's tensor ops on NumPy arrays, with the core's reference codec."""
-
-    def stream(self, parts, starts, length, out=None, padding=()):
-        if out is None:
-            out = np.zeros(length, dtype=np.float32)
-        else:
-            for a, b in padding:
-                out[a:b] = 0
-        for part, start in zip(parts, starts):
-            out[start: start + part.size] = part.ravel()
-        return out
-
-    def zeros(self, n):
-        return np.zeros(n, dtype=np.float32)
-
-    def empty(self, n):
-        return np.empty(n, dtype=np.float32)
-
-    def encode(self, x, quantizer, seed):
-        return quantizer.encode(x, rng=np.random.default_rng(seed))
-
-    def encode_parts(self, parts, starts, length, quantizer, seed):
-        return None  # the reference codec encodes the stream
-
-    def decode_sum(self, out, payloads, offsets, quantizer, *, start=0, numel=None, scale=1.0):
-        out[:] = 0
-        for offset in offsets:
-            size = parse_header(payloads[offset:]).payload_size
-            out += quantizer.decode(payloads[offset: offset + size])[start: start + out.size]
-        if scale != 1.0:
-            out *= np.float32(scale)
-
-    def statistics(self, x, quantizer):
-        return quantizer.statistics(x)
-
-    def cat(self, parts):
-        return np.concatenate(list(parts))
-
-    def to_numpy(self, x):
-        return x
-
-    def from_numpy(self, a):
-        return np.ascontiguousarray(a)
 
 
 class QuantizedAllreduce:
@@ -196,7 +100,7 @@ class QuantizedAllreduce:
     timeout : float, optional
         Seconds to wait for one of the exchange's collectives (payloads, handshake) before raising
         an error that names it and the likely causes; default ``$HOROVOD_ALQ_TIMEOUT``, else 300;
-        0: no limit. (The per-call status allgather and :meth:`adapt`'s collectives still block.)
+        0: no limit. Every collective of a call and of :meth:`adapt` is bounded by it.
 
     Notes
     -----
@@ -212,7 +116,7 @@ class QuantizedAllreduce:
 
     Output dtype: the input's (float16, float32 or float64) and shape, so the call is a drop-in
     replacement for an exact average. Payloads carry float32 values, so this does not add
-    precision; the sum over ranks is taken in float64 for float64 input and float32 otherwise.
+    precision; the sum over ranks is taken in float32 (:meth:`reduce` can sum in float64).
 
     Examples
     --------
@@ -247,8 +151,7 @@ class QuantizedAllreduce:
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
         self._method = get_method(method)
-        self._quantizer = Quantizer(method, bits, bucket_size, seed=_rank_seed(seed, self._rank), clip=clip,
-                                    norm=norm)
+        self._quantizer = q = Quantizer(method, bits, bucket_size, clip=clip, norm=norm)
         if collect_every is None:
             collect_every = 1 if self._method.adaptive else 0
         if isinstance(collect_every, bool) or not isinstance(collect_every, (int, np.integer)) or collect_every < 0:
@@ -259,14 +162,14 @@ class QuantizedAllreduce:
         self._pending: np.ndarray | None = None  # this rank's statistics since the last adapt()
         self._pending_second: np.ndarray | None = None  # its reduced shards' (two-phase owner)
         self._calls_since_adapt = 0
-        q = self._quantizer
         second = Quantizer(method, q.bits if bits_second is None else bits_second, q.bucket_size, norm=q.norm)
-        self._state = RoundState(q, second=second)
+        self._state = RoundState(q, RefitSchedule((), 0), second)  # refits: adapt() only
         self._transport = MpiTransport(comm, timeout)
+        self._stages = [self._transport] * 2  # MPI pairs by call order: one transport for every stage
         self._ops = NumpyOps()
         self._engine = Engine(q, self._state, exchange=exchange, fusion_bytes=0,
                               seed=int.from_bytes(os.urandom(8), "little") if seed is None else int(seed),
-                              uid="mpi", manual_refit=True)
+                              uid="mpi")
 
     # ----------------------------------------------------------------- configuration
     @property
@@ -329,24 +232,18 @@ class QuantizedAllreduce:
             On every rank: a rank's input is not a floating-point array, the ranks' element counts
             differ, or a payload was made with a different method, bits, bucket size or levels.
         """
-        arr, stats = self._preflight(x, collect, op, encode=False)
-        entry, vec = self._engine.add(arr.ravel(), arr.size, (arr.size,), "float", self._transport)
-        reduced = self._transport.allreduce_sum(vec, "control")
-        try:
-            out, _ = self._engine.finish(entry, reduced, self._ops, self._transport)
-        except ProtocolError as err:
-            raise ValueError(f"{_PREFIX}: {err}") from None
-        self._record(stats, self._engine.last_second_statistics)
+        arr, decoded = self._round(x, collect, op)
+        out = np.zeros(0, np.float32) if decoded is None else decoded.read(0, arr.size)
         if op == "average":
             out /= np.float32(self._size)
         return out.astype(arr.dtype, copy=False).reshape(arr.shape)
 
-
     def allgather(self, x: Any, *, collect: bool | None = None) -> list[np.ndarray]:
         """Encode ``x``, exchange the payloads and check every rank's. Collective.
 
-        The lower half of ``__call__``: use it to keep the payloads (e.g. to decode them later with
-        :meth:`reduce`, or with the framework kernels, which read the same bytes).
+        The lower half of ``__call__`` with the allgather exchange: use it to keep the payloads
+        (e.g. to decode them later with :meth:`reduce`, or with the framework kernels, which read
+        the same bytes).
 
         Returns
         -------
@@ -354,59 +251,51 @@ class QuantizedAllreduce:
             Views into one receive buffer; each header has been checked against this rank's
             configuration and levels.
         """
-        return self._exchange(x, collect, None)
-
-    def _exchange(self, x: Any, collect: bool | None, op: str | None) -> list[np.ndarray]:
-        arr, stats, payload = self._preflight(x, collect, op, encode=True)
-        counts = [payload.size] * self._size
-        buf = self._transport.allgather(payload, counts, "payloads")()
-        parts = [buf[i * payload.size: (i + 1) * payload.size] for i in range(self._size)]
-        self._check_payloads(parts, arr.size)
-        st = self._state
-        st.step += 1
-        st.payload_bytes += payload.size
-        st.bytes_sent += (self._size - 1) * payload.size
-        st.bytes_received += (self._size - 1) * payload.size
-        st.coordinates += arr.size
-        self._record(stats, None)
-        return parts
-
-    def _preflight(self, x: Any, collect: bool | None, op: str | None, encode: bool):
-        """Every local check, and what only this rank can compute, then one ``Allgather`` of
-        (status, element count, payload bytes): a failure on one rank raises on every rank."""
+        arr, decoded = self._round(x, collect, None, exchange="allgather")
         q = self._quantizer
-        arr, payload, stats, numel, error = None, None, None, -1, None
+        if decoded is None:  # no coordinates: every rank's payload is the same bare header
+            return [q.encode(arr.ravel()) for _ in range(self._size)]
+        piece = decoded.pieces[0]
+        size = payload_size(arr.size, q.bits, q.bucket_size)
+        return [piece.payloads[o: o + size] for o in piece.offsets]
+
+    def _round(self, x: Any, collect: bool | None, op: str | None, exchange: str | None = None):
+        """One streamed round of the engine for ``x``: the array and its ``Decoded`` sum over the
+        ranks (None for an empty array). A local error travels in the handshake."""
+        arr, error = None, None
         try:
             if op is not None and op not in _OPS:
                 raise ValueError(f"op must be one of {_OPS}, got {op!r}")
             arr = np.asarray(x)
             if not np.issubdtype(arr.dtype, np.floating):
                 raise ValueError(f"x must be a floating-point array (float16/32/64), got dtype {arr.dtype}")
-            numel = arr.size
-            if encode:
-                payload = q.encode(arr)
-            if self._collects(collect):
-                stats = q.statistics(arr)
-        except Exception as err:  # reported to every rank below, so that no rank waits alone
+        except Exception as err:  # reported to every rank by the handshake, so that no rank waits alone
             error = err
-
-        status = np.array([0 if error is None else 1, numel, 0 if payload is None else payload.size], dtype=np.int64)
-        table = np.empty((self._size, 3), dtype=np.int64)
-        self._comm.Allgather(status, table)
-        if table[:, 0].any():
-            self._raise_input_errors(table, error)
-        if not (table[:, 1] == numel).all():
-            sizes = ", ".join(f"rank {r}: {int(n)}" for r, n in enumerate(table[:, 1]))
-            raise ValueError(f"{_PREFIX}: the ranks passed arrays with different element counts ({sizes})")
-        return (arr, stats, payload) if encode else (arr, stats)
-
-    def _record(self, stats: np.ndarray | None, second: np.ndarray | None) -> None:
-        """Count the call and keep this rank's statistics for the next :meth:`adapt`."""
+        numel = 0 if error is not None else arr.size
+        try:
+            rnd = self._engine.open_stream(self._ops, self._stages, exchange=exchange, elements=numel,
+                                           error=None if error is None else f"{type(error).__name__}: {error}",
+                                           collect=error is None and self._collects(collect))
+        except CollectiveTimeout:
+            raise
+        except ProtocolError as err:
+            exc = RuntimeError if error is not None and not isinstance(error, ValueError) else ValueError
+            raise exc(self._explain(err, error, numel, "could not encode the input of")) from None
+        result: dict = {}
+        if numel:
+            rnd.add(arr.ravel(), numel, lambda decoded, failure: result.update(decoded=decoded, failure=failure))
+            rnd.wait()
+        failure = result.get("failure")
+        if isinstance(failure, ProtocolError) and not isinstance(failure, CollectiveTimeout):
+            raise ValueError(f"{_PREFIX}: {failure}") from None
+        if failure is not None:
+            raise failure
+        stats = rnd.close()
         self._calls_since_adapt += 1
         if stats is not None:
-            self._pending = stats if self._pending is None else self._pending + stats
-            if second is not None:
-                self._pending_second = second if self._pending_second is None else self._pending_second + second
+            self._pending = _add(self._pending, stats[0])
+            self._pending_second = _add(self._pending_second, stats[1])
+        return arr, result.get("decoded")
 
     def reduce(self, payloads: list[np.ndarray], *, op: str = "average", dtype: Any = np.float32) -> np.ndarray:
         """Decode payloads (e.g. from :meth:`allgather`) and average or sum them. Local.
@@ -428,21 +317,20 @@ class QuantizedAllreduce:
         if not payloads:
             raise ValueError("no payloads to reduce")
         dtype = np.dtype(dtype)
-        acc_dtype = np.float64 if dtype == np.float64 else np.float32
-        total = None
-        for rank, payload in enumerate(payloads):
-            try:
-                values = self._quantizer.decode(payload)
-            except ValueError as err:
-                raise ValueError(f"{_PREFIX}: payload {rank}: {err}") from None
-            if total is None:
-                total = values.astype(acc_dtype)
-            elif values.size != total.size:
-                raise ValueError(f"{_PREFIX}: payload {rank} has {values.size} elements, payload 0 has {total.size}")
-            else:
-                total += values
+        parts = [np.frombuffer(p, dtype=np.uint8) for p in payloads]
+        try:
+            numel = parse_header(parts[0]).numel
+        except ValueError as err:
+            raise ValueError(f"{_PREFIX}: payload 0: {err}") from None
+        gathered = np.concatenate(parts)
+        try:
+            offsets = check_payloads(self._ops, gathered, [numel] * len(parts), self._quantizer, "reduce")
+        except ProtocolError as err:
+            raise ValueError(f"{_PREFIX}: {err}") from None
+        total = np.zeros(numel, dtype=np.float64 if dtype == np.float64 else np.float32)
+        self._ops.decode_sum(total, gathered, offsets, self._quantizer)
         if op == "average":
-            total /= acc_dtype(len(payloads))
+            total /= total.dtype.type(len(parts))
         return total.astype(dtype, copy=False)
 
     def _collects(self, collect: bool | None) -> bool:
@@ -452,41 +340,39 @@ class QuantizedAllreduce:
             return bool(collect)
         return self._collect_every > 0 and self._calls_since_adapt % self._collect_every == 0
 
-    def _raise_input_errors(self, table: np.ndarray, error: Exception | None) -> None:
-        """Some rank failed to encode: share the messages (every rank takes this branch) and raise."""
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        messages = self._comm.allgather(mine)
-        failed = [f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None]
-        text = f"{_PREFIX}: could not encode the input of " + "; ".join(failed)
-        if isinstance(error, ValueError) or error is None:
-            raise ValueError(text) from error
-        raise RuntimeError(text) from error
+    def _explain(self, err: ProtocolError, error: Exception | None, numel: int, what: str) -> str:
+        """A handshake failed, alike on every rank: share every rank's error and element count (one
+        more exchange, on this path only) and name the ranks at fault; else the handshake's message."""
+        shared = [json.loads(m) for m in self._share(json.dumps([None if error is None else
+                                                                 f"{type(error).__name__}: {error}", numel]))]
+        failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(shared) if m is not None]
+        if failed:
+            return f"{_PREFIX}: {what} " + "; ".join(failed)
+        if len({n for _, n in shared}) > 1:
+            sizes = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(shared))
+            return f"{_PREFIX}: the ranks passed arrays with different element counts ({sizes})"
+        return f"{_PREFIX}: {err}"
 
-    def _check_payloads(self, parts: list[np.ndarray], numel: int) -> None:
-        """Every rank checks every payload, so every rank sees (and raises on) any mismatch."""
-        q = self._quantizer
-        problems = []
-        for rank, part in enumerate(parts):
-            try:
-                header, _, _ = parse_payload(part)
-                check_header(header, self._method.id, q.bits, q.bucket_size, q.fingerprint, q.norm)
-                if header.numel != numel:
-                    raise ValueError(f"payload has {header.numel} elements, the ranks' arrays have {numel}")
-            except ValueError as err:
-                problems.append(f"rank {rank}: {err}")
-        if problems:
-            raise ValueError(f"{_PREFIX}: payloads do not match the configuration of rank {self._rank} "
-                             f"({self.method}, bits={q.bits}, bucket_size={q.bucket_size}): " + "; ".join(problems))
+    def _share(self, text: str) -> list[str]:
+        """Every rank's ``text`` (bounded waits: the longest length, then one allgather)."""
+        t = self._transport
+        raw = np.frombuffer(text.encode(), dtype=np.uint8)
+        n = int(t.allreduce_max(np.array([raw.size], dtype=np.int64), "messages.size")[0])
+        buf = np.zeros(n, dtype=np.uint8)
+        buf[:raw.size] = raw
+        got = t.allgather(buf, [n] * t.size, "messages")()
+        return [bytes(got[r * n:(r + 1) * n]).rstrip(b"\0").decode() for r in range(t.size)]
 
     # ----------------------------------------------------------------- adaptation
     def adapt(self, stats: np.ndarray | None = None) -> bool:
         """Refit the levels from the statistics of all ranks. Collective.
 
         Every rank contributes the statistics it recorded since the last ``adapt()`` (or ``stats``,
-        a vector from :meth:`Quantizer.statistics`, instead); they are summed with one
-        ``Allreduce`` and every rank fits the same levels from the same vector. Before, the ranks
-        check that they share method, bits, bucket size and levels; after, that they reached the
-        same levels. The recorded statistics are cleared.
+        a vector from :meth:`Quantizer.statistics`, instead); the engine's refit
+        (:meth:`horovod_alq.exchange.Engine.refit`) checks that the ranks share method, bits,
+        bucket size and levels, sums the vectors with one ``Allreduce``, fits the same levels on
+        every rank and checks that the ranks reached the same levels. The recorded statistics are
+        cleared.
 
         Returns
         -------
@@ -503,84 +389,34 @@ class QuantizedAllreduce:
             On every rank: the fit failed on some rank, or the ranks reached different levels
             (e.g. different NumPy / SciPy versions); the previous levels are restored.
         """
-        q = self._quantizer
         local = self._pending if stats is None else stats
-        error = None
-        vec = np.zeros(self._stats_length, dtype=np.float64)
+        first, error = None, None
         try:
             if local is not None:
-                arr = np.asarray(local, dtype=np.float64)
-                if arr.shape != vec.shape:
-                    raise ValueError(f"stats has shape {arr.shape}, {self.method} expects {vec.shape}")
-                if not np.isfinite(arr).all():
+                first = np.asarray(local, dtype=np.float64)
+                if first.shape != (self._stats_length,):
+                    raise ValueError(f"stats has shape {first.shape}, {self.method} expects {(self._stats_length,)}")
+                if not np.isfinite(first).all():
                     raise ValueError("stats has non-finite entries")
-                vec[:] = arr
         except (TypeError, ValueError) as err:
-            error = f"{type(err).__name__}: {err}"
-        fields = {"stats": 0 if error is None else 1, "method": self._method.id, "norm": NORMS[q.norm], "bits": q.bits,
-                  "bucket_size": q.bucket_size, "levels": q.fingerprint}
-        self._agree(fields, error)
+            error = err
+        second = self._pending_second if stats is None else None
+        try:
+            updated = self._engine.refit(first, second, self._transport,
+                                         error=None if error is None else f"{type(error).__name__}: {error}")
+        except RefitError as err:
+            self._clear()
+            raise RuntimeError(f"{_PREFIX}: {err}") from None
+        except CollectiveTimeout:
+            raise
+        except ProtocolError as err:  # the handshake: nothing was combined, this rank keeps its statistics
+            raise ValueError(self._explain(err, error, 0, "could not adapt on")) from None
+        self._clear()
+        return updated
 
-        second = self._state.second
-        # the owners' statistics of reduced shards (two-phase): refit the second quantizer as well
-        own_second = self._pending_second if stats is None else None
-        vec2 = np.zeros(self._stats_length, dtype=np.float64) if own_second is None else own_second
+    def _clear(self) -> None:
         self._pending = self._pending_second = None
         self._calls_since_adapt = 0
-        if not self._method.adaptive:
-            return False
-        total = np.empty(2 * vec.size, dtype=np.float64)
-        self._comm.Allreduce(np.concatenate([vec, vec2]), total, op=MPI.SUM)
-        fit_first, fit_second = total[0] > 0, total[vec.size] > 0 and self._state.adapt_second
-        if not fit_first:
-            return False
-        previous = (q.state_dict(), second.state_dict())
-        error = None
-        try:
-            q.adapt(total[:vec.size])
-            self._state.refitted_first()
-            if fit_second:
-                second.adapt(total[vec.size:])
-        except Exception as err:  # made collective by the agreement below
-            error = f"{type(err).__name__}: {err}"
-        try:
-            self._agree({"fit": 0 if error is None else 1, "levels": q.fingerprint,
-                         "second": second.fingerprint}, error, exc=RuntimeError, after=True)
-        except RuntimeError:
-            q.load_state_dict(previous[0])
-            second.load_state_dict(previous[1])
-            raise
-        self._state.level_updates += 1
-        return True
-
-    def _agree(self, fields: dict[str, int], error: str | None, exc: type = ValueError, after: bool = False) -> None:
-        """Check that ``fields`` (non-negative ints < 2**64) are equal on all ranks; raise on all if not.
-
-        One ``Allreduce`` (MAX) of the values and their bitwise complements gives every rank the
-        maximum and the minimum of each field.
-        """
-        values = np.array(list(fields.values()), dtype=_U64)
-        both = np.concatenate([values, ~values])
-        out = np.empty_like(both)
-        self._comm.Allreduce(both, out, op=MPI.MAX)
-        k = values.size
-        hi, lo = out[:k], ~out[k:]
-        names = list(fields)
-        if hi[0] != 0:  # the first field flags a local error on some rank: share the messages
-            messages = self._comm.allgather(error)
-            failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
-            what = "refit the levels" if after else "adapt"
-            raise exc(f"{_PREFIX}: could not {what} on {failed}")
-        differ = [i for i in range(1, k) if hi[i] != lo[i]]
-        if differ:
-            detail = ", ".join(
-                f"{names[i]} (from {int(lo[i]):#018x} to {int(hi[i]):#018x})" if names[i] == "levels"
-                else f"{names[i]} (from {int(lo[i])} to {int(hi[i])})" for i in differ)
-            if after:
-                raise exc(f"{_PREFIX}: ranks reached different levels from the same statistics: {detail}; "
-                          f"do all ranks run the same NumPy and SciPy? Previous levels restored")
-            raise exc(f"{_PREFIX}: ranks differ in {detail}; every rank must use the same configuration and "
-                      f"levels")
 
     # ----------------------------------------------------------------- metrics and state
     def metrics(self) -> dict:
@@ -618,3 +454,7 @@ class QuantizedAllreduce:
         self._pending = None if pending is None else np.array(pending, dtype=np.float64)
         pending = state.get("pending_second") if same_rank else None
         self._pending_second = None if pending is None else np.array(pending, dtype=np.float64)
+
+
+def _add(total: np.ndarray | None, stats: np.ndarray | None) -> np.ndarray | None:
+    return total if stats is None else stats if total is None else total + stats

@@ -311,10 +311,13 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
 SETTINGS = ("method", "bits", "bucket_size", "norm", "exchange", "fusion_bytes", "bits_second", "adapt_second")
 HANDSHAKE_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting", "tensors", "elements", "contents",
                     "order", "early", "early_ok")
-#: The handshake of a streamed round (the DDP hook): before its tensors are known, so instead of
-#: their layout the threshold that decides which of them are quantized (the framework guarantees
-#: the same tensors, in the same order, on every rank).
-STREAM_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting", "min_size")
+#: The handshake of a streamed round (the DDP hook, mpi4py): before its tensors are known, so instead
+#: of their layout the threshold that decides which of them are quantized (the framework guarantees
+#: the same tensors, in the same order, on every rank) and the elements the round will hold where
+#: the front-end knows them in advance (mpi4py; 0 where it does not).
+STREAM_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting", "min_size", "elements")
+#: The handshakes of a refit outside any round (:meth:`horovod_alq.exchange.Engine.refit`).
+REFIT_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting")
 
 
 def handshake_vector(*, fields: Sequence[str] = HANDSHAKE_FIELDS, **values: int) -> np.ndarray:
@@ -374,6 +377,9 @@ def read_handshake(reduced_max: np.ndarray, local_error: str | None = None, *,
             f"{PREFIX}: the ranks quantize different tensors (min_size {lo['min_size']} on some ranks, "
             f"{hi['min_size']} on others): every rank must build the hook's state with the same arguments")
     if "tensors" not in hi:
+        if "elements" in hi and hi["elements"] != lo["elements"]:
+            raise ProtocolError(f"{PREFIX}: the ranks' rounds hold different numbers of elements "
+                                f"({lo['elements']} on some ranks, {hi['elements']} on others)")
         return Agreement(ordered=True)
     if any(hi[f] != lo[f] for f in ("tensors", "elements", "contents")):
         raise ProtocolError(

@@ -7,8 +7,9 @@ Three axes vary independently:
   :mod:`.reduce_scatter` (FSDP2: each rank keeps the sum of its shard); a new one is one module
   and one entry in :data:`.engine.EXCHANGES` (or :data:`.engine.STREAMED`);
 * **transports** (how bytes move): Horovod for PyTorch (:mod:`horovod_alq.torch.transport`),
-  mpi4py (:mod:`horovod_alq.mpi`); each is an allgather, an alltoall and two small allreduces;
-* **tensor ops** (the codec on the framework's tensors): :class:`.base.TensorOps`.
+  mpi4py (:mod:`horovod_alq.mpi_transport`); each is an allgather, an alltoall and two small allreduces;
+* **tensor ops** (the codec on the framework's tensors): :class:`.base.TensorOps` (NumPy:
+  :class:`.numpy_ops.NumpyOps`; torch: :mod:`horovod_alq.torch.ops`).
 
 :class:`.engine.Engine` drives rounds: it fuses a round's tensors into buckets-aligned buffers,
 runs the protocol of :mod:`horovod_alq.core.protocol` and one exchange, and refits the levels.

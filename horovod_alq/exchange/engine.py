@@ -21,7 +21,8 @@ otherwise they are drained and the round runs as if none had started. A buffer's
 depend on whether it started early (same seeds), so neither do the results. A round that ends
 before its handshake (the control vector shows another op or process set, or ``hvd.join``)
 leaves early collectives that some rank may never complete; nothing waits for them.
-Streamed rounds (:meth:`Engine.open_stream`, the DDP hook) are in :mod:`.stream`.
+Streamed rounds (:meth:`Engine.open_stream`, the DDP hook, FSDP and mpi4py) are in :mod:`.stream`;
+a refit outside any round (mpi4py's ``adapt()``) is :meth:`Engine.refit`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..core.methods import get_method
-from ..core.protocol import (PREFIX, STREAM_FIELDS, ProtocolError, ReductionMismatch, derive_seed, handshake_range,
-                             handshake_vector, read_handshake, read_tensor_vector, stable_hash, tensor_vector)
+from ..core.protocol import (PREFIX, REFIT_FIELDS, STREAM_FIELDS, CollectiveTimeout, ProtocolError, ReductionMismatch,
+                             derive_seed, handshake_range, handshake_vector, read_handshake, read_tensor_vector,
+                             stable_hash, tensor_vector)
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
@@ -153,8 +155,6 @@ class Engine:
     uid : str, optional
         Part of every collective's name; must be the same on every rank for this compressor (the
         Horovod compressors set it at first use, :func:`horovod_alq.core.protocol.first_use_uid`).
-    manual_refit : bool
-        The front-end refits itself (mpi4py's ``adapt()``): rounds collect no statistics.
     early : bool
         Start a fusion buffer's exchange in :meth:`add`, as soon as the buffer is complete (a later
         tensor does not fit in it), instead of at the round's first :meth:`finish`: its payloads
@@ -164,17 +164,15 @@ class Engine:
 
     def __init__(self, quantizer: Quantizer, state: RoundState, *, exchange: str = "auto",
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, seed: int = 0, uid: str | None = "0",
-                 manual_refit: bool = False, early: bool = False) -> None:
+                 early: bool = False) -> None:
         self.quantizer = quantizer
         self.state = state
         self.exchange = check_exchange(exchange)
         self.fusion_bytes = resolve_fusion_bytes(fusion_bytes)
         self.seed = int(seed)
         self.uid = uid
-        self.manual_refit = manual_refit
         self.early = early
         self._round = _Round()
-        self.last_second_statistics: np.ndarray | None = None
         self._kept: dict[str, tuple[Any, _Round]] = {}  # tag -> (buffer, the round that used it last)
 
     # ------------------------------------------------------------------ compress
@@ -231,11 +229,8 @@ class Engine:
     def _collects(self, exchange: str) -> tuple[bool, bool]:
         """Whether this round collects statistics for the first and for the second quantizer."""
         st = self.state
-        collect_first = (not self.manual_refit) and st.collecting
-        # second quantizer: the round after each refit of the first (manual refit: every round)
-        collect_second = (exchange == two_phase.NAME and st.adapt_second
-                          and (self.manual_refit or st.collecting_second))
-        return collect_first, collect_second
+        # second quantizer: the round after each refit of the first
+        return st.collecting, exchange == two_phase.NAME and st.adapt_second and st.collecting_second
 
     # ------------------------------------------------------------------ decompress
     def pending(self) -> bool:
@@ -303,12 +298,19 @@ class Engine:
                     collecting=int(collecting))
 
     def open_stream(self, ops: TensorOps, stages: Sequence[Transport], *, min_size: int = 0,
-                    exchange: str | None = None) -> StreamedRound:
+                    exchange: str | None = None, error: str | None = None, elements: int = 0,
+                    collect: bool | None = None) -> StreamedRound:
         """Start a streamed round (:mod:`.stream`, for front-ends whose transport pairs collectives
         by call order and whose framework hands every rank the same tensors in the same order):
         the handshake on ``stages[0]``, then a round that takes buffers one by one. ``stages``:
         one transport per collective of a buffer (two-phase: 2), each pairing its own collectives.
-        ``exchange``: one of :data:`STREAMED` instead of the engine's (FSDP2: "reduce-scatter")."""
+        ``exchange``: one of :data:`STREAMED` instead of the engine's (FSDP2: "reduce-scatter").
+        ``error``: this rank cannot take part (its message); ``elements``: the coordinates this rank
+        will add, if known (checked to agree; 0: not announced). Either raises
+        :class:`ProtocolError` on every rank at the handshake. ``collect``: None, the refit schedule
+        picks the rounds that collect statistics and ``close`` refits in them; True / False, this
+        rank collects this round's statistics (or not) for the caller, ``close`` returns them and
+        refits nothing (a front-end that refits on request, :meth:`refit`)."""
         q, st = self.quantizer, self.state
         transport = stages[0]
         epoch = st.step
@@ -320,15 +322,20 @@ class Engine:
         if len(stages) < module.STAGES:
             raise ValueError(f"{PREFIX}: a streamed {exchange} round needs {module.STAGES} transports, got "
                              f"{len(stages)}")
-        collect_first, collect_second = self._collects(exchange)
+        if collect is None:
+            collect_first, collect_second = self._collects(exchange)
+        else:  # the caller's statistics stay local: the ranks need not agree on them
+            collect_first = bool(collect) and get_method(q.method).adaptive
+            collect_second = collect_first and exchange == two_phase.NAME and st.adapt_second
+        refit = collect is None and (collect_first or collect_second)
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
-        vec = handshake_vector(fields=STREAM_FIELDS, error=0, min_size=int(min_size),
-                               **self._settings(exchange, epoch, collect_first or collect_second))
-        read_handshake(transport.allreduce_max(vec, f"{prefix}.handshake"), fields=STREAM_FIELDS)
+        vec = handshake_vector(fields=STREAM_FIELDS, error=int(error is not None), min_size=int(min_size),
+                               elements=int(elements), **self._settings(exchange, epoch, refit))
+        read_handshake(transport.allreduce_max(vec, f"{prefix}.handshake"), error, fields=STREAM_FIELDS)
         st.step += 1
         st.exchange = exchange
         return StreamedRound(self, ops, stages[:module.STAGES], module, epoch=epoch, prefix=prefix,
-                             collect_first=collect_first, collect_second=collect_second)
+                             collect_first=collect_first, collect_second=collect_second, refit=refit)
 
     def _run_round(self, rnd: _Round, ops: TensorOps, transport: Transport, local_error: str | None) -> None:
         q, st = self.quantizer, self.state
@@ -336,7 +343,7 @@ class Engine:
         epoch = st.step
         exchange = choose_exchange(self.exchange, transport.size)
         collect_first, collect_second = self._collects(exchange)
-        collecting = collect_first or (collect_second and not self.manual_refit)
+        collecting = collect_first or collect_second
         order = tuple((e.numel, e.shape_code) for e in live)
         fields = dict(
             error=int(local_error is not None or any(e.error is not None for e in live)),
@@ -393,8 +400,6 @@ class Engine:
             st.payload_bytes += job.encoded
         if collecting:
             self._refit(job, collect_first, second_stats, prefix)
-        elif self.manual_refit:
-            self.last_second_statistics = second_stats
 
     def _settle_early(self, rnd: _Round, reduced: np.ndarray, ops: TensorOps, transport: Transport,
                       exchange: str, epoch: int) -> bool:
@@ -496,9 +501,10 @@ class Engine:
         self.refit_from(first, second, job.transport, f"{prefix}.statistics")
 
     def refit_from(self, first: np.ndarray | None, second: np.ndarray | None, transport: Transport,
-                   name: str) -> None:
+                   name: str) -> bool:
         """Sum this rank's statistics of the first quantizer (None: zeros) and, when ``second`` is
-        given, of the second, over the ranks (one allreduce), then refit both alike on every rank."""
+        given, of the second, over the ranks (one allreduce), then refit both alike on every rank.
+        Returns whether any levels changed (False: no rank saw a finite non-zero bucket)."""
         st, q = self.state, self.quantizer
         k = statistics_length(get_method(q.method))
         parts = [np.zeros(k) if first is None else np.asarray(first, dtype=np.float64)]
@@ -514,6 +520,57 @@ class Engine:
             st.second.adapt(total[k:])
             updated = True
         st.level_updates += int(updated)
+        return updated
+
+    def refit(self, first: np.ndarray | None, second: np.ndarray | None, transport: Transport, *,
+              error: str | None = None) -> bool:
+        """A refit outside any round, for front-ends that refit on request (mpi4py's ``adapt()``).
+
+        A handshake of :data:`~horovod_alq.core.protocol.REFIT_FIELDS` (settings, levels, round and
+        ``error``, this rank's reason not to refit: :class:`ProtocolError` on every rank), then for
+        adaptive methods :meth:`refit_from` (``first``: this rank's statistics since the last refit,
+        ``second``: its two-phase owner statistics of reduced shards; None: nothing recorded), then
+        a second handshake that every rank fitted and reached the same levels; if not, every rank
+        restores its previous levels and raises :class:`RefitError`. Returns whether levels changed.
+        """
+        q, st = self.quantizer, self.state
+        exchange = choose_exchange(self.exchange, transport.size)
+        prefix = f"{PREFIX}.{self.uid}.{st.step}.refit"
+        self._agree(transport, f"{prefix}.handshake", exchange, error)
+        if not get_method(q.method).adaptive:
+            return False
+        if not (exchange == two_phase.NAME and st.adapt_second):
+            second = None  # nothing to refit it from (the same on every rank: the settings agree)
+        elif second is None:
+            second = np.zeros(statistics_length(get_method(q.method)))
+        previous = (q.state_dict(), st.second.state_dict(), st.level_updates)
+        try:
+            updated, failure = self.refit_from(first, second, transport, f"{prefix}.statistics"), None
+        except CollectiveTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the check below makes it every rank's
+            updated, failure = False, f"{type(exc).__name__}: {exc}"
+        try:
+            self._agree(transport, f"{prefix}.check", exchange, failure)
+        except ProtocolError as exc:
+            q.load_state_dict(previous[0])
+            st.second.load_state_dict(previous[1])
+            st.level_updates = previous[2]
+            if isinstance(exc, CollectiveTimeout):
+                raise
+            raise RefitError(f"{PREFIX}: the refit failed on some rank or the ranks reached different levels "
+                             f"from the same statistics (do all ranks run the same NumPy and SciPy?); previous "
+                             f"levels restored: {exc}") from None
+        return updated
+
+    def _agree(self, transport: Transport, name: str, exchange: str, error: str | None) -> None:
+        vec = handshake_vector(fields=REFIT_FIELDS, error=int(error is not None),
+                               **self._settings(exchange, self.state.step, True))
+        read_handshake(transport.allreduce_max(vec, name), error, fields=REFIT_FIELDS)
+
+
+class RefitError(ProtocolError):
+    """:meth:`Engine.refit` failed after the statistics were combined (raised on every rank)."""
 
 
 def _shape_code(shape, dtype) -> int:

@@ -14,7 +14,7 @@ every rank. Payload checks (method, bits, bucket size, levels, element count in 
 on every buffer as in a whole round; an error in a buffer is that buffer's alone (``on_done``
 receives it) and every rank finds it alike. Refit statistics are combined once, by
 :meth:`StreamedRound.close`, after every buffer completed: every rank switches levels at the same
-round.
+round (or, in a round that collects for its caller, ``close`` returns this rank's statistics).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ class StreamedRound:
     """
 
     def __init__(self, engine, ops: TensorOps, stages: Sequence[Transport], module, *, epoch: int,
-                 prefix: str, collect_first: bool, collect_second: bool) -> None:
+                 prefix: str, collect_first: bool, collect_second: bool, refit: bool = True) -> None:
         self.engine, self.ops, self.stages = engine, ops, list(stages)
         self.steps, self.epoch, self.prefix = module.steps, epoch, prefix
         self.span = getattr(module, "span", _whole)  # what of a buffer's stream the exchange leaves here
-        self.collect_first, self.collect_second = collect_first, collect_second
+        self.collect_first, self.collect_second, self.refit = collect_first, collect_second, refit
         q = engine.quantizer
         k = statistics_length(get_method(q.method))
         self._first_stats = np.zeros(k)
@@ -83,18 +83,24 @@ class StreamedRound:
             self._open += 1
         self._advance(buf, 0, None)
 
-    def close(self) -> None:
+    def close(self) -> tuple[np.ndarray | None, np.ndarray | None] | None:
         """The round's end (after the last :meth:`add`): in refit rounds, wait for every buffer,
         combine the statistics of every rank once and refit (the next round uses the new levels);
-        an error of any buffer is raised here then, on every rank alike, instead of the refit."""
+        an error of any buffer is raised here then, on every rank alike, instead of the refit. A
+        round that collects for its caller (``refit`` off) waits and returns this rank's
+        statistics (first quantizer, second: None unless collected); other rounds return None."""
         if not (self.collect_first or self.collect_second):
-            return
+            return None
         self.wait()
         if self.failure is not None:
             raise self.failure
+        if not self.refit:
+            return (self._first_stats if self.collect_first else None,
+                    self._second_stats if self.collect_second else None)
         self.engine.refit_from(self._first_stats if self.collect_first else None,
                                self._second_stats if self.collect_second else None,
                                self.stages[0], f"{self.prefix}.statistics")
+        return None
 
     def wait(self) -> None:
         """Until every buffer added so far completed."""

@@ -35,7 +35,8 @@ from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState, schedule_from
 from ..exchange import Engine, Entry
 from . import codecs
-from .transport import HorovodTransport, NotMemberError, TorchOps, hvd, ops_for
+from .ops import TorchOps, ops_for
+from .transport import HorovodTransport, NotMemberError, hvd
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

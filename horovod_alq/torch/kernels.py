@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-HEADER_BYTES = 32
+from ..core.wire import HEADER_SIZE
+
 _SHIFTS: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -108,8 +109,8 @@ def decode_into(out: torch.Tensor, payload: torch.Tensor, levels: torch.Tensor, 
     """Add the decoded values of one (already validated) payload to the float32 tensor ``out``."""
     n = out.numel()
     nb = -(-n // bucket_size)
-    norms = payload[HEADER_BYTES: HEADER_BYTES + 4 * nb].clone().view(torch.float32)  # clone: align
-    start = HEADER_BYTES + 4 * nb
+    norms = payload[HEADER_SIZE: HEADER_SIZE + 4 * nb].clone().view(torch.float32)  # clone: align
+    start = HEADER_SIZE + 4 * nb
     codes = unpack_codes(payload[start: start + -(-n * bits // 8)], bits, n)
     table = torch.full((1 << bits,), float("nan"), dtype=torch.float32, device=out.device)
     table[: levels.numel()] = levels.to(device=out.device, dtype=torch.float32)  # extra codes: NaN

@@ -20,7 +20,7 @@ from ..exchange import Engine
 from ..exchange.engine import choose_exchange
 from . import codecs
 from .dist_transport import DistTransport, companion_group
-from .transport import TorchOps, ops_for
+from .ops import TorchOps, ops_for
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Keywords saved by ``state_dict`` and checked by ``load_state_dict``.

@@ -1,5 +1,5 @@
-"""The torch side of the exchange engine: Horovod collectives over a process set, and the codec's
-tensor operations on one device (``horovod_alq.exchange``)."""
+"""The Horovod transport of the exchange engine (``horovod_alq.exchange``): Horovod collectives over
+a process set. The tensor ops on one device are :mod:`horovod_alq.torch.ops`."""
 
 from __future__ import annotations
 
@@ -8,12 +8,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..core.methods import get_method
 from ..core.protocol import resolve_timeout, wait_for
-from ..core.quantizer import Quantizer
-from ..core.statistics import GRID, BucketMoments, normless_statistics
-from ..core.wire import Header, pack_header
-from . import codecs
 
 
 def hvd():
@@ -75,95 +70,3 @@ class HorovodTransport:
         t = torch.from_numpy(np.ascontiguousarray(vec, dtype=dtype))
         handle = hvd().allreduce_async(t, op=op, name=name, process_set=self.process_set)
         return self._wait(handle, name).numpy()
-
-
-class TorchOps:
-    """The exchange's tensor ops on ``device`` with one codec backend (:mod:`.codecs`: ``"auto"``
-    is Triton for CUDA tensors, the compiled CPU codec for CPU tensors, torch ops otherwise)."""
-
-    def __init__(self, device: torch.device, codec: str = "auto") -> None:
-        self.device = torch.device(device)
-        self.codec = codecs.resolve(codec, self.device)
-        self._levels: dict[int, torch.Tensor] = {}
-        self._grid: torch.Tensor | None = None
-
-    def levels(self, q: Quantizer) -> torch.Tensor:
-        key = q.fingerprint
-        if key not in self._levels:
-            if len(self._levels) > 8:
-                self._levels.clear()
-            self._levels[key] = torch.as_tensor(q.levels, dtype=torch.float64, device=self.device)
-        return self._levels[key]
-
-    def stream(self, parts, starts, length, out=None, padding=()):
-        if out is None:
-            out = torch.zeros(length, dtype=torch.float32, device=self.device)
-        else:
-            for a, b in padding:
-                out[a:b].zero_()
-        for part, start in zip(parts, starts):
-            out[start: start + part.numel()].copy_(part.reshape(-1))
-        return out
-
-    def zeros(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.float32, device=self.device)
-
-    def empty(self, n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.float32, device=self.device)
-
-    def _header(self, q: Quantizer, numel: int) -> torch.Tensor:
-        header = pack_header(Header(get_method(q.method).id, q.bits, q.bucket_size, numel, q.fingerprint, norm=q.norm))
-        return torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
-
-    def encode(self, x: torch.Tensor, q: Quantizer, seed: int) -> torch.Tensor:
-        if x.numel() == 0:
-            return self._header(q, 0)
-        return self.codec.encode(x.contiguous(), self.levels(q), self._header(q, x.numel()), bits=q.bits,
-                                 bucket_size=q.bucket_size, norm=q.norm, seed=seed)
-
-    def encode_parts(self, parts, starts, length, q: Quantizer, seed: int):
-        encode = getattr(self.codec, "encode_parts", None)
-        if encode is None or length == 0 or q.bucket_size % 8 or not all(
-                p.dtype == torch.float32 and p.device == self.device for p in parts):
-            return None
-        return encode([p.reshape(-1).contiguous() for p in parts], list(starts), length, self.levels(q),
-                      self._header(q, length), bits=q.bits, bucket_size=q.bucket_size, norm=q.norm, seed=seed)
-
-    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets, q: Quantizer, *, start: int = 0,
-                   numel: int | None = None, scale: float = 1.0) -> None:
-        n = out.numel()
-        numel = n if numel is None else int(numel)
-        if n == 0:
-            return
-        target = out if out.is_contiguous() else torch.empty_like(out)
-        self.codec.decode_sum(target, payloads.contiguous(), list(offsets), self.levels(q), bits=q.bits,
-                              bucket_size=q.bucket_size, scale=scale, start=start, numel=numel)
-        if target is not out:
-            out.copy_(target)
-
-    def statistics(self, x: torch.Tensor, q: Quantizer) -> np.ndarray:
-        method = get_method(q.method)
-        x = x.contiguous()
-        if not method.adaptive or method.normless:
-            moments = self.codec.bucket_moments(x, bucket_size=q.bucket_size, norm=q.norm)
-            return normless_statistics(BucketMoments(*moments))
-        if self._grid is None:
-            self._grid = torch.tensor(GRID, dtype=torch.float64, device=self.device)
-        return self.codec.grid_statistics(x, self._grid, bucket_size=q.bucket_size, norm=q.norm)
-
-    def cat(self, parts) -> torch.Tensor:
-        return torch.cat(list(parts)) if len(parts) > 1 else parts[0]
-
-    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
-        return x.detach().cpu().numpy()
-
-    def from_numpy(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-
-
-def ops_for(cache: dict, device: torch.device, codec: str) -> TorchOps:
-    """The :class:`TorchOps` for ``device`` in ``cache`` (made on first use)."""
-    key = str(device)
-    if key not in cache:
-        cache[key] = TorchOps(device, codec)
-    return cache[key]

@@ -7,7 +7,7 @@ import pytest
 from horovod_alq.core import Quantizer
 from horovod_alq.core.rounds import RefitSchedule, RoundState
 from horovod_alq.exchange.engine import Engine
-from horovod_alq.mpi import NumpyOps
+from horovod_alq.exchange.numpy_ops import NumpyOps
 
 
 class Loopback:
@@ -109,7 +109,7 @@ def test_fused_tensors_come_back_in_place(exchange, bucket):
     window is its own values, whether the codec reads the tensors in place or from the stream, and
     both give the same floats for random values too."""
     torch = pytest.importorskip("torch")
-    from horovod_alq.torch.transport import TorchOps
+    from horovod_alq.torch.ops import TorchOps
 
     rng = np.random.default_rng(bucket)
     sizes = [3 * bucket, 5, bucket + 1, 2000, 1, 7 * bucket]
@@ -176,3 +176,25 @@ def test_a_refit_round_decodes_with_the_levels_it_encoded_with(exchange):
     assert not np.array_equal(q.levels.astype(np.float32), before)  # the round refit the levels
     for x, out in zip(xs, outs):
         np.testing.assert_array_equal(out, x)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+def test_a_caller_collected_round_returns_its_statistics_and_refit_combines_them(exchange):
+    """open_stream(collect=True) refits nothing, even in a round the schedule would refit, and
+    close() hands back this rank's statistics; Engine.refit then fits from them (mpi4py's adapt())."""
+    q = Quantizer("alq", bits=3, bucket_size=64)
+    second = Quantizer("alq", bits=4, bucket_size=64)
+    eng = Engine(q, RoundState(q, RefitSchedule((0,), 0), second), exchange=exchange, seed=3)
+    x = np.random.default_rng(1).standard_normal(500).astype(np.float32)
+    before, before_second = q.levels, second.levels
+    rnd = eng.open_stream(NumpyOps(), [Loopback(), Loopback()], elements=x.size, collect=True)
+    rnd.add(x, x.size, lambda decoded, error: None)
+    first, stats_second = rnd.close()
+    np.testing.assert_array_equal(first, q.statistics(x))
+    assert (stats_second is not None) == (exchange == "two-phase")
+    assert np.array_equal(q.levels, before) and eng.state.level_updates == 0
+    assert eng.refit(first, stats_second, Loopback()) is True
+    assert not np.array_equal(q.levels, before) and eng.state.level_updates == 1
+    assert np.array_equal(second.levels, before_second) == (exchange == "allgather")
+    with pytest.raises(Exception, match="This rank: ValueError: bad"):
+        eng.refit(None, None, Loopback(), error="ValueError: bad")

@@ -230,6 +230,27 @@ def test_a_late_rank_makes_the_waiting_rank_raise_not_hang(run):
     assert run[1]["bounded_wait"]["error"] is None
 
 
+@pytest.mark.multiproc
+def test_collectives_per_call_and_per_adapt(run):
+    """A call is the handshake and the exchange's collectives (no preflight, no control vector);
+    adapt() is a handshake, the statistics and the check of the new levels."""
+    for r in run:
+        c = r["collectives"]
+        assert c["allgather"] == {"Iallreduce": 1, "Iallgatherv": 1}, c
+        assert c["two-phase"] == {"Iallreduce": 1, "Ialltoallv": 1, "Iallgatherv": 1}, c
+        assert c["allgather.adapt"] == c["two-phase.adapt"] == {"Iallreduce": 3}, c
+
+
+@pytest.mark.multiproc
+def test_a_fit_that_fails_on_one_rank_raises_on_every_rank(run):
+    for r in run:
+        f = r["refit_failure"]
+        assert f["error"].startswith("RuntimeError: horovod_alq.mpi:") and "previous levels restored" in f["error"], f
+        assert "FloatingPointError: injected" in f["error"] or r["rank"] != 1, f
+        assert f["restored"] and f["level_updates"] == 0, f
+    assert len({r["refit_failure"]["after"] for r in run}) == 1
+
+
 # ---------------------------------------------------------------------------------- state, sub-communicators
 @pytest.mark.multiproc
 def test_state_dict_round_trip(run):

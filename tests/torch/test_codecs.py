@@ -580,7 +580,7 @@ def test_triton_kernels_compile_for_the_gpu(tmp_path):
 def test_the_exchange_calls_its_codec_at_all_three_places(name, method):
     """encode, decode-and-sum and statistics of the exchange's torch ops (what a compressor with
     codec=name runs): the payload decodes as the core decodes it, the statistics are the core's."""
-    from horovod_alq.torch.transport import TorchOps
+    from horovod_alq.torch.ops import TorchOps
 
     _resolve(name)
     ops = TorchOps("cpu", name)

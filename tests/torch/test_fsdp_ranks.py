@@ -13,10 +13,11 @@ from scipy.stats import t as student
 
 from multiproc import run_ranks
 
+from horovod_alq.core.wire import HEADER_SIZE
+
 pytestmark = pytest.mark.multiproc
 
 METHODS = ("alq", "amq", "qsgdinf", "terngrad")
-HEADER_BYTES = 32  # an upper bound of horovod_alq.core.wire.HEADER_SIZE
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
@@ -83,7 +84,7 @@ def _check_wire(w, n):
     b, d = w["bits"], w["bucket"]
     per_coordinate = 8 * w["bytes_sent"] / w["coordinates"]
     ideal = (n - 1) / n * (b + 32 / d)
-    headers = 8 * (n - 1) * HEADER_BYTES / w["coordinates"]
+    headers = 8 * (n - 1) * HEADER_SIZE / w["coordinates"]
     assert ideal <= per_coordinate <= 1.02 * ideal + headers, (per_coordinate, ideal, w)
     assert w["bytes_sent"] == w["bytes_received"] == (n - 1) * w["payload"], w
 

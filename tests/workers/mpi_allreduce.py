@@ -211,7 +211,7 @@ def bounded_wait(comm) -> dict:
     import time
 
     from horovod_alq.core.protocol import CollectiveTimeout
-    from horovod_alq.mpi import MpiTransport
+    from horovod_alq.mpi_transport import MpiTransport
 
     t = MpiTransport(comm, timeout=1)
     out = {"error": None}
@@ -226,6 +226,58 @@ def bounded_wait(comm) -> dict:
         t.comm.Iallreduce(np.ones(4, dtype=np.int64), np.empty(4, dtype=np.int64), op=MPI.MAX).Wait()
     comm.Barrier()
     return out
+
+
+_COUNT: dict = {}
+
+
+class _Counting(MPI.Intracomm):
+    """The same communicator, counting the collectives called on it (by method name)."""
+
+
+def _counted(name):
+    base = getattr(MPI.Intracomm, name)
+
+    def call(self, *args, **kwargs):
+        _COUNT[name] = _COUNT.get(name, 0) + 1
+        return base(self, *args, **kwargs)
+    return call
+
+
+for _name in ("Allgather", "allgather", "Allgatherv", "Iallgatherv", "Allreduce", "allreduce", "Iallreduce",
+              "Alltoallv", "Ialltoallv", "Bcast", "bcast", "Barrier"):
+    setattr(_Counting, _name, _counted(_name))
+
+
+def collectives(comm) -> dict:
+    """The collectives of one call and of one adapt(), per exchange."""
+    x = rank_data(comm.Get_rank(), 500)
+    res = {}
+    for exchange in ("allgather", "two-phase"):
+        ar = QuantizedAllreduce(_Counting(comm), "alq", bits=3, bucket_size=64, seed=0, exchange=exchange)
+        ar(x)
+        _COUNT.clear()
+        ar(x)
+        res[exchange] = dict(_COUNT)
+        _COUNT.clear()
+        ar.adapt()
+        res[exchange + ".adapt"] = dict(_COUNT)
+    return res
+
+
+def refit_failure(comm) -> dict:
+    """The fit raises on rank 1 only: every rank raises, restores its levels and carries on."""
+    x = rank_data(comm.Get_rank(), 500)
+    ar = QuantizedAllreduce(comm, "alq", bits=3, bucket_size=64, seed=0)
+    ar(x)
+    start = ar.levels
+    if comm.Get_rank() == 1:
+        def broken(*args, **kwargs):
+            raise FloatingPointError("injected")
+        ar.quantizer.adapt = broken
+    err = _attempt(ar.adapt)
+    return {"error": err, "restored": bool(np.array_equal(ar.levels, start)),
+            "level_updates": ar.metrics()["level_updates"], "after": digest(ar(x))}
 
 
 def state(comm) -> dict:
@@ -379,6 +431,8 @@ def main() -> None:
     out["errors"] = errors(comm)
     if comm.Get_size() == 2:
         out["bounded_wait"] = bounded_wait(comm)
+    out["collectives"] = collectives(comm)
+    out["refit_failure"] = refit_failure(comm)
     out["state"] = state(comm)
     out["collect"] = collect(comm)
     out["payload"] = payload_dump(comm)

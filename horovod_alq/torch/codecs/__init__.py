@@ -28,7 +28,8 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-HEADER_BYTES = 32
+from ...core.wire import HEADER_SIZE
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -132,12 +133,12 @@ def payload_window(payloads: torch.Tensor, offsets: Sequence[int], *, start: int
     nb = -(-numel // d)
     parts = []
     for offset in offsets:
-        norms = offset + HEADER_BYTES + 4 * (start // d)
-        codes = offset + HEADER_BYTES + 4 * nb + start * bits // 8
-        parts += [payloads[offset: offset + HEADER_BYTES], payloads[norms: norms + 4 * -(-n // d)],
+        norms = offset + HEADER_SIZE + 4 * (start // d)
+        codes = offset + HEADER_SIZE + 4 * nb + start * bits // 8
+        parts += [payloads[offset: offset + HEADER_SIZE], payloads[norms: norms + 4 * -(-n // d)],
                   payloads[codes: codes + -(-n * bits // 8)]]
     window = torch.cat(parts) if parts else payloads[:0]
-    size = HEADER_BYTES + 4 * -(-n // d) + -(-n * bits // 8)
+    size = HEADER_SIZE + 4 * -(-n // d) + -(-n * bits // 8)
     return window, [k * size for k in range(len(offsets))]
 
 

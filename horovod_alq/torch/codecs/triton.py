@@ -37,7 +37,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import HEADER_BYTES, check_encode_args, payload_window
+from ...core.wire import HEADER_SIZE
+from . import check_encode_args, payload_window
 
 INSTALL_HINT = ("install it with `pip install triton==3.6.0` (pinned in requirements/pinned.txt; "
                 "`make install` installs it; `pip install horovod-alq[gpu]` for the extra)")
@@ -182,12 +183,12 @@ class TritonCodec:
         n, d, bits = flat.numel(), int(bucket_size), int(bits)
         nb = _cdiv(n, d)
         code_bytes = _cdiv(n * bits, 8)
-        payload = torch.empty(HEADER_BYTES + 4 * nb + code_bytes, dtype=torch.uint8, device=device)
-        payload[:HEADER_BYTES].copy_(header.reshape(-1))
+        payload = torch.empty(HEADER_SIZE + 4 * nb + code_bytes, dtype=torch.uint8, device=device)
+        payload[:HEADER_SIZE].copy_(header.reshape(-1))
         if n == 0:
             return payload
-        norms = payload[HEADER_BYTES: HEADER_BYTES + 4 * nb].view(torch.float32)
-        codes = payload[HEADER_BYTES + 4 * nb:]
+        norms = payload[HEADER_SIZE: HEADER_SIZE + 4 * nb].view(torch.float32)
+        codes = payload[HEADER_SIZE + 4 * nb:]
         lv, wd, _ = self._tables(levels, bits, device)
         has_u = uniforms is not None
         if has_u:
@@ -230,7 +231,7 @@ class TritonCodec:
         if not offsets:
             return out.zero_()
         nb = _cdiv(n, d)
-        size = HEADER_BYTES + 4 * nb + _cdiv(n * bits, 8)
+        size = HEADER_SIZE + 4 * nb + _cdiv(n * bits, 8)
         if min(offsets) < 0 or max(offsets) + size > payloads.numel():
             raise ValueError("decode_sum: payload out of range")
         payloads = payloads.to(out.device).contiguous()
