@@ -18,8 +18,12 @@ global process set, by default). Calls without a ``compression=`` parameter (``a
 
 Every rank writes one JSON line per test (outcome, error, how many tensors the compressor
 quantized); a per-test watchdog dumps every thread's stack and ends the rank when a test runs past
-``--test-timeout`` (a hang), and the driver relaunches with the tests not yet run. Non-passing tests
-are then re-run without the compressor (the baseline), and each is put in a category:
+``--test-timeout`` (a hang), and the driver relaunches with the tests not yet run. After each test
+the ranks wait for each other through those files (no collective): a test that failed on some ranks
+only leaves the others inside it, so the launch ends there (their stacks are dumped) and the next
+one starts with the next test. Hangs, crashes, such tests and (up to 10) apparent real problems are
+re-run alone; non-passing tests are then re-run without the compressor (the baseline), and each is
+put in a category:
 
 * ``precision``: an assertion failed (no horovod_alq error), the compressor quantized tensors in
   the test, and the test passes without it: a quantized result compared with an exact one at
@@ -27,7 +31,12 @@ are then re-run without the compressor (the baseline), and each is put in a cate
 * ``refusal``: a documented horovod_alq refusal that matches the test (op=Min/Max/Product or Adasum
   in a test of that op, hvd.join, reducescatter with compression);
 * ``real``: anything else (a wrong error, a crash, a failure that is not quantization error);
+* ``baseline``: fails without the compressor too (a torch / TF version newer than Horovod 0.28.1's);
 * ``hang``: the watchdog fired.
+
+``--tf-eager-only`` runs TensorFlow tests eagerly only: upstream's file ends with
+``run_all_in_graph_and_eager_modes(TensorFlowTests)``, which runs each test first in a TF1 graph
+with a session, then eagerly.
 
 The report (markdown, ``--out``, default docs/horovod_suite.md) lists the command, date, versions,
 counts and every non-passing test; text after the line ``<!-- notes -->`` in an existing report is
@@ -66,6 +75,7 @@ SUITES = {"torch": "test_torch.py", "tensorflow": "test_tensorflow.py"}
 # environment of the plugin inside the ranks
 ENV_OUT, ENV_SKIP, ENV_TIMEOUT, ENV_INJECT = ("HOROVOD_SUITE_OUT", "HOROVOD_SUITE_SKIP", "HOROVOD_SUITE_TEST_TIMEOUT",
                                               "HOROVOD_SUITE_INJECT")
+MAX_ALONE = 10  # at most this many tests that look like real problems are re-run alone
 SYNC_WAIT = 30  # seconds a rank that finished a test waits for the others to finish it
 GRACE = 15  # seconds a rank whose watchdog fired waits (so the other ranks dump too) before it exits
 
@@ -191,6 +201,11 @@ def _install(framework: str) -> _Injector:
         modules = [hvd, mpi_ops] if internal else [hvd]
         names = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter", "DistributedOptimizer"]
     else:
+        if os.environ.get("HOROVOD_SUITE_TF_EAGER", "0") == "1":
+            # upstream ends test_tensorflow.py with run_all_in_graph_and_eager_modes(TensorFlowTests):
+            # every test first in a TF1 graph with a session, then eagerly. Eager only: TF2's default
+            from tensorflow.python.framework import test_util
+            test_util.run_all_in_graph_and_eager_modes = lambda cls: cls
         import horovod.tensorflow as hvd
         from horovod_alq.tensorflow import ALQCompressor
         modules = [hvd]
@@ -397,6 +412,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a compressor per test (default), one for the whole run, or one per call")
     p.add_argument("--internal", action="store_true",
                    help="also Horovod's internal calls (the allreduce in allgather's / broadcast's backward)")
+    p.add_argument("--tf-eager-only", action="store_true",
+                   help="TensorFlow: run each test eagerly only (upstream runs it in a TF1 graph with a session "
+                        "first, then eagerly); results under the label tensorflow-eager")
     p.add_argument("--no-baseline", action="store_true", help="do not re-run non-passing tests without the compressor")
     p.add_argument("--results-dir", type=Path, default=ROOT / "build" / "horovod_suite")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "horovod_suite.md")
@@ -429,7 +447,8 @@ def _launch(args, test_file: Path, out: Path, skip_file: Path, inject: bool, key
            "HOROVOD_SUITE_FRAMEWORK": args.framework, "HOROVOD_SUITE_BITS": str(args.bits),
            "HOROVOD_SUITE_BUCKET": str(args.bucket_size), "HOROVOD_SUITE_MIN_SIZE": str(args.min_size),
            "HOROVOD_SUITE_SCOPE": args.scope,
-           "HOROVOD_SUITE_INTERNAL": "1" if args.internal else "0", "HOROVOD_ALQ_TIMEOUT": str(args.alq_timeout),
+           "HOROVOD_SUITE_INTERNAL": "1" if args.internal else "0",
+           "HOROVOD_SUITE_TF_EAGER": "1" if args.tf_eager_only else "0", "HOROVOD_ALQ_TIMEOUT": str(args.alq_timeout),
            "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), args.python, "-m", "pytest", "-p", "horovod_suite",
            "-q", "-rN", "--no-header", "-p", "no:cacheprovider", *(selection or [test_file.name])]
@@ -620,7 +639,7 @@ CATEGORY_TEXT = {
 
 def write_report(results_dir: Path, out: Path) -> None:
     runs = []
-    for fw in ("torch", "tensorflow"):
+    for fw in ("torch", "tensorflow", "tensorflow-eager"):
         path = results_dir / f"{fw}.json"
         if path.exists():
             runs.append(json.loads(path.read_text()))
@@ -642,15 +661,21 @@ def write_report(results_dir: Path, out: Path) -> None:
              "`hvd.join`, reducescatter with compression, a compressor of the global set in an allreduce over another "
              "set when the error names the process set), raised on every rank; **baseline**: fails without the "
              "compressor too (torch or Horovod version, not horovod_alq); **real**: anything else; **hang**: the "
-             "per-test watchdog fired (the ranks' stacks are dumped). A test that did not pass in the shared launch "
-             "is re-run alone in fresh processes (a test that fails on one rank only leaves the ranks' collectives "
-             "out of step for the next tests); its category is from that run.", ""]
+             "per-test watchdog fired (the ranks' stacks are dumped). The ranks are kept in step through their result "
+             "files: a test that fails on some ranks only ends the launch (the ranks still in it dump their stacks, "
+             "shown below) and the next launch goes on with the next test; a test that raised before removing its "
+             "process sets has them removed. A hang, a crash, a test that failed on some ranks only, and (up to 10) "
+             "tests that look like real problems are re-run alone in fresh processes; their category is from that "
+             "run. Column ranks: each rank's outcome (left waiting: still in the test 30 s after another rank "
+             "finished it).", ""]
     for run in runs:
         counts: dict = {}
         for t in run["tests"].values():
             counts[t["category"]] = counts.get(t["category"], 0) + 1
         order = ["passed", "precision", "refusal", "baseline", "real", "hang", "skipped"]
-        lines += [f"## {run['framework']}: upstream test/parallel/{SUITES[run['framework']]}", "",
+        mode = {"tensorflow": " (upstream's modes: each test in a TF1 graph with a session, then eagerly)",
+                "tensorflow-eager": " (eagerly only: --tf-eager-only)"}.get(run.get("label", run["framework"]), "")
+        lines += [f"## {run['framework']}: upstream test/parallel/{SUITES[run['framework']]}{mode}", "",
                   f"- Command: `{run['command']}`",
                   f"- Date: {run['date']}, {run['wall_s']:.0f} s, {run['np']} ranks (mpirun, CPU), "
                   f"{run['launches']} launch(es)",
@@ -698,8 +723,9 @@ def main(argv=None) -> int:
         return 2
     keyword = QUICK if args.quick and not args.keyword else args.keyword
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    work = args.results_dir / args.framework
-    log_path = args.results_dir / f"{args.framework}.log"
+    label = args.framework + ("-eager" if args.tf_eager_only and args.framework == "tensorflow" else "")
+    work = args.results_dir / label
+    log_path = args.results_dir / f"{label}.log"
     start = time.monotonic()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     signal.signal(signal.SIGTERM, _stop_current)
@@ -710,8 +736,12 @@ def main(argv=None) -> int:
         final = dict(shared)
         # 2. what looks like a real problem, a hang, a crash or a test that failed on some ranks only
         #    is re-run alone, in fresh processes (no state left by an earlier test)
-        for t in [t for t, e in shared.items() if not _passed(e) and (e.get("interrupted") or e.get("desync") or
-                                                                       classify(t, e, {"outcome": "passed"})[1] == "real")]:
+        suspect = [t for t, e in shared.items() if not _passed(e) and (e.get("interrupted") or e.get("desync"))]
+        real = [t for t, e in shared.items() if not _passed(e) and t not in suspect
+                and classify(t, e, {"outcome": "passed"})[1] == "real"]
+        if len(real) <= MAX_ALONE:  # many alike: one cause, seen in step on every rank; not one launch each
+            suspect += real
+        for t in suspect:
             alone = run_suite(args, test_file, work / "alq-alone", True, None, log, deadline, selection=[t])
             if t in alone:
                 final[t] = {**alone[t], "shared": classify(t, shared[t], None)[0]}
@@ -748,7 +778,9 @@ def main(argv=None) -> int:
         shown.append("--quick")
     if args.internal:
         shown.append("--internal")
-    previous = args.results_dir / f"{args.framework}.json"
+    if args.tf_eager_only:
+        shown.append("--tf-eager-only")
+    previous = args.results_dir / f"{label}.json"
     if args.merge and previous.exists():
         old = json.loads(previous.read_text())
         for t in tests:
@@ -756,13 +788,15 @@ def main(argv=None) -> int:
         tests = {**old["tests"], **tests}
         shown = shlex.split(old["command"])
         date = f"{old['date']} (re-run {len(final)} test(s) {date}: `-k {args.keyword}`)"
-    run = {"framework": args.framework, "command": shlex.join(shown), "date": date, "np": args.np,
+        start -= old["wall_s"]  # wall time and launches: both runs
+        launches += old["launches"]
+    run = {"framework": args.framework, "label": label, "command": shlex.join(shown), "date": date, "np": args.np,
            "wall_s": time.monotonic() - start, "launches": launches,
            "compressor": f"ALQCompressor(bits={args.bits}, bucket_size={args.bucket_size}, min_size={args.min_size})",
            "scope_text": {"test": "a new one for every test", "session": "one for the whole run",
                           "call": "a new one for every call"}[args.scope],
            "versions": _versions(args.python), "tests": tests}
-    (args.results_dir / f"{args.framework}.json").write_text(json.dumps(run, indent=1))
+    (args.results_dir / f"{label}.json").write_text(json.dumps(run, indent=1))
     write_report(args.results_dir, args.out)
     counts: dict = {}
     for t in tests.values():
