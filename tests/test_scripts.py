@@ -25,12 +25,52 @@ def load(name: str):
 
 
 @pytest.mark.parametrize("name", ["variance", "run_accuracy", "bench_network", "bench_codec", "bench_train_step",
-                                  "bench_fsdp", "run_accuracy_gpt", "variance_gpt"])
+                                  "bench_fsdp", "run_accuracy_gpt", "variance_gpt", "horovod_suite"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
         load(name).main(["--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_horovod_suite_categories_and_report(tmp_path):
+    """scripts/horovod_suite.py without Horovod's test folder: the categories of per-rank records
+    and the report written from them."""
+    mod = load("horovod_suite")
+
+    def entry(*ranks, **extra):
+        return {"ranks": dict(enumerate(ranks)), **extra}
+
+    ok = {"outcome": "passed"}
+    precision = {"outcome": "failed", "quantized": 3,
+                 "message": "E       AssertionError: hvd.allreduce produces incorrect results"}
+    op_min = {"outcome": "failed", "message": "E   horovod_alq: ... this allreduce used op=Min; ..."}
+    ps = {"outcome": "failed", "message": "E   horovod_alq: this allreduce reduced over 1 of the 2 ranks of the "
+                                          "compressor's process set [0, 1]"}
+    base = {"outcome": "passed"}
+    c = mod.classify
+    assert c("t::test_horovod_allreduce", entry(ok, ok), None) == ("passed", "passed")
+    assert c("t::test_horovod_allreduce", entry(precision, precision), base) == ("failed", "precision")
+    assert c("t::test_horovod_allreduce", entry(precision, precision), None)[1] == "real"  # no baseline
+    assert c("t::test_horovod_allreduce_min", entry(op_min, op_min), base) == ("failed", "refusal")
+    assert c("t::test_horovod_allreduce", entry(op_min, op_min), base)[1] == "real"  # an op never passed
+    assert c("t::test_horovod_allreduce_min", entry(op_min, ok), base)[1] == "real"  # not on every rank
+    assert c("t::test_optimizer_process_sets", entry(ps, ps), base)[1] == "refusal"
+    assert c("t::test_optimizer_process_sets", entry(op_min, op_min), base)[1] == "real"
+    assert c("t::test_x", entry(precision, precision), {"outcome": "failed"})[1] == "baseline"
+    assert c("t::test_x", entry(ok, {"outcome": "hang"}, interrupted="hang"), None) == ("hang", "hang")
+    run = {"framework": "torch", "command": "python scripts/horovod_suite.py", "date": "d", "wall_s": 1.0, "np": 2,
+           "launches": 1, "compressor": "ALQCompressor()", "scope_text": "s", "versions": {"horovod": "0.28.1"},
+           "tests": {"t::test_a": {"category": "passed", "outcome": "passed", "error": "", "where": "", "ranks": {}},
+                     "t::test_b": {"category": "refusal", "outcome": "failed", "error": "op=Min | x",
+                                   "where": "test_torch.py:1", "ranks": {"0": {"outcome": "failed"}}}}}
+    (tmp_path / "torch.json").write_text(json.dumps(run))
+    out = tmp_path / "report.md"
+    out.write_text("old\n<!-- notes -->\nkept notes\n")
+    mod.write_report(tmp_path, out)
+    text = out.read_text()
+    assert "passed 1, precision 0, refusal 1" in text and "`test_b` | refusal | 0: failed, 1: left waiting" in text
+    assert "op=Min \\| x" in text and text.endswith("<!-- notes -->\nkept notes\n") and "old" not in text
 
 
 def test_variance_quick(tmp_path):
