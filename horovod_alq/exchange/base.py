@@ -271,15 +271,24 @@ class Job:
         return issue(self.transport if transport is None else transport, request, self.name(request.tag))
 
     def count_allgather(self, sizes: Sequence[int]) -> None:
-        """Bytes of an allgather: this rank's payload reaches the N - 1 others (as a ring forwards it)."""
-        me = self.transport.rank
-        self.sent += (self.transport.size - 1) * int(sizes[me])
-        self.received += sum(int(s) for r, s in enumerate(sizes) if r != me)
+        sent, received = allgather_bytes(sizes, self.transport.rank)
+        self.sent, self.received = self.sent + sent, self.received + received
 
     def count_alltoall(self, splits: Sequence[int], received: Sequence[int]) -> None:
-        me = self.transport.rank
-        self.sent += sum(int(s) for j, s in enumerate(splits) if j != me)
-        self.received += sum(int(s) for r, s in enumerate(received) if r != me)
+        sent, got = alltoall_bytes(splits, received, self.transport.rank)
+        self.sent, self.received = self.sent + sent, self.received + got
+
+
+def allgather_bytes(sizes: Sequence[int], rank: int) -> tuple[int, int]:
+    """(sent, received) payload bytes of an allgather on ``rank`` (rank ``r`` contributes
+    ``sizes[r]``): its payload reaches the N - 1 others (as a ring forwards it), the others' reach it."""
+    return (len(sizes) - 1) * int(sizes[rank]), sum(int(s) for r, s in enumerate(sizes) if r != rank)
+
+
+def alltoall_bytes(splits: Sequence[int], received: Sequence[int], rank: int) -> tuple[int, int]:
+    """(sent, received) payload bytes of an alltoall on ``rank``: what goes to and comes from other ranks."""
+    return (sum(int(s) for j, s in enumerate(splits) if j != rank),
+            sum(int(s) for r, s in enumerate(received) if r != rank))
 
 
 @dataclass(frozen=True)

@@ -56,12 +56,12 @@ import tensorflow as tf
 from ..core import frontends
 from ..core.methods import get_method
 from ..core.quantizer import Quantizer
-from ..core.rounds import schedule_from
+from ..core.rounds import COUNTERS, RoundState, schedule_from
 from ..core.statistics import GRID, statistics_length
 from ..core import protocol
 from ..core.protocol import check_op, op_ok, shape_hash
 from ..core.wire import HEADER_SIZE, Header, check_header, pack_header, parse_header, payload_size
-from ..exchange import two_phase
+from ..exchange import base, two_phase
 from ..exchange.engine import check_exchange, choose_exchange
 from . import kernels
 
@@ -72,7 +72,6 @@ _HEAD = 7  # [1, k, k**2, p, p**2, h, h**2]: slot k, p = rank in the set + 1, h 
 _CONFIG = HEADER_SIZE + 1
 _CONFIG_FIELDS = {3: "method", 4: "bits", 5: "norm", **{i: "bucket_size" for i in range(8, 12)},
                   **{i: "levels" for i in range(24, 32)}, HEADER_SIZE: "bits_second"}
-_MASK64 = (1 << 64) - 1
 
 
 class ProtocolError(protocol.ProtocolError, tf.errors.FailedPreconditionError):
@@ -96,15 +95,9 @@ def _hvd():
     return hvd
 
 
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
 def _signed64(z: int) -> int:
-    z &= _MASK64
+    """A 64-bit value as TensorFlow's int64."""
+    z &= protocol.MASK64
     return z - (1 << 64) if z >> 63 else z
 
 
@@ -208,10 +201,11 @@ class _ClassOrInstance(frontends.ClassOrInstance):
 class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     """Base class: a Horovod ``compression=`` object for one quantization method (TensorFlow).
 
-    A ``tf.Module``: its state (levels, AMQ multiplier, counters, pending statistics, seed) lives in
-    ``tf.Variable`` s, so ``tf.train.Checkpoint(compressor=c)`` saves and restores it; restore into
-    a compressor built with the same arguments. :meth:`state_dict` / :meth:`load_state_dict` give
-    the same state as plain Python values (the PyTorch compressors' layout, validated on load).
+    A ``tf.Module``: its state (levels, :class:`~horovod_alq.core.rounds.RoundState`'s counters,
+    pending statistics, seed) lives in ``tf.Variable`` s, so ``tf.train.Checkpoint(compressor=c)``
+    saves and restores it; restore into a compressor built with the same arguments.
+    :meth:`metrics`, :meth:`state_dict` / :meth:`load_state_dict` read and write it through a
+    ``RoundState`` (the PyTorch compressors' layout, validated on load).
 
     Parameters
     ----------
@@ -259,7 +253,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     method: str = ""
     # Python-side configuration: not part of tf.Module's variable search.
     _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
-        "_fns", "_quantizer", "_schedule", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid"})
+        "_fns", "_quantizer", "_state", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid"})
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
@@ -280,30 +274,26 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                              f"PyTorch compressors")
         self._process_set = process_set
         self._set_cache = None
-        self._schedule = schedule_from(update_steps, update_every)
+        # The schema of metrics() and state_dict(); the variables below hold its values.
+        self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every), second=self._second,
+                                 adapt_second=False)
         self.min_size = frontends.check_min_size(min_size)
         self.jit_compile = bool(jit_compile)
-        seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & _MASK64
+        seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & protocol.MASK64
         self._claimed_uid = None  # the name part of its collectives, claimed at first use (_names)
         self._stats_len = statistics_length(self._method)
         self._outstanding = 0  # eager exchanges begun and not yet decompressed
         self._slot = 0
         q = self._quantizer
-        multiplier = q.multiplier if q.multiplier is not None else float("nan")
         with tf.init_scope():
             self._levels = tf.Variable(q.levels, dtype=tf.float64, trainable=False, name="levels")
-            self._multiplier = tf.Variable(multiplier, dtype=tf.float64, trainable=False, name="multiplier")
             self._header_mask = tf.Variable(header_mask(q.fingerprint), dtype=tf.int32, trainable=False,
                                             name="header_mask")
             self._seed = tf.Variable(_signed64(seed), dtype=tf.int64, trainable=False, name="seed")
-            self._rounds = tf.Variable(0, dtype=tf.int64, trainable=False, name="rounds")  # completed
+            # RoundState's counters, one variable each ("step": completed rounds), so that compress,
+            # decompress and the refit write different variables (tf.function orders ops by variable)
+            self._counters = {key: tf.Variable(0, dtype=tf.int64, trainable=False, name=key) for key in COUNTERS}
             self._current = tf.Variable(0, dtype=tf.int64, trainable=False, name="current_round")
-            self._level_updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="level_updates")
-            # compress calls, payload bytes, compressed coordinates
-            self._traffic = tf.Variable([0, 0, 0], dtype=tf.int64, trainable=False, name="traffic")
-            # payload bytes this rank put on / took off the wire (all phases, headers included)
-            self._wire = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="wire_bytes")
-            self._uncompressed = tf.Variable(0, dtype=tf.int64, trainable=False, name="uncompressed")
             self._pending = tf.Variable(np.zeros(self._stats_len), dtype=tf.float64, trainable=False,
                                         name="pending_statistics")
             self._pending_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="pending_count")
@@ -352,7 +342,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         tensor = tf.convert_to_tensor(tensor)
         numel = tensor.shape.num_elements()
         if tensor.dtype not in COMPRESSIBLE or numel is None or numel < max(self.min_size, 1):
-            self._uncompressed.assign_add(tf.cast(tf.size(tensor), tf.int64))
+            self._count(uncompressed_coordinates=tf.size(tensor))
             if tensor.dtype == tf.bfloat16:  # Horovod's TF allreduce has no bfloat16
                 return tf.cast(tensor, tf.float32), _PassThrough(tensor.dtype)
             return tensor, _PassThrough(tensor.dtype)
@@ -377,9 +367,11 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         exchange = self.exchange
         n, me = self._set_size(), self._set_rank()
         parts = self._parts(numel, exchange, n)
-        sizes = [payload_size(b - a, self.bits, self.bucket_size) for a, b in parts]
-        calls = self._traffic.assign_add(tf.constant([1, sum(sizes), numel], tf.int64))[0] - 1
-        self._wire.assign_add(tf.constant(self._wire_bytes(numel, exchange, n, me), tf.int64))
+        sent, received = self._wire_bytes(parts, exchange, me)
+        counters = self._count(calls=1, payload_bytes=sum(payload_size(b - a, self.bits, self.bucket_size)
+                                                           for a, b in parts),
+                               coordinates=numel, bytes_sent=sent, bytes_received=received)
+        calls = counters["calls"] - 1
         current = self._current.read_value()
         collecting = self._collecting(current) if self._method.adaptive else None
         levels = self._levels.read_value()
@@ -496,7 +488,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     def _kept(self, ctx: _Exchange, reduced: tf.Tensor, out: tf.Tensor) -> tf.Tensor:
         """``out``, once its round counts as completed and the round's reduced statistics were added
         to the pending ones (refit rounds)."""
-        with tf.control_dependencies([self._rounds.assign(ctx.round + 1)]):
+        with tf.control_dependencies([self._counters["step"].assign(ctx.round + 1)]):
             out = tf.identity(out)
         if ctx.collecting is None:
             return out
@@ -524,79 +516,53 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     # ------------------------------------------------------------------ metrics and state
     @_ClassOrInstance
     def metrics(self) -> dict:
-        """``levels``, ``multiplier``, ``second_levels`` (two-phase), ``level_updates``, ``step``
-        (rounds completed), ``payload_bytes`` (this rank's own first payloads), ``coordinates``,
-        ``uncompressed_coordinates``, ``bits_per_coordinate`` (compressed tensors, on the wire),
-        ``calls``, ``bytes_sent`` / ``bytes_received`` (payload bytes this rank put on / took off the
-        wire, all phases, headers included), ``exchange``. Read eagerly, between steps."""
-        calls, payload, coords = (int(v) for v in self._traffic.numpy())
-        sent, received = (int(v) for v in self._wire.numpy())
-        mult = float(self._multiplier.numpy())
-        return {
-            "levels": self._levels.numpy(),
-            "second_levels": self._levels.numpy() if self._follows() else self._second.levels.copy(),
-            "exchange": self.exchange,
-            "bytes_sent": sent,
-            "bytes_received": received,
-            "multiplier": None if np.isnan(mult) else mult,
-            "level_updates": int(self._level_updates.numpy()),
-            "step": int(self._rounds.numpy()),
-            "payload_bytes": payload,
-            "coordinates": coords,
-            "uncompressed_coordinates": int(self._uncompressed.numpy()),
-            "bits_per_coordinate": 8.0 * payload / coords if coords else float("nan"),
-            "calls": calls,
-        }
+        """:meth:`horovod_alq.core.rounds.RoundState.metrics` (the PyTorch compressors' metrics):
+        ``levels``, ``multiplier``, ``second_levels`` (two-phase), ``exchange``, the counters
+        (``step``: rounds completed) and ``bits_per_coordinate``. Read eagerly, between steps."""
+        st = self._read_state()
+        st.exchange = self.exchange
+        return st.metrics()
 
     def state_dict(self) -> dict:
-        """Levels, multiplier, seed, round and call counters and pending statistics, as Python values:
-        a compressor that loads it continues with identical levels and identical random draws."""
+        """:meth:`RoundState.state_dict` with the seed and the pending statistics, as Python values: a
+        compressor that loads it continues with identical levels and identical random draws."""
         if self._outstanding:
             raise RuntimeError("state_dict() during an exchange: call it between steps")
-        calls, payload, coords = (int(v) for v in self._traffic.numpy())
-        mult = float(self._multiplier.numpy())
-        return {
-            "seed": int(self._seed.numpy()) & _MASK64,
-            "quantizer": {"method": self._method.name, "bits": self.bits, "bucket_size": self.bucket_size,
-                          "norm": self.norm, "levels": self._levels.numpy(), "multiplier": None if np.isnan(mult) else mult,
-                          "rng": None},
-            "step": int(self._rounds.numpy()),
-            "level_updates": int(self._level_updates.numpy()),
-            "calls": calls,
-            "payload_bytes": payload,
-            "coordinates": coords,
-            "uncompressed_coordinates": int(self._uncompressed.numpy()),
-            "bytes_sent": int(self._wire.numpy()[0]),
-            "bytes_received": int(self._wire.numpy()[1]),
-            "pending_statistics": self._pending.numpy(),
-            "pending_count": int(self._pending_count.numpy()),
-        }
+        return {"seed": int(self._seed.numpy()) & protocol.MASK64, **self._read_state().state_dict(),
+                "pending_statistics": self._pending.numpy(), "pending_count": int(self._pending_count.numpy())}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (also one of a PyTorch compressor with the same method, bits
         and bucket size: its levels, seed and counters)."""
         if self._outstanding:
             raise RuntimeError("load_state_dict() during an exchange: call it between steps")
-        q = Quantizer(self._method.name, bits=self.bits, bucket_size=self.bucket_size, norm=self.norm)
-        q.load_state_dict(state["quantizer"])  # validates method, norm, bits, bucket size and levels
         pending = np.asarray(state.get("pending_statistics", np.zeros(self._stats_len)), dtype=np.float64)
         if pending.shape != (self._stats_len,):
             raise ValueError(f"pending_statistics has shape {pending.shape}, expected ({self._stats_len},)")
-        self._store_levels(q)
+        st = self._read_state()
+        st.load_state_dict(state)  # validates method, norm, bits, bucket size and levels
+        st.refitted_first()
+        self._levels.assign(st.quantizer.levels)
+        self._header_mask.assign(header_mask(st.quantizer.fingerprint))
+        for key, var in self._counters.items():
+            var.assign(getattr(st, key))
         self._seed.assign(_signed64(int(state["seed"])))
-        self._rounds.assign(int(state["step"]))
-        self._level_updates.assign(int(state["level_updates"]))
-        self._traffic.assign([int(state["calls"]), int(state["payload_bytes"]), int(state["coordinates"])])
-        self._uncompressed.assign(int(state["uncompressed_coordinates"]))
-        self._wire.assign([int(state.get("bytes_sent", 0)), int(state.get("bytes_received", 0))])
         self._pending.assign(pending)
         self._pending_count.assign(int(state.get("pending_count", 0)))
 
     # ------------------------------------------------------------------ internals
-    def _store_levels(self, q: Quantizer) -> None:
-        self._levels.assign(q.levels)
-        self._multiplier.assign(q.multiplier if q.multiplier is not None else float("nan"))
-        self._header_mask.assign(header_mask(q.fingerprint))
+    def _read_state(self) -> RoundState:
+        """The :class:`RoundState` with the variables' levels and counters."""
+        st = self._state
+        st.quantizer.set_levels(self._levels.numpy())
+        st.refitted_first()
+        for key, var in self._counters.items():
+            setattr(st, key, int(var.numpy()))
+        return st
+
+    def _count(self, **values) -> dict:
+        """Add ``values`` (ints or tensors) to the named counters; returns their values after it."""
+        return {key: self._counters[key].assign_add(tf.cast(value, tf.int64)) for key, value in values.items()}
 
     def _next_slot(self, eager: bool) -> int:
         """Index ``k`` of this compress call in its round (see the module docstring)."""
@@ -619,7 +585,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             self._outstanding = max(0, self._outstanding - 1)
 
     def _rank_key(self) -> int:
-        return _signed64(_splitmix64(_hvd().rank() + 1))
+        return _signed64(protocol.splitmix64(_hvd().rank() + 1))
 
     # ---- process set
     def _set_info(self) -> tuple[int, int]:
@@ -658,16 +624,16 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             return [(0, numel)]
         return two_phase.shards(0, numel, n, self.bucket_size)
 
-    def _wire_bytes(self, numel: int, exchange: str, n: int, me: int) -> list[int]:
-        """[sent, received] payload bytes of one tensor's exchange on this rank (as the engine counts)."""
-        parts = self._parts(numel, exchange, n)
-        first = [payload_size(b - a, self.bits, self.bucket_size) for a, b in parts]
+    def _wire_bytes(self, parts: list[tuple[int, int]], exchange: str, me: int) -> tuple[int, int]:
+        """(sent, received) payload bytes of one tensor's exchange on this rank, counted as the
+        engine counts its requests (:func:`horovod_alq.exchange.base.allgather_bytes`)."""
+        n, d = self._set_size(), self.bucket_size
+        first = [payload_size(b - a, self.bits, d) for a, b in parts]
         if exchange == "allgather":
-            return [(n - 1) * first[0], (n - 1) * first[0]]
-        second = [payload_size(b - a, self._second.bits, self.bucket_size) for a, b in parts]
-        others = [j for j in range(n) if j != me]
-        return [sum(first[j] for j in others) + (n - 1) * second[me],
-                (n - 1) * first[me] + sum(second[j] for j in others)]
+            return base.allgather_bytes(first * n, me)
+        second = [payload_size(b - a, self._second.bits, d) for a, b in parts]
+        phases = base.alltoall_bytes(first, [first[me]] * n, me), base.allgather_bytes(second, me)
+        return sum(p[0] for p in phases), sum(p[1] for p in phases)
 
     @staticmethod
     def _encode_part(encode, x: tf.Tensor, levels, header: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
@@ -678,7 +644,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     def _follows(self) -> bool:
         """Whether the second quantization uses the first's levels (same bits)."""
-        return self._second.bits == self._quantizer.bits
+        return self._state.follows_first
 
     def _scale(self, reduced: tf.Tensor) -> tf.Tensor:
         """Sum of 1 over the ranks (N for Sum, 1 for Average) over N: the factor on the decoded sum."""
@@ -695,17 +661,11 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         return tf.cast(tf.bitwise.bitwise_xor(tf.constant(static), self._header_mask.read_value()), tf.uint8)
 
     def _collecting(self, current: tf.Tensor) -> tf.Tensor:
-        """Whether round ``current`` gathers statistics for a refit."""
-        step = current
-        sched = self._schedule
-        out = tf.constant(False)
-        if sched.steps:
-            out = tf.reduce_any(tf.equal(step, tf.constant(sched.steps, tf.int64)))
-        if sched.every > 0:
-            last = sched.steps[-1] if sched.steps else -1
-            periodic = tf.logical_and(step > last, tf.equal(tf.math.floormod(step, sched.every), 0))
-            out = tf.logical_or(out, periodic)
-        return out
+        """Whether round ``current`` gathers statistics for a refit (the core's refit schedule)."""
+        collects = tf.numpy_function(lambda step: np.bool_(self._state.schedule.collects(int(step))), [current],
+                                     tf.bool, stateful=False, name="horovod_alq_collects")
+        collects.set_shape([])
+        return collects
 
     def _begin_round(self) -> None:
         """Refit from the previous round's statistics (if it collected any); the round's index is the
@@ -715,14 +675,13 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         refit in the failed round and one that refits in the next fit the same statistics."""
         if self._method.adaptive:
             def refit():
-                levels, mult, mask, updated = tf.numpy_function(
+                levels, mask, updated = tf.numpy_function(
                     self._refit_numpy, [self._levels.read_value(), self._pending.read_value()],
-                    [tf.float64, tf.float64, tf.int32, tf.int64], stateful=True, name="horovod_alq_refit")
+                    [tf.float64, tf.int32, tf.int64], stateful=True, name="horovod_alq_refit")
                 levels.set_shape(self._levels.shape)
                 mask.set_shape([HEADER_SIZE])
-                return tf.group(self._levels.assign(levels), self._multiplier.assign(tf.reshape(mult, [])),
-                                self._header_mask.assign(mask),
-                                self._level_updates.assign_add(tf.reshape(updated, [])),
+                return tf.group(self._levels.assign(levels), self._header_mask.assign(mask),
+                                self._counters["level_updates"].assign_add(tf.reshape(updated, [])),
                                 self._pending.assign(tf.zeros_like(self._pending)),
                                 self._pending_count.assign(0))
 
@@ -731,18 +690,17 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                     return tf.constant(True)
 
             tf.cond(self._pending_count > 0, refit_flag, lambda: tf.constant(False))
-        self._current.assign(self._rounds)
+        self._current.assign(self._counters["step"])
 
     def _refit_numpy(self, levels: np.ndarray, stats: np.ndarray):
-        """The NumPy core's fit (deterministic: identical inputs give identical levels on every rank)."""
-        q = Quantizer(self._method.name, bits=self.bits, bucket_size=self.bucket_size, norm=self.norm)
+        """The NumPy core's fit of the state's quantizer (deterministic: identical inputs give
+        identical levels on every rank)."""
+        q = self._state.quantizer
         q.set_levels(levels)
-        updated = 0
-        if np.isfinite(stats).all() and stats[0] > 0:  # no finite non-zero bucket seen: keep the levels
+        updated = bool(np.isfinite(stats).all() and stats[0] > 0)  # else no finite non-zero bucket seen
+        if updated:
             q.adapt(stats)
-            updated = 1
-        mult = q.multiplier if q.multiplier is not None else float("nan")
-        return q.levels, np.float64(mult), header_mask(q.fingerprint), np.int64(updated)
+        return q.levels, header_mask(q.fingerprint), np.int64(updated)
 
     def _statistics(self, tensor: tf.Tensor) -> tf.Tensor:
         """This rank's statistics vector of ``tensor`` (TF ops; only in refit rounds)."""
@@ -860,7 +818,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
 def _part_seed(seed: tf.Tensor, part: int, phase: int) -> tf.Tensor:
     """The ``[key, counter]`` seed of one shard's encoding in one phase of the two-phase exchange."""
-    key = _signed64(_splitmix64((int(part) << 2) | int(phase)))
+    key = _signed64(protocol.splitmix64((int(part) << 2) | int(phase)))
     return tf.stack([tf.bitwise.bitwise_xor(seed[0], tf.constant(key, tf.int64)), seed[1]])
 
 
