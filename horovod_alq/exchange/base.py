@@ -130,13 +130,19 @@ def check_payloads(ops: TensorOps, gathered: Tensor, numels: Sequence[int], quan
                    what: str) -> list[int]:
     """Validate the payloads of every rank, back to back in ``gathered`` (rank ``r``'s holds
     ``numels[r]`` elements), and return their offsets. Raises :class:`ProtocolError` naming the rank."""
+    return check_host_payloads(ops.to_numpy(gathered), numels, quantizer, what)
+
+
+def check_host_payloads(host: np.ndarray, numels: Sequence[int], quantizer: Quantizer, what: str) -> list[int]:
+    """:func:`check_payloads` on a host copy (uint8). The headers are read at their expected offsets
+    first (the first rank whose payload differs in configuration is named, even when its size then
+    differs), then the total size."""
     q = quantizer
     sizes = [payload_size(n, q.bits, q.bucket_size) for n in numels]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    host = ops.to_numpy(gathered)
-    if host.size != offsets[-1]:
-        raise ProtocolError(f"{PREFIX}: {what}: received {host.size} bytes, expected {int(offsets[-1])}")
     for rank, (offset, n) in enumerate(zip(offsets[:-1].tolist(), numels)):
+        if offset + HEADER_SIZE > host.size:
+            break
         try:
             header = parse_header(host[offset: offset + HEADER_SIZE])
             check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint, q.norm)
@@ -145,6 +151,8 @@ def check_payloads(ops: TensorOps, gathered: Tensor, numels: Sequence[int], quan
         except ValueError as err:
             raise ProtocolError(f"{PREFIX}: {what}: the payload of rank {rank} does not match this rank's "
                                 f"({q.method}, bits={q.bits}, bucket_size={q.bucket_size}): {err}") from None
+    if host.size != offsets[-1]:
+        raise ProtocolError(f"{PREFIX}: {what}: received {host.size} bytes, expected {int(offsets[-1])}")
     return offsets[:-1].tolist()
 
 
