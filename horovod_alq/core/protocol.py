@@ -233,13 +233,15 @@ def check_op(head: np.ndarray, size: int) -> None:
 
 
 def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int,
-                       local_error: str | None = None, scope: str = "") -> Reduced:
+                       local_error: str | None = None, scope: str = "", extra: int = 0) -> Reduced:
     """Check a reduced tensor vector and return the scale and the ranks' slots.
 
     Every rank receives the same reduced vector for the same tensor, so every rank raises the same
     error for the same tensor (``local_error`` only makes the message of the failing rank precise).
 
     ``scope`` names the compressor's process set in messages (e.g. "process set [0, 1]").
+    ``extra``: elements the front-end appended to the vector (TensorFlow: the configuration and the
+    statistics), counted in the length check and not read here.
 
     Raises
     ------
@@ -252,12 +254,14 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
     n = int(size)
     expected = tensor_vector_length(n)
     where = f"the compressor's {scope or 'process set'} ({n} ranks)"
-    if v.size != expected:
+    if v.size != expected + extra:
         raise ReductionMismatch(
-            f"{PREFIX}: the reduced control vector has {v.size} elements, expected {expected} for {where}: "
-            f"the compressed tensor went through a collective other than allreduce (a reducescatter), or "
-            f"an allreduce over another process set than the compressor's. Pass the same process_set= to "
-            f"the compressor and to the allreduce / optimizer (or use hvd.Compression.none here)")
+            f"{PREFIX}: the reduced control vector has {v.size} elements on this rank, expected "
+            f"{expected + extra} for {where}: the compressed tensor went through a collective other than "
+            f"an allreduce. hvd.reducescatter (and grouped_reducescatter) is not supported with horovod_alq "
+            f"compressors (refused on every rank before any payload moved): pass "
+            f"compression=hvd.Compression.none to reducescatter")
+    v = v[:expected]
     if not np.isfinite(v).all() or v[0] == 0:
         raise ProtocolError(f"{PREFIX}: the reduced control vector is not finite or its scale is 0 "
                             f"({v[:3].tolist()}): the allreduce used an op other than Sum or Average")

@@ -47,7 +47,8 @@ class RefitSchedule:
         return self.every > 0 and step > last and step % self.every == 0
 
 
-_COUNTERS = ("step", "level_updates", "calls", "payload_bytes", "coordinates", "uncompressed_coordinates",
+#: The counters of :class:`RoundState`, in the order of its ``metrics`` and ``state_dict``.
+COUNTERS = ("step", "level_updates", "calls", "payload_bytes", "coordinates", "uncompressed_coordinates",
              "bytes_sent", "bytes_received", "recovered")
 
 
@@ -110,13 +111,13 @@ class RoundState:
             "second_levels": self.second.levels,
             "exchange": self.exchange,
         }
-        out.update({key: getattr(self, key) for key in _COUNTERS})
+        out.update({key: getattr(self, key) for key in COUNTERS})
         out["bits_per_coordinate"] = 8.0 * self.payload_bytes / self.coordinates if self.coordinates else float("nan")
         return out
 
     def state_dict(self) -> dict:
         out = {"quantizer": self.quantizer.state_dict(), "second": self.second.state_dict()}
-        out.update({key: getattr(self, key) for key in _COUNTERS})
+        out.update({key: getattr(self, key) for key in COUNTERS})
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -125,7 +126,7 @@ class RoundState:
         self.quantizer.load_state_dict(state["quantizer"])
         if state.get("second") is not None:
             self.second.load_state_dict(state["second"])
-        for key in _COUNTERS:
+        for key in COUNTERS:
             setattr(self, key, int(state.get(key, 0)))
 
 

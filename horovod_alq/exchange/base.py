@@ -130,13 +130,19 @@ def check_payloads(ops: TensorOps, gathered: Tensor, numels: Sequence[int], quan
                    what: str) -> list[int]:
     """Validate the payloads of every rank, back to back in ``gathered`` (rank ``r``'s holds
     ``numels[r]`` elements), and return their offsets. Raises :class:`ProtocolError` naming the rank."""
+    return check_host_payloads(ops.to_numpy(gathered), numels, quantizer, what)
+
+
+def check_host_payloads(host: np.ndarray, numels: Sequence[int], quantizer: Quantizer, what: str) -> list[int]:
+    """:func:`check_payloads` on a host copy (uint8). The headers are read at their expected offsets
+    first (the first rank whose payload differs in configuration is named, even when its size then
+    differs), then the total size."""
     q = quantizer
     sizes = [payload_size(n, q.bits, q.bucket_size) for n in numels]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    host = ops.to_numpy(gathered)
-    if host.size != offsets[-1]:
-        raise ProtocolError(f"{PREFIX}: {what}: received {host.size} bytes, expected {int(offsets[-1])}")
     for rank, (offset, n) in enumerate(zip(offsets[:-1].tolist(), numels)):
+        if offset + HEADER_SIZE > host.size:
+            break
         try:
             header = parse_header(host[offset: offset + HEADER_SIZE])
             check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint, q.norm)
@@ -145,6 +151,8 @@ def check_payloads(ops: TensorOps, gathered: Tensor, numels: Sequence[int], quan
         except ValueError as err:
             raise ProtocolError(f"{PREFIX}: {what}: the payload of rank {rank} does not match this rank's "
                                 f"({q.method}, bits={q.bits}, bucket_size={q.bucket_size}): {err}") from None
+    if host.size != offsets[-1]:
+        raise ProtocolError(f"{PREFIX}: {what}: received {host.size} bytes, expected {int(offsets[-1])}")
     return offsets[:-1].tolist()
 
 
@@ -271,15 +279,24 @@ class Job:
         return issue(self.transport if transport is None else transport, request, self.name(request.tag))
 
     def count_allgather(self, sizes: Sequence[int]) -> None:
-        """Bytes of an allgather: this rank's payload reaches the N - 1 others (as a ring forwards it)."""
-        me = self.transport.rank
-        self.sent += (self.transport.size - 1) * int(sizes[me])
-        self.received += sum(int(s) for r, s in enumerate(sizes) if r != me)
+        sent, received = allgather_bytes(sizes, self.transport.rank)
+        self.sent, self.received = self.sent + sent, self.received + received
 
     def count_alltoall(self, splits: Sequence[int], received: Sequence[int]) -> None:
-        me = self.transport.rank
-        self.sent += sum(int(s) for j, s in enumerate(splits) if j != me)
-        self.received += sum(int(s) for r, s in enumerate(received) if r != me)
+        sent, got = alltoall_bytes(splits, received, self.transport.rank)
+        self.sent, self.received = self.sent + sent, self.received + got
+
+
+def allgather_bytes(sizes: Sequence[int], rank: int) -> tuple[int, int]:
+    """(sent, received) payload bytes of an allgather on ``rank`` (rank ``r`` contributes
+    ``sizes[r]``): its payload reaches the N - 1 others (as a ring forwards it), the others' reach it."""
+    return (len(sizes) - 1) * int(sizes[rank]), sum(int(s) for r, s in enumerate(sizes) if r != rank)
+
+
+def alltoall_bytes(splits: Sequence[int], received: Sequence[int], rank: int) -> tuple[int, int]:
+    """(sent, received) payload bytes of an alltoall on ``rank``: what goes to and comes from other ranks."""
+    return (sum(int(s) for j, s in enumerate(splits) if j != rank),
+            sum(int(s) for r, s in enumerate(received) if r != rank))
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ Usage::
     tape = hvd.DistributedGradientTape(tape, compression=compression)   # or hvd.allreduce(..., compression=)
 
 Same wire format as the PyTorch compressors (``docs/design.md``): ``compress`` encodes the gradient
-into a uint8 payload (same bytes layout as the NumPy core) and hands Horovod's allreduce a small
-float64 head vector ``[1, k, k**2, p, p**2, h, h**2, (config sums), statistics...]``; it issues no
-collective. ``decompress`` checks the reduced head vector (every rank sees the same one, so every
-rank takes the same decision: raise, or exchange; a reducescatter, whose pieces are shorter than the
-vector, and a rank in ``hvd.join()``, which adds zeros, fail the checks), and only then moves the
+into a uint8 payload (same bytes layout as the NumPy core) and hands Horovod's allreduce the core's
+small float64 tensor vector (:func:`horovod_alq.core.protocol.tensor_vector`), followed by the
+configuration sums (two-phase) and the statistics (refit rounds); it issues no collective.
+``decompress`` checks the reduced vector with the core's checks (every rank sees the same one, so
+every rank takes the same decision: raise, or exchange; a reducescatter, whose pieces are shorter
+than the vector, and a rank in ``hvd.join()``, which adds zeros, fail them), and only then moves the
 payloads, one tensor at a time: ``exchange="allgather"`` gathers every rank's payload, validates its
 header against this rank's configuration, decodes, sums and scales; ``exchange="two-phase"`` runs the scatter-reduce /
 re-quantize / allgather of :mod:`horovod_alq.exchange.two_phase` on the tensor's buckets. Horovod
@@ -56,23 +57,21 @@ import tensorflow as tf
 from ..core import frontends
 from ..core.methods import get_method
 from ..core.quantizer import Quantizer
-from ..core.rounds import schedule_from
+from ..core.rounds import COUNTERS, RoundState, schedule_from
 from ..core.statistics import GRID, statistics_length
 from ..core import protocol
-from ..core.protocol import check_op, op_ok, shape_hash
-from ..core.wire import HEADER_SIZE, Header, check_header, pack_header, parse_header, payload_size
-from ..exchange import two_phase
+from ..core.wire import HEADER_SIZE, Header, pack_header, payload_size
+from ..exchange import base, two_phase
 from ..exchange.engine import check_exchange, choose_exchange
 from . import kernels
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-_HEAD = 7  # [1, k, k**2, p, p**2, h, h**2]: slot k, p = rank in the set + 1, h = shape/dtype hash
-#: Two-phase heads add the sums of ``c`` and ``c**2`` for the 32 bytes of the tensor's first header
-#: and ``bits_second``: every rank checks the configurations agree before any payload moves.
+#: Two-phase vectors add to the core's tensor vector the sums of ``c`` and ``c**2`` for the 32 bytes
+#: of the tensor's first header and ``bits_second``: every rank checks the configurations agree
+#: before any payload moves.
 _CONFIG = HEADER_SIZE + 1
 _CONFIG_FIELDS = {3: "method", 4: "bits", 5: "norm", **{i: "bucket_size" for i in range(8, 12)},
                   **{i: "levels" for i in range(24, 32)}, HEADER_SIZE: "bits_second"}
-_MASK64 = (1 << 64) - 1
 
 
 class ProtocolError(protocol.ProtocolError, tf.errors.FailedPreconditionError):
@@ -96,15 +95,9 @@ def _hvd():
     return hvd
 
 
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
 def _signed64(z: int) -> int:
-    z &= _MASK64
+    """A 64-bit value as TensorFlow's int64."""
+    z &= protocol.MASK64
     return z - (1 << 64) if z >> 63 else z
 
 
@@ -208,10 +201,11 @@ class _ClassOrInstance(frontends.ClassOrInstance):
 class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     """Base class: a Horovod ``compression=`` object for one quantization method (TensorFlow).
 
-    A ``tf.Module``: its state (levels, AMQ multiplier, counters, pending statistics, seed) lives in
-    ``tf.Variable`` s, so ``tf.train.Checkpoint(compressor=c)`` saves and restores it; restore into
-    a compressor built with the same arguments. :meth:`state_dict` / :meth:`load_state_dict` give
-    the same state as plain Python values (the PyTorch compressors' layout, validated on load).
+    A ``tf.Module``: its state (levels, :class:`~horovod_alq.core.rounds.RoundState`'s counters,
+    pending statistics, seed) lives in ``tf.Variable`` s, so ``tf.train.Checkpoint(compressor=c)``
+    saves and restores it; restore into a compressor built with the same arguments.
+    :meth:`metrics`, :meth:`state_dict` / :meth:`load_state_dict` read and write it through a
+    ``RoundState`` (the PyTorch compressors' layout, validated on load).
 
     Parameters
     ----------
@@ -259,7 +253,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     method: str = ""
     # Python-side configuration: not part of tf.Module's variable search.
     _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
-        "_fns", "_quantizer", "_schedule", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid"})
+        "_fns", "_quantizer", "_state", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid"})
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
@@ -280,30 +274,26 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                              f"PyTorch compressors")
         self._process_set = process_set
         self._set_cache = None
-        self._schedule = schedule_from(update_steps, update_every)
+        # The schema of metrics() and state_dict(); the variables below hold its values.
+        self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every), second=self._second,
+                                 adapt_second=False)
         self.min_size = frontends.check_min_size(min_size)
         self.jit_compile = bool(jit_compile)
-        seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & _MASK64
+        seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & protocol.MASK64
         self._claimed_uid = None  # the name part of its collectives, claimed at first use (_names)
         self._stats_len = statistics_length(self._method)
         self._outstanding = 0  # eager exchanges begun and not yet decompressed
         self._slot = 0
         q = self._quantizer
-        multiplier = q.multiplier if q.multiplier is not None else float("nan")
         with tf.init_scope():
             self._levels = tf.Variable(q.levels, dtype=tf.float64, trainable=False, name="levels")
-            self._multiplier = tf.Variable(multiplier, dtype=tf.float64, trainable=False, name="multiplier")
             self._header_mask = tf.Variable(header_mask(q.fingerprint), dtype=tf.int32, trainable=False,
                                             name="header_mask")
             self._seed = tf.Variable(_signed64(seed), dtype=tf.int64, trainable=False, name="seed")
-            self._rounds = tf.Variable(0, dtype=tf.int64, trainable=False, name="rounds")  # completed
+            # RoundState's counters, one variable each ("step": completed rounds), so that compress,
+            # decompress and the refit write different variables (tf.function orders ops by variable)
+            self._counters = {key: tf.Variable(0, dtype=tf.int64, trainable=False, name=key) for key in COUNTERS}
             self._current = tf.Variable(0, dtype=tf.int64, trainable=False, name="current_round")
-            self._level_updates = tf.Variable(0, dtype=tf.int64, trainable=False, name="level_updates")
-            # compress calls, payload bytes, compressed coordinates
-            self._traffic = tf.Variable([0, 0, 0], dtype=tf.int64, trainable=False, name="traffic")
-            # payload bytes this rank put on / took off the wire (all phases, headers included)
-            self._wire = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="wire_bytes")
-            self._uncompressed = tf.Variable(0, dtype=tf.int64, trainable=False, name="uncompressed")
             self._pending = tf.Variable(np.zeros(self._stats_len), dtype=tf.float64, trainable=False,
                                         name="pending_statistics")
             self._pending_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="pending_count")
@@ -347,20 +337,21 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     @_ClassOrInstance
     def compress(self, tensor):
-        """Encode ``tensor`` and return the small head vector to allreduce (no collective here)."""
+        """Encode ``tensor`` and return the small vector to allreduce (no collective here)."""
         self._names()  # claimed at the first compress of any tensor (every rank of the allreduce calls it)
         tensor = tf.convert_to_tensor(tensor)
         numel = tensor.shape.num_elements()
         if tensor.dtype not in COMPRESSIBLE or numel is None or numel < max(self.min_size, 1):
-            self._uncompressed.assign_add(tf.cast(tf.size(tensor), tf.int64))
+            self._count(uncompressed_coordinates=tf.size(tensor))
             if tensor.dtype == tf.bfloat16:  # Horovod's TF allreduce has no bfloat16
                 return tf.cast(tensor, tf.float32), _PassThrough(tensor.dtype)
             return tensor, _PassThrough(tensor.dtype)
         if not self._is_member():
-            # Raising here would leave the members waiting in this allreduce: take part with a head
-            # vector that fails their checks (its p sums stop matching), and raise in decompress.
+            # Raising here would leave the members waiting in this allreduce: take part with the
+            # core's outsider vector, which fails their checks, and raise in decompress.
+            n = self._set_size()
             head = np.zeros(self._head_len(self.exchange))
-            head[0] = 1.0
+            head[:protocol.tensor_vector_length(n)] = protocol.outsider_vector(n)
             return tf.constant(head, tf.float64), _Outsider(self._outsider_message(), tensor.shape, tensor.dtype)
         eager = tf.executing_eagerly()
         slot = self._next_slot(eager)
@@ -377,17 +368,18 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         exchange = self.exchange
         n, me = self._set_size(), self._set_rank()
         parts = self._parts(numel, exchange, n)
-        sizes = [payload_size(b - a, self.bits, self.bucket_size) for a, b in parts]
-        calls = self._traffic.assign_add(tf.constant([1, sum(sizes), numel], tf.int64))[0] - 1
-        self._wire.assign_add(tf.constant(self._wire_bytes(numel, exchange, n, me), tf.int64))
+        sent, received = self._wire_bytes(parts, exchange, me)
+        counters = self._count(calls=1, payload_bytes=sum(payload_size(b - a, self.bits, self.bucket_size)
+                                                           for a, b in parts),
+                               coordinates=numel, bytes_sent=sent, bytes_received=received)
+        calls = counters["calls"] - 1
         current = self._current.read_value()
         collecting = self._collecting(current) if self._method.adaptive else None
         levels = self._levels.read_value()
         header = self._header(numel)
         seed = tf.stack([tf.bitwise.bitwise_xor(self._seed.read_value(), self._rank_key()), calls])
-        p = float(me + 1)
-        h = float(shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name))
-        head = tf.constant([1.0, float(slot), float(slot) ** 2, p, p * p, h, h * h], tf.float64)
+        h = protocol.shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name)
+        head = tf.constant(protocol.tensor_vector(me, n, slot, h, failed=False), tf.float64)
         config = None
         if exchange == "allgather":
             payload = self._fns.encode(tensor, levels, header, seed)
@@ -402,7 +394,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         else:
             small = tf.cond(collecting, lambda: tf.concat([head, self._statistics(tensor)], 0), lambda: head)
         ctx = _Exchange(slot, tensor.shape, tensor.dtype, numel, payload, collecting, levels, header, eager,
-                        exchange, seed, current, source=tensor, shape_code=int(h), config=config)
+                        exchange, seed, current, source=tensor, shape_code=h, config=config)
         if eager:
             # Horovod drops ctx without decompress when its allreduce raised (a dtype mismatch): the
             # exchange is then over on this rank, as on the others, which never began it.
@@ -412,7 +404,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     @_ClassOrInstance
     def decompress(self, tensor, ctx):
-        """Check the reduced head vector, exchange the payloads, and return the reduced gradient in
+        """Check the reduced vector, exchange the payloads, and return the reduced gradient in
         the original shape and dtype."""
         if ctx is None:
             return tensor
@@ -422,33 +414,18 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             return self._refuse(tensor, ctx)
         try:
             reduced = tf.reshape(tf.cast(tensor, tf.float64), [-1])
-            head, length, expected = self._reduced_head(reduced, ctx)
-            ok = tf.logical_and(tf.equal(length, expected), self._head_ok(head, ctx))
+            expected = tf.constant(self._head_len(ctx.exchange))  # the length compress made
+            if ctx.collecting is not None:
+                expected = tf.where(ctx.collecting, expected + self._stats_len, expected)
             run = self._allgather if ctx.exchange == "allgather" else self._two_phase
-            explain = functools.partial(self._explain, slot=ctx.slot)
-            out = _guarded(ok, functools.partial(run, ctx, reduced), explain, [head, length, expected],
-                           ctx.numel, ctx.eager)
+            out = _guarded(None, functools.partial(run, ctx, reduced), functools.partial(self._check_vector, ctx),
+                           [reduced, expected], ctx.numel, ctx.eager)
         finally:
             if ctx.eager:
                 ctx.done[0] = True
                 self._outstanding -= 1
         out = tf.reshape(tf.cast(out, ctx.dtype), ctx.shape)
-        return _connect_gradient(ctx.source, out, head[0] / self._set_size(), self.process_set)
-
-    def _reduced_head(self, reduced: tf.Tensor, ctx: _Exchange) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-        """The head of the reduced vector (cut or zero-padded to its length, so that the checks run on
-        any input), the reduced vector's length and the length compress handed the allreduce (head,
-        plus the statistics in refit rounds). A reducescatter gives every rank of N >= 2 a shorter
-        piece (in refit rounds the first rank's still starts with a valid head): the length check
-        refuses it on every rank."""
-        n = self._head_len(ctx.exchange)
-        length = tf.size(reduced)
-        head = tf.pad(reduced[:n], [[0, n - tf.minimum(length, n)]])
-        head.set_shape([n])
-        expected = tf.constant(n)
-        if ctx.collecting is not None:
-            expected = tf.where(ctx.collecting, n + self._stats_len, n)
-        return head, length, expected
+        return _connect_gradient(ctx.source, out, reduced[0] / self._set_size(), self.process_set)
 
     def _allgather(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
         """Gather every rank's payload, check every header, decode and sum (flat float32)."""
@@ -459,14 +436,14 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         def decode():
             return self._kept(ctx, reduced, self._decode_fn(ctx.numel)(fitted, ctx.levels, self._scale(reduced)))
 
-        explain = functools.partial(self._explain_payloads, numel=ctx.numel)
-        return _guarded(ok, decode, explain, [gathered, ctx.header], ctx.numel, ctx.eager)
+        explain = functools.partial(self._explain_payloads, ctx)
+        return _guarded(ok, decode, explain, [gathered, ctx.levels], ctx.numel, ctx.eager)
 
     def _two_phase(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
         """:mod:`horovod_alq.exchange.two_phase` on one tensor: shard ``j`` of every rank's codes goes
         to rank ``j``, which sums them and re-quantizes the sum once; every rank decodes all the
         re-quantized shards (flat float32, identical on every rank). The configurations were
-        compared through the head vector, so the payloads are not checked again."""
+        compared through the reduced vector, so the payloads are not checked again."""
         hvd, ps = _hvd(), self.process_set
         n, me, d = self._set_size(), self._set_rank(), self.bucket_size
         parts = self._parts(ctx.numel, "two-phase", n)
@@ -496,7 +473,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     def _kept(self, ctx: _Exchange, reduced: tf.Tensor, out: tf.Tensor) -> tf.Tensor:
         """``out``, once its round counts as completed and the round's reduced statistics were added
         to the pending ones (refit rounds)."""
-        with tf.control_dependencies([self._rounds.assign(ctx.round + 1)]):
+        with tf.control_dependencies([self._counters["step"].assign(ctx.round + 1)]):
             out = tf.identity(out)
         if ctx.collecting is None:
             return out
@@ -524,79 +501,53 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     # ------------------------------------------------------------------ metrics and state
     @_ClassOrInstance
     def metrics(self) -> dict:
-        """``levels``, ``multiplier``, ``second_levels`` (two-phase), ``level_updates``, ``step``
-        (rounds completed), ``payload_bytes`` (this rank's own first payloads), ``coordinates``,
-        ``uncompressed_coordinates``, ``bits_per_coordinate`` (compressed tensors, on the wire),
-        ``calls``, ``bytes_sent`` / ``bytes_received`` (payload bytes this rank put on / took off the
-        wire, all phases, headers included), ``exchange``. Read eagerly, between steps."""
-        calls, payload, coords = (int(v) for v in self._traffic.numpy())
-        sent, received = (int(v) for v in self._wire.numpy())
-        mult = float(self._multiplier.numpy())
-        return {
-            "levels": self._levels.numpy(),
-            "second_levels": self._levels.numpy() if self._follows() else self._second.levels.copy(),
-            "exchange": self.exchange,
-            "bytes_sent": sent,
-            "bytes_received": received,
-            "multiplier": None if np.isnan(mult) else mult,
-            "level_updates": int(self._level_updates.numpy()),
-            "step": int(self._rounds.numpy()),
-            "payload_bytes": payload,
-            "coordinates": coords,
-            "uncompressed_coordinates": int(self._uncompressed.numpy()),
-            "bits_per_coordinate": 8.0 * payload / coords if coords else float("nan"),
-            "calls": calls,
-        }
+        """:meth:`horovod_alq.core.rounds.RoundState.metrics` (the PyTorch compressors' metrics):
+        ``levels``, ``multiplier``, ``second_levels`` (two-phase), ``exchange``, the counters
+        (``step``: rounds completed) and ``bits_per_coordinate``. Read eagerly, between steps."""
+        st = self._read_state()
+        st.exchange = self.exchange
+        return st.metrics()
 
     def state_dict(self) -> dict:
-        """Levels, multiplier, seed, round and call counters and pending statistics, as Python values:
-        a compressor that loads it continues with identical levels and identical random draws."""
+        """:meth:`RoundState.state_dict` with the seed and the pending statistics, as Python values: a
+        compressor that loads it continues with identical levels and identical random draws."""
         if self._outstanding:
             raise RuntimeError("state_dict() during an exchange: call it between steps")
-        calls, payload, coords = (int(v) for v in self._traffic.numpy())
-        mult = float(self._multiplier.numpy())
-        return {
-            "seed": int(self._seed.numpy()) & _MASK64,
-            "quantizer": {"method": self._method.name, "bits": self.bits, "bucket_size": self.bucket_size,
-                          "norm": self.norm, "levels": self._levels.numpy(), "multiplier": None if np.isnan(mult) else mult,
-                          "rng": None},
-            "step": int(self._rounds.numpy()),
-            "level_updates": int(self._level_updates.numpy()),
-            "calls": calls,
-            "payload_bytes": payload,
-            "coordinates": coords,
-            "uncompressed_coordinates": int(self._uncompressed.numpy()),
-            "bytes_sent": int(self._wire.numpy()[0]),
-            "bytes_received": int(self._wire.numpy()[1]),
-            "pending_statistics": self._pending.numpy(),
-            "pending_count": int(self._pending_count.numpy()),
-        }
+        return {"seed": int(self._seed.numpy()) & protocol.MASK64, **self._read_state().state_dict(),
+                "pending_statistics": self._pending.numpy(), "pending_count": int(self._pending_count.numpy())}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (also one of a PyTorch compressor with the same method, bits
         and bucket size: its levels, seed and counters)."""
         if self._outstanding:
             raise RuntimeError("load_state_dict() during an exchange: call it between steps")
-        q = Quantizer(self._method.name, bits=self.bits, bucket_size=self.bucket_size, norm=self.norm)
-        q.load_state_dict(state["quantizer"])  # validates method, norm, bits, bucket size and levels
         pending = np.asarray(state.get("pending_statistics", np.zeros(self._stats_len)), dtype=np.float64)
         if pending.shape != (self._stats_len,):
             raise ValueError(f"pending_statistics has shape {pending.shape}, expected ({self._stats_len},)")
-        self._store_levels(q)
+        st = self._read_state()
+        st.load_state_dict(state)  # validates method, norm, bits, bucket size and levels
+        st.refitted_first()
+        self._levels.assign(st.quantizer.levels)
+        self._header_mask.assign(header_mask(st.quantizer.fingerprint))
+        for key, var in self._counters.items():
+            var.assign(getattr(st, key))
         self._seed.assign(_signed64(int(state["seed"])))
-        self._rounds.assign(int(state["step"]))
-        self._level_updates.assign(int(state["level_updates"]))
-        self._traffic.assign([int(state["calls"]), int(state["payload_bytes"]), int(state["coordinates"])])
-        self._uncompressed.assign(int(state["uncompressed_coordinates"]))
-        self._wire.assign([int(state.get("bytes_sent", 0)), int(state.get("bytes_received", 0))])
         self._pending.assign(pending)
         self._pending_count.assign(int(state.get("pending_count", 0)))
 
     # ------------------------------------------------------------------ internals
-    def _store_levels(self, q: Quantizer) -> None:
-        self._levels.assign(q.levels)
-        self._multiplier.assign(q.multiplier if q.multiplier is not None else float("nan"))
-        self._header_mask.assign(header_mask(q.fingerprint))
+    def _read_state(self) -> RoundState:
+        """The :class:`RoundState` with the variables' levels and counters."""
+        st = self._state
+        st.quantizer.set_levels(self._levels.numpy())
+        st.refitted_first()
+        for key, var in self._counters.items():
+            setattr(st, key, int(var.numpy()))
+        return st
+
+    def _count(self, **values) -> dict:
+        """Add ``values`` (ints or tensors) to the named counters; returns their values after it."""
+        return {key: self._counters[key].assign_add(tf.cast(value, tf.int64)) for key, value in values.items()}
 
     def _next_slot(self, eager: bool) -> int:
         """Index ``k`` of this compress call in its round (see the module docstring)."""
@@ -619,7 +570,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             self._outstanding = max(0, self._outstanding - 1)
 
     def _rank_key(self) -> int:
-        return _signed64(_splitmix64(_hvd().rank() + 1))
+        return _signed64(protocol.splitmix64(_hvd().rank() + 1))
 
     # ---- process set
     def _set_info(self) -> tuple[int, int]:
@@ -648,9 +599,10 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                 f"(hvd.allreduce(..., process_set=ps), hvd.DistributedGradientTape(..., process_set=ps))")
 
     # ---- layout of one tensor's exchange
-    @staticmethod
-    def _head_len(exchange: str) -> int:
-        return _HEAD + (2 * _CONFIG if exchange == "two-phase" else 0)
+    def _head_len(self, exchange: str) -> int:
+        """Length of the vector compress hands the allreduce, statistics aside: the core's tensor
+        vector, and the configuration sums (two-phase)."""
+        return protocol.tensor_vector_length(self._set_size()) + (2 * _CONFIG if exchange == "two-phase" else 0)
 
     def _parts(self, numel: int, exchange: str, n: int) -> list[tuple[int, int]]:
         """The element ranges encoded as separate payloads: the whole tensor, or its N shards."""
@@ -658,16 +610,16 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             return [(0, numel)]
         return two_phase.shards(0, numel, n, self.bucket_size)
 
-    def _wire_bytes(self, numel: int, exchange: str, n: int, me: int) -> list[int]:
-        """[sent, received] payload bytes of one tensor's exchange on this rank (as the engine counts)."""
-        parts = self._parts(numel, exchange, n)
-        first = [payload_size(b - a, self.bits, self.bucket_size) for a, b in parts]
+    def _wire_bytes(self, parts: list[tuple[int, int]], exchange: str, me: int) -> tuple[int, int]:
+        """(sent, received) payload bytes of one tensor's exchange on this rank, counted as the
+        engine counts its requests (:func:`horovod_alq.exchange.base.allgather_bytes`)."""
+        n, d = self._set_size(), self.bucket_size
+        first = [payload_size(b - a, self.bits, d) for a, b in parts]
         if exchange == "allgather":
-            return [(n - 1) * first[0], (n - 1) * first[0]]
-        second = [payload_size(b - a, self._second.bits, self.bucket_size) for a, b in parts]
-        others = [j for j in range(n) if j != me]
-        return [sum(first[j] for j in others) + (n - 1) * second[me],
-                (n - 1) * first[me] + sum(second[j] for j in others)]
+            return base.allgather_bytes(first * n, me)
+        second = [payload_size(b - a, self._second.bits, d) for a, b in parts]
+        phases = base.alltoall_bytes(first, [first[me]] * n, me), base.allgather_bytes(second, me)
+        return sum(p[0] for p in phases), sum(p[1] for p in phases)
 
     @staticmethod
     def _encode_part(encode, x: tf.Tensor, levels, header: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
@@ -678,7 +630,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     def _follows(self) -> bool:
         """Whether the second quantization uses the first's levels (same bits)."""
-        return self._second.bits == self._quantizer.bits
+        return self._state.follows_first
 
     def _scale(self, reduced: tf.Tensor) -> tf.Tensor:
         """Sum of 1 over the ranks (N for Sum, 1 for Average) over N: the factor on the decoded sum."""
@@ -695,17 +647,11 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         return tf.cast(tf.bitwise.bitwise_xor(tf.constant(static), self._header_mask.read_value()), tf.uint8)
 
     def _collecting(self, current: tf.Tensor) -> tf.Tensor:
-        """Whether round ``current`` gathers statistics for a refit."""
-        step = current
-        sched = self._schedule
-        out = tf.constant(False)
-        if sched.steps:
-            out = tf.reduce_any(tf.equal(step, tf.constant(sched.steps, tf.int64)))
-        if sched.every > 0:
-            last = sched.steps[-1] if sched.steps else -1
-            periodic = tf.logical_and(step > last, tf.equal(tf.math.floormod(step, sched.every), 0))
-            out = tf.logical_or(out, periodic)
-        return out
+        """Whether round ``current`` gathers statistics for a refit (the core's refit schedule)."""
+        collects = tf.numpy_function(lambda step: np.bool_(self._state.schedule.collects(int(step))), [current],
+                                     tf.bool, stateful=False, name="horovod_alq_collects")
+        collects.set_shape([])
+        return collects
 
     def _begin_round(self) -> None:
         """Refit from the previous round's statistics (if it collected any); the round's index is the
@@ -715,14 +661,13 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         refit in the failed round and one that refits in the next fit the same statistics."""
         if self._method.adaptive:
             def refit():
-                levels, mult, mask, updated = tf.numpy_function(
+                levels, mask, updated = tf.numpy_function(
                     self._refit_numpy, [self._levels.read_value(), self._pending.read_value()],
-                    [tf.float64, tf.float64, tf.int32, tf.int64], stateful=True, name="horovod_alq_refit")
+                    [tf.float64, tf.int32, tf.int64], stateful=True, name="horovod_alq_refit")
                 levels.set_shape(self._levels.shape)
                 mask.set_shape([HEADER_SIZE])
-                return tf.group(self._levels.assign(levels), self._multiplier.assign(tf.reshape(mult, [])),
-                                self._header_mask.assign(mask),
-                                self._level_updates.assign_add(tf.reshape(updated, [])),
+                return tf.group(self._levels.assign(levels), self._header_mask.assign(mask),
+                                self._counters["level_updates"].assign_add(tf.reshape(updated, [])),
                                 self._pending.assign(tf.zeros_like(self._pending)),
                                 self._pending_count.assign(0))
 
@@ -731,18 +676,17 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                     return tf.constant(True)
 
             tf.cond(self._pending_count > 0, refit_flag, lambda: tf.constant(False))
-        self._current.assign(self._rounds)
+        self._current.assign(self._counters["step"])
 
     def _refit_numpy(self, levels: np.ndarray, stats: np.ndarray):
-        """The NumPy core's fit (deterministic: identical inputs give identical levels on every rank)."""
-        q = Quantizer(self._method.name, bits=self.bits, bucket_size=self.bucket_size, norm=self.norm)
+        """The NumPy core's fit of the state's quantizer (deterministic: identical inputs give
+        identical levels on every rank)."""
+        q = self._state.quantizer
         q.set_levels(levels)
-        updated = 0
-        if np.isfinite(stats).all() and stats[0] > 0:  # no finite non-zero bucket seen: keep the levels
+        updated = bool(np.isfinite(stats).all() and stats[0] > 0)  # else no finite non-zero bucket seen
+        if updated:
             q.adapt(stats)
-            updated = 1
-        mult = q.multiplier if q.multiplier is not None else float("nan")
-        return q.levels, np.float64(mult), header_mask(q.fingerprint), np.int64(updated)
+        return q.levels, header_mask(q.fingerprint), np.int64(updated)
 
     def _statistics(self, tensor: tf.Tensor) -> tf.Tensor:
         """This rank's statistics vector of ``tensor`` (TF ops; only in refit rounds)."""
@@ -751,29 +695,40 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     def _decode_fn(self, numel: int):
         return self._fns.codec.decoder(numel, self._set_size())
 
-    # ---- checks: cheap in-graph tests; on failure a NumPy explanation raises on every rank
-    def _head_ok(self, head: tf.Tensor, ctx: _Exchange) -> tf.Tensor:
-        """The reduced head ``[s, s*k, s*k**2, p.., p**2.., h.., h**2.., (c.., c**2..)]`` pairs this
-        rank's slot ``k`` with every other rank's, comes from a Sum or an Average over exactly the
-        compressor's process set (``p`` = rank in the set + 1: see
-        :func:`horovod_alq.core.protocol.op_ok`), every rank passed this shape and dtype (hash ``h``:
-        ``(sum h)**2 == N sum h**2``) and, two-phase, has the same configuration bytes ``c``."""
-        k, n, h = float(ctx.slot), float(self._set_size()), float(ctx.shape_code)
-        scale = head[0]
-        ok = tf.logical_and(tf.reduce_all(tf.math.is_finite(head)), tf.not_equal(scale, 0.0))
-        safe = tf.where(ok, scale, tf.ones_like(scale))
-        w = head / safe  # per-rank mean of each entry
-        checks = [tf.abs(w[1] - k) < 1e-6, tf.abs(w[2] - k * k) < 1e-6 * max(1.0, k * k),
-                  tf.abs(w[3] - (n + 1) / 2) < 1e-9 * n, tf.abs(w[4] - (n + 1) * (2 * n + 1) / 6) < 1e-9 * n * n,
-                  tf.abs(w[5] - h) < 1e-9 * h, tf.abs(w[6] - h * h) < 1e-9 * h * h]
+    # ---- checks, on the host (NumPy); every rank checks the same reduced data, so all pass or all raise
+    def _check_vector(self, ctx: _Exchange, reduced: np.ndarray, expected) -> None:
+        """The core's checks of the reduced vector (:func:`horovod_alq.core.protocol.read_tensor_vector`:
+        its length against the ``expected`` one compress made, the op and scale, the process set,
+        shapes and dtypes, slots), then the two TensorFlow ones: every rank gave the tensor the same
+        slot (the payloads' collectives are named after it) and, two-phase, the same configuration
+        bytes ``c`` (``(mean c)**2 == mean c**2``). Raises when one fails."""
+        n = self._set_size()
+        size = protocol.tensor_vector_length(n)
+        try:
+            read = protocol.read_tensor_vector(reduced, rank=self._set_rank(), size=n, slot=ctx.slot,
+                                               shape_code=ctx.shape_code, extra=int(expected) - size)
+        except protocol.ProtocolError as err:
+            raise _tf_error(err) from None
+        if len(set(read.slots)) > 1:
+            raise ProtocolError(
+                f"horovod_alq: the ranks exchanged different tensors in one allreduce (their slots in this step, "
+                f"in rank order: {list(read.slots)}): the ranks compressed their tensors in different orders "
+                f"or different tensors; refusing to decode")
         if ctx.config is not None:
-            c, c2 = w[_HEAD:_HEAD + _CONFIG], w[_HEAD + _CONFIG:]
-            checks.append(tf.reduce_all(tf.abs(c * c - c2) <= 1e-9 * tf.maximum(c2, 1.0)))
-        return tf.logical_and(ok, tf.reduce_all(tf.stack(checks)))
+            w = reduced[size: size + 2 * _CONFIG] / reduced[0]
+            c, c2 = w[:_CONFIG], w[_CONFIG:]
+            differ = sorted({_CONFIG_FIELDS.get(i, "header")
+                             for i in np.flatnonzero(np.abs(c * c - c2) > 1e-9 * np.maximum(1.0, c2))})
+            if differ:
+                raise ProtocolError(
+                    f"horovod_alq: the ranks' compressors differ in {', '.join(differ)} (two-phase exchange; "
+                    f"compared before any payload moved). Every rank must build the compressor with the same "
+                    f"arguments and load the same state")
 
     def _payloads_ok(self, ctx: _Exchange, gathered: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """Whether every rank's payload has this rank's size and header (method, bits, bucket, numel,
-        levels), and ``gathered`` fitted to exactly ``ranks * payload_size`` bytes (cut or
+        """The in-graph form of :func:`horovod_alq.exchange.base.check_payloads` (which
+        :meth:`_explain_payloads` runs when it fails): every rank's payload has this rank's size and
+        header bytes. Also ``gathered`` fitted to exactly ``ranks * payload_size`` bytes (cut or
         zero-padded), so that no op fails on a wrong size before the explanation is raised: TF may
         run shape-bound ops of a ``tf.cond`` branch that is not taken."""
         ranks = self._set_size()
@@ -785,109 +740,59 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         ok = tf.logical_and(tf.equal(got, expected), tf.reduce_all(tf.equal(rows, ctx.header[None, :])))
         return ok, fitted
 
-    def _explain(self, head: np.ndarray, length=None, expected=None, *, slot: int) -> None:
-        """Raise the error that says what the reduced vector shows (called only when a check failed):
-        ``head`` its first elements, ``length`` its length, ``expected`` the length compress made."""
-        head = np.asarray(head, dtype=np.float64)
-        if length is not None and int(length) != int(expected):
-            raise ReductionMismatch(
-                f"horovod_alq: the reduced control vector has {int(length)} elements on this rank, "
-                f"compress made {int(expected)}: the compressed tensor went through a collective other "
-                f"than an allreduce. hvd.reducescatter (and grouped_reducescatter) is not supported with "
-                f"horovod_alq compressors (refused on every rank before any payload moved); pass "
-                f"compression=hvd.Compression.none to reducescatter")
-        scale = head[0]
-        n = self._set_size()
-        triple = np.array([head[0], head[3], head[4]])
+    def _explain_payloads(self, ctx: _Exchange, gathered: np.ndarray, levels: np.ndarray) -> None:
+        """Raise :func:`horovod_alq.exchange.base.check_payloads`'s error, naming the first rank whose
+        payload differs from this rank's configuration (called when :meth:`_payloads_ok` failed)."""
+        q = Quantizer(self._method.name, bits=self.bits, bucket_size=self.bucket_size, norm=self.norm)
+        q.set_levels(levels)
         try:
-            check_op(triple, n)
+            base.check_host_payloads(gathered, [ctx.numel] * self._set_size(), q, f"tensor in slot {ctx.slot}")
         except protocol.ProtocolError as err:
-            # op=Sum with every other rank joined reduces [1, p, p**2] to one rank's values, as
-            # Min, Max or Product may: name both causes.
-            raise ProtocolError(f"{err}. (Or the other ranks are in hvd.join(): a joined rank adds zeros, which "
-                            f"reduce like this under op=Sum and which horovod_alq compressors cannot decode; "
-                            f"finish the compressed allreduces on every rank before hvd.join())") from None
-        if not op_ok(triple, n):
-            raise ReductionMismatch(
-                f"horovod_alq: the reduced control vector does not match a Sum or Average over the "
-                f"compressor's process set of {n} ranks ({triple.tolist()}): hvd.join() on another rank "
-                f"(a joined rank adds zeros, which horovod_alq compressors cannot decode: finish the "
-                f"compressed allreduces on every rank before hvd.join(), refused here before any payload "
-                f"moved), op=Adasum, or an allreduce over another process set than the compressor's (pass "
-                f"the same process_set= to the compressor and to the allreduce / DistributedGradientTape)")
-        w = head / scale
-        if abs(w[5] * w[5] - w[6]) > 1e-6 * w[6]:
-            raise ProtocolError("horovod_alq: the ranks passed tensors of different shapes or dtypes to the "
-                                "same allreduce; Horovod requires the same shape and dtype on every rank")
-        if not (np.isfinite(head).all() and scale != 0 and abs(head[1] / scale - slot) < 1e-6
-                and abs(head[2] / scale - slot * slot) < 1e-6 * max(1, slot * slot)):
-            raise RuntimeError(
-                f"horovod_alq: ranks exchanged different tensors in slot {slot} of this step (the ranks "
-                f"compressed their tensors in different orders or different tensors); refusing to "
-                f"decode. Reduced check vector: {head[:_HEAD].tolist()}")
-        if head.size <= _HEAD:
-            raise ProtocolError(f"horovod_alq: the reduced control vector fails its checks: {head.tolist()}")
-        c, c2 = w[_HEAD:_HEAD + _CONFIG], w[_HEAD + _CONFIG:]
-        differ = sorted({_CONFIG_FIELDS.get(i, "header") for i in np.flatnonzero(np.abs(c * c - c2) > 1e-9 *
-                                                                                  np.maximum(1.0, c2))})
-        raise ProtocolError(f"horovod_alq: the ranks' compressors differ in {', '.join(differ) or 'configuration'} "
-                            f"(two-phase exchange; compared before any payload moved). Every rank must build "
-                            f"the compressor with the same arguments and load the same state")
+            raise _tf_error(err) from None
+        raise ProtocolError(f"horovod_alq: tensor in slot {ctx.slot}: the gathered payload headers differ")
 
-    def _explain_payloads(self, gathered: np.ndarray, header: np.ndarray, *, numel: int) -> None:
-        """Raise ValueError naming the first rank whose payload differs from this rank's configuration."""
-        n, me = self._set_size(), self._set_rank()
-        local = parse_header(header)
-        offset, total = 0, gathered.size
-        for rank in range(n):
-            if offset + HEADER_SIZE > total:
-                raise ValueError(f"horovod_alq: payload of rank {rank} missing or truncated "
-                                 f"({total} bytes gathered from {n} ranks)")
-            try:
-                theirs = parse_header(gathered[offset: offset + HEADER_SIZE])
-                check_header(theirs, local.method_id, local.bits, local.bucket_size, local.fingerprint, local.norm)
-                if theirs.numel != numel:
-                    raise ValueError(f"payload has {theirs.numel} elements, this rank's tensor has {numel}")
-                if offset + theirs.payload_size > total:
-                    raise ValueError(f"payload truncated: {total - offset} bytes, header says {theirs.payload_size}")
-            except ValueError as err:
-                raise ValueError(f"horovod_alq: payload from rank {rank} does not match this rank "
-                                 f"(rank {me}): {err}") from None
-            offset += theirs.payload_size
-        if offset != total:
-            raise ValueError(f"horovod_alq: {total - offset} unexpected bytes after {n} payloads")
+
+def _tf_error(err: protocol.ProtocolError) -> ProtocolError:
+    """The core's error as this module's class of the same name (a FailedPreconditionError too)."""
+    return (ReductionMismatch if isinstance(err, protocol.ReductionMismatch) else ProtocolError)(str(err))
 
 
 def _part_seed(seed: tf.Tensor, part: int, phase: int) -> tf.Tensor:
     """The ``[key, counter]`` seed of one shard's encoding in one phase of the two-phase exchange."""
-    key = _signed64(_splitmix64((int(part) << 2) | int(phase)))
+    key = _signed64(protocol.splitmix64((int(part) << 2) | int(phase)))
     return tf.stack([tf.bitwise.bitwise_xor(seed[0], tf.constant(key, tf.int64)), seed[1]])
 
 
-def _guarded(ok, run, explain, args, numel: int, eager: bool):
-    """``run()`` if the in-graph check ``ok`` holds, else ``explain(*args)`` raises on this rank.
+def _guarded(ok, run, check, args, numel: int, eager: bool):
+    """``run()`` if the data pass, else ``check(*args)`` raises on this rank. ``check`` runs on the
+    host (NumPy), returns when the data pass and raises the error that says why they do not;
+    ``ok``, when given, is an in-graph test equivalent to it, so that ``check`` runs only on failure.
 
-    Every rank evaluates ``ok`` on the same reduced data, so all run or all raise. Eagerly ``ok`` is
-    read in Python; in a graph ``run`` is the taken branch of a ``tf.cond`` (and depends on ``ok``),
-    so none of its ops, collectives included, runs after a failed check (a control dependency
+    Every rank checks the same reduced data, so all run or all raise. Eagerly the checks run in
+    Python; in a graph ``run`` is the taken branch of a ``tf.cond`` on the check (and depends on
+    it), so none of its ops, collectives included, runs after a failed check (a control dependency
     alone is not enough: TF may run an inlined function's ops before it)."""
     if eager:
-        if not bool(ok.numpy()):
-            explain(*(a.numpy() for a in args))
-            raise ProtocolError("horovod_alq: check failed")  # not reached: explain raises
+        if ok is None or not bool(ok.numpy()):
+            check(*(a.numpy() for a in args))
         return run()
+
+    def host(*values):
+        check(*values)
+        return np.bool_(True)
+
+    if ok is None:
+        ok = tf.numpy_function(host, list(args), tf.bool, stateful=True, name="horovod_alq_check")
+        ok.set_shape([])
 
     def taken():
         with tf.control_dependencies([ok]):
             return run()
 
-    def fail():
-        def raise_(*values):
-            explain(*values)
-            return np.zeros(numel, np.float32)  # not reached: explain raises
-
-        bad = tf.numpy_function(raise_, list(args), tf.float32, stateful=True, name="horovod_alq_check")
-        return tf.reshape(bad, [numel])
+    def fail():  # check raises
+        bad = tf.numpy_function(host, list(args), tf.bool, stateful=True, name="horovod_alq_check")
+        with tf.control_dependencies([bad]):
+            return tf.zeros([numel], tf.float32)
 
     return tf.cond(ok, taken, fail)
 
