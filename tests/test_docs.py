@@ -24,8 +24,9 @@ PACKAGE = ROOT / "horovod_alq"
 # The public API: the modules users import, with their __all__.
 PUBLIC_MODULES = ("horovod_alq.torch", "horovod_alq.torch.ddp", "horovod_alq.torch.fsdp",
                   "horovod_alq.tensorflow", "horovod_alq.mpi", "horovod_alq.core")
-# The errors every rank raises when the ranks of an exchange disagree or a collective times out.
-PROTOCOL_ERRORS = {"ProtocolError", "ReductionMismatch", "CollectiveTimeout", "NotMemberError"}
+# The errors every rank raises when the ranks of an exchange disagree or a collective times out:
+# these and every class the package derives from them (protocol_errors()).
+PROTOCOL_ERROR_ROOTS = {"ProtocolError", "NotMemberError"}
 SNIPPET_PAGES = ("README.md", "docs/index.md", "docs/horovod-torch.md", "docs/horovod-tensorflow.md",
                  "docs/ddp.md", "docs/fsdp.md", "docs/mpi4py.md", "docs/core.md")
 
@@ -107,15 +108,32 @@ def _pieces(node: ast.AST) -> list:
     return [None]
 
 
+def _trees() -> list[tuple[Path, ast.Module]]:
+    return [(path, ast.parse(path.read_text())) for path in sorted(PACKAGE.rglob("*.py"))]
+
+
+def protocol_errors(trees) -> set[str]:
+    """PROTOCOL_ERROR_ROOTS and the names of every class of the package derived from them."""
+    bases = {node.name: {getattr(b, "id", None) or getattr(b, "attr", None) for b in node.bases}
+             for _, tree in trees for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    names = set(PROTOCOL_ERROR_ROOTS)
+    while True:
+        more = {name for name, parents in bases.items() if parents & names} - names
+        if not more:
+            return names
+        names |= more
+
+
 def protocol_messages() -> list[tuple[str, str]]:
     """(where, message) for every protocol error the package constructs; a formatted value is '…'."""
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+    found, trees = [], _trees()
+    errors = protocol_errors(trees)
+    for path, tree in trees:
+        for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and node.args):
                 continue
             name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-            if name in PROTOCOL_ERRORS:
+            if name in errors:
                 text = "".join("…" if p is None else p for p in _pieces(node.args[0]))
                 if text.strip("… "):  # a message passed through from elsewhere has no text of its own
                     found.append((f"{path.relative_to(ROOT)}:{node.lineno}", " ".join(text.split())))
@@ -123,6 +141,7 @@ def protocol_messages() -> list[tuple[str, str]]:
 
 
 def test_protocol_messages_are_found():
+    assert {"ReductionMismatch", "CollectiveTimeout", "RefitError"} <= protocol_errors(_trees())
     messages = dict(protocol_messages())
     assert len(messages) >= 15
     assert any("did not complete within" in m for m in messages.values())  # the timeout
