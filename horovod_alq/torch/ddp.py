@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.protocol import PREFIX
+from .dist_transport import on_completion
 from .streamed import COMPRESSIBLE, StreamedState
 
 __all__ = ["ALQState", "alq_hook"]
@@ -155,7 +156,7 @@ class ALQState(StreamedState):
             self.round_state.uncompressed_coordinates += buffer.numel()
             buffer.div_(n)
             work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-            work.get_future().then(lambda f: _settle(future, f, buffer))
+            on_completion(work, lambda f: _settle(future, f, buffer))
         return future
 
     def _close(self) -> None:
