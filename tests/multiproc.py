@@ -130,9 +130,24 @@ def _signal_everything(proc: subprocess.Popen, result_dir: Path, sig: int) -> No
         pass
 
 
+def _dump_stacks(result_dir: Path) -> None:
+    """Ask every rank that recorded its pid for its threads' Python stacks (``_boot`` writes them to
+    the rank's log on SIGUSR1) and give them a moment to write."""
+    asked = False
+    for pid_file in result_dir.glob("rank*.pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGUSR1)
+            asked = True
+        except (ValueError, ProcessLookupError, PermissionError):
+            pass
+    if asked:
+        time.sleep(1.0)
+
+
 def _kill_everything(proc: subprocess.Popen, result_dir: Path) -> str:
-    """Stop a timed-out run: SIGTERM first (lets the launcher stop ranks it is still starting),
-    SIGKILL after a grace period. Returns the launcher's output."""
+    """Stop a timed-out run: the ranks' stacks into their logs, then SIGTERM (lets the launcher stop
+    ranks it is still starting), SIGKILL after a grace period. Returns the launcher's output."""
+    _dump_stacks(result_dir)
     _signal_everything(proc, result_dir, signal.SIGTERM)
     try:
         out, _ = proc.communicate(timeout=5)

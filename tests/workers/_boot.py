@@ -4,13 +4,17 @@ Usage (by the launcher, once per rank): python _boot.py WORKER [ARGS...]
 
 Sends this rank's stdout and stderr to ``$HOROVOD_ALQ_RESULT_DIR/rank{N}.log``, records its pid
 (so that a timed-out run can be killed even where the launcher put ranks in their own process
-groups), then runs WORKER as ``__main__`` with ``sys.argv = [WORKER, *ARGS]``.
+groups), has SIGUSR1 write every thread's Python stack to that log (``run_ranks`` asks for it
+before it kills a timed-out run, so the test's failure shows where each rank waited), then runs
+WORKER as ``__main__`` with ``sys.argv = [WORKER, *ARGS]``.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -31,6 +35,7 @@ def main() -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     sys.argv = [str(worker), *sys.argv[2:]]
     if worker.parent != HERE:
         sys.path.insert(0, str(worker.parent))
