@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.sizes, args.repeats, args.warmup = "1M", 3, 1
     hvd.init()
-    from horovod_alq.torch import fused
+    from horovod_alq.torch.codecs import cpu_build
 
     methods = compressors(args.bits, args.bucket_size)
     rows = []
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
                  f"Command: `mpirun -np {hvd.size()} python scripts/bench_codec.py "
                  f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
                  f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads per rank, "
-                 f"{hvd.size()} ranks on one host (shared memory), CPU. {fused.status()}. "
+                 f"{hvd.size()} ranks on one host (shared memory), CPU. {cpu_build.status()}. "
                  f"Bucket size {args.bucket_size}. Median of {args.repeats} calls, slowest rank. "
                  f"Load average {load_before:.1f} before, {load_after:.1f} after.", "", *timing_table(rows)]
         lines += ["", f"Level adaptation ({args.bits} bits, statistics of a 1M-element gradient): "

@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     # response cache (an LRU): every tensor would renegotiate every step. One model alone fits.
     os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "8192")
     hvd.init()
-    from horovod_alq.torch import fused
+    from horovod_alq.torch.codecs import cpu_build
 
     shapes = resnet50_shapes(args.width)
     gen = torch.Generator().manual_seed(1234 + hvd.rank())
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     wall = time.monotonic() - start
     load_after = os.getloadavg()[0]
     if hvd.rank() == 0:
-        lines = report(args, argv, shapes, methods, times, parts, first, load_before, load_after, wall, fused.status())
+        lines = report(args, argv, shapes, methods, times, parts, first, load_before, load_after, wall, cpu_build.status())
         text = "\n".join(lines) + "\n"
         print(text)
         if args.out:
@@ -244,7 +244,7 @@ def exchange_in_use(comp) -> str:
         return f"? ({type(exc).__name__})"
 
 
-def report(args, argv, shapes, methods, times, parts, first, load_before, load_after, wall, fused_status) -> list[str]:
+def report(args, argv, shapes, methods, times, parts, first, load_before, load_after, wall, codec_status) -> list[str]:
     med = {k: statistics.median(v) for k, v in times.items()}
     fp16 = med["fp16"]
     n_all = sum(numel(s) for _, s in shapes)
@@ -259,7 +259,7 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
         f"{len(big)} tensors of >= 1,024 elements holding {sum(map(numel, big)):,} (compressed by ALQ; the "
         f"others travel through Horovod's plain allreduce).",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s) per rank, "
-        f"{hvd.size()} ranks on one host (shared memory). {fused_status}. "
+        f"{hvd.size()} ranks on one host (shared memory). {codec_status}. "
         f"HOROVOD_CACHE_CAPACITY={os.environ.get('HOROVOD_CACHE_CAPACITY')}, Open MPI mpi_yield_when_idle="
         f"{os.environ.get('OMPI_MCA_mpi_yield_when_idle', 'default')}. Load average {load_before:.1f} before, "
         f"{load_after:.1f} after.",

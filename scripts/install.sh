@@ -242,6 +242,6 @@ fi
 step "fused CPU codec" "the compressors still work without it (plain torch kernels); for the fast path install g++ and check the warning above"
 # Compiled once per source version into the cache (about a minute); later runs load it. Tests and
 # jobs would otherwise each build it on first use.
-TORCH_EXTENSIONS_QUIET=1 "$VPY" -W ignore -c "from horovod_alq.torch import fused; print('    ' + fused.status() + ': ' + str(fused.cached_library()))"
+TORCH_EXTENSIONS_QUIET=1 "$VPY" -W ignore -c "from horovod_alq.torch.codecs import cpu_build; print('    ' + cpu_build.status() + ': ' + str(cpu_build.cached_library()))"
 
 echo "==> install done in ${SECONDS} s"

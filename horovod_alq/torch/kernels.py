@@ -1,8 +1,8 @@
 """Torch kernels of the wire format in ``docs/design.md``: bucket norms, unbiased stochastic
 rounding, b-bit packing, and the decode-and-sum of payloads, on the tensor's own device.
 
-Plain vectorized torch ops; :mod:`horovod_alq.torch.fused` replaces the CPU hot path with a
-compiled kernel where one builds.
+Plain vectorized torch ops; the compiled CPU codec (:mod:`horovod_alq.torch.codecs.cpu_build`)
+replaces the CPU hot path with a compiled kernel where one builds.
 """
 
 from __future__ import annotations

@@ -330,11 +330,11 @@ def test_payloads_decode_with_the_torch_kernels(run):
 def test_payloads_decode_with_the_fused_codec(run):
     res = run[0]["payload"]
     torch, payloads, levels, numel = _payloads(res)
-    from horovod_alq.torch import fused
+    from horovod_alq.torch.codecs import cpu_build
 
-    module = fused.load()
+    module = cpu_build.load()
     if module is None:
-        pytest.skip(f"fused codec unavailable: {fused.status()}")
+        pytest.skip(f"fused codec unavailable: {cpu_build.status()}")
     offsets = np.cumsum([0] + [p.numel() for p in payloads[:-1]]).tolist()
     out = torch.empty(numel, dtype=torch.float32)
     module.decode_sum(out, torch.cat(payloads), offsets, levels, res["bits"], res["bucket_size"],

@@ -6,7 +6,8 @@ import torch
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.wire import Header, pack_header
-from horovod_alq.torch import fused, kernels
+from horovod_alq.torch import kernels
+from horovod_alq.torch.codecs import cpu_build
 
 METHODS = ["qsgdinf", "qsgd", "nuqsgd", "terngrad", "alq", "alq-n", "amq", "amq-n"]
 
@@ -17,9 +18,9 @@ def _torch_encode(q: Quantizer, x: torch.Tensor, use_fused: bool, seed: int = 1)
     levels = torch.as_tensor(q.levels)
     norm = q.norm
     if use_fused:
-        module = fused.load()
+        module = cpu_build.load()
         if module is None:
-            pytest.skip(f"fused codec unavailable: {fused.status()}")
+            pytest.skip(f"fused codec unavailable: {cpu_build.status()}")
         return module.encode(x.reshape(-1).contiguous(), levels, header, q.bits, q.bucket_size,
                              norm == "linf", seed)
     gen = torch.Generator().manual_seed(seed)
@@ -37,9 +38,9 @@ def _torch_decode(q: Quantizer, payloads: list, n: int, use_fused: bool, scale: 
     offsets = np.cumsum([0] + [len(p) for p in payloads[:-1]]).tolist()
     out = torch.zeros(n, dtype=torch.float32)
     if use_fused:
-        module = fused.load()
+        module = cpu_build.load()
         if module is None:
-            pytest.skip(f"fused codec unavailable: {fused.status()}")
+            pytest.skip(f"fused codec unavailable: {cpu_build.status()}")
         return module.decode_sum(out, buf, offsets, levels, q.bits, q.bucket_size, scale)
     for off in offsets:
         kernels.decode_into(out, buf[off:], levels, bits=q.bits, bucket_size=q.bucket_size)
@@ -106,9 +107,9 @@ def test_fused_unbiased_on_every_path(method, bits, bucket, n, simd):
     """The mean of M fused encodes is within a Bernstein bound of x, per coordinate, with the exact
     variance of each coordinate (its norm and the two levels around it are known); with the AVX2
     kernels (where the CPU has them) and the generic ones."""
-    module = fused.load()
+    module = cpu_build.load()
     if module is None:
-        pytest.skip(f"fused codec unavailable: {fused.status()}")
+        pytest.skip(f"fused codec unavailable: {cpu_build.status()}")
     module.set_simd(simd)
     try:
         _check_unbiased(Quantizer(method, bits=bits, bucket_size=bucket, seed=0), n, use_fused=True)

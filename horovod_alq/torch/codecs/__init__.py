@@ -3,8 +3,9 @@
 A codec turns a flat float tensor into a payload of the wire format (``docs/design.md``) and sums
 decoded payloads; it also computes the statistics of refit rounds. Backends:
 
-- ``torch``: plain torch ops (:mod:`horovod_alq.torch.kernels`), any device;
-- ``cpu``: the compiled CPU codec (:mod:`horovod_alq.torch.fused`), CPU tensors;
+- ``torch``: plain torch ops (:mod:`.plain_torch`, kernels in :mod:`horovod_alq.torch.kernels`), any
+  device;
+- ``cpu``: the compiled CPU codec (:mod:`horovod_alq.torch.codecs.cpu_build`), CPU tensors;
 - ``triton``: Triton kernels (:mod:`.triton`), CUDA tensors; CPU tensors only under Triton's
   interpreter (``TRITON_INTERPRET=1``, slow: for tests).
 
@@ -113,7 +114,7 @@ def _auto(device: torch.device) -> Codec:
         try:
             return _FACTORIES[preferred](device)
         except ValueError as err:
-            if preferred == "triton" and "triton" not in _WARNED:  # (fused.load warns itself)
+            if preferred == "triton" and "triton" not in _WARNED:  # (cpu_build.load warns itself)
                 _WARNED.add("triton")
                 warnings.warn(f"horovod_alq: Triton codec unavailable ({err}); using torch ops on {device}")
     return _FACTORIES["torch"](device)
@@ -157,9 +158,9 @@ def check_encode_args(flat: torch.Tensor, bits: int, bucket_size: int, norm: str
         raise ValueError(f"encode: seed must be in [0, 2**63), got {seed}")
 
 
-from . import cpu, torch_ops  # noqa: E402  (the backends use the helpers above)
+from . import cpu, plain_torch  # noqa: E402  (the backends use the helpers above)
 from . import triton as triton_codec  # noqa: E402
 
-register("torch", torch_ops.factory)
+register("torch", plain_torch.factory)
 register("cpu", cpu.factory)
 register("triton", triton_codec.factory)

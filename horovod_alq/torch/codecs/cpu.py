@@ -1,4 +1,5 @@
-"""Codec ``cpu``: the compiled CPU codec (:mod:`horovod_alq.torch.fused`, ``csrc/fused_codec.cpp``).
+"""Codec ``cpu``: the compiled CPU codec (``csrc/fused_codec.cpp``, built and loaded by
+:mod:`horovod_alq.torch.codecs.cpu_build`).
 
 CPU tensors only; the norm-less statistics (moments per bucket) use the torch kernels.
 """
@@ -9,8 +10,8 @@ from typing import Sequence
 
 import torch
 
-from .. import fused, kernels
-from . import check_encode_args
+from .. import kernels
+from . import check_encode_args, cpu_build
 
 
 class CpuCodec:
@@ -57,8 +58,8 @@ def factory(device: torch.device) -> CpuCodec:
     if device.type != "cpu":
         raise ValueError(f"codec 'cpu' (the compiled CPU codec) takes CPU tensors, not {device}")
     if _CODEC is None:
-        module = fused.load()
+        module = cpu_build.load()
         if module is None:
-            raise ValueError(f"codec 'cpu' is unavailable: {fused.status()}")
+            raise ValueError(f"codec 'cpu' is unavailable: {cpu_build.status()}")
         _CODEC = CpuCodec(module)
     return _CODEC

@@ -1,12 +1,13 @@
-"""The compiled CPU codec (``csrc/fused_codec.cpp``).
+"""Build loader of the compiled CPU codec (``horovod_alq/torch/csrc/fused_codec.cpp``).
 
 Built on first use with ``torch.utils.cpp_extension`` in a private temporary folder, then moved
 atomically to ``$HOROVOD_ALQ_CACHE/torch_extensions/`` (default ``~/.cache/horovod-alq``) under a
 name keyed by the source, the compile flags and the torch version. No lock file is involved, so a
 build killed half-way cannot block later runs, and checkouts with different sources never share a
 binary. ``make install`` builds it once
-(``python -c "from horovod_alq.torch import fused; print(fused.status())"``). ``HOROVOD_ALQ_FUSED=0`` disables it; where it cannot be
-built the compressors fall back to the plain torch kernels and warn once.
+(``python -c "from horovod_alq.torch.codecs import cpu_build; print(cpu_build.status())"``).
+``HOROVOD_ALQ_FUSED=0`` disables it; where it cannot be built the compressors fall back to the
+plain torch kernels and warn once. Codec ``cpu`` (:mod:`horovod_alq.torch.codecs.cpu`) uses it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import warnings
 from pathlib import Path
 
 NAME = "horovod_alq_fused_codec"
-SOURCE = Path(__file__).with_name("csrc") / "fused_codec.cpp"
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fused_codec.cpp"  # horovod_alq/torch/csrc
 HEADERS = (SOURCE.with_name("codec_kernels.h"),)
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no FMA: the same decoded floats on every CPU
 LDFLAGS = ["-fopenmp"]

@@ -13,7 +13,7 @@ from .. import kernels
 from . import check_encode_args, payload_window
 
 
-class TorchOpsCodec:
+class PlainTorchCodec:
     name = "torch"
 
     def encode(self, flat: torch.Tensor, levels: torch.Tensor, header: torch.Tensor, *, bits: int,
@@ -40,8 +40,8 @@ class TorchOpsCodec:
         return kernels.bucket_moments(flat, bucket_size=bucket_size, norm=norm)
 
 
-CODEC = TorchOpsCodec()
+CODEC = PlainTorchCodec()
 
 
-def factory(device: torch.device) -> TorchOpsCodec:
+def factory(device: torch.device) -> PlainTorchCodec:
     return CODEC
