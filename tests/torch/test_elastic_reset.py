@@ -12,6 +12,7 @@ import shutil
 import socket
 import stat
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,10 @@ from multiproc import elastic_launch_command, run_ranks  # noqa: E402
 pytestmark = pytest.mark.multiproc
 
 STEPS, AT = 10, 4
-TIMEOUT = 300  # a run takes about a minute here (horovodrun's start-up, rendezvous, the reset)
+TIMEOUT = 150  # a run takes 20-40 s here (horovodrun's start-up, rendezvous, the reset)
+#: The ranks' own bound on this package's waits: a rank stuck in horovod_alq raises naming the
+#: collective long before TIMEOUT, and the test fails on it.
+RANK_ENV = {"HOROVOD_ALQ_TIMEOUT": "60"}
 
 
 def _why_no_elastic() -> str | None:
@@ -55,15 +59,36 @@ def _discovery(tmp_path: Path, hosts: str) -> tuple[Path, Path]:
     return script, hosts_file
 
 
+def _elastic_run(tmp_path: Path, mode: str, min_np: int) -> list:
+    """One elastic launch of the worker in ``mode``; relaunched once, with a warning that shows the
+    first launch, when it timed out with no rank waiting in horovod_alq (its stacks, dumped into
+    the ranks' logs, name no frame of this package). That is horovodrun's elastic driver stalling
+    in its own rendezvous, seen once in CI in about 50 launches ("State READY overridden by FAILURE"
+    in the driver); a rank that waits in horovod_alq raises after HOROVOD_ALQ_TIMEOUT instead, and
+    that failure is never retried."""
+    for attempt in (1, 2):
+        folder = tmp_path / f"launch{attempt}"
+        folder.mkdir()
+        script, hosts = _discovery(folder, "localhost:2")
+        try:
+            return run_ranks("torch_elastic_reset.py", np=2, launcher="gloo-elastic", timeout=TIMEOUT,
+                             args=[mode, STEPS, AT, hosts], env=RANK_ENV,
+                             launch=elastic_launch_command(2, script, min_np=min_np, max_np=2))
+        except pytest.fail.Exception as exc:
+            text = str(exc)
+            ranks = text.split("---- rank 0 output", 1)[-1]
+            if attempt == 2 or "timed out" not in text or "horovod_alq" in ranks:
+                raise
+            warnings.warn(f"the elastic launch stalled outside horovod_alq; relaunched once:\n{text[-6000:]}")
+    raise AssertionError("unreachable")
+
+
 def _events(rank, kind):
     return [e for e in rank["events"] if e["event"] == kind]
 
 
 def test_error_mid_round_resets_and_resyncs(tmp_path):
-    script, hosts = _discovery(tmp_path, "localhost:2")
-    res = run_ranks("torch_elastic_reset.py", np=2, launcher="gloo-elastic", timeout=TIMEOUT,
-                    args=["error", STEPS, AT, hosts],
-                    launch=elastic_launch_command(2, script, min_np=2, max_np=2))
+    res = _elastic_run(tmp_path, "error", min_np=2)
     r0, r1 = res
     for r in res:
         assert r["outcome"] == "completed" and r["batch"] == STEPS and not r["pending_at_end"]
@@ -107,10 +132,7 @@ def test_error_mid_round_resets_and_resyncs(tmp_path):
 
 
 def test_removed_worker_leaves_a_world_of_one(tmp_path):
-    script, hosts = _discovery(tmp_path, "localhost:2")
-    res = run_ranks("torch_elastic_reset.py", np=2, launcher="gloo-elastic", timeout=TIMEOUT,
-                    args=["remove", STEPS, AT, hosts],
-                    launch=elastic_launch_command(2, script, min_np=1, max_np=2))
+    res = _elastic_run(tmp_path, "remove", min_np=1)
     r0, r1 = res
     # rank 1 was removed at the commit of batch AT (Horovod aborts it in hvd.init())
     assert r1["outcome"] == "running" and r1["batch"] == AT
