@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.protocol import PREFIX
-from .dist_transport import on_completion
+from .dist_transport import WATCHDOG, SettleOnce, on_completion
 from .streamed import COMPRESSIBLE, StreamedState
 
 __all__ = ["ALQState", "alq_hook"]
@@ -107,7 +107,8 @@ class ALQState(StreamedState):
         Seconds the hook waits for one of its own collectives (the handshake, the statistics, a
         bucket's payloads when the hook itself waits) before it raises naming the collective;
         default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit. DDP's own wait for a bucket's
-        future is bounded by the process group's timeout only.
+        future too: a bucket whose exchange has not completed this long after its hook ran fails
+        with that error (for example when another rank stopped in the middle of the step).
 
     Attributes
     ----------
@@ -148,15 +149,21 @@ class ALQState(StreamedState):
                                               f"bucket (see that error)"))
             return future
         self._last = index
-        n = self._stages()[0].size
+        stage = self._stages()[0]
+        n = stage.size
+        # DDP waits for the future in C++: the watchdog bounds that wait (a rank that stopped in the
+        # middle of the step never issues this bucket's collectives)
+        settle = SettleOnce(future, f"DDP bucket {index} of step {self.round_state.step}", stage.scope,
+                            self.timeout)
+        WATCHDOG.watch(settle)
         if buffer.dtype in COMPRESSIBLE and buffer.numel() >= max(self.min_size, 1):
             flat = buffer.detach().reshape(-1)
-            self._round.add(flat, flat.numel(), functools.partial(_complete, future, buffer, 1.0 / n))
+            self._round.add(flat, flat.numel(), functools.partial(_complete, settle, buffer, 1.0 / n))
         else:
             self.round_state.uncompressed_coordinates += buffer.numel()
             buffer.div_(n)
             work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-            on_completion(work, lambda f: _settle(future, f, buffer))
+            on_completion(work, lambda f: _settle(settle, f, buffer))
         return future
 
     def _close(self) -> None:
@@ -166,7 +173,7 @@ class ALQState(StreamedState):
             rnd.close()
 
 
-def _complete(future: torch.futures.Future, buffer: torch.Tensor, scale: float, decoded, error) -> None:
+def _complete(future: SettleOnce, buffer: torch.Tensor, scale: float, decoded, error) -> None:
     """A bucket's exchange finished: its average into the bucket, or the error, on its future."""
     if error is not None:
         future.set_exception(error)
@@ -183,7 +190,7 @@ def _complete(future: torch.futures.Future, buffer: torch.Tensor, scale: float, 
     future.set_result(buffer)
 
 
-def _settle(future: torch.futures.Future, done: torch.futures.Future, buffer: torch.Tensor) -> None:
+def _settle(future: SettleOnce, done: torch.futures.Future, buffer: torch.Tensor) -> None:
     try:
         done.wait()
     except BaseException as exc:  # noqa: BLE001

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core.protocol import resolve_timeout, wait_for
+from ..core.protocol import resolve_timeout, timeout_error, wait_for
 
 
 #: ``all_gather_into_tensor`` is called ``all_gather_single`` from PyTorch 2.13 on (the old name warns).
@@ -205,3 +205,69 @@ def companion_group(process_group=None):
     if ranks not in _COMPANIONS:
         _COMPANIONS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
     return _COMPANIONS[ranks]
+
+
+class SettleOnce:
+    """A future that the exchange completes, or :class:`Watchdog` fails when the exchange has not
+    completed within its time; whichever comes first settles it, the other is ignored."""
+
+    __slots__ = ("future", "name", "scope", "seconds", "_lock", "settled")
+
+    def __init__(self, future: torch.futures.Future, name: str, scope: str, seconds: float) -> None:
+        self.future, self.name, self.scope, self.seconds = future, name, scope, seconds
+        self._lock = threading.Lock()
+        self.settled = False
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self.settled:
+                return False
+            self.settled = True
+            return True
+
+    def set_result(self, value) -> None:
+        if self._claim():
+            self.future.set_result(value)
+
+    def set_exception(self, error: BaseException) -> None:
+        if self._claim():
+            self.future.set_exception(error)
+
+    def expire(self) -> None:
+        self.set_exception(timeout_error(self.name, self.seconds, self.scope))
+
+
+class Watchdog:
+    """One daemon thread that fails every watched :class:`SettleOnce` still pending at its deadline
+    (checked every ``PERIOD`` seconds): a future that DDP waits for in C++, where no bounded wait
+    of ours runs, raises :func:`~horovod_alq.core.protocol.timeout_error` instead of waiting for
+    the process group's own timeout (30 minutes by default on gloo)."""
+
+    PERIOD = 0.25
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: list[tuple[float, SettleOnce]] = []
+        self._thread: threading.Thread | None = None
+
+    def watch(self, settle: SettleOnce) -> None:
+        if settle.seconds == float("inf"):
+            return
+        with self._lock:
+            self._watched.append((time.monotonic() + settle.seconds, settle))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="horovod-alq-watchdog", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.PERIOD)
+            now = time.monotonic()
+            with self._lock:
+                due = [s for d, s in self._watched if d <= now and not s.settled]
+                self._watched = [(d, s) for d, s in self._watched if d > now and not s.settled]
+            for settle in due:
+                settle.expire()
+
+
+WATCHDOG = Watchdog()

@@ -2,7 +2,8 @@
 identical parameters and levels on every rank for each method, loss falls, both exchanges
 unbiased, DDP's options (no_sync accumulation, static_graph, find_unused_parameters,
 gradient_as_bucket_view, sub-groups), non-finite gradients skip the GradScaler step, checkpoint
-round trip, and a rank with other settings raises on every rank instead of hanging."""
+round trip, a rank with other settings raises on every rank instead of hanging, and a rank that
+stops in the middle of backward makes every waiting rank raise after the timeout."""
 
 from __future__ import annotations
 
@@ -121,6 +122,18 @@ def test_mismatch_raises_everywhere(ranks, which):
         assert m["raised"], (which, r["rank"], m)
         expected = "bits" if which == "bits" else "different tensors"
         assert expected in m["message"], m
+
+
+def test_rank_stopped_mid_step_raises_on_every_waiting_rank(ranks):
+    *waiting, stopped = ranks
+    assert stopped["stalled"]["raised"] and "injected" in stopped["stalled"]["message"], stopped["stalled"]
+    for r in waiting:
+        s = r["stalled"]
+        assert s["raised"], (r["rank"], s)
+        # the watchdog's CollectiveTimeout for the bucket the stopped rank never sent, after the
+        # timeout (checked every 0.25 s), long before gloo's own 30 minutes
+        assert "DDP bucket" in s["message"] and f"within {s['timeout']:g} s" in s["message"], s
+        assert s["timeout"] <= s["seconds"] < s["timeout"] + 30, s
 
 
 def test_train_script_ddp_backend(tmp_path):

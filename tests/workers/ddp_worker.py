@@ -293,6 +293,36 @@ def mismatch(rank: int, size: int, which: str) -> dict:
     return {"raised": False}
 
 
+def stalled(rank: int, size: int, timeout: float = 3.0) -> dict:
+    """The last rank raises in the middle of backward (from a hook on fc1's weight, after the later
+    layers' buckets went out), so it never issues fc1's bucket, and stays alive (a process that
+    exits closes its connections, and gloo fails the others at once): every other rank's future
+    for that bucket must fail after ``timeout`` (the watchdog), not wait for gloo's 30 minutes. Run
+    last: the abandoned collective stays in the default group."""
+    import time
+
+    model = make_model()
+    state = state_for("alq", timeout=timeout)
+    model.register_comm_hook(state, alq_hook)
+    (x, y), (x2, y2) = batches(rank, 2)
+    F.cross_entropy(model(x), y).backward()  # a whole step: DDP then rebuilds its buckets at 0.01 MB
+    if rank == size - 1:
+        def stop(grad):
+            raise RuntimeError("injected: this rank stops in the middle of backward")
+        model.module.fc1.weight.register_hook(stop)
+    x, y = x2, y2
+    start = time.monotonic()
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except Exception as err:  # noqa: BLE001
+        seconds = time.monotonic() - start
+        if rank == size - 1:
+            time.sleep(timeout + 3)  # alive, not calling, while the others wait
+        return {"raised": True, "message": f"{type(err).__name__}: {err}"[:2000], "seconds": seconds,
+                "timeout": timeout}
+    return {"raised": False, "seconds": time.monotonic() - start}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--methods", default="alq,amq,qsgdinf,terngrad")
@@ -318,6 +348,7 @@ def main() -> None:
         out["subgroup"] = subgroup(rank, size)
     out["overlap"] = {ex: overlap(rank, ex) for ex in ("allgather", "two-phase")}
     out["mismatch"] = {w: mismatch(rank, size, w) for w in ("bits", "min_size")}
+    out["stalled"] = stalled(rank, size)  # last: leaves a collective behind
     report(out)
     # After a comm hook raised inside backward (the mismatch scenarios), PyTorch sometimes aborts at
     # interpreter exit ("terminate called without an active exception", also with its own
