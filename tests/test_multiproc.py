@@ -49,6 +49,8 @@ def test_timeout_kills_everything(launcher):
     assert "timed out after 15 s" in str(info.value)
     if launcher == "mpi":  # horovodrun may take longer than that to start ranks on a loaded machine
         assert "rank 1 hangs" in str(info.value)
+        # each rank's Python stacks, asked for before the kill, are in its log
+        assert str(info.value).count("most recent call first") >= 2, str(info.value)[-3000:]
     # Nothing survives, not even a rank that a launcher was still starting when it was stopped.
     time.sleep(3)
     deadline = time.monotonic() + 10
