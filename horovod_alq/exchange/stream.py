@@ -19,13 +19,14 @@ round (or, in a round that collects for its caller, ``close`` returns this rank'
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..core.methods import get_method
-from ..core.protocol import derive_seed
+from ..core.protocol import derive_seed, timeout_error
 from ..core.statistics import statistics_length
 from .base import Decoded, Job, TensorOps, Transport, plan_layout
 
@@ -103,9 +104,15 @@ class StreamedRound:
         return None
 
     def wait(self) -> None:
-        """Until every buffer added so far completed."""
+        """Until every buffer added so far completed; at most the first stage's ``timeout``, then
+        :func:`~horovod_alq.core.protocol.timeout_error` naming the round's buffers (a rank that
+        stopped in the middle of the round never completes them)."""
+        t = self.stages[0]
+        seconds = getattr(t, "timeout", math.inf)
         with self._lock:
-            self._lock.wait_for(lambda: self._open == 0)
+            if self._lock.wait_for(lambda: self._open == 0, None if math.isinf(seconds) else seconds):
+                return
+        raise timeout_error(f"{self.prefix}.buffers", seconds, getattr(t, "scope", "the process set"))
 
     # ------------------------------------------------------------------ any thread
     def _advance(self, buf: "_Buffer", stage: int, wait: Callable[[], Any] | None) -> None:

@@ -124,15 +124,17 @@ def test_mismatch_raises_everywhere(ranks, which):
         assert expected in m["message"], m
 
 
-def test_rank_stopped_mid_step_raises_on_every_waiting_rank(ranks):
-    *waiting, stopped = ranks
-    assert stopped["stalled"]["raised"] and "injected" in stopped["stalled"]["message"], stopped["stalled"]
-    for r in waiting:
-        s = r["stalled"]
-        assert s["raised"], (r["rank"], s)
-        # the watchdog's CollectiveTimeout for the bucket the stopped rank never sent, after the
-        # timeout (checked every 0.25 s), long before gloo's own 30 minutes
-        assert "DDP bucket" in s["message"] and f"within {s['timeout']:g} s" in s["message"], s
+@pytest.mark.parametrize("step", ["plain", "refit"])
+def test_rank_stopped_mid_step_raises_on_every_waiting_rank(ranks, step):
+    *waiting, stopped = (r["stalled"][step] for r in ranks)
+    assert stopped["raised"] and "injected" in stopped["message"], stopped
+    for s in waiting:
+        assert s["raised"], s
+        # after the timeout (the watchdog checks every 0.25 s), long before gloo's own 30 minutes:
+        # the watchdog's CollectiveTimeout for the bucket the stopped rank never sent; in a refit
+        # step the last bucket's hook waits for every bucket, and that wait raises first
+        assert f"did not complete within {s['timeout']:g} s" in s["message"], s
+        assert ("DDP bucket" if step == "plain" else ".buffers'") in s["message"], s
         assert s["timeout"] <= s["seconds"] < s["timeout"] + 30, s
 
 

@@ -293,16 +293,18 @@ def mismatch(rank: int, size: int, which: str) -> dict:
     return {"raised": False}
 
 
-def stalled(rank: int, size: int, timeout: float = 3.0) -> dict:
+def stalled(rank: int, size: int, refit: bool, timeout: float = 3.0) -> dict:
     """The last rank raises in the middle of backward (from a hook on fc1's weight, after the later
     layers' buckets went out), so it never issues fc1's bucket, and stays alive (a process that
     exits closes its connections, and gloo fails the others at once): every other rank's future
-    for that bucket must fail after ``timeout`` (the watchdog), not wait for gloo's 30 minutes. Run
-    last: the abandoned collective stays in the default group."""
+    for that bucket must fail after ``timeout`` (the watchdog), not wait for gloo's 30 minutes. With
+    ``refit``, step 2 refits: the last bucket's hook waits for every bucket, and that wait raises
+    after ``timeout``. Run last: the abandoned collectives stay in the default group."""
     import time
 
-    model = make_model()
-    state = state_for("alq", timeout=timeout)
+    group = dist.new_group(list(range(size)))  # its own group: the abandoned collective stays there
+    model = make_model(group=group)
+    state = state_for("alq", group=group, timeout=timeout, update_steps=(0, 1) if refit else (0,))
     model.register_comm_hook(state, alq_hook)
     (x, y), (x2, y2) = batches(rank, 2)
     F.cross_entropy(model(x), y).backward()  # a whole step: DDP then rebuilds its buckets at 0.01 MB
@@ -348,7 +350,7 @@ def main() -> None:
         out["subgroup"] = subgroup(rank, size)
     out["overlap"] = {ex: overlap(rank, ex) for ex in ("allgather", "two-phase")}
     out["mismatch"] = {w: mismatch(rank, size, w) for w in ("bits", "min_size")}
-    out["stalled"] = stalled(rank, size)  # last: leaves a collective behind
+    out["stalled"] = {k: stalled(rank, size, k == "refit") for k in ("plain", "refit")}  # last: leave collectives behind
     report(out)
     # After a comm hook raised inside backward (the mismatch scenarios), PyTorch sometimes aborts at
     # interpreter exit ("terminate called without an active exception", also with its own
