@@ -299,7 +299,8 @@ def stalled(rank: int, size: int, refit: bool, timeout: float = 3.0) -> dict:
     exits closes its connections, and gloo fails the others at once): every other rank's future
     for that bucket must fail after ``timeout`` (the watchdog), not wait for gloo's 30 minutes. With
     ``refit``, step 2 refits: the last bucket's hook waits for every bucket, and that wait raises
-    after ``timeout``. Run last: the abandoned collectives stay in the default group."""
+    after ``timeout``. Each run has a process group of its own, where its abandoned collective stays;
+    run last all the same (the stopped rank's DDP state is left mid-step)."""
     import time
 
     group = dist.new_group(list(range(size)))  # its own group: the abandoned collective stays there
