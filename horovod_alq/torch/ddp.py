@@ -173,10 +173,11 @@ class ALQState(StreamedState):
             rnd.close()
 
 
-def _complete(future: SettleOnce, buffer: torch.Tensor, scale: float, decoded, error) -> None:
-    """A bucket's exchange finished: its average into the bucket, or the error, on its future."""
+def _complete(settle: SettleOnce, buffer: torch.Tensor, scale: float, decoded, error) -> None:
+    """A bucket's exchange finished: its average into the bucket, or the error, on its future
+    (through ``settle``: the watchdog may have failed it already)."""
     if error is not None:
-        future.set_exception(error)
+        settle.set_exception(error)
         return
     try:
         n = buffer.numel()
@@ -185,18 +186,18 @@ def _complete(future: SettleOnce, buffer: torch.Tensor, scale: float, decoded, e
         else:
             buffer.copy_(decoded.read(0, n, scale).view_as(buffer))
     except BaseException as exc:  # noqa: BLE001
-        future.set_exception(exc)
+        settle.set_exception(exc)
         return
-    future.set_result(buffer)
+    settle.set_result(buffer)
 
 
-def _settle(future: SettleOnce, done: torch.futures.Future, buffer: torch.Tensor) -> None:
+def _settle(settle: SettleOnce, done: torch.futures.Future, buffer: torch.Tensor) -> None:
     try:
         done.wait()
     except BaseException as exc:  # noqa: BLE001
-        future.set_exception(exc)
+        settle.set_exception(exc)
         return
-    future.set_result(buffer)
+    settle.set_result(buffer)
 
 
 def alq_hook(state: ALQState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -189,9 +189,9 @@ _CALLBACKS = _BackendCallbacks()
 
 
 def on_completion(work, callback: Callable) -> None:
-    """Run ``callback(future)`` on a backend thread once the collective ``work`` (or a future)
-    completed, counted so that the interpreter's exit waits for it (:class:`_BackendCallbacks`)."""
-    _CALLBACKS.add(work.get_future() if hasattr(work, "get_future") else work, callback)
+    """Run ``callback(future)`` on a backend thread once the collective ``work`` completed, counted
+    so that the interpreter's exit waits for it (:class:`_BackendCallbacks`)."""
+    _CALLBACKS.add(work.get_future(), callback)
 
 
 _COMPANIONS: dict[tuple[int, ...], object] = {}
