@@ -15,20 +15,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core.quantizer import Quantizer
 from ..core.wire import payload_size
 from .base import Allgather, Job, Piece, Steps, Tensor, check_payloads
+from .plan import BufferPlan, allgather_bytes, sizes
 
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 1
 NAME = "allgather"
 
 
+def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer | None = None) -> BufferPlan:
+    """``[lo, hi)`` as one payload, gathered by every rank."""
+    parts = ((lo, hi),)
+    own = sizes(parts, first)
+    return BufferPlan(parts, own, (), *allgather_bytes(own * size, rank))
+
+
 def steps(job: Job, i: int) -> Steps:
     """Buffer ``i``: encode it, gather every rank's payload, check them; one :class:`Piece`."""
     q, t = job.first, job.transport
     lo, hi = job.layout.buffers[i]
+    p = plan(lo, hi, t.size, t.rank, q)
     payload = job.encode_range(lo, hi, q, job.seed(i))
-    gathered = yield Allgather(payload, [payload_size(hi - lo, q.bits, q.bucket_size)] * t.size, f"ag{i}")
+    gathered = yield Allgather(payload, list(p.first) * t.size, f"ag{i}")
     offsets = check_payloads(job.ops, gathered, [hi - lo] * t.size, q, f"buffer {i}")
     return [Piece(lo, hi, gathered, tuple(offsets), job.frozen(q))]
 
@@ -47,9 +57,9 @@ def gather_streams(job: Job, lengths: list[int] | None = None) -> list[Tensor]:
     n = job.layout.length
     lengths = [n] * t.size if lengths is None else [int(x) for x in lengths]
     payload = job.encode_range(0, n, q, job.seed(0))
-    sizes = [payload_size(m, q.bits, q.bucket_size) for m in lengths]
-    job.count_allgather(sizes)
-    gathered = t.allgather(payload, sizes, job.name("ag-unordered"))()
+    gathered_sizes = [payload_size(m, q.bits, q.bucket_size) for m in lengths]
+    job.count_allgather(gathered_sizes)
+    gathered = t.allgather(payload, gathered_sizes, job.name("ag-unordered"))()
     offsets = check_payloads(ops, gathered, lengths, q, "unordered round")
     streams = []
     for offset, m in zip(offsets, lengths):

@@ -14,6 +14,7 @@ from ..core.methods import get_method
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
 from ..core.wire import HEADER_SIZE, check_header, parse_header, payload_size
+from .plan import allgather_bytes, alltoall_bytes
 
 Tensor = Any  # a framework tensor (torch.Tensor, np.ndarray): sliceable, 1-D where it matters
 
@@ -285,18 +286,6 @@ class Job:
     def count_alltoall(self, splits: Sequence[int], received: Sequence[int]) -> None:
         sent, got = alltoall_bytes(splits, received, self.transport.rank)
         self.sent, self.received = self.sent + sent, self.received + got
-
-
-def allgather_bytes(sizes: Sequence[int], rank: int) -> tuple[int, int]:
-    """(sent, received) payload bytes of an allgather on ``rank`` (rank ``r`` contributes
-    ``sizes[r]``): its payload reaches the N - 1 others (as a ring forwards it), the others' reach it."""
-    return (len(sizes) - 1) * int(sizes[rank]), sum(int(s) for r, s in enumerate(sizes) if r != rank)
-
-
-def alltoall_bytes(splits: Sequence[int], received: Sequence[int], rank: int) -> tuple[int, int]:
-    """(sent, received) payload bytes of an alltoall on ``rank``: what goes to and comes from other ranks."""
-    return (sum(int(s) for j, s in enumerate(splits) if j != rank),
-            sum(int(s) for r, s in enumerate(received) if r != rank))
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
-from ..core.wire import HEADER_SIZE, payload_size
+from ..core.quantizer import Quantizer
+from ..core.wire import HEADER_SIZE
 from .base import Allgather, Alltoall, Job, Piece, Steps, Tensor, check_payloads
+from .plan import BufferPlan, allgather_bytes, alltoall_bytes, sizes, total
 
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 2
@@ -42,17 +44,25 @@ def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, in
     return [(bounds[j], bounds[j + 1]) for j in range(parts)]
 
 
+def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer) -> BufferPlan:
+    """``[lo, hi)`` as ``size`` shards: rank ``j`` receives every rank's shard ``j`` (alltoall), and
+    every rank gathers the owners' re-quantized shards."""
+    parts = tuple(shards(lo, hi, size, first.bucket_size))
+    own, again = sizes(parts, first), sizes(parts, second)
+    counts = total(alltoall_bytes(own, [own[rank]] * size, rank), allgather_bytes(again, rank))
+    return BufferPlan(parts, own, again, *counts)
+
+
 def steps(job: Job, i: int) -> Steps:
     """Buffer ``i`` through the two phases; the owners' statistics of their reduced shards (for the
     second quantizer's refit) are added to ``job.second_statistics`` when ``job.collect_second``."""
     q1, q2, ops, t = job.first, job.second, job.ops, job.transport
     n, me = t.size, t.rank
-    parts = shards(*job.layout.buffers[i], n, q1.bucket_size)
+    p = plan(*job.layout.buffers[i], n, me, q1, q2)
+    parts = p.parts
     a, b = parts[me]
     payloads = [job.encode_range(pa, pb, q1, job.seed(i, j, 1)) for j, (pa, pb) in enumerate(parts)]
-    splits = [payload_size(pb - pa, q1.bits, q1.bucket_size) for pa, pb in parts]
-    gathered = yield Alltoall(ops.cat(payloads), splits, [payload_size(b - a, q1.bits, q1.bucket_size)] * n,
-                              f"a2a{i}")
+    gathered = yield Alltoall(ops.cat(payloads), list(p.first), [p.first[me]] * n, f"a2a{i}")
     acc = ops.zeros(b - a)
     failure = None
     try:
@@ -67,11 +77,10 @@ def steps(job: Job, i: int) -> Steps:
     payload = job.encode(acc, q2, job.seed(i, me, 2))
     if failure is not None:
         payload = _poisoned(ops, payload)
-    sizes = [payload_size(pb - pa, q2.bits, q2.bucket_size) for pa, pb in parts]
-    gathered = yield Allgather(payload, sizes, f"ag2-{i}")
+    gathered = yield Allgather(payload, list(p.second), f"ag2-{i}")
 
     host = ops.to_numpy(gathered)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+    offsets = np.concatenate([[0], np.cumsum(p.second)]).astype(np.int64).tolist()
     bad = [j for j in range(n) if host.size >= offsets[j] + 2 and bytes(host[offsets[j]: offsets[j] + 2]) == POISON]
     if bad:
         if failure is not None:

@@ -5,7 +5,6 @@ group and the codec per device. Their rounds are streamed (:mod:`horovod_alq.exc
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import numpy as np
@@ -14,10 +13,8 @@ import torch
 from ..core import frontends
 from ..core.methods import get_method
 from ..core.protocol import PREFIX, resolve_timeout
-from ..core.quantizer import Quantizer
-from ..core.rounds import RoundState, schedule_from
-from ..exchange import Engine
 from ..exchange.engine import choose_exchange
+from ..exchange.setup import configure
 from . import codecs
 from .dist_transport import DistTransport, companion_group
 from .ops import TorchOps, ops_for
@@ -45,17 +42,12 @@ class StreamedState:
         self.method = m.name
         self.min_size = frontends.check_min_size(min_size)
         self.codec = codecs.check_name(codec)
-        quantizer = Quantizer(m.name, bits=bits, bucket_size=bucket_size, norm=norm)
-        self.bits = quantizer.bits
-        self.bucket_size = quantizer.bucket_size
-        self.norm = quantizer.norm
-        second = Quantizer(m.name, bits=self.bits if bits_second is None else bits_second,
-                           bucket_size=self.bucket_size, norm=self.norm)
-        self.round_state = RoundState(quantizer, schedule_from(update_steps, update_every), second,
-                                      adapt_second)
-        self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
-        self.engine = Engine(quantizer, self.round_state, exchange=exchange, fusion_bytes=fusion_bytes,
-                             seed=self.seed, uid=uid)
+        setup = configure(m.name, bits, bucket_size, norm=norm, bits_second=bits_second,
+                          update_steps=update_steps, update_every=update_every, adapt_second=adapt_second,
+                          seed=seed)
+        self.bits, self.bucket_size, self.norm = setup.quantizer.bits, setup.quantizer.bucket_size, setup.quantizer.norm
+        self.round_state, self.seed = setup.state, setup.seed
+        self.engine = setup.engine(exchange=exchange, fusion_bytes=fusion_bytes, uid=uid)
         self.timeout = resolve_timeout(timeout)
         self._transports: dict[object, list[DistTransport]] = {}  # process group -> its stages
         self._ops: dict[str, TorchOps] = {}

@@ -1,0 +1,53 @@
+"""What every front-end builds from its keywords: both quantizers, the refit schedule, the round
+state, the seed and the engine (:func:`configure`), so that the PyTorch compressors, the
+torch.distributed front-ends (DDP hook, FSDP2 comm), mpi4py and TensorFlow agree on defaults and
+checks by construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..core.protocol import MASK64
+from ..core.quantizer import Quantizer
+from ..core.rounds import RefitSchedule, RoundState, schedule_from
+from .engine import Engine
+
+
+@dataclass
+class Setup:
+    """A front-end's quantization state: ``state`` (both quantizers, schedule, counters) and the
+    64-bit ``seed`` of its rounding noise; :meth:`engine` runs its rounds."""
+
+    state: RoundState
+    seed: int
+
+    @property
+    def quantizer(self) -> Quantizer:
+        """The ranks' own codes' quantizer (its levels are the current levels)."""
+        return self.state.quantizer
+
+    @property
+    def second(self) -> Quantizer:
+        """The two-phase exchange's quantizer of the reduced shards."""
+        return self.state.second
+
+    def engine(self, **keywords) -> Engine:
+        """The exchange engine over this state (keywords: those of :class:`Engine` but the seed)."""
+        return Engine(self.state.quantizer, self.state, seed=self.seed, **keywords)
+
+
+def configure(method: str, bits: int | None = None, bucket_size: int = 8192, *, norm: str | None = None,
+              bits_second: int | None = None, update_steps: Sequence[int] | None = None,
+              update_every: int | None = None, adapt_second: bool | None = None, clip: bool | float = False,
+              seed: int | None = None, on_request: bool = False) -> Setup:
+    """Build a front-end's :class:`Setup` from its keywords (each checked by the core, which raises
+    ValueError naming it). ``bits_second`` defaults to ``bits``; ``seed`` None draws fresh entropy;
+    ``on_request``: no refit schedule (the front-end refits when asked, as mpi4py's ``adapt()``)."""
+    first = Quantizer(method, bits, bucket_size, clip=clip, norm=norm)
+    second = Quantizer(method, first.bits if bits_second is None else bits_second, first.bucket_size,
+                       norm=first.norm)
+    schedule = RefitSchedule((), 0) if on_request else schedule_from(update_steps, update_every)
+    seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & MASK64
+    return Setup(RoundState(first, schedule, second, adapt_second), seed)
