@@ -7,10 +7,15 @@ each framework declares its public classes on top of its base::
     class ALQCompressor(frontends.ALQ, QuantizedCompressor): ...
 
 so the keywords, defaults and checks exist once for both frameworks; so do the base pieces of
-their ``QuantizedCompressor`` (:class:`CompressorBase`, :class:`ClassOrInstance`).
+their ``QuantizedCompressor`` (:class:`CompressorBase`, :class:`ClassOrInstance`) and the
+configuration properties of every front-end (:class:`Configured`, mpi4py's too). It is plain Python
+over the NumPy :class:`~horovod_alq.core.Quantizer`, with no framework import, which is why it
+lives in the core that every front-end imports.
 """
 
 from __future__ import annotations
+
+import sys
 
 
 
@@ -95,16 +100,8 @@ class ClassOrInstance:
         return self.func.__get__(obj, cls)
 
 
-class CompressorBase:
-    """What the frameworks' ``QuantizedCompressor`` s share: the default instance behind the class
-    used as ``compression=``, and the configuration read from their NumPy ``_quantizer``."""
-
-    @classmethod
-    def default(cls):
-        """The instance used when the class itself is passed as ``compression=``."""
-        if "_default_instance" not in cls.__dict__:
-            cls._default_instance = cls()
-        return cls._default_instance
+class Configured:
+    """The configuration of a front-end, read from its NumPy ``_quantizer``."""
 
     @property
     def bits(self) -> int:
@@ -118,6 +115,41 @@ class CompressorBase:
     def norm(self) -> str:
         """Bucket norm, ``"l2"`` or ``"linf"``."""
         return self._quantizer.norm
+
+    @property
+    def levels(self):
+        """Current levels, shape (L,), float64 (a copy); identical on all ranks."""
+        return self._quantizer.levels
+
+
+class CompressorBase(Configured):
+    """What the frameworks' ``QuantizedCompressor`` s share: the default instance behind the class
+    used as ``compression=``, and the configuration."""
+
+    @classmethod
+    def default(cls):
+        """The instance used when the class itself is passed as ``compression=``."""
+        if "_default_instance" not in cls.__dict__:
+            cls._default_instance = cls()
+        return cls._default_instance
+
+
+def calling_process_set(package: str, depth: int = 8):
+    """The ``process_set`` of the nearest frame of ``package`` (e.g. ``"horovod.torch"``) among the
+    ``depth`` frames above the caller: the argument of the Horovod collective (or the
+    ``process_set`` of the Horovod object, e.g. a ``DistributedOptimizer``) that called
+    ``compress``; None if there is none. Horovod does not pass the process set to ``compress``."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_globals.get("__name__", "").startswith(package):
+            local = frame.f_locals
+            ps = local.get("process_set", getattr(local.get("self"), "process_set", None))
+            if ps is not None and hasattr(ps, "process_set_id"):
+                return ps
+        frame = frame.f_back
+    return None
 
 
 # method name -> (class name in each framework package, the keywords that select the method)

@@ -27,6 +27,7 @@ a refit outside any round (mpi4py's ``adapt()``) is :meth:`Engine.refit`.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -567,6 +568,25 @@ class Engine:
         vec = handshake_vector(fields=REFIT_FIELDS, error=int(error is not None),
                                **self._settings(exchange, self.state.step, True))
         read_handshake(transport.allreduce_max(vec, name), error, fields=REFIT_FIELDS)
+
+
+def blame(transport: Transport, error: str | None, elements: int, prefix: str, what: str) -> str | None:
+    """After a handshake that failed alike on every rank: every rank's local ``error`` and
+    ``elements`` (two more collectives, on this path only), as a message naming the ranks at fault
+    (``what`` and their errors, or their differing element counts); None when no rank reported either."""
+    raw = np.frombuffer(json.dumps([error, int(elements)]).encode(), dtype=np.uint8)
+    n = int(transport.allreduce_max(np.array([raw.size], dtype=np.int64), f"{prefix}.messages.size")[0])
+    buf = np.zeros(n, dtype=np.uint8)
+    buf[:raw.size] = raw
+    got = transport.allgather(buf, [n] * transport.size, f"{prefix}.messages")()
+    shared = [json.loads(bytes(got[r * n:(r + 1) * n]).rstrip(b"\0").decode()) for r in range(transport.size)]
+    failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(shared) if m is not None]
+    if failed:
+        return f"{what} " + "; ".join(failed)
+    if len({e for _, e in shared}) > 1:
+        counts = ", ".join(f"rank {r}: {e}" for r, (_, e) in enumerate(shared))
+        return f"the ranks passed arrays with different element counts ({counts})"
+    return None
 
 
 class RefitError(ProtocolError):

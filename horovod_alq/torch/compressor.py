@@ -18,22 +18,18 @@ pass; the first ``decompress`` of the round checks the ranks agree, exchanges th
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from ..core import frontends
 from ..core.methods import get_method
-from ..core.protocol import PREFIX, outsider_vector, process_set_uid, resolve_timeout
-from ..core.quantizer import Quantizer
-from ..core.rounds import RoundState, schedule_from
-from ..exchange import Engine, Entry
+from ..core.protocol import outsider_vector, process_set_uid, resolve_timeout
+from ..exchange import Entry
+from ..exchange.setup import configure
 from . import codecs
 from .ops import TorchOps, ops_for
 from .transport import HorovodTransport, NotMemberError, hvd
@@ -169,15 +165,13 @@ class QuantizedCompressor(frontends.CompressorBase):
                  norm: str | None = None, overlap: bool = True, timeout: float | None = None) -> None:
         method = method or self.method
         self._method = get_method(method)
-        self._quantizer = Quantizer(self._method.name, bits=bits, bucket_size=bucket_size, norm=norm)
-        second = Quantizer(self._method.name, bits=self._quantizer.bits if bits_second is None else bits_second,
-                           bucket_size=bucket_size, norm=self._quantizer.norm)
-        self._state = RoundState(self._quantizer, schedule_from(update_steps, update_every), second,
-                                 adapt_second)
+        setup = configure(self._method.name, bits, bucket_size, norm=norm, bits_second=bits_second,
+                          update_steps=update_steps, update_every=update_every, adapt_second=adapt_second,
+                          seed=seed)
+        self._quantizer, self._state, seed = setup.quantizer, setup.state, setup.seed
         self.min_size = frontends.check_min_size(min_size)
-        seed = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed) & ((1 << 64) - 1)
-        self._engine = Engine(self._quantizer, self._state, exchange=exchange, fusion_bytes=fusion_bytes,
-                              seed=seed, uid=None, early=bool(overlap))  # uid: at first use
+        self._engine = setup.engine(exchange=exchange, fusion_bytes=fusion_bytes, uid=None,
+                                    early=bool(overlap))  # uid: at first use
         self._timeout = resolve_timeout(timeout)
         if fused is not None:
             warnings.warn("horovod_alq: fused= is deprecated; use codec='torch' (fused=False) or "
@@ -200,10 +194,6 @@ class QuantizedCompressor(frontends.CompressorBase):
         self._per_set_states: dict[tuple, dict] = {}  # loaded before the set's first use
 
     # ------------------------------------------------------------------ configuration
-    @property
-    def levels(self) -> np.ndarray:
-        return self._quantizer.levels
-
     @property
     def exchange(self) -> str:
         return self._engine.exchange
@@ -331,7 +321,7 @@ class QuantizedCompressor(frontends.CompressorBase):
         result: a wrong guess raises on every rank, naming the set."""
         if self._process_set is not None:
             return None
-        ps = _calling_process_set()
+        ps = frontends.calling_process_set("horovod.torch")
         if ps is None or ps.process_set_id in (None, 0):
             return None
         ranks = tuple(int(r) for r in ps.ranks)
@@ -342,22 +332,6 @@ class QuantizedCompressor(frontends.CompressorBase):
                 child.load_state_dict(self._per_set_states.pop(ranks))
             self._per_set[ranks] = child
         return child
-
-
-def _calling_process_set(depth: int = 4):
-    """The ``process_set`` of the nearest horovod.torch frame above ``compress`` (within ``depth``
-    frames), or None."""
-    frame = sys._getframe(3)  # above this function, _for_calling_process_set and compress
-    for _ in range(depth):
-        if frame is None:
-            return None
-        if frame.f_globals.get("__name__", "").startswith("horovod.torch"):
-            local = frame.f_locals
-            ps = local.get("process_set", getattr(local.get("self"), "process_set", None))
-            if ps is not None and hasattr(ps, "process_set_id"):
-                return ps
-        frame = frame.f_back
-    return None
 
 
 class ALQCompressor(frontends.ALQ, QuantizedCompressor):
