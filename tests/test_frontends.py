@@ -146,7 +146,7 @@ def test_tensorflow_protocol_errors_are_horovods_error_type():
     type in TensorFlow), a RuntimeError, and the core's ProtocolError / ReductionMismatch."""
     tf = pytest.importorskip("tensorflow")
     from horovod_alq.core import protocol
-    from horovod_alq.tensorflow import compressor
+    import horovod_alq.tensorflow as compressor
 
     err = compressor.ReductionMismatch("horovod_alq: test")
     for cls in (tf.errors.FailedPreconditionError, RuntimeError, protocol.ProtocolError,

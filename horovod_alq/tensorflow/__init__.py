@@ -43,6 +43,7 @@ from .compressor import (
     TernGradCompressor,
     compressor_for,
 )
+from .graph import ProtocolError, ReductionMismatch
 
-__all__ = ["ALQCompressor", "AMQCompressor", "NUQSGDCompressor", "QSGDCompressor",
-           "QuantizedCompressor", "TernGradCompressor", "compressor_for"]
+__all__ = ["ALQCompressor", "AMQCompressor", "NUQSGDCompressor", "ProtocolError", "QSGDCompressor",
+           "QuantizedCompressor", "ReductionMismatch", "TernGradCompressor", "compressor_for"]

@@ -12,7 +12,7 @@ from horovod_alq.core.packing import pack_codes
 from horovod_alq.core.statistics import GRID, normalize
 from horovod_alq.core.wire import Header, pack_header, parse_payload
 from horovod_alq.tensorflow import kernels
-from horovod_alq.tensorflow.compressor import header_mask
+from horovod_alq.tensorflow.graph import header_mask
 
 CASES = [("alq", 3), ("alq-n", 2), ("amq", 5), ("qsgdinf", 4), ("qsgd", 8), ("nuqsgd", 3), ("terngrad", 2)]
 

@@ -70,7 +70,7 @@ def core_decodes(comp, x: np.ndarray) -> list:
     m = comp.metrics()
     q = Quantizer(comp._method.name, bits=comp.bits, bucket_size=comp.bucket_size)
     q.set_levels(m["levels"])
-    payload = comp._fns.encode(tf.constant(x), comp._levels, comp._header(x.size),
+    payload = comp._fns.encode(tf.constant(x), comp._vars.levels, comp._vars.header(x.size),
                               tf.constant([1, 2], tf.int64)).numpy()
     return list(q.decode(payload).shape)
 
@@ -463,8 +463,10 @@ def deadlock(args) -> dict:
 
 def process_sets(args) -> dict:
     """Issue item 2 on 3 ranks with the set {0, 1}: values and refits within the set, identical on
-    its members; a non-member and a compressor used over another set raise on every rank taking
-    part, without hanging; DistributedGradientTape(process_set=) trains."""
+    its members; a non-member and a compressor pinned to another set raise on every rank taking
+    part, without hanging; a compressor made without process_set= serves the set; compressors made
+    on the set's members only leave later global ones pairing; DistributedGradientTape(process_set=)
+    trains."""
     ps = PROCESS_SET
     rank = hvd.rank()
     member = rank in ps.ranks
@@ -501,12 +503,22 @@ def process_sets(args) -> dict:
     for mode in ("eager", "function"):
         call = lambda t, mode=mode: hvd.allreduce(t, compression=comp, name=f"global.{mode}")  # noqa: E731
         out[f"{mode}.global"] = _attempt(call if mode == "eager" else tf.function(call), x)
-        if member:
+        if member:  # a compressor made without process_set= serves the set with a compressor of its own
             glob = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=4, update_steps=(),
                                  update_every=0)
             call = lambda t, glob=glob, mode=mode: hvd.allreduce(t, compression=glob, process_set=ps,  # noqa: E731
                                                                 name=f"subset.{mode}")
             out[f"{mode}.subset"] = _attempt(call if mode == "eager" else tf.function(call), x)
+            y = call(x).numpy().astype(np.float64)
+            out[f"{mode}.subset"].update(rel_err=float(np.linalg.norm(y - truth) / np.linalg.norm(truth)),
+                                         sets=[list(k) for k in glob.metrics().get("process_sets", {})])
+    # issue 21's case: only the set's members make (and use) a compressor for it; afterwards every
+    # rank makes one and allreduces globally: the names still pair (per process set, at first use)
+    if member:
+        pinned = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=5, process_set=ps)
+        hvd.allreduce(x, compression=pinned, process_set=ps, name="uneven.set")
+    late = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=5)
+    out["uneven"] = _attempt(lambda t: hvd.allreduce(t, compression=late, name="dt"), x)
     out["plain_after"] = float(hvd.allreduce(tf.ones([4]) * (rank + 1), op=hvd.Sum)[0])
     if member:
         out["set_after"] = _attempt(lambda t: hvd.allreduce(t, compression=comp, process_set=ps), x)

@@ -1,0 +1,81 @@
+"""The checks of one tensor's exchange in TensorFlow: the reduced vector (on the host, with the
+core's :func:`~horovod_alq.core.protocol.read_tensor_vector` and two checks of TensorFlow's own)
+and the gathered payload headers (in the graph, explained on the host with the exchange's
+:func:`~horovod_alq.exchange.base.check_host_payloads` when they differ). Every rank checks the
+same reduced data, so all pass or all raise."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from ..core import protocol
+from ..core.quantizer import Quantizer
+from ..core.wire import HEADER_SIZE, payload_size
+from ..exchange import base
+from .graph import ProtocolError, tf_error
+
+#: Two-phase vectors add to the core's tensor vector the sums of ``c`` and ``c**2`` for the 32 bytes
+#: of the tensor's first header and ``bits_second``: every rank checks the configurations agree
+#: before any payload moves.
+CONFIG = HEADER_SIZE + 1
+_CONFIG_FIELDS = {3: "method", 4: "bits", 5: "norm", **{i: "bucket_size" for i in range(8, 12)},
+                  **{i: "levels" for i in range(24, 32)}, HEADER_SIZE: "bits_second"}
+
+
+def check_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int, extra: int,
+                 two_phase: bool) -> None:
+    """The core's checks of the reduced vector (its length against the one compress made, with
+    ``extra`` entries after the core's; the op and scale, the process set, shapes and dtypes,
+    slots), then TensorFlow's: every rank gave the tensor the same slot (its payload collectives
+    are named after it) and, two-phase, the same configuration bytes ``c`` (``(mean c)**2 ==
+    mean c**2``). Raises when one fails."""
+    try:
+        read = protocol.read_tensor_vector(reduced, rank=rank, size=size, slot=slot, shape_code=shape_code,
+                                           extra=extra)
+    except protocol.ProtocolError as err:
+        raise tf_error(err) from None
+    if len(set(read.slots)) > 1:
+        raise ProtocolError(
+            f"horovod_alq: the ranks exchanged different tensors in one allreduce (their slots in this step, "
+            f"in rank order: {list(read.slots)}): the ranks compressed their tensors in different orders "
+            f"or different tensors; refusing to decode")
+    if two_phase:
+        head = protocol.tensor_vector_length(size)
+        w = reduced[head: head + 2 * CONFIG] / reduced[0]
+        c, c2 = w[:CONFIG], w[CONFIG:]
+        differ = sorted({_CONFIG_FIELDS.get(i, "header")
+                         for i in np.flatnonzero(np.abs(c * c - c2) > 1e-9 * np.maximum(1.0, c2))})
+        if differ:
+            raise ProtocolError(
+                f"horovod_alq: the ranks' compressors differ in {', '.join(differ)} (two-phase exchange; "
+                f"compared before any payload moved). Every rank must build the compressor with the same "
+                f"arguments and load the same state")
+
+
+def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, numel: int, ranks: int,
+                quantizer: Quantizer) -> tuple[tf.Tensor, tf.Tensor]:
+    """The in-graph form of :func:`horovod_alq.exchange.base.check_payloads`: every rank's payload
+    has this rank's size and ``header`` bytes. Also ``gathered`` fitted to exactly ``ranks *
+    payload_size`` bytes (cut or zero-padded), so that no op fails on a wrong size before the
+    explanation is raised: TF may run shape-bound ops of a ``tf.cond`` branch that is not taken."""
+    expected = ranks * payload_size(numel, quantizer.bits, quantizer.bucket_size)
+    got = tf.size(gathered)
+    fitted = tf.pad(gathered[:expected], [[0, tf.maximum(0, expected - got)]])
+    fitted.set_shape([expected])
+    rows = tf.reshape(fitted, [ranks, -1])[:, :HEADER_SIZE]
+    ok = tf.logical_and(tf.equal(got, expected), tf.reduce_all(tf.equal(rows, header[None, :])))
+    return ok, fitted
+
+
+def explain_payloads(gathered: np.ndarray, levels: np.ndarray, *, numel: int, ranks: int, quantizer: Quantizer,
+                     what: str) -> None:
+    """Raise :func:`horovod_alq.exchange.base.check_host_payloads`'s error, naming the first rank
+    whose payload differs from this rank's configuration (when :func:`payloads_ok` failed)."""
+    q = Quantizer(quantizer.method, bits=quantizer.bits, bucket_size=quantizer.bucket_size, norm=quantizer.norm)
+    q.set_levels(levels)
+    try:
+        base.check_host_payloads(gathered, [numel] * ranks, q, what)
+    except protocol.ProtocolError as err:
+        raise tf_error(err) from None
+    raise ProtocolError(f"horovod_alq: {what}: the gathered payload headers differ")

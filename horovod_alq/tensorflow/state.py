@@ -1,0 +1,143 @@
+"""A TensorFlow compressor's round state in ``tf.Variable`` s: the levels and their header mask, the
+seed, :class:`~horovod_alq.core.rounds.RoundState`'s counters and the pending statistics, so that a
+traced step reads and writes them, and ``tf.train.Checkpoint`` saves them. The schedule (which
+rounds collect), the refit and the schema of ``metrics()`` / ``state_dict()`` are the core's
+``RoundState``; this module only moves values between it and the variables."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from ..core import protocol
+from ..core.methods import get_method
+from ..core.rounds import COUNTERS, RoundState
+from ..core.statistics import statistics_length
+from ..core.wire import HEADER_SIZE, Header, pack_header
+from .graph import header_mask, signed64
+
+
+class RoundVariables(tf.Module):
+    """The variables of one compressor's rounds over ``state`` (a :class:`RoundState`, which stays
+    the schema) with rounding seed ``seed``. One variable per counter, so that compress, decompress
+    and the refit write different variables (tf.function orders the ops that use one variable)."""
+
+    _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"state", "method"})
+
+    def __init__(self, state: RoundState, seed: int) -> None:
+        super().__init__(name="round_state")
+        self.state = state
+        self.method = get_method(state.quantizer.method)
+        self.stats_length = statistics_length(self.method)
+        q = state.quantizer
+        with tf.init_scope():
+            self.levels = tf.Variable(q.levels, dtype=tf.float64, trainable=False, name="levels")
+            self.header_mask = tf.Variable(header_mask(q.fingerprint), dtype=tf.int32, trainable=False,
+                                           name="header_mask")
+            self.seed = tf.Variable(signed64(seed), dtype=tf.int64, trainable=False, name="seed")
+            self.counters = {key: tf.Variable(0, dtype=tf.int64, trainable=False, name=key) for key in COUNTERS}
+            self.current = tf.Variable(0, dtype=tf.int64, trainable=False, name="current_round")
+            self.pending = tf.Variable(np.zeros(self.stats_length), dtype=tf.float64, trainable=False,
+                                       name="pending_statistics")
+            self.pending_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="pending_count")
+
+    # ------------------------------------------------------------------ in the step (TF ops)
+    def count(self, **values) -> dict:
+        """Add ``values`` (ints or tensors) to the named counters; returns their values after it."""
+        return {key: self.counters[key].assign_add(tf.cast(value, tf.int64)) for key, value in values.items()}
+
+    def header(self, numel: int, second: bool = False) -> tf.Tensor:
+        """Header of a payload of ``numel`` elements (the second quantization's with ``second``)."""
+        st = self.state
+        q = st.second if second else st.quantizer
+        own = second and not st.follows_first  # fixed levels of their own: a static header
+        static = np.frombuffer(pack_header(Header(self.method.id, q.bits, q.bucket_size, numel,
+                                                  q.fingerprint if own else 0, norm=q.norm)), np.uint8).astype(np.int32)
+        if own:
+            return tf.constant(static.astype(np.uint8))
+        return tf.cast(tf.bitwise.bitwise_xor(tf.constant(static), self.header_mask.read_value()), tf.uint8)
+
+    def collecting(self, current: tf.Tensor) -> tf.Tensor:
+        """Whether round ``current`` gathers statistics for a refit (the core's refit schedule)."""
+        collects = tf.numpy_function(lambda step: np.bool_(self.state.schedule.collects(int(step))), [current],
+                                     tf.bool, stateful=False, name="horovod_alq_collects")
+        collects.set_shape([])
+        return collects
+
+    def begin_round(self) -> None:
+        """Refit from the previous round's statistics (if it collected any); the round's index is the
+        number of completed rounds. A round completes in decompress, so a round that failed before it
+        on every rank (Horovod's own errors) or on some (a rank that passed the tensor uncompressed)
+        is begun again by the next call, on every rank alike. Refitting is idempotent: a rank that
+        refit in the failed round and one that refits in the next fit the same statistics."""
+        if self.method.adaptive:
+            def refit():
+                levels, mask, updated = tf.numpy_function(
+                    self._refit, [self.levels.read_value(), self.pending.read_value()],
+                    [tf.float64, tf.int32, tf.int64], stateful=True, name="horovod_alq_refit")
+                levels.set_shape(self.levels.shape)
+                mask.set_shape([HEADER_SIZE])
+                with tf.control_dependencies([
+                        self.levels.assign(levels), self.header_mask.assign(mask),
+                        self.counters["level_updates"].assign_add(tf.reshape(updated, [])),
+                        self.pending.assign(tf.zeros_like(self.pending)), self.pending_count.assign(0)]):
+                    return tf.constant(True)
+
+            tf.cond(self.pending_count > 0, refit, lambda: tf.constant(False))
+        self.current.assign(self.counters["step"])
+
+    def _refit(self, levels: np.ndarray, stats: np.ndarray):
+        """The NumPy core's fit (deterministic: identical inputs give identical levels on every rank)."""
+        q = self.state.quantizer
+        q.set_levels(levels)
+        updated = bool(np.isfinite(stats).all() and stats[0] > 0)  # else no finite non-zero bucket seen
+        if updated:
+            q.adapt(stats)
+        return q.levels, header_mask(q.fingerprint), np.int64(updated)
+
+    def complete(self, out: tf.Tensor, round_index: tf.Tensor, collecting, statistics) -> tf.Tensor:
+        """``out``, once round ``round_index`` counts as completed and, when ``collecting``, the
+        round's reduced ``statistics`` (a callable giving them) were added to the pending ones."""
+        with tf.control_dependencies([self.counters["step"].assign(round_index + 1)]):
+            out = tf.identity(out)
+        if collecting is None:
+            return out
+
+        def keep():
+            with tf.control_dependencies([self.pending.assign_add(statistics()), self.pending_count.assign_add(1)]):
+                return tf.constant(True)
+
+        kept = tf.cond(collecting, keep, lambda: tf.constant(False))
+        with tf.control_dependencies([kept]):
+            return tf.identity(out)
+
+    # ------------------------------------------------------------------ between steps (eager)
+    def read(self) -> RoundState:
+        """The :class:`RoundState` with the variables' levels and counters."""
+        st = self.state
+        st.quantizer.set_levels(self.levels.numpy())
+        st.refitted_first()
+        for key, var in self.counters.items():
+            setattr(st, key, int(var.numpy()))
+        return st
+
+    def state_dict(self) -> dict:
+        """:meth:`RoundState.state_dict` with the seed and the pending statistics, as Python values."""
+        return {"seed": int(self.seed.numpy()) & protocol.MASK64, **self.read().state_dict(),
+                "pending_statistics": self.pending.numpy(), "pending_count": int(self.pending_count.numpy())}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict` (validated by :meth:`RoundState.load_state_dict`)."""
+        pending = np.asarray(state.get("pending_statistics", np.zeros(self.stats_length)), dtype=np.float64)
+        if pending.shape != (self.stats_length,):
+            raise ValueError(f"pending_statistics has shape {pending.shape}, expected ({self.stats_length},)")
+        st = self.read()
+        st.load_state_dict(state)  # validates method, norm, bits, bucket size and levels
+        st.refitted_first()
+        self.levels.assign(st.quantizer.levels)
+        self.header_mask.assign(header_mask(st.quantizer.fingerprint))
+        for key, var in self.counters.items():
+            var.assign(getattr(st, key))
+        self.seed.assign(signed64(int(state["seed"])))
+        self.pending.assign(pending)
+        self.pending_count.assign(int(state.get("pending_count", 0)))
