@@ -46,8 +46,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from ..core.protocol import PREFIX, wait_for
+from ..core.protocol import PREFIX
 from ..exchange.reduce_scatter import NAME
+from .dist_transport import WATCHDOG, SettleOnce
 from .streamed import COMPRESSIBLE, StreamedState
 
 __all__ = ["ALQReduceScatter", "quantize_reduce_scatter"]
@@ -133,12 +134,15 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         if flat.dtype != torch.float32:
             flat = flat.float()
         future: torch.futures.Future = torch.futures.Future()
-        rnd.add(flat, flat.numel(), functools.partial(_complete, future, output_tensor, scale))
+        # the exchange settles the future, or the watchdog fails it after `timeout` (FSDP may wait
+        # for an async call's Work in C++, where no bounded wait of ours runs)
+        settle = SettleOnce(future, f"{PREFIX}.fsdp.{self.round_state.step - 1}.rs", stages[0].scope, self.timeout)
+        WATCHDOG.watch(settle)
+        rnd.add(flat, flat.numel(), functools.partial(_complete, settle, output_tensor, scale))
         if self._task < 0:  # a call outside a backward pass is a round of its own
             self._close()
         if async_op:
             return torch._C._distributed_c10d._create_work_from_future(future)
-        wait_for(future.done, self.timeout, f"{PREFIX}.fsdp.{self.round_state.step - 1}.rs", stages[0].scope)
         future.wait()
         return None
 
@@ -195,10 +199,12 @@ def _check(output: torch.Tensor, source: torch.Tensor, size: int) -> None:
         raise ValueError(f"{PREFIX}: the reduce-scatter output must be contiguous")
 
 
-def _complete(future: torch.futures.Future, output: torch.Tensor, scale: float, decoded, error) -> None:
+def _complete(settle: SettleOnce, output: torch.Tensor, scale: float, decoded, error) -> None:
     """A call's exchange finished: this rank's shard, scaled, into the output (or the error)."""
     if error is not None:
-        future.set_exception(error)
+        settle.set_exception(error)
+        return
+    if settle.settled:  # the watchdog failed it already: leave the output alone
         return
     try:
         lo, hi = decoded.start, decoded.start + decoded.length
@@ -207,9 +213,9 @@ def _complete(future: torch.futures.Future, output: torch.Tensor, scale: float, 
         else:
             output.view(-1).copy_(decoded.read(lo, hi, scale))
     except BaseException as exc:  # noqa: BLE001
-        future.set_exception(exc)
+        settle.set_exception(exc)
         return
-    future.set_result(None)
+    settle.set_result(None)
 
 
 def _done_work():

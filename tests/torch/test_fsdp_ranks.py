@@ -62,6 +62,17 @@ def test_unbiased_right_shard(ranks):
             assert u["rel_error"] < 1.0, (op, u)
 
 
+def test_rank_stopped_mid_backward_raises_on_every_waiting_rank(ranks):
+    """Issue 21: a rank that stops in the middle of a backward leaves the others waiting in our
+    reduce-scatter; they raise CollectiveTimeout naming it after the comm's timeout (3 s here)."""
+    *waiting, stopped = (r["stalled"] for r in ranks)
+    assert stopped["raised"] and "injected" in stopped["message"], stopped
+    for s in waiting:
+        assert s["raised"], s
+        assert "CollectiveTimeout" in s["message"] and "fsdp" in s["message"], s["message"]
+        assert s["timeout"] <= s["seconds"] < s["timeout"] + 30, s
+
+
 def test_wire_bytes(ranks):
     for r in ranks:
         _check_wire(r["wire"], r["size"])

@@ -240,6 +240,39 @@ def mismatch(rank: int) -> dict:
     return out
 
 
+def stalled(rank: int, size: int, timeout: float = 3.0) -> dict:
+    """The last rank raises in the middle of backward (a pre-backward hook on fc2, after fc3's
+    reduce-scatter went out) and stays alive: every other rank's reduce-scatter of fc2, our
+    collective, must raise after ``timeout`` (the watchdog), not wait for gloo's 30 minutes.
+    Parameters stay unsharded after forward, so backward issues no all-gather of FSDP's own (which
+    would wait unbounded). Run last: the abandoned collective stays in the mesh's group."""
+    import time
+
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (size,))
+    for layer in (model.fc1, model.fc2, model.fc3):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    quantize_reduce_scatter(model, comm_for("alq", timeout=timeout))
+    (x, y), (x2, y2) = batches(rank, 2)
+    F.cross_entropy(model(x), y).backward()  # a whole step first
+    if rank == size - 1:
+        def stop(module, grad_output):
+            raise RuntimeError("injected: this rank stops in the middle of backward")
+        model.fc2.register_full_backward_pre_hook(stop)
+    start = time.monotonic()
+    try:
+        F.cross_entropy(model(x2), y2).backward()
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        seconds = time.monotonic() - start
+        if rank == size - 1:
+            time.sleep(timeout + 3)  # alive, not calling, while the others wait
+        return {"raised": True, "message": f"{type(err).__name__}: {err}"[:2000], "seconds": seconds,
+                "timeout": timeout}
+    return {"raised": False, "seconds": time.monotonic() - start}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--methods", default="alq,amq,qsgdinf,terngrad")
@@ -252,6 +285,8 @@ def main() -> None:
     res = {"rank": rank, "size": size, "wire": wire(rank, size)}
     if args.only == "wire+hsdp":
         res["hsdp"] = hsdp(rank)
+    if args.only == "stalled":
+        res["stalled"] = stalled(rank, size)
     if not args.only:
         res["train"] = {m: training(rank, m, args.steps) for m in ["fsdp", *args.methods.split(",")]}
         res["unbiased"] = {op: unbiased(rank, size, op, reps=args.reps) for op in OPS}
@@ -259,6 +294,7 @@ def main() -> None:
         res["mixed"] = mixed_precision(rank)
         res["checkpoint"] = checkpoint(rank)
         res["mismatch"] = mismatch(rank)
+        res["stalled"] = stalled(rank, size)  # last: it leaves a collective behind
     report(res)
     # as in ddp_worker.py: PyTorch's gloo teardown sometimes aborts at interpreter exit ("terminate
     # called without an active exception"); leave without it once the results are written
