@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 .PHONY: install test demo demo-ddp demo-fsdp docs clean bench
 
 install:
-	bash scripts/install.sh
+	bash scripts/install/install.sh
 
 test: install
 	$(PY) -m pytest tests --durations=20 $(PYTEST_ARGS)
@@ -24,18 +24,18 @@ docs: install
 # ALQ at 3 bits and then with plain fp32 allreduce, side by side. DEMO_ARGS adds train.py options.
 DEMO_ARGS ?=
 demo: install
-	OMP_NUM_THREADS=1 $(MPIRUN) -np $(NP) $(PY) scripts/train.py --methods alq,none $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(MPIRUN) -np $(NP) $(PY) -m scripts.demo.train --methods alq,none $(DEMO_ARGS)
 
 # The same demo with PyTorch DistributedDataParallel (no Horovod): ALQ as the DDP communication
 # hook against DDP's own allreduce, $(NP) workers started by torchrun over gloo.
 demo-ddp: install
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NP) scripts/train.py --backend ddp \
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NP) -m scripts.demo.train --backend ddp \
 		--methods alq,none $(DEMO_ARGS)
 
 # The same demo with FSDP2 (fully_shard, no Horovod): ALQ as FSDP's gradient reduce-scatter against
 # FSDP's own float32 reduce-scatter, $(NP) workers started by torchrun over gloo.
 demo-fsdp: install
-	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NP) scripts/train.py --backend fsdp \
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NP) -m scripts.demo.train --backend fsdp \
 		--methods alq,none $(DEMO_ARGS)
 
 # Quick versions of the evidence in docs/results.md (variance, codec speed, one ResNet-50 step,
@@ -43,16 +43,16 @@ demo-fsdp: install
 # workers over 1 Gbit/s links; the last two need root), written to build/bench/. The 2 ranks and
 # their Horovod background threads share 2 cores: Open MPI must yield when idle, not spin.
 bench: install
-	$(PY) scripts/variance.py --quick --out-dir build/bench
-	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np 2 $(PY) scripts/bench_codec.py --quick \
+	$(PY) -m scripts.study.variance --quick --out-dir build/bench
+	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np 2 $(PY) -m scripts.bench.codec --quick \
 		--out build/bench/bench_codec.md
-	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np 2 $(PY) scripts/bench_step.py --quick \
+	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np 2 $(PY) -m scripts.bench.step --quick \
 		--out build/bench/bench_step.md
-	$(PY) scripts/run_accuracy.py --quick --out-dir build/bench
-	$(PY) scripts/run_accuracy_gpt.py --quick --out-dir build/bench
-	$(PY) scripts/variance_gpt.py --quick --out-dir build/bench
-	$(PY) scripts/bench_network.py --quick --out-dir build/bench
-	$(PY) scripts/bench_train_step.py --quick --out build/bench/bench_train_step.md
+	$(PY) -m scripts.study.run_accuracy --quick --out-dir build/bench
+	$(PY) -m scripts.study.run_accuracy_gpt --quick --out-dir build/bench
+	$(PY) -m scripts.study.variance_gpt --quick --out-dir build/bench
+	$(PY) -m scripts.bench.network --quick --out-dir build/bench
+	$(PY) -m scripts.bench.train_step --quick --out build/bench/bench_train_step.md
 
 # Removes the venv and build leftovers; the Horovod wheel cache (~/.cache/horovod-alq) stays.
 clean:

@@ -3,7 +3,7 @@ that write its outputs. Kept brief; the real runs are `make bench` and the comma
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -13,19 +13,17 @@ import pytest
 
 from multiproc import MPI_OPTIONS, RANK_ENV, _tool
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+ROOT = Path(__file__).resolve().parent.parent  # the scripts run as modules from here: python -m scripts.demo.train
 
 
 def load(name: str):
-    sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The script ``scripts.<name>`` ("study.variance")."""
+    return importlib.import_module(f"scripts.{name}")
 
 
-@pytest.mark.parametrize("name", ["variance", "run_accuracy", "bench_network", "bench_codec", "bench_train_step",
-                                  "bench_fsdp", "run_accuracy_gpt", "variance_gpt", "horovod_suite"])
+@pytest.mark.parametrize("name", ["study.variance", "study.run_accuracy", "bench.network", "bench.codec",
+                                  "bench.train_step", "bench.fsdp", "study.run_accuracy_gpt", "study.variance_gpt",
+                                  "study.horovod_suite"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
         load(name).main(["--help"])
@@ -34,9 +32,9 @@ def test_help(name, capsys):
 
 
 def test_horovod_suite_categories_and_report(tmp_path):
-    """scripts/horovod_suite.py without Horovod's test folder: the categories of per-rank records
+    """scripts/study/horovod_suite.py without Horovod's test folder: the categories of per-rank records
     and the report written from them."""
-    mod = load("horovod_suite")
+    mod = load("study.horovod_suite")
 
     def entry(*ranks, **extra):
         return {"ranks": dict(enumerate(ranks)), **extra}
@@ -59,7 +57,7 @@ def test_horovod_suite_categories_and_report(tmp_path):
     assert c("t::test_optimizer_process_sets", entry(op_min, op_min), base)[1] == "real"
     assert c("t::test_x", entry(precision, precision), {"outcome": "failed"})[1] == "baseline"
     assert c("t::test_x", entry(ok, {"outcome": "hang"}, interrupted="hang"), None) == ("hang", "hang")
-    run = {"framework": "torch", "command": "python scripts/horovod_suite.py", "date": "d", "wall_s": 1.0, "np": 2,
+    run = {"framework": "torch", "command": "python -m scripts.study.horovod_suite", "date": "d", "wall_s": 1.0, "np": 2,
            "launches": 1, "compressor": "ALQCompressor()", "scope_text": "s", "versions": {"horovod": "0.28.1"},
            "tests": {"t::test_a": {"category": "passed", "outcome": "passed", "error": "", "where": "", "ranks": {}},
                      "t::test_b": {"category": "refusal", "outcome": "failed", "error": "op=Min | x",
@@ -74,7 +72,7 @@ def test_horovod_suite_categories_and_report(tmp_path):
 
 
 def test_variance_quick(tmp_path):
-    assert load("variance").main(["--quick", "--out-dir", str(tmp_path)]) == 0
+    assert load("study.variance").main(["--quick", "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "data" / "variance.json").read_text())
     assert data["iterations"] == [0, 10, 20, 30]
     v = data["variance"]
@@ -97,7 +95,7 @@ def test_run_accuracy_aggregates(tmp_path):
             json.dumps({"args": {"seed": seed}, "results": results}))
         (raw / f"np4_b3_d8192_s{seed}_e4_alq.json").write_text(
             json.dumps({"args": {"seed": seed}, "results": [{"method": "alq", "bucket_size": 8192, "accuracy": acc - 0.1}]}))
-    mod = load("run_accuracy")
+    mod = load("study.run_accuracy")
     assert mod.main(["--aggregate-only", "--epochs", "4", "--raw-dir", str(raw), "--out-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "data" / "accuracy.json").read_text())["summary"]
     assert summary["alq@512"]["n"] == 2 and summary["alq@512"]["mean"] == pytest.approx(91.0)
@@ -119,10 +117,10 @@ def test_run_accuracy_aggregates(tmp_path):
 @pytest.mark.multiproc
 def test_bench_codec_two_ranks(tmp_path):
     out = tmp_path / "codec.md"
-    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, str(SCRIPTS / "bench_codec.py"),
+    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, "-m", "scripts.bench.codec",
            "--sizes", "64K", "--repeats", "1", "--warmup", "0", "--out", str(out)]
     env = {**__import__("os").environ, **RANK_ENV}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = out.read_text()
     for name in ("fp16", "ALQ 3b", "torch 8-bit quantization hook helpers"):
@@ -130,8 +128,8 @@ def test_bench_codec_two_ranks(tmp_path):
 
 
 def test_bench_gpu_help_and_no_device(capsys):
-    """scripts/bench_gpu.py needs a CUDA device; without one it says so (exit status 2)."""
-    mod = load("bench_gpu")
+    """scripts/bench/gpu.py needs a CUDA device; without one it says so (exit status 2)."""
+    mod = load("bench.gpu")
     with pytest.raises(SystemExit) as exc:
         mod.main(["--help"])
     assert exc.value.code == 0 and "--out" in capsys.readouterr().out
@@ -151,7 +149,7 @@ def test_run_accuracy_aggregates_several_bit_widths(tmp_path):
             json.dumps({"args": {"seed": seed}, "results": first}))
         (raw / f"np4_b3_d8192_s{seed}_e8_alq-linf.json").write_text(json.dumps(
             {"args": {"seed": seed}, "results": [{"method": "alq-linf", "bucket_size": 8192, "accuracy": 0.93}]}))
-    mod = load("run_accuracy")
+    mod = load("study.run_accuracy")
     assert [j["methods"] for j in mod.launches(mod.parse_args(["--bits", "2,3", "--buckets", "8192", "--seeds", "0",
                                                                 "--methods", "alq-linf,terngrad",
                                                                 "--baselines", "none"]))] == [
@@ -170,8 +168,7 @@ def test_exchange_suffixes():
     """-ag / -2p choose the exchange (train.py and train_tf.py); unknown names are refused."""
     import argparse
 
-    sys.path.insert(0, str(SCRIPTS))
-    import demo_common as dc
+    import scripts.common.demo as dc
 
     assert dc.split_exchange("alq-2p") == ("alq", "two-phase")
     assert dc.split_exchange("amq-linf-ag") == ("amq-linf", "allgather")
@@ -197,7 +194,7 @@ def test_run_accuracy_aggregates_two_phase(tmp_path):
                    {"method": "none", "bucket_size": None, "accuracy": acc + 0.01}]
         (raw / f"np4_b3_d8192_s{seed}_e8_alq-ag-alq-2p-none.json").write_text(
             json.dumps({"args": {"seed": seed}, "results": results}))
-    mod = load("run_accuracy")
+    mod = load("study.run_accuracy")
     assert [j["methods"] for j in mod.launches(mod.parse_args(["--buckets", "8192", "--seeds", "0",
                                                                 "--methods", "alq-ag,alq-2p",
                                                                 "--baselines", "none"]))] == [
@@ -215,10 +212,10 @@ def test_run_accuracy_aggregates_two_phase(tmp_path):
 def test_train_exchange_two_ranks(tmp_path):
     """train.py with alq-ag and alq-2p: each trains with the exchange it names (1 epoch, 2 ranks)."""
     out = tmp_path / "train.json"
-    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, str(SCRIPTS / "train.py"),
+    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, "-m", "scripts.demo.train",
            "--methods", "alq-ag,alq-2p", "--epochs", "1", "--quiet", "--json", str(out)]
     env = {**__import__("os").environ, **RANK_ENV}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
     assert [(r["method"], r["exchange"]) for r in results] == [("alq-ag", "allgather"), ("alq-2p", "two-phase")]
@@ -229,7 +226,7 @@ def test_train_exchange_two_ranks(tmp_path):
 def test_gpt_accuracy_quick(tmp_path):
     """run_accuracy_gpt.py --quick: one 2-rank launch of train_gpt.py (ALQ through Horovod, fp32,
     PowerSGD at the rank matched to 3-bit ALQ's bytes through DDP in the same processes)."""
-    mod = load("run_accuracy_gpt")
+    mod = load("study.run_accuracy_gpt")
     assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "data" / "accuracy_gpt.json").read_text())["summary"]
     pairs = summary.pop("pairs")
@@ -243,7 +240,7 @@ def test_gpt_accuracy_quick(tmp_path):
     assert summary["none"]["bits_per_coordinate"] == 32.0
     assert 3.0 < summary["alq@3"]["bits_per_coordinate"] < 3.6  # 3 bits, norms, uncompressed biases
     # the matched PowerSGD rank's own counters agree with the byte arithmetic that chose it
-    train_gpt, gpt = load("train_gpt"), load("gpt")
+    train_gpt, gpt = load("demo.train_gpt"), load("common.gpt")
     model = gpt.GPT(103, 128, 4, 4, 64)
     r = summary["psgd-match"]["powersgd_rank"]
     params = sum(p.numel() for p in model.parameters())
@@ -257,7 +254,7 @@ def test_gpt_accuracy_quick(tmp_path):
 
 
 def test_variance_gpt_quick(tmp_path):
-    mod = load("variance_gpt")
+    mod = load("study.variance_gpt")
     assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "data" / "variance_gpt.json").read_text())
     assert data["iterations"] == [0, 20]
@@ -277,7 +274,7 @@ def test_variance_gpt_quick(tmp_path):
 
 
 def test_gpt_corpus_split_is_deterministic_and_round_trips():
-    gpt = load("gpt")
+    gpt = load("common.gpt")
     train, val, chars = gpt.char_splits()
     again = gpt.char_splits()
     assert train.equal(again[0]) and val.equal(again[1]) and chars == again[2]

@@ -9,7 +9,7 @@ Norm-less methods (ALQ-N, AMQ-N) use four moments and the paper's single truncat
 Norm-based methods (ALQ, AMQ) use the norm-weighted mixture of the buckets' *empirical*
 distributions, as a CDF on :data:`GRID`: the paper models each bucket as a truncated normal, but
 real gradients are heavy-tailed and that model makes ALQ put all its levels in the bulk (on the
-MNIST CNN of scripts/train.py it multiplied the true quantization variance by up to 8 and cost 20
+MNIST CNN of scripts/demo/train.py it multiplied the true quantization variance by up to 8 and cost 20
 points of accuracy; ``docs/statistics.md``). The empirical CDF is as cheap and just as additive.
 """
 

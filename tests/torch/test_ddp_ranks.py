@@ -139,7 +139,7 @@ def test_rank_stopped_mid_step_raises_on_every_waiting_rank(ranks, step):
 
 
 def test_train_script_ddp_backend(tmp_path):
-    """scripts/train.py --backend ddp (what `make demo-ddp` runs), one short epoch on 2 ranks."""
+    """scripts/demo/train.py --backend ddp (what `make demo-ddp` runs), one short epoch on 2 ranks."""
     import json
     import os
     import signal
@@ -149,12 +149,12 @@ def test_train_script_ddp_backend(tmp_path):
 
     from multiproc import RANK_ENV, launch_command
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "r.json"
-    cmd = [*launch_command("torchrun", 2), sys.executable, str(script), "--backend", "ddp", "--methods",
-           "alq,fp16,none", "--epochs", "1", "--quiet", "--json", str(out)]
+    cmd = [*launch_command("torchrun", 2), sys.executable, "-m", "scripts.demo.train", "--backend", "ddp",
+           "--methods", "alq,fp16,none", "--epochs", "1", "--quiet", "--json", str(out)]
     env = {**os.environ, **RANK_ENV}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=300)

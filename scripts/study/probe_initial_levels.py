@@ -5,7 +5,7 @@ The adaptive methods start from levels fitted to Gaussian buckets, N(0, sigma^2)
 [-1, 1]. For max-abs buckets the product uses sigma = 1 / m, m the median max-abs of d standard
 normals (``horovod_alq.core.quantizer.gaussian_sigma``). This script compares that choice with two
 others, the L2 start and levels fitted to the data itself (the best any start can do), on the CNN's
-first gradient (scripts/train.py's model, seed 0, batch 32: what the compressors encode at step 0)
+first gradient (scripts/demo/train.py's model, seed 0, batch 32: what the compressors encode at step 0)
 and on synthetic Gaussian and Student-t(3) data:
 
     gauss-median  sigma = 1 / median max-abs of d normals (the product's choice)
@@ -14,7 +14,7 @@ and on synthetic Gaussian and Student-t(3) data:
     l2-start      the product's start with L2 buckets (norm="l2")
     fitted        max-abs buckets, levels fitted to the data's own statistics
 
-    python scripts/probe_initial_levels.py --out docs/initial_levels.md
+    python -m scripts.study.probe_initial_levels --out docs/initial_levels.md
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_models import normalized_variance  # noqa: E402
-
-from horovod_alq.core import Quantizer  # noqa: E402
-from horovod_alq.core.distributions import TruncatedNormal  # noqa: E402
-from horovod_alq.core.quantizer import gaussian_sigma  # noqa: E402
+from horovod_alq.core import Quantizer
+from horovod_alq.core.distributions import TruncatedNormal
+from horovod_alq.core.quantizer import gaussian_sigma
+from scripts.study.compare_models import normalized_variance
 
 CHOICES = ["gauss-median", "1/sqrt(d)", "geo-mean", "l2-start", "fitted"]
 
@@ -38,7 +36,7 @@ CHOICES = ["gauss-median", "1/sqrt(d)", "geo-mean", "l2-start", "fitted"]
 def first_gradient(seed: int = 0) -> np.ndarray:
     import torch
     import torch.nn.functional as F
-    from train import Net, load_digits
+    from scripts.common.cnn import Net, load_digits
 
     torch.manual_seed(seed)
     tx, ty, _, _ = load_digits(seed)
@@ -76,7 +74,7 @@ def main(argv=None) -> int:
     else:
         datas.update({"Gaussian": rng.standard_normal(1 << 18), "Student-t(3)": rng.standard_t(3, 1 << 18)})
     lines = ["Exact normalized variance with the starting levels (no refit yet); max-abs buckets except "
-             "l2-start. Command: `python scripts/probe_initial_levels.py" + (" --quick" if args.quick else "")
+             "l2-start. Command: `python -m scripts.study.probe_initial_levels" + (" --quick" if args.quick else "")
              + (f" --out {args.out}`" if args.out else "`"), "",
              "| data | method | bits | d | " + " | ".join(CHOICES) + " |", "|---|---|---|---|" + "---|" * len(CHOICES)]
     for name, x in datas.items():

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""Accuracy on a transformer: the held-out loss of the character-level GPT (scripts/gpt.py,
-scripts/train_gpt.py) after a fixed token budget, for every exchange over several seeds, each launch
-a real 4-worker job (``mpirun -np 4 ... train_gpt.py --json``); a Markdown table of the final
+"""Accuracy on a transformer: the held-out loss of the character-level GPT (scripts/common/gpt.py,
+scripts/demo/train_gpt.py) after a fixed token budget, for every exchange over several seeds, each launch
+a real 4-worker job (``mpirun -np 4 ... -m scripts.demo.train_gpt --json``); a Markdown table of the final
 evaluation loss (nats and bits per character), the same-seed differences to fp32 and to QSGDinf at
 the same bit width (mean and standard error over seeds), the bits per coordinate each method sent,
 and a plot of the learning curves.
 
-    python scripts/run_accuracy_gpt.py --out-dir docs                 # the core grid, 5 seeds
-    python scripts/run_accuracy_gpt.py --grid wide --seeds 0,1 --out-dir docs   # the wider grid
-    python scripts/run_accuracy_gpt.py --quick --out-dir /tmp/g       # 2 ranks, 1 seed, 20 steps
+    python -m scripts.study.run_accuracy_gpt --out-dir docs                 # the core grid, 5 seeds
+    python -m scripts.study.run_accuracy_gpt --grid wide --seeds 0,1 --out-dir docs   # the wider grid
+    python -m scripts.study.run_accuracy_gpt --quick --out-dir /tmp/g       # 2 ranks, 1 seed, 20 steps
 
 Every launch writes its JSON under <out-dir>/accuracy_gpt_raw; a launch whose JSON exists is
 skipped (an interrupted sweep resumes), and ``--aggregate-only`` rebuilds the outputs from what
@@ -27,10 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-from run_accuracy import MPI_OPTIONS, RANK_ENV, _stats, finish_paired_plot  # scripts/ is on sys.path when this runs as a script
+from scripts.study.run_accuracy import MPI_OPTIONS, RANK_ENV, _stats, finish_paired_plot
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAIN = ROOT / "scripts" / "train_gpt.py"
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = "scripts.demo.train_gpt"  # run with python -m from ROOT
 # Each grid is a list of launches per seed; a launch runs its methods in turn in one mpirun job.
 # At 2 bits ALQ and AMQ nearly coincide (levels -1, -a, b, 1 against -1, -p, p, 1, fitted to the same
 # objective: a, b and p agree to about 1%), so the core grid runs ALQ only there.
@@ -89,7 +89,7 @@ def run_launch(job: dict, args, raw_dir: Path) -> None:
         print(f"[skip] {path.name} exists", flush=True)
         return
     part = Path(str(path) + ".part")
-    cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), sys.executable, str(TRAIN),
+    cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), sys.executable, "-m", TRAIN,
            "--methods", ",".join(job["methods"]), "--seed", str(job["seed"]), "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--bucket-size", str(args.bucket_size), "--json", str(part),
            *shlex.split(args.extra)]
@@ -205,8 +205,8 @@ def preamble(args, rows: dict) -> str:
     a = first["args"]
     params = next(iter(next(iter(rows.values())).values()))["params"]
     return (f"# Held-out loss of a character-level GPT, every exchange\n\n"
-            f"Command: `python scripts/run_accuracy_gpt.py` (grids and seeds as listed per row; "
-            f"{time.strftime('%Y-%m-%d')}). GPT of scripts/gpt.py: {a['layers']} blocks of width {a['width']}, "
+            f"Command: `python -m scripts.study.run_accuracy_gpt` (grids and seeds as listed per row; "
+            f"{time.strftime('%Y-%m-%d')}). GPT of scripts/common/gpt.py: {a['layers']} blocks of width {a['width']}, "
             f"{a['heads']} heads, context {a['context']}, {params:,} parameters, on Python's pydoc text "
             f"(90% train, the last 10% held out); {args.np} workers, {args.steps} AdamW steps (peak lr {a['lr']}, "
             f"{a['warmup']} warm-up, cosine to 10%), {args.batch_size} x {a['context']} characters per worker and "

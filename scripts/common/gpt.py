@@ -1,7 +1,7 @@
 """A small GPT (decoder-only transformer) and a character-level corpus: the English text that ships
 with Python (``pydoc_data.topics``, about 465k characters, 103 distinct).
 
-    from gpt import GPT, char_splits, sample_batch
+    from scripts.common.gpt import GPT, char_splits, sample_batch
 
     train, val, chars = char_splits()                  # 1-D int64 tensors of character ids
     model = GPT(len(chars), width=192, layers=4, heads=4, context=128)
@@ -13,6 +13,8 @@ Each transformer block is one element of ``model.blocks`` (an ``nn.ModuleList``)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -109,3 +111,12 @@ def sample_batch(data: torch.Tensor, batch_size: int, context: int,
 def decode(ids, chars: list[str]) -> str:
     """Characters of the indices ``ids``."""
     return "".join(chars[int(i)] for i in ids)
+
+
+def lr_at(step: int, args) -> float:
+    """The training schedule: linear warm-up over ``args.warmup`` steps to ``args.lr``, then cosine
+    decay to 10% of it at ``args.steps``."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))

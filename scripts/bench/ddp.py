@@ -3,10 +3,10 @@
 DistributedDataParallel's own allreduce, its fp16_compress_hook and its 8-bit quantization hook,
 side by side in the same processes (2 gloo ranks on CPU). Run with torchrun:
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench_ddp.py --out docs/bench_ddp.md
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/bench_ddp.py --quick
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench.ddp --out docs/bench_ddp.md
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench.ddp --quick
 
-The model: the 161 parameters of torchvision's resnet50 (the shapes of scripts/bench_step.py's
+The model: the 161 parameters of torchvision's resnet50 (the shapes of scripts/bench/step.py's
 ``resnet50_shapes``; 25,557,032 elements), each rank with its own random "gradients" (normal, a
 different scale per tensor): the forward is ``sum_p <p, g_p>``, so the backward hands DDP exactly
 ``g_p``, in buckets of DDP's default 25 MB. One model per row, all wrapped in DDP; the rows run
@@ -43,12 +43,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, quantization_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_step import numel, resnet50_shapes  # noqa: E402  (the same 161 shapes)
-
-from horovod_alq.torch.ddp import ALQState, alq_hook  # noqa: E402
+from horovod_alq.torch.ddp import ALQState, alq_hook
+from scripts.bench.step import numel, resnet50_shapes  # the same 161 shapes
 
 
 class Shaped(torch.nn.Module):
@@ -191,7 +187,7 @@ def main(argv=None) -> int:
         header = [
             "# DDP communication hooks: one ResNet-50-shaped step",
             "",
-            f"Command: `OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {size} scripts/bench_ddp.py"
+            f"Command: `OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {size} -m scripts.bench.ddp"
             + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])) + "`",
             "",
             f"Date: {datetime.date.today().isoformat()}; {size} gloo ranks on one host "

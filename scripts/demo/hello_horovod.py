@@ -3,11 +3,10 @@
 
 Run it on several processes, e.g.:
 
-    mpirun --allow-run-as-root --oversubscribe -np 2 .venv/bin/python scripts/hello_horovod.py
-    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python scripts/hello_horovod.py
+    mpirun --allow-run-as-root --oversubscribe -np 2 .venv/bin/python -m scripts.demo.hello_horovod
+    .venv/bin/horovodrun --gloo -np 2 -H localhost:2 .venv/bin/python -m scripts.demo.hello_horovod
 
-`make demo` runs the first. (The real demo, training with the adaptive compressors, arrives with
-the PyTorch compressor.) Exits 1 on any rank whose result is wrong.
+Exits 1 on any rank whose result is wrong.
 """
 
 from __future__ import annotations

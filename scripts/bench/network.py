@@ -4,8 +4,8 @@ its own network namespace, linked through a bridge with tc-shaped veths, time pe
 (fp32), fp16, QSGDinf and ALQ (allgather and two-phase exchange), as ratios to none and to fp16.
 Needs root (ip netns, tc).
 
-    python scripts/bench_network.py --out-dir docs                 # unshaped, 1gbit, 100mbit
-    python scripts/bench_network.py --quick --out-dir /tmp/net     # small model, 1 rate, 2 steps
+    python -m scripts.bench.network --out-dir docs                 # unshaped, 1gbit, 100mbit
+    python -m scripts.bench.network --quick --out-dir /tmp/net     # small model, 1 rate, 2 steps
 
 Topology (created by this script, torn down at the end, also on failure, Ctrl-C or SIGTERM):
 
@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "alqnet"
 SUBNET = "10.213.0"
 N_WORKERS = 4
@@ -246,7 +246,7 @@ def launch(full: list[str], log: Path, timeout: float) -> int:
 def run_workers(args, tmp: Path, rate_label: str) -> dict:
     out = tmp / f"result_{rate_label}.json"
     full = mpirun_command(tmp, args.yield_when_idle) + [
-            sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+            sys.executable, "-m", "scripts.bench.network", "--worker", "--worker-out", str(out),
             "--methods", args.methods, "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
             "--bits", str(args.bits), "--bucket-size", str(args.bucket_size),
             "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -273,7 +273,7 @@ def wire_bits(method: str, bits: int, bucket: int, n: int) -> float:
 def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
     rates = list(runs)
     params = next(iter(next(iter(runs.values()))["results"].values()))["params"]
-    lines = [f"Command: `python scripts/bench_network.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
+    lines = [f"Command: `python -m scripts.bench.network {' '.join(argv if argv is not None else sys.argv[1:])}` "
              f"({wall:.0f} s in all).", "",
              f"{N_WORKERS} workers in network namespaces, MLP 784-{args.hidden}-{args.hidden}-10 "
              f"({params / 1e6:.1f}M parameters), "
@@ -404,7 +404,7 @@ def main(argv=None) -> int:
     N_WORKERS = args.workers
     if args.quick:
         args.rates, args.hidden, args.steps, args.warmup = "1gbit", 512, 2, 1
-    status = preflight("bench_network.py", args.teardown_only)
+    status = preflight("scripts.bench.network", args.teardown_only)
     if status is not None:
         return status
     out_dir = Path(args.out_dir)

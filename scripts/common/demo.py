@@ -1,5 +1,5 @@
-"""What scripts/train.py (PyTorch) and scripts/train_tf.py (TensorFlow) share: the command line,
-the bundled digits, the compressor for a method name, the per-method result and the summary table.
+"""What scripts/demo/train.py (PyTorch) and train_tf.py (TensorFlow) share: the command line, the
+bundled digits, the compressor for a method name, the per-method result and the summary table.
 Framework-free: each script passes in its own ``hvd`` and ``horovod_alq`` framework module.
 """
 

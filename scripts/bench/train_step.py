@@ -4,13 +4,13 @@ exchange, optimizer step) of a ResNet-18-shaped CNN computed on CPU, with Horovo
 PyTorch DDP, on 4 and 8 workers in network namespaces with tc-shaped links (unshaped, 1 Gbit/s,
 100 Mbit/s). Needs root (ip netns, tc), except --local and --help.
 
-    python scripts/bench_train_step.py                                # 4,8 workers x unshaped,1gbit,100mbit
-    python scripts/bench_train_step.py --quick                        # width 0.25, 4 workers, 1gbit, 5 steps
-    python scripts/bench_train_step.py --local --workers 2 --quick    # no namespaces, loopback, no root
+    python -m scripts.bench.train_step                                # 4,8 workers x unshaped,1gbit,100mbit
+    python -m scripts.bench.train_step --quick                        # width 0.25, 4 workers, 1gbit, 5 steps
+    python -m scripts.bench.train_step --local --workers 2 --quick    # no namespaces, loopback, no root
 
 The namespaces, links, shaping and the mpirun launch (a hostfile of worker addresses and an rsh
 agent that runs Open MPI's orted in each worker's namespace; Open MPI's traffic restricted to the
-shaped links) are scripts/bench_network.py's, imported from it; see its docstring. Every rank
+shaped links) are scripts/bench/network.py's, imported from it; see its docstring. Every rank
 also joins a torch.distributed gloo group (rendezvous at rank 0's address on --gloo-ifname,
 ``eth0`` in the namespaces, sent to the other ranks with Horovod), so Horovod's and DDP's
 traffic both cross the shaped veths, from the same processes. The full run (6 tables of the
@@ -70,10 +70,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_network as net  # noqa: E402  (namespaces, tc, mpirun agent)
+import scripts.bench.network as net  # namespaces, tc, mpirun agent
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = ["local", "hvd-fp32", "hvd-fp16", "hvd-alq", "hvd-alq-f4", "hvd-alq-ag", "hvd-alq-2p",
         "ddp-fp32", "ddp-fp16", "ddp-psgd2", "ddp-psgd8", "ddp-alq"]
 LABELS = {"local": "fwd+bwd+SGD alone (no exchange)",
@@ -305,7 +304,7 @@ def worker(args) -> int:
 # ---------------------------------------------------------------------------------------- driver
 def worker_args(args, out: Path, ifname: str) -> list[str]:
     extra = [] if args.ddp_bucket_mb is None else ["--ddp-bucket-mb", str(args.ddp_bucket_mb)]
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+    return [sys.executable, "-m", "scripts.bench.train_step", "--worker", "--worker-out", str(out),
             "--gloo-ifname", ifname, "--rows", args.rows, "--width", str(args.width),
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--powersgd-fix", args.powersgd_fix, "--gloo-timeout", str(args.gloo_timeout),
@@ -403,13 +402,13 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
     return lines
 
 
-def report_head(title: str, script: str, argv, runs: list[dict], wall: float, versions: str,
+def report_head(title: str, module: str, argv, runs: list[dict], wall: float, versions: str,
                 threads: str, fewer_ranks: str = "", load: str = "") -> list[str]:
-    """A report's title, command, date and machine lines (this script's and bench_fsdp.py's):
+    """A report's title, command, date and machine lines (this script's and scripts.bench.fsdp's):
     ``versions`` follows the date, ``threads`` names the threads that share the cores,
     ``fewer_ranks`` qualifies a run with no more ranks than cores, ``load`` ends the machine line."""
     first, cores = runs[0]["run"], os.cpu_count()
-    cmd = f"python scripts/{script}" + "".join(f" {shlex.quote(a)}" for a in
+    cmd = f"python -m {module}" + "".join(f" {shlex.quote(a)}" for a in
                                                (argv if argv is not None else sys.argv[1:]))
     workers = sorted({r["workers"] for r in runs})
     return [title, "",
@@ -433,7 +432,7 @@ def rate_heading(r: dict) -> str:
 def report(args, argv, runs: list[dict], wall: float) -> str:
     first = runs[0]["run"]
     lines = report_head("# Full training step (forward + backward + exchange + SGD): ResNet-18-shaped CNN on "
-                        "CPU, Horovod and DDP", "bench_train_step.py", argv, runs, wall,
+                        "CPU, Horovod and DDP", "scripts.bench.train_step", argv, runs, wall,
                         f"Horovod {first['horovod']}, Python {platform.python_version()}",
                         "Horovod, Open MPI and gloo threads", fewer_ranks=" (one core per rank at most)")
     lines += [f"Model: ResNet-18 (CIFAR form) at width {args.width}, {first['params']:,} parameters in "
@@ -494,7 +493,7 @@ def main(argv=None) -> int:
                                  "with --quick build/bench/bench_train_step.md")
     p.add_argument("--timeout", type=float, help="seconds per mpirun; default 3600 (--quick: 600)")
     p.add_argument("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
-    p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of bench_network.py")
+    p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of scripts.bench.network")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--gloo-ifname", default="eth0", help=argparse.SUPPRESS)
@@ -518,7 +517,7 @@ def main(argv=None) -> int:
     if not args.skip_memory_check and not args.teardown_only:
         problem = memory_check(args, workers)
         if problem:
-            print(f"bench_train_step.py: {problem}", file=sys.stderr)
+            print(f"scripts.bench.train_step: {problem}", file=sys.stderr)
             return 2
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -526,7 +525,7 @@ def main(argv=None) -> int:
     if args.local:
         runs = sweep_local(args, workers, "alqtrain-", run_local)
     else:
-        status = net.preflight("bench_train_step.py", args.teardown_only, "; --local runs without")
+        status = net.preflight("scripts.bench.train_step", args.teardown_only, "; --local runs without")
         if status is not None:
             return status
         runs = sweep_netns(args, workers, "alqtrain-", run_netns)
@@ -542,7 +541,7 @@ def sweep_local(args, workers: list[int], prefix: str, run) -> list[dict]:
 
 def sweep_netns(args, workers: list[int], prefix: str, run) -> list[dict]:
     """``run(args, tmp, n, rate)`` for every rate of ``args.rates`` (the links shaped, their TCP
-    throughput measured) and worker count, in the namespaces of bench_network.py, removed at the end."""
+    throughput measured) and worker count, in the namespaces of scripts.bench.network, removed at the end."""
     runs = []
     try:
         with tempfile.TemporaryDirectory(prefix=prefix) as tmp:

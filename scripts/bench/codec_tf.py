@@ -2,7 +2,7 @@
 """Time compress + exchange + decompress of one large gradient per TensorFlow compressor, side by
 side in the same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
 
-    mpirun -np 2 python scripts/bench_codec_tf.py --out docs/bench_codec_tf.md
+    mpirun -np 2 python -m scripts.bench.codec_tf --out docs/bench_codec_tf.md
 
 Each measurement is one call of a tf.function around ``hvd.allreduce(tensor, compression=c)``
 (traced once before timing; this is how hvd.DistributedGradientTape runs it), median of --repeats
@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from bench_common import parse_size, ratio_rows, timing_table, write_report
+from scripts.common.bench import parse_size, ratio_rows, timing_table, write_report
 
 
 def compressors(hvd, bits: int, bucket: int, extra_rows: bool) -> dict:
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "default")
         command = " ".join(argv if argv is not None else sys.argv[1:])
         lines = ["# TensorFlow codec speed: compress + exchange + decompress", "",
-                 f"Command: `mpirun -np {hvd.size()} python scripts/bench_codec_tf.py {command}`", "",
+                 f"Command: `mpirun -np {hvd.size()} python -m scripts.bench.codec_tf {command}`", "",
                  (f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, TensorFlow {tf.__version__} "
                   f"(CPU, intra-op threads: {threads}), {hvd.size()} ranks on one host (shared memory). "
                   f"Bucket size {args.bucket_size}. Each call is a tf.function around hvd.allreduce, "

@@ -2,8 +2,8 @@
 """Time compress + exchange + decompress of one large gradient per compressor, side by side in the
 same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
 
-    mpirun -np 2 python scripts/bench_codec.py --sizes 16M --out docs/bench_codec.md
-    mpirun -np 2 python scripts/bench_codec.py --quick
+    mpirun -np 2 python -m scripts.bench.codec --sizes 16M --out docs/bench_codec.md
+    mpirun -np 2 python -m scripts.bench.codec --quick
 
 Besides Horovod's none and fp16 and this package's compressors, it times torch's own 8-bit
 quantization from torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks, run the way
@@ -31,7 +31,7 @@ import time
 import torch
 
 import horovod.torch as hvd
-from bench_common import parse_size, ratio_rows, timing_table, write_report
+from scripts.common.bench import parse_size, ratio_rows, timing_table, write_report
 
 
 def compressors(bits: int, bucket: int):
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     adapt = adaptation_ms(args.bits, args.bucket_size)
     if hvd.rank() == 0:
         lines = ["# Codec speed: compress + exchange + decompress", "",
-                 f"Command: `mpirun -np {hvd.size()} python scripts/bench_codec.py "
+                 f"Command: `mpirun -np {hvd.size()} python -m scripts.bench.codec "
                  f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
                  f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads per rank, "
                  f"{hvd.size()} ranks on one host (shared memory), CPU. {cpu_build.status()}. "

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Which distribution should ALQ and AMQ adapt to? The paper's norm-weighted mixture of per-bucket
 truncated normals, or the norm-weighted mixture of the buckets' empirical distributions (what this
-package uses)? Fits both on real gradients of the MNIST CNN of scripts/train.py (one process, plain
+package uses)? Fits both on real gradients of the MNIST CNN of scripts/demo/train.py (one process, plain
 SGD) and reports the true normalized variance E||Q(g) - g||^2 / ||g||^2 of each fit, computed
 exactly from the levels and the gradient (no sampling).
 
-    python scripts/compare_models.py --out docs/statistics.md
+    python -m scripts.study.compare_models --out docs/statistics.md
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import Net, load_digits  # noqa: E402
-
-from horovod_alq.core.adaptation import fit_alq_levels, fit_amq_multiplier  # noqa: E402
-from horovod_alq.core.distributions import NormWeightedMixture  # noqa: E402
-from horovod_alq.core.methods import multiplier_levels, uniform_levels  # noqa: E402
-from horovod_alq.core.statistics import (  # noqa: E402
+from horovod_alq.core.adaptation import fit_alq_levels, fit_amq_multiplier
+from horovod_alq.core.distributions import NormWeightedMixture
+from horovod_alq.core.methods import multiplier_levels, uniform_levels
+from horovod_alq.core.statistics import (
     SIGMA_FLOOR, distribution_from_statistics, grid_statistics, moments_of, normalize)
+from scripts.common.cnn import Net, load_digits
 
 
 def normalized_variance(levels: np.ndarray, g: np.ndarray, bucket: int, norm: str = "l2") -> float:
@@ -83,9 +81,10 @@ def main(argv=None) -> int:
         opt.step()
     cols = list(table)
     lines = ["# Adapting to a model of the gradients, or to the gradients themselves", "",
-             f"Command: `python scripts/compare_models.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+             f"Command: `python -m scripts.study.compare_models "
+             f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"True normalized variance E||Q(g) - g||^2 / ||g||^2 (exact, {args.bits} bits) of the whole "
-             "gradient of the MNIST CNN in scripts/train.py, at SGD step s, bucket size d. Lower is better.", "",
+             "gradient of the MNIST CNN in scripts/demo/train.py, at SGD step s, bucket size d. Lower is better.", "",
              "| levels fitted to | " + " | ".join(f"s={s}, d={d}" for s, d in cols) + " |",
              "|---|" + "---|" * len(cols)]
     for name in table[cols[0]]:

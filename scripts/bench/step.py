@@ -2,9 +2,9 @@
 """Time one optimizer step's gradient exchange of a ResNet-50-shaped model, per compressor, side by
 side in the same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
 
-    OMP_NUM_THREADS=1 mpirun -np 2 python scripts/bench_step.py --out docs/bench_step.md
-    OMP_NUM_THREADS=1 mpirun -np 2 python scripts/bench_step.py --quick
-    OMP_NUM_THREADS=1 mpirun -np 2 python scripts/bench_step.py --profile alq --profile-out /tmp/alq.prof
+    OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --out docs/bench_step.md
+    OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --quick
+    OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --profile alq --profile-out /tmp/alq.prof
 
 On a host with fewer cores than busy threads (2 ranks, each a main thread and Horovod's background
 thread, on 2 cores) pass ``--mca mpi_yield_when_idle 1`` to mpirun: else a background thread
@@ -253,7 +253,7 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
     lines = [
         "# One optimizer step's gradient exchange, ResNet-50 shapes", "",
         f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} mpirun -np {hvd.size()} "
-        f"python scripts/bench_step.py{' ' + cmd if cmd else ''}`",
+        f"python -m scripts.bench.step{' ' + cmd if cmd else ''}`",
         f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} (local time of the run), {wall:.0f} s wall.", "",
         f"Model: ResNet-50 parameter shapes (width x{args.width:g}): {len(shapes)} tensors, {n_all:,} elements, "
         f"{len(big)} tensors of >= 1,024 elements holding {sum(map(numel, big)):,} (compressed by ALQ; the "

@@ -4,11 +4,11 @@ Usage::
 
     # upstream's tests are not in the PyPI sdist: take them from Horovod's repository, tag v0.28.1
     git clone --depth 1 --branch v0.28.1 https://github.com/horovod/horovod /tmp/horovod
-    python scripts/horovod_suite.py --horovod-test-dir /tmp/horovod/test --framework torch
-    python scripts/horovod_suite.py --horovod-test-dir /tmp/horovod/test --framework tensorflow
+    python -m scripts.study.horovod_suite --horovod-test-dir /tmp/horovod/test --framework torch
+    python -m scripts.study.horovod_suite --horovod-test-dir /tmp/horovod/test --framework tensorflow
 
 Runs ``test/parallel/test_torch.py`` (or ``test_tensorflow.py``) under ``mpirun -np 2`` with this
-file loaded into pytest as a plugin (``-p horovod_suite``) on every rank. The plugin wraps every
+file loaded into pytest as a plugin (``-p scripts.study.horovod_suite``) on every rank. The plugin wraps every
 Horovod call that takes a ``compression=`` argument (torch: ``allreduce``, ``grouped_allreduce``,
 ``reducescatter``, ``grouped_reducescatter``, ``DistributedOptimizer``; TensorFlow: the same plus
 ``DistributedGradientTape``, ``PartialDistributedGradientTape``); where the argument is missing or ``Compression.none`` it becomes
@@ -60,8 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTES_MARK = "<!-- notes -->"
 
 MPI_OPTIONS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
@@ -449,9 +448,9 @@ def _launch(args, test_file: Path, out: Path, skip_file: Path, inject: bool, key
            "HOROVOD_SUITE_SCOPE": args.scope,
            "HOROVOD_SUITE_INTERNAL": "1" if args.internal else "0",
            "HOROVOD_SUITE_TF_EAGER": "1" if args.tf_eager_only else "0", "HOROVOD_ALQ_TIMEOUT": str(args.alq_timeout),
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), args.python, "-m", "pytest", "-p", "horovod_suite",
-           "-q", "-rN", "--no-header", "-p", "no:cacheprovider", *(selection or [test_file.name])]
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), args.python, "-m", "pytest",
+           "-p", "scripts.study.horovod_suite", "-q", "-rN", "--no-header", "-p", "no:cacheprovider", *(selection or [test_file.name])]
     if keyword:
         cmd += ["-k", keyword]
     print(f"[launch] {'with' if inject else 'WITHOUT'} the compressor: {shlex.join(cmd)}", file=log, flush=True)
@@ -647,7 +646,7 @@ def write_report(results_dir: Path, out: Path) -> None:
     if out.exists() and NOTES_MARK in out.read_text():
         notes = out.read_text().split(NOTES_MARK, 1)[1]
     lines = ["# Horovod's own test suite with ALQ injected as every compression", "",
-             "Written by `scripts/horovod_suite.py` (its docstring has the method). Upstream's tests are not "
+             "Written by `scripts/study/horovod_suite.py` (its docstring has the method). Upstream's tests are not "
              "in the PyPI sdist; take them from Horovod's repository at the tag of the installed version:", "",
              "```", "git clone --depth 1 --branch v0.28.1 https://github.com/horovod/horovod /tmp/horovod", "```", "",
              "Every Horovod call with a `compression=` parameter (torch: `allreduce`, `grouped_allreduce`, "
@@ -769,7 +768,8 @@ def main(argv=None) -> int:
                     "shared": e.get("shared"), "stacks": e.get("stacks"),
                     "ranks": {str(r): {k: v for k, v in rec.items() if k != "message"} | {"message": rec.get("message", "")[-3000:]}
                               for r, rec in e["ranks"].items()}}
-    shown = ["python", "scripts/horovod_suite.py", "--horovod-test-dir", "<horovod>/test", "--framework", args.framework]
+    shown = ["python", "-m", "scripts.study.horovod_suite", "--horovod-test-dir", "<horovod>/test",
+             "--framework", args.framework]
     for flag, value, default in (("-k", args.keyword, None), ("--np", args.np, 2), ("--scope", args.scope, "test"),
                                  ("--test-timeout", args.test_timeout, 180)):
         if value != default:

@@ -1,4 +1,4 @@
-"""What the codec benchmarks (bench_codec.py, bench_codec_tf.py) share: sizes, ratios, the table."""
+"""What the codec benchmarks (scripts/bench/codec.py, codec_tf.py) share: sizes, ratios, the table."""
 
 from __future__ import annotations
 

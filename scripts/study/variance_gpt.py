@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Exact quantization variance of every method on the gradients of the character-level GPT
-(scripts/gpt.py, the model of scripts/train_gpt.py), over training, in total and per layer type.
+(scripts/common/gpt.py, the model of scripts/demo/train_gpt.py), over training, in total and per layer type.
 
 One process trains the GPT with AdamW on the uncompressed gradient of one worker's batch (the
-gradient a worker of scripts/train_gpt.py quantizes) and, every --eval-every iterations, computes
+gradient a worker of scripts/demo/train_gpt.py quantizes) and, every --eval-every iterations, computes
 for each method and bit width the EXACT variance of unbiased stochastic rounding, per tensor as the
 compressors quantize it (buckets counted from each tensor's start, tensors below --min-size left in
 float32): E||Q(g) - g||^2 summed per layer type and divided by that type's ||g||^2, and the total
@@ -23,8 +23,8 @@ Layer types: embedding (token and position tables), attention (qkv and output pr
 head (the output projection to the vocabulary); LayerNorms and biases are all below --min-size
 and travel uncompressed (their share of ||g||^2 is shown).
 
-    python scripts/variance_gpt.py --out-dir docs           # 300 iterations, 2/3/4 bits, d=8192
-    python scripts/variance_gpt.py --quick --out-dir /tmp/v # 20 iterations, 3 bits
+    python -m scripts.study.variance_gpt --out-dir docs           # 300 iterations, 2/3/4 bits, d=8192
+    python -m scripts.study.variance_gpt --quick --out-dir /tmp/v # 20 iterations, 3 bits
 """
 
 from __future__ import annotations
@@ -38,12 +38,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_models import normalized_variance  # noqa: E402
-from gpt import GPT, char_splits, sample_batch  # noqa: E402
-
-from horovod_alq.core import Quantizer  # noqa: E402
-from horovod_alq.core.allocation import allocate_bits  # noqa: E402
+from horovod_alq.core import Quantizer
+from horovod_alq.core.allocation import allocate_bits
+from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
+from scripts.study.compare_models import normalized_variance
 
 # (label, method, norm): the compressors' default norm unless named; -l2 is the paper's form.
 METHODS = [("alq", "alq", None), ("amq", "amq", None), ("alq-n", "alq-n", None), ("amq-n", "amq-n", None),
@@ -93,8 +91,6 @@ def exact_error(q: Quantizer, g: np.ndarray) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from train_gpt import lr_at
-
     out = Path(args.out_dir)
     (out / "data").mkdir(parents=True, exist_ok=True)
     bits_list = [int(b) for b in args.bits.split(",")]
@@ -196,7 +192,7 @@ def report(record: dict, bits_list) -> str:
     it = np.array(record["iterations"])
     after0 = it > 0
     share = {k: float(np.mean([s[k] for s in record["share"]])) for k in TYPES + ["norm"]}
-    lines = [f"Command: `python scripts/variance_gpt.py {' '.join(record['argv'] or [])}` "
+    lines = [f"Command: `python -m scripts.study.variance_gpt {' '.join(record['argv'] or [])}` "
              f"({record['wall_seconds']:.0f} s; {len(it)} measurements, iterations 0..{it[-1]}).", "",
              "Exact normalized variance E||Q(g)-g||^2/||g||^2 of one worker's GPT gradient, per layer type "
              "(each type's error over its own squared norm) and in total (over the whole gradient, the "

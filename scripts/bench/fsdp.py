@@ -1,18 +1,18 @@
 #!/usr/bin/env python
 """The wall-clock time of a FULL FSDP2 training step (forward with FSDP's parameter all-gathers,
 backward with its re-gathers and gradient reduce-scatters, AdamW step on the shards) of a small
-character-level GPT (scripts/gpt.py) on CPU, with FSDP's own float32 and bfloat16 reduce-scatter
+character-level GPT (scripts/common/gpt.py) on CPU, with FSDP's own float32 and bfloat16 reduce-scatter
 and with this package's quantized one (ALQ, 3 bits), on 4 workers in network namespaces with
 tc-shaped links (1 Gbit/s, 100 Mbit/s; also ``unshaped``). Needs root (ip netns, tc), except
 --local and --help.
 
-    python scripts/bench_fsdp.py                                # 4 workers x 1gbit,100mbit
-    python scripts/bench_fsdp.py --rates unshaped,1gbit,100mbit --steps 10
-    python scripts/bench_fsdp.py --quick                        # tiny GPT, 1gbit, 2 timed steps
-    python scripts/bench_fsdp.py --local --workers 2 --quick    # no namespaces, loopback, no root
+    python -m scripts.bench.fsdp                                # 4 workers x 1gbit,100mbit
+    python -m scripts.bench.fsdp --rates unshaped,1gbit,100mbit --steps 10
+    python -m scripts.bench.fsdp --quick                        # tiny GPT, 1gbit, 2 timed steps
+    python -m scripts.bench.fsdp --local --workers 2 --quick    # no namespaces, loopback, no root
 
-The namespaces, links, shaping and the mpirun launch are scripts/bench_network.py's, the launch
-and loopback variants scripts/bench_train_step.py's (imported; see their docstrings). No Horovod
+The namespaces, links, shaping and the mpirun launch are scripts/bench/network.py's, the launch
+and loopback variants scripts/bench/train_step.py's (imported; see their docstrings). No Horovod
 and no MPI inside the ranks: mpirun (through bench_network's rsh agent) only starts them; each
 takes its rank and size from Open MPI's environment (``OMPI_COMM_WORLD_RANK``/``_SIZE``; torchrun's
 ``RANK``/``WORLD_SIZE`` also work) and joins a torch.distributed gloo group with rendezvous at
@@ -70,9 +70,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_network as net  # noqa: E402  (namespaces, tc, mpirun agent)
-import bench_train_step as bts  # noqa: E402  (launch in the namespaces / on loopback, if_addr, free_port)
+import scripts.bench.network as net  # namespaces, tc, mpirun agent
+import scripts.bench.train_step as bts  # launch in the namespaces / on loopback, if_addr, free_port
 
 ROWS = ["local", "fsdp-fp32", "fsdp-bf16", "fsdp-alq"]
 LABELS = {"local": "fwd+bwd+AdamW alone (unsharded, no collective)",
@@ -119,8 +118,8 @@ def worker(args) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from gpt import GPT, char_splits, sample_batch
     from horovod_alq.torch.fsdp import ALQReduceScatter, quantize_reduce_scatter
+    from scripts.common.gpt import GPT, char_splits, sample_batch
 
     torch.set_num_threads(1)
     rank, n = rank_size()
@@ -250,7 +249,7 @@ def worker(args) -> int:
 
 # ---------------------------------------------------------------------------------------- driver
 def worker_args(args, out: Path, ifname: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+    return [sys.executable, "-m", "scripts.bench.fsdp", "--worker", "--worker-out", str(out),
             "--gloo-ifname", ifname, "--master-addr", args.master_addr, "--master-port", str(args.master_port),
             "--rows", args.rows, "--width", str(args.width), "--layers", str(args.layers),
             "--heads", str(args.heads), "--context", str(args.context), "--batch-size", str(args.batch_size),
@@ -297,7 +296,7 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
 def report(args, argv, runs: list[dict], wall: float) -> str:
     first = runs[0]["run"]
     lines = bts.report_head("# Full FSDP2 training step (forward + backward + reduce-scatter + AdamW): small GPT "
-                            "on CPU, fp32 / bf16 / ALQ reduce-scatter", "bench_fsdp.py", argv, runs, wall,
+                            "on CPU, fp32 / bf16 / ALQ reduce-scatter", "scripts.bench.fsdp", argv, runs, wall,
                             f"Python {platform.python_version()}, gloo", "gloo threads",
                             load=" (and with whatever else ran on the machine; the rows are interleaved so it "
                                  "hits them alike)")
@@ -346,7 +345,7 @@ def main(argv=None) -> int:
                                  "with --quick build/bench/bench_fsdp.md")
     p.add_argument("--timeout", type=float, help="seconds per mpirun; default 2400 (--quick: 600)")
     p.add_argument("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
-    p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of bench_network.py")
+    p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of scripts.bench.network")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--gloo-ifname", default="eth0", help=argparse.SUPPRESS)
@@ -379,7 +378,7 @@ def main(argv=None) -> int:
 
         runs = bts.sweep_local(args, workers, "alqfsdp-", run_local)
     else:
-        status = net.preflight("bench_fsdp.py", args.teardown_only, "; --local runs without")
+        status = net.preflight("scripts.bench.fsdp", args.teardown_only, "; --local runs without")
         if status is not None:
             return status
 

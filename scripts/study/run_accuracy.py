@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Accuracy sweep: final test accuracy of every method over several seeds and bucket sizes, each run
-a real Horovod job of scripts/train.py (``mpirun -np 4 ... train.py --json``), aggregated into a
+a real Horovod job of scripts/demo/train.py (``mpirun -np 4 ... -m scripts.demo.train --json``), aggregated into a
 Markdown table (mean, standard deviation, min..max; and the same-seed difference to fp32, mean and
 standard error) and a PNG.
 
-    python scripts/run_accuracy.py --out-dir docs            # the full sweep (~18 min on 2 cores)
-    python scripts/run_accuracy.py --quick --out-dir /tmp/q  # 2 ranks, 1 seed, 2 methods, 1 epoch
-    python scripts/run_accuracy.py --bits 2,3 --buckets 8192 --tag _norm --baselines none \
+    python -m scripts.study.run_accuracy --out-dir docs            # the full sweep (~18 min on 2 cores)
+    python -m scripts.study.run_accuracy --quick --out-dir /tmp/q  # 2 ranks, 1 seed, 2 methods, 1 epoch
+    python -m scripts.study.run_accuracy --bits 2,3 --buckets 8192 --tag _norm --baselines none \
         --methods alq-l2,alq-linf,amq-l2,amq-linf,qsgdinf,terngrad --out-dir docs   # bucket norms
-    python scripts/run_accuracy.py --buckets 8192 --methods alq-ag,alq-2p --baselines none \
+    python -m scripts.study.run_accuracy --buckets 8192 --methods alq-ag,alq-2p --baselines none \
         --tag _exchange --out-dir docs   # allgather vs two-phase exchange (-ag / -2p suffixes)
 
 Every launch writes its own JSON under --raw-dir; a launch whose JSON already exists is skipped,
@@ -29,12 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-from demo_common import BASELINES, PLAIN, QUANTIZED  # scripts/ is on sys.path when this runs as a script
+from scripts.common.demo import BASELINES, PLAIN, QUANTIZED
 
 BITS_FREE = ["terngrad"]  # always 2 bits on the wire: one run per seed whatever --bits says
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAIN = ROOT / "scripts" / "train.py"
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = "scripts.demo.train"  # run with python -m from ROOT
 # Same single-host Open MPI options as tests/multiproc.py and the Makefile.
 MPI_OPTIONS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                "--mca", "btl", "self,vader,tcp", "--mca", "btl_vader_single_copy_mechanism", "none",
@@ -90,7 +90,7 @@ def run_launch(job: dict, args, raw_dir: Path) -> Path:
     if path.exists():
         print(f"[skip] {path.name} exists", flush=True)
         return path
-    cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), sys.executable, str(TRAIN),
+    cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), sys.executable, "-m", TRAIN,
            "--methods", ",".join(job["methods"]), "--bits", str(job["bits"]), "--bucket-size", str(job["bucket"]),
            "--epochs", str(args.epochs), "--seed", str(job["seed"]), "--quiet", "--json", str(path) + ".part"]
     if args.lr is not None:
