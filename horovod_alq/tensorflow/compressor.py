@@ -759,7 +759,7 @@ def _tf_error(err: protocol.ProtocolError) -> ProtocolError:
 
 def _part_seed(seed: tf.Tensor, part: int, phase: int) -> tf.Tensor:
     """The ``[key, counter]`` seed of one shard's encoding in one phase of the two-phase exchange."""
-    key = _signed64(protocol.splitmix64((int(part) << 2) | int(phase)))
+    key = _signed64(protocol.splitmix64((1 << 63) | (int(part) << 2) | int(phase)))  # not a rank key's input
     return tf.stack([tf.bitwise.bitwise_xor(seed[0], tf.constant(key, tf.int64)), seed[1]])
 
 
