@@ -107,8 +107,10 @@ def encode_part(encode, x: tf.Tensor, levels, header: tf.Tensor, seed: tf.Tensor
 
 
 def part_seed(seed: tf.Tensor, part: int, phase: int) -> tf.Tensor:
-    """The ``[key, counter]`` seed of one shard's encoding in one phase of the two-phase exchange."""
-    key = signed64(protocol.splitmix64((int(part) << 2) | int(phase)))
+    """The ``[key, counter]`` seed of one shard's encoding in one phase of the two-phase exchange.
+    Bit 63 keeps the key's input apart from a rank key's (``rank + 1``): owner 0's second-phase
+    draws were rank 1's first-phase draws of shard 0 without it (found by tests/test_conformance.py)."""
+    key = signed64(protocol.splitmix64((1 << 63) | (int(part) << 2) | int(phase)))
     return tf.stack([tf.bitwise.bitwise_xor(seed[0], tf.constant(key, tf.int64)), seed[1]])
 
 

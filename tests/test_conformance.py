@@ -1,0 +1,244 @@
+"""Conformance: every exchange of the registry through every allreduce front-end, on 2 real ranks.
+
+The front-ends are the Horovod torch compressor (mpirun), the Horovod TensorFlow compressor
+(mpirun), the DDP communication hook (torchrun, gloo) and mpi4py's ``QuantizedAllreduce`` (mpirun).
+One launch per front-end (tests/workers/conformance.py) averages each rank's fixed float32 vector
+with a fixed method (qsgdinf) and an adaptive one (alq, refit once in a warm-up round), 3 bits,
+buckets of 256, for every exchange, R rounds of the same input. A front-end *conforms* when, for
+every exchange and method:
+
+1. both ranks get bit-identical results, every round;
+2. the mean of the R results is the exact average (unbiasedness, a t-test per bucket);
+3. ``metrics()["bytes_sent"]`` (and ``bytes_received``) of every round is what the wire format says
+   (:func:`expected_bytes`), so it is the same on every front-end;
+4. across front-ends: the same levels, the same bytes, and the same error distribution (mean squared
+   error per bucket: the same quantizer and exchange must add the same noise).
+
+Adding an exchange: one module, one entry in ``horovod_alq.exchange.engine.EXCHANGES``; this file
+then runs it on every front-end once :func:`expected_bytes` knows its traffic (a branch there; until
+then the byte test fails and says so). A front-end that refuses it fails here (no skip); one that
+runs another exchange under its name shows in the byte and noise checks. An exchange of streamed rounds only (``STREAMED``) that is
+not an allreduce goes in :data:`STREAMED_ONLY` with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import t as student
+
+from multiproc import run_ranks
+
+from horovod_alq.core.wire import payload_size
+from horovod_alq.exchange.engine import EXCHANGES, STREAMED
+from horovod_alq.exchange.two_phase import shards
+
+pytestmark = pytest.mark.multiproc
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "conformance.py"
+SIZE = 2  # ranks
+N, BITS, BUCKET, ROUNDS, SEED = 10900, 3, 256, 40, 5  # 43 buckets (the last short): uneven two-phase shards
+METHODS = ("qsgdinf", "alq")
+EXCHANGE_NAMES = tuple(EXCHANGES)  # the registry: a new exchange is tested without editing this file
+#: front-end -> (launcher, module it needs)
+FRONTENDS = {"torch": ("mpi", "horovod.torch"), "tf": ("mpi", "horovod.tensorflow"),
+             "ddp": ("torchrun", "torch.distributed"), "mpi": ("mpi", "mpi4py")}
+#: Exchanges of ``STREAMED`` that the allreduce front-ends do not serve, and why.
+STREAMED_ONLY = {"reduce-scatter": "FSDP2's reduce-scatter: each rank gets one shard of the sum, not an "
+                                   "allreduce (tests/torch/test_fsdp_ranks.py)"}
+ALPHA = 1e-6  # false-alarm probability of each statistical check (one front-end, exchange and method)
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("conformance_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rank_data = _load_worker().rank_data  # the ranks' inputs, regenerated here
+
+
+def exact_average() -> np.ndarray:
+    return np.mean([rank_data(r, N).astype(np.float64) for r in range(SIZE)], axis=0)
+
+
+def expected_bytes(exchange: str, rank: int, n: int = N, size: int = SIZE, bits: int = BITS,
+                   bucket: int = BUCKET) -> tuple[int, int]:
+    """(bytes_sent, bytes_received) of one round of one ``n``-element tensor on ``rank``, from the
+    wire format (docs/design.md, "bytes_sent": payloads with headers; an allgather sends this rank's
+    payload N - 1 times, an alltoall what goes to other ranks; control vectors and handshakes not)."""
+    if exchange == "allgather":
+        p = payload_size(n, bits, bucket)
+        return (size - 1) * p, (size - 1) * p
+    if exchange == "two-phase":  # alltoall of the first-phase shards, allgather of the owners' second ones
+        parts = [payload_size(b - a, bits, bucket) for a, b in shards(0, n, size, bucket)]
+        others = [p for j, p in enumerate(parts) if j != rank]
+        return sum(others) + (size - 1) * parts[rank], (size - 1) * parts[rank] + sum(others)
+    pytest.fail(f"no byte count for exchange {exchange!r}: add its wire traffic to expected_bytes() in "
+                f"{Path(__file__).name}")
+
+
+# ------------------------------------------------------------------ launches (one per front-end)
+_CACHE: dict = {}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(frontend)``: (per-rank reports, rank 0's outputs) of that front-end's one launch."""
+
+    def get(frontend: str):
+        if frontend not in _CACHE:
+            launcher, module = FRONTENDS[frontend]
+            if importlib.util.find_spec(module.split(".")[0]) is None:
+                pytest.skip(f"{module} is not installed")
+            out = tmp_path_factory.mktemp(f"conformance-{frontend}")
+            path = os.environ.get("PYTHONPATH")
+            env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}  # this checkout's package
+            try:
+                reports = run_ranks(WORKER, np=SIZE, launcher=launcher, timeout=300, env=env,
+                                    args=["--frontend", frontend, "--exchanges", ",".join(EXCHANGE_NAMES),
+                                          "--methods", ",".join(METHODS), "--elements", N, "--bits", BITS,
+                                          "--bucket", BUCKET, "--rounds", ROUNDS, "--seed", SEED, "--out", out])
+                arrays = dict(np.load(out / f"{frontend}.npz"))
+                _CACHE[frontend] = (reports, arrays)
+            except pytest.fail.Exception as exc:  # fail every test of this front-end, launch once
+                _CACHE[frontend] = exc
+        if isinstance(_CACHE[frontend], BaseException):
+            raise _CACHE[frontend]
+        return _CACHE[frontend]
+
+    return get
+
+
+def _run(launched, frontend, method, exchange):
+    """Every rank's report of one (method, exchange), and rank 0's outputs (ROUNDS, N) float32."""
+    reports, arrays = launched(frontend)
+    key = f"{method}|{exchange}"
+    infos = [r["runs"][key] for r in reports]
+    for rank, info in enumerate(infos):
+        assert info.get("error") is None, f"{frontend} refused {exchange} with {method} on rank {rank}: {info['error']}"
+    return infos, arrays[key]
+
+
+CASES = [pytest.param(f, e, id=f"{f}-{e}") for f in FRONTENDS for e in EXCHANGE_NAMES]
+
+
+def test_registry_is_covered():
+    """Every exchange is either an allreduce exchange (tested here) or a streamed-only one, with a reason."""
+    assert EXCHANGE_NAMES, "the registry is empty"
+    assert set(STREAMED) - set(EXCHANGES) == set(STREAMED_ONLY), (sorted(STREAMED), sorted(EXCHANGES))
+
+
+@pytest.mark.parametrize("frontend, exchange", CASES)
+def test_runs_the_exchange(launched, frontend, exchange):
+    """The front-end accepted the exchange, ran it (its metrics say so) on every round, quantized
+    the whole tensor, and refit the adaptive levels once."""
+    for method in METHODS:
+        infos, _ = _run(launched, frontend, method, exchange)
+        for info in infos:
+            assert info["exchange"] == exchange, (frontend, method, info["exchange"])
+            assert info["step"] == ROUNDS + 1 and info["uncompressed_coordinates"] == 0, (frontend, method, info)
+            assert info["coordinates"] == (ROUNDS + 1) * N, (frontend, method, info)
+            assert info["level_updates"] == (1 if method == "alq" else 0), (frontend, method, info)
+            assert info["second_levels"] == info["levels"], "equal bits: the second levels follow the first"
+
+
+@pytest.mark.parametrize("frontend, exchange", CASES)
+def test_identical_on_both_ranks(launched, frontend, exchange):
+    """1. Bit-identical results (and levels) on both ranks, every round."""
+    for method in METHODS:
+        infos, outs = _run(launched, frontend, method, exchange)
+        assert outs.shape == (ROUNDS, N) and outs.dtype == np.float32
+        digests = [info["digests"] for info in infos]  # SHA-1 of each round's output on each rank
+        assert len(digests[0]) == ROUNDS
+        differ = [i for i in range(ROUNDS) if len({d[i] for d in digests}) > 1]
+        assert not differ, f"{frontend}/{exchange}/{method}: ranks differ in rounds {differ}"
+        assert all(info["levels"] == infos[0]["levels"] for info in infos)
+
+
+def _t(samples: np.ndarray) -> np.ndarray:
+    """t-statistics of the column means of ``samples`` (rounds, k)."""
+    return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
+
+
+@pytest.mark.parametrize("frontend, exchange", CASES)
+def test_unbiased(launched, frontend, exchange):
+    """2. The mean of the R rounds is the exact average.
+
+    With the levels fixed after the warm-up, the R rounds are i.i.d. (fresh rounding noise each
+    round). Per bucket ``b``, the per-round error sum ``S_rb = sum_{i in b} (y_ri - avg_i)`` is a sum
+    of 256 bounded rounding errors, close to normal (CLT), with mean ``sum_i bias_i``; its sample
+    variance over the rounds includes the covariances within the bucket (two-phase: the second
+    norm depends on the first-phase sum), so ``t_b = mean_r S_rb / (sd_r S_rb / sqrt(R))`` is
+    Student(R - 1) for an unbiased front-end. Also the sum over all coordinates (an offset) and the
+    sum signed by the exact average (a scale error). Bonferroni over these 43 + 2 statistics at
+    ``ALPHA``: |t| < 7.0 for R = 40 (a 1% scale error gave t = 18 with allgather, 8 with two-phase).
+    float32 rounding of the outputs is ~1e-7 relative: negligible against the noise (~0.3 relative).
+    """
+    truth = exact_average()
+    starts = np.arange(0, N, BUCKET)
+    for method in METHODS:
+        _, outs = _run(launched, frontend, method, exchange)
+        err = outs.astype(np.float64) - truth
+        stats = np.concatenate([_t(np.add.reduceat(err, starts, axis=1)),
+                                _t(err.sum(1, keepdims=True)), _t((err @ np.sign(truth))[:, None])])
+        bound = student.isf(ALPHA / (2 * stats.size), ROUNDS - 1)
+        rel = float(np.sqrt((err ** 2).sum(1).mean() / (truth ** 2).sum()))
+        what = f"{frontend}/{exchange}/{method}: t per bucket, total, signed = {np.round(stats, 2)}, bound {bound:.2f}"
+        assert np.all(np.isfinite(stats)), what + " (no noise: not quantized?)"
+        assert np.abs(stats).max() < bound, what
+        assert 0.05 < rel < 0.8, f"{what}; relative error {rel:.3f}: 3-bit noise, not garbage"
+
+
+@pytest.mark.parametrize("frontend, exchange", CASES)
+def test_bytes_from_the_wire_format(launched, frontend, exchange):
+    """3. bytes_sent and bytes_received of every round (the warm-up's included) are the wire format's."""
+    for method in METHODS:
+        infos, _ = _run(launched, frontend, method, exchange)
+        for rank, info in enumerate(infos):
+            sent, received = expected_bytes(exchange, rank)
+            assert set(info["bytes_sent"]) == {sent}, (frontend, exchange, method, rank, info["bytes_sent"], sent)
+            assert set(info["bytes_received"]) == {received}, (frontend, exchange, method, rank,
+                                                               info["bytes_received"], received)
+            assert len(info["bytes_sent"]) == ROUNDS + 1
+
+
+@pytest.mark.parametrize("exchange", EXCHANGE_NAMES)
+@pytest.mark.parametrize("method", METHODS)
+def test_frontends_agree(launched, exchange, method):
+    """4. Across front-ends: the same levels and bytes (exactly), and the same noise.
+
+    Noise: per bucket, the per-round squared error ``E_rb = sum_{i in b} (y_ri - avg_i)^2`` has mean
+    the bucket's MSE; over the R i.i.d. rounds its mean has standard error ``sd_r E_rb / sqrt(R)``.
+    Two front-ends with the same levels and exchange draw from one law (the codecs differ only in
+    their random streams), so ``z = (mean_f - mean_g) / sqrt(se_f^2 + se_g^2)`` is about Student
+    with ~2(R - 1) degrees of freedom; Bonferroni over the 43 buckets and 6 pairs at ``ALPHA``
+    (|z| < 6.6). This catches correlated random streams (noise added twice in one direction),
+    which unbiasedness does not.
+    """
+    truth = exact_average()
+    starts = np.arange(0, N, BUCKET)
+    runs = {f: _run(launched, f, method, exchange) for f in FRONTENDS}
+    levels = {f: infos[0]["levels"] for f, (infos, _) in runs.items()}
+    sent = {f: [i["bytes_sent"][0] for i in infos] for f, (infos, _) in runs.items()}
+    mse, se = {}, {}
+    for f, (_, outs) in runs.items():
+        e = np.add.reduceat((outs.astype(np.float64) - truth) ** 2, starts, axis=1)
+        mse[f], se[f] = e.mean(0), e.std(0, ddof=1) / np.sqrt(ROUNDS)
+    pairs = list(itertools.combinations(FRONTENDS, 2))
+    bound = student.isf(ALPHA / (2 * len(pairs) * starts.size), 2 * (ROUNDS - 1))
+    table = "\n".join(f"  {f:5s} MSE per bucket {np.round(mse[f] / np.diff([*starts, N]), 4)}  bytes_sent {sent[f]}"
+                      for f in FRONTENDS)
+    assert len({repr(v) for v in levels.values()}) == 1, f"levels differ across front-ends: {levels}"
+    assert len({repr(v) for v in sent.values()}) == 1, f"bytes_sent differ across front-ends:\n{table}"
+    worst = {(f, g): float(np.abs((mse[f] - mse[g]) / np.sqrt(se[f] ** 2 + se[g] ** 2)).max()) for f, g in pairs}
+    bad = {k: round(v, 1) for k, v in worst.items() if v >= bound}
+    assert not bad, (f"{exchange}/{method}: noise differs between front-ends (max |z| {bad}, "
+                     f"bound {bound:.1f}):\n{table}")

@@ -1,0 +1,209 @@
+"""Worker for tests/test_conformance.py: every (method, exchange) through one front-end, one launch.
+
+    conformance.py --frontend {torch,tf,ddp,mpi} --exchanges allgather,two-phase --methods qsgdinf,alq
+                   --elements N --bits B --bucket D --rounds R --seed S --out DIR
+
+Front-ends: ``torch`` (``hvd.allreduce`` with the Horovod torch compressor; mpirun), ``tf``
+(``hvd.allreduce`` with the TensorFlow compressor inside one ``tf.function``; mpirun), ``ddp``
+(``DistributedDataParallel`` with ``alq_hook`` over gloo; torchrun), ``mpi`` (``QuantizedAllreduce``;
+mpirun). Each rank averages its own :func:`rank_data` with every method and exchange: one warm-up
+round (adaptive methods refit from it), then ``R`` rounds of the same input with fixed levels.
+
+Rank 0 writes ``DIR/{frontend}.npz`` (key ``"{method}|{exchange}"``: the R outputs, float32, (R, N));
+every rank reports, per key, the SHA-1 of each output, the front-end's ``metrics()`` per round
+(``bytes_sent`` and ``bytes_received`` of each round, warm-up first), the levels after the run and
+the error if the front-end refused.
+The assertions are the test's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+
+def rank_data(rank: int, n: int) -> np.ndarray:
+    """Rank ``rank``'s input: its own scale and offset, a heavy-tailed quarter (the test regenerates it)."""
+    rng = np.random.default_rng([20, rank])
+    x = rng.standard_normal(n) * (1 + rank) + 0.1 * rank
+    x[: n // 4] = rng.standard_t(3, n // 4) * 0.05
+    return x.astype(np.float32)
+
+
+# ------------------------------------------------------------------ front-ends
+# Each returns (rank, make), make(method, exchange, args) -> (step, metrics): step(x) is one
+# averaged round (NumPy in, NumPy out) and metrics() the front-end's metrics dict.
+
+def torch_frontend():
+    import horovod.torch as hvd
+    import torch
+
+    from horovod_alq.torch import compressor_for
+
+    hvd.init()
+
+    def make(method, exchange, args):
+        comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0,), update_every=0,
+                              min_size=16, seed=args.seed, exchange=exchange)
+        calls = iter(range(1 << 30))
+
+        def step(x):
+            out = hvd.allreduce(torch.from_numpy(x), compression=comp, op=hvd.Average,
+                                name=f"conformance.{method}.{exchange}.{next(calls)}")
+            return out.numpy()
+
+        return step, comp.metrics
+
+    return hvd.rank(), make
+
+
+def tf_frontend():
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    from horovod_alq.tensorflow import compressor_for
+
+    hvd.init()
+
+    def make(method, exchange, args):
+        # jit_compile=False by default: no XLA compile per traced shape (this test's tensors are tiny)
+        comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0,), update_every=0,
+                              min_size=16, seed=args.seed, exchange=exchange, jit_compile=args.tf_jit)
+        fn = tf.function(lambda t: hvd.allreduce(t, compression=comp, op=hvd.Average))  # one call, one round
+        return (lambda x: fn(tf.constant(x)).numpy()), comp.metrics
+
+    return hvd.rank(), make
+
+
+def ddp_frontend():
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from horovod_alq.torch.ddp import ALQState, alq_hook
+
+    dist.init_process_group("gloo")
+
+    class Linear(torch.nn.Module):
+        """loss = <p, x>: the gradient of p is x exactly, one DDP bucket."""
+
+        def __init__(self, n):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(n))
+
+        def forward(self, x):
+            return (self.p * x).sum()
+
+    def make(method, exchange, args):
+        model = DDP(Linear(args.elements))
+        state = ALQState(method=method, bits=args.bits, bucket_size=args.bucket, exchange=exchange, seed=args.seed,
+                         update_steps=(0,), update_every=0, min_size=16)
+        model.register_comm_hook(state, alq_hook)
+
+        def step(x):
+            model.zero_grad(set_to_none=True)
+            model(torch.from_numpy(x)).backward()
+            return model.module.p.grad.numpy().copy()
+
+        return step, state.metrics
+
+    return dist.get_rank(), make
+
+
+def mpi_frontend():
+    from mpi4py import MPI
+
+    from horovod_alq.core.methods import get_method
+    from horovod_alq.mpi import QuantizedAllreduce
+
+    def make(method, exchange, args):
+        ar = QuantizedAllreduce(MPI.COMM_WORLD, method, bits=args.bits, bucket_size=args.bucket, seed=args.seed,
+                                exchange=exchange, collect_every=0)
+        calls, adaptive = [0], get_method(method).adaptive
+
+        def step(x):
+            # the warm-up call collects and adapt() refits: the other front-ends' refit at round 0
+            first = calls[0] == 0 and adaptive
+            calls[0] += 1
+            out = ar(x, collect=first)
+            if first:
+                ar.adapt()
+            return out
+
+        return step, ar.metrics
+
+    return MPI.COMM_WORLD.Get_rank(), make
+
+
+FRONTENDS = {"torch": torch_frontend, "tf": tf_frontend, "ddp": ddp_frontend, "mpi": mpi_frontend}
+
+
+def run_one(step, metrics, x, rounds):
+    """Warm-up round, then ``rounds`` rounds; per-round byte counts from the cumulative metrics."""
+    sent, received, outputs, digests, times = [], [], [], [], []
+    last = metrics()
+    before = (last["bytes_sent"], last["bytes_received"])
+    for i in range(rounds + 1):
+        t0 = time.monotonic()
+        y = step(x)
+        times.append(time.monotonic() - t0)
+        if i:
+            outputs.append(np.asarray(y, dtype=np.float32).reshape(-1))
+            digests.append(hashlib.sha1(outputs[-1].tobytes()).hexdigest())
+        m = metrics()
+        sent.append(int(m["bytes_sent"] - before[0]))
+        received.append(int(m["bytes_received"] - before[1]))
+        before = (m["bytes_sent"], m["bytes_received"])
+    return np.stack(outputs), {
+        "digests": digests, "bytes_sent": sent, "bytes_received": received, "exchange": m["exchange"],
+        "step": int(m["step"]),
+        "levels": np.asarray(m["levels"]).tolist(), "second_levels": np.asarray(m["second_levels"]).tolist(),
+        "level_updates": int(m["level_updates"]), "coordinates": int(m["coordinates"]),
+        "uncompressed_coordinates": int(m["uncompressed_coordinates"]),
+        "first_round_s": times[0], "later_rounds_s": sum(times[1:])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--frontend", required=True, choices=sorted(FRONTENDS))
+    p.add_argument("--exchanges", required=True)
+    p.add_argument("--methods", default="qsgdinf,alq")
+    p.add_argument("--elements", type=int, default=10900)
+    p.add_argument("--bits", type=int, default=3)
+    p.add_argument("--bucket", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--seed", type=int, default=5)
+    p.add_argument("--tf-jit", action="store_true", help="tf: compile the codec with XLA")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    from common import report
+
+    start = time.monotonic()
+    rank, make = FRONTENDS[args.frontend]()
+    x = rank_data(rank, args.elements)
+    arrays, out = {}, {"rank": rank, "startup_s": time.monotonic() - start, "runs": {}}
+    for method in args.methods.split(","):
+        for exchange in args.exchanges.split(","):
+            key = f"{method}|{exchange}"
+            t0 = time.monotonic()
+            try:  # a refusal (e.g. an exchange this front-end does not serve) is reported, not skipped
+                arrays[key], info = run_one(*make(method, exchange, args), x, args.rounds)
+            except Exception as exc:
+                traceback.print_exc()
+                info = {"error": f"{type(exc).__name__}: {exc}"}
+            info["seconds"] = time.monotonic() - t0
+            out["runs"][key] = info
+    if rank == 0:  # the other ranks' outputs are compared through their digests
+        np.savez(Path(args.out) / f"{args.frontend}.npz", **arrays)
+    out["total_s"] = time.monotonic() - start
+    report(out)
+
+
+if __name__ == "__main__":
+    main()
