@@ -152,6 +152,75 @@ def calling_process_set(package: str, depth: int = 8):
     return None
 
 
+class Delegated:
+    """The context of a tensor that the compressor of another process set compressed."""
+
+    __slots__ = ("compressor", "ctx")
+
+    def __init__(self, compressor, ctx) -> None:
+        self.compressor, self.ctx = compressor, ctx
+
+
+class PerProcessSet:
+    """One Horovod compressor for every process set it is used with, as Horovod's own compressions
+    do: a compressor made without ``process_set=`` hands a tensor of any set other than the global
+    one to a compressor of its own for that set (made at the set's first use by :meth:`_for_set`,
+    with the same settings), so levels, statistics and rounds are kept per set. The framework's
+    ``QuantizedCompressor`` sets ``HOROVOD`` (its Horovod package), ``_process_set`` and calls
+    :meth:`_init_sets`; ``metrics()`` / ``state_dict()`` carry the other sets' under
+    ``process_sets`` (keyed by ranks)."""
+
+    HOROVOD = ""
+
+    def _init_sets(self) -> None:
+        self._per_set = {}  # "r0,r1,...": the compressor of that process set
+        self._per_set_states = {}  # states loaded before their set's first use
+
+    def _for_set(self, process_set):
+        """A new compressor like this one, pinned to ``process_set``."""
+        raise NotImplementedError
+
+    def _for_calling_process_set(self):
+        """The compressor of the process set of the Horovod allreduce calling ``compress`` (read
+        from its frame: Horovod does not pass it), when that is not the global set and this
+        compressor is not pinned; None otherwise. The reduced control vector checks the result:
+        a wrong guess raises on every rank, naming the set."""
+        if self._process_set is not None:
+            return None
+        ps = calling_process_set(self.HOROVOD, depth=10)
+        if ps is None or ps.process_set_id in (None, 0):
+            return None
+        key = ",".join(str(int(r)) for r in ps.ranks)
+        if key not in self._per_set:
+            child = self._for_set(ps)
+            if key in self._per_set_states:
+                child.load_state_dict(self._per_set_states.pop(key))
+            self._per_set[key] = child
+        return self._per_set[key]
+
+    def _sets_metrics(self, out: dict) -> dict:
+        if self._per_set:
+            out["process_sets"] = {tuple(int(r) for r in key.split(",")): c.metrics()
+                                   for key, c in self._per_set.items()}
+        return out
+
+    def _sets_state(self, state: dict) -> dict:
+        sets = {**self._per_set_states, **{key: c.state_dict() for key, c in self._per_set.items()}}
+        if sets:
+            state["process_sets"] = sets
+        return state
+
+    def _load_sets(self, state: dict) -> dict:
+        """Load the other sets' states (kept until their first use); returns ``state`` without them."""
+        state = dict(state)
+        sets = state.pop("process_sets", {})
+        self._per_set_states = {key: s for key, s in sets.items() if key not in self._per_set}
+        for key, child in self._per_set.items():
+            if key in sets:
+                child.load_state_dict(sets[key])
+        return state
+
+
 # method name -> (class name in each framework package, the keywords that select the method)
 _BY_NAME = {
     "alq": ("ALQCompressor", {}),

@@ -54,6 +54,9 @@ from . import checks, graph
 from .state import RoundVariables
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+#: The exchanges this front-end runs in the graph, and the method that runs each: a new exchange of
+#: :data:`horovod_alq.exchange.engine.EXCHANGES` needs its graph execution here (until then it is refused).
+GRAPH_EXCHANGES = {"allgather": "_allgather", "two-phase": "_two_phase"}
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _Exchange:
     levels: tf.Tensor
     header: tf.Tensor
     eager: bool
+    exchange: str
     plan: BufferPlan  # the exchange's element ranges, payload sizes and wire bytes
     seed: tf.Tensor
     round: tf.Tensor  # index of this tensor's round
@@ -87,14 +91,6 @@ class _Outsider:
 
 
 @dataclass
-class _Delegated:
-    """Context of a tensor compressed by the compressor of another process set."""
-
-    compressor: Any
-    ctx: Any
-
-
-@dataclass
 class _PassThrough:
     """Context of a tensor that travels uncompressed (too small, unknown size, not floating point)."""
 
@@ -110,7 +106,7 @@ class _ClassOrInstance(frontends.ClassOrInstance):
         self.__doc__ = func.__doc__
 
 
-class QuantizedCompressor(frontends.CompressorBase, tf.Module):
+class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.Module):
     """Base class: a Horovod ``compression=`` object for one quantization method (TensorFlow).
 
     A ``tf.Module``: its state (levels, :class:`~horovod_alq.core.rounds.RoundState`'s counters,
@@ -164,6 +160,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     """
 
     method: str = ""
+    HOROVOD = "horovod.tensorflow"
     # Python-side configuration: not part of tf.Module's variable search.
     _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
         "_fns", "_quantizer", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid", "_settings",
@@ -184,6 +181,9 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                              f"a second quantization of other bits for {self._method.name} (its initial levels "
                              f"give 12-16x the variance); use bits_second=bits, or the PyTorch compressors")
         self._exchange = check_exchange(exchange)
+        if self._exchange not in ("auto", *GRAPH_EXCHANGES):
+            raise ValueError(f"exchange={exchange!r} has no graph execution in the TensorFlow compressors "
+                             f"(they run {', '.join(GRAPH_EXCHANGES)})")
         self._process_set = process_set
         self._set_cache = None
         self.min_size = frontends.check_min_size(min_size)
@@ -198,8 +198,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
                               update_every=update_every, min_size=self.min_size, seed=setup.seed,
                               jit_compile=self.jit_compile, norm=q.norm, exchange=exchange,
                               bits_second=bits_second)
-        self._per_set = {}  # "r0,r1,...": the compressor of that process set
-        self._per_set_states: dict[str, dict] = {}  # loaded before the set's first use
+        self._init_sets()
         # The codec's tf.functions and per-traced-graph call-site counters, in a plain namespace so
         # that tf.Module / tf.train.Checkpoint do not track them.
         first = graph.codec(q.bits, q.bucket_size, q.norm, self.jit_compile)
@@ -243,7 +242,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         other = self._for_calling_process_set()
         if other is not None:
             small, ctx = other.compress(tensor)
-            return small, _Delegated(other, ctx)
+            return small, frontends.Delegated(other, ctx)
         self._names()  # claimed at the first compress of any tensor (every rank of the allreduce calls it)
         tensor = tf.convert_to_tensor(tensor)
         numel = tensor.shape.num_elements()
@@ -297,7 +296,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         else:
             small = tf.cond(collecting, lambda: tf.concat([head, self._fns.stats(tensor)], 0), lambda: head)
         ctx = _Exchange(slot, tensor.shape, tensor.dtype, numel, payload, collecting, levels, header, eager,
-                        plan, seed, current, source=tensor, shape_code=h)
+                        exchange, plan, seed, current, source=tensor, shape_code=h)
         if eager:
             # Horovod drops ctx without decompress when its allreduce raised (a dtype mismatch): the
             # exchange is then over on this rank, as on the others, which never began it.
@@ -311,7 +310,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         the original shape and dtype."""
         if ctx is None:
             return tensor
-        if isinstance(ctx, _Delegated):
+        if isinstance(ctx, frontends.Delegated):
             return ctx.compressor.decompress(tensor, ctx.ctx)
         if isinstance(ctx, _PassThrough):
             return tf.cast(tensor, ctx.dtype) if tensor.dtype != ctx.dtype else tensor
@@ -319,13 +318,12 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
             return graph.refuse(tensor, ctx.message, ctx.shape, ctx.dtype)
         try:
             reduced = tf.reshape(tf.cast(tensor, tf.float64), [-1])
-            two = bool(ctx.plan.second)
-            expected = tf.constant(self._head_len("two-phase" if two else "allgather"))  # the length compress made
+            expected = tf.constant(self._head_len(ctx.exchange))  # the length compress made
             if ctx.collecting is not None:
                 expected = tf.where(ctx.collecting, expected + self._vars.stats_length, expected)
             n = self._set_size()
             check = functools.partial(self._check_vector, ctx)
-            run = functools.partial(self._two_phase if two else self._allgather, ctx, reduced)
+            run = functools.partial(getattr(self, GRAPH_EXCHANGES[ctx.exchange]), ctx, reduced)
             out = graph.guarded(None, run, check, [reduced, expected], ctx.numel, ctx.eager)
         finally:
             if ctx.eager:
@@ -337,7 +335,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
     def _check_vector(self, ctx: _Exchange, reduced: np.ndarray, expected) -> None:
         size = protocol.tensor_vector_length(self._set_size())
         checks.check_vector(reduced, rank=self._set_rank(), size=self._set_size(), slot=ctx.slot,
-                            shape_code=ctx.shape_code, extra=int(expected) - size, two_phase=bool(ctx.plan.second))
+                            shape_code=ctx.shape_code, extra=int(expected) - size, two_phase=ctx.exchange == "two-phase")
 
     def _allgather(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
         """Gather every rank's payload, check every header, decode and sum (flat float32)."""
@@ -384,7 +382,7 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
 
     def _complete(self, ctx: _Exchange, reduced: tf.Tensor, out: tf.Tensor) -> tf.Tensor:
         """``out`` once the round completed and its reduced statistics (refit rounds) are pending."""
-        head = self._head_len("two-phase" if ctx.plan.second else "allgather")
+        head = self._head_len(ctx.exchange)
         return self._vars.complete(out, ctx.round, ctx.collecting, lambda: reduced[head:] / reduced[0])
 
     # ------------------------------------------------------------------ metrics and state
@@ -395,35 +393,21 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         (``step``: rounds completed) and ``bits_per_coordinate``. Read eagerly, between steps."""
         st = self._vars.read()
         st.exchange = self.exchange
-        out = st.metrics()
-        if self._per_set:
-            out["process_sets"] = {tuple(int(r) for r in key.split(",")): c.metrics()
-                                   for key, c in self._per_set.items()}
-        return out
+        return self._sets_metrics(st.metrics())
 
     def state_dict(self) -> dict:
         """:meth:`RoundState.state_dict` with the seed and the pending statistics, as Python values: a
         compressor that loads it continues with identical levels and identical random draws."""
         if self._outstanding or any(c._outstanding for c in self._per_set.values()):
             raise RuntimeError("state_dict() during an exchange: call it between steps")
-        state = self._vars.state_dict()
-        sets = {**self._per_set_states, **{key: c.state_dict() for key, c in self._per_set.items()}}
-        if sets:
-            state["process_sets"] = sets
-        return state
+        return self._sets_state(self._vars.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (also one of a PyTorch compressor with the same method, bits
         and bucket size: its levels, seed and counters)."""
         if self._outstanding or any(c._outstanding for c in self._per_set.values()):
             raise RuntimeError("load_state_dict() during an exchange: call it between steps")
-        state = dict(state)
-        sets = state.pop("process_sets", {})
-        self._vars.load_state_dict(state)
-        self._per_set_states = {key: s for key, s in sets.items() if key not in self._per_set}
-        for key, child in self._per_set.items():
-            if key in sets:
-                child.load_state_dict(sets[key])
+        self._vars.load_state_dict(self._load_sets(state))
 
     # ------------------------------------------------------------------ internals
     def _next_slot(self, eager: bool) -> int:
@@ -459,23 +443,8 @@ class QuantizedCompressor(frontends.CompressorBase, tf.Module):
         return tf.cast(reduced[0] / self._set_size(), tf.float32)
 
     # ---- process set
-    def _for_calling_process_set(self) -> QuantizedCompressor | None:
-        """The compressor of the process set of the Horovod allreduce calling ``compress`` (read from
-        its frame: Horovod does not pass it), when that is not the global set and this compressor
-        was made without ``process_set=``; None otherwise. The reduced vector checks the result: a
-        wrong guess raises on every rank, naming the set."""
-        if self._process_set is not None:
-            return None
-        ps = frontends.calling_process_set("horovod.tensorflow")
-        if ps is None or ps.process_set_id in (None, 0):
-            return None
-        key = ",".join(str(int(r)) for r in ps.ranks)
-        if key not in self._per_set:
-            child = QuantizedCompressor(self._method.name, process_set=ps, **self._settings)
-            if key in self._per_set_states:
-                child.load_state_dict(self._per_set_states.pop(key))
-            self._per_set[key] = child
-        return self._per_set[key]
+    def _for_set(self, process_set) -> QuantizedCompressor:
+        return QuantizedCompressor(self._method.name, process_set=process_set, **self._settings)
 
     def _set_info(self) -> tuple[int, int]:
         """(size, rank in the set), read from Horovod once (a set's membership does not change)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -56,14 +56,6 @@ class _Outsider:
 
 
 @dataclass
-class _Delegated:
-    """Context of a tensor compressed by the compressor's stand-in for another process set."""
-
-    compressor: "QuantizedCompressor"
-    ctx: Any
-
-
-@dataclass
 class _PassThrough:
     """Context of a tensor that travels uncompressed (too small, or not floating point)."""
 
@@ -88,7 +80,7 @@ class _QuantizedAllreduceGrad(torch.autograd.Function):
         return summed * ctx.scale, None, None, None
 
 
-class QuantizedCompressor(frontends.CompressorBase):
+class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
     """Base class: a Horovod ``compression=`` object for one quantization method.
 
     Parameters
@@ -156,6 +148,7 @@ class QuantizedCompressor(frontends.CompressorBase):
     """
 
     method: str = ""
+    HOROVOD = "horovod.torch"
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
@@ -190,8 +183,7 @@ class QuantizedCompressor(frontends.CompressorBase):
                               codec=self._codec, exchange=exchange, fusion_bytes=fusion_bytes,
                               bits_second=bits_second, adapt_second=adapt_second,
                               norm=self._quantizer.norm, overlap=bool(overlap), timeout=timeout)
-        self._per_set: dict[tuple, QuantizedCompressor] = {}
-        self._per_set_states: dict[tuple, dict] = {}  # loaded before the set's first use
+        self._init_sets()
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -210,7 +202,7 @@ class QuantizedCompressor(frontends.CompressorBase):
         other = self._for_calling_process_set()
         if other is not None:
             small, ctx = other.compress(tensor)
-            return small, _Delegated(other, ctx)
+            return small, frontends.Delegated(other, ctx)
         if self._engine.uid is None:  # named at its first compress of any tensor (every rank calls it)
             ps = self._process_set if self._process_set is not None else hvd().global_process_set
             self._engine.uid = process_set_uid(ps)
@@ -242,7 +234,7 @@ class QuantizedCompressor(frontends.CompressorBase):
         """Exchange the round's codes (first call of a round) and return this tensor's reduced values."""
         if ctx is None:  # sparse gradients: Horovod reduced them itself
             return tensor
-        if isinstance(ctx, _Delegated):
+        if isinstance(ctx, frontends.Delegated):
             return ctx.compressor.decompress(tensor, ctx.ctx)
         if isinstance(ctx, _PassThrough):
             return tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
@@ -263,33 +255,21 @@ class QuantizedCompressor(frontends.CompressorBase):
         ``bits_per_coordinate`` (of compressed tensors), ``bytes_sent`` / ``bytes_received`` (payload
         bytes this rank put on / took off the wire, all phases, headers included), ``exchange``;
         ``process_sets``: the same for each other process set this compressor served (by ranks)."""
-        out = self._state.metrics()
-        if self._per_set:
-            out["process_sets"] = {ranks: c.metrics() for ranks, c in self._per_set.items()}
-        return out
+        return self._sets_metrics(self._state.metrics())
 
     def state_dict(self) -> dict:
         """Levels (both quantizations), counters and seed: a resumed run continues identically."""
         if self._engine.pending() or any(c._engine.pending() for c in self._per_set.values()):
             raise RuntimeError("state_dict() during an exchange: call it between optimizer steps")
-        state = {"seed": self._engine.seed, **self._state.state_dict()}
-        sets = {**self._per_set_states, **{r: c.state_dict() for r, c in self._per_set.items()}}
-        if sets:
-            state["process_sets"] = {",".join(map(str, r)): s for r, s in sets.items()}
-        return state
+        return self._sets_state({"seed": self._engine.seed, **self._state.state_dict()})
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved (the other process sets' states included)."""
         if self._engine.pending() or any(c._engine.pending() for c in self._per_set.values()):
             raise RuntimeError("load_state_dict() during an exchange: call it between optimizer steps")
-        state = dict(state)
-        sets = {tuple(int(r) for r in key.split(",")): s for key, s in state.pop("process_sets", {}).items()}
+        state = self._load_sets(state)
         self._state.load_state_dict(state)
         self._engine.seed = int(state["seed"])
-        self._per_set_states = {r: s for r, s in sets.items() if r not in self._per_set}
-        for ranks, child in self._per_set.items():
-            if ranks in sets:
-                child.load_state_dict(sets[ranks])
 
     def reset(self) -> None:
         """Drop the round in progress (e.g. after a Horovod elastic reset); levels and counters stay."""
@@ -312,26 +292,8 @@ class QuantizedCompressor(frontends.CompressorBase):
     def _ops_for(self, device: torch.device) -> TorchOps:
         return ops_for(self._ops, device, self._codec)
 
-    def _for_calling_process_set(self) -> QuantizedCompressor | None:
-        """The compressor that serves the process set of the Horovod allreduce calling ``compress``,
-        when it is not the global set and this compressor was made without ``process_set=``; None
-        otherwise. Horovod does not pass the set to ``compress``: it is read from the calling frame
-        of horovod.torch (``allreduce``/``grouped_allreduce``: their ``process_set`` argument;
-        ``DistributedOptimizer``: its ``process_set``). The reduced control vector checks the
-        result: a wrong guess raises on every rank, naming the set."""
-        if self._process_set is not None:
-            return None
-        ps = frontends.calling_process_set("horovod.torch")
-        if ps is None or ps.process_set_id in (None, 0):
-            return None
-        ranks = tuple(int(r) for r in ps.ranks)
-        child = self._per_set.get(ranks)
-        if child is None:
-            child = QuantizedCompressor(self._method.name, process_set=ps, **self._settings)
-            if ranks in self._per_set_states:
-                child.load_state_dict(self._per_set_states.pop(ranks))
-            self._per_set[ranks] = child
-        return child
+    def _for_set(self, process_set) -> QuantizedCompressor:
+        return QuantizedCompressor(self._method.name, process_set=process_set, **self._settings)
 
 
 class ALQCompressor(frontends.ALQ, QuantizedCompressor):

@@ -6,6 +6,7 @@ Usage::
     git clone --depth 1 --branch v0.28.1 https://github.com/horovod/horovod /tmp/horovod
     python -m scripts.study.horovod_suite --horovod-test-dir /tmp/horovod/test --framework torch
     python -m scripts.study.horovod_suite --horovod-test-dir /tmp/horovod/test --framework tensorflow
+    python -m scripts.study.horovod_suite --horovod-test-dir /tmp/horovod/test --framework tensorflow-process-sets
 
 Runs ``test/parallel/test_torch.py`` (or ``test_tensorflow.py``) under ``mpirun -np 2`` with this
 file loaded into pytest as a plugin (``-p scripts.study.horovod_suite``) on every rank. The plugin wraps every
@@ -70,7 +71,8 @@ RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREAD
             "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
             "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONUNBUFFERED": "1",
             "CUDA_VISIBLE_DEVICES": ""}
-SUITES = {"torch": "test_torch.py", "tensorflow": "test_tensorflow.py"}
+SUITES = {"torch": "test_torch.py", "tensorflow": "test_tensorflow.py",
+          "tensorflow-process-sets": "test_tensorflow_process_sets.py"}  # (static sets: its own hvd.init)
 # environment of the plugin inside the ranks
 ENV_OUT, ENV_SKIP, ENV_TIMEOUT, ENV_INJECT = ("HOROVOD_SUITE_OUT", "HOROVOD_SUITE_SKIP", "HOROVOD_SUITE_TEST_TIMEOUT",
                                               "HOROVOD_SUITE_INJECT")
@@ -638,7 +640,7 @@ CATEGORY_TEXT = {
 
 def write_report(results_dir: Path, out: Path) -> None:
     runs = []
-    for fw in ("torch", "tensorflow", "tensorflow-eager"):
+    for fw in ("torch", "tensorflow", "tensorflow-eager", "tensorflow-process-sets", "tensorflow-process-sets-eager"):
         path = results_dir / f"{fw}.json"
         if path.exists():
             runs.append(json.loads(path.read_text()))
@@ -672,8 +674,10 @@ def write_report(results_dir: Path, out: Path) -> None:
         for t in run["tests"].values():
             counts[t["category"]] = counts.get(t["category"], 0) + 1
         order = ["passed", "precision", "refusal", "baseline", "real", "hang", "skipped"]
-        mode = {"tensorflow": " (upstream's modes: each test in a TF1 graph with a session, then eagerly)",
-                "tensorflow-eager": " (eagerly only: --tf-eager-only)"}.get(run.get("label", run["framework"]), "")
+        label = run.get("label", run["framework"])
+        mode = "" if not label.startswith("tensorflow") else (
+            " (eagerly only: --tf-eager-only)" if label.endswith("-eager") else
+            " (upstream's modes: each test in a TF1 graph with a session, then eagerly)")
         lines += [f"## {run['framework']}: upstream test/parallel/{SUITES[run['framework']]}{mode}", "",
                   f"- Command: `{run['command']}`",
                   f"- Date: {run['date']}, {run['wall_s']:.0f} s, {run['np']} ranks (mpirun, CPU), "
@@ -722,7 +726,7 @@ def main(argv=None) -> int:
         return 2
     keyword = QUICK if args.quick and not args.keyword else args.keyword
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    label = args.framework + ("-eager" if args.tf_eager_only and args.framework == "tensorflow" else "")
+    label = args.framework + ("-eager" if args.tf_eager_only and args.framework.startswith("tensorflow") else "")
     work = args.results_dir / label
     log_path = args.results_dir / f"{label}.log"
     start = time.monotonic()
