@@ -423,7 +423,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="replace only the tests run now in the framework's existing results (with -k)")
     p.add_argument("--report-only", action="store_true", help="rewrite --out from the JSON in --results-dir")
     p.add_argument("--python", default=sys.executable)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.results_dir, args.out = args.results_dir.resolve(), args.out.resolve()  # the ranks run elsewhere
+    return args
 
 
 QUICK = "allreduce_average or allreduce_process_sets or optimizer_process_sets or test_horovod_allreduce_min"
