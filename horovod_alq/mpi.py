@@ -80,7 +80,9 @@ class QuantizedAllreduce(frontends.Configured):
         Seconds to wait for any collective of a call or of :meth:`adapt` before raising an error
         naming it; default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit.
 
-    Output: the input's dtype (float16, float32 or float64) and shape; the sum over ranks is
+    Notes
+    -----
+    Results have the input's dtype (float16, float32 or float64) and shape; the sum over ranks is
     taken in float32 (:meth:`reduce` can sum in float64).
     """
 

@@ -69,13 +69,13 @@ def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, numel: int, ranks: int,
 
 
 def explain_payloads(gathered: np.ndarray, levels: np.ndarray, *, numel: int, ranks: int, quantizer: Quantizer,
-                     what: str) -> None:
+                     slot: int) -> None:
     """Raise :func:`horovod_alq.exchange.base.check_host_payloads`'s error, naming the first rank
     whose payload differs from this rank's configuration (when :func:`payloads_ok` failed)."""
     q = Quantizer(quantizer.method, bits=quantizer.bits, bucket_size=quantizer.bucket_size, norm=quantizer.norm)
     q.set_levels(levels)
     try:
-        base.check_host_payloads(gathered, [numel] * ranks, q, what)
+        base.check_host_payloads(gathered, [numel] * ranks, q, f"tensor in slot {slot}")
     except protocol.ProtocolError as err:
         raise tf_error(err) from None
-    raise ProtocolError(f"horovod_alq: {what}: the gathered payload headers differ")
+    raise ProtocolError(f"horovod_alq: tensor in slot {slot}: the gathered payload headers differ")

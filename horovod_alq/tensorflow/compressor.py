@@ -348,8 +348,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
             decoded = self._fns.codec.decoder(ctx.numel, n)(fitted, ctx.levels, self._scale(reduced))
             return self._complete(ctx, reduced, decoded)
 
-        explain = functools.partial(checks.explain_payloads, numel=ctx.numel, ranks=n, quantizer=q,
-                                    what=f"tensor in slot {ctx.slot}")
+        explain = functools.partial(checks.explain_payloads, numel=ctx.numel, ranks=n, quantizer=q, slot=ctx.slot)
         return graph.guarded(ok, decode, explain, [gathered, ctx.levels], ctx.numel, ctx.eager)
 
     def _two_phase(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
