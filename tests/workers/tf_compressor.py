@@ -48,7 +48,13 @@ import tensorflow as tf
 from common import cell_moments, report, t_stat
 
 from horovod_alq.core import Quantizer
-from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, QSGDCompressor, compressor_for
+from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, QSGDCompressor, QuantizedCompressor, compressor_for
+
+# XLA compiles the codec once per traced tensor shape (about a second each here). Only the exchange
+# scenario keeps it (tests/tensorflow/test_tf_kernels.py checks the XLA kernels against the core);
+# the others run the same TF ops op by op: jit_compile=False is their compressors' default.
+if "exchange" not in ARGS.scenarios:
+    QuantizedCompressor.__init__.__kwdefaults__["jit_compile"] = False
 
 ADAPTIVE = ("alq", "alq-n", "amq", "amq-n")
 
