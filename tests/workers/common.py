@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +70,21 @@ def t_stat(samples: np.ndarray) -> np.ndarray:
     """t-statistics of the column means of ``samples`` (reps, k): mean / (std / sqrt(reps))."""
     samples = np.asarray(samples, dtype=np.float64)
     return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
+
+
+def stalled_backward(rank: int, size: int, timeout: float, backward) -> dict:
+    """Run ``backward()``, in which the last rank raises (it stops in the middle of a round), and
+    report whether and after how long it raised here. The last rank then stays alive, not calling,
+    for longer than ``timeout`` (a process that exits closes its connections, and the backend
+    fails the others at once), so that the others' bounded waits are what ends their wait."""
+    start = time.monotonic()
+    try:
+        backward()
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        seconds = time.monotonic() - start
+        if rank == size - 1:
+            time.sleep(timeout + 3)
+        return {"raised": True, "message": f"{type(err).__name__}: {err}"[:2000], "seconds": seconds,
+                "timeout": timeout}
+    return {"raised": False, "seconds": time.monotonic() - start}
+

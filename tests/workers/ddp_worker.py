@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import report
+from common import report, stalled_backward
 
 from horovod_alq.torch.ddp import ALQState, alq_hook
 from horovod_alq.torch.dist_transport import DistTransport
@@ -301,8 +301,6 @@ def stalled(rank: int, size: int, refit: bool, timeout: float = 3.0) -> dict:
     ``refit``, step 2 refits: the last bucket's hook waits for every bucket, and that wait raises
     after ``timeout``. Each run has a process group of its own, where its abandoned collective stays;
     run last all the same (the stopped rank's DDP state is left mid-step)."""
-    import time
-
     group = dist.new_group(list(range(size)))  # its own group: the abandoned collective stays there
     model = make_model(group=group)
     state = state_for("alq", group=group, timeout=timeout, update_steps=(0, 1) if refit else (0,))
@@ -313,17 +311,7 @@ def stalled(rank: int, size: int, refit: bool, timeout: float = 3.0) -> dict:
         def stop(grad):
             raise RuntimeError("injected: this rank stops in the middle of backward")
         model.module.fc1.weight.register_hook(stop)
-    x, y = x2, y2
-    start = time.monotonic()
-    try:
-        F.cross_entropy(model(x), y).backward()
-    except Exception as err:  # noqa: BLE001
-        seconds = time.monotonic() - start
-        if rank == size - 1:
-            time.sleep(timeout + 3)  # alive, not calling, while the others wait
-        return {"raised": True, "message": f"{type(err).__name__}: {err}"[:2000], "seconds": seconds,
-                "timeout": timeout}
-    return {"raised": False, "seconds": time.monotonic() - start}
+    return stalled_backward(rank, size, timeout, lambda: F.cross_entropy(model(x2), y2).backward())
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from common import report
+from common import report, stalled_backward
 from ddp_worker import Net, batches
 
 from horovod_alq.core.wire import payload_size
@@ -246,8 +246,6 @@ def stalled(rank: int, size: int, timeout: float = 3.0) -> dict:
     collective, must raise after ``timeout`` (the watchdog), not wait for gloo's 30 minutes.
     Parameters stay unsharded after forward, so backward issues no all-gather of FSDP's own (which
     would wait unbounded). Run last: the abandoned collective stays in the mesh's group."""
-    import time
-
     torch.manual_seed(0)
     model = Net()
     mesh = init_device_mesh("cpu", (size,))
@@ -261,16 +259,7 @@ def stalled(rank: int, size: int, timeout: float = 3.0) -> dict:
         def stop(module, grad_output):
             raise RuntimeError("injected: this rank stops in the middle of backward")
         model.fc2.register_full_backward_pre_hook(stop)
-    start = time.monotonic()
-    try:
-        F.cross_entropy(model(x2), y2).backward()
-    except Exception as err:  # noqa: BLE001 - reported to the test
-        seconds = time.monotonic() - start
-        if rank == size - 1:
-            time.sleep(timeout + 3)  # alive, not calling, while the others wait
-        return {"raised": True, "message": f"{type(err).__name__}: {err}"[:2000], "seconds": seconds,
-                "timeout": timeout}
-    return {"raised": False, "seconds": time.monotonic() - start}
+    return stalled_backward(rank, size, timeout, lambda: F.cross_entropy(model(x2), y2).backward())
 
 
 def main() -> None:
