@@ -97,7 +97,7 @@ class QuantizedAllreduce(frontends.Configured):
         self._comm, self._rank, self._size = comm, comm.Get_rank(), comm.Get_size()
         self._method = get_method(method)
         setup = configure(method, bits, bucket_size, clip=clip, norm=norm, bits_second=bits_second, seed=seed,
-                          on_request=True)  # refits: adapt() only
+                          on_request=True, front_end="QuantizedAllreduce (mpi4py)")  # refits: adapt() only
         self._quantizer, self._state = setup.quantizer, setup.state
         if collect_every is None:
             collect_every = 1 if self._method.adaptive else 0

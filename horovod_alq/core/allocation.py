@@ -127,3 +127,117 @@ def allocate_bits(errors: np.ndarray, sizes: Sequence[int], budget: float, width
     bits = widths_a[chosen]
     total = float(errors[np.arange(len(sizes_a)), chosen].sum())
     return Allocation(bits=bits, error=total, mean_bits=float((sizes_a * bits).sum() / sizes_a.sum()), gap=gap or 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# bits="auto": what the compressors keep and compute at each refit
+
+#: The candidate widths of ``bits="auto"``.
+AUTO_WIDTHS: tuple[int, ...] = tuple(range(2, 9))
+
+
+def check_budget(budget) -> float:
+    """``bit_budget`` as a float in [2, 8] (mean bits per coordinate of the quantized tensors,
+    bucket norms not counted), or ValueError naming it."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(budget) or not AUTO_WIDTHS[0] <= budget <= AUTO_WIDTHS[-1]:
+        raise ValueError(f"bit_budget must be a number from {AUTO_WIDTHS[0]} to {AUTO_WIDTHS[-1]} (mean bits per "
+                         f"coordinate), got {budget!r}")
+    return float(budget)
+
+
+def quantization_errors(x: np.ndarray, quantizers: Sequence) -> np.ndarray:
+    """Exact ``E||Q(x) - x||^2`` of ``x`` under each quantizer (same method, norm and bucket size,
+    their own levels), shape (len(quantizers),): ``sum_b norm_b**2 sum_i (l_{j+1} - r_i)(r_i - l_j)``
+    over the normalized coordinates ``r_i`` of each finite, non-zero bucket ``b``."""
+    from .statistics import normalize
+
+    q0 = quantizers[0]
+    nz = normalize(x, q0.bucket_size, q0.norm)
+    keep = nz.norms > 0  # False for NaN
+    r = nz.r.reshape(-1)[: nz.numel]
+    weight = np.repeat(np.where(keep, nz.norms.astype(np.float64), 0.0) ** 2, q0.bucket_size)[: nz.numel]
+    out = np.empty(len(quantizers))
+    for k, q in enumerate(quantizers):
+        levels = q.levels
+        j = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
+        out[k] = float(np.dot(weight, (levels[j + 1] - r) * (r - levels[j])))
+    return out
+
+
+class AutoBits:
+    """The state of ``bits="auto"``: one quantizer per width of :data:`AUTO_WIDTHS` (each with its
+    own levels) and the allocation of the last refit, a width per tensor of the round it was fitted
+    on (``keys``: each tensor's (elements, shape code), in order).
+
+    A round whose tensors are exactly ``keys`` quantizes each with its allocated width; any other
+    round (before the first refit, a plain allreduce between steps, ranks in different orders)
+    quantizes all of its tensors with :attr:`default`, the widest width within the budget. At a
+    refit (:meth:`refit`), every rank holds the sum over ranks of every tensor's :meth:`row`: the
+    exact quantization error of each width with its current levels (the sum of the ranks' errors is
+    the variance of the summed update), and the method's statistics. :func:`allocate_bits` then
+    picks the widths minimizing the total error under the budget, and each width in use refits its
+    levels from the statistics of the tensors that use it (warm-started; widths not in use keep
+    theirs). The same sums give every rank the same allocation and levels.
+    """
+
+    def __init__(self, method: str, budget: float, bucket_size: int, norm: str | None = None) -> None:
+        from .quantizer import Quantizer
+
+        self.budget = check_budget(budget)
+        self.quantizers = {w: Quantizer(method, bits=w, bucket_size=bucket_size, norm=norm) for w in AUTO_WIDTHS}
+        self.default = int(np.floor(self.budget))
+        self.keys: tuple = ()
+        self.bits: tuple[int, ...] = ()
+
+    def widths_for(self, keys: Sequence) -> tuple[int, ...]:
+        """The width of each tensor of a round whose tensors are ``keys``."""
+        keys = tuple(keys)
+        return self.bits if keys == self.keys else (self.default,) * len(keys)
+
+    def row(self, x: np.ndarray) -> np.ndarray:
+        """One tensor's refit vector: its error at every width, then its statistics."""
+        qs = [self.quantizers[w] for w in AUTO_WIDTHS]
+        return np.concatenate([quantization_errors(x, qs), qs[0].statistics(x)])
+
+    def refit(self, rows: np.ndarray, sizes: Sequence[int], keys: Sequence) -> Allocation:
+        """Allocate and refit from the sum over ranks of every tensor's :meth:`row` (shape (T, ...))."""
+        rows = np.asarray(rows, dtype=np.float64)
+        w = len(AUTO_WIDTHS)
+        alloc = allocate_bits(np.maximum(rows[:, :w], 0.0), sizes, self.budget, AUTO_WIDTHS)
+        for width in sorted(set(alloc.bits.tolist())):
+            stats = rows[alloc.bits == width, w:].sum(axis=0)
+            if stats[0] > 0:
+                self.quantizers[width].adapt(stats)
+        self.keys, self.bits = tuple(keys), tuple(int(b) for b in alloc.bits)
+        return alloc
+
+    def mean_bits(self) -> float:
+        """Mean bits per coordinate of the allocation (NaN before the first refit)."""
+        if not self.bits:
+            return float("nan")
+        n = np.array([k[0] for k in self.keys], dtype=np.float64)
+        return float((n * np.array(self.bits)).sum() / n.sum())
+
+    def fingerprint(self) -> int:
+        """Hash of every width's levels and of the allocation (the handshake's)."""
+        from .protocol import stable_hash
+
+        return stable_hash(*(self.quantizers[w].fingerprint for w in AUTO_WIDTHS), self.allocation_hash())
+
+    def allocation_hash(self) -> int:
+        from .protocol import stable_hash
+
+        return stable_hash(repr((self.keys, self.bits)))
+
+    def state_dict(self) -> dict:
+        return {"budget": self.budget, "keys": [list(k) for k in self.keys], "bits": list(self.bits),
+                "quantizers": {w: q.state_dict() for w, q in self.quantizers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if float(state["budget"]) != self.budget:
+            raise ValueError(f"state has bit_budget={state['budget']!r}, this compressor has {self.budget!r}")
+        for w, q in self.quantizers.items():
+            q.load_state_dict(state["quantizers"][w] if w in state["quantizers"] else state["quantizers"][str(w)])
+        self.keys = tuple(tuple(int(v) for v in k) for k in state["keys"])
+        self.bits = tuple(int(b) for b in state["bits"])

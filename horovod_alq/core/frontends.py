@@ -104,8 +104,15 @@ class Configured:
     """The configuration of a front-end, read from its NumPy ``_quantizer``."""
 
     @property
-    def bits(self) -> int:
-        return self._quantizer.bits
+    def bits(self) -> int | str:
+        """Bits per coordinate, or ``"auto"`` (a width per tensor, :attr:`bit_budget`)."""
+        return "auto" if self.bit_budget is not None else self._quantizer.bits
+
+    @property
+    def bit_budget(self) -> float | None:
+        """Mean bits per coordinate of ``bits="auto"``; None with fixed bits."""
+        auto = getattr(getattr(self, "_state", None), "auto", None)
+        return None if auto is None else auto.budget
 
     @property
     def bucket_size(self) -> int:

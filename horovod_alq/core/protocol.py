@@ -312,16 +312,18 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
 # The round handshake
 
 #: Settings every rank must share, in the order the handshake checks them.
-SETTINGS = ("method", "bits", "bucket_size", "norm", "exchange", "fusion_bytes", "bits_second", "adapt_second")
-HANDSHAKE_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting", "tensors", "elements", "contents",
+#: ``budget``: ``bit_budget`` in thousandths of a bit with ``bits="auto"`` (``bits`` is then 0), else 0.
+SETTINGS = ("method", "bits", "budget", "bucket_size", "norm", "exchange", "fusion_bytes", "bits_second",
+            "adapt_second")
+HANDSHAKE_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collecting", "tensors", "elements", "contents",
                     "order", "early", "early_ok")
 #: The handshake of a streamed round (the DDP hook, mpi4py): before its tensors are known, so instead
 #: of their layout the threshold that decides which of them are quantized (the framework guarantees
 #: the same tensors, in the same order, on every rank) and the elements the round will hold where
 #: the front-end knows them in advance (mpi4py; 0 where it does not).
-STREAM_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting", "min_size", "elements")
+STREAM_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collecting", "min_size", "elements")
 #: The handshakes of a refit outside any round (:meth:`horovod_alq.exchange.Engine.refit`).
-REFIT_FIELDS = ("error", *SETTINGS, "levels", "round", "collecting")
+REFIT_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collecting")
 
 
 def handshake_vector(*, fields: Sequence[str] = HANDSHAKE_FIELDS, **values: int) -> np.ndarray:
@@ -363,9 +365,10 @@ def read_handshake(reduced_max: np.ndarray, local_error: str | None = None, *,
         mine = f" This rank: {local_error}" if local_error else " (see the failing rank's error)"
         raise ProtocolError(f"{PREFIX}: a rank failed before the payload exchange of this round; "
                             f"refusing to exchange on every rank.{mine}")
-    differ = [f for f in (*SETTINGS, "levels", "round", "collecting") if hi[f] != lo[f]]
+    differ = [f for f in (*SETTINGS, "levels", "allocation", "round", "collecting") if hi[f] != lo[f]]
     if differ:
-        meaning = {"levels": "levels differ (fingerprints", "round": "round numbers (a previous exchange failed "
+        meaning = {"levels": "levels differ (fingerprints", "allocation": "bit allocations of bits='auto' (hashes",
+                   "budget": "bit_budget (thousandths of a bit:", "round": "round numbers (a previous exchange failed "
                    "on some ranks only:", "collecting": "refit schedules (update_steps / update_every:"}
         named = {"norm": ("l2", "linf"), "exchange": ("allgather", "two-phase", "reduce-scatter")}
 

@@ -18,6 +18,9 @@ from .wire import HEADER_SIZE, Header, check_header, levels_fingerprint, pack_he
 
 _MAX_BUCKET = 2**32 - 1  # the header's bucket size field is a uint32
 TERNGRAD_CLIP = 2.5  # standard deviations, as in Wen et al. (NeurIPS 2017)
+#: (method, bits, bucket size, norm) -> the adaptive methods' starting (levels, multiplier), fitted
+#: once per process (an 8-bit ALQ fit takes about a second).
+_GAUSSIAN_STARTS: dict[tuple, tuple] = {}
 
 
 def stochastic_round(r: np.ndarray, levels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -132,9 +135,14 @@ class Quantizer:
         self._multiplier: float | None = 0.5 if self._method.adapts == "multiplier" else None
         self._store_levels(initial_levels(self._method, self._bits))
         if self._method.adaptive:
-            from .distributions import TruncatedNormal
+            key = (self._method.name, self._bits, self._bucket_size, self._norm)
+            if key not in _GAUSSIAN_STARTS:
+                from .distributions import TruncatedNormal
 
-            self._fit(TruncatedNormal(0.0, gaussian_sigma(self._bucket_size, self._norm)))
+                self._fit(TruncatedNormal(0.0, gaussian_sigma(self._bucket_size, self._norm)))
+                _GAUSSIAN_STARTS[key] = (self._levels, self._multiplier)
+            self._multiplier = _GAUSSIAN_STARTS[key][1]
+            self._store_levels(_GAUSSIAN_STARTS[key][0])
 
     def _check_clip(self, clip: bool | float) -> float | None:
         if clip is False or clip is None:

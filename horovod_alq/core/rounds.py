@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .allocation import AutoBits
 from .methods import get_method
 from .quantizer import Quantizer
 
@@ -71,6 +72,7 @@ class RoundState:
     bytes_received: int = 0
     recovered: int = 0  # tensors re-exchanged alone: ranks had put them in different slots of one shape
     exchange: str | None = None  # the exchange used by the last round
+    auto: AutoBits | None = None  # bits="auto": a quantizer per width and the allocation
 
     def __post_init__(self) -> None:
         if self.second is None:
@@ -113,16 +115,28 @@ class RoundState:
         }
         out.update({key: getattr(self, key) for key in COUNTERS})
         out["bits_per_coordinate"] = 8.0 * self.payload_bytes / self.coordinates if self.coordinates else float("nan")
+        if self.auto is not None:
+            a = self.auto
+            out.update(bit_budget=a.budget, allocation=list(a.bits), allocated_mean_bits=a.mean_bits(),
+                       default_bits=a.default,
+                       width_levels={w: a.quantizers[w].levels for w in sorted(set(a.bits) | {a.default})})
         return out
 
     def state_dict(self) -> dict:
         out = {"quantizer": self.quantizer.state_dict(), "second": self.second.state_dict()}
         out.update({key: getattr(self, key) for key in COUNTERS})
+        if self.auto is not None:
+            out["auto"] = self.auto.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict`; states saved before the two-phase exchange (no ``second``,
         ``bytes_*``) load with the second quantizer's initial levels and zero byte counters."""
+        if (state.get("auto") is None) != (self.auto is None):
+            raise ValueError("state was saved with bits=" + ("'auto'" if state.get("auto") is not None else "fixed")
+                             + ", this compressor has bits=" + ("'auto'" if self.auto is not None else "fixed"))
+        if self.auto is not None:
+            self.auto.load_state_dict(state["auto"])
         self.quantizer.load_state_dict(state["quantizer"])
         if state.get("second") is not None:
             self.second.load_state_dict(state["second"])

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..core.quantizer import Quantizer
 from ..core.wire import payload_size
-from .base import Allgather, Job, Piece, Steps, Tensor, check_payloads
+from .base import Allgather, Job, Piece, Steps, Tensor, check_payloads, check_segments
 from .plan import BufferPlan, allgather_bytes, sizes
 
 #: Collectives per buffer (a streamed round gives each its own transport).
@@ -25,22 +25,25 @@ STAGES = 1
 NAME = "allgather"
 
 
-def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer | None = None) -> BufferPlan:
-    """``[lo, hi)`` as one payload, gathered by every rank."""
+def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer | None = None,
+         segments=None) -> BufferPlan:
+    """``[lo, hi)`` as one payload (with ``segments``: one per run of one width), gathered by every rank."""
     parts = ((lo, hi),)
-    own = sizes(parts, first)
+    own = sizes(parts, first, segments)
     return BufferPlan(parts, own, (), *allgather_bytes(own * size, rank))
 
 
 def steps(job: Job, i: int) -> Steps:
-    """Buffer ``i``: encode it, gather every rank's payload, check them; one :class:`Piece`."""
-    q, t = job.first, job.transport
+    """Buffer ``i``: encode it (a payload per run of one width), gather every rank's payloads,
+    check them; one :class:`Piece` per run."""
+    t = job.transport
     lo, hi = job.layout.buffers[i]
-    p = plan(lo, hi, t.size, t.rank, q)
-    payload = job.encode_range(lo, hi, q, job.seed(i))
+    p = plan(lo, hi, t.size, t.rank, job.first, segments=job.segments)
+    payload, runs = job.encode_runs(lo, hi, lambda k: job.seed(i) if k == 0 else job.seed(i, k, 3))
     gathered = yield Allgather(payload, list(p.first) * t.size, f"ag{i}")
-    offsets = check_payloads(job.ops, gathered, [hi - lo] * t.size, q, f"buffer {i}")
-    return [Piece(lo, hi, gathered, tuple(offsets), job.frozen(q))]
+    expected = [(b - a, q) for a, b, q, _ in runs]
+    offsets = check_segments(job.ops, gathered, [expected] * t.size, f"buffer {i}")
+    return [Piece(a, b, gathered, tuple(o[k] for o in offsets), job.frozen(q)) for k, (a, b, q, _) in enumerate(runs)]
 
 
 def empty_first(ops, size: int) -> Allgather:

@@ -138,23 +138,41 @@ def check_host_payloads(host: np.ndarray, numels: Sequence[int], quantizer: Quan
     """:func:`check_payloads` on a host copy (uint8). The headers are read at their expected offsets
     first (the first rank whose payload differs in configuration is named, even when its size then
     differs), then the total size."""
-    q = quantizer
-    sizes = [payload_size(n, q.bits, q.bucket_size) for n in numels]
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    for rank, (offset, n) in enumerate(zip(offsets[:-1].tolist(), numels)):
-        if offset + HEADER_SIZE > host.size:
-            break
-        try:
-            header = parse_header(host[offset: offset + HEADER_SIZE])
-            check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint, q.norm)
-            if header.numel != n:
-                raise ValueError(f"payload has {header.numel} elements, expected {n}")
-        except ValueError as err:
-            raise ProtocolError(f"{PREFIX}: {what}: the payload of rank {rank} does not match this rank's "
-                                f"({q.method}, bits={q.bits}, bucket_size={q.bucket_size}): {err}") from None
-    if host.size != offsets[-1]:
-        raise ProtocolError(f"{PREFIX}: {what}: received {host.size} bytes, expected {int(offsets[-1])}")
-    return offsets[:-1].tolist()
+    return [o[0] for o in check_host_segments(host, [[(n, quantizer)] for n in numels], what)]
+
+
+def check_segments(ops: TensorOps, gathered: Tensor, expected: Sequence[Sequence[tuple[int, Quantizer]]],
+                   what: str) -> list[list[int]]:
+    """Validate every rank's run of payloads, back to back in ``gathered``: rank ``r``'s holds one
+    payload per ``(elements, quantizer)`` of ``expected[r]`` (tensors of several widths in one
+    buffer, ``bits="auto"``). Returns the offsets of each rank's payloads."""
+    return check_host_segments(ops.to_numpy(gathered), expected, what)
+
+
+def check_host_segments(host: np.ndarray, expected: Sequence[Sequence[tuple[int, Quantizer]]],
+                        what: str) -> list[list[int]]:
+    """:func:`check_segments` on a host copy (uint8): headers first, then the total size."""
+    offsets, pos = [], 0
+    for rank_expected in expected:
+        offsets.append([])
+        for n, q in rank_expected:
+            offsets[-1].append(pos)
+            pos += payload_size(n, q.bits, q.bucket_size)
+    for rank, rank_expected in enumerate(expected):
+        for offset, (n, q) in zip(offsets[rank], rank_expected):
+            if offset + HEADER_SIZE > host.size:
+                break
+            try:
+                header = parse_header(host[offset: offset + HEADER_SIZE])
+                check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint, q.norm)
+                if header.numel != n:
+                    raise ValueError(f"payload has {header.numel} elements, expected {n}")
+            except ValueError as err:
+                raise ProtocolError(f"{PREFIX}: {what}: the payload of rank {rank} does not match this rank's "
+                                    f"({q.method}, bits={q.bits}, bucket_size={q.bucket_size}): {err}") from None
+    if host.size != pos:
+        raise ProtocolError(f"{PREFIX}: {what}: received {host.size} bytes, expected {pos}")
+    return offsets
 
 
 @dataclass(frozen=True)
@@ -223,6 +241,7 @@ class Job:
     name: Callable[[str], str]
     collect_second: bool = False
     stream_buffer: Callable[[int], Tensor] | None = None
+    widths: Sequence[Quantizer] | None = None  # bits="auto": each tensor's quantizer (both phases)
     sent: int = 0
     received: int = 0
     encoded: int = 0  # bytes of this rank's own (first-phase) payloads
@@ -236,6 +255,22 @@ class Job:
             self._frozen[id(quantizer)] = copy.copy(quantizer)
         return self._frozen[id(quantizer)]
 
+    def segments(self, lo: int, hi: int) -> list[tuple[int, int, Quantizer, Quantizer]]:
+        """``[lo, hi)`` as runs of one width: ``(a, b, first, second)`` quantizers of each run (a
+        tensor's run reaches the next tensor's start); one run unless ``widths`` is given."""
+        if self.widths is None:
+            return [(lo, hi, self.first, self.second)]
+        lay, runs = self.layout, []
+        for q, s, e in zip(self.widths, lay.starts, (*lay.starts[1:], lay.length)):
+            a, b = max(lo, s), min(hi, e)
+            if a >= b:
+                continue
+            if runs and runs[-1][2] is q and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b, q, q)
+            else:
+                runs.append((a, b, q, q))
+        return runs
+
     @property
     def stream(self) -> Tensor:
         """The round's stream (float32, ``layout.length``), built on first use."""
@@ -246,7 +281,8 @@ class Job:
         return self._stream
 
     def encode_range(self, lo: int, hi: int, quantizer: Quantizer, seed: int) -> Tensor:
-        """The payload of the stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its buffer)."""
+        """The payload of the stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its buffer): this
+        rank's own codes (counted in ``encoded``)."""
         if self._stream is None:
             parts, starts = [], []
             for part, s, n in zip(self.parts, self.layout.starts, self.layout.numels):
@@ -256,17 +292,22 @@ class Job:
                     starts.append(a - lo)
             payload = self.ops.encode_parts(parts, starts, hi - lo, quantizer, seed)
             if payload is not None:
-                return self._counted(payload, quantizer)
-        return self.encode(self.stream[lo:hi], quantizer, seed)
+                self.encoded += int(payload.shape[0])
+                return payload
+        payload = self.ops.encode(self.stream[lo:hi], quantizer, seed)
+        self.encoded += int(payload.shape[0])
+        return payload
 
     def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
-        """A payload of ``x`` (not of the stream); an empty ``x`` gives the bare header."""
-        return self._counted(self.ops.encode(x, quantizer, seed), quantizer)
+        """A payload of ``x`` (not of the stream: a reduced shard); an empty ``x`` gives the bare header."""
+        return self.ops.encode(x, quantizer, seed)
 
-    def _counted(self, payload: Tensor, quantizer: Quantizer) -> Tensor:
-        if quantizer is self.first:
-            self.encoded += int(payload.shape[0])
-        return payload
+    def encode_runs(self, lo: int, hi: int, seed: Callable[[int], int]) -> tuple[Tensor, list]:
+        """This rank's payloads of ``[lo, hi)``, one per run of one width (:meth:`segments`), back
+        to back; ``seed(k)`` is run ``k``'s. Returns them and the runs."""
+        runs = self.segments(lo, hi)
+        payloads = [self.encode_range(a, b, q1, seed(k)) for k, (a, b, q1, _) in enumerate(runs)]
+        return joined(self.ops, payloads), runs
 
     def add_second_statistics(self, stats: np.ndarray) -> None:
         self.second_statistics = stats if self.second_statistics is None else self.second_statistics + stats
@@ -286,6 +327,13 @@ class Job:
     def count_alltoall(self, splits: Sequence[int], received: Sequence[int]) -> None:
         sent, got = alltoall_bytes(splits, received, self.transport.rank)
         self.sent, self.received = self.sent + sent, self.received + got
+
+
+def joined(ops: TensorOps, payloads: Sequence[Tensor]) -> Tensor:
+    """Payloads back to back (none: an empty uint8 vector)."""
+    if len(payloads) == 1:
+        return payloads[0]
+    return ops.cat(payloads) if payloads else ops.from_numpy(np.zeros(0, dtype=np.uint8))
 
 
 @dataclass(frozen=True)

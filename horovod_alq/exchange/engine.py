@@ -223,7 +223,8 @@ class Engine:
         exchange = choose_exchange(self.exchange, transport.size)
         job = Job([e.flat for e in entries], plan_layout([e.numel for e in entries], q.bucket_size, None), ops,
                   transport, q, st.second, seed=lambda *keys: derive_seed(base, rank, epoch, i, *keys[1:]),
-                  name=self._early_name(epoch, i), collect_second=self._collects(exchange)[1])
+                  name=self._early_name(epoch, i), collect_second=self._collects(exchange)[1],
+                  widths=self._early_widths(rnd, entries))
         steps = EXCHANGES[exchange].steps(job, 0)
         rnd.early.append(Started(job, steps, job.issue(next(steps)), offset))
 
@@ -291,12 +292,30 @@ class Engine:
     # ------------------------------------------------------------------ the round
     def _settings(self, exchange: str, epoch: int, collecting: bool) -> dict:
         """The handshake fields every rank must share: settings, levels, round number, refit flag."""
-        q, st = self.quantizer, self.state
-        return dict(method=get_method(q.method).id, bits=q.bits, bucket_size=q.bucket_size,
+        q, st, auto = self.quantizer, self.state, self.state.auto
+        return dict(method=get_method(q.method).id, bits=0 if auto else q.bits,
+                    budget=round(1000 * auto.budget) if auto else 0, bucket_size=q.bucket_size,
                     norm=("l2", "linf").index(q.norm), exchange=list(STREAMED).index(exchange),
-                    fusion_bytes=self.fusion_bytes, bits_second=st.second.bits, adapt_second=int(st.adapt_second),
-                    levels=stable_hash(q.fingerprint, st.second.fingerprint), round=epoch,
-                    collecting=int(collecting))
+                    fusion_bytes=self.fusion_bytes, bits_second=0 if auto else st.second.bits,
+                    adapt_second=int(st.adapt_second),
+                    levels=stable_hash(q.fingerprint, st.second.fingerprint, auto.fingerprint() if auto else 0),
+                    allocation=auto.allocation_hash() if auto else 0, round=epoch, collecting=int(collecting))
+
+    def _widths(self, keys: Sequence) -> list[Quantizer] | None:
+        """``bits="auto"``: the quantizer of each tensor of a round whose tensors are ``keys``."""
+        auto = self.state.auto
+        return None if auto is None else [auto.quantizers[w] for w in auto.widths_for(keys)]
+
+    def _early_widths(self, rnd: _Round, entries: list[Entry]) -> list[Quantizer] | None:
+        """The widths of an early buffer's tensors: the allocation's if the round so far is its
+        beginning (the round checks it once complete, :meth:`_run_round`), else the default."""
+        auto = self.state.auto
+        if auto is None:
+            return None
+        end = entries[-1].slot + 1
+        keys = tuple((e.numel, e.shape_code) for e in rnd.entries[:end])
+        bits = auto.bits[entries[0].slot: end] if auto.keys[:end] == keys else (auto.default,) * len(entries)
+        return [auto.quantizers[w] for w in bits]
 
     def open_stream(self, ops: TensorOps, stages: Sequence[Transport], *, min_size: int = 0,
                     exchange: str | None = None, error: str | None = None, elements: int = 0,
@@ -313,6 +332,9 @@ class Engine:
         rank collects this round's statistics (or not) for the caller, ``close`` returns them and
         refits nothing (a front-end that refits on request, :meth:`refit`)."""
         q, st = self.quantizer, self.state
+        if st.auto is not None:
+            raise ValueError(f"{PREFIX}: bits='auto' is served by the Horovod compressors' rounds only, not by "
+                             f"streamed rounds (the DDP hook, FSDP2, mpi4py)")
         transport = stages[0]
         epoch = st.step
         exchange = choose_exchange(self.exchange, transport.size) if exchange is None else exchange
@@ -355,6 +377,10 @@ class Engine:
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
         reduced = transport.allreduce_max(handshake_vector(**fields), f"{prefix}.handshake")
         early = self._settle_early(rnd, reduced, ops, transport, exchange, epoch)
+        widths = self._widths(order)
+        if early and widths is not None:  # early buffers guessed the allocation from the round's beginning
+            guessed = [q for s in rnd.early for q in s.job.widths]
+            early = all(a is b for a, b in zip(guessed, widths))
         try:
             agreement = read_handshake(reduced, own)
         except ProtocolError:
@@ -377,7 +403,8 @@ class Engine:
                   seed=lambda *keys: derive_seed(self.seed, transport.rank, epoch, *keys),
                   name=lambda tag: f"{prefix}.{tag}",
                   collect_second=collect_second,
-                  stream_buffer=lambda n: self._kept_buffer(rnd, "stream", n, ops))
+                  stream_buffer=lambda n: self._kept_buffer(rnd, "stream", n, ops),
+                  widths=widths if ordered else None)
         st.coordinates += sum(e.numel for e in live)
         started = {}
         if early:
@@ -399,7 +426,10 @@ class Engine:
             st.bytes_sent += job.sent
             st.bytes_received += job.received
             st.payload_bytes += job.encoded
-        if collecting:
+        if collecting and st.auto is not None:
+            if ordered:  # per-tensor rows line up on every rank only in ordered rounds
+                self._refit_auto(job, order, prefix)
+        elif collecting:
             self._refit(job, collect_first, second_stats, prefix)
 
     def _settle_early(self, rnd: _Round, reduced: np.ndarray, ops: TensorOps, transport: Transport,
@@ -500,6 +530,16 @@ class Engine:
         if job.collect_second:
             second = np.zeros(k) if second_stats is None else second_stats
         self.refit_from(first, second, job.transport, f"{prefix}.statistics")
+
+    def _refit_auto(self, job: Job, keys: tuple, prefix: str) -> None:
+        """``bits="auto"``: one allreduce of every tensor's row (errors per width, statistics), then
+        every rank allocates the widths and refits the levels alike (:meth:`AutoBits.refit`)."""
+        auto, st = self.state.auto, self.state
+        rows = np.stack([auto.row(job.ops.to_numpy(part)) for part in job.parts])
+        total = job.transport.allreduce_sum(rows.ravel(), f"{prefix}.statistics").reshape(rows.shape)
+        auto.refit(total, [k[0] for k in keys], keys)
+        st.refitted_first()
+        st.level_updates += 1
 
     def refit_from(self, first: np.ndarray | None, second: np.ndarray | None, transport: Transport,
                    name: str) -> bool:

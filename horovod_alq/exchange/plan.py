@@ -29,9 +29,14 @@ class BufferPlan:
     received: int = 0
 
 
-def sizes(parts: Sequence[tuple[int, int]], quantizer: Quantizer) -> tuple[int, ...]:
-    """The payload size of each element range under ``quantizer``."""
-    return tuple(payload_size(b - a, quantizer.bits, quantizer.bucket_size) for a, b in parts)
+def sizes(parts: Sequence[tuple[int, int]], quantizer: Quantizer, segments=None, phase: int = 0) -> tuple[int, ...]:
+    """The payload size of each element range under ``quantizer``; with ``segments`` (a job's
+    :meth:`~.base.Job.segments`), the sum over its runs of one width, each run's quantizer of
+    ``phase`` (0: first, 1: second)."""
+    if segments is None:
+        return tuple(payload_size(b - a, quantizer.bits, quantizer.bucket_size) for a, b in parts)
+    return tuple(sum(payload_size(rb - ra, codecs[phase].bits, codecs[phase].bucket_size)
+                     for ra, rb, *codecs in segments(a, b)) for a, b in parts)
 
 
 def allgather_bytes(sizes: Sequence[int], rank: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import numpy as np
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
 from ..core.wire import HEADER_SIZE
-from .base import Allgather, Alltoall, Job, Piece, Steps, Tensor, check_payloads
+from .base import Allgather, Alltoall, Job, Piece, Steps, Tensor, check_segments, joined
 from .plan import BufferPlan, allgather_bytes, alltoall_bytes, sizes, total
 
 #: Collectives per buffer (a streamed round gives each its own transport).
@@ -44,37 +44,48 @@ def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, in
     return [(bounds[j], bounds[j + 1]) for j in range(parts)]
 
 
-def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer) -> BufferPlan:
+def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer, segments=None) -> BufferPlan:
     """``[lo, hi)`` as ``size`` shards: rank ``j`` receives every rank's shard ``j`` (alltoall), and
-    every rank gathers the owners' re-quantized shards."""
+    every rank gathers the owners' re-quantized shards (with ``segments``: a payload per run of
+    one width in each shard)."""
     parts = tuple(shards(lo, hi, size, first.bucket_size))
-    own, again = sizes(parts, first), sizes(parts, second)
+    own, again = sizes(parts, first, segments), sizes(parts, second, segments, phase=1)
     counts = total(alltoall_bytes(own, [own[rank]] * size, rank), allgather_bytes(again, rank))
     return BufferPlan(parts, own, again, *counts)
 
 
 def steps(job: Job, i: int) -> Steps:
     """Buffer ``i`` through the two phases; the owners' statistics of their reduced shards (for the
-    second quantizer's refit) are added to ``job.second_statistics`` when ``job.collect_second``."""
-    q1, q2, ops, t = job.first, job.second, job.ops, job.transport
+    second quantizer's refit) are added to ``job.second_statistics`` when ``job.collect_second``.
+    Runs of one width (``bits="auto"``) are encoded, summed and re-quantized each with its own
+    width: a shard's payload is one payload per run in it."""
+    q2, ops, t = job.second, job.ops, job.transport
     n, me = t.size, t.rank
-    p = plan(*job.layout.buffers[i], n, me, q1, q2)
+    p = plan(*job.layout.buffers[i], n, me, job.first, q2, segments=job.segments)
     parts = p.parts
     a, b = parts[me]
-    payloads = [job.encode_range(pa, pb, q1, job.seed(i, j, 1)) for j, (pa, pb) in enumerate(parts)]
+    payloads, runs = [], []
+    for j, (pa, pb) in enumerate(parts):
+        payload, shard_runs = job.encode_runs(pa, pb, lambda k: job.seed(i, j, 1) if k == 0 else job.seed(i, j, 1, k))
+        payloads.append(payload)
+        runs.append(shard_runs)
     gathered = yield Alltoall(ops.cat(payloads), list(p.first), [p.first[me]] * n, f"a2a{i}")
     acc = ops.zeros(b - a)
     failure = None
     try:
-        offsets = check_payloads(ops, gathered, [b - a] * n, q1, f"shard {me} of buffer {i}")
-        ops.decode_sum(acc, gathered, offsets, q1)
+        offsets = check_segments(ops, gathered, [[(rb - ra, q) for ra, rb, q, _ in runs[me]]] * n,
+                                 f"shard {me} of buffer {i}")
+        for k, (ra, rb, q1, _) in enumerate(runs[me]):
+            ops.decode_sum(acc[ra - a: rb - a], gathered, [o[k] for o in offsets], q1)
     except ProtocolError as err:
         failure = err
     for pa, pb in job.layout.padding_in(a, b):  # keep padding out of the second norms
         acc[pa - a: pb - a] = 0
     if job.collect_second and b > a:
         job.add_second_statistics(ops.statistics(acc, q2))
-    payload = job.encode(acc, q2, job.seed(i, me, 2))
+    again = [job.encode(acc[ra - a: rb - a], q, job.seed(i, me, 2) if k == 0 else job.seed(i, me, 2, k))
+             for k, (ra, rb, _, q) in enumerate(runs[me])]
+    payload = joined(ops, again)
     if failure is not None:
         payload = _poisoned(ops, payload)
     gathered = yield Allgather(payload, list(p.second), f"ag2-{i}")
@@ -87,8 +98,10 @@ def steps(job: Job, i: int) -> Steps:
             raise failure
         raise ProtocolError(f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
                             f"shards of buffer {i} (see their errors); refusing to decode on every rank")
-    check = check_payloads(ops, gathered, [pb - pa for pa, pb in parts], q2, f"second phase of buffer {i}")
-    return [Piece(pa, pb, gathered, (offset,), job.frozen(q2)) for (pa, pb), offset in zip(parts, check)]
+    expected = [[(rb - ra, q) for ra, rb, _, q in shard_runs] for shard_runs in runs]
+    check = check_segments(ops, gathered, expected, f"second phase of buffer {i}")
+    return [Piece(ra, rb, gathered, (check[j][k],), job.frozen(q))
+            for j, shard_runs in enumerate(runs) for k, (ra, rb, _, q) in enumerate(shard_runs)]
 
 
 def empty_first(ops, size: int) -> Alltoall:

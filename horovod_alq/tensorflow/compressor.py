@@ -174,7 +174,8 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         super().__init__(name=type(self).__name__)
         self._method = get_method(method or self.method)
         setup = configure(self._method.name, bits, bucket_size, norm=norm, bits_second=bits_second,
-                          update_steps=update_steps, update_every=update_every, adapt_second=False, seed=seed)
+                          update_steps=update_steps, update_every=update_every, adapt_second=False, seed=seed,
+                          front_end="the TensorFlow compressor")
         self._quantizer, self._second = q, q2 = setup.quantizer, setup.second
         if self._method.adaptive and q2.bits != q.bits:
             raise ValueError(f"bits_second={q2.bits} with bits={q.bits}: the TensorFlow compressors cannot adapt "

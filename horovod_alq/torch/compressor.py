@@ -87,10 +87,18 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
     ----------
     method : str
         One of :data:`horovod_alq.core.methods.METHODS`.
-    bits : int
-        Bits per coordinate on the wire (2..8; TernGrad: 2).
+    bits : int or "auto"
+        Bits per coordinate on the wire (2..8; TernGrad: 2). ``"auto"`` (ALQ, AMQ and their -N
+        forms): a width from 2 to 8 per tensor, chosen at every refit so that the step's total
+        quantization variance is smallest within ``bit_budget``; one level set per width, fitted
+        from the tensors that use it; allocated by every rank alike from the allreduced per-tensor
+        errors and statistics (docs/design.md, "Bits per tensor"). Until the first refit, and in
+        rounds of other tensors than the step's, every tensor gets ``floor(bit_budget)`` bits.
     bucket_size : int
         Coordinates per float32 norm. 8192 costs 0.004 extra bits per coordinate.
+    bit_budget : float, optional
+        ``bits="auto"`` only: mean bits per coordinate over the compressed tensors (bucket norms,
+        32/bucket_size bits per coordinate, not counted), from 2 to 8; default 3.0.
     update_steps : sequence of int, optional
         Rounds (optimizer steps) whose statistics refit the levels; default (0, 100, 2000).
     update_every : int, optional
@@ -150,7 +158,8 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
     method: str = ""
     HOROVOD = "horovod.torch"
 
-    def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
+    def __init__(self, method: str | None = None, bits: int | str = 3, bucket_size: int = 8192, *,
+                 bit_budget: float | None = None,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
                  min_size: int = 1024, seed: int | None = None, codec: str = "auto",
                  fused: bool | None = None, exchange: str = "auto", fusion_bytes: int | None = None,
@@ -160,7 +169,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         self._method = get_method(method)
         setup = configure(self._method.name, bits, bucket_size, norm=norm, bits_second=bits_second,
                           update_steps=update_steps, update_every=update_every, adapt_second=adapt_second,
-                          seed=seed)
+                          seed=seed, bit_budget=bit_budget)
         self._quantizer, self._state, seed = setup.quantizer, setup.state, setup.seed
         self.min_size = frontends.check_min_size(min_size)
         self._engine = setup.engine(exchange=exchange, fusion_bytes=fusion_bytes, uid=None,
@@ -178,7 +187,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         self._ops: dict[str, TorchOps] = {}
         # Without process_set=, allreduces over other process sets get a compressor of their own
         # (made at first use, with these settings): levels, statistics and rounds per set.
-        self._settings = dict(bits=bits, bucket_size=bucket_size, update_steps=update_steps,
+        self._settings = dict(bits=bits, bucket_size=bucket_size, bit_budget=bit_budget, update_steps=update_steps,
                               update_every=update_every, min_size=self.min_size, seed=seed,
                               codec=self._codec, exchange=exchange, fusion_bytes=fusion_bytes,
                               bits_second=bits_second, adapt_second=adapt_second,

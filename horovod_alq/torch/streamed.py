@@ -44,7 +44,7 @@ class StreamedState:
         self.codec = codecs.check_name(codec)
         setup = configure(m.name, bits, bucket_size, norm=norm, bits_second=bits_second,
                           update_steps=update_steps, update_every=update_every, adapt_second=adapt_second,
-                          seed=seed)
+                          seed=seed, front_end=f"the {self.what}")
         self.bits, self.bucket_size, self.norm = setup.quantizer.bits, setup.quantizer.bucket_size, setup.quantizer.norm
         self.round_state, self.seed = setup.state, setup.seed
         self.engine = setup.engine(exchange=exchange, fusion_bytes=fusion_bytes, uid=uid)

@@ -126,7 +126,9 @@ def test_wire_bits_per_coordinate_on_large_tensors():
 
 @pytest.mark.parametrize("what,needle", [
     ("bits", "differ in bits 3 on some ranks, 4 on others"), ("bucket", "bucket_size 256 on some ranks, 512 on others"),
-    ("levels", "levels differ"), ("method", "differ in method"), ("norm", "differ in norm")])
+    ("levels", "levels differ"), ("method", "differ in method"), ("norm", "differ in norm"),
+    ("budget", "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)"),
+    ("allocation", "bit allocations of bits='auto'")])
 def test_mismatched_configuration_is_refused_on_every_rank(what, needle):
     # the round's handshake finds the difference before any payload moves, on every rank
     res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["mismatch", "--what", what])
@@ -192,3 +194,30 @@ def test_payloads_start_inside_backward(exchange):
         assert abs(u["t_sum"]) < student.isf(1e-6 / 2, df), u
     assert res[0]["True"]["params"] == res[1]["True"]["params"]
     assert res[0]["unbiased"]["digest"] == res[1]["unbiased"]["digest"]
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_auto_bits_agree_on_every_rank_train_and_stay_unbiased(np_):
+    """bits="auto": every rank reaches the same allocation and levels and the same parameters
+    (allgather and two-phase), within the budget, training as fixed bits do; the sum of tensors of
+    widths chosen apart in one buffer stays unbiased (t tests at 1e-6, Bonferroni over buckets)."""
+    from scipy.stats import t
+
+    res = run_ranks("torch_compressor.py", np=np_, timeout=600,
+                    args=["auto", "--bucket", 512, "--steps", 100, "--rounds", 80,
+                          "--exchange", "two-phase" if np_ == 3 else "allgather"])
+    for exchange in ("allgather", "two-phase"):
+        runs = [r[exchange] for r in res]
+        for key in ("params", "allocation", "width_levels"):
+            assert all(r[key] == runs[0][key] for r in runs), (exchange, key)
+        r = runs[0]
+        assert r["bits"] == "auto" and r["exchange"] == exchange and r["level_updates"] == 3
+        assert len(set(r["allocation"])) > 1, r["allocation"]  # widths differ inside the one buffer
+        assert r["allocated_mean_bits"] <= 2.5 + 1e-9
+        assert r["last_loss"] < 0.5 * r["first_loss"] and r["accuracy"] > 0.85, r
+        assert r["reloaded"]
+    u = [r["unbiased"] for r in res]
+    assert all(x["digest"] == u[0]["digest"] for x in u), "ranks got different sums"
+    for x in u:
+        assert x["allocation"] == u[0]["allocation"] and len(set(x["allocation"])) > 1, x["allocation"]
+        assert x["t_max"] < t.isf(1e-6 / (2 * x["buckets"]), x["reps"] - 1), x

@@ -162,6 +162,67 @@ def train(args) -> dict:
     return result
 
 
+def auto(args) -> dict:
+    """bits="auto" through the stock optimizer: a model whose layers' gradients differ in scale (one
+    fusion buffer holds tensors of several widths), trained with each exchange; then the exchange of
+    one fixed tensor set repeated (the per-rank deviations from the true sum, for the unbiasedness
+    test), and a state_dict round trip."""
+    size, rank = hvd.size(), hvd.rank()
+    out = {}
+    for exchange in ("allgather", "two-phase"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64),
+                                    torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        comp = ALQCompressor(bits="auto", bit_budget=2.5, bucket_size=args.bucket, update_steps=(0, 20, 60),
+                             update_every=0, min_size=100, seed=args.seed, exchange=exchange)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), compression=comp)
+        tx, ty, vx, vy = digits_data(rank, size)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for step in range(args.steps):
+            opt.zero_grad()
+            idx = torch.randint(0, len(tx), (32,), generator=g)
+            loss = torch.nn.functional.cross_entropy(model(tx[idx]), ty[idx])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        with torch.no_grad():
+            acc = (model(vx).argmax(1) == vy).float().mean().item()
+        m = comp.metrics()
+        saved = comp.state_dict()
+        again = ALQCompressor(bits="auto", bit_budget=2.5, bucket_size=args.bucket, min_size=100)
+        again.load_state_dict(saved)
+        out[exchange] = {
+            "first_loss": float(np.mean(losses[:10])), "last_loss": float(np.mean(losses[-10:])), "accuracy": acc,
+            "params": [digest(p) for p in model.parameters()], "allocation": m["allocation"],
+            "allocated_mean_bits": m["allocated_mean_bits"], "bits_per_coordinate": m["bits_per_coordinate"],
+            "level_updates": m["level_updates"], "exchange": m["exchange"], "bits": comp.bits,
+            "width_levels": {str(w): v.tolist() for w, v in m["width_levels"].items()},
+            "reloaded": again.metrics()["allocation"] == m["allocation"] and all(
+                np.array_equal(again.metrics()["width_levels"][w], v) for w, v in m["width_levels"].items())}
+    # unbiasedness with mixed widths: tensors of scales 1000, 1, 0.001 in one buffer, summed over ranks
+    comp = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, update_steps=(0,), update_every=0,
+                         min_size=100, seed=args.seed, exchange=args.exchange)
+    scales, numel = (1000.0, 1.0, 0.001), 1500
+    xs = [rank_data(rank, numel) * s for s in scales]
+    truth = [hvd.allreduce(x, op=hvd.Sum, name=f"truth{k}") for k, x in enumerate(xs)]
+    devs = []
+    for r in range(args.rounds):
+        got = hvd.grouped_allreduce(xs, op=hvd.Sum, name="auto", compression=comp)
+        if r > 0:  # round 0 refits (default widths); the allocation applies from round 1
+            devs.append(torch.cat([(y.double() - t.double()) / s for y, t, s in zip(got, truth, scales)]).numpy())
+    dev = np.stack(devs)
+    per_bucket = np.add.reduceat(dev, np.arange(0, dev.shape[1], args.bucket), axis=1)
+    t_stat = per_bucket.mean(0) / (per_bucket.std(0, ddof=1) / np.sqrt(dev.shape[0]))
+    m = comp.metrics()
+    out["unbiased"] = {"t_max": float(np.abs(t_stat).max()), "buckets": per_bucket.shape[1], "reps": dev.shape[0],
+                       "allocation": m["allocation"], "exchange": m["exchange"],
+                       "digest": hashlib.sha1(dev.tobytes()).hexdigest()}
+    return out
+
+
 def mismatch(args) -> dict:
     """Rank 1 differs from rank 0 (bits, bucket size, levels, method or norm): every rank must refuse."""
     rank = hvd.rank()
@@ -175,6 +236,12 @@ def mismatch(args) -> dict:
     comp = AMQCompressor(**kw) if rank == 1 and args.what == "method" else ALQCompressor(**kw)
     if rank == 1 and args.what == "levels":
         comp._quantizer.set_levels(np.array([-1, -0.3, -0.1, -0.01, 0.01, 0.1, 0.3, 1.0]))
+    if args.what in ("budget", "allocation"):  # bits="auto": another budget, or another allocation
+        kw.update(bits="auto", bit_budget=2.5 if rank == 1 and args.what == "budget" else 3.0)
+        comp = ALQCompressor(**kw)
+        if rank == 1 and args.what == "allocation":
+            auto = comp._state.auto
+            auto.keys, auto.bits = ((4096, 1),), (5,)
     try:
         out = hvd.allreduce(torch.randn(4096), compression=comp, name="mismatch")
         return {"error": None, "out": digest(out)}
@@ -341,7 +408,8 @@ def overlap(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["exchange", "train", "mismatch", "dtypes", "state", "amp", "overlap"])
+    p.add_argument("scenario", choices=["exchange", "train", "mismatch", "dtypes", "state", "amp", "overlap",
+                                              "auto"])
     p.add_argument("--method", default="alq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket", type=int, default=512)

@@ -1,0 +1,91 @@
+"""Ranks as threads of one process: a transport whose collectives pair by name (as Horovod's do),
+for fast multi-rank tests of the engine's rounds. Real processes: tests/torch, tests/mpi."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+
+def _cat(parts):
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts)
+    import torch
+
+    return torch.cat([p if not isinstance(p, np.ndarray) else torch.from_numpy(p) for p in parts])
+
+
+class Hub:
+    """Where the ranks' contributions meet, by collective name."""
+
+    def __init__(self, size: int, timeout: float = 20.0) -> None:
+        self.size, self.timeout = size, timeout
+        self._cond = threading.Condition()
+        self._got: dict[str, dict[int, object]] = {}
+
+    def put(self, name: str, rank: int, value) -> None:
+        with self._cond:
+            slot = self._got.setdefault(name, {})
+            if rank in slot:
+                raise AssertionError(f"rank {rank} issued {name!r} twice")
+            slot[rank] = value
+            self._cond.notify_all()
+
+    def get(self, name: str) -> list:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._got.get(name, {})) == self.size, self.timeout):
+                raise TimeoutError(f"collective {name!r}: only ranks {sorted(self._got.get(name, {}))} arrived")
+            return [self._got[name][r] for r in range(self.size)]
+
+    def transports(self) -> list["ThreadTransport"]:
+        return [ThreadTransport(self, r) for r in range(self.size)]
+
+    def run(self, fn):
+        """``fn(rank, transport)`` on every rank, concurrently; their results (or the first error)."""
+        with ThreadPoolExecutor(self.size) as pool:
+            futures = [pool.submit(fn, r, t) for r, t in enumerate(self.transports())]
+            return [f.result() for f in futures]
+
+    def outcomes(self, fn) -> list:
+        """Like :meth:`run`, but every rank's result or exception."""
+        with ThreadPoolExecutor(self.size) as pool:
+            futures = [pool.submit(fn, r, t) for r, t in enumerate(self.transports())]
+            return [f.exception() or f.result() for f in futures]
+
+
+class ThreadTransport:
+    def __init__(self, hub: Hub, rank: int) -> None:
+        self.hub, self.rank, self.size = hub, rank, hub.size
+
+    def allgather(self, payload, sizes, name):
+        self.hub.put(name, self.rank, payload)
+        return lambda: _cat(self.hub.get(name))
+
+    def alltoall(self, payload, splits, received, name):
+        bounds = np.concatenate([[0], np.cumsum(splits)]).astype(int)
+        self.hub.put(name, self.rank, [payload[bounds[j]: bounds[j + 1]] for j in range(self.size)])
+        return lambda: _cat([pieces[self.rank] for pieces in self.hub.get(name)])
+
+    def allreduce_sum(self, vec, name):
+        self.hub.put(name, self.rank, np.asarray(vec, dtype=np.float64))
+        return np.sum(self.hub.get(name), axis=0)
+
+    def allreduce_max(self, vec, name):
+        self.hub.put(name, self.rank, np.asarray(vec, dtype=np.int64))
+        return np.max(self.hub.get(name), axis=0)
+
+
+def exchange_round(engines, tensors, ops, tag: str, hub: Hub | None = None) -> list:
+    """One round of every rank's ``tensors`` (a list per rank) through its engine, with the control
+    vectors summed as Horovod's allreduce would; every rank's outputs (or exception)."""
+    hub = hub or Hub(len(engines))
+
+    def rank(r, t):
+        entries = [engines[r].add(x, x.size if hasattr(x, "size") and not callable(x.size) else x.numel(),
+                                  tuple(x.shape), "float32", t) for x in tensors[r]]
+        reduced = [t.allreduce_sum(v, f"{tag}.control{k}") for k, (_, v) in enumerate(entries)]
+        return [engines[r].finish(e, v, ops, t)[0] * 1 for (e, _), v in zip(entries, reduced)]
+
+    return hub.outcomes(rank)
