@@ -146,23 +146,32 @@ def check_budget(budget) -> float:
     return float(budget)
 
 
-def quantization_errors(x: np.ndarray, quantizers: Sequence) -> np.ndarray:
-    """Exact ``E||Q(x) - x||^2`` of ``x`` under each quantizer (same method, norm and bucket size,
-    their own levels), shape (len(quantizers),): ``sum_b norm_b**2 sum_i (l_{j+1} - r_i)(r_i - l_j)``
-    over the normalized coordinates ``r_i`` of each finite, non-zero bucket ``b``."""
-    from .statistics import normalize
+def quantization_errors(x: np.ndarray, quantizers: Sequence, normalized=None) -> np.ndarray:
+    """``E||Q(x) - x||^2`` of ``x`` under each quantizer (same method, norm and bucket size, their
+    own levels), shape (len(quantizers),): ``sum_b norm_b**2 sum_i (l_{j+1} - r_i)(r_i - l_j)``
+    over the normalized coordinates ``r_i`` of the finite, non-zero buckets ``b``, with the ``r_i``
+    counted on :data:`~.statistics.GRID` (one pass over ``x`` for all widths; within a cell they are
+    taken as uniform, which moves the result by about 0.1% on real gradients, at most a few %).
+    ``normalized``: ``x`` already normalized by :func:`~.statistics.normalize`."""
+    from .distributions import GridDistribution
+    from .objective import expected_variance
+    from .statistics import GRID, grid_cell, normalize
 
     q0 = quantizers[0]
-    nz = normalize(x, q0.bucket_size, q0.norm)
+    nz = normalize(x, q0.bucket_size, q0.norm) if normalized is None else normalized
     keep = nz.norms > 0  # False for NaN
-    r = nz.r.reshape(-1)[: nz.numel]
-    weight = np.repeat(np.where(keep, nz.norms.astype(np.float64), 0.0) ** 2, q0.bucket_size)[: nz.numel]
-    out = np.empty(len(quantizers))
-    for k, q in enumerate(quantizers):
-        levels = q.levels
-        j = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
-        out[k] = float(np.dot(weight, (levels[j + 1] - r) * (r - levels[j])))
-    return out
+    weights = np.zeros(nz.r.shape)
+    weights[keep] = (nz.norms[keep].astype(np.float64) ** 2)[:, None]
+    if weights.size:
+        weights.reshape(-1)[nz.numel:] = 0.0  # padding after the last element
+    hist = np.bincount(grid_cell(nz.r).ravel(), weights=weights.ravel(), minlength=GRID.size)[: GRID.size]
+    total = float(hist.sum())
+    if not total > 0:
+        return np.zeros(len(quantizers))
+    cdf = np.cumsum(hist) / total
+    cdf[0], cdf[-1] = 0.0, 1.0
+    dist = GridDistribution(GRID, np.clip(cdf, 0.0, 1.0))
+    return np.array([total * expected_variance(q.levels, dist) for q in quantizers])
 
 
 class AutoBits:
@@ -197,8 +206,11 @@ class AutoBits:
 
     def row(self, x: np.ndarray) -> np.ndarray:
         """One tensor's refit vector: its error at every width, then its statistics."""
+        from .statistics import normalize, summarize
+
         qs = [self.quantizers[w] for w in AUTO_WIDTHS]
-        return np.concatenate([quantization_errors(x, qs), qs[0].statistics(x)])
+        nz = normalize(x, qs[0].bucket_size, qs[0].norm)
+        return np.concatenate([quantization_errors(x, qs, nz), summarize(qs[0].method, nz)])
 
     def refit(self, rows: np.ndarray, sizes: Sequence[int], keys: Sequence) -> Allocation:
         """Allocate and refit from the sum over ranks of every tensor's :meth:`row` (shape (T, ...))."""

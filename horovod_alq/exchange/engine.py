@@ -332,12 +332,12 @@ class Engine:
         rank collects this round's statistics (or not) for the caller, ``close`` returns them and
         refits nothing (a front-end that refits on request, :meth:`refit`)."""
         q, st = self.quantizer, self.state
-        if st.auto is not None:
-            raise ValueError(f"{PREFIX}: bits='auto' is served by the Horovod compressors' rounds only, not by "
-                             f"streamed rounds (the DDP hook, FSDP2, mpi4py)")
         transport = stages[0]
         epoch = st.step
         exchange = choose_exchange(self.exchange, transport.size) if exchange is None else exchange
+        if st.auto is not None and (exchange == reduce_scatter.NAME or collect is not None):
+            raise ValueError(f"{PREFIX}: bits='auto' needs rounds of the same tensors refit on a schedule (the "
+                             f"Horovod compressors, the DDP hook), not a {exchange} round refit on request")
         if exchange not in STREAMED:
             raise ValueError(f"{PREFIX}: a streamed round's exchange is one of {', '.join(STREAMED)}, "
                              f"not {exchange!r}")
@@ -532,11 +532,16 @@ class Engine:
         self.refit_from(first, second, job.transport, f"{prefix}.statistics")
 
     def _refit_auto(self, job: Job, keys: tuple, prefix: str) -> None:
-        """``bits="auto"``: one allreduce of every tensor's row (errors per width, statistics), then
-        every rank allocates the widths and refits the levels alike (:meth:`AutoBits.refit`)."""
+        rows = [self.state.auto.row(job.ops.to_numpy(part)) for part in job.parts]
+        self.refit_auto(rows, keys, job.transport, f"{prefix}.statistics")
+
+    def refit_auto(self, rows: Sequence[np.ndarray], keys: Sequence, transport: Transport, name: str) -> None:
+        """``bits="auto"``: one allreduce of every tensor's row (errors per width, statistics; the
+        same tensors on every rank), then every rank allocates the widths and refits the levels
+        alike (:meth:`~horovod_alq.core.allocation.AutoBits.refit`)."""
         auto, st = self.state.auto, self.state
-        rows = np.stack([auto.row(job.ops.to_numpy(part)) for part in job.parts])
-        total = job.transport.allreduce_sum(rows.ravel(), f"{prefix}.statistics").reshape(rows.shape)
+        mine = np.stack(rows)
+        total = transport.allreduce_sum(mine.ravel(), name).reshape(mine.shape)
         auto.refit(total, [k[0] for k in keys], keys)
         st.refitted_first()
         st.level_updates += 1

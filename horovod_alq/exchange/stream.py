@@ -28,7 +28,7 @@ import numpy as np
 from ..core.methods import get_method
 from ..core.protocol import derive_seed, timeout_error
 from ..core.statistics import statistics_length
-from .base import Decoded, Job, TensorOps, Transport, plan_layout
+from .base import Decoded, Job, Layout, TensorOps, Transport, plan_layout
 
 #: The seed key that keeps a streamed buffer's draws apart from a whole round's.
 _STREAM_KEY = 1 << 41
@@ -59,22 +59,30 @@ class StreamedRound:
         self._next = [0] * len(self.stages)  # stage -> the next buffer to issue there
         self._buffers: list[_Buffer] = []
         self._open = 0  # buffers not yet completed
+        self._keys: list[tuple[int, int]] = []  # bits="auto": the round's tensors so far ...
+        self._rows: list[np.ndarray] = []  # ... and, in refit rounds, their rows
         self.failure: BaseException | None = None
 
     # ------------------------------------------------------------------ the calling thread
-    def add(self, flat: Any, numel: int, on_done: Callable[[Decoded | None, BaseException | None], None]) -> None:
+    def add(self, flat: Any, numel: int, on_done: Callable[[Decoded | None, BaseException | None], None],
+            tensors: Sequence[tuple[int, int]] | None = None) -> None:
         """Quantize buffer ``flat`` (1-D, ``numel`` elements), issue its first collective and return;
         ``on_done(decoded, None)`` gets the sum over ranks of its values (``decoded.read``; a
         reduce-scatter: of this rank's shard only) once its exchange completed, or
-        ``on_done(None, error)``; on any thread."""
+        ``on_done(None, error)``; on any thread. ``tensors``: the (elements, shape code) of the
+        tensors laid back to back in ``flat`` (a DDP bucket's parameters), for ``bits="auto"``."""
         eng, t = self.engine, self.stages[0]
         st, q = eng.state, eng.quantizer
         index = len(self._buffers)
         base, rank, epoch = eng.seed, t.rank, self.epoch
-        job = Job([flat], plan_layout([int(numel)], q.bucket_size, None), self.ops, t, q, st.second,
+        parts, layout, widths = [flat], plan_layout([int(numel)], q.bucket_size, None), None
+        if st.auto is not None:
+            parts, layout, widths = self._auto_layout(flat, int(numel), tensors)
+        job = Job(parts, layout, self.ops, t, q, st.second,
                   seed=lambda *keys: derive_seed(base, rank, epoch, _STREAM_KEY, index, *keys),
-                  name=lambda tag: f"{self.prefix}.b{index}.{tag}", collect_second=self.collect_second)
-        if self.collect_first:
+                  name=lambda tag: f"{self.prefix}.b{index}.{tag}", collect_second=self.collect_second,
+                  widths=widths)
+        if self.collect_first and st.auto is None:
             self._first_stats = self._first_stats + self.ops.statistics(job.stream, q)
         buf = _Buffer(index, job, self.steps(job, 0), on_done)
         st.calls += 1
@@ -83,6 +91,29 @@ class StreamedRound:
             self._buffers.append(buf)
             self._open += 1
         self._advance(buf, 0, None)
+
+    def _auto_layout(self, flat: Any, numel: int, tensors: Sequence[tuple[int, int]] | None):
+        """``bits="auto"``: the buffer as its tensors back to back (one of ``numel`` when not given):
+        their views of ``flat``, the layout, and each one's quantizer: its allocated width when the
+        round so far is the allocated sequence's beginning (the same on every rank: they hand over
+        the same buffers), else the default width. In refit rounds each tensor's row is recorded
+        for :meth:`close`."""
+        auto = self.engine.state.auto
+        tensors = [(int(n), int(c)) for n, c in tensors] if tensors else [(numel, 0)]
+        numels = [n for n, _ in tensors]
+        if sum(numels) != numel:
+            raise ValueError(f"horovod_alq: the buffer's tensors hold {sum(numels)} elements, the buffer {numel}")
+        starts = np.concatenate([[0], np.cumsum(numels)[:-1]]).astype(int).tolist()
+        k0 = len(self._keys)
+        self._keys += tensors
+        k1 = len(self._keys)
+        bits = auto.bits[k0:k1] if auto.keys[:k1] == tuple(self._keys) else (auto.default,) * (k1 - k0)
+        if self.collect_first:
+            host = self.ops.to_numpy(flat)
+            self._rows += [auto.row(host[s: s + n]) for s, n in zip(starts, numels)]
+        layout = Layout(tuple(numels), tuple(starts), numel, ((0, numel),), self.engine.quantizer.bucket_size)
+        parts = [flat[s: s + n] for s, n in zip(starts, numels)]
+        return parts, layout, [auto.quantizers[w] for w in bits]
 
     def close(self) -> tuple[np.ndarray | None, np.ndarray | None] | None:
         """The round's end (after the last :meth:`add`): in refit rounds, wait for every buffer,
@@ -98,6 +129,10 @@ class StreamedRound:
         if not self.refit:
             return (self._first_stats if self.collect_first else None,
                     self._second_stats if self.collect_second else None)
+        if self.engine.state.auto is not None:
+            if self._rows:
+                self.engine.refit_auto(self._rows, self._keys, self.stages[0], f"{self.prefix}.statistics")
+            return None
         self.engine.refit_from(self._first_stats if self.collect_first else None,
                                self._second_stats if self.collect_second else None,
                                self.stages[0], f"{self.prefix}.statistics")

@@ -49,7 +49,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.protocol import PREFIX
+from ..core.protocol import PREFIX, shape_hash
 from .dist_transport import WATCHDOG, SettleOnce, on_completion
 from .streamed import COMPRESSIBLE, StreamedState
 
@@ -72,8 +72,12 @@ class ALQState(StreamedState):
     method : str
         ``"alq"``, ``"alq-n"``, ``"amq"``, ``"amq-n"`` (adaptive), ``"qsgdinf"``, ``"qsgd"``,
         ``"nuqsgd"``, ``"terngrad"`` (fixed levels; TernGrad always sends 2 bits).
-    bits : int
-        Bits per coordinate on the wire, 2..8. Default 3.
+    bits : int or "auto"
+        Bits per coordinate on the wire, 2..8. Default 3. ``"auto"`` (adaptive methods): a width
+        per parameter chosen at every refit under ``bit_budget``, as
+        :class:`horovod_alq.torch.ALQCompressor` does (a DDP bucket carries its parameters' widths).
+    bit_budget : float, optional
+        ``bits="auto"`` only: mean bits per coordinate of the compressed buckets; default 3.0.
     bucket_size : int
         Coordinates per float32 norm (not DDP's bucket: those are ``bucket_cap_mb``). Default 8192.
     exchange : {"auto", "allgather", "two-phase"}
@@ -119,14 +123,17 @@ class ALQState(StreamedState):
     """
 
     what = "hook's state"
+    AUTO_BITS = True
 
-    def __init__(self, process_group=None, method: str = "alq", bits: int = 3, bucket_size: int = 8192,
-                 exchange: str = "auto", seed: int | None = None, *, update_steps: Sequence[int] | None = None,
+    def __init__(self, process_group=None, method: str = "alq", bits: int | str = 3, bucket_size: int = 8192,
+                 exchange: str = "auto", seed: int | None = None, *, bit_budget: float | None = None,
+                 update_steps: Sequence[int] | None = None,
                  update_every: int | None = None, min_size: int = 1024, codec: str = "auto",
                  fusion_bytes: int | None = None, bits_second: int | None = None,
                  adapt_second: bool | None = None, norm: str | None = None, timeout: float | None = None) -> None:
         self._configure(process_group, method, bits, bucket_size, exchange, seed, update_steps, update_every,
-                        min_size, codec, fusion_bytes, bits_second, adapt_second, norm, uid="ddp", timeout=timeout)
+                        min_size, codec, fusion_bytes, bits_second, adapt_second, norm, uid="ddp", timeout=timeout,
+                        bit_budget=bit_budget)
         self._last = -1  # the index of the step's last bucket so far
 
     def _config(self) -> dict:
@@ -135,7 +142,7 @@ class ALQState(StreamedState):
                 "bits_second": st.second.bits, "adapt_second": st.adapt_second}
 
     # ------------------------------------------------------------------ the round
-    def _add(self, index: int, buffer: torch.Tensor) -> torch.futures.Future:
+    def _add(self, index: int, buffer: torch.Tensor, parameters=()) -> torch.futures.Future:
         """One bucket's hook: open the step's round at bucket 0, start this bucket's exchange."""
         if self._round is not None and index <= self._last:
             # the previous step never reached its last bucket on this rank (its backward raised)
@@ -158,7 +165,9 @@ class ALQState(StreamedState):
         WATCHDOG.watch(settle)
         if buffer.dtype in COMPRESSIBLE and buffer.numel() >= max(self.min_size, 1):
             flat = buffer.detach().reshape(-1)
-            self._round.add(flat, flat.numel(), functools.partial(_complete, settle, buffer, 1.0 / n))
+            tensors = [(p.numel(), shape_hash(tuple(p.shape), str(p.dtype))) for p in parameters]
+            self._round.add(flat, flat.numel(), functools.partial(_complete, settle, buffer, 1.0 / n),
+                            tensors=tensors if self.round_state.auto is not None else None)
         else:
             self.round_state.uncompressed_coordinates += buffer.numel()
             buffer.div_(n)
@@ -207,7 +216,7 @@ def alq_hook(state: ALQState, bucket: dist.GradBucket) -> torch.futures.Future[t
     Returns a future holding one tensor of the bucket's shape and dtype (the bucket's own buffer,
     overwritten with the average); it completes when this bucket's exchange is done.
     """
-    future = state._add(bucket.index(), bucket.buffer())
+    future = state._add(bucket.index(), bucket.buffer(), bucket.parameters() if state.bits == "auto" else ())
     if bucket.is_last():
         state._close()
     return future

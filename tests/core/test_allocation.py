@@ -75,3 +75,68 @@ def test_bad_input_is_refused(bad, match):
     kw = dict(errors=np.ones((2, 4)), sizes=[1, 1], budget=3.0, widths=WIDTHS)
     with pytest.raises(ValueError, match=match):
         allocate_bits(**{**kw, **bad})
+
+
+# ------------------------------------------------------------------ bits="auto" (AutoBits)
+from horovod_alq.core import Quantizer  # noqa: E402
+from horovod_alq.core.allocation import AUTO_WIDTHS, AutoBits, check_budget, quantization_errors  # noqa: E402
+
+
+@pytest.mark.parametrize("method,norm", [("alq", "linf"), ("amq", "l2"), ("alq-n", "linf")])
+def test_quantization_errors_are_the_expected_error_of_the_codec(method, norm):
+    """E||Q(x)-x||^2 per width against 400 encode/decode draws: within 5 standard errors plus the
+    3% that counting the coordinates on the statistics grid may move it."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_t(3, 700) * 0.01).astype(np.float32)
+    qs = [Quantizer(method, bits=w, bucket_size=128, norm=norm, seed=w) for w in (2, 3, 5)]
+    exact = quantization_errors(x, qs)
+    assert np.all(np.diff(exact) < 0)  # more bits, less error
+    for q, e in zip(qs, exact):
+        draws = np.array([((q.decode(q.encode(x)) - x.astype(np.float64)) ** 2).sum() for _ in range(400)])
+        assert abs(draws.mean() - e) < 5 * draws.std(ddof=1) / np.sqrt(len(draws)) + 0.03 * e, (q, draws.mean(), e)
+
+
+def _rows(auto, tensors):
+    return np.stack([auto.row(x) for x in tensors])
+
+
+def test_auto_allocation_is_optimal_within_budget_and_refits_each_width_from_its_tensors():
+    rng = np.random.default_rng(0)
+    sizes = [256, 512, 128, 384]
+    tensors = [(s * rng.standard_normal(n)).astype(np.float32) for s, n in zip((30.0, 1.0, 0.1, 3.0), sizes)]
+    auto = AutoBits("alq", 3.0, 128)
+    before = {w: q.levels for w, q in auto.quantizers.items()}
+    rows = _rows(auto, tensors) + _rows(auto, [t[::-1].copy() for t in tensors])  # two "ranks"
+    errors = rows[:, :len(AUTO_WIDTHS)]
+    alloc = auto.refit(rows, sizes, [(n, k) for k, n in enumerate(sizes)])
+    assert np.dot(sizes, alloc.bits) <= 3.0 * sum(sizes)
+    best = brute_force(errors, np.array(sizes), 3.0, list(AUTO_WIDTHS))
+    assert best - 1e-12 <= alloc.error <= best + alloc.gap + 1e-12
+    assert auto.bits == tuple(alloc.bits.tolist()) and auto.widths_for(auto.keys) == auto.bits
+    for w in AUTO_WIDTHS:  # the widths in use refit from exactly their tensors' statistics
+        used = [k for k, b in enumerate(auto.bits) if b == w]
+        if not used:
+            assert np.array_equal(auto.quantizers[w].levels, before[w])
+            continue
+        ref = Quantizer("alq", bits=w, bucket_size=128)
+        ref.adapt(rows[used, len(AUTO_WIDTHS):].sum(axis=0))
+        np.testing.assert_array_equal(auto.quantizers[w].levels, ref.levels)
+
+
+def test_auto_default_and_other_rounds():
+    auto = AutoBits("amq", 2.5, 64)
+    assert auto.default == 2 and auto.widths_for([(10, 1), (20, 2)]) == (2, 2)
+    auto.keys, auto.bits = ((10, 1), (20, 2)), (4, 2)
+    assert auto.widths_for([(10, 1), (20, 2)]) == (4, 2)
+    assert auto.widths_for([(20, 2), (10, 1)]) == (2, 2)  # another round: the default width
+    assert auto.mean_bits() == pytest.approx((40 + 40) / 30)
+    other = AutoBits("amq", 2.5, 64)
+    assert other.fingerprint() != auto.fingerprint()
+    other.load_state_dict(auto.state_dict())
+    assert other.fingerprint() == auto.fingerprint()
+
+
+@pytest.mark.parametrize("bad", [1.99, 8.5, float("inf"), "3", True, None])
+def test_bad_budgets_are_refused(bad):
+    with pytest.raises(ValueError, match="bit_budget"):
+        check_budget(bad)

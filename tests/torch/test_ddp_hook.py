@@ -58,6 +58,10 @@ def test_state_round_trip_and_checks(group):
     with pytest.raises(ValueError):
         ALQState(exchange="ring")
     assert ALQState(method="terngrad").bits == 2
+    auto = ALQState(method="amq", bits="auto", bit_budget=2.5, bucket_size=64)
+    assert auto.bits == "auto" and auto.bit_budget == 2.5 and auto.metrics()["default_bits"] == 2
+    with pytest.raises(ValueError, match="adaptive method"):
+        ALQState(method="qsgdinf", bits="auto")
 
 
 def test_nonfinite_bucket_comes_back_nan(group):

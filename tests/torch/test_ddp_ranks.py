@@ -48,6 +48,9 @@ def test_training_identical_and_learning(ranks):
     assert train["alq/two-phase+accumulate"]["exchange"] == "two-phase"
     assert 3.0 < train["alq"]["bits_per_coordinate"] < 3.3  # 3 bits + 32/256 + headers
     assert 2.0 < train["terngrad"]["bits_per_coordinate"] < 2.3
+    auto = train["alq/auto"]  # bits="auto": a width per parameter, within the budget, the same everywhere
+    assert _same(ranks, lambda r: r["train"]["alq/auto"]["allocation"])
+    assert len(auto["allocation"]) >= 3 and auto["allocated_mean_bits"] <= 2.5 + 1e-9, auto
     assert size in (2, 3)
 
 
@@ -60,6 +63,15 @@ def test_unbiased(ranks):
         assert u["t_buckets_max"] < student.isf(1e-6 / (2 * u["buckets"]), df), u
         assert u["rel_error"] < 1.0, u  # a quantized average, not noise
         assert _same(ranks, lambda r: r["unbiased"][exchange]["digest"])
+
+
+def test_unbiased_with_widths_chosen_per_parameter(ranks):
+    for exchange, u in ranks[0]["unbiased_auto"].items():
+        assert u["exchange"] == exchange and u["bits"] == "auto"
+        assert len(set(u["allocation"])) > 1, u["allocation"]  # widths differ inside the one DDP bucket
+        assert u["t_buckets_max"] < student.isf(1e-6 / (2 * u["buckets"]), u["reps"] - 1), u
+        assert _same(ranks, lambda r: r["unbiased_auto"][exchange]["digest"])
+        assert _same(ranks, lambda r: r["unbiased_auto"][exchange]["allocation"])
 
 
 def test_checkpoint_round_trip(ranks):

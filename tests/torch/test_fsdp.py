@@ -55,6 +55,8 @@ def test_checks(group):
     with pytest.raises(ValueError, match="made for process group"):
         pinned(torch.empty(2048), x, group, dist.ReduceOp.AVG)
     assert comm.metrics()["step"] == 0  # nothing was exchanged
+    with pytest.raises(ValueError, match="the reduce-scatter comm takes a fixed width"):
+        ALQReduceScatter(bits="auto")
 
 
 def test_metrics_keys_match_horovod_compressors(group):

@@ -95,11 +95,11 @@ class _null:
         return False
 
 
-def training(rank: int, method: str, exchange: str, steps: int, **ddp_kwargs) -> dict:
+def training(rank: int, method: str, exchange: str, steps: int, state_kwargs=None, **ddp_kwargs) -> dict:
     unused = ddp_kwargs.pop("unused", False)
     accumulate = ddp_kwargs.pop("accumulate", 1)
     model = make_model(unused=unused, **ddp_kwargs)
-    state = state_for(method, exchange=exchange)
+    state = state_for(method, exchange=exchange, **(state_kwargs or {}))
     model.register_comm_hook(state, alq_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = train(model, opt, batches(rank, steps), accumulate)
@@ -109,7 +109,8 @@ def training(rank: int, method: str, exchange: str, steps: int, **ddp_kwargs) ->
             "second_levels": m["second_levels"].tolist(), "level_updates": m["level_updates"],
             "step": m["step"], "exchange": m["exchange"], "calls": m["calls"],
             "uncompressed": m["uncompressed_coordinates"], "bits_per_coordinate": m["bits_per_coordinate"],
-            "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:]))}
+            "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
+            "allocation": m.get("allocation"), "allocated_mean_bits": m.get("allocated_mean_bits")}
 
 
 class _Dot(torch.nn.Module):
@@ -154,6 +155,43 @@ def unbiased(rank: int, size: int, exchange: str, method: str = "alq", n: int = 
             "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": reps,
             "exchange": state.metrics()["exchange"], "digest": hashlib.sha1(np.stack(outs).tobytes()).hexdigest(),
             "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean())}
+
+
+class _Dots(torch.nn.Module):
+    def __init__(self, sizes) -> None:
+        super().__init__()
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(n)) for n in sizes])
+
+    def forward(self, cs):
+        return sum((w * c).sum() for w, c in zip(self.ws, cs))
+
+
+def unbiased_auto(rank: int, size: int, exchange: str, reps: int = 60, bucket: int = 128) -> dict:
+    """bits="auto": three parameters whose gradients differ 10^4-fold in scale share one DDP bucket;
+    after the refit of step 0 they travel at different widths. t statistics as :func:`unbiased`."""
+    sizes, scales = (1000, 1500, 500), (100.0, 1.0, 0.01)
+    cs = [[(np.random.default_rng([12, r, k]).standard_normal(n) * s).astype(np.float32)
+           for k, (n, s) in enumerate(zip(sizes, scales))] for r in range(size)]
+    truth = np.concatenate([np.mean([c[k].astype(np.float64) for c in cs], axis=0) / s
+                            for k, s in enumerate(scales)])
+    model = DDP(_Dots(sizes), bucket_cap_mb=1)
+    state = ALQState(method="alq", bits="auto", bit_budget=3.0, bucket_size=bucket, exchange=exchange, seed=3,
+                     update_steps=(0,), update_every=0)
+    model.register_comm_hook(state, alq_hook)
+    mine = [torch.from_numpy(c) for c in cs[rank]]
+    outs = []
+    for i in range(reps + 1):
+        model.zero_grad()
+        model(mine).backward()
+        if i:
+            outs.append(np.concatenate([w.grad.double().numpy() / s for w, s in zip(model.module.ws, scales)]))
+    dev = np.stack(outs) - truth
+    per_bucket = np.add.reduceat(dev, np.arange(0, dev.shape[1], bucket), axis=1)
+    t = per_bucket.mean(0) / (per_bucket.std(0, ddof=1) / np.sqrt(reps))
+    m = state.metrics()
+    return {"t_buckets_max": float(np.abs(t).max()), "buckets": per_bucket.shape[1], "reps": reps,
+            "allocation": m["allocation"], "exchange": m["exchange"], "bits": state.bits,
+            "digest": hashlib.sha1(np.stack(outs).tobytes()).hexdigest()}
 
 
 def checkpoint(rank: int) -> dict:
@@ -332,7 +370,10 @@ def main() -> None:
     out["train"]["alq/find_unused+bucket_view"] = training(rank, "alq", "allgather", args.steps, unused=True,
                                                            find_unused_parameters=True,
                                                            gradient_as_bucket_view=True)
+    out["train"]["alq/auto"] = training(rank, "alq", "auto", args.steps,
+                                        state_kwargs=dict(bits="auto", bit_budget=2.5))
     out["unbiased"] = {ex: unbiased(rank, size, ex, reps=args.reps) for ex in ("allgather", "two-phase")}
+    out["unbiased_auto"] = {ex: unbiased_auto(rank, size, ex, reps=args.reps) for ex in ("allgather", "two-phase")}
     out["checkpoint"] = checkpoint(rank)
     out["nonfinite"] = nonfinite(rank)
     if size > 2:

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""What a refit round costs with ``bits="auto"`` against fixed bits, on the gradients of the
+character-level GPT (scripts/common/gpt.py, the model of scripts/demo/train_gpt.py).
+
+One process, one rank (every collective returns its input), the Horovod compressors' engine with
+the compiled CPU codec: the time of a plain round (quantize, exchange, decode every tensor of the
+step), of a refit round with fixed 3 bits (statistics and one level fit added) and of a refit round
+with ``bits="auto"`` (each tensor's error at every width, the allocation, one level fit per width
+in use); medians over repeats, rows interleaved, as ratios to the plain round.
+
+    python -m scripts.bench.refit --out docs/bench_refit.md
+    python -m scripts.bench.refit --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from horovod_alq.exchange.setup import configure
+from horovod_alq.torch.ops import TorchOps
+from scripts.common.bench import write_report
+from scripts.common.gpt import GPT, char_splits, sample_batch
+
+
+class Loopback:
+    rank, size = 0, 1
+
+    def allgather(self, payload, sizes, name):
+        return lambda: payload
+
+    def alltoall(self, payload, splits, received, name):
+        return lambda: payload
+
+    def allreduce_sum(self, vec, name):
+        return np.asarray(vec, dtype=np.float64)
+
+    def allreduce_max(self, vec, name):
+        return np.asarray(vec, dtype=np.int64)
+
+
+def gpt_gradients(min_size: int, seed: int = 0) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    train, _, chars = char_splits()
+    model = GPT(len(chars), 128, 4, 4, 64)
+    x, y = sample_batch(train, 16, 64, torch.Generator().manual_seed(seed))
+    model.loss(x, y).backward()
+    return [p.grad.reshape(-1).clone() for p in model.parameters() if p.numel() >= min_size]
+
+
+def one_round(setup, engine, grads, ops, transport) -> float:
+    t0 = time.perf_counter()
+    entries = [engine.add(g, g.numel(), tuple(g.shape), g.dtype, transport) for g in grads]
+    for entry, vec in entries:
+        engine.finish(entry, vec.astype(np.float64), ops, transport)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--method", default="alq")
+    p.add_argument("--budget", type=float, default=3.0)
+    p.add_argument("--quick", action="store_true", help="2 repeats")
+    p.add_argument("--out", help="Markdown report (default: print only)")
+    args = p.parse_args(argv)
+    repeats = 2 if args.quick else args.repeats
+    torch.set_num_threads(1)
+    grads = gpt_gradients(1024)
+    ops, transport = TorchOps("cpu"), Loopback()
+    cases = {"plain round (3 bits)": (3, None, False), "refit round, 3 bits": (3, None, True),
+             f"refit round, bits='auto' (budget {args.budget})": ("auto", args.budget, True)}
+    times = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, (bits, budget, refit) in cases.items():  # rows interleaved
+            setup = configure(args.method, bits, 8192, bit_budget=budget, update_steps=(0,) if refit else (),
+                              update_every=0, seed=0)
+            engine = setup.engine(exchange="allgather", uid="bench")
+            one_round(setup, engine, grads, ops, transport)  # warm: codec, allocations
+            setup.state.step = 0  # the timed round refits (or not) again
+            times[name].append(one_round(setup, engine, grads, ops, transport))
+    plain = statistics.median(times["plain round (3 bits)"])
+    numel = sum(g.numel() for g in grads)
+    lines = [f"Command: `python -m scripts.bench.refit {' '.join(argv if argv is not None else sys.argv[1:])}` "
+             f"({time.strftime('%Y-%m-%d')}; {args.method}, {len(grads)} tensors, {numel:,} coordinates of one GPT "
+             f"gradient, one rank, compiled CPU codec, medians of {repeats}).", "",
+             "| round | median (ms) | ratio to the plain round | ratio to the 3-bit refit round |", "|---|---:|---:|---:|"]
+    refit3 = statistics.median(times["refit round, 3 bits"])
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        lines.append(f"| {name} | {1000 * m:.1f} | {m / plain:.2f} | {m / refit3:.2f} |")
+    write_report(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
