@@ -253,6 +253,59 @@ def test_gpt_accuracy_quick(tmp_path):
     assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0  # resumes: the launch's file exists
 
 
+
+def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
+    """train_gpt's ``name@auto<budget>`` (bits="auto" for the Horovod ALQ/AMQ compressors only), the
+    auto grid's raw file names, and the aggregation pairing its runs with the core grid's fixed
+    widths of the same seeds (without mpirun: made-up raw files)."""
+    train_gpt, mod = load("demo.train_gpt"), load("study.run_accuracy_gpt")
+    assert train_gpt.parse_method("alq@3") == ("alq", 3, None)
+    assert train_gpt.parse_method("none") == ("none", None, None)
+    assert train_gpt.parse_method("alq@auto2.5") == ("alq", "auto", 2.5)
+    assert train_gpt.parse_method("amq-n-2p@auto3") == ("amq-n-2p", "auto", 3.0)
+    for bad in ("ddp-alq@auto3", "psgd2@auto3", "psgd-match@auto3", "none@auto3", "fp16@auto3", "qsgdinf@auto3",
+                "terngrad@auto3", "alq@auto", "alq@auto1.5", "alq@auto9", "alq@autox", "alq@2.5", "bogus@auto3"):
+        with pytest.raises(SystemExit):
+            train_gpt.parse_method(bad)
+    # every PAIRS method is run by some grid; the auto grid's file name is plain
+    specs = {m for grid in mod.GRIDS.values() for launch in grid for m in launch}
+    assert {m for pair in mod.PAIRS for m in pair} <= specs
+    assert ["alq@auto2.5", "alq@auto3"] in mod.GRIDS["auto"]
+    args = mod.parse_args(["--grid", "auto"])
+    name = mod.raw_path({"seed": 3, "methods": mod.GRIDS["auto"][0]}, args, tmp_path).name
+    assert name == "np4_d8192_s3_t250_b8_alqbauto2p5-alqbauto3.json"
+    assert name.count(".") == 1 and "@" not in name
+    # collect/summarize: auto runs of seeds 0-2 against core-grid alq@3/alq@2 runs of seeds 0-3
+    raw = tmp_path / "data" / "accuracy_gpt_raw"
+    raw.mkdir(parents=True)
+
+    def result(spec, loss, **extra):
+        bits = train_gpt.parse_method(spec)[1]
+        return {"spec": spec, "bits": bits, "eval_loss": loss, "curve": [[250, loss]], "bits_per_coordinate": 3.0,
+                "params": 10, **extra}
+
+    for seed in range(4):
+        core = mod.raw_path({"seed": seed, "methods": ["alq@3", "alq@2"]}, args, raw)
+        core.write_text(json.dumps({"args": {"seed": seed, "bucket_size": 8192}, "results": [
+            result("alq@3", 2.0 + seed / 10), result("alq@2", 2.1 + seed / 10)]}))
+        if seed < 3:
+            auto = [result(spec, 2.0 + seed / 10 + delta, allocation=[2, 3], allocated_mean_bits=b,
+                           allocation_elements=[100, 100])
+                    for spec, delta, b in (("alq@auto2.5", 0.01 * (seed + 1), 2.5), ("alq@auto3", -0.02, 3.0))]
+            mod.raw_path({"seed": seed, "methods": mod.GRIDS["auto"][0]}, args, raw).write_text(json.dumps(
+                {"args": {"seed": seed, "bucket_size": 8192}, "results": auto}))
+    summary = mod.summarize(mod.collect(raw, args))
+    pairs = summary["pairs"]
+    assert pairs["alq@auto2.5 - alq@3"]["n"] == 3
+    assert pairs["alq@auto2.5 - alq@3"]["diffs"] == pytest.approx([0.01, 0.02, 0.03])
+    assert pairs["alq@auto3 - alq@3"]["mean"] == pytest.approx(-0.02)
+    assert pairs["alq@auto2.5 - alq@2"]["diffs"] == pytest.approx([-0.09, -0.08, -0.07])
+    assert summary["alq@auto3"]["vs_qsgdinf"] is None and summary["alq@auto2.5"]["allocated_mean_bits"][2] == 2.5
+    assert summary["alq@3"]["loss"]["n"] == 4 and "allocation" not in summary["alq@3"]
+    assert mod.order(summary.keys() - {"pairs"}) == ["alq@3", "alq@auto3", "alq@auto2.5", "alq@2"]
+    text = mod.markdown(summary)
+    assert "| alq@auto2.5 − alq@2 | -0.0800 ± 0.0058 |" in text and "| alq@auto3 | 1 | 2 3 | 3.000 |" in text
+
 def test_variance_gpt_quick(tmp_path):
     mod = load("study.variance_gpt")
     assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0

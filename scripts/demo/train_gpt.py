@@ -6,7 +6,8 @@ and report the held-out loss (and bits per character) of each on rank 0.
     mpirun -np 4 python -m scripts.demo.train_gpt --methods alq@3,qsgdinf@3,none
     mpirun -np 4 python -m scripts.demo.train_gpt --methods psgd2,psgd-match,fp16 --steps 300 --json out.json
 
-A method is ``name`` or ``name@bits``:
+A method is ``name``, ``name@bits`` or ``name@auto<budget>`` (``alq@auto2.5``: ``bits="auto"``,
+``bit_budget=2.5``, a width per tensor chosen at every refit; Horovod path, ALQ and AMQ forms only):
 - Horovod (``hvd.DistributedOptimizer`` around AdamW): the quantized methods of scripts/demo/train.py
   (alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad; with -l2/-linf and -ag/-2p suffixes),
   ``none`` (fp32) and ``fp16`` (Horovod's compressors);
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.common.demo import BASELINES, QUANTIZED, split_exchange, split_norm
+from scripts.common.demo import ADAPTIVE, BASELINES, QUANTIZED, split_exchange, split_norm
 from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
 
 PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState takes with error feedback and warm start
@@ -43,7 +44,8 @@ PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState takes with err
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default="alq@3,none", help="comma-separated name[@bits], run in turn")
+    p.add_argument("--methods", default="alq@3,none",
+                   help="comma-separated name[@bits] or name@auto<budget> (alq@auto2.5), run in turn")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps; default 300")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per worker and step; default 16")
     p.add_argument("--context", type=int, default=64, help="characters per sequence; default 64")
@@ -64,8 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def parse_method(spec: str) -> tuple[str, int | None]:
-    """``"alq@2"`` -> ``("alq", 2)``; ``"none"`` -> ``("none", None)``; raises on an unknown name."""
+def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
+    """(name, bits, bit_budget): ``"alq@2"`` -> ``("alq", 2, None)``; ``"none"`` -> ``("none", None, None)``;
+    ``"alq@auto2.5"`` -> ``("alq", "auto", 2.5)`` (ALQ/AMQ forms through Horovod only). SystemExit on
+    an unknown name, bad bits or budget, or ``auto`` where it does not apply."""
     name, _, bits = spec.partition("@")
     known = name in QUANTIZED + BASELINES or name == "psgd-match" or (name.startswith("psgd") and name[4:].isdigit())
     if name.startswith("ddp-"):
@@ -73,7 +77,19 @@ def parse_method(spec: str) -> tuple[str, int | None]:
     if not known:
         raise SystemExit(f"unknown method {name!r}: a quantized method ({', '.join(QUANTIZED[:8])}, ...), "
                          f"none, fp16, psgd<rank>, psgd-match or ddp-<quantized method>")
-    return name, int(bits) if bits else None
+    if bits.startswith("auto"):
+        if name not in QUANTIZED or split_norm(name)[0] not in ADAPTIVE:
+            raise SystemExit(f"{spec!r}: bits='auto' is for the Horovod compressors of {', '.join(ADAPTIVE)} "
+                             f"(with their -l2/-linf/-ag/-2p forms), not {name!r}")
+        from horovod_alq.core.allocation import check_budget
+
+        try:
+            return name, "auto", check_budget(float(bits[4:]))
+        except ValueError as exc:
+            raise SystemExit(f"{spec!r}: name@auto<budget> with a budget from 2 to 8 (alq@auto2.5): {exc}") from None
+    if bits and not bits.isdigit():
+        raise SystemExit(f"{spec!r}: bits must be an integer or auto<budget> (alq@3, alq@auto2.5)")
+    return name, int(bits) if bits else None, None
 
 
 def powersgd_bytes(model: torch.nn.Module, rank: int) -> int:
@@ -121,8 +137,9 @@ def evaluate(model: torch.nn.Module, val: torch.Tensor, args) -> float:
     return float(torch.stack(losses).sum() / len(starts))
 
 
-def make_run(name: str, bits: int | None, args, vocab: int, hvd):
-    """(model to call, model whose parameters are evaluated, optimizer, state with metrics or None, extra record)."""
+def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budget: float | None = None):
+    """(model to call, model whose parameters are evaluated, optimizer, state with metrics or None, extra record).
+    ``bits="auto"`` takes ``bit_budget`` (parse_method)."""
     from horovod_alq import torch as alq
 
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
@@ -130,7 +147,7 @@ def make_run(name: str, bits: int | None, args, vocab: int, hvd):
     adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
     kw = dict(bits=bits or 3, bucket_size=args.bucket_size, update_steps=steps, update_every=args.update_every,
-              min_size=args.min_size, seed=args.seed)
+              min_size=args.min_size, seed=args.seed, **({"bit_budget": bit_budget} if bits == "auto" else {}))
     extra = {}
     if name in QUANTIZED or name in BASELINES:
         if name == "none":
@@ -180,10 +197,10 @@ def sent_bits(name: str, state) -> float:
 
 
 def train(spec: str, args, data, hvd) -> dict:
-    name, bits = parse_method(spec)
+    name, bits, bit_budget = parse_method(spec)
     train_ids, val_ids, chars = data
     rank = hvd.rank()
-    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd)
+    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd, bit_budget)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     curve, losses = [], []
     start = time.perf_counter()
@@ -214,6 +231,10 @@ def train(spec: str, args, data, hvd) -> dict:
         m = state.metrics()
         out.update(levels=[float(v) for v in m["levels"]], level_updates=m["level_updates"],
                    exchange=m.get("exchange"), compressed_bits_per_coordinate=m["bits_per_coordinate"])
+        if bits == "auto":  # the last refit's width per tensor (in the round's order) and their mean
+            out.update(bit_budget=m["bit_budget"], allocation=[int(b) for b in m["allocation"]],
+                       allocated_mean_bits=float(m["allocated_mean_bits"]),
+                       allocation_elements=[int(k[0]) for k in state.state_dict()["auto"]["keys"]])
     if not math.isfinite(out["train_loss_last50"]):
         out["diverged"] = True
     return out

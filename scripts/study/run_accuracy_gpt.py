@@ -8,6 +8,7 @@ and a plot of the learning curves.
 
     python -m scripts.study.run_accuracy_gpt --out-dir docs                 # the core grid, 5 seeds
     python -m scripts.study.run_accuracy_gpt --grid wide --seeds 0,1 --out-dir docs   # the wider grid
+    python -m scripts.study.run_accuracy_gpt --grid auto --out-dir docs     # bits="auto" under a budget
     python -m scripts.study.run_accuracy_gpt --quick --out-dir /tmp/g       # 2 ranks, 1 seed, 20 steps
 
 Every launch writes its JSON under <out-dir>/accuracy_gpt_raw; a launch whose JSON exists is
@@ -40,6 +41,9 @@ GRIDS = {
     "wide": [["alq@4", "qsgdinf@4", "nuqsgd@3", "alq-n@3", "amq-n@3"],
              ["alq-l2@3", "amq-l2@3", "alq-ag@3", "amq-ag@3", "qsgdinf-ag@3"]],
     "bucket1024": [["alq@3", "amq@3", "qsgdinf@3", "alq@2", "qsgdinf@2"]],
+    # bits="auto": a width from 2 to 8 per tensor under a mean budget (name@auto<budget>), against
+    # the core grid's fixed widths on the same seeds
+    "auto": [["alq@auto2.5", "alq@auto3"]],
 }
 # Same-seed comparisons shown in the second table: (row, against).
 PAIRS = [("alq@3", "qsgdinf@3"), ("amq@3", "qsgdinf@3"), ("alq@2", "qsgdinf@2"), ("alq@2", "terngrad"),
@@ -48,7 +52,9 @@ PAIRS = [("alq@3", "qsgdinf@3"), ("amq@3", "qsgdinf@3"), ("alq@2", "qsgdinf@2"),
          # the wider grid: 4 bits, norm-less forms, L2 buckets, allgather against two-phase (auto)
          ("alq@4", "qsgdinf@4"), ("alq-n@3", "alq@3"), ("amq-n@3", "amq@3"), ("alq@3", "alq-l2@3"),
          ("amq@3", "amq-l2@3"), ("alq-ag@3", "alq@3"), ("amq-ag@3", "amq@3"), ("qsgdinf-ag@3", "qsgdinf@3"),
-         ("nuqsgd@3", "qsgdinf@3")]
+         ("nuqsgd@3", "qsgdinf@3"),
+         # bits="auto" against fixed widths (the core grid's runs of the same seeds)
+         ("alq@auto2.5", "alq@3"), ("alq@auto3", "alq@3"), ("alq@auto2.5", "alq@2")]
 LABELS = {"none": "fp32", "fp16": "fp16", "terngrad": "TernGrad", "psgd2": "PowerSGD rank 2"}
 
 
@@ -64,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="docs", help="accuracy_gpt.md/.png go here, accuracy_gpt.json and the raw runs to its data/")
     p.add_argument("--timeout", type=float, default=5400, help="seconds per launch; default 5400")
     p.add_argument("--aggregate-only", action="store_true")
-    p.add_argument("--quick", action="store_true", help="2 ranks, seed 0, alq@3, none, psgd-match, 20 steps")
+    p.add_argument("--quick", action="store_true", help="2 ranks, seed 0, 20 steps: alq@3, none, psgd-match, "
+                   "or with a --grid other than core that grid's methods")
     args = p.parse_args(argv)
     if args.bucket_size is None:
         args.bucket_size = 1024 if args.grid == "bucket1024" else 8192
@@ -74,13 +81,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def launches(args) -> list[dict]:
-    grid = [["alq@3", "none", "psgd-match"]] if args.quick else GRIDS[args.grid]
+    grid = [["alq@3", "none", "psgd-match"]] if args.quick and args.grid == "core" else GRIDS[args.grid]
     return [{"seed": int(s), "methods": ms} for s in args.seeds.split(",") if s.strip() for ms in grid]
 
 
 def raw_path(job: dict, args, raw_dir: Path) -> Path:
+    """The launch's JSON: a method spec's ``@`` as ``b`` and a budget's ``.`` as ``p`` (``alq@auto2.5``:
+    ``alqbauto2p5``)."""
     return raw_dir / (f"np{args.np}_d{args.bucket_size}_s{job['seed']}_t{args.steps}_b{args.batch_size}_"
-                      f"{'-'.join(m.replace('@', 'b') for m in job['methods'])}.json")
+                      f"{'-'.join(m.replace('@', 'b').replace('.', 'p') for m in job['methods'])}.json")
 
 
 def run_launch(job: dict, args, raw_dir: Path) -> None:
@@ -150,6 +159,10 @@ def summarize(rows: dict) -> dict:
                 "curve": _mean_curve(runs), "seeds": sorted(runs)}
         if "rank" in first:
             cell["powersgd_rank"] = first["rank"]
+        if "allocation" in first:  # bits="auto": each seed's last allocation
+            cell["allocated_mean_bits"] = {s: r["allocated_mean_bits"] for s, r in sorted(runs.items())}
+            cell["allocation"] = {s: r["allocation"] for s, r in sorted(runs.items())}
+            cell["allocation_elements"] = first.get("allocation_elements")
         out[label] = cell
     out["pairs"] = {f"{a} - {b}": _paired(rows[a], rows[b]) for a, b in PAIRS if a in rows and b in rows}
     return out
@@ -163,12 +176,14 @@ def _mean_curve(runs: dict) -> list:
 
 
 def order(labels) -> list:
-    """Baselines first, then by method family, bit width, bucket."""
+    """Baselines first, then by method family, bit width (an auto budget beside its width, after it),
+    bucket."""
     def key(label):
         spec, _, bucket = label.partition("/")
         name, _, bits = spec.partition("@")
         rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
-        return (rank, -int(bits or 0), bucket, name)
+        auto = bits.startswith("auto")
+        return (rank, -float(bits.removeprefix("auto") or 0), bucket, auto, name)
     return sorted(labels, key=key)
 
 
@@ -195,6 +210,17 @@ def markdown(summary: dict) -> str:
             a, b = key.split(" - ")
             lines.append(f"| {LABELS.get(a, a)} − {LABELS.get(b, b)} | {pm(d)} | {d['median']:+.4f} | "
                          f"{d['lower']} of {d['n']} | {' '.join(f'{x:+.3f}' for x in d['diffs'])} |")
+    auto = [label for label in order(rows) if "allocation" in rows[label]]
+    if auto:
+        lines += ["", "bits=\"auto\": the widths of the last refit, per tensor in the round's order "
+                  "(elements: " + ", ".join(map(str, rows[auto[0]]["allocation_elements"] or [])) + "), and their "
+                  "mean over the compressed coordinates, per seed.", "",
+                  "| method | seed | widths | mean bits |", "|---|---:|---|---:|"]
+        for label in auto:
+            c = rows[label]
+            for seed, widths in c["allocation"].items():
+                lines.append(f"| {label} | {seed} | {' '.join(map(str, widths))} | "
+                             f"{c['allocated_mean_bits'][seed]:.3f} |")
     return "\n".join(lines) + "\n"
 
 
