@@ -17,7 +17,8 @@ level set per width fitted on the same schedule from all tensors' statistics): a
 the allocation minimizing the step's total variance under the budget, computed from that
 iteration's gradient and kept until the next refit ("stale", what a compressor would do), and,
 for comparison, the allocation recomputed at every measurement ("oracle"); both against uniform
-3 bits of the same method.
+3 bits of the same method. The compressors' ``bits="auto"`` (horovod_alq.core.allocation.AutoBits,
+the same refits) is measured beside them.
 
 Layer types: embedding (token and position tables), attention (qkv and output projections), MLP,
 head (the output projection to the vocabulary); LayerNorms and biases are all below --min-size
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from horovod_alq.core import Quantizer
-from horovod_alq.core.allocation import allocate_bits
+from horovod_alq.core.allocation import AutoBits, allocate_bits
 from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
 from scripts.study.compare_models import normalized_variance
 
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     widths = {(m, w): Quantizer(m, bits=w, bucket_size=args.bucket_size) for m in ALLOC_METHODS for w in ALLOC_WIDTHS}
     current = {}  # (method, budget) -> bits per quantized tensor, from the last refit
+    # the compressors' own bits="auto" state (previous levels for the allocation, then a refit per width)
+    autos = {(m, b): AutoBits(m, b, args.bucket_size) for m in ALLOC_METHODS for b in budgets}
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     train_ids, _, chars = char_splits()
@@ -108,7 +111,8 @@ def main(argv=None) -> int:
     schedule = argparse.Namespace(lr=args.lr, warmup=max(1, args.iters // 10), steps=args.iters)
     gen = torch.Generator().manual_seed(args.seed)
     names = [n for n, _ in model.named_parameters()]
-    record: dict = {"iterations": [], "loss": [], "share": [], "variance": {}, "allocation": {}, "refit_bits": {}}
+    record: dict = {"iterations": [], "loss": [], "share": [], "variance": {}, "allocation": {}, "refit_bits": {},
+                    "compressor_bits": {}}
     start = time.monotonic()
     for t in range(args.iters + 1):
         for group in opt.param_groups:
@@ -120,6 +124,7 @@ def main(argv=None) -> int:
         grads = [(n, p.grad.detach().reshape(-1).double().numpy()) for n, p in model.named_parameters()]
         quantized = [(n, g) for n, g in grads if g.size >= args.min_size]
         sizes = [g.size for _, g in quantized]
+        keys = [(n, k) for k, n in enumerate(sizes)]
         if t % args.eval_every == 0:
             sq = {k: 0.0 for k in TYPES + ["norm"]}
             for n, g in grads:
@@ -137,6 +142,10 @@ def main(argv=None) -> int:
                 record["variance"].setdefault(f"{label}|{b}", []).append(row)
             if budgets:
                 measure_allocations(record, widths, current, quantized, sizes, budgets, total)
+                for (m, budget), auto in autos.items():
+                    bits = auto.widths_for(keys)
+                    err = sum(exact_error(auto.quantizers[w], g) for w, (_, g) in zip(bits, quantized))
+                    record["allocation"][f"{m}|{budget}"][-1]["compressor"] = err / total
         if t in refits:
             for (label, b), q in quantizers.items():
                 if q.method in ("alq", "alq-n", "amq", "amq-n"):
@@ -144,6 +153,9 @@ def main(argv=None) -> int:
             if budgets:
                 for q in widths.values():
                     q.adapt(sum(q.statistics(g) for _, g in quantized))
+                for (m, budget), auto in autos.items():
+                    auto.refit(np.stack([auto.row(g) for _, g in quantized]), sizes, keys)
+                    record["compressor_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = list(auto.bits)
                 for m in ALLOC_METHODS:
                     e = error_matrix(widths, m, quantized)
                     for budget in budgets:
@@ -218,9 +230,13 @@ def allocation_report(record: dict, after0) -> list[str]:
     lines = ["**Bits per tensor under a budget** (widths 2..8, horovod_alq.core.allocation): total normalized "
              "variance, mean over the measurements after iteration 0, and its ratio to uniform 3 bits of the same "
              "method. Stale: the allocation of the last refit; oracle: recomputed at every measurement "
-             "(its greedy is within the bound 'gap' of the exact optimum).", "",
+             "(its greedy is within the bound 'gap' of the exact optimum); both with every width's levels fitted "
+             "from all tensors. bits='auto': the compressors' own AutoBits (allocated with the previous refit's "
+             "levels, each width then refit from its own tensors; uniform 3 bits before the first refit), "
+             "its allocation kept until the next refit.", "",
              "| method, budget | uniform 3 bits | allocated, stale | stale / uniform 3 | oracle | oracle / uniform 3 | "
-             "gap / oracle | bits per tensor at the last refit |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "gap / oracle | bits='auto' (the compressors) | / uniform 3 | bits per tensor at the last refit |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for key, rows in record["allocation"].items():
         m, budget = key.split("|")
         uniform = _mean(rows, "uniform3", after0)
@@ -229,8 +245,9 @@ def allocation_report(record: dict, after0) -> list[str]:
         refits = record["refit_bits"].get(key, {})
         last = refits[max(refits, key=int)] if refits else []
         shown = " ".join(str(b) for b in last)
+        comp = _mean(rows, "compressor", after0)
         lines.append(f"| {m}, {budget} | {uniform:.3g} | {stale:.3g} | {stale / uniform:.2f} | {oracle:.3g} | "
-                     f"{oracle / uniform:.2f} | {gap / oracle:.1e} | {shown} |")
+                     f"{oracle / uniform:.2f} | {gap / oracle:.1e} | {comp:.3g} | {comp / uniform:.2f} | {shown} |")
     names = record.get("quantized_parameters", [])
     lines += ["", "Tensors in that order: " + ", ".join(f"{n} ({s})" for n, s in
                                                         zip(names, record.get("quantized_sizes", []))) + ".", ""]
