@@ -23,7 +23,7 @@ def load(name: str):
 
 @pytest.mark.parametrize("name", ["study.variance", "study.run_accuracy", "bench.network", "bench.codec",
                                   "bench.train_step", "bench.fsdp", "study.run_accuracy_gpt", "study.variance_gpt",
-                                  "study.horovod_suite"])
+                                  "study.horovod_suite", "bench.refit"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
         load(name).main(["--help"])
@@ -322,6 +322,9 @@ def test_variance_gpt_quick(tmp_path):
             assert sum(b * n for b, n in zip(bits, sizes)) <= 3.0 * sum(sizes) and set(bits) <= set(mod.ALLOC_WIDTHS)
         last = data["allocation"][f"{m}|3.0"][-1]
         assert last["oracle"] <= last["uniform3"] + 1e-12 and last["stale"] < last["uniform3"], last
+        assert last["compressor"] < last["uniform3"], last  # the compressors' own bits="auto"
+        for bits in data["compressor_bits"][f"{m}|3.0"].values():
+            assert sum(b * n for b, n in zip(bits, sizes)) <= 3.0 * sum(sizes)
     assert (tmp_path / "variance_gpt.png").stat().st_size > 10_000
     assert "| alq |" in (tmp_path / "variance_gpt.md").read_text()
 
