@@ -204,6 +204,15 @@ class AutoBits:
         keys = tuple(keys)
         return self.bits if keys == self.keys else (self.default,) * len(keys)
 
+    def widths_so_far(self, keys: Sequence, start: int) -> tuple[int, ...]:
+        """The widths of ``keys[start:]``, the latest tensors of a round whose tensors so far are
+        ``keys`` (a round started before all of its tensors are known): the allocation's if
+        ``keys`` is its beginning, else the default (the complete round is checked on its own)."""
+        keys = tuple(keys)
+        if self.keys[:len(keys)] == keys:
+            return self.bits[start:len(keys)]
+        return (self.default,) * (len(keys) - start)
+
     def row(self, x: np.ndarray) -> np.ndarray:
         """One tensor's refit vector: its error at every width, then its statistics."""
         from .statistics import normalize, summarize

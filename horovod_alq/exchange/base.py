@@ -42,6 +42,25 @@ class Transport(Protocol):
         """Elementwise maximum of a small int64 vector over the ranks."""
 
 
+class SingleRank:
+    """The :class:`Transport` of a set of one rank: every collective returns this rank's input
+    (single-process runs: benchmarks, tests of the round logic)."""
+
+    rank, size = 0, 1
+
+    def allgather(self, payload, sizes, name):
+        return lambda: payload
+
+    def alltoall(self, payload, splits, received, name):
+        return lambda: payload
+
+    def allreduce_sum(self, vec, name):
+        return np.asarray(vec, dtype=np.float64)
+
+    def allreduce_max(self, vec, name):
+        return np.asarray(vec, dtype=np.int64)
+
+
 class TensorOps(Protocol):
     """The codec and the few tensor operations an exchange needs, on one framework and device."""
 

@@ -312,10 +312,8 @@ class Engine:
         auto = self.state.auto
         if auto is None:
             return None
-        end = entries[-1].slot + 1
-        keys = tuple((e.numel, e.shape_code) for e in rnd.entries[:end])
-        bits = auto.bits[entries[0].slot: end] if auto.keys[:end] == keys else (auto.default,) * len(entries)
-        return [auto.quantizers[w] for w in bits]
+        keys = [(e.numel, e.shape_code) for e in rnd.entries[:entries[-1].slot + 1]]
+        return [auto.quantizers[w] for w in auto.widths_so_far(keys, entries[0].slot)]
 
     def open_stream(self, ops: TensorOps, stages: Sequence[Transport], *, min_size: int = 0,
                     exchange: str | None = None, error: str | None = None, elements: int = 0,

@@ -71,8 +71,7 @@ def configure(method: str, bits: int | str | None = None, bucket_size: int = 819
         if bits_second is not None or adapt_second:
             raise ValueError("bits='auto' quantizes both phases of the two-phase exchange with each tensor's "
                              "width: bits_second and adapt_second=True do not apply")
-        auto = AutoBits(method, DEFAULT_BIT_BUDGET if bit_budget is None else bit_budget,
-                        Quantizer(method, 2, bucket_size).bucket_size, norm=norm)
+        auto = AutoBits(method, DEFAULT_BIT_BUDGET if bit_budget is None else bit_budget, bucket_size, norm=norm)
         first = second = auto.quantizers[auto.default]
         adapt_second = False
     elif bit_budget is not None:

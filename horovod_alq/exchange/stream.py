@@ -104,10 +104,9 @@ class StreamedRound:
         if sum(numels) != numel:
             raise ValueError(f"horovod_alq: the buffer's tensors hold {sum(numels)} elements, the buffer {numel}")
         starts = np.concatenate([[0], np.cumsum(numels)[:-1]]).astype(int).tolist()
-        k0 = len(self._keys)
+        start = len(self._keys)
         self._keys += tensors
-        k1 = len(self._keys)
-        bits = auto.bits[k0:k1] if auto.keys[:k1] == tuple(self._keys) else (auto.default,) * (k1 - k0)
+        bits = auto.widths_so_far(self._keys, start)
         if self.collect_first:
             host = self.ops.to_numpy(flat)
             self._rows += [auto.row(host[s: s + n]) for s, n in zip(starts, numels)]

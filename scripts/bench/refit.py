@@ -22,26 +22,11 @@ import time
 import numpy as np
 import torch
 
+from horovod_alq.exchange.base import SingleRank
 from horovod_alq.exchange.setup import configure
 from horovod_alq.torch.ops import TorchOps
 from scripts.common.bench import write_report
 from scripts.common.gpt import GPT, char_splits, sample_batch
-
-
-class Loopback:
-    rank, size = 0, 1
-
-    def allgather(self, payload, sizes, name):
-        return lambda: payload
-
-    def alltoall(self, payload, splits, received, name):
-        return lambda: payload
-
-    def allreduce_sum(self, vec, name):
-        return np.asarray(vec, dtype=np.float64)
-
-    def allreduce_max(self, vec, name):
-        return np.asarray(vec, dtype=np.int64)
 
 
 def gpt_gradients(min_size: int, seed: int = 0) -> list[torch.Tensor]:
@@ -72,7 +57,7 @@ def main(argv=None) -> int:
     repeats = 2 if args.quick else args.repeats
     torch.set_num_threads(1)
     grads = gpt_gradients(1024)
-    ops, transport = TorchOps("cpu"), Loopback()
+    ops, transport = TorchOps("cpu"), SingleRank()
     cases = {"plain round (3 bits)": (3, None, False), "refit round, 3 bits": (3, None, True),
              f"refit round, bits='auto' (budget {args.budget})": ("auto", args.budget, True)}
     times = {name: [] for name in cases}

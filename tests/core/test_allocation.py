@@ -129,6 +129,9 @@ def test_auto_default_and_other_rounds():
     auto.keys, auto.bits = ((10, 1), (20, 2)), (4, 2)
     assert auto.widths_for([(10, 1), (20, 2)]) == (4, 2)
     assert auto.widths_for([(20, 2), (10, 1)]) == (2, 2)  # another round: the default width
+    assert auto.widths_so_far([(10, 1)], 0) == (4,) and auto.widths_so_far([(10, 1), (20, 2)], 1) == (2,)
+    assert auto.widths_so_far([(20, 2)], 0) == (2,)  # not the allocated round's beginning
+    assert auto.widths_so_far([(10, 1), (20, 2), (5, 3)], 1) == (2, 2)  # longer than the allocated round
     assert auto.mean_bits() == pytest.approx((40 + 40) / 30)
     other = AutoBits("amq", 2.5, 64)
     assert other.fingerprint() != auto.fingerprint()

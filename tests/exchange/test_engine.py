@@ -1,29 +1,14 @@
-"""The exchange engine's round logic on one rank (a loopback transport: every collective of a
-1-rank set returns its input), with the NumPy codec. Multi-rank behaviour: tests/mpi, tests/torch."""
+"""The exchange engine's round logic on one rank (``SingleRank``: every collective of a 1-rank set
+returns its input), with the NumPy codec. Multi-rank behaviour: tests/mpi, tests/torch."""
 
 import numpy as np
 import pytest
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.rounds import RefitSchedule, RoundState
+from horovod_alq.exchange.base import SingleRank
 from horovod_alq.exchange.engine import Engine
 from horovod_alq.exchange.numpy_ops import NumpyOps
-
-
-class Loopback:
-    rank, size = 0, 1
-
-    def allgather(self, payload, sizes, name):
-        return lambda: payload
-
-    def alltoall(self, payload, splits, received, name):
-        return lambda: payload
-
-    def allreduce_sum(self, vec, name):
-        return np.asarray(vec, dtype=np.float64)
-
-    def allreduce_max(self, vec, name):
-        return np.asarray(vec, dtype=np.int64)
 
 
 def _engine(exchange="allgather", steps=()):
@@ -31,7 +16,7 @@ def _engine(exchange="allgather", steps=()):
     return Engine(q, RoundState(q, RefitSchedule(steps, 0)), exchange=exchange, seed=3)
 
 
-def _add(engine, x, t=Loopback()):
+def _add(engine, x, t=SingleRank()):
     return engine.add(x, x.size, x.shape, "float32", t)
 
 
@@ -41,7 +26,7 @@ def test_kept_buffers_are_not_reused_while_a_round_is_still_read(exchange):
     round 1's values (the result buffer is kept across rounds only once a round is fully read)."""
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(300).astype(np.float32) for _ in range(3))
-    t, ops = Loopback(), NumpyOps()
+    t, ops = SingleRank(), NumpyOps()
 
     ref = _engine(exchange)
     (ea, va), (eb, vb) = _add(ref, a), _add(ref, b)
@@ -60,7 +45,7 @@ def test_kept_buffers_are_not_reused_while_a_round_is_still_read(exchange):
 
 def test_buffers_are_kept_across_finished_rounds():
     rng = np.random.default_rng(1)
-    t, ops = Loopback(), NumpyOps()
+    t, ops = SingleRank(), NumpyOps()
     eng = _engine()
     held = []
     for _ in range(3):
@@ -76,7 +61,7 @@ def test_buffers_are_kept_across_finished_rounds():
 def test_kept_stream_padding_is_zeroed():
     """Tensors of 70 and 10 elements in 64-buckets: the stream has 58 padding zeros between them,
     also when a previous round left other values there (its norms would change otherwise)."""
-    t, ops = Loopback(), NumpyOps()
+    t, ops = SingleRank(), NumpyOps()
     eng = _engine()
     big = np.full(64 + 64 + 10, 5.0, dtype=np.float32)  # the same stream length: its buffer is kept
     e, v = _add(eng, big)
@@ -122,8 +107,8 @@ def test_fused_tensors_come_back_in_place(exchange, bucket):
         for label, xs in [("exact", exact), ("noisy", noisy)]:
             q = Quantizer("alq", bits=3, bucket_size=bucket)
             eng = Engine(q, RoundState(q, RefitSchedule((), 0)), exchange=exchange, seed=3)
-            added = [eng.add(x, x.numel(), x.shape, "float32", Loopback()) for x in xs]
-            outs[name, label] = [eng.finish(e, v, variant, Loopback())[0] for e, v in added]
+            added = [eng.add(x, x.numel(), x.shape, "float32", SingleRank()) for x in xs]
+            outs[name, label] = [eng.finish(e, v, variant, SingleRank())[0] for e, v in added]
             if label == "exact":
                 for x, out in zip(xs, outs[name, label]):
                     assert torch.equal(out, x)
@@ -143,7 +128,7 @@ def test_streamed_round_hands_each_buffer_its_values_and_refits_at_close(exchang
     xs = [rng.choice(before, size=n).astype(np.float32) for n in (200, 64, 3)]
     for x in xs:
         x[0] = 1.0  # max-abs 1: every value is a level, rounded exactly
-    rnd = eng.open_stream(NumpyOps(), [Loopback(), Loopback()], min_size=16)
+    rnd = eng.open_stream(NumpyOps(), [SingleRank(), SingleRank()], min_size=16)
     got = {}
     for k, x in enumerate(xs):
         rnd.add(x, x.size, lambda decoded, error, k=k: got.setdefault(k, (decoded, error)))
@@ -172,7 +157,7 @@ def test_a_refit_round_decodes_with_the_levels_it_encoded_with(exchange):
     for x in xs:
         x[0] = 1.0  # max-abs 1: every value is a level, rounded exactly
     added = [_add(eng, x) for x in xs]
-    outs = [eng.finish(e, v, NumpyOps(), Loopback())[0] for e, v in added]
+    outs = [eng.finish(e, v, NumpyOps(), SingleRank())[0] for e, v in added]
     assert not np.array_equal(q.levels.astype(np.float32), before)  # the round refit the levels
     for x, out in zip(xs, outs):
         np.testing.assert_array_equal(out, x)
@@ -187,14 +172,14 @@ def test_a_caller_collected_round_returns_its_statistics_and_refit_combines_them
     eng = Engine(q, RoundState(q, RefitSchedule((0,), 0), second), exchange=exchange, seed=3)
     x = np.random.default_rng(1).standard_normal(500).astype(np.float32)
     before, before_second = q.levels, second.levels
-    rnd = eng.open_stream(NumpyOps(), [Loopback(), Loopback()], elements=x.size, collect=True)
+    rnd = eng.open_stream(NumpyOps(), [SingleRank(), SingleRank()], elements=x.size, collect=True)
     rnd.add(x, x.size, lambda decoded, error: None)
     first, stats_second = rnd.close()
     np.testing.assert_array_equal(first, q.statistics(x))
     assert (stats_second is not None) == (exchange == "two-phase")
     assert np.array_equal(q.levels, before) and eng.state.level_updates == 0
-    assert eng.refit(first, stats_second, Loopback()) is True
+    assert eng.refit(first, stats_second, SingleRank()) is True
     assert not np.array_equal(q.levels, before) and eng.state.level_updates == 1
     assert np.array_equal(second.levels, before_second) == (exchange == "allgather")
     with pytest.raises(Exception, match="This rank: ValueError: bad"):
-        eng.refit(None, None, Loopback(), error="ValueError: bad")
+        eng.refit(None, None, SingleRank(), error="ValueError: bad")

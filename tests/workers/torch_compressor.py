@@ -113,6 +113,26 @@ def digits_data(rank: int, size: int):
     return train_x[rank::size], train_y[rank::size], test_x, test_y
 
 
+def fit_digits(model, opt, rank: int, size: int, steps: int, bpps: int = 1) -> dict:
+    """``steps`` optimizer steps on this rank's digits (``bpps`` backward passes of 32 each), then
+    the loss at the start and the end, the held-out accuracy and the parameters' digests."""
+    tx, ty, vx, vy = digits_data(rank, size)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(bpps):
+            idx = torch.randint(0, len(tx), (32,), generator=g)
+            loss = torch.nn.functional.cross_entropy(model(tx[idx]), ty[idx])
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        acc = (model(vx).argmax(1) == vy).float().mean().item()
+    return {"first_loss": float(np.mean(losses[:10])), "last_loss": float(np.mean(losses[-10:])),
+            "accuracy": acc, "params": [digest(p) for p in model.parameters()]}
+
+
 def train(args) -> dict:
     size, rank = hvd.size(), hvd.rank()
     torch.manual_seed(0)
@@ -130,21 +150,7 @@ def train(args) -> dict:
         kwargs["num_groups"] = args.groups
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
                                    backward_passes_per_step=args.bpps, **kwargs)
-    tx, ty, vx, vy = digits_data(rank, size)
-    g = torch.Generator().manual_seed(rank)
-    losses = []
-    for step in range(args.steps):
-        opt.zero_grad()
-        for _ in range(args.bpps):
-            idx = torch.randint(0, len(tx), (32,), generator=g)
-            loss = torch.nn.functional.cross_entropy(model(tx[idx]), ty[idx])
-            loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    with torch.no_grad():
-        acc = (model(vx).argmax(1) == vy).float().mean().item()
-    result = {"first_loss": float(np.mean(losses[:10])), "last_loss": float(np.mean(losses[-10:])),
-              "accuracy": acc, "params": [digest(p) for p in model.parameters()]}
+    result = fit_digits(model, opt, rank, size, args.steps, args.bpps)
     if args.method != "none":
         m = comp.metrics()
         # the live levels and fingerprint agree with the NumPy core: its decoder reads our payload
@@ -178,25 +184,13 @@ def auto(args) -> dict:
                              update_every=0, min_size=100, seed=args.seed, exchange=exchange)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression=comp)
-        tx, ty, vx, vy = digits_data(rank, size)
-        g = torch.Generator().manual_seed(rank)
-        losses = []
-        for step in range(args.steps):
-            opt.zero_grad()
-            idx = torch.randint(0, len(tx), (32,), generator=g)
-            loss = torch.nn.functional.cross_entropy(model(tx[idx]), ty[idx])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        with torch.no_grad():
-            acc = (model(vx).argmax(1) == vy).float().mean().item()
+        fitted = fit_digits(model, opt, rank, size, args.steps)
         m = comp.metrics()
         saved = comp.state_dict()
         again = ALQCompressor(bits="auto", bit_budget=2.5, bucket_size=args.bucket, min_size=100)
         again.load_state_dict(saved)
         out[exchange] = {
-            "first_loss": float(np.mean(losses[:10])), "last_loss": float(np.mean(losses[-10:])), "accuracy": acc,
-            "params": [digest(p) for p in model.parameters()], "allocation": m["allocation"],
+            **fitted, "allocation": m["allocation"],
             "allocated_mean_bits": m["allocated_mean_bits"], "bits_per_coordinate": m["bits_per_coordinate"],
             "level_updates": m["level_updates"], "exchange": m["exchange"], "bits": comp.bits,
             "width_levels": {str(w): v.tolist() for w, v in m["width_levels"].items()},
