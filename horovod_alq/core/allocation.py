@@ -146,32 +146,42 @@ def check_budget(budget) -> float:
     return float(budget)
 
 
-def quantization_errors(x: np.ndarray, quantizers: Sequence, normalized=None) -> np.ndarray:
-    """``E||Q(x) - x||^2`` of ``x`` under each quantizer (same method, norm and bucket size, their
-    own levels), shape (len(quantizers),): ``sum_b norm_b**2 sum_i (l_{j+1} - r_i)(r_i - l_j)``
-    over the normalized coordinates ``r_i`` of the finite, non-zero buckets ``b``, with the ``r_i``
-    counted on :data:`~.statistics.GRID` (one pass over ``x`` for all widths; within a cell they are
-    taken as uniform, which moves the result by about 0.1% on real gradients, at most a few %).
-    ``normalized``: ``x`` already normalized by :func:`~.statistics.normalize`."""
-    from .distributions import GridDistribution
-    from .objective import expected_variance
-    from .statistics import GRID, grid_cell, normalize
+def errors_from_histograms(squared: np.ndarray, level_sets: Sequence[np.ndarray]) -> np.ndarray:
+    """``E||Q(x) - x||^2`` of tensors under level sets, shape (T, W), from each tensor's counts on
+    :data:`~.statistics.GRID` weighted by its squared bucket norms (``squared``, shape (T, 1 + G):
+    row 1 of :func:`~.statistics.grid_histograms`, of one rank or summed over ranks):
+    ``sum_b n_b**2 sum_i (l_{j+1} - r_i)(r_i - l_j)``, with the ``r_i`` taken as uniform within a
+    grid cell (the moments of :class:`~.distributions.GridDistribution`), which moves the result by
+    about 0.1% on real gradients, at most a few %. All tensors and widths at once."""
+    from .objective import _cell_costs
+    from .statistics import GRID
 
-    q0 = quantizers[0]
-    nz = normalize(x, q0.bucket_size, q0.norm) if normalized is None else normalized
-    keep = nz.norms > 0  # False for NaN
-    weights = np.zeros(nz.r.shape)
-    weights[keep] = (nz.norms[keep].astype(np.float64) ** 2)[:, None]
-    if weights.size:
-        weights.reshape(-1)[nz.numel:] = 0.0  # padding after the last element
-    hist = np.bincount(grid_cell(nz.r).ravel(), weights=weights.ravel(), minlength=GRID.size)[: GRID.size]
-    total = float(hist.sum())
-    if not total > 0:
-        return np.zeros(len(quantizers))
-    cdf = np.cumsum(hist) / total
-    cdf[0], cdf[-1] = 0.0, 1.0
-    dist = GridDistribution(GRID, np.clip(cdf, 0.0, 1.0))
-    return np.array([total * expected_variance(q.levels, dist) for q in quantizers])
+    c = np.atleast_2d(np.asarray(squared, dtype=np.float64))[:, 1:]  # C2 at the grid points
+    g = GRID
+    h = np.diff(g)
+    dc = np.diff(c, axis=1)
+    gl, gr = g[:-1], g[1:]
+    zero = np.zeros((c.shape[0], 1))
+    p1 = np.concatenate([zero, np.cumsum(dc * ((gl + gr) / 2.0), axis=1)], axis=1)
+    p2 = np.concatenate([zero, np.cumsum(dc * ((gl * gl + gl * gr + gr * gr) / 3.0), axis=1)], axis=1)
+    x = np.concatenate([np.asarray(lv, dtype=np.float64) for lv in level_sets])
+    i = np.searchsorted(g[1:-1], x, side="right")  # cell of every level
+    gi = g[i]
+    dct = dc[:, i] * ((x - gi) / h[i])  # mass in [g_i, x]
+    mom = np.stack([c[:, i] + dct, p1[:, i] + dct * ((gi + x) * 0.5),
+                    p2[:, i] + dct * ((gi * gi + gi * x + x * x) / 3.0)])  # (3, T, P)
+    ends = np.cumsum([len(lv) for lv in level_sets])
+    return np.stack([_cell_costs(x[e - len(lv): e], mom[:, :, e - len(lv): e]).sum(axis=-1)
+                     for lv, e in zip(level_sets, ends)], axis=1)
+
+
+def quantization_errors(x: np.ndarray, quantizers: Sequence) -> np.ndarray:
+    """``E||Q(x) - x||^2`` of the array ``x`` under each quantizer (same norm and bucket size, their
+    own levels), shape (len(quantizers),); see :func:`errors_from_histograms`."""
+    from .statistics import grid_histograms, normalize
+
+    nz = normalize(x, quantizers[0].bucket_size, quantizers[0].norm)
+    return errors_from_histograms(grid_histograms(nz)[1:], [q.levels for q in quantizers])[0]
 
 
 class AutoBits:
@@ -214,22 +224,40 @@ class AutoBits:
         return (self.default,) * (len(keys) - start)
 
     def row(self, x: np.ndarray) -> np.ndarray:
-        """One tensor's refit vector: its error at every width, then its statistics."""
-        from .statistics import normalize, summarize
+        """One array's refit vector: its error at every width, then its statistics."""
+        from .statistics import grid_histograms, normalize, summarize
 
-        qs = [self.quantizers[w] for w in AUTO_WIDTHS]
-        nz = normalize(x, qs[0].bucket_size, qs[0].norm)
-        return np.concatenate([quantization_errors(x, qs, nz), summarize(qs[0].method, nz)])
+        q = self.quantizers[self.default]
+        nz = normalize(x, q.bucket_size, q.norm)
+        hist = grid_histograms(nz)
+        stats = hist[0] if self.grid_statistics else summarize(q.method, nz)
+        return self.rows(hist[1:], stats[None])[0]
+
+    def rows(self, squared: np.ndarray, stats: np.ndarray) -> np.ndarray:
+        """The refit vectors of T tensors, shape (T, W + k): their errors at every width (from their
+        squared-norm histograms, shape (T, 1 + G), see :func:`errors_from_histograms`), then their
+        statistics (shape (T, k))."""
+        errors = errors_from_histograms(squared, [self.quantizers[w].levels for w in AUTO_WIDTHS])
+        return np.concatenate([errors, np.atleast_2d(stats)], axis=1)
+
+    @property
+    def grid_statistics(self) -> bool:
+        """Whether the method's statistics are row 0 of the grid histograms (ALQ, AMQ; not -N)."""
+        from .statistics import GRID, statistics_length
+
+        return statistics_length(self.quantizers[self.default].method) == 1 + GRID.size
 
     def refit(self, rows: np.ndarray, sizes: Sequence[int], keys: Sequence) -> Allocation:
         """Allocate and refit from the sum over ranks of every tensor's :meth:`row` (shape (T, ...))."""
+        from .quantizer import adapt_together
+
         rows = np.asarray(rows, dtype=np.float64)
         w = len(AUTO_WIDTHS)
         alloc = allocate_bits(np.maximum(rows[:, :w], 0.0), sizes, self.budget, AUTO_WIDTHS)
-        for width in sorted(set(alloc.bits.tolist())):
-            stats = rows[alloc.bits == width, w:].sum(axis=0)
-            if stats[0] > 0:
-                self.quantizers[width].adapt(stats)
+        widths = sorted(set(alloc.bits.tolist()))
+        stats = [rows[alloc.bits == width, w:].sum(axis=0) for width in widths]
+        seen = [i for i, st in enumerate(stats) if st[0] > 0]  # (no finite non-zero bucket: keep)
+        adapt_together([self.quantizers[widths[i]] for i in seen], [stats[i] for i in seen])
         self.keys, self.bits = tuple(keys), tuple(int(b) for b in alloc.bits)
         return alloc
 

@@ -7,7 +7,7 @@ the same bytes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -384,16 +384,35 @@ class Quantizer:
             return
         self._fit(distribution_from_statistics(self._method, stats))
 
+    def _set_fitted(self, fitted: np.ndarray) -> None:
+        rounded = fitted.astype(np.float32).astype(np.float64)
+        self.set_levels(rounded if np.all(np.diff(rounded) > 0) else fitted)
+
     def _fit(self, dist) -> None:
         from .adaptation import fit_alq_levels, fit_amq_multiplier
 
         if self._method.adapts == "levels":
-            fitted = fit_alq_levels(dist, self._bits, init=self._levels.copy())
-            rounded = fitted.astype(np.float32).astype(np.float64)
-            self.set_levels(rounded if np.all(np.diff(rounded) > 0) else fitted)
+            self._set_fitted(fit_alq_levels(dist, self._bits, init=self._levels.copy()))
         else:
             p = float(fit_amq_multiplier(dist, self._bits, previous=self._multiplier))
             p32 = float(np.float32(p))
             p = p32 if 0.0 < p32 < 1.0 else p
             self._multiplier = p
             self._store_levels(multiplier_levels(p, self._bits))
+
+
+def adapt_together(quantizers: Sequence[Quantizer], stats: Sequence[np.ndarray]) -> None:
+    """:meth:`Quantizer.adapt` of every quantizer from its statistics vector, with the ALQ level fits
+    run together (:func:`~.adaptation.fit_alq_levels_together`: the same levels, at about the cost
+    of the widest fit; ``bits="auto"`` refits its widths in use so)."""
+    from .adaptation import fit_alq_levels_together
+
+    alq = [(q, distribution_from_statistics(q._method, st)) for q, st in zip(quantizers, stats)
+           if q._method.adapts == "levels"]
+    for q, st in zip(quantizers, stats):
+        if q._method.adapts != "levels":
+            q.adapt(st)
+    fitted = fit_alq_levels_together([d for _, d in alq], [q.bits for q, _ in alq],
+                                     inits=[q.levels.copy() for q, _ in alq])
+    for (q, _), levels in zip(alq, fitted):
+        q._set_fitted(levels)

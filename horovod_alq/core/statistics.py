@@ -180,16 +180,32 @@ def grid_statistics(normalized: Normalized) -> np.ndarray:
     """Norm-based statistics: ``[W, C(GRID[0]), ..., C(GRID[-1])]`` with ``W = sum_b n_b`` and
     ``C(g) = sum_b n_b / count_b * #{i in bucket b : r_i <= g}`` over finite non-zero buckets
     (``C(-1) = 0``: a coordinate at -1 counts in the first cell)."""
+    return _grid_cumulative(normalized, squared=False)[0]
+
+
+def grid_histograms(normalized: Normalized) -> np.ndarray:
+    """Shape (2, 1 + len(GRID)): row 0 :func:`grid_statistics`; row 1 the same counts weighted by
+    ``n_b**2`` instead of ``n_b / count_b`` (``[sum_b n_b**2 count_b, C2(GRID)]``), from which
+    :func:`~.allocation.errors_from_histograms` gives ``E||Q(x) - x||**2`` for any levels
+    (``bits="auto"``). One grid search for both."""
+    return _grid_cumulative(normalized, squared=True)
+
+
+def _grid_cumulative(normalized: Normalized, squared: bool) -> np.ndarray:
     keep = normalized.norms > 0  # False for NaN
     counts = normalized.counts
-    weights = np.zeros(normalized.r.shape)
-    weights[keep] = (normalized.norms[keep].astype(np.float64) / counts[keep])[:, None]
-    if weights.size:
-        weights.reshape(-1)[normalized.numel:] = 0.0  # padding after the last element
-    hist = np.bincount(grid_cell(normalized.r).ravel(), weights=weights.ravel(), minlength=GRID.size)
-    out = np.empty(1 + GRID.size, dtype=np.float64)
-    out[0] = normalized.norms[keep].astype(np.float64).sum()
-    out[1:] = np.cumsum(hist[: GRID.size])
+    norms = np.where(keep, normalized.norms.astype(np.float64), 0.0)
+    cells = grid_cell(normalized.r).ravel()
+    rows = [(norms / np.maximum(counts, 1), norms.sum())]
+    if squared:
+        rows.append((norms * norms, (norms * norms * counts).sum()))
+    out = np.empty((len(rows), 1 + GRID.size), dtype=np.float64)
+    for row, (bucket_weight, total) in zip(out, rows):
+        weights = np.repeat(bucket_weight, normalized.r.shape[1])
+        weights[normalized.numel:] = 0.0  # padding after the last element
+        hist = np.bincount(cells, weights=weights, minlength=GRID.size)
+        row[0] = total
+        row[1:] = np.cumsum(hist[: GRID.size])
     return out
 
 

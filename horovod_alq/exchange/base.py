@@ -93,6 +93,10 @@ class TensorOps(Protocol):
     def statistics(self, x: Tensor, quantizer: Quantizer) -> np.ndarray:
         """The statistics vector of ``x`` for the quantizer's method and norm."""
 
+    def auto_statistics(self, x: Tensor, quantizer: Quantizer) -> tuple[np.ndarray, np.ndarray]:
+        """``bits="auto"``: the counts of ``x`` on the grid weighted by squared bucket norms (row 1 of
+        :func:`~horovod_alq.core.statistics.grid_histograms`) and its statistics vector."""
+
     def cat(self, parts: Sequence[Tensor]) -> Tensor:
         """Concatenate uint8 vectors."""
 
@@ -101,6 +105,13 @@ class TensorOps(Protocol):
 
     def from_numpy(self, a: np.ndarray) -> Tensor:
         """A uint8 vector on the ops' device."""
+
+
+def auto_rows(auto, ops: TensorOps, parts: Sequence) -> np.ndarray:
+    """``bits="auto"``: this rank's refit vector of every tensor of ``parts`` (:meth:`~horovod_alq.core.allocation.AutoBits.rows`)."""
+    pairs = [ops.auto_statistics(part, auto.quantizers[auto.default]) for part in parts]
+    return auto.rows(np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs]))
+
 
 
 @dataclass(frozen=True)

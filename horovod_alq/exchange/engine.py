@@ -42,7 +42,7 @@ from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
 from . import allgather, reduce_scatter, two_phase
-from .base import Decoded, Job, Started, TensorOps, Transport, check_payloads, issue, plan_layout, run
+from .base import Decoded, Job, Started, TensorOps, Transport, auto_rows, check_payloads, issue, plan_layout, run
 from .stream import StreamedRound
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
@@ -530,8 +530,7 @@ class Engine:
         self.refit_from(first, second, job.transport, f"{prefix}.statistics")
 
     def _refit_auto(self, job: Job, keys: tuple, prefix: str) -> None:
-        rows = [self.state.auto.row(job.ops.to_numpy(part)) for part in job.parts]
-        self.refit_auto(rows, keys, job.transport, f"{prefix}.statistics")
+        self.refit_auto(auto_rows(self.state.auto, job.ops, job.parts), keys, job.transport, f"{prefix}.statistics")
 
     def refit_auto(self, rows: Sequence[np.ndarray], keys: Sequence, transport: Transport, name: str) -> None:
         """``bits="auto"``: one allreduce of every tensor's row (errors per width, statistics; the

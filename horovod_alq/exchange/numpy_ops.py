@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core.statistics import grid_histograms, normalize, statistics_length, summarize
 from ..core.wire import parse_header
 
 
@@ -44,6 +45,11 @@ class NumpyOps:
 
     def statistics(self, x, quantizer):
         return quantizer.statistics(x)
+
+    def auto_statistics(self, x, quantizer):
+        nz = normalize(x, quantizer.bucket_size, quantizer.norm)
+        hist = grid_histograms(nz)
+        return hist[1], hist[0] if hist[0].size == statistics_length(quantizer.method) else summarize(quantizer.method, nz)
 
     def cat(self, parts):
         return np.concatenate(list(parts))

@@ -28,7 +28,7 @@ import numpy as np
 from ..core.methods import get_method
 from ..core.protocol import derive_seed, timeout_error
 from ..core.statistics import statistics_length
-from .base import Decoded, Job, Layout, TensorOps, Transport, plan_layout
+from .base import Decoded, Job, Layout, TensorOps, Transport, auto_rows, plan_layout
 
 #: The seed key that keeps a streamed buffer's draws apart from a whole round's.
 _STREAM_KEY = 1 << 41
@@ -107,11 +107,10 @@ class StreamedRound:
         start = len(self._keys)
         self._keys += tensors
         bits = auto.widths_so_far(self._keys, start)
-        if self.collect_first:
-            host = self.ops.to_numpy(flat)
-            self._rows += [auto.row(host[s: s + n]) for s, n in zip(starts, numels)]
-        layout = Layout(tuple(numels), tuple(starts), numel, ((0, numel),), self.engine.quantizer.bucket_size)
         parts = [flat[s: s + n] for s, n in zip(starts, numels)]
+        if self.collect_first:
+            self._rows += list(auto_rows(auto, self.ops, parts))
+        layout = Layout(tuple(numels), tuple(starts), numel, ((0, numel),), self.engine.quantizer.bucket_size)
         return parts, layout, [auto.quantizers[w] for w in bits]
 
     def close(self) -> tuple[np.ndarray | None, np.ndarray | None] | None:

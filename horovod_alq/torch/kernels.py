@@ -141,13 +141,26 @@ def bucket_moments(tensor: torch.Tensor, *, bucket_size: int, norm: str):
 def grid_statistics(tensor: torch.Tensor, grid: torch.Tensor, *, bucket_size: int, norm: str):
     """Norm-based statistics vector ``[W, C(grid)]`` (float64 NumPy), computed on the tensor's
     device as :func:`horovod_alq.core.statistics.grid_statistics` defines it."""
+    return _grid_cumulative(tensor, grid, bucket_size, norm, squared=False)[0]
+
+
+def grid_histograms(tensor: torch.Tensor, grid: torch.Tensor, *, bucket_size: int, norm: str):
+    """:func:`grid_statistics` and the same counts weighted by ``n_b**2`` (shape (2, 1 + G), float64
+    NumPy), as :func:`horovod_alq.core.statistics.grid_histograms` defines them."""
+    return _grid_cumulative(tensor, grid, bucket_size, norm, squared=True)
+
+
+def _grid_cumulative(tensor, grid, bucket_size, norm, squared):
     r, norms, counts, keep = _normalized(tensor, bucket_size, norm)
     n = tensor.numel()
-    weights = torch.where(keep, norms / counts, torch.zeros_like(norms))
-    weights = weights[:, None].expand_as(r).reshape(-1)[:n]
     cells = torch.bucketize(r.reshape(-1)[:n], grid.to(r.device), right=False).clamp_(min=1)
-    hist = torch.zeros(grid.numel() + 1, dtype=torch.float64, device=r.device).index_add_(0, cells, weights)
-    out = torch.empty(grid.numel() + 1, dtype=torch.float64, device=r.device)
-    out[0] = norms[keep].sum()
-    out[1:] = hist[: grid.numel()].cumsum(0)
+    bucket_weights = [torch.where(keep, norms / counts, torch.zeros_like(norms))]
+    if squared:
+        bucket_weights.append(torch.where(keep, norms * norms, torch.zeros_like(norms)))
+    out = torch.empty(len(bucket_weights), grid.numel() + 1, dtype=torch.float64, device=r.device)
+    for row, weights in zip(out, bucket_weights):
+        hist = torch.zeros(grid.numel() + 1, dtype=torch.float64, device=r.device)
+        hist.index_add_(0, cells, weights[:, None].expand_as(r).reshape(-1)[:n])
+        row[0] = (weights * counts).sum()
+        row[1:] = hist[: grid.numel()].cumsum(0)
     return out.cpu().numpy()

@@ -8,7 +8,7 @@ import torch
 
 from ..core.methods import get_method
 from ..core.quantizer import Quantizer
-from ..core.statistics import GRID, BucketMoments, normless_statistics
+from ..core.statistics import GRID, BucketMoments, normless_statistics, statistics_length
 from ..core.wire import Header, pack_header
 from . import codecs
 
@@ -86,6 +86,12 @@ class TorchOps:
         if self._grid is None:
             self._grid = torch.tensor(GRID, dtype=torch.float64, device=self.device)
         return self.codec.grid_statistics(x, self._grid, bucket_size=q.bucket_size, norm=q.norm)
+
+    def auto_statistics(self, x: torch.Tensor, q: Quantizer) -> tuple[np.ndarray, np.ndarray]:
+        if self._grid is None:
+            self._grid = torch.tensor(GRID, dtype=torch.float64, device=self.device)
+        hist = self.codec.grid_histograms(x.contiguous(), self._grid, bucket_size=q.bucket_size, norm=q.norm)
+        return hist[1], hist[0] if hist[0].size == statistics_length(q.method) else self.statistics(x, q)
 
     def cat(self, parts) -> torch.Tensor:
         return torch.cat(list(parts)) if len(parts) > 1 else parts[0]

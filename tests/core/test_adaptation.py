@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from horovod_alq.core.adaptation import _quantile_levels, fit_alq_levels, fit_amq_multiplier
+from horovod_alq.core.adaptation import _quantile_levels, fit_alq_levels, fit_alq_levels_together, fit_amq_multiplier
 from horovod_alq.core.distributions import GridDistribution, NormWeightedMixture, TruncatedNormal
 from horovod_alq.core.methods import multiplier_levels, nuqsgd_levels, uniform_levels
 from horovod_alq.core.objective import amq_objective, expected_variance
@@ -73,6 +73,39 @@ def test_alq_reaches_the_optimum_for_2_bits(sigma):
     levels = fit_alq_levels(d, 2, sweeps=200)
     assert expected_variance(levels, d) <= res.fun * (1 + 1e-9)
     np.testing.assert_allclose(levels[1:3], [-res.x, res.x], rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_alq_sweeps_reach_the_stationary_levels(bits):
+    """The red-black sweeps converge to the paper's fixed point: every interior level solves
+    F(l_j) = F(l_{j+1}) - int_{l_{j-1}}^{l_{j+1}} (r - l_{j-1}) dF / (l_{j+1} - l_{j-1})."""
+    d = TruncatedNormal(0.01, 0.1)
+    levels = fit_alq_levels(d, bits, sweeps=3000)
+    a, x, b = levels[:-2], levels[1:-1], levels[2:]
+    m = d._mpdf(np.stack([a, x, b]))
+    q = m[0, 2] - ((m[1, 2] - m[1, 0]) - a * (m[0, 2] - m[0, 0])) / (b - a)
+    assert np.max(np.abs(m[0, 1] - q)) < 1e-7  # (30 sweeps: 1e-4 to 1e-3; the floor is the ppf's precision)
+    assert expected_variance(levels, d) < expected_variance(fit_alq_levels(d, bits, sweeps=30), d) * (1 + 1e-9)
+
+
+def test_alq_fits_together_equal_the_fits_alone():
+    """bits="auto" refits its widths in use in one descent: the same levels, bit for bit, as
+    fitting each alone (grid distributions), and one after another for other distributions."""
+    rng = np.random.default_rng(5)
+    grid = np.linspace(-1.0, 1.0, 201)
+    dists = []
+    for scale in (0.05, 0.2, 0.01, 0.5):
+        dens = np.exp(-0.5 * (grid / scale) ** 2) * rng.uniform(0.5, 1.5, grid.size)
+        dens[rng.integers(0, grid.size, 20)] = 0.0  # empty cells: flat stretches of the CDF
+        dists.append(GridDistribution(grid, np.concatenate([[0.0], np.cumsum(dens[1:])])))
+    bits = [2, 5, 3, 8]
+    inits = [None, uniform_levels(5), nuqsgd_levels(3), None]
+    together = fit_alq_levels_together(dists, bits, inits=inits)
+    for d, b, init, got in zip(dists, bits, inits, together):
+        np.testing.assert_array_equal(got, fit_alq_levels(d, b, init=init))
+    mixed = [TruncatedNormal(0.0, 0.1), dists[0]]
+    for d, got in zip(mixed, fit_alq_levels_together(mixed, [3, 4])):
+        np.testing.assert_array_equal(got, fit_alq_levels(d, 3 if isinstance(d, TruncatedNormal) else 4))
 
 
 @pytest.mark.parametrize("name", SPARSE)

@@ -22,7 +22,7 @@ import torch
 from horovod_alq.core import Quantizer
 from horovod_alq.core.methods import get_method
 from horovod_alq.core.packing import unpack_codes
-from horovod_alq.core.statistics import GRID, BucketMoments, normalize, normless_statistics
+from horovod_alq.core.statistics import GRID, BucketMoments, grid_histograms, normalize, normless_statistics
 from horovod_alq.core.wire import Header, levels_fingerprint, pack_header
 from horovod_alq.torch import codecs
 from horovod_alq.torch.codecs import triton as triton_codec
@@ -475,6 +475,48 @@ def _grid_reference(x: torch.Tensor, d: int, norm: str) -> np.ndarray:
     hist = np.bincount(cells, weights=weights, minlength=GRID.size + 1)
     bucket_keep = np.isfinite(ref.norms) & (ref.norms > 0)
     return np.concatenate([[ref.norms[bucket_keep].astype(np.float64).sum()], np.cumsum(hist[: GRID.size])])
+
+
+@pytest.mark.parametrize("norm", ["l2", "linf"])
+def test_grid_histograms_match_the_numpy_core(codec, norm):
+    """bits="auto": row 0 is grid_statistics, row 1 the same cells weighted by squared norms."""
+    torch.manual_seed(1)
+    d = 300
+    x = torch.distributions.StudentT(3.0).sample((4 * d + 17,))
+    x[:d] *= 50.0  # buckets of very different norms: the two weightings differ
+    x[d: 2 * d] = 0.0
+    x[2 * d + 5] = float("nan")
+    got = codec.grid_histograms(x, torch.tensor(GRID), bucket_size=d, norm=norm)
+    want = grid_histograms(normalize(x.numpy(), d, norm))
+    assert got.shape == want.shape == (2, 1 + GRID.size)
+    np.testing.assert_allclose(got[0], codec.grid_statistics(x, torch.tensor(GRID), bucket_size=d, norm=norm),
+                               rtol=1e-12 if codec.name != "triton" else 1e-6, atol=1e-12)  # triton: torch kernels
+    for row, ref in zip(got, want):
+        np.testing.assert_allclose(row, ref, rtol=1e-6, atol=1e-6 * ref[-1])
+    assert got[1, 0] == pytest.approx(got[1, -1], rel=1e-12)  # total weight: every coordinate counted once
+
+
+@pytest.mark.parametrize("method", ["alq", "amq-n"])
+def test_auto_rows_match_the_numpy_core(codec, method):
+    """bits="auto": every tensor's refit vector (errors per width, statistics) from the codec
+    equals the NumPy core's, and the batched errors equal each tensor's own."""
+    from horovod_alq.core.allocation import AutoBits, quantization_errors
+    from horovod_alq.exchange.base import auto_rows
+    from horovod_alq.exchange.numpy_ops import NumpyOps
+    from horovod_alq.torch.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(2)
+    parts = [s * torch.randn(n, generator=gen) for s, n in ((1.0, 700), (30.0, 300), (0.01, 1000))]
+    auto = AutoBits(method, 3.0, 256)
+    ops = TorchOps("cpu", "cpu")
+    ops.codec = codec
+    got = auto_rows(auto, ops, parts)
+    want = auto_rows(auto, NumpyOps(), [p.numpy() for p in parts])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9 * np.abs(want).max())
+    qs = [auto.quantizers[w] for w in (2, 3, 4, 5, 6, 7, 8)]
+    for row, p in zip(want, parts):
+        np.testing.assert_allclose(row[:7], quantization_errors(p.numpy(), qs), rtol=1e-12)
+        np.testing.assert_allclose(row, auto.row(p.numpy()), rtol=1e-12)
 
 
 def test_triton_statistics_over_split_and_grouped_buckets(triton):

@@ -15,7 +15,7 @@ codec for CPU tensors when it loads, the torch ops otherwise. A new backend is o
 device) and one :func:`register` call at the end of this file.
 
 Every codec has (see :class:`Codec`): ``name``, ``encode``, ``decode_sum``, ``grid_statistics``,
-``bucket_moments``; a codec may also have ``encode_parts`` (the payload of a stream of tensors, read
+``grid_histograms``, ``bucket_moments``; a codec may also have ``encode_parts`` (the payload of a stream of tensors, read
 in place: the compiled CPU codec). Payloads are interchangeable between backends and with
 :class:`horovod_alq.core.Quantizer`; the random draws differ (each backend has its own
 counter-based or seeded generator), the decoded distribution does not.
@@ -57,6 +57,10 @@ class Codec(Protocol):
     def grid_statistics(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int,
                         norm: str) -> np.ndarray:
         """As :func:`horovod_alq.torch.kernels.grid_statistics`."""
+
+    def grid_histograms(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int,
+                        norm: str) -> np.ndarray:
+        """As :func:`horovod_alq.torch.kernels.grid_histograms` (the rows of ``bits="auto"``)."""
 
     def bucket_moments(self, flat: torch.Tensor, *, bucket_size: int, norm: str) -> tuple:
         """As :func:`horovod_alq.torch.kernels.bucket_moments`."""

@@ -46,6 +46,10 @@ class CpuCodec:
         return self._module.grid_statistics(flat.reshape(-1).contiguous(), grid, int(bucket_size),
                                             norm == "linf").numpy()
 
+    def grid_histograms(self, flat, grid, *, bucket_size: int, norm: str):
+        return self._module.grid_histograms(flat.reshape(-1).contiguous(), grid, int(bucket_size),
+                                            norm == "linf").numpy()
+
     def bucket_moments(self, flat, *, bucket_size: int, norm: str):
         return kernels.bucket_moments(flat, bucket_size=bucket_size, norm=norm)
 

@@ -36,6 +36,9 @@ class PlainTorchCodec:
     def grid_statistics(self, flat, grid, *, bucket_size: int, norm: str):
         return kernels.grid_statistics(flat, grid, bucket_size=bucket_size, norm=norm)
 
+    def grid_histograms(self, flat, grid, *, bucket_size: int, norm: str):
+        return kernels.grid_histograms(flat, grid, bucket_size=bucket_size, norm=norm)
+
     def bucket_moments(self, flat, *, bucket_size: int, norm: str):
         return kernels.bucket_moments(flat, bucket_size=bucket_size, norm=norm)
 

@@ -39,6 +39,7 @@ import torch
 
 from ...core.wire import HEADER_SIZE
 from . import check_encode_args, payload_window
+from .. import kernels as torch_kernels
 
 INSTALL_HINT = ("install it with `pip install triton==3.6.0` (pinned in requirements/pinned.txt; "
                 "`make install` installs it; `pip install horovod-alq[gpu]` for the extra)")
@@ -293,6 +294,11 @@ class TritonCodec:
         out[0] = norms[keep].sum()
         out[1:] = hist.sum(0)[:k].cumsum(0) if flat.numel() else 0.0
         return out.cpu().numpy()
+
+    def grid_histograms(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int, norm: str):
+        """The rows of ``bits="auto"`` refits, by the torch kernels on the tensor's device."""
+        self._check_device(flat.device)
+        return torch_kernels.grid_histograms(flat, grid, bucket_size=bucket_size, norm=norm)
 
 
 _CODECS: dict[bool, TritonCodec] = {}

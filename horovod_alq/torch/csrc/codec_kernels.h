@@ -547,10 +547,12 @@ inline void decode_payloads(float* po, int64_t n, int64_t d, const std::vector<c
 // Statistics of a refit round for the norm-based methods: out[0] = sum of the finite non-zero
 // bucket norms; out[1 + j] = sum over those buckets of norm / count * #{i : r_i <= grid[j]}, with
 // r_i = clamp(float32(x_i) / norm, -1, 1) (a coordinate at -1 counts in cell 1, as in the core).
-// One pass; the cell is found by a branch-free binary search over the sorted grid (in L1).
+// squared (bits="auto", may be null): the same counts weighted by norm**2 instead, squared[0] = sum
+// of norm**2 * count. One pass; the cell is found by a branch-free binary search over the sorted
+// grid (in L1).
 template <typename scalar_t>
 void grid_histogram(const scalar_t* x, int64_t n, int64_t d, bool linf, const double* grid, int64_t cells,
-                    double* out) {
+                    double* out, double* squared) {
   using work_t = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
   const int64_t nb = (n + d - 1) / d;
   std::vector<float> norms(nb);
@@ -558,14 +560,17 @@ void grid_histogram(const scalar_t* x, int64_t n, int64_t d, bool linf, const do
   std::vector<double> hist(cells + 1, 0.0);
   int64_t steps = 1;  // the smallest power of two >= cells
   while (steps < cells) steps <<= 1;
-  double total = 0.0;
+  double total = 0.0, total_sq = 0.0;
+  std::vector<double> hist_sq(squared ? cells + 1 : 0, 0.0);
   for (int64_t b = 0; b < nb; ++b) {
     const float norm = norms[b];
     if (!(norm > 0.0f)) continue;  // zero or NaN
     const int64_t s = b * d, e = std::min(n, s + d);
     const double weight = static_cast<double>(norm) / static_cast<double>(e - s);
+    const double weight_sq = static_cast<double>(norm) * static_cast<double>(norm);
     const work_t denom = static_cast<work_t>(norm);
     total += norm;
+    total_sq += weight_sq * static_cast<double>(e - s);
     for (int64_t i = s; i < e; ++i) {
       work_t r = static_cast<work_t>(x[i]) / denom;
       r = r < work_t(-1) ? work_t(-1) : (r > work_t(1) ? work_t(1) : r);
@@ -575,7 +580,9 @@ void grid_histogram(const scalar_t* x, int64_t n, int64_t d, bool linf, const do
         const int64_t probe = lo + step;
         lo = (probe <= cells && grid[probe - 1] < v) ? probe : lo;
       }
-      hist[lo < 1 ? 1 : lo] += weight;
+      const int64_t cell = lo < 1 ? 1 : lo;
+      hist[cell] += weight;
+      if (squared) hist_sq[cell] += weight_sq;
     }
   }
   out[0] = total;
@@ -583,5 +590,13 @@ void grid_histogram(const scalar_t* x, int64_t n, int64_t d, bool linf, const do
   for (int64_t j = 0; j < cells; ++j) {
     running += hist[j];
     out[1 + j] = running;
+  }
+  if (squared) {
+    squared[0] = total_sq;
+    running = 0.0;
+    for (int64_t j = 0; j < cells; ++j) {
+      running += hist_sq[j];
+      squared[1 + j] = running;
+    }
   }
 }

@@ -173,7 +173,22 @@ torch::Tensor grid_statistics(torch::Tensor x, torch::Tensor grid, int64_t bucke
   auto out = torch::zeros({g.numel() + 1}, torch::kFloat64);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "grid_statistics", [&] {
     auto run = use_avx2 ? avx2::grid_histogram<scalar_t> : generic::grid_histogram<scalar_t>;
-    run(x.data_ptr<scalar_t>(), x.numel(), bucket_size, linf, g.data_ptr<double>(), g.numel(), out.data_ptr<double>());
+    run(x.data_ptr<scalar_t>(), x.numel(), bucket_size, linf, g.data_ptr<double>(), g.numel(), out.data_ptr<double>(),
+        nullptr);
+  });
+  return out;
+}
+
+// grid_statistics and, in row 1, the same counts weighted by norm**2 (bits="auto"): float64 (2, 1 + grid.numel()).
+torch::Tensor grid_histograms(torch::Tensor x, torch::Tensor grid, int64_t bucket_size, bool linf) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "grid_histograms: x must be a contiguous 1-D CPU tensor");
+  TORCH_CHECK(bucket_size > 0, "grid_histograms: bucket_size must be positive");
+  auto g = grid.to(torch::kFloat64).contiguous();
+  auto out = torch::zeros({2, g.numel() + 1}, torch::kFloat64);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "grid_histograms", [&] {
+    auto run = use_avx2 ? avx2::grid_histogram<scalar_t> : generic::grid_histogram<scalar_t>;
+    run(x.data_ptr<scalar_t>(), x.numel(), bucket_size, linf, g.data_ptr<double>(), g.numel(), out.data_ptr<double>(),
+        out.data_ptr<double>() + g.numel() + 1);
   });
   return out;
 }
@@ -185,6 +200,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("payloads"), py::arg("offsets"), py::arg("levels"), py::arg("bits"), py::arg("bucket_size"),
         py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1);
   m.def("grid_statistics", &grid_statistics, "Refit statistics [W, C(grid)] of the norm-based methods");
+  m.def("grid_histograms", &grid_histograms, "grid_statistics and the same counts weighted by norm**2 (bits='auto')");
   m.def("simd", [] { return std::string(use_avx2 ? "avx2" : "generic"); }, "The kernels in use");
   m.def("set_simd", [](bool avx2) { use_avx2 = avx2 && cpu_has_avx2(); },
         "Use the AVX2 kernels (where the CPU has them) or the generic ones");
