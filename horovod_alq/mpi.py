@@ -5,7 +5,11 @@ boundary): the payloads of the Horovod compressors, exchanged with MPI collectiv
 
     ar = QuantizedAllreduce(MPI.COMM_WORLD, method="alq", bits=3, bucket_size=8192)
     mean = ar(grad)    # NumPy in, NumPy out: the average over ranks of the decoded payloads
+    w, b = ar([grad_w, grad_b])   # a list of arrays: one round, each array quantized as if alone
     ar.adapt()         # refit the levels from the statistics of every rank since the last adapt()
+
+With ``bits="auto"`` (``bit_budget=``) :meth:`~QuantizedAllreduce.adapt` also chooses a width per
+array of the recorded calls' list, used by later calls of the same arrays.
 
 Every call is one streamed round of the exchange engine (:meth:`Engine.open_stream`: a handshake,
 then one ``Allgatherv``, or an ``Alltoallv`` and an ``Allgatherv``); :meth:`~QuantizedAllreduce.adapt`
@@ -24,7 +28,7 @@ from mpi4py import MPI
 
 from .core import frontends
 from .core.methods import get_method
-from .core.protocol import CollectiveTimeout, ProtocolError
+from .core.protocol import CollectiveTimeout, ProtocolError, stable_hash
 from .core.quantizer import Quantizer
 from .core.statistics import statistics_length
 from .core.wire import parse_header
@@ -56,8 +60,12 @@ class QuantizedAllreduce(frontends.Configured):
     method : str
         ``"alq"``, ``"alq-n"``, ``"amq"``, ``"amq-n"`` (adaptive), ``"qsgdinf"``, ``"qsgd"``,
         ``"nuqsgd"``, ``"terngrad"`` (fixed levels); see :class:`~horovod_alq.core.Quantizer`.
-    bits : int, optional
-        Bits per coordinate on the wire, 2..8 (default 3; TernGrad: 2).
+    bits : int or "auto", optional
+        Bits per coordinate on the wire, 2..8 (default 3; TernGrad: 2). ``"auto"`` (adaptive
+        methods): a width per array of a call's list, chosen by :meth:`adapt` under ``bit_budget``
+        (see :meth:`adapt`; the Horovod compressors' ``bits="auto"``).
+    bit_budget : float, optional
+        ``bits="auto"`` only: mean bits per coordinate of a call (bucket norms not counted); default 3.0.
     bucket_size : int
         Coordinates sharing one float32 norm (default 8192).
     seed : int, optional
@@ -86,10 +94,10 @@ class QuantizedAllreduce(frontends.Configured):
     taken in float32 (:meth:`reduce` can sum in float64).
     """
 
-    def __init__(self, comm: MPI.Intracomm, method: str = "alq", bits: int | None = None, bucket_size: int = 8192,
-                 *, seed: int | None = None, clip: bool | float = False, collect_every: int | None = None,
-                 exchange: str = "auto", bits_second: int | None = None, norm: str | None = None,
-                 timeout: float | None = None) -> None:
+    def __init__(self, comm: MPI.Intracomm, method: str = "alq", bits: int | str | None = None,
+                 bucket_size: int = 8192, *, bit_budget: float | None = None, seed: int | None = None,
+                 clip: bool | float = False, collect_every: int | None = None, exchange: str = "auto",
+                 bits_second: int | None = None, norm: str | None = None, timeout: float | None = None) -> None:
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
         if comm.Is_inter():
@@ -97,7 +105,7 @@ class QuantizedAllreduce(frontends.Configured):
         self._comm, self._rank, self._size = comm, comm.Get_rank(), comm.Get_size()
         self._method = get_method(method)
         setup = configure(method, bits, bucket_size, clip=clip, norm=norm, bits_second=bits_second, seed=seed,
-                          on_request=True, front_end="QuantizedAllreduce (mpi4py)")  # refits: adapt() only
+                          bit_budget=bit_budget, on_request=True)  # refits: adapt() only
         self._quantizer, self._state = setup.quantizer, setup.state
         if collect_every is None:
             collect_every = 1 if self._method.adaptive else 0
@@ -106,7 +114,8 @@ class QuantizedAllreduce(frontends.Configured):
                              f"got {collect_every!r}")
         self._collect_every = int(collect_every)
         self._stats_length = statistics_length(self._method)
-        self._pending: np.ndarray | None = None  # this rank's statistics since the last adapt()
+        self._pending: np.ndarray | None = None  # this rank's statistics since the last adapt() (auto: rows)
+        self._pending_keys: tuple = ()  # bits="auto": the tensors of the recorded rows
         self._pending_second: np.ndarray | None = None  # its reduced shards' (two-phase owner)
         self._calls_since_adapt = 0
         self._transport = MpiTransport(comm, timeout)
@@ -124,7 +133,8 @@ class QuantizedAllreduce(frontends.Configured):
 
     @property
     def quantizer(self) -> Quantizer:
-        """The NumPy codec and its levels; change its levels on all ranks alike, or calls will fail."""
+        """The NumPy codec and its levels (``bits="auto"``: the default width's); change its levels
+        on all ranks alike, or calls will fail."""
         return self._quantizer
 
     def __repr__(self) -> str:
@@ -132,69 +142,100 @@ class QuantizedAllreduce(frontends.Configured):
                 f"rank {self._rank} of {self._size})")
 
     # ----------------------------------------------------------------- exchange
-    def __call__(self, x: Any, *, op: str = "average", collect: bool | None = None) -> np.ndarray:
-        """Quantized average (``op="sum"``: sum) of ``x`` (any shape, float16/32/64; the same number
-        of elements on every rank) over the communicator; ``collect``: record this rank's
-        statistics for the next :meth:`adapt` (None: as ``collect_every``). Collective.
+    def __call__(self, x: Any, *, op: str = "average", collect: bool | None = None) -> np.ndarray | list[np.ndarray]:
+        """Quantized average (``op="sum"``: sum) over the communicator of ``x``: an array (any shape,
+        float16/32/64), or a list or tuple of arrays exchanged in one round (one handshake, one
+        payload per rank; each array starts on a bucket boundary, so it is quantized as it would be
+        alone; with ``bits="auto"`` each is one tensor of the allocation). Every rank passes the
+        same element counts in the same order (shapes may differ); a list of numbers is a list of
+        0-d arrays (pass ``np.asarray(values)`` for one array).
+        ``collect``: record this rank's statistics for the next :meth:`adapt` (None: as
+        ``collect_every``). Collective.
 
-        Returns the shape and dtype of ``x``, bit-identical on all ranks. Raises ValueError on every
-        rank when some rank's input is not a floating-point array, the element counts differ, or a
-        payload was made with another method, bits, bucket size or levels."""
-        arr, decoded = self._round(x, collect, op)
-        out = np.zeros(0, np.float32) if decoded is None else decoded.read(0, arr.size)
-        if op == "average":
-            out /= np.float32(self._size)
-        return out.astype(arr.dtype, copy=False).reshape(arr.shape)
+        Returns the shape and dtype of ``x`` (a list: one array per array), bit-identical on all
+        ranks. Raises ValueError on every rank when some rank's input is not a floating-point
+        array, the element counts differ, or a payload was made with another method,
+        bits, bucket size or levels."""
+        listed = isinstance(x, (list, tuple))
+        arrays, decoded, starts = self._round(list(x) if listed else [x], listed, collect, op)
+        outs = []
+        for arr, start in zip(arrays, starts):
+            out = np.zeros(0, np.float32) if not arr.size else decoded.read(start, start + arr.size)
+            if op == "average":
+                out /= np.float32(self._size)
+            outs.append(out.astype(arr.dtype, copy=False).reshape(arr.shape))
+        return outs if listed else outs[0]
 
     def allgather(self, x: Any, *, collect: bool | None = None) -> list[np.ndarray]:
-        """Encode ``x``, allgather the payloads and check every rank's header. Collective.
+        """Encode ``x`` (one array), allgather the payloads and check every rank's header. Collective.
 
         Returns one payload per rank (1-D uint8 views, rank order), e.g. to decode later with
-        :meth:`reduce` or with the framework kernels, which read the same bytes."""
-        arr, decoded = self._round(x, collect, None, exchange="allgather")
+        :meth:`reduce` or with the framework kernels, which read the same bytes. Not with
+        ``bits="auto"`` (ValueError on every rank)."""
+        refusal = None if self.bit_budget is None else ValueError(
+            "allgather() returns payloads of one width: not with bits='auto' (call the allreduce)")
+        arrays, decoded, _ = self._round([x], False, collect, None, exchange="allgather", refusal=refusal)
         q = self._quantizer
         if decoded is None:  # no coordinates: every rank's payload is the same bare header
-            return [q.encode(arr.ravel()) for _ in range(self._size)]
+            return [q.encode(arrays[0].ravel()) for _ in range(self._size)]
         piece = decoded.pieces[0]
         size = len(piece.payloads) // self._size
         return [piece.payloads[o: o + size] for o in piece.offsets]
 
-    def _round(self, x: Any, collect: bool | None, op: str | None, exchange: str | None = None):
-        """One streamed round for ``x``: the array and its ``Decoded`` sum over the ranks (None for an
-        empty array). A local error travels in the handshake, so that no rank waits alone."""
-        arr, error = None, None
+    def _round(self, xs: list, listed: bool, collect: bool | None, op: str | None, exchange: str | None = None,
+               refusal: Exception | None = None):
+        """One streamed round for the arrays ``xs``: the arrays, the ``Decoded`` sum over the ranks
+        of their round (None when they hold no element) and each array's start in it. A local
+        error (or ``refusal``) travels in the handshake, so that no rank waits alone."""
+        arrays, error = [], refusal
         try:
             if op is not None and op not in _OPS:
                 raise ValueError(f"op must be one of {_OPS}, got {op!r}")
-            arr = np.asarray(x)
-            if not np.issubdtype(arr.dtype, np.floating):
-                raise ValueError(f"x must be a floating-point array (float16/32/64), got dtype {arr.dtype}")
+            arrays = [_float_array(v, f"x[{i}]" if listed else "x") for i, v in enumerate(xs)]
         except Exception as err:
-            error = err
-        numel = 0 if error is not None else arr.size
+            error = error or err
+        counts = [int(a.size) for a in arrays] if error is None else [0]
+        shown = counts if listed else counts[0]  # what the ranks must agree on
+        numel = sum(counts)
         try:
             rnd = self._engine.open_stream(self._ops, self._stages, exchange=exchange, elements=numel,
-                                           error=_text(error), collect=error is None and self._collects(collect))
+                                           order=stable_hash(shown), error=_text(error),
+                                           collect=error is None and self._collects(collect))
         except CollectiveTimeout:
             raise
         except ProtocolError as err:
             exc = RuntimeError if error is not None and not isinstance(error, ValueError) else ValueError
-            raise exc(self._explain(err, error, numel, "could not encode the input of")) from None
+            raise exc(self._explain(err, error, shown, "could not encode the input of")) from None
+        live = [a for a in arrays if a.size]  # bits="auto": each is the tensor (elements, 0) of the round
         result: dict = {}
-        if numel:
-            rnd.add(arr.ravel(), numel, lambda decoded, failure: result.update(decoded=decoded, failure=failure))
+        layout = None
+        if live:
+            flats = [np.ravel(a).astype(np.float32, copy=False) for a in live]
+            layout = rnd.add(flats, numel, lambda decoded, failure: result.update(decoded=decoded, failure=failure),
+                             whole=True)
             rnd.wait()
         failure = result.get("failure")
         if isinstance(failure, ProtocolError) and not isinstance(failure, CollectiveTimeout):
             raise ValueError(f"{_PREFIX}: {failure}") from None
         if failure is not None:
             raise failure
-        stats = rnd.close()
+        self._record(rnd.close(), rnd.keys)
         self._calls_since_adapt += 1
-        if stats is not None:
+        starts = iter(layout.starts if layout else ())
+        return arrays, result.get("decoded"), [next(starts) if a.size else 0 for a in arrays]
+
+    def _record(self, stats: tuple | None, keys: tuple) -> None:
+        """Keep a collecting call's statistics for :meth:`adapt`. ``bits="auto"``: its rows (one per
+        array) are added to those recorded for the same arrays, and replace those of other arrays."""
+        if stats is None:
+            return
+        if self._state.auto is None:
             self._pending = _add(self._pending, stats[0])
             self._pending_second = _add(self._pending_second, stats[1])
-        return arr, result.get("decoded")
+        elif stats[0] is not None:
+            same = self._pending is not None and keys == self._pending_keys
+            self._pending = self._pending + stats[0] if same else stats[0]
+            self._pending_keys = keys
 
     def reduce(self, payloads: list[np.ndarray], *, op: str = "average", dtype: Any = np.float32) -> np.ndarray:
         """Check and decode payloads (e.g. from :meth:`allgather`), made with this configuration and
@@ -202,6 +243,8 @@ class QuantizedAllreduce(frontends.Configured):
         (float16/32/64; summed in float64 for float64, else in float32)."""
         if op not in _OPS:
             raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+        if self.bit_budget is not None:
+            raise ValueError("reduce() decodes payloads of one width: not with bits='auto'")
         if not payloads:
             raise ValueError("no payloads to reduce")
         dtype = np.dtype(dtype)
@@ -228,10 +271,10 @@ class QuantizedAllreduce(frontends.Configured):
             return bool(collect)
         return self._collect_every > 0 and self._calls_since_adapt % self._collect_every == 0
 
-    def _explain(self, err: ProtocolError, error: Exception | None, numel: int, what: str) -> str:
-        """A failed handshake's message: the ranks at fault (:func:`~horovod_alq.exchange.engine.blame`),
-        else the handshake's own."""
-        why = blame(self._transport, _text(error), numel, "messages", what)
+    def _explain(self, err: ProtocolError, error: Exception | None, shown: Any, what: str, **differ: str) -> str:
+        """A failed handshake's message: the ranks at fault (:func:`~horovod_alq.exchange.engine.blame`:
+        their errors, or ``shown``, what they must agree on), else the handshake's own."""
+        why = blame(self._transport, _text(error), shown, "messages", what, **differ)
         return f"{_PREFIX}: {err if why is None else why}"
 
     # ----------------------------------------------------------------- adaptation
@@ -241,12 +284,24 @@ class QuantizedAllreduce(frontends.Configured):
         Every rank contributes what it recorded since the last ``adapt()`` (or ``stats``, a vector
         from :meth:`Quantizer.statistics`); the recorded statistics are cleared. Returns whether the
         levels changed (False for fixed methods, or when no rank recorded a finite non-zero bucket).
-        Raises, on every rank: ValueError when the ranks' configurations or levels differ or a
-        rank's ``stats`` is malformed; RuntimeError when the fit failed on some rank or the ranks
-        reached different levels (the previous levels are restored)."""
-        local = self._pending if stats is None else stats
-        first, error = None, None
+
+        ``bits="auto"``: a collecting call records each array's row (its quantization error at
+        every width and its statistics); later collecting calls of the same element counts add to
+        it, a collecting call of other arrays replaces it. ``adapt()`` sums the rows over the
+        ranks, gives each array the width that minimizes the total error under ``bit_budget`` and
+        refits each width in use from its arrays' statistics; later calls of exactly these arrays
+        use these widths, other calls ``floor(bit_budget)`` bits. Every rank must have recorded the
+        same arrays; ``stats`` does not apply.
+
+        Raises, on every rank: ValueError when the ranks' configurations, levels or recorded arrays
+        differ or a rank's ``stats`` is malformed; RuntimeError when the fit failed on some rank or
+        the ranks reached different levels (the previous levels are restored)."""
+        auto = self._state.auto is not None
+        first, error = (self._pending if auto else None), None  # bits="auto": the recorded rows
         try:
+            if auto and stats is not None:
+                raise ValueError("stats= does not apply to bits='auto' (adapt() fits from the recorded calls)")
+            local = None if auto else self._pending if stats is None else stats
             if local is not None:
                 first = np.asarray(local, dtype=np.float64)
                 if first.shape != (self._stats_length,):
@@ -256,20 +311,24 @@ class QuantizedAllreduce(frontends.Configured):
         except (TypeError, ValueError) as err:
             error = err
         second = self._pending_second if stats is None else None
+        keys = self._pending_keys if auto else ()
         try:
-            updated = self._engine.refit(first, second, self._transport, error=_text(error))
+            updated = self._engine.refit(first, second, self._transport, error=_text(error), keys=keys)
         except RefitError as err:
             self._clear()
             raise RuntimeError(f"{_PREFIX}: {err}") from None
         except CollectiveTimeout:
             raise
         except ProtocolError as err:  # the handshake: nothing was combined, this rank keeps its statistics
-            raise ValueError(self._explain(err, error, 0, "could not adapt on")) from None
+            raise ValueError(self._explain(err, error, [n for n, _ in keys], "could not adapt on",
+                                           differ="the ranks recorded different arrays since the last adapt() "
+                                                  "(elements per array)")) from None
         self._clear()
         return updated
 
     def _clear(self) -> None:
         self._pending = self._pending_second = None
+        self._pending_keys = ()
         self._calls_since_adapt = 0
 
     # ----------------------------------------------------------------- metrics and state
@@ -279,26 +338,45 @@ class QuantizedAllreduce(frontends.Configured):
         return self._state.metrics()
 
     def state_dict(self) -> dict:
-        """Levels (both quantizers), counters, and this rank's seed and pending statistics. Loaded on
-        another rank, the seed and pending statistics are not taken (that rank keeps its own stream)."""
+        """Levels (both quantizers; ``bits="auto"``: every width's and the allocation), counters, and
+        this rank's seed and pending statistics (``bits="auto"``: rows and ``pending_keys``). Loaded
+        on another rank, the seed and pending statistics are not taken (that rank keeps its own stream)."""
         return {**self._state.state_dict(), "rank": self._rank, "seed": self._engine.seed,
                 "calls_since_adapt": self._calls_since_adapt,
                 "pending": None if self._pending is None else self._pending.copy(),
-                "pending_second": None if self._pending_second is None else self._pending_second.copy()}
+                "pending_second": None if self._pending_second is None else self._pending_second.copy(),
+                "pending_keys": [list(k) for k in self._pending_keys]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (same method, bits and bucket size). Local: load the same
         levels on every rank, or the next call fails with a mismatch on every rank."""
         same_rank = state.get("rank") == self._rank
-        state = dict(state, quantizer=dict(state["quantizer"]))
         if not same_rank:
-            state["quantizer"]["rng"] = None
+            state = _without_rng(state)
         self._state.load_state_dict(state)
         self._calls_since_adapt = int(state["calls_since_adapt"])
         if same_rank and state.get("seed") is not None:
             self._engine.seed = int(state["seed"])
         self._pending = _array(state.get("pending") if same_rank else None)
         self._pending_second = _array(state.get("pending_second") if same_rank else None)
+        keys = state.get("pending_keys") if same_rank and self._pending is not None else None
+        self._pending_keys = tuple(tuple(int(v) for v in k) for k in keys or ())
+
+
+def _float_array(x: Any, name: str) -> np.ndarray:
+    arr = np.asarray(x)
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError(f"{name} must be a floating-point array (float16/32/64), got dtype {arr.dtype}")
+    return arr
+
+
+def _without_rng(state: dict) -> dict:
+    """``state`` with every quantizer's random generator state left out (another rank's stream)."""
+    out = dict(state, quantizer=dict(state["quantizer"], rng=None))
+    if state.get("auto") is not None:
+        quantizers = {w: dict(q, rng=None) for w, q in state["auto"]["quantizers"].items()}
+        out["auto"] = dict(state["auto"], quantizers=quantizers)
+    return out
 
 
 def _text(error: Exception | None) -> str | None:

@@ -319,11 +319,13 @@ HANDSHAKE_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collec
                     "order", "early", "early_ok")
 #: The handshake of a streamed round (the DDP hook, mpi4py): before its tensors are known, so instead
 #: of their layout the threshold that decides which of them are quantized (the framework guarantees
-#: the same tensors, in the same order, on every rank) and the elements the round will hold where
-#: the front-end knows them in advance (mpi4py; 0 where it does not).
-STREAM_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collecting", "min_size", "elements")
-#: The handshakes of a refit outside any round (:meth:`horovod_alq.exchange.Engine.refit`).
-REFIT_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collecting")
+#: the same tensors, in the same order, on every rank), and where the front-end knows them in
+#: advance (mpi4py; 0 where it does not) the elements the round will hold and ``order``, a hash of
+#: its tensors in order.
+STREAM_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collecting", "min_size", "elements", "order")
+#: The handshakes of a refit outside any round (:meth:`horovod_alq.exchange.Engine.refit`);
+#: ``recorded``: a hash of the tensors whose ``bits="auto"`` rows the refit combines (0: none, or fixed bits).
+REFIT_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collecting", "recorded")
 
 
 def handshake_vector(*, fields: Sequence[str] = HANDSHAKE_FIELDS, **values: int) -> np.ndarray:
@@ -387,6 +389,12 @@ def read_handshake(reduced_max: np.ndarray, local_error: str | None = None, *,
         if "elements" in hi and hi["elements"] != lo["elements"]:
             raise ProtocolError(f"{PREFIX}: the ranks' rounds hold different numbers of elements "
                                 f"({lo['elements']} on some ranks, {hi['elements']} on others)")
+        if "order" in hi and hi["order"] != lo["order"]:
+            raise ProtocolError(f"{PREFIX}: the ranks' rounds hold different tensors (the same number of "
+                                f"elements, split or shaped differently)")
+        if "recorded" in hi and hi["recorded"] != lo["recorded"]:
+            raise ProtocolError(f"{PREFIX}: the ranks recorded bits='auto' statistics of different tensors since "
+                                f"the last refit: every rank must make the same collecting calls")
         return Agreement(ordered=True)
     if any(hi[f] != lo[f] for f in ("tensors", "elements", "contents")):
         raise ProtocolError(

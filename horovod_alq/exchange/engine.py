@@ -317,25 +317,25 @@ class Engine:
 
     def open_stream(self, ops: TensorOps, stages: Sequence[Transport], *, min_size: int = 0,
                     exchange: str | None = None, error: str | None = None, elements: int = 0,
-                    collect: bool | None = None) -> StreamedRound:
+                    order: int = 0, collect: bool | None = None) -> StreamedRound:
         """Start a streamed round (:mod:`.stream`, for front-ends whose transport pairs collectives
         by call order and whose framework hands every rank the same tensors in the same order):
         the handshake on ``stages[0]``, then a round that takes buffers one by one. ``stages``:
         one transport per collective of a buffer (two-phase: 2), each pairing its own collectives.
         ``exchange``: one of :data:`STREAMED` instead of the engine's (FSDP2: "reduce-scatter").
         ``error``: this rank cannot take part (its message); ``elements``: the coordinates this rank
-        will add, if known (checked to agree; 0: not announced). Either raises
-        :class:`ProtocolError` on every rank at the handshake. ``collect``: None, the refit schedule
-        picks the rounds that collect statistics and ``close`` refits in them; True / False, this
-        rank collects this round's statistics (or not) for the caller, ``close`` returns them and
-        refits nothing (a front-end that refits on request, :meth:`refit`)."""
+        will add, if known (checked to agree; 0: not announced); ``order``: a hash of its tensors in
+        order, if known (checked to agree). Either raises :class:`ProtocolError` on every rank at the
+        handshake. ``collect``: None, the refit schedule picks the rounds that collect statistics
+        and ``close`` refits in them; True / False, this rank collects this round's statistics (or
+        not) for the caller, ``close`` returns them (with ``bits="auto"``: a row per tensor of the
+        round's ``keys``) and refits nothing (a front-end that refits on request, :meth:`refit`)."""
         q, st = self.quantizer, self.state
         transport = stages[0]
         epoch = st.step
         exchange = choose_exchange(self.exchange, transport.size) if exchange is None else exchange
-        if st.auto is not None and (exchange == reduce_scatter.NAME or collect is not None):
-            raise ValueError(f"{PREFIX}: bits='auto' needs rounds of the same tensors refit on a schedule (the "
-                             f"Horovod compressors, the DDP hook), not a {exchange} round refit on request")
+        if st.auto is not None and exchange == reduce_scatter.NAME:
+            raise ValueError(f"{PREFIX}: bits='auto' needs whole tensors on every rank, not a {exchange} round")
         if exchange not in STREAMED:
             raise ValueError(f"{PREFIX}: a streamed round's exchange is one of {', '.join(STREAMED)}, "
                              f"not {exchange!r}")
@@ -351,7 +351,7 @@ class Engine:
         refit = collect is None and (collect_first or collect_second)
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
         vec = handshake_vector(fields=STREAM_FIELDS, error=int(error is not None), min_size=int(min_size),
-                               elements=int(elements), **self._settings(exchange, epoch, refit))
+                               elements=int(elements), order=int(order), **self._settings(exchange, epoch, refit))
         read_handshake(transport.allreduce_max(vec, f"{prefix}.handshake"), error, fields=STREAM_FIELDS)
         st.step += 1
         st.exchange = exchange
@@ -566,39 +566,49 @@ class Engine:
         return updated
 
     def refit(self, first: np.ndarray | None, second: np.ndarray | None, transport: Transport, *,
-              error: str | None = None) -> bool:
+              error: str | None = None, keys: Sequence = ()) -> bool:
         """A refit outside any round, for front-ends that refit on request (mpi4py's ``adapt()``).
 
-        A handshake of :data:`~horovod_alq.core.protocol.REFIT_FIELDS` (settings, levels, round and
-        ``error``, this rank's reason not to refit: :class:`ProtocolError` on every rank), then for
-        adaptive methods :meth:`refit_from` (``first``: this rank's statistics since the last refit,
-        ``second``: its two-phase owner statistics of reduced shards; None: nothing recorded), then
-        a second handshake that every rank fitted and reached the same levels; if not, every rank
-        restores its previous levels and raises :class:`RefitError`. Returns whether levels changed.
+        A handshake of :data:`~horovod_alq.core.protocol.REFIT_FIELDS` (settings, levels, round,
+        ``error``, this rank's reason not to refit, and the hash of ``keys``: :class:`ProtocolError`
+        on every rank), then for adaptive methods :meth:`refit_from` (``first``: this rank's
+        statistics since the last refit, ``second``: its two-phase owner statistics of reduced
+        shards; None: nothing recorded) or, with ``bits="auto"``, :meth:`refit_auto` (``first``:
+        this rank's rows of the tensors ``keys``, the same on every rank), then a second handshake
+        that every rank fitted and reached the same levels and allocation; if not, every rank
+        restores its previous state and raises :class:`RefitError`. Returns whether levels changed.
         """
-        q, st = self.quantizer, self.state
+        q, st, auto = self.quantizer, self.state, self.state.auto
         exchange = choose_exchange(self.exchange, transport.size)
         prefix = f"{PREFIX}.{self.uid}.{st.step}.refit"
-        self._agree(transport, f"{prefix}.handshake", exchange, error)
+        recorded = stable_hash(tuple(map(tuple, keys))) if auto is not None and len(keys) else 0
+        self._agree(transport, f"{prefix}.handshake", exchange, error, recorded)
         if not get_method(q.method).adaptive:
             return False
         if not (exchange == two_phase.NAME and st.adapt_second):
             second = None  # nothing to refit it from (the same on every rank: the settings agree)
         elif second is None:
             second = np.zeros(statistics_length(get_method(q.method)))
-        previous = (q.state_dict(), st.second.state_dict(), st.level_updates)
+        previous = (q.state_dict(), st.second.state_dict(), st.level_updates,
+                    None if auto is None else auto.state_dict())
         try:
-            updated, failure = self.refit_from(first, second, transport, f"{prefix}.statistics"), None
+            if auto is None:
+                updated = self.refit_from(first, second, transport, f"{prefix}.statistics")
+            else:
+                updated = self._refit_recorded(first, keys, transport, f"{prefix}.statistics")
+            failure = None
         except CollectiveTimeout:
             raise
         except Exception as exc:  # noqa: BLE001 - the check below makes it every rank's
             updated, failure = False, f"{type(exc).__name__}: {exc}"
         try:
-            self._agree(transport, f"{prefix}.check", exchange, failure)
+            self._agree(transport, f"{prefix}.check", exchange, failure, recorded)
         except ProtocolError as exc:
             q.load_state_dict(previous[0])
             st.second.load_state_dict(previous[1])
             st.level_updates = previous[2]
+            if auto is not None:
+                auto.load_state_dict(previous[3])
             if isinstance(exc, CollectiveTimeout):
                 raise
             raise RefitError(f"{PREFIX}: the refit failed on some rank or the ranks reached different levels "
@@ -606,17 +616,32 @@ class Engine:
                              f"levels restored: {exc}") from None
         return updated
 
-    def _agree(self, transport: Transport, name: str, exchange: str, error: str | None) -> None:
-        vec = handshake_vector(fields=REFIT_FIELDS, error=int(error is not None),
+    def _refit_recorded(self, rows: np.ndarray | None, keys: Sequence, transport: Transport, name: str) -> bool:
+        """``bits="auto"`` in :meth:`refit`: :meth:`refit_auto` from this rank's ``rows`` of the tensors
+        ``keys`` (none recorded on any rank: nothing to fit); whether the levels or allocation changed."""
+        if not len(keys):
+            return False
+        auto = self.state.auto
+        rows = np.asarray(rows, dtype=np.float64)
+        if rows.shape[0] != len(keys):
+            raise ValueError(f"{len(rows)} rows recorded for {len(keys)} tensors")
+        before = auto.fingerprint()
+        self.refit_auto(list(rows), keys, transport, name)
+        return auto.fingerprint() != before
+
+    def _agree(self, transport: Transport, name: str, exchange: str, error: str | None, recorded: int = 0) -> None:
+        vec = handshake_vector(fields=REFIT_FIELDS, error=int(error is not None), recorded=recorded,
                                **self._settings(exchange, self.state.step, True))
         read_handshake(transport.allreduce_max(vec, name), error, fields=REFIT_FIELDS)
 
 
-def blame(transport: Transport, error: str | None, elements: int, prefix: str, what: str) -> str | None:
+def blame(transport: Transport, error: str | None, elements: Any, prefix: str, what: str,
+          differ: str = "the ranks passed arrays with different element counts") -> str | None:
     """After a handshake that failed alike on every rank: every rank's local ``error`` and
-    ``elements`` (two more collectives, on this path only), as a message naming the ranks at fault
-    (``what`` and their errors, or their differing element counts); None when no rank reported either."""
-    raw = np.frombuffer(json.dumps([error, int(elements)]).encode(), dtype=np.uint8)
+    ``elements`` (a count, or any JSON value the ranks must agree on; two more collectives, on this
+    path only), as a message naming the ranks at fault (``what`` and their errors, or ``differ``
+    and every rank's ``elements``); None when no rank reported an error and ``elements`` agree."""
+    raw = np.frombuffer(json.dumps([error, elements]).encode(), dtype=np.uint8)
     n = int(transport.allreduce_max(np.array([raw.size], dtype=np.int64), f"{prefix}.messages.size")[0])
     buf = np.zeros(n, dtype=np.uint8)
     buf[:raw.size] = raw
@@ -625,9 +650,9 @@ def blame(transport: Transport, error: str | None, elements: int, prefix: str, w
     failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(shared) if m is not None]
     if failed:
         return f"{what} " + "; ".join(failed)
-    if len({e for _, e in shared}) > 1:
+    if len({json.dumps(e) for _, e in shared}) > 1:
         counts = ", ".join(f"rank {r}: {e}" for r, (_, e) in enumerate(shared))
-        return f"the ranks passed arrays with different element counts ({counts})"
+        return f"{differ} ({counts})"
     return None
 
 

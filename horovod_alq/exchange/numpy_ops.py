@@ -49,7 +49,8 @@ class NumpyOps:
     def auto_statistics(self, x, quantizer):
         nz = normalize(x, quantizer.bucket_size, quantizer.norm)
         hist = grid_histograms(nz)
-        return hist[1], hist[0] if hist[0].size == statistics_length(quantizer.method) else summarize(quantizer.method, nz)
+        grid = hist[0].size == statistics_length(quantizer.method)
+        return hist[1], hist[0] if grid else summarize(quantizer.method, nz)
 
     def cat(self, parts):
         return np.concatenate(list(parts))

@@ -14,7 +14,8 @@ every rank. Payload checks (method, bits, bucket size, levels, element count in 
 on every buffer as in a whole round; an error in a buffer is that buffer's alone (``on_done``
 receives it) and every rank finds it alike. Refit statistics are combined once, by
 :meth:`StreamedRound.close`, after every buffer completed: every rank switches levels at the same
-round (or, in a round that collects for its caller, ``close`` returns this rank's statistics).
+round (or, in a round that collects for its caller, ``close`` returns this rank's statistics; with
+``bits="auto"``, one row per tensor of :attr:`StreamedRound.keys`).
 """
 
 from __future__ import annotations
@@ -65,25 +66,35 @@ class StreamedRound:
 
     # ------------------------------------------------------------------ the calling thread
     def add(self, flat: Any, numel: int, on_done: Callable[[Decoded | None, BaseException | None], None],
-            tensors: Sequence[tuple[int, int]] | None = None) -> None:
-        """Quantize buffer ``flat`` (1-D, ``numel`` elements), issue its first collective and return;
+            tensors: Sequence[tuple[int, int]] | None = None, *, whole: bool = False) -> Layout:
+        """Quantize buffer ``flat`` (1-D, ``numel`` elements; or a list of 1-D tensors of ``numel``
+        elements in all, each starting on a bucket boundary: quantized as it would be alone), issue
+        its first collective and return the buffer's layout (where each tensor of a list starts);
         ``on_done(decoded, None)`` gets the sum over ranks of its values (``decoded.read``; a
         reduce-scatter: of this rank's shard only) once its exchange completed, or
-        ``on_done(None, error)``; on any thread. ``tensors``: the (elements, shape code) of the
-        tensors laid back to back in ``flat`` (a DDP bucket's parameters), for ``bits="auto"``."""
+        ``on_done(None, error)``; on any thread. ``tensors``: for ``bits="auto"``, the (elements,
+        shape code) of the tensors of the list, or of those laid back to back in ``flat`` (a DDP
+        bucket's parameters); ``whole``: this buffer holds all of the round's tensors (they take
+        the allocation's widths only if they are exactly its tensors)."""
         eng, t = self.engine, self.stages[0]
         st, q = eng.state, eng.quantizer
         index = len(self._buffers)
         base, rank, epoch = eng.seed, t.rank, self.epoch
-        parts, layout, widths = [flat], plan_layout([int(numel)], q.bucket_size, None), None
+        parts = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+        sizes = [int(p.shape[0]) for p in parts] if len(parts) > 1 else [int(numel)]
+        if sum(sizes) != int(numel):
+            raise ValueError(f"horovod_alq: the buffer's tensors hold {sum(sizes)} elements, not {numel}")
+        layout = plan_layout(sizes, q.bucket_size, None)
+        widths = None
         if st.auto is not None:
-            parts, layout, widths = self._auto_layout(flat, int(numel), tensors)
+            parts, layout, widths = self._auto_layout(parts, layout, tensors, whole)
         job = Job(parts, layout, self.ops, t, q, st.second,
                   seed=lambda *keys: derive_seed(base, rank, epoch, _STREAM_KEY, index, *keys),
                   name=lambda tag: f"{self.prefix}.b{index}.{tag}", collect_second=self.collect_second,
                   widths=widths)
-        if self.collect_first and st.auto is None:
-            self._first_stats = self._first_stats + self.ops.statistics(job.stream, q)
+        if self.collect_first and st.auto is None:  # a list's tensors one by one, as if alone (not the padding)
+            views = [job.stream] if len(parts) == 1 else [job.stream[a: a + n] for a, n in zip(layout.starts, sizes)]
+            self._first_stats = self._first_stats + sum(self.ops.statistics(v, q) for v in views)
         buf = _Buffer(index, job, self.steps(job, 0), on_done)
         st.calls += 1
         st.coordinates += int(numel)
@@ -91,27 +102,39 @@ class StreamedRound:
             self._buffers.append(buf)
             self._open += 1
         self._advance(buf, 0, None)
+        return layout
 
-    def _auto_layout(self, flat: Any, numel: int, tensors: Sequence[tuple[int, int]] | None):
-        """``bits="auto"``: the buffer as its tensors back to back (one of ``numel`` when not given):
-        their views of ``flat``, the layout, and each one's quantizer: its allocated width when the
-        round so far is the allocated sequence's beginning (the same on every rank: they hand over
-        the same buffers), else the default width. In refit rounds each tensor's row is recorded
-        for :meth:`close`."""
+    def _auto_layout(self, parts: list, layout: Layout, tensors: Sequence[tuple[int, int]] | None, whole: bool):
+        """``bits="auto"``: the buffer's tensors (``parts``, or the tensors back to back in one
+        part), their layout, and each one's quantizer: its allocated width when the round so far is
+        the allocated sequence's beginning (the same on every rank: they hand over the same
+        buffers; ``whole``: when the round is exactly that sequence), else the default width. In
+        rounds that collect, each tensor's row is recorded for :meth:`close`."""
         auto = self.engine.state.auto
-        tensors = [(int(n), int(c)) for n, c in tensors] if tensors else [(numel, 0)]
+        tensors = [(int(n), int(c)) for n, c in tensors] if tensors else [(n, 0) for n in layout.numels]
         numels = [n for n, _ in tensors]
-        if sum(numels) != numel:
-            raise ValueError(f"horovod_alq: the buffer's tensors hold {sum(numels)} elements, the buffer {numel}")
-        starts = np.concatenate([[0], np.cumsum(numels)[:-1]]).astype(int).tolist()
+        if len(parts) == 1 and len(tensors) > 1:  # a DDP bucket: its parameters back to back
+            if sum(numels) != layout.length:
+                raise ValueError(f"horovod_alq: the buffer's tensors hold {sum(numels)} elements, the buffer "
+                                 f"{layout.length}")
+            flat, n = parts[0], layout.length
+            starts = np.concatenate([[0], np.cumsum(numels)[:-1]]).astype(int).tolist()
+            layout = Layout(tuple(numels), tuple(starts), n, ((0, n),), self.engine.quantizer.bucket_size)
+            parts = [flat[s: s + k] for s, k in zip(starts, numels)]
+        elif tuple(numels) != layout.numels:
+            raise ValueError(f"horovod_alq: the buffer's tensors hold {numels} elements, its parts "
+                             f"{list(layout.numels)}")
         start = len(self._keys)
         self._keys += tensors
-        bits = auto.widths_so_far(self._keys, start)
-        parts = [flat[s: s + n] for s, n in zip(starts, numels)]
+        bits = auto.widths_for(self._keys)[start:] if whole else auto.widths_so_far(self._keys, start)
         if self.collect_first:
             self._rows += list(auto_rows(auto, self.ops, parts))
-        layout = Layout(tuple(numels), tuple(starts), numel, ((0, numel),), self.engine.quantizer.bucket_size)
         return parts, layout, [auto.quantizers[w] for w in bits]
+
+    @property
+    def keys(self) -> tuple[tuple[int, int], ...]:
+        """``bits="auto"``: the (elements, shape code) of the round's tensors so far."""
+        return tuple(self._keys)
 
     def close(self) -> tuple[np.ndarray | None, np.ndarray | None] | None:
         """The round's end (after the last :meth:`add`): in refit rounds, wait for every buffer,
@@ -125,6 +148,8 @@ class StreamedRound:
         if self.failure is not None:
             raise self.failure
         if not self.refit:
+            if self.engine.state.auto is not None:  # one row per tensor of keys (none: no tensor was added)
+                return (np.stack(self._rows) if self._rows else None), None
             return (self._first_stats if self.collect_first else None,
                     self._second_stats if self.collect_second else None)
         if self.engine.state.auto is not None:

@@ -20,6 +20,17 @@ def _setups(n, budget=3.0, exchange="allgather", **kw):
     return setups, [s.engine(exchange=exchange, uid="t") for s in setups]
 
 
+def _wire(widths, sizes=SIZES):
+    """One rank's payload bytes: one payload per run of one width; a tensor's run reaches the next one's start."""
+    from horovod_alq.core.wire import payload_size
+
+    spans = [-(-k // 64) * 64 for k in sizes[:-1]] + [sizes[-1]]
+    runs = []
+    for k, w in zip(spans, widths):
+        runs[-1:] = [(runs[-1][0] + k, w)] if runs and runs[-1][1] == w else runs[-1:] + [(k, w)]
+    return sum(payload_size(k, w, 64) for k, w in runs)
+
+
 def _grads(step, rank):
     g = np.random.default_rng(1000 * step + rank)
     return [(s * g.standard_normal(n)).astype(np.float32) for s, n in zip(SCALES, SIZES)]
@@ -43,17 +54,8 @@ def test_every_rank_allocates_alike_within_budget_and_mixes_widths_in_one_buffer
     assert metrics[0]["allocated_mean_bits"] == pytest.approx((sizes * np.array(alloc)).sum() / sizes.sum())
     assert metrics[0]["level_updates"] == 1 and metrics[0]["exchange"] == exchange
     # the codes on the wire carry the allocated widths: payload bytes of the last rounds follow them
-    from horovod_alq.core.wire import payload_size
-
-    def wire(widths):  # one payload per run of one width; a tensor's run reaches the next one's start
-        spans = [-(-k // 64) * 64 for k in SIZES[:-1]] + [SIZES[-1]]
-        runs = []
-        for k, w in zip(spans, widths):
-            runs[-1:] = [(runs[-1][0] + k, w)] if runs and runs[-1][1] == w else runs[-1:] + [(k, w)]
-        return sum(payload_size(k, w, 64) for k, w in runs)
-
     if exchange == "allgather":  # round 0 before the first refit: floor(3.0) bits everywhere
-        assert metrics[0]["payload_bytes"] == wire([3] * 4) + 2 * wire(alloc)
+        assert metrics[0]["payload_bytes"] == _wire([3] * 4) + 2 * _wire(alloc)
 
 
 @pytest.mark.parametrize("exchange,n", [("allgather", 3), ("two-phase", 3)])
@@ -137,3 +139,35 @@ def test_bad_configurations_are_refused(kw, match):
     kw = {"method": "alq", **kw}
     with pytest.raises(ValueError, match=match):
         configure(kw.pop("method"), kw.pop("bits"), 64, **kw)
+
+
+def test_a_caller_collected_list_round_returns_rows_and_refit_allocates_for_exactly_its_tensors():
+    """mpi4py's path on one rank: a list as one streamed buffer (each tensor on a bucket boundary),
+    rows per tensor from close(), Engine.refit(rows, keys=); then only a round of exactly those
+    tensors takes the allocated widths (whole=True: a prefix gets the default)."""
+    from horovod_alq.exchange.base import SingleRank
+
+    setup = configure("alq", "auto", 64, bit_budget=2.5, seed=3, on_request=True)
+    eng, auto = setup.engine(exchange="allgather", uid="t"), setup.state.auto
+    xs = _grads(0, 0)
+
+    def call(parts, collect):
+        got = {}
+        rnd = eng.open_stream(NumpyOps(), [SingleRank()] * 2, elements=sum(p.size for p in parts), collect=collect)
+        before = setup.state.payload_bytes
+        layout = rnd.add(list(parts), sum(p.size for p in parts), lambda d, e: got.update(d=d, e=e), whole=True)
+        rnd.wait()
+        assert got["e"] is None
+        outs = [got["d"].read(s, s + p.size) for s, p in zip(layout.starts, parts)]
+        return outs, rnd.close(), rnd.keys, setup.state.payload_bytes - before, layout
+
+    outs, (rows, second), keys, _, layout = call(xs, True)
+    assert second is None and keys == tuple((n, 0) for n in SIZES)
+    assert all(s % 64 == 0 for s in layout.starts)
+    np.testing.assert_array_equal(rows, np.stack([auto.row(x) for x in xs]))
+    assert eng.refit(rows, None, SingleRank(), keys=keys) is True
+    alloc = setup.state.metrics()["allocation"]
+    assert alloc[0] == max(alloc) and len(set(alloc)) > 1
+    assert call(xs, False)[3] == _wire(alloc)
+    assert call(xs[:2], False)[3] == _wire([2, 2], SIZES[:2])  # a prefix of the allocated tensors: the default
+    assert eng.refit(None, None, SingleRank(), keys=()) is False  # nothing recorded

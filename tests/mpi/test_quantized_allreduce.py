@@ -1,8 +1,9 @@
 """horovod_alq.mpi.QuantizedAllreduce across real ranks: mpirun with 2 and 4 ranks (and two
-sub-communicators of 2), no framework; and its payloads read by the torch kernels.
+sub-communicators of 2), no framework; and its payloads read by the torch kernels. Lists of arrays
+and ``bits="auto"``: on 2, 3 and 4 ranks.
 
-Each rank count is one launch of tests/workers/mpi_allreduce.py that runs every scenario; the tests
-below check what the ranks reported.
+Each rank count is one launch of tests/workers/mpi_allreduce.py that runs every scenario (3 ranks:
+the list and ``bits="auto"`` scenarios only); the tests below check what the ranks reported.
 
 Unbiasedness, with tolerances from the sample size: for M calls with fixed levels the worker
 computes the exact law of one output (per coordinate: expectation, variance and the range of each
@@ -37,10 +38,13 @@ ROOT = Path(__file__).resolve().parents[2]
 ADAPTIVE = {"alq", "alq-n", "amq", "amq-n"}
 ALPHA = 1e-6  # failure probability of the unbiasedness checks of one method if the codec is unbiased
 
-RUNS = {
-    2: ["--n", 800, "--bucket", 128, "--reps", 120, "--alpha", ALPHA],
-    4: ["--methods", "alq,amq-n,terngrad", "--n", 600, "--bucket", 128, "--reps", 80, "--alpha", ALPHA, "--split"],
+RUNS = {  # every scenario; lists and bits="auto" also on 3 ranks (AUTO_RUNS)
+    2: ["--n", 800, "--bucket", 128, "--reps", 120, "--alpha", ALPHA, "--auto-reps", 150],
+    4: ["--methods", "alq,amq-n,terngrad", "--n", 600, "--bucket", 128, "--reps", 80, "--alpha", ALPHA, "--split",
+        "--auto-reps", 80],
 }
+AUTO_RUNS = {**RUNS, 3: ["--auto-only", "--auto-reps", 150]}
+_LAUNCHES: dict = {}  # rank count -> the ranks' reports: one launch per rank count for both fixtures
 
 
 def _env() -> dict:
@@ -49,10 +53,21 @@ def _env() -> dict:
     return {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
 
 
+def _launch(np_: int) -> list:
+    if np_ not in _LAUNCHES:
+        _LAUNCHES[np_] = run_ranks("mpi_allreduce.py", np=np_, args=AUTO_RUNS[np_], timeout=180, env=_env())
+    return _LAUNCHES[np_]
+
+
 @pytest.fixture(scope="module", params=sorted(RUNS), ids=lambda n: f"np{n}")
 def run(request):
-    np_ = request.param
-    return run_ranks("mpi_allreduce.py", np=np_, args=RUNS[np_], timeout=120, env=_env())
+    return _launch(request.param)
+
+
+@pytest.fixture(scope="module", params=sorted(AUTO_RUNS), ids=lambda n: f"np{n}")
+def launched(request):
+    """The launches that ran the list and bits="auto" scenarios (``["auto"]`` of every report)."""
+    return _launch(request.param)
 
 
 def _wire_bytes(n: int, bits: int, bucket: int) -> int:
@@ -135,7 +150,7 @@ def test_dtype_and_shape_follow_the_input(run):
 
 
 # ---------------------------------------------------------------------------------- two-phase
-def _assert_two_phase_unbiased(tp):
+def _assert_t_unbiased(tp):
     # i.i.d. calls: Student t of the per-call sums; per bucket with a Bonferroni bound at 1e-6 overall
     from scipy.stats import t
 
@@ -148,7 +163,7 @@ def _assert_two_phase_unbiased(tp):
 def test_two_phase_unbiased_identical_and_adapted(run):
     for r in run:
         tp = r["two_phase"]
-        _assert_two_phase_unbiased(tp)
+        _assert_t_unbiased(tp)
         assert tp["exchange"] == "two-phase" and tp["second_updates"] == 1
         assert tp["second_follows_first"] and tp["second_refit_at_other_bits"], tp
     assert len({r["two_phase"]["digest"] for r in run}) == 1, "ranks got different results"
@@ -174,7 +189,7 @@ def test_two_phase_traffic_does_not_grow_with_ranks(np_):
             assert abs(8 * r["two_phase"][key] / n - expected) <= granularity + headers + 0.02 * expected
     for r in res:
         tp = r["two_phase"]
-        _assert_two_phase_unbiased(tp)
+        _assert_t_unbiased(tp)
         assert tp["buckets"] == buckets
         one = _wire_bytes(n, 3, d)
         assert tp["allgather_sent"] == (np_ - 1) * one and tp["allgather_received"] == (np_ - 1) * one
@@ -340,3 +355,107 @@ def test_payloads_decode_with_the_fused_codec(run):
     module.decode_sum(out, torch.cat(payloads), offsets, levels, res["bits"], res["bucket_size"],
                       1.0 / len(payloads))
     np.testing.assert_allclose(out.numpy(), np.asarray(res["mean"], dtype=np.float32), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------- lists, bits="auto"
+AUTO_SIZES = [512, 512, 256]  # scales 100, 1, 0.01 (tests/workers/mpi_allreduce.py, auto_arrays)
+AUTO_KEYS = [[n, 0] for n in AUTO_SIZES]  # arrays are matched by their element counts
+
+
+def _same_on_every_rank(launched, get):
+    return all(get(r) == get(launched[0]) for r in launched)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+def test_auto_identical_on_every_rank_within_budget_with_more_bits_for_the_larger_array(launched, exchange):
+    key = f"unbiased.{exchange}"
+    res = launched[0]["auto"][key]
+    for field in ("digest", "allocation", "width_levels", "levels"):
+        assert _same_on_every_rank(launched, lambda r: r["auto"][key][field]), field
+    assert res["updated"] and res["level_updates"] == 1 and res["exchange"] == exchange
+    alloc = res["allocation"]
+    assert alloc[0] > alloc[1], alloc  # the same size, 100x the norm: more bits
+    mean = float(np.dot(AUTO_SIZES, alloc)) / sum(AUTO_SIZES)
+    assert mean <= 2.5 and res["allocated_mean_bits"] == pytest.approx(mean) and res["default_bits"] == 2
+    assert sorted(res["width_levels"]) == sorted(map(str, set(alloc) | {2}))
+    assert res["dtypes"] == ["float32", "float64", "float16"] and res["shapes"] == [[512], [16, 32], [256]]
+    if exchange == "allgather":  # the payloads carry the allocated widths
+        assert res["bytes_per_call"] == res["expected_bytes"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", ["unbiased.allgather", "unbiased.two-phase", "unbiased.fixed"])
+def test_lists_unbiased(launched, case):
+    """Mixed widths in one round (bits="auto") and a list with fixed bits: per-bucket t tests."""
+    _assert_t_unbiased(launched[0]["auto"][case])
+    assert _same_on_every_rank(launched, lambda r: r["auto"][case]["digest"])
+
+
+@pytest.mark.multiproc
+def test_a_fixed_bits_list_quantizes_each_array_as_if_alone(launched):
+    for r in launched:
+        f = r["auto"]["fixed_list"]
+        assert f["statistics_as_alone"] and f["bytes"] == f["expected_bytes"], f
+        assert f["type"] == "list" and f["shapes"] == [[512], [16, 32], [256]]
+        assert f["dtypes"] == ["float32", "float64", "float16"]
+        assert f["empty"] == [[0], [5]] and f["nothing"] == []
+        u = r["auto"]["unbiased.fixed"]
+        assert max(u["rel_err"]) < 0.5, u["rel_err"]
+        assert u["bytes_per_call"] == u["expected_bytes"] or u["exchange"] == "two-phase", u
+    assert _same_on_every_rank(launched, lambda r: r["auto"]["fixed_list"]["digest"])
+
+
+@pytest.mark.multiproc
+def test_auto_records_rows_per_array_and_uses_the_allocation_for_its_arrays_only(launched):
+    for r in launched:
+        c = r["auto"]["collection"]
+        assert c["nothing"] is False  # adapt() with nothing recorded on any rank
+        assert c["added"] and c["keys_added"] == AUTO_KEYS  # two calls of the same arrays: rows added
+        assert c["replaced"] and c["keys_replaced"] == AUTO_KEYS[:2]  # other arrays: replaced
+        assert c["not_collected"] and c["adapted"] and c["pending_after"] is None
+        assert c["default_bits"] == 2
+        # the allocation's arrays (by element counts) take its widths; a prefix or others the default
+        assert c["bytes"] == c["expected"], (c["bytes"], c["expected"])
+        assert c["reduce"].startswith("ValueError") and "bits='auto'" in c["reduce"]
+    assert _same_on_every_rank(launched, lambda r: r["auto"]["collection"]["allocation"])
+
+
+AUTO_ERRORS = {  # only rank 1 differs; every rank raises
+    "budget": "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)",
+    "adapt_budget": "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)",
+    "list_int": "could not encode the input of rank 1: ValueError: x[1] must be a floating-point array",
+    "list_split": "different element counts (rank 0: [512, 512, 256], rank 1: [512, 256, 512]",
+    "list_length": "different element counts (rank 0: [512, 512, 256], rank 1: [512, 512]",
+    "recorded": "recorded different arrays since the last adapt() (elements per array) (rank 0: [512, 512, 256], "
+                "rank 1: [512, 512]",
+    "stats": "could not adapt on rank 1: ValueError: stats= does not apply to bits='auto'",
+    "allgather": "allgather() returns payloads of one width: not with bits='auto'",
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", sorted(AUTO_ERRORS))
+def test_auto_and_list_errors_raise_on_every_rank(launched, case):
+    for r in launched:
+        err = r["auto"]["errors"]["errors"][case]
+        assert err is not None and err.startswith("ValueError: horovod_alq.mpi:"), (r["rank"], err)
+        assert AUTO_ERRORS[case] in err, (r["rank"], err)
+    assert _same_on_every_rank(launched, lambda r: r["auto"]["errors"]["after"][case]), "ranks disagree afterwards"
+
+
+@pytest.mark.multiproc
+def test_auto_recovers_after_ranks_recorded_different_arrays(launched):
+    for r in launched:
+        assert r["auto"]["errors"]["errors"]["recovered"] is True
+    assert _same_on_every_rank(launched, lambda r: r["auto"]["errors"]["errors"]["allocation"])
+
+
+@pytest.mark.multiproc
+def test_auto_state_dict_round_trip(launched):
+    for r in launched:
+        s = r["auto"]["state"]
+        assert s["same_output_own_state"] and s["root_state_runs"] and s["allocation_loaded"], s
+        assert s["adapted_alike"] and s["level_updates"] == 2, s  # the recorded rows travelled too
+        assert "bits='auto'" in s["fixed_refused"] and "bit_budget" in s["budget_refused"], s
+    assert _same_on_every_rank(launched, lambda r: r["auto"]["state"]["allocation"])

@@ -410,6 +410,226 @@ def two_phase(comm, n: int, bucket: int, reps: int, method: str = "alq") -> dict
     }
 
 
+# ---------------------------------------------------------------------------------- lists, bits="auto"
+AUTO_SCALES = (100.0, 1.0, 0.01)  # one array 100x the next (same size): it must get more bits
+AUTO_SIZES = (512, 512, 256)
+AUTO_BUCKET = 64
+
+
+def auto_arrays(world_rank: int, step: int = 0) -> list:
+    """Three arrays of very different scale (the same scales on every rank), float32/float64/float16."""
+    rng = np.random.default_rng([31, world_rank, step])
+    xs = [s * (rng.standard_normal(n) + 0.2 * world_rank) for s, n in zip(AUTO_SCALES, AUTO_SIZES)]
+    return [xs[0].astype(np.float32), xs[1].reshape(16, 32), xs[2].astype(np.float16)]
+
+
+def list_wire(sizes, widths, bucket: int) -> int:
+    """Bytes of one rank's payloads for a list: one payload per run of one width, each array's run
+    reaching the next array's start (arrays start on bucket boundaries)."""
+    spans = [-(-n // bucket) * bucket for n in sizes[:-1]] + [sizes[-1]]
+    runs = []
+    for n, w in zip(spans, widths):
+        if runs and runs[-1][1] == w:
+            runs[-1][0] += n
+        else:
+            runs.append([n, w])
+    return sum(payload_size(n, w, bucket) for n, w in runs)
+
+
+def list_unbiased(comm, bits, exchange: str, reps: int) -> dict:
+    """A list of three arrays, levels (and widths) fitted once, then ``reps`` calls with fixed levels.
+    The calls are independent: per bucket of each array, the t-statistic of the mean deviation
+    (normalized by the array's scale) of the output from the exact average; and of its sum over all
+    coordinates, plain and signed by the truth."""
+    world = MPI.COMM_WORLD.Get_rank()
+    members = comm.allgather(world)
+    truth = [np.mean([auto_arrays(r)[k].astype(np.float64) for r in members], axis=0) for k in range(3)]
+    kw = dict(bits=bits, bit_budget=2.5) if bits == "auto" else dict(bits=bits)
+    ar = QuantizedAllreduce(comm, "alq", bucket_size=AUTO_BUCKET, seed=21, exchange=exchange, **kw)
+    for step in range(2):  # the rows (statistics) of both calls are added
+        outs = ar(auto_arrays(world, step))
+    updated = ar.adapt()
+    xs = auto_arrays(world)
+    before = ar.metrics()["payload_bytes"]
+    devs, h = [], hashlib.sha1()
+    for _ in range(reps):
+        outs = ar(xs, collect=False)
+        for o in outs:
+            h.update(o.tobytes())
+        devs.append(np.concatenate([(o.astype(np.float64).ravel() - t.ravel()) / s
+                                    for o, t, s in zip(outs, truth, AUTO_SCALES)]))
+    m = ar.metrics()
+    dev = np.array(devs)
+    edges = np.concatenate([[0], np.cumsum(AUTO_SIZES)])
+    cuts = sorted({int(c) for a, b in zip(edges[:-1], edges[1:]) for c in range(a, b, AUTO_BUCKET)})
+    per_bucket = np.add.reduceat(dev, cuts, axis=1)
+    sign = np.sign(np.concatenate([t.ravel() for t in truth]))
+
+    def t_stat(samples):
+        return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
+
+    widths = m["allocation"] if bits == "auto" else [bits] * 3
+    return {
+        "reps": reps, "buckets": len(cuts), "updated": updated, "digest": h.hexdigest(),
+        "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
+        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]), "t_signed": float(t_stat((dev @ sign)[:, None])[0]),
+        "dtypes": [str(o.dtype) for o in outs], "shapes": [list(o.shape) for o in outs],
+        "rel_err": [float(np.linalg.norm(o.astype(np.float64).ravel() - t.ravel()) / np.linalg.norm(t))
+                    for o, t in zip(outs, truth)],
+        "exchange": m["exchange"], "level_updates": m["level_updates"], "levels": ar.levels.tolist(),
+        "allocation": m.get("allocation"), "allocated_mean_bits": m.get("allocated_mean_bits"),
+        "default_bits": m.get("default_bits"),
+        "width_levels": {str(w): v.tolist() for w, v in m.get("width_levels", {}).items()},
+        "bytes_per_call": (m["payload_bytes"] - before) / reps,
+        "expected_bytes": list_wire(AUTO_SIZES, widths, AUTO_BUCKET),
+    }
+
+
+def auto_collection(comm) -> dict:
+    """What collecting calls record with bits="auto" (rows added for the same arrays, replaced by
+    others), which calls use the allocation, and adapt() with nothing recorded."""
+    from horovod_alq.core.allocation import AutoBits
+
+    world = MPI.COMM_WORLD.Get_rank()
+    fresh = AutoBits("alq", 2.5, AUTO_BUCKET)  # the initial levels of every width: the rows' reference
+
+    def rows(xs):
+        return np.stack([fresh.row(np.ravel(x).astype(np.float32)) for x in xs])
+
+    ar = QuantizedAllreduce(comm, "alq", bits="auto", bit_budget=2.5, bucket_size=AUTO_BUCKET, seed=4,
+                            exchange="allgather")  # its payload bytes are the widths' (checked)
+    res = {"nothing": ar.adapt()}
+    a, b = auto_arrays(world, 0), auto_arrays(world, 1)
+    ar(a)
+    ar(b)
+    s = ar.state_dict()
+    res["added"] = bool(np.allclose(s["pending"], rows(a) + rows(b), rtol=1e-12))
+    res["keys_added"] = s["pending_keys"]
+    ar(b[:2])  # other arrays: their rows replace the recorded ones
+    s = ar.state_dict()
+    res["replaced"] = bool(np.allclose(s["pending"], rows(b[:2]), rtol=1e-12))
+    res["keys_replaced"] = s["pending_keys"]
+    ar(a)
+    ar(a, collect=False)  # not recorded
+    s = ar.state_dict()
+    res["not_collected"] = bool(np.allclose(s["pending"], rows(a), rtol=1e-12))
+    res["adapted"] = ar.adapt()
+    m = ar.metrics()
+    res["allocation"], res["default_bits"] = m["allocation"], m["default_bits"]
+    res["pending_after"] = ar.state_dict()["pending"]
+    # the allocation's arrays take their widths; any other call (a prefix included) the default
+    calls = {"same": a, "prefix": a[:2], "single": a[0], "other": [a[2], a[0], a[1]],
+             "same_counts": [a[1], a[0], a[2]]}  # arrays are matched by their element counts
+    res["bytes"] = {}
+    for name, xs in calls.items():
+        before = ar.metrics()["payload_bytes"]
+        ar(xs, collect=False)
+        res["bytes"][name] = ar.metrics()["payload_bytes"] - before
+    res["expected"] = {"same": list_wire(AUTO_SIZES, m["allocation"], AUTO_BUCKET),
+                       "prefix": list_wire(AUTO_SIZES[:2], [2, 2], AUTO_BUCKET),
+                       "single": payload_size(AUTO_SIZES[0], 2, AUTO_BUCKET),
+                       "other": list_wire(AUTO_SIZES[::-1], [2, 2, 2], AUTO_BUCKET),
+                       "same_counts": list_wire(AUTO_SIZES, m["allocation"], AUTO_BUCKET)}
+    res["reduce"] = _attempt(lambda: ar.reduce([np.zeros(40, np.uint8)]))
+    return res
+
+
+def auto_errors(comm) -> dict:
+    """Rank 1 differs in one thing per case: every rank raises, and afterwards the communicator and
+    the allreduce still work (the same digest on every rank)."""
+    world, rank = MPI.COMM_WORLD.Get_rank(), comm.Get_rank()
+    odd = rank == 1
+    xs = auto_arrays(world)
+    good = QuantizedAllreduce(comm, "alq", bits="auto", bit_budget=2.5, bucket_size=AUTO_BUCKET, seed=0)
+
+    def budget(call):
+        ar = QuantizedAllreduce(comm, "alq", bits="auto", bit_budget=3.0 if odd else 2.5, bucket_size=AUTO_BUCKET)
+        return call(ar)
+
+    def recorded_other_arrays():  # rank 1 records the 2-array call, the others the 3-array call
+        good(xs, collect=not odd)
+        good(xs[:2], collect=odd)
+        good.adapt()
+
+    cases = {
+        "budget": lambda: budget(lambda ar: ar(xs)),
+        "adapt_budget": lambda: budget(lambda ar: ar.adapt()),
+        "list_int": lambda: good([xs[0], xs[1].astype(np.int32) if odd else xs[1], xs[2]]),
+        "list_split": lambda: good([xs[0], xs[2], xs[1]] if odd else xs),  # the same elements, other arrays
+        "list_length": lambda: good(xs[:2] if odd else xs),
+        "recorded": recorded_other_arrays,
+        "stats": lambda: good.adapt(np.ones(3) if odd else None),
+        "allgather": lambda: good.allgather(xs[0]),
+    }
+    res, after = {}, {}
+    for name, fn in cases.items():
+        res[name] = _attempt(fn)
+        after[name] = digest(np.concatenate([o.ravel().astype(np.float64) for o in good(xs, collect=False)]))
+    # the recorded mismatch kept every rank's rows: the same collecting call on every rank
+    # replaces rank 1's and adds to the others', then adapt() agrees
+    good(xs)
+    res["recovered"] = good.adapt()
+    res["allocation"] = good.metrics()["allocation"]
+    return {"errors": res, "after": after}
+
+
+def auto_state(comm) -> dict:
+    """state_dict / load_state_dict with bits="auto": levels of every width, the allocation and the
+    recorded rows travel; another rank's state loads too; fixed bits or another budget are refused."""
+    world = MPI.COMM_WORLD.Get_rank()
+    xs = auto_arrays(world)
+    kw = dict(bits="auto", bit_budget=2.5, bucket_size=AUTO_BUCKET)
+    ar = QuantizedAllreduce(comm, "amq", seed=8, **kw)
+    ar(xs)
+    ar.adapt()
+    ar(auto_arrays(world, 1))  # recorded, pending in the state
+    own = ar.state_dict()
+    root = comm.bcast(own, root=0)
+    mine = QuantizedAllreduce(comm, "amq", **kw)
+    mine.load_state_dict(own)
+    from_root = QuantizedAllreduce(comm, "amq", **kw)
+    from_root.load_state_dict(root)
+    same = [np.array_equal(p, q) for p, q in zip(ar(xs, collect=False), mine(xs, collect=False))]
+    runs = all(np.isfinite(o).all() for o in from_root(xs, collect=False))
+    ar.adapt()
+    mine.adapt()
+    m, n = ar.metrics(), mine.metrics()
+    return {"same_output_own_state": bool(all(same)), "root_state_runs": bool(runs),
+            "allocation_loaded": from_root.metrics()["allocation"] == own["auto"]["bits"],
+            "adapted_alike": m["allocation"] == n["allocation"] and all(
+                np.array_equal(m["width_levels"][w], n["width_levels"][w]) for w in m["width_levels"]),
+            "level_updates": n["level_updates"], "allocation": m["allocation"],
+            "fixed_refused": _attempt(lambda: QuantizedAllreduce(comm, "amq", bits=3).load_state_dict(own)),
+            "budget_refused": _attempt(lambda: QuantizedAllreduce(comm, "amq", bits="auto", bit_budget=3.0)
+                                       .load_state_dict(own))}
+
+
+def fixed_list(comm) -> dict:
+    """A list with fixed bits: each array quantized as if alone (its statistics, its buckets)."""
+    world = MPI.COMM_WORLD.Get_rank()
+    xs = auto_arrays(world)
+    ar = QuantizedAllreduce(comm, "alq", bits=3, bucket_size=AUTO_BUCKET, seed=2, exchange="allgather")
+    before = ar.metrics()["payload_bytes"]
+    outs = ar(tuple(xs))
+    q = ar.quantizer
+    expected = sum(q.statistics(np.ravel(x).astype(np.float32)) for x in xs)
+    return {"statistics_as_alone": bool(np.allclose(ar.state_dict()["pending"], expected, rtol=1e-12)),
+            "bytes": ar.metrics()["payload_bytes"] - before, "expected_bytes": list_wire(AUTO_SIZES, [3] * 3, 64),
+            "type": type(outs).__name__, "shapes": [list(o.shape) for o in outs],
+            "dtypes": [str(o.dtype) for o in outs], "empty": [list(o.shape) for o in ar([np.zeros(0), xs[0][:5]])],
+            "nothing": ar([]), "digest": digest(np.concatenate([o.ravel().astype(np.float64) for o in outs]))}
+
+
+def auto_bits(comm, reps: int) -> dict:
+    out = {f"unbiased.{ex}": list_unbiased(comm, "auto", ex, reps) for ex in ("allgather", "two-phase")}
+    out["unbiased.fixed"] = list_unbiased(comm, 3, "auto", reps)
+    out["collection"] = auto_collection(comm)
+    out["errors"] = auto_errors(comm)
+    out["state"] = auto_state(comm)
+    out["fixed_list"] = fixed_list(comm)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--methods", default=",".join(ALL))
@@ -419,10 +639,15 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=1e-6)
     p.add_argument("--split", action="store_true")
     p.add_argument("--two-phase-only", action="store_true")
+    p.add_argument("--auto-only", action="store_true")
+    p.add_argument("--auto-reps", type=int, default=150)
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     if args.two_phase_only:
         report({"rank": comm.Get_rank(), "two_phase": two_phase(comm, args.n, args.bucket, args.reps)})
+        return
+    if args.auto_only:
+        report({"rank": comm.Get_rank(), "size": comm.Get_size(), "auto": auto_bits(comm, args.auto_reps)})
         return
     out = {"rank": comm.Get_rank(), "size": comm.Get_size()}
     out["unbiased"] = {m: unbiased(comm, m, args.n, args.bucket, args.reps, args.alpha)
@@ -439,6 +664,7 @@ def main() -> None:
     if args.split:
         out["split"] = split(comm, args.alpha)
     out["two_phase"] = two_phase(comm, args.n, args.bucket, args.reps)
+    out["auto"] = auto_bits(comm, args.auto_reps)
     report(out)
 
 
