@@ -50,7 +50,8 @@ SUBNET = "10.213.0"
 N_WORKERS = 4
 METHODS = ["none", "fp16", "qsgdinf", "alq", "alq-2p"]
 LABELS = {"none": "none (fp32)", "fp16": "fp16", "qsgdinf": "QSGDinf 3b", "alq": "ALQ 3b allgather",
-          "alq-2p": "ALQ 3b two-phase"}
+          "alq-2p": "ALQ 3b two-phase", "alq-auto": "ALQ bits='auto' allgather",
+          "alq-auto-2p": "ALQ bits='auto' two-phase"}  # (the last two: --methods; budget --bit-budget)
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -66,10 +67,13 @@ def worker(args) -> int:
     from horovod_alq.torch import ALQCompressor, QSGDCompressor
 
     common = dict(bits=args.bits, bucket_size=args.bucket_size, update_steps=(0,), update_every=0, seed=1)
+    auto = dict(common, bits="auto", bit_budget=args.bit_budget)  # allocated at step 0, used from step 1
     comps = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
              "qsgdinf": QSGDCompressor(**common, exchange="allgather"),
              "alq": ALQCompressor(**common, exchange="allgather"),
-             "alq-2p": ALQCompressor(**common, exchange="two-phase")}
+             "alq-2p": ALQCompressor(**common, exchange="two-phase"),
+             "alq-auto": ALQCompressor(**auto, exchange="allgather"),
+             "alq-auto-2p": ALQCompressor(**auto, exchange="two-phase")}
     h = args.hidden
     results = {}
     for method in args.methods.split(","):
@@ -102,7 +106,8 @@ def worker(args) -> int:
             m = comps[method].metrics()
             rounds = max(1, m["step"])
             results[method].update(exchange=m["exchange"], bytes_sent_per_step=m["bytes_sent"] / rounds,
-                                   bytes_received_per_step=m["bytes_received"] / rounds)
+                                   bytes_received_per_step=m["bytes_received"] / rounds,
+                                   allocation=m.get("allocation"), allocated_mean_bits=m.get("allocated_mean_bits"))
         del opt
     if hvd.rank() == 0:
         Path(args.worker_out).write_text(json.dumps({"size": hvd.size(), "results": results}))
@@ -259,8 +264,9 @@ def run_workers(args, tmp: Path, rate_label: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- driver
-def wire_bits(method: str, bits: int, bucket: int, n: int) -> float:
-    """Bits each worker receives per coordinate (docs: Horovod wire arithmetic)."""
+def wire_bits(method: str, bits: float, bucket: int, n: int) -> float:
+    """Bits each worker receives per coordinate (docs: Horovod wire arithmetic; ``bits="auto"``:
+    ``bits`` is the budget, the most the allocation spends)."""
     if method == "none":
         return 2 * (n - 1) / n * 32
     if method == "fp16":
@@ -268,6 +274,10 @@ def wire_bits(method: str, bits: int, bucket: int, n: int) -> float:
     if method.endswith("-2p"):  # scatter-reduce + allgather of codes (horovod_alq/exchange/two_phase.py)
         return 2 * (n - 1) / n * (bits + 32 / bucket)
     return (n - 1) * (bits + 32 / bucket)
+
+
+def _bits(method: str, args) -> float:
+    return args.bit_budget if "auto" in method else args.bits
 
 
 def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
@@ -294,7 +304,7 @@ def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
         lines.append(f"| {rate} | {throughput.get(rate, float('nan')) * 8 / 1e6:.0f} Mbit/s | " + " | ".join(cells)
                      + f" | {comp * 1e3:.0f} ms |")
     lines += ["", "Ratios in parentheses are to none (fp32) on the same link. Wire arithmetic per worker "
-              "and coordinate: " + ", ".join(f"{LABELS.get(m, m)} {wire_bits(m, args.bits, args.bucket_size, N_WORKERS):.2f} bits"
+              "and coordinate: " + ", ".join(f"{LABELS.get(m, m)} {wire_bits(m, _bits(m, args), args.bucket_size, N_WORKERS):.2f} bits"
                                               for m in args.methods.split(",")) + "."]
     methods = args.methods.split(",")
     if "fp16" in methods:
@@ -316,11 +326,18 @@ def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
             r = res[m]
             lines.append(f"| {LABELS.get(m, m)} | {r['exchange']} | {r['bytes_sent_per_step'] / 1e6:.2f} MB | "
                          f"{r['bytes_received_per_step'] / 1e6:.2f} MB | "
-                         f"{wire_bits(m, args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
+                         f"{wire_bits(m, _bits(m, args), args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
         lines.append(f"| {LABELS['none']} | ring allreduce (arithmetic) | | | "
                      f"{wire_bits('none', args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
         lines.append(f"| fp16 | ring allreduce (arithmetic) | | | "
                      f"{wire_bits('fp16', args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
+        for m in measured:
+            if res[m].get("allocation"):
+                lines += ["", f"{LABELS.get(m, m)}: widths {res[m]['allocation']} of the compressed tensors in "
+                          f"round order (the last layer first), {res[m]['allocated_mean_bits']:.2f} bits per "
+                          f"coordinate (budget {args.bit_budget}); "
+                          "the bytes above average every step, the first one (all at the default "
+                          f"{int(args.bit_budget)} bits, before the allocation) included."]
     return "\n".join(lines) + "\n"
 
 
@@ -383,6 +400,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket-size", type=int, default=8192)
+    p.add_argument("--bit-budget", type=float, default=2.5, help="of the alq-auto methods; default 2.5")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1200, help="seconds per mpirun")
