@@ -44,6 +44,7 @@ demo-fsdp: install
 # their Horovod background threads share 2 cores: Open MPI must yield when idle, not spin.
 bench: install
 	$(PY) -m scripts.study.variance --quick --out-dir build/bench
+	$(PY) -m scripts.study.variance --auto --quick --out-dir build/bench
 	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np 2 $(PY) -m scripts.bench.codec --quick \
 		--out build/bench/bench_codec.md
 	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np 2 $(PY) -m scripts.bench.step --quick \

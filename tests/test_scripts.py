@@ -85,6 +85,28 @@ def test_variance_quick(tmp_path):
     assert "| alq" in (tmp_path / "variance.md").read_text()
 
 
+def test_variance_auto_quick(tmp_path):
+    """--auto: the compressors' bits='auto' against uniform 3 bits on the CNN's quantized tensors."""
+    assert load("study.variance").main(["--auto", "--quick", "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "data" / "variance_auto.json").read_text())
+    assert data["iterations"] == [0, 10, 20, 30] and data["refits"] == [0, 20]
+    assert data["quantized_parameters"] == ["conv2.weight", "fc1.weight", "fc2.weight"]  # min_size 1024
+    sizes, v = data["quantized_sizes"], data["variance"]
+    for label in ("alq-l2", "alq-linf", "amq-l2", "amq-linf"):
+        uniform = v[f"{label}|512|uniform3"]
+        for budget in (3.0, 2.5):
+            for key in (f"{label}|512|{budget}", f"{label}|512|{budget}|best"):
+                assert all(0 < a / u < float("inf") for a, u in zip(v[key], uniform)), key
+                for bits in data["bits"][key]:  # every measurement's widths: within the budget
+                    assert sum(b * n for b, n in zip(bits, sizes)) <= budget * sum(sizes)
+                    assert set(bits) <= set(range(2, 9))
+        # uniform 3 bits is one of the allocations within budget 3.0: the best is no worse
+        assert all(b <= u * (1 + 1e-9) for b, u in zip(v[f"{label}|512|3.0|best"], uniform))
+    for png in ("variance_auto.png", "variance_auto_bits.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
+    assert "| alq-l2, 512 |" in (tmp_path / "variance_auto.md").read_text()
+
+
 def test_run_accuracy_aggregates(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()

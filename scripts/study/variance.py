@@ -17,8 +17,18 @@ buckets). Three schedules:
     once    refit at iteration 0 only (levels go stale)
     every   refit every --refit-every iterations
 
+With --auto, instead of the methods above: the compressors' ``bits="auto"``
+(horovod_alq.core.allocation.AutoBits, ALQ and AMQ with each norm of --norms and bucket of
+--buckets, each budget of --budgets) against uniform 3 bits of the same method, on the paper
+schedule, per tensor as the compressors quantize (buckets from each tensor's start; tensors below
+--min-size stay in float32, with no error): the total normalized variance of the step's gradient
+(errors summed over tensors, over the whole ||g||^2) and the width of every tensor, beside the best
+allocation within the budget (exhaustive search, every width's levels fitted from all tensors),
+written to variance_auto.md, variance_auto.png, variance_auto_bits.png and data/variance_auto.json.
+
     python -m scripts.study.variance --out-dir docs            # 2,500 iterations, 2/3/4 bits, d=512,8192, both norms
     python -m scripts.study.variance --quick --out-dir /tmp/v  # 30 iterations, 3 bits, d=512
+    python -m scripts.study.variance --auto --out-dir docs     # bits="auto", budgets 3.0 and 2.5, 2,500 iterations
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from horovod_alq.core import Quantizer
+from horovod_alq.core.allocation import AUTO_WIDTHS, AutoBits
+from scripts.common.auto_bits import (auto_error, auto_refit, best_allocation, error_matrix, quantized_tensors,
+                                      refit_from)
 from scripts.common.cnn import Net, load_digits
 from scripts.study.compare_models import normalized_variance
 
@@ -41,6 +54,7 @@ FIXED = ["qsgdinf", "qsgd", "nuqsgd", "terngrad"]
 BASES = ["alq", "alq-n", "amq", "amq-n"]
 ADAPTIVE = [f"{m}-{norm}" for m in BASES for norm in ("l2", "linf")]  # narrowed by --norms in main()
 SCHEDULES = ["paper", "once", "every"]
+AUTO_METHODS = ["alq", "amq"]  # --auto: bits="auto" of these, each with every norm of --norms
 COLORS = {"alq": "C0", "alq-n": "C9", "amq": "C2", "amq-n": "C8", "qsgdinf": "C1", "qsgd": "C7",
           "nuqsgd": "C3", "terngrad": "C5"}
 
@@ -74,8 +88,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="docs", help="variance.md and PNGs go here, variance.json to its data/")
+    p.add_argument("--auto", action="store_true",
+                   help="bits='auto' (budgets of --budgets) against uniform 3 bits instead of the methods; "
+                        "writes variance_auto.md/.png, variance_auto_bits.png, data/variance_auto.json")
+    p.add_argument("--budgets", default="3.0,2.5", help="--auto: mean bits per coordinate; default 3.0,2.5")
+    p.add_argument("--min-size", type=int, default=1024,
+                   help="--auto: smaller tensors are not quantized (the compressors' default); default 1024")
     p.add_argument("--quick", action="store_true", help="30 iterations, 3 bits, bucket 512")
-    p.add_argument("--replot", action="store_true", help="only rebuild variance.md and the PNGs from data/variance.json")
+    p.add_argument("--replot", action="store_true",
+                   help="only rebuild the pages and PNGs from data/variance.json (variance_auto.json with --auto)")
     args = p.parse_args(argv)
     if args.quick:
         args.iters, args.eval_every, args.refit_every, args.paper_steps = 30, 10, 10, "0,20"
@@ -87,6 +108,23 @@ def variance_of(q: Quantizer, g: np.ndarray) -> float:
     return normalized_variance(q.levels, g, q.bucket_size, q.norm)
 
 
+def gradients(args):
+    """Plain SGD (momentum 0.9) of the demo CNN on the uncompressed gradient: yields, for
+    t = 0..--iters, ``(t, loss, [(name, flat float64 gradient)])``; the step is taken on the next call."""
+    torch.manual_seed(args.seed)
+    train_x, train_y, _, _ = load_digits(args.seed)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(args.seed)
+    for t in range(args.iters + 1):
+        idx = torch.randint(0, len(train_x), (args.batch_size,), generator=gen)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
+        loss.backward()
+        yield t, loss.item(), [(n, p.grad.reshape(-1).double().numpy()) for n, p in model.named_parameters()]
+        opt.step()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
@@ -96,6 +134,10 @@ def main(argv=None) -> int:
     paper_steps = {int(s) for s in args.paper_steps.split(",") if s.strip()}
     norms = [n.strip() for n in args.norms.split(",") if n.strip()]
     ADAPTIVE[:] = [f"{m}-{norm}" for m in BASES for norm in norms]
+    if args.auto:
+        if args.replot:
+            return write_auto_outputs(json.loads((out / "data" / "variance_auto.json").read_text()), out)
+        return run_auto(args, buckets, norms, paper_steps, out, argv if argv is not None else sys.argv[1:])
     if args.replot:
         data = json.loads((out / "data" / "variance.json").read_text())
         ADAPTIVE[:] = [f"{m}-{norm}" for m in BASES for norm in data["args"].get("norms", "l2").split(",")]
@@ -117,25 +159,16 @@ def main(argv=None) -> int:
                 for s in SCHEDULES:
                     quantizers[(m, b, d, s)] = Quantizer(base, bits=b, bucket_size=d, norm=norm)
 
-    torch.manual_seed(args.seed)
-    train_x, train_y, _, _ = load_digits(args.seed)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    gen = torch.Generator().manual_seed(args.seed)
     iters, losses, gnorms = [], [], []
     var: dict[str, list] = {"|".join(map(str, k)): [] for k in quantizers}
     levels: dict[str, list] = {"|".join(map(str, k)): [] for k in quantizers if k[0] in ADAPTIVE}
     adapt_seconds, adapt_calls = 0.0, 0
     start = time.monotonic()
-    for t in range(args.iters + 1):
-        idx = torch.randint(0, len(train_x), (args.batch_size,), generator=gen)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
-        loss.backward()
-        g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().numpy()
+    for t, loss, grads in gradients(args):
+        g = np.concatenate([x for _, x in grads])
         if t % args.eval_every == 0:
             iters.append(t)
-            losses.append(loss.item())
+            losses.append(loss)
             gnorms.append(float(np.linalg.norm(g)))
             for k, q in quantizers.items():
                 key = "|".join(map(str, k))
@@ -148,9 +181,8 @@ def main(argv=None) -> int:
                 q.adapt(q.statistics(g))
                 adapt_seconds += time.perf_counter() - a
                 adapt_calls += 1
-        opt.step()
         if t % 500 == 0:
-            print(f"iteration {t}/{args.iters}, loss {loss.item():.3f}, {time.monotonic() - start:.0f} s", flush=True)
+            print(f"iteration {t}/{args.iters}, loss {loss:.3f}, {time.monotonic() - start:.0f} s", flush=True)
     wall = time.monotonic() - start
 
     data = {"args": vars(args), "iterations": iters, "loss": losses, "grad_norm": gnorms,
@@ -303,6 +335,203 @@ def plot_levels(data, bits_list, buckets, path):
             ax.set_ylabel("interior levels (symlog)")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# --auto: the compressors' bits="auto" against uniform 3 bits
+
+def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
+    """Train, measure every --eval-every iterations and refit on the paper schedule (the variance
+    of iteration t with the levels and widths fitted before t); write the outputs. Besides the
+    compressors' AutoBits: every width's levels fitted from all quantized tensors (3 bits: the
+    uniform baseline) and, from them, the best allocation within each budget at every measurement
+    (exhaustive search; a bound on what any allocation of widths per tensor reaches)."""
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+    labels = [f"{m}-{norm}" for m in AUTO_METHODS for norm in norms]
+    widths = {(label, d): [Quantizer(split_norm(label)[0], bits=w, bucket_size=d, norm=split_norm(label)[1])
+                           for w in AUTO_WIDTHS] for label in labels for d in buckets}
+    autos = {(label, d, b): AutoBits(split_norm(label)[0], b, d, split_norm(label)[1])
+             for label in labels for d in buckets for b in budgets}
+    record: dict = {"iterations": [], "loss": [], "float32_share": [], "variance": {}, "bits": {}}
+    refit_seconds, start = 0.0, time.monotonic()
+    for t, loss, grads in gradients(args):
+        quantized, sizes, keys = quantized_tensors(grads, args.min_size)
+        if t % args.eval_every == 0:
+            total = sum(float((g ** 2).sum()) for _, g in grads)
+            record["iterations"].append(t)
+            record["loss"].append(loss)
+            record["float32_share"].append(1.0 - sum(float((g ** 2).sum()) for _, g in quantized) / total)
+            for (label, d), qs in widths.items():
+                e = error_matrix(qs, quantized)
+                uniform = e[:, AUTO_WIDTHS.index(3)].sum() / total
+                record["variance"].setdefault(f"{label}|{d}|uniform3", []).append(uniform)
+                for b in budgets:
+                    best = best_allocation(e, sizes, b, AUTO_WIDTHS)
+                    if best is not None:
+                        record["variance"].setdefault(f"{label}|{d}|{b}|best", []).append(best[0] / total)
+                        record["bits"].setdefault(f"{label}|{d}|{b}|best", []).append(best[1])
+            for (label, d, b), auto in autos.items():
+                err, bits = auto_error(auto, quantized, keys)
+                record["variance"].setdefault(f"{label}|{d}|{b}", []).append(err / total)
+                record["bits"].setdefault(f"{label}|{d}|{b}", []).append(bits)
+        if t in paper_steps:
+            a = time.perf_counter()
+            for qs in widths.values():
+                for q in qs:
+                    refit_from(q, quantized)
+            for auto in autos.values():
+                auto_refit(auto, quantized, sizes, keys)
+            refit_seconds += time.perf_counter() - a
+        if t % 500 == 0:
+            print(f"iteration {t}/{args.iters}, loss {loss:.3f}, {time.monotonic() - start:.0f} s", flush=True)
+    record.update(args=vars(args), labels=labels, buckets=buckets, budgets=budgets, refits=sorted(paper_steps),
+                  wall_seconds=time.monotonic() - start, refit_seconds=refit_seconds,
+                  quantized_parameters=[n for n, _ in quantized], quantized_sizes=sizes,
+                  parameters=[(n, g.size) for n, g in grads], argv=argv)
+    (out / "data" / "variance_auto.json").write_text(json.dumps(record))
+    return write_auto_outputs(record, out)
+
+
+def write_auto_outputs(record: dict, out: Path) -> int:
+    text = auto_report(record)
+    (out / "variance_auto.md").write_text(text)
+    print(text)
+    plot_auto(record, out / "variance_auto.png")
+    plot_auto_bits(record, out / "variance_auto_bits.png")
+    return 0
+
+
+def auto_phases(record: dict) -> list[tuple[int, int]]:
+    """The intervals (lo, hi] of measured iterations that use one refit's allocation."""
+    ends = [r for r in record["refits"] if 0 < r < record["iterations"][-1]] + [record["iterations"][-1]]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def auto_report(record: dict) -> str:
+    it = np.array(record["iterations"])
+    budgets, phases = record["budgets"], auto_phases(record)
+    v = {k: np.array(x) for k, x in record["variance"].items()}
+    checkpoints = sorted({int(it[i]) for i in np.linspace(1, len(it) - 1, 5).round().astype(int)})
+    names = ", ".join(f"{n} ({s})" for n, s in zip(record["quantized_parameters"], record["quantized_sizes"]))
+    float32 = [f"{n} ({s})" for n, s in record["parameters"] if n not in record["quantized_parameters"]]
+    lines = [f"Command: `python -m scripts.study.variance {' '.join(record['argv'] or [])}` "
+             f"({record['wall_seconds']:.0f} s, of which refits {record['refit_seconds']:.0f} s; {len(it)} "
+             f"measurements, iterations 0..{it[-1]}).", "",
+             "The compressors' `bits=\"auto\"` (`horovod_alq.core.allocation.AutoBits`: at each refit, widths 2..8 "
+             "per tensor allocated from the exact errors with the previous levels under the budget, then the levels "
+             "of each width in use refitted from its tensors; before the first refit every tensor at the widest "
+             "width within the budget) against uniform 3 bits of the same method and norm (levels refitted from "
+             "all quantized tensors' statistics), both refitted at iterations "
+             f"{', '.join(map(str, record['refits']))} on the CNN's gradients, the statistics of iteration t giving "
+             "the levels and widths used from t + 1. Total normalized variance: the exact E||Q(g)-g||^2 of every "
+             "quantized tensor (buckets from the tensor's start), summed, over the whole gradient's ||g||^2; "
+             f"tensors below {record['args']['min_size']} elements travel in float32 with no error: "
+             f"{', '.join(float32)}, on average {100 * np.mean(record['float32_share']):.1f}% of ||g||^2. "
+             f"Quantized tensors: {names}. Budgets: mean bits per coordinate of the quantized tensors, bucket norms "
+             "not counted. Issue 23's targets: at most 0.7x uniform 3 bits at budget 3.0, at most 1x at 2.5. "
+             "*Best*: not a compressor; at every measurement, the allocation with the least total variance within "
+             "the budget, found by trying all of them, with every width's levels fitted like uniform 3 bits' "
+             "(from all quantized tensors, same refits): what any widths per tensor could reach.", "",
+             "**Mean over the measurements after iteration 0** (ratio of the means to uniform 3 bits; widths in the "
+             "order of the quantized tensors):", "",
+             "| method, bucket | uniform 3 bits | "
+             + " | ".join(f"auto {b} | ratio | best {b} | ratio" for b in budgets) + " | auto's widths at the last refit (" + " / ".join(map(str, budgets)) + ") |",
+             "|---|---:|" + "---:|---:|---:|---:|" * len(budgets) + "---|"]
+    after0 = it > 0
+    for label in record["labels"]:
+        for d in record["buckets"]:
+            u = v[f"{label}|{d}|uniform3"][after0].mean()
+            cells = []
+            for b in budgets:
+                for key in (f"{label}|{d}|{b}", f"{label}|{d}|{b}|best"):
+                    a = v[key][after0].mean() if key in v else np.nan
+                    cells += [f"{a:.3g}", f"{a / u:.2f}"]
+            widths = " / ".join(" ".join(map(str, record["bits"][f"{label}|{d}|{b}"][-1])) for b in budgets)
+            lines.append(f"| {label}, {d} | {u:.3g} | " + " | ".join(cells) + f" | {widths} |")
+    lines += ["", "**Ratio to uniform 3 bits between refits** (ratio of the means over each interval of iterations, "
+                  "each using one refit's allocation and levels) **and at single iterations**:", "",
+              "| method, bucket, budget | " + " | ".join(f"({lo}, {hi}]" for lo, hi in phases) + " | "
+              + " | ".join(f"it {c}" for c in checkpoints) + " |",
+              "|---|" + "---:|" * (len(phases) + len(checkpoints))]
+    for label in record["labels"]:
+        for d in record["buckets"]:
+            u = v[f"{label}|{d}|uniform3"]
+            for b in budgets:
+                a = v[f"{label}|{d}|{b}"]
+                cells = [f"{a[(it > lo) & (it <= hi)].mean() / u[(it > lo) & (it <= hi)].mean():.2f}"
+                         for lo, hi in phases]
+                cells += [f"{a[it == c][0] / u[it == c][0]:.2f}" for c in checkpoints]
+                lines.append(f"| {label}, {d}, {b} | " + " | ".join(cells) + " |")
+    met = {b: [v[f"{label}|{d}|{b}"][after0].mean() / v[f"{label}|{d}|uniform3"][after0].mean()
+               for label in record["labels"] for d in record["buckets"]] for b in budgets}
+    target = {3.0: 0.7, 2.5: 1.0}
+    lines += [""] + [f"bits='auto' at budget {b}: ratio {min(r):.2f} to {max(r):.2f}" + (
+        f"; target at most {target[b]}x met in {sum(x <= target[b] for x in r)} of {len(r)} rows." if b in target
+        else ".") for b, r in met.items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot_auto(record: dict, path: Path) -> None:
+    """Total normalized variance against iteration: uniform 3 bits and bits='auto' at each budget."""
+    plt = _plt()
+    it = record["iterations"]
+    labels, buckets = record["labels"], record["buckets"]
+    fig, axes = plt.subplots(len(buckets), len(labels), figsize=(4.2 * len(labels), 3.3 * len(buckets)),
+                             squeeze=False, sharex=True)
+    for i, d in enumerate(buckets):
+        for j, label in enumerate(labels):
+            ax = axes[i][j]
+            ax.plot(it, record["variance"][f"{label}|{d}|uniform3"], color="gray", label="uniform 3 bits")
+            for k, b in enumerate(record["budgets"]):
+                ax.plot(it, record["variance"][f"{label}|{d}|{b}"], color=f"C{k}", lw=1.2, label=f"auto, budget {b}")
+                if f"{label}|{d}|{b}|best" in record["variance"]:
+                    ax.plot(it, record["variance"][f"{label}|{d}|{b}|best"], color=f"C{k}", lw=0.8, ls="--",
+                            label=f"best allocation, budget {b}")
+            for r in record["refits"][1:]:
+                ax.axvline(r, color="k", ls=":", lw=0.8)
+            ax.set_yscale("log")
+            ax.set_title(f"{label}, bucket {d}", fontsize=10)
+            ax.grid(alpha=0.3, which="both")
+            if i == len(buckets) - 1:
+                ax.set_xlabel("iteration")
+            if j == 0:
+                ax.set_ylabel("total normalized variance")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("bits='auto' against uniform 3 bits on MNIST-CNN gradients (refits at "
+                 + ", ".join(map(str, record["refits"])) + "; dashed: the best allocation, exhaustive search)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_auto_bits(record: dict, path: Path) -> None:
+    """Width of every quantized tensor against iteration, per method, bucket and budget."""
+    plt = _plt()
+    it = record["iterations"]
+    labels = record["labels"]
+    cols = [(d, b) for d in record["buckets"] for b in record["budgets"]]
+    names = record["quantized_parameters"]
+    fig, axes = plt.subplots(len(labels), len(cols), figsize=(3.6 * len(cols), 2.4 * len(labels)),
+                             squeeze=False, sharex=True, sharey=True)
+    for i, label in enumerate(labels):
+        for j, (d, b) in enumerate(cols):
+            ax = axes[i][j]
+            bits = np.array(record["bits"][f"{label}|{d}|{b}"])
+            for k, n in enumerate(names):  # offset so that equal widths stay visible
+                ax.step(it, bits[:, k] + 0.12 * (k - (len(names) - 1) / 2), where="post", color=f"C{k}",
+                        label=n.replace(".weight", ""))
+            ax.set_title(f"{label}, bucket {d}, budget {b}", fontsize=9)
+            ax.set_ylim(1.5, 8.5)
+            ax.grid(alpha=0.3)
+            if i == len(labels) - 1:
+                ax.set_xlabel("iteration")
+            if j == 0:
+                ax.set_ylabel("bits")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("bits='auto': width of each quantized tensor against iteration (lines offset by 0.12)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

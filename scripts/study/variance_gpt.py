@@ -41,8 +41,9 @@ import torch
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import AutoBits, allocate_bits
+from scripts.common.auto_bits import (auto_error, auto_refit, error_matrix, exact_error, quantized_tensors,
+                                     refit_from)
 from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
-from scripts.study.compare_models import normalized_variance
 
 # (label, method, norm): the compressors' default norm unless named; -l2 is the paper's form.
 METHODS = [("alq", "alq", None), ("amq", "amq", None), ("alq-n", "alq-n", None), ("amq-n", "amq-n", None),
@@ -85,11 +86,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def exact_error(q: Quantizer, g: np.ndarray) -> float:
-    """E||Q(g) - g||^2 of one tensor (unnormalized)."""
-    return normalized_variance(q.levels, g, q.bucket_size, q.norm) * float((g.astype(np.float64) ** 2).sum())
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out_dir)
@@ -122,9 +118,7 @@ def main(argv=None) -> int:
         loss = model.loss(x, y)
         loss.backward()
         grads = [(n, p.grad.detach().reshape(-1).double().numpy()) for n, p in model.named_parameters()]
-        quantized = [(n, g) for n, g in grads if g.size >= args.min_size]
-        sizes = [g.size for _, g in quantized]
-        keys = [(n, k) for k, n in enumerate(sizes)]
+        quantized, sizes, keys = quantized_tensors(grads, args.min_size)
         if t % args.eval_every == 0:
             sq = {k: 0.0 for k in TYPES + ["norm"]}
             for n, g in grads:
@@ -143,21 +137,20 @@ def main(argv=None) -> int:
             if budgets:
                 measure_allocations(record, widths, current, quantized, sizes, budgets, total)
                 for (m, budget), auto in autos.items():
-                    bits = auto.widths_for(keys)
-                    err = sum(exact_error(auto.quantizers[w], g) for w, (_, g) in zip(bits, quantized))
+                    err, _ = auto_error(auto, quantized, keys)
                     record["allocation"][f"{m}|{budget}"][-1]["compressor"] = err / total
         if t in refits:
             for (label, b), q in quantizers.items():
                 if q.method in ("alq", "alq-n", "amq", "amq-n"):
-                    q.adapt(sum(q.statistics(g) for _, g in quantized))
+                    refit_from(q, quantized)
             if budgets:
                 for q in widths.values():
-                    q.adapt(sum(q.statistics(g) for _, g in quantized))
+                    refit_from(q, quantized)
                 for (m, budget), auto in autos.items():
-                    auto.refit(np.stack([auto.row(g) for _, g in quantized]), sizes, keys)
-                    record["compressor_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = list(auto.bits)
+                    bits = auto_refit(auto, quantized, sizes, keys)
+                    record["compressor_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = bits
                 for m in ALLOC_METHODS:
-                    e = error_matrix(widths, m, quantized)
+                    e = error_matrix([widths[(m, w)] for w in ALLOC_WIDTHS], quantized)
                     for budget in budgets:
                         current[(m, budget)] = allocate_bits(e, sizes, budget, ALLOC_WIDTHS).bits
                         record["refit_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = current[(m, budget)].tolist()
@@ -175,16 +168,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def error_matrix(widths: dict, method: str, quantized: list) -> np.ndarray:
-    """errors[t, j]: E||Q(g_t) - g_t||^2 of quantized tensor t at ALLOC_WIDTHS[j] with ``method``."""
-    return np.array([[exact_error(widths[(method, w)], g) for w in ALLOC_WIDTHS] for _, g in quantized])
-
-
 def measure_allocations(record, widths, current, quantized, sizes, budgets, total) -> None:
     """Append, per method and budget, the total normalized variance of the stale allocation (from
     the last refit; uniform 3 bits before the first), of the oracle one, and of uniform 3 bits."""
     for m in ALLOC_METHODS:
-        e = error_matrix(widths, m, quantized)
+        e = error_matrix([widths[(m, w)] for w in ALLOC_WIDTHS], quantized)
         rows = np.arange(len(quantized))
         uniform = e[:, ALLOC_WIDTHS.index(3)].sum() / total
         for budget in budgets:

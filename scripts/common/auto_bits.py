@@ -1,0 +1,64 @@
+"""What the variance studies (scripts/study/variance.py, variance_gpt.py) share to measure a step's
+exact quantization error per tensor, as the compressors quantize it, and the compressors'
+``bits="auto"`` (horovod_alq.core.allocation.AutoBits) along a sequence of gradients."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from horovod_alq.core import Quantizer
+from horovod_alq.core.allocation import AutoBits
+from scripts.study.compare_models import normalized_variance
+
+
+def exact_error(q: Quantizer, g: np.ndarray) -> float:
+    """E||Q(g) - g||^2 of one tensor (unnormalized; buckets counted from its start)."""
+    return normalized_variance(q.levels, g, q.bucket_size, q.norm) * float((g.astype(np.float64) ** 2).sum())
+
+
+def error_matrix(quantizers: list, quantized: list) -> np.ndarray:
+    """errors[t, j]: E||Q(g_t) - g_t||^2 of quantized tensor t under ``quantizers[j]``."""
+    return np.array([[exact_error(q, g) for q in quantizers] for _, g in quantized])
+
+
+def best_allocation(errors: np.ndarray, sizes: list, budget: float, widths) -> tuple[float, list[int]] | None:
+    """The exact optimum of :func:`~horovod_alq.core.allocation.allocate_bits`'s problem (least
+    ``sum_t errors[t, w_t]`` with ``sum_t n_t w_t <= budget * sum_t n_t``) by trying every
+    allocation: its error and widths; None when there are more than 10**6 allocations."""
+    if len(widths) ** len(sizes) > 10**6:
+        return None
+    choice = np.array(list(itertools.product(range(len(widths)), repeat=len(sizes))))  # (allocations, T)
+    bits = np.asarray(widths)[choice]
+    total = np.where(bits @ np.asarray(sizes, dtype=np.float64) <= budget * sum(sizes) * (1 + 1e-12),
+                     errors[np.arange(len(sizes)), choice].sum(axis=1), np.inf)
+    i = int(np.argmin(total))
+    return float(total[i]), bits[i].tolist()
+
+
+def quantized_tensors(grads: list, min_size: int) -> tuple[list, list, list]:
+    """The (name, flat gradient) pairs a compressor quantizes (at least ``min_size`` elements; the
+    smaller ones travel in float32), their sizes, and their keys for :class:`AutoBits`."""
+    quantized = [(n, g) for n, g in grads if g.size >= min_size]
+    sizes = [g.size for _, g in quantized]
+    return quantized, sizes, [(n, k) for k, n in enumerate(sizes)]
+
+
+def refit_from(q: Quantizer, quantized: list) -> None:
+    """Refit ``q`` from the sum of the tensors' statistics (what the compressors' allreduce combines)."""
+    q.adapt(sum(q.statistics(g) for _, g in quantized))
+
+
+def auto_refit(auto: AutoBits, quantized: list, sizes: list, keys: list) -> list[int]:
+    """The compressors' refit of ``bits="auto"`` from one round: allocate with the current levels,
+    then refit every width in use from its tensors. Returns the widths per tensor."""
+    auto.refit(np.stack([auto.row(g) for _, g in quantized]), sizes, keys)
+    return list(auto.bits)
+
+
+def auto_error(auto: AutoBits, quantized: list, keys: list) -> tuple[float, list[int]]:
+    """E||Q(g) - g||^2 of the round under the compressor's allocation (its default width before the
+    first refit) and the widths it used."""
+    bits = list(auto.widths_for(keys))
+    return sum(exact_error(auto.quantizers[w], g) for w, (_, g) in zip(bits, quantized)), bits
