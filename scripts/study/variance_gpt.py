@@ -218,7 +218,7 @@ def allocation_report(record: dict, after0) -> list[str]:
     lines = ["**Bits per tensor under a budget** (widths 2..8, horovod_alq.core.allocation): total normalized "
              "variance, mean over the measurements after iteration 0, and its ratio to uniform 3 bits of the same "
              "method. Stale: the allocation of the last refit; oracle: recomputed at every measurement "
-             "(its greedy is within the bound 'gap' of the exact optimum); both with every width's levels fitted "
+             "(allocate_bits' exact optimum: gap 0 unless its budget grid was coarse); both with every width's levels fitted "
              "from all tensors. bits='auto': the compressors' own AutoBits (allocated with the previous refit's "
              "levels, each width then refit from its own tensors; uniform 3 bits before the first refit), "
              "its allocation kept until the next refit.", "",
