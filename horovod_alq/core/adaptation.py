@@ -271,7 +271,7 @@ class _GridStack:
     _exact_ppf = True
 
     def __init__(self, dists: list[GridDistribution]) -> None:
-        self.grid, self._h, self._inner = dists[0].grid, dists[0]._h, dists[0]._inner
+        self.grid, self._h = dists[0].grid, dists[0]._h
         # each table flat, distribution t's entries at t * G (cdf, p1, p2) or t * (G - 1) (per cell)
         self._cdf = np.concatenate([d.cdf_values for d in dists])
         self._p1 = np.concatenate([d._p1 for d in dists])
@@ -280,18 +280,7 @@ class _GridStack:
         self._dens = np.concatenate([d._dens for d in dists])
 
     def _mpdf(self, x: np.ndarray, which: np.ndarray) -> np.ndarray:
-        g = self.grid
-        xc = np.minimum(np.maximum(x, -1.0), 1.0)
-        i = np.searchsorted(self._inner, xc, side="right")
-        at, cell = which * g.size + i, which * (g.size - 1) + i
-        gi = g[i]
-        dct = self._dc[cell] * ((xc - gi) / self._h[i])
-        out = np.empty((4,) + xc.shape)
-        out[0] = self._cdf[at] + dct
-        out[1] = self._p1[at] + dct * (gi + xc) * 0.5
-        out[2] = self._p2[at] + dct * (gi * gi + gi * xc + xc * xc) / 3.0
-        out[3] = self._dens[cell]
-        return out
+        return GridDistribution._moments(self.grid, (self._cdf, self._p1, self._p2, self._dc, self._dens), x, which)
 
     def _ppf_raw(self, q: np.ndarray, which: np.ndarray) -> np.ndarray:
         g = self.grid

@@ -435,16 +435,24 @@ class GridDistribution(_Distribution):
         self._p2 = np.concatenate([[0.0], np.cumsum(dc * (gl * gl + gl * gr + gr * gr) / 3.0)])
 
     def _mpdf(self, x: np.ndarray) -> np.ndarray:
-        g = self.grid
+        return self._moments(self.grid, (self.cdf_values, self._p1, self._p2, self._dc, self._dens), x)
+
+    @staticmethod
+    def _moments(g: np.ndarray, tables: tuple, x: np.ndarray, which=0) -> np.ndarray:
+        """M0, M1, M2 and the density at ``x`` (shape (4,) + x.shape) from the cumulative tables
+        (cdf, p1, p2: G entries per distribution; dc, dens: G - 1) of distribution ``which``
+        (broadcast against ``x``) of several laid back to back on the grid ``g``."""
+        cdf, p1, p2, dc, dens = tables
         xc = np.minimum(np.maximum(x, -1.0), 1.0)
-        i = np.searchsorted(self._inner, xc, side="right")  # cell index, 0 .. G-2
+        i = np.searchsorted(g[1:-1], xc, side="right")  # cell index, 0 .. G-2
+        at, cell = which * g.size + i, which * (g.size - 1) + i
         gi = g[i]
-        dct = self._dc[i] * ((xc - gi) / self._h[i])  # mass in [g_i, x]
+        dct = dc[cell] * ((xc - gi) / (g[i + 1] - gi))  # mass in [g_i, x]
         out = np.empty((4,) + xc.shape)
-        out[0] = self.cdf_values[i] + dct
-        out[1] = self._p1[i] + dct * (gi + xc) * 0.5
-        out[2] = self._p2[i] + dct * (gi * gi + gi * xc + xc * xc) / 3.0
-        out[3] = self._dens[i]
+        out[0] = cdf[at] + dct
+        out[1] = p1[at] + dct * (gi + xc) * 0.5
+        out[2] = p2[at] + dct * (gi * gi + gi * xc + xc * xc) / 3.0
+        out[3] = dens[cell]
         return out
 
     def cdf(self, x: ArrayLike) -> np.ndarray | float:
