@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .distributions import GridDistribution, _Distribution
+from .distributions import GridDistribution, _Distribution, _GridStack
 from .methods import nuqsgd_levels, uniform_levels
 from .objective import (
     _amq_psi_grad,
@@ -211,6 +211,11 @@ def _fallback(dist, rows, a, x0, b, ma, m0, mb, lo, hi, x, mx, acc):
     return x, mx, acc
 
 
+def _check_sweeps(sweeps) -> None:
+    if isinstance(sweeps, bool) or not isinstance(sweeps, (int, np.integer)) or sweeps < 0:
+        raise ValueError(f"sweeps must be a nonnegative integer, got {sweeps!r}")
+
+
 def _starts(dist, bits: int, init) -> np.ndarray:
     """ALQ's starting level sets: the quantiles of F, uniform levels, NUQSGD's levels and ``init``."""
     n = 2**bits
@@ -254,45 +259,13 @@ def fit_alq_levels(
         Strictly increasing, ``levels[0] == -1``, ``levels[-1] == 1``.
     """
     bits = _check_bits(bits)
-    if isinstance(sweeps, bool) or not isinstance(sweeps, (int, np.integer)) or sweeps < 0:
-        raise ValueError(f"sweeps must be a nonnegative integer, got {sweeps!r}")
+    _check_sweeps(sweeps)
     start = _starts(dist, bits, init)
     final = _coordinate_descent(start, dist, int(sweeps))
     candidates = np.concatenate([final, start])
     psi = _psi_batch(candidates, dist)
     psi = np.where(np.isfinite(psi), psi, np.inf)
     return candidates[int(np.argmin(psi))].copy()
-
-
-class _GridStack:
-    """Several :class:`GridDistribution` on one grid, for fits that run together: ``_mpdf`` and
-    ``_ppf_raw`` of distribution ``which`` (an int array broadcast against the argument)."""
-
-    _exact_ppf = True
-
-    def __init__(self, dists: list[GridDistribution]) -> None:
-        self.grid, self._h = dists[0].grid, dists[0]._h
-        # each table flat, distribution t's entries at t * G (cdf, p1, p2) or t * (G - 1) (per cell)
-        self._cdf = np.concatenate([d.cdf_values for d in dists])
-        self._p1 = np.concatenate([d._p1 for d in dists])
-        self._p2 = np.concatenate([d._p2 for d in dists])
-        self._dc = np.concatenate([d._dc for d in dists])
-        self._dens = np.concatenate([d._dens for d in dists])
-
-    def _mpdf(self, x: np.ndarray, which: np.ndarray) -> np.ndarray:
-        return GridDistribution._moments(self.grid, (self._cdf, self._p1, self._p2, self._dc, self._dens), x, which)
-
-    def _ppf_raw(self, q: np.ndarray, which: np.ndarray) -> np.ndarray:
-        g = self.grid
-        qc = np.minimum(np.maximum(q, 0.0), 1.0)
-        i = np.empty(q.shape, dtype=np.intp)
-        for t in range(self._cdf.size // g.size):  # GridDistribution._ppf_raw's index, per distribution
-            mine = which == t
-            i[mine] = np.searchsorted(self._cdf[t * g.size + 1: (t + 1) * g.size - 1], qc[mine], side="left")
-        c, dc, gi = self._cdf[which * g.size + i], self._dc[which * (g.size - 1) + i], g[i]
-        with np.errstate(all="ignore"):
-            x = np.where(dc > 0, gi + (qc - c) / dc * self._h[i], gi)
-        return np.minimum(np.maximum(x, gi), g[i + 1])
 
 
 class _Bound:
@@ -334,8 +307,7 @@ def fit_alq_levels_together(dists: list, bits: list[int], sweeps: int = 30,
                     and np.array_equal(d.grid, dists[0].grid) for d in dists)
     if len(dists) < 2 or not same_grid:
         return [fit_alq_levels(d, b, sweeps, init) for d, b, init in zip(dists, bits, inits)]
-    if isinstance(sweeps, bool) or not isinstance(sweeps, (int, np.integer)) or sweeps < 0:
-        raise ValueError(f"sweeps must be a nonnegative integer, got {sweeps!r}")
+    _check_sweeps(sweeps)
     starts = [_starts(d, _check_bits(b), init) for d, b, init in zip(dists, bits, inits)]
     which = np.concatenate([np.full(len(st), t) for t, st in enumerate(starts)])
     lengths = np.concatenate([np.full(len(st), st.shape[1]) for st in starts])

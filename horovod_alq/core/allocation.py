@@ -207,30 +207,29 @@ def check_budget(budget) -> float:
 def errors_from_histograms(squared: np.ndarray, level_sets: Sequence[np.ndarray]) -> np.ndarray:
     """``E||Q(x) - x||^2`` of tensors under level sets, shape (T, W), from each tensor's counts on
     :data:`~.statistics.GRID` weighted by its squared bucket norms (``squared``, shape (T, 1 + G):
-    row 1 of :func:`~.statistics.grid_histograms`, of one rank or summed over ranks):
-    ``sum_b n_b**2 sum_i (l_{j+1} - r_i)(r_i - l_j)``, with the ``r_i`` taken as uniform within a
-    grid cell (the moments of :class:`~.distributions.GridDistribution`), which moves the result by
-    about 0.1% on real gradients, at most a few %. All tensors and widths at once."""
+    row 1 of :func:`~.statistics.grid_histograms`, of one rank or summed over ranks): the total
+    weight times Psi of each level set on the tensor's :class:`~.distributions.GridDistribution`
+    (``sum_b n_b**2 sum_i (l_{j+1} - r_i)(r_i - l_j)`` with the ``r_i`` taken as uniform within a
+    grid cell, which moves the result by about 0.1% on real gradients, at most a few %). All
+    tensors and widths at once; 0 for a tensor without weight."""
+    from .distributions import GridDistribution, _GridStack
     from .objective import _cell_costs
     from .statistics import GRID
 
     c = np.atleast_2d(np.asarray(squared, dtype=np.float64))[:, 1:]  # C2 at the grid points
-    g = GRID
-    h = np.diff(g)
-    dc = np.diff(c, axis=1)
-    gl, gr = g[:-1], g[1:]
-    zero = np.zeros((c.shape[0], 1))
-    p1 = np.concatenate([zero, np.cumsum(dc * ((gl + gr) / 2.0), axis=1)], axis=1)
-    p2 = np.concatenate([zero, np.cumsum(dc * ((gl * gl + gl * gr + gr * gr) / 3.0), axis=1)], axis=1)
+    total = c[:, -1]
+    out = np.zeros((c.shape[0], len(level_sets)))
+    live = np.flatnonzero(total > 0)
+    if not live.size:
+        return out
+    stack = _GridStack([GridDistribution(GRID, c[t]) for t in live])
     x = np.concatenate([np.asarray(lv, dtype=np.float64) for lv in level_sets])
-    i = np.searchsorted(g[1:-1], x, side="right")  # cell of every level
-    gi = g[i]
-    dct = dc[:, i] * ((x - gi) / h[i])  # mass in [g_i, x]
-    mom = np.stack([c[:, i] + dct, p1[:, i] + dct * ((gi + x) * 0.5),
-                    p2[:, i] + dct * ((gi * gi + gi * x + x * x) / 3.0)])  # (3, T, P)
+    mom = stack._mpdf(x[None, :], np.arange(live.size)[:, None])  # (4, live, P)
     ends = np.cumsum([len(lv) for lv in level_sets])
-    return np.stack([_cell_costs(x[e - len(lv): e], mom[:, :, e - len(lv): e]).sum(axis=-1)
-                     for lv, e in zip(level_sets, ends)], axis=1)
+    psi = np.stack([_cell_costs(x[e - len(lv): e], mom[:, :, e - len(lv): e]).sum(axis=-1)
+                    for lv, e in zip(level_sets, ends)], axis=1)
+    out[live] = total[live, None] * psi
+    return out
 
 
 def quantization_errors(x: np.ndarray, quantizers: Sequence) -> np.ndarray:
@@ -283,13 +282,11 @@ class AutoBits:
 
     def row(self, x: np.ndarray) -> np.ndarray:
         """One array's refit vector: its error at every width, then its statistics."""
-        from .statistics import grid_histograms, normalize, summarize
+        from .statistics import auto_statistics, normalize
 
         q = self.quantizers[self.default]
-        nz = normalize(x, q.bucket_size, q.norm)
-        hist = grid_histograms(nz)
-        stats = hist[0] if self.grid_statistics else summarize(q.method, nz)
-        return self.rows(hist[1:], stats[None])[0]
+        squared, stats = auto_statistics(normalize(x, q.bucket_size, q.norm), q.method)
+        return self.rows(squared[None], stats[None])[0]
 
     def rows(self, squared: np.ndarray, stats: np.ndarray) -> np.ndarray:
         """The refit vectors of T tensors, shape (T, W + k): their errors at every width (from their
@@ -297,13 +294,6 @@ class AutoBits:
         statistics (shape (T, k))."""
         errors = errors_from_histograms(squared, [self.quantizers[w].levels for w in AUTO_WIDTHS])
         return np.concatenate([errors, np.atleast_2d(stats)], axis=1)
-
-    @property
-    def grid_statistics(self) -> bool:
-        """Whether the method's statistics are row 0 of the grid histograms (ALQ, AMQ; not -N)."""
-        from .statistics import GRID, statistics_length
-
-        return statistics_length(self.quantizers[self.default].method) == 1 + GRID.size
 
     def refit(self, rows: np.ndarray, sizes: Sequence[int], keys: Sequence) -> Allocation:
         """Allocate and refit from the sum over ranks of every tensor's :meth:`row` (shape (T, ...))."""

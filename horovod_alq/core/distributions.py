@@ -448,7 +448,7 @@ class GridDistribution(_Distribution):
         at, cell = which * g.size + i, which * (g.size - 1) + i
         gi = g[i]
         dct = dc[cell] * ((xc - gi) / (g[i + 1] - gi))  # mass in [g_i, x]
-        out = np.empty((4,) + xc.shape)
+        out = np.empty((4,) + dct.shape)
         out[0] = cdf[at] + dct
         out[1] = p1[at] + dct * (gi + xc) * 0.5
         out[2] = p2[at] + dct * (gi * gi + gi * xc + xc * xc) / 3.0
@@ -484,6 +484,38 @@ class GridDistribution(_Distribution):
 
     def __repr__(self) -> str:
         return f"GridDistribution({self.grid.size} grid points)"
+
+
+class _GridStack:
+    """Several :class:`GridDistribution` on one grid, for work on all of them at once (ALQ fits that
+    run together, the errors of ``bits="auto"``): ``_mpdf`` and ``_ppf_raw`` of distribution
+    ``which`` (an int array broadcast against the argument)."""
+
+    _exact_ppf = True
+
+    def __init__(self, dists: list[GridDistribution]) -> None:
+        self.grid, self._h = dists[0].grid, dists[0]._h
+        # each table flat, distribution t's entries at t * G (cdf, p1, p2) or t * (G - 1) (per cell)
+        self._cdf = np.concatenate([d.cdf_values for d in dists])
+        self._p1 = np.concatenate([d._p1 for d in dists])
+        self._p2 = np.concatenate([d._p2 for d in dists])
+        self._dc = np.concatenate([d._dc for d in dists])
+        self._dens = np.concatenate([d._dens for d in dists])
+
+    def _mpdf(self, x: np.ndarray, which: np.ndarray) -> np.ndarray:
+        return GridDistribution._moments(self.grid, (self._cdf, self._p1, self._p2, self._dc, self._dens), x, which)
+
+    def _ppf_raw(self, q: np.ndarray, which: np.ndarray) -> np.ndarray:
+        g = self.grid
+        qc = np.minimum(np.maximum(q, 0.0), 1.0)
+        i = np.empty(q.shape, dtype=np.intp)
+        for t in range(self._cdf.size // g.size):  # GridDistribution._ppf_raw's index, per distribution
+            mine = which == t
+            i[mine] = np.searchsorted(self._cdf[t * g.size + 1: (t + 1) * g.size - 1], qc[mine], side="left")
+        c, dc, gi = self._cdf[which * g.size + i], self._dc[which * (g.size - 1) + i], g[i]
+        with np.errstate(all="ignore"):
+            x = np.where(dc > 0, gi + (qc - c) / dc * self._h[i], gi)
+        return np.minimum(np.maximum(x, gi), g[i + 1])
 
 
 def _invert_cdf(

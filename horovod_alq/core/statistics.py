@@ -191,6 +191,13 @@ def grid_histograms(normalized: Normalized) -> np.ndarray:
     return _grid_cumulative(normalized, squared=True)
 
 
+def auto_statistics(normalized: Normalized, method: str | Method) -> tuple[np.ndarray, np.ndarray]:
+    """``bits="auto"``: row 1 of :func:`grid_histograms` and the method's statistics vector (for
+    the norm-based methods row 0 of the same histograms: one grid search for both)."""
+    hist = grid_histograms(normalized)
+    return hist[1], hist[0] if _norm_based(_method(method)) else summarize(method, normalized)
+
+
 def _grid_cumulative(normalized: Normalized, squared: bool) -> np.ndarray:
     keep = normalized.norms > 0  # False for NaN
     counts = normalized.counts

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.statistics import grid_histograms, normalize, statistics_length, summarize
+from ..core.statistics import auto_statistics, normalize
 from ..core.wire import parse_header
 
 
@@ -47,10 +47,7 @@ class NumpyOps:
         return quantizer.statistics(x)
 
     def auto_statistics(self, x, quantizer):
-        nz = normalize(x, quantizer.bucket_size, quantizer.norm)
-        hist = grid_histograms(nz)
-        grid = hist[0].size == statistics_length(quantizer.method)
-        return hist[1], hist[0] if grid else summarize(quantizer.method, nz)
+        return auto_statistics(normalize(x, quantizer.bucket_size, quantizer.norm), quantizer.method)
 
     def cat(self, parts):
         return np.concatenate(list(parts))

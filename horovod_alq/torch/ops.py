@@ -83,15 +83,16 @@ class TorchOps:
         if not method.adaptive or method.normless:
             moments = self.codec.bucket_moments(x, bucket_size=q.bucket_size, norm=q.norm)
             return normless_statistics(BucketMoments(*moments))
-        if self._grid is None:
-            self._grid = torch.tensor(GRID, dtype=torch.float64, device=self.device)
-        return self.codec.grid_statistics(x, self._grid, bucket_size=q.bucket_size, norm=q.norm)
+        return self.codec.grid_statistics(x, self._grid_tensor(), bucket_size=q.bucket_size, norm=q.norm)
 
     def auto_statistics(self, x: torch.Tensor, q: Quantizer) -> tuple[np.ndarray, np.ndarray]:
+        hist = self.codec.grid_histograms(x.contiguous(), self._grid_tensor(), bucket_size=q.bucket_size, norm=q.norm)
+        return hist[1], hist[0] if hist[0].size == statistics_length(q.method) else self.statistics(x, q)
+
+    def _grid_tensor(self) -> torch.Tensor:
         if self._grid is None:
             self._grid = torch.tensor(GRID, dtype=torch.float64, device=self.device)
-        hist = self.codec.grid_histograms(x.contiguous(), self._grid, bucket_size=q.bucket_size, norm=q.norm)
-        return hist[1], hist[0] if hist[0].size == statistics_length(q.method) else self.statistics(x, q)
+        return self._grid
 
     def cat(self, parts) -> torch.Tensor:
         return torch.cat(list(parts)) if len(parts) > 1 else parts[0]
