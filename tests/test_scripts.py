@@ -23,12 +23,23 @@ def load(name: str):
 
 @pytest.mark.parametrize("name", ["study.variance", "study.run_accuracy", "bench.network", "bench.codec",
                                   "bench.train_step", "bench.fsdp", "study.run_accuracy_gpt", "study.variance_gpt",
-                                  "study.horovod_suite", "bench.refit"])
+                                  "study.horovod_suite", "bench.refit", "bench.codec_widths"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
         load(name).main(["--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_codec_widths_reports_every_width(tmp_path):
+    """scripts/bench/codec_widths.py on a small tensor: a row per width and kernel set, 3 bits at 1.00."""
+    out = tmp_path / "widths.md"
+    assert load("bench.codec_widths").main(["--size", "64K", "--repeats", "1", "--out", str(out)]) == 0
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| AVX2") or
+            line.startswith("| generic")]
+    assert [int(r[1]) for r in rows] == list(range(2, 9)) * (len(rows) // 7) and len(rows) in (7, 14)
+    assert all(float(r[3]) == 1.0 for r in rows if int(r[1]) == 3)
+    assert all(float(r[2]) > 0 for r in rows)
 
 
 def test_horovod_suite_categories_and_report(tmp_path):

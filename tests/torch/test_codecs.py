@@ -94,7 +94,9 @@ def test_cpu_codec_kernels_encode_identically_with_and_without_avx2():
         pytest.skip("this CPU has no AVX2")
     cases = [("alq", 2, 64, 1000, torch.float32), ("alq", 3, 8192, 20_011, torch.float32),
              ("amq", 4, 96, 3001, torch.float32), ("qsgdinf", 5, 256, 999, torch.float32),
-             ("terngrad", 2, 64, 640, torch.float16), ("alq", 3, 100, 777, torch.float64)]
+             ("terngrad", 2, 64, 640, torch.float16), ("alq", 3, 100, 777, torch.float64),
+             ("alq", 8, 256, 5000, torch.float32), ("amq", 6, 128, 3001, torch.float16),
+             ("alq", 7, 512, 4000, torch.float64)]
     for method, bits, d, n, dtype in cases:
         for norm in ("linf", "l2") if get_method(method).adaptive else (get_method(method).norm,):
             q = Quantizer(method, bits=bits, bucket_size=d, norm=norm, seed=0)
@@ -110,6 +112,75 @@ def test_cpu_codec_kernels_encode_identically_with_and_without_avx2():
                                            bucket_size=d, norm=norm, seed=5))
             cpu._module.set_simd(True)
             assert torch.equal(payloads[0], payloads[1]), (method, bits, d, n, dtype, norm)
+
+
+_M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _lowbias32(h: np.ndarray) -> np.ndarray:
+    h = h.astype(np.uint64)
+    h ^= h >> 16
+    h = (h * 0x7FEB352D) & _M32
+    h ^= h >> 15
+    h = (h * 0x846CA68B) & _M32
+    return h ^ (h >> 16)
+
+
+def _reference_codes(x: np.ndarray, norms: np.ndarray, levels: np.ndarray, d: int, seed: int) -> np.ndarray:
+    """The compiled codec's codes, written out in NumPy from its documented draw (codec_kernels.h:
+    uniform_at, stochastic_code) in the same float32 operations, for coordinates below 2**32."""
+    key = _splitmix64(seed)
+    a, b = key & _M32, key >> 32
+    i = np.arange(x.size, dtype=np.uint64)
+    h = _lowbias32((_lowbias32(i ^ a) + b) & _M32)
+    u = ((2 * (h >> 9) + 1).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
+    lv = levels.astype(np.float32)
+    widths = (lv[1:] - lv[:-1]).astype(np.float32)
+    with np.errstate(divide="ignore"):  # zero buckets: their codes are 0 (set by the caller)
+        inv = (np.float32(1) / np.repeat(norms, d)[: x.size]).astype(np.float32)
+    r = np.clip((x.astype(np.float32) * inv).astype(np.float32), np.float32(-1), np.float32(1))
+    cell = (lv[None, 1:-1] <= r[:, None]).sum(axis=1)
+    up = (u * widths[cell]).astype(np.float32) < (r - lv[cell]).astype(np.float32)
+    return cell + up
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "generic"])
+@pytest.mark.parametrize("method,bits,norm", [("alq", 2, "linf"), ("amq", 3, "l2"), ("alq", 4, "linf"),
+                                              ("qsgdinf", 5, "linf"), ("alq", 6, "l2"), ("amq-n", 7, "linf"),
+                                              ("alq", 8, "linf"), ("alq-n", 8, "l2")])
+def test_cpu_codes_are_the_documented_draw(simd, method, bits, norm):
+    """Draw for draw, the compiled codec's codes are those of its documented hash and rounding
+    rule, in the vectorized chunks (whole 64-coordinate blocks: a select over the levels up to 4
+    bits, a gathered binary search from 5) and coordinate by coordinate (bucket edges, tails): a
+    bucket size that leaves both, levels fitted to a heavy-tailed gradient, a zero bucket."""
+    cpu = _resolve("cpu")
+    if simd and cpu._module.simd() != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    cpu._module.set_simd(simd)
+    try:
+        q = Quantizer(method, bits=bits, bucket_size=200, norm=norm, seed=0)
+        t = np.random.default_rng(bits).standard_t(3.0, 3000) * np.linspace(0.1, 2, 3000)
+        x = torch.from_numpy(t.astype(np.float32))
+        q.adapt(q.statistics(x.double().numpy()))
+        x[400:600] = 0
+        payload = cpu.encode(x, torch.as_tensor(q.levels), _header(get_method(method).id, bits, 200, x.numel(),
+                                                                    q.levels),
+                             bits=bits, bucket_size=200, norm=norm, seed=12345).numpy()
+    finally:
+        cpu._module.set_simd(True)
+    norms = _norms(payload, x.numel(), 200)
+    want = _reference_codes(x.numpy(), norms, q.levels, 200, 12345)
+    want[norms.repeat(200)[: x.numel()] == 0] = 0
+    got = _codes(payload, x.numel(), 200, bits)
+    assert (got == want).all(), np.flatnonzero(got != want)[:10]
+    assert len(set(want.tolist())) > 2 ** bits // 2  # the levels are in use, not just the extremes
 
 
 @pytest.mark.parametrize("simd", [True, False], ids=["avx2", "generic"])

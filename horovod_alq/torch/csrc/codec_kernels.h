@@ -171,6 +171,16 @@ constexpr int64_t kChunk = 64;  // coordinates per vectorizable block (8 groups 
 
 constexpr int64_t kMaxVectorLevels = 16;  // encode_chunk serves bits <= 4
 
+// The kChunk codes of a chunk into kChunk / 8 groups of BITS bytes (eight codes per group, LSB first).
+template <int BITS>
+inline void pack_chunk(const uint32_t* code, uint8_t* codes) {
+  for (int64_t q = 0; q < kChunk / 8; ++q) {
+    uint64_t word = 0;
+    for (int k = 0; k < 8; ++k) word |= static_cast<uint64_t>(code[8 * q + k]) << (k * BITS);
+    std::memcpy(codes + q * BITS, &word, BITS);
+  }
+}
+
 // kChunk coordinates of one live bucket, at xc (i0: the first one's index, for the draws): straight-line loops the compiler vectorizes (the level
 // search is a select over 2^BITS levels, at least 8, padded with +inf, instead of a table lookup;
 // GCC does not vectorize the 4-level loop of 2 bits).
@@ -197,11 +207,24 @@ void encode_chunk(const scalar_t* xc, int64_t i0, float inv, const float* levels
     }
     code[k] = cell + (u[k] * width < r[k] - lo ? 1u : 0u);
   }
-  for (int64_t q = 0; q < kChunk / 8; ++q) {
-    uint64_t word = 0;
-    for (int k = 0; k < 8; ++k) word |= static_cast<uint64_t>(code[8 * q + k]) << (k * BITS);
-    std::memcpy(codes + q * BITS, &word, BITS);
+  pack_chunk<BITS>(code, codes);
+}
+
+// kChunk coordinates of one live bucket for bits >= 5 (up to 256 levels): the cell by a branch-free
+// binary search over `search` (2^BITS entries: the interior levels at their indices, +inf from the
+// top level on), which counts the interior levels <= r as find_cell does; then as stochastic_code.
+template <int BITS, typename scalar_t>
+void encode_chunk_wide(const scalar_t* xc, int64_t i0, float inv, const float* search, const float* levels,
+                       const float* widths, const Key& key, uint8_t* codes) {
+  static_assert(BITS > 4 && BITS <= 8, "encode_chunk_wide: bits 5..8 only");
+  uint32_t code[kChunk];
+  for (int64_t k = 0; k < kChunk; ++k) {
+    const float r = clamp_unit(static_cast<float>(xc[k]) * inv);
+    uint32_t cell = 0;
+    for (uint32_t step = 1u << (BITS - 1); step != 0; step >>= 1) cell += search[cell + step] <= r ? step : 0u;
+    code[k] = cell + (uniform_at(key, i0 + k) * widths[cell] < r - levels[cell] ? 1u : 0u);
   }
+  pack_chunk<BITS>(code, codes);
 }
 
 #ifdef HOROVOD_ALQ_AVX2
@@ -212,6 +235,38 @@ inline __m256i lowbias32_x8(__m256i h) {
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
   h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x846CA68BU)));
   return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+// r = clamp_unit(x[k] * inv) on eight lanes (clamp_unit for finite products; NaN stays NaN).
+template <typename scalar_t>
+inline __m256 clamped_x8(const scalar_t* x, __m256 vinv) {
+  __m256 v;
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    v = _mm256_loadu_ps(x);
+  } else {
+    alignas(32) float tmp[8];
+    for (int k = 0; k < 8; ++k) tmp[k] = static_cast<float>(x[k]);
+    v = _mm256_load_ps(tmp);
+  }
+  return _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, vinv), _mm256_set1_ps(-1.0f)), _mm256_set1_ps(1.0f));
+}
+
+// uniform_at(key, i + k) on eight lanes (i a multiple of 8: the lanes share i's high word).
+inline __m256 uniforms_x8(const Key& key, int64_t i) {
+  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32);
+  const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i key_b = _mm256_set1_epi32(static_cast<int>(key.b ^ (hi * 0x9E3779B9U)));
+  const __m256i h = lowbias32_x8(_mm256_add_epi32(
+      lowbias32_x8(_mm256_xor_si256(index, _mm256_set1_epi32(static_cast<int>(key.a)))), key_b));
+  const __m256i odd = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(h, 9), 1), _mm256_set1_epi32(1));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(odd), _mm256_set1_ps(0x1.0p-24f));
+}
+
+// Code = cell + (u * width < r - lo), the masks being -1.
+inline __m256i round_up_x8(__m256i cell, __m256 r, __m256 lo, __m256 width, __m256 u) {
+  const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, width), _mm256_sub_ps(r, lo), _CMP_LT_OQ);
+  return _mm256_sub_epi32(cell, _mm256_castps_si256(up));
 }
 
 // encode_chunk with intrinsics: the same float32 operations on the same values as the loops above
@@ -226,24 +281,10 @@ void encode_chunk_avx2(const scalar_t* xc, int64_t i0, float inv, const float* l
   for (int64_t j = 1; j < interior; ++j) bounds[j] = _mm256_set1_ps(levels[j]);
   const __m256 lv_lo = _mm256_loadu_ps(levels), wd_lo = _mm256_loadu_ps(widths);
   const __m256 lv_hi = _mm256_loadu_ps(levels + 8), wd_hi = _mm256_loadu_ps(widths + 8);
-  const __m256 vinv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 vinv = _mm256_set1_ps(inv);
   const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
-  const __m256i key_a = _mm256_set1_epi32(static_cast<int>(key.a));
-  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(i0) >> 32);  // the same for the chunk
-  const __m256i key_b = _mm256_set1_epi32(static_cast<int>(key.b ^ (hi * 0x9E3779B9U)));
   for (int64_t q = 0; q < kChunk / 8; ++q) {
-    const int64_t i = i0 + 8 * q;
-    __m256 v;
-    if constexpr (std::is_same<scalar_t, float>::value) {
-      v = _mm256_loadu_ps(xc + 8 * q);
-    } else {
-      alignas(32) float tmp[8];
-      for (int k = 0; k < 8; ++k) tmp[k] = static_cast<float>(xc[8 * q + k]);
-      v = _mm256_load_ps(tmp);
-    }
-    // clamp_unit(x * inv): r < -1 ? -1 : (r > 1 ? 1 : r), for finite r
-    const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, vinv), minus_one), one);
+    const __m256 r = clamped_x8(xc + 8 * q, vinv);
     __m256i cell = _mm256_setzero_si256();
     for (int64_t j = 1; j < interior; ++j)  // cell = #{j : levels[j] <= r}: masks are -1
       cell = _mm256_sub_epi32(cell, _mm256_castps_si256(_mm256_cmp_ps(bounds[j], r, _CMP_LE_OQ)));
@@ -253,13 +294,7 @@ void encode_chunk_avx2(const scalar_t* xc, int64_t i0, float inv, const float* l
       lo = _mm256_blendv_ps(lo, _mm256_permutevar8x32_ps(lv_hi, cell), high);
       width = _mm256_blendv_ps(width, _mm256_permutevar8x32_ps(wd_hi, cell), high);
     }
-    // uniform_at(key, i + k) on eight lanes
-    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i))), lane);
-    const __m256i h = lowbias32_x8(_mm256_add_epi32(lowbias32_x8(_mm256_xor_si256(index, key_a)), key_b));
-    const __m256i odd = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(h, 9), 1), _mm256_set1_epi32(1));
-    const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(odd), _mm256_set1_ps(0x1.0p-24f));
-    const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, width), _mm256_sub_ps(r, lo), _CMP_LT_OQ);
-    const __m256i code = _mm256_sub_epi32(cell, _mm256_castps_si256(up));
+    const __m256i code = round_up_x8(cell, r, lo, width, uniforms_x8(key, i0 + 8 * q));
     __m256i word = _mm256_sllv_epi32(code, shifts);
     word = _mm256_or_si256(word, _mm256_permute2x128_si256(word, word, 1));
     word = _mm256_or_si256(word, _mm256_shuffle_epi32(word, 0x4E));
@@ -267,6 +302,38 @@ void encode_chunk_avx2(const scalar_t* xc, int64_t i0, float inv, const float* l
     const uint32_t packed = static_cast<uint32_t>(_mm256_cvtsi256_si32(word));
     std::memcpy(codes + q * BITS, &packed, BITS);
   }
+}
+
+// encode_chunk_wide with intrinsics: the binary search by gathers, BITS of them, then the lower
+// level and width by two more; the same float32 operations as the loop (so the same codes). The
+// chunk's eight groups advance together, step by step, so that their gathers overlap.
+template <int BITS, typename scalar_t>
+void encode_chunk_wide_avx2(const scalar_t* xc, int64_t i0, float inv, const float* search, const float* levels,
+                            const float* widths, const Key& key, uint8_t* codes) {
+  static_assert(BITS > 4 && BITS <= 8, "encode_chunk_wide_avx2: bits 5..8 only");
+  constexpr int kGroups = kChunk / 8;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  __m256 r[kGroups];
+  __m256i cell[kGroups];
+  for (int q = 0; q < kGroups; ++q) {
+    r[q] = clamped_x8(xc + 8 * q, vinv);
+    cell[q] = _mm256_setzero_si256();
+  }
+  for (int step = 1 << (BITS - 1); step != 0; step >>= 1) {
+    const __m256i vstep = _mm256_set1_epi32(step);
+    for (int q = 0; q < kGroups; ++q) {
+      const __m256i probe = _mm256_add_epi32(cell[q], vstep);
+      const __m256 le = _mm256_cmp_ps(_mm256_i32gather_ps(search, probe, 4), r[q], _CMP_LE_OQ);
+      cell[q] = _mm256_blendv_epi8(cell[q], probe, _mm256_castps_si256(le));
+    }
+  }
+  alignas(32) uint32_t code[kChunk];
+  for (int q = 0; q < kGroups; ++q) {
+    const __m256 lo = _mm256_i32gather_ps(levels, cell[q], 4), width = _mm256_i32gather_ps(widths, cell[q], 4);
+    const __m256i c = round_up_x8(cell[q], r[q], lo, width, uniforms_x8(key, i0 + 8 * q));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(code + 8 * q), c);
+  }
+  pack_chunk<BITS>(code, codes);
 }
 #endif
 
@@ -327,7 +394,13 @@ void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* nor
     padded_levels[j] = j < num_levels ? levels[j] : std::numeric_limits<float>::infinity();
     padded_widths[j] = j + 1 < num_levels ? widths[j] : 0.0f;
   }
-  const bool vectorizable = num_levels <= kMaxVectorLevels;
+  // levels for the wide chunks (bits >= 5): interior levels at their indices, +inf from the top one on
+  std::vector<float> search;
+  if (BITS > 4) {
+    search.assign(size_t{1} << BITS, std::numeric_limits<float>::infinity());
+    for (int64_t j = 1; j + 1 < num_levels; ++j) search[j] = levels[j];
+  }
+  const bool vectorizable = BITS > 4 ? num_levels <= (int64_t{1} << BITS) : num_levels <= kMaxVectorLevels;
   // groups [g0, g1), whose values x0[i - base] cover every coordinate i they hold
   auto encode_groups = [&](const scalar_t* x0, int64_t base, int64_t g0, int64_t g1, const scalar_t* ahead) {
     int64_t bucket = g0 * 8 / d, bucket_end = std::min(n, (bucket + 1) * d);
@@ -350,26 +423,31 @@ void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* nor
         bucket_end = std::min(n, bucket_end + d);
         enter();
       }
-      if constexpr (BITS <= 4) {
-        if (vectorizable && !tiny && g + kChunk / 8 <= g1 && i0 + kChunk <= bucket_end) {
-          if (ahead != nullptr)  // the same span of the next bucket: 4 cache lines of float32
-            for (int64_t k = 0; k < kChunk * static_cast<int64_t>(sizeof(scalar_t)); k += 64)
-              __builtin_prefetch(reinterpret_cast<const char*>(ahead + (i0 - base)) + k);
-          if (live) {
+      if (vectorizable && !tiny && g + kChunk / 8 <= g1 && i0 + kChunk <= bucket_end) {
+        if (ahead != nullptr)  // the same span of the next bucket: 4 cache lines of float32
+          for (int64_t k = 0; k < kChunk * static_cast<int64_t>(sizeof(scalar_t)); k += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(ahead + (i0 - base)) + k);
+        uint8_t* chunk_out = out + g * BITS;
+        const scalar_t* xc = x0 + (i0 - base);
+        if (!live) {
+          std::memset(chunk_out, 0, kChunk / 8 * BITS);
+        } else if constexpr (BITS <= 4) {
 #ifdef HOROVOD_ALQ_AVX2
-            encode_chunk_avx2<BITS>(x0 + (i0 - base), i0, inv, padded_levels, padded_widths, num_levels, key,
-                                    out + g * BITS);
+          encode_chunk_avx2<BITS>(xc, i0, inv, padded_levels, padded_widths, num_levels, key, chunk_out);
 #else
-            encode_chunk<BITS>(x0 + (i0 - base), i0, inv, padded_levels, padded_widths, key, out + g * BITS);
+          encode_chunk<BITS>(xc, i0, inv, padded_levels, padded_widths, key, chunk_out);
 #endif
-          } else {
-            std::memset(out + g * BITS, 0, kChunk / 8 * BITS);
-          }
-          g += kChunk / 8;
-          continue;
+        } else {
+#ifdef HOROVOD_ALQ_AVX2
+          encode_chunk_wide_avx2<BITS>(xc, i0, inv, search.data(), levels, w, key, chunk_out);
+#else
+          encode_chunk_wide<BITS>(xc, i0, inv, search.data(), levels, w, key, chunk_out);
+#endif
         }
+        g += kChunk / 8;
+        continue;
       }
-      uint64_t word = 0;  // one group, coordinate by coordinate (bucket edges, many levels, tails)
+      uint64_t word = 0;  // one group, coordinate by coordinate (bucket edges, tiny norms, tails)
       const int64_t i1 = std::min(n, i0 + 8);
       for (int64_t i = i0; i < i1; ++i) {
         if (i == bucket_end) {
