@@ -212,7 +212,7 @@ def errors_from_histograms(squared: np.ndarray, level_sets: Sequence[np.ndarray]
     (``sum_b n_b**2 sum_i (l_{j+1} - r_i)(r_i - l_j)`` with the ``r_i`` taken as uniform within a
     grid cell, which moves the result by about 0.1% on real gradients, at most a few %). All
     tensors and widths at once; 0 for a tensor without weight."""
-    from .distributions import GridDistribution, _GridStack
+    from .distributions import _GridStack
     from .objective import _cell_costs
     from .statistics import GRID
 
@@ -222,7 +222,7 @@ def errors_from_histograms(squared: np.ndarray, level_sets: Sequence[np.ndarray]
     live = np.flatnonzero(total > 0)
     if not live.size:
         return out
-    stack = _GridStack([GridDistribution(GRID, c[t]) for t in live])
+    stack = _GridStack.from_cumulative(GRID, c[live])
     x = np.concatenate([np.asarray(lv, dtype=np.float64) for lv in level_sets])
     mom = stack._mpdf(x[None, :], np.arange(live.size)[:, None])  # (4, live, P)
     ends = np.cumsum([len(lv) for lv in level_sets])

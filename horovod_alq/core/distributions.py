@@ -422,17 +422,9 @@ class GridDistribution(_Distribution):
             raise ValueError(f"cdf_values[0] must be 0 (F(-1) = 0), got {c[0]!r} after normalizing")
         if np.any(np.diff(c) < -self._TOL) or np.any(c < -self._TOL) or np.any(c > 1 + self._TOL):
             raise ValueError("cdf_values must be nondecreasing")
-        c = np.clip(np.maximum.accumulate(np.clip(c, 0.0, 1.0)), 0.0, 1.0)
-        c[0], c[-1] = 0.0, 1.0
-        self.grid, self.cdf_values = g, c
-        h = np.diff(g)
-        dc = np.diff(c)
-        self._h, self._dc = h, dc
-        self._inner = g[1:-1]
-        self._dens = dc / h
-        gl, gr = g[:-1], g[1:]
-        self._p1 = np.concatenate([[0.0], np.cumsum(dc * (gl + gr) / 2.0)])
-        self._p2 = np.concatenate([[0.0], np.cumsum(dc * (gl * gl + gl * gr + gr * gr) / 3.0)])
+        self.grid, self._h, self._inner = g, np.diff(g), g[1:-1]
+        tables = _cumulative_tables(g, c[None])
+        self.cdf_values, self._p1, self._p2, self._dc, self._dens = (t[0] for t in tables)
 
     def _mpdf(self, x: np.ndarray) -> np.ndarray:
         return self._moments(self.grid, (self.cdf_values, self._p1, self._p2, self._dc, self._dens), x)
@@ -486,6 +478,20 @@ class GridDistribution(_Distribution):
         return f"GridDistribution({self.grid.size} grid points)"
 
 
+def _cumulative_tables(g: np.ndarray, c: np.ndarray) -> tuple:
+    """The tables of :meth:`GridDistribution._moments` (cdf, p1, p2: shape (T, G); dc, dens: (T,
+    G - 1)) of T distributions on the grid ``g`` from their CDFs at the grid points (``c``, shape (T,
+    G), already divided by their totals; rounding below 0, above 1 or downwards is repaired)."""
+    c = np.clip(np.maximum.accumulate(np.clip(c, 0.0, 1.0), axis=1), 0.0, 1.0)
+    c[:, 0], c[:, -1] = 0.0, 1.0
+    gl, gr = g[:-1], g[1:]
+    dc = np.diff(c, axis=1)
+    zero = np.zeros((c.shape[0], 1))
+    p1 = np.concatenate([zero, np.cumsum(dc * (gl + gr) / 2.0, axis=1)], axis=1)
+    p2 = np.concatenate([zero, np.cumsum(dc * (gl * gl + gl * gr + gr * gr) / 3.0, axis=1)], axis=1)
+    return c, p1, p2, dc, dc / (gr - gl)
+
+
 class _GridStack:
     """Several :class:`GridDistribution` on one grid, for work on all of them at once (ALQ fits that
     run together, the errors of ``bits="auto"``): ``_mpdf`` and ``_ppf_raw`` of distribution
@@ -494,13 +500,22 @@ class _GridStack:
     _exact_ppf = True
 
     def __init__(self, dists: list[GridDistribution]) -> None:
-        self.grid, self._h = dists[0].grid, dists[0]._h
+        self.grid, self._h, self._keys = dists[0].grid, dists[0]._h, None
         # each table flat, distribution t's entries at t * G (cdf, p1, p2) or t * (G - 1) (per cell)
-        self._cdf = np.concatenate([d.cdf_values for d in dists])
-        self._p1 = np.concatenate([d._p1 for d in dists])
-        self._p2 = np.concatenate([d._p2 for d in dists])
-        self._dc = np.concatenate([d._dc for d in dists])
-        self._dens = np.concatenate([d._dens for d in dists])
+        self._cdf, self._p1, self._p2, self._dc, self._dens = (
+            np.concatenate(t) for t in zip(*((d.cdf_values, d._p1, d._p2, d._dc, d._dens) for d in dists)))
+
+    @classmethod
+    def from_cumulative(cls, grid: np.ndarray, weights: np.ndarray) -> "_GridStack":
+        """The stack of ``GridDistribution(grid, w)`` for each row ``w`` of ``weights`` (shape (T,
+        G), cumulative, each with a positive total), built at once and without the checks."""
+        stack = cls.__new__(cls)
+        stack.grid = np.asarray(grid, dtype=np.float64)
+        stack._h, stack._keys = np.diff(stack.grid), None
+        w = np.asarray(weights, dtype=np.float64)
+        tables = _cumulative_tables(stack.grid, w / w[:, -1:])
+        stack._cdf, stack._p1, stack._p2, stack._dc, stack._dens = (t.ravel() for t in tables)
+        return stack
 
     def _mpdf(self, x: np.ndarray, which: np.ndarray) -> np.ndarray:
         return GridDistribution._moments(self.grid, (self._cdf, self._p1, self._p2, self._dc, self._dens), x, which)
@@ -508,10 +523,15 @@ class _GridStack:
     def _ppf_raw(self, q: np.ndarray, which: np.ndarray) -> np.ndarray:
         g = self.grid
         qc = np.minimum(np.maximum(q, 0.0), 1.0)
-        i = np.empty(q.shape, dtype=np.intp)
-        for t in range(self._cdf.size // g.size):  # GridDistribution._ppf_raw's index, per distribution
-            mine = which == t
-            i[mine] = np.searchsorted(self._cdf[t * g.size + 1: (t + 1) * g.size - 1], qc[mine], side="left")
+        # GridDistribution._ppf_raw's index in distribution `which`'s interior CDF values, for all
+        # at once: one search in the pairs (distribution, value), compared lexicographically as
+        # complex numbers (exact: no arithmetic on the values)
+        inner = g.size - 2
+        if self._keys is None:
+            cdf = self._cdf.reshape(-1, g.size)
+            self._keys = (np.arange(cdf.shape[0])[:, None] + 1j * cdf[:, 1:-1]).ravel()
+        # (a NaN value sorts after every pair: capped to the end of its own distribution, as alone)
+        i = np.minimum(np.searchsorted(self._keys, which + 1j * qc, side="left") - which * inner, inner)
         c, dc, gi = self._cdf[which * g.size + i], self._dc[which * (g.size - 1) + i], g[i]
         with np.errstate(all="ignore"):
             x = np.where(dc > 0, gi + (qc - c) / dc * self._h[i], gi)

@@ -6,7 +6,9 @@ One process, one rank (every collective returns its input), the Horovod compress
 the compiled CPU codec: the time of a plain round (quantize, exchange, decode every tensor of the
 step), of a refit round with fixed 3 bits (statistics and one level fit added) and of a refit round
 with ``bits="auto"`` (each tensor's error at every width, the allocation, one level fit per width
-in use); medians over repeats, rows interleaved, as ratios to the plain round.
+in use); medians over repeats, rows interleaved, as ratios to the plain round. Each timed round
+refits on another batch's gradient than the round before it (as in training: a refit's statistics
+are new), so the level fits start warm but not at their fixed point.
 
     python -m scripts.bench.refit --out docs/bench_refit.md
     python -m scripts.bench.refit --quick
@@ -29,11 +31,12 @@ from scripts.common.bench import write_report
 from scripts.common.gpt import GPT, char_splits, sample_batch
 
 
-def gpt_gradients(min_size: int, seed: int = 0) -> list[torch.Tensor]:
-    torch.manual_seed(seed)
+def gpt_gradients(min_size: int, batch: int = 0) -> list[torch.Tensor]:
+    """The GPT's gradient (model seeded with 0) on batch number ``batch`` of the training text."""
+    torch.manual_seed(0)
     train, _, chars = char_splits()
     model = GPT(len(chars), 128, 4, 4, 64)
-    x, y = sample_batch(train, 16, 64, torch.Generator().manual_seed(seed))
+    x, y = sample_batch(train, 16, 64, torch.Generator().manual_seed(batch))
     model.loss(x, y).backward()
     return [p.grad.reshape(-1).clone() for p in model.parameters() if p.numel() >= min_size]
 
@@ -56,7 +59,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
     torch.set_num_threads(1)
-    grads = gpt_gradients(1024)
+    warm, grads = gpt_gradients(1024, batch=0), gpt_gradients(1024, batch=1)
     ops, transport = TorchOps("cpu"), SingleRank()
     cases = {"plain round (3 bits)": (3, None, False), "refit round, 3 bits": (3, None, True),
              f"refit round, bits='auto' (budget {args.budget})": ("auto", args.budget, True)}
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
             setup = configure(args.method, bits, 8192, bit_budget=budget, update_steps=(0,) if refit else (),
                               update_every=0, seed=0)
             engine = setup.engine(exchange="allgather", uid="bench")
-            one_round(setup, engine, grads, ops, transport)  # warm: codec, allocations
+            one_round(setup, engine, warm, ops, transport)  # warm: codec, allocations, levels
             setup.state.step = 0  # the timed round refits (or not) again
             times[name].append(one_round(setup, engine, grads, ops, transport))
     plain = statistics.median(times["plain round (3 bits)"])
