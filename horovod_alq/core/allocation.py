@@ -105,13 +105,15 @@ def allocate_bits(errors: np.ndarray, sizes: Sequence[int], budget: float, width
         raise ValueError("errors must be finite and non-negative")
     if not budget >= widths_a[0]:
         raise ValueError(f"budget {budget} is below the narrowest width {int(widths_a[0])}")
-    greedy = _greedy(errors, sizes_a, budget, widths_a)
     exact, choice = _knapsack(errors, sizes_a, budget, widths_a)
     bits = widths_a[choice]
     total = float(errors[np.arange(len(sizes_a)), choice].sum())
-    if not exact and greedy.error < total:
-        return greedy
-    gap = 0.0 if exact else max(0.0, total - greedy.error + greedy.gap)
+    gap = 0.0
+    if not exact:
+        greedy = _greedy(errors, sizes_a, budget, widths_a)
+        if greedy.error < total:
+            return greedy
+        gap = max(0.0, total - greedy.error + greedy.gap)
     return Allocation(bits=bits, error=total, mean_bits=float((sizes_a * bits).sum() / max(sizes_a.sum(), 1)),
                       gap=gap)
 

@@ -334,8 +334,6 @@ class Engine:
         transport = stages[0]
         epoch = st.step
         exchange = choose_exchange(self.exchange, transport.size) if exchange is None else exchange
-        if st.auto is not None and exchange == reduce_scatter.NAME:
-            raise ValueError(f"{PREFIX}: bits='auto' needs whole tensors on every rank, not a {exchange} round")
         if exchange not in STREAMED:
             raise ValueError(f"{PREFIX}: a streamed round's exchange is one of {', '.join(STREAMED)}, "
                              f"not {exchange!r}")

@@ -5,14 +5,16 @@ part rank ``j`` owns, as FSDP lays out its reduce-scatter input). Each rank quan
 its own (buckets counted from the shard's start), one alltoall sends shard ``j``'s codes to rank
 ``j``, and rank ``j`` decodes and sums the N payloads of its shard: one quantization, no second
 one (the result is the owner's gradient shard; nothing is gathered again). Per worker and input
-coordinate it sends about ``(N - 1) / N (b + 32/d)`` bits. Streamed rounds only
+coordinate it sends about ``(N - 1) / N (b + 32/d)`` bits. With ``bits="auto"`` the buffer's
+tensors (for FSDP2: each parameter's chunk of each shard) carry their allocated widths, a payload
+per run of one width within a shard. Streamed rounds only
 (:meth:`.engine.Engine.open_stream`): the result covers this rank's shard, :func:`span`.
 """
 
 from __future__ import annotations
 
 from ..core.wire import payload_size
-from .base import Alltoall, Job, Piece, Steps, check_payloads
+from .base import Alltoall, Job, Piece, Steps, check_segments
 
 #: Collectives per buffer.
 STAGES = 1
@@ -30,16 +32,20 @@ def shard_bounds(job: Job, i: int) -> list[tuple[int, int]]:
 
 
 def steps(job: Job, i: int) -> Steps:
-    """Buffer ``i``: encode its N shards, send shard ``j`` to rank ``j``, check the N payloads of
-    this rank's shard; one :class:`Piece` covering it."""
-    q, me = job.first, job.transport.rank
-    parts = shard_bounds(job, i)
-    payloads = [job.encode_range(a, b, q, job.seed(i, j)) for j, (a, b) in enumerate(parts)]
-    a, b = parts[me]
-    size = payload_size(b - a, q.bits, q.bucket_size)
-    gathered = yield Alltoall(job.ops.cat(payloads), [size] * len(parts), [size] * len(parts), f"rs{i}")
-    offsets = check_payloads(job.ops, gathered, [b - a] * len(parts), q, f"shard {me} of buffer {i}")
-    return [Piece(a, b, gathered, tuple(offsets), job.frozen(q))]
+    """Buffer ``i``: encode its N shards (``bits="auto"``: a payload per run of one width in each,
+    :meth:`Job.segments`), send shard ``j``'s to rank ``j``, check the N ranks' payloads of this
+    rank's shard; one :class:`Piece` per run of it."""
+    me, n = job.transport.rank, job.transport.size
+    shards = shard_bounds(job, i)
+    runs = [job.segments(a, b) for a, b in shards]
+    payloads = [job.encode_range(a, b, q, job.seed(i, j) if k == 0 else job.seed(i, j, k, 3))
+                for j, shard_runs in enumerate(runs) for k, (a, b, q, _) in enumerate(shard_runs)]
+    splits = [sum(payload_size(b - a, q.bits, q.bucket_size) for a, b, q, _ in shard_runs) for shard_runs in runs]
+    gathered = yield Alltoall(job.ops.cat(payloads), splits, [splits[me]] * n, f"rs{i}")
+    expected = [(b - a, q) for a, b, q, _ in runs[me]]
+    offsets = check_segments(job.ops, gathered, [expected] * n, f"shard {me} of buffer {i}")
+    return [Piece(a, b, gathered, tuple(o[k] for o in offsets), job.frozen(q))
+            for k, (a, b, q, _) in enumerate(runs[me])]
 
 
 def span(job: Job) -> tuple[int, int]:

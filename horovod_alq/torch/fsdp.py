@@ -39,6 +39,7 @@ replicas stays FSDP's own (float).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import torch
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from ..core.protocol import PREFIX
+from ..core.protocol import PREFIX, shape_hash
 from ..exchange.reduce_scatter import NAME
 from .dist_transport import WATCHDOG, SettleOnce
 from .streamed import COMPRESSIBLE, StreamedState
@@ -71,10 +72,15 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
     method : str
         ``"alq"``, ``"alq-n"``, ``"amq"``, ``"amq-n"`` (adaptive), ``"qsgdinf"``, ``"qsgd"``,
         ``"nuqsgd"``, ``"terngrad"`` (fixed levels; TernGrad always sends 2 bits).
-    bits : int
-        Bits per coordinate on the wire, 2..8. Default 3.
+    bits : int or "auto"
+        Bits per coordinate on the wire, 2..8. Default 3. ``"auto"`` (adaptive methods): a width
+        per parameter chunk of every shard, chosen at each refit to minimize the variance of the
+        update within ``bit_budget`` (the Horovod compressors' ``bits="auto"``). The parameters of
+        a reduce-scatter are known from :func:`quantize_reduce_scatter`; an input whose layout it
+        did not record (or one that other modules share with another layout) is one tensor.
     bucket_size : int
-        Coordinates per float32 norm, counted from each shard's start. Default 8192.
+        Coordinates per float32 norm, counted from each shard's start (``bits="auto"``: from each
+        parameter chunk's start). Default 8192.
     seed : int, optional
         Seed of the stochastic rounding (mixed with rank, round, call and shard); None: fresh
         entropy on every rank.
@@ -83,6 +89,8 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         levels apply from the next backward.
     update_every : int, optional
         After the last of ``update_steps``, refit every this many rounds (default 10000; 0: never).
+    bit_budget : float, optional
+        ``bits="auto"`` only: mean bits per coordinate of the compressed inputs; default 3.0.
     min_size : int
         Reduce-scatter inputs with fewer elements travel uncompressed. Default 1024.
     codec : str
@@ -95,14 +103,30 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
     """
 
     what = "reduce-scatter comm"
+    AUTO_BITS = True
 
-    def __init__(self, process_group=None, method: str = "alq", bits: int = 3, bucket_size: int = 8192,
-                 seed: int | None = None, *, update_steps: Sequence[int] | None = None,
-                 update_every: int | None = None, min_size: int = 1024, codec: str = "auto",
-                 norm: str | None = None, timeout: float | None = None) -> None:
+    def __init__(self, process_group=None, method: str = "alq", bits: int | str = 3, bucket_size: int = 8192,
+                 seed: int | None = None, *, bit_budget: float | None = None,
+                 update_steps: Sequence[int] | None = None, update_every: int | None = None,
+                 min_size: int = 1024, codec: str = "auto", norm: str | None = None,
+                 timeout: float | None = None) -> None:
         self._configure(process_group, method, bits, bucket_size, "allgather", seed, update_steps, update_every,
-                        min_size, codec, None, None, None, norm, uid="fsdp", timeout=timeout)
+                        min_size, codec, None, None, None, norm, uid="fsdp", timeout=timeout, bit_budget=bit_budget)
         self._task = -1  # the autograd graph task of the round in progress (-1: outside backward)
+        # bits="auto": (input elements, shards) -> each parameter chunk's (elements, shape code) in a
+        # shard (None: modules with other layouts share that size), from quantize_reduce_scatter
+        self._layouts: dict[tuple[int, int], tuple | None] = {}
+
+    def record_layout(self, module) -> None:
+        """``bits="auto"``: remember how FSDP lays out ``module``'s reduce-scatter input (shard
+        ``j``: every parameter's ``j``-th dim-0 chunk, padded, in order), so that its parameters
+        get widths of their own (:func:`quantize_reduce_scatter` calls this for every module)."""
+        layout = _shard_layout(module)
+        if layout is None:
+            return
+        n, pieces = layout
+        key = (n * sum(k for k, _ in pieces), n)
+        self._layouts[key] = pieces if self._layouts.get(key, pieces) == pieces else None
 
     @property
     def exchange(self) -> str:
@@ -138,7 +162,9 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         # for an async call's Work in C++, where no bounded wait of ours runs)
         settle = SettleOnce(future, f"{PREFIX}.fsdp.{self.round_state.step - 1}.rs", stages[0].scope, self.timeout)
         WATCHDOG.watch(settle)
-        rnd.add(flat, flat.numel(), functools.partial(_complete, settle, output_tensor, scale))
+        pieces = self._layouts.get((flat.numel(), n)) if self.bits == "auto" else None
+        rnd.add(flat, flat.numel(), functools.partial(_complete, settle, output_tensor, scale),
+                tensors=list(pieces) * n if pieces else None)
         if self._task < 0:  # a call outside a backward pass is a round of its own
             self._close()
         if async_op:
@@ -173,6 +199,21 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         rnd, self._round, self._task = self._round, None, -1
         if rnd is not None:
             rnd.close()
+
+
+def _shard_layout(module) -> tuple[int, tuple] | None:
+    """(shards, each parameter chunk's (elements, shape code)) of an FSDP module's reduce-scatter
+    input, from FSDP's parameter group (dim-0 sharding); None where its internals do not say."""
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+        n = int(group.mesh_info.shard_mesh_size)
+        params = list(group.fsdp_params)
+        if not params or any(p.fsdp_placement.dim != 0 for p in params):
+            return None
+        sizes = [tuple(p._orig_size) for p in params]
+    except (AttributeError, TypeError):
+        return None
+    return n, tuple((-(-s[0] // n) * math.prod(s[1:]) if s else 1, shape_hash(s, "fsdp")) for s in sizes)
 
 
 def _scale(op, size: int) -> float:
@@ -239,4 +280,5 @@ def quantize_reduce_scatter(model: torch.nn.Module, comm: ALQReduceScatter | Non
                          f"torch.distributed.fsdp.fully_shard on its blocks and on the model first")
     for module in modules:
         module.set_custom_reduce_scatter(comm)
+        comm.record_layout(module)
     return comm

@@ -55,8 +55,35 @@ def test_checks(group):
     with pytest.raises(ValueError, match="made for process group"):
         pinned(torch.empty(2048), x, group, dist.ReduceOp.AVG)
     assert comm.metrics()["step"] == 0  # nothing was exchanged
-    with pytest.raises(ValueError, match="the reduce-scatter comm takes a fixed width"):
-        ALQReduceScatter(bits="auto")
+    with pytest.raises(ValueError, match="needs an adaptive method"):
+        ALQReduceScatter(method="qsgd", bits="auto")
+    with pytest.raises(ValueError, match="bit_budget applies to bits='auto' only"):
+        ALQReduceScatter(bits=3, bit_budget=2.5)
+
+
+def test_auto_bits_gives_every_parameter_its_width(group):
+    """bits="auto": quantize_reduce_scatter records each module's layout (FSDP's: shard j holds every
+    parameter's j-th dim-0 chunk), so a reduce-scatter of that module's size allocates a width per
+    parameter within the budget (called directly: FSDP on one rank does not call its comm); an
+    input of another size is one tensor."""
+    model = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Linear(60, 30))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    comm = quantize_reduce_scatter(model, bits="auto", bit_budget=3.0, bucket_size=64, min_size=16,
+                                   update_steps=(0,), update_every=0, seed=2)
+    assert comm.bits == "auto" and comm.bit_budget == 3.0
+    sizes = [2400, 60, 1800, 30]
+    assert [[k for k, _ in v] for v in comm._layouts.values()] == [sizes]
+    x = torch.cat([torch.randn(n) * s for n, s in zip(sizes, (30.0, 1.0, 0.01, 1.0))])
+    for _ in range(2):
+        comm(torch.empty(x.numel()), x, group, dist.ReduceOp.AVG)
+    m = comm.metrics()
+    assert len(m["allocation"]) == 4 and m["level_updates"] == 1
+    assert sum(n * b for n, b in zip(sizes, m["allocation"])) <= 3.0 * sum(sizes)
+    assert m["allocation"][0] > m["allocation"][2], m["allocation"]  # 3000x the scale: more bits
+    single = ALQReduceScatter(bits="auto", bucket_size=64, min_size=16, update_steps=(0,), update_every=0, seed=2)
+    for _ in range(2):
+        single(torch.empty(500), torch.randn(500), group, dist.ReduceOp.AVG)  # no recorded layout
+    assert len(single.metrics()["allocation"]) == 1
 
 
 def test_metrics_keys_match_horovod_compressors(group):

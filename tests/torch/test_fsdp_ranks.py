@@ -49,6 +49,25 @@ def test_training_identical_and_learning(ranks):
     assert 2.0 < ranks[0]["train"]["terngrad"]["bits_per_coordinate"] < 2.4
 
 
+def test_auto_bits_a_width_per_parameter_chunk(ranks):
+    """bits="auto" (budget 2.5): every rank allocates alike, a width per parameter chunk of every
+    shard (the layouts quantize_reduce_scatter recorded for fc1, fc2, fc3), within the budget;
+    training learns with identical parameters and levels; direct calls whose shards mix widths
+    are unbiased (per chunk bucket, Bonferroni at 1e-6)."""
+    n = ranks[0]["size"]
+    auto = ranks[0]["train"]["alq/auto"]
+    for key in ("params", "allocation", "levels"):
+        assert _same(ranks, lambda r: r["train"]["alq/auto"][key]), key
+    assert [len(sizes) for _, sizes in auto["layouts"]] == [2, 2, 2]  # weight and bias of each layer
+    assert len(auto["allocation"]) == 3 * 2 * n and auto["allocated_mean_bits"] <= 2.5 + 1e-9, auto
+    assert auto["level_updates"] == 2 and auto["loss_last"] < 0.7 * auto["loss_first"], auto
+    assert _same(ranks, lambda r: r["unbiased_auto"]["allocation"])
+    for r in ranks:
+        u = r["unbiased_auto"]
+        assert len(u["allocation"]) == 4 * n and len(set(u["allocation"])) > 1, u
+        assert u["t_buckets_max"] < student.isf(1e-6 / (2 * u["buckets"]), u["reps"] - 1), u
+
+
 def test_unbiased_right_shard(ranks):
     for r in ranks:
         for op, u in r["unbiased"].items():

@@ -62,10 +62,10 @@ def fit(model, opt, data) -> list[float]:
     return losses
 
 
-def training(rank: int, method: str, steps: int) -> dict:
+def training(rank: int, method: str, steps: int, **comm_kwargs) -> dict:
     """``steps`` SGD steps of the MLP with FSDP2 (its own reduce-scatter for method "fsdp")."""
     model = sharded()
-    comm = None if method == "fsdp" else quantize_reduce_scatter(model, comm_for(method))
+    comm = None if method == "fsdp" else quantize_reduce_scatter(model, comm_for(method, **comm_kwargs))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = fit(model, opt, batches(rank, steps))
     out = {"loss_first": float(np.mean(losses[:3])), "loss_last": float(np.mean(losses[-3:])),
@@ -75,6 +75,9 @@ def training(rank: int, method: str, steps: int) -> dict:
         out.update(levels=m["levels"].tolist(), level_updates=m["level_updates"], step=m["step"],
                    calls=m["calls"], exchange=m["exchange"], bits_per_coordinate=m["bits_per_coordinate"],
                    uncompressed=m["uncompressed_coordinates"])
+        if comm.bits == "auto":
+            out.update(allocation=m["allocation"], allocated_mean_bits=m["allocated_mean_bits"],
+                       layouts=sorted([list(k), [n for n, _ in v]] for k, v in comm._layouts.items()))
     return out
 
 
@@ -118,6 +121,40 @@ def unbiased(rank: int, size: int, op: str, per: int = 1000, bucket: int = 128, 
             "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": reps,
             "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean()), "step": m["step"],
             "level_updates": m["level_updates"], "exchange": m["exchange"]}
+
+
+def unbiased_auto(rank: int, size: int, reps: int = 60, bucket: int = 64) -> dict:
+    """bits="auto", called directly as FSDP calls it, on a module's input whose layout
+    quantize_reduce_scatter recorded: parameter chunks whose scales differ 10^4-fold, so the
+    allocation mixes widths inside every shard. t-statistics of this rank's shard against the
+    exact sum (levels and widths fixed after the refit of the first call, which is skipped)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.Linear(40, 24))
+    fully_shard(module, mesh=init_device_mesh("cpu", (size,)))
+    comm = quantize_reduce_scatter(module, comm_for("alq", bits="auto", bit_budget=3.0, bucket_size=bucket,
+                                                    update_steps=(0,), seed=3))
+    ((total, _), pieces), = comm._layouts.items()
+    per, scales = total // size, [100.0, 1.0, 0.01, 3.0]
+    sizes = [k for k, _ in pieces]
+    scale = np.concatenate([np.full(k, s) for k, s in zip(sizes, scales)])  # of one shard
+    cs = [(np.random.default_rng([12, r]).standard_normal(total) * np.tile(scale, size)).astype(np.float32)
+          for r in range(size)]
+    truth = np.sum([c.astype(np.float64) for c in cs], axis=0)[rank * per: (rank + 1) * per]
+    outs = []
+    for i in range(reps + 1):
+        out = torch.empty(per)
+        comm(out, torch.from_numpy(cs[rank]), dist.group.WORLD, OPS["sum"])
+        if i:
+            outs.append(out.double().numpy().copy())
+    dev = (np.stack(outs) - truth) / scale
+    starts = np.cumsum([0, *sizes[:-1]])  # groups: the buckets of each chunk (any partition is a valid test)
+    edges = np.concatenate([a + np.arange(0, k, bucket) for a, k in zip(starts, sizes)])
+    per_bucket = np.add.reduceat(dev, edges, axis=1)
+    t_stat = per_bucket.mean(0) / (per_bucket.std(0, ddof=1) / np.sqrt(reps))
+    m = comm.metrics()
+    return {"t_buckets_max": float(np.abs(t_stat).max()), "buckets": int(edges.size), "reps": reps,
+            "allocation": m["allocation"], "pieces": sizes, "step": m["step"],
+            "payload_bytes": m["payload_bytes"]}
 
 
 def wire(rank: int, size: int, per: int = 8 * 8192, bits: int = 3, bucket: int = 8192) -> dict:
@@ -278,6 +315,8 @@ def main() -> None:
         res["stalled"] = stalled(rank, size)
     if not args.only:
         res["train"] = {m: training(rank, m, args.steps) for m in ["fsdp", *args.methods.split(",")]}
+        res["train"]["alq/auto"] = training(rank, "alq", args.steps, bits="auto", bit_budget=2.5)
+        res["unbiased_auto"] = unbiased_auto(rank, size, reps=args.reps)
         res["unbiased"] = {op: unbiased(rank, size, op, reps=args.reps) for op in OPS}
         res["special"] = special(rank, size)
         res["mixed"] = mixed_precision(rank)
