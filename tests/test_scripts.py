@@ -217,6 +217,23 @@ def test_exchange_suffixes():
     assert dc.make_compressor(None, alq, "alq", args).exchange == "auto"
 
 
+def test_demo_bits_auto():
+    """--bits auto --bit-budget B gives the front-ends bits="auto" (a budget without auto, or other
+    words for --bits, are refused)."""
+    import scripts.common.demo as dc
+    from horovod_alq import torch as alq
+
+    args = dc.parse_args("", ["--bits", "auto", "--bit-budget", "2.5"])
+    assert dc.width_keywords(args) == {"bits": "auto", "bit_budget": 2.5}
+    c = dc.make_compressor(None, alq, "amq", args)
+    assert c.bits == "auto" and c.metrics()["bit_budget"] == 2.5
+    assert dc.width_keywords(dc.parse_args("", ["--bits", "auto"])) == {"bits": "auto"}
+    with pytest.raises(SystemExit, match="--bits auto only"):
+        dc.width_keywords(dc.parse_args("", ["--bits", "3", "--bit-budget", "2.5"]))
+    with pytest.raises(SystemExit):
+        dc.parse_args("", ["--bits", "many"])
+
+
 def test_run_accuracy_aggregates_two_phase(tmp_path):
     """alq-ag and alq-2p on the same seeds: the same-seed difference two-phase minus allgather."""
     raw = tmp_path / "raw"

@@ -54,7 +54,11 @@ def parse_args(description: str, argv=None, backends: tuple[str, ...] = ()) -> a
                    help=f"comma-separated, run in turn: {', '.join(PLAIN + BASELINES)}; a quantized method "
                         "with -ag or -2p appended (alq-2p, alq-linf-ag) uses the allgather or the two-phase "
                         "exchange, without: the compressor's default (auto) (default: alq,none)")
-    p.add_argument("--bits", type=int, default=3, help="bits per coordinate (TernGrad always 2); default 3")
+    p.add_argument("--bits", type=_bits, default=3,
+                   help="bits per coordinate (TernGrad always 2), or auto: a width per tensor within "
+                        "--bit-budget (ALQ, AMQ; PyTorch); default 3")
+    p.add_argument("--bit-budget", type=float, default=None,
+                   help="with --bits auto: mean bits per coordinate of the compressed tensors; default 3.0")
     p.add_argument("--bucket-size", type=int, default=8192, help="coordinates per norm; default 8192")
     p.add_argument("--epochs", type=int, default=4, help="passes over the 4,000 training digits; default 4")
     p.add_argument("--batch-size", type=int, default=32, help="per worker; default 32")
@@ -67,6 +71,24 @@ def parse_args(description: str, argv=None, backends: tuple[str, ...] = ()) -> a
     p.add_argument("--json", help="rank 0 writes the results here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
+
+
+def _bits(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer from 2 to 8 or 'auto', not {text!r}") from None
+
+
+def width_keywords(args: argparse.Namespace) -> dict:
+    """``bits`` (and ``bit_budget`` with ``--bits auto``) for a compressor, hook state or comm."""
+    if args.bits == "auto" and args.bit_budget is not None:
+        return {"bits": "auto", "bit_budget": args.bit_budget}
+    if args.bits != "auto" and args.bit_budget is not None:
+        raise SystemExit("--bit-budget applies to --bits auto only")
+    return {"bits": args.bits}
 
 
 def selected_methods(args: argparse.Namespace) -> list[str] | None:
@@ -113,7 +135,7 @@ def make_compressor(hvd, alq, method: str, args: argparse.Namespace):
     exchange = split_exchange(method)[1]
     if exchange is not None:
         common["exchange"] = exchange
-    return alq.compressor_for(base, bits=args.bits, **common)
+    return alq.compressor_for(base, **width_keywords(args), **common)
 
 
 def result(method: str, args: argparse.Namespace, compressor, *, accuracy: float, final_loss: float,
@@ -126,6 +148,8 @@ def result(method: str, args: argparse.Namespace, compressor, *, accuracy: float
     if method in QUANTIZED:
         out["norm"] = compressor.norm
         m = compressor.metrics()
+        if args.bits == "auto":
+            out.update(allocation=m["allocation"], allocated_mean_bits=m["allocated_mean_bits"])
         out.update(bits_per_coordinate=m["bits_per_coordinate"], levels=m["levels"].tolist(),
                    level_updates=m["level_updates"], exchange=m.get("exchange"),
                    compressed_fraction=m["coordinates"] / max(1, m["coordinates"] + m["uncompressed_coordinates"]))

