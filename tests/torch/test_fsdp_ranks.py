@@ -66,6 +66,22 @@ def test_auto_bits_a_width_per_parameter_chunk(ranks):
         u = r["unbiased_auto"]
         assert len(u["allocation"]) == 4 * n and len(set(u["allocation"])) > 1, u
         assert u["t_buckets_max"] < student.isf(1e-6 / (2 * u["buckets"]), u["reps"] - 1), u
+        assert u["call_bytes"] == _auto_wire(u["pieces"], u["allocation"], 64), u  # the wire follows it
+
+
+def _auto_wire(pieces, widths, bucket):
+    """A call's payload bytes: each shard holds the P pieces in order (``widths``: shard by shard),
+    and is one payload per run of one width (adjacent pieces of one width are one run, a run never
+    crosses into the next shard)."""
+    from horovod_alq.core.wire import payload_size
+
+    total = 0
+    for j in range(len(widths) // len(pieces)):
+        runs = []
+        for k, w in zip(pieces, widths[j * len(pieces): (j + 1) * len(pieces)]):
+            runs[-1:] = [(runs[-1][0] + k, w)] if runs and runs[-1][1] == w else runs[-1:] + [(k, w)]
+        total += sum(payload_size(k, w, bucket) for k, w in runs)
+    return total
 
 
 def test_unbiased_right_shard(ranks):

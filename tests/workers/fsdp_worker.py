@@ -143,7 +143,9 @@ def unbiased_auto(rank: int, size: int, reps: int = 60, bucket: int = 64) -> dic
     outs = []
     for i in range(reps + 1):
         out = torch.empty(per)
+        before = comm.metrics()["payload_bytes"]
         comm(out, torch.from_numpy(cs[rank]), dist.group.WORLD, OPS["sum"])
+        call_bytes = comm.metrics()["payload_bytes"] - before  # this rank's payloads of its N shards
         if i:
             outs.append(out.double().numpy().copy())
     dev = (np.stack(outs) - truth) / scale
@@ -153,8 +155,7 @@ def unbiased_auto(rank: int, size: int, reps: int = 60, bucket: int = 64) -> dic
     t_stat = per_bucket.mean(0) / (per_bucket.std(0, ddof=1) / np.sqrt(reps))
     m = comm.metrics()
     return {"t_buckets_max": float(np.abs(t_stat).max()), "buckets": int(edges.size), "reps": reps,
-            "allocation": m["allocation"], "pieces": sizes, "step": m["step"],
-            "payload_bytes": m["payload_bytes"]}
+            "allocation": m["allocation"], "pieces": sizes, "step": m["step"], "call_bytes": call_bytes}
 
 
 def wire(rank: int, size: int, per: int = 8 * 8192, bits: int = 3, bucket: int = 8192) -> dict:
