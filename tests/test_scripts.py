@@ -111,8 +111,16 @@ def test_variance_auto_quick(tmp_path):
                 for bits in data["bits"][key]:  # every measurement's widths: within the budget
                     assert sum(b * n for b, n in zip(bits, sizes)) <= budget * sum(sizes)
                     assert set(bits) <= set(range(2, 9))
-        # uniform 3 bits is one of the allocations within budget 3.0: the best is no worse
+        # uniform 3 bits is one of the allocations within budget 3.0: the best is no worse; widths per
+        # bucket include every allocation per tensor: no worse than the best of those
         assert all(b <= u * (1 + 1e-9) for b, u in zip(v[f"{label}|512|3.0|best"], uniform))
+        for budget in (3.0, 2.5):
+            assert all(f <= b * (1 + 1e-9) for f, b in zip(v[f"{label}|512|{budget}|best_bucket"],
+                                                             v[f"{label}|512|{budget}|best"]))
+            assert all(m <= budget + 1e-9 for m in data["bits"][f"{label}|512|{budget}|best_bucket_mean"])
+            kept = v[f"{label}|512|{budget}|bucket_stale"]  # widths per bucket from the last refit: none before it
+            assert kept[0] != kept[0] and all(0 < k < float("inf") for k in kept[1:]), kept  # NaN, then values
+    assert data["bucket_gaps"] and max(data["bucket_gaps"]) == 0  # exact
     for png in ("variance_auto.png", "variance_auto_bits.png"):
         assert (tmp_path / png).stat().st_size > 10_000
     assert "| alq-l2, 512 |" in (tmp_path / "variance_auto.md").read_text()

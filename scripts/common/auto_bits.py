@@ -10,7 +10,7 @@ import numpy as np
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import AutoBits
-from scripts.study.compare_models import normalized_variance
+from scripts.study.compare_models import coordinate_errors, normalized_variance
 
 
 def exact_error(q: Quantizer, g: np.ndarray) -> float:
@@ -21,6 +21,17 @@ def exact_error(q: Quantizer, g: np.ndarray) -> float:
 def error_matrix(quantizers: list, quantized: list) -> np.ndarray:
     """errors[t, j]: E||Q(g_t) - g_t||^2 of quantized tensor t under ``quantizers[j]``."""
     return np.array([[exact_error(q, g) for q in quantizers] for _, g in quantized])
+
+
+def bucket_error_matrix(quantizers: list, quantized: list) -> tuple[np.ndarray, list[int]]:
+    """errors[u, j]: E||Q(b_u) - b_u||^2 of bucket u (every quantized tensor's buckets, from its start,
+    in order) under ``quantizers[j]`` (one bucket size), and the buckets' sizes."""
+    d = quantizers[0].bucket_size
+    starts = [np.arange(0, g.size, d) for _, g in quantized]
+    errors = np.stack([np.concatenate([np.add.reduceat(coordinate_errors(q.levels, g, d, q.norm), s)
+                                       for (_, g), s in zip(quantized, starts)]) for q in quantizers], axis=1)
+    sizes = [int(min(d, g.size - a)) for (_, g), s in zip(quantized, starts) for a in s]
+    return errors, sizes
 
 
 def best_allocation(errors: np.ndarray, sizes: list, budget: float, widths) -> tuple[float, list[int]] | None:

@@ -44,8 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from horovod_alq.core import Quantizer
-from horovod_alq.core.allocation import AUTO_WIDTHS, AutoBits
-from scripts.common.auto_bits import (auto_error, auto_refit, best_allocation, error_matrix, quantized_tensors,
+from horovod_alq.core.allocation import AUTO_WIDTHS, AutoBits, allocate_bits
+from scripts.common.auto_bits import (auto_error, auto_refit, best_allocation, bucket_error_matrix, error_matrix,
+                                     quantized_tensors,
                                       refit_from)
 from scripts.common.cnn import Net, load_digits
 from scripts.study.compare_models import normalized_variance
@@ -356,6 +357,7 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
     autos = {(label, d, b): AutoBits(split_norm(label)[0], b, d, split_norm(label)[1])
              for label in labels for d in buckets for b in budgets}
     record: dict = {"iterations": [], "loss": [], "float32_share": [], "variance": {}, "bits": {}}
+    bucket_widths: dict = {}  # (label, d, budget) -> width index per bucket, fitted at the last refit
     refit_seconds, start = 0.0, time.monotonic()
     for t, loss, grads in gradients(args):
         quantized, sizes, keys = quantized_tensors(grads, args.min_size)
@@ -368,20 +370,32 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
                 e = error_matrix(qs, quantized)
                 uniform = e[:, AUTO_WIDTHS.index(3)].sum() / total
                 record["variance"].setdefault(f"{label}|{d}|uniform3", []).append(uniform)
+                per_bucket, bucket_sizes = bucket_error_matrix(qs, quantized)
                 for b in budgets:
                     best = best_allocation(e, sizes, b, AUTO_WIDTHS)
                     if best is not None:
                         record["variance"].setdefault(f"{label}|{d}|{b}|best", []).append(best[0] / total)
                         record["bits"].setdefault(f"{label}|{d}|{b}|best", []).append(best[1])
+                    finer = allocate_bits(per_bucket, bucket_sizes, b, AUTO_WIDTHS)  # exact (gap 0) here
+                    record["variance"].setdefault(f"{label}|{d}|{b}|best_bucket", []).append(finer.error / total)
+                    record["bits"].setdefault(f"{label}|{d}|{b}|best_bucket_mean", []).append(finer.mean_bits)
+                    record.setdefault("bucket_gaps", []).append(finer.gap)
+                    kept = bucket_widths.get((label, d, b))  # the widths per bucket of the last refit
+                    stale = np.nan if kept is None else per_bucket[np.arange(len(kept)), kept].sum() / total
+                    record["variance"].setdefault(f"{label}|{d}|{b}|bucket_stale", []).append(stale)
             for (label, d, b), auto in autos.items():
                 err, bits = auto_error(auto, quantized, keys)
                 record["variance"].setdefault(f"{label}|{d}|{b}", []).append(err / total)
                 record["bits"].setdefault(f"{label}|{d}|{b}", []).append(bits)
         if t in paper_steps:
             a = time.perf_counter()
-            for qs in widths.values():
+            for (label, d), qs in widths.items():
                 for q in qs:
                     refit_from(q, quantized)
+                per_bucket, bucket_sizes = bucket_error_matrix(qs, quantized)
+                for b in budgets:  # widths per bucket from this gradient, kept until the next refit
+                    bits = allocate_bits(per_bucket, bucket_sizes, b, AUTO_WIDTHS).bits
+                    bucket_widths[label, d, b] = np.searchsorted(AUTO_WIDTHS, bits)
             for auto in autos.values():
                 auto_refit(auto, quantized, sizes, keys)
             refit_seconds += time.perf_counter() - a
@@ -434,19 +448,26 @@ def auto_report(record: dict) -> str:
              "not counted. Issue 23's targets: at most 0.7x uniform 3 bits at budget 3.0, at most 1x at 2.5. "
              "*Best*: not a compressor; at every measurement, the allocation with the least total variance within "
              "the budget, found by trying all of them, with every width's levels fitted like uniform 3 bits' "
-             "(from all quantized tensors, same refits): what any widths per tensor could reach.", "",
+             "(from all quantized tensors, same refits): what any widths per tensor could reach. *Per bucket*: the "
+             "same with a width per quantization bucket instead of per tensor (allocate_bits' exact optimum over "
+             "the buckets): what widths per bucket could reach; *kept*: widths per bucket allocated at each refit "
+             "(from that gradient's errors, with the refitted levels) and kept until the next, as a compressor "
+             "would keep them.", "",
              "**Mean over the measurements after iteration 0** (ratio of the means to uniform 3 bits; widths in the "
              "order of the quantized tensors):", "",
              "| method, bucket | uniform 3 bits | "
-             + " | ".join(f"auto {b} | ratio | best {b} | ratio" for b in budgets) + " | auto's widths at the last refit (" + " / ".join(map(str, budgets)) + ") |",
-             "|---|---:|" + "---:|---:|---:|---:|" * len(budgets) + "---|"]
+             + " | ".join(f"auto {b} | ratio | best {b} | ratio | per bucket {b} | ratio | per bucket, kept {b} | ratio"
+                          for b in budgets)
+             + " | auto's widths at the last refit (" + " / ".join(map(str, budgets)) + ") |",
+             "|---|---:|" + "---:|---:|---:|---:|---:|---:|---:|---:|" * len(budgets) + "---|"]
     after0 = it > 0
     for label in record["labels"]:
         for d in record["buckets"]:
             u = v[f"{label}|{d}|uniform3"][after0].mean()
             cells = []
             for b in budgets:
-                for key in (f"{label}|{d}|{b}", f"{label}|{d}|{b}|best"):
+                for key in (f"{label}|{d}|{b}", f"{label}|{d}|{b}|best", f"{label}|{d}|{b}|best_bucket",
+                            f"{label}|{d}|{b}|bucket_stale"):
                     a = v[key][after0].mean() if key in v else np.nan
                     cells += [f"{a:.3g}", f"{a / u:.2f}"]
             widths = " / ".join(" ".join(map(str, record["bits"][f"{label}|{d}|{b}"][-1])) for b in budgets)
@@ -471,6 +492,13 @@ def auto_report(record: dict) -> str:
     lines += [""] + [f"bits='auto' at budget {b}: ratio {min(r):.2f} to {max(r):.2f}" + (
         f"; target at most {target[b]}x met in {sum(x <= target[b] for x in r)} of {len(r)} rows." if b in target
         else ".") for b, r in met.items()]
+    for kind, name in (("best_bucket", "Widths per bucket"), ("bucket_stale", "Widths per bucket, kept")):
+        finer = {b: [v[f"{label}|{d}|{b}|{kind}"][after0].mean() / v[f"{label}|{d}|uniform3"][after0].mean()
+                     for label in record["labels"] for d in record["buckets"] if f"{label}|{d}|{b}|{kind}" in v]
+                 for b in budgets}
+        lines += [f"{name} at budget {b}: ratio {min(r):.2f} to {max(r):.2f}"
+                  + (f"; the target met in {sum(x <= target[b] for x in r)} of {len(r)} rows." if b in target else ".")
+                  for b, r in finer.items() if r]
     return "\n".join(lines) + "\n"
 
 
