@@ -64,8 +64,8 @@ def _companding_levels(dist: _Distribution, n: int) -> np.ndarray | None:
     bits (at 8 bits, 30 sweeps from them leave Psi several times its minimum); from this one they
     need few. None if it does not give a valid level set."""
     if isinstance(dist, GridDistribution):
-        x, density = dist.grid, dist._dens
-        weight = np.cbrt(np.maximum(density, 0.0)) * np.diff(x)  # exact per cell: constant density
+        x = dist.grid
+        weight = np.cbrt(np.maximum(dist._dens, 0.0)) * dist._h  # exact per cell: constant density
     else:
         x = np.linspace(-1.0, 1.0, _COMPANDING_POINTS)
         root = np.cbrt(np.maximum(np.nan_to_num(np.asarray(dist._mpdf(x), dtype=np.float64)[3]), 0.0))

@@ -422,7 +422,7 @@ class GridDistribution(_Distribution):
             raise ValueError(f"cdf_values[0] must be 0 (F(-1) = 0), got {c[0]!r} after normalizing")
         if np.any(np.diff(c) < -self._TOL) or np.any(c < -self._TOL) or np.any(c > 1 + self._TOL):
             raise ValueError("cdf_values must be nondecreasing")
-        self.grid, self._h, self._inner = g, np.diff(g), g[1:-1]
+        self.grid, self._h = g, np.diff(g)
         tables = _cumulative_tables(g, c[None])
         self.cdf_values, self._p1, self._p2, self._dc, self._dens = (t[0] for t in tables)
 

@@ -23,15 +23,17 @@ def error_matrix(quantizers: list, quantized: list) -> np.ndarray:
     return np.array([[exact_error(q, g) for q in quantizers] for _, g in quantized])
 
 
-def bucket_error_matrix(quantizers: list, quantized: list) -> tuple[np.ndarray, list[int]]:
+def bucket_error_matrix(quantizers: list, quantized: list) -> tuple[np.ndarray, list[int], np.ndarray]:
     """errors[u, j]: E||Q(b_u) - b_u||^2 of bucket u (every quantized tensor's buckets, from its start,
-    in order) under ``quantizers[j]`` (one bucket size), and the buckets' sizes."""
+    in order) under ``quantizers[j]`` (one bucket size), the buckets' sizes, and the row of each
+    tensor's first bucket (``np.add.reduceat(errors, firsts)`` is :func:`error_matrix`)."""
     d = quantizers[0].bucket_size
     starts = [np.arange(0, g.size, d) for _, g in quantized]
     errors = np.stack([np.concatenate([np.add.reduceat(coordinate_errors(q.levels, g, d, q.norm), s)
                                        for (_, g), s in zip(quantized, starts)]) for q in quantizers], axis=1)
     sizes = [int(min(d, g.size - a)) for (_, g), s in zip(quantized, starts) for a in s]
-    return errors, sizes
+    firsts = np.cumsum([0] + [len(s) for s in starts[:-1]])
+    return errors, sizes, firsts
 
 
 def best_allocation(errors: np.ndarray, sizes: list, budget: float, widths) -> tuple[float, list[int]] | None:

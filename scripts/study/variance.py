@@ -45,9 +45,8 @@ import torch.nn.functional as F
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import AUTO_WIDTHS, AutoBits, allocate_bits
-from scripts.common.auto_bits import (auto_error, auto_refit, best_allocation, bucket_error_matrix, error_matrix,
-                                     quantized_tensors,
-                                      refit_from)
+from scripts.common.auto_bits import (auto_error, auto_refit, best_allocation, bucket_error_matrix,
+                                     quantized_tensors, refit_from)
 from scripts.common.cnn import Net, load_digits
 from scripts.study.compare_models import normalized_variance
 
@@ -367,10 +366,10 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
             record["loss"].append(loss)
             record["float32_share"].append(1.0 - sum(float((g ** 2).sum()) for _, g in quantized) / total)
             for (label, d), qs in widths.items():
-                e = error_matrix(qs, quantized)
+                per_bucket, bucket_sizes, firsts = bucket_error_matrix(qs, quantized)
+                e = np.add.reduceat(per_bucket, firsts, axis=0)  # per tensor (error_matrix, from the buckets)
                 uniform = e[:, AUTO_WIDTHS.index(3)].sum() / total
                 record["variance"].setdefault(f"{label}|{d}|uniform3", []).append(uniform)
-                per_bucket, bucket_sizes = bucket_error_matrix(qs, quantized)
                 for b in budgets:
                     best = best_allocation(e, sizes, b, AUTO_WIDTHS)
                     if best is not None:
@@ -392,7 +391,7 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
             for (label, d), qs in widths.items():
                 for q in qs:
                     refit_from(q, quantized)
-                per_bucket, bucket_sizes = bucket_error_matrix(qs, quantized)
+                per_bucket, bucket_sizes, _ = bucket_error_matrix(qs, quantized)
                 for b in budgets:  # widths per bucket from this gradient, kept until the next refit
                     bits = allocate_bits(per_bucket, bucket_sizes, b, AUTO_WIDTHS).bits
                     bucket_widths[label, d, b] = np.searchsorted(AUTO_WIDTHS, bits)
