@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from ..core.protocol import PREFIX, shape_hash
+from ..core.protocol import PREFIX, shape_hash, stable_hash
 from ..exchange.reduce_scatter import NAME
 from .dist_transport import WATCHDOG, SettleOnce
 from .streamed import COMPRESSIBLE, StreamedState
@@ -187,8 +187,11 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         if self._round is not None and task != self._task:
             self._round = None  # the backward of that round raised before its end on this rank
         if self._round is None:
+            # bits="auto": the recorded layouts make the round's tensors; ranks that recorded others
+            # would allocate over different rows, so the handshake compares them (every rank raises)
+            order = stable_hash(repr(sorted(self._layouts.items()))) if self.bits == "auto" else 0
             self._round = self.engine.open_stream(self._ops_for(device), stages, min_size=self.min_size,
-                                                  exchange=NAME)
+                                                  exchange=NAME, order=order)
             self._task = task
             if task >= 0:  # closed once the backward pass is over (after FSDP's own final callback)
                 torch.autograd.Variable._execution_engine.queue_callback(self._close)
