@@ -161,15 +161,12 @@ def test_tensorflow_protocol_errors_are_horovods_error_type():
         tf.numpy_function(raise_, [tf.constant(1.0)], tf.float32, stateful=True)
 
 
-def test_auto_bits_on_the_torch_compressors_and_a_clear_refusal_in_tensorflow(package):
-    if package.__name__.endswith("tensorflow"):
-        with pytest.raises(ValueError, match="bits='auto' is served by the Horovod PyTorch compressors"):
-            package.ALQCompressor(bits="auto")
-        return
+def test_auto_bits_on_the_horovod_compressors(package):
     comp = package.AMQCompressor(bits="auto", bit_budget=2.5, normless=True)
     assert comp.bits == "auto" and comp.bit_budget == 2.5 and comp._method.name == "amq-n"
-    m = comp.metrics()
-    assert m["allocation"] == [] and m["bit_budget"] == 2.5 and m["default_bits"] == 2
+    if not package.__name__.endswith("tensorflow"):  # (TF's metrics() read Horovod's process set)
+        m = comp.metrics()
+        assert m["allocation"] == [] and m["bit_budget"] == 2.5 and m["default_bits"] == 2
     assert package.ALQCompressor().bit_budget is None
     assert package.compressor_for("alq", bits="auto").bit_budget == 3.0
     with pytest.raises(ValueError, match="adaptive method"):

@@ -63,9 +63,9 @@ def configure(method: str, bits: int | str | None = None, bucket_size: int = 819
         if bits != "auto":
             raise ValueError(f"bits must be an integer from 2 to 8 or 'auto', got {bits!r}")
         if front_end is not None:
-            raise ValueError(f"bits='auto' is served by the Horovod PyTorch compressors (horovod_alq.torch."
-                             f"ALQCompressor / AMQCompressor), the DDP hook's ALQState, FSDP2's "
-                             f"ALQReduceScatter and mpi4py's QuantizedAllreduce only; {front_end} takes a "
+            raise ValueError(f"bits='auto' is served by the Horovod compressors (horovod_alq.torch and "
+                             f"horovod_alq.tensorflow ALQCompressor / AMQCompressor), the DDP hook's ALQState, "
+                             f"FSDP2's ALQReduceScatter and mpi4py's QuantizedAllreduce only; {front_end} takes a "
                              f"fixed width from 2 to 8")
         if not get_method(method).adaptive:
             raise ValueError(f"bits='auto' needs an adaptive method (alq, alq-n, amq, amq-n), not {method!r}")

@@ -6,12 +6,14 @@ same reduced data, so all pass or all raise."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import tensorflow as tf
 
 from ..core import protocol
 from ..core.quantizer import Quantizer
-from ..core.wire import HEADER_SIZE, payload_size
+from ..core.wire import HEADER_SIZE, parse_header, payload_size
 from ..exchange import base
 from .graph import ProtocolError, tf_error
 
@@ -68,12 +70,13 @@ def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, numel: int, ranks: int,
     return ok, fitted
 
 
-def explain_payloads(gathered: np.ndarray, levels: np.ndarray, *, numel: int, ranks: int, quantizer: Quantizer,
+def explain_payloads(gathered: np.ndarray, header: np.ndarray, *, numel: int, ranks: int, quantizer: Quantizer,
                      slot: int) -> None:
     """Raise :func:`horovod_alq.exchange.base.check_host_payloads`'s error, naming the first rank
-    whose payload differs from this rank's configuration (when :func:`payloads_ok` failed)."""
-    q = Quantizer(quantizer.method, bits=quantizer.bits, bucket_size=quantizer.bucket_size, norm=quantizer.norm)
-    q.set_levels(levels)
+    whose payload differs from this rank's configuration (its payload ``header``: the levels'
+    fingerprint is read from it) when :func:`payloads_ok` failed."""
+    q = types.SimpleNamespace(method=quantizer.method, bits=quantizer.bits, bucket_size=quantizer.bucket_size,
+                              norm=quantizer.norm, fingerprint=parse_header(np.asarray(header, np.uint8)).fingerprint)
     try:
         base.check_host_payloads(gathered, [numel] * ranks, q, f"tensor in slot {slot}")
     except protocol.ProtocolError as err:

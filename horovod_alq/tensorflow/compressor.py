@@ -46,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..core import frontends, protocol
+from ..core.allocation import AUTO_WIDTHS
 from ..core.methods import get_method
 from ..exchange.engine import EXCHANGES, check_exchange, choose_exchange
 from ..exchange.plan import BufferPlan
@@ -69,16 +70,17 @@ class _Exchange:
     numel: int
     payload: tf.Tensor  # this rank's payload (two-phase: its first-phase shards, end to end)
     collecting: Any  # bool tensor, or None for fixed methods
-    levels: tf.Tensor
+    levels: tf.Tensor  # bits="auto": every width's, padded (AutoVariables.padded_levels)
     header: tf.Tensor
     eager: bool
     exchange: str
-    plan: BufferPlan  # the exchange's element ranges, payload sizes and wire bytes
+    plans: dict[int, BufferPlan]  # per width: the exchange's element ranges, payload sizes and wire bytes
     seed: tf.Tensor
     round: tf.Tensor  # index of this tensor's round
     source: Any = None  # the compressed tensor (autograd connects the output to it)
     shape_code: int = 0
     done: list = None  # eager: [decompressed?], read by the finalizer of an abandoned exchange
+    width: Any = None  # bits="auto": the tensor's width (int32 tensor); None with fixed bits
 
 
 @dataclass
@@ -119,8 +121,15 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
     ----------
     method : str
         One of :data:`horovod_alq.core.methods.METHODS`.
-    bits : int
-        Bits per coordinate on the wire (2..8; TernGrad: 2).
+    bits : int or "auto"
+        Bits per coordinate on the wire (2..8; TernGrad: 2). ``"auto"`` (ALQ and AMQ): a width per
+        tensor, chosen at every refit to minimize the variance of the step's update under
+        ``bit_budget`` (:class:`horovod_alq.core.allocation.AutoBits`, as the PyTorch compressors);
+        a tensor's width is the allocation's for its slot in the step when that slot holds a tensor
+        of its size and shape, else the widest width within the budget.
+    bit_budget : float, optional
+        ``bits="auto"``: mean bits per coordinate of the compressed tensors, bucket norms not
+        counted (2 to 8; default 3.0).
     bucket_size : int
         Coordinates per float32 norm. 8192 costs 0.004 extra bits per coordinate.
     update_steps : sequence of int, optional
@@ -164,18 +173,19 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
     # Python-side configuration: not part of tf.Module's variable search.
     _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
         "_fns", "_quantizer", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid", "_settings",
-        "_per_set_states"})
+        "_per_set_states", "_state"})
 
     def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
                  min_size: int = 1024, seed: int | None = None, jit_compile: bool = True,
                  norm: str | None = None, exchange: str = "auto", bits_second: int | None = None,
-                 process_set=None) -> None:
+                 process_set=None, bit_budget: float | None = None) -> None:
         super().__init__(name=type(self).__name__)
         self._method = get_method(method or self.method)
         setup = configure(self._method.name, bits, bucket_size, norm=norm, bits_second=bits_second,
-                          update_steps=update_steps, update_every=update_every, adapt_second=False, seed=seed,
-                          front_end="the TensorFlow compressor")
+                          update_steps=update_steps, update_every=update_every,
+                          adapt_second=None if bits == "auto" else False, seed=seed, bit_budget=bit_budget)
+        self._state = setup.state
         self._quantizer, self._second = q, q2 = setup.quantizer, setup.second
         if self._method.adaptive and q2.bits != q.bits:
             raise ValueError(f"bits_second={q2.bits} with bits={q.bits}: the TensorFlow compressors cannot adapt "
@@ -198,14 +208,17 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         self._settings = dict(bits=bits, bucket_size=bucket_size, update_steps=update_steps,
                               update_every=update_every, min_size=self.min_size, seed=setup.seed,
                               jit_compile=self.jit_compile, norm=q.norm, exchange=exchange,
-                              bits_second=bits_second)
+                              bits_second=bits_second, bit_budget=bit_budget)
         self._init_sets()
         # The codec's tf.functions and per-traced-graph call-site counters, in a plain namespace so
         # that tf.Module / tf.train.Checkpoint do not track them.
         first = graph.codec(q.bits, q.bucket_size, q.norm, self.jit_compile)
+        widths = AUTO_WIDTHS if self._vars.auto is not None else (q.bits,)
         self._fns = types.SimpleNamespace(sites=weakref.WeakKeyDictionary(), codec=first, encode=first.encode,
                                           stats=first.normless if self._vars.stats_length == 4 else first.grid,
-                                          second=graph.codec(q2.bits, q.bucket_size, q.norm, self.jit_compile))
+                                          second=graph.codec(q2.bits, q.bucket_size, q.norm, self.jit_compile),
+                                          widths={w: graph.codec(w, q.bucket_size, q.norm, self.jit_compile)
+                                                  for w in widths})
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -274,36 +287,82 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
             v.begin_round()
         exchange = self.exchange
         n, me = self._set_size(), self._set_rank()
-        plan = EXCHANGES[exchange].plan(0, numel, n, me, self._quantizer, self._second)
-        counters = v.count(calls=1, payload_bytes=sum(plan.first), coordinates=numel, bytes_sent=plan.sent,
-                           bytes_received=plan.received)
+        h = protocol.shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name)
+        width = None if v.auto is None else v.auto.width(slot, numel, h)
+        plans = {w: EXCHANGES[exchange].plan(0, numel, n, me, q, q2) for w, (q, q2) in self._widths().items()}
+        counters = v.count(calls=1, payload_bytes=self._by_plan(width, plans, lambda p: sum(p.first)),
+                           coordinates=numel, bytes_sent=self._by_plan(width, plans, lambda p: p.sent),
+                           bytes_received=self._by_plan(width, plans, lambda p: p.received))
         current = v.current.read_value()
         collecting = v.collecting(current) if self._method.adaptive else None
-        levels = v.levels.read_value()
-        header = v.header(numel)
+        levels = (v.levels if v.auto is None else v.auto.levels).read_value()
         seed = tf.stack([tf.bitwise.bitwise_xor(v.seed.read_value(), self._rank_key()), counters["calls"] - 1])
-        h = protocol.shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name)
         head = tf.constant(protocol.tensor_vector(me, n, slot, h, failed=False), tf.float64)
-        if exchange == "allgather":
-            payload = self._fns.encode(tensor, levels, header, seed)
-        else:
+
+        def encode(bits: int | None):  # None: the fixed width
+            w = self._quantizer.bits if bits is None else bits
+            header = v.header(numel, bits=bits)
+            codec, lv = self._fns.widths[w].encode, self._levels_of(levels, bits)
+            if exchange == "allgather":
+                return codec(tensor, lv, header, seed), header
             flat = tf.reshape(tensor, [-1])
-            payload = tf.concat([graph.encode_part(self._fns.encode, flat[a:b], levels, v.header(b - a),
-                                                   graph.part_seed(seed, j, 1)) for j, (a, b) in enumerate(plan.parts)], 0)
-            config = tf.concat([tf.cast(header, tf.float64), tf.constant([float(self._second.bits)], tf.float64)], 0)
+            return tf.concat([graph.encode_part(codec, flat[a:b], lv, v.header(b - a, bits=bits),
+                                                graph.part_seed(seed, j, 1))
+                              for j, (a, b) in enumerate(plans[w].parts)], 0), header
+
+        payload, header = self._by_width(width, encode, eager)
+        if exchange == "two-phase":
+            second = tf.constant(float(self._second.bits), tf.float64) if width is None else tf.cast(width, tf.float64)
+            config = tf.concat([tf.cast(header, tf.float64), second[None]], 0)
             head = tf.concat([head, config, config * config], 0)
         if collecting is None:
             small = head
         else:
-            small = tf.cond(collecting, lambda: tf.concat([head, self._fns.stats(tensor)], 0), lambda: head)
+            small = tf.cond(collecting, lambda: tf.concat([head, self._refit_row(tensor)], 0), lambda: head)
         ctx = _Exchange(slot, tensor.shape, tensor.dtype, numel, payload, collecting, levels, header, eager,
-                        exchange, plan, seed, current, source=tensor, shape_code=h)
+                        exchange, plans, seed, current, source=tensor, shape_code=h, width=width)
         if eager:
             # Horovod drops ctx without decompress when its allreduce raised (a dtype mismatch): the
             # exchange is then over on this rank, as on the others, which never began it.
             ctx.done = [False]
             weakref.finalize(ctx, self._abandon, ctx.done)
         return small, ctx
+
+    def _widths(self) -> dict:
+        """Each width this compressor may send: (quantizer, second quantizer)."""
+        if self._vars.auto is None:
+            return {self._quantizer.bits: (self._quantizer, self._second)}
+        return {w: (q, q) for w, q in self._state.auto.quantizers.items()}
+
+    @staticmethod
+    def _by_plan(width, plans: dict, value) -> Any:
+        """``value(plan)`` of the tensor's width (a tensor when the width is chosen at run time)."""
+        if width is None:
+            return value(next(iter(plans.values())))
+        return tf.gather(tf.constant([value(plans[w]) for w in AUTO_WIDTHS], tf.int64), width - AUTO_WIDTHS[0])
+
+    @staticmethod
+    def _by_width(width, fn, eager: bool):
+        """``fn(bits)`` of the tensor's width: fixed bits, or ``bits="auto"``'s width chosen at run
+        time (eagerly the branch of its value, in a graph a ``tf.switch_case`` over every width)."""
+        if width is None:
+            return fn(None)
+        if eager:
+            return fn(int(width))
+        return tf.switch_case(width - AUTO_WIDTHS[0], [functools.partial(fn, w) for w in AUTO_WIDTHS])
+
+    @staticmethod
+    def _levels_of(levels: tf.Tensor, bits: int | None) -> tf.Tensor:
+        """The levels of width ``bits`` (``bits="auto"``: a row of the padded levels; None: fixed)."""
+        return levels if bits is None else levels[bits - AUTO_WIDTHS[0], : 2**bits]
+
+    def _refit_row(self, tensor) -> tf.Tensor:
+        """What a refit round adds to the tensor's vector: its statistics, or (``bits="auto"``) its
+        counts weighted by squared bucket norms and its statistics (:mod:`.auto`)."""
+        if self._vars.auto is None:
+            return self._fns.stats(tensor)
+        hist = self._fns.codec.histograms(tensor)
+        return tf.concat([hist[1], self._fns.codec.normless(tensor) if self._vars.stats_length == 4 else hist[0]], 0)
 
     @_ClassOrInstance
     def decompress(self, tensor, ctx):
@@ -321,7 +380,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
             reduced = tf.reshape(tf.cast(tensor, tf.float64), [-1])
             expected = tf.constant(self._head_len(ctx.exchange))  # the length compress made
             if ctx.collecting is not None:
-                expected = tf.where(ctx.collecting, expected + self._vars.stats_length, expected)
+                expected = tf.where(ctx.collecting, expected + self._vars.row_length, expected)
             n = self._set_size()
             check = functools.partial(self._check_vector, ctx)
             run = functools.partial(getattr(self, GRAPH_EXCHANGES[ctx.exchange]), ctx, reduced)
@@ -340,24 +399,37 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
 
     def _allgather(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
         """Gather every rank's payload, check every header, decode and sum (flat float32)."""
-        n, q = self._set_size(), self._quantizer
+        n = self._set_size()
         gathered = graph.hvd().allgather(ctx.payload, name=f"horovod_alq.{self._names()}.{ctx.slot}",
                                          ignore_name_scope=True, process_set=self.process_set)
-        ok, fitted = checks.payloads_ok(gathered, ctx.header, ctx.numel, n, q)
 
-        def decode():
-            decoded = self._fns.codec.decoder(ctx.numel, n)(fitted, ctx.levels, self._scale(reduced))
-            return self._complete(ctx, reduced, decoded)
+        def decode_width(bits):
+            q = self._widths()[bits if bits is not None else self._quantizer.bits][0]
+            levels = self._levels_of(ctx.levels, bits)
+            ok, fitted = checks.payloads_ok(gathered, ctx.header, ctx.numel, n, q)
 
-        explain = functools.partial(checks.explain_payloads, numel=ctx.numel, ranks=n, quantizer=q, slot=ctx.slot)
-        return graph.guarded(ok, decode, explain, [gathered, ctx.levels], ctx.numel, ctx.eager)
+            def decode():
+                decoded = self._fns.widths[q.bits].decoder(ctx.numel, n)(fitted, levels, self._scale(reduced))
+                return self._complete(ctx, reduced, decoded)
+
+            explain = functools.partial(checks.explain_payloads, numel=ctx.numel, ranks=n, quantizer=q, slot=ctx.slot)
+            return graph.guarded(ok, decode, explain, [gathered, ctx.header], ctx.numel, ctx.eager)
+
+        return self._by_width(ctx.width, decode_width, ctx.eager)
 
     def _two_phase(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
-        """:mod:`horovod_alq.exchange.two_phase` on one tensor, per ``ctx.plan``: shard ``j`` of every
+        """:mod:`horovod_alq.exchange.two_phase` on one tensor, per its plan: shard ``j`` of every
         rank's codes goes to rank ``j``, which sums them and re-quantizes the sum once; every rank
         decodes all the re-quantized shards (flat float32, identical on every rank). The
-        configurations were compared through the reduced vector, so the payloads are not checked again."""
-        hvd, ps, plan = graph.hvd(), self.process_set, ctx.plan
+        configurations (``bits="auto"``: the width and the allocation's hash too) were compared
+        through the reduced vector, so the payloads are not checked again."""
+        return self._by_width(ctx.width, functools.partial(self._two_phase_width, ctx, reduced), ctx.eager)
+
+    def _two_phase_width(self, ctx: _Exchange, reduced: tf.Tensor, bits: int | None) -> tf.Tensor:
+        hvd, ps, v = graph.hvd(), self.process_set, self._vars
+        auto = bits is not None
+        plan = ctx.plans[bits if auto else self._quantizer.bits]
+        first = self._fns.widths[bits if auto else self._quantizer.bits]
         n, me = self._set_size(), self._set_rank()
         name = f"horovod_alq.{self._names()}.{ctx.slot}"
         received, rsplits = hvd.alltoall(ctx.payload, splits=list(plan.first), name=name + ".a2a",
@@ -365,9 +437,12 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         received = tf.reshape(received, [n * plan.first[me]])
         a, b = plan.parts[me]
         one = tf.constant(1.0, tf.float32)
-        acc = self._fns.codec.decoder(b - a, n)(received, ctx.levels, one) if b > a else tf.zeros([0], tf.float32)
-        levels2 = ctx.levels if self._vars.state.follows_first else tf.constant(self._second.levels, tf.float64)
-        payload2 = graph.encode_part(self._fns.second.encode, acc, levels2, self._vars.header(b - a, second=True),
+        levels = self._levels_of(ctx.levels, bits)
+        acc = first.decoder(b - a, n)(received, levels, one) if b > a else tf.zeros([0], tf.float32)
+        follows = auto or v.state.follows_first
+        levels2 = levels if follows else tf.constant(self._second.levels, tf.float64)
+        second = first if auto else self._fns.second
+        payload2 = graph.encode_part(second.encode, acc, levels2, v.header(b - a, second=True, bits=bits),
                                      graph.part_seed(ctx.seed, me, 2))
         # An empty shard's payload reads nothing received, and a graph prunes the ops nothing reads
         # (control dependencies included): add a zero that reads the alltoall's splits.
@@ -376,14 +451,15 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
                               [sum(plan.second)])
         scale = self._scale(reduced)
         offsets = np.cumsum([0, *plan.second]).tolist()
-        pieces = [self._fns.second.decoder(pb - pa, 1)(gathered[offsets[j]:offsets[j + 1]], levels2, scale)
+        pieces = [second.decoder(pb - pa, 1)(gathered[offsets[j]:offsets[j + 1]], levels2, scale)
                   for j, (pa, pb) in enumerate(plan.parts) if pb > pa]
         return self._complete(ctx, reduced, tf.concat(pieces, 0))
 
     def _complete(self, ctx: _Exchange, reduced: tf.Tensor, out: tf.Tensor) -> tf.Tensor:
         """``out`` once the round completed and its reduced statistics (refit rounds) are pending."""
         head = self._head_len(ctx.exchange)
-        return self._vars.complete(out, ctx.round, ctx.collecting, lambda: reduced[head:] / reduced[0])
+        return self._vars.complete(out, ctx.round, ctx.collecting, lambda: reduced[head:] / reduced[0],
+                                   slot=ctx.slot, key=(ctx.numel, ctx.shape_code))
 
     # ------------------------------------------------------------------ metrics and state
     @_ClassOrInstance

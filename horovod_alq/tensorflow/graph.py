@@ -78,7 +78,8 @@ def outermost_graph():
 @functools.cache
 def codec(bits: int, bucket_size: int, norm: str, jit_compile: bool) -> types.SimpleNamespace:
     """The codec of one configuration as ``tf.function`` s: ``encode(tensor, levels, header, seed)``,
-    ``decoder(numel, ranks)(gathered, levels, scale)``, ``normless(tensor)`` and ``grid(tensor)``
+    ``decoder(numel, ranks)(gathered, levels, scale)``, ``normless(tensor)``, ``grid(tensor)`` and
+    ``histograms(tensor)`` (``bits="auto"``)
     (shared by compressors of one configuration: one trace and XLA compile per tensor shape)."""
     opts = dict(bits=bits, bucket_size=bucket_size)
     encode = tf.function(functools.partial(kernels.encode, norm=norm, unrolled=jit_compile, **opts),
@@ -96,7 +97,9 @@ def codec(bits: int, bucket_size: int, norm: str, jit_compile: bool) -> types.Si
         normless=tf.function(functools.partial(kernels.normless_statistics, bucket_size=bucket_size, norm=norm),
                              autograph=False),
         grid=tf.function(functools.partial(kernels.grid_statistics, grid=GRID, bucket_size=bucket_size, norm=norm),
-                         autograph=False))
+                         autograph=False),
+        histograms=tf.function(functools.partial(kernels.grid_histograms, grid=GRID, bucket_size=bucket_size,
+                                                 norm=norm), autograph=False))
 
 
 def encode_part(encode, x: tf.Tensor, levels, header: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:

@@ -302,14 +302,31 @@ def grid_statistics(tensor: tf.Tensor, grid, *, bucket_size: int, norm: str) -> 
     """Norm-based statistics ``[W, C(grid[0]), ..., C(grid[-1])]`` (float64, (1 + G,)), as
     :func:`horovod_alq.core.statistics.grid_statistics` defines them: ``W = sum_b n_b`` and
     ``C(g) = sum_b n_b / count_b * #{i in bucket b : r_i <= g}`` over finite non-zero buckets."""
+    return _grid_cumulative(tensor, grid, bucket_size, norm, squared=False)[0]
+
+
+def grid_histograms(tensor: tf.Tensor, grid, *, bucket_size: int, norm: str) -> tf.Tensor:
+    """Shape (2, 1 + G), float64: row 0 :func:`grid_statistics`, row 1 the same counts weighted by
+    ``n_b**2`` (``[sum_b n_b**2 count_b, C2(grid)]``), as
+    :func:`horovod_alq.core.statistics.grid_histograms` (``bits="auto"``). One grid search for both."""
+    return _grid_cumulative(tensor, grid, bucket_size, norm, squared=True)
+
+
+def _grid_cumulative(tensor: tf.Tensor, grid, bucket_size: int, norm: str, squared: bool) -> tf.Tensor:
     grid = tf.convert_to_tensor(grid, tf.float64)
     r, norms, counts, keep = _normalized(tensor, bucket_size, norm)
     n = tensor.shape.num_elements()
     size = int(grid.shape[0])
-    weights = tf.where(keep, norms / counts, tf.zeros_like(norms))
-    weights = tf.reshape(tf.broadcast_to(weights[:, None], tf.shape(r)), [-1])[:n]
+    kept = tf.where(keep, norms, tf.zeros_like(norms))
     flat = tf.reshape(r, [1, -1])[:, :n]
-    cells = tf.maximum(tf.searchsorted(tf.reshape(grid, [1, -1]), flat, side="left", out_type=tf.int32), 1)
-    hist = tf.math.unsorted_segment_sum(weights, tf.reshape(cells, [-1]), size + 1)
-    total = tf.reduce_sum(tf.where(keep, norms, tf.zeros_like(norms)))
-    return tf.concat([total[None], tf.cumsum(hist[:size])], axis=0)
+    cells = tf.reshape(tf.maximum(tf.searchsorted(tf.reshape(grid, [1, -1]), flat, side="left",
+                                                  out_type=tf.int32), 1), [-1])
+    rows = [(kept / counts, tf.reduce_sum(kept))]
+    if squared:
+        rows.append((kept * kept, tf.reduce_sum(kept * kept * counts)))
+    out = []
+    for bucket_weight, total in rows:
+        weights = tf.reshape(tf.broadcast_to(bucket_weight[:, None], tf.shape(r)), [-1])[:n]
+        hist = tf.math.unsorted_segment_sum(weights, cells, size + 1)
+        out.append(tf.concat([total[None], tf.cumsum(hist[:size])], axis=0))
+    return tf.stack(out)

@@ -14,6 +14,7 @@ from ..core.methods import get_method
 from ..core.rounds import COUNTERS, RoundState
 from ..core.statistics import statistics_length
 from ..core.wire import HEADER_SIZE, Header, pack_header
+from .auto import AutoVariables
 from .graph import header_mask, signed64
 
 
@@ -22,7 +23,8 @@ class RoundVariables(tf.Module):
     the schema) with rounding seed ``seed``. One variable per counter, so that compress, decompress
     and the refit write different variables (tf.function orders the ops that use one variable)."""
 
-    _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"state", "method"})
+    _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"state", "method",
+                                                                                         "row_length"})
 
     def __init__(self, state: RoundState, seed: int) -> None:
         super().__init__(name="round_state")
@@ -30,9 +32,14 @@ class RoundVariables(tf.Module):
         self.method = get_method(state.quantizer.method)
         self.stats_length = statistics_length(self.method)
         q = state.quantizer
+        #: bits="auto": the allocation and every width's levels (None with fixed bits)
+        self.auto = None if state.auto is None else AutoVariables(state.auto, self.stats_length)
+        #: what a refit round adds to a tensor's vector: its statistics, or (auto) its row
+        self.row_length = self.stats_length if self.auto is None else self.auto.row_length
+        fingerprint = q.fingerprint if self.auto is None else state.auto.fingerprint()
         with tf.init_scope():
             self.levels = tf.Variable(q.levels, dtype=tf.float64, trainable=False, name="levels")
-            self.header_mask = tf.Variable(header_mask(q.fingerprint), dtype=tf.int32, trainable=False,
+            self.header_mask = tf.Variable(header_mask(fingerprint), dtype=tf.int32, trainable=False,
                                            name="header_mask")
             self.seed = tf.Variable(signed64(seed), dtype=tf.int64, trainable=False, name="seed")
             self.counters = {key: tf.Variable(0, dtype=tf.int64, trainable=False, name=key) for key in COUNTERS}
@@ -46,10 +53,11 @@ class RoundVariables(tf.Module):
         """Add ``values`` (ints or tensors) to the named counters; returns their values after it."""
         return {key: self.counters[key].assign_add(tf.cast(value, tf.int64)) for key, value in values.items()}
 
-    def header(self, numel: int, second: bool = False) -> tf.Tensor:
-        """Header of a payload of ``numel`` elements (the second quantization's with ``second``)."""
+    def header(self, numel: int, second: bool = False, bits: int | None = None) -> tf.Tensor:
+        """Header of a payload of ``numel`` elements (the second quantization's with ``second``;
+        ``bits``: of that width, ``bits="auto"``)."""
         st = self.state
-        q = st.second if second else st.quantizer
+        q = st.auto.quantizers[bits] if bits is not None else st.second if second else st.quantizer
         own = second and not st.follows_first  # fixed levels of their own: a static header
         static = np.frombuffer(pack_header(Header(self.method.id, q.bits, q.bucket_size, numel,
                                                   q.fingerprint if own else 0, norm=q.norm)), np.uint8).astype(np.int32)
@@ -70,7 +78,14 @@ class RoundVariables(tf.Module):
         on every rank (Horovod's own errors) or on some (a rank that passed the tensor uncompressed)
         is begun again by the next call, on every rank alike. Refitting is idempotent: a rank that
         refit in the failed round and one that refits in the next fit the same statistics."""
-        if self.method.adaptive:
+        if self.auto is not None:
+            def refit_auto():
+                with tf.control_dependencies(self.auto.refit(self.levels, self.header_mask) + [
+                        self.counters["level_updates"].assign_add(1), self.pending_count.assign(0)]):
+                    return tf.constant(True)
+
+            tf.cond(self.pending_count > 0, refit_auto, lambda: tf.constant(False))
+        elif self.method.adaptive:
             def refit():
                 levels, mask, updated = tf.numpy_function(
                     self._refit, [self.levels.read_value(), self.pending.read_value()],
@@ -95,16 +110,20 @@ class RoundVariables(tf.Module):
             q.adapt(stats)
         return q.levels, header_mask(q.fingerprint), np.int64(updated)
 
-    def complete(self, out: tf.Tensor, round_index: tf.Tensor, collecting, statistics) -> tf.Tensor:
+    def complete(self, out: tf.Tensor, round_index: tf.Tensor, collecting, statistics, slot: int = 0,
+                 key: tuple[int, int] = (0, 0)) -> tf.Tensor:
         """``out``, once round ``round_index`` counts as completed and, when ``collecting``, the
-        round's reduced ``statistics`` (a callable giving them) were added to the pending ones."""
+        round's reduced ``statistics`` (a callable giving them) were added to the pending ones
+        (``bits="auto"``: as the row of the tensor of ``key`` in ``slot``)."""
         with tf.control_dependencies([self.counters["step"].assign(round_index + 1)]):
             out = tf.identity(out)
         if collecting is None:
             return out
 
         def keep():
-            with tf.control_dependencies([self.pending.assign_add(statistics()), self.pending_count.assign_add(1)]):
+            row = statistics()
+            add = [self.pending.assign_add(row)] if self.auto is None else self.auto.add(slot, key, row)
+            with tf.control_dependencies(add + [self.pending_count.assign_add(1)]):
                 return tf.constant(True)
 
         kept = tf.cond(collecting, keep, lambda: tf.constant(False))
@@ -116,6 +135,8 @@ class RoundVariables(tf.Module):
         """The :class:`RoundState` with the variables' levels and counters."""
         st = self.state
         st.quantizer.set_levels(self.levels.numpy())
+        if self.auto is not None:
+            self.auto.read()  # (the quantizer is the default width's, with the same levels)
         st.refitted_first()
         for key, var in self.counters.items():
             setattr(st, key, int(var.numpy()))
@@ -123,8 +144,11 @@ class RoundVariables(tf.Module):
 
     def state_dict(self) -> dict:
         """:meth:`RoundState.state_dict` with the seed and the pending statistics, as Python values."""
-        return {"seed": int(self.seed.numpy()) & protocol.MASK64, **self.read().state_dict(),
-                "pending_statistics": self.pending.numpy(), "pending_count": int(self.pending_count.numpy())}
+        out = {"seed": int(self.seed.numpy()) & protocol.MASK64, **self.read().state_dict(),
+               "pending_statistics": self.pending.numpy(), "pending_count": int(self.pending_count.numpy())}
+        if self.auto is not None:
+            out.update(self.auto.pending_state())
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (validated by :meth:`RoundState.load_state_dict`)."""
@@ -133,9 +157,12 @@ class RoundVariables(tf.Module):
             raise ValueError(f"pending_statistics has shape {pending.shape}, expected ({self.stats_length},)")
         st = self.read()
         st.load_state_dict(state)  # validates method, norm, bits, bucket size and levels
+        if self.auto is not None:
+            self.auto.load_pending(state)
+            self.auto.assign_from_auto()  # (the quantizer is the default width's)
         st.refitted_first()
         self.levels.assign(st.quantizer.levels)
-        self.header_mask.assign(header_mask(st.quantizer.fingerprint))
+        self.header_mask.assign(header_mask(st.quantizer.fingerprint if self.auto is None else st.auto.fingerprint()))
         for key, var in self.counters.items():
             var.assign(getattr(st, key))
         self.seed.assign(signed64(int(state["seed"])))

@@ -9,7 +9,10 @@ Each measurement is one call of a tf.function around ``hvd.allreduce(tensor, com
 timed calls after --warmup calls, compressors interleaved round-robin so that noise from a shared
 machine hits them alike; the slowest rank's median counts. Extra rows: the same ALQ call made
 eagerly (every TF op dispatched from Python), with plain TF ops instead of XLA, and with the
-statistics computed, allreduced and the levels refit on every call (the cost of a refit round).
+statistics computed, allreduced and the levels refit on every call (the cost of a refit round), and
+the same two calls with ``bits="auto"`` (a width chosen at run time: every width's codec is traced,
+the refit round adds each width's error, the allocation and a fit per width in use). A second table
+gives each compressor's first call (tracing and XLA compiles included).
 """
 
 from __future__ import annotations
@@ -39,10 +42,14 @@ def compressors(hvd, bits: int, bucket: int, extra_rows: bool) -> dict:
         out[f"ALQ {bits}b, plain TF ops (no XLA)"] = (ALQCompressor(bits=bits, jit_compile=False, **common), False)
         refit = dict(common, update_steps=(0,), update_every=1)
         out[f"ALQ {bits}b, statistics + refit every call"] = (ALQCompressor(bits=bits, **refit), False)
+        out[f"ALQ auto (budget {bits})"] = (ALQCompressor(bits="auto", bit_budget=bits, **common), False)
+        out[f"ALQ auto (budget {bits}), statistics + refit every call"] = (
+            ALQCompressor(bits="auto", bit_budget=bits, **refit), False)
     return out
 
 
-def time_methods(tf, hvd, methods: dict, tensor, warmup: int, repeats: int) -> dict:
+def time_methods(tf, hvd, methods: dict, tensor, warmup: int, repeats: int) -> tuple[dict, dict]:
+    """The slowest rank's median call and first call of every compressor (seconds)."""
     import re
 
     calls = {}
@@ -55,6 +62,7 @@ def time_methods(tf, hvd, methods: dict, tensor, warmup: int, repeats: int) -> d
         calls[name] = call if eager else tf.function(call)
     sync = tf.function(lambda: hvd.allreduce(tf.zeros([1]), name="bench.barrier"))
     times = {name: [] for name in methods}
+    first = {}
     for i in range(warmup + repeats):
         for name, call in calls.items():
             sync()
@@ -64,8 +72,11 @@ def time_methods(tf, hvd, methods: dict, tensor, warmup: int, repeats: int) -> d
             elapsed = time.perf_counter() - start
             if i >= warmup:
                 times[name].append(elapsed)
-    return {name: max(hvd.allgather_object(statistics.median(t), name=f"bench.t{i}"))
-            for i, (name, t) in enumerate(times.items())}
+            elif i == 0:
+                first[name] = elapsed
+    slowest = lambda value, tag: max(hvd.allgather_object(value, name=f"bench.{tag}"))  # noqa: E731
+    return ({name: slowest(statistics.median(t), f"t{i}") for i, (name, t) in enumerate(times.items())},
+            {name: slowest(t, f"f{i}") for i, (name, t) in enumerate(first.items())})
 
 
 def main(argv=None) -> int:
@@ -88,13 +99,14 @@ def main(argv=None) -> int:
 
     hvd.init()
     methods = compressors(hvd, args.bits, args.bucket_size, not args.no_extra_rows)
-    rows = []
+    rows, first_calls = [], []
     load_before = os.getloadavg()[0]
     for size_text in args.sizes.split(","):
         n = parse_size(size_text)
         tensor = tf.random.stateless_normal([n], seed=[hvd.rank(), 0])
-        med = time_methods(tf, hvd, methods, tensor, args.warmup, args.repeats)
+        med, first = time_methods(tf, hvd, methods, tensor, args.warmup, args.repeats)
         rows += ratio_rows(size_text, med)
+        first_calls += [f"| {size_text} | {name} | {t:.2f} |" for name, t in first.items()]
     load_after = os.getloadavg()[0]
     if hvd.rank() == 0:
         threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "default")
@@ -107,6 +119,10 @@ def main(argv=None) -> int:
                   f"traced before timing; median of {args.repeats} calls, slowest rank. "
                   f"Load average {load_before:.1f} before, {load_after:.1f} after (other jobs share "
                   f"this machine; ratios are more stable than absolute times)."), "", *timing_table(rows)]
+        lines += ["", "First call of each compressor (tracing and XLA compiles included; the compressors' "
+                  "tf.functions are shared by compressors of one configuration, so a later row may reuse an "
+                  "earlier row's traces), slowest rank:", "", "| elements | compressor | first call (s) |",
+                  "|---|---|---:|", *first_calls]
         lines += ["", "On one host the wire is shared memory, so these times are mostly codec compute. The "
                   "quantizers allgather b + 32/d bits per coordinate where fp16 allreduces 16: they pay off "
                   "on slow links, not here. The TF codec is TF ops compiled by XLA, random draws included (a "

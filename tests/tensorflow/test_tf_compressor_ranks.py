@@ -358,3 +358,39 @@ def test_join_with_distributed_gradient_tape_is_refused_then_trains(join_refused
     assert err["type"] == "UnknownError" and err["error"].startswith("horovod_alq:"), err
     assert "hvd.join()" in err["error"]
     _after_identical(join_refused, ["tape"])
+
+
+def test_auto_bits_agree_on_every_rank_follow_the_core_and_stay_unbiased():
+    """bits="auto" in TensorFlow: both ranks reach the allocation the NumPy core makes from both
+    ranks' data (widths differ between the step's tensors), the same levels and sums; each round
+    sends the allocation's payload sizes; the sums of tensors of different widths stay unbiased (t
+    tests at 1e-6, Bonferroni over buckets); eagerly as in tf.function; training converges at budget 2.5; ranks that differ in
+    budget or allocation raise on every rank."""
+    from scipy.stats import t
+
+    res = _run("auto", "--bucket", 256, "--rounds", 40, "--steps", 120)
+    expected = res[0]["core_allocation"]
+    assert len(set(expected)) > 1, expected
+    for exchange in ("allgather", "two-phase"):
+        r0, r1 = (r[exchange] for r in res)
+        for key in ("allocation", "width_levels", "digest"):
+            assert r0[key] == r1[key], (exchange, key)
+        assert r0["bits"] == "auto" and r0["exchange"] == exchange and r0["level_updates"] == 1
+        assert r0["allocation"] == expected, (r0["allocation"], expected)
+        assert r0["eager_digest"] == r0["digest"] and r0["eager_allocation"] == expected  # eager = traced
+        assert r0["allocated_mean_bits"] <= 3.0 + 1e-9
+        sizes = r0["payload_sizes"]
+        if exchange == "allgather":  # this rank's payload bytes: the default width, then the allocation's
+            assert r0["sent_first"] == 3 * sizes["3"]
+            assert r0["sent_later"] == [sum(sizes[str(w)] for w in expected)]
+        assert r0["reloaded"]
+        for r in (r0, r1):
+            assert r["t_max"] < t.isf(1e-6 / (2 * r["buckets"]), r["reps"] - 1), r
+    tr0, tr1 = (r["train"] for r in res)
+    assert tr0["params"] == tr1["params"] and tr0["allocation"] == tr1["allocation"]
+    assert tr0["level_updates"] == 3 and tr0["allocated_mean_bits"] <= 2.5 + 1e-9
+    assert tr0["last_loss"] < 0.5 * tr0["first_loss"] and tr0["accuracy"] > 0.85, tr0
+    for what in ("budget", "allocation"):
+        for r in res:
+            err = r[f"mismatch.{what}"]["error"]
+            assert err is not None and "horovod_alq" in err, (what, err)

@@ -148,6 +148,22 @@ def test_statistics_match_the_core(method, norm):
     assert np.allclose(got, want, rtol=1e-6, atol=1e-9 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("norm", ["l2", "linf"])
+def test_grid_histograms_match_the_core(norm):
+    """bits="auto"'s histograms (counts weighted by n_b / count_b and by n_b**2) as the core's."""
+    from horovod_alq.core.statistics import grid_histograms, normalize
+
+    x = _data(5000, seed=4) * np.repeat([1.0, 30.0, 0.01, 1.0, 2.0, 1.0, 0.5, 1.0, 3.0, 1.0], 500)
+    x[700] = np.nan
+    x[1300:1536] = 0.0
+    want = grid_histograms(normalize(x, 256, norm))
+    got = kernels.grid_histograms(tf.constant(x), GRID, bucket_size=256, norm=norm).numpy()
+    assert got.shape == want.shape == (2, 1 + GRID.size)
+    for g, w in zip(got, want):
+        assert np.allclose(g, w, rtol=1e-6, atol=1e-9 * np.abs(w).max())
+    assert np.array_equal(got[0], kernels.grid_statistics(tf.constant(x), GRID, bucket_size=256, norm=norm).numpy())
+
+
 @pytest.mark.parametrize("method,bits", [("alq", 3), ("terngrad", 2), ("amq", 5), ("qsgdinf", 4)])
 def test_xla_compiled_codec_reads_and_writes_the_same_format(method, bits):
     """The compressors' default path: XLA-compiled encoder (unrolled cell search) and decoder."""

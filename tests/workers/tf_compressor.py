@@ -13,7 +13,7 @@ import sys
 
 
 SCENARIOS = ["exchange", "train", "keras", "mismatch", "misc", "compat", "deadlock", "process_sets", "two_phase",
-             "reducescatter", "join"]
+             "reducescatter", "join", "auto"]
 
 
 def parse_args():
@@ -699,6 +699,84 @@ def join(args) -> dict:
     return out
 
 PROCESS_SET = None
+
+
+def auto(args) -> dict:
+    """bits="auto" (ALQ): tensors of scales 1000, 1 and 0.001 allreduced (Sum) in one traced step per
+    exchange, refit at round 0: every rank's allocation, levels and sums; the allocation the NumPy
+    core makes from every rank's data; the bytes each round puts on the wire; the deviations from the
+    true sum (unbiasedness); a state_dict round trip. Then training through DistributedGradientTape
+    at budget 2.5, and ranks that differ in budget or allocation (every rank must refuse)."""
+    from horovod_alq.core.allocation import AutoBits
+    from horovod_alq.core.protocol import shape_hash
+    from horovod_alq.core.wire import payload_size
+
+    size, rank = hvd.size(), hvd.rank()
+    scales, numel = (1000.0, 1.0, 0.001), 1500
+    data = [[rank_data(r + 7 * k, numel) * s for k, s in enumerate(scales)] for r in range(size)]
+    truth = [sum(d[k].astype(np.float64) for d in data) for k in range(len(scales))]
+    core = AutoBits("alq", 3.0, args.bucket)
+    rows = sum(np.stack([core.row(x) for x in d]) for d in data)
+    keys = [(numel, shape_hash((numel,), "float32"))] * len(scales)
+    expected = [int(b) for b in core.refit(rows, [numel] * len(scales), keys).bits]
+    out = {"core_allocation": expected}
+    for exchange in ("allgather", "two-phase"):
+        comp = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, update_steps=(0,), update_every=0,
+                             min_size=100, seed=args.seed, exchange=exchange)
+        xs = [tf.constant(x) for x in data[rank]]
+        fn = tf.function(lambda *t: [hvd.allreduce(x, op=hvd.Sum, compression=comp, name=f"auto{k}")
+                                     for k, x in enumerate(t)])
+        devs, sent, h = [], [], hashlib.sha1()
+        for r in range(args.rounds):
+            before = comp.metrics()["payload_bytes"]
+            got = fn(*xs)
+            sent.append(comp.metrics()["payload_bytes"] - before)
+            ys = [y.numpy().astype(np.float64) for y in got]
+            h.update(np.concatenate(ys).tobytes())
+            if r > 0:  # round 0 refits (default widths); the allocation applies from round 1
+                devs.append(np.concatenate([(y - t) / s for y, t, s in zip(ys, truth, scales)]))
+        dev = np.stack(devs)
+        per_bucket = np.add.reduceat(dev, np.arange(0, dev.shape[1], args.bucket), axis=1)
+        m = comp.metrics()
+        eager = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, update_steps=(0,), update_every=0,
+                              min_size=100, seed=args.seed, exchange=exchange)
+        he = hashlib.sha1()  # eagerly, one grouped allreduce per round: the same rounds, draws and sums
+        for r in range(args.rounds):
+            got = hvd.grouped_allreduce(xs, op=hvd.Sum, compression=eager, name="auto_eager")
+            he.update(np.concatenate([y.numpy().astype(np.float64) for y in got]).tobytes())
+        again = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, min_size=100)
+        again.load_state_dict(comp.state_dict())
+        m2 = again.metrics()
+        out[exchange] = {
+            "allocation": m["allocation"], "allocated_mean_bits": m["allocated_mean_bits"], "bits": comp.bits,
+            "exchange": m["exchange"], "level_updates": m["level_updates"], "digest": h.hexdigest(),
+            "eager_digest": he.hexdigest(), "eager_allocation": eager.metrics()["allocation"],
+            "width_levels": {str(w): v.tolist() for w, v in m["width_levels"].items()},
+            "sent_first": sent[0], "sent_later": sorted(set(sent[1:])),
+            "payload_sizes": {str(w): payload_size(numel, w, args.bucket) for w in range(2, 9)},
+            "t_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": per_bucket.shape[1], "reps": dev.shape[0],
+            "reloaded": m2["allocation"] == m["allocation"] and all(
+                np.array_equal(m2["width_levels"][w], v) for w, v in m["width_levels"].items())}
+    model = MLP(seed=1)
+    comp = ALQCompressor(bits="auto", bit_budget=2.5, bucket_size=args.bucket, update_steps=(0, 20, 60),
+                         update_every=0, min_size=100, seed=args.seed)
+    res = train_loop([model.w1, model.b1, model.w2, model.b2], model, comp, digits_data(rank, size), args.steps)
+    m = comp.metrics()
+    out["train"] = {**res, "allocation": m["allocation"], "allocated_mean_bits": m["allocated_mean_bits"],
+                    "level_updates": m["level_updates"]}
+    for what in ("budget", "allocation"):
+        comp = ALQCompressor(bits="auto", bit_budget=2.5 if rank == 1 and what == "budget" else 3.0,
+                             bucket_size=256, min_size=16, seed=0, update_steps=())
+        if rank == 1 and what == "allocation":
+            state = comp.state_dict()
+            state["auto"]["keys"], state["auto"]["bits"] = [[4096, shape_hash((4096,), "float32")]], [5]
+            comp.load_state_dict(state)
+        try:
+            y = reduce_fn(comp, hvd.Average, "function")(tf.constant(rank_data(rank, 4096)))
+            out[f"mismatch.{what}"] = {"error": None, "out": digest(y.numpy())}
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            out[f"mismatch.{what}"] = {"error": f"{type(err).__name__}: {err}"[-1500:]}
+    return out
 
 
 def main() -> None:
