@@ -76,8 +76,14 @@ def test_eager_exchange_with_sum_over_gloo():
     assert res[0]["alq"]["level_updates"] == 2
 
 
-def test_tape_training_in_tf_function_converges_with_identical_variables():
-    res = _run("train", "--methods", "alq,amq-n,terngrad", "--bucket", 512, "--steps", 150)
+@pytest.fixture(scope="module")
+def train_and_auto():
+    """One launch: training per method (150 steps), then the bits="auto" scenario (40 rounds)."""
+    return _run("train+auto", "--methods", "alq,amq-n,terngrad", "--bucket", 512, "--steps", 150, "--rounds", 40)
+
+
+def test_tape_training_in_tf_function_converges_with_identical_variables(train_and_auto):
+    res = [r["train"] for r in train_and_auto]
     for method in ("alq", "amq-n", "terngrad", "keras3"):
         r0, r1 = res[0][method], res[1][method]
         for r in (r0, r1):
@@ -360,15 +366,16 @@ def test_join_with_distributed_gradient_tape_is_refused_then_trains(join_refused
     _after_identical(join_refused, ["tape"])
 
 
-def test_auto_bits_agree_on_every_rank_follow_the_core_and_stay_unbiased():
+def test_auto_bits_agree_on_every_rank_follow_the_core_and_stay_unbiased(train_and_auto):
     """bits="auto" in TensorFlow: both ranks reach the allocation the NumPy core makes from both
     ranks' data (widths differ between the step's tensors), the same levels and sums; each round
     sends the allocation's payload sizes; the sums of tensors of different widths stay unbiased (t
-    tests at 1e-6, Bonferroni over buckets); eagerly as in tf.function; training converges at budget 2.5; ranks that differ in
+    tests at 1e-6, Bonferroni over buckets); eagerly as in tf.function; state_dict and
+    tf.train.Checkpoint keep the allocation and levels (a restored compressor takes the same step); training converges at budget 2.5; ranks that differ in
     budget or allocation raise on every rank."""
     from scipy.stats import t
 
-    res = _run("auto", "--bucket", 256, "--rounds", 40, "--steps", 120)
+    res = [r["auto"] for r in train_and_auto]
     expected = res[0]["core_allocation"]
     assert len(set(expected)) > 1, expected
     for exchange in ("allgather", "two-phase"):
@@ -383,7 +390,7 @@ def test_auto_bits_agree_on_every_rank_follow_the_core_and_stay_unbiased():
         if exchange == "allgather":  # this rank's payload bytes: the default width, then the allocation's
             assert r0["sent_first"] == 3 * sizes["3"]
             assert r0["sent_later"] == [sum(sizes[str(w)] for w in expected)]
-        assert r0["reloaded"]
+        assert r0["reloaded"] and r0["checkpoint_same_step"]
         for r in (r0, r1):
             assert r["t_max"] < t.isf(1e-6 / (2 * r["buckets"]), r["reps"] - 1), r
     tr0, tr1 = (r["train"] for r in res)

@@ -170,5 +170,6 @@ def test_other_settings_raise_on_every_rank(ranks):
         m = r["mismatch"]
         assert m["bits"] is not None and "bits" in m["bits"], m
         assert m["min_size"] is not None and "min_size" in m["min_size"], m
+        assert m["budget"] is not None and "bit_budget" in m["budget"], m
         # bits="auto" with layouts recorded on some ranks only: their rounds hold other tensors
         assert m["layout"] is not None and "hold different tensors" in m["layout"], m

@@ -264,10 +264,12 @@ def checkpoint(rank: int) -> dict:
 
 
 def mismatch(rank: int) -> dict:
-    """A rank with other settings (bits, then min_size), then with bits="auto" a rank whose comm
-    recorded no layout (set with set_custom_reduce_scatter alone): every rank raises at the handshake."""
+    """A rank with other settings (bits, then min_size), then with bits="auto" a rank with another
+    bit_budget and a rank whose comm recorded no layout (set with set_custom_reduce_scatter alone):
+    every rank raises at the handshake."""
     out = {}
     for name, kwargs in {"bits": {"bits": 3 + (rank == 1)}, "min_size": {"min_size": 64 + (rank == 1)},
+                         "budget": {"bits": "auto", "bit_budget": 3.0 - 0.5 * (rank == 1)},
                          "layout": {"bits": "auto", "bit_budget": 3.0}}.items():
         model = sharded()
         comm = quantize_reduce_scatter(model, comm_for("alq", **kwargs))

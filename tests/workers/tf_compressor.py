@@ -10,6 +10,7 @@ import argparse
 import hashlib
 import os
 import sys
+import tempfile
 
 
 SCENARIOS = ["exchange", "train", "keras", "mismatch", "misc", "compat", "deadlock", "process_sets", "two_phase",
@@ -747,6 +748,13 @@ def auto(args) -> dict:
         again = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, min_size=100)
         again.load_state_dict(comp.state_dict())
         m2 = again.metrics()
+        # tf.train.Checkpoint: a restored compressor takes the next step exactly as the saved one
+        restored = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, min_size=100,
+                                 exchange=exchange)
+        path = tf.train.Checkpoint(compressor=comp).save(os.path.join(tempfile.mkdtemp(), f"auto{rank}"))
+        tf.train.Checkpoint(compressor=restored).restore(path).assert_consumed()
+        nexts = [hvd.grouped_allreduce(xs, op=hvd.Sum, compression=c, name=f"auto_next{i}")
+                 for i, c in enumerate((comp, restored))]
         out[exchange] = {
             "allocation": m["allocation"], "allocated_mean_bits": m["allocated_mean_bits"], "bits": comp.bits,
             "exchange": m["exchange"], "level_updates": m["level_updates"], "digest": h.hexdigest(),
@@ -755,6 +763,7 @@ def auto(args) -> dict:
             "sent_first": sent[0], "sent_later": sorted(set(sent[1:])),
             "payload_sizes": {str(w): payload_size(numel, w, args.bucket) for w in range(2, 9)},
             "t_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": per_bucket.shape[1], "reps": dev.shape[0],
+            "checkpoint_same_step": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(*nexts)),
             "reloaded": m2["allocation"] == m["allocation"] and all(
                 np.array_equal(m2["width_levels"][w], v) for w, v in m["width_levels"].items())}
     model = MLP(seed=1)
