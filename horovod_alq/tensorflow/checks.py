@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from ..core import protocol
 from ..core.quantizer import Quantizer
-from ..core.wire import HEADER_SIZE, parse_header, payload_size
+from ..core.wire import HEADER_SIZE, parse_header
 from ..exchange import base
 from .graph import ProtocolError, tf_error
 
@@ -55,16 +55,17 @@ def check_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_
                 f"arguments and load the same state")
 
 
-def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, numel: int, ranks: int,
-                quantizer: Quantizer) -> tuple[tf.Tensor, tf.Tensor]:
+def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, ranks: int, payload_bytes) -> tuple[tf.Tensor, tf.Tensor]:
     """The in-graph form of :func:`horovod_alq.exchange.base.check_payloads`: every rank's payload
-    has this rank's size and ``header`` bytes. Also ``gathered`` fitted to exactly ``ranks *
-    payload_size`` bytes (cut or zero-padded), so that no op fails on a wrong size before the
-    explanation is raised: TF may run shape-bound ops of a ``tf.cond`` branch that is not taken."""
-    expected = ranks * payload_size(numel, quantizer.bits, quantizer.bucket_size)
+    has ``payload_bytes`` (an int, or a tensor for a width chosen at run time) and this rank's
+    ``header`` bytes. Also ``gathered`` fitted to exactly ``ranks * payload_bytes`` bytes (cut or
+    zero-padded), so that no op fails on a wrong size before the explanation is raised: TF may run
+    shape-bound ops of a ``tf.cond`` branch that is not taken."""
+    expected = ranks * payload_bytes
     got = tf.size(gathered)
     fitted = tf.pad(gathered[:expected], [[0, tf.maximum(0, expected - got)]])
-    fitted.set_shape([expected])
+    if isinstance(expected, int):
+        fitted.set_shape([expected])
     rows = tf.reshape(fitted, [ranks, -1])[:, :HEADER_SIZE]
     ok = tf.logical_and(tf.equal(got, expected), tf.reduce_all(tf.equal(rows, header[None, :])))
     return ok, fitted
@@ -73,10 +74,12 @@ def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, numel: int, ranks: int,
 def explain_payloads(gathered: np.ndarray, header: np.ndarray, *, numel: int, ranks: int, quantizer: Quantizer,
                      slot: int) -> None:
     """Raise :func:`horovod_alq.exchange.base.check_host_payloads`'s error, naming the first rank
-    whose payload differs from this rank's configuration (its payload ``header``: the levels'
-    fingerprint is read from it) when :func:`payloads_ok` failed."""
-    q = types.SimpleNamespace(method=quantizer.method, bits=quantizer.bits, bucket_size=quantizer.bucket_size,
-                              norm=quantizer.norm, fingerprint=parse_header(np.asarray(header, np.uint8)).fingerprint)
+    whose payload differs from this rank's configuration (``quantizer``'s method, bucket size and
+    norm; the bits and the levels' fingerprint of this rank's payload ``header``) when
+    :func:`payloads_ok` failed."""
+    own = parse_header(np.asarray(header, np.uint8))
+    q = types.SimpleNamespace(method=quantizer.method, bits=own.bits, bucket_size=quantizer.bucket_size,
+                              norm=quantizer.norm, fingerprint=own.fingerprint)
     try:
         base.check_host_payloads(gathered, [numel] * ranks, q, f"tensor in slot {slot}")
     except protocol.ProtocolError as err:

@@ -48,6 +48,7 @@ import tensorflow as tf
 from ..core import frontends, protocol
 from ..core.allocation import AUTO_WIDTHS
 from ..core.methods import get_method
+from ..core.wire import payload_size
 from ..exchange.engine import EXCHANGES, check_exchange, choose_exchange
 from ..exchange.plan import BufferPlan
 from ..exchange.setup import configure
@@ -403,19 +404,23 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         gathered = graph.hvd().allgather(ctx.payload, name=f"horovod_alq.{self._names()}.{ctx.slot}",
                                          ignore_name_scope=True, process_set=self.process_set)
 
-        def decode_width(bits):
-            q = self._widths()[bits if bits is not None else self._quantizer.bits][0]
-            levels = self._levels_of(ctx.levels, bits)
-            ok, fitted = checks.payloads_ok(gathered, ctx.header, ctx.numel, n, q)
+        sizes = {w: payload_size(ctx.numel, w, q.bucket_size) for w, (q, _) in self._widths().items()}
+        per_rank = (next(iter(sizes.values())) if ctx.width is None
+                    else tf.gather(tf.constant([sizes[w] for w in AUTO_WIDTHS], tf.int32), ctx.width - AUTO_WIDTHS[0]))
+        ok, fitted = checks.payloads_ok(gathered, ctx.header, n, per_rank)
 
-            def decode():
-                decoded = self._fns.widths[q.bits].decoder(ctx.numel, n)(fitted, levels, self._scale(reduced))
-                return self._complete(ctx, reduced, decoded)
+        def decode(bits: int | None):  # only the codec depends on the width
+            w = self._quantizer.bits if bits is None else bits
+            payloads = tf.reshape(fitted, [n * sizes[w]])
+            return self._fns.widths[w].decoder(ctx.numel, n)(payloads, self._levels_of(ctx.levels, bits),
+                                                            self._scale(reduced))
 
-            explain = functools.partial(checks.explain_payloads, numel=ctx.numel, ranks=n, quantizer=q, slot=ctx.slot)
-            return graph.guarded(ok, decode, explain, [gathered, ctx.header], ctx.numel, ctx.eager)
+        def run():
+            return self._complete(ctx, reduced, self._by_width(ctx.width, decode, ctx.eager))
 
-        return self._by_width(ctx.width, decode_width, ctx.eager)
+        explain = functools.partial(checks.explain_payloads, numel=ctx.numel, ranks=n, quantizer=self._quantizer,
+                                    slot=ctx.slot)
+        return graph.guarded(ok, run, explain, [gathered, ctx.header], ctx.numel, ctx.eager)
 
     def _two_phase(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
         """:mod:`horovod_alq.exchange.two_phase` on one tensor, per its plan: shard ``j`` of every
