@@ -215,7 +215,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         # that tf.Module / tf.train.Checkpoint do not track them.
         first = graph.codec(q.bits, q.bucket_size, q.norm, self.jit_compile)
         widths = AUTO_WIDTHS if self._vars.auto is not None else (q.bits,)
-        self._fns = types.SimpleNamespace(sites=weakref.WeakKeyDictionary(), codec=first, encode=first.encode,
+        self._fns = types.SimpleNamespace(sites=weakref.WeakKeyDictionary(), codec=first,
                                           stats=first.normless if self._vars.stats_length == 4 else first.grid,
                                           second=graph.codec(q2.bits, q.bucket_size, q.norm, self.jit_compile),
                                           widths={w: graph.codec(w, q.bucket_size, q.norm, self.jit_compile)
@@ -291,9 +291,9 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         h = protocol.shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name)
         width = None if v.auto is None else v.auto.width(slot, numel, h)
         plans = {w: EXCHANGES[exchange].plan(0, numel, n, me, q, q2) for w, (q, q2) in self._widths().items()}
-        counters = v.count(calls=1, payload_bytes=self._by_plan(width, plans, lambda p: sum(p.first)),
-                           coordinates=numel, bytes_sent=self._by_plan(width, plans, lambda p: p.sent),
-                           bytes_received=self._by_plan(width, plans, lambda p: p.received))
+        counters = v.count(calls=1, payload_bytes=self._per_width(width, {w: sum(p.first) for w, p in plans.items()}),
+                           coordinates=numel, bytes_sent=self._per_width(width, {w: p.sent for w, p in plans.items()}),
+                           bytes_received=self._per_width(width, {w: p.received for w, p in plans.items()}))
         current = v.current.read_value()
         collecting = v.collecting(current) if self._method.adaptive else None
         levels = (v.levels if v.auto is None else v.auto.levels).read_value()
@@ -336,11 +336,12 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         return {w: (q, q) for w, q in self._state.auto.quantizers.items()}
 
     @staticmethod
-    def _by_plan(width, plans: dict, value) -> Any:
-        """``value(plan)`` of the tensor's width (a tensor when the width is chosen at run time)."""
+    def _per_width(width, values: dict, dtype: tf.DType = tf.int64) -> Any:
+        """The value of the tensor's width in ``values`` (width -> int): the one value with fixed
+        bits, a ``dtype`` tensor looked up in the table when the width is chosen at run time."""
         if width is None:
-            return value(next(iter(plans.values())))
-        return tf.gather(tf.constant([value(plans[w]) for w in AUTO_WIDTHS], tf.int64), width - AUTO_WIDTHS[0])
+            return next(iter(values.values()))
+        return tf.gather(tf.constant([values[w] for w in AUTO_WIDTHS], dtype), width - AUTO_WIDTHS[0])
 
     @staticmethod
     def _by_width(width, fn, eager: bool):
@@ -405,9 +406,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
                                          ignore_name_scope=True, process_set=self.process_set)
 
         sizes = {w: payload_size(ctx.numel, w, q.bucket_size) for w, (q, _) in self._widths().items()}
-        per_rank = (next(iter(sizes.values())) if ctx.width is None
-                    else tf.gather(tf.constant([sizes[w] for w in AUTO_WIDTHS], tf.int32), ctx.width - AUTO_WIDTHS[0]))
-        ok, fitted = checks.payloads_ok(gathered, ctx.header, n, per_rank)
+        ok, fitted = checks.payloads_ok(gathered, ctx.header, n, self._per_width(ctx.width, sizes, tf.int32))
 
         def decode(bits: int | None):  # only the codec depends on the width
             w = self._quantizer.bits if bits is None else bits
@@ -433,8 +432,8 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
     def _two_phase_width(self, ctx: _Exchange, reduced: tf.Tensor, bits: int | None) -> tf.Tensor:
         hvd, ps, v = graph.hvd(), self.process_set, self._vars
         auto = bits is not None
-        plan = ctx.plans[bits if auto else self._quantizer.bits]
-        first = self._fns.widths[bits if auto else self._quantizer.bits]
+        w = bits if auto else self._quantizer.bits
+        plan, first = ctx.plans[w], self._fns.widths[w]
         n, me = self._set_size(), self._set_rank()
         name = f"horovod_alq.{self._names()}.{ctx.slot}"
         received, rsplits = hvd.alltoall(ctx.payload, splits=list(plan.first), name=name + ".a2a",

@@ -23,8 +23,7 @@ class RoundVariables(tf.Module):
     the schema) with rounding seed ``seed``. One variable per counter, so that compress, decompress
     and the refit write different variables (tf.function orders the ops that use one variable)."""
 
-    _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"state", "method",
-                                                                                         "row_length"})
+    _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"state", "method"})
 
     def __init__(self, state: RoundState, seed: int) -> None:
         super().__init__(name="round_state")
@@ -36,10 +35,9 @@ class RoundVariables(tf.Module):
         self.auto = None if state.auto is None else AutoVariables(state.auto, self.stats_length)
         #: what a refit round adds to a tensor's vector: its statistics, or (auto) its row
         self.row_length = self.stats_length if self.auto is None else self.auto.row_length
-        fingerprint = q.fingerprint if self.auto is None else state.auto.fingerprint()
         with tf.init_scope():
             self.levels = tf.Variable(q.levels, dtype=tf.float64, trainable=False, name="levels")
-            self.header_mask = tf.Variable(header_mask(fingerprint), dtype=tf.int32, trainable=False,
+            self.header_mask = tf.Variable(header_mask(self._fingerprint()), dtype=tf.int32, trainable=False,
                                            name="header_mask")
             self.seed = tf.Variable(signed64(seed), dtype=tf.int64, trainable=False, name="seed")
             self.counters = {key: tf.Variable(0, dtype=tf.int64, trainable=False, name=key) for key in COUNTERS}
@@ -100,6 +98,12 @@ class RoundVariables(tf.Module):
 
             tf.cond(self.pending_count > 0, refit, lambda: tf.constant(False))
         self.current.assign(self.counters["step"])
+
+    def _fingerprint(self) -> int:
+        """What the payload headers' levels fingerprint hashes: the levels, or (``bits="auto"``)
+        every width's levels and the allocation."""
+        st = self.state
+        return st.quantizer.fingerprint if st.auto is None else st.auto.fingerprint()
 
     def _refit(self, levels: np.ndarray, stats: np.ndarray):
         """The NumPy core's fit (deterministic: identical inputs give identical levels on every rank)."""
@@ -162,7 +166,7 @@ class RoundVariables(tf.Module):
             self.auto.assign_from_auto()  # (the quantizer is the default width's)
         st.refitted_first()
         self.levels.assign(st.quantizer.levels)
-        self.header_mask.assign(header_mask(st.quantizer.fingerprint if self.auto is None else st.auto.fingerprint()))
+        self.header_mask.assign(header_mask(self._fingerprint()))
         for key, var in self.counters.items():
             var.assign(getattr(st, key))
         self.seed.assign(signed64(int(state["seed"])))

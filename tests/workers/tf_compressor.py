@@ -77,7 +77,7 @@ def core_decodes(comp, x: np.ndarray) -> list:
     m = comp.metrics()
     q = Quantizer(comp._method.name, bits=comp.bits, bucket_size=comp.bucket_size)
     q.set_levels(m["levels"])
-    payload = comp._fns.encode(tf.constant(x), comp._vars.levels, comp._vars.header(x.size),
+    payload = comp._fns.codec.encode(tf.constant(x), comp._vars.levels, comp._vars.header(x.size),
                               tf.constant([1, 2], tf.int64)).numpy()
     return list(q.decode(payload).shape)
 
