@@ -66,6 +66,9 @@ class QuantizedAllreduce(frontends.Configured):
         (see :meth:`adapt`; the Horovod compressors' ``bits="auto"``).
     bit_budget : float, optional
         ``bits="auto"`` only: mean bits per coordinate of a call (bucket norms not counted); default 3.0.
+    bits_per : {"tensor", "bucket"}, optional
+        ``bits="auto"`` only: "bucket" gives every bucket of every payload its own width, chosen by
+        each rank from its norms (the Horovod compressors' ``bits_per``); default "tensor".
     bucket_size : int
         Coordinates sharing one float32 norm (default 8192).
     seed : int, optional
@@ -95,7 +98,7 @@ class QuantizedAllreduce(frontends.Configured):
     """
 
     def __init__(self, comm: MPI.Intracomm, method: str = "alq", bits: int | str | None = None,
-                 bucket_size: int = 8192, *, bit_budget: float | None = None, seed: int | None = None,
+                 bucket_size: int = 8192, *, bit_budget: float | None = None, bits_per: str | None = None, seed: int | None = None,
                  clip: bool | float = False, collect_every: int | None = None, exchange: str = "auto",
                  bits_second: int | None = None, norm: str | None = None, timeout: float | None = None) -> None:
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
@@ -105,7 +108,7 @@ class QuantizedAllreduce(frontends.Configured):
         self._comm, self._rank, self._size = comm, comm.Get_rank(), comm.Get_size()
         self._method = get_method(method)
         setup = configure(method, bits, bucket_size, clip=clip, norm=norm, bits_second=bits_second, seed=seed,
-                          bit_budget=bit_budget, on_request=True)  # refits: adapt() only
+                          bit_budget=bit_budget, bits_per=bits_per, on_request=True)  # refits: adapt() only
         self._quantizer, self._state = setup.quantizer, setup.state
         if collect_every is None:
             collect_every = 1 if self._method.adaptive else 0

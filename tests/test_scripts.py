@@ -23,12 +23,23 @@ def load(name: str):
 
 @pytest.mark.parametrize("name", ["study.variance", "study.run_accuracy", "bench.network", "bench.codec",
                                   "bench.train_step", "bench.fsdp", "study.run_accuracy_gpt", "study.variance_gpt",
-                                  "study.horovod_suite", "bench.refit", "bench.codec_widths"])
+                                  "study.horovod_suite", "bench.refit", "bench.codec_widths", "bench.bucket_widths"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
         load(name).main(["--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_bucket_widths_bench_compares_three_rows_per_step(tmp_path):
+    """scripts/bench/bucket_widths.py --quick: 3 bits, widths per tensor and per bucket for both
+    steps, 3 bits at 1.00, every row near 3 bits per coordinate."""
+    out = tmp_path / "bucket.md"
+    assert load("bench.bucket_widths").main(["--quick", "--repeats", "1", "--out", str(out)]) == 0
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 3 bits") or
+            line.startswith("| bits")]
+    assert len(rows) == 6 and [float(r[2]) for r in rows[::3]] == [1.0, 1.0]
+    assert all(3.0 <= float(r[4]) < 3.1 for r in rows), rows
 
 
 def test_codec_widths_reports_every_width(tmp_path):
@@ -321,8 +332,10 @@ def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
     assert train_gpt.parse_method("none") == ("none", None, None)
     assert train_gpt.parse_method("alq@auto2.5") == ("alq", "auto", 2.5)
     assert train_gpt.parse_method("amq-n-2p@auto3") == ("amq-n-2p", "auto", 3.0)
+    assert train_gpt.parse_method("alq@bucket2.5") == ("alq", "bucket", 2.5)
     for bad in ("ddp-alq@auto3", "psgd2@auto3", "psgd-match@auto3", "none@auto3", "fp16@auto3", "qsgdinf@auto3",
-                "terngrad@auto3", "alq@auto", "alq@auto1.5", "alq@auto9", "alq@autox", "alq@2.5", "bogus@auto3"):
+                "terngrad@auto3", "alq@auto", "alq@auto1.5", "alq@auto9", "alq@autox", "alq@2.5", "bogus@auto3",
+                "qsgdinf@bucket3", "alq@bucket1"):
         with pytest.raises(SystemExit):
             train_gpt.parse_method(bad)
     # every PAIRS method is run by some grid; the auto grid's file name is plain

@@ -194,6 +194,9 @@ def _greedy(errors: np.ndarray, sizes_a: np.ndarray, budget: float, widths_a: np
 
 #: The candidate widths of ``bits="auto"``.
 AUTO_WIDTHS: tuple[int, ...] = tuple(range(2, 9))
+#: What gets a width with ``bits="auto"``: each tensor (one allocation agreed at refits) or each
+#: bucket of every payload (chosen by each rank from its own norms, :mod:`.bucket_widths`).
+BITS_PER = ("tensor", "bucket")
 
 
 def check_budget(budget) -> float:
@@ -259,14 +262,29 @@ class AutoBits:
     theirs). The same sums give every rank the same allocation and levels.
     """
 
-    def __init__(self, method: str, budget: float, bucket_size: int, norm: str | None = None) -> None:
+    def __init__(self, method: str, budget: float, bucket_size: int, norm: str | None = None,
+                 bits_per: str = "tensor") -> None:
+        from .bucket_widths import MixedWidths
         from .quantizer import Quantizer
 
         self.budget = check_budget(budget)
+        if bits_per not in BITS_PER:
+            raise ValueError(f"bits_per must be one of {', '.join(map(repr, BITS_PER))}, got {bits_per!r}")
+        self.bits_per = bits_per
         self.quantizers = {w: Quantizer(method, bits=w, bucket_size=bucket_size, norm=norm) for w in AUTO_WIDTHS}
         self.default = int(np.floor(self.budget))
         self.keys: tuple = ()
         self.bits: tuple[int, ...] = ()
+        # bits_per="bucket": every payload's widths per bucket (the error model set at each refit)
+        self.mixed = MixedWidths(self.quantizers, self.budget, self.default) if bits_per == "bucket" else None
+
+    def quantizers_for(self, keys: Sequence, start: int = 0, whole: bool = True) -> list:
+        """The quantizer of each tensor of ``keys[start:]`` (:meth:`widths_for`, or with ``whole``
+        False :meth:`widths_so_far`); with ``bits_per="bucket"`` the mixed one for all."""
+        if self.mixed is not None:
+            return [self.mixed] * (len(keys) - start)
+        bits = self.widths_for(keys)[start:] if whole else self.widths_so_far(keys, start)
+        return [self.quantizers[w] for w in bits]
 
     def widths_for(self, keys: Sequence) -> tuple[int, ...]:
         """The width of each tensor of a round whose tensors are ``keys``."""
@@ -293,7 +311,10 @@ class AutoBits:
     def rows(self, squared: np.ndarray, stats: np.ndarray) -> np.ndarray:
         """The refit vectors of T tensors, shape (T, W + k): their errors at every width (from their
         squared-norm histograms, shape (T, 1 + G), see :func:`errors_from_histograms`), then their
-        statistics (shape (T, k))."""
+        statistics (shape (T, k)). With ``bits_per="bucket"`` the histograms themselves (T, 1 + G + k):
+        the error model is computed after the refit, with the new levels."""
+        if self.mixed is not None:
+            return np.concatenate([np.atleast_2d(squared), np.atleast_2d(stats)], axis=1)
         errors = errors_from_histograms(squared, [self.quantizers[w].levels for w in AUTO_WIDTHS])
         return np.concatenate([errors, np.atleast_2d(stats)], axis=1)
 
@@ -302,6 +323,8 @@ class AutoBits:
         from .quantizer import adapt_together
 
         rows = np.asarray(rows, dtype=np.float64)
+        if self.mixed is not None:
+            return self._refit_buckets(rows)
         w = len(AUTO_WIDTHS)
         alloc = allocate_bits(np.maximum(rows[:, :w], 0.0), sizes, self.budget, AUTO_WIDTHS)
         widths = sorted(set(alloc.bits.tolist()))
@@ -311,8 +334,25 @@ class AutoBits:
         self.keys, self.bits = tuple(keys), tuple(int(b) for b in alloc.bits)
         return alloc
 
+    def _refit_buckets(self, rows: np.ndarray) -> None:
+        """``bits_per="bucket"``: every width refits from all tensors' statistics, then the error model
+        (each width's error per unit of squared bucket norm, new levels) from the summed histograms."""
+        from .bucket_widths import MixedWidths
+        from .quantizer import adapt_together
+        from .statistics import GRID
+
+        g = 1 + len(GRID)
+        squared, stats = rows[:, :g].sum(axis=0), rows[:, g:].sum(axis=0)
+        if stats[0] > 0:  # (no finite non-zero bucket: keep the levels)
+            adapt_together([self.quantizers[w] for w in AUTO_WIDTHS], [stats] * len(AUTO_WIDTHS))
+        c = errors_from_histograms(squared[None], [self.quantizers[w].levels for w in AUTO_WIDTHS])[0]
+        self.mixed = MixedWidths(self.quantizers, self.budget, self.default, c if c.any() else None)
+
     def mean_bits(self) -> float:
-        """Mean bits per coordinate of the allocation (NaN before the first refit)."""
+        """Mean bits per coordinate of the allocation (NaN before the first refit; with
+        ``bits_per="bucket"`` the budget, which every payload's codes fill up to a bucket)."""
+        if self.mixed is not None:
+            return self.mixed.budget256 / 256
         if not self.bits:
             return float("nan")
         n = np.array([k[0] for k in self.keys], dtype=np.float64)
@@ -327,16 +367,29 @@ class AutoBits:
     def allocation_hash(self) -> int:
         from .protocol import stable_hash
 
+        if self.mixed is not None:
+            return stable_hash("bucket", self.mixed.fingerprint)
         return stable_hash(repr((self.keys, self.bits)))
 
     def state_dict(self) -> dict:
-        return {"budget": self.budget, "keys": [list(k) for k in self.keys], "bits": list(self.bits),
-                "quantizers": {w: q.state_dict() for w, q in self.quantizers.items()}}
+        out = {"budget": self.budget, "keys": [list(k) for k in self.keys], "bits": list(self.bits),
+               "quantizers": {w: q.state_dict() for w, q in self.quantizers.items()}}
+        if self.mixed is not None:
+            out.update(bits_per="bucket", error_model=None if self.mixed.c is None else self.mixed.c.tolist())
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         if float(state["budget"]) != self.budget:
             raise ValueError(f"state has bit_budget={state['budget']!r}, this compressor has {self.budget!r}")
         for w, q in self.quantizers.items():
             q.load_state_dict(state["quantizers"][w] if w in state["quantizers"] else state["quantizers"][str(w)])
+        if state.get("bits_per", "tensor") != self.bits_per:
+            raise ValueError(f"state has bits_per={state.get('bits_per', 'tensor')!r}, this compressor has "
+                             f"{self.bits_per!r}")
         self.keys = tuple(tuple(int(v) for v in k) for k in state["keys"])
         self.bits = tuple(int(b) for b in state["bits"])
+        if self.mixed is not None:
+            from .bucket_widths import MixedWidths
+
+            c = state.get("error_model")
+            self.mixed = MixedWidths(self.quantizers, self.budget, self.default, None if c is None else np.asarray(c))

@@ -193,6 +193,10 @@ class Quantizer:
         """Levels fingerprint written into every payload header (uint64)."""
         return self._fingerprint
 
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of a payload of ``numel`` coordinates (:func:`~.wire.payload_size`)."""
+        return payload_size(numel, self._bits, self.bucket_size)
+
     def __repr__(self) -> str:
         return f"Quantizer({self.method!r}, bits={self.bits}, bucket_size={self.bucket_size}, norm={self.norm!r})"
 

@@ -117,9 +117,10 @@ class RoundState:
         out["bits_per_coordinate"] = 8.0 * self.payload_bytes / self.coordinates if self.coordinates else float("nan")
         if self.auto is not None:
             a = self.auto
-            out.update(bit_budget=a.budget, allocation=list(a.bits), allocated_mean_bits=a.mean_bits(),
-                       default_bits=a.default,
-                       width_levels={w: a.quantizers[w].levels for w in sorted(set(a.bits) | {a.default})})
+            used = a.quantizers if a.mixed is not None else sorted(set(a.bits) | {a.default})
+            out.update(bit_budget=a.budget, bits_per=a.bits_per, allocation=list(a.bits),
+                       allocated_mean_bits=a.mean_bits(), default_bits=a.default,
+                       width_levels={w: a.quantizers[w].levels for w in used})
         return out
 
     def state_dict(self) -> dict:

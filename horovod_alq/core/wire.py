@@ -6,15 +6,19 @@ A payload is a 32-byte header, one float32 norm per bucket, then the packed code
     0      2    magic b"AQ"
     2      1    format version (2)
     3      1    method id
-    4      1    bits per coordinate (2..8)
+    4      1    bits per coordinate (2..8), or 0: widths per bucket (a mixed payload, below)
     5      1    bucket norm code: 0 = l2, 1 = linf (version 1: reserved, 0)
-    6      2    reserved, 0
+    6      2    mixed payloads: the bit budget in 1/256 of a bit (512..2048); else 0
     8      4    bucket size d (uint32)
     12     4    CRC-32 of the 32 header bytes with this field set to 0
     16     8    element count n (uint64)
     24     8    levels fingerprint (uint64)
     32     4*B  float32 norms, B = ceil(n / d)
     32+4B  C    codes, C = ceil(n * bits / 8)
+
+A mixed payload (``bits="auto", bits_per="bucket"``, :mod:`.bucket_widths`) is its header, the
+width of each of its B buckets (one byte each), their CRC-32, one ordinary payload per width from 2 to 8 (the
+buckets of that width back to back), then zeros up to :func:`.bucket_widths.mixed_payload_size`.
 
 Only the header is checksummed: a corrupted norm or code byte decodes to wrong values silently.
 """
@@ -77,6 +81,7 @@ class Header:
     fingerprint: int
     version: int = VERSION
     norm: str | None = None  # "l2" or "linf"; None: the method's default norm
+    budget256: int = 0  # mixed payloads (bits 0): the bit budget in 1/256 of a bit
 
     def __post_init__(self) -> None:
         if self.norm is None:
@@ -95,6 +100,10 @@ class Header:
     @property
     def payload_size(self) -> int:
         """Total bytes of the payload this header describes."""
+        if self.bits == 0:
+            from .bucket_widths import mixed_payload_size
+
+            return mixed_payload_size(self.numel, self.bucket_size, self.budget256)
         return payload_size(self.numel, self.bits, self.bucket_size)
 
 
@@ -102,7 +111,7 @@ def pack_header(header: Header) -> bytes:
     """Serialize a header to its 32 bytes, checksum included."""
     if header.norm not in NORMS:
         raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {header.norm!r}")
-    fields = [MAGIC, header.version, header.method_id, header.bits, NORMS[header.norm], 0,
+    fields = [MAGIC, header.version, header.method_id, header.bits, NORMS[header.norm], header.budget256,
               header.bucket_size, 0, header.numel, header.fingerprint]
     raw = bytearray(_HEADER.pack(*fields))
     struct.pack_into("<I", raw, _CRC_OFFSET, zlib.crc32(raw))
@@ -136,7 +145,7 @@ def parse_header(payload) -> Header:
     if buf.size < HEADER_SIZE:
         raise ValueError(f"payload truncated: {buf.size} bytes, shorter than the {HEADER_SIZE}-byte header")
     raw = bytearray(buf[:HEADER_SIZE].tobytes())
-    magic, version, method_id, bits, norm_code, _, bucket_size, crc, numel, fingerprint = _HEADER.unpack(raw)
+    magic, version, method_id, bits, norm_code, budget256, bucket_size, crc, numel, fingerprint = _HEADER.unpack(raw)
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}, expected {MAGIC!r}: not a horovod-alq payload")
     struct.pack_into("<I", raw, _CRC_OFFSET, 0)
@@ -146,13 +155,17 @@ def parse_header(payload) -> Header:
         raise ValueError(f"unsupported payload format version {version}, this build reads {VERSION}")
     if method_id not in METHODS_BY_ID:
         raise ValueError(f"unknown method id {method_id} in payload header")
-    if not MIN_BITS <= bits <= MAX_BITS:
-        raise ValueError(f"bits={bits} in payload header, must be from {MIN_BITS} to {MAX_BITS}")
+    if bits == 0:
+        if not MIN_BITS * 256 <= budget256 <= MAX_BITS * 256:
+            raise ValueError(f"mixed payload header with budget {budget256}/256 bits, must be from {MIN_BITS} to {MAX_BITS}")
+    elif not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"bits={bits} in payload header, must be from {MIN_BITS} to {MAX_BITS} (or 0: mixed)")
     if bucket_size == 0:
         raise ValueError("bucket size 0 in payload header")
     if norm_code not in NORMS_BY_CODE:
         raise ValueError(f"unknown norm code {norm_code} in payload header")
-    return Header(method_id, bits, bucket_size, numel, fingerprint, version, NORMS_BY_CODE[norm_code])
+    return Header(method_id, bits, bucket_size, numel, fingerprint, version, NORMS_BY_CODE[norm_code],
+                  budget256 if bits == 0 else 0)
 
 
 def parse_payload(payload) -> tuple[Header, np.ndarray, np.ndarray]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.quantizer import Quantizer
-from ..core.wire import payload_size
 from .base import Allgather, Job, Piece, Steps, Tensor, check_payloads, check_segments
 from .plan import BufferPlan, allgather_bytes, sizes
 
@@ -60,7 +59,7 @@ def gather_streams(job: Job, lengths: list[int] | None = None) -> list[Tensor]:
     n = job.layout.length
     lengths = [n] * t.size if lengths is None else [int(x) for x in lengths]
     payload = job.encode_range(0, n, q, job.seed(0))
-    gathered_sizes = [payload_size(m, q.bits, q.bucket_size) for m in lengths]
+    gathered_sizes = [q.payload_bytes(m) for m in lengths]
     job.count_allgather(gathered_sizes)
     gathered = t.allgather(payload, gathered_sizes, job.name("ag-unordered"))()
     offsets = check_payloads(ops, gathered, lengths, q, "unordered round")

@@ -13,7 +13,7 @@ import numpy as np
 from ..core.methods import get_method
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
-from ..core.wire import HEADER_SIZE, check_header, parse_header, payload_size
+from ..core.wire import HEADER_SIZE, check_header, parse_header
 from .plan import allgather_bytes, alltoall_bytes
 
 Tensor = Any  # a framework tensor (torch.Tensor, np.ndarray): sliceable, 1-D where it matters
@@ -188,16 +188,21 @@ def check_host_segments(host: np.ndarray, expected: Sequence[Sequence[tuple[int,
         offsets.append([])
         for n, q in rank_expected:
             offsets[-1].append(pos)
-            pos += payload_size(n, q.bits, q.bucket_size)
+            pos += q.payload_bytes(n)
     for rank, rank_expected in enumerate(expected):
         for offset, (n, q) in zip(offsets[rank], rank_expected):
             if offset + HEADER_SIZE > host.size:
                 break
             try:
                 header = parse_header(host[offset: offset + HEADER_SIZE])
+                if q.bits == 0 and header.bits == 0 and header.budget256 != q.budget256:
+                    raise ValueError(f"payload made with bit_budget={header.budget256 / 256}, this rank uses "
+                                     f"{q.budget256 / 256}")
                 check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint, q.norm)
                 if header.numel != n:
                     raise ValueError(f"payload has {header.numel} elements, expected {n}")
+                if q.bits == 0 and offset + q.payload_bytes(n) <= host.size:  # widths per bucket: its parts too
+                    q.layout(host, offset, n)
             except ValueError as err:
                 raise ProtocolError(f"{PREFIX}: {what}: the payload of rank {rank} does not match this rank's "
                                     f"({q.method}, bits={q.bits}, bucket_size={q.bucket_size}): {err}") from None
@@ -279,6 +284,12 @@ class Job:
     second_statistics: np.ndarray | None = None  # the owners' statistics of their reduced shards
     _stream: Tensor | None = None
     _frozen: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.widths and self.widths[0].bits == 0:  # widths per bucket: mixed payloads
+            from .mixed import MixedOps
+
+            self.ops = self.ops if isinstance(self.ops, MixedOps) else MixedOps(self.ops)
 
     def frozen(self, quantizer: Quantizer) -> Quantizer:
         """A copy of ``quantizer`` whose levels a later refit does not change (for :class:`Piece`)."""

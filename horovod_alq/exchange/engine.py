@@ -304,7 +304,7 @@ class Engine:
     def _widths(self, keys: Sequence) -> list[Quantizer] | None:
         """``bits="auto"``: the quantizer of each tensor of a round whose tensors are ``keys``."""
         auto = self.state.auto
-        return None if auto is None else [auto.quantizers[w] for w in auto.widths_for(keys)]
+        return None if auto is None else auto.quantizers_for(keys)
 
     def _early_widths(self, rnd: _Round, entries: list[Entry]) -> list[Quantizer] | None:
         """The widths of an early buffer's tensors: the allocation's if the round so far is its
@@ -313,7 +313,7 @@ class Engine:
         if auto is None:
             return None
         keys = [(e.numel, e.shape_code) for e in rnd.entries[:entries[-1].slot + 1]]
-        return [auto.quantizers[w] for w in auto.widths_so_far(keys, entries[0].slot)]
+        return auto.quantizers_for(keys, entries[0].slot, whole=False)
 
     def open_stream(self, ops: TensorOps, stages: Sequence[Transport], *, min_size: int = 0,
                     exchange: str | None = None, error: str | None = None, elements: int = 0,

@@ -9,6 +9,24 @@ from ..core.statistics import auto_statistics, normalize
 from ..core.wire import parse_header
 
 
+def bucket_norms(x: np.ndarray, bucket_size: int, norm: str) -> np.ndarray:
+    """Each bucket's norm (``l2`` or ``linf``; the last bucket may be short), float64."""
+    d, n = int(bucket_size), x.size
+    full = x[: n - n % d].reshape(-1, d).astype(np.float64)
+    rows = [np.sqrt((full ** 2).sum(axis=1)) if norm == "l2" else np.abs(full).max(axis=1, initial=0.0)]
+    if n % d:
+        tail = x[n - n % d:].astype(np.float64)
+        rows.append([np.sqrt((tail ** 2).sum()) if norm == "l2" else np.abs(tail).max()])
+    return np.concatenate(rows)
+
+
+def bucket_index(ids: np.ndarray, n: int, bucket_size: int) -> np.ndarray:
+    """The coordinates of buckets ``ids`` (sorted) of a vector of ``n``, in order."""
+    d = int(bucket_size)
+    idx = (np.asarray(ids, dtype=np.int64)[:, None] * d + np.arange(d)[None, :]).ravel()
+    return idx[idx < n]
+
+
 class NumpyOps:
     """:class:`.base.TensorOps` on host NumPy arrays. ``decode_sum`` accumulates in ``out``'s dtype
     (float32 for the engine's results; float64 where a caller asks for it)."""
@@ -48,6 +66,15 @@ class NumpyOps:
 
     def auto_statistics(self, x, quantizer):
         return auto_statistics(normalize(x, quantizer.bucket_size, quantizer.norm), quantizer.method)
+
+    def bucket_norms(self, x, bucket_size, norm):
+        return bucket_norms(x, bucket_size, norm)
+
+    def take_buckets(self, x, ids, bucket_size):
+        return x[bucket_index(ids, x.size, bucket_size)]
+
+    def add_buckets(self, out, values, ids, bucket_size, scale=1.0):
+        out[bucket_index(ids, out.size, bucket_size)] += values * np.float32(scale)
 
     def cat(self, parts):
         return np.concatenate(list(parts))

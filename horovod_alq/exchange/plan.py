@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..core.quantizer import Quantizer
-from ..core.wire import payload_size
 
 
 @dataclass(frozen=True)
@@ -34,9 +33,8 @@ def sizes(parts: Sequence[tuple[int, int]], quantizer: Quantizer, segments=None,
     :meth:`~.base.Job.segments`), the sum over its runs of one width, each run's quantizer of
     ``phase`` (0: first, 1: second)."""
     if segments is None:
-        return tuple(payload_size(b - a, quantizer.bits, quantizer.bucket_size) for a, b in parts)
-    return tuple(sum(payload_size(rb - ra, codecs[phase].bits, codecs[phase].bucket_size)
-                     for ra, rb, *codecs in segments(a, b)) for a, b in parts)
+        return tuple(quantizer.payload_bytes(b - a) for a, b in parts)
+    return tuple(sum(codecs[phase].payload_bytes(rb - ra) for ra, rb, *codecs in segments(a, b)) for a, b in parts)
 
 
 def allgather_bytes(sizes: Sequence[int], rank: int) -> tuple[int, int]:

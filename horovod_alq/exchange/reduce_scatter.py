@@ -13,7 +13,6 @@ per run of one width within a shard. Streamed rounds only
 
 from __future__ import annotations
 
-from ..core.wire import payload_size
 from .base import Alltoall, Job, Piece, Steps, check_segments
 
 #: Collectives per buffer.
@@ -40,7 +39,7 @@ def steps(job: Job, i: int) -> Steps:
     runs = [job.segments(a, b) for a, b in shards]
     payloads = [job.encode_range(a, b, q, job.seed(i, j) if k == 0 else job.seed(i, j, k, 3))
                 for j, shard_runs in enumerate(runs) for k, (a, b, q, _) in enumerate(shard_runs)]
-    splits = [sum(payload_size(b - a, q.bits, q.bucket_size) for a, b, q, _ in shard_runs) for shard_runs in runs]
+    splits = [sum(q.payload_bytes(b - a) for a, b, q, _ in shard_runs) for shard_runs in runs]
     gathered = yield Alltoall(job.ops.cat(payloads), splits, [splits[me]] * n, f"rs{i}")
     expected = [(b - a, q) for a, b, q, _ in runs[me]]
     offsets = check_segments(job.ops, gathered, [expected] * n, f"shard {me} of buffer {i}")

@@ -45,7 +45,7 @@ DEFAULT_BIT_BUDGET = 3.0
 
 
 def configure(method: str, bits: int | str | None = None, bucket_size: int = 8192, *, norm: str | None = None,
-              bit_budget: float | None = None,
+              bit_budget: float | None = None, bits_per: str | None = None,
               bits_second: int | None = None, update_steps: Sequence[int] | None = None,
               update_every: int | None = None, adapt_second: bool | None = None, clip: bool | float = False,
               seed: int | None = None, on_request: bool = False, front_end: str | None = None) -> Setup:
@@ -56,7 +56,9 @@ def configure(method: str, bits: int | str | None = None, bucket_size: int = 819
     ``bits="auto"`` (adaptive methods): a width from 2 to 8 bits per tensor, chosen at every refit
     under ``bit_budget`` (default :data:`DEFAULT_BIT_BUDGET`; :class:`~horovod_alq.core.allocation.AutoBits`);
     both phases of the two-phase exchange use a tensor's width and levels, so ``bits_second`` and
-    ``adapt_second=True`` are refused. ``front_end``: the name of a front-end that does not serve
+    ``adapt_second=True`` are refused. ``bits_per="bucket"``: a width per bucket of every payload
+    instead, chosen by each rank from its own bucket norms (:mod:`~horovod_alq.core.bucket_widths`;
+    bucket sizes that are multiples of 8). ``front_end``: the name of a front-end that does not serve
     ``bits="auto"`` (named in the error), None for one that does."""
     auto = None
     if isinstance(bits, str):
@@ -72,11 +74,13 @@ def configure(method: str, bits: int | str | None = None, bucket_size: int = 819
         if bits_second is not None or adapt_second:
             raise ValueError("bits='auto' quantizes both phases of the two-phase exchange with each tensor's "
                              "width: bits_second and adapt_second=True do not apply")
-        auto = AutoBits(method, DEFAULT_BIT_BUDGET if bit_budget is None else bit_budget, bucket_size, norm=norm)
+        auto = AutoBits(method, DEFAULT_BIT_BUDGET if bit_budget is None else bit_budget, bucket_size, norm=norm,
+                        bits_per="tensor" if bits_per is None else bits_per)
         first = second = auto.quantizers[auto.default]
         adapt_second = False
-    elif bit_budget is not None:
-        raise ValueError(f"bit_budget applies to bits='auto' only (got bits={bits!r})")
+    elif bit_budget is not None or bits_per is not None:
+        name = "bit_budget" if bit_budget is not None else "bits_per"
+        raise ValueError(f"{name} applies to bits='auto' only (got bits={bits!r})")
     else:
         first = Quantizer(method, bits, bucket_size, clip=clip, norm=norm)
         second = Quantizer(method, first.bits if bits_second is None else bits_second, first.bucket_size,

@@ -126,10 +126,10 @@ class StreamedRound:
                              f"{list(layout.numels)}")
         start = len(self._keys)
         self._keys += tensors
-        bits = auto.widths_for(self._keys)[start:] if whole else auto.widths_so_far(self._keys, start)
+        widths = auto.quantizers_for(self._keys, start, whole)
         if self.collect_first:
             self._rows += list(auto_rows(auto, self.ops, parts))
-        return parts, layout, [auto.quantizers[w] for w in bits]
+        return parts, layout, widths
 
     @property
     def keys(self) -> tuple[tuple[int, int], ...]:
@@ -180,7 +180,7 @@ class StreamedRound:
             request = buf.steps.send(None if wait is None else wait())
         except StopIteration as stop:
             start, length = self.span(buf.job)
-            self._done(buf, Decoded(self.ops, length, stop.value, start), None)
+            self._done(buf, Decoded(buf.job.ops, length, stop.value, start), None)
             return
         except BaseException as exc:  # noqa: BLE001 - the buffer's consumer raises it
             self._done(buf, None, exc)

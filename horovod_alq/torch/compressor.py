@@ -99,6 +99,13 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
     bit_budget : float, optional
         ``bits="auto"`` only: mean bits per coordinate over the compressed tensors (bucket norms,
         32/bucket_size bits per coordinate, not counted), from 2 to 8; default 3.0.
+    bits_per : {"tensor", "bucket"}, optional
+        ``bits="auto"`` only: what gets a width. "tensor" (default): the allocation above, agreed by
+        every rank. "bucket": every quantization bucket of every payload, chosen by each rank at
+        every step from its own bucket norms with an error model of every width refit from the
+        allreduced statistics; the codes of each payload fill ``bit_budget`` (to 1/256 of a bit)
+        and carry a width byte per bucket (docs/design.md, "Bits per bucket"). Bucket sizes that
+        are multiples of 8.
     update_steps : sequence of int, optional
         Rounds (optimizer steps) whose statistics refit the levels; default (0, 100, 2000).
     update_every : int, optional
@@ -159,7 +166,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
     HOROVOD = "horovod.torch"
 
     def __init__(self, method: str | None = None, bits: int | str = 3, bucket_size: int = 8192, *,
-                 bit_budget: float | None = None,
+                 bit_budget: float | None = None, bits_per: str | None = None,
                  update_steps: Sequence[int] | None = None, update_every: int | None = None,
                  min_size: int = 1024, seed: int | None = None, codec: str = "auto",
                  fused: bool | None = None, exchange: str = "auto", fusion_bytes: int | None = None,
@@ -169,7 +176,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         self._method = get_method(method)
         setup = configure(self._method.name, bits, bucket_size, norm=norm, bits_second=bits_second,
                           update_steps=update_steps, update_every=update_every, adapt_second=adapt_second,
-                          seed=seed, bit_budget=bit_budget)
+                          seed=seed, bit_budget=bit_budget, bits_per=bits_per)
         self._quantizer, self._state, seed = setup.quantizer, setup.state, setup.seed
         self.min_size = frontends.check_min_size(min_size)
         self._engine = setup.engine(exchange=exchange, fusion_bytes=fusion_bytes, uid=None,
@@ -187,7 +194,8 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         self._ops: dict[str, TorchOps] = {}
         # Without process_set=, allreduces over other process sets get a compressor of their own
         # (made at first use, with these settings): levels, statistics and rounds per set.
-        self._settings = dict(bits=bits, bucket_size=bucket_size, bit_budget=bit_budget, update_steps=update_steps,
+        self._settings = dict(bits=bits, bucket_size=bucket_size, bit_budget=bit_budget, bits_per=bits_per,
+                              update_steps=update_steps,
                               update_every=update_every, min_size=self.min_size, seed=seed,
                               codec=self._codec, exchange=exchange, fusion_bytes=fusion_bytes,
                               bits_second=bits_second, adapt_second=adapt_second,

@@ -78,6 +78,10 @@ class ALQState(StreamedState):
         :class:`horovod_alq.torch.ALQCompressor` does (a DDP bucket carries its parameters' widths).
     bit_budget : float, optional
         ``bits="auto"`` only: mean bits per coordinate of the compressed buckets; default 3.0.
+    bits_per : {"tensor", "bucket"}, optional
+        ``bits="auto"`` only: what gets a width (default "tensor"); "bucket": every quantization
+        bucket of every payload, chosen by each rank from its own bucket norms, as
+        :class:`horovod_alq.torch.ALQCompressor` does.
     bucket_size : int
         Coordinates per float32 norm (not DDP's bucket: those are ``bucket_cap_mb``). Default 8192.
     exchange : {"auto", "allgather", "two-phase"}
@@ -127,13 +131,14 @@ class ALQState(StreamedState):
 
     def __init__(self, process_group=None, method: str = "alq", bits: int | str = 3, bucket_size: int = 8192,
                  exchange: str = "auto", seed: int | None = None, *, bit_budget: float | None = None,
+                 bits_per: str | None = None,
                  update_steps: Sequence[int] | None = None,
                  update_every: int | None = None, min_size: int = 1024, codec: str = "auto",
                  fusion_bytes: int | None = None, bits_second: int | None = None,
                  adapt_second: bool | None = None, norm: str | None = None, timeout: float | None = None) -> None:
         self._configure(process_group, method, bits, bucket_size, exchange, seed, update_steps, update_every,
                         min_size, codec, fusion_bytes, bits_second, adapt_second, norm, uid="ddp", timeout=timeout,
-                        bit_budget=bit_budget)
+                        bit_budget=bit_budget, bits_per=bits_per)
         self._last = -1  # the index of the step's last bucket so far
 
     def _config(self) -> dict:

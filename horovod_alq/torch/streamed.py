@@ -36,7 +36,7 @@ class StreamedState:
                    seed: int | None, update_steps: Sequence[int] | None, update_every: int | None,
                    min_size: int, codec: str, fusion_bytes: int | None, bits_second: int | None,
                    adapt_second: bool | None, norm: str | None, uid: str, timeout: float | None,
-                   bit_budget: float | None = None) -> None:
+                   bit_budget: float | None = None, bits_per: str | None = None) -> None:
         m = get_method(method)
         if m.name == "terngrad":
             bits = 2
@@ -46,10 +46,11 @@ class StreamedState:
         self.codec = codecs.check_name(codec)
         setup = configure(m.name, bits, bucket_size, norm=norm, bits_second=bits_second,
                           update_steps=update_steps, update_every=update_every, adapt_second=adapt_second,
-                          seed=seed, bit_budget=bit_budget, front_end=None if self.AUTO_BITS else f"the {self.what}")
+                          seed=seed, bit_budget=bit_budget, bits_per=bits_per, front_end=None if self.AUTO_BITS else f"the {self.what}")
         auto = setup.state.auto
         self.bits = "auto" if auto is not None else setup.quantizer.bits
         self.bit_budget = None if auto is None else auto.budget
+        self.bits_per = None if auto is None else auto.bits_per
         self.bucket_size, self.norm = setup.quantizer.bucket_size, setup.quantizer.norm
         self.round_state, self.seed = setup.state, setup.seed
         self.engine = setup.engine(exchange=exchange, fusion_bytes=fusion_bytes, uid=uid)
@@ -104,6 +105,8 @@ class StreamedState:
         config = {k: getattr(self, k) for k in ("method", "bits", "bucket_size", "norm", "min_size", "codec")}
         if self.bit_budget is not None:
             config["bit_budget"] = self.bit_budget
+        if self.bits_per == "bucket":
+            config["bits_per"] = self.bits_per
         config["timeout"] = 0 if self.timeout == float("inf") else self.timeout
         st = self.round_state
         config.update(update_steps=st.schedule.steps, update_every=st.schedule.every)

@@ -75,3 +75,20 @@ def auto_error(auto: AutoBits, quantized: list, keys: list) -> tuple[float, list
     first refit) and the widths it used."""
     bits = list(auto.widths_for(keys))
     return sum(exact_error(auto.quantizers[w], g) for w, (_, g) in zip(bits, quantized)), bits
+
+
+def bucket_auto_error(auto: AutoBits, quantized: list) -> tuple[float, float]:
+    """``bits_per="bucket"``: E||Q(g) - g||^2 of the round when the quantized tensors travel in one
+    payload (each from a bucket boundary, as a fusion buffer lays them out) whose buckets take the
+    widths the compressor picks from their norms, and the mean bits per coordinate it spent."""
+    from horovod_alq.core.allocation import AUTO_WIDTHS
+    from horovod_alq.exchange.numpy_ops import bucket_norms
+
+    d, norm = auto.mixed.bucket_size, auto.mixed.norm
+    errors, sizes, _ = bucket_error_matrix([auto.quantizers[w] for w in AUTO_WIDTHS], quantized)
+    squared = np.concatenate([bucket_norms(g, d, norm) for _, g in quantized]) ** 2
+    lengths = np.full(len(sizes), d)
+    lengths[-1] = sizes[-1]
+    widths = auto.mixed.widths(squared, lengths, int(lengths.sum()))
+    return float(errors[np.arange(len(widths)), widths.astype(int) - AUTO_WIDTHS[0]].sum()), \
+        float((lengths * widths).sum() / lengths.sum())

@@ -6,8 +6,9 @@ and report the held-out loss (and bits per character) of each on rank 0.
     mpirun -np 4 python -m scripts.demo.train_gpt --methods alq@3,qsgdinf@3,none
     mpirun -np 4 python -m scripts.demo.train_gpt --methods psgd2,psgd-match,fp16 --steps 300 --json out.json
 
-A method is ``name``, ``name@bits`` or ``name@auto<budget>`` (``alq@auto2.5``: ``bits="auto"``,
-``bit_budget=2.5``, a width per tensor chosen at every refit; Horovod path, ALQ and AMQ forms only):
+A method is ``name``, ``name@bits``, ``name@auto<budget>`` (``alq@auto2.5``: ``bits="auto"``,
+``bit_budget=2.5``, a width per tensor chosen at every refit) or ``name@bucket<budget>``
+(``bits_per="bucket"``: a width per bucket of every payload; Horovod path, ALQ and AMQ forms only):
 - Horovod (``hvd.DistributedOptimizer`` around AdamW): the quantized methods of scripts/demo/train.py
   (alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad; with -l2/-linf and -ag/-2p suffixes),
   ``none`` (fp32) and ``fp16`` (Horovod's compressors);
@@ -77,14 +78,15 @@ def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
     if not known:
         raise SystemExit(f"unknown method {name!r}: a quantized method ({', '.join(QUANTIZED[:8])}, ...), "
                          f"none, fp16, psgd<rank>, psgd-match or ddp-<quantized method>")
-    if bits.startswith("auto"):
+    if bits.startswith(("auto", "bucket")):
+        kind = "auto" if bits.startswith("auto") else "bucket"
         if name not in QUANTIZED or split_norm(name)[0] not in ADAPTIVE:
             raise SystemExit(f"{spec!r}: bits='auto' is for the Horovod compressors of {', '.join(ADAPTIVE)} "
                              f"(with their -l2/-linf/-ag/-2p forms), not {name!r}")
         from horovod_alq.core.allocation import check_budget
 
         try:
-            return name, "auto", check_budget(float(bits[4:]))
+            return name, kind, check_budget(float(bits[len(kind):]))
         except ValueError as exc:
             raise SystemExit(f"{spec!r}: name@auto<budget> with a budget from 2 to 8 (alq@auto2.5): {exc}") from None
     if bits and not bits.isdigit():
@@ -148,6 +150,8 @@ def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budge
     steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
     kw = dict(bits=bits or 3, bucket_size=args.bucket_size, update_steps=steps, update_every=args.update_every,
               min_size=args.min_size, seed=args.seed, **({"bit_budget": bit_budget} if bits == "auto" else {}))
+    if bits == "bucket":  # name@bucket<budget>: widths per bucket
+        kw.update(bits="auto", bit_budget=bit_budget, bits_per="bucket")
     extra = {}
     if name in QUANTIZED or name in BASELINES:
         if name == "none":
@@ -235,6 +239,8 @@ def train(spec: str, args, data, hvd) -> dict:
             out.update(bit_budget=m["bit_budget"], allocation=[int(b) for b in m["allocation"]],
                        allocated_mean_bits=float(m["allocated_mean_bits"]),
                        allocation_elements=[int(k[0]) for k in state.state_dict()["auto"]["keys"]])
+        if bits == "bucket":
+            out.update(bit_budget=m["bit_budget"], bits_per=m["bits_per"])
     if not math.isfinite(out["train_loss_last50"]):
         out["diverged"] = True
     return out

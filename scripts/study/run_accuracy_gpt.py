@@ -9,6 +9,7 @@ and a plot of the learning curves.
     python -m scripts.study.run_accuracy_gpt --out-dir docs                 # the core grid, 5 seeds
     python -m scripts.study.run_accuracy_gpt --grid wide --seeds 0,1 --out-dir docs   # the wider grid
     python -m scripts.study.run_accuracy_gpt --grid auto --out-dir docs     # bits="auto" under a budget
+    python -m scripts.study.run_accuracy_gpt --grid bucket --out-dir docs   # bits_per="bucket" under a budget
     python -m scripts.study.run_accuracy_gpt --quick --out-dir /tmp/g       # 2 ranks, 1 seed, 20 steps
 
 Every launch writes its JSON under <out-dir>/accuracy_gpt_raw; a launch whose JSON exists is
@@ -44,6 +45,8 @@ GRIDS = {
     # bits="auto": a width from 2 to 8 per tensor under a mean budget (name@auto<budget>), against
     # the core grid's fixed widths on the same seeds
     "auto": [["alq@auto2.5", "alq@auto3"]],
+    # bits_per="bucket": a width per bucket of every payload under the budget (name@bucket<budget>)
+    "bucket": [["alq@bucket2.5", "alq@bucket3"]],
 }
 # Same-seed comparisons shown in the second table: (row, against).
 PAIRS = [("alq@3", "qsgdinf@3"), ("amq@3", "qsgdinf@3"), ("alq@2", "qsgdinf@2"), ("alq@2", "terngrad"),
@@ -54,7 +57,8 @@ PAIRS = [("alq@3", "qsgdinf@3"), ("amq@3", "qsgdinf@3"), ("alq@2", "qsgdinf@2"),
          ("amq@3", "amq-l2@3"), ("alq-ag@3", "alq@3"), ("amq-ag@3", "amq@3"), ("qsgdinf-ag@3", "qsgdinf@3"),
          ("nuqsgd@3", "qsgdinf@3"),
          # bits="auto" against fixed widths (the core grid's runs of the same seeds)
-         ("alq@auto2.5", "alq@3"), ("alq@auto3", "alq@3"), ("alq@auto2.5", "alq@2")]
+         ("alq@auto2.5", "alq@3"), ("alq@auto3", "alq@3"), ("alq@auto2.5", "alq@2"),
+         ("alq@bucket2.5", "alq@3"), ("alq@bucket3", "alq@3"), ("alq@bucket2.5", "alq@auto2.5")]
 LABELS = {"none": "fp32", "fp16": "fp16", "terngrad": "TernGrad", "psgd2": "PowerSGD rank 2"}
 
 
@@ -182,8 +186,8 @@ def order(labels) -> list:
         spec, _, bucket = label.partition("/")
         name, _, bits = spec.partition("@")
         rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
-        auto = bits.startswith("auto")
-        return (rank, -float(bits.removeprefix("auto") or 0), bucket, auto, name)
+        auto = bits.startswith(("auto", "bucket"))
+        return (rank, -float(bits.removeprefix("auto").removeprefix("bucket") or 0), bucket, auto, name)
     return sorted(labels, key=key)
 
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import AUTO_WIDTHS, AutoBits, allocate_bits
-from scripts.common.auto_bits import (auto_error, auto_refit, best_allocation, bucket_error_matrix,
+from scripts.common.auto_bits import (auto_error, auto_refit, best_allocation, bucket_auto_error, bucket_error_matrix,
                                      quantized_tensors, refit_from)
 from scripts.common.cnn import Net, load_digits
 from scripts.study.compare_models import normalized_variance
@@ -355,6 +355,8 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
                            for w in AUTO_WIDTHS] for label in labels for d in buckets}
     autos = {(label, d, b): AutoBits(split_norm(label)[0], b, d, split_norm(label)[1])
              for label in labels for d in buckets for b in budgets}
+    per_bucket_autos = {(label, d, b): AutoBits(split_norm(label)[0], b, d, split_norm(label)[1], bits_per="bucket")
+                        for label in labels for d in buckets for b in budgets}
     record: dict = {"iterations": [], "loss": [], "float32_share": [], "variance": {}, "bits": {}}
     bucket_widths: dict = {}  # (label, d, budget) -> width index per bucket, fitted at the last refit
     refit_seconds, start = 0.0, time.monotonic()
@@ -386,6 +388,10 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
                 err, bits = auto_error(auto, quantized, keys)
                 record["variance"].setdefault(f"{label}|{d}|{b}", []).append(err / total)
                 record["bits"].setdefault(f"{label}|{d}|{b}", []).append(bits)
+            for (label, d, b), auto in per_bucket_autos.items():
+                err, mean_bits = bucket_auto_error(auto, quantized)
+                record["variance"].setdefault(f"{label}|{d}|{b}|bucket_auto", []).append(err / total)
+                record["bits"].setdefault(f"{label}|{d}|{b}|bucket_auto_mean", []).append(mean_bits)
         if t in paper_steps:
             a = time.perf_counter()
             for (label, d), qs in widths.items():
@@ -395,7 +401,7 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
                 for b in budgets:  # widths per bucket from this gradient, kept until the next refit
                     bits = allocate_bits(per_bucket, bucket_sizes, b, AUTO_WIDTHS).bits
                     bucket_widths[label, d, b] = np.searchsorted(AUTO_WIDTHS, bits)
-            for auto in autos.values():
+            for auto in (*autos.values(), *per_bucket_autos.values()):
                 auto_refit(auto, quantized, sizes, keys)
             refit_seconds += time.perf_counter() - a
         if t % 500 == 0:
@@ -451,14 +457,18 @@ def auto_report(record: dict) -> str:
              "same with a width per quantization bucket instead of per tensor (allocate_bits' exact optimum over "
              "the buckets): what widths per bucket could reach; *kept*: widths per bucket allocated at each refit "
              "(from that gradient's errors, with the refitted levels) and kept until the next, as a compressor "
-             "would keep them.", "",
+             "would keep them. *bits_per=bucket*: the compressors' `bits=\"auto\", bits_per=\"bucket\"` "
+             "(`horovod_alq.core.bucket_widths`): every width's levels and the error model refitted at the same "
+             "refits from all quantized tensors' statistics, and at every iteration each bucket's width chosen "
+             "from that gradient's bucket norms, the quantized tensors in one payload (one fusion buffer, "
+             "allgather).", "",
              "**Mean over the measurements after iteration 0** (ratio of the means to uniform 3 bits; widths in the "
              "order of the quantized tensors):", "",
              "| method, bucket | uniform 3 bits | "
              + " | ".join(f"auto {b} | ratio | best {b} | ratio | per bucket {b} | ratio | per bucket, kept {b} | ratio"
-                          for b in budgets)
+                          f" | bits_per=bucket {b} | ratio" for b in budgets)
              + " | auto's widths at the last refit (" + " / ".join(map(str, budgets)) + ") |",
-             "|---|---:|" + "---:|---:|---:|---:|---:|---:|---:|---:|" * len(budgets) + "---|"]
+             "|---|---:|" + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" * len(budgets) + "---|"]
     after0 = it > 0
     for label in record["labels"]:
         for d in record["buckets"]:
@@ -466,7 +476,7 @@ def auto_report(record: dict) -> str:
             cells = []
             for b in budgets:
                 for key in (f"{label}|{d}|{b}", f"{label}|{d}|{b}|best", f"{label}|{d}|{b}|best_bucket",
-                            f"{label}|{d}|{b}|bucket_stale"):
+                            f"{label}|{d}|{b}|bucket_stale", f"{label}|{d}|{b}|bucket_auto"):
                     a = v[key][after0].mean() if key in v else np.nan
                     cells += [f"{a:.3g}", f"{a / u:.2f}"]
             widths = " / ".join(" ".join(map(str, record["bits"][f"{label}|{d}|{b}"][-1])) for b in budgets)
@@ -491,7 +501,8 @@ def auto_report(record: dict) -> str:
     lines += [""] + [f"bits='auto' at budget {b}: ratio {min(r):.2f} to {max(r):.2f}" + (
         f"; target at most {target[b]}x met in {sum(x <= target[b] for x in r)} of {len(r)} rows." if b in target
         else ".") for b, r in met.items()]
-    for kind, name in (("best_bucket", "Widths per bucket"), ("bucket_stale", "Widths per bucket, kept")):
+    for kind, name in (("best_bucket", "Widths per bucket"), ("bucket_stale", "Widths per bucket, kept"),
+                       ("bucket_auto", "bits_per='bucket'")):
         finer = {b: [v[f"{label}|{d}|{b}|{kind}"][after0].mean() / v[f"{label}|{d}|uniform3"][after0].mean()
                      for label in record["labels"] for d in record["buckets"] if f"{label}|{d}|{b}|{kind}" in v]
                  for b in budgets}

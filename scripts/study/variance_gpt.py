@@ -41,7 +41,7 @@ import torch
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import AutoBits, allocate_bits
-from scripts.common.auto_bits import (auto_error, auto_refit, error_matrix, exact_error, quantized_tensors,
+from scripts.common.auto_bits import (auto_error, auto_refit, bucket_auto_error, error_matrix, exact_error, quantized_tensors,
                                      refit_from)
 from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
 
@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     current = {}  # (method, budget) -> bits per quantized tensor, from the last refit
     # the compressors' own bits="auto" state (previous levels for the allocation, then a refit per width)
     autos = {(m, b): AutoBits(m, b, args.bucket_size) for m in ALLOC_METHODS for b in budgets}
+    per_bucket = {(m, b): AutoBits(m, b, args.bucket_size, bits_per="bucket") for m in ALLOC_METHODS for b in budgets}
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     train_ids, _, chars = char_splits()
@@ -139,6 +140,9 @@ def main(argv=None) -> int:
                 for (m, budget), auto in autos.items():
                     err, _ = auto_error(auto, quantized, keys)
                     record["allocation"][f"{m}|{budget}"][-1]["compressor"] = err / total
+                for (m, budget), auto in per_bucket.items():
+                    err, _ = bucket_auto_error(auto, quantized)
+                    record["allocation"][f"{m}|{budget}"][-1]["per_bucket"] = err / total
         if t in refits:
             for (label, b), q in quantizers.items():
                 if q.method in ("alq", "alq-n", "amq", "amq-n"):
@@ -146,6 +150,8 @@ def main(argv=None) -> int:
             if budgets:
                 for q in widths.values():
                     refit_from(q, quantized)
+                for auto in per_bucket.values():
+                    auto_refit(auto, quantized, sizes, keys)
                 for (m, budget), auto in autos.items():
                     bits = auto_refit(auto, quantized, sizes, keys)
                     record["compressor_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = bits
@@ -221,10 +227,14 @@ def allocation_report(record: dict, after0) -> list[str]:
              "(allocate_bits' exact optimum: gap 0 unless its budget grid was coarse); both with every width's levels fitted "
              "from all tensors. bits='auto': the compressors' own AutoBits (allocated with the previous refit's "
              "levels, each width then refit from its own tensors; uniform 3 bits before the first refit), "
-             "its allocation kept until the next refit.", "",
+             "its allocation kept until the next refit. bits_per='bucket': the compressors' widths per bucket "
+             "(horovod_alq.core.bucket_widths; every width and the error model refit at the same refits, each "
+             "bucket's width chosen from the measured gradient's bucket norms, the quantized tensors in one "
+             "payload).", "",
              "| method, budget | uniform 3 bits | allocated, stale | stale / uniform 3 | oracle | oracle / uniform 3 | "
-             "gap / oracle | bits='auto' (the compressors) | / uniform 3 | bits per tensor at the last refit |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "gap / oracle | bits='auto' (the compressors) | / uniform 3 | bits_per='bucket' | / uniform 3 | "
+             "bits per tensor at the last refit |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for key, rows in record["allocation"].items():
         m, budget = key.split("|")
         uniform = _mean(rows, "uniform3", after0)
@@ -234,8 +244,10 @@ def allocation_report(record: dict, after0) -> list[str]:
         last = refits[max(refits, key=int)] if refits else []
         shown = " ".join(str(b) for b in last)
         comp = _mean(rows, "compressor", after0)
+        finer = _mean(rows, "per_bucket", after0) if "per_bucket" in rows[-1] else float("nan")
         lines.append(f"| {m}, {budget} | {uniform:.3g} | {stale:.3g} | {stale / uniform:.2f} | {oracle:.3g} | "
-                     f"{oracle / uniform:.2f} | {gap / oracle:.1e} | {comp:.3g} | {comp / uniform:.2f} | {shown} |")
+                     f"{oracle / uniform:.2f} | {gap / oracle:.1e} | {comp:.3g} | {comp / uniform:.2f} | "
+                     f"{finer:.3g} | {finer / uniform:.2f} | {shown} |")
     names = record.get("quantized_parameters", [])
     lines += ["", "Tensors in that order: " + ", ".join(f"{n} ({s})" for n, s in
                                                         zip(names, record.get("quantized_sizes", []))) + ".", ""]

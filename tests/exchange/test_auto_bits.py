@@ -8,7 +8,7 @@ import pytest
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.exchange.setup import configure
-from threaded import exchange_round
+from threaded import exchange_round, start_early
 
 SCALES = (100.0, 1.0, 0.01, 3.0)  # the gradients of four tensors differ by orders of magnitude
 SIZES = (300, 500, 200, 640)
@@ -89,9 +89,7 @@ def test_overlapped_buffers_use_the_allocation_and_give_the_same_sums():
         engines = [s.engine(exchange="allgather", uid="t", fusion_bytes=4 * 700, early=early) for s in setups]
         ops = NumpyOps()
         if early:
-            for e in engines:
-                add = e.add
-                e.add = lambda *a, _add=add, **k: _add(*a, ops=ops, **k)
+            start_early(engines, ops)
         outs = [exchange_round(engines, [_grads(step, r) for r in range(n)], ops, f"s{step}") for step in range(3)]
         results[early] = (outs, setups[0].state.metrics())
     assert results[True][1]["allocation"] == results[False][1]["allocation"]

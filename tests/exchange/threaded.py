@@ -89,3 +89,11 @@ def exchange_round(engines, tensors, ops, tag: str, hub: Hub | None = None) -> l
         return [engines[r].finish(e, v, ops, t)[0] * 1 for (e, _), v in zip(entries, reduced)]
 
     return hub.outcomes(rank)
+
+
+def start_early(engines, ops) -> None:
+    """Make each engine's ``add`` pass ``ops`` (what Horovod's compressors do with ``overlap=True``),
+    so that a fusion buffer starts its exchange as soon as it is complete."""
+    for e in engines:
+        add = e.add
+        e.add = lambda *a, _add=add, **k: _add(*a, ops=ops, **k)

@@ -385,11 +385,24 @@ def test_auto_identical_on_every_rank_within_budget_with_more_bits_for_the_large
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("case", ["unbiased.allgather", "unbiased.two-phase", "unbiased.fixed"])
+@pytest.mark.parametrize("case", ["unbiased.allgather", "unbiased.two-phase", "unbiased.fixed", "unbiased.bucket"])
 def test_lists_unbiased(launched, case):
-    """Mixed widths in one round (bits="auto") and a list with fixed bits: per-bucket t tests."""
+    """Mixed widths in one round (bits="auto", per array or, ``unbiased.bucket``, per bucket) and a
+    list with fixed bits: per-bucket t tests."""
     _assert_t_unbiased(launched[0]["auto"][case])
     assert _same_on_every_rank(launched, lambda r: r["auto"][case]["digest"])
+
+
+@pytest.mark.multiproc
+def test_widths_per_bucket_send_the_budgets_payload_and_agree_on_every_rank(launched):
+    res = launched[0]["auto"]["unbiased.bucket"]
+    assert res["updated"] and res["level_updates"] == 1 and res["allocation"] == []
+    assert _same_on_every_rank(launched, lambda r: r["auto"]["unbiased.bucket"]["width_levels"])
+    assert max(res["rel_err"]) < 1.0, res["rel_err"]  # a quantized average, not noise
+    if res["exchange"] == "allgather":  # one mixed payload per call, of the size the budget fixes
+        # the bits go where the norm is, across the list (two-phase: within each rank's shard only)
+        assert res["rel_err"][0] < 0.3, res["rel_err"]
+        assert res["bytes_per_call"] == res["expected_bytes"]
 
 
 @pytest.mark.multiproc

@@ -707,12 +707,14 @@ def test_the_exchange_calls_its_codec_at_all_three_places(name, method):
     np.testing.assert_allclose(ops.statistics(x, q), q.statistics(x.numpy()), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits_per", ["tensor", "bucket"])
 @pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
-def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchange):
+def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchange, bits_per):
     """bits="auto" through the exchange engine on 3 thread ranks with this backend: after the refit,
-    tensors of widths chosen apart share one fusion buffer; the decoded sum is identical on every
-    rank and unbiased (per bucket t tests at 1e-6, Bonferroni over the buckets, 60 rounds; Triton's
-    interpreter, at seconds a round: allgather, one rank, 6 buckets, 20 rounds)."""
+    tensors of widths chosen apart (``bits_per="bucket"``: buckets, in mixed payloads) share one
+    fusion buffer; the decoded sum is identical on every rank and unbiased (per bucket t tests at
+    1e-6, Bonferroni over the buckets, 60 rounds; Triton's interpreter, at seconds a round:
+    allgather, one rank, 6 buckets, 20 rounds)."""
     import sys
     from pathlib import Path
 
@@ -729,8 +731,8 @@ def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchang
         pytest.skip("Triton's interpreter: the allgather case covers its codec's runs of several widths")
     n, rounds, d, scales = (1 if slow else 3), (20 if slow else 60), 64, (100.0, 1.0, 0.01)
     sizes = (130, 190, 64) if slow else (300, 520, 200)
-    setups = [configure("alq", "auto", d, bit_budget=3.0, update_steps=(0,), update_every=0, seed=5)
-              for _ in range(n)]
+    setups = [configure("alq", "auto", d, bit_budget=3.0, bits_per=bits_per, update_steps=(0,), update_every=0,
+                        seed=5) for _ in range(n)]
     engines = [s.engine(exchange=exchange, uid="c") for s in setups]
     ops = TorchOps("cpu", "torch")
     ops.codec = _Serialized(codec)  # Triton's interpreter is not thread-safe; the ranks are threads
@@ -743,11 +745,40 @@ def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchang
         outs = exchange_round(engines, xs, ops, f"s{step}")
         assert all(torch.equal(a, b) for o in outs[1:] for a, b in zip(outs[0], o))
         devs.append(torch.cat([(o.double() - tr) / s for o, tr, s in zip(outs[0], truth, scales)]).numpy())
-    assert len(set(setups[0].state.metrics()["allocation"])) > 1
+    if bits_per == "tensor":
+        assert len(set(setups[0].state.metrics()["allocation"])) > 1
+    else:  # a payload of rank 0's stream: buckets of several widths, within the budget
+        from horovod_alq.core.bucket_widths import bucket_lengths
+        from horovod_alq.exchange.mixed import MixedOps
+
+        mixed = setups[0].state.auto.mixed
+        x = torch.cat([torch.cat([t, torch.zeros(-len(t) % d)]) for t in xs[0]])
+        widths, _ = mixed.layout(MixedOps(ops).encode(x, mixed, 3).numpy(), 0, x.numel())
+        assert len(set(widths.tolist())) > 2 and (bucket_lengths(x.numel(), d) * widths).sum() <= 3 * x.numel()
     dev = np.array(devs)
     per_bucket = np.add.reduceat(dev, np.arange(0, dev.shape[1], d), axis=1)
     t_stat = per_bucket.mean(0) / (per_bucket.std(0, ddof=1) / np.sqrt(len(dev)))
     assert np.abs(t_stat).max() < t.isf(1e-6 / (2 * per_bucket.shape[1]), len(dev) - 1)
+
+
+@pytest.mark.parametrize("norm", ["l2", "linf"])
+@pytest.mark.parametrize("n", [0, 64, 200, 1000])
+def test_torch_bucket_ops_match_numpy(norm, n):
+    """What mixed payloads need from the tensor ops: bucket norms, buckets taken and added back
+    (the short last bucket included), on torch as on NumPy."""
+    from horovod_alq.exchange.numpy_ops import NumpyOps
+    from horovod_alq.torch.ops import TorchOps
+
+    x = _x(n, torch.float32, seed=2) if n else torch.zeros(0)
+    ops, ref = TorchOps("cpu", "torch"), NumpyOps()
+    np.testing.assert_allclose(ops.bucket_norms(x, 64, norm), ref.bucket_norms(x.numpy(), 64, norm), rtol=1e-6)
+    ids = np.arange(-(-n // 64))[::2]
+    taken = ops.take_buckets(x, ids, 64)
+    np.testing.assert_array_equal(taken.numpy(), ref.take_buckets(x.numpy(), ids, 64))
+    out, expected = torch.ones(n), np.ones(n, dtype=np.float32)
+    ops.add_buckets(out, taken, ids, 64, scale=0.5)
+    ref.add_buckets(expected, taken.numpy(), ids, 64, scale=0.5)
+    np.testing.assert_array_equal(out.numpy(), expected)
 
 
 class _Serialized:

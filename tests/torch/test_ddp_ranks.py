@@ -74,6 +74,20 @@ def test_unbiased_with_widths_chosen_per_parameter(ranks):
         assert _same(ranks, lambda r: r["unbiased_auto"][exchange]["allocation"])
 
 
+def test_unbiased_with_widths_chosen_per_bucket(ranks):
+    """bits_per="bucket": each rank's payload of the one DDP bucket (3000 coordinates, bucket 128)
+    holds widths per bucket chosen from its own norms, of the size the budget fixes."""
+    from horovod_alq.core.bucket_widths import mixed_payload_size
+
+    for exchange, u in ranks[0]["unbiased_bucket"].items():
+        assert u["exchange"] == exchange and u["bits_per"] == "bucket" and u["allocation"] == []
+        assert u["t_buckets_max"] < student.isf(1e-6 / (2 * u["buckets"]), u["reps"] - 1), u
+        assert _same(ranks, lambda r: r["unbiased_bucket"][exchange]["digest"])
+        if exchange == "allgather":
+            assert u["payload_bytes"] == u["rounds"] * mixed_payload_size(3000, 128, 3 * 256), u
+    assert ranks[0]["train"]["alq/auto-bucket"]["bits_per_coordinate"] < 3.0
+
+
 def test_checkpoint_round_trip(ranks):
     for r in ranks:
         c = r["checkpoint"]

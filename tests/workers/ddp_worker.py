@@ -166,7 +166,8 @@ class _Dots(torch.nn.Module):
         return sum((w * c).sum() for w, c in zip(self.ws, cs))
 
 
-def unbiased_auto(rank: int, size: int, exchange: str, reps: int = 60, bucket: int = 128) -> dict:
+def unbiased_auto(rank: int, size: int, exchange: str, reps: int = 60, bucket: int = 128,
+                  bits_per: str = "tensor") -> dict:
     """bits="auto": three parameters whose gradients differ 10^4-fold in scale share one DDP bucket;
     after the refit of step 0 they travel at different widths. t statistics as :func:`unbiased`."""
     sizes, scales = (1000, 1500, 500), (100.0, 1.0, 0.01)
@@ -175,8 +176,8 @@ def unbiased_auto(rank: int, size: int, exchange: str, reps: int = 60, bucket: i
     truth = np.concatenate([np.mean([c[k].astype(np.float64) for c in cs], axis=0) / s
                             for k, s in enumerate(scales)])
     model = DDP(_Dots(sizes), bucket_cap_mb=1)
-    state = ALQState(method="alq", bits="auto", bit_budget=3.0, bucket_size=bucket, exchange=exchange, seed=3,
-                     update_steps=(0,), update_every=0)
+    state = ALQState(method="alq", bits="auto", bit_budget=3.0, bits_per=bits_per, bucket_size=bucket,
+                     exchange=exchange, seed=3, update_steps=(0,), update_every=0)
     model.register_comm_hook(state, alq_hook)
     mine = [torch.from_numpy(c) for c in cs[rank]]
     outs = []
@@ -191,6 +192,7 @@ def unbiased_auto(rank: int, size: int, exchange: str, reps: int = 60, bucket: i
     m = state.metrics()
     return {"t_buckets_max": float(np.abs(t).max()), "buckets": per_bucket.shape[1], "reps": reps,
             "allocation": m["allocation"], "exchange": m["exchange"], "bits": state.bits,
+            "bits_per": m["bits_per"], "payload_bytes": m["payload_bytes"], "rounds": m["step"],
             "digest": hashlib.sha1(np.stack(outs).tobytes()).hexdigest()}
 
 
@@ -372,8 +374,12 @@ def main() -> None:
                                                            gradient_as_bucket_view=True)
     out["train"]["alq/auto"] = training(rank, "alq", "auto", args.steps,
                                         state_kwargs=dict(bits="auto", bit_budget=2.5))
+    out["train"]["alq/auto-bucket"] = training(rank, "alq", "auto", args.steps,
+                                               state_kwargs=dict(bits="auto", bit_budget=2.5, bits_per="bucket"))
     out["unbiased"] = {ex: unbiased(rank, size, ex, reps=args.reps) for ex in ("allgather", "two-phase")}
     out["unbiased_auto"] = {ex: unbiased_auto(rank, size, ex, reps=args.reps) for ex in ("allgather", "two-phase")}
+    out["unbiased_bucket"] = {ex: unbiased_auto(rank, size, ex, reps=args.reps, bits_per="bucket")
+                              for ex in ("allgather", "two-phase")}
     out["checkpoint"] = checkpoint(rank)
     out["nonfinite"] = nonfinite(rank)
     if size > 2:

@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from common import report
 
+from horovod_alq.core.bucket_widths import mixed_payload_size
 from horovod_alq.core.methods import get_method
 from horovod_alq.core.statistics import normalize
 from horovod_alq.core.wire import payload_size
@@ -436,7 +437,7 @@ def list_wire(sizes, widths, bucket: int) -> int:
     return sum(payload_size(n, w, bucket) for n, w in runs)
 
 
-def list_unbiased(comm, bits, exchange: str, reps: int) -> dict:
+def list_unbiased(comm, bits, exchange: str, reps: int, bits_per: str = "tensor") -> dict:
     """A list of three arrays, levels (and widths) fitted once, then ``reps`` calls with fixed levels.
     The calls are independent: per bucket of each array, the t-statistic of the mean deviation
     (normalized by the array's scale) of the output from the exact average; and of its sum over all
@@ -444,7 +445,7 @@ def list_unbiased(comm, bits, exchange: str, reps: int) -> dict:
     world = MPI.COMM_WORLD.Get_rank()
     members = comm.allgather(world)
     truth = [np.mean([auto_arrays(r)[k].astype(np.float64) for r in members], axis=0) for k in range(3)]
-    kw = dict(bits=bits, bit_budget=2.5) if bits == "auto" else dict(bits=bits)
+    kw = dict(bits=bits, bit_budget=2.5, bits_per=bits_per) if bits == "auto" else dict(bits=bits)
     ar = QuantizedAllreduce(comm, "alq", bucket_size=AUTO_BUCKET, seed=21, exchange=exchange, **kw)
     for step in range(2):  # the rows (statistics) of both calls are added
         outs = ar(auto_arrays(world, step))
@@ -481,7 +482,8 @@ def list_unbiased(comm, bits, exchange: str, reps: int) -> dict:
         "default_bits": m.get("default_bits"),
         "width_levels": {str(w): v.tolist() for w, v in m.get("width_levels", {}).items()},
         "bytes_per_call": (m["payload_bytes"] - before) / reps,
-        "expected_bytes": list_wire(AUTO_SIZES, widths, AUTO_BUCKET),
+        "expected_bytes": (mixed_payload_size(sum(AUTO_SIZES), AUTO_BUCKET, 640) if bits_per == "bucket"
+                           else list_wire(AUTO_SIZES, widths, AUTO_BUCKET)),
     }
 
 
@@ -623,6 +625,7 @@ def fixed_list(comm) -> dict:
 def auto_bits(comm, reps: int) -> dict:
     out = {f"unbiased.{ex}": list_unbiased(comm, "auto", ex, reps) for ex in ("allgather", "two-phase")}
     out["unbiased.fixed"] = list_unbiased(comm, 3, "auto", reps)
+    out["unbiased.bucket"] = list_unbiased(comm, "auto", "auto", reps, bits_per="bucket")
     out["collection"] = auto_collection(comm)
     out["errors"] = auto_errors(comm)
     out["state"] = auto_state(comm)

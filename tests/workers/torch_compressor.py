@@ -180,25 +180,26 @@ def auto(args) -> dict:
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64),
                                     torch.nn.ReLU(), torch.nn.Linear(64, 10))
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        comp = ALQCompressor(bits="auto", bit_budget=2.5, bucket_size=args.bucket, update_steps=(0, 20, 60),
-                             update_every=0, min_size=100, seed=args.seed, exchange=exchange)
+        comp = ALQCompressor(bits="auto", bit_budget=2.5, bits_per=args.bits_per, bucket_size=args.bucket,
+                             update_steps=(0, 20, 60), update_every=0, min_size=100, seed=args.seed, exchange=exchange)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(), compression=comp)
         fitted = fit_digits(model, opt, rank, size, args.steps)
         m = comp.metrics()
         saved = comp.state_dict()
-        again = ALQCompressor(bits="auto", bit_budget=2.5, bucket_size=args.bucket, min_size=100)
+        again = ALQCompressor(bits="auto", bit_budget=2.5, bits_per=args.bits_per, bucket_size=args.bucket,
+                              min_size=100)
         again.load_state_dict(saved)
         out[exchange] = {
             **fitted, "allocation": m["allocation"],
             "allocated_mean_bits": m["allocated_mean_bits"], "bits_per_coordinate": m["bits_per_coordinate"],
             "level_updates": m["level_updates"], "exchange": m["exchange"], "bits": comp.bits,
             "width_levels": {str(w): v.tolist() for w, v in m["width_levels"].items()},
-            "reloaded": again.metrics()["allocation"] == m["allocation"] and all(
+            "reloaded": again._state.auto.fingerprint() == comp._state.auto.fingerprint() and all(
                 np.array_equal(again.metrics()["width_levels"][w], v) for w, v in m["width_levels"].items())}
     # unbiasedness with mixed widths: tensors of scales 1000, 1, 0.001 in one buffer, summed over ranks
-    comp = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, update_steps=(0,), update_every=0,
-                         min_size=100, seed=args.seed, exchange=args.exchange)
+    comp = ALQCompressor(bits="auto", bit_budget=3.0, bits_per=args.bits_per, bucket_size=args.bucket,
+                         update_steps=(0,), update_every=0, min_size=100, seed=args.seed, exchange=args.exchange)
     scales, numel = (1000.0, 1.0, 0.001), 1500
     xs = [rank_data(rank, numel) * s for s in scales]
     truth = [hvd.allreduce(x, op=hvd.Sum, name=f"truth{k}") for k, x in enumerate(xs)]
@@ -214,6 +215,12 @@ def auto(args) -> dict:
     out["unbiased"] = {"t_max": float(np.abs(t_stat).max()), "buckets": per_bucket.shape[1], "reps": dev.shape[0],
                        "allocation": m["allocation"], "exchange": m["exchange"],
                        "digest": hashlib.sha1(dev.tobytes()).hexdigest()}
+    if args.bits_per == "bucket":  # the widths of this rank's buckets in a payload of its tensors
+        from horovod_alq.exchange.mixed import MixedOps
+
+        mixed, flat = comp._state.auto.mixed, torch.cat([x.reshape(-1) for x in xs])
+        payload = MixedOps(comp._ops_for(flat.device)).encode(flat, mixed, 0).numpy()
+        out["unbiased"]["widths"] = sorted(set(mixed.layout(payload, 0, flat.numel())[0].tolist()))
     return out
 
 
@@ -416,6 +423,7 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=0)
     p.add_argument("--bpps", type=int, default=1)
     p.add_argument("--what", default="bits")
+    p.add_argument("--bits-per", default="tensor")
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)

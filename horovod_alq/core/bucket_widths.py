@@ -1,0 +1,180 @@
+"""Widths per bucket, chosen by each rank for every payload from its own bucket norms
+(``bits="auto", bits_per="bucket"``).
+
+A bucket ``b`` of squared norm ``s_b`` quantized at width ``w`` has error close to ``s_b c_w``,
+where ``c_w`` is the error per unit of squared bucket norm of ``w``'s levels on the gradients'
+normalized distribution (the same for every bucket of one size: the normalized coordinates of
+all buckets follow it). ``c`` comes from the allreduced refit statistics, so every rank holds the
+same; the norms are this rank's, so each rank picks its own widths for every payload, at every
+step: which buckets are large changes from step to step (docs/results.md, section 11).
+
+:func:`allocate_buckets` minimizes ``sum_b s_b c_{w_b}`` under ``sum_b n_b w_b <= cap``: every
+bucket starts at the narrowest width and the segments of ``c``'s lower convex hull are taken in
+order of error reduction per bit while they fit. The width depends on the gradient only, never on
+the random rounding, so each bucket's code stays unbiased and so does their sum.
+
+A mixed payload (header ``bits = 0``, :mod:`.wire`) holds the width of every bucket and their
+CRC-32 (a corrupted width would decode other buckets' codes with the wrong width), then one
+ordinary payload per width from 2 to 8 (the buckets of that width back to back, in order; empty
+for a width not taken), then zeros up to a size that depends only on the element count, the
+bucket size and the budget (:func:`mixed_payload_size`), so the ranks' payloads are the same size.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from .methods import get_method
+from .packing import packed_size
+from .wire import HEADER_SIZE, check_header, num_buckets, parse_header
+
+#: The widths a bucket may take (every width has its own payload in a mixed payload).
+BUCKET_WIDTHS: tuple[int, ...] = tuple(range(2, 9))
+#: Budget resolution on the wire: the header carries the budget in 1/256 of a bit.
+BUDGET_UNITS = 256
+
+
+def budget_units(budget: float) -> int:
+    """``budget`` in 1/256 of a bit, rounded down (what the payload sizes use)."""
+    return int(np.floor(float(budget) * BUDGET_UNITS + 1e-9))
+
+
+def code_bits(numel: int, budget256: int) -> int:
+    """The code bits a mixed payload of ``numel`` coordinates may spend."""
+    return int(budget256) * int(numel) // BUDGET_UNITS
+
+
+def mixed_payload_size(numel: int, bucket_size: int, budget256: int) -> int:
+    """Bytes of a mixed payload: header, a width byte and a norm per bucket, the widths' CRC-32, one header per width,
+    and room for ``code_bits`` bits of codes (the codes of each width start on a byte: one more)."""
+    b = num_buckets(numel, bucket_size)
+    return HEADER_SIZE + b + 4 + len(BUCKET_WIDTHS) * HEADER_SIZE + 4 * b + code_bits(numel, budget256) // 8 + 1
+
+
+def allocate_buckets(squared: np.ndarray, lengths: np.ndarray, c: np.ndarray, cap: int) -> np.ndarray:
+    """The width of every bucket (uint8, from :data:`BUCKET_WIDTHS`) minimizing ``sum_b squared[b] *
+    c[w_b]`` under ``sum_b lengths[b] * w_b <= cap`` (``cap`` at least twice the coordinates).
+
+    Segments of ``c``'s lower convex hull are taken in decreasing error reduction per bit while the
+    running total fits, in one sort (exact when all buckets have one length and the cap falls on a
+    segment's end; otherwise within one segment of the optimum). Non-finite or negative squared
+    norms count as 0 (the narrowest width)."""
+    from .allocation import _hull
+
+    squared = np.where(np.isfinite(squared) & (squared > 0), np.asarray(squared, dtype=np.float64), 0.0)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    widths = np.asarray(BUCKET_WIDTHS, dtype=np.int64)
+    out = np.full(squared.size, widths[0], dtype=np.uint8)
+    hull = _hull(widths, np.asarray(c, dtype=np.float64))
+    spare = int(cap) - int(lengths.sum()) * int(widths[0])
+    if spare < 0:
+        raise ValueError(f"cap {cap} is below {int(widths[0])} bits per coordinate")
+    if len(hull) < 2 or not squared.any():
+        return out
+    step = np.diff(widths[hull])  # bits per coordinate of each segment
+    slope = -np.diff(np.asarray(c, dtype=np.float64)[hull]) / step  # error reduction per bit, decreasing
+    live = np.flatnonzero(squared > 0)
+    ratio = (squared[live] / lengths[live])[:, None] * slope[None, :]  # per coordinate-bit
+    cost = lengths[live][:, None] * step[None, :]
+    order = np.argsort(-ratio.ravel(), kind="stable")
+    taken = np.cumsum(cost.ravel()[order]) <= spare
+    k = int(np.argmin(taken)) if not taken.all() else taken.size  # the prefix that fits
+    segments = np.zeros(live.size, dtype=np.int64)
+    np.add.at(segments, order[:k] // len(step), 1)
+    out[live] = widths[np.asarray(hull)[segments]]
+    return out
+
+
+class MixedWidths:
+    """What encodes and decodes mixed payloads: one quantizer per width (its levels), the error
+    model ``c`` (None: every bucket at ``default``) and the budget. Quantizer-like where the
+    exchange needs it (``method``, ``bucket_size``, ``norm``, ``bits`` = 0, ``fingerprint``,
+    :meth:`payload_bytes`)."""
+
+    bits = 0
+
+    def __init__(self, quantizers: dict, budget: float, default: int, c: np.ndarray | None = None) -> None:
+        q = quantizers[default]
+        if q.bucket_size % 8:
+            raise ValueError(f"bits_per='bucket' needs a bucket_size that is a multiple of 8, got {q.bucket_size}")
+        self.quantizers = dict(quantizers)
+        self.method, self.bucket_size, self.norm = q.method, q.bucket_size, q.norm
+        self.budget256 = budget_units(budget)
+        self.default = int(default)
+        self.c = None if c is None else np.asarray(c, dtype=np.float64).copy()
+
+    @property
+    def fingerprint(self) -> int:
+        """Hash of every width's levels, the error model and the budget (mixed payload headers)."""
+        from .protocol import stable_hash
+
+        model = () if self.c is None else tuple(float(v) for v in self.c)
+        return stable_hash(self.budget256, tuple(self.quantizers[w].fingerprint for w in BUCKET_WIDTHS), model, bits=63)
+
+    def __copy__(self) -> "MixedWidths":
+        """A snapshot whose levels a later refit does not change."""
+        out = object.__new__(MixedWidths)
+        out.__dict__.update(self.__dict__)
+        out.quantizers = {w: copy.copy(q) for w, q in self.quantizers.items()}
+        return out
+
+    def payload_bytes(self, numel: int) -> int:
+        return mixed_payload_size(numel, self.bucket_size, self.budget256)
+
+    def widths(self, squared: np.ndarray, lengths: np.ndarray, numel: int) -> np.ndarray:
+        """This payload's width per bucket from its buckets' squared norms."""
+        if self.c is None:
+            return np.full(squared.size, self.default, dtype=np.uint8)
+        return allocate_buckets(squared, lengths, self.c, code_bits(numel, self.budget256))
+
+    def layout(self, host: np.ndarray, offset: int, numel: int) -> tuple[np.ndarray, list[tuple[int, int, np.ndarray]]]:
+        """Read and check a mixed payload at ``offset`` of ``host`` (its header already checked
+        against this configuration): its widths per bucket and, per width taken, ``(width, offset of
+        its payload, its buckets)``. ValueError names what is wrong."""
+        d = self.bucket_size
+        b = num_buckets(numel, d)
+        widths = host[offset + HEADER_SIZE: offset + HEADER_SIZE + b]
+        crc = host[offset + HEADER_SIZE + b: offset + HEADER_SIZE + b + 4]
+        if widths.size != b or crc.size != 4:
+            raise ValueError("mixed payload: bucket widths truncated")
+        if widths_crc(widths) != bytes(crc):
+            raise ValueError("mixed payload: bucket widths corrupted (checksum mismatch)")
+        if b and (widths.min() < BUCKET_WIDTHS[0] or widths.max() > BUCKET_WIDTHS[-1]):
+            raise ValueError("mixed payload: bucket widths out of 2..8")
+        lengths = bucket_lengths(numel, d)
+        if int((lengths * widths).sum()) > code_bits(numel, self.budget256):
+            raise ValueError("mixed payload: its bucket widths exceed the budget")
+        pos, runs = offset + HEADER_SIZE + b + 4, []
+        for w in BUCKET_WIDTHS:
+            ids = np.flatnonzero(widths == w)
+            n = int(lengths[ids].sum())
+            header = parse_header(host[pos: pos + HEADER_SIZE])
+            q = self.quantizers[w]
+            check_header(header, get_method(q.method).id, w, d, q.fingerprint, q.norm)
+            if header.numel != n:
+                raise ValueError(f"mixed payload: its {w}-bit part has {header.numel} elements, its widths say {n}")
+            if ids.size:
+                runs.append((w, pos, ids))
+            pos += HEADER_SIZE + 4 * num_buckets(n, d) + packed_size(n, w)
+        if pos > offset + self.payload_bytes(numel):
+            raise ValueError("mixed payload: its parts run past its size")
+        return widths, runs
+
+
+def widths_crc(widths: np.ndarray) -> bytes:
+    """The 4 bytes that follow the widths of a mixed payload: their CRC-32, little-endian."""
+    return zlib.crc32(np.ascontiguousarray(widths, dtype=np.uint8).tobytes()).to_bytes(4, "little")
+
+
+def bucket_lengths(numel: int, bucket_size: int) -> np.ndarray:
+    """The coordinates of each bucket of ``numel`` (the last one may be short)."""
+    b = num_buckets(numel, bucket_size)
+    out = np.full(b, bucket_size, dtype=np.int64)
+    if b:
+        out[-1] = numel - (b - 1) * bucket_size
+    return out
+
