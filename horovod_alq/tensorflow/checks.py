@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from ..core import protocol
 from ..core.quantizer import Quantizer
-from ..core.wire import HEADER_SIZE, parse_header
+from ..core.wire import HEADER_SIZE, parse_header, payload_size
 from ..exchange import base
 from .graph import ProtocolError, tf_error
 
@@ -79,7 +79,8 @@ def explain_payloads(gathered: np.ndarray, header: np.ndarray, *, numel: int, ra
     :func:`payloads_ok` failed."""
     own = parse_header(np.asarray(header, np.uint8))
     q = types.SimpleNamespace(method=quantizer.method, bits=own.bits, bucket_size=quantizer.bucket_size,
-                              norm=quantizer.norm, fingerprint=own.fingerprint)
+                              norm=quantizer.norm, fingerprint=own.fingerprint,
+                              payload_bytes=lambda n: payload_size(n, own.bits, quantizer.bucket_size))
     try:
         base.check_host_payloads(gathered, [numel] * ranks, q, f"tensor in slot {slot}")
     except protocol.ProtocolError as err:
