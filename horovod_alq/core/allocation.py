@@ -352,7 +352,9 @@ class AutoBits:
         """Mean bits per coordinate of the allocation (NaN before the first refit; with
         ``bits_per="bucket"`` the budget, which every payload's codes fill up to a bucket)."""
         if self.mixed is not None:
-            return self.mixed.budget256 / 256
+            from .bucket_widths import BUDGET_UNITS
+
+            return self.mixed.budget256 / BUDGET_UNITS
         if not self.bits:
             return float("nan")
         n = np.array([k[0] for k in self.keys], dtype=np.float64)

@@ -30,7 +30,7 @@ import numpy as np
 
 from .methods import get_method
 from .packing import packed_size
-from .wire import HEADER_SIZE, check_header, num_buckets, parse_header
+from .wire import HEADER_SIZE, bucket_lengths, check_header, num_buckets, parse_header
 
 #: The widths a bucket may take (every width has its own payload in a mixed payload).
 BUCKET_WIDTHS: tuple[int, ...] = tuple(range(2, 9))
@@ -168,13 +168,4 @@ class MixedWidths:
 def widths_crc(widths: np.ndarray) -> bytes:
     """The 4 bytes that follow the widths of a mixed payload: their CRC-32, little-endian."""
     return zlib.crc32(np.ascontiguousarray(widths, dtype=np.uint8).tobytes()).to_bytes(4, "little")
-
-
-def bucket_lengths(numel: int, bucket_size: int) -> np.ndarray:
-    """The coordinates of each bucket of ``numel`` (the last one may be short)."""
-    b = num_buckets(numel, bucket_size)
-    out = np.full(b, bucket_size, dtype=np.int64)
-    if b:
-        out[-1] = numel - (b - 1) * bucket_size
-    return out
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .methods import Method, get_method
+from .wire import bucket_lengths
 
 GRID: np.ndarray = np.concatenate([-np.geomspace(1e-6, 1.0, 400)[::-1], [0.0], np.geomspace(1e-6, 1.0, 400)])
 """Fixed symmetric grid of the norm-based statistics: 0 and +-geomspace(1e-6, 1, 400), sorted."""
@@ -55,11 +56,36 @@ class Normalized:
     @property
     def counts(self) -> np.ndarray:
         """Elements per bucket, shape (B,), int64."""
-        b, d = self.r.shape
-        counts = np.full(b, d, dtype=np.int64)
-        if b:
-            counts[-1] = self.numel - (b - 1) * d
-        return counts
+        return bucket_lengths(self.numel, self.r.shape[1])
+
+
+def _padded_buckets(x: np.ndarray, bucket_size: int) -> tuple[np.ndarray, int]:
+    """Flat ``x`` zero-padded to whole buckets, float64, shape (B, bucket_size); and its size."""
+    x = np.asarray(x).ravel()
+    n = x.size
+    nb = -(-n // bucket_size)
+    xb = np.zeros(nb * bucket_size, dtype=np.float64)
+    xb[:n] = x
+    return xb.reshape(nb, bucket_size), n
+
+
+def _norms_of(xb: np.ndarray, norm: str) -> np.ndarray:
+    """The float32 norm of each row of ``xb`` (computed in float64), NaN where not finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if norm == "l2":
+            norms64 = np.sqrt(np.einsum("ij,ij->i", xb, xb))
+        elif norm == "linf":
+            norms64 = np.abs(xb).max(axis=1) if len(xb) else np.zeros(0)
+        else:
+            raise ValueError(f"unknown norm {norm!r}; allowed: l2, linf")
+        norms = norms64.astype(np.float32)
+    norms[~np.isfinite(norms)] = np.nan
+    return norms
+
+
+def bucket_norms(x: np.ndarray, bucket_size: int, norm: str) -> np.ndarray:
+    """The norms :func:`normalize` computes (float32, NaN for a bucket that is not finite), alone."""
+    return _norms_of(_padded_buckets(x, bucket_size)[0], norm)
 
 
 def normalize(x: np.ndarray, bucket_size: int, norm: str) -> Normalized:
@@ -78,21 +104,8 @@ def normalize(x: np.ndarray, bucket_size: int, norm: str) -> Normalized:
     -------
     Normalized
     """
-    x = np.asarray(x).ravel()
-    n = x.size
-    nb = -(-n // bucket_size)
-    xb = np.zeros(nb * bucket_size, dtype=np.float64)
-    xb[:n] = x
-    xb = xb.reshape(nb, bucket_size)
-    with np.errstate(over="ignore", invalid="ignore"):
-        if norm == "l2":
-            norms64 = np.sqrt(np.einsum("ij,ij->i", xb, xb))
-        elif norm == "linf":
-            norms64 = np.abs(xb).max(axis=1) if nb else np.zeros(0)
-        else:
-            raise ValueError(f"unknown norm {norm!r}; allowed: l2, linf")
-        norms = norms64.astype(np.float32)
-    norms[~np.isfinite(norms)] = np.nan
+    xb, n = _padded_buckets(x, bucket_size)
+    norms = _norms_of(xb, norm)
     ok = norms > 0  # False for NaN
     xb[~ok] = 0.0
     np.divide(xb, norms.astype(np.float64)[:, None], out=xb, where=ok[:, None])

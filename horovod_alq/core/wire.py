@@ -65,6 +65,15 @@ def num_buckets(numel: int, bucket_size: int) -> int:
     return -(-int(numel) // int(bucket_size))
 
 
+def bucket_lengths(numel: int, bucket_size: int) -> np.ndarray:
+    """The coordinates of each bucket of ``numel`` (int64; the last bucket may be short)."""
+    b = num_buckets(numel, bucket_size)
+    out = np.full(b, bucket_size, dtype=np.int64)
+    if b:
+        out[-1] = numel - (b - 1) * bucket_size
+    return out
+
+
 def payload_size(numel: int, bits: int, bucket_size: int) -> int:
     """Bytes of a payload: ``32 + 4 * ceil(numel / bucket_size) + ceil(numel * bits / 8)``."""
     return HEADER_SIZE + 4 * num_buckets(numel, bucket_size) + packed_size(numel, bits)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Generator, Protocol, Sequence
 
 import numpy as np
 
+from ..core.bucket_widths import BUDGET_UNITS
 from ..core.methods import get_method
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
@@ -196,8 +197,8 @@ def check_host_segments(host: np.ndarray, expected: Sequence[Sequence[tuple[int,
             try:
                 header = parse_header(host[offset: offset + HEADER_SIZE])
                 if q.bits == 0 and header.bits == 0 and header.budget256 != q.budget256:
-                    raise ValueError(f"payload made with bit_budget={header.budget256 / 256}, this rank uses "
-                                     f"{q.budget256 / 256}")
+                    raise ValueError(f"payload made with bit_budget={header.budget256 / BUDGET_UNITS}, this rank "
+                                     f"uses {q.budget256 / BUDGET_UNITS}")
                 check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint, q.norm)
                 if header.numel != n:
                     raise ValueError(f"payload has {header.numel} elements, expected {n}")

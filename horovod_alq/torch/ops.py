@@ -10,7 +10,7 @@ from ..core.methods import get_method
 from ..core.quantizer import Quantizer
 from ..core.statistics import GRID, BucketMoments, normless_statistics, statistics_length
 from ..core.wire import Header, pack_header
-from . import codecs
+from . import codecs, kernels
 
 
 class TorchOps:
@@ -100,9 +100,10 @@ class TorchOps:
         parts = [rows]
         if n % d:
             parts.append(x.reshape(-1)[n - n % d:].view(1, -1))
-        # (amax and amin reduce a row vectorized; abs().amax() writes a copy first and is 20x slower)
-        norms = [torch.linalg.vector_norm(p.float(), dim=1) if norm == "l2"
-                 else torch.maximum(p.amax(dim=1), -p.amin(dim=1)).float() for p in parts if p.numel()]
+        # (no padded copy and no finiteness pass, unlike kernels.bucket_norms: a non-finite norm only
+        # gives its bucket the narrowest width, whose codec handles it)
+        norms = [torch.linalg.vector_norm(p.float(), dim=1) if norm == "l2" else kernels.row_max_abs(p).float()
+                 for p in parts if p.numel()]
         return torch.cat(norms).double().cpu().numpy() if norms else np.zeros(0)
 
     def take_buckets(self, x: torch.Tensor, ids, bucket_size: int) -> torch.Tensor:

@@ -82,11 +82,11 @@ def bucket_auto_error(auto: AutoBits, quantized: list) -> tuple[float, float]:
     payload (each from a bucket boundary, as a fusion buffer lays them out) whose buckets take the
     widths the compressor picks from their norms, and the mean bits per coordinate it spent."""
     from horovod_alq.core.allocation import AUTO_WIDTHS
-    from horovod_alq.exchange.numpy_ops import bucket_norms
+    from horovod_alq.core.statistics import bucket_norms
 
     d, norm = auto.mixed.bucket_size, auto.mixed.norm
     errors, sizes, _ = bucket_error_matrix([auto.quantizers[w] for w in AUTO_WIDTHS], quantized)
-    squared = np.concatenate([bucket_norms(g, d, norm) for _, g in quantized]) ** 2
+    squared = np.concatenate([bucket_norms(g, d, norm) for _, g in quantized]).astype(np.float64) ** 2
     lengths = np.full(len(sizes), d)
     lengths[-1] = sizes[-1]
     widths = auto.mixed.widths(squared, lengths, int(lengths.sum()))

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from horovod_alq.core.allocation import AutoBits
-from horovod_alq.core.bucket_widths import (BUCKET_WIDTHS, MixedWidths, allocate_buckets, bucket_lengths,
-                                            budget_units, code_bits, mixed_payload_size, widths_crc)
-from horovod_alq.core.wire import Header, pack_header, parse_header
+from horovod_alq.core.bucket_widths import (BUCKET_WIDTHS, MixedWidths, allocate_buckets, budget_units, code_bits,
+                                            mixed_payload_size, widths_crc)
+from horovod_alq.core.wire import Header, bucket_lengths, pack_header, parse_header
 from horovod_alq.exchange.base import check_host_segments
 from horovod_alq.exchange.mixed import MixedOps
 from horovod_alq.exchange.numpy_ops import NumpyOps

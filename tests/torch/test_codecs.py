@@ -748,7 +748,7 @@ def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchang
     if bits_per == "tensor":
         assert len(set(setups[0].state.metrics()["allocation"])) > 1
     else:  # a payload of rank 0's stream: buckets of several widths, within the budget
-        from horovod_alq.core.bucket_widths import bucket_lengths
+        from horovod_alq.core.wire import bucket_lengths
         from horovod_alq.exchange.mixed import MixedOps
 
         mixed = setups[0].state.auto.mixed
