@@ -23,7 +23,8 @@ def load(name: str):
 
 @pytest.mark.parametrize("name", ["study.variance", "study.run_accuracy", "bench.network", "bench.codec",
                                   "bench.train_step", "bench.fsdp", "study.run_accuracy_gpt", "study.variance_gpt",
-                                  "study.horovod_suite", "bench.refit", "bench.codec_widths", "bench.bucket_widths"])
+                                  "study.horovod_suite", "bench.refit", "bench.codec_widths", "bench.bucket_widths",
+                                  "study.adam_noise"])
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
         load(name).main(["--help"])
@@ -376,6 +377,52 @@ def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
     assert mod.order(summary.keys() - {"pairs"}) == ["alq@3", "alq@auto3", "alq@auto2.5", "alq@2"]
     text = mod.markdown(summary)
     assert "| alq@auto2.5 − alq@2 | -0.0800 ± 0.0058 |" in text and "| alq@auto3 | 1 | 2 3 | 3.000 |" in text
+
+def test_gpt_optimizer_choice_and_sgd_sweep_outputs(tmp_path):
+    """train_gpt's --optimizer (AdamW by default, SGD with momentum on request) and the SGD sweep's
+    own output names and train_gpt arguments, so its rows never mix with AdamW's."""
+    import torch
+
+    train_gpt, mod = load("demo.train_gpt"), load("study.run_accuracy_gpt")
+    model = torch.nn.Linear(3, 2)
+    adamw = train_gpt.make_optimizer(model, train_gpt.parse_args([]))
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["betas"] == (0.9, 0.95)
+    sgd = train_gpt.make_optimizer(model, train_gpt.parse_args(["--optimizer", "sgd", "--lr", "0.2"]))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--optimizer", "adam"])
+    args = mod.parse_args(["--grid", "sgd", "--optimizer", "sgd"])
+    assert mod.stem(args) == "accuracy_gpt_sgd" and args.lr == 0.2
+    assert mod.optimizer_args(args) == ["--optimizer", "sgd", "--weight-decay", "0", "--lr", "0.2"]
+    default = mod.parse_args([])
+    assert mod.stem(default) == "accuracy_gpt" and mod.optimizer_args(default) == []
+    assert {m for pair in mod.PAIRS for m in pair} <= {m for grid in mod.GRIDS.values() for ms in grid for m in ms}
+
+
+def test_adam_noise_two_ranks(tmp_path):
+    """scripts/study/adam_noise.py --quick under mpirun: every group's errors measured against the
+    exact average; 2-bit ALQ's relative error in the range of its variance (about 1 to 3 here, not 0);
+    the repeated exchange's bias ratio near 1 for every quantized tensor."""
+    out = tmp_path / "adam_noise.json"
+    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, "-m", "scripts.study.adam_noise", "--quick",
+           "--out", str(tmp_path / "adam_noise.md"), "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**__import__("os").environ, **RANK_ENV}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["workers"] == 2 and set(data["results"]) == {"alq@2", "alq@bucket2.5"}
+    for spec, r in data["results"].items():
+        rows = r["rows"]
+        assert len(rows["loss"]) == 6 and r["eval"] < 5.0
+        for g in ("head", "embeddings", "attention", "mlp"):
+            assert all(v > 0 for v in rows[f"rel.{g}"]), (spec, g)
+            assert all(v > 0 for v in rows[f"pre.{g}"][1:]) and all(v > 0 for v in rows[f"sig.{g}"][1:]), (spec, g)
+    assert 0.3 < sum(data["results"]["alq@2"]["rows"]["rel.mlp"]) / 6 < 10
+    for r in data["results"].values():  # unbiased, independent rounding: near 1 and near 0 (4 repeats: loose)
+        assert len(r["bias"]) == 19 and all(0.3 < v < 3 for v in r["bias"].values()), r["bias"]
+        assert 0 <= r["cos"] < 0.2
+    assert "| alq@bucket2.5 | 3-6 |" in (tmp_path / "adam_noise.md").read_text()
+
 
 def test_variance_gpt_quick(tmp_path):
     mod = load("study.variance_gpt")

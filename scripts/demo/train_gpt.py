@@ -53,8 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=128, help="default 128")
     p.add_argument("--layers", type=int, default=4, help="default 4")
     p.add_argument("--heads", type=int, default=4, help="default 4")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate; default 3e-3")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="default 0.1")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
+                   help="AdamW (betas 0.9, 0.95) or SGD with momentum 0.9; default adamw")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate; default 3e-3 (AdamW's)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="default 0.1 (decoupled with AdamW)")
     p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps; default 30")
     p.add_argument("--bucket-size", type=int, default=8192, help="coordinates per norm; default 8192")
     p.add_argument("--min-size", type=int, default=1024, help="smaller tensors travel uncompressed")
@@ -139,6 +141,14 @@ def evaluate(model: torch.nn.Module, val: torch.Tensor, args) -> float:
     return float(torch.stack(losses).sum() / len(starts))
 
 
+def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    """``--optimizer``: AdamW (betas 0.9, 0.95, decoupled weight decay) or SGD with momentum 0.9
+    (weight decay added to the gradient), both at ``--lr`` (the schedule sets it every step)."""
+    if getattr(args, "optimizer", "adamw") == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+
+
 def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budget: float | None = None):
     """(model to call, model whose parameters are evaluated, optimizer, state with metrics or None, extra record).
     ``bits="auto"`` takes ``bit_budget`` (parse_method)."""
@@ -146,7 +156,7 @@ def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budge
 
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
     model = GPT(vocab, args.width, args.layers, args.heads, args.context)
-    adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    optimizer = make_optimizer(model, args)
     steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
     kw = dict(bits=bits or 3, bucket_size=args.bucket_size, update_steps=steps, update_every=args.update_every,
               min_size=args.min_size, seed=args.seed, **({"bit_budget": bit_budget} if bits == "auto" else {}))
@@ -163,7 +173,7 @@ def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budge
             exchange = split_exchange(name)[1]
             comp = alq.compressor_for(base, **kw, **({"norm": norm} if norm else {}),
                                       **({"exchange": exchange} if exchange else {}))
-        opt = hvd.DistributedOptimizer(adamw, named_parameters=model.named_parameters(), compression=comp)
+        opt = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=comp)
         return model, model, opt, comp if hasattr(comp, "metrics") else None, extra
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -183,7 +193,7 @@ def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budge
         state = ALQState(None, base, **kw, **({"norm": norm} if norm else {}),
                          exchange=split_exchange(name[4:])[1] or "auto")
         ddp.register_comm_hook(state, alq_hook)
-    return ddp, model, adamw, state, extra
+    return ddp, model, optimizer, state, extra
 
 
 def sent_bits(name: str, state) -> float:

@@ -10,11 +10,13 @@ and a plot of the learning curves.
     python -m scripts.study.run_accuracy_gpt --grid wide --seeds 0,1 --out-dir docs   # the wider grid
     python -m scripts.study.run_accuracy_gpt --grid auto --out-dir docs     # bits="auto" under a budget
     python -m scripts.study.run_accuracy_gpt --grid bucket --out-dir docs   # bits_per="bucket" under a budget
+    python -m scripts.study.run_accuracy_gpt --grid sgd --optimizer sgd --out-dir docs   # SGD, momentum 0.9
     python -m scripts.study.run_accuracy_gpt --quick --out-dir /tmp/g       # 2 ranks, 1 seed, 20 steps
 
 Every launch writes its JSON under <out-dir>/accuracy_gpt_raw; a launch whose JSON exists is
 skipped (an interrupted sweep resumes), and ``--aggregate-only`` rebuilds the outputs from what
-is there (both grids together).
+is there (both grids together). ``--optimizer sgd`` writes accuracy_gpt_sgd.md (and .png, .json,
+accuracy_gpt_sgd_raw) instead, so that its rows never mix with AdamW's.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ GRIDS = {
     "auto": [["alq@auto2.5", "alq@auto3"]],
     # bits_per="bucket": a width per bucket of every payload under the budget (name@bucket<budget>)
     "bucket": [["alq@bucket2.5", "alq@bucket3"]],
+    # the widths under SGD (--optimizer sgd), against fixed widths and fp32 of the same launch
+    "sgd": [["none", "alq@3", "alq@2", "alq@bucket2.5", "alq@bucket3", "alq@auto2.5"]],
 }
 # Same-seed comparisons shown in the second table: (row, against).
 PAIRS = [("alq@3", "qsgdinf@3"), ("amq@3", "qsgdinf@3"), ("alq@2", "qsgdinf@2"), ("alq@2", "terngrad"),
@@ -58,7 +62,8 @@ PAIRS = [("alq@3", "qsgdinf@3"), ("amq@3", "qsgdinf@3"), ("alq@2", "qsgdinf@2"),
          ("nuqsgd@3", "qsgdinf@3"),
          # bits="auto" against fixed widths (the core grid's runs of the same seeds)
          ("alq@auto2.5", "alq@3"), ("alq@auto3", "alq@3"), ("alq@auto2.5", "alq@2"),
-         ("alq@bucket2.5", "alq@3"), ("alq@bucket3", "alq@3"), ("alq@bucket2.5", "alq@auto2.5")]
+         ("alq@bucket2.5", "alq@3"), ("alq@bucket3", "alq@3"), ("alq@bucket2.5", "alq@auto2.5"),
+         ("alq@bucket2.5", "alq@2"), ("alq@bucket3", "none"), ("alq@2", "none")]
 LABELS = {"none": "fp32", "fp16": "fp16", "terngrad": "TernGrad", "psgd2": "PowerSGD rank 2"}
 
 
@@ -70,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-size", type=int, default=None, help="default 8192 (1024 for --grid bucket1024)")
     p.add_argument("--steps", type=int, default=250, help="train_gpt.py --steps; default 250")
     p.add_argument("--batch-size", type=int, default=8, help="train_gpt.py --batch-size; default 8")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
+                   help="train_gpt.py --optimizer; sgd runs at --lr (default 0.2) without weight decay")
+    p.add_argument("--lr", type=float, default=None, help="peak lr; default train_gpt.py's (AdamW) or 0.2 (SGD)")
     p.add_argument("--extra", default="", help="more train_gpt.py arguments, quoted")
     p.add_argument("--out-dir", default="docs", help="accuracy_gpt.md/.png go here, accuracy_gpt.json and the raw runs to its data/")
     p.add_argument("--timeout", type=float, default=5400, help="seconds per launch; default 5400")
@@ -81,7 +89,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.bucket_size = 1024 if args.grid == "bucket1024" else 8192
     if args.quick:
         args.np, args.seeds, args.steps = 2, "0", 20
+    if args.lr is None and args.optimizer == "sgd":
+        args.lr = 0.2
     return args
+
+
+def stem(args) -> str:
+    """The outputs' name: accuracy_gpt, or accuracy_gpt_sgd for SGD runs."""
+    return "accuracy_gpt" if args.optimizer == "adamw" else f"accuracy_gpt_{args.optimizer}"
+
+
+def optimizer_args(args) -> list[str]:
+    """train_gpt.py's optimizer arguments for this sweep."""
+    out = [] if args.optimizer == "adamw" else ["--optimizer", args.optimizer, "--weight-decay", "0"]
+    return out + ([] if args.lr is None else ["--lr", repr(args.lr)])
 
 
 def launches(args) -> list[dict]:
@@ -105,7 +126,7 @@ def run_launch(job: dict, args, raw_dir: Path) -> None:
     cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), sys.executable, "-m", TRAIN,
            "--methods", ",".join(job["methods"]), "--seed", str(job["seed"]), "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--bucket-size", str(args.bucket_size), "--json", str(part),
-           *shlex.split(args.extra)]
+           *optimizer_args(args), *shlex.split(args.extra)]
     print(f"[run] {shlex.join(cmd)}", flush=True)
     start = time.monotonic()
     proc = subprocess.run(cmd, env={**os.environ, **RANK_ENV}, cwd=ROOT, stdout=subprocess.PIPE,
@@ -230,15 +251,16 @@ def markdown(summary: dict) -> str:
 
 def preamble(args, rows: dict) -> str:
     """What the table is: model, data, budget, workers, seeds, date."""
-    first = json.loads(next(iter(sorted((Path(args.out_dir) / "data" / "accuracy_gpt_raw").glob(
+    first = json.loads(next(iter(sorted((Path(args.out_dir) / "data" / f"{stem(args)}_raw").glob(
         f"np{args.np}_d*_t{args.steps}_b{args.batch_size}_*.json")))).read_text())
     a = first["args"]
+    optimizer = "SGD (momentum 0.9, no weight decay)" if a.get("optimizer") == "sgd" else "AdamW"
     params = next(iter(next(iter(rows.values())).values()))["params"]
     return (f"# Held-out loss of a character-level GPT, every exchange\n\n"
             f"Command: `python -m scripts.study.run_accuracy_gpt` (grids and seeds as listed per row; "
             f"{time.strftime('%Y-%m-%d')}). GPT of scripts/common/gpt.py: {a['layers']} blocks of width {a['width']}, "
             f"{a['heads']} heads, context {a['context']}, {params:,} parameters, on Python's pydoc text "
-            f"(90% train, the last 10% held out); {args.np} workers, {args.steps} AdamW steps (peak lr {a['lr']}, "
+            f"(90% train, the last 10% held out); {args.np} workers, {args.steps} {optimizer} steps (peak lr {a['lr']}, "
             f"{a['warmup']} warm-up, cosine to 10%), {args.batch_size} x {a['context']} characters per worker and "
             f"step; quantized methods at bucket {a['bucket_size']} with the compressors' defaults (max-abs buckets, "
             f"exchange auto: two-phase at 4 workers, refits at steps {a['update_steps']}). Evaluation loss on "
@@ -280,7 +302,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
-    raw_dir = out_dir / "data" / "accuracy_gpt_raw"
+    raw_dir = out_dir / "data" / f"{stem(args)}_raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     if not args.aggregate_only:
@@ -294,10 +316,10 @@ def main(argv=None) -> int:
         return 1
     summary = summarize(rows)
     text = preamble(args, rows) + markdown(summary)
-    (out_dir / "data" / "accuracy_gpt.json").write_text(json.dumps(
+    (out_dir / "data" / f"{stem(args)}.json").write_text(json.dumps(
         {"np": args.np, "steps": args.steps, "batch_size": args.batch_size, "summary": summary}, indent=2))
-    (out_dir / "accuracy_gpt.md").write_text(text)
-    plot(summary, out_dir / "accuracy_gpt.png",
+    (out_dir / f"{stem(args)}.md").write_text(text)
+    plot(summary, out_dir / f"{stem(args)}.png",
          f"GPT on pydoc text, {args.np} workers, {args.steps} steps of {args.batch_size} x 64 chars per worker")
     print(text)
     if not args.aggregate_only:
