@@ -77,7 +77,7 @@ def measure(spec: str, args, data, hvd) -> dict:
         p.register_hook(lambda g, n=n: local.__setitem__(n, g.detach().clone()))
     generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
     rows = {k: [] for k in ("loss", *(f"{m}.{g}" for m in ("rel", "pre", "sig") for g in GROUPS))}
-    levels: dict = {}  # bucket -> log2 relative noise per step
+    levels: dict = {}  # (group, tensor, bucket) -> log2 of its relative error, per step
     cosines, previous = [], None
     beta2 = opt.param_groups[0]["betas"][1]
     for step in range(args.steps):
@@ -126,7 +126,7 @@ def measure(spec: str, args, data, hvd) -> dict:
             opt.step()
     bias = repeat_bias(spec, model, opt, named, local, sample_batch(train_ids, run.batch_size, run.context, generator),
                        args.repeats, hvd)
-    jump = {g: float(np.median([np.std(v[:args.steps]) for (gg, *_), v in levels.items() if gg == g and len(v) > 2]
+    jump = {g: float(np.median([np.std(v) for (gg, *_), v in levels.items() if gg == g and len(v) > 2]
                                or [float("nan")])) for g in GROUPS}
     return {"rows": rows, "jump": jump, "eval": tg.evaluate(plain, val_ids, run), "bias": bias,
             "cos": max(cosines, default=float("nan"))}
@@ -137,7 +137,7 @@ def repeat_bias(spec, model, opt, named, local, batch, repeats: int, hvd) -> dic
     ``||mean - exact||^2`` over the sum of the per-coordinate error variances over ``repeats``."""
     x, y = batch
     total = squares = exact = None
-    for r in range(repeats):
+    for _ in range(repeats):
         opt.zero_grad()
         model.loss(x, y).backward()
         opt.synchronize()
@@ -154,7 +154,7 @@ def repeat_bias(spec, model, opt, named, local, batch, repeats: int, hvd) -> dic
         k = p.numel()
         sl, at = slice(at, at + k), at + k
         if g is not None:
-            variance = float(squares[sl].sum()) / repeats  # E||g^ - g||^2 (the bias included: conservative)
+            variance = float(squares[sl].sum()) / repeats  # E||g^ - g||^2 (a bias adds to both; the ratio grows)
             out[n] = float(((mean[sl] - exact[sl]) ** 2).sum()) / (variance / repeats)
     return out
 
