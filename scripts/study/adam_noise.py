@@ -90,8 +90,8 @@ def measure(spec: str, args, data, hvd) -> dict:
         opt.synchronize()
         exact = hvd.allreduce(torch.cat([local[n].reshape(-1) for n, _, _ in named]), op=hvd.Average,
                               name=f"adam_noise.{spec}.exact")
-        decoded = torch.cat([p.grad.reshape(-1) for _, p, _ in named]).double()
-        error = decoded - exact.double()
+        exact = exact.double()
+        error = torch.cat([p.grad.reshape(-1) for _, p, _ in named]).double() - exact
         if previous is not None:
             cosines.append(abs(float(error @ previous / (error.norm() * previous.norm()).clamp_min(1e-300))))
         previous = error
@@ -100,10 +100,9 @@ def measure(spec: str, args, data, hvd) -> dict:
         at = 0
         for n, p, g in named:
             k = p.numel()
-            e, at = exact[at:at + k].double(), at + k
+            e, err, at = exact[at:at + k], error[at:at + k], at + k
             if g is None:
                 continue
-            err = p.grad.reshape(-1).double() - e
             acc[f"rel.{g}"] += float(err.pow(2).sum())
             acc[f"norm.{g}"] += float(e.pow(2).sum())
             state = opt.state.get(p, {})
