@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from multiproc import MPI_OPTIONS, RANK_ENV, _tool
@@ -41,6 +42,23 @@ def test_bucket_widths_bench_compares_three_rows_per_step(tmp_path):
             line.startswith("| bits")]
     assert len(rows) == 6 and [float(r[2]) for r in rows[::3]] == [1.0, 1.0]
     assert all(3.0 <= float(r[4]) < 3.1 for r in rows), rows
+
+
+def test_refit_bench_rows_allocation_and_amortized_cost(tmp_path):
+    """scripts/bench/refit.py with one repeat: the four rounds, the allocation proper's share and
+    the derived cost per round under the default schedule (3 refits in the first 10,000 rounds)."""
+    refit = load("bench.refit")
+    out = tmp_path / "refit.md"
+    assert refit.main(["--repeats", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| plain") or
+            line.startswith("| refit")]
+    assert len(rows) == 4 and float(rows[0][2]) == 1.0 and float(rows[1][3]) == 1.0
+    assert all(float(r[1]) > 0 for r in rows)
+    assert "the allocation proper" in text and "refits 3 times in the first 10,000 rounds" in text
+    # 4 ms more per refit, 3 refits in 10,000 rounds of 2 ms: 1.2 us per round, 0.06% of a plain round
+    assert "4.0 ms over a 3-bit refit round add 1.2 us per round on average, 0.06% of a plain round" in \
+        refit.amortized(0.004, 0.002)
 
 
 def test_codec_widths_reports_every_width(tmp_path):
@@ -417,11 +435,24 @@ def test_adam_noise_two_ranks(tmp_path):
         for g in ("head", "embeddings", "attention", "mlp"):
             assert all(v > 0 for v in rows[f"rel.{g}"]), (spec, g)
             assert all(v > 0 for v in rows[f"pre.{g}"][1:]) and all(v > 0 for v in rows[f"sig.{g}"][1:]), (spec, g)
+        # where the noise sits (every group has several buckets): a positive ratio from step 1 on
+        assert all(v > 0 for g in ("embeddings", "attention", "mlp") for v in rows[f"split.{g}"][1:]), spec
     assert 0.3 < sum(data["results"]["alq@2"]["rows"]["rel.mlp"]) / 6 < 10
     for r in data["results"].values():  # unbiased, independent rounding: near 1 and near 0 (4 repeats: loose)
         assert len(r["bias"]) == 19 and all(0.3 < v < 3 for v in r["bias"].values()), r["bias"]
         assert 0 <= r["cos"] < 0.2
     assert "| alq@bucket2.5 | 3-6 |" in (tmp_path / "adam_noise.md").read_text()
+
+
+def test_adam_noise_low_over_high():
+    """The split of AdamW-scaled noise by bucket norm: per coordinate below the median mean square over
+    at or above it; NaN with fewer than two buckets or all alike."""
+    from scripts.study.adam_noise import low_over_high
+
+    # mean squares 1, 2, 3, 4 (median 2.5): low = the first two, 10 + 20 noise on 2 + 2 coordinates,
+    # high 3 + 1 on 1 + 3 coordinates: (30 / 4) / (4 / 4) = 7.5
+    assert low_over_high([(1.0, 10.0, 2), (2.0, 20.0, 2), (3.0, 3.0, 1), (4.0, 1.0, 3)]) == 7.5
+    assert np.isnan(low_over_high([(1.0, 1.0, 4)])) and np.isnan(low_over_high([(1.0, 1.0, 4), (1.0, 2.0, 4)]))
 
 
 def test_variance_gpt_quick(tmp_path):

@@ -24,7 +24,9 @@ import time
 import numpy as np
 import torch
 
-from horovod_alq.exchange.base import SingleRank
+from horovod_alq.core.rounds import DEFAULT_UPDATE_EVERY, DEFAULT_UPDATE_STEPS, RefitSchedule
+from horovod_alq.core.allocation import AUTO_WIDTHS, allocate_bits, errors_from_histograms
+from horovod_alq.exchange.base import SingleRank, auto_rows
 from horovod_alq.exchange.setup import configure
 from horovod_alq.torch.ops import TorchOps
 from scripts.common.bench import write_report
@@ -49,6 +51,31 @@ def one_round(setup, engine, grads, ops, transport) -> float:
     return time.perf_counter() - t0
 
 
+def allocation_time(auto, grads, ops) -> float:
+    """Seconds of the allocation proper on one round's tensors (their histograms taken before the
+    clock starts): every tensor's error at every width, then the exact allocation."""
+    rows = auto_rows(auto, ops, grads)  # the refit vectors (errors, statistics), as the round computes them
+    squared = np.stack([ops.auto_statistics(g, auto.quantizers[auto.default])[0] for g in grads])
+    t0 = time.perf_counter()
+    errors = errors_from_histograms(squared, [auto.quantizers[w].levels for w in AUTO_WIDTHS])
+    allocate_bits(errors, [g.numel() for g in grads], auto.budget, AUTO_WIDTHS)
+    elapsed = time.perf_counter() - t0
+    assert np.array_equal(errors, rows[:, :len(AUTO_WIDTHS)])  # the same errors as the round's
+    return elapsed
+
+
+def amortized(extra: float, plain: float, steps: int = DEFAULT_UPDATE_EVERY) -> str:
+    """What ``extra`` seconds per refit round cost per step of a run under the default refit schedule
+    (derived from the medians, not timed): refits in the first ``steps`` rounds, per round and
+    against the plain rounds' time."""
+    refits = sum(RefitSchedule().collects(t) for t in range(steps))
+    per_step = extra * refits / steps
+    return (f"Derived: the default schedule refits {refits} times in the first {steps:,} rounds "
+            f"(steps {', '.join(map(str, DEFAULT_UPDATE_STEPS))}, then every {DEFAULT_UPDATE_EVERY:,}), so "
+            f"`bits='auto'`'s {1000 * extra:.1f} ms over a 3-bit refit round add {1e6 * per_step:.1f} us per round "
+            f"on average, {100 * per_step / plain:.2f}% of a plain round.")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7)
@@ -61,17 +88,22 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     warm, grads = gpt_gradients(1024, batch=0), gpt_gradients(1024, batch=1)
     ops, transport = TorchOps("cpu"), SingleRank()
-    cases = {"plain round (3 bits)": (3, None, False), "refit round, 3 bits": (3, None, True),
-             f"refit round, bits='auto' (budget {args.budget})": ("auto", args.budget, True)}
+    auto_row = f"refit round, bits='auto' (budget {args.budget})"
+    cases = {"plain round (3 bits)": (3, None, None, False), "refit round, 3 bits": (3, None, None, True),
+             auto_row: ("auto", args.budget, None, True),
+             f"refit round, bits='auto', bits_per='bucket' (budget {args.budget})": ("auto", args.budget, "bucket", True)}
     times = {name: [] for name in cases}
+    allocation = []
     for _ in range(repeats):
-        for name, (bits, budget, refit) in cases.items():  # rows interleaved
-            setup = configure(args.method, bits, 8192, bit_budget=budget, update_steps=(0,) if refit else (),
-                              update_every=0, seed=0)
+        for name, (bits, budget, bits_per, refit) in cases.items():  # rows interleaved
+            setup = configure(args.method, bits, 8192, bit_budget=budget, bits_per=bits_per,
+                              update_steps=(0,) if refit else (), update_every=0, seed=0)
             engine = setup.engine(exchange="allgather", uid="bench")
             one_round(setup, engine, warm, ops, transport)  # warm: codec, allocations, levels
             setup.state.step = 0  # the timed round refits (or not) again
             times[name].append(one_round(setup, engine, grads, ops, transport))
+            if name == auto_row:
+                allocation.append(allocation_time(setup.state.auto, grads, ops))
     plain = statistics.median(times["plain round (3 bits)"])
     numel = sum(g.numel() for g in grads)
     lines = [f"Command: `python -m scripts.bench.refit {' '.join(argv if argv is not None else sys.argv[1:])}` "
@@ -82,6 +114,12 @@ def main(argv=None) -> int:
     for name, ts in times.items():
         m = statistics.median(ts)
         lines.append(f"| {name} | {1000 * m:.1f} | {m / plain:.2f} | {m / refit3:.2f} |")
+    auto, alloc = statistics.median(times[auto_row]), statistics.median(allocation)
+    lines += ["", f"Of the `bits='auto'` round (per tensor), the allocation proper (every tensor's error at every "
+              f"width from its histograms, then `allocate_bits`' exact optimum) takes {1000 * alloc:.1f} ms, "
+              f"{100 * alloc / refit3:.0f}% of a 3-bit refit round; the rest of its {1000 * (auto - refit3):.1f} ms "
+              f"over one is the per-tensor histograms and the level fits of every width in use.", "",
+              amortized(auto - refit3, plain)]
     write_report(lines, args.out)
     return 0
 

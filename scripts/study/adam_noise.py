@@ -8,6 +8,9 @@ Per tensor group (head, embeddings, attention and MLP matrices) and window of st
 - ``rel``: the norm-weighted relative error ``||g^ - g||^2 / ||g||^2``, what the widths minimize;
 - ``pre``: the noise as AdamW weighs it, ``mean_i (g^_i - g_i)^2 / v_i`` (``v``: AdamW's bias-corrected
   second moment before the step), against the signal ``mean_i g_i^2 / v_i``;
+- ``low / high``: where that noise sits: ``pre`` per coordinate in the group's buckets whose exact
+  gradient has a mean square below the group's median over those above it (widths per bucket give
+  the low-norm buckets the fewest bits; AdamW divides their coordinates by the smallest ``v``);
 - ``jump``: how much a bucket's noise level moves from step to step: the standard deviation over
   steps of ``log2 ||e_b||^2 / ||g_b||^2`` per quantization bucket ``b``, median over buckets
   (fixed widths: the spread of one width's error; widths per bucket: also the width changes);
@@ -76,7 +79,7 @@ def measure(spec: str, args, data, hvd) -> dict:
     for n, p, _ in named:
         p.register_hook(lambda g, n=n: local.__setitem__(n, g.detach().clone()))
     generator = torch.Generator().manual_seed(args.seed * 1000 + hvd.rank())
-    rows = {k: [] for k in ("loss", *(f"{m}.{g}" for m in ("rel", "pre", "sig") for g in GROUPS))}
+    rows = {k: [] for k in ("loss", *(f"{m}.{g}" for m in ("rel", "pre", "sig", "split") for g in GROUPS))}
     levels: dict = {}  # (group, tensor, bucket) -> log2 of its relative error, per step
     cosines, previous = [], None
     beta2 = opt.param_groups[0]["betas"][1]
@@ -97,6 +100,7 @@ def measure(spec: str, args, data, hvd) -> dict:
         previous = error
         acc = {k: 0.0 for k in rows if k != "loss"} | {f"norm.{g}": 0.0 for g in GROUPS}
         count = dict.fromkeys(GROUPS, 0)
+        buckets = {g: [] for g in GROUPS}  # (mean square of the exact gradient, AdamW-scaled noise, coordinates)
         at = 0
         for n, p, g in named:
             k = p.numel()
@@ -108,8 +112,12 @@ def measure(spec: str, args, data, hvd) -> dict:
             state = opt.state.get(p, {})
             if "exp_avg_sq" in state:
                 v = state["exp_avg_sq"].reshape(-1).double() / (1 - beta2 ** float(state["step"])) + 1e-16
-                acc[f"pre.{g}"] += float((err.pow(2) / v).sum())
+                scaled = err.pow(2) / v
+                acc[f"pre.{g}"] += float(scaled.sum())
                 acc[f"sig.{g}"] += float((e.pow(2) / v).sum())
+                for lo in range(0, k, run.bucket_size):
+                    hi = min(k, lo + run.bucket_size)
+                    buckets[g].append((float(e[lo:hi].pow(2).mean()), float(scaled[lo:hi].sum()), hi - lo))
             count[g] += k
             for b, lo in enumerate(range(0, k, run.bucket_size)):
                 eb, gb = err[lo:lo + run.bucket_size], e[lo:lo + run.bucket_size]
@@ -121,6 +129,7 @@ def measure(spec: str, args, data, hvd) -> dict:
             rows[f"rel.{g}"].append(acc[f"rel.{g}"] / max(acc[f"norm.{g}"], 1e-300))
             rows[f"pre.{g}"].append(acc[f"pre.{g}"] / count[g] if step else float("nan"))
             rows[f"sig.{g}"].append(acc[f"sig.{g}"] / count[g] if step else float("nan"))
+            rows[f"split.{g}"].append(low_over_high(buckets[g]) if step else float("nan"))
         with opt.skip_synchronize():
             opt.step()
     bias = repeat_bias(spec, model, opt, named, local, sample_batch(train_ids, run.batch_size, run.context, generator),
@@ -129,6 +138,19 @@ def measure(spec: str, args, data, hvd) -> dict:
                                or [float("nan")])) for g in GROUPS}
     return {"rows": rows, "jump": jump, "eval": tg.evaluate(plain, val_ids, run), "bias": bias,
             "cos": max(cosines, default=float("nan"))}
+
+
+def low_over_high(buckets: list) -> float:
+    """AdamW-scaled noise per coordinate in the buckets below the median mean square over that in the
+    buckets at or above it (``buckets``: (mean square, scaled noise, coordinates) each); NaN with
+    fewer than two buckets."""
+    if len(buckets) < 2:
+        return float("nan")
+    msq, noise, n = (np.array(c, dtype=np.float64) for c in zip(*buckets))
+    low = msq < np.median(msq)
+    if not low.any() or low.all():
+        return float("nan")
+    return float((noise[low].sum() / n[low].sum()) / max(noise[~low].sum() / n[~low].sum(), 1e-300))
 
 
 def repeat_bias(spec, model, opt, named, local, batch, repeats: int, hvd) -> dict:
@@ -189,6 +211,17 @@ def report(results: dict, args, seconds: float) -> list[str]:
             lines.append(f"| {spec} | {lo}-{hi} | {mean('loss'):.3f} | "
                          + " | ".join(f"{mean(f'rel.{g}'):.3f}" for g in GROUPS) + " | "
                          + " | ".join(f"{mean(f'pre.{g}'):.3f} / {mean(f'sig.{g}'):.3f}" for g in GROUPS) + " |")
+    lines += ["", "Where AdamW's noise sits: `pre` per coordinate in the buckets below the group's median norm "
+              "over those above it (1: spread evenly), mean over the window's steps:", "",
+              "| method | steps | " + " | ".join(f"low / high {g}" for g in GROUPS) + " |",
+              "|---|---|" + "---:|" * len(GROUPS)]
+    for spec, r in results.items():
+        rows = r["rows"]
+        for lo in range(0, args.steps, args.window):
+            hi = min(args.steps, lo + args.window)
+            cells = [np.asarray(rows[f"split.{g}"][lo:hi], dtype=np.float64) for g in GROUPS]
+            lines.append(f"| {spec} | {lo}-{hi} | " + " | ".join(
+                f"{np.nanmean(c):.2f}" if np.isfinite(c).any() else "-" for c in cells) + " |")
     lines += ["", f"| method | eval loss | " + " | ".join(f"jump {g}" for g in GROUPS)
               + f" | cos | bias over {args.repeats} repeats (min-max over tensors) |",
               "|---|---:|" + "---:|" * len(GROUPS) + "---:|---:|"]
