@@ -548,6 +548,26 @@ def _grid_reference(x: torch.Tensor, d: int, norm: str) -> np.ndarray:
     return np.concatenate([[ref.norms[bucket_keep].astype(np.float64).sum()], np.cumsum(hist[: GRID.size])])
 
 
+@pytest.mark.parametrize("grid", ["GRID", "dense"])
+def test_grid_cells_exact_at_and_beside_grid_points(codec, grid):
+    """The cell of every coordinate is the core's (``searchsorted`` on the grid) also for values on a
+    grid point, one float32 step either side of it, signed zeros, tiny values and +-1: with the
+    default grid (the CPU codec's table lookup) and a grid of points too close for it (its bisection),
+    in turn, so that the codec's per-thread table follows a change of grid."""
+    g = GRID if grid == "GRID" else np.concatenate([[-1.0], np.linspace(0.5, 0.5001, 300), [1.0]])
+    g32 = g.astype(np.float32)
+    values = np.concatenate([g32, np.nextafter(g32, np.float32(2)), np.nextafter(g32, np.float32(-2)),
+                             np.array([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 1.0, -1.0], np.float32)])
+    values = np.clip(values, np.float32(-1), np.float32(1)).astype(np.float32)
+    x = torch.from_numpy(np.concatenate([[np.float32(1.0)], values]))  # max-abs norm 1: r = x exactly
+    d = x.numel()
+    for grid_values in (g, GRID):  # the other grid after this one: the cached table must follow
+        got = codec.grid_statistics(x, torch.tensor(grid_values), bucket_size=d, norm="linf")
+        per_cell = np.rint(np.diff(np.concatenate([[0.0], got[1:]])) * d).astype(np.int64)
+        cells = np.maximum(np.searchsorted(grid_values, x.numpy().astype(np.float64), side="left"), 1)
+        np.testing.assert_array_equal(per_cell, np.bincount(cells, minlength=grid_values.size + 1)[: grid_values.size])
+
+
 @pytest.mark.parametrize("norm", ["l2", "linf"])
 def test_grid_histograms_match_the_numpy_core(codec, norm):
     """bits="auto": row 0 is grid_statistics, row 1 the same cells weighted by squared norms."""

@@ -622,12 +622,69 @@ inline void decode_payloads(float* po, int64_t n, int64_t d, const std::vector<c
   dispatch_bits(bits, [&](auto b) { decode_sum_codes<decltype(b)::value>(po, n, d, norms, codes, table, fscale); });
 }
 
+// The grid cell of a float32 value in a few independent comparisons: for each of the 2^13 top-bit
+// patterns of a float32 (sign, exponent, 4 mantissa bits), the count of grid values below the least
+// float with that pattern; a value's count is that plus how many of the next kCellProbes grid
+// values are below it, exact when no pattern's floats span more grid values (checked when the
+// table is built; otherwise `usable` is false). Cached per thread for the last grid (by value),
+// with the grid padded by +inf so the probes need no bounds.
+constexpr int kCellKeyShift = 19;
+constexpr int kCellProbes = 4;
+struct CellTable {
+  std::vector<double> grid;    // the grid, then kCellProbes times +inf
+  std::vector<uint16_t> base;  // per pattern
+  bool usable = false;
+};
+
+inline double float_at(uint32_t pattern) {
+  float f;
+  std::memcpy(&f, &pattern, sizeof f);
+  return static_cast<double>(f);
+}
+
+inline const CellTable& cell_table(const double* grid, int64_t cells) {
+  thread_local CellTable table;
+  if (static_cast<int64_t>(table.grid.size()) == cells + kCellProbes &&
+      std::equal(grid, grid + cells, table.grid.begin())) {
+    return table;
+  }
+  table.grid.assign(grid, grid + cells);
+  table.grid.resize(cells + kCellProbes, std::numeric_limits<double>::infinity());
+  table.base.assign(size_t(1) << (32 - kCellKeyShift), 0);
+  table.usable = cells < (int64_t(1) << 16);
+  const uint32_t low = (uint32_t(1) << kCellKeyShift) - 1;
+  for (size_t k = 0; k < table.base.size() && table.usable; ++k) {
+    const uint32_t pattern = static_cast<uint32_t>(k) << kCellKeyShift;
+    if (((pattern >> 23) & 0xFF) == 0xFF) continue;  // infinities and NaN: base 0 (NaN counts nothing)
+    const bool negative = pattern >> 31;
+    const double least = float_at(negative ? pattern | low : pattern);  // its least and greatest float
+    const double most = float_at(negative ? pattern : pattern | low);
+    const int64_t below_least = std::lower_bound(grid, grid + cells, least) - grid;
+    const int64_t below_most = std::lower_bound(grid, grid + cells, most) - grid;
+    table.base[k] = static_cast<uint16_t>(below_least);
+    if (below_most - below_least > kCellProbes) table.usable = false;
+  }
+  return table;
+}
+
+// The count of grid values below the float32 value v (NaN: 0), with a usable cell_table.
+inline int64_t cells_below(const CellTable& table, float v) {
+  uint32_t pattern;
+  std::memcpy(&pattern, &v, sizeof pattern);
+  const int64_t base = table.base[pattern >> kCellKeyShift];
+  const double* g = table.grid.data() + base;
+  const double x = static_cast<double>(v);
+  int64_t above = 0;
+  for (int i = 0; i < kCellProbes; ++i) above += g[i] < x;
+  return base + above;
+}
+
 // Statistics of a refit round for the norm-based methods: out[0] = sum of the finite non-zero
 // bucket norms; out[1 + j] = sum over those buckets of norm / count * #{i : r_i <= grid[j]}, with
 // r_i = clamp(float32(x_i) / norm, -1, 1) (a coordinate at -1 counts in cell 1, as in the core).
 // squared (bits="auto", may be null): the same counts weighted by norm**2 instead, squared[0] = sum
-// of norm**2 * count. One pass; the cell is found by a branch-free binary search over the sorted
-// grid (in L1).
+// of norm**2 * count. One pass; the cell is found by cells_below for float32 work (a few
+// comparisons after a table lookup) and otherwise by a branch-free binary search over the grid.
 template <typename scalar_t>
 void grid_histogram(const scalar_t* x, int64_t n, int64_t d, bool linf, const double* grid, int64_t cells,
                     double* out, double* squared) {
@@ -638,6 +695,8 @@ void grid_histogram(const scalar_t* x, int64_t n, int64_t d, bool linf, const do
   std::vector<double> hist(cells + 1, 0.0);
   int64_t steps = 1;  // the smallest power of two >= cells
   while (steps < cells) steps <<= 1;
+  const CellTable* table = std::is_same<work_t, float>::value ? &cell_table(grid, cells) : nullptr;
+  const bool tabled = table != nullptr && table->usable;
   double total = 0.0, total_sq = 0.0;
   std::vector<double> hist_sq(squared ? cells + 1 : 0, 0.0);
   for (int64_t b = 0; b < nb; ++b) {
@@ -654,9 +713,13 @@ void grid_histogram(const scalar_t* x, int64_t n, int64_t d, bool linf, const do
       r = r < work_t(-1) ? work_t(-1) : (r > work_t(1) ? work_t(1) : r);
       const double v = static_cast<double>(r);
       int64_t lo = 0;  // the first j with grid[j] >= v: count of grid values < v
-      for (int64_t step = steps >> 1; step > 0; step >>= 1) {
-        const int64_t probe = lo + step;
-        lo = (probe <= cells && grid[probe - 1] < v) ? probe : lo;
+      if (tabled) {
+        lo = cells_below(*table, static_cast<float>(r));
+      } else {
+        for (int64_t step = steps >> 1; step > 0; step >>= 1) {
+          const int64_t probe = lo + step;
+          lo = (probe <= cells && grid[probe - 1] < v) ? probe : lo;
+        }
       }
       const int64_t cell = lo < 1 ? 1 : lo;
       hist[cell] += weight;
