@@ -4,8 +4,9 @@ the codec of each width.
 
 :class:`MixedOps` wraps a :class:`.base.TensorOps`: payloads of a
 :class:`~horovod_alq.core.bucket_widths.MixedWidths` are mixed, all others go to the wrapped ops.
-Encoding gathers the buckets of each width into one vector (``take_buckets``) and encodes it with
-that width's levels; decoding decodes each width's buckets of the window asked for and adds them
+Encoding gathers the buckets of each width into one vector (``take_buckets``), or reads them in
+place from the round's tensors where the codec can (``encode_parts``), and encodes them with that
+width's levels; decoding decodes each width's buckets of the window asked for and adds them
 back in place (``add_buckets``), rank by rank. The wrapped ops need three more operations:
 ``bucket_norms``, ``take_buckets`` and ``add_buckets`` (NumPy and torch have them).
 """
@@ -52,23 +53,74 @@ class MixedOps:
     def encode(self, x, q, seed):
         if not isinstance(q, MixedWidths):
             return self.inner.encode(x, q, seed)
-        ops, d = self.inner, q.bucket_size
         n = int(x.shape[0])
-        lengths = bucket_lengths(n, d)
-        norms = ops.bucket_norms(x, d, q.norm) if n else np.zeros(0)
-        widths = q.widths(np.square(norms, dtype=np.float64), lengths, n)
+        norms = self.inner.bucket_norms(x, q.bucket_size, q.norm) if n else np.zeros(0)
+        return self._assemble(q, n, norms, seed,
+                              lambda ids, qw, seed_w: self._encode_buckets(x, ids, n, qw, seed_w))
+
+    def _assemble(self, q: MixedWidths, n: int, norms: np.ndarray, seed: int, encode_width):
+        """A mixed payload of ``n`` coordinates with bucket norms ``norms``: header, widths and their
+        CRC, then ``encode_width(ids, quantizer, seed)`` of each width's buckets, then zeros up to
+        its size. None if ``encode_width`` gives None for a width with buckets (before any other)."""
+        ops, d = self.inner, q.bucket_size
+        widths = q.widths(np.square(norms, dtype=np.float64), bucket_lengths(n, d), n)
         header = pack_header(Header(get_method(q.method).id, 0, d, n, q.fingerprint, norm=q.norm,
                                     budget256=q.budget256))
         crc = np.frombuffer(widths_crc(widths), dtype=np.uint8)
+        by_width = {w: np.flatnonzero(widths == w) for w in BUCKET_WIDTHS}
+        encoded = {}
+        for w in sorted(BUCKET_WIDTHS, key=lambda w: -by_width[w].size):  # the first call says if it can
+            encoded[w] = encode_width(by_width[w], q.quantizers[w], derive_seed(seed, w))
+            if encoded[w] is None:
+                return None
         parts = [ops.from_numpy(np.concatenate([np.frombuffer(header, dtype=np.uint8), widths, crc]))]
-        used = len(header) + widths.size + 4
-        for w in BUCKET_WIDTHS:
-            ids = np.flatnonzero(widths == w)
-            part = self._encode_buckets(x, ids, n, q.quantizers[w], derive_seed(seed, w))
-            parts.append(part)
-            used += int(part.shape[0])
+        parts += [encoded[w] for w in BUCKET_WIDTHS]
+        used = sum(int(part.shape[0]) for part in parts)
         parts.append(ops.from_numpy(np.zeros(q.payload_bytes(n) - used, dtype=np.uint8)))
         return ops.cat(parts)
+
+    def _parts_norms(self, parts, starts, length: int, d: int, norm: str) -> np.ndarray:
+        """The bucket norms of the stream of ``length`` coordinates that holds ``parts`` at ``starts``
+        (each on a bucket boundary) and zeros elsewhere, as :meth:`bucket_norms` of that stream gives
+        them: a part's last bucket, completed by the zeros after it, is measured on a zero-padded copy."""
+        ops = self.inner
+        out = np.zeros(-(-length // d))
+        for part, s in zip(parts, starts):
+            n = int(part.shape[0])
+            b, full = s // d, n - n % d
+            if n % d and s + n < length:  # zeros follow the tail in the stream
+                if full:
+                    out[b: b + full // d] = ops.bucket_norms(part[:full], d, norm)
+                padded = ops.zeros(d)
+                padded[: n % d] = part[full:]
+                out[b + full // d] = ops.bucket_norms(padded, d, norm)[0]
+            elif n:
+                out[b: b - (-n // d)] = ops.bucket_norms(part, d, norm)
+        return out
+
+    def _encode_parts_buckets(self, parts, starts, length: int, ids, q, seed):
+        """The payload of buckets ``ids`` of the stream of :meth:`_parts_norms`, back to back, read in
+        place from ``parts`` (None where the codec cannot)."""
+        ops, d = self.inner, q.bucket_size
+        if ids.size == 0:
+            return ops.encode(ops.zeros(0), q, seed)
+        cut = np.flatnonzero(np.diff(ids) != 1) + 1
+        firsts, lasts = ids[np.concatenate([[0], cut])], ids[np.concatenate([cut - 1, [ids.size - 1]])]
+        starts = [int(s) for s in starts]
+        ends = [s + int(p.shape[0]) for p, s in zip(parts, starts)]
+        pieces, at, offset, k = [], [], 0, 0
+        for a, b in zip((firsts * d).tolist(), np.minimum((lasts + 1) * d, length).tolist()):
+            while k < len(parts) and ends[k] <= a:  # spans and parts are in stream order
+                k += 1
+            j = k
+            while j < len(parts) and starts[j] < b:  # the parts that the span [a, b) overlaps
+                lo, hi = max(a, starts[j]), min(b, ends[j])
+                if lo < hi:
+                    pieces.append(parts[j][lo - starts[j]: hi - starts[j]])
+                    at.append(offset + lo - a)
+                j += 1
+            offset += b - a
+        return ops.encode_parts(pieces, at, offset, q, seed)
 
     def _encode_buckets(self, x, ids, n, q, seed):
         """The payload of buckets ``ids`` of ``x`` back to back: read in place, run by run of
@@ -86,9 +138,14 @@ class MixedOps:
         return ops.encode(ops.take_buckets(x, ids, d), q, seed)
 
     def encode_parts(self, parts, starts, length, q, seed):
-        if isinstance(q, MixedWidths):
-            return None  # the stream's buckets are gathered by width
-        return self.inner.encode_parts(parts, starts, length, q, seed)
+        if not isinstance(q, MixedWidths):
+            return self.inner.encode_parts(parts, starts, length, q, seed)
+        d = q.bucket_size
+        if length == 0 or any(int(s) % d for s in starts):
+            return None  # the caller encodes the stream
+        norms = self._parts_norms(parts, starts, length, d, q.norm)
+        return self._assemble(q, length, norms, seed,
+                              lambda ids, qw, seed_w: self._encode_parts_buckets(parts, starts, length, ids, qw, seed_w))
 
     def decode_sum(self, out, payloads, offsets, q, *, start=0, numel=None, scale=1.0):
         if not isinstance(q, MixedWidths):

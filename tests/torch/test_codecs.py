@@ -782,6 +782,60 @@ def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchang
 
 
 @pytest.mark.parametrize("norm", ["l2", "linf"])
+def test_mixed_payload_read_in_place_is_the_streams(codec, norm):
+    """``bits_per="bucket"``: a mixed payload encoded from a round's tensors in place (``encode_parts``:
+    tensors on bucket boundaries, zeros between, short last buckets, a window that starts inside a
+    tensor and ends at the stream's end) has the bytes of the one encoded from the stream; where
+    the codec cannot read in place, None (the engine then encodes the stream)."""
+    from horovod_alq.core.allocation import AUTO_WIDTHS, AutoBits
+    from horovod_alq.exchange.mixed import MixedOps
+    from horovod_alq.torch.ops import TorchOps
+
+    d = 64
+    auto = AutoBits("alq", 3.0, d, norm, bits_per="bucket")
+    g = torch.Generator().manual_seed(4)
+    sizes, scales = (300, 64, 1000, 130, 7), (1.0, 30.0, 0.01, 5.0, 2.0)
+    xs = [torch.randn(k, generator=g) * s for k, s in zip(sizes, scales)]
+    starts = np.concatenate([[0], np.cumsum([-(-k // d) * d for k in sizes[:-1]])]).tolist()
+    length = starts[-1] + sizes[-1]
+    stream = torch.zeros(length)
+    for x, s0 in zip(xs, starts):
+        stream[s0: s0 + x.numel()] = x
+    ops = MixedOps(TorchOps("cpu", "torch"))
+    ops.inner.codec = codec
+    # the widths come from the same norms, bit for bit: an L2 norm of a short row is not always that
+    # of the row completed by zeros, so 40 tensors with short last buckets, zeros after each
+    short = [torch.randn(int(k), generator=g) for k in torch.randint(1, 3 * d, (40,), generator=g)]
+    at = np.concatenate([[0], np.cumsum([-(-x.numel() // d) * d for x in short[:-1]])]).tolist()
+    whole = torch.zeros(at[-1] + short[-1].numel())
+    for x, s0 in zip(short, at):
+        whole[s0: s0 + x.numel()] = x
+    np.testing.assert_array_equal(ops._parts_norms(short, at, whole.numel(), d, norm),
+                                  ops.bucket_norms(whole, d, norm))
+    for refit in (False, True):  # before the first refit every bucket has one width: one run across all
+        if refit:
+            rows = np.stack([auto.row(x.numpy()) for x in xs])
+            auto.refit(rows, list(sizes), [(k, 0) for k in sizes])  # every width's levels, the error model
+        for lo in (0, 2 * d):  # the whole stream; a window from inside the first tensor
+            parts, at = [], []
+            for x, s0 in zip(xs, starts):
+                a, b = max(lo, s0), s0 + x.numel()
+                if a < b:
+                    parts.append(x[a - s0:])
+                    at.append(a - lo)
+            got = ops.encode_parts(parts, at, length - lo, auto.mixed, 9)
+            want = ops.encode(stream[lo:], auto.mixed, 9)
+            widths, _ = auto.mixed.layout(want.numpy(), 0, length - lo)
+            assert len(set(widths.tolist())) > 2 if refit else len(set(widths.tolist())) == 1, widths
+            if getattr(codec, "encode_parts", None) is None:
+                assert got is None
+            else:
+                assert torch.equal(got, want), (norm, refit, lo)
+    assert ops.encode_parts(parts[:1], [d + 1], length, auto.mixed, 9) is None  # off a bucket boundary
+    assert sorted(auto.quantizers) == list(AUTO_WIDTHS)
+
+
+@pytest.mark.parametrize("norm", ["l2", "linf"])
 @pytest.mark.parametrize("n", [0, 64, 200, 1000])
 def test_torch_bucket_ops_match_numpy(norm, n):
     """What mixed payloads need from the tensor ops: bucket norms, buckets taken and added back
