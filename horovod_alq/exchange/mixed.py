@@ -61,7 +61,8 @@ class MixedOps:
     def _assemble(self, q: MixedWidths, n: int, norms: np.ndarray, seed: int, encode_width):
         """A mixed payload of ``n`` coordinates with bucket norms ``norms``: header, widths and their
         CRC, then ``encode_width(ids, quantizer, seed)`` of each width's buckets, then zeros up to
-        its size. None if ``encode_width`` gives None for a width with buckets (before any other)."""
+        its size. None as soon as ``encode_width`` gives None (the widths with the most buckets go
+        first, so a codec that cannot read in place says so at the first call)."""
         ops, d = self.inner, q.bucket_size
         widths = q.widths(np.square(norms, dtype=np.float64), bucket_lengths(n, d), n)
         header = pack_header(Header(get_method(q.method).id, 0, d, n, q.fingerprint, norm=q.norm,
