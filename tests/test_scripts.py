@@ -61,6 +61,19 @@ def test_refit_bench_rows_allocation_and_amortized_cost(tmp_path):
         refit.amortized(0.004, 0.002)
 
 
+def test_train_step_cpu_table(monkeypatch):
+    """scripts/bench/train_step.py's CPU table: the other threads' time is the process's less the main
+    thread's, the bound is N x process CPU / cores; a run recorded without CPU times gives none."""
+    ts = load("bench.train_step")
+    monkeypatch.setattr(ts.os, "cpu_count", lambda: 2)
+    row = dict(label="r", step_s=0.9, fwd_bwd_s=0.8, cpu_main_s=0.2, cpu_all_s=0.35)
+    run = {"size": 4, "results": {"local": {**row, "label": "alone", "cpu_main_s": 0.15},
+                                  "hvd-alq": row}}
+    cells = [line.split("|")[1:-1] for line in ts.cpu_table(run) if line.startswith("| r ")]
+    assert [c.strip() for c in cells[0]] == ["r", "900", "200", "+50", "150", "700", "1.29"]
+    assert ts.cpu_table({"size": 4, "results": {"hvd-alq": {"label": "r", "step_s": 1.0}}}) == []
+
+
 def test_codec_widths_reports_every_width(tmp_path):
     """scripts/bench/codec_widths.py on a small tensor: a row per width and kernel set, 3 bits at 1.00."""
     out = tmp_path / "widths.md"

@@ -56,6 +56,12 @@ x parameters); and the ratio of the step to two limits at the measured TCP throu
 worker link: without overlap ``local + bytes / R``, with perfect overlap ``max(local, bytes / R)``.
 Last column: the largest difference of any parameter between rank 0 and another rank after all
 steps (0 for every exchange that averages correctly).
+
+Where the time goes, a second table per run: CPU time per step and rank (mean over ranks, median
+over steps) of the main thread (``time.thread_time``: forward, backward, hooks, codec, optimizer)
+and of the process's other threads (Horovod's background thread, Open MPI, gloo, the DDP hook's
+decode in gloo's callbacks), and all ranks' CPU over the cores against the step. Open MPI's
+yield-when-idle polling counts as CPU time: where ranks share cores the cores are always busy.
 """
 
 import argparse
@@ -229,6 +235,8 @@ def worker(args) -> int:
 
     times = {k: [] for k in keys}
     fwd_bwd = {k: [] for k in keys}
+    cpu_main = {k: [] for k in keys}  # the main thread's CPU time: compute, hooks, codec, Python
+    cpu_all = {k: [] for k in keys}   # the process's: also Horovod's, Open MPI's and gloo's threads
     before = {}
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -236,11 +244,13 @@ def worker(args) -> int:
         for key in keys:
             row = rows[key]
             dist.barrier()
+            c0, p0 = time.thread_time(), time.process_time()
             t0 = time.perf_counter()
             F.cross_entropy(row["model"](x), y).backward()
             t1 = time.perf_counter()
             row["opt"].step()
             t2 = time.perf_counter()
+            c2, p2 = time.thread_time(), time.process_time()
             # set_to_none (torch's default): this row's gradients are freed until its next step, as
             # a training loop's zero_grad() before the backward would free them (11 rows' gradients
             # held at once would not fit 8 ranks of the full model in this machine's memory)
@@ -248,6 +258,8 @@ def worker(args) -> int:
             if step >= args.warmup:
                 times[key].append(t2 - t0)
                 fwd_bwd[key].append(t1 - t0)
+                cpu_main[key].append(c2 - c0)
+                cpu_all[key].append(p2 - p0)
         if rank == 0:
             print(f"step {step + 1}/{args.warmup + args.steps} done", flush=True)
     after = {k: counters(k) for k in keys}
@@ -263,7 +275,7 @@ def worker(args) -> int:
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
         diffs[key] = float(d)
 
-    per_rank = hvd.allgather_object({"times": times, "fwd_bwd": fwd_bwd,
+    per_rank = hvd.allgather_object({"times": times, "fwd_bwd": fwd_bwd, "cpu_main": cpu_main, "cpu_all": cpu_all,
                                      "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     ring = 2 * (n - 1) / n
     results = {}
@@ -271,7 +283,12 @@ def worker(args) -> int:
         slow = [max(r["times"][key][i] for r in per_rank) for i in range(args.steps)]
         slow_fb = [max(r["fwd_bwd"][key][i] for r in per_rank) for i in range(args.steps)]
         res = {"label": LABELS[key], "step_s": statistics.median(slow), "steps_s": slow,
-               "fwd_bwd_s": statistics.median(slow_fb), "max_param_diff": diffs[key]}
+               "fwd_bwd_s": statistics.median(slow_fb), "max_param_diff": diffs[key],
+               # per step, the mean over ranks; then the median over steps
+               "cpu_main_s": statistics.median(statistics.fmean(r["cpu_main"][key][i] for r in per_rank)
+                                               for i in range(args.steps)),
+               "cpu_all_s": statistics.median(statistics.fmean(r["cpu_all"][key][i] for r in per_rank)
+                                              for i in range(args.steps))}
         b, a = before.get(key), after[key]
         if key == "local":
             res.update(bytes_per_step=0.0, bytes_how="none")
@@ -402,6 +419,26 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
     return lines
 
 
+def cpu_table(run: dict) -> list[str]:
+    """Where a row's time goes: CPU time per step and rank, main thread (forward, backward, hooks,
+    codec) and the others (Horovod, Open MPI, gloo), against the wall-clock step; [] for a run
+    without CPU times (before they were recorded)."""
+    res, cores = run["results"], os.cpu_count()
+    if not all("cpu_main_s" in r for r in res.values()):
+        return []
+    local = res.get("local", {}).get("cpu_main_s")
+    lines = ["CPU time per step and rank (mean over ranks, median over steps) and what the cores allow:",
+             "", "| row | step ms | main thread CPU ms | main thread CPU over the local row's, ms "
+             "| other threads CPU ms | all ranks' CPU / cores, ms | step / that |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for key, r in res.items():
+        bound = run["size"] * r["cpu_all_s"] / cores
+        extra = "-" if local is None or key == "local" else f"{(r['cpu_main_s'] - local) * 1e3:+.0f}"
+        lines.append(f"| {r['label']} | {ms(r['step_s'])} | {ms(r['cpu_main_s'])} | {extra} "
+                     f"| {ms(r['cpu_all_s'] - r['cpu_main_s'])} | {ms(bound)} | {r['step_s'] / bound:.2f} |")
+    return [""] + lines
+
+
 def report_head(title: str, module: str, argv, runs: list[dict], wall: float, versions: str,
                 threads: str, fewer_ranks: str = "", load: str = "") -> list[str]:
     """A report's title, command, date and machine lines (this script's and scripts.bench.fsdp's):
@@ -448,7 +485,7 @@ def report(args, argv, runs: list[dict], wall: float) -> str:
              + "; the other DDP rows DDP's default buckets"
              + (f" ({args.ddp_bucket_mb} MB)" if args.ddp_bucket_mb else " (25 MB)") + ".", ""]
     for r in runs:
-        lines += [rate_heading(r), ""] + table(r["run"], r.get("throughput_Bps")) + [""]
+        lines += [rate_heading(r), ""] + table(r["run"], r.get("throughput_Bps")) + cpu_table(r["run"]) + [""]
     lines += [
         "Columns: step ms = median of the slowest rank's full step; fwd+bwd ms = the same for the forward "
         "and backward alone (with DDP: its exchange, which ends in the backward; with Horovod: the "
@@ -461,7 +498,11 @@ def report(args, argv, runs: list[dict], wall: float) -> str:
         "bandwidth-optimal ring allreduce; Open MPI and gloo may send more); comm at R = bytes / R with R the "
         "measured TCP throughput of one worker link; limit no overlap = local step + comm, limit overlap = "
         "max(local step, comm), 'local step' being the fwd+bwd+SGD row; max param diff: the largest "
-        "|parameter - rank 0's| over ranks after all steps.", ""]
+        "|parameter - rank 0's| over ranks after all steps. CPU tables: the main thread's CPU time "
+        "(time.thread_time: forward, backward, the hooks and compressors, the optimizer step) and the other "
+        "threads' (process time less that: Horovod's background thread, Open MPI, gloo; Open MPI's "
+        "yield-when-idle polling counts as CPU time, so a long wait on a slow link shows there); all ranks' CPU / "
+        "cores = N x process CPU time / cores, the step time if the cores were the only limit.", ""]
     return "\n".join(lines)
 
 
