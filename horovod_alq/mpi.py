@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .core import frontends
+from . import frontends
 from .core.methods import get_method
 from .core.protocol import CollectiveTimeout, ProtocolError, stable_hash
 from .core.quantizer import Quantizer
@@ -35,7 +35,7 @@ from .core.wire import parse_header
 from .exchange.base import check_payloads
 from .exchange.engine import RefitError, blame
 from .exchange.numpy_ops import NumpyOps
-from .exchange.setup import configure
+from .settings import Settings, configure
 from .mpi_transport import MpiTransport
 
 __all__ = ["QuantizedAllreduce"]
@@ -57,58 +57,38 @@ class QuantizedAllreduce(frontends.Configured):
     comm : mpi4py.MPI.Intracomm
         Any intracommunicator (``MPI.COMM_WORLD``, or one from ``Split`` / ``Create``). Every rank
         of ``comm`` makes the same calls in the same order, as for any MPI collective.
-    method : str
-        ``"alq"``, ``"alq-n"``, ``"amq"``, ``"amq-n"`` (adaptive), ``"qsgdinf"``, ``"qsgd"``,
-        ``"nuqsgd"``, ``"terngrad"`` (fixed levels); see :class:`~horovod_alq.core.Quantizer`.
-    bits : int or "auto", optional
-        Bits per coordinate on the wire, 2..8 (default 3; TernGrad: 2). ``"auto"`` (adaptive
-        methods): a width per array of a call's list, chosen by :meth:`adapt` under ``bit_budget``
-        (see :meth:`adapt`; the Horovod compressors' ``bits="auto"``).
-    bit_budget : float, optional
-        ``bits="auto"`` only: mean bits per coordinate of a call (bucket norms not counted); default 3.0.
-    bits_per : {"tensor", "bucket"}, optional
-        ``bits="auto"`` only: "bucket" gives every bucket of every payload its own width, chosen by
-        each rank from its norms (the Horovod compressors' ``bits_per``); default "tensor".
-    bucket_size : int
-        Coordinates sharing one float32 norm (default 8192).
-    seed : int, optional
-        Each rank draws its rounding noise from a stream derived from ``(seed, rank)``; None: fresh entropy.
-    clip : bool or float
-        TernGrad only: clip buckets at this many standard deviations (biased; off by default).
-    exchange : {"auto", "allgather", "two-phase"}
-        How payloads travel (see :class:`horovod_alq.torch.ALQCompressor`); ``auto``: two-phase
-        from 4 ranks on. Two-phase re-quantizes the summed shards with ``bits_second`` bits
-        (default ``bits``: the first quantizer's levels, copied at every :meth:`adapt`; other bits:
-        refit from the statistics of the reduced shards).
-    bits_second : int, optional
-    norm : {"l2", "linf"}, optional
-        Bucket norm (adaptive methods take either; None: the method's default).
+    method, bits, bucket_size, **keywords
+        The shared settings, :class:`horovod_alq.settings.Settings` (its fields as keywords;
+        None: the default). ``bits="auto"``: a width per array of a call's list, chosen by
+        :meth:`adapt` under ``bit_budget``. ``clip`` (TernGrad) is served here. Not served:
+        ``min_size``, ``codec``, ``fusion_bytes``, ``overlap``, and the refit schedule
+        (``update_steps``, ``update_every``): levels are refit by :meth:`adapt` (docs/settings.md).
+    settings : horovod_alq.settings.Settings, optional
+        Settings to start from; the keywords given override them.
     collect_every : int, optional
         Which calls record this rank's statistics for the next :meth:`adapt`: every
         ``collect_every``-th call since the last one (default 1 for adaptive methods); 0: only calls
         made with ``collect=True``. Recording costs a local pass over the array (docs/mpi4py.md).
-    timeout : float, optional
-        Seconds to wait for any collective of a call or of :meth:`adapt` before raising an error
-        naming it; default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit.
-
     Notes
     -----
     Results have the input's dtype (float16, float32 or float64) and shape; the sum over ranks is
     taken in float32 (:meth:`reduce` can sum in float64).
     """
 
-    def __init__(self, comm: MPI.Intracomm, method: str = "alq", bits: int | str | None = None,
-                 bucket_size: int = 8192, *, bit_budget: float | None = None, bits_per: str | None = None, seed: int | None = None,
-                 clip: bool | float = False, collect_every: int | None = None, exchange: str = "auto",
-                 bits_second: int | None = None, norm: str | None = None, timeout: float | None = None) -> None:
+    FRONT_END = "mpi4py"
+
+    def __init__(self, comm: MPI.Intracomm, method: str | None = None, bits: int | str | None = None,
+                 bucket_size: int | None = None, *, settings: Settings | None = None,
+                 collect_every: int | None = None, **keywords) -> None:
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
         if comm.Is_inter():
             raise ValueError("comm is an intercommunicator; pass an intracommunicator (e.g. Merge() it)")
         self._comm, self._rank, self._size = comm, comm.Get_rank(), comm.Get_size()
-        self._method = get_method(method)
-        setup = configure(method, bits, bucket_size, clip=clip, norm=norm, bits_second=bits_second, seed=seed,
-                          bit_budget=bit_budget, bits_per=bits_per, on_request=True)  # refits: adapt() only
+        self.settings = s = Settings.of(settings, self.FRONT_END, method=method, bits=bits, bucket_size=bucket_size,
+                                        **keywords)
+        self._method = get_method(s.method)
+        setup = configure(s, on_request=True)  # refits: adapt() only
         self._quantizer, self._state = setup.quantizer, setup.state
         if collect_every is None:
             collect_every = 1 if self._method.adaptive else 0
@@ -121,10 +101,10 @@ class QuantizedAllreduce(frontends.Configured):
         self._pending_keys: tuple = ()  # bits="auto": the tensors of the recorded rows
         self._pending_second: np.ndarray | None = None  # its reduced shards' (two-phase owner)
         self._calls_since_adapt = 0
-        self._transport = MpiTransport(comm, timeout)
+        self._transport = MpiTransport(comm, s.timeout)
         self._stages = [self._transport] * 2  # MPI pairs by call order: one transport for every stage
         self._ops = NumpyOps()
-        self._engine = setup.engine(exchange=exchange, fusion_bytes=0, uid="mpi")
+        self._engine = setup.engine(uid="mpi", fusion_bytes=0, early=False)
 
     @property
     def comm(self) -> MPI.Intracomm:

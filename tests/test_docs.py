@@ -22,7 +22,7 @@ DOCS = ROOT / "docs"
 PACKAGE = ROOT / "horovod_alq"
 
 # The public API: the modules users import, with their __all__.
-PUBLIC_MODULES = ("horovod_alq.torch", "horovod_alq.torch.ddp", "horovod_alq.torch.fsdp",
+PUBLIC_MODULES = ("horovod_alq.settings", "horovod_alq.torch", "horovod_alq.torch.ddp", "horovod_alq.torch.fsdp",
                   "horovod_alq.tensorflow", "horovod_alq.mpi", "horovod_alq.core")
 # The errors every rank raises when the ranks of an exchange disagree or a collective times out:
 # these and every class the package derives from them (protocol_errors()).

@@ -1,5 +1,5 @@
 """The five public compressor classes and ``compressor_for(name)``: same keywords, same methods, same
-errors in PyTorch and TensorFlow (both are built from horovod_alq.core.frontends)."""
+errors in PyTorch and TensorFlow (both are built from horovod_alq.frontends)."""
 
 import importlib
 import pickle

@@ -13,7 +13,8 @@ Three axes vary independently:
 
 :class:`.engine.Engine` drives rounds: it fuses a round's tensors into buckets-aligned buffers,
 runs the protocol of :mod:`horovod_alq.core.protocol` and one exchange, and refits the levels.
-Every front-end builds its quantizers, round state, seed and engine with :func:`.setup.configure`;
+Every front-end builds its quantizers, round state, seed and engine with
+:func:`horovod_alq.settings.configure` from its :class:`~horovod_alq.settings.Settings`;
 each exchange's ``plan`` (:mod:`.plan`) is its arithmetic (ranges, payload sizes, wire bytes),
 read by its ``steps`` and by TensorFlow, which runs the exchange in its graph.
 """

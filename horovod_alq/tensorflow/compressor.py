@@ -38,21 +38,21 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from ..core import frontends, protocol
+from .. import frontends
+from ..core import protocol
 from ..core.allocation import AUTO_WIDTHS
 from ..core.methods import get_method
 from ..core.wire import payload_size
-from ..exchange.engine import EXCHANGES, check_exchange, choose_exchange
+from ..exchange.engine import EXCHANGES, choose_exchange
 from ..exchange.plan import BufferPlan
-from ..exchange.setup import configure
-from . import checks, graph
+from ..settings import Settings, configure
+from . import checks, graph, waits
 from .state import RoundVariables
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
@@ -98,6 +98,8 @@ class _PassThrough:
     """Context of a tensor that travels uncompressed (too small, unknown size, not floating point)."""
 
     dtype: tf.DType
+    shape: tf.TensorShape
+    restore: Any = None  # graph.passthrough's: how to give the reduced tensor its shape back
 
 
 class _ClassOrInstance(frontends.ClassOrInstance):
@@ -120,47 +122,23 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
 
     Parameters
     ----------
-    method : str
-        One of :data:`horovod_alq.core.methods.METHODS`.
-    bits : int or "auto"
-        Bits per coordinate on the wire (2..8; TernGrad: 2). ``"auto"`` (ALQ and AMQ): a width per
-        tensor, chosen at every refit to minimize the variance of the step's update under
-        ``bit_budget`` (:class:`horovod_alq.core.allocation.AutoBits`, as the PyTorch compressors);
-        a tensor's width is the allocation's for its slot in the step when that slot holds a tensor
-        of its size and shape, else the widest width within the budget.
-    bit_budget : float, optional
-        ``bits="auto"``: mean bits per coordinate of the compressed tensors, bucket norms not
-        counted (2 to 8; default 3.0).
-    bucket_size : int
-        Coordinates per float32 norm. 8192 costs 0.004 extra bits per coordinate.
-    update_steps : sequence of int, optional
-        Rounds (optimizer steps) whose statistics refit the levels; default (0, 100, 2000).
-    update_every : int, optional
-        After the last of ``update_steps``, refit every this many rounds; default 10000, 0: never.
-    min_size : int
-        Tensors with fewer elements (or whose size is not known when traced) travel uncompressed
-        through Horovod's plain allreduce. Default 1024.
-    seed : int, optional
-        Seed of the stochastic rounding (combined with the rank and a call counter, so the draws
-        differ on every rank and every call, also inside ``tf.function``). Default: fresh entropy.
+    method, bits, bucket_size, **keywords
+        The shared settings, :class:`horovod_alq.settings.Settings` (its fields as keywords; None:
+        the default). Here ``bits="auto"`` gives a tensor the allocation's width for its slot in
+        the step when that slot holds a tensor of its size and shape, else the widest width within
+        the budget; ``min_size`` also sends uncompressed a tensor whose size is not known when
+        traced; ``seed`` is combined with the rank and a call counter (the draws differ on every
+        call, also inside ``tf.function``); ``exchange="two-phase"`` cuts each tensor's buckets into
+        N shards; ``bits_second`` other than ``bits`` only for the fixed methods (the second
+        quantization does not adapt in TensorFlow, and adaptive levels left at their initial fit give
+        12 to 16x the variance, docs/variance_two_phase.md). Not served: ``codec``, ``bits_per``,
+        ``adapt_second``, ``fusion_bytes``, ``overlap``, ``clip`` (docs/settings.md).
+    settings : horovod_alq.settings.Settings, optional
+        Settings to start from; the keywords given override them. A subclass's method overrides theirs.
     jit_compile : bool
         Compile the encoder (all but the random draws) and the decoder with XLA, once per tensor
         shape: several times faster on CPU, at a compile of about a second per shape. Default True;
         False runs the same TF ops op by op.
-    norm : {"l2", "linf"}, optional
-        Bucket norm (adaptive methods take either; None: the method's default). See
-        :class:`horovod_alq.core.Quantizer`.
-    exchange : {"auto", "allgather", "two-phase"}
-        How each tensor's codes travel: ``allgather`` (every rank gathers every rank's payload),
-        ``two-phase`` (the tensor's buckets cut into N shards: alltoall, each owner sums its shard
-        and re-quantizes it once, allgather; about ``2(N-1)/N (b + 32/d)`` bits per coordinate,
-        a second quantization's noise), ``auto`` (default): two-phase from 4 ranks on.
-    bits_second : int, optional
-        Bits of the two-phase second quantization; default ``bits``, whose levels then follow the
-        first quantization's (every refit). Other widths only for the fixed methods (their fixed
-        levels): the second quantization does not adapt in TensorFlow, and adaptive levels left at
-        their initial fit give 12 to 16x the variance (docs/variance_two_phase.md), so ALQ and AMQ
-        refuse them (the PyTorch compressors adapt them).
     process_set : horovod.tensorflow.ProcessSet, optional
         Pin the compressor to one process set: an allreduce over another set raises on every rank
         that took part. Default (None): the compressor serves every process set it is used with,
@@ -173,43 +151,39 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
     HOROVOD = "horovod.tensorflow"
     # Python-side configuration: not part of tf.Module's variable search.
     _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
-        "_fns", "_quantizer", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid", "_settings",
+        "_fns", "_quantizer", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid", "settings",
         "_per_set_states", "_state"})
 
-    def __init__(self, method: str | None = None, bits: int = 3, bucket_size: int = 8192, *,
-                 update_steps: Sequence[int] | None = None, update_every: int | None = None,
-                 min_size: int = 1024, seed: int | None = None, jit_compile: bool = True,
-                 norm: str | None = None, exchange: str = "auto", bits_second: int | None = None,
-                 process_set=None, bit_budget: float | None = None) -> None:
+    FRONT_END = "Horovod TensorFlow"
+
+    def __init__(self, method: str | None = None, bits: int | str | None = None, bucket_size: int | None = None,
+                 *, settings: Settings | None = None, jit_compile: bool = True, process_set=None,
+                 **keywords) -> None:
         super().__init__(name=type(self).__name__)
-        self._method = get_method(method or self.method)
-        setup = configure(self._method.name, bits, bucket_size, norm=norm, bits_second=bits_second,
-                          update_steps=update_steps, update_every=update_every,
-                          adapt_second=None if bits == "auto" else False, seed=seed, bit_budget=bit_budget)
+        s = Settings.of(settings, self.FRONT_END, method=method or self.method or None, bits=bits,
+                        bucket_size=bucket_size, **keywords)
+        self._method = get_method(s.method)
+        setup = configure(s, adapt_second=False)
+        self.settings = s if s.seed is not None else s.replace(seed=setup.seed)  # one seed for every set
         self._state = setup.state
         self._quantizer, self._second = q, q2 = setup.quantizer, setup.second
         if self._method.adaptive and q2.bits != q.bits:
             raise ValueError(f"bits_second={q2.bits} with bits={q.bits}: the TensorFlow compressors cannot adapt "
                              f"a second quantization of other bits for {self._method.name} (its initial levels "
                              f"give 12-16x the variance); use bits_second=bits, or the PyTorch compressors")
-        self._exchange = check_exchange(exchange)
+        self._exchange = s.exchange
         if self._exchange not in ("auto", *GRAPH_EXCHANGES):
-            raise ValueError(f"exchange={exchange!r} has no graph execution in the TensorFlow compressors "
+            raise ValueError(f"exchange={s.exchange!r} has no graph execution in the TensorFlow compressors "
                              f"(they run {', '.join(GRAPH_EXCHANGES)})")
         self._process_set = process_set
         self._set_cache = None
-        self.min_size = frontends.check_min_size(min_size)
+        self.min_size = s.min_size
+        self._timeout = protocol.resolve_timeout(s.timeout)  # the bound of this compressor's own waits
         self.jit_compile = bool(jit_compile)
         self._claimed_uid = None  # the name part of its collectives, claimed at first use (_names)
         self._outstanding = 0  # eager exchanges begun and not yet decompressed
         self._slot = 0
         self._vars = RoundVariables(setup.state, setup.seed)
-        # Without process_set=, allreduces over other process sets get a compressor of their own
-        # (made at first use, with these settings): levels, statistics and rounds per set.
-        self._settings = dict(bits=bits, bucket_size=bucket_size, update_steps=update_steps,
-                              update_every=update_every, min_size=self.min_size, seed=setup.seed,
-                              jit_compile=self.jit_compile, norm=q.norm, exchange=exchange,
-                              bits_second=bits_second, bit_budget=bit_budget)
         self._init_sets()
         # The codec's tf.functions and per-traced-graph call-site counters, in a plain namespace so
         # that tf.Module / tf.train.Checkpoint do not track them.
@@ -263,16 +237,18 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         numel = tensor.shape.num_elements()
         if tensor.dtype not in COMPRESSIBLE or numel is None or numel < max(self.min_size, 1):
             self._vars.count(uncompressed_coordinates=tf.size(tensor))
+            sent, how = graph.passthrough(tensor)  # never the control vector's shape (docs/design.md)
             if tensor.dtype == tf.bfloat16:  # Horovod's TF allreduce has no bfloat16
-                return tf.cast(tensor, tf.float32), _PassThrough(tensor.dtype)
-            return tensor, _PassThrough(tensor.dtype)
+                sent = tf.cast(sent, tf.float32)
+            return sent, _PassThrough(tensor.dtype, tensor.shape, how)
         if not self._is_member():
             # Raising here would leave the members waiting in this allreduce: take part with the
             # core's outsider vector, which fails their checks, and raise in decompress.
             n = self._set_size()
             head = np.zeros(self._head_len(self.exchange))
             head[:protocol.tensor_vector_length(n)] = protocol.outsider_vector(n)
-            return tf.constant(head, tf.float64), _Outsider(self._outsider_message(), tensor.shape, tensor.dtype)
+            ctx = _Outsider(self._outsider_message(), tensor.shape, tensor.dtype)
+            return graph.control(tf.constant(head, tf.float64)), ctx
         eager = tf.executing_eagerly()
         slot = self._next_slot(eager)
         try:
@@ -327,7 +303,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
             # exchange is then over on this rank, as on the others, which never began it.
             ctx.done = [False]
             weakref.finalize(ctx, self._abandon, ctx.done)
-        return small, ctx
+        return graph.control(small), ctx
 
     def _widths(self) -> dict:
         """Each width this compressor may send: (quantizer, second quantizer)."""
@@ -375,7 +351,8 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         if isinstance(ctx, frontends.Delegated):
             return ctx.compressor.decompress(tensor, ctx.ctx)
         if isinstance(ctx, _PassThrough):
-            return tf.cast(tensor, ctx.dtype) if tensor.dtype != ctx.dtype else tensor
+            return graph.restore(tf.cast(tensor, ctx.dtype) if tensor.dtype != ctx.dtype else tensor, ctx.restore,
+                                 ctx.shape)
         if isinstance(ctx, _Outsider):
             return graph.refuse(tensor, ctx.message, ctx.shape, ctx.dtype)
         try:
@@ -402,8 +379,9 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
     def _allgather(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
         """Gather every rank's payload, check every header, decode and sum (flat float32)."""
         n = self._set_size()
-        gathered = graph.hvd().allgather(ctx.payload, name=f"horovod_alq.{self._names()}.{ctx.slot}",
-                                         ignore_name_scope=True, process_set=self.process_set)
+        name, ps = f"horovod_alq.{self._names()}.{ctx.slot}", self.process_set
+        gathered = waits.bounded(lambda: graph.hvd().allgather(ctx.payload, name=name, ignore_name_scope=True,
+                                                               process_set=ps), name, self._timeout, ps)
 
         sizes = {w: payload_size(ctx.numel, w, q.bucket_size) for w, (q, _) in self._widths().items()}
         ok, fitted = checks.payloads_ok(gathered, ctx.header, n, self._per_width(ctx.width, sizes, tf.int32))
@@ -436,8 +414,9 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         plan, first = ctx.plans[w], self._fns.widths[w]
         n, me = self._set_size(), self._set_rank()
         name = f"horovod_alq.{self._names()}.{ctx.slot}"
-        received, rsplits = hvd.alltoall(ctx.payload, splits=list(plan.first), name=name + ".a2a",
-                                         ignore_name_scope=True, process_set=ps)
+        received, rsplits = waits.bounded(lambda: hvd.alltoall(ctx.payload, splits=list(plan.first), name=name + ".a2a",
+                                                               ignore_name_scope=True, process_set=ps),
+                                          name + ".a2a", self._timeout, ps)
         received = tf.reshape(received, [n * plan.first[me]])
         a, b = plan.parts[me]
         one = tf.constant(1.0, tf.float32)
@@ -451,8 +430,9 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         # An empty shard's payload reads nothing received, and a graph prunes the ops nothing reads
         # (control dependencies included): add a zero that reads the alltoall's splits.
         payload2 += tf.cast(tf.minimum(tf.reduce_min(rsplits), 0), tf.uint8)
-        gathered = tf.reshape(hvd.allgather(payload2, name=name + ".ag2", ignore_name_scope=True, process_set=ps),
-                              [sum(plan.second)])
+        gathered = waits.bounded(lambda: hvd.allgather(payload2, name=name + ".ag2", ignore_name_scope=True,
+                                                       process_set=ps), name + ".ag2", self._timeout, ps)
+        gathered = tf.reshape(gathered, [sum(plan.second)])
         scale = self._scale(reduced)
         offsets = np.cumsum([0, *plan.second]).tolist()
         pieces = [second.decoder(pb - pa, 1)(gathered[offsets[j]:offsets[j + 1]], levels2, scale)
@@ -524,7 +504,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
 
     # ---- process set
     def _for_set(self, process_set) -> QuantizedCompressor:
-        return QuantizedCompressor(self._method.name, process_set=process_set, **self._settings)
+        return QuantizedCompressor(process_set=process_set, settings=self.settings, jit_compile=self.jit_compile)
 
     def _set_info(self) -> tuple[int, int]:
         """(size, rank in the set), read from Horovod once (a set's membership does not change)."""

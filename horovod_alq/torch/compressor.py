@@ -21,15 +21,15 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-from ..core import frontends
+from .. import frontends
 from ..core.methods import get_method
-from ..core.protocol import outsider_vector, process_set_uid, resolve_timeout
+from ..core.protocol import (PREFIX, ReductionMismatch, control_shape, joined_ranks, outsider_vector, passthrough_shape,
+                             process_set_uid, resolve_timeout)
 from ..exchange import Entry
-from ..exchange.setup import configure
+from ..settings import Settings, configure
 from . import codecs
 from .ops import TorchOps, ops_for
 from .transport import HorovodTransport, NotMemberError, hvd
@@ -46,6 +46,7 @@ class _Exchange:
     dtype: torch.dtype
     device: torch.device
     source: torch.Tensor | None  # the input, when autograd needs it
+    own_set: bool = False  # the calling Horovod collective runs over the compressor's process set
 
 
 @dataclass
@@ -60,6 +61,7 @@ class _PassThrough:
     """Context of a tensor that travels uncompressed (too small, or not floating point)."""
 
     dtype: torch.dtype
+    unsqueezed: bool = False  # sent with one more trailing 1 (core.protocol.passthrough_shape)
 
 
 class _QuantizedAllreduceGrad(torch.autograd.Function):
@@ -85,121 +87,55 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
 
     Parameters
     ----------
-    method : str
-        One of :data:`horovod_alq.core.methods.METHODS`.
-    bits : int or "auto"
-        Bits per coordinate on the wire (2..8; TernGrad: 2). ``"auto"`` (ALQ, AMQ and their -N
-        forms): a width from 2 to 8 per tensor, chosen at every refit so that the step's total
-        quantization variance is smallest within ``bit_budget``; one level set per width, fitted
-        from the tensors that use it; allocated by every rank alike from the allreduced per-tensor
-        errors and statistics (docs/design.md, "Bits per tensor"). Until the first refit, and in
-        rounds of other tensors than the step's, every tensor gets ``floor(bit_budget)`` bits.
-    bucket_size : int
-        Coordinates per float32 norm. 8192 costs 0.004 extra bits per coordinate.
-    bit_budget : float, optional
-        ``bits="auto"`` only: mean bits per coordinate over the compressed tensors (bucket norms,
-        32/bucket_size bits per coordinate, not counted), from 2 to 8; default 3.0.
-    bits_per : {"tensor", "bucket"}, optional
-        ``bits="auto"`` only: what gets a width. "tensor" (default): the allocation above, agreed by
-        every rank. "bucket": every quantization bucket of every payload, chosen by each rank at
-        every step from its own bucket norms with an error model of every width refit from the
-        allreduced statistics; the codes of each payload fill ``bit_budget`` (to 1/256 of a bit)
-        and carry a width byte per bucket (docs/design.md, "Bits per bucket"). Bucket sizes that
-        are multiples of 8.
-    update_steps : sequence of int, optional
-        Rounds (optimizer steps) whose statistics refit the levels; default (0, 100, 2000).
-    update_every : int, optional
-        After the last of ``update_steps``, refit every this many rounds; default 10000, 0: never.
-    min_size : int
-        Tensors with fewer elements travel uncompressed (Horovod's plain allreduce). Default 1024.
-    seed : int, optional
-        Seed of the stochastic rounding (combined with the rank, round, buffer and phase).
-        Default: fresh entropy.
-    codec : str
-        Codec backend (:mod:`horovod_alq.torch.codecs`): "auto" (default: Triton for CUDA tensors
-        when importable, the compiled CPU codec for CPU tensors when it builds, torch ops
-        otherwise), "triton", "cpu" or "torch".
-    fused : bool, optional
-        Deprecated: ``fused=False`` is ``codec="torch"``, ``fused=True`` is ``codec="auto"``.
-    exchange : {"auto", "allgather", "two-phase"}
-        How codes travel: ``allgather`` (every rank gathers every rank's codes: ``(N-1)(b + 32/d)``
-        bits received per coordinate, one quantization), ``two-phase`` (scatter-reduce, re-quantize
-        the sums once, allgather: about ``2(N-1)/N (b + 32/d)`` bits, independent of N, at the cost
-        of a second quantization), ``auto`` (default): two-phase from 4 ranks on (docs/results.md).
-    fusion_bytes : int, optional
-        A round's compressed gradients are quantized and exchanged in buffers of this many bytes of
-        float32 (default 64 MiB, or ``$HOROVOD_ALQ_FUSION_BYTES``); 0: one buffer per tensor.
-    bits_second : int, optional
-        Bits of the second (two-phase) quantization; default ``bits``.
-    adapt_second : bool, optional
-        How the second (two-phase) quantization's levels follow the gradients. None (default):
-        with ``bits_second == bits`` they are the first quantizer's levels, copied at every refit;
-        with other bits they are refit from the statistics of the reduced shards, collected in the
-        round after each refit of the first quantizer. True: refit them so at equal bits too; False:
-        with other bits, keep their initial fit. (Measured in docs/variance_two_phase.md.)
+    method, bits, bucket_size, **keywords
+        The shared settings, :class:`horovod_alq.settings.Settings` (its fields as keywords: ``bits=3``,
+        ``bucket_size=8192``, ``exchange="auto"``, ``min_size=1024``, ``timeout``, ...; None: the
+        default). Every one is served here but ``clip`` (docs/settings.md).
+    settings : horovod_alq.settings.Settings, optional
+        Settings to start from; the keywords given override them. A subclass's method
+        (``ALQCompressor``: ``"alq"``) overrides theirs.
     process_set : horovod.torch.ProcessSet, optional
         Pin the compressor to this process set: allreduces over another set raise, naming it.
         Default: not pinned; the compressor serves every set it is used with (the global one, and
         each other set through a compressor of its own with these settings, made at the set's
         first use: levels, statistics and rounds per set; ``docs/design.md``).
-    norm : {"l2", "linf"}, optional
-        Bucket norm (adaptive methods take either; None: the method's default). See
-        :class:`horovod_alq.core.Quantizer`.
-    overlap : bool
-        Start each fusion buffer's exchange as soon as it is complete, during the backward pass
-        (default), not at the round's first ``decompress``. Results are the same either way; ranks
-        whose rounds disagree complete each other's early collectives and run the round as usual.
-    timeout : float, optional
-        Seconds to wait for any of this compressor's own collectives (payloads, handshake,
-        statistics) before raising an error that names the collective and the likely causes;
-        default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit. Horovod's own allreduce of the
-        control vector is Horovod's (its stall warnings apply).
+    fused : bool, optional
+        Deprecated: ``fused=False`` is ``codec="torch"``, ``fused=True`` is ``codec="auto"``.
 
     Notes
     -----
     Collective names: a compressor's collectives are named after its process set and the order in
     which this process first *uses* compressors of that set, so ranks that created different numbers
     of compressors (one per process set, one on some ranks only) still pair (docs/design.md).
+    Horovod's own allreduce of the control vector is Horovod's (its stall warnings apply);
+    ``timeout`` bounds the compressor's own collectives.
     """
 
     method: str = ""
     HOROVOD = "horovod.torch"
+    FRONT_END = "Horovod PyTorch"
 
-    def __init__(self, method: str | None = None, bits: int | str = 3, bucket_size: int = 8192, *,
-                 bit_budget: float | None = None, bits_per: str | None = None,
-                 update_steps: Sequence[int] | None = None, update_every: int | None = None,
-                 min_size: int = 1024, seed: int | None = None, codec: str = "auto",
-                 fused: bool | None = None, exchange: str = "auto", fusion_bytes: int | None = None,
-                 bits_second: int | None = None, adapt_second: bool | None = None, process_set=None,
-                 norm: str | None = None, overlap: bool = True, timeout: float | None = None) -> None:
-        method = method or self.method
-        self._method = get_method(method)
-        setup = configure(self._method.name, bits, bucket_size, norm=norm, bits_second=bits_second,
-                          update_steps=update_steps, update_every=update_every, adapt_second=adapt_second,
-                          seed=seed, bit_budget=bit_budget, bits_per=bits_per)
-        self._quantizer, self._state, seed = setup.quantizer, setup.state, setup.seed
-        self.min_size = frontends.check_min_size(min_size)
-        self._engine = setup.engine(exchange=exchange, fusion_bytes=fusion_bytes, uid=None,
-                                    early=bool(overlap))  # uid: at first use
-        self._timeout = resolve_timeout(timeout)
+    def __init__(self, method: str | None = None, bits: int | str | None = None, bucket_size: int | None = None,
+                 *, settings: Settings | None = None, process_set=None, fused: bool | None = None,
+                 **keywords) -> None:
         if fused is not None:
             warnings.warn("horovod_alq: fused= is deprecated; use codec='torch' (fused=False) or "
                           "codec='auto' (fused=True)", DeprecationWarning, stacklevel=2)
-            if codec != "auto":
+            if keywords.get("codec") not in (None, "auto"):
                 raise ValueError("give codec= or the deprecated fused=, not both")
-            codec = "auto" if fused else "torch"
-        self._codec = codecs.check_name(codec)
+            keywords["codec"] = "auto" if fused else "torch"
+        self.settings = s = Settings.of(settings, self.FRONT_END, method=method or self.method or None, bits=bits,
+                                        bucket_size=bucket_size, **keywords)
+        self._method = get_method(s.method)
+        setup = configure(s)
+        self._quantizer, self._state = setup.quantizer, setup.state
+        self.min_size = s.min_size
+        self._engine = setup.engine(uid=None)  # uid: at first use
+        self._timeout = resolve_timeout(s.timeout)
+        self._codec = codecs.check_name(s.codec)
         self._process_set = process_set
         self._transport_cache: HorovodTransport | None = None
         self._ops: dict[str, TorchOps] = {}
-        # Without process_set=, allreduces over other process sets get a compressor of their own
-        # (made at first use, with these settings): levels, statistics and rounds per set.
-        self._settings = dict(bits=bits, bucket_size=bucket_size, bit_budget=bit_budget, bits_per=bits_per,
-                              update_steps=update_steps,
-                              update_every=update_every, min_size=self.min_size, seed=seed,
-                              codec=self._codec, exchange=exchange, fusion_bytes=fusion_bytes,
-                              bits_second=bits_second, adapt_second=adapt_second,
-                              norm=self._quantizer.norm, overlap=bool(overlap), timeout=timeout)
         self._init_sets()
 
     # ------------------------------------------------------------------ configuration
@@ -225,22 +161,29 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
             self._engine.uid = process_set_uid(ps)
         if tensor.dtype not in COMPRESSIBLE or tensor.numel() < max(self.min_size, 1) or tensor.is_sparse:
             self._state.uncompressed_coordinates += tensor.numel()
+            unsqueeze = not tensor.is_sparse and len(passthrough_shape(tensor.shape)) > tensor.dim()
+            ctx = _PassThrough(tensor.dtype, unsqueeze)
+            if ctx.unsqueezed:  # never the control vector's shape: Horovod refuses a mix on every rank
+                tensor = tensor.unsqueeze(-1)
             if tensor.dtype == torch.bfloat16:  # Horovod's torch allreduce rejects bfloat16
-                return tensor.float(), _PassThrough(tensor.dtype)
-            return tensor, _PassThrough(tensor.dtype)
+                return tensor.float(), ctx
+            return tensor, ctx
         try:
             transport = self._transport()
         except NotMemberError as err:
             # Raising here would leave the members waiting in this collective: take part with a
             # vector that fails their checks, and raise in decompress.
             size = len(self._process_set.ranks or ())
-            return torch.from_numpy(outsider_vector(size)).to(tensor.device), _Outsider(str(err))
+            vec = outsider_vector(size)
+            return torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device), _Outsider(str(err))
         flat = tensor.detach().reshape(-1)
         entry, vec = self._engine.add(flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport,
                                       ops=self._ops_for(tensor.device))
-        small = torch.from_numpy(vec).to(tensor.device)
+        small = torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device)
         source = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
-        ctx = _Exchange(entry, tensor.shape, tensor.dtype, tensor.device, source)
+        calling = frontends.calling_process_set(self.HOROVOD, depth=10)
+        own_set = calling is not None and calling.process_set_id == transport.process_set.process_set_id
+        ctx = _Exchange(entry, tensor.shape, tensor.dtype, tensor.device, source, own_set)
         # The framework holds ctx until decompress; if it drops ctx first (its allreduce raised), the
         # entry leaves the round. Not `small`: frameworks may keep only an alias (Adasum: `small.data`).
         weakref.finalize(ctx, entry.abandon)
@@ -254,14 +197,30 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         if isinstance(ctx, frontends.Delegated):
             return ctx.compressor.decompress(tensor, ctx.ctx)
         if isinstance(ctx, _PassThrough):
-            return tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
+            out = tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
+            return out.squeeze(-1) if ctx.unsqueezed else out
         if isinstance(ctx, _Outsider):
             raise RuntimeError(ctx.message)
         reduced = tensor.detach().double().cpu().numpy()
-        out, scale = self._engine.finish(ctx.entry, reduced, self._ops_for(ctx.device), self._transport())
+        transport = self._transport()
+        try:
+            out, scale = self._engine.finish(ctx.entry, reduced, self._ops_for(ctx.device), transport)
+        except ReductionMismatch:
+            # Over the compressor's own set, ranks whose entries are 0 are in hvd.join(): Horovod serves
+            # them in an allreduce (zeros), not in the payload collectives. Every other rank holds this
+            # vector: all send the tensor uncompressed in one more allreduce, as Horovod alone would.
+            joined = ctx.own_set and joined_ranks(reduced, rank=transport.rank, size=transport.size,
+                                                  shape_code=ctx.entry.shape_code)
+            if not joined or ctx.entry.flat is None:
+                raise
+            flat, name = ctx.entry.flat, f"{PREFIX}.{self._engine.uid}.joined.{'.'.join(map(str, joined.slots))}"
+            handle = hvd().allreduce_async(flat.float() if flat.dtype == torch.bfloat16 else flat, op=hvd().Sum,
+                                           name=name, process_set=transport.process_set)
+            out, scale = transport._wait(handle, name) * joined.scale, joined.scale
+            self._state.uncompressed_coordinates += flat.numel()
         out = out.to(device=ctx.device, dtype=ctx.dtype).view(ctx.shape)
         if ctx.source is not None:
-            out = _QuantizedAllreduceGrad.apply(ctx.source, out, scale, self._transport().process_set)
+            out = _QuantizedAllreduceGrad.apply(ctx.source, out, scale, transport.process_set)
         return out
 
     # ------------------------------------------------------------------ metrics and state
@@ -310,7 +269,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         return ops_for(self._ops, device, self._codec)
 
     def _for_set(self, process_set) -> QuantizedCompressor:
-        return QuantizedCompressor(self._method.name, process_set=process_set, **self._settings)
+        return QuantizedCompressor(process_set=process_set, settings=self.settings)
 
 
 class ALQCompressor(frontends.ALQ, QuantizedCompressor):

@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..core.protocol import PREFIX, shape_hash
 from .dist_transport import WATCHDOG, SettleOnce, on_completion
+from ..settings import Settings
 from .streamed import COMPRESSIBLE, StreamedState
 
 __all__ = ["ALQState", "alq_hook"]
@@ -64,59 +64,22 @@ class ALQState(StreamedState):
     Create one per DDP model, on every rank with the same arguments, and register it with
     ``model.register_comm_hook(state, alq_hook)``.
 
-    Parameters (also attributes)
-    ----------------------------
+    Parameters
+    ----------
     process_group : ProcessGroup, optional
         The group DDP averages over (the same as ``DistributedDataParallel(process_group=...)``);
         None: the default (world) group.
-    method : str
-        ``"alq"``, ``"alq-n"``, ``"amq"``, ``"amq-n"`` (adaptive), ``"qsgdinf"``, ``"qsgd"``,
-        ``"nuqsgd"``, ``"terngrad"`` (fixed levels; TernGrad always sends 2 bits).
-    bits : int or "auto"
-        Bits per coordinate on the wire, 2..8. Default 3. ``"auto"`` (adaptive methods): a width
-        per parameter chosen at every refit under ``bit_budget``, as
-        :class:`horovod_alq.torch.ALQCompressor` does (a DDP bucket carries its parameters' widths).
-    bit_budget : float, optional
-        ``bits="auto"`` only: mean bits per coordinate of the compressed buckets; default 3.0.
-    bits_per : {"tensor", "bucket"}, optional
-        ``bits="auto"`` only: what gets a width (default "tensor"); "bucket": every quantization
-        bucket of every payload, chosen by each rank from its own bucket norms, as
-        :class:`horovod_alq.torch.ALQCompressor` does.
-    bucket_size : int
-        Coordinates per float32 norm (not DDP's bucket: those are ``bucket_cap_mb``). Default 8192.
-    exchange : {"auto", "allgather", "two-phase"}
-        How codes travel; ``auto``: two-phase from 4 ranks on (see the Horovod compressors).
-    seed : int, optional
-        Seed of the stochastic rounding (mixed with rank, round, buffer and phase); None: fresh
-        entropy on every rank.
-    update_steps : sequence of int, optional
-        DDP steps whose statistics refit the levels (default (0, 100, 2000)); new levels apply
-        from the next step.
-    update_every : int, optional
-        After the last of ``update_steps``, refit every this many steps (default 10000; 0: never).
-    min_size : int
-        DDP buckets with fewer elements travel uncompressed (plain ``all_reduce``). Default 1024.
-    codec : str
-        Codec backend (:mod:`horovod_alq.torch.codecs`): "auto" (default: Triton for CUDA buckets
-        when importable, the compiled CPU codec for CPU buckets when it builds, else torch ops),
-        or a backend's name.
-    fusion_bytes : int, optional
-        Checked to be the same on every rank, otherwise unused: each DDP bucket is exchanged as one
-        buffer as soon as its hook runs (DDP's ``bucket_cap_mb`` is the fusion).
-    bits_second : int, optional
-        Bits of the two-phase exchange's second quantization (default ``bits``).
-    adapt_second : bool, optional
-        As for :class:`horovod_alq.torch.ALQCompressor` (default None: the second quantization
-        takes the first one's levels at equal bits, and is refit at other bits).
-    norm : {"l2", "linf"}, optional
-        Bucket norm (adaptive methods take either; None: the method's default); see
-        :class:`horovod_alq.core.Quantizer`.
-    timeout : float, optional
-        Seconds the hook waits for one of its own collectives (the handshake, the statistics, a
-        bucket's payloads when the hook itself waits) before it raises naming the collective;
-        default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit. DDP's own wait for a bucket's
-        future too: a bucket whose exchange has not completed this long after its hook ran fails
-        with that error (for example when another rank stopped in the middle of the step).
+    method, bits, bucket_size, **keywords
+        The shared settings, :class:`horovod_alq.settings.Settings` (its fields as keywords;
+        None: the default). ``bucket_size`` is the quantization bucket, not DDP's bucket (those are
+        ``bucket_cap_mb``); ``update_steps`` count DDP steps; ``bits="auto"`` gives a width per
+        parameter (a DDP bucket carries its parameters' widths); ``timeout`` also bounds DDP's
+        own wait for a bucket's future (a bucket whose exchange has not completed this long after
+        its hook ran fails with the timeout's error). ``fusion_bytes`` is checked equal on every
+        rank, otherwise unused (DDP's buckets are the fusion); ``overlap`` and ``clip`` are not
+        served (docs/settings.md).
+    settings : horovod_alq.settings.Settings, optional
+        Settings to start from; the keywords given override them.
 
     Attributes
     ----------
@@ -127,24 +90,13 @@ class ALQState(StreamedState):
     """
 
     what = "hook's state"
-    AUTO_BITS = True
+    FRONT_END = "DDP hook"
 
-    def __init__(self, process_group=None, method: str = "alq", bits: int | str = 3, bucket_size: int = 8192,
-                 exchange: str = "auto", seed: int | None = None, *, bit_budget: float | None = None,
-                 bits_per: str | None = None,
-                 update_steps: Sequence[int] | None = None,
-                 update_every: int | None = None, min_size: int = 1024, codec: str = "auto",
-                 fusion_bytes: int | None = None, bits_second: int | None = None,
-                 adapt_second: bool | None = None, norm: str | None = None, timeout: float | None = None) -> None:
-        self._configure(process_group, method, bits, bucket_size, exchange, seed, update_steps, update_every,
-                        min_size, codec, fusion_bytes, bits_second, adapt_second, norm, uid="ddp", timeout=timeout,
-                        bit_budget=bit_budget, bits_per=bits_per)
+    def __init__(self, process_group=None, method: str | None = None, bits: int | str | None = None,
+                 bucket_size: int | None = None, *, settings: Settings | None = None, **keywords) -> None:
+        self._configure(process_group, settings, "ddp", method=method, bits=bits, bucket_size=bucket_size,
+                        **keywords)
         self._last = -1  # the index of the step's last bucket so far
-
-    def _config(self) -> dict:
-        st = self.round_state
-        return {**super()._config(), "exchange": self.exchange, "fusion_bytes": self.engine.fusion_bytes,
-                "bits_second": st.second.bits, "adapt_second": st.adapt_second}
 
     # ------------------------------------------------------------------ the round
     def _add(self, index: int, buffer: torch.Tensor, parameters=()) -> torch.futures.Future:

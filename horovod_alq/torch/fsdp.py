@@ -50,6 +50,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..core.protocol import PREFIX, shape_hash, stable_hash
 from ..exchange.reduce_scatter import NAME
 from .dist_transport import WATCHDOG, SettleOnce
+from ..settings import Settings
 from .streamed import COMPRESSIBLE, StreamedState
 
 __all__ = ["ALQReduceScatter", "quantize_reduce_scatter"]
@@ -64,54 +65,32 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
     Create one per model, on every rank with the same arguments, and set it on every FSDP module
     (:func:`quantize_reduce_scatter`, or ``module.set_custom_reduce_scatter(comm)``).
 
-    Parameters (also attributes)
-    ----------------------------
+    Parameters
+    ----------
     process_group : ProcessGroup, optional
         The group to reduce over; None (default): the group FSDP passes (its shard group). When
         given, a call with another group raises.
-    method : str
-        ``"alq"``, ``"alq-n"``, ``"amq"``, ``"amq-n"`` (adaptive), ``"qsgdinf"``, ``"qsgd"``,
-        ``"nuqsgd"``, ``"terngrad"`` (fixed levels; TernGrad always sends 2 bits).
-    bits : int or "auto"
-        Bits per coordinate on the wire, 2..8. Default 3. ``"auto"`` (adaptive methods): a width
-        per parameter chunk of every shard, chosen at each refit to minimize the variance of the
-        update within ``bit_budget`` (the Horovod compressors' ``bits="auto"``). The parameters of
-        a reduce-scatter are known from :func:`quantize_reduce_scatter`; an input whose layout it
-        did not record (or one that other modules share with another layout) is one tensor.
-    bucket_size : int
-        Coordinates per float32 norm, counted from each shard's start (``bits="auto"``: from each
-        parameter chunk's start). Default 8192.
-    seed : int, optional
-        Seed of the stochastic rounding (mixed with rank, round, call and shard); None: fresh
-        entropy on every rank.
-    update_steps : sequence of int, optional
-        Rounds (backward passes) whose statistics refit the levels (default (0, 100, 2000)); new
-        levels apply from the next backward.
-    update_every : int, optional
-        After the last of ``update_steps``, refit every this many rounds (default 10000; 0: never).
-    bit_budget : float, optional
-        ``bits="auto"`` only: mean bits per coordinate of the compressed inputs; default 3.0.
-    min_size : int
-        Reduce-scatter inputs with fewer elements travel uncompressed. Default 1024.
-    codec : str
-        Codec backend (:mod:`horovod_alq.torch.codecs`): "auto" (default), or a backend's name.
-    norm : {"l2", "linf"}, optional
-        Bucket norm (adaptive methods take either; None: the method's default).
-    timeout : float, optional
-        Seconds a call waits for its exchange (and the round's handshake and statistics) before it
-        raises naming the collective; default ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit.
+    method, bits, bucket_size, **keywords
+        The shared settings, :class:`horovod_alq.settings.Settings` (its fields as keywords;
+        None: the default). ``bucket_size`` counts from each shard's start (``bits="auto"``: from
+        each parameter chunk's start); ``update_steps`` count backward passes. ``bits="auto"``
+        gives a width per parameter chunk of every shard: the parameters of a reduce-scatter are
+        known from :func:`quantize_reduce_scatter`; an input whose layout it did not record (or one
+        that other modules share with another layout) is one tensor. Not served (one quantization
+        of each rank's shard): ``exchange``, ``bits_second``, ``adapt_second``, ``fusion_bytes``,
+        ``overlap``, ``bits_per``, ``clip`` (docs/settings.md).
+    settings : horovod_alq.settings.Settings, optional
+        Settings to start from; the keywords given override them.
     """
 
     what = "reduce-scatter comm"
-    AUTO_BITS = True
+    FRONT_END = "FSDP2"
+    ENGINE_EXCHANGE = "allgather"  # unused by reduce-scatter rounds; kept for the engine's checks
 
-    def __init__(self, process_group=None, method: str = "alq", bits: int | str = 3, bucket_size: int = 8192,
-                 seed: int | None = None, *, bit_budget: float | None = None,
-                 update_steps: Sequence[int] | None = None, update_every: int | None = None,
-                 min_size: int = 1024, codec: str = "auto", norm: str | None = None,
-                 timeout: float | None = None) -> None:
-        self._configure(process_group, method, bits, bucket_size, "allgather", seed, update_steps, update_every,
-                        min_size, codec, None, None, None, norm, uid="fsdp", timeout=timeout, bit_budget=bit_budget)
+    def __init__(self, process_group=None, method: str | None = None, bits: int | str | None = None,
+                 bucket_size: int | None = None, *, settings: Settings | None = None, **keywords) -> None:
+        self._configure(process_group, settings, "fsdp", method=method, bits=bits, bucket_size=bucket_size,
+                        **keywords)
         self._task = -1  # the autograd graph task of the round in progress (-1: outside backward)
         # bits="auto": (input elements, shards) -> each parameter chunk's (elements, shape code) in a
         # shard (None: modules with other layouts share that size), from quantize_reduce_scatter

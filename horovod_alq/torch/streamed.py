@@ -5,16 +5,12 @@ group and the codec per device. Their rounds are streamed (:mod:`horovod_alq.exc
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 import torch
 
-from ..core import frontends
-from ..core.methods import get_method
 from ..core.protocol import PREFIX, resolve_timeout
 from ..exchange.engine import choose_exchange
-from ..exchange.setup import configure
+from ..settings import Settings, configure
 from . import codecs
 from .dist_transport import DistTransport, companion_group
 from .ops import TorchOps, ops_for
@@ -30,31 +26,25 @@ class StreamedState:
     levels) and ``round_state`` (counters, schedule, both quantizers)."""
 
     what = "state"  # how errors name the object ("hook's state", "reduce-scatter comm")
-    AUTO_BITS = False  # whether it serves bits="auto"
+    FRONT_END = ""  # its name in horovod_alq.settings.NOT_SERVED
+    ENGINE_EXCHANGE: str | None = None  # the engine's exchange when not the settings' (FSDP2)
 
-    def _configure(self, process_group, method: str, bits: int, bucket_size: int, exchange: str,
-                   seed: int | None, update_steps: Sequence[int] | None, update_every: int | None,
-                   min_size: int, codec: str, fusion_bytes: int | None, bits_second: int | None,
-                   adapt_second: bool | None, norm: str | None, uid: str, timeout: float | None,
-                   bit_budget: float | None = None, bits_per: str | None = None) -> None:
-        m = get_method(method)
-        if m.name == "terngrad":
-            bits = 2
+    def _configure(self, process_group, settings: Settings | None, uid: str, **keywords) -> None:
+        """Settings from ``settings`` and ``keywords`` (:meth:`Settings.of`), then the state and engine."""
+        self.settings = s = Settings.of(settings, self.FRONT_END, **keywords)
         self.process_group = process_group
-        self.method = m.name
-        self.min_size = frontends.check_min_size(min_size)
-        self.codec = codecs.check_name(codec)
-        setup = configure(m.name, bits, bucket_size, norm=norm, bits_second=bits_second,
-                          update_steps=update_steps, update_every=update_every, adapt_second=adapt_second,
-                          seed=seed, bit_budget=bit_budget, bits_per=bits_per, front_end=None if self.AUTO_BITS else f"the {self.what}")
+        self.method = s.method
+        self.min_size = s.min_size
+        self.codec = codecs.check_name(s.codec)
+        setup = configure(s)
         auto = setup.state.auto
         self.bits = "auto" if auto is not None else setup.quantizer.bits
         self.bit_budget = None if auto is None else auto.budget
         self.bits_per = None if auto is None else auto.bits_per
         self.bucket_size, self.norm = setup.quantizer.bucket_size, setup.quantizer.norm
         self.round_state, self.seed = setup.state, setup.seed
-        self.engine = setup.engine(exchange=exchange, fusion_bytes=fusion_bytes, uid=uid)
-        self.timeout = resolve_timeout(timeout)
+        self.engine = setup.engine(uid=uid, exchange=self.ENGINE_EXCHANGE, early=False)  # streamed rounds
+        self.timeout = resolve_timeout(s.timeout)
         self._transports: dict[object, list[DistTransport]] = {}  # process group -> its stages
         self._ops: dict[str, TorchOps] = {}
         self._round = None  # the streamed round in progress
@@ -100,25 +90,16 @@ class StreamedState:
         self.round_state.load_state_dict(state)
         self.seed = self.engine.seed = int(state["seed"])
 
-    def _config(self) -> dict:
-        """The keywords that rebuild this object (pickling)."""
-        config = {k: getattr(self, k) for k in ("method", "bits", "bucket_size", "norm", "min_size", "codec")}
-        if self.bit_budget is not None:
-            config["bit_budget"] = self.bit_budget
-        if self.bits_per == "bucket":
-            config["bits_per"] = self.bits_per
-        config["timeout"] = 0 if self.timeout == float("inf") else self.timeout
-        st = self.round_state
-        config.update(update_steps=st.schedule.steps, update_every=st.schedule.every)
-        return config
-
     def __getstate__(self) -> dict:
         """Pickling (``torch.save(state)``): settings and :meth:`state_dict`; the process group is
         not picklable and comes back as the default group."""
-        return {"config": self._config(), "state": self.state_dict()}
+        return {"settings": self.settings.keywords(), "state": self.state_dict()}
 
     def __setstate__(self, saved: dict) -> None:
-        self.__init__(None, **saved["config"])
+        if "config" in saved:  # pickled before horovod_alq.settings: the keywords themselves
+            self.__init__(None, **saved["config"])
+        else:
+            self.__init__(None, settings=Settings(**saved["settings"]))
         self.load_state_dict(saved["state"])
 
     # ------------------------------------------------------------------ internals

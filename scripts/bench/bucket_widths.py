@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from horovod_alq.exchange.base import SingleRank
-from horovod_alq.exchange.setup import configure
+from horovod_alq.settings import Settings, configure
 from horovod_alq.torch.ops import TorchOps
 from scripts.bench.refit import gpt_gradients, one_round
 from scripts.common.bench import write_report
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         numel = sum(g.numel() for g in grads)
         engines = {}
         for name, kw in cases.items():
-            setup = configure("alq", bucket_size=args.bucket, update_steps=(0,), update_every=0, seed=0, **kw)
+            setup = configure(Settings("alq", bucket_size=args.bucket, update_steps=(0,), update_every=0, seed=0, **kw))
             engine = setup.engine(exchange="allgather", uid="bench")
             one_round(setup, engine, grads, ops, transport)  # the refit: levels, widths, error model
             engines[name] = (setup, engine)

@@ -27,7 +27,7 @@ import torch
 from horovod_alq.core.rounds import DEFAULT_UPDATE_EVERY, DEFAULT_UPDATE_STEPS, RefitSchedule
 from horovod_alq.core.allocation import AUTO_WIDTHS, allocate_bits, errors_from_histograms
 from horovod_alq.exchange.base import SingleRank, auto_rows
-from horovod_alq.exchange.setup import configure
+from horovod_alq.settings import Settings, configure
 from horovod_alq.torch.ops import TorchOps
 from scripts.common.bench import write_report
 from scripts.common.gpt import GPT, char_splits, sample_batch
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     allocation = []
     for _ in range(repeats):
         for name, (bits, budget, bits_per, refit) in cases.items():  # rows interleaved
-            setup = configure(args.method, bits, 8192, bit_budget=budget, bits_per=bits_per,
-                              update_steps=(0,) if refit else (), update_every=0, seed=0)
+            setup = configure(Settings(args.method, bits, 8192, bit_budget=budget, bits_per=bits_per,
+                              update_steps=(0,) if refit else (), update_every=0, seed=0))
             engine = setup.engine(exchange="allgather", uid="bench")
             one_round(setup, engine, warm, ops, transport)  # warm: codec, allocations, levels
             setup.state.step = 0  # the timed round refits (or not) again

@@ -7,7 +7,7 @@ import pytest
 
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.exchange.numpy_ops import NumpyOps
-from horovod_alq.exchange.setup import configure
+from horovod_alq.settings import Settings, configure
 from threaded import exchange_round, start_early
 
 SCALES = (100.0, 1.0, 0.01, 3.0)  # the gradients of four tensors differ by orders of magnitude
@@ -15,7 +15,7 @@ SIZES = (300, 500, 200, 640)
 
 
 def _setups(n, budget=3.0, exchange="allgather", **kw):
-    setups = [configure("alq", "auto", 64, bit_budget=budget, update_steps=(0,), update_every=0, seed=11, **kw)
+    setups = [configure(Settings("alq", "auto", 64, bit_budget=budget, update_steps=(0,), update_every=0, seed=11, **kw))
               for _ in range(n)]
     return setups, [s.engine(exchange=exchange, uid="t") for s in setups]
 
@@ -84,7 +84,7 @@ def test_overlapped_buffers_use_the_allocation_and_give_the_same_sums():
     the round use the allocated widths and the results equal those of the same round run at once."""
     n, results = 2, {}
     for early in (False, True):
-        setups = [configure("alq", "auto", 64, bit_budget=3.0, update_steps=(0,), update_every=0, seed=11)
+        setups = [configure(Settings("alq", "auto", 64, bit_budget=3.0, update_steps=(0,), update_every=0, seed=11))
                   for _ in range(n)]
         engines = [s.engine(exchange="allgather", uid="t", fusion_bytes=4 * 700, early=early) for s in setups]
         ops = NumpyOps()
@@ -98,7 +98,7 @@ def test_overlapped_buffers_use_the_allocation_and_give_the_same_sums():
 
 
 def test_another_budget_or_allocation_on_one_rank_raises_on_every_rank():
-    setups = [configure("alq", "auto", 64, bit_budget=b, seed=1) for b in (3.0, 2.5)]
+    setups = [configure(Settings("alq", "auto", 64, bit_budget=b, seed=1)) for b in (3.0, 2.5)]
     out = exchange_round([s.engine(uid="t") for s in setups], [_grads(0, r) for r in range(2)], NumpyOps(), "b")
     assert all(isinstance(o, ProtocolError) and "bit_budget" in str(o) for o in out), out
 
@@ -114,14 +114,14 @@ def test_state_dict_round_trip_and_refusals():
     setups, engines = _setups(2)
     exchange_round(engines, [_grads(0, r) for r in range(2)], NumpyOps(), "s0")
     saved = setups[0].state.state_dict()
-    fresh = configure("alq", "auto", 64, bit_budget=3.0)
+    fresh = configure(Settings("alq", "auto", 64, bit_budget=3.0))
     fresh.state.load_state_dict(saved)
     assert fresh.state.metrics()["allocation"] == setups[0].state.metrics()["allocation"]
     assert fresh.state.auto.fingerprint() == setups[0].state.auto.fingerprint()
     with pytest.raises(ValueError, match="bit_budget"):
-        configure("alq", "auto", 64, bit_budget=2.5).state.load_state_dict(saved)
+        configure(Settings("alq", "auto", 64, bit_budget=2.5)).state.load_state_dict(saved)
     with pytest.raises(ValueError, match="bits='auto'"):
-        configure("alq", 3, 64).state.load_state_dict(saved)
+        configure(Settings("alq", 3, 64)).state.load_state_dict(saved)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -131,12 +131,11 @@ def test_state_dict_round_trip_and_refusals():
     (dict(bits=3, bit_budget=3.0), "applies to bits='auto' only"),
     (dict(bits="four"), "'auto'"),
     (dict(bits="auto", bits_second=4), "bits_second"),
-    (dict(bits="auto", front_end="the hook's state"), "the hook's state takes a fixed width"),
 ])
 def test_bad_configurations_are_refused(kw, match):
     kw = {"method": "alq", **kw}
     with pytest.raises(ValueError, match=match):
-        configure(kw.pop("method"), kw.pop("bits"), 64, **kw)
+        configure(Settings(kw.pop("method"), kw.pop("bits"), 64, **kw))
 
 
 def test_a_caller_collected_list_round_returns_rows_and_refit_allocates_for_exactly_its_tensors():
@@ -145,7 +144,7 @@ def test_a_caller_collected_list_round_returns_rows_and_refit_allocates_for_exac
     tensors takes the allocated widths (whole=True: a prefix gets the default)."""
     from horovod_alq.exchange.base import SingleRank
 
-    setup = configure("alq", "auto", 64, bit_budget=2.5, seed=3, on_request=True)
+    setup = configure(Settings("alq", "auto", 64, bit_budget=2.5, seed=3), on_request=True)
     eng, auto = setup.engine(exchange="allgather", uid="t"), setup.state.auto
     xs = _grads(0, 0)
 

@@ -9,7 +9,7 @@ import pytest
 from horovod_alq.core.bucket_widths import mixed_payload_size
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.exchange.numpy_ops import NumpyOps
-from horovod_alq.exchange.setup import configure
+from horovod_alq.settings import Settings, configure
 from threaded import exchange_round, start_early
 
 D = 64
@@ -25,8 +25,8 @@ def _grads(step, rank, sizes=SIZES):
 
 
 def _setups(n, budget=3.0, bits_per="bucket", seed=11):
-    return [configure("alq", "auto", D, bit_budget=budget, bits_per=bits_per, update_steps=(0,), update_every=0,
-                      seed=seed) for _ in range(n)]
+    return [configure(Settings("alq", "auto", D, bit_budget=budget, bits_per=bits_per, update_steps=(0,), update_every=0,
+                      seed=seed)) for _ in range(n)]
 
 
 @pytest.mark.parametrize("exchange,n", [("allgather", 2), ("allgather", 3), ("two-phase", 3), ("two-phase", 4)])
@@ -58,7 +58,7 @@ def test_widths_per_bucket_keep_the_sum_unbiased_and_beat_uniform_widths(exchang
     errors = {}
     for bits in ("auto", 3):
         setups = (_setups(n, 3.0) if bits == "auto" else
-                  [configure("alq", 3, D, update_steps=(0,), update_every=0, seed=11) for _ in range(n)])
+                  [configure(Settings("alq", 3, D, update_steps=(0,), update_every=0, seed=11)) for _ in range(n)])
         engines = [s.engine(exchange=exchange, uid="t") for s in setups]
         exchange_round(engines, xs, NumpyOps(), "refit")
         devs = []
@@ -115,4 +115,4 @@ def test_state_dict_keeps_the_error_model_and_refuses_the_other_unit():
 ])
 def test_bad_configurations_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
-        configure("alq", kw.pop("bits"), D, **kw)
+        configure(Settings("alq", kw.pop("bits"), D, **kw))

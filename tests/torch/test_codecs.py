@@ -740,7 +740,7 @@ def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchang
 
     from scipy.stats import t
 
-    from horovod_alq.exchange.setup import configure
+    from horovod_alq.settings import Settings, configure
     from horovod_alq.torch.ops import TorchOps
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exchange"))
@@ -751,8 +751,8 @@ def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchang
         pytest.skip("Triton's interpreter: the allgather case covers its codec's runs of several widths")
     n, rounds, d, scales = (1 if slow else 3), (20 if slow else 60), 64, (100.0, 1.0, 0.01)
     sizes = (130, 190, 64) if slow else (300, 520, 200)
-    setups = [configure("alq", "auto", d, bit_budget=3.0, bits_per=bits_per, update_steps=(0,), update_every=0,
-                        seed=5) for _ in range(n)]
+    setups = [configure(Settings("alq", "auto", d, bit_budget=3.0, bits_per=bits_per, update_steps=(0,), update_every=0,
+                        seed=5)) for _ in range(n)]
     engines = [s.engine(exchange=exchange, uid="c") for s in setups]
     ops = TorchOps("cpu", "torch")
     ops.codec = _Serialized(codec)  # Triton's interpreter is not thread-safe; the ranks are threads

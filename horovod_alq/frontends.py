@@ -8,15 +8,16 @@ each framework declares its public classes on top of its base::
 
 so the keywords, defaults and checks exist once for both frameworks; so do the base pieces of
 their ``QuantizedCompressor`` (:class:`CompressorBase`, :class:`ClassOrInstance`) and the
-configuration properties of every front-end (:class:`Configured`, mpi4py's too). It is plain Python
-over the NumPy :class:`~horovod_alq.core.Quantizer`, with no framework import, which is why it
-lives in the core that every front-end imports.
+configuration properties of every front-end (:class:`Configured`, mpi4py's too). Plain Python
+over the NumPy :class:`~horovod_alq.core.Quantizer`, with no framework import; the settings the
+front-ends share are :class:`horovod_alq.settings.Settings`.
 """
 
 from __future__ import annotations
 
 import sys
 
+from .core.methods import check_norm, get_method
 
 
 class ALQ:
@@ -28,7 +29,7 @@ class ALQ:
 
     method = "alq"
 
-    def __init__(self, bits: int = 3, bucket_size: int = 8192, normless: bool = False,
+    def __init__(self, bits: int | str | None = None, bucket_size: int | None = None, normless: bool = False,
                  norm: str | None = None, **kwargs) -> None:
         super().__init__("alq-n" if normless else "alq", bits, bucket_size, norm=norm, **kwargs)
 
@@ -40,7 +41,7 @@ class AMQ:
 
     method = "amq"
 
-    def __init__(self, bits: int = 3, bucket_size: int = 8192, normless: bool = False,
+    def __init__(self, bits: int | str | None = None, bucket_size: int | None = None, normless: bool = False,
                  norm: str | None = None, **kwargs) -> None:
         super().__init__("amq-n" if normless else "amq", bits, bucket_size, norm=norm, **kwargs)
 
@@ -50,7 +51,8 @@ class QSGD:
 
     method = "qsgdinf"
 
-    def __init__(self, bits: int = 3, bucket_size: int = 8192, norm: str = "linf", **kwargs) -> None:
+    def __init__(self, bits: int | None = None, bucket_size: int | None = None, norm: str = "linf",
+                 **kwargs) -> None:
         if norm not in ("linf", "l2"):
             raise ValueError(f"norm must be 'linf' (QSGDinf) or 'l2' (QSGD), got {norm!r}")
         super().__init__("qsgdinf" if norm == "linf" else "qsgd", bits, bucket_size, **kwargs)
@@ -61,7 +63,7 @@ class NUQSGD:
 
     method = "nuqsgd"
 
-    def __init__(self, bits: int = 3, bucket_size: int = 8192, **kwargs) -> None:
+    def __init__(self, bits: int | None = None, bucket_size: int | None = None, **kwargs) -> None:
         super().__init__("nuqsgd", bits, bucket_size, **kwargs)
 
 
@@ -70,20 +72,13 @@ class TernGrad:
 
     method = "terngrad"
 
-    def __init__(self, bucket_size: int = 8192, bits: int = 2, **kwargs) -> None:
-        if bits != 2:
+    def __init__(self, bucket_size: int | None = None, bits: int | None = None, **kwargs) -> None:
+        if bits not in (None, 2):
             raise ValueError(f"TernGrad always sends 2 bits per coordinate, got bits={bits!r}")
         super().__init__("terngrad", 2, bucket_size, **kwargs)
 
 
 SCHEMES = (ALQ, AMQ, QSGD, NUQSGD, TernGrad)
-
-
-def check_min_size(min_size) -> int:
-    """``min_size`` as given, or ValueError: tensors smaller than it travel uncompressed."""
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-        raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
-    return min_size
 
 
 class ClassOrInstance:
@@ -252,7 +247,5 @@ def compressor_by_name(classes: dict, method: str, **kwargs):
     if method == "terngrad":
         kwargs.pop("bits", None)
     if "norm" in kwargs and name not in ("ALQCompressor", "AMQCompressor"):
-        from .methods import check_norm, get_method
-
         check_norm(get_method(method), kwargs.pop("norm"))
     return classes[name](**selected, **kwargs)

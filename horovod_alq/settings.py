@@ -1,0 +1,340 @@
+"""The settings every front-end shares, defined once.
+
+:class:`Settings` holds them, each field with its default and its documentation, validated when
+the object is made. Every front-end (the Horovod compressors for PyTorch and TensorFlow, the DDP
+hook's ``ALQState``, FSDP2's ``ALQReduceScatter``, mpi4py's ``QuantizedAllreduce``) takes either a
+``Settings`` (``settings=``) or the same names as keywords, and documents only its own arguments
+(the process group or set, TensorFlow's ``jit_compile``, mpi4py's ``collect_every``)::
+
+    from horovod_alq.settings import Settings
+    settings = Settings(method="alq", bits=3, bucket_size=8192, timeout=60)
+    compression = ALQCompressor(settings=settings)      # Horovod PyTorch
+    state = ALQState(settings=settings)                 # DDP hook, same settings
+
+A front-end that cannot serve a setting refuses a value other than its default with a ValueError
+that says why (:data:`NOT_SERVED`); :func:`served_table` writes the table of docs/settings.md.
+:func:`configure` builds what a front-end runs from its settings: both quantizers, the refit
+schedule, the round state, the seed and the exchange engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Sequence
+
+from .core.allocation import AutoBits
+from .core.methods import check_bits, check_norm, get_method
+from .core.protocol import MASK64, resolve_timeout
+from .core.quantizer import Quantizer
+from .core.rounds import RefitSchedule, RoundState, schedule_from
+from .exchange.engine import Engine, check_exchange, resolve_fusion_bytes
+
+__all__ = ["Settings", "Setup", "configure", "served_table"]
+
+#: ``bit_budget`` of ``bits="auto"`` when none is given.
+DEFAULT_BIT_BUDGET = 3.0
+#: The default width (TernGrad always sends 2 bits).
+DEFAULT_BITS = 3
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every front-end shares: the method, its widths and levels' schedule, the exchange, the
+    codec and the waits. Immutable; ``settings.replace(bits=4)`` gives a changed copy. Each field
+    is checked when the object is made (ValueError naming the field)."""
+
+    method: str = "alq"
+    """``"alq"``, ``"alq-n"``, ``"amq"``, ``"amq-n"`` (adaptive levels), ``"qsgdinf"``, ``"qsgd"``,
+    ``"nuqsgd"``, ``"terngrad"`` (fixed levels); :data:`horovod_alq.core.methods.METHODS`."""
+
+    bits: int | str = DEFAULT_BITS
+    """Bits per coordinate on the wire, 2 to 8 (TernGrad: 2, which it takes whatever the default).
+    ``"auto"`` (adaptive methods): a width from 2 to 8 per tensor, chosen at every refit so that
+    the step's quantization variance is smallest within ``bit_budget``; one level set per width
+    (docs/design.md, "Bits per tensor"). Until the first refit every tensor gets
+    ``floor(bit_budget)`` bits."""
+
+    bucket_size: int = 8192
+    """Coordinates per float32 norm (8192 costs 0.004 bits per coordinate)."""
+
+    norm: str | None = None
+    """Bucket norm, ``"l2"`` or ``"linf"`` (adaptive methods take either; fixed methods only their
+    own); None: the method's default (``"linf"`` but for QSGD and NUQSGD)."""
+
+    bit_budget: float | None = None
+    """``bits="auto"`` only: mean bits per coordinate of the compressed tensors (bucket norms not
+    counted), 2 to 8; None: :data:`DEFAULT_BIT_BUDGET`."""
+
+    bits_per: str | None = None
+    """``bits="auto"`` only: what gets a width. ``"tensor"`` (None): the allocation above, agreed by
+    every rank. ``"bucket"``: every quantization bucket of every payload, chosen by each rank at
+    every step from its own bucket norms; each payload fills ``bit_budget`` and carries a width byte
+    per bucket (docs/design.md, "Bits per bucket"); bucket sizes that are multiples of 8."""
+
+    exchange: str = "auto"
+    """How codes travel: ``"allgather"`` (every rank gathers every rank's codes, ``(N-1)(b + 32/d)``
+    bits received per coordinate, one quantization), ``"two-phase"`` (scatter-reduce, re-quantize the
+    sums, allgather: about ``2(N-1)/N (b + 32/d)`` bits, a second quantization), ``"auto"``:
+    two-phase from 4 ranks on."""
+
+    bits_second: int | None = None
+    """Bits of the two-phase exchange's second quantization; None: ``bits``."""
+
+    adapt_second: bool | None = None
+    """How the second (two-phase) quantization's levels follow the gradients. None: at equal bits they
+    are the first quantizer's, copied at every refit; at other bits they are refit from the reduced
+    shards' statistics. True: refit them at equal bits too. False: at other bits keep their initial
+    fit (docs/variance_two_phase.md)."""
+
+    update_steps: Sequence[int] | None = None
+    """Rounds (optimizer steps) whose statistics refit the levels; None: (0, 100, 2000)."""
+
+    update_every: int | None = None
+    """After the last of ``update_steps``, refit every this many rounds; None: 10000; 0: never."""
+
+    min_size: int = 1024
+    """Tensors with fewer elements travel uncompressed (the framework's plain allreduce)."""
+
+    seed: int | None = None
+    """Seed of the stochastic rounding (mixed with the rank, round, buffer and phase); None: fresh
+    entropy on every rank."""
+
+    codec: str = "auto"
+    """PyTorch codec backend (:mod:`horovod_alq.torch.codecs`): ``"auto"`` (Triton for CUDA tensors
+    when importable, the compiled CPU codec for CPU tensors when it loads, torch ops otherwise),
+    ``"triton"``, ``"cpu"`` or ``"torch"``. The Triton codec on CUDA has not run on a GPU yet."""
+
+    fusion_bytes: int | None = None
+    """A round's gradients are quantized and exchanged in buffers of this many bytes of float32;
+    None: ``$HOROVOD_ALQ_FUSION_BYTES``, else 64 MiB; 0: one buffer per tensor."""
+
+    overlap: bool = True
+    """Start each fusion buffer's exchange as soon as it is complete, during the backward pass, not
+    at the round's first ``decompress``. Results are the same either way."""
+
+    timeout: float | None = None
+    """Seconds to wait for any of the front-end's own collectives (payloads, handshake, statistics)
+    before raising :class:`~horovod_alq.core.protocol.CollectiveTimeout` naming it; None:
+    ``$HOROVOD_ALQ_TIMEOUT``, else 300; 0: no limit."""
+
+    clip: bool | float = False
+    """TernGrad only: clip buckets at this many standard deviations (True: 2.5); biased, off by
+    default."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalize in place once
+        method = get_method(self.method)
+        set_(self, "method", method.name)
+        bits = self.bits
+        if isinstance(bits, str):
+            if bits != "auto":
+                raise ValueError(f"bits must be an integer from 2 to 8 or 'auto', got {bits!r}")
+            if not method.adaptive:
+                raise ValueError(f"bits='auto' needs an adaptive method (alq, alq-n, amq, amq-n), not {method.name!r}")
+            if self.bits_second is not None or self.adapt_second:
+                raise ValueError("bits='auto' quantizes both phases of the two-phase exchange with each tensor's "
+                                 "width: bits_second and adapt_second=True do not apply")
+        else:
+            if method.name == "terngrad" and bits == DEFAULT_BITS and not isinstance(bits, bool):
+                bits = 2
+            set_(self, "bits", check_bits(method, bits))
+            for name in ("bit_budget", "bits_per"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to bits='auto' only (got bits={self.bits!r})")
+        if self.bits_per not in (None, "tensor", "bucket"):
+            raise ValueError(f"bits_per must be one of 'tensor', 'bucket', got {self.bits_per!r}")
+        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1:
+            raise ValueError(f"bucket_size must be a positive integer, got {self.bucket_size!r}")
+        check_norm(method, self.norm)
+        set_(self, "exchange", check_exchange(self.exchange))
+        if self.bits_second is not None:
+            check_bits(method, self.bits_second)
+        if self.adapt_second not in (None, True, False):
+            raise ValueError(f"adapt_second must be None, True or False, got {self.adapt_second!r}")
+        if self.update_steps is not None:
+            set_(self, "update_steps", tuple(self.update_steps))
+        schedule_from(self.update_steps, self.update_every)
+        check_min_size(self.min_size)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.codec, str):
+            raise ValueError(f"codec must be a backend's name, got {self.codec!r}")
+        resolve_fusion_bytes(self.fusion_bytes)
+        set_(self, "overlap", bool(self.overlap))
+        resolve_timeout(self.timeout)
+        if self.clip is not False and self.clip is not None and method.name != "terngrad":
+            raise ValueError(f"clip applies to terngrad only, not {method.name}")
+
+    # ------------------------------------------------------------------ building one
+    @classmethod
+    def of(cls, settings: Settings | None = None, front_end: str | None = None, **keywords: Any) -> Settings:
+        """``settings`` with ``keywords`` applied (or the defaults with them), refused where
+        ``front_end`` (a key of :data:`NOT_SERVED`) does not serve a value given. Keywords that are
+        None are not given; an unknown keyword raises TypeError naming it."""
+        unknown = sorted(set(keywords) - set(NAMES))
+        if unknown:
+            raise TypeError(f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                            f"the settings are {', '.join(NAMES)}")
+        if settings is not None and not isinstance(settings, Settings):
+            raise TypeError(f"settings must be a horovod_alq.settings.Settings, got {type(settings).__name__}")
+        keywords = {k: v for k, v in keywords.items() if v is not None}
+        out = cls(**keywords) if settings is None else dataclasses.replace(settings, **keywords)
+        if front_end is not None:
+            out.check_served(front_end)
+        return out
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes`` (checked like a new object)."""
+        return Settings.of(self, **changes)
+
+    def check_served(self, front_end: str) -> None:
+        """ValueError if a setting ``front_end`` does not serve differs from its default."""
+        for name, why in NOT_SERVED[front_end].items():
+            value = getattr(self, name)
+            if value != DEFAULTS[name]:
+                raise ValueError(f"{front_end} does not serve {name}={value!r}: {why}")
+
+    def keywords(self) -> dict:
+        """The settings as keywords (every field; ``Settings(**s.keywords()) == s``)."""
+        return {name: getattr(self, name) for name in NAMES}
+
+
+#: The setting names, in field order.
+NAMES = tuple(f.name for f in fields(Settings))
+#: Every setting's default.
+DEFAULTS = {f.name: f.default for f in fields(Settings)}
+
+
+def check_min_size(min_size) -> int:
+    """``min_size`` as given, or ValueError: tensors smaller than it travel uncompressed."""
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
+    return min_size
+
+
+# ---------------------------------------------------------------------------------- front-ends
+#: The front-ends, by the names their errors and the table use.
+FRONT_ENDS = ("Horovod PyTorch", "Horovod TensorFlow", "DDP hook", "FSDP2", "mpi4py")
+
+_ON_REQUEST = "levels are refit when asked (adapt()); collect_every chooses the calls that record statistics"
+_TERNGRAD_CLIP = "clipping is a NumPy reference feature; the compiled codecs have no clipping kernel"
+#: For each front-end, the settings it refuses (other than their default) and why.
+NOT_SERVED: dict[str, dict[str, str]] = {
+    "Horovod PyTorch": {"clip": _TERNGRAD_CLIP},
+    "Horovod TensorFlow": {
+        "codec": "TensorFlow runs its own codec (TF ops, XLA-compiled: jit_compile=)",
+        "bits_per": "per-bucket widths need the mixed-payload codec, written for torch and NumPy only",
+        "adapt_second": "the second quantization keeps the first one's levels in TensorFlow (bits_second=bits), "
+                        "or a fixed method's levels",
+        "fusion_bytes": "TensorFlow exchanges each tensor on its own, in graph order: there is no fusion buffer",
+        "overlap": "TensorFlow exchanges each tensor once its own control vector is reduced, with no fusion "
+                   "buffers to start early",
+        "clip": _TERNGRAD_CLIP,
+    },
+    "DDP hook": {
+        "overlap": "DDP overlaps by itself: each bucket's exchange starts when its hook runs",
+        "clip": _TERNGRAD_CLIP,
+    },
+    "FSDP2": {
+        "bits_per": "a reduce-scatter shard has no per-bucket mixed-width codec yet",
+        "exchange": "FSDP2 reduce-scatters: each rank receives the codes of its own shard only",
+        "bits_second": "the reduce-scatter quantizes once",
+        "adapt_second": "the reduce-scatter quantizes once",
+        "fusion_bytes": "FSDP2's own reduce-scatter input is the buffer",
+        "overlap": "FSDP2 overlaps by itself: each module's reduce-scatter starts when its backward ends",
+        "clip": _TERNGRAD_CLIP,
+    },
+    "mpi4py": {
+        "min_size": "QuantizedAllreduce quantizes every array it is given; reduce small ones with comm.Allreduce",
+        "codec": "mpi4py runs the NumPy codec",
+        "fusion_bytes": "each array of a call is its own buffer",
+        "overlap": "a call exchanges its arrays at once, there is no backward pass to overlap",
+        "update_steps": _ON_REQUEST,
+        "update_every": _ON_REQUEST,
+    },
+}
+#: Settings a front-end accepts but that change nothing there, and why.
+IGNORED: dict[str, dict[str, str]] = {
+    "DDP hook": {"fusion_bytes": "checked equal on every rank; DDP's bucket_cap_mb is the fusion"},
+}
+
+
+def served_table() -> str:
+    """The Markdown table of docs/settings.md: which front-end serves which setting, and why not."""
+    notes: list[str] = []
+    head = "| setting | default | " + " | ".join(FRONT_ENDS) + " |"
+    rows = [head, "|" + "---|" * (len(FRONT_ENDS) + 2)]
+    for name in NAMES:
+        cells = []
+        for fe in FRONT_ENDS:
+            why = NOT_SERVED[fe].get(name) or IGNORED.get(fe, {}).get(name)
+            if why is None:
+                cells.append("yes")
+                continue
+            if why not in notes:
+                notes.append(why)
+            mark = "no" if name in NOT_SERVED[fe] else "ignored"
+            cells.append(f"{mark} ({notes.index(why) + 1})")
+        rows.append(f"| `{name}` | `{DEFAULTS[name]!r}` | " + " | ".join(cells) + " |")
+    rows.append("")
+    rows += [f"{i}. {why}." for i, why in enumerate(notes, 1)]
+    return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------------------------- building
+@dataclass
+class Setup:
+    """A front-end's quantization state built from its :class:`Settings`: ``state`` (both
+    quantizers, schedule, counters), the 64-bit ``seed`` of its rounding noise, and :meth:`engine`."""
+
+    settings: Settings
+    state: RoundState
+    seed: int
+
+    @property
+    def quantizer(self) -> Quantizer:
+        """The ranks' own codes' quantizer (its levels are the current levels)."""
+        return self.state.quantizer
+
+    @property
+    def second(self) -> Quantizer:
+        """The two-phase exchange's quantizer of the reduced shards."""
+        return self.state.second
+
+    def engine(self, uid: str | None, exchange: str | None = None, fusion_bytes: int | None = None,
+               early: bool | None = None) -> Engine:
+        """The exchange engine over this state, with the settings' exchange, fusion and overlap
+        (``exchange``, ``fusion_bytes``, ``early``: a front-end's own in place of the settings')."""
+        s = self.settings
+        return Engine(self.state.quantizer, self.state, seed=self.seed, uid=uid,
+                      early=s.overlap if early is None else early,
+                      exchange=s.exchange if exchange is None else exchange,
+                      fusion_bytes=s.fusion_bytes if fusion_bytes is None else fusion_bytes)
+
+
+def configure(settings: Settings, *, on_request: bool = False, adapt_second: bool | None = None) -> Setup:
+    """Build a front-end's :class:`Setup` from ``settings``. ``on_request``: no refit schedule (the
+    front-end refits when asked, as mpi4py's ``adapt()``); ``adapt_second``: a front-end's own
+    choice in place of the setting's (TensorFlow's).
+
+    ``bits="auto"``: both phases of the two-phase exchange use a tensor's width and levels
+    (:class:`~horovod_alq.core.auto_bits.AutoBits`); ``bits_per="bucket"``: a width per bucket of
+    every payload, chosen by each rank (:mod:`~horovod_alq.core.bucket_widths`)."""
+    s = settings
+    adapt = s.adapt_second if adapt_second is None else adapt_second
+    auto = None
+    if s.bits == "auto":
+        auto = AutoBits(s.method, DEFAULT_BIT_BUDGET if s.bit_budget is None else s.bit_budget, s.bucket_size,
+                        norm=s.norm, bits_per="tensor" if s.bits_per is None else s.bits_per)
+        first = second = auto.quantizers[auto.default]
+        adapt = False
+    else:
+        first = Quantizer(s.method, s.bits, s.bucket_size, clip=s.clip, norm=s.norm)
+        second = Quantizer(s.method, first.bits if s.bits_second is None else s.bits_second, first.bucket_size,
+                           norm=first.norm)
+    schedule = RefitSchedule((), 0) if on_request else schedule_from(s.update_steps, s.update_every)
+    seed = int.from_bytes(os.urandom(8), "little") if s.seed is None else int(s.seed) & MASK64
+    return Setup(s, RoundState(first, schedule, second, adapt, auto=auto), seed)
