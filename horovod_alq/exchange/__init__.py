@@ -7,7 +7,7 @@ Three axes vary independently:
   :mod:`.reduce_scatter` (FSDP2: each rank keeps the sum of its shard); a new one is one module
   and one entry in :data:`.engine.EXCHANGES` (or :data:`.engine.STREAMED`);
 * **transports** (how bytes move): Horovod for PyTorch (:mod:`horovod_alq.torch.transport`),
-  mpi4py (:mod:`horovod_alq.mpi_transport`); each is an allgather, an alltoall and two small allreduces;
+  mpi4py (:mod:`horovod_alq.mpi.transport`); each is an allgather, an alltoall and two small allreduces;
 * **tensor ops** (the codec on the framework's tensors): :class:`.base.TensorOps` (NumPy:
   :class:`.numpy_ops.NumpyOps`; torch: :mod:`horovod_alq.torch.ops`).
 

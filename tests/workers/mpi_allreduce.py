@@ -212,7 +212,7 @@ def bounded_wait(comm) -> dict:
     import time
 
     from horovod_alq.core.protocol import CollectiveTimeout
-    from horovod_alq.mpi_transport import MpiTransport
+    from horovod_alq.mpi.transport import MpiTransport
 
     t = MpiTransport(comm, timeout=1)
     out = {"error": None}

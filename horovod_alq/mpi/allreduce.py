@@ -1,23 +1,4 @@
-"""Quantized averaging of NumPy arrays over an mpi4py communicator, without a deep-learning framework.
-
-For code outside PyTorch and TensorFlow (NumPy simulations, JAX with arrays converted at the
-boundary): the payloads of the Horovod compressors, exchanged with MPI collectives::
-
-    ar = QuantizedAllreduce(MPI.COMM_WORLD, method="alq", bits=3, bucket_size=8192)
-    mean = ar(grad)    # NumPy in, NumPy out: the average over ranks of the decoded payloads
-    w, b = ar([grad_w, grad_b])   # a list of arrays: one round, each array quantized as if alone
-    ar.adapt()         # refit the levels from the statistics of every rank since the last adapt()
-
-With ``bits="auto"`` (``bit_budget=``) :meth:`~QuantizedAllreduce.adapt` also chooses a width per
-array of the recorded calls' list, used by later calls of the same arrays.
-
-Every call is one streamed round of the exchange engine (:meth:`Engine.open_stream`: a handshake,
-then one ``Allgatherv``, or an ``Alltoallv`` and an ``Allgatherv``); :meth:`~QuantizedAllreduce.adapt`
-is :meth:`Engine.refit`. Every wait is bounded (``timeout=``). Errors are collective: a bad input,
-a rank with another array size or another configuration raises on *every* rank, naming the rank,
-and the communicator stays usable. An exception raised outside these calls on one rank leaves the
-others waiting until the timeout; run scripts with ``mpiexec python -m mpi4py script.py``.
-"""
+"""The mpi4py front-end, :class:`QuantizedAllreduce` (the package docstring tells how it works)."""
 
 from __future__ import annotations
 
@@ -26,17 +7,18 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import frontends
-from .core.methods import get_method
-from .core.protocol import CollectiveTimeout, ProtocolError, stable_hash
-from .core.quantizer import Quantizer
-from .core.statistics import statistics_length
-from .core.wire import parse_header
-from .exchange.base import check_payloads
-from .exchange.engine import RefitError, blame
-from .exchange.numpy_ops import NumpyOps
-from .settings import Settings, configure
-from .mpi_transport import MpiTransport
+from .. import frontends
+from ..core.methods import get_method
+from ..core.protocol import CollectiveTimeout, ProtocolError, stable_hash
+from ..core.quantizer import Quantizer
+from ..core.statistics import statistics_length
+from ..core.wire import parse_header
+from ..exchange.base import check_payloads
+from ..exchange.engine import RefitError, blame
+from ..exchange.numpy_ops import NumpyOps
+from ..settings import Settings, configure
+from .pending import Pending
+from .transport import MpiTransport
 
 __all__ = ["QuantizedAllreduce"]
 
@@ -97,10 +79,7 @@ class QuantizedAllreduce(frontends.Configured):
                              f"got {collect_every!r}")
         self._collect_every = int(collect_every)
         self._stats_length = statistics_length(self._method)
-        self._pending: np.ndarray | None = None  # this rank's statistics since the last adapt() (auto: rows)
-        self._pending_keys: tuple = ()  # bits="auto": the tensors of the recorded rows
-        self._pending_second: np.ndarray | None = None  # its reduced shards' (two-phase owner)
-        self._calls_since_adapt = 0
+        self._pending = Pending(self._state.auto is not None)  # recorded for the next adapt()
         self._transport = MpiTransport(comm, s.timeout)
         self._stages = [self._transport] * 2  # MPI pairs by call order: one transport for every stage
         self._ops = NumpyOps()
@@ -202,23 +181,10 @@ class QuantizedAllreduce(frontends.Configured):
             raise ValueError(f"{_PREFIX}: {failure}") from None
         if failure is not None:
             raise failure
-        self._record(rnd.close(), rnd.keys)
-        self._calls_since_adapt += 1
+        self._pending.record(rnd.close(), rnd.keys)
+        self._pending.calls += 1
         starts = iter(layout.starts if layout else ())
         return arrays, result.get("decoded"), [next(starts) if a.size else 0 for a in arrays]
-
-    def _record(self, stats: tuple | None, keys: tuple) -> None:
-        """Keep a collecting call's statistics for :meth:`adapt`. ``bits="auto"``: its rows (one per
-        array) are added to those recorded for the same arrays, and replace those of other arrays."""
-        if stats is None:
-            return
-        if self._state.auto is None:
-            self._pending = _add(self._pending, stats[0])
-            self._pending_second = _add(self._pending_second, stats[1])
-        elif stats[0] is not None:
-            same = self._pending is not None and keys == self._pending_keys
-            self._pending = self._pending + stats[0] if same else stats[0]
-            self._pending_keys = keys
 
     def reduce(self, payloads: list[np.ndarray], *, op: str = "average", dtype: Any = np.float32) -> np.ndarray:
         """Check and decode payloads (e.g. from :meth:`allgather`), made with this configuration and
@@ -252,7 +218,7 @@ class QuantizedAllreduce(frontends.Configured):
             return False
         if collect is not None:
             return bool(collect)
-        return self._collect_every > 0 and self._calls_since_adapt % self._collect_every == 0
+        return self._collect_every > 0 and self._pending.calls % self._collect_every == 0
 
     def _explain(self, err: ProtocolError, error: Exception | None, shown: Any, what: str, **differ: str) -> str:
         """A failed handshake's message: the ranks at fault (:func:`~horovod_alq.exchange.engine.blame`:
@@ -280,11 +246,11 @@ class QuantizedAllreduce(frontends.Configured):
         differ or a rank's ``stats`` is malformed; RuntimeError when the fit failed on some rank or
         the ranks reached different levels (the previous levels are restored)."""
         auto = self._state.auto is not None
-        first, error = (self._pending if auto else None), None  # bits="auto": the recorded rows
+        first, error = (self._pending.first if auto else None), None  # bits="auto": the recorded rows
         try:
             if auto and stats is not None:
                 raise ValueError("stats= does not apply to bits='auto' (adapt() fits from the recorded calls)")
-            local = None if auto else self._pending if stats is None else stats
+            local = None if auto else self._pending.first if stats is None else stats
             if local is not None:
                 first = np.asarray(local, dtype=np.float64)
                 if first.shape != (self._stats_length,):
@@ -293,12 +259,12 @@ class QuantizedAllreduce(frontends.Configured):
                     raise ValueError("stats has non-finite entries")
         except (TypeError, ValueError) as err:
             error = err
-        second = self._pending_second if stats is None else None
-        keys = self._pending_keys if auto else ()
+        second = self._pending.second if stats is None else None
+        keys = self._pending.keys if auto else ()
         try:
             updated = self._engine.refit(first, second, self._transport, error=_text(error), keys=keys)
         except RefitError as err:
-            self._clear()
+            self._pending.clear()
             raise RuntimeError(f"{_PREFIX}: {err}") from None
         except CollectiveTimeout:
             raise
@@ -306,13 +272,8 @@ class QuantizedAllreduce(frontends.Configured):
             raise ValueError(self._explain(err, error, [n for n, _ in keys], "could not adapt on",
                                            differ="the ranks recorded different arrays since the last adapt() "
                                                   "(elements per array)")) from None
-        self._clear()
+        self._pending.clear()
         return updated
-
-    def _clear(self) -> None:
-        self._pending = self._pending_second = None
-        self._pending_keys = ()
-        self._calls_since_adapt = 0
 
     # ----------------------------------------------------------------- metrics and state
     def metrics(self) -> dict:
@@ -325,10 +286,7 @@ class QuantizedAllreduce(frontends.Configured):
         this rank's seed and pending statistics (``bits="auto"``: rows and ``pending_keys``). Loaded
         on another rank, the seed and pending statistics are not taken (that rank keeps its own stream)."""
         return {**self._state.state_dict(), "rank": self._rank, "seed": self._engine.seed,
-                "calls_since_adapt": self._calls_since_adapt,
-                "pending": None if self._pending is None else self._pending.copy(),
-                "pending_second": None if self._pending_second is None else self._pending_second.copy(),
-                "pending_keys": [list(k) for k in self._pending_keys]}
+                **self._pending.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (same method, bits and bucket size). Local: load the same
@@ -337,13 +295,9 @@ class QuantizedAllreduce(frontends.Configured):
         if not same_rank:
             state = _without_rng(state)
         self._state.load_state_dict(state)
-        self._calls_since_adapt = int(state["calls_since_adapt"])
         if same_rank and state.get("seed") is not None:
             self._engine.seed = int(state["seed"])
-        self._pending = _array(state.get("pending") if same_rank else None)
-        self._pending_second = _array(state.get("pending_second") if same_rank else None)
-        keys = state.get("pending_keys") if same_rank and self._pending is not None else None
-        self._pending_keys = tuple(tuple(int(v) for v in k) for k in keys or ())
+        self._pending.load_state_dict(state, same_rank)
 
 
 def _float_array(x: Any, name: str) -> np.ndarray:
@@ -364,11 +318,3 @@ def _without_rng(state: dict) -> dict:
 
 def _text(error: Exception | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
-
-
-def _array(values) -> np.ndarray | None:
-    return None if values is None else np.array(values, dtype=np.float64)
-
-
-def _add(total: np.ndarray | None, stats: np.ndarray | None) -> np.ndarray | None:
-    return total if stats is None else stats if total is None else total + stats

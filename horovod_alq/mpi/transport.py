@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .core.protocol import resolve_timeout, wait_for
+from ..core.protocol import resolve_timeout, wait_for
 
 
 class MpiTransport:

@@ -1,0 +1,58 @@
+"""What :class:`~horovod_alq.mpi.QuantizedAllreduce` records between two ``adapt()`` calls: this
+rank's statistics (``bits="auto"``: one row per array, and the arrays' keys), its reduced shards'
+statistics (two-phase owner) and the calls since the last ``adapt()``; kept in its ``state_dict``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Pending:
+    """This rank's statistics since the last ``adapt()``: ``first`` (a vector, or ``bits="auto"``:
+    rows), ``second`` (its reduced shards'), ``keys`` (``bits="auto"``: the recorded arrays) and
+    ``calls`` (calls since the last ``adapt()``)."""
+
+    def __init__(self, auto: bool) -> None:
+        self.auto = auto
+        self.clear()
+
+    def clear(self) -> None:
+        self.first: np.ndarray | None = None
+        self.second: np.ndarray | None = None
+        self.keys: tuple = ()
+        self.calls = 0
+
+    def record(self, stats: tuple | None, keys: tuple) -> None:
+        """Keep a collecting call's statistics. ``bits="auto"``: its rows (one per array) are added
+        to those recorded for the same arrays, and replace those of other arrays."""
+        if stats is None:
+            return
+        if not self.auto:
+            self.first = _add(self.first, stats[0])
+            self.second = _add(self.second, stats[1])
+        elif stats[0] is not None:
+            same = self.first is not None and keys == self.keys
+            self.first = self.first + stats[0] if same else stats[0]
+            self.keys = keys
+
+    def state_dict(self) -> dict:
+        return {"calls_since_adapt": self.calls,
+                "pending": None if self.first is None else self.first.copy(),
+                "pending_second": None if self.second is None else self.second.copy(),
+                "pending_keys": [list(k) for k in self.keys]}
+
+    def load_state_dict(self, state: dict, same_rank: bool) -> None:
+        """Restore the counter; the statistics only from this rank's own state."""
+        self.calls = int(state["calls_since_adapt"])
+        self.first = _array(state.get("pending") if same_rank else None)
+        self.second = _array(state.get("pending_second") if same_rank else None)
+        keys = state.get("pending_keys") if same_rank and self.first is not None else None
+        self.keys = tuple(tuple(int(v) for v in k) for k in keys or ())
+
+
+def _array(values) -> np.ndarray | None:
+    return None if values is None else np.array(values, dtype=np.float64)
+
+
+def _add(total: np.ndarray | None, stats: np.ndarray | None) -> np.ndarray | None:
+    return total if stats is None else stats if total is None else total + stats
