@@ -1,0 +1,222 @@
+"""One round's exchange as every exchange module sees it: the :class:`Job` (the round's tensors,
+layout, quantizers, seeds, byte counts), the collectives an exchange asks for (:class:`Allgather`,
+:class:`Alltoall`) and what it returns (:class:`Piece`, read through :class:`Decoded`)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Generator, Sequence
+
+import numpy as np
+
+from ..core.protocol import PREFIX
+from ..core.quantizer import Quantizer
+from .interfaces import Tensor, TensorOps, Transport
+from .layout import Layout
+from .plan import allgather_bytes, alltoall_bytes
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Stream coordinates ``[lo, hi)`` as the sum of decoded payloads of ``hi - lo`` coordinates
+    each, back to back in ``payloads`` (validated) from ``offsets``, encoded with ``quantizer``'s
+    levels (a snapshot, :meth:`Job.frozen`: a refit round replaces the levels before it is read)."""
+
+    lo: int
+    hi: int
+    payloads: Tensor
+    offsets: tuple[int, ...]
+    quantizer: Quantizer
+
+
+class Decoded:
+    """An exchange's result: the reduced stream ``[start, start + length)`` (all of it, or the shard
+    a reduce-scatter leaves on this rank), decoded on demand from the pieces that cover it, so that
+    each tensor's values are written once, straight into its output, with its scale."""
+
+    def __init__(self, ops: TensorOps, length: int, pieces: Sequence[Piece], start: int = 0) -> None:
+        self.ops, self.start, self.length = ops, int(start), int(length)
+        self.pieces = sorted((p for p in pieces if p.hi > p.lo), key=lambda p: p.lo)
+        edges = [start] + [e for p in self.pieces for e in (p.lo, p.hi)] + [start + length]
+        if any(a != b for a, b in zip(edges[::2], edges[1::2])):
+            raise AssertionError(f"{PREFIX}: the decoded pieces do not cover [{start}, {start + length}) of the stream")
+        self._whole: dict[int, Tensor] = {}  # piece index -> its decoded sum (for windows off a byte)
+
+    def read(self, lo: int, hi: int, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
+        """``scale`` times the reduced stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its
+        piece), in ``out`` (float32, ``hi - lo``) or a new vector."""
+        out = self.ops.empty(hi - lo) if out is None else out
+        for k, p in enumerate(self.pieces):
+            a, b = max(lo, p.lo), min(hi, p.hi)
+            if a >= b:
+                continue
+            start = a - p.lo
+            if (start * p.quantizer.bits) % 8 == 0:  # the window's codes begin on a byte: decode it alone
+                self.ops.decode_sum(out[a - lo: b - lo], p.payloads, p.offsets, p.quantizer, start=start,
+                                    numel=p.hi - p.lo, scale=scale)
+            else:  # (bucket sizes that are not multiples of 8) decode the piece once, then slice it
+                if k not in self._whole:
+                    self._whole[k] = self.ops.empty(p.hi - p.lo)
+                    self.ops.decode_sum(self._whole[k], p.payloads, p.offsets, p.quantizer)
+                out[a - lo: b - lo] = self._whole[k][start: start + b - a] * scale
+        return out
+
+
+@dataclass
+class Job:
+    """One round's exchange: what every exchange module receives.
+
+    ``parts`` are the round's flat tensors, at ``layout.starts`` of the round's stream (zeros
+    between them). ``encode_range`` reads them in place where the codec can; ``stream`` builds the
+    stream (once, in ``stream_buffer(n)``, a kept vector with stale contents, when given).
+    ``seed(*keys)`` gives the seed of one encode; ``name(tag)`` a collective's name, the same on
+    every rank; ``sent`` / ``received`` accumulate this rank's payload bytes on the wire."""
+
+    parts: Sequence[Tensor]
+    layout: Layout
+    ops: TensorOps
+    transport: Transport
+    first: Quantizer
+    second: Quantizer | None
+    seed: Callable[..., int]
+    name: Callable[[str], str]
+    collect_second: bool = False
+    stream_buffer: Callable[[int], Tensor] | None = None
+    widths: Sequence[Quantizer] | None = None  # bits="auto": each tensor's quantizer (both phases)
+    sent: int = 0
+    received: int = 0
+    encoded: int = 0  # bytes of this rank's own (first-phase) payloads
+    second_statistics: np.ndarray | None = None  # the owners' statistics of their reduced shards
+    _stream: Tensor | None = None
+    _frozen: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.widths and self.widths[0].bits == 0:  # widths per bucket: mixed payloads
+            from .mixed import MixedOps
+
+            self.ops = self.ops if isinstance(self.ops, MixedOps) else MixedOps(self.ops)
+
+    def frozen(self, quantizer: Quantizer) -> Quantizer:
+        """A copy of ``quantizer`` whose levels a later refit does not change (for :class:`Piece`)."""
+        if id(quantizer) not in self._frozen:
+            self._frozen[id(quantizer)] = copy.copy(quantizer)
+        return self._frozen[id(quantizer)]
+
+    def segments(self, lo: int, hi: int) -> list[tuple[int, int, Quantizer, Quantizer]]:
+        """``[lo, hi)`` as runs of one width: ``(a, b, first, second)`` quantizers of each run (a
+        tensor's run reaches the next tensor's start); one run unless ``widths`` is given."""
+        if self.widths is None:
+            return [(lo, hi, self.first, self.second)]
+        lay, runs = self.layout, []
+        for q, s, e in zip(self.widths, lay.starts, (*lay.starts[1:], lay.length)):
+            a, b = max(lo, s), min(hi, e)
+            if a >= b:
+                continue
+            if runs and runs[-1][2] is q and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b, q, q)
+            else:
+                runs.append((a, b, q, q))
+        return runs
+
+    @property
+    def stream(self) -> Tensor:
+        """The round's stream (float32, ``layout.length``), built on first use."""
+        if self._stream is None:
+            lay = self.layout
+            out = None if self.stream_buffer is None else self.stream_buffer(lay.length)
+            self._stream = self.ops.stream(self.parts, lay.starts, lay.length, out=out, padding=lay.padding)
+        return self._stream
+
+    def encode_range(self, lo: int, hi: int, quantizer: Quantizer, seed: int) -> Tensor:
+        """The payload of the stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its buffer): this
+        rank's own codes (counted in ``encoded``)."""
+        if self._stream is None:
+            parts, starts = [], []
+            for part, s, n in zip(self.parts, self.layout.starts, self.layout.numels):
+                a, b = max(lo, s), min(hi, s + n)
+                if a < b:
+                    parts.append(part[a - s: b - s])
+                    starts.append(a - lo)
+            payload = self.ops.encode_parts(parts, starts, hi - lo, quantizer, seed)
+            if payload is not None:
+                self.encoded += int(payload.shape[0])
+                return payload
+        payload = self.ops.encode(self.stream[lo:hi], quantizer, seed)
+        self.encoded += int(payload.shape[0])
+        return payload
+
+    def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
+        """A payload of ``x`` (not of the stream: a reduced shard); an empty ``x`` gives the bare header."""
+        return self.ops.encode(x, quantizer, seed)
+
+    def encode_runs(self, lo: int, hi: int, seed: Callable[[int], int]) -> tuple[Tensor, list]:
+        """This rank's payloads of ``[lo, hi)``, one per run of one width (:meth:`segments`), back
+        to back; ``seed(k)`` is run ``k``'s. Returns them and the runs."""
+        runs = self.segments(lo, hi)
+        payloads = [self.encode_range(a, b, q1, seed(k)) for k, (a, b, q1, _) in enumerate(runs)]
+        return joined(self.ops, payloads), runs
+
+    def add_second_statistics(self, stats: np.ndarray) -> None:
+        self.second_statistics = stats if self.second_statistics is None else self.second_statistics + stats
+
+    def issue(self, request: "Allgather | Alltoall", transport: Transport | None = None) -> Callable[[], Tensor]:
+        """Start ``request`` on ``transport`` (default: the job's), counting its bytes; returns its wait."""
+        if isinstance(request, Allgather):
+            self.count_allgather(request.sizes)
+        else:
+            self.count_alltoall(request.splits, request.received)
+        return issue(self.transport if transport is None else transport, request, self.name(request.tag))
+
+    def count_allgather(self, sizes: Sequence[int]) -> None:
+        sent, received = allgather_bytes(sizes, self.transport.rank)
+        self.sent, self.received = self.sent + sent, self.received + received
+
+    def count_alltoall(self, splits: Sequence[int], received: Sequence[int]) -> None:
+        sent, got = alltoall_bytes(splits, received, self.transport.rank)
+        self.sent, self.received = self.sent + sent, self.received + got
+
+
+def joined(ops: TensorOps, payloads: Sequence[Tensor]) -> Tensor:
+    """Payloads back to back (none: an empty uint8 vector)."""
+    if len(payloads) == 1:
+        return payloads[0]
+    return ops.cat(payloads) if payloads else ops.from_numpy(np.zeros(0, dtype=np.uint8))
+
+
+@dataclass(frozen=True)
+class Allgather:
+    """A collective an exchange asks for: gather every rank's ``payload`` (rank ``r``'s has ``sizes[r]`` bytes)."""
+
+    payload: Tensor
+    sizes: Sequence[int]
+    tag: str
+
+
+@dataclass(frozen=True)
+class Alltoall:
+    """A collective an exchange asks for: ``splits[j]`` bytes of ``payload`` to rank ``j``, ``received[r]`` from rank ``r``."""
+
+    payload: Tensor
+    splits: Sequence[int]
+    received: Sequence[int]
+    tag: str
+
+
+def issue(transport: Transport, request: "Allgather | Alltoall", name: str) -> Callable[[], Tensor]:
+    """Start ``request`` on ``transport`` under ``name``; returns its wait."""
+    if isinstance(request, Allgather):
+        return transport.allgather(request.payload, request.sizes, name)
+    return transport.alltoall(request.payload, request.splits, request.received, name)
+
+
+#: One buffer's exchange: yields the collectives it needs, receives each one's result (the gathered
+#: bytes in rank order), returns the buffer's pieces.
+Steps = Generator["Allgather | Alltoall", Tensor, list]
+
+
+def auto_rows(auto, ops: TensorOps, parts: Sequence) -> np.ndarray:
+    """``bits="auto"``: this rank's refit vector of every tensor of ``parts``
+    (:meth:`~horovod_alq.core.allocation.AutoBits.rows`)."""
+    pairs = [ops.auto_statistics(part, auto.quantizers[auto.default]) for part in parts]
+    return auto.rows(np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs]))
