@@ -6,9 +6,9 @@ Three axes vary independently:
   :mod:`.two_phase` (scatter-reduce, re-quantize, allgather) and, for streamed rounds only,
   :mod:`.reduce_scatter` (FSDP2: each rank keeps the sum of its shard); a new one is one module
   and one entry in :data:`.engine.EXCHANGES` (or :data:`.engine.STREAMED`);
-* **transports** (how bytes move): Horovod for PyTorch (:mod:`horovod_alq.torch.transport`),
+* **transports** (how bytes move): Horovod for PyTorch (:mod:`horovod_alq.torch.horovod_transport`),
   mpi4py (:mod:`horovod_alq.mpi.transport`); each is an allgather, an alltoall and two small allreduces;
-* **tensor ops** (the codec on the framework's tensors): :class:`.base.TensorOps` (NumPy:
+* **tensor ops** (the codec on the framework's tensors): :class:`.interfaces.TensorOps` (NumPy:
   :class:`.numpy_ops.NumpyOps`; torch: :mod:`horovod_alq.torch.ops`).
 
 :class:`.engine.Engine` drives rounds: it fuses a round's tensors into buckets-aligned buffers,
@@ -19,7 +19,9 @@ each exchange's ``plan`` (:mod:`.plan`) is its arithmetic (ranges, payload sizes
 read by its ``steps`` and by TensorFlow, which runs the exchange in its graph.
 """
 
-from .base import Layout, TensorOps, Transport, plan_layout
+from .interfaces import TensorOps, Transport
+
+from .layout import Layout, plan_layout
 from .engine import EXCHANGE_CHOICES, Engine, Entry, resolve_fusion_bytes
 
 __all__ = ["EXCHANGE_CHOICES", "Engine", "Entry", "Layout", "TensorOps", "Transport", "plan_layout",

@@ -6,8 +6,8 @@ When the ranks laid their rounds out in different orders (:func:`gather_streams`
 whole stream is gathered once and every tensor is taken from each rank where that rank put it.
 
 An exchange module is ``steps(job, i)``: the protocol of one buffer as a generator that yields each
-collective it needs (:class:`.base.Allgather`, :class:`.base.Alltoall`), receives what it gathered
-and returns the buffer's :class:`.base.Piece` list; a driver (:func:`.base.run`, or the streamed
+collective it needs (:class:`.job.Allgather`, :class:`.job.Alltoall`), receives what it gathered
+and returns the buffer's :class:`.job.Piece` list; a driver (:func:`.driver.run`, or the streamed
 round of :mod:`.stream`) decides when each collective is issued.
 """
 
@@ -16,7 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.quantizer import Quantizer
-from .base import Allgather, Job, Piece, Steps, Tensor, check_payloads, check_segments
+from .interfaces import Tensor
+from .job import Allgather, Job, Piece, Steps
+from .payloads import check_payloads, check_segments
 from .plan import BufferPlan, allgather_bytes, sizes
 
 #: Collectives per buffer (a streamed round gives each its own transport).

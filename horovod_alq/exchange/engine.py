@@ -42,7 +42,11 @@ from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
 from . import allgather, reduce_scatter, two_phase
-from .base import Decoded, Job, Started, TensorOps, Transport, auto_rows, check_payloads, issue, plan_layout, run
+from .driver import run, Started
+from .interfaces import TensorOps, Transport
+from .job import auto_rows, Decoded, issue, Job
+from .layout import plan_layout
+from .payloads import check_payloads
 from .stream import StreamedRound
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
@@ -195,7 +199,7 @@ class Engine:
         return entry, vec
 
     def _plan(self, rnd: _Round, entry: Entry, ops: TensorOps, transport: Transport) -> None:
-        """Extend the round's fusion plan by ``entry`` exactly as :func:`.base.plan_layout` cuts the
+        """Extend the round's fusion plan by ``entry`` exactly as :func:`.layout.plan_layout` cuts the
         whole round, and start the buffer it closes."""
         d = self.quantizer.bucket_size
         capacity = self.fusion_bytes // 4 if self.fusion_bytes else 0
@@ -533,7 +537,7 @@ class Engine:
     def refit_auto(self, rows: Sequence[np.ndarray], keys: Sequence, transport: Transport, name: str) -> None:
         """``bits="auto"``: one allreduce of every tensor's row (errors per width, statistics; the
         same tensors on every rank), then every rank allocates the widths and refits the levels
-        alike (:meth:`~horovod_alq.core.allocation.AutoBits.refit`)."""
+        alike (:meth:`~horovod_alq.core.auto_bits.AutoBits.refit`)."""
         auto, st = self.state.auto, self.state
         mine = np.stack(rows)
         total = transport.allreduce_sum(mine.ravel(), name).reshape(mine.shape)

@@ -217,6 +217,6 @@ Steps = Generator["Allgather | Alltoall", Tensor, list]
 
 def auto_rows(auto, ops: TensorOps, parts: Sequence) -> np.ndarray:
     """``bits="auto"``: this rank's refit vector of every tensor of ``parts``
-    (:meth:`~horovod_alq.core.allocation.AutoBits.rows`)."""
+    (:meth:`~horovod_alq.core.auto_bits.AutoBits.rows`)."""
     pairs = [ops.auto_statistics(part, auto.quantizers[auto.default]) for part in parts]
     return auto.rows(np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs]))

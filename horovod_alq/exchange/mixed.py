@@ -2,7 +2,7 @@
 bucket norms for every payload (:mod:`horovod_alq.core.bucket_widths`), encoded and decoded through
 the codec of each width.
 
-:class:`MixedOps` wraps a :class:`.base.TensorOps`: payloads of a
+:class:`MixedOps` wraps a :class:`.interfaces.TensorOps`: payloads of a
 :class:`~horovod_alq.core.bucket_widths.MixedWidths` are mixed, all others go to the wrapped ops.
 Encoding gathers the buckets of each width into one vector (``take_buckets``), or reads them in
 place from the round's tensors where the codec can (``encode_parts``), and encodes them with that
@@ -22,7 +22,7 @@ from ..core.wire import Header, bucket_lengths, pack_header
 
 #: Most runs of consecutive buckets of one width read in place (beyond: gathered, one copy).
 RUNS_IN_PLACE = 4096
-#: The methods the wrapped ops must have beyond :class:`.base.TensorOps`.
+#: The methods the wrapped ops must have beyond :class:`.interfaces.TensorOps`.
 NEEDS = ("bucket_norms", "take_buckets", "add_buckets")
 
 

@@ -17,7 +17,7 @@ def bucket_index(ids: np.ndarray, n: int, bucket_size: int) -> np.ndarray:
 
 
 class NumpyOps:
-    """:class:`.base.TensorOps` on host NumPy arrays. ``decode_sum`` accumulates in ``out``'s dtype
+    """:class:`.interfaces.TensorOps` on host NumPy arrays. ``decode_sum`` accumulates in ``out``'s dtype
     (float32 for the engine's results; float64 where a caller asks for it)."""
 
     def stream(self, parts, starts, length, out=None, padding=()):

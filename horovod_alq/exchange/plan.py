@@ -19,7 +19,7 @@ class BufferPlan:
     """``parts``: the element ranges encoded with the first quantizer (the whole buffer, or one
     shard per rank); ``first``: their payload sizes; ``second``: the sizes of the re-quantized
     ranges (two-phase; empty otherwise); ``sent`` / ``received``: this rank's payload bytes on the
-    wire (headers included), as :meth:`.base.Job.issue` counts the collectives."""
+    wire (headers included), as :meth:`.job.Job.issue` counts the collectives."""
 
     parts: tuple[tuple[int, int], ...]
     first: tuple[int, ...]
@@ -30,7 +30,7 @@ class BufferPlan:
 
 def sizes(parts: Sequence[tuple[int, int]], quantizer: Quantizer, segments=None, phase: int = 0) -> tuple[int, ...]:
     """The payload size of each element range under ``quantizer``; with ``segments`` (a job's
-    :meth:`~.base.Job.segments`), the sum over its runs of one width, each run's quantizer of
+    :meth:`~.job.Job.segments`), the sum over its runs of one width, each run's quantizer of
     ``phase`` (0: first, 1: second)."""
     if segments is None:
         return tuple(quantizer.payload_bytes(b - a) for a, b in parts)

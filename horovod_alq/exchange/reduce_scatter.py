@@ -13,7 +13,9 @@ per run of one width within a shard. Streamed rounds only
 
 from __future__ import annotations
 
-from .base import Alltoall, Job, Piece, Steps, check_segments
+from .job import Alltoall, Job, Piece, Steps
+
+from .payloads import check_segments
 
 #: Collectives per buffer.
 STAGES = 1

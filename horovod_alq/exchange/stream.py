@@ -5,7 +5,7 @@ arrive in the same order on every rank and whose transport pairs collectives by 
 The round opens with one small handshake (settings, levels, round number, refit flag, the
 threshold below which buffers travel uncompressed): after it, every rank knows that every other
 rank quantizes the same buffers with the same codec, so it can issue each buffer's collectives
-without waiting for the rest of the round. Each buffer is one :class:`.base.Job` run through the
+without waiting for the rest of the round. Each buffer is one :class:`.job.Job` run through the
 exchange's ``steps``; its first collective is issued by :meth:`StreamedRound.add` on the calling
 thread (buffer order on every rank). Later collectives are issued as earlier ones complete (on
 the transport's completion threads), on a transport of their own per stage (``stages[s]``), in
@@ -29,7 +29,9 @@ import numpy as np
 from ..core.methods import get_method
 from ..core.protocol import derive_seed, timeout_error
 from ..core.statistics import statistics_length
-from .base import Decoded, Job, Layout, TensorOps, Transport, auto_rows, plan_layout
+from .interfaces import TensorOps, Transport
+from .job import auto_rows, Decoded, Job
+from .layout import Layout, plan_layout
 
 #: The seed key that keeps a streamed buffer's draws apart from a whole round's.
 _STREAM_KEY = 1 << 41

@@ -22,7 +22,9 @@ import numpy as np
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
 from ..core.wire import HEADER_SIZE
-from .base import Allgather, Alltoall, Job, Piece, Steps, Tensor, check_segments, joined
+from .interfaces import Tensor
+from .job import Allgather, Alltoall, Job, joined, Piece, Steps
+from .payloads import check_segments
 from .plan import BufferPlan, allgather_bytes, alltoall_bytes, sizes, total
 
 #: Collectives per buffer (a streamed round gives each its own transport).

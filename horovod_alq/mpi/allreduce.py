@@ -13,7 +13,7 @@ from ..core.protocol import CollectiveTimeout, ProtocolError, stable_hash
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.wire import parse_header
-from ..exchange.base import check_payloads
+from ..exchange.payloads import check_payloads
 from ..exchange.engine import RefitError, blame
 from ..exchange.numpy_ops import NumpyOps
 from ..settings import Settings, configure

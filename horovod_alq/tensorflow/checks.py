@@ -1,7 +1,7 @@
 """The checks of one tensor's exchange in TensorFlow: the reduced vector (on the host, with the
 core's :func:`~horovod_alq.core.protocol.read_tensor_vector` and two checks of TensorFlow's own)
 and the gathered payload headers (in the graph, explained on the host with the exchange's
-:func:`~horovod_alq.exchange.base.check_host_payloads` when they differ). Every rank checks the
+:func:`~horovod_alq.exchange.payloads.check_host_payloads` when they differ). Every rank checks the
 same reduced data, so all pass or all raise."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tensorflow as tf
 from ..core import protocol
 from ..core.quantizer import Quantizer
 from ..core.wire import HEADER_SIZE, parse_header, payload_size
-from ..exchange import base
+from ..exchange import payloads
 from .graph import ProtocolError, tf_error
 
 #: Two-phase vectors add to the core's tensor vector the sums of ``c`` and ``c**2`` for the 32 bytes
@@ -56,7 +56,7 @@ def check_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_
 
 
 def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, ranks: int, payload_bytes) -> tuple[tf.Tensor, tf.Tensor]:
-    """The in-graph form of :func:`horovod_alq.exchange.base.check_payloads`: every rank's payload
+    """The in-graph form of :func:`horovod_alq.exchange.payloads.check_payloads`: every rank's payload
     has ``payload_bytes`` (an int, or a tensor for a width chosen at run time) and this rank's
     ``header`` bytes. Also ``gathered`` fitted to exactly ``ranks * payload_bytes`` bytes (cut or
     zero-padded), so that no op fails on a wrong size before the explanation is raised: TF may run
@@ -73,7 +73,7 @@ def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, ranks: int, payload_byte
 
 def explain_payloads(gathered: np.ndarray, header: np.ndarray, *, numel: int, ranks: int, quantizer: Quantizer,
                      slot: int) -> None:
-    """Raise :func:`horovod_alq.exchange.base.check_host_payloads`'s error, naming the first rank
+    """Raise :func:`horovod_alq.exchange.payloads.check_host_payloads`'s error, naming the first rank
     whose payload differs from this rank's configuration (``quantizer``'s method, bucket size and
     norm; the bits and the levels' fingerprint of this rank's payload ``header``) when
     :func:`payloads_ok` failed."""
@@ -82,7 +82,7 @@ def explain_payloads(gathered: np.ndarray, header: np.ndarray, *, numel: int, ra
                               norm=quantizer.norm, fingerprint=own.fingerprint,
                               payload_bytes=lambda n: payload_size(n, own.bits, quantizer.bucket_size))
     try:
-        base.check_host_payloads(gathered, [numel] * ranks, q, f"tensor in slot {slot}")
+        payloads.check_host_payloads(gathered, [numel] * ranks, q, f"tensor in slot {slot}")
     except protocol.ProtocolError as err:
         raise tf_error(err) from None
     raise ProtocolError(f"horovod_alq: tensor in slot {slot}: the gathered payload headers differ")

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from ..core.protocol import PREFIX, shape_hash
 from .dist_transport import WATCHDOG, SettleOnce, on_completion
 from ..settings import Settings
-from .streamed import COMPRESSIBLE, StreamedState
+from .dist_state import COMPRESSIBLE, StreamedState
 
 __all__ = ["ALQState", "alq_hook"]
 

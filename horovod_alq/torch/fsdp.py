@@ -51,7 +51,7 @@ from ..core.protocol import PREFIX, shape_hash, stable_hash
 from ..exchange.reduce_scatter import NAME
 from .dist_transport import WATCHDOG, SettleOnce
 from ..settings import Settings
-from .streamed import COMPRESSIBLE, StreamedState
+from .dist_state import COMPRESSIBLE, StreamedState
 
 __all__ = ["ALQReduceScatter", "quantize_reduce_scatter"]
 

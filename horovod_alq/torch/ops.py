@@ -10,7 +10,8 @@ from ..core.methods import get_method
 from ..core.quantizer import Quantizer
 from ..core.statistics import GRID, BucketMoments, normless_statistics, statistics_length
 from ..core.wire import Header, pack_header
-from . import codecs, kernels
+from . import codecs
+from .codecs import torch_kernels as kernels
 
 
 class TorchOps:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from horovod_alq.exchange.base import SingleRank
+from horovod_alq.exchange.interfaces import SingleRank
 from horovod_alq.settings import Settings, configure
 from horovod_alq.torch.ops import TorchOps
 from scripts.bench.refit import gpt_gradients, one_round

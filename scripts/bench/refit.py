@@ -25,8 +25,10 @@ import numpy as np
 import torch
 
 from horovod_alq.core.rounds import DEFAULT_UPDATE_EVERY, DEFAULT_UPDATE_STEPS, RefitSchedule
-from horovod_alq.core.allocation import AUTO_WIDTHS, allocate_bits, errors_from_histograms
-from horovod_alq.exchange.base import SingleRank, auto_rows
+from horovod_alq.core.allocation import allocate_bits
+from horovod_alq.core.auto_bits import AUTO_WIDTHS, errors_from_histograms
+from horovod_alq.exchange.interfaces import SingleRank
+from horovod_alq.exchange.job import auto_rows
 from horovod_alq.settings import Settings, configure
 from horovod_alq.torch.ops import TorchOps
 from scripts.common.bench import write_report

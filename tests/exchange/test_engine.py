@@ -6,7 +6,7 @@ import pytest
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.rounds import RefitSchedule, RoundState
-from horovod_alq.exchange.base import SingleRank
+from horovod_alq.exchange.interfaces import SingleRank
 from horovod_alq.exchange.engine import Engine
 from horovod_alq.exchange.numpy_ops import NumpyOps
 

@@ -22,17 +22,16 @@ run sees the same draws.
 
 import math
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multiproc import run_ranks  # noqa: E402
+from helpers import assert_t_unbiased, same
+from multiproc import run_ranks
 
-from horovod_alq.core import Quantizer  # noqa: E402
-from horovod_alq.core.rounds import RoundState  # noqa: E402
+from horovod_alq.core import Quantizer
+from horovod_alq.core.rounds import RoundState
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTIVE = {"alq", "alq-n", "amq", "amq-n"}
@@ -150,20 +149,11 @@ def test_dtype_and_shape_follow_the_input(run):
 
 
 # ---------------------------------------------------------------------------------- two-phase
-def _assert_t_unbiased(tp):
-    # i.i.d. calls: Student t of the per-call sums; per bucket with a Bonferroni bound at 1e-6 overall
-    from scipy.stats import t
-
-    df = tp["reps"] - 1
-    assert abs(tp["t_plain"]) < t.isf(1e-6 / 2, df) and abs(tp["t_signed"]) < t.isf(1e-6 / 2, df), tp
-    assert tp["t_buckets_max"] < t.isf(1e-6 / (2 * tp["buckets"]), df), tp
-
-
 @pytest.mark.multiproc
 def test_two_phase_unbiased_identical_and_adapted(run):
     for r in run:
         tp = r["two_phase"]
-        _assert_t_unbiased(tp)
+        assert_t_unbiased(tp)
         assert tp["exchange"] == "two-phase" and tp["second_updates"] == 1
         assert tp["second_follows_first"] and tp["second_refit_at_other_bits"], tp
     assert len({r["two_phase"]["digest"] for r in run}) == 1, "ranks got different results"
@@ -189,7 +179,7 @@ def test_two_phase_traffic_does_not_grow_with_ranks(np_):
             assert abs(8 * r["two_phase"][key] / n - expected) <= granularity + headers + 0.02 * expected
     for r in res:
         tp = r["two_phase"]
-        _assert_t_unbiased(tp)
+        assert_t_unbiased(tp)
         assert tp["buckets"] == buckets
         one = _wire_bytes(n, 3, d)
         assert tp["allgather_sent"] == (np_ - 1) * one and tp["allgather_received"] == (np_ - 1) * one
@@ -329,7 +319,7 @@ def test_payloads_decode_with_the_torch_kernels(run):
     res = run[0]["payload"]
     assert all(r["payload"]["payloads"] == res["payloads"] for r in run)
     torch, payloads, levels, numel = _payloads(res)
-    from horovod_alq.torch import kernels
+    from horovod_alq.torch.codecs import torch_kernels as kernels
 
     core = _core_decode(res)
     assert numel == core[0].size == 1003
@@ -362,17 +352,13 @@ AUTO_SIZES = [512, 512, 256]  # scales 100, 1, 0.01 (tests/workers/mpi_allreduce
 AUTO_KEYS = [[n, 0] for n in AUTO_SIZES]  # arrays are matched by their element counts
 
 
-def _same_on_every_rank(launched, get):
-    return all(get(r) == get(launched[0]) for r in launched)
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
 def test_auto_identical_on_every_rank_within_budget_with_more_bits_for_the_larger_array(launched, exchange):
     key = f"unbiased.{exchange}"
     res = launched[0]["auto"][key]
     for field in ("digest", "allocation", "width_levels", "levels"):
-        assert _same_on_every_rank(launched, lambda r: r["auto"][key][field]), field
+        assert same(launched, lambda r: r["auto"][key][field]), field
     assert res["updated"] and res["level_updates"] == 1 and res["exchange"] == exchange
     alloc = res["allocation"]
     assert alloc[0] > alloc[1], alloc  # the same size, 100x the norm: more bits
@@ -389,15 +375,15 @@ def test_auto_identical_on_every_rank_within_budget_with_more_bits_for_the_large
 def test_lists_unbiased(launched, case):
     """Mixed widths in one round (bits="auto", per array or, ``unbiased.bucket``, per bucket) and a
     list with fixed bits: per-bucket t tests."""
-    _assert_t_unbiased(launched[0]["auto"][case])
-    assert _same_on_every_rank(launched, lambda r: r["auto"][case]["digest"])
+    assert_t_unbiased(launched[0]["auto"][case])
+    assert same(launched, lambda r: r["auto"][case]["digest"])
 
 
 @pytest.mark.multiproc
 def test_widths_per_bucket_send_the_budgets_payload_and_agree_on_every_rank(launched):
     res = launched[0]["auto"]["unbiased.bucket"]
     assert res["updated"] and res["level_updates"] == 1 and res["allocation"] == []
-    assert _same_on_every_rank(launched, lambda r: r["auto"]["unbiased.bucket"]["width_levels"])
+    assert same(launched, lambda r: r["auto"]["unbiased.bucket"]["width_levels"])
     assert max(res["rel_err"]) < 1.0, res["rel_err"]  # a quantized average, not noise
     if res["exchange"] == "allgather":  # one mixed payload per call, of the size the budget fixes
         # the bits go where the norm is, across the list (two-phase: within each rank's shard only)
@@ -416,7 +402,7 @@ def test_a_fixed_bits_list_quantizes_each_array_as_if_alone(launched):
         u = r["auto"]["unbiased.fixed"]
         assert max(u["rel_err"]) < 0.5, u["rel_err"]
         assert u["bytes_per_call"] == u["expected_bytes"] or u["exchange"] == "two-phase", u
-    assert _same_on_every_rank(launched, lambda r: r["auto"]["fixed_list"]["digest"])
+    assert same(launched, lambda r: r["auto"]["fixed_list"]["digest"])
 
 
 @pytest.mark.multiproc
@@ -431,7 +417,7 @@ def test_auto_records_rows_per_array_and_uses_the_allocation_for_its_arrays_only
         # the allocation's arrays (by element counts) take its widths; a prefix or others the default
         assert c["bytes"] == c["expected"], (c["bytes"], c["expected"])
         assert c["reduce"].startswith("ValueError") and "bits='auto'" in c["reduce"]
-    assert _same_on_every_rank(launched, lambda r: r["auto"]["collection"]["allocation"])
+    assert same(launched, lambda r: r["auto"]["collection"]["allocation"])
 
 
 AUTO_ERRORS = {  # only rank 1 differs; every rank raises
@@ -454,14 +440,14 @@ def test_auto_and_list_errors_raise_on_every_rank(launched, case):
         err = r["auto"]["errors"]["errors"][case]
         assert err is not None and err.startswith("ValueError: horovod_alq.mpi:"), (r["rank"], err)
         assert AUTO_ERRORS[case] in err, (r["rank"], err)
-    assert _same_on_every_rank(launched, lambda r: r["auto"]["errors"]["after"][case]), "ranks disagree afterwards"
+    assert same(launched, lambda r: r["auto"]["errors"]["after"][case]), "ranks disagree afterwards"
 
 
 @pytest.mark.multiproc
 def test_auto_recovers_after_ranks_recorded_different_arrays(launched):
     for r in launched:
         assert r["auto"]["errors"]["errors"]["recovered"] is True
-    assert _same_on_every_rank(launched, lambda r: r["auto"]["errors"]["errors"]["allocation"])
+    assert same(launched, lambda r: r["auto"]["errors"]["errors"]["allocation"])
 
 
 @pytest.mark.multiproc
@@ -471,4 +457,4 @@ def test_auto_state_dict_round_trip(launched):
         assert s["same_output_own_state"] and s["root_state_runs"] and s["allocation_loaded"], s
         assert s["adapted_alike"] and s["level_updates"] == 2, s  # the recorded rows travelled too
         assert "bits='auto'" in s["fixed_refused"] and "bit_budget" in s["budget_refused"], s
-    assert _same_on_every_rank(launched, lambda r: r["auto"]["state"]["allocation"])
+    assert same(launched, lambda r: r["auto"]["state"]["allocation"])

@@ -81,7 +81,7 @@ def test_tf_payload_decodes_with_the_core_and_core_payload_with_tf(method, bits)
 @pytest.mark.parametrize("method,bits", [("alq", 3), ("terngrad", 2), ("qsgd", 6)])
 def test_payloads_cross_decode_with_the_torch_kernels(method, bits):
     torch = pytest.importorskip("torch")
-    from horovod_alq.torch import kernels as tk
+    from horovod_alq.torch.codecs import torch_kernels as tk
 
     q = Quantizer(method, bits=bits, bucket_size=64)
     x = _data(1000, seed=1)

@@ -6,7 +6,7 @@ import torch
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.wire import Header, pack_header
-from horovod_alq.torch import kernels
+from horovod_alq.torch.codecs import torch_kernels as kernels
 from horovod_alq.torch.codecs import cpu_build
 
 METHODS = ["qsgdinf", "qsgd", "nuqsgd", "terngrad", "alq", "alq-n", "amq", "amq-n"]

@@ -3,7 +3,7 @@
 A codec turns a flat float tensor into a payload of the wire format (``docs/design.md``) and sums
 decoded payloads; it also computes the statistics of refit rounds. Backends:
 
-- ``torch``: plain torch ops (:mod:`.plain_torch`, kernels in :mod:`horovod_alq.torch.kernels`), any
+- ``torch``: plain torch ops (:mod:`.plain_torch`, kernels in :mod:`horovod_alq.torch.codecs.torch_kernels`), any
   device;
 - ``cpu``: the compiled CPU codec (:mod:`horovod_alq.torch.codecs.cpu_build`), CPU tensors;
 - ``triton``: Triton kernels (:mod:`.triton`), CUDA tensors; CPU tensors only under Triton's
@@ -56,14 +56,14 @@ class Codec(Protocol):
 
     def grid_statistics(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int,
                         norm: str) -> np.ndarray:
-        """As :func:`horovod_alq.torch.kernels.grid_statistics`."""
+        """As :func:`horovod_alq.torch.codecs.torch_kernels.grid_statistics`."""
 
     def grid_histograms(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int,
                         norm: str) -> np.ndarray:
-        """As :func:`horovod_alq.torch.kernels.grid_histograms` (the rows of ``bits="auto"``)."""
+        """As :func:`horovod_alq.torch.codecs.torch_kernels.grid_histograms` (the rows of ``bits="auto"``)."""
 
     def bucket_moments(self, flat: torch.Tensor, *, bucket_size: int, norm: str) -> tuple:
-        """As :func:`horovod_alq.torch.kernels.bucket_moments`."""
+        """As :func:`horovod_alq.torch.codecs.torch_kernels.bucket_moments`."""
 
 
 _FACTORIES: dict[str, Callable[[torch.device], Codec]] = {}

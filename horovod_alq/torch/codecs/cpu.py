@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from .. import kernels
+from . import torch_kernels as kernels
 from . import check_encode_args, cpu_build
 
 

@@ -1,4 +1,4 @@
-"""Build loader of the compiled CPU codec (``horovod_alq/torch/csrc/fused_codec.cpp``).
+"""Build loader of the compiled CPU codec (``horovod_alq/torch/codecs/csrc/fused_codec.cpp``).
 
 Built on first use with ``torch.utils.cpp_extension`` in a private temporary folder, then moved
 atomically to ``$HOROVOD_ALQ_CACHE/torch_extensions/`` (default ``~/.cache/horovod-alq``) under a
@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 NAME = "horovod_alq_fused_codec"
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "fused_codec.cpp"  # horovod_alq/torch/csrc
+SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_codec.cpp"  # horovod_alq/torch/codecs/csrc
 HEADERS = (SOURCE.with_name("codec_kernels.h"),)
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no FMA: the same decoded floats on every CPU
 LDFLAGS = ["-fopenmp"]

@@ -1,4 +1,4 @@
-"""Codec ``torch``: the plain torch kernels (:mod:`horovod_alq.torch.kernels`), any device.
+"""Codec ``torch``: the plain torch kernels (:mod:`horovod_alq.torch.codecs.torch_kernels`), any device.
 
 Draws come from ``torch.rand`` with a generator seeded per call by ``seed``.
 """
@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .. import kernels
+from . import torch_kernels as kernels
 from . import check_encode_args, payload_window
 
 

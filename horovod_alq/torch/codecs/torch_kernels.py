@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.wire import HEADER_SIZE
+from ...core.wire import HEADER_SIZE
 
 _SHIFTS: dict[tuple[int, str], torch.Tensor] = {}
 

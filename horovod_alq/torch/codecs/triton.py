@@ -39,7 +39,7 @@ import torch
 
 from ...core.wire import HEADER_SIZE
 from . import check_encode_args, payload_window
-from .. import kernels as torch_kernels
+from . import torch_kernels
 
 INSTALL_HINT = ("install it with `pip install triton==3.6.0` (pinned in requirements/pinned.txt; "
                 "`make install` installs it; `pip install horovod-alq[gpu]` for the extra)")
