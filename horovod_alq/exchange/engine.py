@@ -41,12 +41,11 @@ from ..core.protocol import (PREFIX, REFIT_FIELDS, STREAM_FIELDS, CollectiveTime
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
-from . import allgather, reduce_scatter, two_phase
+from . import allgather, recovery, reduce_scatter, two_phase
 from .driver import run, Started
 from .interfaces import TensorOps, Transport
 from .job import auto_rows, Decoded, issue, Job
 from .layout import plan_layout
-from .payloads import check_payloads
 from .stream import StreamedRound
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
@@ -135,12 +134,6 @@ class _Round:
 class _Ordered:
     values: Decoded
     starts: dict  # live entry -> its start in the stream
-
-
-@dataclass
-class _Unordered:
-    streams: list
-    starts: list[dict[int, int]]  # per rank: slot -> start in its stream
 
 
 class Engine:
@@ -277,18 +270,13 @@ class Engine:
         if rnd.failure is not None:
             raise ProtocolError(f"{PREFIX}: the exchange of this round failed: {rnd.failure}")
         if isinstance(rnd.result, _Ordered) and any(s != entry.slot for s in info.slots):
-            out = self._recover(entry, info.slots, ops, transport) * info.scale
+            out = recovery.recover(rnd, entry, info.slots, self.quantizer, self.state, self.seed, ops,
+                                   transport) * info.scale
         elif isinstance(rnd.result, _Ordered):
             start = rnd.result.starts[entry]
             out = rnd.result.values.read(start, start + entry.numel, info.scale)
         else:
-            res = rnd.result
-            out = None
-            for r, slot in enumerate(info.slots):
-                start = res.starts[r][slot]
-                part = res.streams[r][start: start + entry.numel]
-                out = part * 1.0 if out is None else out + part
-            out = out * info.scale
+            out = rnd.result.read(info.slots, entry.numel) * info.scale
         if (entry.numel, entry.shape_code) not in rnd.repeated:  # like tensors may still need it
             entry.flat = None
         return out, info.scale
@@ -392,7 +380,7 @@ class Engine:
         # The same sequence of shapes gives every rank the same layout, so the fused exchange sums
         # slot k of every rank; a tensor that some rank put in another slot of the same shape
         # (ranks that swapped two like tensors: the handshake cannot see it) is found by its control
-        # vector in finish() and exchanged again on its own (_recover).
+        # vector in finish() and exchanged again on its own (recovery.recover).
         ordered = agreement.ordered
         rnd.prefix, rnd.epoch = prefix, epoch
         rnd.repeated = frozenset(k for k in set(order) if order.count(k) > 1)
@@ -419,7 +407,7 @@ class Engine:
                 rnd.result = _Ordered(values, dict(zip(live, layout.starts)))
                 st.exchange = exchange
             else:
-                rnd.result = self._unordered(job, live)
+                rnd.result = recovery.gather_unordered(job, live)
                 second_stats = None
                 st.exchange = allgather.NAME + " (unordered round)"
         finally:
@@ -473,52 +461,6 @@ class Engine:
         buf = ops.zeros(n)
         self._kept[tag] = (buf, rnd)
         return buf
-
-    def _recover(self, entry: Entry, slots: tuple[int, ...], ops: TensorOps, transport: Transport):
-        """The sum over ranks of a tensor that the ranks put in different slots of one shape (the
-        fused sum at its slot mixed it with another tensor). Every rank quantizes again its values
-        at *every* slot of that shape and allgathers them, named by slot: every rank finds the swap
-        in the tensor's control vector, whenever it decompresses it, and issues the same
-        collectives, all before waiting for any (ranks decompress in their own orders). Then rank
-        ``r``'s values are taken from the slot it gave this tensor."""
-        q, rnd = self.quantizer, entry.round
-        live = rnd.live()
-        key = (entry.numel, entry.shape_code)
-        index = {e.slot: k for k, e in enumerate(live)}
-        for k, e in enumerate(live):
-            if (e.numel, e.shape_code) == key and k not in rnd.recovery:
-                x = ops.stream([e.flat], [0], e.numel)
-                payload = ops.encode(x, q, derive_seed(self.seed, transport.rank, rnd.epoch, 1 << 40, k))
-                sizes = [int(payload.shape[0])] * transport.size
-                rnd.recovery[k] = transport.allgather(payload, sizes, f"{rnd.prefix}.recover.{k}")
-                st = self.state
-                st.bytes_sent += (transport.size - 1) * sizes[0]
-                st.bytes_received += (transport.size - 1) * sizes[0]
-                st.payload_bytes += sizes[0]
-        out = ops.zeros(entry.numel)
-        part = ops.zeros(entry.numel)
-        for r, slot in enumerate(slots):
-            k = index[slot]
-            got = rnd.recovery[k]
-            if callable(got):
-                got = rnd.recovery[k] = got()
-            offsets = check_payloads(ops, got, [entry.numel] * transport.size, q, f"re-exchanged slot {k}")
-            ops.decode_sum(part, got, [offsets[r]], q)
-            out += part
-        self.state.recovered += 1
-        return out
-
-    def _unordered(self, job: Job, live: list[Entry]) -> _Unordered:
-        """Ranks hold the same tensors in different orders: gather every rank's stream and layout."""
-        t = job.transport
-        # every rank's (slot, start) pairs, then (-1, its stream's length): lengths differ with the order
-        rows = [[e.slot, s] for e, s in zip(live, job.layout.starts)] + [[-1, job.layout.length]]
-        mine = np.array(rows, dtype=np.int64).ravel()
-        raw = job.ops.from_numpy(mine.view(np.uint8))
-        tables = job.ops.to_numpy(t.allgather(raw, [raw.shape[0]] * t.size, job.name("layouts"))())
-        tables = tables.view(np.int64).reshape(t.size, -1, 2)
-        streams = allgather.gather_streams(job, [int(table[-1, 1]) for table in tables])
-        return _Unordered(streams, [dict(map(tuple, table[:-1].tolist())) for table in tables])
 
     def _refit(self, job: Job, collect_first: bool, second_stats: np.ndarray | None, prefix: str) -> None:
         """One allreduce of the round's statistics (both quantizers'), then every rank refits alike."""
