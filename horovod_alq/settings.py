@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-from .core.allocation import AutoBits
+from .core.auto_bits import AutoBits
 from .core.methods import check_bits, check_norm, get_method
 from .core.protocol import MASK64, resolve_timeout
 from .core.quantizer import Quantizer

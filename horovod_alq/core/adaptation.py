@@ -10,16 +10,15 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .distributions import GridDistribution, _Distribution, _GridStack
+from .distributions import Distribution, GridDistribution, GridStack
 from .methods import nuqsgd_levels, uniform_levels
 from .objective import (
-    _amq_psi_grad,
-    _check_bits,
-    _check_p,
-    _psi_batch,
-    _psi_from_moments,
-    _two_cell_cost,
+    amq_psi_grad,
     check_levels,
+    check_multiplier,
+    check_width,
+    psi_batch,
+    two_cell_cost,
 )
 
 __all__ = ["fit_alq_levels", "fit_alq_levels_together", "fit_amq_multiplier"]
@@ -41,7 +40,7 @@ _FALLBACK_POINTS = 33
 _FALLBACK_FTOL = 1e-7
 
 
-def _quantile_levels(dist: _Distribution, n: int) -> np.ndarray:
+def _quantile_levels(dist: Distribution, n: int) -> np.ndarray:
     """Levels at the quantiles j / (n - 1) of ``dist``, made strictly increasing if needed."""
     inner = np.asarray(dist.ppf(np.arange(1, n - 1) / (n - 1)), dtype=np.float64)
     levels = np.concatenate([[-1.0], inner, [1.0]])
@@ -56,7 +55,7 @@ def _quantile_levels(dist: _Distribution, n: int) -> np.ndarray:
 _COMPANDING_POINTS = 2049
 
 
-def _companding_levels(dist: _Distribution, n: int) -> np.ndarray | None:
+def _companding_levels(dist: Distribution, n: int) -> np.ndarray | None:
     """Levels at the quantiles j / (n - 1) of the density proportional to ``pdf**(1/3)``: the level
     density that minimizes the variance of stochastic rounding as the levels get many (cells of
     width w hold variance ~ pdf w^2 / 6 per unit, under a fixed count of cells: w ~ pdf^(-1/3), as
@@ -81,7 +80,7 @@ def _companding_levels(dist: _Distribution, n: int) -> np.ndarray | None:
 
 
 def _newton(
-    dist: _Distribution, q: np.ndarray, a: np.ndarray, b: np.ndarray, x: np.ndarray,
+    dist: Distribution, q: np.ndarray, a: np.ndarray, b: np.ndarray, x: np.ndarray,
     m: np.ndarray, active: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Solve ``F(x) = q`` in ``(a, b)`` by safeguarded Newton steps from ``x`` (rows ``active``).
@@ -116,7 +115,7 @@ def _newton(
     return x, m
 
 
-def _coordinate_descent(levels: np.ndarray, dist: _Distribution, sweeps: int) -> np.ndarray:
+def _coordinate_descent(levels: np.ndarray, dist: Distribution, sweeps: int) -> np.ndarray:
     """ALQ sweeps on several level sets of one length at once (shape (I, L)): :func:`_descend`."""
     lev = np.array(levels, dtype=np.float64)
     return _descend(lev.ravel(), [lev.shape[1]] * lev.shape[0], dist, sweeps).reshape(lev.shape)
@@ -137,7 +136,7 @@ def _descend(levels: np.ndarray, lengths, dist, sweeps: int) -> np.ndarray:
         Valid level sets (strictly increasing, endpoints -1 and 1) back to back.
     lengths : ints summing to N
         The levels of each set (each row).
-    dist : distribution, or a pair (:class:`_GridStack`, ``which``): row ``i`` follows the
+    dist : distribution, or a pair (:class:`GridStack`, ``which``): row ``i`` follows the
         stack's distribution ``which[i]``
     sweeps : int
 
@@ -226,11 +225,11 @@ def _fallback(dist, rows, a, x0, b, ma, m0, mb, lo, hi, x, mx, acc):
     t = np.linspace(0.0, 1.0, _FALLBACK_POINTS)
     xs = lo[r, None] + (hi[r] - lo[r])[:, None] * t
     ms = (dist.take(r) if isinstance(dist, _Bound) else dist)._mpdf(xs)
-    cost = _two_cell_cost(a[r, None], xs, b[r, None], ma[:, r, None], ms, mb[:, r, None])
+    cost = two_cell_cost(a[r, None], xs, b[r, None], ma[:, r, None], ms, mb[:, r, None])
     cost = np.where(np.isfinite(cost), cost, np.inf)
     k = np.argmin(cost, axis=1)
     i = np.arange(r.size)
-    old = _two_cell_cost(a[r], x0[r], b[r], ma[:, r], m0[:, r], mb[:, r])
+    old = two_cell_cost(a[r], x0[r], b[r], ma[:, r], m0[:, r], mb[:, r])
     better = (cost[i, k] < old) & (xs[i, k] > a[r]) & (xs[i, k] < b[r])
     x, mx, acc = x.copy(), mx.copy(), acc.copy()
     x[r] = np.where(better, xs[i, k], x[r])
@@ -258,7 +257,7 @@ def _starts(dist, bits: int, init) -> np.ndarray:
 
 
 def fit_alq_levels(
-    dist: _Distribution, bits: int, sweeps: int = 30, init: ArrayLike | None = None
+    dist: Distribution, bits: int, sweeps: int = 30, init: ArrayLike | None = None
 ) -> np.ndarray:
     """ALQ: levels minimizing Psi by coordinate descent over the interior levels.
 
@@ -291,22 +290,22 @@ def fit_alq_levels(
     ndarray, shape (2**bits,), float64
         Strictly increasing, ``levels[0] == -1``, ``levels[-1] == 1``.
     """
-    bits = _check_bits(bits)
+    bits = check_width(bits)
     _check_sweeps(sweeps)
     start = _starts(dist, bits, init)
     final = _coordinate_descent(start, dist, int(sweeps))
     candidates = np.concatenate([final, start])
-    psi = _psi_batch(candidates, dist)
+    psi = psi_batch(candidates, dist)
     psi = np.where(np.isfinite(psi), psi, np.inf)
     return candidates[int(np.argmin(psi))].copy()
 
 
 class _Bound:
-    """A :class:`_GridStack` seen as one distribution per element of the arrays it is given."""
+    """A :class:`GridStack` seen as one distribution per element of the arrays it is given."""
 
     _exact_ppf = True
 
-    def __init__(self, stack: _GridStack, which: np.ndarray) -> None:
+    def __init__(self, stack: GridStack, which: np.ndarray) -> None:
         self.stack, self.which = stack, which
 
     def _mpdf(self, x):
@@ -341,24 +340,24 @@ def fit_alq_levels_together(dists: list, bits: list[int], sweeps: int = 30,
     if len(dists) < 2 or not same_grid:
         return [fit_alq_levels(d, b, sweeps, init) for d, b, init in zip(dists, bits, inits)]
     _check_sweeps(sweeps)
-    starts = [_starts(d, _check_bits(b), init) for d, b, init in zip(dists, bits, inits)]
+    starts = [_starts(d, check_width(b), init) for d, b, init in zip(dists, bits, inits)]
     which = np.concatenate([np.full(len(st), t) for t, st in enumerate(starts)])
     lengths = np.concatenate([np.full(len(st), st.shape[1]) for st in starts])
     flat = np.concatenate([st.ravel() for st in starts])
-    stack = (_GridStack(dists), which)
+    stack = (GridStack(dists), which)
     final = _descend(flat, lengths, stack, int(sweeps))
     out, at = [], 0
     for d, st in zip(dists, starts):  # as fit_alq_levels: the best of its results and starts
         size = st.size
         candidates = np.concatenate([final[at: at + size], flat[at: at + size]]).reshape(-1, st.shape[1])
-        psi = _psi_batch(candidates, d)
+        psi = psi_batch(candidates, d)
         out.append(candidates[int(np.argmin(np.where(np.isfinite(psi), psi, np.inf)))].copy())
         at += size
     return out
 
 
 def fit_amq_multiplier(
-    dist: _Distribution,
+    dist: Distribution,
     bits: int,
     steps: int = 50,
     lr: float = 0.7,
@@ -389,15 +388,15 @@ def fit_amq_multiplier(
     float
         p in (0, 1).
     """
-    bits = _check_bits(bits)
+    bits = check_width(bits)
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"steps must be a nonnegative integer, got {steps!r}")
     lr = float(lr)
     if not (np.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be positive, got {lr!r}")
-    p0 = [_check_p(v) for v in np.ravel(np.asarray(starts, dtype=np.float64))]
+    p0 = [check_multiplier(v) for v in np.ravel(np.asarray(starts, dtype=np.float64))]
     if previous is not None:
-        p0.append(_check_p(previous))
+        p0.append(check_multiplier(previous))
     if not p0:
         raise ValueError("starts is empty and previous is None")
     s = 2 ** (bits - 1) - 1
@@ -405,7 +404,7 @@ def fit_amq_multiplier(
     p = np.clip(np.array(p0), p_min, p_max)
     best_p, best_psi = float(p[0]), np.inf
     for step in range(int(steps) + 1):
-        psi, grad = _amq_psi_grad(p, bits, dist)
+        psi, grad = amq_psi_grad(p, bits, dist)
         psi = np.where(np.isfinite(psi), psi, np.inf)
         i = int(np.argmin(psi))
         if psi[i] < best_psi:

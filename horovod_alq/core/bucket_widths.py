@@ -17,42 +17,25 @@ A mixed payload (header ``bits = 0``, :mod:`.wire`) holds the width of every buc
 CRC-32 (a corrupted width would decode other buckets' codes with the wrong width), then one
 ordinary payload per width from 2 to 8 (the buckets of that width back to back, in order; empty
 for a width not taken), then zeros up to a size that depends only on the element count, the
-bucket size and the budget (:func:`mixed_payload_size`), so the ranks' payloads are the same size.
+bucket size and the budget (:func:`.wire.mixed_payload_size`), so the ranks' payloads are the same size.
 """
 
 from __future__ import annotations
 
 import copy
-import zlib
-from typing import Sequence
 
 import numpy as np
 
+from .allocation import hull
 from .methods import get_method
 from .packing import packed_size
-from .wire import HEADER_SIZE, bucket_lengths, check_header, num_buckets, parse_header
+from .protocol import stable_hash
+from .wire import (BUCKET_WIDTHS, BUDGET_UNITS, HEADER_SIZE, bucket_lengths, budget_units, check_header, code_bits,
+                   mixed_payload_size, num_buckets, parse_header, widths_crc)
 
-#: The widths a bucket may take (every width has its own payload in a mixed payload).
-BUCKET_WIDTHS: tuple[int, ...] = tuple(range(2, 9))
-#: Budget resolution on the wire: the header carries the budget in 1/256 of a bit.
-BUDGET_UNITS = 256
-
-
-def budget_units(budget: float) -> int:
-    """``budget`` in 1/256 of a bit, rounded down (what the payload sizes use)."""
-    return int(np.floor(float(budget) * BUDGET_UNITS + 1e-9))
-
-
-def code_bits(numel: int, budget256: int) -> int:
-    """The code bits a mixed payload of ``numel`` coordinates may spend."""
-    return int(budget256) * int(numel) // BUDGET_UNITS
-
-
-def mixed_payload_size(numel: int, bucket_size: int, budget256: int) -> int:
-    """Bytes of a mixed payload: header, a width byte and a norm per bucket, the widths' CRC-32, one header per width,
-    and room for ``code_bits`` bits of codes (the codes of each width start on a byte: one more)."""
-    b = num_buckets(numel, bucket_size)
-    return HEADER_SIZE + b + 4 + len(BUCKET_WIDTHS) * HEADER_SIZE + 4 * b + code_bits(numel, budget256) // 8 + 1
+# The mixed payload's format and arithmetic live with the wire format; these names stay importable from here.
+__all__ = ["BUCKET_WIDTHS", "BUDGET_UNITS", "MixedWidths", "allocate_buckets", "budget_units", "code_bits",
+           "mixed_payload_size", "widths_crc"]
 
 
 def allocate_buckets(squared: np.ndarray, lengths: np.ndarray, c: np.ndarray, cap: int) -> np.ndarray:
@@ -63,20 +46,18 @@ def allocate_buckets(squared: np.ndarray, lengths: np.ndarray, c: np.ndarray, ca
     running total fits, in one sort (exact when all buckets have one length and the cap falls on a
     segment's end; otherwise within one segment of the optimum). Non-finite or negative squared
     norms count as 0 (the narrowest width)."""
-    from .allocation import _hull
-
     squared = np.where(np.isfinite(squared) & (squared > 0), np.asarray(squared, dtype=np.float64), 0.0)
     lengths = np.asarray(lengths, dtype=np.int64)
     widths = np.asarray(BUCKET_WIDTHS, dtype=np.int64)
     out = np.full(squared.size, widths[0], dtype=np.uint8)
-    hull = _hull(widths, np.asarray(c, dtype=np.float64))
+    on_hull = hull(widths, np.asarray(c, dtype=np.float64))
     spare = int(cap) - int(lengths.sum()) * int(widths[0])
     if spare < 0:
         raise ValueError(f"cap {cap} is below {int(widths[0])} bits per coordinate")
-    if len(hull) < 2 or not squared.any():
+    if len(on_hull) < 2 or not squared.any():
         return out
-    step = np.diff(widths[hull])  # bits per coordinate of each segment
-    slope = -np.diff(np.asarray(c, dtype=np.float64)[hull]) / step  # error reduction per bit, decreasing
+    step = np.diff(widths[on_hull])  # bits per coordinate of each segment
+    slope = -np.diff(np.asarray(c, dtype=np.float64)[on_hull]) / step  # error reduction per bit, decreasing
     live = np.flatnonzero(squared > 0)
     ratio = (squared[live] / lengths[live])[:, None] * slope[None, :]  # per coordinate-bit
     cost = lengths[live][:, None] * step[None, :]
@@ -85,7 +66,7 @@ def allocate_buckets(squared: np.ndarray, lengths: np.ndarray, c: np.ndarray, ca
     k = int(np.argmin(taken)) if not taken.all() else taken.size  # the prefix that fits
     segments = np.zeros(live.size, dtype=np.int64)
     np.add.at(segments, order[:k] // len(step), 1)
-    out[live] = widths[np.asarray(hull)[segments]]
+    out[live] = widths[np.asarray(on_hull)[segments]]
     return out
 
 
@@ -110,8 +91,6 @@ class MixedWidths:
     @property
     def fingerprint(self) -> int:
         """Hash of every width's levels, the error model and the budget (mixed payload headers)."""
-        from .protocol import stable_hash
-
         model = () if self.c is None else tuple(float(v) for v in self.c)
         return stable_hash(self.budget256, tuple(self.quantizers[w].fingerprint for w in BUCKET_WIDTHS), model, bits=63)
 
@@ -163,9 +142,3 @@ class MixedWidths:
         if pos > offset + self.payload_bytes(numel):
             raise ValueError("mixed payload: its parts run past its size")
         return widths, runs
-
-
-def widths_crc(widths: np.ndarray) -> bytes:
-    """The 4 bytes that follow the widths of a mixed payload: their CRC-32, little-endian."""
-    return zlib.crc32(np.ascontiguousarray(widths, dtype=np.uint8).tobytes()).to_bytes(4, "little")
-

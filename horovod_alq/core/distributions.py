@@ -40,8 +40,9 @@ def _out(y: np.ndarray) -> np.ndarray | float:
     return float(y) if np.ndim(y) == 0 else y
 
 
-class _Distribution:
-    """Shared protocol. Subclasses implement ``_mpdf`` (and may override the rest)."""
+class Distribution:
+    """The base of the distributions on [-1, 1] (shared protocol). Subclasses implement ``_mpdf``
+    (and may override the rest)."""
 
     a: float = -1.0
     b: float = 1.0
@@ -101,7 +102,7 @@ class _Distribution:
         raise NotImplementedError
 
 
-class TruncatedNormal(_Distribution):
+class TruncatedNormal(Distribution):
     """Normal ``N(mu, sigma**2)`` truncated to ``[a, b]``, with broadcastable parameters.
 
     ``mu`` and ``sigma`` broadcast like the parameters of a frozen ``scipy.stats.truncnorm``
@@ -279,7 +280,7 @@ class TruncatedNormal(_Distribution):
         return f"TruncatedNormal(mu={self.mu!r}, sigma={self.sigma!r}, a={self.a}, b={self.b})"
 
 
-class NormWeightedMixture(_Distribution):
+class NormWeightedMixture(Distribution):
     """Mixture of normals truncated to [-1, 1], weighted by bucket norms: ``w_b = n_b / sum(n)``.
 
     Parameters
@@ -381,7 +382,7 @@ class NormWeightedMixture(_Distribution):
         return f"NormWeightedMixture({self.weights.size} components)"
 
 
-class GridDistribution(_Distribution):
+class GridDistribution(Distribution):
     """Distribution with a piecewise-linear CDF on a grid over [-1, 1] (constant density per cell).
 
     Parameters
@@ -492,7 +493,7 @@ def _cumulative_tables(g: np.ndarray, c: np.ndarray) -> tuple:
     return c, p1, p2, dc, dc / (gr - gl)
 
 
-class _GridStack:
+class GridStack:
     """Several :class:`GridDistribution` on one grid, for work on all of them at once (ALQ fits that
     run together, the errors of ``bits="auto"``): ``_mpdf`` and ``_ppf_raw`` of distribution
     ``which`` (an int array broadcast against the argument)."""
@@ -506,7 +507,7 @@ class _GridStack:
             np.concatenate(t) for t in zip(*((d.cdf_values, d._p1, d._p2, d._dc, d._dens) for d in dists)))
 
     @classmethod
-    def from_cumulative(cls, grid: np.ndarray, weights: np.ndarray) -> "_GridStack":
+    def from_cumulative(cls, grid: np.ndarray, weights: np.ndarray) -> "GridStack":
         """The stack of ``GridDistribution(grid, w)`` for each row ``w`` of ``weights`` (shape (T,
         G), cumulative, each with a positive total), built at once and without the checks."""
         stack = cls.__new__(cls)
@@ -539,7 +540,7 @@ class _GridStack:
 
 
 def _invert_cdf(
-    dist: _Distribution,
+    dist: Distribution,
     q: np.ndarray,
     lo: np.ndarray,
     hi: np.ndarray,

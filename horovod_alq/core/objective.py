@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .distributions import _Distribution
+from .distributions import Distribution
 from .methods import MAX_BITS, MIN_BITS
 
 __all__ = ["check_levels", "expected_variance", "amq_objective", "amq_derivative"]
@@ -41,7 +41,8 @@ def check_levels(levels: ArrayLike, size: int | None = None) -> np.ndarray:
     return lv
 
 
-def _check_bits(bits: int) -> int:
+def check_width(bits: int) -> int:
+    """``bits`` as an int from MIN_BITS to MAX_BITS, or ValueError naming it."""
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
         raise ValueError(f"bits must be an integer from {MIN_BITS} to {MAX_BITS}, got {bits!r}")
     if not MIN_BITS <= int(bits) <= MAX_BITS:
@@ -49,14 +50,15 @@ def _check_bits(bits: int) -> int:
     return int(bits)
 
 
-def _check_p(p: float) -> float:
+def check_multiplier(p: float) -> float:
+    """The AMQ multiplier ``p`` as a float in (0, 1), or ValueError naming it."""
     p = float(p)
     if not 0.0 < p < 1.0:
         raise ValueError(f"multiplier p must lie in (0, 1), got {p!r}")
     return p
 
 
-def _cell_costs(levels: np.ndarray, mom: np.ndarray) -> np.ndarray:
+def cell_costs(levels: np.ndarray, mom: np.ndarray) -> np.ndarray:
     """Cost of each cell [l_j, l_{j+1}] from moments at the levels.
 
     levels: (..., L); mom: (>=3, ..., L) partial moments at the levels. Returns (..., L-1), >= 0.
@@ -66,24 +68,24 @@ def _cell_costs(levels: np.ndarray, mom: np.ndarray) -> np.ndarray:
     return np.maximum(-hi * lo * d[0] + (hi + lo) * d[1] - d[2], 0.0)
 
 
-def _two_cell_cost(a, x, b, ma, mx, mb) -> np.ndarray:
-    """Cost of the cells [a, x] and [x, b] (same arithmetic as :func:`_cell_costs`)."""
+def two_cell_cost(a, x, b, ma, mx, mb) -> np.ndarray:
+    """Cost of the cells [a, x] and [x, b] (same arithmetic as :func:`cell_costs`)."""
     c1 = np.maximum(-x * a * (mx[0] - ma[0]) + (x + a) * (mx[1] - ma[1]) - (mx[2] - ma[2]), 0.0)
     c2 = np.maximum(-b * x * (mb[0] - mx[0]) + (b + x) * (mb[1] - mx[1]) - (mb[2] - mx[2]), 0.0)
     return c1 + c2
 
 
 def _psi_from_moments(levels: np.ndarray, mom: np.ndarray) -> np.ndarray:
-    return np.sum(_cell_costs(levels, mom), axis=-1)
+    return np.sum(cell_costs(levels, mom), axis=-1)
 
 
-def _psi_batch(levels: np.ndarray, dist: _Distribution) -> np.ndarray:
+def psi_batch(levels: np.ndarray, dist: Distribution) -> np.ndarray:
     """Psi of each row of ``levels`` (shape (n, L)), unvalidated; shape (n,)."""
     levels = np.ascontiguousarray(levels, dtype=np.float64)
     return _psi_from_moments(levels, dist._mpdf(levels))
 
 
-def expected_variance(levels: ArrayLike, dist: _Distribution) -> float:
+def expected_variance(levels: ArrayLike, dist: Distribution) -> float:
     """Psi: expected variance of unbiased stochastic rounding of r ~ ``dist`` to ``levels``.
 
     Parameters
@@ -99,7 +101,7 @@ def expected_variance(levels: ArrayLike, dist: _Distribution) -> float:
         distribution (up to rounding).
     """
     lv = check_levels(levels)
-    return float(_psi_batch(lv[None, :], dist)[0])
+    return float(psi_batch(lv[None, :], dist)[0])
 
 
 def _amq_levels(p: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +115,7 @@ def _amq_levels(p: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     return levels, dlevels
 
 
-def _amq_psi_grad(p: np.ndarray, bits: int, dist: _Distribution) -> tuple[np.ndarray, np.ndarray]:
+def amq_psi_grad(p: np.ndarray, bits: int, dist: Distribution) -> tuple[np.ndarray, np.ndarray]:
     """Psi and dPsi/dp of the multiplier levels for each p; shapes (P,), (P,)."""
     levels, dlevels = _amq_levels(p, bits)
     mom = dist._mpdf(levels)
@@ -126,7 +128,7 @@ def _amq_psi_grad(p: np.ndarray, bits: int, dist: _Distribution) -> tuple[np.nda
     return psi, np.sum(grad_levels * dlevels[:, 1:-1], axis=-1)
 
 
-def amq_objective(p: float, bits: int, dist: _Distribution) -> float:
+def amq_objective(p: float, bits: int, dist: Distribution) -> float:
     """Psi of the AMQ levels ``+-{p^s, ..., p, 1}`` (s = 2^(bits-1) - 1) over the whole support.
 
     Parameters
@@ -140,16 +142,16 @@ def amq_objective(p: float, bits: int, dist: _Distribution) -> float:
     float
         For a symmetric distribution this is twice the paper's positive-half V(p).
     """
-    psi, _ = _amq_psi_grad(np.array([_check_p(p)]), _check_bits(bits), dist)
+    psi, _ = amq_psi_grad(np.array([check_multiplier(p)]), check_width(bits), dist)
     return float(psi[0])
 
 
-def amq_derivative(p: float, bits: int, dist: _Distribution) -> float:
+def amq_derivative(p: float, bits: int, dist: Distribution) -> float:
     """Exact ``d amq_objective / d p``.
 
     Uses d Psi / d l_j = int_{l_{j-1}}^{l_j} (r - l_{j-1}) dF - int_{l_j}^{l_{j+1}} (l_{j+1} - r) dF
     (from F and the first partial moment) and d(+-p^k)/dp = +-k p^(k-1); the innermost cell is
     [-p^s, p^s]. For a symmetric truncated normal it equals 2 dV/dp of the paper.
     """
-    _, grad = _amq_psi_grad(np.array([_check_p(p)]), _check_bits(bits), dist)
+    _, grad = amq_psi_grad(np.array([check_multiplier(p)]), check_width(bits), dist)
     return float(grad[0])

@@ -137,7 +137,7 @@ class Quantizer:
         if self._method.adaptive:
             key = (self._method.name, self._bits, self._bucket_size, self._norm)
             if key not in _GAUSSIAN_STARTS:
-                from .distributions import TruncatedNormal
+                from .distributions import TruncatedNormal  # (loads SciPy: only adaptive methods need it)
 
                 self._fit(TruncatedNormal(0.0, gaussian_sigma(self._bucket_size, self._norm)))
                 _GAUSSIAN_STARTS[key] = (self._levels, self._multiplier)
@@ -393,7 +393,7 @@ class Quantizer:
         self.set_levels(rounded if np.all(np.diff(rounded) > 0) else fitted)
 
     def _fit(self, dist) -> None:
-        from .adaptation import fit_alq_levels, fit_amq_multiplier
+        from .adaptation import fit_alq_levels, fit_amq_multiplier  # (loads SciPy: only adaptive methods need it)
 
         if self._method.adapts == "levels":
             self._set_fitted(fit_alq_levels(dist, self._bits, init=self._levels.copy()))
@@ -409,7 +409,7 @@ def adapt_together(quantizers: Sequence[Quantizer], stats: Sequence[np.ndarray])
     """:meth:`Quantizer.adapt` of every quantizer from its statistics vector, with the ALQ level fits
     run together (:func:`~.adaptation.fit_alq_levels_together`: the same levels, at about the cost
     of the widest fit; ``bits="auto"`` refits its widths in use so)."""
-    from .adaptation import fit_alq_levels_together
+    from .adaptation import fit_alq_levels_together  # (loads SciPy, needed at refits only)
 
     alq = [(q, distribution_from_statistics(q._method, st)) for q, st in zip(quantizers, stats)
            if q._method.adapts == "levels"]

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .allocation import AutoBits
+from .auto_bits import AutoBits
 from .methods import get_method
 from .quantizer import Quantizer
 

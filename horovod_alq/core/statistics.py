@@ -199,7 +199,7 @@ def grid_statistics(normalized: Normalized) -> np.ndarray:
 def grid_histograms(normalized: Normalized) -> np.ndarray:
     """Shape (2, 1 + len(GRID)): row 0 :func:`grid_statistics`; row 1 the same counts weighted by
     ``n_b**2`` instead of ``n_b / count_b`` (``[sum_b n_b**2 count_b, C2(GRID)]``), from which
-    :func:`~.allocation.errors_from_histograms` gives ``E||Q(x) - x||**2`` for any levels
+    :func:`~.auto_bits.errors_from_histograms` gives ``E||Q(x) - x||**2`` for any levels
     (``bits="auto"``). One grid search for both."""
     return _grid_cumulative(normalized, squared=True)
 
@@ -265,7 +265,7 @@ def distribution_from_statistics(method: str | Method, stats: np.ndarray):
     ValueError
         Wrong length, non-finite entries, or no data (N == 0 or W == 0).
     """
-    from .distributions import GridDistribution, TruncatedNormal
+    from .distributions import GridDistribution, TruncatedNormal  # (loads SciPy, needed at refits only)
 
     m = _method(method)
     stats = np.asarray(stats, dtype=np.float64)

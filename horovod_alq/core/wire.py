@@ -17,8 +17,9 @@ A payload is a 32-byte header, one float32 norm per bucket, then the packed code
     32+4B  C    codes, C = ceil(n * bits / 8)
 
 A mixed payload (``bits="auto", bits_per="bucket"``, :mod:`.bucket_widths`) is its header, the
-width of each of its B buckets (one byte each), their CRC-32, one ordinary payload per width from 2 to 8 (the
-buckets of that width back to back), then zeros up to :func:`.bucket_widths.mixed_payload_size`.
+width of each of its B buckets (one byte each), their CRC-32 (:func:`widths_crc`), one ordinary payload per
+width of :data:`BUCKET_WIDTHS` (the buckets of that width back to back), then zeros up to
+:func:`mixed_payload_size`.
 
 Only the header is checksummed: a corrupted norm or code byte decodes to wrong values silently.
 """
@@ -79,6 +80,34 @@ def payload_size(numel: int, bits: int, bucket_size: int) -> int:
     return HEADER_SIZE + 4 * num_buckets(numel, bucket_size) + packed_size(numel, bits)
 
 
+#: The widths a bucket of a mixed payload may take (every width has its own payload in it).
+BUCKET_WIDTHS: tuple[int, ...] = tuple(range(2, 9))
+#: Budget resolution on the wire: the header carries the budget in 1/256 of a bit.
+BUDGET_UNITS = 256
+
+
+def budget_units(budget: float) -> int:
+    """``budget`` in 1/256 of a bit, rounded down (what the payload sizes use)."""
+    return int(np.floor(float(budget) * BUDGET_UNITS + 1e-9))
+
+
+def code_bits(numel: int, budget256: int) -> int:
+    """The code bits a mixed payload of ``numel`` coordinates may spend."""
+    return int(budget256) * int(numel) // BUDGET_UNITS
+
+
+def mixed_payload_size(numel: int, bucket_size: int, budget256: int) -> int:
+    """Bytes of a mixed payload: header, a width byte and a norm per bucket, the widths' CRC-32, one header per width,
+    and room for ``code_bits`` bits of codes (the codes of each width start on a byte: one more)."""
+    b = num_buckets(numel, bucket_size)
+    return HEADER_SIZE + b + 4 + len(BUCKET_WIDTHS) * HEADER_SIZE + 4 * b + code_bits(numel, budget256) // 8 + 1
+
+
+def widths_crc(widths: np.ndarray) -> bytes:
+    """The 4 bytes that follow the widths of a mixed payload: their CRC-32, little-endian."""
+    return zlib.crc32(np.ascontiguousarray(widths, dtype=np.uint8).tobytes()).to_bytes(4, "little")
+
+
 @dataclass(frozen=True)
 class Header:
     """The fields of a payload header."""
@@ -110,8 +139,6 @@ class Header:
     def payload_size(self) -> int:
         """Total bytes of the payload this header describes."""
         if self.bits == 0:
-            from .bucket_widths import mixed_payload_size
-
             return mixed_payload_size(self.numel, self.bucket_size, self.budget256)
         return payload_size(self.numel, self.bits, self.bucket_size)
 

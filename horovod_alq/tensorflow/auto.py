@@ -1,6 +1,6 @@
 """``bits="auto"`` in TensorFlow: the allocation, every width's levels and a refit round's rows in
 ``tf.Variable`` s, so that a traced step chooses each tensor's width at run time and the refit
-(:meth:`~horovod_alq.core.allocation.AutoBits.refit`, the NumPy core's) changes it between steps.
+(:meth:`~horovod_alq.core.auto_bits.AutoBits.refit`, the NumPy core's) changes it between steps.
 
 A tensor's width is looked up by its slot in the round (its compress call's index) and its key
 (elements, shape code): the allocation's width when the allocation's tensor in that slot has the
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from ..core.allocation import AUTO_WIDTHS, AutoBits, errors_from_histograms
+from ..core.auto_bits import AUTO_WIDTHS, AutoBits, errors_from_histograms
 from ..core.statistics import GRID
 from .graph import header_mask
 

@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from .. import frontends
 from ..core import protocol
-from ..core.allocation import AUTO_WIDTHS
+from ..core.auto_bits import AUTO_WIDTHS
 from ..core.methods import get_method
 from ..core.wire import payload_size
 from ..exchange.engine import EXCHANGES, choose_exchange

@@ -1,6 +1,6 @@
 """What the variance studies (scripts/study/variance.py, variance_gpt.py) share to measure a step's
 exact quantization error per tensor, as the compressors quantize it, and the compressors'
-``bits="auto"`` (horovod_alq.core.allocation.AutoBits) along a sequence of gradients."""
+``bits="auto"`` (horovod_alq.core.auto_bits.AutoBits) along a sequence of gradients."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 
 from horovod_alq.core import Quantizer
-from horovod_alq.core.allocation import AutoBits
+from horovod_alq.core.auto_bits import AutoBits
 from scripts.study.compare_models import coordinate_errors, normalized_variance
 
 
@@ -81,7 +81,7 @@ def bucket_auto_error(auto: AutoBits, quantized: list) -> tuple[float, float]:
     """``bits_per="bucket"``: E||Q(g) - g||^2 of the round when the quantized tensors travel in one
     payload (each from a bucket boundary, as a fusion buffer lays them out) whose buckets take the
     widths the compressor picks from their norms, and the mean bits per coordinate it spent."""
-    from horovod_alq.core.allocation import AUTO_WIDTHS
+    from horovod_alq.core.auto_bits import AUTO_WIDTHS
     from horovod_alq.core.statistics import bucket_norms
 
     d, norm = auto.mixed.bucket_size, auto.mixed.norm

@@ -85,7 +85,7 @@ def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
         if name not in QUANTIZED or split_norm(name)[0] not in ADAPTIVE:
             raise SystemExit(f"{spec!r}: bits='auto' is for the Horovod compressors of {', '.join(ADAPTIVE)} "
                              f"(with their -l2/-linf/-ag/-2p forms), not {name!r}")
-        from horovod_alq.core.allocation import check_budget
+        from horovod_alq.core.auto_bits import check_budget
 
         try:
             return name, kind, check_budget(float(bits[len(kind):]))

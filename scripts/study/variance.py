@@ -18,7 +18,7 @@ buckets). Three schedules:
     every   refit every --refit-every iterations
 
 With --auto, instead of the methods above: the compressors' ``bits="auto"``
-(horovod_alq.core.allocation.AutoBits, ALQ and AMQ with each norm of --norms and bucket of
+(horovod_alq.core.auto_bits.AutoBits, ALQ and AMQ with each norm of --norms and bucket of
 --buckets, each budget of --budgets) against uniform 3 bits of the same method, on the paper
 schedule, per tensor as the compressors quantize (buckets from each tensor's start; tensors below
 --min-size stay in float32, with no error): the total normalized variance of the step's gradient
@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from horovod_alq.core import Quantizer
-from horovod_alq.core.allocation import AUTO_WIDTHS, AutoBits, allocate_bits
+from horovod_alq.core.allocation import allocate_bits
+from horovod_alq.core.auto_bits import AUTO_WIDTHS, AutoBits
 from scripts.common.auto_bits import (auto_error, auto_refit, best_allocation, bucket_auto_error, bucket_error_matrix,
                                      quantized_tensors, refit_from)
 from scripts.common.cnn import Net, load_digits
@@ -439,7 +440,7 @@ def auto_report(record: dict) -> str:
     lines = [f"Command: `python -m scripts.study.variance {' '.join(record['argv'] or [])}` "
              f"({record['wall_seconds']:.0f} s, of which refits {record['refit_seconds']:.0f} s; {len(it)} "
              f"measurements, iterations 0..{it[-1]}).", "",
-             "The compressors' `bits=\"auto\"` (`horovod_alq.core.allocation.AutoBits`: at each refit, widths 2..8 "
+             "The compressors' `bits=\"auto\"` (`horovod_alq.core.auto_bits.AutoBits`: at each refit, widths 2..8 "
              "per tensor allocated from the exact errors with the previous levels under the budget, then the levels "
              "of each width in use refitted from its tensors; before the first refit every tensor at the widest "
              "width within the budget) against uniform 3 bits of the same method and norm (levels refitted from "

@@ -17,7 +17,7 @@ level set per width fitted on the same schedule from all tensors' statistics): a
 the allocation minimizing the step's total variance under the budget, computed from that
 iteration's gradient and kept until the next refit ("stale", what a compressor would do), and,
 for comparison, the allocation recomputed at every measurement ("oracle"); both against uniform
-3 bits of the same method. The compressors' ``bits="auto"`` (horovod_alq.core.allocation.AutoBits,
+3 bits of the same method. The compressors' ``bits="auto"`` (horovod_alq.core.auto_bits.AutoBits,
 the same refits) is measured beside them.
 
 Layer types: embedding (token and position tables), attention (qkv and output projections), MLP,
@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from horovod_alq.core import Quantizer
-from horovod_alq.core.allocation import AutoBits, allocate_bits
+from horovod_alq.core.allocation import allocate_bits
+from horovod_alq.core.auto_bits import AutoBits
 from scripts.common.auto_bits import (auto_error, auto_refit, bucket_auto_error, error_matrix, exact_error, quantized_tensors,
                                      refit_from)
 from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch

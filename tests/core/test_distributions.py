@@ -9,9 +9,9 @@ from scipy import integrate, stats
 from horovod_alq.core.distributions import (
     SIGMA_MIN,
     GridDistribution,
+    GridStack,
     NormWeightedMixture,
     TruncatedNormal,
-    _GridStack,
 )
 
 # (mu, sigma) where scipy's truncnorm is itself accurate.
@@ -221,7 +221,7 @@ def test_ppf_cdf_round_trip(mu, log_sigma, q):
 
 
 def test_grid_stack_is_its_distributions_side_by_side():
-    """_GridStack (the ALQ fits of several widths at once, the errors of bits="auto"): moments and
+    """GridStack (the ALQ fits of several widths at once, the errors of bits="auto"): moments and
     inverse CDF of distribution ``which`` are exactly each GridDistribution's, built from the
     distributions or straight from cumulative weights, for ties with grid CDF values, flat
     stretches, 0, 1 and NaN."""
@@ -236,7 +236,7 @@ def test_grid_stack_is_its_distributions_side_by_side():
     q[:40], q[40:80], q[80:90] = 0.0, 1.0, np.nan
     q[90:600] = np.stack([d.cdf_values for d in dists])[which[90:600], rng.integers(0, grid.size, 510)]
     x = rng.uniform(-1.2, 1.2, 3000)
-    for stack in (_GridStack(dists), _GridStack.from_cumulative(grid, weights)):
+    for stack in (GridStack(dists), GridStack.from_cumulative(grid, weights)):
         want_ppf = np.choose(which, [d._ppf_raw(np.minimum(np.maximum(q, 0), 1)) for d in dists])
         np.testing.assert_array_equal(stack._ppf_raw(q, which), want_ppf)
         want_m = np.stack([np.choose(which, [d._mpdf(x)[k] for d in dists]) for k in range(4)])

@@ -490,7 +490,7 @@ def list_unbiased(comm, bits, exchange: str, reps: int, bits_per: str = "tensor"
 def auto_collection(comm) -> dict:
     """What collecting calls record with bits="auto" (rows added for the same arrays, replaced by
     others), which calls use the allocation, and adapt() with nothing recorded."""
-    from horovod_alq.core.allocation import AutoBits
+    from horovod_alq.core.auto_bits import AutoBits
 
     world = MPI.COMM_WORLD.Get_rank()
     fresh = AutoBits("alq", 2.5, AUTO_BUCKET)  # the initial levels of every width: the rows' reference

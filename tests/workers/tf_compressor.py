@@ -708,7 +708,7 @@ def auto(args) -> dict:
     core makes from every rank's data; the bytes each round puts on the wire; the deviations from the
     true sum (unbiasedness); a state_dict round trip. Then training through DistributedGradientTape
     at budget 2.5, and ranks that differ in budget or allocation (every rank must refuse)."""
-    from horovod_alq.core.allocation import AutoBits
+    from horovod_alq.core.auto_bits import AutoBits
     from horovod_alq.core.protocol import shape_hash
     from horovod_alq.core.wire import payload_size
 
