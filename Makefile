@@ -12,7 +12,11 @@ PYTEST_ARGS ?=
 install:
 	bash scripts/install/install.sh
 
+# The compiled CPU codec must load (its tests would otherwise skip and the compressors run on the
+# slower torch kernels): scripts/install/check_codec.py fails the target, naming the codec and why,
+# unless HOROVOD_ALQ_ALLOW_TORCH_CODEC=1 accepts the fallback.
 test: install
+	$(PY) scripts/install/check_codec.py
 	$(PY) -m pytest tests --durations=20 $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml: docs/ and the API reference from the docstrings) into

@@ -32,6 +32,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from horovod_alq.torch import codecs
+from horovod_alq.torch.codecs import cpu_build
 from scripts.common.cnn import Net, load_digits
 from scripts.common.demo import (QUANTIZED, make_compressor, parse_args, report, result, selected_methods,
                                  split_exchange, split_norm, width_keywords)
@@ -121,6 +123,8 @@ def train(method, args, data, model, plain_model, optimizer, compressor, rank: i
     shard_x, shard_y = train_x[rank::size], train_y[rank::size]
     steps_per_epoch = len(shard_x) // args.batch_size
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    if rank == 0 and method in QUANTIZED:  # what codec="auto" runs on these CPU tensors, and why
+        print(f"{method}: codec '{codecs.resolve('auto', 'cpu').name}' ({cpu_build.status()})", flush=True)
     progress = None
     if rank == 0 and not args.quiet:
         from tqdm import tqdm
