@@ -77,8 +77,10 @@ class Settings:
     exchange: str = "auto"
     """How codes travel: ``"allgather"`` (every rank gathers every rank's codes, ``(N-1)(b + 32/d)``
     bits received per coordinate, one quantization), ``"two-phase"`` (scatter-reduce, re-quantize the
-    sums, allgather: about ``2(N-1)/N (b + 32/d)`` bits, a second quantization), ``"auto"``:
-    two-phase from 4 ranks on."""
+    sums, allgather: about ``2(N-1)/N (b + 32/d)`` bits, a second quantization), ``"hierarchical"``
+    (nodes of consecutive ranks: exact sums inside a node, only the node sums' codes between nodes;
+    nodes from ``$HOROVOD_ALQ_LOCAL_SIZE`` or the launcher), ``"auto"``: hierarchical when the ranks
+    span several nodes of several ranks, else two-phase from 4 ranks on, else allgather."""
 
     bits_second: int | None = None
     """Bits of the two-phase exchange's second quantization; None: ``bits``."""
@@ -240,7 +242,8 @@ NOT_SERVED: dict[str, dict[str, str]] = {
     },
     "FSDP2": {
         "bits_per": "a reduce-scatter shard has no per-bucket mixed-width codec yet",
-        "exchange": "FSDP2 reduce-scatters: each rank receives the codes of its own shard only",
+        "exchange": "FSDP2 reduce-scatters: each rank receives the codes of its own shard only (a node-aware "
+                    "reduce-scatter is not written yet)",
         "bits_second": "the reduce-scatter quantizes once",
         "adapt_second": "the reduce-scatter quantizes once",
         "fusion_bytes": "FSDP2's own reduce-scatter input is the buffer",

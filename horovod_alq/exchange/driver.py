@@ -54,4 +54,6 @@ def run(job: Job, steps: Callable[[Job, int], Steps], started: dict[int, Started
         job.encoded += b.job.encoded
         if b.job.second_statistics is not None:
             job.add_second_statistics(b.job.second_statistics)
+        if b.job.first_statistics is not None:
+            job.add_first_statistics(b.job.first_statistics)
     return Decoded(job.ops, job.layout.length, pieces)

@@ -41,7 +41,7 @@ from ..core.protocol import (PREFIX, REFIT_FIELDS, STREAM_FIELDS, CollectiveTime
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
-from . import allgather, recovery, reduce_scatter, two_phase
+from . import allgather, hierarchical, recovery, reduce_scatter, two_phase
 from .driver import run, Started
 from .interfaces import TensorOps, Transport
 from .job import auto_rows, Decoded, issue, Job
@@ -49,10 +49,12 @@ from .layout import plan_layout
 from .stream import StreamedRound
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
-EXCHANGES = {allgather.NAME: allgather, two_phase.NAME: two_phase}
+EXCHANGES = {allgather.NAME: allgather, two_phase.NAME: two_phase, hierarchical.NAME: hierarchical}
 EXCHANGE_CHOICES = (*EXCHANGES, "auto")
-#: The exchanges of streamed rounds: also the reduce-scatter (FSDP2), whose result is one shard.
-STREAMED = {**EXCHANGES, reduce_scatter.NAME: reduce_scatter}
+#: The exchanges of streamed rounds: also the reduce-scatter (FSDP2), whose result is one shard (the
+#: order numbers them in the handshake).
+STREAMED = {allgather.NAME: allgather, two_phase.NAME: two_phase, reduce_scatter.NAME: reduce_scatter,
+            hierarchical.NAME: hierarchical}
 #: Fusion buffers hold this many bytes of float32 gradient by default (``fusion_bytes=``,
 #: ``HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per tensor).
 DEFAULT_FUSION_BYTES = 64 << 20
@@ -83,11 +85,20 @@ def check_exchange(exchange: str) -> str:
     return exchange
 
 
-def choose_exchange(exchange: str, size: int) -> str:
-    """The exchange in use for ``size`` ranks: ``auto`` is two-phase from :data:`TWO_PHASE_FROM` ranks on."""
+def choose_exchange(exchange: str, size: int, local_size: int | None = None) -> str:
+    """The exchange in use for ``size`` ranks in nodes of ``local_size`` (None: one node): ``auto`` is
+    the hierarchical exchange when the ranks span several nodes of several ranks, else two-phase
+    from :data:`TWO_PHASE_FROM` ranks on, else allgather."""
     if exchange != "auto":
         return exchange
+    if local_size is not None and 1 < local_size < size:
+        return hierarchical.NAME
     return two_phase.NAME if size >= TWO_PHASE_FROM else allgather.NAME
+
+
+def exchange_for(exchange: str, transport: Transport) -> str:
+    """:func:`choose_exchange` for ``transport``'s ranks and nodes."""
+    return choose_exchange(exchange, transport.size, hierarchical.local_size(transport))
 
 
 @dataclass(eq=False)
@@ -217,10 +228,12 @@ class Engine:
         buffers of the same round layout are their results used (:meth:`_run_round`)."""
         q, st = self.quantizer, self.state
         epoch, i, base, rank = st.step, len(rnd.early), self.seed, transport.rank
-        exchange = choose_exchange(self.exchange, transport.size)
+        exchange = exchange_for(self.exchange, transport)
         job = Job([e.flat for e in entries], plan_layout([e.numel for e in entries], q.bucket_size, None), ops,
                   transport, q, st.second, seed=lambda *keys: derive_seed(base, rank, epoch, i, *keys[1:]),
                   name=self._early_name(epoch, i), collect_second=self._collects(exchange)[1],
+                  collect_first=self._collects(exchange)[0] and getattr(EXCHANGES[exchange], "OWN_FIRST_STATISTICS",
+                                                                        False),
                   widths=self._early_widths(rnd, entries))
         steps = EXCHANGES[exchange].steps(job, 0)
         rnd.early.append(Started(job, steps, job.issue(next(steps)), offset))
@@ -282,10 +295,11 @@ class Engine:
         return out, info.scale
 
     # ------------------------------------------------------------------ the round
-    def _settings(self, exchange: str, epoch: int, collecting: bool) -> dict:
-        """The handshake fields every rank must share: settings, levels, round number, refit flag."""
+    def _settings(self, exchange: str, epoch: int, collecting: bool, transport: Transport) -> dict:
+        """The handshake fields every rank must share: settings, levels, round number, refit flag,
+        and the node layout (ranks per node)."""
         q, st, auto = self.quantizer, self.state, self.state.auto
-        return dict(method=get_method(q.method).id, bits=0 if auto else q.bits,
+        return dict(method=get_method(q.method).id, bits=0 if auto else q.bits, local_size=hierarchical.local_size(transport),
                     budget=round(1000 * auto.budget) if auto else 0, bucket_size=q.bucket_size,
                     norm=("l2", "linf").index(q.norm), exchange=list(STREAMED).index(exchange),
                     fusion_bytes=self.fusion_bytes, bits_second=0 if auto else st.second.bits,
@@ -325,7 +339,7 @@ class Engine:
         q, st = self.quantizer, self.state
         transport = stages[0]
         epoch = st.step
-        exchange = choose_exchange(self.exchange, transport.size) if exchange is None else exchange
+        exchange = exchange_for(self.exchange, transport) if exchange is None else exchange
         if exchange not in STREAMED:
             raise ValueError(f"{PREFIX}: a streamed round's exchange is one of {', '.join(STREAMED)}, "
                              f"not {exchange!r}")
@@ -341,7 +355,7 @@ class Engine:
         refit = collect is None and (collect_first or collect_second)
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
         vec = handshake_vector(fields=STREAM_FIELDS, error=int(error is not None), min_size=int(min_size),
-                               elements=int(elements), order=int(order), **self._settings(exchange, epoch, refit))
+                               elements=int(elements), order=int(order), **self._settings(exchange, epoch, refit, transport))
         read_handshake(transport.allreduce_max(vec, f"{prefix}.handshake"), error, fields=STREAM_FIELDS)
         st.step += 1
         st.exchange = exchange
@@ -352,13 +366,13 @@ class Engine:
         q, st = self.quantizer, self.state
         live = rnd.live()
         epoch = st.step
-        exchange = choose_exchange(self.exchange, transport.size)
+        exchange = exchange_for(self.exchange, transport)
         collect_first, collect_second = self._collects(exchange)
         collecting = collect_first or collect_second
         order = tuple((e.numel, e.shape_code) for e in live)
         fields = dict(
             error=int(local_error is not None or any(e.error is not None for e in live)),
-            **self._settings(exchange, epoch, collecting), tensors=len(live),
+            **self._settings(exchange, epoch, collecting, transport), tensors=len(live),
             elements=sum(e.numel for e in live), contents=stable_hash(tuple(sorted(order))),
             order=stable_hash(order), early=len(rnd.early), early_ok=int(len(live) == len(rnd.entries)))
         own = local_error or next((e.error for e in live if e.error), None)
@@ -391,6 +405,7 @@ class Engine:
                   seed=lambda *keys: derive_seed(self.seed, transport.rank, epoch, *keys),
                   name=lambda tag: f"{prefix}.{tag}",
                   collect_second=collect_second,
+                  collect_first=collect_first and getattr(EXCHANGES[exchange], "OWN_FIRST_STATISTICS", False),
                   stream_buffer=lambda n: self._kept_buffer(rnd, "stream", n, ops),
                   widths=widths if ordered else None)
         st.coordinates += sum(e.numel for e in live)
@@ -466,7 +481,9 @@ class Engine:
         """One allreduce of the round's statistics (both quantizers'), then every rank refits alike."""
         k = statistics_length(get_method(job.first.method))
         first = second = None
-        if collect_first:
+        if job.collect_first:  # the exchange collected the statistics of what it quantized
+            first = np.zeros(k) if job.first_statistics is None else job.first_statistics
+        elif collect_first:
             first = sum((job.ops.statistics(job.stream[lo:hi], job.first) for lo, hi in job.layout.buffers),
                         np.zeros(k))
         if job.collect_second:
@@ -523,7 +540,7 @@ class Engine:
         restores its previous state and raises :class:`RefitError`. Returns whether levels changed.
         """
         q, st, auto = self.quantizer, self.state, self.state.auto
-        exchange = choose_exchange(self.exchange, transport.size)
+        exchange = exchange_for(self.exchange, transport)
         prefix = f"{PREFIX}.{self.uid}.{st.step}.refit"
         recorded = stable_hash(tuple(map(tuple, keys))) if auto is not None and len(keys) else 0
         self._agree(transport, f"{prefix}.handshake", exchange, error, recorded)
@@ -575,7 +592,7 @@ class Engine:
 
     def _agree(self, transport: Transport, name: str, exchange: str, error: str | None, recorded: int = 0) -> None:
         vec = handshake_vector(fields=REFIT_FIELDS, error=int(error is not None), recorded=recorded,
-                               **self._settings(exchange, self.state.step, True))
+                               **self._settings(exchange, self.state.step, True, transport))
         read_handshake(transport.allreduce_max(vec, name), error, fields=REFIT_FIELDS)
 
 

@@ -19,6 +19,7 @@ class Transport(Protocol):
 
     rank: int
     size: int
+    local_size: int  # ranks per node: nodes are runs of this many consecutive ranks (size: one node)
 
     def allgather(self, payload: Tensor, sizes: Sequence[int], name: str) -> Callable[[], Tensor]:
         """Start gathering every rank's uint8 ``payload`` (rank ``r`` sends ``sizes[r]`` bytes);
@@ -40,7 +41,7 @@ class SingleRank:
     """The :class:`Transport` of a set of one rank: every collective returns this rank's input
     (single-process runs: benchmarks, tests of the round logic)."""
 
-    rank, size = 0, 1
+    rank, size, local_size = 0, 1, 1
 
     def allgather(self, payload, sizes, name):
         return lambda: payload
@@ -93,6 +94,12 @@ class TensorOps(Protocol):
 
     def cat(self, parts: Sequence[Tensor]) -> Tensor:
         """Concatenate uint8 vectors."""
+
+    def as_bytes(self, x: Tensor) -> Tensor:
+        """The float32 vector ``x`` as a uint8 vector of its bytes (a view where the framework can)."""
+
+    def from_bytes(self, b: Tensor) -> Tensor:
+        """A uint8 vector of float32 bytes as a float32 vector (a view where the framework can)."""
 
     def to_numpy(self, x: Tensor) -> np.ndarray:
         """A host copy (NumPy)."""

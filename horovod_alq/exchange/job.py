@@ -82,12 +82,14 @@ class Job:
     seed: Callable[..., int]
     name: Callable[[str], str]
     collect_second: bool = False
+    collect_first: bool = False  # an exchange that quantizes other values than the stream collects their statistics
     stream_buffer: Callable[[int], Tensor] | None = None
     widths: Sequence[Quantizer] | None = None  # bits="auto": each tensor's quantizer (both phases)
     sent: int = 0
     received: int = 0
     encoded: int = 0  # bytes of this rank's own (first-phase) payloads
     second_statistics: np.ndarray | None = None  # the owners' statistics of their reduced shards
+    first_statistics: np.ndarray | None = None  # with collect_first: the statistics of what it quantized
     _stream: Tensor | None = None
     _frozen: dict = field(default_factory=dict)
 
@@ -156,6 +158,9 @@ class Job:
         runs = self.segments(lo, hi)
         payloads = [self.encode_range(a, b, q1, seed(k)) for k, (a, b, q1, _) in enumerate(runs)]
         return joined(self.ops, payloads), runs
+
+    def add_first_statistics(self, stats: np.ndarray) -> None:
+        self.first_statistics = stats if self.first_statistics is None else self.first_statistics + stats
 
     def add_second_statistics(self, stats: np.ndarray) -> None:
         self.second_statistics = stats if self.second_statistics is None else self.second_statistics + stats

@@ -68,6 +68,12 @@ class NumpyOps:
     def cat(self, parts):
         return np.concatenate(list(parts))
 
+    def as_bytes(self, x):
+        return np.ascontiguousarray(x, dtype=np.float32).view(np.uint8)
+
+    def from_bytes(self, b):
+        return np.ascontiguousarray(b, dtype=np.uint8).view(np.float32)
+
     def to_numpy(self, x):
         return x
 

@@ -50,7 +50,7 @@ class StreamedRound:
     def __init__(self, engine, ops: TensorOps, stages: Sequence[Transport], module, *, epoch: int,
                  prefix: str, collect_first: bool, collect_second: bool, refit: bool = True) -> None:
         self.engine, self.ops, self.stages = engine, ops, list(stages)
-        self.steps, self.epoch, self.prefix = module.steps, epoch, prefix
+        self.module, self.steps, self.epoch, self.prefix = module, module.steps, epoch, prefix
         self.span = getattr(module, "span", _whole)  # what of a buffer's stream the exchange leaves here
         self.collect_first, self.collect_second, self.refit = collect_first, collect_second, refit
         q = engine.quantizer
@@ -90,11 +90,12 @@ class StreamedRound:
         widths = None
         if st.auto is not None:
             parts, layout, widths = self._auto_layout(parts, layout, tensors, whole)
+        own_stats = getattr(self.module, "OWN_FIRST_STATISTICS", False)  # it quantizes other values than these
         job = Job(parts, layout, self.ops, t, q, st.second,
                   seed=lambda *keys: derive_seed(base, rank, epoch, _STREAM_KEY, index, *keys),
                   name=lambda tag: f"{self.prefix}.b{index}.{tag}", collect_second=self.collect_second,
-                  widths=widths)
-        if self.collect_first and st.auto is None:  # a list's tensors one by one, as if alone (not the padding)
+                  collect_first=self.collect_first and own_stats and st.auto is None, widths=widths)
+        if self.collect_first and st.auto is None and not own_stats:  # a list's tensors one by one, as if alone
             views = [job.stream] if len(parts) == 1 else [job.stream[a: a + n] for a, n in zip(layout.starts, sizes)]
             self._first_stats = self._first_stats + sum(self.ops.statistics(v, q) for v in views)
         buf = _Buffer(index, job, self.steps(job, 0), on_done)
@@ -218,6 +219,8 @@ class StreamedRound:
             st.payload_bytes += job.encoded
             if job.second_statistics is not None:
                 self._second_stats = self._second_stats + job.second_statistics
+            if job.first_statistics is not None:
+                self._first_stats = self._first_stats + job.first_statistics
         try:
             buf.on_done(decoded, error)
         except BaseException as exc:  # noqa: BLE001

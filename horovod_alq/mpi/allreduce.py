@@ -81,7 +81,7 @@ class QuantizedAllreduce(frontends.Configured):
         self._stats_length = statistics_length(self._method)
         self._pending = Pending(self._state.auto is not None)  # recorded for the next adapt()
         self._transport = MpiTransport(comm, s.timeout)
-        self._stages = [self._transport] * 2  # MPI pairs by call order: one transport for every stage
+        self._stages = [self._transport] * 3  # MPI pairs by call order: one transport for every stage
         self._ops = NumpyOps()
         self._engine = setup.engine(uid="mpi", fusion_bytes=0, early=False)
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from mpi4py import MPI
 
 from ..core.protocol import resolve_timeout, wait_for
+from ..exchange.hierarchical import local_size_from_env
 
 
 class MpiTransport:
@@ -19,6 +22,7 @@ class MpiTransport:
         self.size = comm.Get_size()
         self.scope = f"communicator {comm.Get_name() or 'of ' + str(self.size) + ' ranks'}"
         self.timeout = resolve_timeout(timeout)
+        self.local_size = _local_size(comm, self.rank, self.size)
 
     @staticmethod
     def _displacements(counts) -> list[int]:
@@ -53,3 +57,23 @@ class MpiTransport:
 
     def allreduce_max(self, vec, name):
         return self._allreduce(vec, np.int64, MPI.MAX, name)
+
+
+def _local_size(comm, rank: int, size: int) -> int:
+    """Ranks per node of ``comm``: ``$HOROVOD_ALQ_LOCAL_SIZE``, else for the world communicator
+    the launcher's node layout (Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH's
+    ``MPI_LOCALNRANKS``) when nodes are runs of consecutive ranks, else ``size`` (one node). Read
+    from the environment, not with a collective (``Split_type``), so that nothing here can wait."""
+    declared = local_size_from_env(size)
+    if declared is not None:
+        return declared
+    if comm.Compare(MPI.COMM_WORLD) not in (MPI.IDENT, MPI.CONGRUENT):
+        return size
+    for g_name, r_name in (("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+                           ("MPI_LOCALNRANKS", "MPI_LOCALRANKID")):
+        try:
+            g, local = int(os.environ[g_name]), int(os.environ[r_name])
+        except (KeyError, ValueError):
+            continue
+        return g if 0 < g <= size and size % g == 0 and local == rank % g else size
+    return size

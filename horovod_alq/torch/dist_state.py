@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..core.protocol import PREFIX, resolve_timeout
-from ..exchange.engine import choose_exchange
+from ..exchange.engine import STREAMED, exchange_for
 from ..settings import Settings, configure
 from . import codecs
 from .dist_transport import DistTransport, companion_group
@@ -108,14 +108,16 @@ class StreamedState:
 
     def _stages(self, group=None, exchange: str | None = None) -> list[DistTransport]:
         """The transports of a streamed round over ``group`` (default: ``process_group``): the
-        group, then (two-phase) its companion group."""
+        group, then one companion group per further collective of a buffer (two-phase: 1,
+        hierarchical: 2)."""
         group = self.process_group if group is None else group
         stages = self._transports.setdefault(group, [])
         if not stages:
             stages.append(DistTransport(group, timeout=self.timeout))
-        exchange = exchange or choose_exchange(self.exchange, stages[0].size)
-        if exchange == "two-phase" and len(stages) < 2:
-            stages.append(DistTransport(companion_group(group), timeout=self.timeout))
+        exchange = exchange or exchange_for(self.exchange, stages[0])
+        while len(stages) < STREAMED[exchange].STAGES:
+            stages.append(DistTransport(companion_group(group, len(stages)), timeout=self.timeout,
+                                        local_size=stages[0].local_size))
         return stages
 
     @property

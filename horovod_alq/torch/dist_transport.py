@@ -20,6 +20,7 @@ process aborts at exit ("terminate called without an active exception").
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 from typing import Callable, Sequence
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.protocol import resolve_timeout, timeout_error, wait_for
+from ..exchange.hierarchical import local_size_from_env
 
 
 #: ``all_gather_into_tensor`` is called ``all_gather_single`` from PyTorch 2.13 on (the old name warns).
@@ -47,10 +49,14 @@ class DistTransport:
     timeout : float, optional
         Seconds a wait for one of its collectives may take before it raises
         (:func:`horovod_alq.core.protocol.resolve_timeout`: default ``$HOROVOD_ALQ_TIMEOUT`` or 300).
+    local_size : int, optional
+        Ranks per node (nodes are runs of consecutive ranks of the group). Default:
+        ``$HOROVOD_ALQ_LOCAL_SIZE``, else torchrun's ``LOCAL_WORLD_SIZE`` for the world group when
+        ``LOCAL_RANK`` is this rank's place in its run, else the group's size (one node).
     """
 
     def __init__(self, process_group=None, device: torch.device | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, local_size: int | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("horovod_alq: torch.distributed is not initialized; call "
                                "dist.init_process_group() first (torchrun sets the environment)")
@@ -66,6 +72,7 @@ class DistTransport:
         self.device = torch.device(device)
         self.scope = f"process group {dist.get_process_group_ranks(process_group or dist.group.WORLD)}"
         self.timeout = resolve_timeout(timeout)
+        self.local_size = _local_size(process_group, self.rank, self.size) if local_size is None else int(local_size)
 
     def wait(self, work, name: str) -> None:
         """Wait for ``work`` (bounded by the timeout), raising its error if it failed."""
@@ -197,14 +204,28 @@ def on_completion(work, callback: Callable) -> None:
 _COMPANIONS: dict[tuple[int, ...], object] = {}
 
 
-def companion_group(process_group=None):
-    """A second process group with the members of ``process_group`` (made once per member set,
-    by every member on first use, at the same point of their programs): its collectives pair
-    apart from the group's own, so collectives issued from completion callbacks keep one order."""
+def companion_group(process_group=None, index: int = 1):
+    """The ``index``-th other process group with the members of ``process_group`` (made once per
+    member set and index, by every member on first use, at the same point of their programs): its
+    collectives pair apart from the group's own, so collectives issued from completion callbacks
+    keep one order (an exchange's stage ``k`` runs on companion ``k``)."""
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
-    if ranks not in _COMPANIONS:
-        _COMPANIONS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _COMPANIONS[ranks]
+    if (ranks, index) not in _COMPANIONS:
+        _COMPANIONS[ranks, index] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _COMPANIONS[ranks, index]
+
+
+def _local_size(process_group, rank: int, size: int) -> int:
+    """The ranks per node of a group (see :class:`DistTransport`)."""
+    declared = local_size_from_env(size)
+    if declared is not None:
+        return declared
+    world = process_group is None or process_group == dist.group.WORLD
+    try:
+        g, local = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    except (KeyError, ValueError):
+        return size
+    return g if world and 0 < g <= size and size % g == 0 and local == rank % g else size
 
 
 class SettleOnce:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..core.protocol import resolve_timeout, wait_for
+from ..exchange.hierarchical import local_size_from_env
 
 
 def hvd():
@@ -38,6 +39,7 @@ class HorovodTransport:
         ranks = self.process_set.ranks
         self.scope = "global process set" if ranks is None else f"process set {list(ranks)}"
         self.timeout = resolve_timeout(timeout)
+        self.local_size = _local_size(h, ranks, self.rank, self.size)
 
     def _wait(self, handle, name: str):
         wait_for(lambda: hvd().poll(handle), self.timeout, name, self.scope)
@@ -70,3 +72,16 @@ class HorovodTransport:
         t = torch.from_numpy(np.ascontiguousarray(vec, dtype=dtype))
         handle = hvd().allreduce_async(t, op=op, name=name, process_set=self.process_set)
         return self._wait(handle, name).numpy()
+
+
+def _local_size(h, ranks, rank: int, size: int) -> int:
+    """Ranks per node of a process set: ``$HOROVOD_ALQ_LOCAL_SIZE``, else Horovod's
+    ``local_size()`` for the global set when nodes are runs of consecutive ranks of that size (this
+    rank's ``local_rank()`` is its place in its run), else the set's size (one node)."""
+    declared = local_size_from_env(size)
+    if declared is not None:
+        return declared
+    g = int(h.local_size())
+    if ranks is None and 0 < g <= size and size % g == 0 and int(h.local_rank()) == rank % g:
+        return g
+    return size

@@ -124,6 +124,12 @@ class TorchOps:
     def cat(self, parts) -> torch.Tensor:
         return torch.cat(list(parts)) if len(parts) > 1 else parts[0]
 
+    def as_bytes(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float32).contiguous().view(torch.uint8)
+
+    def from_bytes(self, b: torch.Tensor) -> torch.Tensor:
+        return b.contiguous().view(torch.float32)
+
     def to_numpy(self, x: torch.Tensor) -> np.ndarray:
         return x.detach().cpu().numpy()
 

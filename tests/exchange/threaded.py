@@ -20,8 +20,9 @@ def _cat(parts):
 class Hub:
     """Where the ranks' contributions meet, by collective name."""
 
-    def __init__(self, size: int, timeout: float = 20.0) -> None:
+    def __init__(self, size: int, timeout: float = 20.0, local_size: int | None = None) -> None:
         self.size, self.timeout = size, timeout
+        self.local_size = size if local_size is None else local_size  # ranks per node (consecutive ranks)
         self._cond = threading.Condition()
         self._got: dict[str, dict[int, object]] = {}
 
@@ -58,13 +59,21 @@ class Hub:
 class ThreadTransport:
     def __init__(self, hub: Hub, rank: int) -> None:
         self.hub, self.rank, self.size = hub, rank, hub.size
+        self.local_size = hub.local_size
+        self.sent_to: dict[int, int] = {}  # bytes this rank's alltoalls and allgathers sent to each other rank
 
     def allgather(self, payload, sizes, name):
+        for r in range(self.size):
+            if r != self.rank:
+                self.sent_to[r] = self.sent_to.get(r, 0) + int(sizes[self.rank])
         self.hub.put(name, self.rank, payload)
         return lambda: _cat(self.hub.get(name))
 
     def alltoall(self, payload, splits, received, name):
         bounds = np.concatenate([[0], np.cumsum(splits)]).astype(int)
+        for r in range(self.size):
+            if r != self.rank:
+                self.sent_to[r] = self.sent_to.get(r, 0) + int(splits[r])
         self.hub.put(name, self.rank, [payload[bounds[j]: bounds[j + 1]] for j in range(self.size)])
         return lambda: _cat([pieces[self.rank] for pieces in self.hub.get(name)])
 

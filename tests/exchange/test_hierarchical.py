@@ -1,0 +1,181 @@
+"""The hierarchical exchange on threads standing for ranks in nodes: identical results, unbiased,
+only codes between nodes (and 1/G of the flat allgather's bytes), levels fitted to the node sums,
+a node layout that differs between ranks refused on every rank."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from helpers import assert_zero_mean
+from horovod_alq.core.protocol import ProtocolError
+from horovod_alq.core.quantizer import Quantizer
+from horovod_alq.exchange import hierarchical
+from horovod_alq.exchange.engine import choose_exchange
+from horovod_alq.exchange.layout import plan_layout
+from horovod_alq.exchange.numpy_ops import NumpyOps
+from horovod_alq.settings import Settings, configure
+from threaded import Hub, ThreadTransport
+
+D = 64
+SIZES = (700, 300, 90)  # elements of the round's tensors
+
+
+def _grads(step: int, rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(1000 * step + rank)
+    return [(rng.standard_normal(n) * (1 + rank)).astype(np.float32) for n in SIZES]
+
+
+def _round(engines, transports, tensors, tag):
+    """One round on every rank through ``transports`` (kept: they count the bytes they send)."""
+    ops = NumpyOps()
+
+    def rank(r):
+        t = transports[r]
+        entries = [engines[r].add(x, x.size, x.shape, "float32", t) for x in tensors[r]]
+        reduced = [t.allreduce_sum(v, f"{tag}.control{k}") for k, (_, v) in enumerate(entries)]
+        return [engines[r].finish(e, v, ops, t)[0] * 1 for (e, _), v in zip(entries, reduced)]
+
+    with ThreadPoolExecutor(len(engines)) as pool:
+        futures = [pool.submit(rank, r) for r in range(len(engines))]
+        return [f.exception() or f.result() for f in futures]
+
+
+def _setups(n, seed=3, **kw):
+    kw = {"bits": 3, "update_steps": (0,), "update_every": 0, "exchange": "hierarchical", **kw}
+    return [configure(Settings("alq", bucket_size=D, seed=seed, **kw)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n, g", [(4, 2), (6, 3), (4, 4), (4, 1)])
+def test_every_rank_gets_the_same_sum(n, g):
+    setups = _setups(n)
+    engines = [s.engine(uid="h") for s in setups]
+    hub = Hub(n, local_size=g)
+    xs = [_grads(0, r) for r in range(n)]
+    out = _round(engines, hub.transports(), xs, "r0")
+    assert not any(isinstance(o, Exception) for o in out), out
+    for k in range(len(SIZES)):
+        assert all(np.array_equal(out[0][k], o[k]) for o in out), k
+        exact = sum(x[k] for x in xs)
+        err = np.linalg.norm(out[0][k] - exact) / np.linalg.norm(exact)
+        assert err < 0.6, err  # 3 bits: a rough estimate, not noise
+    assert setups[0].state.exchange == "hierarchical"
+
+
+def test_unbiased():
+    n, g, reps = 4, 2, 400
+    xs = [_grads(0, r) for r in range(n)]
+    exact = np.concatenate([sum(x[k] for x in xs) for k in range(len(SIZES))])
+    devs = []
+    for rep in range(reps):
+        engines = [s.engine(uid="h") for s in _setups(n, seed=rep, update_steps=())]
+        out = _round(engines, Hub(n, local_size=g).transports(), xs, f"u{rep}")
+        devs.append(np.concatenate(out[0]) - exact)
+    devs = np.asarray(devs)
+    # per bucket sums (the coordinates of one bucket share a norm), with Bonferroni over them
+    edges = np.arange(0, devs.shape[1], D)
+    assert_zero_mean(np.add.reduceat(devs, edges, axis=1))
+    assert_zero_mean(devs[:, :64])  # and coordinate by coordinate on a stretch
+
+
+def test_only_codes_cross_nodes_and_fewer_than_flat():
+    n, g = 4, 2
+    xs = [_grads(0, r) for r in range(n)]
+    sent = {}
+    for exchange in ("hierarchical", "allgather"):
+        engines = [s.engine(uid="h") for s in _setups(n, exchange=exchange, update_steps=())]
+        transports = Hub(n, local_size=g).transports()
+        out = _round(engines, transports, xs, exchange)
+        assert not any(isinstance(o, Exception) for o in out), out
+        sent[exchange] = [sum(b for r, b in t.sent_to.items() if r // g != t.rank // g) for t in transports]
+    elements = plan_layout(list(SIZES), D, None).length  # the round's stream, tensors on bucket boundaries
+    flat_payload = Quantizer("alq", 3, D).payload_bytes(elements)
+    # between nodes: (nodes - 1) payloads of about 1/G of the round per rank; the allgather sends its
+    # payload to the n - g ranks of the other nodes
+    assert all(s == (n - g) * flat_payload for s in sent["allgather"]), sent
+    for s in sent["hierarchical"]:
+        assert s < 4 * elements / 8, s  # no float32 crossed: 3-bit codes are 3/32 of the floats
+        assert s <= 1.1 * flat_payload / g, (s, flat_payload)
+
+
+def test_levels_are_fitted_to_the_node_sums():
+    n, g = 4, 2
+    setups = _setups(n)
+    engines = [s.engine(uid="h") for s in setups]
+    xs = [_grads(0, r) for r in range(n)]
+    out = _round(engines, Hub(n, local_size=g).transports(), xs, "fit")  # round 0 refits
+    assert not any(isinstance(o, Exception) for o in out), out
+    levels = [s.quantizer.levels for s in setups]
+    assert all(np.array_equal(levels[0], lv) for lv in levels)
+    # the same fit from the statistics of the node sums, as the owners quantize them
+    ops, ref = NumpyOps(), Quantizer("alq", 3, D)
+    from horovod_alq.exchange.two_phase import shards
+
+    layout = plan_layout(list(SIZES), D, None)
+    stats = 0
+    for node in range(n // g):
+        stream = sum(ops.stream(xs[r], layout.starts, layout.length) for r in range(node * g, node * g + g))
+        for a, b in shards(0, layout.length, g, D):
+            stats = stats + ops.statistics(stream[a:b].astype(np.float32), ref)
+    ref.adapt(stats)
+    np.testing.assert_allclose(levels[0], ref.levels, rtol=0, atol=1e-12)
+    # and not the fit from the ranks' own gradients
+    own = Quantizer("alq", 3, D)
+    own.adapt(sum(ops.statistics(ops.stream(xs[r], layout.starts, layout.length), own) for r in range(n)))
+    assert not np.allclose(own.levels, ref.levels)
+
+
+def test_bits_auto_and_streamed_rounds():
+    n, g = 4, 2
+    setups = _setups(n, bits="auto", bit_budget=3.0)
+    engines = [s.engine(uid="h") for s in setups]
+    xs = [_grads(0, r) for r in range(n)]
+    for step in range(2):  # the refit round, then a round with the allocation's widths
+        out = _round(engines, Hub(n, local_size=g).transports(), xs, f"a{step}")
+        assert not any(isinstance(o, Exception) for o in out), out
+        assert all(np.array_equal(out[0][k], o[k]) for o in out for k in range(len(SIZES)))
+    # a streamed round (the DDP hook's and mpi4py's): three transports per buffer
+    engines = [s.engine(uid="s") for s in _setups(n, update_steps=())]
+    hub = Hub(n, local_size=g)
+
+    def rank(r):
+        t = ThreadTransport(hub, r)
+        rnd = engines[r].open_stream(NumpyOps(), [t] * 3, elements=int(sum(SIZES)))
+        got = {}
+        rnd.add([x for x in xs[r]], int(sum(SIZES)), lambda dec, err: got.update(dec=dec, err=err))
+        rnd.wait()
+        rnd.close()
+        assert got["err"] is None, got["err"]
+        return got["dec"].read(0, SIZES[0])
+
+    with ThreadPoolExecutor(n) as pool:
+        res = list(pool.map(rank, range(n)))
+    assert all(np.array_equal(res[0], x) for x in res)
+
+
+def test_a_rank_with_another_node_layout_raises_on_every_rank():
+    n = 4
+    engines = [s.engine(uid="h") for s in _setups(n)]
+    hub = Hub(n, local_size=2)
+    transports = hub.transports()
+    transports[3].local_size = 4  # this rank believes all ranks share one node
+    out = _round(engines, transports, [_grads(0, r) for r in range(n)], "bad")
+    assert all(isinstance(o, ProtocolError) and "node layouts" in str(o) for o in out), out
+
+
+def test_auto_picks_it_across_nodes_only():
+    assert choose_exchange("auto", 8, 4) == "hierarchical"
+    assert choose_exchange("auto", 8, 8) == "two-phase"  # one node
+    assert choose_exchange("auto", 8, 1) == "two-phase"  # a rank per node
+    assert choose_exchange("auto", 2, None) == "allgather"
+
+
+def test_local_size_from_the_environment(monkeypatch):
+    monkeypatch.setenv(hierarchical.LOCAL_SIZE_ENV, "2")
+    assert hierarchical.local_size_from_env(4) == 2
+    monkeypatch.setenv(hierarchical.LOCAL_SIZE_ENV, "3")
+    with pytest.raises(ValueError, match="does not divide the 4 ranks"):
+        hierarchical.local_size_from_env(4)
+    monkeypatch.setenv(hierarchical.LOCAL_SIZE_ENV, "two")
+    with pytest.raises(ValueError, match="whole number"):
+        hierarchical.local_size_from_env(4)

@@ -1,0 +1,132 @@
+"""Worker for tests/test_hierarchical_ranks.py: the hierarchical exchange on 4 ranks declared as 2
+nodes x 2 (HOROVOD_ALQ_LOCAL_SIZE=2), through one front-end (--front): mpi4py's QuantizedAllreduce,
+the Horovod PyTorch compressor (under mpirun) or the DDP hook (under torchrun). Reports the exchange
+in use, a digest of every rank's results, the t statistics of the results' deviations from the
+exact average over --reps rounds, and what a rank that declares another node layout gets."""
+
+import argparse
+import os
+
+import numpy as np
+
+from common import report
+from helpers import digest, t_stat
+
+N, D = 3000, 256
+
+
+def rank_input(rank: int) -> np.ndarray:
+    rng = np.random.default_rng(100 + rank)
+    return (rng.standard_normal(N) * (1 + rank) + 0.1 * rank).astype(np.float32)
+
+
+def summarize(outs: list[np.ndarray], exact: np.ndarray) -> dict:
+    """Deviations of each round's result from the exact average: t statistics of the bucket sums."""
+    dev = np.stack(outs).astype(np.float64) - exact
+    buckets = np.add.reduceat(dev, np.arange(0, N, D), axis=1)
+    t = t_stat(buckets)
+    return {"reps": len(outs), "buckets": buckets.shape[1], "t_buckets_max": float(np.abs(t).max()),
+            "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]), "digest": digest(*outs)}
+
+
+def run_mpi(args) -> dict:
+    from mpi4py import MPI
+
+    from horovod_alq.mpi import QuantizedAllreduce
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = rank_input(rank)
+    exact = comm.allreduce(x.astype(np.float64)) / size
+    ar = QuantizedAllreduce(comm, "alq", bits=args.bits, bucket_size=D, seed=5)
+    outs = [ar(x) for _ in range(args.reps)]
+    out = summarize(outs, exact)
+    out["exchange"] = ar.metrics()["exchange"]
+    out["sent"] = ar.metrics()["bytes_sent"]
+    if rank == size - 1:
+        os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)  # this rank declares one node of every rank
+    other = QuantizedAllreduce(comm, "alq", bits=args.bits, bucket_size=D, seed=5)
+    try:
+        other(x)
+        out["mismatch"] = None
+    except Exception as err:  # noqa: BLE001 - reported
+        out["mismatch"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def run_horovod(args) -> dict:
+    import horovod.torch as hvd
+    import torch
+
+    from horovod_alq.torch import ALQCompressor
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    x = torch.from_numpy(rank_input(rank))
+    exact = hvd.allreduce(x.double(), op=hvd.Average, name="exact").numpy()
+    comp = ALQCompressor(bits=args.bits, bucket_size=D, seed=5, update_steps=(0,), update_every=0)
+    outs = [hvd.allreduce(x, compression=comp, op=hvd.Average, name=f"h{k}").numpy() for k in range(args.reps)]
+    out = summarize(outs, exact)
+    out["exchange"] = comp.metrics()["exchange"]
+    out["levels"] = digest(comp.levels)
+    if rank == size - 1:
+        os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)
+    other = ALQCompressor(bits=args.bits, bucket_size=D, seed=5)
+    try:
+        hvd.allreduce(x, compression=other, op=hvd.Average, name="mismatch")
+        out["mismatch"] = None
+    except Exception as err:  # noqa: BLE001
+        out["mismatch"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def run_ddp(args) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from horovod_alq.torch.ddp import ALQState, alq_hook
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = torch.from_numpy(rank_input(rank))
+
+    def grads(state) -> list[np.ndarray]:
+        """The hook's average of the ranks' gradients of sum(w * x) (= x) over ``args.reps`` steps."""
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(N, 1, bias=False), bucket_cap_mb=1)
+        model.register_comm_hook(state, alq_hook)
+        out = []
+        for _ in range(args.reps):
+            model.zero_grad()
+            (model(x[None]).sum()).backward()
+            out.append(model.module.weight.grad[0].detach().numpy().copy())
+        return out
+
+    exact = x.double().clone()
+    dist.all_reduce(exact)
+    state = ALQState(bits=args.bits, bucket_size=D, seed=5, update_steps=(0,), update_every=0, min_size=0)
+    out = summarize(grads(state), (exact / size).numpy())
+    out["exchange"] = state.metrics()["exchange"]
+    if rank == size - 1:
+        os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)
+    try:
+        grads(ALQState(bits=args.bits, bucket_size=D, seed=5, min_size=0, timeout=60))
+        out["mismatch"] = None
+    except Exception as err:  # noqa: BLE001
+        out["mismatch"] = f"{type(err).__name__}: {err}"
+    dist.destroy_process_group()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--front", choices=("mpi", "horovod", "ddp"), required=True)
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=60)
+    args = parser.parse_args()
+    report({"mpi": run_mpi, "horovod": run_horovod, "ddp": run_ddp}[args.front](args))
+
+
+if __name__ == "__main__":
+    main()
