@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from scipy.stats import t as student
 
+from helpers import t_bound, t_stat
 from multiproc import run_ranks
 
 from horovod_alq.core.wire import payload_size
@@ -81,6 +82,12 @@ def expected_bytes(exchange: str, rank: int, n: int = N, size: int = SIZE, bits:
         parts = [payload_size(b - a, bits, bucket) for a, b in shards(0, n, size, bucket)]
         others = [p for j, p in enumerate(parts) if j != rank]
         return sum(others) + (size - 1) * parts[rank], (size - 1) * parts[rank] + sum(others)
+    if exchange == "hierarchical":  # SIZE ranks as one node: floats of the other shards out, codes forwarded
+        parts = shards(0, n, size, bucket)
+        floats = [4 * (b - a) for a, b in parts]
+        codes = [payload_size(b - a, bits, bucket) for a, b in parts]
+        return (sum(f for j, f in enumerate(floats) if j != rank) + (size - 1) * codes[rank],
+                (size - 1) * floats[rank] + sum(c for j, c in enumerate(codes) if j != rank))
     pytest.fail(f"no byte count for exchange {exchange!r}: add its wire traffic to expected_bytes() in "
                 f"{Path(__file__).name}")
 
@@ -127,7 +134,18 @@ def _run(launched, frontend, method, exchange):
     return infos, arrays[key]
 
 
-CASES = [pytest.param(f, e, id=f"{f}-{e}") for f in FRONTENDS for e in EXCHANGE_NAMES]
+#: (front-end, exchange) pairs a front-end refuses by design, and the words its error must contain.
+REFUSED = {("tf", "hierarchical"): "for the hierarchical exchange use the PyTorch compressors"}
+CASES = [pytest.param(f, e, id=f"{f}-{e}") for f in FRONTENDS for e in EXCHANGE_NAMES if (f, e) not in REFUSED]
+
+
+@pytest.mark.parametrize("frontend, exchange", list(REFUSED))
+def test_a_refused_exchange_says_what_to_use(launched, frontend, exchange):
+    reports, _ = launched(frontend)
+    for method in METHODS:
+        for rank, r in enumerate(reports):
+            error = r["runs"][f"{method}|{exchange}"].get("error")
+            assert error is not None and REFUSED[frontend, exchange] in error, (rank, method, error)
 
 
 def test_registry_is_covered():
@@ -163,11 +181,6 @@ def test_identical_on_both_ranks(launched, frontend, exchange):
         assert all(info["levels"] == infos[0]["levels"] for info in infos)
 
 
-def _t(samples: np.ndarray) -> np.ndarray:
-    """t-statistics of the column means of ``samples`` (rounds, k)."""
-    return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
-
-
 @pytest.mark.parametrize("frontend, exchange", CASES)
 def test_unbiased(launched, frontend, exchange):
     """2. The mean of the R rounds is the exact average.
@@ -187,9 +200,9 @@ def test_unbiased(launched, frontend, exchange):
     for method in METHODS:
         _, outs = _run(launched, frontend, method, exchange)
         err = outs.astype(np.float64) - truth
-        stats = np.concatenate([_t(np.add.reduceat(err, starts, axis=1)),
-                                _t(err.sum(1, keepdims=True)), _t((err @ np.sign(truth))[:, None])])
-        bound = student.isf(ALPHA / (2 * stats.size), ROUNDS - 1)
+        stats = np.concatenate([t_stat(np.add.reduceat(err, starts, axis=1)),
+                                t_stat(err.sum(1, keepdims=True)), t_stat((err @ np.sign(truth))[:, None])])
+        bound = t_bound(ROUNDS, stats.size, ALPHA)
         rel = float(np.sqrt((err ** 2).sum(1).mean() / (truth ** 2).sum()))
         what = f"{frontend}/{exchange}/{method}: t per bucket, total, signed = {np.round(stats, 2)}, bound {bound:.2f}"
         assert np.all(np.isfinite(stats)), what + " (no noise: not quantized?)"
@@ -225,17 +238,18 @@ def test_frontends_agree(launched, exchange, method):
     """
     truth = exact_average()
     starts = np.arange(0, N, BUCKET)
-    runs = {f: _run(launched, f, method, exchange) for f in FRONTENDS}
+    serving = [f for f in FRONTENDS if (f, exchange) not in REFUSED]
+    runs = {f: _run(launched, f, method, exchange) for f in serving}
     levels = {f: infos[0]["levels"] for f, (infos, _) in runs.items()}
     sent = {f: [i["bytes_sent"][0] for i in infos] for f, (infos, _) in runs.items()}
     mse, se = {}, {}
     for f, (_, outs) in runs.items():
         e = np.add.reduceat((outs.astype(np.float64) - truth) ** 2, starts, axis=1)
         mse[f], se[f] = e.mean(0), e.std(0, ddof=1) / np.sqrt(ROUNDS)
-    pairs = list(itertools.combinations(FRONTENDS, 2))
+    pairs = list(itertools.combinations(serving, 2))
     bound = student.isf(ALPHA / (2 * len(pairs) * starts.size), 2 * (ROUNDS - 1))
     table = "\n".join(f"  {f:5s} MSE per bucket {np.round(mse[f] / np.diff([*starts, N]), 4)}  bytes_sent {sent[f]}"
-                      for f in FRONTENDS)
+                      for f in serving)
     assert len({repr(v) for v in levels.values()}) == 1, f"levels differ across front-ends: {levels}"
     assert len({repr(v) for v in sent.values()}) == 1, f"bytes_sent differ across front-ends:\n{table}"
     worst = {(f, g): float(np.abs((mse[f] - mse[g]) / np.sqrt(se[f] ** 2 + se[g] ** 2)).max()) for f, g in pairs}

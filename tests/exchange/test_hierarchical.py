@@ -15,7 +15,7 @@ from horovod_alq.exchange.engine import choose_exchange
 from horovod_alq.exchange.layout import plan_layout
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from threaded import Hub, ThreadTransport
+from scripts.common.threaded import Hub, ThreadTransport
 
 D = 64
 SIZES = (700, 300, 90)  # elements of the round's tensors

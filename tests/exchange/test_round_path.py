@@ -10,7 +10,7 @@ import pytest
 
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from threaded import exchange_round
+from scripts.common.threaded import exchange_round
 
 ROOT_FILE = "exchange/engine.py"
 

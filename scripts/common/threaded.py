@@ -1,5 +1,6 @@
 """Ranks as threads of one process: a transport whose collectives pair by name (as Horovod's do),
-for fast multi-rank tests of the engine's rounds. Real processes: tests/torch, tests/mpi."""
+for fast multi-rank tests and studies of the engine's rounds (``Hub(size, local_size=G)``: nodes of G
+consecutive ranks). Real processes: tests/torch, tests/mpi."""
 
 from __future__ import annotations
 
