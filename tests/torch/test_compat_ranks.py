@@ -7,13 +7,9 @@ The worker catches the errors it expects and reports them as ``"Kind/Type: messa
 ``RuntimeError`` when the error is one (Horovod's error type in torch).
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multiproc import run_ranks  # noqa: E402
+from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
 EXCHANGES = ("allgather", "two-phase")

@@ -1,13 +1,9 @@
 """Elastic Horovod: a compressor registered in hvd.elastic.TorchState survives a reset in the
 middle of a round (real ranks; the reset is done as hvd.elastic.run does it)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multiproc import run_ranks  # noqa: E402
+from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
 

@@ -6,7 +6,8 @@ Sends this rank's stdout and stderr to ``$HOROVOD_ALQ_RESULT_DIR/rank{N}.log``, 
 (so that a timed-out run can be killed even where the launcher put ranks in their own process
 groups), has SIGUSR1 write every thread's Python stack to that log (``run_ranks`` asks for it
 before it kills a timed-out run, so the test's failure shows where each rank waited), then runs
-WORKER as ``__main__`` with ``sys.argv = [WORKER, *ARGS]``.
+WORKER as ``__main__`` with ``sys.argv = [WORKER, *ARGS]`` and tests/workers, tests/ and WORKER's
+folder on ``sys.path`` (the only place that sets a rank's path).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+# the workers' folder (common) and tests/ (helpers), as setup.cfg's pythonpath gives the tests
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from common import RESULT_DIR_ENV, launcher_rank  # noqa: E402
 

@@ -3,6 +3,7 @@
 A worker is a plain Python script run once per rank (under mpirun or horovodrun). It does its work
 and calls :func:`report` once with a JSON-serializable object; ``run_ranks`` returns the reported
 objects in rank order. Anything it prints goes to a per-rank log that is shown when the test fails.
+What the tests use too (t statistics, digests, the ranks' data) is in tests/helpers.py.
 """
 
 from __future__ import annotations
@@ -64,12 +65,6 @@ def cell_moments(x: np.ndarray, levels: np.ndarray, bucket: int, norm: str):
     cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
     lo, hi = levels[cell], levels[cell + 1]
     return norms**2 * (hi - r) * (r - lo), norms * (hi - lo)
-
-
-def t_stat(samples: np.ndarray) -> np.ndarray:
-    """t-statistics of the column means of ``samples`` (reps, k): mean / (std / sqrt(reps))."""
-    samples = np.asarray(samples, dtype=np.float64)
-    return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
 
 
 def stalled_backward(rank: int, size: int, timeout: float, backward) -> dict:

@@ -19,20 +19,17 @@ The assertions are the test's.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import functools
 import time
 import traceback
 from pathlib import Path
 
 import numpy as np
 
+import helpers
 
-def rank_data(rank: int, n: int) -> np.ndarray:
-    """Rank ``rank``'s input: its own scale and offset, a heavy-tailed quarter (the test regenerates it)."""
-    rng = np.random.default_rng([20, rank])
-    x = rng.standard_normal(n) * (1 + rank) + 0.1 * rank
-    x[: n // 4] = rng.standard_t(3, n // 4) * 0.05
-    return x.astype(np.float32)
+#: Rank ``rank``'s input: its own scale and offset, a heavy-tailed quarter (the test regenerates it).
+rank_data = functools.partial(helpers.rank_data, seed=20, tail=0.05)
 
 
 # ------------------------------------------------------------------ front-ends
@@ -154,7 +151,7 @@ def run_one(step, metrics, x, rounds):
         times.append(time.monotonic() - t0)
         if i:
             outputs.append(np.asarray(y, dtype=np.float32).reshape(-1))
-            digests.append(hashlib.sha1(outputs[-1].tobytes()).hexdigest())
+            digests.append(helpers.digest(outputs[-1]))
         m = metrics()
         sent.append(int(m["bytes_sent"] - before[0]))
         received.append(int(m["bytes_received"] - before[1]))

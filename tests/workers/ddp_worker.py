@@ -5,7 +5,6 @@ import argparse
 import copy
 import os
 import sys
-import hashlib
 import io
 import pickle
 
@@ -16,16 +15,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import report, stalled_backward
+from helpers import digest, t_stat
 
 from horovod_alq.torch.ddp import ALQState, alq_hook
 from horovod_alq.torch.dist_transport import DistTransport
-
-
-def digest(tensors) -> str:
-    h = hashlib.sha1()
-    for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class Net(torch.nn.Module):
@@ -105,7 +98,7 @@ def training(rank: int, method: str, exchange: str, steps: int, state_kwargs=Non
     losses = train(model, opt, batches(rank, steps), accumulate)
     m = state.metrics()
     k = max(1, steps // 5)
-    return {"params": digest(model.parameters()), "levels": m["levels"].tolist(),
+    return {"params": digest(*model.parameters()), "levels": m["levels"].tolist(),
             "second_levels": m["second_levels"].tolist(), "level_updates": m["level_updates"],
             "step": m["step"], "exchange": m["exchange"], "calls": m["calls"],
             "uncompressed": m["uncompressed_coordinates"], "bits_per_coordinate": m["bits_per_coordinate"],
@@ -146,14 +139,10 @@ def unbiased(rank: int, size: int, exchange: str, method: str = "alq", n: int = 
     dev = np.stack(outs) - truth
     nb = -(-n // bucket)
     per_bucket = np.add.reduceat(dev, np.arange(0, nb * bucket, bucket), axis=1)
-
-    def t_stat(s):
-        return s.mean(0) / (s.std(0, ddof=1) / np.sqrt(s.shape[0]))
-
     return {"t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
             "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
             "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": reps,
-            "exchange": state.metrics()["exchange"], "digest": hashlib.sha1(np.stack(outs).tobytes()).hexdigest(),
+            "exchange": state.metrics()["exchange"], "digest": digest(np.stack(outs)),
             "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean())}
 
 
@@ -193,7 +182,7 @@ def unbiased_auto(rank: int, size: int, exchange: str, reps: int = 60, bucket: i
     return {"t_buckets_max": float(np.abs(t).max()), "buckets": per_bucket.shape[1], "reps": reps,
             "allocation": m["allocation"], "exchange": m["exchange"], "bits": state.bits,
             "bits_per": m["bits_per"], "payload_bytes": m["payload_bytes"], "rounds": m["step"],
-            "digest": hashlib.sha1(np.stack(outs).tobytes()).hexdigest()}
+            "digest": digest(np.stack(outs))}
 
 
 def checkpoint(rank: int) -> dict:
@@ -210,14 +199,14 @@ def checkpoint(rank: int) -> dict:
     torch.save(saved["alq"], buf)
     levels_saved = state.levels.tolist()
     train(model, opt, data[8:])
-    first = {"params": digest(model.parameters()), "levels": state.levels.tolist(), "metrics": _counters(state)}
+    first = {"params": digest(*model.parameters()), "levels": state.levels.tolist(), "metrics": _counters(state)}
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     buf.seek(0)
     state.load_state_dict(torch.load(buf, weights_only=False))
     restored_levels = state.levels.tolist()
     train(model, opt, data[8:])
-    second = {"params": digest(model.parameters()), "levels": state.levels.tolist(), "metrics": _counters(state)}
+    second = {"params": digest(*model.parameters()), "levels": state.levels.tolist(), "metrics": _counters(state)}
     # a fresh state and a pickled one load the same levels and counters
     fresh = state_for("alq", seed=99)
     fresh.load_state_dict(saved["alq"])
@@ -247,7 +236,7 @@ def nonfinite(rank: int) -> dict:
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     out = {}
     for i, (x, y) in enumerate(batches(rank, 4)):
-        before = digest(model.parameters())
+        before = digest(*model.parameters())
         loss = F.cross_entropy(model(x), y)
         if i == 2 and rank == 0:
             loss = loss * float("inf")
@@ -258,9 +247,9 @@ def nonfinite(rank: int) -> dict:
         scaler.update()
         opt.zero_grad()
         if i == 2:
-            out["moved"] = digest(model.parameters()) != before
+            out["moved"] = digest(*model.parameters()) != before
             out["scale"] = scaler.get_scale()
-    out["params"] = digest(model.parameters())
+    out["params"] = digest(*model.parameters())
     return out
 
 
@@ -274,7 +263,7 @@ def subgroup(rank: int, size: int) -> dict:
     model.register_comm_hook(state, alq_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = train(model, opt, batches(rank, 6))
-    return {"member": True, "params": digest(model.parameters()), "levels": state.levels.tolist(),
+    return {"member": True, "params": digest(*model.parameters()), "levels": state.levels.tolist(),
             "step": state.metrics()["step"], "losses": losses}
 
 
@@ -313,7 +302,7 @@ def overlap(rank: int, exchange: str, steps: int = 4) -> dict:
     finally:
         for name, f in originals.items():
             setattr(DistTransport, name, f)
-    return {"events": per_step, "grads": digest(p.grad for p in model.parameters()),
+    return {"events": per_step, "grads": digest(*(p.grad for p in model.parameters())),
             "exchange": state.metrics()["exchange"]}
 
 

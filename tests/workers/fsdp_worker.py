@@ -3,7 +3,6 @@ gloo, every scenario in one torchrun launch (start-up dominates), reported as on
 
 import argparse
 import copy
-import hashlib
 import os
 import pickle
 import sys
@@ -17,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from common import report, stalled_backward
 from ddp_worker import Net, batches
+from helpers import digest, t_stat
 
 from horovod_alq.core.wire import payload_size
 from horovod_alq.torch.fsdp import ALQReduceScatter, quantize_reduce_scatter
@@ -36,10 +36,8 @@ def sharded(seed: int = 0, mp: MixedPrecisionPolicy | None = None) -> Net:
 
 
 def full_digest(model) -> str:
-    h = hashlib.sha1()
-    for p in model.parameters():
-        h.update(p.full_tensor().detach().contiguous().numpy().tobytes())  # all-gathers the shards
-    return h.hexdigest()
+    """:func:`helpers.digest` of the model's full parameters (all-gathers the shards)."""
+    return digest(*(p.full_tensor() for p in model.parameters()))
 
 
 def comm_for(method: str, **kwargs) -> ALQReduceScatter:
@@ -111,10 +109,6 @@ def unbiased(rank: int, size: int, op: str, per: int = 1000, bucket: int = 128, 
     dev = np.stack(outs) - truth
     nb = -(-per // bucket)
     per_bucket = np.add.reduceat(dev, np.arange(0, nb * bucket, bucket), axis=1)
-
-    def t_stat(s):
-        return s.mean(0) / (s.std(0, ddof=1) / np.sqrt(s.shape[0]))
-
     m = comm.metrics()
     return {"t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
             "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
@@ -152,9 +146,8 @@ def unbiased_auto(rank: int, size: int, reps: int = 60, bucket: int = 64) -> dic
     starts = np.cumsum([0, *sizes[:-1]])  # groups: the buckets of each chunk (any partition is a valid test)
     edges = np.concatenate([a + np.arange(0, k, bucket) for a, k in zip(starts, sizes)])
     per_bucket = np.add.reduceat(dev, edges, axis=1)
-    t_stat = per_bucket.mean(0) / (per_bucket.std(0, ddof=1) / np.sqrt(reps))
     m = comm.metrics()
-    return {"t_buckets_max": float(np.abs(t_stat).max()), "buckets": int(edges.size), "reps": reps,
+    return {"t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": int(edges.size), "reps": reps,
             "allocation": m["allocation"], "pieces": sizes, "step": m["step"], "call_bytes": call_bytes}
 
 

@@ -2,12 +2,15 @@
 dominates), reported as one dict per rank. Only mpi4py, NumPy and the core: no framework."""
 
 import argparse
+import functools
 import hashlib
 
 import numpy as np
 from mpi4py import MPI
 
+import helpers
 from common import report
+from helpers import digest, t_stat
 
 from horovod_alq.core.bucket_widths import mixed_payload_size
 from horovod_alq.core.methods import get_method
@@ -19,16 +22,8 @@ ALL = ["alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd", "terngrad"]
 ADAPTIVE = {"alq", "alq-n", "amq", "amq-n"}
 
 
-def digest(a) -> str:
-    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
-
-
-def rank_data(world_rank: int, n: int) -> np.ndarray:
-    """Different scale, offset and tails on every rank (some buckets heavy-tailed)."""
-    rng = np.random.default_rng([7, world_rank])
-    x = rng.standard_normal(n) * (1 + world_rank) + 0.1 * world_rank
-    x[: n // 4] = rng.standard_t(3, n // 4) * 0.01
-    return x.astype(np.float32)
+#: World rank ``rank``'s input: its own scale and offset, a heavy-tailed quarter (some buckets heavy-tailed).
+rank_data = functools.partial(helpers.rank_data, seed=7, tail=0.01)
 
 
 def bits_of(method: str) -> int:
@@ -394,10 +389,6 @@ def two_phase(comm, n: int, bucket: int, reps: int, method: str = "alq") -> dict
     dev = outs - truth
     nb = -(-n // bucket)
     per_bucket = np.add.reduceat(dev, np.arange(0, nb * bucket, bucket), axis=1)
-
-    def t_stat(samples):  # samples: (reps, k) -> k t-statistics of the means
-        return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
-
     return {
         "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
         "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
@@ -465,10 +456,6 @@ def list_unbiased(comm, bits, exchange: str, reps: int, bits_per: str = "tensor"
     cuts = sorted({int(c) for a, b in zip(edges[:-1], edges[1:]) for c in range(a, b, AUTO_BUCKET)})
     per_bucket = np.add.reduceat(dev, cuts, axis=1)
     sign = np.sign(np.concatenate([t.ravel() for t in truth]))
-
-    def t_stat(samples):
-        return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
-
     widths = m["allocation"] if bits == "auto" else [bits] * 3
     return {
         "reps": reps, "buckets": len(cuts), "updated": updated, "digest": h.hexdigest(),

@@ -46,7 +46,8 @@ if ARGS.scenario == "keras":
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-from common import cell_moments, report, t_stat
+from common import cell_moments, report
+from helpers import digest, rank_data, t_stat
 
 from horovod_alq.core import Quantizer
 from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, QSGDCompressor, QuantizedCompressor, compressor_for
@@ -58,18 +59,6 @@ if "exchange" not in ARGS.scenarios:
     QuantizedCompressor.__init__.__kwdefaults__["jit_compile"] = False
 
 ADAPTIVE = ("alq", "alq-n", "amq", "amq-n")
-
-
-def digest(*tensors) -> str:
-    h = hashlib.sha1()
-    for t in tensors:
-        h.update(np.ascontiguousarray(np.asarray(t)).tobytes())
-    return h.hexdigest()
-
-
-def rank_data(rank: int, n: int) -> np.ndarray:
-    rng = np.random.default_rng(1000 + rank)
-    return (rng.standard_normal(n) * (1 + rank) + 0.1 * rank).astype(np.float32)
 
 
 def core_decodes(comp, x: np.ndarray) -> list:

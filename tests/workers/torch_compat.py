@@ -7,7 +7,6 @@ that the test can check that *every* rank raised (and what), and that the ranks 
 """
 
 import argparse
-import hashlib
 import traceback
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 
 import horovod.torch as hvd
 from common import cell_moments, report
+from helpers import digest
 
 from horovod_alq.torch import ALQCompressor
 
@@ -25,10 +25,6 @@ def comp_for(exchange="allgather", **kw):
     args = dict(bits=3, bucket_size=512, min_size=16, seed=11, exchange=exchange)
     args.update(kw)
     return ALQCompressor(**args)
-
-
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
 def error_of(fn):

@@ -9,19 +9,15 @@ import torch
 
 import horovod.torch as hvd
 from common import cell_moments, report
+from helpers import digest, rank_data, t_stat
 
 from horovod_alq.core import Quantizer
 from horovod_alq.torch import ALQCompressor, AMQCompressor, compressor_for
 
 
-
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha1(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
-
-
-def rank_data(rank: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 + rank)
-    return torch.randn(n, generator=g) * (1 + rank) + 0.1 * rank
+def rank_tensor(rank: int, n: int) -> torch.Tensor:
+    """:func:`helpers.rank_data` as a torch tensor."""
+    return torch.from_numpy(rank_data(rank, n))
 
 
 def exchange(args) -> dict:
@@ -38,7 +34,7 @@ def exchange(args) -> dict:
                           update_every=0, min_size=16, seed=args.seed, norm=norm)
     norm = comp.norm
     op = hvd.Sum if args.op == "sum" else hvd.Average
-    xs = [rank_data(r, args.numel).double().numpy() for r in range(size)]
+    xs = [rank_tensor(r, args.numel).double().numpy() for r in range(size)]
     x = torch.from_numpy(xs[rank]).float()
     xs = [x_.astype(np.float32).astype(np.float64) for x_ in xs]
     scale = 1.0 if op == hvd.Sum else 1.0 / size
@@ -76,7 +72,7 @@ def exchange_two_phase(args, method, norm) -> dict:
     comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0,), update_every=0,
                           min_size=16, seed=args.seed, norm=norm, exchange="two-phase")
     op = hvd.Sum if args.op == "sum" else hvd.Average
-    xs = [rank_data(r, args.numel).float().double().numpy() for r in range(size)]
+    xs = [rank_tensor(r, args.numel).float().double().numpy() for r in range(size)]
     truth = (1.0 if op == hvd.Sum else 1.0 / size) * sum(xs)
     x = torch.from_numpy(xs[rank]).float()
     hvd.allreduce(x, compression=comp, op=op, name="refit")
@@ -88,10 +84,6 @@ def exchange_two_phase(args, method, norm) -> dict:
     dev = np.stack(devs)
     nb = -(-args.numel // args.bucket)
     per_bucket = np.add.reduceat(dev, np.arange(0, nb * args.bucket, args.bucket), axis=1)
-
-    def t_stat(samples):
-        return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
-
     m = comp.metrics()
     return {"t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
             "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
@@ -201,7 +193,7 @@ def auto(args) -> dict:
     comp = ALQCompressor(bits="auto", bit_budget=3.0, bits_per=args.bits_per, bucket_size=args.bucket,
                          update_steps=(0,), update_every=0, min_size=100, seed=args.seed, exchange=args.exchange)
     scales, numel = (1000.0, 1.0, 0.001), 1500
-    xs = [rank_data(rank, numel) * s for s in scales]
+    xs = [rank_tensor(rank, numel) * s for s in scales]
     truth = [hvd.allreduce(x, op=hvd.Sum, name=f"truth{k}") for k, x in enumerate(xs)]
     devs = []
     for r in range(args.rounds):
@@ -210,11 +202,10 @@ def auto(args) -> dict:
             devs.append(torch.cat([(y.double() - t.double()) / s for y, t, s in zip(got, truth, scales)]).numpy())
     dev = np.stack(devs)
     per_bucket = np.add.reduceat(dev, np.arange(0, dev.shape[1], args.bucket), axis=1)
-    t_stat = per_bucket.mean(0) / (per_bucket.std(0, ddof=1) / np.sqrt(dev.shape[0]))
     m = comp.metrics()
-    out["unbiased"] = {"t_max": float(np.abs(t_stat).max()), "buckets": per_bucket.shape[1], "reps": dev.shape[0],
-                       "allocation": m["allocation"], "exchange": m["exchange"],
-                       "digest": hashlib.sha1(dev.tobytes()).hexdigest()}
+    out["unbiased"] = {"t_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": per_bucket.shape[1],
+                       "reps": dev.shape[0], "allocation": m["allocation"], "exchange": m["exchange"],
+                       "digest": digest(dev)}
     if args.bits_per == "bucket":  # the widths of this rank's buckets in a payload of its tensors
         from horovod_alq.exchange.mixed import MixedOps
 
@@ -257,7 +248,7 @@ def dtypes(args) -> dict:
     for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64"):
         dt = getattr(torch, name)
         for n in (1000, 10):  # compressed, and passed through
-            base = rank_data(rank, n)
+            base = rank_tensor(rank, n)
             x = (base * 10).to(dt) if not dt.is_floating_point else base.to(dt).view(10, n // 10)
             out = hvd.allreduce(x, compression=comp, name=f"{name}.{n}")
             ref = hvd.allreduce(x if dt != torch.bfloat16 else x.float(), name=f"ref.{name}.{n}").to(dt)
@@ -266,12 +257,12 @@ def dtypes(args) -> dict:
                                   "same_shape": out.shape == x.shape, "rel_err": err,
                                   "exact": bool(torch.equal(out, ref)), "digest": digest(out.float())}
     # the class itself as compression= (one default instance per class), also its metrics()
-    plain = rank_data(rank, 4096)
+    plain = rank_tensor(rank, 4096)
     via_class = hvd.allreduce(plain, compression=ALQCompressor, name="class")
     exact = hvd.allreduce(plain, name="class.ref")
     res["class_rel_err"] = ((via_class - exact).norm() / exact.norm()).item()
     res["class_metrics_coordinates"] = ALQCompressor.metrics()["coordinates"]
-    nan = rank_data(rank, 512)
+    nan = rank_tensor(rank, 512)
     nan[300] = float("nan") if rank == 1 else nan[300]
     out = hvd.allreduce(nan, compression=comp, name="nan")
     res["nan_buckets"] = [bool(torch.isnan(out[i * 128:(i + 1) * 128]).all()) for i in range(4)]
@@ -312,7 +303,7 @@ def amp(args) -> dict:
 def state(args) -> dict:
     rank = hvd.rank()
     comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, update_steps=(0, 3), update_every=0, seed=7)
-    x = rank_data(rank, 5000)
+    x = rank_tensor(rank, 5000)
     for i in range(5):
         hvd.allreduce(x * (i + 1), compression=comp, name=f"s{i}")
     saved = comp.state_dict()
@@ -332,7 +323,7 @@ def overlap(args) -> dict:
     averaged gradients with overlap on and off (the same seeds: the same codes and sums). Then
     unbiasedness of the overlapped path: ``loss = sum_k <w_k, c_{rank,k}>`` hands every rank fixed
     gradients; t-statistics of the deviations of the averaged gradients over ``args.rounds`` steps."""
-    from horovod_alq.torch import transport as tr
+    from horovod_alq.torch import horovod_transport as tr
 
     rank, size = hvd.rank(), hvd.size()
     events, phase = [], ["before"]
@@ -400,10 +391,9 @@ def overlap(args) -> dict:
     # per coordinate, a rounding probability near 0 or 1 gives the same code in every round (a zero
     # sample variance): test sums over buckets instead, as the DDP worker does
     per_bucket = np.add.reduceat(dev, np.arange(0, n * k, 512), axis=1)
-    t_stat = per_bucket.mean(0) / (per_bucket.std(0, ddof=1) / np.sqrt(dev.shape[0]))
-    out["unbiased"] = {"t_max": float(np.abs(t_stat).max()), "buckets": per_bucket.shape[1], "reps": args.rounds,
-                       "t_sum": float(dev.sum(1).mean() / (dev.sum(1).std(ddof=1) / np.sqrt(dev.shape[0]))),
-                       "digest": hashlib.sha1(dev.tobytes()).hexdigest()}
+    out["unbiased"] = {"t_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": per_bucket.shape[1],
+                       "reps": args.rounds, "t_sum": float(t_stat(dev.sum(1, keepdims=True))[0]),
+                       "digest": digest(dev)}
     return out
 
 

@@ -1,0 +1,96 @@
+"""Helpers shared by the tests and the worker scripts (tests/ is on the path of both: setup.cfg's
+``pythonpath`` for pytest, tests/workers/_boot.py for the ranks). NumPy only at import: the ranks
+import this module too.
+
+Statistics: :func:`t_stat`, :func:`t_bound`, :func:`assert_zero_mean` (samples in hand) and
+:func:`assert_t_unbiased`, :func:`assert_bernstein_unbiased` (t statistics and Bernstein ratios that
+a worker reported). The tolerances follow from the sample size: two-sided Student t tests at total
+failure probability :data:`ALPHA` for an unbiased codec, Bonferroni over the statistics tested.
+
+Data: :func:`rank_data` (a rank's input), :func:`digest` (to compare arrays across ranks),
+:func:`same` (every rank reported the same).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+#: Total failure probability of one unbiasedness check if the codec is unbiased.
+ALPHA = 1e-6
+
+
+# ------------------------------------------------------------------------------------ statistics
+def t_stat(samples: np.ndarray) -> np.ndarray:
+    """t-statistics of the column means of ``samples`` (reps, k): mean / (std / sqrt(reps))."""
+    samples = np.asarray(samples, dtype=np.float64)
+    return samples.mean(0) / (samples.std(0, ddof=1) / np.sqrt(samples.shape[0]))
+
+
+def t_bound(reps: int, count: int = 1, alpha: float = ALPHA) -> float:
+    """The bound on the largest of ``count`` |t| statistics of ``reps`` samples each that an
+    unbiased estimate exceeds with probability at most ``alpha`` (two-sided, Bonferroni)."""
+    from scipy.stats import t
+
+    return float(t.isf(alpha / (2 * count), reps - 1))
+
+
+def assert_zero_mean(samples: np.ndarray, alpha: float = ALPHA) -> None:
+    """Every column of ``samples`` (reps, k: e.g. the deviations of k bucket sums in each of reps
+    rounds) has mean zero: max |t| below :func:`t_bound` over the k columns."""
+    samples = np.asarray(samples, dtype=np.float64)
+    stats = np.abs(t_stat(samples))
+    bound = t_bound(samples.shape[0], samples.shape[1], alpha)
+    assert stats.max() < bound, (float(stats.max()), bound, samples.shape)
+
+
+def assert_t_unbiased(res: dict, keys: Iterable[str] = ("t_plain", "t_signed", "t_buckets_max"), *,
+                      alpha: float = ALPHA, what: Any = None) -> None:
+    """A worker's report ``res`` of t statistics over ``res["reps"]`` rounds says unbiased: each of
+    ``keys`` (required) within :func:`t_bound` at ``alpha``; a key ending in ``_max`` is the largest
+    |t| over ``res["buckets"]`` statistics (Bonferroni over them), any other key one statistic."""
+    for key in keys:
+        count = res["buckets"] if key.endswith("_max") else 1
+        assert abs(res[key]) < t_bound(res["reps"], count, alpha), (what, key, res)
+
+
+def assert_bernstein_unbiased(res: dict) -> None:
+    """A worker's report from the exact variance of every round says unbiased: per coordinate,
+    Bernstein's bound at 1e-10 (``worst_ratio`` < 1); overall, the sum of all deviations over its
+    exact standard deviation, |z| < 5."""
+    assert res["worst_ratio"] < 1.0, res["worst_ratio"]
+    assert abs(res["aggregate_z"]) < 5.0, res["aggregate_z"]
+
+
+# ------------------------------------------------------------------------------------------ data
+def rank_data(rank: int, n: int, *, seed: int = 1000, tail: float | None = None) -> np.ndarray:
+    """Rank ``rank``'s float32 input of ``n`` elements: standard normal times ``1 + rank`` plus
+    ``0.1 * rank`` (its own scale and offset); with ``tail``, the first quarter Student t(3) times
+    ``tail`` instead (heavy-tailed buckets). Drawn from ``default_rng([seed, rank])``."""
+    rng = np.random.default_rng([seed, rank])
+    x = rng.standard_normal(n) * (1 + rank) + 0.1 * rank
+    if tail is not None:
+        x[: n // 4] = rng.standard_t(3, n // 4) * tail
+    return x.astype(np.float32)
+
+
+def _array(a: Any) -> np.ndarray:
+    if hasattr(a, "detach"):  # torch tensor
+        a = a.detach().contiguous().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(a))  # NumPy, TF eager tensors, lists
+
+
+def digest(*arrays: Any) -> str:
+    """SHA-1 of the bytes of ``arrays`` (NumPy arrays, torch or TF tensors) in order: equal on two
+    ranks iff they hold the same values with the same dtypes."""
+    h = hashlib.sha1()
+    for a in arrays:
+        h.update(_array(a).tobytes())
+    return h.hexdigest()
+
+
+def same(results: list, key: Callable[[Any], Any]) -> bool:
+    """Whether ``key`` of every rank's result is the same (compared by ``repr``)."""
+    return len({repr(key(r)) for r in results}) == 1
