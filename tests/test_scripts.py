@@ -502,3 +502,28 @@ def test_gpt_corpus_split_is_deterministic_and_round_trips():
     assert len(chars) == len(set(text)) and chars == sorted(chars)
     x, y = gpt.sample_batch(train, 4, 16, __import__("torch").Generator().manual_seed(0))
     assert x.shape == y.shape == (4, 16) and x[:, 1:].equal(y[:, :-1])  # targets: the next character
+
+
+@pytest.mark.multiproc
+def test_diloco_study_quick(tmp_path, capsys):
+    """scripts/study/diloco.py --quick: one 2-worker torchrun launch, per-step fp16 data parallelism
+    against DiLoCo at H = 10 in fp32 and with ALQ 3 bits, the same inner steps; the table, plot and
+    raw JSON; fewer bytes for DiLoCo (5x fewer exchanges) and fewer again for ALQ; a rerun resumes."""
+    mod = load("study.diloco")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--help"])
+    assert exc.value.code == 0 and "--quick" in capsys.readouterr().out
+    assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "data" / "diloco_study.json").read_text())
+    res = runs["0"]["results"]
+    assert list(res) == ["dp-fp16", "h10-fp32", "h10-alq3"] and runs["0"]["workers"] == 2
+    for r in res.values():
+        assert [c[0] for c in r["curve"]] == [10, 20] and np.isfinite(r["final_loss"]), r
+        assert r["final_loss"] < np.log(103)  # learned something: below the uniform guess
+    dp, fp32, alq = (res[k]["bytes"] for k in ("dp-fp16", "h10-fp32", "h10-alq3"))
+    assert fp32 == pytest.approx(dp / 5, rel=1e-6)  # fp32 at 1/10 the exchanges, twice fp16's bytes each
+    assert alq < 0.5 * fp32 and res["h10-alq3"]["outer_steps"] == 2
+    table = (tmp_path / "diloco_study.md").read_text()
+    assert sum(line.startswith("| h10-") or line.startswith("| dp-") for line in table.splitlines()) == 3
+    assert (tmp_path / "diloco_study.png").stat().st_size > 10_000
+    assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0  # resumes: the launch's file exists

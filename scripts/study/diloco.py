@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""DiLoCo with quantized pseudo-gradients on the character GPT (issue 42): held-out loss against the
+bytes each worker sent and against a modeled wall-clock on 100 Mbit/s links.
+
+    python -m scripts.study.diloco --out-dir docs                 # every row, 3 seeds, 4 workers
+    python -m scripts.study.diloco --quick --out-dir /tmp/diloco  # 2 workers, 1 seed, 20 steps, 3 rows
+
+Every seed is one ``torchrun`` launch of 4 worker processes (gloo over loopback) that trains every
+row in turn from the same initial model, for the same number of inner steps: per-step data
+parallelism with fp16 gradients (``dp-fp16``, the reference: AdamW on the averaged gradient), and
+DiLoCo (:class:`horovod_alq.torch.diloco.DiLoCo`: AdamW inner steps, Nesterov outer steps, lr 0.7,
+momentum 0.9) every H = 50 or 10 steps with the pseudo-gradient in fp32 (an exact all_reduce),
+int8 (per-tensor absmax, round to nearest, as INTELLECT-1; allgathered), QSGDinf, or ALQ, the
+quantized rows over the allgather exchange (error feedback needs it). Rank 0 evaluates the
+held-out loss (the global parameters, right after an outer step) every ``--eval-every`` steps.
+
+Bytes are those each worker sent: the engine's payload bytes for the quantized rows (allgather:
+``N - 1`` copies of a rank's payload), ``8 (N-1)/N`` bytes per coordinate for an fp32 ring all_reduce
+(``4 (N-1)/N`` for fp16), ``(N-1)(n + 4)`` per tensor of ``n`` coordinates for int8. Modeled
+wall-clock: the loop's measured time on this machine (compute, codec and loopback collectives)
+plus the bytes sent at ``--rate`` Mbit/s. Outputs under --out-dir: diloco_study.md (table),
+diloco_study.png (plot), data/diloco_study.json (every seed's curves); each seed's launch also
+writes data/diloco_study_raw/seed<k>.json, and a seed whose file exists is not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Every row: (name, H or None for per-step data parallelism, method, bits, error feedback).
+ROWS = {
+    "dp-fp16": (None, "fp16", None, False),
+    "h50-fp32": (50, "fp32", None, False),
+    "h50-int8": (50, "int8", None, False),
+    "h50-qsgdinf2": (50, "qsgdinf", 2, False),
+    "h50-qsgdinf2-ef": (50, "qsgdinf", 2, True),
+    "h50-alq4": (50, "alq", 4, False),
+    "h50-alq3": (50, "alq", 3, False),
+    "h50-alq2": (50, "alq", 2, False),
+    "h50-alq2-ef": (50, "alq", 2, True),
+    "h10-fp32": (10, "fp32", None, False),
+    "h10-alq3": (10, "alq", 3, False),
+}
+QUICK_ROWS = ("dp-fp16", "h10-fp32", "h10-alq3")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 workers, 1 seed, 20 steps of a tiny GPT, 3 rows")
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows; default all")
+    p.add_argument("--seeds", default="0,1,2", help="default 0,1,2")
+    p.add_argument("--workers", type=int, default=4, help="default 4")
+    p.add_argument("--steps", type=int, default=1000, help="inner steps of every row; default 1000 (20 at H=50)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per worker and step; default 16")
+    p.add_argument("--context", type=int, default=64, help="default 64")
+    p.add_argument("--width", type=int, default=128, help="default 128")
+    p.add_argument("--layers", type=int, default=4, help="default 4")
+    p.add_argument("--heads", type=int, default=4, help="default 4")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate; default 3e-3")
+    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps; default 30")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="default 0.1")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="default 0.7")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="default 0.9")
+    p.add_argument("--bucket-size", type=int, default=8192, help="default 8192")
+    p.add_argument("--eval-every", type=int, default=50, help="a multiple of every row's H; default 50")
+    p.add_argument("--eval-windows", type=int, default=256, help="held-out windows per evaluation; default 256")
+    p.add_argument("--rate", type=float, default=100.0, help="link rate of the modeled wall-clock, Mbit/s")
+    p.add_argument("--out-dir", default="docs", help="default docs")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.seeds, args.workers, args.steps = ",".join(QUICK_ROWS), "0", 2, 20
+        args.width, args.layers, args.heads, args.context, args.batch_size = 32, 1, 2, 32, 8
+        args.eval_every, args.eval_windows, args.warmup = 10, 16, 2
+    unknown = [r for r in args.rows.split(",") if r not in ROWS]
+    if unknown:
+        p.error(f"unknown rows {unknown}; the rows are {', '.join(ROWS)}")
+    for row in args.rows.split(","):
+        h = ROWS[row][0]
+        if h and (args.eval_every % h or args.steps % h):
+            p.error(f"--eval-every {args.eval_every} and --steps {args.steps} must be multiples of {row}'s H = {h}")
+    return args
+
+
+# ---------------------------------------------------------------------------------- the workers
+class PlainOuter:
+    """DiLoCo's outer step with the pseudo-gradient in fp32 (an exact all_reduce) or int8 (per-tensor
+    absmax, allgathered): the same Nesterov update as :class:`~horovod_alq.torch.diloco.DiLoCo`."""
+
+    def __init__(self, model, inner, sync_every: int, kind: str, outer_lr: float, outer_momentum: float) -> None:
+        import torch
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.inner, self.sync_every, self.kind = inner, sync_every, kind
+        self.lr, self.mu = outer_lr, outer_momentum
+        self.global_params = [p.detach().float().clone() for p in self.params]
+        self.momentum = [torch.zeros_like(g) for g in self.global_params]
+        self.steps, self.bytes_sent = 0, 0
+
+    def step(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.inner.step()
+        self.steps += 1
+        if self.steps % self.sync_every:
+            return
+        n = dist.get_world_size()
+        with torch.no_grad():
+            deltas = [(g - p.detach().float()).reshape(-1) for p, g in zip(self.params, self.global_params)]
+            if self.kind == "fp32":
+                flat = torch.cat(deltas)
+                dist.all_reduce(flat)
+                avg = list(torch.split(flat / n, [d.numel() for d in deltas]))
+                self.bytes_sent += 8 * flat.numel() * (n - 1) // n
+            else:  # int8, per-tensor absmax
+                scales = torch.stack([d.abs().max().clamp_min(1e-30) for d in deltas])
+                codes = torch.cat([torch.round(d / s * 127).clamp(-127, 127).to(torch.int8)
+                                   for d, s in zip(deltas, scales)])
+                all_codes = torch.empty(n * codes.numel(), dtype=torch.int8)
+                all_scales = torch.empty(n * scales.numel())
+                dist.all_gather_into_tensor(all_codes, codes)
+                dist.all_gather_into_tensor(all_scales, scales)
+                total = torch.zeros(codes.numel())
+                for r in range(n):
+                    s = all_scales[r * scales.numel(): (r + 1) * scales.numel()]
+                    per = torch.repeat_interleave(s, torch.tensor([d.numel() for d in deltas]))
+                    total += all_codes[r * codes.numel(): (r + 1) * codes.numel()].float() * per / 127
+                avg = list(torch.split(total / n, [d.numel() for d in deltas]))
+                self.bytes_sent += (n - 1) * (codes.numel() + 4 * len(deltas))
+            for p, g, m, a in zip(self.params, self.global_params, self.momentum, avg):
+                a = a.view_as(g)
+                m.mul_(self.mu).add_(a)
+                g.sub_(a.add(m, alpha=self.mu), alpha=self.lr)
+                p.copy_(g)
+
+
+def run_row(row: str, args, data) -> dict:
+    """Train one row on this rank; rank 0's record: the curve [(inner step, bytes sent, seconds, loss)]."""
+    import torch
+    import torch.distributed as dist
+
+    from horovod_alq.torch.diloco import DiLoCo
+    from scripts.common.gpt import GPT, lr_at, sample_batch
+    from scripts.demo.train_gpt import evaluate
+
+    train_ids, val_ids, chars = data
+    rank, n = dist.get_rank(), dist.get_world_size()
+    h, kind, bits, ef = ROWS[row]
+    torch.manual_seed(args.seed)  # the same initial model on every rank and in every row
+    model = GPT(len(chars), args.width, args.layers, args.heads, args.context)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    outer = None
+    if kind in ("fp32", "int8"):
+        outer = PlainOuter(model, inner, h, kind, args.outer_lr, args.outer_momentum)
+    elif kind != "fp16":
+        outer = DiLoCo(model, inner, sync_every=h, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                       method=kind, bits=bits, error_feedback=ef, bucket_size=args.bucket_size,
+                       exchange="allgather", seed=args.seed)
+    params = [p for p in model.parameters()]
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    dp_bytes, seconds, curve = 0, 0.0, []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        for group in inner.param_groups:
+            group["lr"] = lr_at(step, args)
+        x, y = sample_batch(train_ids, args.batch_size, args.context, generator)
+        inner.zero_grad()
+        model.loss(x, y).backward()
+        if outer is None:  # data parallel, fp16 gradients: rounded to fp16, summed, averaged
+            flat = torch.cat([p.grad.reshape(-1) for p in params]).half().float()
+            dist.all_reduce(flat)
+            flat /= n
+            for p, g in zip(params, torch.split(flat, [p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+            dp_bytes += 4 * flat.numel() * (n - 1) // n
+            inner.step()
+        else:
+            outer.step()
+        seconds += time.perf_counter() - start
+        if (step + 1) % args.eval_every == 0:
+            sent = dp_bytes if outer is None else (
+                outer.bytes_sent if isinstance(outer, PlainOuter) else outer.metrics()["total_bytes_sent"])
+            loss = evaluate(model, val_ids, args) if rank == 0 else float("nan")
+            curve.append([step + 1, int(sent), seconds, loss])
+    out = {"row": row, "curve": curve, "final_loss": curve[-1][3], "bytes": curve[-1][1], "seconds": seconds}
+    if isinstance(outer, DiLoCo):
+        m = outer.metrics()
+        out.update(bits_per_coordinate=m["bits_per_coordinate"], level_updates=m["level_updates"],
+                   outer_steps=m["outer_steps"], levels=[float(v) for v in m["levels"]])
+    dist.barrier()
+    return out
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from scripts.common.gpt import char_splits
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    data = char_splits()
+    results = {}
+    for row in args.rows.split(","):
+        results[row] = run_row(row, args, data)
+        if dist.get_rank() == 0:
+            r = results[row]
+            print(f"seed {args.seed} {row:>16}: held-out loss {r['final_loss']:.4f}, {r['bytes'] / 1e6:.2f} MB sent, "
+                  f"{r['seconds']:.1f} s", flush=True)
+    if dist.get_rank() == 0:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "workers": dist.get_world_size(),
+                                               "results": results}, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------------------- the driver
+def launch(args, seed: int, path: Path) -> None:
+    passed = ["--rows", args.rows, "--steps", args.steps, "--batch-size", args.batch_size, "--context", args.context,
+              "--width", args.width, "--layers", args.layers, "--heads", args.heads, "--lr", args.lr,
+              "--warmup", args.warmup, "--weight-decay", args.weight_decay, "--outer-lr", args.outer_lr,
+              "--outer-momentum", args.outer_momentum, "--bucket-size", args.bucket_size,
+              "--eval-every", args.eval_every, "--eval-windows", args.eval_windows]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers),
+           "-m", "scripts.study.diloco", "--worker", "--seed", str(seed), "--json", str(path), *map(str, passed)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    m = sum(values) / len(values)
+    if len(values) < 2:
+        return m, float("nan")
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+
+def _se(value: float) -> str:
+    return "" if math.isnan(value) else f" ± {value:.4f}"
+
+
+def summarize(runs: dict[int, dict], args) -> str:
+    """The Markdown table: per row, the final held-out loss (mean ± s.e. over seeds), its same-seed
+    difference to DiLoCo fp32 at H = 50 (or the first row), bytes per worker and the modeled wall-clock."""
+    rows = [r for r in args.rows.split(",") if all(r in run["results"] for run in runs.values())]
+    base = "h50-fp32" if "h50-fp32" in rows else rows[0]
+    seeds = sorted(runs)
+    lines = [f"Held-out loss of the character GPT after {args.steps} inner steps per worker, {args.workers} "
+             f"workers, seeds {', '.join(map(str, seeds))} (mean ± standard error over seeds; difference: same seed, "
+             f"against {base}). Wall-clock: this machine's measured loop time plus the bytes at {args.rate:g} Mbit/s.",
+             "", f"| row | held-out loss (nats/char) | vs {base} | MB sent per worker | bytes vs {base} | "
+             f"modeled wall-clock (s) |", "|---|---|---|---|---|---|"]
+    base_bytes = sum(runs[s]["results"][base]["bytes"] for s in seeds) / len(seeds)
+    for row in rows:
+        res = [runs[s]["results"][row] for s in seeds]
+        loss, loss_se = _mean_se([r["final_loss"] for r in res])
+        diff, diff_se = _mean_se([r["final_loss"] - runs[s]["results"][base]["final_loss"] for s, r in zip(seeds, res)])
+        mbytes = sum(r["bytes"] for r in res) / len(res)
+        wall, _ = _mean_se([r["seconds"] + 8 * r["bytes"] / (args.rate * 1e6) for r in res])
+        ratio = mbytes / base_bytes if base_bytes else float("nan")
+        lines.append(f"| {row} | {loss:.4f}{_se(loss_se)} | {diff:+.4f}{_se(diff_se)} | {mbytes / 1e6:.3f} | "
+                     f"{ratio:.4f} | {wall:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict[int, dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for row in args.rows.split(","):
+        curves = [runs[s]["results"][row]["curve"] for s in sorted(runs) if row in runs[s]["results"]]
+        if not curves:
+            continue
+        k = min(len(c) for c in curves)
+        mean = [[sum(c[i][j] for c in curves) / len(curves) for j in range(4)] for i in range(k)]
+        sent = [max(m[1], 1) / 1e6 for m in mean]
+        wall = [m[2] + 8 * m[1] / (args.rate * 1e6) for m in mean]
+        loss = [m[3] for m in mean]
+        axes[0].plot(sent, loss, marker=".", label=row)
+        axes[1].plot(wall, loss, marker=".", label=row)
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("MB sent per worker")
+    axes[1].set_xlabel(f"modeled wall-clock at {args.rate:g} Mbit/s (s)")
+    for ax in axes:
+        ax.set_ylabel("held-out loss (nats/char)")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"DiLoCo on the character GPT, {args.workers} workers, {len(runs)} seed(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    out = Path(args.out_dir)
+    raw = out / "data" / "diloco_study_raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        path = raw / f"seed{seed}.json"
+        if not path.exists():
+            launch(args, seed, path)
+        runs[seed] = json.loads(path.read_text())
+    table = summarize(runs, args)
+    (out / "diloco_study.md").write_text("# DiLoCo study: held-out loss against bytes\n\n" + table)
+    (out / "data" / "diloco_study.json").write_text(json.dumps({str(s): r for s, r in runs.items()}, indent=1))
+    plot(runs, args, out / "diloco_study.png")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
