@@ -12,7 +12,8 @@ hook's ``ALQState``, FSDP2's ``ALQReduceScatter``, mpi4py's ``QuantizedAllreduce
     state = ALQState(settings=settings)                 # DDP hook, same settings
 
 A front-end that cannot serve a setting refuses a value other than its default with a ValueError
-that says why (:data:`NOT_SERVED`); :func:`served_table` writes the table of docs/settings.md.
+that says why (:data:`NOT_SERVED`; some values only: :data:`PARTLY`); :func:`served_table` writes
+the table of docs/settings.md.
 :func:`configure` builds what a front-end runs from its settings: both quantizers, the refit
 schedule, the round state, the seed and the exchange engine.
 """
@@ -193,11 +194,17 @@ class Settings:
         return Settings.of(self, **changes)
 
     def check_served(self, front_end: str) -> None:
-        """ValueError if a setting ``front_end`` does not serve differs from its default."""
+        """ValueError if a setting ``front_end`` does not serve differs from its default, or takes a
+        value the front-end does not serve (:data:`PARTLY`)."""
         for name, why in NOT_SERVED[front_end].items():
             value = getattr(self, name)
             if value != DEFAULTS[name]:
                 raise ValueError(f"{front_end} does not serve {name}={value!r}: {why}")
+        for name, (allowed, why) in PARTLY.get(front_end, {}).items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{front_end} does not serve {name}={value!r} (it serves "
+                                 f"{', '.join(map(repr, allowed))}): {why}")
 
     def keywords(self) -> dict:
         """The settings as keywords (every field; ``Settings(**s.keywords()) == s``)."""
@@ -242,8 +249,6 @@ NOT_SERVED: dict[str, dict[str, str]] = {
     },
     "FSDP2": {
         "bits_per": "a reduce-scatter shard has no per-bucket mixed-width codec yet",
-        "exchange": "FSDP2 reduce-scatters: each rank receives the codes of its own shard only (a node-aware "
-                    "reduce-scatter is not written yet)",
         "bits_second": "the reduce-scatter quantizes once",
         "adapt_second": "the reduce-scatter quantizes once",
         "fusion_bytes": "FSDP2's own reduce-scatter input is the buffer",
@@ -263,6 +268,13 @@ NOT_SERVED: dict[str, dict[str, str]] = {
 IGNORED: dict[str, dict[str, str]] = {
     "DDP hook": {"fusion_bytes": "checked equal on every rank; DDP's bucket_cap_mb is the fusion"},
 }
+#: Settings a front-end serves for some values only: the values, and why not the others.
+PARTLY: dict[str, dict[str, tuple[tuple, str]]] = {
+    "Horovod TensorFlow": {"exchange": (("auto", "allgather", "two-phase"), "the hierarchical exchange has no graph "
+                                        "execution; for it use the PyTorch compressors, the DDP hook or mpi4py")},
+    "FSDP2": {"exchange": (("auto", "hierarchical"), "FSDP2 reduce-scatters (each rank receives its own shard): "
+                           "'auto' is node-aware across nodes of several ranks, flat otherwise")},
+}
 
 
 def served_table() -> str:
@@ -273,13 +285,16 @@ def served_table() -> str:
     for name in NAMES:
         cells = []
         for fe in FRONT_ENDS:
+            partly = PARTLY.get(fe, {}).get(name)
             why = NOT_SERVED[fe].get(name) or IGNORED.get(fe, {}).get(name)
+            if partly is not None:
+                why = f"{', '.join(map(repr, partly[0]))} only: {partly[1]}"
             if why is None:
                 cells.append("yes")
                 continue
             if why not in notes:
                 notes.append(why)
-            mark = "no" if name in NOT_SERVED[fe] else "ignored"
+            mark = "no" if name in NOT_SERVED[fe] else "partly" if partly is not None else "ignored"
             cells.append(f"{mark} ({notes.index(why) + 1})")
         rows.append(f"| `{name}` | `{DEFAULTS[name]!r}` | " + " | ".join(cells) + " |")
     rows.append("")

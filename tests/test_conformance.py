@@ -135,7 +135,7 @@ def _run(launched, frontend, method, exchange):
 
 
 #: (front-end, exchange) pairs a front-end refuses by design, and the words its error must contain.
-REFUSED = {("tf", "hierarchical"): "for the hierarchical exchange use the PyTorch compressors"}
+REFUSED = {("tf", "hierarchical"): "for it use the PyTorch compressors"}
 CASES = [pytest.param(f, e, id=f"{f}-{e}") for f in FRONTENDS for e in EXCHANGE_NAMES if (f, e) not in REFUSED]
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from horovod_alq.settings import DEFAULTS, FRONT_ENDS, NAMES, NOT_SERVED, Settings, configure, served_table
+from horovod_alq.exchange.engine import EXCHANGE_CHOICES
+from horovod_alq.settings import DEFAULTS, FRONT_ENDS, NAMES, NOT_SERVED, PARTLY, Settings, configure, served_table
 from multiproc import RANK_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +93,17 @@ def test_of_merges_keywords_over_settings():
 
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_a_front_end_refuses_the_values_it_does_not_serve(front_end):
+    for name, (allowed, why) in PARTLY.get(front_end, {}).items():
+        for value in {"exchange": EXCHANGE_CHOICES}.get(name, ()):
+            if value in allowed:
+                Settings.of(None, front_end, **{name: value})
+            else:
+                with pytest.raises(ValueError, match=re.escape(f"{front_end} does not serve {name}={value!r}")):
+                    Settings.of(None, front_end, **{name: value})
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_a_front_end_refuses_what_it_does_not_serve(front_end):
     for name, why in NOT_SERVED[front_end].items():
         with pytest.raises(ValueError, match=re.escape(f"{front_end} does not serve {name}=")) as err:
@@ -121,6 +133,11 @@ def test_docs_table_is_the_codes():
 
 
 # ------------------------------------------------------------------ every front-end takes them
+def _allowed(front_end: str, name: str, value) -> tuple:
+    """The values of ``name`` that ``front_end`` serves (``(value,)`` when it serves every value)."""
+    return PARTLY.get(front_end, {}).get(name, ((value,), ""))[0]
+
+
 def _torch_front_ends():
     from horovod_alq.torch import QuantizedCompressor
     from horovod_alq.torch.ddp import ALQState
@@ -135,7 +152,7 @@ def test_torch_front_ends_take_every_setting(front_end):
     make = _torch_front_ends()[front_end]
     for name, keywords in CHANGED.items():
         keywords = {"method": "alq", **keywords}
-        if name in NOT_SERVED[front_end]:
+        if name in NOT_SERVED[front_end] or keywords[name] not in _allowed(front_end, name, keywords[name]):
             with pytest.raises(ValueError, match=f"does not serve {name}="):
                 make(**keywords)
             continue
@@ -195,7 +212,7 @@ def test_tensorflow_and_mpi4py_take_every_setting():
     for fe in ("mpi4py", "Horovod TensorFlow"):
         for name in NAMES:
             kind, detail = out[f"{fe}/{name}"]
-            if name in NOT_SERVED[fe]:
+            if name in NOT_SERVED[fe] or CHANGED[name][name] not in _allowed(fe, name, CHANGED[name][name]):
                 assert kind == "refused" and f"does not serve {name}=" in detail, (fe, name, detail)
             else:
                 assert kind == "ok" and detail is True, (fe, name, detail)

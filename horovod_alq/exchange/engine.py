@@ -41,7 +41,7 @@ from ..core.protocol import (PREFIX, REFIT_FIELDS, STREAM_FIELDS, CollectiveTime
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
-from . import allgather, hierarchical, recovery, reduce_scatter, two_phase
+from . import allgather, hierarchical, node_reduce_scatter, recovery, reduce_scatter, two_phase
 from .driver import run, Started
 from .interfaces import TensorOps, Transport
 from .job import auto_rows, Decoded, issue, Job
@@ -54,7 +54,7 @@ EXCHANGE_CHOICES = (*EXCHANGES, "auto")
 #: The exchanges of streamed rounds: also the reduce-scatter (FSDP2), whose result is one shard (the
 #: order numbers them in the handshake).
 STREAMED = {allgather.NAME: allgather, two_phase.NAME: two_phase, reduce_scatter.NAME: reduce_scatter,
-            hierarchical.NAME: hierarchical}
+            hierarchical.NAME: hierarchical, node_reduce_scatter.NAME: node_reduce_scatter}
 #: Fusion buffers hold this many bytes of float32 gradient by default (``fusion_bytes=``,
 #: ``HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per tensor).
 DEFAULT_FUSION_BYTES = 64 << 20

@@ -48,6 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..core.protocol import PREFIX, shape_hash, stable_hash
+from ..exchange import hierarchical, node_reduce_scatter
 from ..exchange.reduce_scatter import NAME
 from .dist_transport import WATCHDOG, SettleOnce
 from ..settings import Settings
@@ -76,9 +77,12 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         each parameter chunk's start); ``update_steps`` count backward passes. ``bits="auto"``
         gives a width per parameter chunk of every shard: the parameters of a reduce-scatter are
         known from :func:`quantize_reduce_scatter`; an input whose layout it did not record (or one
-        that other modules share with another layout) is one tensor. Not served (one quantization
-        of each rank's shard): ``exchange``, ``bits_second``, ``adapt_second``, ``fusion_bytes``,
-        ``overlap``, ``bits_per``, ``clip`` (docs/settings.md).
+        that other modules share with another layout) is one tensor. ``exchange``: ``"auto"`` (the
+        default) reduce-scatters node-aware when the shard group spans several nodes of several ranks
+        (an exact reduce-scatter inside each node, then only the node sums' codes between nodes:
+        :mod:`horovod_alq.exchange.node_reduce_scatter`), flat otherwise; ``"hierarchical"``: always
+        node-aware. Not served (one quantization of each rank's shard): ``bits_second``,
+        ``adapt_second``, ``fusion_bytes``, ``overlap``, ``bits_per``, ``clip`` (docs/settings.md).
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them.
     """
@@ -111,6 +115,13 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
     def exchange(self) -> str:
         return NAME
 
+    def _exchange_for(self, transport) -> str:
+        """The reduce-scatter of a call over ``transport``'s ranks: node-aware when the settings'
+        exchange is "hierarchical", or "auto" and the ranks span several nodes of several ranks."""
+        g = hierarchical.local_size(transport)
+        spans = 1 < g < transport.size
+        return node_reduce_scatter.NAME if self.settings.exchange == "hierarchical" or spans else NAME
+
     # ------------------------------------------------------------------ the Comm interface
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer for FSDP's reduce-scatter input or output (a plain tensor)."""
@@ -123,6 +134,9 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         leaves the result there; otherwise returns None with the result in place."""
         group = self._group(group)
         stages = self._stages(group, NAME)
+        exchange = self._exchange_for(stages[0])
+        if exchange != NAME:
+            stages = self._stages(group, exchange)
         n = stages[0].size
         scale = _scale(op, n)
         _check(output_tensor, input_tensor, n)
@@ -132,7 +146,7 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
             if scale != 1.0:
                 output_tensor.mul_(scale)
             return _done_work() if async_op else None
-        rnd = self._open(stages, input_tensor.device)
+        rnd = self._open(stages, input_tensor.device, exchange)
         flat = input_tensor.detach().reshape(-1)
         if flat.dtype != torch.float32:
             flat = flat.float()
@@ -160,7 +174,7 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
                              f"(the group FSDP passes) or the FSDP mesh's shard group")
         return group
 
-    def _open(self, stages, device: torch.device):
+    def _open(self, stages, device: torch.device, exchange: str = NAME):
         """The round of the backward pass in progress: opened (the handshake) by its first call."""
         task = torch._C._current_graph_task_id()
         if self._round is not None and task != self._task:
@@ -170,7 +184,7 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
             # would allocate over different rows, so the handshake compares them (every rank raises)
             order = stable_hash(repr(sorted(self._layouts.items()))) if self.bits == "auto" else 0
             self._round = self.engine.open_stream(self._ops_for(device), stages, min_size=self.min_size,
-                                                  exchange=NAME, order=order)
+                                                  exchange=exchange, order=order)
             self._task = task
             if task >= 0:  # closed once the backward pass is over (after FSDP's own final callback)
                 torch.autograd.Variable._execution_engine.queue_callback(self._close)

@@ -179,3 +179,33 @@ def test_local_size_from_the_environment(monkeypatch):
     monkeypatch.setenv(hierarchical.LOCAL_SIZE_ENV, "two")
     with pytest.raises(ValueError, match="whole number"):
         hierarchical.local_size_from_env(4)
+
+
+@pytest.mark.parametrize("exchange", ["reduce-scatter", "hierarchical-reduce-scatter"])
+def test_node_reduce_scatter_keeps_each_shard_and_sends_one_gth_between_nodes(exchange):
+    n, g, per = 4, 2, 512
+    xs = [np.random.default_rng(r).standard_normal(n * per).astype(np.float32) for r in range(n)]
+    exact = sum(x.astype(np.float64) for x in xs)
+    engines = [s.engine(uid="rs") for s in _setups(n, update_steps=())]
+    transports = Hub(n, local_size=g).transports()
+
+    def rank(r):
+        t = transports[r]
+        rnd = engines[r].open_stream(NumpyOps(), [t] * 2, exchange=exchange, elements=n * per)
+        got = {}
+        rnd.add(xs[r], n * per, lambda dec, err: got.update(dec=dec, err=err))
+        rnd.wait()
+        rnd.close()
+        assert got["err"] is None, got["err"]
+        return got["dec"].read(r * per, (r + 1) * per)
+
+    with ThreadPoolExecutor(n) as pool:
+        shards = list(pool.map(rank, range(n)))
+    for r, s in enumerate(shards):
+        want = exact[r * per: (r + 1) * per]
+        assert np.linalg.norm(s - want) / np.linalg.norm(want) < 0.5
+    between = sum(b for t in transports for dst, b in t.sent_to.items() if dst // g != t.rank // g)
+    payload = Quantizer("alq", 3, D).payload_bytes(per)
+    nodes = n // g
+    expected = n * (n - g) * payload if exchange == "reduce-scatter" else n * (nodes - 1) * payload
+    assert between == expected, (between, expected)

@@ -1,6 +1,7 @@
 """Worker for tests/test_hierarchical_ranks.py: the hierarchical exchange on 4 ranks declared as 2
 nodes x 2 (HOROVOD_ALQ_LOCAL_SIZE=2), through one front-end (--front): mpi4py's QuantizedAllreduce,
-the Horovod PyTorch compressor (under mpirun) or the DDP hook (under torchrun). Reports the exchange
+the Horovod PyTorch compressor (under mpirun), the DDP hook or FSDP2's reduce-scatter comm (its
+node-aware reduce-scatter; under torchrun). Reports the exchange
 in use, a digest of every rank's results, the t statistics of the results' deviations from the
 exact average over --reps rounds, and what a rank that declares another node layout gets."""
 
@@ -119,13 +120,53 @@ def run_ddp(args) -> dict:
     return out
 
 
+def run_fsdp(args) -> dict:
+    """FSDP2's reduce-scatter comm called as FSDP calls it: rank r's input is N shards, it keeps the
+    average of shard r; the node-aware reduce-scatter against the exact one."""
+    import torch
+    import torch.distributed as dist
+
+    from horovod_alq.torch.fsdp import ALQReduceScatter
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    per = N // size
+    x = torch.from_numpy(rank_input(rank)[: per * size])
+    exact = x.double().clone()
+    dist.all_reduce(exact)
+    exact = (exact / size)[rank * per: (rank + 1) * per].numpy()
+    comm = ALQReduceScatter(bits=args.bits, bucket_size=D, seed=5, update_steps=(0,), update_every=0, min_size=0)
+    outs = []
+    for _ in range(args.reps):
+        out = torch.empty(per)
+        comm(out, x, dist.group.WORLD, dist.ReduceOp.AVG)
+        outs.append(out.numpy().copy())
+    dev = np.stack(outs).astype(np.float64) - exact
+    t = t_stat(np.add.reduceat(dev, np.arange(0, per, D), axis=1))
+    gathered = [torch.empty(per) for _ in range(size)]
+    dist.all_gather(gathered, torch.from_numpy(outs[-1]))  # every rank's shard: one digest of the whole
+    out = {"reps": len(outs), "buckets": t.size, "t_buckets_max": float(np.abs(t).max()),
+           "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]), "digest": digest(*gathered),
+           "exchange": comm.metrics()["exchange"]}
+    if rank == size - 1:
+        os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = "1"  # this rank declares a node per rank
+    try:
+        ALQReduceScatter(bits=args.bits, bucket_size=D, seed=5, min_size=0, timeout=60)(
+            torch.empty(per), x, dist.group.WORLD, dist.ReduceOp.AVG)
+        out["mismatch"] = None
+    except Exception as err:  # noqa: BLE001
+        out["mismatch"] = f"{type(err).__name__}: {err}"
+    dist.destroy_process_group()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--front", choices=("mpi", "horovod", "ddp"), required=True)
+    parser.add_argument("--front", choices=("mpi", "horovod", "ddp", "fsdp"), required=True)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--reps", type=int, default=60)
     args = parser.parse_args()
-    report({"mpi": run_mpi, "horovod": run_horovod, "ddp": run_ddp}[args.front](args))
+    report({"mpi": run_mpi, "horovod": run_horovod, "ddp": run_ddp, "fsdp": run_fsdp}[args.front](args))
 
 
 if __name__ == "__main__":
