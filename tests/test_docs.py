@@ -23,12 +23,13 @@ PACKAGE = ROOT / "horovod_alq"
 
 # The public API: the modules users import, with their __all__.
 PUBLIC_MODULES = ("horovod_alq.settings", "horovod_alq.torch", "horovod_alq.torch.ddp", "horovod_alq.torch.fsdp",
+                  "horovod_alq.torch.diloco",
                   "horovod_alq.tensorflow", "horovod_alq.mpi", "horovod_alq.core")
 # The errors every rank raises when the ranks of an exchange disagree or a collective times out:
 # these and every class the package derives from them (protocol_errors()).
 PROTOCOL_ERROR_ROOTS = {"ProtocolError", "NotMemberError"}
 SNIPPET_PAGES = ("README.md", "docs/index.md", "docs/horovod-torch.md", "docs/horovod-tensorflow.md",
-                 "docs/ddp.md", "docs/fsdp.md", "docs/mpi4py.md", "docs/core.md")
+                 "docs/ddp.md", "docs/fsdp.md", "docs/mpi4py.md", "docs/core.md", "docs/diloco.md")
 
 
 def _mkdocs() -> str:
