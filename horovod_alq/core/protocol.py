@@ -143,6 +143,25 @@ def tensor_vector_length(size: int) -> int:
     return _HEAD + int(size)
 
 
+def control_shape(length: int) -> tuple[int, int]:
+    """The shape the front-ends give the tensor vector (``length`` elements, any appended fields
+    included) in the framework's allreduce: ``(length, 1)``. No tensor that travels uncompressed
+    enters that allreduce with this shape (:func:`passthrough_shape`), so when one rank passes a
+    tensor uncompressed and another compresses one under the same name, Horovod's shape check
+    refuses the pair on every rank instead of summing the tensor with a control vector."""
+    return int(length), 1
+
+
+def passthrough_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape under which a tensor of ``shape`` that travels uncompressed enters the framework's
+    allreduce: its own, with one more trailing 1 when it has 2 or more dims and its last is 1
+    (``(9, 1)`` goes as ``(9, 1, 1)``). Injective, and never a :func:`control_shape`: two ranks'
+    uncompressed tensors still pair exactly when their shapes are equal. The front-end restores
+    the shape in decompress."""
+    shape = tuple(int(s) for s in shape)
+    return (*shape, 1) if len(shape) >= 2 and shape[-1] == 1 else shape
+
+
 def shape_hash(shape: Sequence[int], dtype: str) -> int:
     """Hash of a tensor's shape and dtype in ``[1, 2**20)``: small enough that sums of squares over
     thousands of ranks stay exact in float64."""
@@ -232,9 +251,46 @@ def check_op(head: np.ndarray, size: int) -> None:
         f"op=Average only. Pass compression=hvd.Compression.none for this call")
 
 
+@dataclass(frozen=True)
+class Joined:
+    """A reduced tensor vector that is a Sum or an Average over the process set's ranks but ``missing``
+    (their entries 0): :func:`joined_ranks`."""
+
+    missing: tuple[int, ...]
+    scale: float  # the factor on the plain sum of the other ranks' tensors (Horovod's op and factors)
+    slots: tuple[int, ...]  # the slot each other rank gave the tensor, in rank order
+
+
+def joined_ranks(reduced: np.ndarray, *, rank: int, size: int, shape_code: int) -> Joined | None:
+    """What an allreduce over the compressor's own process set gives when ranks of the set are in
+    ``hvd.join()`` (Horovod sums zeros for them): None unless every check of
+    :func:`read_tensor_vector` holds over the ranks whose entries are not 0, this rank among them,
+    and at least one rank's entry is 0. Only the caller knows that the allreduce ran over the
+    compressor's set (an allreduce over a smaller set gives the same vector)."""
+    v = np.asarray(reduced, dtype=np.float64).ravel()
+    n = int(size)
+    if v.size < tensor_vector_length(n) or not np.isfinite(v).all() or v[0] <= 0:
+        return None
+    entries = v[_HEAD:_HEAD + n]
+    present = [r for r in range(n) if entries[r] != 0]
+    if len(present) == n or rank not in present:
+        return None
+    m = len(present)
+    w = v * (m / v[0])  # the sums over the present ranks under op=Sum without scaling
+    ps = [r + 1.0 for r in present]
+    if not (_close(w[1], sum(ps)) and _close(w[2], sum(p * p for p in ps)) and _close(w[6], _ADASUM_GUARD * sum(ps))
+            and abs(w[5]) < 0.5 and round(w[3]) == m * shape_code and round(w[4]) == m * shape_code * shape_code):
+        return None
+    slots = tuple(int(round(w[_HEAD + r])) - 1 for r in present)
+    if any(abs(s + 1 - w[_HEAD + r]) > 1e-6 * max(1.0, w[_HEAD + r]) for s, r in zip(slots, present)):
+        return None
+    return Joined(tuple(r for r in range(n) if r not in present), float(v[0]) / m, slots)
+
+
 def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int,
                        local_error: str | None = None, scope: str = "", extra: int = 0) -> Reduced:
-    """Check a reduced tensor vector and return the scale and the ranks' slots.
+    """Check a reduced tensor vector (of any shape: the front-ends send it as :func:`control_shape`)
+    and return the scale and the ranks' slots.
 
     Every rank receives the same reduced vector for the same tensor, so every rank raises the same
     error for the same tensor (``local_error`` only makes the message of the failing rank precise).

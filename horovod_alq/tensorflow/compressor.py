@@ -52,7 +52,7 @@ from ..core.wire import payload_size
 from ..exchange.engine import EXCHANGES, choose_exchange
 from ..exchange.plan import BufferPlan
 from ..settings import Settings, configure
-from . import checks, graph, waits
+from . import checks, graph, joined, waits
 from .state import RoundVariables
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
@@ -82,6 +82,7 @@ class _Exchange:
     shape_code: int = 0
     done: list = None  # eager: [decompressed?], read by the finalizer of an abandoned exchange
     width: Any = None  # bits="auto": the tensor's width (int32 tensor); None with fixed bits
+    own_set: bool = False  # the calling collective runs over the compressor's set (joined.own_set)
 
 
 @dataclass
@@ -252,7 +253,9 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         eager = tf.executing_eagerly()
         slot = self._next_slot(eager)
         try:
-            return self._compress(tensor, numel, slot, eager)
+            small, ctx = self._compress(tensor, numel, slot, eager)
+            ctx.own_set = joined.own_set(self)
+            return small, ctx
         except Exception:
             if eager:
                 self._outstanding -= 1
@@ -363,7 +366,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
             n = self._set_size()
             check = functools.partial(self._check_vector, ctx)
             run = functools.partial(getattr(self, GRAPH_EXCHANGES[ctx.exchange]), ctx, reduced)
-            out = graph.guarded(None, run, check, [reduced, expected], ctx.numel, ctx.eager)
+            out = joined.guarded(self, ctx, reduced, expected, check, run)  # ranks in hvd.join(): served
         finally:
             if ctx.eager:
                 ctx.done[0] = True

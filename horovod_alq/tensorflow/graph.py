@@ -152,6 +152,36 @@ def guarded(ok, run, check, args, numel: int, eager: bool):
     return tf.cond(ok, taken, fail)
 
 
+def control(vector: tf.Tensor) -> tf.Tensor:
+    """The vector ``compress`` hands the allreduce, shaped ``(length, 1)``
+    (:func:`horovod_alq.core.protocol.control_shape`; the length may be known at run time only)."""
+    return tf.reshape(vector, [-1, 1])
+
+
+def passthrough(tensor: tf.Tensor):
+    """``tensor`` shaped as it enters the allreduce uncompressed
+    (:func:`horovod_alq.core.protocol.passthrough_shape`: never the control vector's shape), and what
+    :func:`restore` needs: None (sent as it is), True (one trailing 1 added) or, for a shape not
+    fully known while traced, the tensor's shape at run time (the rule is then applied in the graph)."""
+    shape = tensor.shape
+    if shape.rank is not None and shape.is_fully_defined():
+        grown = len(protocol.passthrough_shape(shape.as_list())) > shape.rank
+        return (tf.expand_dims(tensor, -1), True) if grown else (tensor, None)
+    dims = tf.shape(tensor)
+    grow = tf.logical_and(tf.size(dims) >= 2, tf.reduce_all(tf.equal(dims[-1:], 1)))
+    return tf.reshape(tensor, tf.concat([dims, tf.ones(tf.cast(grow, tf.int32)[None], tf.int32)], 0)), dims
+
+
+def restore(tensor: tf.Tensor, how, shape: tf.TensorShape) -> tf.Tensor:
+    """The reduced uncompressed tensor in the shape :func:`passthrough` took it in (static ``shape``)."""
+    if how is None:
+        return tensor
+    out = tf.squeeze(tensor, [-1]) if how is True else tf.reshape(tensor, how)
+    if not tf.executing_eagerly():
+        out.set_shape(shape)
+    return out
+
+
 def refuse(tensor: tf.Tensor, message: str, shape: tf.TensorShape, dtype: tf.DType) -> tf.Tensor:
     """Raise ``message`` once the allreduce of ``tensor`` is over (in a graph: when it has run)."""
     if tf.executing_eagerly():

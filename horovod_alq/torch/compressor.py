@@ -216,7 +216,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
             flat, name = ctx.entry.flat, f"{PREFIX}.{self._engine.uid}.joined.{'.'.join(map(str, joined.slots))}"
             handle = hvd().allreduce_async(flat.float() if flat.dtype == torch.bfloat16 else flat, op=hvd().Sum,
                                            name=name, process_set=transport.process_set)
-            out, scale = transport._wait(handle, name) * joined.scale, joined.scale
+            out, scale = transport._wait(handle, name).double() * joined.scale, joined.scale  # as Horovod scales
             self._state.uncompressed_coordinates += flat.numel()
         out = out.to(device=ctx.device, dtype=ctx.dtype).view(ctx.shape)
         if ctx.source is not None:

@@ -125,17 +125,31 @@ def test_disagreeing_shapes_and_dtypes_raise_on_every_rank_then_work(shapes, exc
         _raised(r[key]["error"], needle)
         assert r[key]["shape"] is None
     _works_after(shapes, key + ".after", exchange)
-    assert shapes[0][f"{exchange}.step"] == shapes[1][f"{exchange}.step"] == 7  # only the good rounds
+    assert shapes[0][f"{exchange}.step"] == shapes[1][f"{exchange}.step"] == 9  # the 9 good rounds (the checks after)
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
-def test_uncompressed_tensor_of_the_control_vector_length_does_not_hang(shapes, exchange):
-    # A documented limitation: rank 0's float64 tensor below min_size has exactly the control
-    # vector's length, so Horovod reduces the two together. Rank 0 cannot tell (it returns a wrong
-    # sum); rank 1, which compressed, refuses; nobody waits in a collective.
-    r1 = shapes[1][f"{exchange}.collide"]
-    _raised(r1["error"], "horovod_alq")
-    _works_after(shapes, f"{exchange}.collide.after", exchange)
+@pytest.mark.parametrize("case", ["collide", "collide_2d"])
+def test_uncompressed_tensor_of_the_control_vector_length_raises_on_every_rank(shapes, exchange, case):
+    # rank 0's float64 tensor below min_size has the control vector's 9 elements (collide: shape (9,),
+    # collide_2d: the control vector's own shape (9, 1)); rank 1 compresses. The control vector goes
+    # as (9, 1) and no uncompressed tensor goes with that shape, so Horovod's shape check refuses the
+    # pair on every rank: nobody returns a sum of a tensor and a control vector.
+    for r in shapes:
+        _raised(r[f"{exchange}.{case}"]["error"], "Mismatched", "shape")
+        assert r[f"{exchange}.{case}"]["shape"] is None
+    _works_after(shapes, f"{exchange}.{case}.after", exchange)
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_uncompressed_tensor_of_the_control_vector_shape_is_reduced_in_its_shape(shapes, exchange):
+    # both ranks pass a (9, 1) float64 tensor uncompressed: it travels as (9, 1, 1) and comes back
+    # as (9, 1), the exact average of rank 0's 0..8 and rank 1's 0..16 (step 2)
+    for r in shapes:
+        res = r[f"{exchange}.column"]
+        assert res["error"] is None, res["error"]
+        assert res["shape"] == [9, 1]
+        assert res["values"] == [1.5 * i for i in range(9)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,10 +223,20 @@ def join():
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
-def test_join_raises_on_the_rank_that_allreduces_then_works(join, exchange):
-    for err in join[0][exchange]["errors"]:
-        _raised(err, "horovod_alq", "join")
-    assert join[1][exchange]["error"] is None  # the joined rank only waits in hvd.join()
+def test_join_is_served_as_horovod_serves_it_then_works(join, exchange):
+    # rank 1 is in hvd.join(); rank 0's compressed allreduces (Average, Sum) and optimizer steps give
+    # exactly Horovod's uncompressed results (the joined rank contributes zeros), instead of raising
+    # on rank 0 alone while rank 1 never learns of it
+    r0 = join[0][exchange]
+    for call in r0["calls"]:
+        assert call["error"] is None, call["error"]
+        assert call["equal"] and call["exact"], call
+    assert r0["train_error"] is None, r0["train_error"]
+    assert r0["trained"] == r0["trained_ref"], "optimizer steps differ from Horovod's own during join"
+    # no compressed round completed; uncompressed: 4 allreduces of 1024, 2 steps of 2920 (served) + 8 (bias)
+    assert r0["metrics"]["step"] == 0 and r0["metrics"]["uncompressed_coordinates"] == 4 * 1024 + 2 * 2928, \
+        r0["metrics"]
+    assert r0["joined"] == join[1][exchange]["joined"] == 0  # rank 0 joined last
     _works_after(join, f"{exchange}.after", exchange)
 
 

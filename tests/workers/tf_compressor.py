@@ -11,10 +11,11 @@ import hashlib
 import os
 import sys
 import tempfile
+import time
 
 
 SCENARIOS = ["exchange", "train", "keras", "mismatch", "misc", "compat", "deadlock", "process_sets", "two_phase",
-             "reducescatter", "join", "auto"]
+             "reducescatter", "join", "auto", "collide", "stall"]
 
 
 def parse_args():
@@ -646,10 +647,11 @@ def reducescatter(args) -> dict:
 
 
 def join(args) -> dict:
-    """Issue 14, item 7: rank 1 calls hvd.join() while rank 0 goes on allreducing with compressors
+    """Issue 43, item 2: rank 1 calls hvd.join() while rank 0 goes on allreducing with compressors
     (eagerly and in tf.function, both exchanges, Sum and Average, then DistributedGradientTape in
-    tf.function): every call raises an error naming hvd.join() before any payload moves; then rank 0
-    joins, rank 1 returns from hvd.join(), and both ranks exchange identically. One join per run:
+    tf.function): every call is served as Horovod serves it without compression (rank 0's tensor,
+    scaled by the op: compared with Horovod's own allreduce in the same mode); then rank 0 joins,
+    rank 1 returns from hvd.join(), and both ranks exchange identically. One join per run:
     in Horovod 0.28.1 a second hvd.join() returns before the other ranks joined (see docs/horovod-tensorflow.md)."""
     rank = hvd.rank()
     x = tf.constant(rank_data(rank, 2048))
@@ -664,29 +666,111 @@ def join(args) -> dict:
     comps["tape"] = ALQCompressor(bits=4, bucket_size=512, min_size=100, update_steps=(0,), update_every=0, seed=6)
     tx, ty, _, _ = digits_data(rank, hvd.size())
 
-    @tf.function
-    def grads(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, model(xb)))
-        return hvd.DistributedGradientTape(tape, compression=comps["tape"]).gradient(loss, variables)
+    def grads_with(compression):
+        @tf.function
+        def grads(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, model(xb)))
+            return hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, variables)
+
+        return grads
 
     if rank == 1:
         out["joined"] = int(hvd.join())
     else:
         for key, comp in comps.items():
             if key == "tape":
-                out[key] = [_refused(lambda a, b: grads(a, b)[0], tx[:32], ty[:32])]
+                got = _refused(lambda a, b: tf.concat([tf.reshape(g, [-1]) for g in grads_with(comp)(a, b)], 0),
+                               tx[:32], ty[:32])
+                ref = _refused(lambda a, b: tf.concat([tf.reshape(g, [-1]) for g in grads_with(
+                    hvd.Compression.none)(a, b)], 0), tx[:32], ty[:32])
+                out[key] = [dict(got, ref=ref["digest"])]
                 continue
             exchange, mode, op = key.split(".")
-            errors = []
+            calls = []
             for i in range(2):
                 call = lambda t, comp=comp, op=op, name=f"join.{key}.{i}": hvd.allreduce(  # noqa: E731
                     t, compression=comp, op=getattr(hvd, op), name=name)
-                errors.append(_refused(call if mode == "eager" else tf.function(call), x))
-            out[key] = errors
+                plain = lambda t, op=op, name=f"join.{key}.{i}.ref": hvd.allreduce(  # noqa: E731
+                    t, op=getattr(hvd, op), name=name)
+                got = _refused(call if mode == "eager" else tf.function(call), x)
+                calls.append(dict(got, ref=_refused(plain if mode == "eager" else tf.function(plain), x)["digest"]))
+            out[key] = calls
         out["joined"] = int(hvd.join())
     out["after"] = _after(comps, rank, "join.after")
     return out
+
+def collide(args) -> dict:
+    """Issue 43, item 1: a float64 tensor below min_size with the control vector's 9 elements (2 ranks;
+    shape (9,), and the control vector's own shape (9, 1)) on rank 0 while rank 1 compresses: Horovod's
+    shape check refuses it on every rank (the control vector goes as (9, 1), no uncompressed tensor
+    does). A (9, 1) tensor uncompressed on both ranks comes back as (9, 1) with the exact mean, also
+    with a shape unknown while traced."""
+    rank = hvd.rank()
+    comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3)
+    column = tf.reshape(tf.range(9, dtype=tf.float64), [9, 1]) * (rank + 1)
+    out = {}
+    for mode in ("eager", "function"):
+        for case, x in (("collide", tf.ones([9] if rank == 0 else [1024], tf.float64)),
+                        ("collide_2d", tf.ones([9, 1] if rank == 0 else [1024], tf.float64))):
+            call = lambda t, name=f"{case}.{mode}": hvd.allreduce(t, compression=comp, name=name)  # noqa: E731
+            out[f"{case}.{mode}"] = _attempt(call if mode == "eager" else tf.function(call), x)
+        call = lambda t, name=f"column.{mode}": hvd.allreduce(t, compression=comp, name=name)  # noqa: E731
+        fns = {"column": call if mode == "eager" else tf.function(call)}
+        if mode == "function":
+            fns["column_dynamic"] = tf.function(call, input_signature=[tf.TensorSpec([None, None], tf.float64)])
+        for case, fn in fns.items():
+            y = fn(column)
+            out[f"{case}.{mode}"] = {"shape": y.shape.as_list(), "values": y.numpy().ravel().tolist()}
+    out["after"] = _attempt(lambda t: hvd.allreduce(t, compression=comp, name="collide.after"),
+                            tf.constant(rank_data(rank, 2048)))
+    return out
+
+
+STALL_TIMEOUT, STALL = 3.0, 8.0  # the compressors' timeout=, and how long rank 1 stalls
+
+
+def _stall_payloads(comp, exchange: str) -> None:
+    """Make ``comp`` (rank 1's) sleep STALL seconds after the control vector's allreduce, before its
+    first payload collective: eagerly in Python, in a graph in a host op its payload depends on."""
+    method = {"allgather": "_allgather", "two-phase": "_two_phase"}[exchange]
+    run = getattr(comp, method)
+
+    def slow(ctx, reduced):
+        if tf.executing_eagerly():
+            time.sleep(STALL)
+        else:
+            shape = ctx.payload.shape
+            ctx.payload = tf.numpy_function(lambda p: (time.sleep(STALL), p)[1], [ctx.payload], ctx.payload.dtype,
+                                            stateful=True)
+            ctx.payload.set_shape(shape)
+        return run(ctx, reduced)
+
+    setattr(comp, method, slow)
+
+
+def stall(args) -> dict:
+    """Issue 43, item 3: rank 1 stalls STALL seconds between the control vector's allreduce and its
+    payload collectives. Eagerly rank 0 raises CollectiveTimeout after timeout= (STALL_TIMEOUT); in
+    tf.function it waits until rank 1 issues the collective, and both get the same result."""
+    rank = hvd.rank()
+    x = tf.constant(rank_data(rank, 2048))
+    out = {"timeout": STALL_TIMEOUT, "stall": STALL}
+    for exchange in ("allgather", "two-phase"):
+        for mode in ("eager", "function"):
+            comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3, exchange=exchange,
+                                 timeout=STALL_TIMEOUT, update_steps=(), update_every=0)
+            if rank == 1:
+                _stall_payloads(comp, exchange)
+            call = lambda t, comp=comp, name=f"stall.{exchange}.{mode}": hvd.allreduce(  # noqa: E731
+                t, compression=comp, op=hvd.Average, name=name)
+            hvd.allreduce(tf.ones([1]), name=f"stall.start.{exchange}.{mode}")  # start together
+            start = time.monotonic()
+            res = _refused(call if mode == "eager" else tf.function(call), x)
+            res["seconds"] = time.monotonic() - start
+            out[f"{exchange}.{mode}"] = res
+    return out
+
 
 PROCESS_SET = None
 

@@ -182,14 +182,20 @@ def shapes(args) -> dict:
             # upstream test_horovod_allreduce_type_error
             "dtype": torch.ones(1024, dtype=torch.int32) if rank == 0 else torch.ones(1024),
             "dtype_f64": torch.ones(1024, dtype=torch.float64) if rank == 0 else torch.ones(1024),
-            # rank 0's uncompressed float64 tensor has exactly the control vector's length (7 + N):
-            # Horovod reduces it with rank 1's control vector
+            # rank 0's uncompressed float64 tensor has exactly the control vector's length (7 + N) while
+            # rank 1 compresses: the control vector goes as (7 + N, 1), so Horovod's shape check refuses
             "collide": (torch.ones(9, dtype=torch.float64) if rank == 0
                         else torch.ones(1024, dtype=torch.float64)),
+            # ... and with exactly the control vector's shape (it goes as (9, 1, 1))
+            "collide_2d": (torch.ones(9, 1, dtype=torch.float64) if rank == 0
+                           else torch.ones(1024, dtype=torch.float64)),
+            # both ranks pass a (9, 1) tensor uncompressed: reduced as (9, 1, 1), returned as (9, 1)
+            "column": torch.arange(9, dtype=torch.float64).reshape(9, 1) * (rank + 1),
         }
         for case, x in cases.items():
             err, out = error_of(lambda: hvd.allreduce(x, compression=comp, name=f"{exchange}.{case}"))
-            res[f"{exchange}.{case}"] = {"error": err, "shape": None if out is None else list(out.shape)}
+            res[f"{exchange}.{case}"] = {"error": err, "shape": None if out is None else list(out.shape),
+                                         "values": None if out is None else out.reshape(-1).tolist()}
             # the compressor (and Horovod) still work afterwards
             res[f"{exchange}.{case}.after"] = check_mean(
                 comp, after_data(rank), f"{exchange}.{case}.after")
@@ -288,19 +294,49 @@ def autograd(args) -> dict:
 # 7. hvd.join and reducescatter
 
 
+def _join_train(compression, steps: int = 2) -> list:
+    """A few optimizer steps of a small model (rank 0's data); returns the parameters' digests."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=compression)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
+        opt.step()
+    return [digest(p) for p in model.parameters()]
+
+
 def join(args) -> dict:
+    """Rank 1 is in hvd.join() while rank 0 allreduces with the compressor (Average and Sum, then
+    DistributedOptimizer steps): Horovod sums zeros for the joined rank, so every call must give what
+    Horovod gives without compression (rank 0's tensor, scaled by the op), through one uncompressed
+    allreduce that the joined rank serves; then both ranks exchange identically."""
     rank = hvd.rank()
     res = {}
     for exchange in EXCHANGES:
-        comp = comp_for(exchange)
+        # 4 KiB fusion buffers: in the optimizer steps each gradient closes the previous one's buffer,
+        # whose payload collective starts early (and fails in Horovod: no allgather with a joined rank)
+        comp = comp_for(exchange, fusion_bytes=4096)
         if rank == 1:
-            res[exchange] = {"error": None, "joined": hvd.join()}
+            res[exchange] = {"joined": hvd.join()}
         else:
-            errors = []
-            for i in range(2):
-                err, _ = error_of(lambda: hvd.allreduce(torch.ones(1024), compression=comp, name=f"j.{exchange}.{i}"))
-                errors.append(err)
-            res[exchange] = {"errors": errors, "joined": hvd.join()}
+            calls = []
+            x = torch.randn(1024, generator=torch.Generator().manual_seed(3))
+            for op_name, scale in (("Average", 0.5), ("Sum", 1.0)):
+                for i in range(2):
+                    err, out = error_of(lambda: hvd.allreduce(x, compression=comp, op=getattr(hvd, op_name),
+                                                              name=f"j.{exchange}.{op_name}.{i}"))
+                    ref = hvd.allreduce(x, op=getattr(hvd, op_name), name=f"j.{exchange}.{op_name}.{i}.ref")
+                    calls.append({"error": err, "equal": out is not None and bool(torch.equal(out, ref)),
+                                  "exact": out is not None and bool(torch.equal(out, x * scale))})
+            # the same compressor: one used on rank 0 only would not pair with rank 1's afterwards
+            err, trained = error_of(lambda: _join_train(comp))
+            res[exchange] = {"calls": calls, "train_error": err, "trained": trained,
+                             "trained_ref": _join_train(hvd.Compression.none),
+                             "metrics": {k: comp.metrics()[k] for k in ("step", "uncompressed_coordinates")},
+                             "joined": hvd.join()}
         res[f"{exchange}.after"] = check_mean(comp, after_data(rank),
                                               f"j.{exchange}.after")
     return res
