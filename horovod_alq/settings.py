@@ -2,7 +2,7 @@
 
 :class:`Settings` holds them, each field with its default and its documentation, validated when
 the object is made. Every front-end (the Horovod compressors for PyTorch and TensorFlow, the DDP
-hook's ``ALQState``, FSDP2's ``ALQReduceScatter``, mpi4py's ``QuantizedAllreduce``) takes either a
+hook's ``ALQState``, FSDP2's ``ALQReduceScatter``, mpi4py's ``QuantizedAllreduce``, ``DiLoCo``) takes either a
 ``Settings`` (``settings=``) or the same names as keywords, and documents only its own arguments
 (the process group or set, TensorFlow's ``jit_compile``, mpi4py's ``collect_every``)::
 
@@ -226,7 +226,7 @@ def check_min_size(min_size) -> int:
 
 # ---------------------------------------------------------------------------------- front-ends
 #: The front-ends, by the names their errors and the table use.
-FRONT_ENDS = ("Horovod PyTorch", "Horovod TensorFlow", "DDP hook", "FSDP2", "mpi4py")
+FRONT_ENDS = ("Horovod PyTorch", "Horovod TensorFlow", "DDP hook", "FSDP2", "mpi4py", "DiLoCo")
 
 _ON_REQUEST = "levels are refit when asked (adapt()); collect_every chooses the calls that record statistics"
 _TERNGRAD_CLIP = "clipping is a NumPy reference feature; the compiled codecs have no clipping kernel"
@@ -262,6 +262,10 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "overlap": "a call exchanges its arrays at once, there is no backward pass to overlap",
         "update_steps": _ON_REQUEST,
         "update_every": _ON_REQUEST,
+    },
+    "DiLoCo": {
+        "overlap": "the pseudo-gradient is complete when the outer step starts: there is no backward pass to overlap",
+        "clip": _TERNGRAD_CLIP,
     },
 }
 #: Settings a front-end accepts but that change nothing there, and why.

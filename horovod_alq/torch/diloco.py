@@ -60,18 +60,13 @@ __all__ = ["DiLoCo"]
 #: pseudo-gradients' distribution moves over training, and a refit costs one small allreduce.
 DEFAULT_UPDATE_STEPS = (0, 1, 2, 5)
 DEFAULT_UPDATE_EVERY = 5
-#: Settings DiLoCo does not serve, and why.
-NOT_SERVED = {
-    "overlap": "the pseudo-gradient is complete when the outer step starts: there is no backward pass to overlap",
-    "clip": "clipping is a NumPy reference feature; the compiled codecs have no clipping kernel",
-}
 
 
 class _OuterState(StreamedState):
     """The settings, levels, engine and transports of :class:`DiLoCo`'s outer steps."""
 
     what = "DiLoCo state"
-    FRONT_END = None  # horovod_alq.settings.NOT_SERVED has no DiLoCo entry: NOT_SERVED above
+    FRONT_END = "DiLoCo"  # what it does not serve: horovod_alq.settings.NOT_SERVED
 
     def __init__(self, process_group, settings: Settings | None, keywords: dict) -> None:
         self._configure(process_group, settings, "diloco", **keywords)  # the one call into the settings
@@ -125,9 +120,6 @@ class DiLoCo:
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         given = dict(settings.keywords()) if settings is not None else {}
         given.update({k: v for k, v in keywords.items() if v is not None})
-        for name, why in NOT_SERVED.items():
-            if name in given and given[name] != Settings.__dataclass_fields__[name].default:
-                raise ValueError(f"DiLoCo does not serve {name}={given[name]!r}: {why}")
         if given.get("update_steps") is None and given.get("update_every") is None:
             keywords.update(update_steps=DEFAULT_UPDATE_STEPS, update_every=DEFAULT_UPDATE_EVERY)
         self.state = _OuterState(process_group, settings, dict(method=method, bits=bits, **keywords))
