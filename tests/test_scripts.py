@@ -527,3 +527,33 @@ def test_diloco_study_quick(tmp_path, capsys):
     assert sum(line.startswith("| h10-") or line.startswith("| dp-") for line in table.splitlines()) == 3
     assert (tmp_path / "diloco_study.png").stat().st_size > 10_000
     assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0  # resumes: the launch's file exists
+
+
+def test_namespace_launch_that_never_connects_fails_named_and_retried(tmp_path):
+    """scripts/bench/network.py's launch (issue 43, item 9): a launch whose ranks have not all started
+    within the connect timeout is killed, named, tried once more, and then raises; no namespaces
+    needed (a stub command that never starts a rank, a stub check that names the missing worker)."""
+    import time
+
+    net = load("bench.network")
+    polls, cleanups, said = [], [], []
+
+    def missing():
+        polls.append(time.monotonic())
+        return [("alqnet-w0", None), ("alqnet-w1", "worker 1 (10.213.0.2, namespace alqnet-w1): no orted")]
+
+    start = time.monotonic()
+    with pytest.raises(net.LaunchTimeout, match=r"after 1 s: worker 1 \(10\.213\.0\.2, namespace alqnet-w1\)"
+                                                r": no orted .*\(try 2 of 2\)"):
+        net.launch_retry([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log", 30,
+                         missing=missing, connect_timeout=1.0, cleanup=lambda: cleanups.append(1),
+                         say=lambda *a, **k: said.append(a[0]))
+    assert time.monotonic() - start < 15 and len(cleanups) == 2 and len(said) == 1 and "retrying" in said[0]
+    # a launch whose parts all start is left to finish; the check stops once everything started
+    polls.clear()
+    rc = net.launch([sys.executable, "-c", "import time; time.sleep(2.5)"], tmp_path / "log", 30,
+                    missing=lambda: polls.append(1) or [("alqnet-w0", None)], connect_timeout=0.5, poll=0.2)
+    assert rc == 0 and len(polls) == 1
+    # past the overall timeout: killed, TimeoutExpired
+    with pytest.raises(subprocess.TimeoutExpired):
+        net.launch([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log", 1.0, poll=0.2)

@@ -21,6 +21,17 @@ eth0 egress and the bridge port toward it), like a full-duplex NIC of the given 
 Launch: mpirun runs in the head namespace with a hostfile of the four worker addresses and
 ``--mca plm_rsh_agent <agent>``; the agent is a small shell script (written to a temp dir) that maps
 the address to the worker's namespace and runs Open MPI's orted there with ``ip netns exec``.
+Every rank of a launch must run within a minute (:func:`launch` polls each namespace for the
+orted's children); otherwise mpirun and everything in the namespaces are killed, the namespaces
+missing ranks are named (with or without an orted), and the launch is tried once more
+(:func:`launch_retry`); the caller's ``finally`` tears the namespaces down either way.
+
+Node layout (scripts/bench/train_step.py --nodes K --ranks-per-node G): ``setup(K)`` makes K
+worker namespaces and ``mpirun_command(..., n=K, ranks_per_node=G)`` puts G consecutive ranks in
+each (``slots=G``, ``--map-by slot``; Open MPI's local size G, ``HOROVOD_ALQ_LOCAL_SIZE=G``
+exported). The G ranks of a node reach each other at their namespace's own address, which Linux
+routes over the namespace's loopback: unshaped, and not in eth0's counters. Only traffic between
+nodes crosses the shaped veths; :func:`link_counters` reads each node's eth0 bytes.
 Open MPI's out-of-band and TCP BTL traffic are restricted to 10.213.0.0/24 (``btl self,tcp``: no
 shared memory between ranks, since they are on "different hosts"), so every byte of the gradient
 exchange crosses the shaped veths. Horovod uses MPI for its CPU collectives (HOROVOD_CPU_OPERATIONS=mpi).
@@ -132,15 +143,20 @@ def existing_namespaces() -> list[str]:
     return [line.split()[0] for line in out if line.strip() and line.split()[0] in ns_names()]
 
 
-def teardown() -> list[str]:
-    """Kill processes left in our namespaces, delete the namespaces (their veths go with them).
-    Returns the namespaces still present afterwards (should be empty)."""
+def kill_in_namespaces() -> None:
+    """SIGKILL every process in our namespaces (orteds, ranks, agents); the namespaces stay."""
     for ns in existing_namespaces():
         for pid in sh(f"ip netns pids {ns}", check=False).stdout.split():
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+def teardown() -> list[str]:
+    """Kill processes left in our namespaces, delete the namespaces (their veths go with them).
+    Returns the namespaces still present afterwards (should be empty)."""
+    kill_in_namespaces()
     for ns in existing_namespaces():
         sh(f"ip netns del {ns}", check=False)
     return existing_namespaces()
@@ -214,25 +230,32 @@ exec ip netns exec "$ns" /bin/sh -c "$*"
 
 
 def mpirun_command(tmp: Path, yield_when_idle: int = 1, n: int | None = None,
-                   env: dict | None = None) -> list[str]:
-    """``ip netns exec <head> mpirun ...`` for ``n`` (default N_WORKERS) ranks, one per worker
-    namespace, with the agent and hostfile written to ``tmp``; append the program and its arguments.
+                   env: dict | None = None, ranks_per_node: int = 1) -> list[str]:
+    """``ip netns exec <head> mpirun ...`` for ``n`` (default N_WORKERS) worker namespaces, with
+    the agent and hostfile written to ``tmp``; append the program and its arguments.
+    ``ranks_per_node`` G: each namespace is a node of G consecutive ranks (``slots=G``,
+    ``--map-by slot``: Open MPI's local size, so ``hvd.local_size()``, is G, and
+    ``HOROVOD_ALQ_LOCAL_SIZE=G`` is exported for the DDP rows); their TCP between each other goes to
+    the namespace's own address, i.e. over its loopback, unshaped and not counted on eth0. G = 1
+    (the default): one rank per namespace, every link between ranks shaped.
     ``env``: more variables exported to the ranks."""
     n = N_WORKERS if n is None else n
+    g = int(ranks_per_node)
     cases = "\n".join(f"  {SUBNET}.{i + 1}) ns={PREFIX}-w{i};;" for i in range(n))
     agent = tmp / "netns_agent.sh"
     agent.write_text(AGENT.format(cases=cases))
     agent.chmod(0o755)
     hostfile = tmp / "hostfile"
-    hostfile.write_text("".join(f"{SUBNET}.{i + 1} slots=1\n" for i in range(n)))
+    hostfile.write_text("".join(f"{SUBNET}.{i + 1} slots={g}\n" for i in range(n)))
     env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOROVOD_CPU_OPERATIONS": "mpi",
-                "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT), **(env or {})}
+                "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT),
+                **({"HOROVOD_ALQ_LOCAL_SIZE": str(g)} if g > 1 else {}), **(env or {})}
     cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none",
-           "-np", str(n), "--hostfile", str(hostfile), "--map-by", "node",
+           "-np", str(n * g), "--hostfile", str(hostfile), "--map-by", "slot" if g > 1 else "node",
            "--mca", "plm_rsh_agent", str(agent), "--mca", "plm_rsh_no_tree_spawn", "1",
            "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
            "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
-           # every namespace is a 1-slot "host", so Open MPI never sees that all ranks share these
+           # every namespace is a "host" of its own, so Open MPI never sees that all ranks share these
            # cores, and its waits spin on the cores the other ranks need unless told to yield
            "--mca", "mpi_yield_when_idle", str(yield_when_idle)]
     for k, v in env_vars.items():
@@ -240,12 +263,117 @@ def mpirun_command(tmp: Path, yield_when_idle: int = 1, n: int | None = None,
     return ["ip", "netns", "exec", f"{PREFIX}-head", *cmd]
 
 
-def launch(full: list[str], log: Path, timeout: float) -> int:
-    """Run a :func:`mpirun_command` line from the repository root, output to ``log``; its exit status."""
+def link_counters(n: int | None = None) -> list[tuple[int, int]]:
+    """(tx_bytes, rx_bytes) of eth0 of each of the first ``n`` (default N_WORKERS) worker
+    namespaces, from ``ip -n <ns> -s -j link show eth0`` (whole frames: Ethernet, IP and TCP
+    headers included)."""
+    out = []
+    for i in range(N_WORKERS if n is None else n):
+        st = json.loads(sh(f"ip -n {PREFIX}-w{i} -s -j link show eth0").stdout)[0]["stats64"]
+        out.append((int(st["tx"]["bytes"]), int(st["rx"]["bytes"])))
+    return out
+
+
+class LaunchTimeout(RuntimeError):
+    """A launch whose ranks did not all start within the connect timeout."""
+
+
+CONNECT_TIMEOUT = 60.0  # seconds for every node's orted to connect back and start its ranks
+
+
+def _proc_stat(pid: str) -> tuple[str, int] | None:
+    """(comm, ppid) of a process, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    return comm, int(text[text.rindex(")") + 2:].split()[1])
+
+
+def missing_ranks(n: int, ranks_per_node: int = 1) -> list[tuple[str, str | None]]:
+    """(namespace, None when its ``ranks_per_node`` ranks run, else what runs there) for each of
+    the first ``n`` worker namespaces: a rank is a child of an ``orted``, which mpirun starts
+    through the agent, and launches ranks on only after every orted has connected back to it."""
+    missing = []
+    for i in range(n):
+        ns = f"{PREFIX}-w{i}"
+        pids = sh(f"ip netns pids {ns}", check=False).stdout.split()
+        stats = {pid: _proc_stat(pid) for pid in pids}
+        orteds = {pid for pid, st in stats.items() if st and st[0] == "orted"}
+        ranks = sum(1 for st in stats.values() if st and str(st[1]) in orteds)
+        if ranks < ranks_per_node:
+            what = (f"{len(orteds)} orted, {ranks} of {ranks_per_node} ranks" if orteds else
+                    "no orted (the agent never started one, or it exited)")
+            missing.append((ns, f"worker {i} ({SUBNET}.{i + 1}, namespace {ns}): {what}"))
+        else:
+            missing.append((ns, None))
+    return missing
+
+
+def launch(full: list[str], log: Path, timeout: float, missing=None,
+           connect_timeout: float = CONNECT_TIMEOUT, poll: float = 1.0, cleanup=None) -> int:
+    """Run a :func:`mpirun_command` line from the repository root, output to ``log``; its exit status.
+    ``missing``: a callable returning (key, None if started else a description) for each part of
+    the launch (e.g. ``lambda: missing_ranks(n, g)``; a key once started stays started); while
+    anything is missing after ``connect_timeout`` seconds, mpirun's process group is killed,
+    ``cleanup()`` called (e.g. :func:`kill_in_namespaces`; the namespaces stay, for a retry) and
+    :class:`LaunchTimeout` names what was missing. Past ``timeout``: the same kill, and
+    ``subprocess.TimeoutExpired``."""
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    start = time.monotonic()
     with open(log, "w") as f:
-        return subprocess.run(full, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=timeout, cwd=ROOT).returncode
+        proc = subprocess.Popen(full, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                cwd=ROOT, start_new_session=True)
+
+        def kill() -> None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            if cleanup is not None:
+                cleanup()
+
+        try:
+            waiting, started = missing is not None, set()
+            while True:
+                try:
+                    return proc.wait(timeout=poll)
+                except subprocess.TimeoutExpired:
+                    pass
+                elapsed = time.monotonic() - start
+                if waiting:
+                    now = missing()
+                    started |= {key for key, text in now if text is None}
+                    left = [(key, text) for key, text in now if key not in started]
+                    if not left:
+                        waiting = False
+                    elif elapsed > connect_timeout:
+                        kill()
+                        raise LaunchTimeout(
+                            f"launch not started after {connect_timeout:g} s: " + "; ".join(text for _, text in left)
+                            + f" (mpirun killed; its output: {log})")
+                if elapsed > timeout:
+                    kill()
+                    raise subprocess.TimeoutExpired(full, timeout)
+        except BaseException:
+            if proc.poll() is None:
+                kill()
+            raise
+
+
+def launch_retry(full: list[str], log: Path, timeout: float, missing=None,
+                 connect_timeout: float = CONNECT_TIMEOUT, tries: int = 2, say=print, cleanup=None) -> int:
+    """:func:`launch`, tried again (once, by default) after a :class:`LaunchTimeout`; the last one raised."""
+    for attempt in range(1, tries + 1):
+        try:
+            return launch(full, log, timeout, missing, connect_timeout, cleanup=cleanup)
+        except LaunchTimeout as e:
+            if attempt == tries:
+                raise LaunchTimeout(f"{e} (try {attempt} of {tries})") from None
+            say(f"{e}; retrying ({attempt + 1} of {tries})", flush=True)
+    raise AssertionError("unreachable")
 
 
 def run_workers(args, tmp: Path, rate_label: str) -> dict:
@@ -257,7 +385,7 @@ def run_workers(args, tmp: Path, rate_label: str) -> dict:
             "--steps", str(args.steps), "--warmup", str(args.warmup)]
     print(f"[{rate_label}] {shlex.join(full)}", flush=True)
     log = tmp / f"mpirun_{rate_label}.log"
-    rc = launch(full, log, args.timeout)
+    rc = launch_retry(full, log, args.timeout, missing=lambda: missing_ranks(N_WORKERS), cleanup=kill_in_namespaces)
     if rc != 0 or not out.exists():
         raise RuntimeError(f"mpirun failed ({rc}):\n{log.read_text()[-4000:]}")
     return json.loads(out.read_text())

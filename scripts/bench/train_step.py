@@ -46,6 +46,22 @@ it stands (to reproduce the failure).
 fails before that on every backend: it passes its 2-D Q to ``_orthogonalize``, which asserts a
 3-D batch.)
 
+Node layout (--nodes K --ranks-per-node G, or --layout KxG; issue 41): K namespaces ("nodes") of
+G consecutive ranks each (Open MPI ``slots=G``, ``--map-by slot``: ``hvd.local_size()`` = G, and
+``HOROVOD_ALQ_LOCAL_SIZE=G`` exported for the DDP rows, which read it before torchrun's
+LOCAL_WORLD_SIZE); the ranks of a node talk over their namespace's loopback (unshaped), the nodes
+over the shaped links. Default rows then: local, Horovod fp32, fp16, fp16 with
+HOROVOD_HIERARCHICAL_ALLREDUCE=1 (``hvd-fp16-hier``: a process-wide setting read at ``hvd.init()``,
+so it runs in a launch of its own; Horovod 0.28.1 implements hierarchical allreduce for NCCL only,
+so on CPU tensors with MPI operations it should change nothing, and the counters check that),
+ALQ 3b two-phase (flat), ALQ hierarchical at 3 and 4 bits, DDP fp16_compress_hook,
+bf16_compress_hook (DDP refuses to register the hook of that name without CUDA and NCCL, so it is
+registered under another name; gloo allreduces bfloat16 on CPU), alq_hook two-phase and
+hierarchical (``exchange="auto"`` would pick hierarchical in this layout: the rows name theirs).
+In the namespaces every row also reports the bytes that crossed between namespaces per step, read
+from each namespace's eth0 counters (see the columns' note in the report); the default one-rank-
+per-namespace layout is unchanged.
+
 For every row: the median over --steps timed steps (after --warmup) of the slowest rank's step
 time; the ratio to fp16 (Horovod rows to Horovod fp16, DDP rows to DDP's fp16_compress_hook);
 bytes sent per step and rank, measured for the ALQ rows (``metrics()["bytes_sent"]`` over the
@@ -79,13 +95,23 @@ from pathlib import Path
 import scripts.bench.network as net  # namespaces, tc, mpirun agent
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ["local", "hvd-fp32", "hvd-fp16", "hvd-alq", "hvd-alq-f4", "hvd-alq-ag", "hvd-alq-2p",
-        "ddp-fp32", "ddp-fp16", "ddp-psgd2", "ddp-psgd8", "ddp-alq"]
+ROWS = ["local", "hvd-fp32", "hvd-fp16", "hvd-fp16-hier", "hvd-alq", "hvd-alq-f4", "hvd-alq-ag", "hvd-alq-2p",
+        "hvd-alq-h", "hvd-alq-h4", "ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-psgd2", "ddp-psgd8", "ddp-alq",
+        "ddp-alq-2p", "ddp-alq-h"]
+DEFAULT_ROWS = ["local", "hvd-fp32", "hvd-fp16", "hvd-alq", "hvd-alq-f4", "hvd-alq-ag", "hvd-alq-2p",
+                "ddp-fp32", "ddp-fp16", "ddp-psgd2", "ddp-psgd8", "ddp-alq"]  # one rank per namespace
+NODE_ROWS = ["local", "hvd-fp32", "hvd-fp16", "hvd-fp16-hier", "hvd-alq-2p", "hvd-alq-h", "hvd-alq-h4",
+             "ddp-fp16", "ddp-bf16", "ddp-alq-2p", "ddp-alq-h"]  # the default with --nodes
+SEPARATE = {"hvd-fp16-hier": {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}}  # rows that need their own launch
 LABELS = {"local": "fwd+bwd+SGD alone (no exchange)",
           "hvd-fp32": "Horovod fp32 (Compression.none)", "hvd-fp16": "Horovod fp16 (Compression.fp16)",
           "hvd-alq": "Horovod ALQCompressor(bits=3), auto",
           "hvd-alq-f4": "Horovod ALQ 3b, auto, fusion_bytes=4 MiB", "hvd-alq-ag": "Horovod ALQ 3b, allgather",
           "hvd-alq-2p": "Horovod ALQ 3b, two-phase",
+          "hvd-fp16-hier": "Horovod fp16, HOROVOD_HIERARCHICAL_ALLREDUCE=1 (own launch)",
+          "hvd-alq-h": "Horovod ALQ 3b, hierarchical", "hvd-alq-h4": "Horovod ALQ 4b, hierarchical",
+          "ddp-bf16": "DDP bf16_compress_hook (wrapped, see --help)", "ddp-alq-2p": "DDP alq_hook 3b, two-phase",
+          "ddp-alq-h": "DDP alq_hook 3b, hierarchical",
           "ddp-fp32": "DDP allreduce (fp32)", "ddp-fp16": "DDP fp16_compress_hook",
           "ddp-psgd2": "DDP powerSGD_hook rank 2", "ddp-psgd8": "DDP powerSGD_hook rank 8",
           "ddp-alq": "DDP alq_hook, ALQState(bits=3), auto"}
@@ -129,6 +155,18 @@ def resnet18(width: float = 1.0, num_classes: int = 10):
 
 
 # ---------------------------------------------------------------------------------------- worker
+def if_bytes(name: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of interface ``name`` in this process's network namespace
+    (/proc/net/dev: the interface's counters, whole frames)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            dev, _, rest = line.partition(":")
+            if dev.strip() == name:
+                fields = rest.split()
+                return int(fields[8]), int(fields[0])
+    raise RuntimeError(f"no interface {name!r} in /proc/net/dev")
+
+
 def if_addr(name: str) -> str:
     """IPv4 address of network interface ``name`` (SIOCGIFADDR)."""
     import fcntl
@@ -182,6 +220,11 @@ def worker(args) -> int:
         fut.wait()
         return fut
 
+    def bf16_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """bf16_compress_hook itself, under another name: DDP refuses to register the hook of that
+        name without CUDA and NCCL 2.10+, though gloo allreduces bfloat16 on CPU."""
+        return default_hooks.bf16_compress_hook(state, bucket)
+
     keys = args.rows.split(",")
     g = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.batch_size, 3, 32, 32, generator=g)
@@ -196,7 +239,10 @@ def worker(args) -> int:
             comp = {"hvd-fp32": hvd.Compression.none, "hvd-fp16": hvd.Compression.fp16,
                     "hvd-alq": ALQCompressor(bits=3), "hvd-alq-f4": ALQCompressor(bits=3, fusion_bytes=4 << 20),
                     "hvd-alq-ag": ALQCompressor(bits=3, exchange="allgather"),
-                    "hvd-alq-2p": ALQCompressor(bits=3, exchange="two-phase")}[key]
+                    "hvd-alq-2p": ALQCompressor(bits=3, exchange="two-phase"),
+                    "hvd-fp16-hier": hvd.Compression.fp16,
+                    "hvd-alq-h": ALQCompressor(bits=3, exchange="hierarchical"),
+                    "hvd-alq-h4": ALQCompressor(bits=4, exchange="hierarchical")}[key]
             # names prefixed by the row: Horovod's response cache never sees one name in two rows
             row["opt"] = hvd.DistributedOptimizer(sgd, named_parameters=[(f"{key}.{k}", p) for k, p in
                                                                          model.named_parameters()],
@@ -209,14 +255,17 @@ def worker(args) -> int:
             model = row["model"] = DDP(model, bucket_cap_mb=bucket_mb)  # (the SGD above holds the same parameters)
             if key == "ddp-fp16":
                 model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif key == "ddp-bf16":
+                model.register_comm_hook(None, bf16_hook)
             elif key.startswith("ddp-psgd"):
                 state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(key[8:]),
                                            start_powerSGD_iter=PSGD_START)
                 model.register_comm_hook(state, powersgd_wait_hook if args.powersgd_fix == "wait"
                                          else psgd.powerSGD_hook)
                 row["state"] = state
-            elif key == "ddp-alq":
-                row["state"] = ALQState(bits=3)
+            elif key.startswith("ddp-alq"):
+                row["state"] = ALQState(bits=3, **({"ddp-alq-2p": {"exchange": "two-phase"},
+                                                    "ddp-alq-h": {"exchange": "hierarchical"}}.get(key, {})))
                 model.register_comm_hook(row["state"], alq_hook)
         rows[key] = row
     base = rows[keys[0]]["model"]
@@ -237,6 +286,7 @@ def worker(args) -> int:
     fwd_bwd = {k: [] for k in keys}
     cpu_main = {k: [] for k in keys}  # the main thread's CPU time: compute, hooks, codec, Python
     cpu_all = {k: [] for k in keys}   # the process's: also Horovod's, Open MPI's and gloo's threads
+    link = {k: [] for k in keys}  # (tx, rx) of this namespace's --count-ifname, tx of its lo, per timed step
     before = {}
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -244,6 +294,8 @@ def worker(args) -> int:
         for key in keys:
             row = rows[key]
             dist.barrier()
+            if args.count_ifname:
+                l0 = if_bytes(args.count_ifname) + if_bytes("lo")[:1]
             c0, p0 = time.thread_time(), time.process_time()
             t0 = time.perf_counter()
             F.cross_entropy(row["model"](x), y).backward()
@@ -255,6 +307,14 @@ def worker(args) -> int:
             # a training loop's zero_grad() before the backward would free them (11 rows' gradients
             # held at once would not fit 8 ranks of the full model in this machine's memory)
             row["opt"].zero_grad()
+            if args.count_ifname:
+                # the row's traffic has ended on every rank after this barrier (its bytes, and the
+                # barrier's own, are in the counters read after it); the next row starts after
+                # another barrier and another read
+                dist.barrier()
+                l1 = if_bytes(args.count_ifname) + if_bytes("lo")[:1]
+                if step >= args.warmup:
+                    link[key].append(tuple(b - a for a, b in zip(l0, l1)))
             if step >= args.warmup:
                 times[key].append(t2 - t0)
                 fwd_bwd[key].append(t1 - t0)
@@ -276,6 +336,7 @@ def worker(args) -> int:
         diffs[key] = float(d)
 
     per_rank = hvd.allgather_object({"times": times, "fwd_bwd": fwd_bwd, "cpu_main": cpu_main, "cpu_all": cpu_all,
+                                     "local_rank": hvd.local_rank(), "local_size": hvd.local_size(), "link": link,
                                      "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     ring = 2 * (n - 1) / n
     results = {}
@@ -292,7 +353,7 @@ def worker(args) -> int:
         b, a = before.get(key), after[key]
         if key == "local":
             res.update(bytes_per_step=0.0, bytes_how="none")
-        elif key.endswith(("fp32", "fp16")):
+        elif key.endswith(("fp32", "fp16", "bf16", "fp16-hier")):
             res.update(bytes_per_step=ring * (4 if key.endswith("fp32") else 2) * params,
                        bytes_how=f"arithmetic: 2(N-1)/N x {4 if key.endswith('fp32') else 2} B x parameters")
         elif "psgd" in key:
@@ -307,22 +368,35 @@ def worker(args) -> int:
             res.update(bytes_per_step=sent + ring * 4 * unc, bytes_sent_per_step=sent, uncompressed_per_step=unc,
                        exchange=a["exchange"], rounds=rounds,
                        bytes_how="measured: metrics() bytes_sent + 2(N-1)/N x 4 B x uncompressed coordinates")
+        nodes = [r["link"][key] for r in per_rank if r["local_rank"] == 0]  # one reader per namespace
+        if args.count_ifname and nodes:
+            steps = len(nodes[0])
+            res.update(link_tx_per_step=sum(c[0] for node in nodes for c in node) / steps,
+                       link_rx_per_step=sum(c[1] for node in nodes for c in node) / steps,
+                       # the busiest node link, the more loaded direction (tbf shapes each direction)
+                       link_max_per_step=max(max(sum(c[0] for c in node), sum(c[1] for c in node))
+                                             for node in nodes) / steps,
+                       # inside the nodes: their loopbacks (tx = rx there)
+                       lo_per_step=sum(c[2] for node in nodes for c in node) / steps)
         results[key] = res
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps({
             "size": n, "params": params, "param_tensors": len(list(base.parameters())), "buffers": buffers,
             "maxrss_mb": max(r["maxrss_mb"] for r in per_rank), "torch": torch.__version__,
-            "horovod": horovod.__version__, "results": results}))
+            "horovod": horovod.__version__, "local_size": hvd.local_size(),
+            "nodes": sum(1 for r in per_rank if r["local_rank"] == 0), "results": results}))
     dist.destroy_process_group()
     hvd.shutdown()
     return 0
 
 
 # ---------------------------------------------------------------------------------------- driver
-def worker_args(args, out: Path, ifname: str) -> list[str]:
+def worker_args(args, out: Path, ifname: str, rows: str | None = None) -> list[str]:
     extra = [] if args.ddp_bucket_mb is None else ["--ddp-bucket-mb", str(args.ddp_bucket_mb)]
+    if ifname != "lo":  # in the namespaces: each node's eth0 counters around each row's steps
+        extra += ["--count-ifname", ifname]
     return [sys.executable, "-m", "scripts.bench.train_step", "--worker", "--worker-out", str(out),
-            "--gloo-ifname", ifname, "--rows", args.rows, "--width", str(args.width),
+            "--gloo-ifname", ifname, "--rows", rows or args.rows, "--width", str(args.width),
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--powersgd-fix", args.powersgd_fix, "--gloo-timeout", str(args.gloo_timeout),
             "--momentum", str(args.momentum), *extra]
@@ -336,16 +410,50 @@ def log_path(args, n: int, rate: str) -> Path:
 
 
 def run_netns(args, tmp: Path, n: int, rate: str, make_args=None) -> dict:
-    """The worker on ``n`` ranks in the namespaces; ``make_args(args, out, ifname)``: its command
-    line (default :func:`worker_args`)."""
-    out = tmp / f"result_{n}_{rate}.json"
-    full = net.mpirun_command(tmp, args.yield_when_idle, n) + (make_args or worker_args)(args, out, "eth0")
-    log = log_path(args, n, rate)
-    print(f"[{n} workers, {rate}] {shlex.join(full)}\n  (output: {log})", flush=True)
-    rc = net.launch(full, log, args.timeout)
+    """The worker in ``n`` namespaces (``args.ranks_per_node`` ranks in each, default 1);
+    ``make_args(args, out, ifname)``: its command line (default :func:`worker_args`). Rows of
+    :data:`SEPARATE` run in a launch of their own, with their variables; the results are merged.
+    Each launch has a minute to start every rank (else it is killed, named and tried once more)."""
+    g = getattr(args, "ranks_per_node", 1) or 1
+    if make_args is not None:
+        return _launch_netns(args, tmp, n, rate, g, make_args, "", {})
+    keys = args.rows.split(",")
+    main = [k for k in keys if k not in SEPARATE]
+    run = None
+    if main:
+        run = _launch_netns(args, tmp, n, rate, g, lambda a, out, ifname: worker_args(a, out, ifname, ",".join(main)),
+                            "", {})
+    for key in (k for k in keys if k in SEPARATE):
+        part = _launch_netns(args, tmp, n, rate, g, lambda a, out, ifname: worker_args(a, out, ifname, key),
+                             f"_{key}", SEPARATE[key])
+        part["results"][key]["launch"] = "own launch: " + " ".join(f"{k}={v}" for k, v in SEPARATE[key].items())
+        if run is None:
+            run = part
+        else:
+            run["results"][key] = part["results"][key]
+            run.setdefault("launch_bytes_separate", {})[key] = part.get("launch_bytes")
+    run["results"] = {k: run["results"][k] for k in keys}
+    return run
+
+
+def _launch_netns(args, tmp: Path, n: int, rate: str, g: int, make_args, suffix: str, env: dict) -> dict:
+    out = tmp / f"result_{n}_{rate}{suffix}.json"
+    full = net.mpirun_command(tmp, args.yield_when_idle, n, env=env, ranks_per_node=g) + make_args(args, out, "eth0")
+    log = log_path(args, n * g, rate + suffix)
+    where = f"{n} nodes x {g} ranks" if g > 1 else f"{n} workers"
+    print(f"[{where}, {rate}{suffix}] {shlex.join(full)}\n  (output: {log})", flush=True)
+    before = net.link_counters(n)
+    rc = net.launch_retry(full, log, args.timeout, missing=lambda: net.missing_ranks(n, g),
+                          connect_timeout=getattr(args, "connect_timeout", net.CONNECT_TIMEOUT),
+                          cleanup=net.kill_in_namespaces)
+    after = net.link_counters(n)
     if rc != 0 or not out.exists():
         raise RuntimeError(f"mpirun failed ({rc}):\n{log.read_text()[-6000:]}")
-    return json.loads(out.read_text())
+    run = json.loads(out.read_text())
+    # the whole launch's bytes on the node links (start-up, wire-up, warm-up, barriers, results included)
+    run["launch_bytes"] = {"tx": sum(a[0] - b[0] for a, b in zip(after, before)),
+                           "rx": sum(a[1] - b[1] for a, b in zip(after, before))}
+    return run
 
 
 def run_local(args, tmp: Path, n: int, make_args=None) -> dict:
@@ -377,10 +485,10 @@ def memory_check(args, workers: list[int]) -> str | None:
     per_rank = 0.45e9 + params * rows * (15 + (4 if args.momentum else 0)) * 1.1
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    need = max(workers) * per_rank
+    need = max(workers) * (getattr(args, "ranks_per_node", 1) or 1) * per_rank
     if need <= avail:
         return None
-    return (f"{max(workers)} ranks x about {per_rank / 1e9:.2f} GB ({params:,} parameters x {rows} rows) = "
+    return (f"{max(workers) * (getattr(args, 'ranks_per_node', 1) or 1)} ranks x about {per_rank / 1e9:.2f} GB ({params:,} parameters x {rows} rows) = "
             f"{need / 1e9:.1f} GB > {avail / 1e9:.1f} GB available; use --momentum 0, a smaller --width, fewer "
             "--rows or --workers (or --skip-memory-check)")
 
@@ -397,10 +505,14 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
         lines.append(f"Alone (no exchange, same oversubscription): fwd+bwd {ms(res['local']['fwd_bwd_s'])} ms, "
                      f"fwd+bwd+SGD step {ms(local)} ms (the compute in the limits).")
         lines.append("")
-    lines += ["| row | step ms | fwd+bwd ms | vs fp16 | MB sent / step / rank | comm at R, ms "
-              "| limit no overlap, ms | step / limit | limit overlap, ms | step / limit "
+    links = all("link_tx_per_step" in r for r in res.values())
+    nodes = run.get("local_size", 1) > 1 and links  # limits from the counted bytes of the busiest link
+    lines += ["| row | step ms | fwd+bwd ms | vs fp16 | MB sent / step / rank"
+              + (" | MB between nodes / step (eth0 tx, all nodes) | busiest node link MB / step"
+                 " | MB inside nodes / step (lo, all nodes)" if links else "")
+              + " | comm at R, ms | limit no overlap, ms | step / limit | limit overlap, ms | step / limit "
               "| max param diff across ranks |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if links else "") + "---:|---:|---:|---:|---:|---:|"]
     for key, r in res.items():
         fam = key.split("-")[0]
         ref = res.get(FP16_OF.get(fam, ""), {}).get("step_s")
@@ -408,8 +520,11 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
         cells = [r["label"] + (f" [{r['exchange']}]" if r.get("exchange") else ""), ms(r["step_s"]),
                  ms(r["fwd_bwd_s"]), ratio,
                  f"{r['bytes_per_step'] / 1e6:.3f}"]
+        if links:
+            cells += [f"{r['link_tx_per_step'] / 1e6:.3f}", f"{r['link_max_per_step'] / 1e6:.3f}",
+                      f"{r['lo_per_step'] / 1e6:.3f}" if "lo_per_step" in r else "-"]
         if rate_Bps and local is not None and key != "local":
-            comm = r["bytes_per_step"] / rate_Bps
+            comm = (r["link_max_per_step"] if nodes else r["bytes_per_step"]) / rate_Bps
             no_ov, ov = local + comm, max(local, comm)
             cells += [ms(comm), ms(no_ov), f"{r['step_s'] / no_ov:.2f}", ms(ov), f"{r['step_s'] / ov:.2f}"]
         else:
@@ -417,6 +532,28 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
         cells.append("-" if key == "local" else f"{r['max_param_diff']:.3g}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def launch_lines(run: dict) -> list[str]:
+    """What the counted rows leave out: the whole launch's bytes on the node links, against the
+    sum of the rows' counted steps; [] for a run without counters."""
+    res, lb = run["results"], run.get("launch_bytes")
+    if not lb or not all("link_tx_per_step" in r for r in res.values()):
+        return []
+    steps = len(next(iter(res.values()))["steps_s"])
+    own = [k for k, r in res.items() if r.get("launch")]
+    counted = sum(r["link_tx_per_step"] for k, r in res.items() if k not in own) * steps
+    line = (f"Whole launch on the node links (eth0 tx of every node, read with `ip -n <ns> -s -j link show "
+            f"eth0` before and after mpirun): {lb['tx'] / 1e6:.2f} MB, of which the rows' counted timed "
+            f"steps {counted / 1e6:.2f} MB; the rest is start-up (orted, MPI and gloo wire-up), warm-up "
+            "steps, DDP's initial broadcast, the barriers between rows, the closing parameter check's broadcasts "
+            "and the results' gathering.")
+    for k in own:
+        b = run.get("launch_bytes_separate", {}).get(k)
+        if b:
+            line += (f" {res[k]['label']}: its own launch, {b['tx'] / 1e6:.2f} MB in all, "
+                     f"{res[k]['link_tx_per_step'] * steps / 1e6:.2f} MB in its counted steps.")
+    return ["", line]
 
 
 def cpu_table(run: dict) -> list[str]:
@@ -460,7 +597,8 @@ def report_head(title: str, module: str, argv, runs: list[dict], wall: float, ve
 
 def rate_heading(r: dict) -> str:
     """The section heading of one (workers, link) run, with the link's measured throughput."""
-    head = f"## {r['workers']} workers, {r['rate']}"
+    head = (f"## {r['nodes']} nodes x {r['ranks_per_node']} ranks, {r['rate']}" if r.get("nodes")
+            else f"## {r['workers']} workers, {r['rate']}")
     if r.get("throughput_Bps"):
         head += f" (measured TCP throughput w0->w1 R = {r['throughput_Bps'] * 8 / 1e6:.0f} Mbit/s)"
     return head
@@ -485,13 +623,22 @@ def report(args, argv, runs: list[dict], wall: float) -> str:
              + "; the other DDP rows DDP's default buckets"
              + (f" ({args.ddp_bucket_mb} MB)" if args.ddp_bucket_mb else " (25 MB)") + ".", ""]
     for r in runs:
-        lines += [rate_heading(r), ""] + table(r["run"], r.get("throughput_Bps")) + cpu_table(r["run"]) + [""]
+        lines += [rate_heading(r), ""] + table(r["run"], r.get("throughput_Bps")) + launch_lines(r["run"]) \
+            + cpu_table(r["run"]) + [""]
     lines += [
         "Columns: step ms = median of the slowest rank's full step; fwd+bwd ms = the same for the forward "
         "and backward alone (with DDP: its exchange, which ends in the backward; with Horovod: the "
         "exchange started during the backward, finished in optimizer.step()); vs fp16 = Horovod rows over "
         "Horovod fp16, "
-        "DDP rows over DDP's fp16_compress_hook; MB sent: the ALQ rows measured (metrics()['bytes_sent'] "
+        "DDP rows over DDP's fp16_compress_hook; MB between nodes: read from the interface counters of "
+        "every worker namespace's eth0 (/proc/net/dev inside it, by the first rank of each namespace) after "
+        "a barrier before and after each row's step, summed over namespaces and divided by the timed steps: "
+        "whole frames (Ethernet, IP, TCP headers and ACKs), the barrier after the step (gloo) and whatever "
+        "else crossed meanwhile (Horovod's background coordination, control vectors) included, nothing "
+        "subtracted: the local row shows that floor; busiest node link: the largest of any node's tx or rx; "
+        "MB inside nodes: the same from each namespace's lo (the ranks of a node reach each other over it, "
+        "unshaped); with several ranks per node the limits below use the busiest node link's bytes; "
+        "MB sent: the ALQ rows measured (metrics()['bytes_sent'] "
         "over the timed steps, plus 2(N-1)/N x 4 B per coordinate that travelled uncompressed), PowerSGD "
         "from its counters (2(N-1)/N x 4 B x total_numel_after_compression: its P, Q and uncompressed "
         "tensors are allreduced in fp32), fp32 and fp16 by arithmetic (2(N-1)/N x 4 or 2 B x parameters: a "
@@ -518,7 +665,16 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="defaults for a check of 2-3 minutes: " + ", ".join(f"{k} {v:g}" if isinstance(v, float)
                                                                           else f"{k} {v}" for k, v in QUICK.items()))
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, in this order: {','.join(ROWS)}")
+    p.add_argument("--rows", help=f"comma-separated, from {','.join(ROWS)}; default {','.join(DEFAULT_ROWS)}, "
+                                  f"with --nodes {','.join(NODE_ROWS)}")
+    p.add_argument("--nodes", help="node layout: comma-separated node counts (2..8), each node a namespace of "
+                                   "--ranks-per-node ranks, the nodes joined by the shaped links (instead of "
+                                   "--workers: one rank per namespace)")
+    p.add_argument("--ranks-per-node", type=int, help="ranks in each node's namespace; default 2 with --nodes")
+    p.add_argument("--layout", help="KxG[,KxG]: --nodes K --ranks-per-node G in one (one G for all)")
+    p.add_argument("--connect-timeout", type=float, default=60.0,
+                   help="seconds for every rank of a launch to start; then it is killed, named and retried "
+                        "once; default 60")
     p.add_argument("--powersgd-fix", choices=("one-bucket", "wait", "none"), default="one-bucket",
                    help="how powerSGD_hook is kept in step on gloo (see above); default one-bucket")
     p.add_argument("--ddp-bucket-mb", type=float, help="bucket_cap_mb of the other DDP rows; default DDP's (25)")
@@ -538,10 +694,36 @@ def main(argv=None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--gloo-ifname", default="eth0", help=argparse.SUPPRESS)
+    p.add_argument("--count-ifname", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.layout:
+        if args.nodes or args.ranks_per_node:
+            p.error("--layout replaces --nodes and --ranks-per-node")
+        try:
+            pairs = [tuple(int(v) for v in item.lower().split("x")) for item in args.layout.split(",")]
+            assert all(len(pair) == 2 for pair in pairs)
+        except (ValueError, AssertionError):
+            p.error(f"--layout {args.layout!r}: expected KxG[,KxG], e.g. 2x2,4x2")
+        if len({g for _, g in pairs}) != 1:
+            p.error("--layout: one ranks-per-node G for all layouts")
+        args.nodes, args.ranks_per_node = ",".join(str(k) for k, _ in pairs), pairs[0][1]
+    if args.nodes:
+        if args.ranks_per_node is None:
+            args.ranks_per_node = 2
+        if args.local:
+            p.error("--nodes needs the namespaces (not --local)")
+        args.workers = args.nodes  # the namespaces; ranks = nodes x ranks_per_node
+    elif args.ranks_per_node not in (None, 1):
+        p.error("--ranks-per-node needs --nodes")
+    else:
+        args.ranks_per_node = 1
+    if args.ranks_per_node < 1:
+        p.error("--ranks-per-node must be at least 1")
+    if args.rows is None:
+        args.rows = ",".join(NODE_ROWS if args.nodes else DEFAULT_ROWS)
     if args.worker:
         return worker(args)
     unknown = [r for r in args.rows.split(",") if r not in ROWS]
@@ -549,7 +731,7 @@ def main(argv=None) -> int:
         p.error(f"unknown rows {unknown}; choose from {ROWS}")
     workers = [int(w) for w in args.workers.split(",")]
     if not all(2 <= w <= 8 for w in workers):
-        p.error("--workers must be 2..8")
+        p.error("--nodes must be 2..8" if args.nodes else "--workers must be 2..8")
     if any("psgd" in r for r in args.rows.split(",")) and args.warmup < PSGD_START + 1:
         print(f"note: --warmup {args.warmup} < {PSGD_START + 1}: PowerSGD's timed steps include its first "
               "(allocating, vanilla) ones", file=sys.stderr)
@@ -593,7 +775,9 @@ def sweep_netns(args, workers: list[int], prefix: str, run) -> list[dict]:
                 print(f"[{rate}] TCP throughput w0->w1: {bps * 8 / 1e6:.0f} Mbit/s", flush=True)
                 for n in workers:
                     result = run(args, Path(tmp), n, rate)
-                    runs.append({"workers": n, "rate": rate, "throughput_Bps": bps, "run": result})
+                    g = getattr(args, "ranks_per_node", 1) or 1
+                    runs.append({"workers": n * g, "rate": rate, "throughput_Bps": bps, "run": result,
+                                 **({"nodes": n, "ranks_per_node": g} if g > 1 else {})})
                     print(json.dumps({k: round(r["step_s"], 4) for k, r in result["results"].items()}), flush=True)
     finally:
         left = net.teardown()
