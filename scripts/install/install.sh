@@ -14,6 +14,10 @@
 #                               imports: the venv sees $PYTHON's site-packages, the pins are not
 #                               applied, and Horovod is neither built nor installed, only checked
 #   HOROVOD_ALQ_JOBS            parallel compile jobs for the Horovod build (default: nproc)
+#   HOROVOD_ALQ_TORCH_INDEX     a pip index that serves the pinned CPU build of torch (e.g. PyTorch's
+#                               CPU wheel index), used only when pip, as configured, cannot find it
+#   HOROVOD_ALQ_STOP_AFTER      packages: stop after the python packages step (for checking the
+#                               package resolution without building Horovod)
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
@@ -26,6 +30,8 @@ PYTHON=${PYTHON:-python3}
 CACHE=${HOROVOD_ALQ_CACHE:-$HOME/.cache/horovod-alq}
 SYSTEM_HOROVOD=${HOROVOD_ALQ_SYSTEM_HOROVOD:-0}
 JOBS=${HOROVOD_ALQ_JOBS:-$(nproc 2>/dev/null || echo 2)}
+TORCH_INDEX=${HOROVOD_ALQ_TORCH_INDEX:-}
+STOP_AFTER=${HOROVOD_ALQ_STOP_AFTER:-}
 
 STEP="start"
 HINT=""
@@ -60,9 +66,15 @@ vpip() {
 }
 
 # --------------------------------------------------------------------------------------------
-step "system packages" "install them by hand: apt-get update && apt-get install -y openmpi-bin libopenmpi-dev cmake g++ (as root)"
+step "system packages" "install them by hand: apt-get update && apt-get install -y openmpi-bin libopenmpi-dev cmake g++ (and python3-venv python3-dev for Debian's Python) (as root)"
 packages=(openmpi-bin libopenmpi-dev g++)
 [[ "$SYSTEM_HOROVOD" == 1 ]] || packages+=(cmake)
+# Debian's own Python lacks the venv module and the headers (mpi4py builds against them) until
+# python3-venv and python3-dev are installed; a pyenv, conda or self-built Python has both.
+python_path=$(readlink -f "$(command -v "$PYTHON" 2>/dev/null || echo /nonexistent)" 2>/dev/null || true)
+if [[ "$python_path" == /usr/bin/* ]] && command -v dpkg-query >/dev/null && dpkg-query -S "$python_path" >/dev/null 2>&1; then
+    packages+=(python3-venv python3-dev)
+fi
 missing=()
 if command -v dpkg-query >/dev/null; then
     for p in "${packages[@]}"; do
@@ -112,26 +124,58 @@ else
 fi
 
 # --------------------------------------------------------------------------------------------
-step "python packages" "read pip's error above; versions live in requirements/pinned.txt (torch 2.13.0+cpu must be reachable by pip, e.g. PIP_FIND_LINKS=<folder with its wheel>)"
+step "python packages" "read pip's error above; versions live in requirements/pinned.txt"
 pip_args=(--no-input --quiet)
-# torch's CPU wheel lies on disk on these machines; make sure pip looks there even if the
-# environment does not say so.
-if [[ -d /opt/wheels && "${PIP_FIND_LINKS:-}" != */opt/wheels* ]]; then
-    pip_args+=(--find-links /opt/wheels)
-fi
 stamp="$VENV/.horovod-alq-packages"
-want=$(cat "$PIN" "$ROOT/setup.cfg" "$ROOT/pyproject.toml" <(echo "system=$SYSTEM_HOROVOD") | sha)
+want=$(cat "$PIN" "$ROOT/setup.cfg" "$ROOT/pyproject.toml" <(echo "system=$SYSTEM_HOROVOD torch_index=$TORCH_INDEX") | sha)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     echo "    up to date (requirements/pinned.txt, setup.cfg, pyproject.toml unchanged)"
+    [[ -f "$VENV/.horovod-alq-torch" ]] && echo "    torch: $(cat "$VENV/.horovod-alq-torch")"
 else
     rm -f "$stamp"
-    echo "    pip install (the first time: about 1 GB of downloads and a few minutes)"
     if [[ "$SYSTEM_HOROVOD" == 1 ]]; then
+        echo "    pip install (only what $PYTHON lacks, unpinned)"
         # Leave the user's frameworks alone: install only what is missing, unpinned.
         vpip install "${pip_args[@]}" pip setuptools wheel numpy scipy mpi4py pytest hypothesis tqdm matplotlib
     else
         vpip install "${pip_args[@]}" --no-deps "$(grep -E '^pip==' "$PIN")"
-        vpip install "${pip_args[@]}" --no-deps -r "$PIN"
+        # torch: the pinned CPU build (torch==X+cpu) is not on PyPI. Use it where pip, as the user
+        # configured it, finds it (a local wheel folder, an index in pip.conf or PIP_EXTRA_INDEX_URL);
+        # else from the index named by HOROVOD_ALQ_TORCH_INDEX; else PyPI's torch==X, the CUDA build,
+        # with the CUDA packages and the Triton that it requires (it runs on CPU as well).
+        torch_pin=$(grep -E '^torch==' "$PIN")
+        torch_plain=${torch_pin%%+*}
+        reachable() {  # resolves the wheel's metadata only, no download of the wheel itself
+            vpip install "${pip_args[@]}" --dry-run --ignore-installed --no-deps "$@" >/dev/null 2>&1
+        }
+        torch_args=()
+        if reachable "$torch_pin"; then
+            torch_from="$torch_pin (the pinned CPU build, found by pip as configured)"
+            pins=("$PIN")
+        elif [[ -n "$TORCH_INDEX" ]]; then
+            HINT="HOROVOD_ALQ_TORCH_INDEX=$TORCH_INDEX does not serve $torch_pin"
+            reachable --extra-index-url "$TORCH_INDEX" "$torch_pin"
+            torch_from="$torch_pin (the pinned CPU build, from HOROVOD_ALQ_TORCH_INDEX=$TORCH_INDEX)"
+            torch_args=(--extra-index-url "$TORCH_INDEX")
+            pins=("$PIN")
+        else
+            torch_from="$torch_plain from PyPI: the CUDA build with its nvidia-* and triton dependencies (about 4 GB; runs on CPU too). pip as configured does not find $torch_pin: for the CPU build (about 200 MB) set HOROVOD_ALQ_TORCH_INDEX to a CPU wheel index, or PIP_FIND_LINKS to a folder holding its wheel"
+            # The pins without torch and triton; torch==X then resolves its own dependencies, held
+            # to the pinned versions of everything else by a constraints file.
+            pins=("$VENV/.horovod-alq-pins-cuda.txt")
+            grep -vE '^(torch|triton)==' "$PIN" > "${pins[0]}"
+            grep -vE '^(torch|triton)==|^--' "$PIN" > "$VENV/.horovod-alq-constraints.txt"
+        fi
+        echo "    torch: $torch_from"
+        echo "    pip install (the first time: about 1 GB of downloads and a few minutes)"
+        HINT="read pip's error above; versions live in requirements/pinned.txt"
+        start=$SECONDS
+        vpip install "${pip_args[@]}" "${torch_args[@]}" --no-deps -r "${pins[0]}"
+        if [[ "${pins[0]}" != "$PIN" ]]; then
+            vpip install "${pip_args[@]}" -c "$VENV/.horovod-alq-constraints.txt" "$torch_plain"
+        fi
+        echo "    pip took $((SECONDS - start)) s; torch $("$VPY" -c "from importlib.metadata import version; print(version('torch'))")"
+        echo "$torch_from" > "$VENV/.horovod-alq-torch"
     fi
     # (PYTHONWARNINGS: setuptools warns about every editable install)
     PYTHONWARNINGS=ignore vpip install "${pip_args[@]}" --no-deps --no-build-isolation -e "$ROOT"
@@ -139,10 +183,14 @@ else
     if [[ "$SYSTEM_HOROVOD" == 1 ]]; then
         "$VPY" -c 'import numpy, scipy, mpi4py.MPI, pytest, hypothesis, tqdm, matplotlib, horovod_alq'
     else
-        TF_CPP_MIN_LOG_LEVEL=3 "$VPY" -c 'import numpy, scipy, torch, triton, tensorflow, tf_keras, mpi4py.MPI, pytest, hypothesis, tqdm, matplotlib, sklearn, mlxtend, yaml, psutil, cloudpickle, horovod_alq'
+        TF_CPP_MIN_LOG_LEVEL=3 "$VPY" -c 'import numpy, scipy, torch, triton, tensorflow, tf_keras, mpi4py.MPI, pytest, hypothesis, tqdm, matplotlib, sklearn, mlxtend, yaml, psutil, cloudpickle, cffi, horovod_alq'
     fi
     echo "$want" > "$stamp"
     echo "    installed"
+fi
+if [[ "$STOP_AFTER" == packages ]]; then
+    echo "==> stopped after the python packages step (HOROVOD_ALQ_STOP_AFTER=packages) in ${SECONDS} s"
+    exit 0
 fi
 
 # --------------------------------------------------------------------------------------------
@@ -241,7 +289,24 @@ fi
 # --------------------------------------------------------------------------------------------
 step "fused CPU codec" "the compressors still work without it (plain torch kernels); for the fast path install g++ and check the warning above"
 # Compiled once per source version into the cache (about a minute); later runs load it. Tests and
-# jobs would otherwise each build it on first use.
-TORCH_EXTENSIONS_QUIET=1 "$VPY" -W ignore -c "from horovod_alq.torch.codecs import cpu_build; print('    ' + cpu_build.status() + ': ' + str(cpu_build.cached_library()))"
+# jobs would otherwise each build it on first use. A failure is reported here and fails `make test`
+# (scripts/install/check_codec.py), unless HOROVOD_ALQ_ALLOW_TORCH_CODEC=1.
+TORCH_EXTENSIONS_QUIET=1 "$VPY" -W ignore "$ROOT/scripts/install/check_codec.py" --warn
+
+# --------------------------------------------------------------------------------------------
+step "pip check" "a package lacks a dependency it declares: add that dependency to requirements/pinned.txt"
+# tf_keras declares `tensorflow`, which is left out on purpose: tensorflow-cpu provides the same
+# module (requirements/pinned.txt). Every other broken requirement fails the install.
+if [[ "$SYSTEM_HOROVOD" == 1 ]]; then
+    echo "    skipped (HOROVOD_ALQ_SYSTEM_HOROVOD=1: the packages are the user's)"
+else
+    pip_check=$("$VPY" -m pip check 2>&1) || true
+    broken=$(grep -vE '^No broken requirements found|^tf-keras [^ ]+ requires tensorflow, which is not installed\.$' <<<"$pip_check" || true)
+    if [[ -n "$broken" ]]; then
+        echo "$broken" >&2
+        false
+    fi
+    echo "    no broken requirements (tf_keras's declared tensorflow is provided by tensorflow-cpu)"
+fi
 
 echo "==> install done in ${SECONDS} s"
