@@ -369,8 +369,9 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
 
 #: Settings every rank must share, in the order the handshake checks them.
 #: ``budget``: ``bit_budget`` in thousandths of a bit with ``bits="auto"`` (``bits`` is then 0), else 0.
+#: ``local_size``: ranks per node (nodes are runs of consecutive ranks; the hierarchical exchange's groups).
 SETTINGS = ("method", "bits", "budget", "bucket_size", "norm", "exchange", "fusion_bytes", "bits_second",
-            "adapt_second")
+            "adapt_second", "local_size")
 HANDSHAKE_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collecting", "tensors", "elements", "contents",
                     "order", "early", "early_ok")
 #: The handshake of a streamed round (the DDP hook, mpi4py): before its tensors are known, so instead
@@ -426,9 +427,11 @@ def read_handshake(reduced_max: np.ndarray, local_error: str | None = None, *,
     differ = [f for f in (*SETTINGS, "levels", "allocation", "round", "collecting") if hi[f] != lo[f]]
     if differ:
         meaning = {"levels": "levels differ (fingerprints", "allocation": "bit allocations of bits='auto' (hashes",
-                   "budget": "bit_budget (thousandths of a bit:", "round": "round numbers (a previous exchange failed "
+                   "budget": "bit_budget (thousandths of a bit:", "local_size": "node layouts (ranks per node:",
+                   "round": "round numbers (a previous exchange failed "
                    "on some ranks only:", "collecting": "refit schedules (update_steps / update_every:"}
-        named = {"norm": ("l2", "linf"), "exchange": ("allgather", "two-phase", "reduce-scatter")}
+        named = {"norm": ("l2", "linf"), "exchange": ("allgather", "two-phase", "reduce-scatter", "hierarchical",
+                                                           "hierarchical-reduce-scatter")}
 
         def show(f, v):
             return named[f][v] if f in named and 0 <= v < len(named[f]) else v

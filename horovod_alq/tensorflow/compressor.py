@@ -172,10 +172,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
             raise ValueError(f"bits_second={q2.bits} with bits={q.bits}: the TensorFlow compressors cannot adapt "
                              f"a second quantization of other bits for {self._method.name} (its initial levels "
                              f"give 12-16x the variance); use bits_second=bits, or the PyTorch compressors")
-        self._exchange = s.exchange
-        if self._exchange not in ("auto", *GRAPH_EXCHANGES):
-            raise ValueError(f"exchange={s.exchange!r} has no graph execution in the TensorFlow compressors "
-                             f"(they run {', '.join(GRAPH_EXCHANGES)})")
+        self._exchange = s.exchange  # auto, allgather or two-phase (settings.PARTLY)
         self._process_set = process_set
         self._set_cache = None
         self.min_size = s.min_size

@@ -32,7 +32,7 @@ from ..exchange import Entry
 from ..settings import Settings, configure
 from . import codecs
 from .ops import TorchOps, ops_for
-from .transport import HorovodTransport, NotMemberError, hvd
+from .horovod_transport import HorovodTransport, NotMemberError, hvd
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
