@@ -255,6 +255,11 @@ def mpirun_command(tmp: Path, yield_when_idle: int = 1, n: int | None = None,
            "--mca", "plm_rsh_agent", str(agent), "--mca", "plm_rsh_no_tree_spawn", "1",
            "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
            "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
+           # orteds stay attached to the agent instead of daemonizing (Open MPI's default with this
+           # agent: the agent returns at once, a daemon that then dies or never connects back is
+           # invisible, its messages go to /dev/null, and mpirun, with orte_startup_timeout 0, waits
+           # forever): attached, their output reaches the log and their exit fails the launch
+           "--mca", "orte_leave_session_attached", "1",
            # every namespace is a "host" of its own, so Open MPI never sees that all ranks share these
            # cores, and its waits spin on the cores the other ranks need unless told to yield
            "--mca", "mpi_yield_when_idle", str(yield_when_idle)]
@@ -353,7 +358,8 @@ def launch(full: list[str], log: Path, timeout: float, missing=None,
                         kill()
                         raise LaunchTimeout(
                             f"launch not started after {connect_timeout:g} s: " + "; ".join(text for _, text in left)
-                            + f" (mpirun killed; its output: {log})")
+                            + " (mpirun starts the ranks only once every orted has connected back to it: a "
+                            f"worker without an orted holds up the others; mpirun killed; its output: {log})")
                 if elapsed > timeout:
                     kill()
                     raise subprocess.TimeoutExpired(full, timeout)
