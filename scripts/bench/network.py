@@ -256,9 +256,9 @@ def mpirun_command(tmp: Path, yield_when_idle: int = 1, n: int | None = None,
            "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
            "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
            # orteds stay attached to the agent instead of daemonizing (Open MPI's default with this
-           # agent: the agent returns at once, a daemon that then dies or never connects back is
-           # invisible, its messages go to /dev/null, and mpirun, with orte_startup_timeout 0, waits
-           # forever): attached, their output reaches the log and their exit fails the launch
+           # agent: the agent returns at once and the daemon's messages go to /dev/null); attached,
+           # they reach the log. A daemon that never connects back still leaves mpirun waiting
+           # forever (orte_startup_timeout 0, also after an agent that exits 0): launch() bounds that
            "--mca", "orte_leave_session_attached", "1",
            # every namespace is a "host" of its own, so Open MPI never sees that all ranks share these
            # cores, and its waits spin on the cores the other ranks need unless told to yield
