@@ -5,7 +5,7 @@ refusals. The same across real Horovod ranks: tests/torch/test_compressor_ranks.
 import numpy as np
 import pytest
 
-from exchange.threaded import exchange_round, start_early
+from scripts.common.threaded import exchange_round, start_early
 from helpers import assert_zero_mean
 
 from horovod_alq.core.protocol import ProtocolError

@@ -735,7 +735,7 @@ def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchang
     fusion buffer; the decoded sum is identical on every rank and unbiased (per bucket t tests at
     1e-6, Bonferroni over the buckets, 60 rounds; Triton's interpreter, at seconds a round:
     allgather, one rank, 6 buckets, 20 rounds)."""
-    from exchange.threaded import exchange_round
+    from scripts.common.threaded import exchange_round
     from helpers import assert_zero_mean
 
     from horovod_alq.settings import Settings, configure
