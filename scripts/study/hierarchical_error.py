@@ -12,7 +12,7 @@ the relative squared error of the decoded mean against the exact mean, ||mean_Q 
 the bytes that crossed between nodes per step, counted on the transports (every byte a rank sent to
 a rank of another node, summed over ranks).
 
-    python -m scripts.study.hierarchical_error --out docs/hierarchical_error.md     # N=16, G=2,4,8
+    python -m scripts.study.hierarchical_error --out docs/hierarchical_error.md     # N=4 and 16, G=2,4,8
     python -m scripts.study.hierarchical_error --quick --out /tmp/h.md             # N=8, G=2, CNN only
 """
 
@@ -113,7 +113,7 @@ def measure(grads: list[list[np.ndarray]], g: int, exchange: str, bits: int, rou
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=16)
+    p.add_argument("--ranks", default="4,16", help="comma-separated rank counts")
     p.add_argument("--local-sizes", default="2,4,8")
     p.add_argument("--models", default="cnn,gpt")
     p.add_argument("--rounds", type=int, default=8)
@@ -125,18 +125,21 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="docs/hierarchical_error.md")
     args = p.parse_args(argv)
     if args.quick:
-        args.ranks, args.local_sizes, args.models, args.rounds, args.warmup = 8, "2", "cnn", 3, 10
+        args.ranks, args.local_sizes, args.models, args.rounds, args.warmup = "8", "2", "cnn", 3, 10
     started = time.time()
     results = []
-    for model in args.models.split(","):
-        grads = (cnn_gradients if model == "cnn" else gpt_gradients)(args.ranks, args.warmup, args.batch, args.seed)
-        coords = sum(x.size for x in grads[0])
-        for g in (int(v) for v in args.local_sizes.split(",")):
-            for label, exchange, bits in ROWS:
-                res = measure(grads, g, exchange, bits, args.rounds, args.bucket)
-                results.append({"model": model, "coordinates": coords, "ranks": args.ranks, "local_size": g,
-                                "row": label, "exchange": exchange, "bits": bits, **res})
-                print(json.dumps(results[-1]), flush=True)
+    for ranks in (int(v) for v in str(args.ranks).split(",")):
+        for model in args.models.split(","):
+            grads = (cnn_gradients if model == "cnn" else gpt_gradients)(ranks, args.warmup, args.batch, args.seed)
+            coords = sum(x.size for x in grads[0])
+            for g in (int(v) for v in args.local_sizes.split(",")):
+                if not 1 < g < ranks or ranks % g:
+                    continue  # one node, or nodes of unequal size
+                for label, exchange, bits in ROWS:
+                    res = measure(grads, g, exchange, bits, args.rounds, args.bucket)
+                    results.append({"model": model, "coordinates": coords, "ranks": ranks, "local_size": g,
+                                    "row": label, "exchange": exchange, "bits": bits, **res})
+                    print(json.dumps(results[-1]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     raw_dir = out.parent / "data" if (out.parent / "data").is_dir() else out.parent
@@ -145,30 +148,30 @@ def main(argv=None) -> None:
     print(f"wrote {out} and {raw_dir / (out.stem + '.json')}")
 
 
-def render(results: list[dict], args, seconds: float) -> str:
-    lines = [f"# Hierarchical exchange: quantization error and bytes between nodes on real gradients\n",
-             f"`python -m scripts.study.hierarchical_error{' --quick' if args.quick else ''}` "
-             f"({time.strftime('%Y-%m-%d')}, {seconds:.0f} s on this project's 2-core CPU machine): {args.ranks} "
-             f"ranks as threads, ALQ with max-abs buckets of {args.bucket}, levels fitted in a first round to the "
-             f"same gradients, {args.rounds} rounds of fresh rounding noise after it; gradients after "
-             f"{args.warmup} steps of plain training, minibatches of {args.batch} per rank. Error: "
-             f"||mean_Q - mean||^2 / ||mean||^2 (mean +- s.e. over rounds). Bytes between nodes: every byte a "
-             f"rank sent to a rank of another node in one step, all ranks together (counted on the transports).\n"]
-    for model in dict.fromkeys(r["model"] for r in results):
-        for g in dict.fromkeys(r["local_size"] for r in results if r["model"] == model):
-            rows = [r for r in results if r["model"] == model and r["local_size"] == g]
-            ref = next(r for r in rows if r["exchange"] == "two-phase")
-            lines.append(f"\n## {model.upper()} ({rows[0]['coordinates']:,} coordinates), {args.ranks // g} nodes x "
-                         f"{g} ranks\n")
-            lines.append("| exchange | bits | error | error / flat two-phase 3 bits | bytes between nodes | "
-                         "bytes / flat two-phase 3 bits |")
-            lines.append("|---|---|---|---|---|---|")
-            for r in rows:
-                lines.append(f"| {r['row']} | {r['bits']} | {r['error']:.4f} +- {r['error_se']:.4f} | "
-                             f"{r['error'] / ref['error']:.2f} | {r['inter_node_bytes']:,} | "
-                             f"{r['inter_node_bytes'] / ref['inter_node_bytes']:.2f} |")
+def render(results: list[dict], args, seconds: float, command: str | None = None) -> str:
+    """The page: one table per model and node layout, ratios to the flat two-phase exchange at 3 bits."""
+    command = command or f"`python -m scripts.study.hierarchical_error{' --quick' if args.quick else ''}`"
+    lines = ["# Hierarchical exchange: quantization error and bytes between nodes on real gradients\n",
+             f"{command} ({time.strftime('%Y-%m-%d')}, {seconds:.0f} s on this project's 2-core CPU machine): "
+             f"ranks as threads standing for them, ALQ with max-abs buckets of {args.bucket}, levels fitted "
+             f"in a first round to the same gradients, {args.rounds} rounds of fresh rounding noise after it; "
+             f"gradients after {args.warmup} steps of plain training, minibatches of {args.batch} per rank. "
+             "Error: ||mean_Q - mean||^2 / ||mean||^2 (mean +- s.e. over rounds). Bytes between nodes: every "
+             "byte a rank sent to a rank of another node in one step, all ranks together (counted on the "
+             "transports; headers included).\n"]
+    layouts = sorted(dict.fromkeys((r["model"], r["ranks"], r["local_size"]) for r in results))
+    for model, ranks, g in layouts:
+        rows = [r for r in results if (r["model"], r["ranks"], r["local_size"]) == (model, ranks, g)]
+        ref = next(r for r in rows if r["exchange"] == "two-phase")
+        lines.append(f"\n## {model.upper()} ({rows[0]['coordinates']:,} coordinates), {ranks // g} nodes x {g} ranks\n")
+        lines.append("| exchange | bits | error | error / flat two-phase 3 bits | bytes between nodes | "
+                     "bytes / flat two-phase 3 bits |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in rows:
+            lines.append(f"| {r['row']} | {r['bits']} | {r['error']:.4f} +- {r['error_se']:.4f} | "
+                         f"{r['error'] / ref['error']:.2f} | {r['inter_node_bytes']:,} | "
+                         f"{r['inter_node_bytes'] / ref['inter_node_bytes']:.2f} |")
     return "\n".join(lines) + "\n"
-
 
 if __name__ == "__main__":
     main()
