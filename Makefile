@@ -7,7 +7,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none \
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 
-.PHONY: install test demo demo-ddp demo-fsdp docs clean bench
+.PHONY: install test lint format demo demo-ddp demo-fsdp docs clean bench
 
 install:
 	bash scripts/install/install.sh
@@ -15,9 +15,18 @@ install:
 # The compiled CPU codec must load (its tests would otherwise skip and the compressors run on the
 # slower torch kernels): scripts/install/check_codec.py fails the target, naming the codec and why,
 # unless HOROVOD_ALQ_ALLOW_TORCH_CODEC=1 accepts the fallback.
-test: install
+test: install lint
 	$(PY) scripts/install/check_codec.py
 	$(PY) -m pytest tests --durations=20 $(PYTEST_ARGS)
+
+# ruff's lint and format check (pyproject.toml's [tool.ruff]); `make format` applies both fixes.
+lint: install
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+format: install
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
 
 # The documentation site (mkdocs.yml: docs/ and the API reference from the docstrings) into
 # build/site, warnings as errors; tests/test_docs.py runs the same build within `make test`.

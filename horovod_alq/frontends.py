@@ -29,8 +29,14 @@ class ALQ:
 
     method = "alq"
 
-    def __init__(self, bits: int | str | None = None, bucket_size: int | None = None, normless: bool = False,
-                 norm: str | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        bits: int | str | None = None,
+        bucket_size: int | None = None,
+        normless: bool = False,
+        norm: str | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__("alq-n" if normless else "alq", bits, bucket_size, norm=norm, **kwargs)
 
 
@@ -41,8 +47,14 @@ class AMQ:
 
     method = "amq"
 
-    def __init__(self, bits: int | str | None = None, bucket_size: int | None = None, normless: bool = False,
-                 norm: str | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        bits: int | str | None = None,
+        bucket_size: int | None = None,
+        normless: bool = False,
+        norm: str | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__("amq-n" if normless else "amq", bits, bucket_size, norm=norm, **kwargs)
 
 
@@ -51,8 +63,7 @@ class QSGD:
 
     method = "qsgdinf"
 
-    def __init__(self, bits: int | None = None, bucket_size: int | None = None, norm: str = "linf",
-                 **kwargs) -> None:
+    def __init__(self, bits: int | None = None, bucket_size: int | None = None, norm: str = "linf", **kwargs) -> None:
         if norm not in ("linf", "l2"):
             raise ValueError(f"norm must be 'linf' (QSGDinf) or 'l2' (QSGD), got {norm!r}")
         super().__init__("qsgdinf" if norm == "linf" else "qsgd", bits, bucket_size, **kwargs)
@@ -202,8 +213,9 @@ class PerProcessSet:
 
     def _sets_metrics(self, out: dict) -> dict:
         if self._per_set:
-            out["process_sets"] = {tuple(int(r) for r in key.split(",")): c.metrics()
-                                   for key, c in self._per_set.items()}
+            out["process_sets"] = {
+                tuple(int(r) for r in key.split(",")): c.metrics() for key, c in self._per_set.items()
+            }
         return out
 
     def _sets_state(self, state: dict) -> dict:

@@ -138,8 +138,10 @@ class Settings:
             if not method.adaptive:
                 raise ValueError(f"bits='auto' needs an adaptive method (alq, alq-n, amq, amq-n), not {method.name!r}")
             if self.bits_second is not None or self.adapt_second:
-                raise ValueError("bits='auto' quantizes both phases of the two-phase exchange with each tensor's "
-                                 "width: bits_second and adapt_second=True do not apply")
+                raise ValueError(
+                    "bits='auto' quantizes both phases of the two-phase exchange with each tensor's "
+                    "width: bits_second and adapt_second=True do not apply"
+                )
         else:
             if method.name == "terngrad" and bits == DEFAULT_BITS and not isinstance(bits, bool):
                 bits = 2
@@ -179,8 +181,10 @@ class Settings:
         None are not given; an unknown keyword raises TypeError naming it."""
         unknown = sorted(set(keywords) - set(NAMES))
         if unknown:
-            raise TypeError(f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                            f"the settings are {', '.join(NAMES)}")
+            raise TypeError(
+                f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"the settings are {', '.join(NAMES)}"
+            )
         if settings is not None and not isinstance(settings, Settings):
             raise TypeError(f"settings must be a horovod_alq.settings.Settings, got {type(settings).__name__}")
         keywords = {k: v for k, v in keywords.items() if v is not None}
@@ -203,8 +207,9 @@ class Settings:
         for name, (allowed, why) in PARTLY.get(front_end, {}).items():
             value = getattr(self, name)
             if value not in allowed:
-                raise ValueError(f"{front_end} does not serve {name}={value!r} (it serves "
-                                 f"{', '.join(map(repr, allowed))}): {why}")
+                raise ValueError(
+                    f"{front_end} does not serve {name}={value!r} (it serves {', '.join(map(repr, allowed))}): {why}"
+                )
 
     def keywords(self) -> dict:
         """The settings as keywords (every field; ``Settings(**s.keywords()) == s``)."""
@@ -237,10 +242,10 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "codec": "TensorFlow runs its own codec (TF ops, XLA-compiled: jit_compile=)",
         "bits_per": "per-bucket widths need the mixed-payload codec, written for torch and NumPy only",
         "adapt_second": "the second quantization keeps the first one's levels in TensorFlow (bits_second=bits), "
-                        "or a fixed method's levels",
+        "or a fixed method's levels",
         "fusion_bytes": "TensorFlow exchanges each tensor on its own, in graph order: there is no fusion buffer",
         "overlap": "TensorFlow exchanges each tensor once its own control vector is reduced, with no fusion "
-                   "buffers to start early",
+        "buffers to start early",
         "clip": _TERNGRAD_CLIP,
     },
     "DDP hook": {
@@ -274,10 +279,20 @@ IGNORED: dict[str, dict[str, str]] = {
 }
 #: Settings a front-end serves for some values only: the values, and why not the others.
 PARTLY: dict[str, dict[str, tuple[tuple, str]]] = {
-    "Horovod TensorFlow": {"exchange": (("auto", "allgather", "two-phase"), "the hierarchical exchange has no graph "
-                                        "execution; for it use the PyTorch compressors, the DDP hook or mpi4py")},
-    "FSDP2": {"exchange": (("auto", "hierarchical"), "FSDP2 reduce-scatters (each rank receives its own shard): "
-                           "'auto' is node-aware across nodes of several ranks, flat otherwise")},
+    "Horovod TensorFlow": {
+        "exchange": (
+            ("auto", "allgather", "two-phase"),
+            "the hierarchical exchange has no graph "
+            "execution; for it use the PyTorch compressors, the DDP hook or mpi4py",
+        )
+    },
+    "FSDP2": {
+        "exchange": (
+            ("auto", "hierarchical"),
+            "FSDP2 reduce-scatters (each rank receives its own shard): "
+            "'auto' is node-aware across nodes of several ranks, flat otherwise",
+        )
+    },
 }
 
 
@@ -326,15 +341,21 @@ class Setup:
         """The two-phase exchange's quantizer of the reduced shards."""
         return self.state.second
 
-    def engine(self, uid: str | None, exchange: str | None = None, fusion_bytes: int | None = None,
-               early: bool | None = None) -> Engine:
+    def engine(
+        self, uid: str | None, exchange: str | None = None, fusion_bytes: int | None = None, early: bool | None = None
+    ) -> Engine:
         """The exchange engine over this state, with the settings' exchange, fusion and overlap
         (``exchange``, ``fusion_bytes``, ``early``: a front-end's own in place of the settings')."""
         s = self.settings
-        return Engine(self.state.quantizer, self.state, seed=self.seed, uid=uid,
-                      early=s.overlap if early is None else early,
-                      exchange=s.exchange if exchange is None else exchange,
-                      fusion_bytes=s.fusion_bytes if fusion_bytes is None else fusion_bytes)
+        return Engine(
+            self.state.quantizer,
+            self.state,
+            seed=self.seed,
+            uid=uid,
+            early=s.overlap if early is None else early,
+            exchange=s.exchange if exchange is None else exchange,
+            fusion_bytes=s.fusion_bytes if fusion_bytes is None else fusion_bytes,
+        )
 
 
 def configure(settings: Settings, *, on_request: bool = False, adapt_second: bool | None = None) -> Setup:
@@ -349,14 +370,20 @@ def configure(settings: Settings, *, on_request: bool = False, adapt_second: boo
     adapt = s.adapt_second if adapt_second is None else adapt_second
     auto = None
     if s.bits == "auto":
-        auto = AutoBits(s.method, DEFAULT_BIT_BUDGET if s.bit_budget is None else s.bit_budget, s.bucket_size,
-                        norm=s.norm, bits_per="tensor" if s.bits_per is None else s.bits_per)
+        auto = AutoBits(
+            s.method,
+            DEFAULT_BIT_BUDGET if s.bit_budget is None else s.bit_budget,
+            s.bucket_size,
+            norm=s.norm,
+            bits_per="tensor" if s.bits_per is None else s.bits_per,
+        )
         first = second = auto.quantizers[auto.default]
         adapt = False
     else:
         first = Quantizer(s.method, s.bits, s.bucket_size, clip=s.clip, norm=s.norm)
-        second = Quantizer(s.method, first.bits if s.bits_second is None else s.bits_second, first.bucket_size,
-                           norm=first.norm)
+        second = Quantizer(
+            s.method, first.bits if s.bits_second is None else s.bits_second, first.bucket_size, norm=first.norm
+        )
     schedule = RefitSchedule((), 0) if on_request else schedule_from(s.update_steps, s.update_every)
     seed = int.from_bytes(os.urandom(8), "little") if s.seed is None else int(s.seed) & MASK64
     return Setup(s, RoundState(first, schedule, second, adapt, auto=auto), seed)

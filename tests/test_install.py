@@ -57,3 +57,5 @@ def test_make_test_runs_the_check_before_pytest():
     check = [i for i, line in enumerate(lines) if "scripts/install/check_codec.py" in line and "--warn" not in line]
     pytest_run = [i for i, line in enumerate(lines) if "-m pytest tests" in line]
     assert check and pytest_run and check[0] < pytest_run[0], res.stdout
+    lint = [i for i, line in enumerate(lines) if "ruff check" in line or "ruff format --check" in line]
+    assert len(lint) == 2 and max(lint) < pytest_run[0], res.stdout  # the lint and format check first

@@ -80,8 +80,13 @@ def _companding_levels(dist: Distribution, n: int) -> np.ndarray | None:
 
 
 def _newton(
-    dist: Distribution, q: np.ndarray, a: np.ndarray, b: np.ndarray, x: np.ndarray,
-    m: np.ndarray, active: np.ndarray,
+    dist: Distribution,
+    q: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    x: np.ndarray,
+    m: np.ndarray,
+    active: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Solve ``F(x) = q`` in ``(a, b)`` by safeguarded Newton steps from ``x`` (rows ``active``).
 
@@ -153,8 +158,14 @@ def _descend(levels: np.ndarray, lengths, dist, sweeps: int) -> np.ndarray:
     row_of = np.repeat(np.arange(n_rows), lengths)
     pos = np.arange(lev.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # index within the row
     last = lengths[row_of] - 1
-    halves = [j for j in (np.flatnonzero((pos > 0) & (pos < last) & (pos % 2 == 1)),
-                          np.flatnonzero((pos > 0) & (pos < last) & (pos % 2 == 0))) if j.size]
+    halves = [
+        j
+        for j in (
+            np.flatnonzero((pos > 0) & (pos < last) & (pos % 2 == 1)),
+            np.flatnonzero((pos > 0) & (pos < last) & (pos % 2 == 0)),
+        )
+        if j.size
+    ]
     cells = np.flatnonzero(pos < last)  # the left end of every cell
     mom = _at(dist, row_of)._mpdf(lev)  # (4, N): M0, M1, M2, pdf at every level
     psi = _row_psi(lev, mom, cells, row_of[cells], n_rows)
@@ -256,9 +267,7 @@ def _starts(dist, bits: int, init) -> np.ndarray:
     return np.stack(starts)
 
 
-def fit_alq_levels(
-    dist: Distribution, bits: int, sweeps: int = 30, init: ArrayLike | None = None
-) -> np.ndarray:
+def fit_alq_levels(dist: Distribution, bits: int, sweeps: int = 30, init: ArrayLike | None = None) -> np.ndarray:
     """ALQ: levels minimizing Psi by coordinate descent over the interior levels.
 
     Each sweep moves every interior level l_j (the odd ones, then the even ones: one vectorized
@@ -328,15 +337,20 @@ def _at(dist, rows: np.ndarray):
     return _Bound(stack, which[rows])
 
 
-def fit_alq_levels_together(dists: list, bits: list[int], sweeps: int = 30,
-                            inits: list | None = None) -> list[np.ndarray]:
+def fit_alq_levels_together(
+    dists: list, bits: list[int], sweeps: int = 30, inits: list | None = None
+) -> list[np.ndarray]:
     """:func:`fit_alq_levels` of several (distribution, bits, init) at once: the same results (each
     level set is swept exactly as alone), at about the cost of the widest fit when every
     distribution is a :class:`GridDistribution` on one grid (the fits of ``bits="auto"``); else
     one after another."""
     inits = [None] * len(dists) if inits is None else list(inits)
-    same_grid = all(isinstance(d, GridDistribution) and d.grid.shape == dists[0].grid.shape
-                    and np.array_equal(d.grid, dists[0].grid) for d in dists)
+    same_grid = all(
+        isinstance(d, GridDistribution)
+        and d.grid.shape == dists[0].grid.shape
+        and np.array_equal(d.grid, dists[0].grid)
+        for d in dists
+    )
     if len(dists) < 2 or not same_grid:
         return [fit_alq_levels(d, b, sweeps, init) for d, b, init in zip(dists, bits, inits)]
     _check_sweeps(sweeps)
@@ -349,7 +363,7 @@ def fit_alq_levels_together(dists: list, bits: list[int], sweeps: int = 30,
     out, at = [], 0
     for d, st in zip(dists, starts):  # as fit_alq_levels: the best of its results and starts
         size = st.size
-        candidates = np.concatenate([final[at: at + size], flat[at: at + size]]).reshape(-1, st.shape[1])
+        candidates = np.concatenate([final[at : at + size], flat[at : at + size]]).reshape(-1, st.shape[1])
         psi = psi_batch(candidates, d)
         out.append(candidates[int(np.argmin(np.where(np.isfinite(psi), psi, np.inf)))].copy())
         at += size

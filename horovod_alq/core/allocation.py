@@ -95,8 +95,9 @@ def allocate_bits(errors: np.ndarray, sizes: Sequence[int], budget: float, width
     sizes_a = np.asarray(sizes, dtype=np.int64)
     widths_a = np.asarray(widths, dtype=np.int64)
     if errors.ndim != 2 or errors.shape != (len(sizes_a), len(widths_a)):
-        raise ValueError(f"errors must have shape (tensors, widths) = ({len(sizes_a)}, {len(widths_a)}), "
-                         f"got {errors.shape}")
+        raise ValueError(
+            f"errors must have shape (tensors, widths) = ({len(sizes_a)}, {len(widths_a)}), got {errors.shape}"
+        )
     if len(widths_a) == 0 or np.any(np.diff(widths_a) <= 0) or widths_a[0] < 1:
         raise ValueError(f"widths must be positive and strictly increasing, got {list(widths)}")
     if np.any(sizes_a <= 0):
@@ -114,8 +115,7 @@ def allocate_bits(errors: np.ndarray, sizes: Sequence[int], budget: float, width
         if greedy.error < total:
             return greedy
         gap = max(0.0, total - greedy.error + greedy.gap)
-    return Allocation(bits=bits, error=total, mean_bits=float((sizes_a * bits).sum() / max(sizes_a.sum(), 1)),
-                      gap=gap)
+    return Allocation(bits=bits, error=total, mean_bits=float((sizes_a * bits).sum() / max(sizes_a.sum(), 1)), gap=gap)
 
 
 def _knapsack(errors: np.ndarray, sizes: np.ndarray, budget: float, widths: np.ndarray) -> tuple[bool, np.ndarray]:
@@ -185,5 +185,6 @@ def _greedy(errors: np.ndarray, sizes_a: np.ndarray, budget: float, widths_a: np
     chosen = np.array([hulls[t][position[t]] for t in range(len(sizes_a))], dtype=np.int64)
     bits = widths_a[chosen]
     total = float(errors[np.arange(len(sizes_a)), chosen].sum())
-    return Allocation(bits=bits, error=total, mean_bits=float((sizes_a * bits).sum() / max(sizes_a.sum(), 1)),
-                      gap=gap or 0.0)
+    return Allocation(
+        bits=bits, error=total, mean_bits=float((sizes_a * bits).sum() / max(sizes_a.sum(), 1)), gap=gap or 0.0
+    )

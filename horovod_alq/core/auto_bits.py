@@ -31,10 +31,16 @@ BITS_PER = ("tensor", "bucket")
 def check_budget(budget) -> float:
     """``bit_budget`` as a float in [2, 8] (mean bits per coordinate of the quantized tensors,
     bucket norms not counted), or ValueError naming it."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)) \
-            or not np.isfinite(budget) or not AUTO_WIDTHS[0] <= budget <= AUTO_WIDTHS[-1]:
-        raise ValueError(f"bit_budget must be a number from {AUTO_WIDTHS[0]} to {AUTO_WIDTHS[-1]} (mean bits per "
-                         f"coordinate), got {budget!r}")
+    if (
+        isinstance(budget, bool)
+        or not isinstance(budget, (int, float, np.integer, np.floating))
+        or not np.isfinite(budget)
+        or not AUTO_WIDTHS[0] <= budget <= AUTO_WIDTHS[-1]
+    ):
+        raise ValueError(
+            f"bit_budget must be a number from {AUTO_WIDTHS[0]} to {AUTO_WIDTHS[-1]} (mean bits per "
+            f"coordinate), got {budget!r}"
+        )
     return float(budget)
 
 
@@ -60,8 +66,10 @@ def errors_from_histograms(squared: np.ndarray, level_sets: Sequence[np.ndarray]
     x = np.concatenate([np.asarray(lv, dtype=np.float64) for lv in level_sets])
     mom = stack._mpdf(x[None, :], np.arange(live.size)[:, None])  # (4, live, P)
     ends = np.cumsum([len(lv) for lv in level_sets])
-    psi = np.stack([cell_costs(x[e - len(lv): e], mom[:, :, e - len(lv): e]).sum(axis=-1)
-                    for lv, e in zip(level_sets, ends)], axis=1)
+    psi = np.stack(
+        [cell_costs(x[e - len(lv) : e], mom[:, :, e - len(lv) : e]).sum(axis=-1) for lv, e in zip(level_sets, ends)],
+        axis=1,
+    )
     out[live] = total[live, None] * psi
     return out
 
@@ -89,8 +97,9 @@ class AutoBits:
     theirs). The same sums give every rank the same allocation and levels.
     """
 
-    def __init__(self, method: str, budget: float, bucket_size: int, norm: str | None = None,
-                 bits_per: str = "tensor") -> None:
+    def __init__(
+        self, method: str, budget: float, bucket_size: int, norm: str | None = None, bits_per: str = "tensor"
+    ) -> None:
         self.budget = check_budget(budget)
         if bits_per not in BITS_PER:
             raise ValueError(f"bits_per must be one of {', '.join(map(repr, BITS_PER))}, got {bits_per!r}")
@@ -120,8 +129,8 @@ class AutoBits:
         ``keys`` (a round started before all of its tensors are known): the allocation's if
         ``keys`` is its beginning, else the default (the complete round is checked on its own)."""
         keys = tuple(keys)
-        if self.keys[:len(keys)] == keys:
-            return self.bits[start:len(keys)]
+        if self.keys[: len(keys)] == keys:
+            return self.bits[start : len(keys)]
         return (self.default,) * (len(keys) - start)
 
     def row(self, x: np.ndarray) -> np.ndarray:
@@ -184,8 +193,12 @@ class AutoBits:
         return stable_hash(repr((self.keys, self.bits)))
 
     def state_dict(self) -> dict:
-        out = {"budget": self.budget, "keys": [list(k) for k in self.keys], "bits": list(self.bits),
-               "quantizers": {w: q.state_dict() for w, q in self.quantizers.items()}}
+        out = {
+            "budget": self.budget,
+            "keys": [list(k) for k in self.keys],
+            "bits": list(self.bits),
+            "quantizers": {w: q.state_dict() for w, q in self.quantizers.items()},
+        }
         if self.mixed is not None:
             out.update(bits_per="bucket", error_model=None if self.mixed.c is None else self.mixed.c.tolist())
         return out
@@ -196,8 +209,9 @@ class AutoBits:
         for w, q in self.quantizers.items():
             q.load_state_dict(state["quantizers"][w] if w in state["quantizers"] else state["quantizers"][str(w)])
         if state.get("bits_per", "tensor") != self.bits_per:
-            raise ValueError(f"state has bits_per={state.get('bits_per', 'tensor')!r}, this compressor has "
-                             f"{self.bits_per!r}")
+            raise ValueError(
+                f"state has bits_per={state.get('bits_per', 'tensor')!r}, this compressor has {self.bits_per!r}"
+            )
         self.keys = tuple(tuple(int(v) for v in k) for k in state["keys"])
         self.bits = tuple(int(b) for b in state["bits"])
         if self.mixed is not None:

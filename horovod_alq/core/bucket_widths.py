@@ -30,12 +30,31 @@ from .allocation import hull
 from .methods import get_method
 from .packing import packed_size
 from .protocol import stable_hash
-from .wire import (BUCKET_WIDTHS, BUDGET_UNITS, HEADER_SIZE, bucket_lengths, budget_units, check_header, code_bits,
-                   mixed_payload_size, num_buckets, parse_header, widths_crc)
+from .wire import (
+    BUCKET_WIDTHS,
+    BUDGET_UNITS,
+    HEADER_SIZE,
+    bucket_lengths,
+    budget_units,
+    check_header,
+    code_bits,
+    mixed_payload_size,
+    num_buckets,
+    parse_header,
+    widths_crc,
+)
 
 # The mixed payload's format and arithmetic live with the wire format; these names stay importable from here.
-__all__ = ["BUCKET_WIDTHS", "BUDGET_UNITS", "MixedWidths", "allocate_buckets", "budget_units", "code_bits",
-           "mixed_payload_size", "widths_crc"]
+__all__ = [
+    "BUCKET_WIDTHS",
+    "BUDGET_UNITS",
+    "MixedWidths",
+    "allocate_buckets",
+    "budget_units",
+    "code_bits",
+    "mixed_payload_size",
+    "widths_crc",
+]
 
 
 def allocate_buckets(squared: np.ndarray, lengths: np.ndarray, c: np.ndarray, cap: int) -> np.ndarray:
@@ -116,8 +135,8 @@ class MixedWidths:
         its payload, its buckets)``. ValueError names what is wrong."""
         d = self.bucket_size
         b = num_buckets(numel, d)
-        widths = host[offset + HEADER_SIZE: offset + HEADER_SIZE + b]
-        crc = host[offset + HEADER_SIZE + b: offset + HEADER_SIZE + b + 4]
+        widths = host[offset + HEADER_SIZE : offset + HEADER_SIZE + b]
+        crc = host[offset + HEADER_SIZE + b : offset + HEADER_SIZE + b + 4]
         if widths.size != b or crc.size != 4:
             raise ValueError("mixed payload: bucket widths truncated")
         if widths_crc(widths) != bytes(crc):
@@ -131,7 +150,7 @@ class MixedWidths:
         for w in BUCKET_WIDTHS:
             ids = np.flatnonzero(widths == w)
             n = int(lengths[ids].sum())
-            header = parse_header(host[pos: pos + HEADER_SIZE])
+            header = parse_header(host[pos : pos + HEADER_SIZE])
             q = self.quantizers[w]
             check_header(header, get_method(q.method).id, w, d, q.fingerprint, q.norm)
             if header.numel != n:

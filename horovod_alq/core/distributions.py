@@ -300,8 +300,7 @@ class NormWeightedMixture(Distribution):
     _exact_ppf = False
 
     def __init__(self, weights: ArrayLike, mus: ArrayLike, sigmas: ArrayLike) -> None:
-        w, mus, sigmas = (np.ravel(v) for v in np.broadcast_arrays(
-            _asfloat(weights), _asfloat(mus), _asfloat(sigmas)))
+        w, mus, sigmas = (np.ravel(v) for v in np.broadcast_arrays(_asfloat(weights), _asfloat(mus), _asfloat(sigmas)))
         if w.size == 0:
             raise ValueError("the mixture needs at least one component")
         if not np.all(np.isfinite(w)) or np.any(w < 0):
@@ -407,8 +406,8 @@ class GridDistribution(Distribution):
         c = np.array(cdf_values, dtype=np.float64)
         if g.ndim != 1 or c.shape != g.shape or g.size < 2:
             raise ValueError(
-                f"grid and cdf_values must be 1-D of the same length >= 2, got shapes "
-                f"{g.shape} and {c.shape}")
+                f"grid and cdf_values must be 1-D of the same length >= 2, got shapes {g.shape} and {c.shape}"
+            )
         if not (np.all(np.isfinite(g)) and np.all(np.isfinite(c))):
             raise ValueError("grid and cdf_values must be finite")
         if not np.all(np.diff(g) > 0):
@@ -504,7 +503,8 @@ class GridStack:
         self.grid, self._h, self._keys = dists[0].grid, dists[0]._h, None
         # each table flat, distribution t's entries at t * G (cdf, p1, p2) or t * (G - 1) (per cell)
         self._cdf, self._p1, self._p2, self._dc, self._dens = (
-            np.concatenate(t) for t in zip(*((d.cdf_values, d._p1, d._p2, d._dc, d._dens) for d in dists)))
+            np.concatenate(t) for t in zip(*((d.cdf_values, d._p1, d._p2, d._dc, d._dens) for d in dists))
+        )
 
     @classmethod
     def from_cumulative(cls, grid: np.ndarray, weights: np.ndarray) -> "GridStack":

@@ -91,12 +91,15 @@ def check_norm(method: Method, norm: str | None) -> str:
     if norm is None:
         return method.norm
     if not isinstance(norm, str) or norm.lower() not in NORMS:
-        raise ValueError(f"norm must be one of {', '.join(repr(n) for n in NORMS)} (or None: the method's "
-                         f"default), got {norm!r}")
+        raise ValueError(
+            f"norm must be one of {', '.join(repr(n) for n in NORMS)} (or None: the method's default), got {norm!r}"
+        )
     norm = norm.lower()
     if not method.adaptive and norm != method.norm:
-        raise ValueError(f"{method.name} has fixed norm {method.norm!r}; only the adaptive methods "
-                         f"(alq, alq-n, amq, amq-n) take norm={norm!r}")
+        raise ValueError(
+            f"{method.name} has fixed norm {method.norm!r}; only the adaptive methods "
+            f"(alq, alq-n, amq, amq-n) take norm={norm!r}"
+        )
     return norm
 
 

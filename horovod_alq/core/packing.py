@@ -89,9 +89,7 @@ def unpack_codes(buf: np.ndarray, bits: int, n: int) -> np.ndarray:
         raise ValueError(f"packed codes must be uint8, got {buf.dtype}")
     buf = buf.ravel()
     if buf.size != packed_size(n, bits):
-        raise ValueError(
-            f"packed codes have {buf.size} bytes, {n} codes of {bits} bits need {packed_size(n, bits)}"
-        )
+        raise ValueError(f"packed codes have {buf.size} bytes, {n} codes of {bits} bits need {packed_size(n, bits)}")
     groups = -(-n // 8)
     out = np.empty(groups * 8, dtype=np.uint8)
     shifts = _SHIFTS * np.uint64(bits)

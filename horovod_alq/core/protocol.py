@@ -110,7 +110,8 @@ def timeout_error(name: str, seconds: float, scope: str) -> "CollectiveTimeout":
         f"round (it raised, or took another branch); ranks used their compressors in different "
         f"orders or a rank used one that others did not (collective names follow the order in which "
         f"each rank first uses its compressors of a process set); ranks built them with different "
-        f"arguments. Horovod's own stall warnings, if any, name the ranks that did not join")
+        f"arguments. Horovod's own stall warnings, if any, name the ranks that did not join"
+    )
 
 
 def wait_for(done: Callable[[], bool], seconds: float, name: str, scope: str) -> None:
@@ -135,7 +136,7 @@ _SHAPE_BITS = 20
 #: The last head field, ``p * 2**45``, dominates the vector's norm and makes the ranks' vectors far
 #: from parallel (norms in ratio p): Adasum, which averages nearly parallel vectors, then gives
 #: unequal weights to the ranks and the sums no longer match (exact in float64: a multiple of 2**45).
-_ADASUM_GUARD = float(2 ** 45)
+_ADASUM_GUARD = float(2**45)
 
 
 def tensor_vector_length(size: int) -> int:
@@ -248,7 +249,8 @@ def check_op(head: np.ndarray, size: int) -> None:
     raise ProtocolError(
         f"{PREFIX}: this allreduce used op={op}; a quantized exchange can only sum or average "
         f"(the ranks' decoded values are summed), so horovod_alq compressors support op=Sum and "
-        f"op=Average only. Pass compression=hvd.Compression.none for this call")
+        f"op=Average only. Pass compression=hvd.Compression.none for this call"
+    )
 
 
 @dataclass(frozen=True)
@@ -271,15 +273,21 @@ def joined_ranks(reduced: np.ndarray, *, rank: int, size: int, shape_code: int) 
     n = int(size)
     if v.size < tensor_vector_length(n) or not np.isfinite(v).all() or v[0] <= 0:
         return None
-    entries = v[_HEAD:_HEAD + n]
+    entries = v[_HEAD : _HEAD + n]
     present = [r for r in range(n) if entries[r] != 0]
     if len(present) == n or rank not in present:
         return None
     m = len(present)
     w = v * (m / v[0])  # the sums over the present ranks under op=Sum without scaling
     ps = [r + 1.0 for r in present]
-    if not (_close(w[1], sum(ps)) and _close(w[2], sum(p * p for p in ps)) and _close(w[6], _ADASUM_GUARD * sum(ps))
-            and abs(w[5]) < 0.5 and round(w[3]) == m * shape_code and round(w[4]) == m * shape_code * shape_code):
+    if not (
+        _close(w[1], sum(ps))
+        and _close(w[2], sum(p * p for p in ps))
+        and _close(w[6], _ADASUM_GUARD * sum(ps))
+        and abs(w[5]) < 0.5
+        and round(w[3]) == m * shape_code
+        and round(w[4]) == m * shape_code * shape_code
+    ):
         return None
     slots = tuple(int(round(w[_HEAD + r])) - 1 for r in present)
     if any(abs(s + 1 - w[_HEAD + r]) > 1e-6 * max(1.0, w[_HEAD + r]) for s, r in zip(slots, present)):
@@ -287,8 +295,17 @@ def joined_ranks(reduced: np.ndarray, *, rank: int, size: int, shape_code: int) 
     return Joined(tuple(r for r in range(n) if r not in present), float(v[0]) / m, slots)
 
 
-def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int,
-                       local_error: str | None = None, scope: str = "", extra: int = 0) -> Reduced:
+def read_tensor_vector(
+    reduced: np.ndarray,
+    *,
+    rank: int,
+    size: int,
+    slot: int,
+    shape_code: int,
+    local_error: str | None = None,
+    scope: str = "",
+    extra: int = 0,
+) -> Reduced:
     """Check a reduced tensor vector (of any shape: the front-ends send it as :func:`control_shape`)
     and return the scale and the ranks' slots.
 
@@ -316,11 +333,14 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
             f"{expected + extra} for {where}: the compressed tensor went through a collective other than "
             f"an allreduce. hvd.reducescatter (and grouped_reducescatter) is not supported with horovod_alq "
             f"compressors (refused on every rank before any payload moved): pass "
-            f"compression=hvd.Compression.none to reducescatter")
+            f"compression=hvd.Compression.none to reducescatter"
+        )
     v = v[:expected]
     if not np.isfinite(v).all() or v[0] == 0:
-        raise ProtocolError(f"{PREFIX}: the reduced control vector is not finite or its scale is 0 "
-                            f"({v[:3].tolist()}): the allreduce used an op other than Sum or Average")
+        raise ProtocolError(
+            f"{PREFIX}: the reduced control vector is not finite or its scale is 0 "
+            f"({v[:3].tolist()}): the allreduce used an op other than Sum or Average"
+        )
     entries = v[_HEAD:]
     missing = [r for r in range(n) if entries[r] == 0]
     if entries[rank] > 0 and missing:
@@ -331,36 +351,48 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
             f"ranks {missing} (in the set's numbering) contributed nothing. The allreduce ran over "
             f"another process set than the compressor's (pass the same process_set= to the compressor "
             f"and to the allreduce / optimizer, or make one compressor per process set), or those ranks "
-            f"were in hvd.join() (a joined rank cannot send quantized payloads)")
+            f"were in hvd.join() (a joined rank cannot send quantized payloads)"
+        )
     check_op(v[:3], n)
     w = v * (n / v[0])  # the sums the vector would have under op=Sum without scaling
     slots_raw = w[_HEAD:]
     absent = [r for r in range(n) if slots_raw[r] < 0.5]
-    ok_op = (_close(w[1], n * (n + 1) / 2) and _close(w[2], n * (n + 1) * (2 * n + 1) / 6)
-             and _close(w[6], _ADASUM_GUARD * n * (n + 1) / 2))
+    ok_op = (
+        _close(w[1], n * (n + 1) / 2)
+        and _close(w[2], n * (n + 1) * (2 * n + 1) / 6)
+        and _close(w[6], _ADASUM_GUARD * n * (n + 1) / 2)
+    )
     if absent or not ok_op:
-        who = f"ranks {absent} of the compressor's process set contributed nothing" if absent else \
-            "the reduced control vector does not match a Sum or Average over the compressor's process set"
+        who = (
+            f"ranks {absent} of the compressor's process set contributed nothing"
+            if absent
+            else "the reduced control vector does not match a Sum or Average over the compressor's process set"
+        )
         raise ReductionMismatch(
             f"{PREFIX}: {who} (process set of {n} ranks; reduced head {v[:3].tolist()}). Causes: "
             f"op=Adasum or another op than Sum/Average; hvd.join() (a joined rank cannot send "
             f"quantized payloads); or an allreduce over another process set than the compressor's "
-            f"(pass the same process_set= to the compressor and to the allreduce / optimizer)")
+            f"(pass the same process_set= to the compressor and to the allreduce / optimizer)"
+        )
     if w[5] > 0.5:
         mine = f" (this rank: {local_error})" if local_error else ""
-        raise ProtocolError(f"{PREFIX}: {int(round(w[5]))} rank(s) could not encode this tensor{mine}; "
-                            f"refusing to decode on every rank")
+        raise ProtocolError(
+            f"{PREFIX}: {int(round(w[5]))} rank(s) could not encode this tensor{mine}; refusing to decode on every rank"
+        )
     # All ranks passed the same shape and dtype iff (sum h)**2 == n * sum h**2 (Cauchy-Schwarz).
     s1, s2 = round(w[3]), round(w[4])
     if s1 * s1 != n * s2 or s1 != n * shape_code:
         raise ProtocolError(
             f"{PREFIX}: the ranks passed tensors of different shapes or dtypes to the same allreduce "
             f"(this rank's differs from another rank's); Horovod requires the same shape and dtype on "
-            f"every rank")
+            f"every rank"
+        )
     slots = tuple(int(round(s)) - 1 for s in slots_raw)
     if any(abs(s + 1 - x) > 1e-6 * max(1.0, x) for s, x in zip(slots, slots_raw)) or slots[rank] != slot:
-        raise ProtocolError(f"{PREFIX}: the reduced slots {slots_raw.tolist()} are not whole numbers or "
-                            f"do not include this rank's slot {slot}: corrupted control vector")
+        raise ProtocolError(
+            f"{PREFIX}: the reduced slots {slots_raw.tolist()} are not whole numbers or "
+            f"do not include this rank's slot {slot}: corrupted control vector"
+        )
     return Reduced(float(v[0]) / n, slots)
 
 
@@ -370,10 +402,32 @@ def read_tensor_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, 
 #: Settings every rank must share, in the order the handshake checks them.
 #: ``budget``: ``bit_budget`` in thousandths of a bit with ``bits="auto"`` (``bits`` is then 0), else 0.
 #: ``local_size``: ranks per node (nodes are runs of consecutive ranks; the hierarchical exchange's groups).
-SETTINGS = ("method", "bits", "budget", "bucket_size", "norm", "exchange", "fusion_bytes", "bits_second",
-            "adapt_second", "local_size")
-HANDSHAKE_FIELDS = ("error", *SETTINGS, "levels", "allocation", "round", "collecting", "tensors", "elements", "contents",
-                    "order", "early", "early_ok")
+SETTINGS = (
+    "method",
+    "bits",
+    "budget",
+    "bucket_size",
+    "norm",
+    "exchange",
+    "fusion_bytes",
+    "bits_second",
+    "adapt_second",
+    "local_size",
+)
+HANDSHAKE_FIELDS = (
+    "error",
+    *SETTINGS,
+    "levels",
+    "allocation",
+    "round",
+    "collecting",
+    "tensors",
+    "elements",
+    "contents",
+    "order",
+    "early",
+    "early_ok",
+)
 #: The handshake of a streamed round (the DDP hook, mpi4py): before its tensors are known, so instead
 #: of their layout the threshold that decides which of them are quantized (the framework guarantees
 #: the same tensors, in the same order, on every rank), and where the front-end knows them in
@@ -402,8 +456,9 @@ class Agreement:
     ordered: bool
 
 
-def handshake_range(reduced_max: np.ndarray, field: str, *,
-                    fields: Sequence[str] = HANDSHAKE_FIELDS) -> tuple[int, int]:
+def handshake_range(
+    reduced_max: np.ndarray, field: str, *, fields: Sequence[str] = HANDSHAKE_FIELDS
+) -> tuple[int, int]:
     """The minimum and maximum over the ranks of one handshake field (read before any check, for
     what every rank must do whatever the checks find: the buffers some rank started early)."""
     r = np.asarray(reduced_max, dtype=np.int64)
@@ -411,8 +466,9 @@ def handshake_range(reduced_max: np.ndarray, field: str, *,
     return int(-r[len(fields) + k]), int(r[k])
 
 
-def read_handshake(reduced_max: np.ndarray, local_error: str | None = None, *,
-                   fields: Sequence[str] = HANDSHAKE_FIELDS) -> Agreement:
+def read_handshake(
+    reduced_max: np.ndarray, local_error: str | None = None, *, fields: Sequence[str] = HANDSHAKE_FIELDS
+) -> Agreement:
     """Check the MAX-reduced ``[v, -v]`` handshake of ``fields``; raise :class:`ProtocolError` on
     every rank if the ranks may not exchange payloads this round."""
     r = np.asarray(reduced_max, dtype=np.int64)
@@ -422,42 +478,63 @@ def read_handshake(reduced_max: np.ndarray, local_error: str | None = None, *,
     lo = dict(zip(fields, (-r[k:]).tolist()))
     if hi["error"]:
         mine = f" This rank: {local_error}" if local_error else " (see the failing rank's error)"
-        raise ProtocolError(f"{PREFIX}: a rank failed before the payload exchange of this round; "
-                            f"refusing to exchange on every rank.{mine}")
+        raise ProtocolError(
+            f"{PREFIX}: a rank failed before the payload exchange of this round; "
+            f"refusing to exchange on every rank.{mine}"
+        )
     differ = [f for f in (*SETTINGS, "levels", "allocation", "round", "collecting") if hi[f] != lo[f]]
     if differ:
-        meaning = {"levels": "levels differ (fingerprints", "allocation": "bit allocations of bits='auto' (hashes",
-                   "budget": "bit_budget (thousandths of a bit:", "local_size": "node layouts (ranks per node:",
-                   "round": "round numbers (a previous exchange failed "
-                   "on some ranks only:", "collecting": "refit schedules (update_steps / update_every:"}
-        named = {"norm": ("l2", "linf"), "exchange": ("allgather", "two-phase", "reduce-scatter", "hierarchical",
-                                                           "hierarchical-reduce-scatter")}
+        meaning = {
+            "levels": "levels differ (fingerprints",
+            "allocation": "bit allocations of bits='auto' (hashes",
+            "budget": "bit_budget (thousandths of a bit:",
+            "local_size": "node layouts (ranks per node:",
+            "round": "round numbers (a previous exchange failed on some ranks only:",
+            "collecting": "refit schedules (update_steps / update_every:",
+        }
+        named = {
+            "norm": ("l2", "linf"),
+            "exchange": ("allgather", "two-phase", "reduce-scatter", "hierarchical", "hierarchical-reduce-scatter"),
+        }
 
         def show(f, v):
             return named[f][v] if f in named and 0 <= v < len(named[f]) else v
 
-        detail = "; ".join(f"{meaning.get(f, f)} {show(f, lo[f])} on some ranks, {show(f, hi[f])} on others"
-                           + (")" if f in meaning else "") for f in differ)
-        raise ProtocolError(f"{PREFIX}: the ranks differ in {detail}. Every rank must build the compressor "
-                            f"with the same arguments and load the same state")
+        detail = "; ".join(
+            f"{meaning.get(f, f)} {show(f, lo[f])} on some ranks, {show(f, hi[f])} on others"
+            + (")" if f in meaning else "")
+            for f in differ
+        )
+        raise ProtocolError(
+            f"{PREFIX}: the ranks differ in {detail}. Every rank must build the compressor "
+            f"with the same arguments and load the same state"
+        )
     if "min_size" in hi and hi["min_size"] != lo["min_size"]:
         raise ProtocolError(
             f"{PREFIX}: the ranks quantize different tensors (min_size {lo['min_size']} on some ranks, "
-            f"{hi['min_size']} on others): every rank must build the hook's state with the same arguments")
+            f"{hi['min_size']} on others): every rank must build the hook's state with the same arguments"
+        )
     if "tensors" not in hi:
         if "elements" in hi and hi["elements"] != lo["elements"]:
-            raise ProtocolError(f"{PREFIX}: the ranks' rounds hold different numbers of elements "
-                                f"({lo['elements']} on some ranks, {hi['elements']} on others)")
+            raise ProtocolError(
+                f"{PREFIX}: the ranks' rounds hold different numbers of elements "
+                f"({lo['elements']} on some ranks, {hi['elements']} on others)"
+            )
         if "order" in hi and hi["order"] != lo["order"]:
-            raise ProtocolError(f"{PREFIX}: the ranks' rounds hold different tensors (the same number of "
-                                f"elements, split or shaped differently)")
+            raise ProtocolError(
+                f"{PREFIX}: the ranks' rounds hold different tensors (the same number of "
+                f"elements, split or shaped differently)"
+            )
         if "recorded" in hi and hi["recorded"] != lo["recorded"]:
-            raise ProtocolError(f"{PREFIX}: the ranks recorded bits='auto' statistics of different tensors since "
-                                f"the last refit: every rank must make the same collecting calls")
+            raise ProtocolError(
+                f"{PREFIX}: the ranks recorded bits='auto' statistics of different tensors since "
+                f"the last refit: every rank must make the same collecting calls"
+            )
         return Agreement(ordered=True)
     if any(hi[f] != lo[f] for f in ("tensors", "elements", "contents")):
         raise ProtocolError(
             f"{PREFIX}: the ranks compressed different tensors in this round ({lo['tensors']} to "
             f"{hi['tensors']} tensors, {lo['elements']} to {hi['elements']} elements); every rank must "
-            f"allreduce the same tensors with this compressor between two optimizer steps")
+            f"allreduce the same tensors with this compressor between two optimizer steps"
+        )
     return Agreement(ordered=hi["order"] == lo["order"])

@@ -221,7 +221,9 @@ class Quantizer:
         arr = np.asarray(levels, dtype=np.float64)
         size = self._levels.size
         if arr.shape != (size,):
-            raise ValueError(f"levels must have shape ({size},) for {self.method} with bits={self.bits}, got {arr.shape}")
+            raise ValueError(
+                f"levels must have shape ({size},) for {self.method} with bits={self.bits}, got {arr.shape}"
+            )
         if not np.all(np.isfinite(arr)):
             raise ValueError("levels must be finite")
         if arr[0] != -1.0 or arr[-1] != 1.0:
@@ -411,12 +413,16 @@ def adapt_together(quantizers: Sequence[Quantizer], stats: Sequence[np.ndarray])
     of the widest fit; ``bits="auto"`` refits its widths in use so)."""
     from .adaptation import fit_alq_levels_together  # (loads SciPy, needed at refits only)
 
-    alq = [(q, distribution_from_statistics(q._method, st)) for q, st in zip(quantizers, stats)
-           if q._method.adapts == "levels"]
+    alq = [
+        (q, distribution_from_statistics(q._method, st))
+        for q, st in zip(quantizers, stats)
+        if q._method.adapts == "levels"
+    ]
     for q, st in zip(quantizers, stats):
         if q._method.adapts != "levels":
             q.adapt(st)
-    fitted = fit_alq_levels_together([d for _, d in alq], [q.bits for q, _ in alq],
-                                     inits=[q.levels.copy() for q, _ in alq])
+    fitted = fit_alq_levels_together(
+        [d for _, d in alq], [q.bits for q, _ in alq], inits=[q.levels.copy() for q, _ in alq]
+    )
     for (q, _), levels in zip(alq, fitted):
         q._set_fitted(levels)

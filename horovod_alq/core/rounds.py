@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
-
 from .auto_bits import AutoBits
 from .methods import get_method
 from .quantizer import Quantizer
@@ -49,8 +47,17 @@ class RefitSchedule:
 
 
 #: The counters of :class:`RoundState`, in the order of its ``metrics`` and ``state_dict``.
-COUNTERS = ("step", "level_updates", "calls", "payload_bytes", "coordinates", "uncompressed_coordinates",
-             "bytes_sent", "bytes_received", "recovered")
+COUNTERS = (
+    "step",
+    "level_updates",
+    "calls",
+    "payload_bytes",
+    "coordinates",
+    "uncompressed_coordinates",
+    "bytes_sent",
+    "bytes_received",
+    "recovered",
+)
 
 
 @dataclass
@@ -92,8 +99,12 @@ class RoundState:
         """Whether the next round gathers statistics of the reduced sums for the second quantizer:
         the round *after* each refit of the first, so that the sums are made with its new levels
         (docs/variance_two_phase.md: sums made with the old levels fit worse than no refit)."""
-        return (self.adapt_second and get_method(self.quantizer.method).adaptive
-                and self.step > 0 and self.schedule.collects(self.step - 1))
+        return (
+            self.adapt_second
+            and get_method(self.quantizer.method).adaptive
+            and self.step > 0
+            and self.schedule.collects(self.step - 1)
+        )
 
     @property
     def follows_first(self) -> bool:
@@ -118,9 +129,14 @@ class RoundState:
         if self.auto is not None:
             a = self.auto
             used = a.quantizers if a.mixed is not None else sorted(set(a.bits) | {a.default})
-            out.update(bit_budget=a.budget, bits_per=a.bits_per, allocation=list(a.bits),
-                       allocated_mean_bits=a.mean_bits(), default_bits=a.default,
-                       width_levels={w: a.quantizers[w].levels for w in used})
+            out.update(
+                bit_budget=a.budget,
+                bits_per=a.bits_per,
+                allocation=list(a.bits),
+                allocated_mean_bits=a.mean_bits(),
+                default_bits=a.default,
+                width_levels={w: a.quantizers[w].levels for w in used},
+            )
         return out
 
     def state_dict(self) -> dict:
@@ -134,8 +150,12 @@ class RoundState:
         """Restore a :meth:`state_dict`; states saved before the two-phase exchange (no ``second``,
         ``bytes_*``) load with the second quantizer's initial levels and zero byte counters."""
         if (state.get("auto") is None) != (self.auto is None):
-            raise ValueError("state was saved with bits=" + ("'auto'" if state.get("auto") is not None else "fixed")
-                             + ", this compressor has bits=" + ("'auto'" if self.auto is not None else "fixed"))
+            raise ValueError(
+                "state was saved with bits="
+                + ("'auto'" if state.get("auto") is not None else "fixed")
+                + ", this compressor has bits="
+                + ("'auto'" if self.auto is not None else "fixed")
+            )
         if self.auto is not None:
             self.auto.load_state_dict(state["auto"])
         self.quantizer.load_state_dict(state["quantizer"])

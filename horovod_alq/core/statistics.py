@@ -32,7 +32,6 @@ GRID.setflags(write=False)
 SIGMA_FLOOR = 1e-6
 
 
-
 @dataclass(frozen=True)
 class Normalized:
     """Bucket norms and normalized coordinates of a flat array.
@@ -222,7 +221,7 @@ def _grid_cumulative(normalized: Normalized, squared: bool) -> np.ndarray:
     out = np.empty((len(rows), 1 + GRID.size), dtype=np.float64)
     for row, (bucket_weight, total) in zip(out, rows):
         weights = np.repeat(bucket_weight, normalized.r.shape[1])
-        weights[normalized.numel:] = 0.0  # padding after the last element
+        weights[normalized.numel :] = 0.0  # padding after the last element
         hist = np.bincount(cells, weights=weights, minlength=GRID.size)
         row[0] = total
         row[1:] = np.cumsum(hist[: GRID.size])

@@ -147,8 +147,18 @@ def pack_header(header: Header) -> bytes:
     """Serialize a header to its 32 bytes, checksum included."""
     if header.norm not in NORMS:
         raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {header.norm!r}")
-    fields = [MAGIC, header.version, header.method_id, header.bits, NORMS[header.norm], header.budget256,
-              header.bucket_size, 0, header.numel, header.fingerprint]
+    fields = [
+        MAGIC,
+        header.version,
+        header.method_id,
+        header.bits,
+        NORMS[header.norm],
+        header.budget256,
+        header.bucket_size,
+        0,
+        header.numel,
+        header.fingerprint,
+    ]
     raw = bytearray(_HEADER.pack(*fields))
     struct.pack_into("<I", raw, _CRC_OFFSET, zlib.crc32(raw))
     return bytes(raw)
@@ -193,15 +203,25 @@ def parse_header(payload) -> Header:
         raise ValueError(f"unknown method id {method_id} in payload header")
     if bits == 0:
         if not MIN_BITS * 256 <= budget256 <= MAX_BITS * 256:
-            raise ValueError(f"mixed payload header with budget {budget256}/256 bits, must be from {MIN_BITS} to {MAX_BITS}")
+            raise ValueError(
+                f"mixed payload header with budget {budget256}/256 bits, must be from {MIN_BITS} to {MAX_BITS}"
+            )
     elif not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"bits={bits} in payload header, must be from {MIN_BITS} to {MAX_BITS} (or 0: mixed)")
     if bucket_size == 0:
         raise ValueError("bucket size 0 in payload header")
     if norm_code not in NORMS_BY_CODE:
         raise ValueError(f"unknown norm code {norm_code} in payload header")
-    return Header(method_id, bits, bucket_size, numel, fingerprint, version, NORMS_BY_CODE[norm_code],
-                  budget256 if bits == 0 else 0)
+    return Header(
+        method_id,
+        bits,
+        bucket_size,
+        numel,
+        fingerprint,
+        version,
+        NORMS_BY_CODE[norm_code],
+        budget256 if bits == 0 else 0,
+    )
 
 
 def parse_payload(payload) -> tuple[Header, np.ndarray, np.ndarray]:
@@ -236,8 +256,7 @@ def parse_payload(payload) -> tuple[Header, np.ndarray, np.ndarray]:
     return header, norms, buf[end_norms:]
 
 
-def check_header(header: Header, method_id: int, bits: int, bucket_size: int, fingerprint: int,
-                 norm: str) -> None:
+def check_header(header: Header, method_id: int, bits: int, bucket_size: int, fingerprint: int, norm: str) -> None:
     """Raise ValueError saying how ``header`` differs from the local quantizer's configuration
     (method, bucket norm, bits, bucket size, levels fingerprint; checked in that order)."""
     if header.method_id != method_id:
@@ -253,9 +272,7 @@ def check_header(header: Header, method_id: int, bits: int, bucket_size: int, fi
             f"payload made with bucket_size={header.bucket_size}, this quantizer uses bucket_size={bucket_size}"
         )
     if header.fingerprint != fingerprint:
-        raise ValueError(
-            f"levels differ: payload fingerprint {header.fingerprint:#018x}, local {fingerprint:#018x}"
-        )
+        raise ValueError(f"levels differ: payload fingerprint {header.fingerprint:#018x}, local {fingerprint:#018x}")
 
 
 def split_payloads(buf) -> list[np.ndarray]:
@@ -285,8 +302,7 @@ def split_payloads(buf) -> list[np.ndarray]:
             raise ValueError(f"payload {len(parts)} at byte {offset}: {err}") from None
         if offset + size > buf.size:
             raise ValueError(
-                f"payload {len(parts)} at byte {offset} truncated: "
-                f"{buf.size - offset} bytes, header says {size}"
+                f"payload {len(parts)} at byte {offset} truncated: {buf.size - offset} bytes, header says {size}"
             )
         parts.append(buf[offset : offset + size])
         offset += size

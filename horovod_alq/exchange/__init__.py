@@ -19,10 +19,17 @@ each exchange's ``plan`` (:mod:`.plan`) is its arithmetic (ranges, payload sizes
 read by its ``steps`` and by TensorFlow, which runs the exchange in its graph.
 """
 
-from .interfaces import TensorOps, Transport
-
-from .layout import Layout, plan_layout
 from .engine import EXCHANGE_CHOICES, Engine, Entry, resolve_fusion_bytes
+from .interfaces import TensorOps, Transport
+from .layout import Layout, plan_layout
 
-__all__ = ["EXCHANGE_CHOICES", "Engine", "Entry", "Layout", "TensorOps", "Transport", "plan_layout",
-           "resolve_fusion_bytes"]
+__all__ = [
+    "EXCHANGE_CHOICES",
+    "Engine",
+    "Entry",
+    "Layout",
+    "TensorOps",
+    "Transport",
+    "plan_layout",
+    "resolve_fusion_bytes",
+]

@@ -26,8 +26,9 @@ STAGES = 1
 NAME = "allgather"
 
 
-def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer | None = None,
-         segments=None) -> BufferPlan:
+def plan(
+    lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer | None = None, segments=None
+) -> BufferPlan:
     """``[lo, hi)`` as one payload (with ``segments``: one per run of one width), gathered by every rank."""
     parts = ((lo, hi),)
     own = sizes(parts, first, segments)

@@ -35,16 +35,28 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..core.methods import get_method
-from ..core.protocol import (PREFIX, REFIT_FIELDS, STREAM_FIELDS, CollectiveTimeout, ProtocolError, ReductionMismatch,
-                             derive_seed, handshake_range, handshake_vector, read_handshake, read_tensor_vector,
-                             stable_hash, tensor_vector)
+from ..core.protocol import (
+    PREFIX,
+    REFIT_FIELDS,
+    STREAM_FIELDS,
+    CollectiveTimeout,
+    ProtocolError,
+    ReductionMismatch,
+    derive_seed,
+    handshake_range,
+    handshake_vector,
+    read_handshake,
+    read_tensor_vector,
+    stable_hash,
+    tensor_vector,
+)
 from ..core.quantizer import Quantizer
-from ..core.statistics import statistics_length
 from ..core.rounds import RoundState
+from ..core.statistics import statistics_length
 from . import allgather, hierarchical, node_reduce_scatter, recovery, reduce_scatter, two_phase
-from .driver import run, Started
+from .driver import Started, run
 from .interfaces import TensorOps, Transport
-from .job import auto_rows, Decoded, issue, Job
+from .job import Decoded, Job, auto_rows, issue
 from .layout import plan_layout
 from .stream import StreamedRound
 
@@ -53,8 +65,13 @@ EXCHANGES = {allgather.NAME: allgather, two_phase.NAME: two_phase, hierarchical.
 EXCHANGE_CHOICES = (*EXCHANGES, "auto")
 #: The exchanges of streamed rounds: also the reduce-scatter (FSDP2), whose result is one shard (the
 #: order numbers them in the handshake).
-STREAMED = {allgather.NAME: allgather, two_phase.NAME: two_phase, reduce_scatter.NAME: reduce_scatter,
-            hierarchical.NAME: hierarchical, node_reduce_scatter.NAME: node_reduce_scatter}
+STREAMED = {
+    allgather.NAME: allgather,
+    two_phase.NAME: two_phase,
+    reduce_scatter.NAME: reduce_scatter,
+    hierarchical.NAME: hierarchical,
+    node_reduce_scatter.NAME: node_reduce_scatter,
+}
 #: Fusion buffers hold this many bytes of float32 gradient by default (``fusion_bytes=``,
 #: ``HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per tensor).
 DEFAULT_FUSION_BYTES = 64 << 20
@@ -171,9 +188,17 @@ class Engine:
         collectives by name (Horovod); see :meth:`_start_early`.
     """
 
-    def __init__(self, quantizer: Quantizer, state: RoundState, *, exchange: str = "auto",
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES, seed: int = 0, uid: str | None = "0",
-                 early: bool = False) -> None:
+    def __init__(
+        self,
+        quantizer: Quantizer,
+        state: RoundState,
+        *,
+        exchange: str = "auto",
+        fusion_bytes: int = DEFAULT_FUSION_BYTES,
+        seed: int = 0,
+        uid: str | None = "0",
+        early: bool = False,
+    ) -> None:
         self.quantizer = quantizer
         self.state = state
         self.exchange = check_exchange(exchange)
@@ -185,8 +210,16 @@ class Engine:
         self._kept: dict[str, tuple[Any, _Round]] = {}  # tag -> (buffer, the round that used it last)
 
     # ------------------------------------------------------------------ compress
-    def add(self, flat: Any, numel: int, shape, dtype, transport: Transport,
-            error: str | None = None, ops: TensorOps | None = None) -> tuple[Entry, np.ndarray]:
+    def add(
+        self,
+        flat: Any,
+        numel: int,
+        shape,
+        dtype,
+        transport: Transport,
+        error: str | None = None,
+        ops: TensorOps | None = None,
+    ) -> tuple[Entry, np.ndarray]:
         """Record one tensor of the current round; returns its entry and tensor vector. With
         ``early`` (and ``ops``), a fusion buffer that this tensor closes starts its exchange."""
         rnd = self._round
@@ -210,7 +243,7 @@ class Engine:
         lo, pos, first = rnd.cut
         aligned = lo + -(-(pos - lo) // d) * d
         if pos > lo and (capacity == 0 or aligned + entry.numel - lo > capacity):
-            self._start_early(rnd, rnd.entries[first: entry.slot], lo, ops, transport)
+            self._start_early(rnd, rnd.entries[first : entry.slot], lo, ops, transport)
             lo = aligned = pos
             first = entry.slot
         rnd.cut = (lo, aligned + entry.numel, first)
@@ -218,8 +251,9 @@ class Engine:
     def _early_name(self, epoch: int, i: int) -> Callable[[str], str]:
         return lambda tag: f"{PREFIX}.{self.uid}.{epoch}.early{i}.{tag}"
 
-    def _start_early(self, rnd: _Round, entries: list[Entry], offset: int, ops: TensorOps,
-                     transport: Transport) -> None:
+    def _start_early(
+        self, rnd: _Round, entries: list[Entry], offset: int, ops: TensorOps, transport: Transport
+    ) -> None:
         """Quantize the complete buffer of ``entries`` (at ``offset`` of the round's stream) and issue
         its first collective, under a name of its own (``...early<i>``) with the seeds it would have
         in the round: a buffer's codes do not depend on when it starts. The handshake then tells
@@ -229,12 +263,19 @@ class Engine:
         q, st = self.quantizer, self.state
         epoch, i, base, rank = st.step, len(rnd.early), self.seed, transport.rank
         exchange = exchange_for(self.exchange, transport)
-        job = Job([e.flat for e in entries], plan_layout([e.numel for e in entries], q.bucket_size, None), ops,
-                  transport, q, st.second, seed=lambda *keys: derive_seed(base, rank, epoch, i, *keys[1:]),
-                  name=self._early_name(epoch, i), collect_second=self._collects(exchange)[1],
-                  collect_first=self._collects(exchange)[0] and getattr(EXCHANGES[exchange], "OWN_FIRST_STATISTICS",
-                                                                        False),
-                  widths=self._early_widths(rnd, entries))
+        job = Job(
+            [e.flat for e in entries],
+            plan_layout([e.numel for e in entries], q.bucket_size, None),
+            ops,
+            transport,
+            q,
+            st.second,
+            seed=lambda *keys: derive_seed(base, rank, epoch, i, *keys[1:]),
+            name=self._early_name(epoch, i),
+            collect_second=self._collects(exchange)[1],
+            collect_first=self._collects(exchange)[0] and getattr(EXCHANGES[exchange], "OWN_FIRST_STATISTICS", False),
+            widths=self._early_widths(rnd, entries),
+        )
         steps = EXCHANGES[exchange].steps(job, 0)
         rnd.early.append(Started(job, steps, job.issue(next(steps)), offset))
 
@@ -262,9 +303,15 @@ class Engine:
         rnd = entry.round
         err = None
         try:
-            info = read_tensor_vector(reduced, rank=transport.rank, size=transport.size, slot=entry.slot,
-                                      shape_code=entry.shape_code, local_error=entry.error,
-                                      scope=getattr(transport, "scope", ""))
+            info = read_tensor_vector(
+                reduced,
+                rank=transport.rank,
+                size=transport.size,
+                slot=entry.slot,
+                shape_code=entry.shape_code,
+                local_error=entry.error,
+                scope=getattr(transport, "scope", ""),
+            )
         except ProtocolError as exc:
             err = exc
         if not rnd.started and isinstance(err, ReductionMismatch):
@@ -283,8 +330,10 @@ class Engine:
         if rnd.failure is not None:
             raise ProtocolError(f"{PREFIX}: the exchange of this round failed: {rnd.failure}")
         if isinstance(rnd.result, _Ordered) and any(s != entry.slot for s in info.slots):
-            out = recovery.recover(rnd, entry, info.slots, self.quantizer, self.state, self.seed, ops,
-                                   transport) * info.scale
+            out = (
+                recovery.recover(rnd, entry, info.slots, self.quantizer, self.state, self.seed, ops, transport)
+                * info.scale
+            )
         elif isinstance(rnd.result, _Ordered):
             start = rnd.result.starts[entry]
             out = rnd.result.values.read(start, start + entry.numel, info.scale)
@@ -299,13 +348,22 @@ class Engine:
         """The handshake fields every rank must share: settings, levels, round number, refit flag,
         and the node layout (ranks per node)."""
         q, st, auto = self.quantizer, self.state, self.state.auto
-        return dict(method=get_method(q.method).id, bits=0 if auto else q.bits, local_size=hierarchical.local_size(transport),
-                    budget=round(1000 * auto.budget) if auto else 0, bucket_size=q.bucket_size,
-                    norm=("l2", "linf").index(q.norm), exchange=list(STREAMED).index(exchange),
-                    fusion_bytes=self.fusion_bytes, bits_second=0 if auto else st.second.bits,
-                    adapt_second=int(st.adapt_second),
-                    levels=stable_hash(q.fingerprint, st.second.fingerprint, auto.fingerprint() if auto else 0),
-                    allocation=auto.allocation_hash() if auto else 0, round=epoch, collecting=int(collecting))
+        return dict(
+            method=get_method(q.method).id,
+            bits=0 if auto else q.bits,
+            local_size=hierarchical.local_size(transport),
+            budget=round(1000 * auto.budget) if auto else 0,
+            bucket_size=q.bucket_size,
+            norm=("l2", "linf").index(q.norm),
+            exchange=list(STREAMED).index(exchange),
+            fusion_bytes=self.fusion_bytes,
+            bits_second=0 if auto else st.second.bits,
+            adapt_second=int(st.adapt_second),
+            levels=stable_hash(q.fingerprint, st.second.fingerprint, auto.fingerprint() if auto else 0),
+            allocation=auto.allocation_hash() if auto else 0,
+            round=epoch,
+            collecting=int(collecting),
+        )
 
     def _widths(self, keys: Sequence) -> list[Quantizer] | None:
         """``bits="auto"``: the quantizer of each tensor of a round whose tensors are ``keys``."""
@@ -318,12 +376,21 @@ class Engine:
         auto = self.state.auto
         if auto is None:
             return None
-        keys = [(e.numel, e.shape_code) for e in rnd.entries[:entries[-1].slot + 1]]
+        keys = [(e.numel, e.shape_code) for e in rnd.entries[: entries[-1].slot + 1]]
         return auto.quantizers_for(keys, entries[0].slot, whole=False)
 
-    def open_stream(self, ops: TensorOps, stages: Sequence[Transport], *, min_size: int = 0,
-                    exchange: str | None = None, error: str | None = None, elements: int = 0,
-                    order: int = 0, collect: bool | None = None) -> StreamedRound:
+    def open_stream(
+        self,
+        ops: TensorOps,
+        stages: Sequence[Transport],
+        *,
+        min_size: int = 0,
+        exchange: str | None = None,
+        error: str | None = None,
+        elements: int = 0,
+        order: int = 0,
+        collect: bool | None = None,
+    ) -> StreamedRound:
         """Start a streamed round (:mod:`.stream`, for front-ends whose transport pairs collectives
         by call order and whose framework hands every rank the same tensors in the same order):
         the handshake on ``stages[0]``, then a round that takes buffers one by one. ``stages``:
@@ -341,12 +408,12 @@ class Engine:
         epoch = st.step
         exchange = exchange_for(self.exchange, transport) if exchange is None else exchange
         if exchange not in STREAMED:
-            raise ValueError(f"{PREFIX}: a streamed round's exchange is one of {', '.join(STREAMED)}, "
-                             f"not {exchange!r}")
+            raise ValueError(f"{PREFIX}: a streamed round's exchange is one of {', '.join(STREAMED)}, not {exchange!r}")
         module = STREAMED[exchange]
         if len(stages) < module.STAGES:
-            raise ValueError(f"{PREFIX}: a streamed {exchange} round needs {module.STAGES} transports, got "
-                             f"{len(stages)}")
+            raise ValueError(
+                f"{PREFIX}: a streamed {exchange} round needs {module.STAGES} transports, got {len(stages)}"
+            )
         if collect is None:
             collect_first, collect_second = self._collects(exchange)
         else:  # the caller's statistics stay local: the ranks need not agree on them
@@ -354,13 +421,28 @@ class Engine:
             collect_second = collect_first and exchange == two_phase.NAME and st.adapt_second
         refit = collect is None and (collect_first or collect_second)
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
-        vec = handshake_vector(fields=STREAM_FIELDS, error=int(error is not None), min_size=int(min_size),
-                               elements=int(elements), order=int(order), **self._settings(exchange, epoch, refit, transport))
+        vec = handshake_vector(
+            fields=STREAM_FIELDS,
+            error=int(error is not None),
+            min_size=int(min_size),
+            elements=int(elements),
+            order=int(order),
+            **self._settings(exchange, epoch, refit, transport),
+        )
         read_handshake(transport.allreduce_max(vec, f"{prefix}.handshake"), error, fields=STREAM_FIELDS)
         st.step += 1
         st.exchange = exchange
-        return StreamedRound(self, ops, stages[:module.STAGES], module, epoch=epoch, prefix=prefix,
-                             collect_first=collect_first, collect_second=collect_second, refit=refit)
+        return StreamedRound(
+            self,
+            ops,
+            stages[: module.STAGES],
+            module,
+            epoch=epoch,
+            prefix=prefix,
+            collect_first=collect_first,
+            collect_second=collect_second,
+            refit=refit,
+        )
 
     def _run_round(self, rnd: _Round, ops: TensorOps, transport: Transport, local_error: str | None) -> None:
         q, st = self.quantizer, self.state
@@ -372,9 +454,14 @@ class Engine:
         order = tuple((e.numel, e.shape_code) for e in live)
         fields = dict(
             error=int(local_error is not None or any(e.error is not None for e in live)),
-            **self._settings(exchange, epoch, collecting, transport), tensors=len(live),
-            elements=sum(e.numel for e in live), contents=stable_hash(tuple(sorted(order))),
-            order=stable_hash(order), early=len(rnd.early), early_ok=int(len(live) == len(rnd.entries)))
+            **self._settings(exchange, epoch, collecting, transport),
+            tensors=len(live),
+            elements=sum(e.numel for e in live),
+            contents=stable_hash(tuple(sorted(order))),
+            order=stable_hash(order),
+            early=len(rnd.early),
+            early_ok=int(len(live) == len(rnd.entries)),
+        )
         own = local_error or next((e.error for e in live if e.error), None)
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
         reduced = transport.allreduce_max(handshake_vector(**fields), f"{prefix}.handshake")
@@ -401,19 +488,26 @@ class Engine:
 
         capacity = self.fusion_bytes // 4 if self.fusion_bytes else 0
         layout = plan_layout([e.numel for e in live], q.bucket_size, capacity if ordered else None)
-        job = Job([e.flat for e in live], layout, ops, transport, q, st.second,
-                  seed=lambda *keys: derive_seed(self.seed, transport.rank, epoch, *keys),
-                  name=lambda tag: f"{prefix}.{tag}",
-                  collect_second=collect_second,
-                  collect_first=collect_first and getattr(EXCHANGES[exchange], "OWN_FIRST_STATISTICS", False),
-                  stream_buffer=lambda n: self._kept_buffer(rnd, "stream", n, ops),
-                  widths=widths if ordered else None)
+        job = Job(
+            [e.flat for e in live],
+            layout,
+            ops,
+            transport,
+            q,
+            st.second,
+            seed=lambda *keys: derive_seed(self.seed, transport.rank, epoch, *keys),
+            name=lambda tag: f"{prefix}.{tag}",
+            collect_second=collect_second,
+            collect_first=collect_first and getattr(EXCHANGES[exchange], "OWN_FIRST_STATISTICS", False),
+            stream_buffer=lambda n: self._kept_buffer(rnd, "stream", n, ops),
+            widths=widths if ordered else None,
+        )
         st.coordinates += sum(e.numel for e in live)
         started = {}
         if early:
             started = dict(enumerate(rnd.early))
             planned = [(s.offset, s.offset + s.job.layout.length) for s in rnd.early]
-            if list(layout.buffers[:len(planned)]) != planned:  # the same on every rank: plans are deterministic
+            if list(layout.buffers[: len(planned)]) != planned:  # the same on every rank: plans are deterministic
                 raise AssertionError(f"{PREFIX}: early buffers {planned} are not the layout's {layout.buffers}")
         try:
             if ordered:
@@ -435,8 +529,9 @@ class Engine:
         elif collecting:
             self._refit(job, collect_first, second_stats, prefix)
 
-    def _settle_early(self, rnd: _Round, reduced: np.ndarray, ops: TensorOps, transport: Transport,
-                      exchange: str, epoch: int) -> bool:
+    def _settle_early(
+        self, rnd: _Round, reduced: np.ndarray, ops: TensorOps, transport: Transport, exchange: str, epoch: int
+    ) -> bool:
         """After the handshake, before any of its checks: complete with empty contributions the
         early buffers that other ranks started and this one did not (so no rank waits for them),
         and say whether the early buffers' results may be used: every rank started the same number,
@@ -484,8 +579,9 @@ class Engine:
         if job.collect_first:  # the exchange collected the statistics of what it quantized
             first = np.zeros(k) if job.first_statistics is None else job.first_statistics
         elif collect_first:
-            first = sum((job.ops.statistics(job.stream[lo:hi], job.first) for lo, hi in job.layout.buffers),
-                        np.zeros(k))
+            first = sum(
+                (job.ops.statistics(job.stream[lo:hi], job.first) for lo, hi in job.layout.buffers), np.zeros(k)
+            )
         if job.collect_second:
             second = np.zeros(k) if second_stats is None else second_stats
         self.refit_from(first, second, job.transport, f"{prefix}.statistics")
@@ -504,8 +600,7 @@ class Engine:
         st.refitted_first()
         st.level_updates += 1
 
-    def refit_from(self, first: np.ndarray | None, second: np.ndarray | None, transport: Transport,
-                   name: str) -> bool:
+    def refit_from(self, first: np.ndarray | None, second: np.ndarray | None, transport: Transport, name: str) -> bool:
         """Sum this rank's statistics of the first quantizer (None: zeros) and, when ``second`` is
         given, of the second, over the ranks (one allreduce), then refit both alike on every rank.
         Returns whether any levels changed (False: no rank saw a finite non-zero bucket)."""
@@ -526,8 +621,15 @@ class Engine:
         st.level_updates += int(updated)
         return updated
 
-    def refit(self, first: np.ndarray | None, second: np.ndarray | None, transport: Transport, *,
-              error: str | None = None, keys: Sequence = ()) -> bool:
+    def refit(
+        self,
+        first: np.ndarray | None,
+        second: np.ndarray | None,
+        transport: Transport,
+        *,
+        error: str | None = None,
+        keys: Sequence = (),
+    ) -> bool:
         """A refit outside any round, for front-ends that refit on request (mpi4py's ``adapt()``).
 
         A handshake of :data:`~horovod_alq.core.protocol.REFIT_FIELDS` (settings, levels, round,
@@ -550,8 +652,12 @@ class Engine:
             second = None  # nothing to refit it from (the same on every rank: the settings agree)
         elif second is None:
             second = np.zeros(statistics_length(get_method(q.method)))
-        previous = (q.state_dict(), st.second.state_dict(), st.level_updates,
-                    None if auto is None else auto.state_dict())
+        previous = (
+            q.state_dict(),
+            st.second.state_dict(),
+            st.level_updates,
+            None if auto is None else auto.state_dict(),
+        )
         try:
             if auto is None:
                 updated = self.refit_from(first, second, transport, f"{prefix}.statistics")
@@ -572,9 +678,11 @@ class Engine:
                 auto.load_state_dict(previous[3])
             if isinstance(exc, CollectiveTimeout):
                 raise
-            raise RefitError(f"{PREFIX}: the refit failed on some rank or the ranks reached different levels "
-                             f"from the same statistics (do all ranks run the same NumPy and SciPy?); previous "
-                             f"levels restored: {exc}") from None
+            raise RefitError(
+                f"{PREFIX}: the refit failed on some rank or the ranks reached different levels "
+                f"from the same statistics (do all ranks run the same NumPy and SciPy?); previous "
+                f"levels restored: {exc}"
+            ) from None
         return updated
 
     def _refit_recorded(self, rows: np.ndarray | None, keys: Sequence, transport: Transport, name: str) -> bool:
@@ -591,13 +699,23 @@ class Engine:
         return auto.fingerprint() != before
 
     def _agree(self, transport: Transport, name: str, exchange: str, error: str | None, recorded: int = 0) -> None:
-        vec = handshake_vector(fields=REFIT_FIELDS, error=int(error is not None), recorded=recorded,
-                               **self._settings(exchange, self.state.step, True, transport))
+        vec = handshake_vector(
+            fields=REFIT_FIELDS,
+            error=int(error is not None),
+            recorded=recorded,
+            **self._settings(exchange, self.state.step, True, transport),
+        )
         read_handshake(transport.allreduce_max(vec, name), error, fields=REFIT_FIELDS)
 
 
-def blame(transport: Transport, error: str | None, elements: Any, prefix: str, what: str,
-          differ: str = "the ranks passed arrays with different element counts") -> str | None:
+def blame(
+    transport: Transport,
+    error: str | None,
+    elements: Any,
+    prefix: str,
+    what: str,
+    differ: str = "the ranks passed arrays with different element counts",
+) -> str | None:
     """After a handshake that failed alike on every rank: every rank's local ``error`` and
     ``elements`` (a count, or any JSON value the ranks must agree on; two more collectives, on this
     path only), as a message naming the ranks at fault (``what`` and their errors, or ``differ``
@@ -605,9 +723,9 @@ def blame(transport: Transport, error: str | None, elements: Any, prefix: str, w
     raw = np.frombuffer(json.dumps([error, elements]).encode(), dtype=np.uint8)
     n = int(transport.allreduce_max(np.array([raw.size], dtype=np.int64), f"{prefix}.messages.size")[0])
     buf = np.zeros(n, dtype=np.uint8)
-    buf[:raw.size] = raw
+    buf[: raw.size] = raw
     got = transport.allgather(buf, [n] * transport.size, f"{prefix}.messages")()
-    shared = [json.loads(bytes(got[r * n:(r + 1) * n]).rstrip(b"\0").decode()) for r in range(transport.size)]
+    shared = [json.loads(bytes(got[r * n : (r + 1) * n]).rstrip(b"\0").decode()) for r in range(transport.size)]
     failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(shared) if m is not None]
     if failed:
         return f"{what} " + "; ".join(failed)
@@ -625,4 +743,3 @@ def _shape_code(shape, dtype) -> int:
     from ..core.protocol import shape_hash
 
     return shape_hash(tuple(shape), str(dtype))
-

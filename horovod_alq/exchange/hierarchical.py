@@ -73,8 +73,16 @@ def local_size(transport: Transport) -> int:
     return g
 
 
-def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer | None = None,
-         segments=None, g: int | None = None) -> BufferPlan:
+def plan(
+    lo: int,
+    hi: int,
+    size: int,
+    rank: int,
+    first: Quantizer,
+    second: Quantizer | None = None,
+    segments=None,
+    g: int | None = None,
+) -> BufferPlan:
     """``[lo, hi)`` as ``g`` shards (``g``: ranks per node, default ``size``): ``first`` holds each
     shard's payload size; ``sent`` / ``received`` this rank's bytes on the wire over the three
     collectives (float32 inside the node, codes between nodes and again inside the node)."""
@@ -88,8 +96,10 @@ def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quant
     stage1 = _splits(size, {r: floats[r % g] for r in peers}), _splits(size, {r: floats[local] for r in peers})
     cross = [k * g + local for k in range(nodes)]
     stage2 = _splits(size, {r: own[local] for r in cross}), _splits(size, {r: own[local] for r in cross})
-    stage3 = (_splits(size, {r: nodes * own[local] for r in peers}),
-              _splits(size, {r: nodes * own[r % g] for r in peers}))
+    stage3 = (
+        _splits(size, {r: nodes * own[local] for r in peers}),
+        _splits(size, {r: nodes * own[r % g] for r in peers}),
+    )
     counts = total(*(alltoall_bytes(s, r, rank) for s, r in (stage1, stage2, stage3)))
     return BufferPlan(parts, own, (), *counts)
 
@@ -116,43 +126,61 @@ def steps(job: Job, i: int) -> Steps:
     # 1. exact reduce-scatter inside the node
     x = job.stream[lo:hi]
     floats = [4 * (pb - pa) for pa, pb in parts]
-    pieces = [ops.as_bytes(x[pa - lo: pb - lo]) for pa, pb in parts]
-    gathered = yield Alltoall(ops.cat(pieces), _splits(n, {r: floats[r % g] for r in peers}),
-                              _splits(n, {r: floats[local] for r in peers}), f"h1-{i}")
+    pieces = [ops.as_bytes(x[pa - lo : pb - lo]) for pa, pb in parts]
+    gathered = yield Alltoall(
+        ops.cat(pieces),
+        _splits(n, {r: floats[r % g] for r in peers}),
+        _splits(n, {r: floats[local] for r in peers}),
+        f"h1-{i}",
+    )
     shard = ops.from_bytes(gathered)
     acc = ops.zeros(b - a)
     for k in range(g):  # in rank order: the node's owners of other shards do the same sums
-        acc += shard[k * (b - a): (k + 1) * (b - a)]
+        acc += shard[k * (b - a) : (k + 1) * (b - a)]
 
     # 2. the node's sum of this shard, quantized, to the owners of the same shard on every node
     runs = job.segments(a, b)
-    payload = joined(ops, [job.encode(acc[ra - a: rb - a], q, job.seed(i, 4, k)) for k, (ra, rb, q, _) in
-                           enumerate(runs)])
+    payload = joined(
+        ops, [job.encode(acc[ra - a : rb - a], q, job.seed(i, 4, k)) for k, (ra, rb, q, _) in enumerate(runs)]
+    )
     job.encoded += int(payload.shape[0])
     if job.collect_first and b > a and job.widths is None:
         job.add_first_statistics(ops.statistics(acc, job.first))
     own = p.first[local]
-    gathered = yield Alltoall(ops.cat([payload] * nodes), _splits(n, {r: own for r in cross}),
-                              _splits(n, {r: own for r in cross}), f"h2-{i}")
+    gathered = yield Alltoall(
+        ops.cat([payload] * nodes), _splits(n, {r: own for r in cross}), _splits(n, {r: own for r in cross}), f"h2-{i}"
+    )
     failure = None
     try:
-        check_segments(ops, gathered, [[(rb - ra, q) for ra, rb, q, _ in runs]] * nodes,
-                       f"shard {local} of buffer {i} from the nodes")
+        check_segments(
+            ops,
+            gathered,
+            [[(rb - ra, q) for ra, rb, q, _ in runs]] * nodes,
+            f"shard {local} of buffer {i} from the nodes",
+        )
     except ProtocolError as err:
         failure = err
     forward = gathered if failure is None else _poisoned(ops, gathered)
 
     # 3. every node's codes of this shard to the node's ranks
-    gathered = yield Alltoall(ops.cat([forward] * g), _splits(n, {r: nodes * own for r in peers}),
-                              _splits(n, {r: nodes * p.first[r % g] for r in peers}), f"h3-{i}")
+    gathered = yield Alltoall(
+        ops.cat([forward] * g),
+        _splits(n, {r: nodes * own for r in peers}),
+        _splits(n, {r: nodes * p.first[r % g] for r in peers}),
+        f"h3-{i}",
+    )
     host = ops.to_numpy(gathered)
     starts = np.concatenate([[0], np.cumsum([nodes * s for s in p.first])]).astype(np.int64).tolist()
-    bad = [peers[j] for j in range(g) if host.size >= starts[j] + 2 and bytes(host[starts[j]: starts[j] + 2]) == POISON]
+    bad = [
+        peers[j] for j in range(g) if host.size >= starts[j] + 2 and bytes(host[starts[j] : starts[j] + 2]) == POISON
+    ]
     if bad:
         if failure is not None:
             raise failure
-        raise ProtocolError(f"{PREFIX}: rank(s) {bad} received invalid payloads from the other nodes for "
-                            f"their shards of buffer {i} (see their errors); refusing to decode on every rank")
+        raise ProtocolError(
+            f"{PREFIX}: rank(s) {bad} received invalid payloads from the other nodes for "
+            f"their shards of buffer {i} (see their errors); refusing to decode on every rank"
+        )
     expected = [[(rb - ra, q) for ra, rb, q, _ in job.segments(pa, pb)] for pa, pb in parts for _ in range(nodes)]
     offsets = check_segments(ops, gathered, expected, f"buffer {i} from the node")
     out = []

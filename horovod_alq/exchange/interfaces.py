@@ -9,7 +9,6 @@ import numpy as np
 
 from ..core.quantizer import Quantizer
 
-
 Tensor = Any  # a framework tensor (torch.Tensor, np.ndarray): sliceable, 1-D where it matters
 
 
@@ -25,8 +24,9 @@ class Transport(Protocol):
         """Start gathering every rank's uint8 ``payload`` (rank ``r`` sends ``sizes[r]`` bytes);
         the returned function waits and returns the concatenation in rank order."""
 
-    def alltoall(self, payload: Tensor, splits: Sequence[int], received: Sequence[int],
-                 name: str) -> Callable[[], Tensor]:
+    def alltoall(
+        self, payload: Tensor, splits: Sequence[int], received: Sequence[int], name: str
+    ) -> Callable[[], Tensor]:
         """Start sending ``payload[sum(splits[:j]):][:splits[j]]`` to rank ``j`` and receiving
         ``received[r]`` bytes from every rank ``r``; the function waits and returns them in rank order."""
 
@@ -59,8 +59,14 @@ class SingleRank:
 class TensorOps(Protocol):
     """The codec and the few tensor operations an exchange needs, on one framework and device."""
 
-    def stream(self, parts: Sequence[Tensor], starts: Sequence[int], length: int, out: Tensor | None = None,
-               padding: Sequence[tuple[int, int]] = ()) -> Tensor:
+    def stream(
+        self,
+        parts: Sequence[Tensor],
+        starts: Sequence[int],
+        length: int,
+        out: Tensor | None = None,
+        padding: Sequence[tuple[int, int]] = (),
+    ) -> Tensor:
         """A float32 vector of ``length`` with the flattened ``parts`` at ``starts`` and zeros
         elsewhere: a new one, or ``out`` (stale contents) with its ``padding`` ranges zeroed (the
         parts and the padding cover it)."""
@@ -74,13 +80,23 @@ class TensorOps(Protocol):
     def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
         """One payload (uint8) of the float32 vector ``x`` with the quantizer's levels."""
 
-    def encode_parts(self, parts: Sequence[Tensor], starts: Sequence[int], length: int, quantizer: Quantizer,
-                     seed: int) -> Tensor | None:
+    def encode_parts(
+        self, parts: Sequence[Tensor], starts: Sequence[int], length: int, quantizer: Quantizer, seed: int
+    ) -> Tensor | None:
         """The payload that :meth:`encode` gives for ``stream(parts, starts, length)``, read from the
         parts in place; None where the codec cannot (the caller then builds the stream)."""
 
-    def decode_sum(self, out: Tensor, payloads: Tensor, offsets: Sequence[int], quantizer: Quantizer, *,
-                   start: int = 0, numel: int | None = None, scale: float = 1.0) -> None:
+    def decode_sum(
+        self,
+        out: Tensor,
+        payloads: Tensor,
+        offsets: Sequence[int],
+        quantizer: Quantizer,
+        *,
+        start: int = 0,
+        numel: int | None = None,
+        scale: float = 1.0,
+    ) -> None:
         """``out = scale * sum`` over the payloads starting at ``offsets`` (already validated, each of
         ``numel`` coordinates; default ``len(out)``) of their decoded coordinates ``[start, start +
         len(out))``. ``start`` is a multiple of the bucket size whose codes begin on a byte."""

@@ -53,13 +53,20 @@ class Decoded:
                 continue
             start = a - p.lo
             if (start * p.quantizer.bits) % 8 == 0:  # the window's codes begin on a byte: decode it alone
-                self.ops.decode_sum(out[a - lo: b - lo], p.payloads, p.offsets, p.quantizer, start=start,
-                                    numel=p.hi - p.lo, scale=scale)
+                self.ops.decode_sum(
+                    out[a - lo : b - lo],
+                    p.payloads,
+                    p.offsets,
+                    p.quantizer,
+                    start=start,
+                    numel=p.hi - p.lo,
+                    scale=scale,
+                )
             else:  # (bucket sizes that are not multiples of 8) decode the piece once, then slice it
                 if k not in self._whole:
                     self._whole[k] = self.ops.empty(p.hi - p.lo)
                     self.ops.decode_sum(self._whole[k], p.payloads, p.offsets, p.quantizer)
-                out[a - lo: b - lo] = self._whole[k][start: start + b - a] * scale
+                out[a - lo : b - lo] = self._whole[k][start : start + b - a] * scale
         return out
 
 
@@ -138,7 +145,7 @@ class Job:
             for part, s, n in zip(self.parts, self.layout.starts, self.layout.numels):
                 a, b = max(lo, s), min(hi, s + n)
                 if a < b:
-                    parts.append(part[a - s: b - s])
+                    parts.append(part[a - s : b - s])
                     starts.append(a - lo)
             payload = self.ops.encode_parts(parts, starts, hi - lo, quantizer, seed)
             if payload is not None:
@@ -200,7 +207,8 @@ class Allgather:
 
 @dataclass(frozen=True)
 class Alltoall:
-    """A collective an exchange asks for: ``splits[j]`` bytes of ``payload`` to rank ``j``, ``received[r]`` from rank ``r``."""
+    """A collective an exchange asks for: ``splits[j]`` bytes of ``payload`` to rank ``j``,
+    ``received[r]`` from rank ``r``."""
 
     payload: Tensor
     splits: Sequence[int]

@@ -32,7 +32,9 @@ class MixedOps:
     def __init__(self, ops) -> None:
         missing = [m for m in NEEDS if not hasattr(ops, m)]
         if missing:
-            raise TypeError(f"bits_per='bucket' needs tensor ops with {', '.join(missing)}; {type(ops).__name__} has none")
+            raise TypeError(
+                f"bits_per='bucket' needs tensor ops with {', '.join(missing)}; {type(ops).__name__} has none"
+            )
         self.inner = ops
         self._read: tuple = (None, {})  # the payloads last decoded from, and their layouts by offset
 
@@ -55,8 +57,7 @@ class MixedOps:
             return self.inner.encode(x, q, seed)
         n = int(x.shape[0])
         norms = self.inner.bucket_norms(x, q.bucket_size, q.norm) if n else np.zeros(0)
-        return self._assemble(q, n, norms, seed,
-                              lambda ids, qw, seed_w: self._encode_buckets(x, ids, n, qw, seed_w))
+        return self._assemble(q, n, norms, seed, lambda ids, qw, seed_w: self._encode_buckets(x, ids, n, qw, seed_w))
 
     def _assemble(self, q: MixedWidths, n: int, norms: np.ndarray, seed: int, encode_width):
         """A mixed payload of ``n`` coordinates with bucket norms ``norms``: header, widths and their
@@ -65,8 +66,9 @@ class MixedOps:
         first, so a codec that cannot read in place says so at the first call)."""
         ops, d = self.inner, q.bucket_size
         widths = q.widths(np.square(norms, dtype=np.float64), bucket_lengths(n, d), n)
-        header = pack_header(Header(get_method(q.method).id, 0, d, n, q.fingerprint, norm=q.norm,
-                                    budget256=q.budget256))
+        header = pack_header(
+            Header(get_method(q.method).id, 0, d, n, q.fingerprint, norm=q.norm, budget256=q.budget256)
+        )
         crc = np.frombuffer(widths_crc(widths), dtype=np.uint8)
         by_width = {w: np.flatnonzero(widths == w) for w in BUCKET_WIDTHS}
         encoded = {}
@@ -91,12 +93,12 @@ class MixedOps:
             b, full = s // d, n - n % d
             if n % d and s + n < length:  # zeros follow the tail in the stream
                 if full:
-                    out[b: b + full // d] = ops.bucket_norms(part[:full], d, norm)
+                    out[b : b + full // d] = ops.bucket_norms(part[:full], d, norm)
                 padded = ops.zeros(d)
                 padded[: n % d] = part[full:]
                 out[b + full // d] = ops.bucket_norms(padded, d, norm)[0]
             elif n:
-                out[b: b - (-n // d)] = ops.bucket_norms(part, d, norm)
+                out[b : b - (-n // d)] = ops.bucket_norms(part, d, norm)
         return out
 
     def _encode_parts_buckets(self, parts, starts, length: int, ids, q, seed):
@@ -117,7 +119,7 @@ class MixedOps:
             while j < len(parts) and starts[j] < b:  # the parts that the span [a, b) overlaps
                 lo, hi = max(a, starts[j]), min(b, ends[j])
                 if lo < hi:
-                    pieces.append(parts[j][lo - starts[j]: hi - starts[j]])
+                    pieces.append(parts[j][lo - starts[j] : hi - starts[j]])
                     at.append(offset + lo - a)
                 j += 1
             offset += b - a
@@ -145,8 +147,13 @@ class MixedOps:
         if length == 0 or any(int(s) % d for s in starts):
             return None  # the caller encodes the stream
         norms = self._parts_norms(parts, starts, length, d, q.norm)
-        return self._assemble(q, length, norms, seed,
-                              lambda ids, qw, seed_w: self._encode_parts_buckets(parts, starts, length, ids, qw, seed_w))
+        return self._assemble(
+            q,
+            length,
+            norms,
+            seed,
+            lambda ids, qw, seed_w: self._encode_parts_buckets(parts, starts, length, ids, qw, seed_w),
+        )
 
     def decode_sum(self, out, payloads, offsets, q, *, start=0, numel=None, scale=1.0):
         if not isinstance(q, MixedWidths):

@@ -49,20 +49,19 @@ def steps(job: Job, i: int) -> Steps:
     pieces = [ops.as_bytes(x[a:b]) for j in range(g) for a, b in column[j]]
     floats = 4 * nodes * per
     to = [floats if r in peers else 0 for r in range(n)]
-    gathered = yield Alltoall(ops.cat(pieces) if pieces else ops.from_numpy(np.zeros(0, np.uint8)), to, to,
-                              f"nrs1-{i}")
+    gathered = yield Alltoall(ops.cat(pieces) if pieces else ops.from_numpy(np.zeros(0, np.uint8)), to, to, f"nrs1-{i}")
     got = ops.from_bytes(gathered)
     acc = ops.zeros(nodes * per)
     for k in range(g):  # in rank order
-        acc += got[k * nodes * per: (k + 1) * nodes * per]
+        acc += got[k * nodes * per : (k + 1) * nodes * per]
 
     # 2. the node's sum of shard k G + local, quantized, to its owner on node k
     payloads, sizes = [], []
     for k, (a, b) in enumerate(column[local]):
-        part = acc[k * per: (k + 1) * per]
+        part = acc[k * per : (k + 1) * per]
         runs = job.segments(a, b)
         for m, (ra, rb, q, _) in enumerate(runs):
-            payloads.append(job.encode(part[ra - a: rb - a], q, job.seed(i, k, 5, m)))
+            payloads.append(job.encode(part[ra - a : rb - a], q, job.seed(i, k, 5, m)))
         sizes.append(sum(q.payload_bytes(rb - ra) for ra, rb, q, _ in runs))
         if job.collect_first and job.widths is None and b > a:
             job.add_first_statistics(ops.statistics(part, job.first))
@@ -74,7 +73,9 @@ def steps(job: Job, i: int) -> Steps:
     mine = sum(q.payload_bytes(rb - ra) for ra, rb, q, _ in own)
     received = [mine if r % g == local else 0 for r in range(n)]
     gathered = yield Alltoall(ops.cat(payloads), splits, received, f"nrs2-{i}")
-    offsets = check_segments(ops, gathered, [[(rb - ra, q) for ra, rb, q, _ in own]] * nodes,
-                             f"shard {me} of buffer {i} from the nodes")
-    return [Piece(ra, rb, gathered, tuple(o[m] for o in offsets), job.frozen(q)) for m, (ra, rb, q, _) in
-            enumerate(own)]
+    offsets = check_segments(
+        ops, gathered, [[(rb - ra, q) for ra, rb, q, _ in own]] * nodes, f"shard {me} of buffer {i} from the nodes"
+    )
+    return [
+        Piece(ra, rb, gathered, tuple(o[m] for o in offsets), job.frozen(q)) for m, (ra, rb, q, _) in enumerate(own)
+    ]

@@ -27,7 +27,7 @@ class NumpyOps:
             for a, b in padding:
                 out[a:b] = 0
         for part, start in zip(parts, starts):
-            out[start: start + part.size] = part.ravel()
+            out[start : start + part.size] = part.ravel()
         return out
 
     def zeros(self, n):
@@ -46,7 +46,7 @@ class NumpyOps:
         out[:] = 0
         for offset in offsets:
             size = parse_header(payloads[offset:]).payload_size
-            out += quantizer.decode(payloads[offset: offset + size])[start: start + out.size]
+            out += quantizer.decode(payloads[offset : offset + size])[start : start + out.size]
         if scale != 1.0:
             out *= np.float32(scale)
 

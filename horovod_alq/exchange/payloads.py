@@ -14,8 +14,9 @@ from ..core.wire import HEADER_SIZE, check_header, parse_header
 from .interfaces import Tensor, TensorOps
 
 
-def check_payloads(ops: TensorOps, gathered: Tensor, numels: Sequence[int], quantizer: Quantizer,
-                   what: str) -> list[int]:
+def check_payloads(
+    ops: TensorOps, gathered: Tensor, numels: Sequence[int], quantizer: Quantizer, what: str
+) -> list[int]:
     """Validate the payloads of every rank, back to back in ``gathered`` (rank ``r``'s holds
     ``numels[r]`` elements), and return their offsets. Raises :class:`ProtocolError` naming the rank."""
     return check_host_payloads(ops.to_numpy(gathered), numels, quantizer, what)
@@ -28,16 +29,18 @@ def check_host_payloads(host: np.ndarray, numels: Sequence[int], quantizer: Quan
     return [o[0] for o in check_host_segments(host, [[(n, quantizer)] for n in numels], what)]
 
 
-def check_segments(ops: TensorOps, gathered: Tensor, expected: Sequence[Sequence[tuple[int, Quantizer]]],
-                   what: str) -> list[list[int]]:
+def check_segments(
+    ops: TensorOps, gathered: Tensor, expected: Sequence[Sequence[tuple[int, Quantizer]]], what: str
+) -> list[list[int]]:
     """Validate every rank's run of payloads, back to back in ``gathered``: rank ``r``'s holds one
     payload per ``(elements, quantizer)`` of ``expected[r]`` (tensors of several widths in one
     buffer, ``bits="auto"``). Returns the offsets of each rank's payloads."""
     return check_host_segments(ops.to_numpy(gathered), expected, what)
 
 
-def check_host_segments(host: np.ndarray, expected: Sequence[Sequence[tuple[int, Quantizer]]],
-                        what: str) -> list[list[int]]:
+def check_host_segments(
+    host: np.ndarray, expected: Sequence[Sequence[tuple[int, Quantizer]]], what: str
+) -> list[list[int]]:
     """:func:`check_segments` on a host copy (uint8): headers first, then the total size."""
     offsets, pos = [], 0
     for rank_expected in expected:
@@ -50,18 +53,22 @@ def check_host_segments(host: np.ndarray, expected: Sequence[Sequence[tuple[int,
             if offset + HEADER_SIZE > host.size:
                 break
             try:
-                header = parse_header(host[offset: offset + HEADER_SIZE])
+                header = parse_header(host[offset : offset + HEADER_SIZE])
                 if q.bits == 0 and header.bits == 0 and header.budget256 != q.budget256:
-                    raise ValueError(f"payload made with bit_budget={header.budget256 / BUDGET_UNITS}, this rank "
-                                     f"uses {q.budget256 / BUDGET_UNITS}")
+                    raise ValueError(
+                        f"payload made with bit_budget={header.budget256 / BUDGET_UNITS}, this rank "
+                        f"uses {q.budget256 / BUDGET_UNITS}"
+                    )
                 check_header(header, get_method(q.method).id, q.bits, q.bucket_size, q.fingerprint, q.norm)
                 if header.numel != n:
                     raise ValueError(f"payload has {header.numel} elements, expected {n}")
                 if q.bits == 0 and offset + q.payload_bytes(n) <= host.size:  # widths per bucket: its parts too
                     q.layout(host, offset, n)
             except ValueError as err:
-                raise ProtocolError(f"{PREFIX}: {what}: the payload of rank {rank} does not match this rank's "
-                                    f"({q.method}, bits={q.bits}, bucket_size={q.bucket_size}): {err}") from None
+                raise ProtocolError(
+                    f"{PREFIX}: {what}: the payload of rank {rank} does not match this rank's "
+                    f"({q.method}, bits={q.bits}, bucket_size={q.bucket_size}): {err}"
+                ) from None
     if host.size != pos:
         raise ProtocolError(f"{PREFIX}: {what}: received {host.size} bytes, expected {pos}")
     return offsets

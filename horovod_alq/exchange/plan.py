@@ -45,8 +45,10 @@ def allgather_bytes(sizes: Sequence[int], rank: int) -> tuple[int, int]:
 
 def alltoall_bytes(splits: Sequence[int], received: Sequence[int], rank: int) -> tuple[int, int]:
     """(sent, received) payload bytes of an alltoall on ``rank``: what goes to and comes from other ranks."""
-    return (sum(int(s) for j, s in enumerate(splits) if j != rank),
-            sum(int(s) for r, s in enumerate(received) if r != rank))
+    return (
+        sum(int(s) for j, s in enumerate(splits) if j != rank),
+        sum(int(s) for r, s in enumerate(received) if r != rank),
+    )
 
 
 def total(*counts: tuple[int, int]) -> tuple[int, int]:

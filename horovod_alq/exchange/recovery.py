@@ -66,7 +66,7 @@ class Unordered:
         out = None
         for r, slot in enumerate(slots):
             start = self.starts[r][slot]
-            part = self.streams[r][start: start + numel]
+            part = self.streams[r][start : start + numel]
             out = part * 1.0 if out is None else out + part
         return out
 

@@ -14,7 +14,6 @@ per run of one width within a shard. Streamed rounds only
 from __future__ import annotations
 
 from .job import Alltoall, Job, Piece, Steps
-
 from .payloads import check_segments
 
 #: Collectives per buffer.
@@ -39,14 +38,18 @@ def steps(job: Job, i: int) -> Steps:
     me, n = job.transport.rank, job.transport.size
     shards = shard_bounds(job, i)
     runs = [job.segments(a, b) for a, b in shards]
-    payloads = [job.encode_range(a, b, q, job.seed(i, j) if k == 0 else job.seed(i, j, k, 3))
-                for j, shard_runs in enumerate(runs) for k, (a, b, q, _) in enumerate(shard_runs)]
+    payloads = [
+        job.encode_range(a, b, q, job.seed(i, j) if k == 0 else job.seed(i, j, k, 3))
+        for j, shard_runs in enumerate(runs)
+        for k, (a, b, q, _) in enumerate(shard_runs)
+    ]
     splits = [sum(q.payload_bytes(b - a) for a, b, q, _ in shard_runs) for shard_runs in runs]
     gathered = yield Alltoall(job.ops.cat(payloads), splits, [splits[me]] * n, f"rs{i}")
     expected = [(b - a, q) for a, b, q, _ in runs[me]]
     offsets = check_segments(job.ops, gathered, [expected] * n, f"shard {me} of buffer {i}")
-    return [Piece(a, b, gathered, tuple(o[k] for o in offsets), job.frozen(q))
-            for k, (a, b, q, _) in enumerate(runs[me])]
+    return [
+        Piece(a, b, gathered, tuple(o[k] for o in offsets), job.frozen(q)) for k, (a, b, q, _) in enumerate(runs[me])
+    ]
 
 
 def span(job: Job) -> tuple[int, int]:

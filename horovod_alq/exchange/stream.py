@@ -30,7 +30,7 @@ from ..core.methods import get_method
 from ..core.protocol import derive_seed, timeout_error
 from ..core.statistics import statistics_length
 from .interfaces import TensorOps, Transport
-from .job import auto_rows, Decoded, Job
+from .job import Decoded, Job, auto_rows
 from .layout import Layout, plan_layout
 
 #: The seed key that keeps a streamed buffer's draws apart from a whole round's.
@@ -47,8 +47,19 @@ class StreamedRound:
     thread); one without is waited for at once.
     """
 
-    def __init__(self, engine, ops: TensorOps, stages: Sequence[Transport], module, *, epoch: int,
-                 prefix: str, collect_first: bool, collect_second: bool, refit: bool = True) -> None:
+    def __init__(
+        self,
+        engine,
+        ops: TensorOps,
+        stages: Sequence[Transport],
+        module,
+        *,
+        epoch: int,
+        prefix: str,
+        collect_first: bool,
+        collect_second: bool,
+        refit: bool = True,
+    ) -> None:
         self.engine, self.ops, self.stages = engine, ops, list(stages)
         self.module, self.steps, self.epoch, self.prefix = module, module.steps, epoch, prefix
         self.span = getattr(module, "span", _whole)  # what of a buffer's stream the exchange leaves here
@@ -67,8 +78,15 @@ class StreamedRound:
         self.failure: BaseException | None = None
 
     # ------------------------------------------------------------------ the calling thread
-    def add(self, flat: Any, numel: int, on_done: Callable[[Decoded | None, BaseException | None], None],
-            tensors: Sequence[tuple[int, int]] | None = None, *, whole: bool = False) -> Layout:
+    def add(
+        self,
+        flat: Any,
+        numel: int,
+        on_done: Callable[[Decoded | None, BaseException | None], None],
+        tensors: Sequence[tuple[int, int]] | None = None,
+        *,
+        whole: bool = False,
+    ) -> Layout:
         """Quantize buffer ``flat`` (1-D, ``numel`` elements; or a list of 1-D tensors of ``numel``
         elements in all, each starting on a bucket boundary: quantized as it would be alone), issue
         its first collective and return the buffer's layout (where each tensor of a list starts);
@@ -91,12 +109,21 @@ class StreamedRound:
         if st.auto is not None:
             parts, layout, widths = self._auto_layout(parts, layout, tensors, whole)
         own_stats = getattr(self.module, "OWN_FIRST_STATISTICS", False)  # it quantizes other values than these
-        job = Job(parts, layout, self.ops, t, q, st.second,
-                  seed=lambda *keys: derive_seed(base, rank, epoch, _STREAM_KEY, index, *keys),
-                  name=lambda tag: f"{self.prefix}.b{index}.{tag}", collect_second=self.collect_second,
-                  collect_first=self.collect_first and own_stats and st.auto is None, widths=widths)
+        job = Job(
+            parts,
+            layout,
+            self.ops,
+            t,
+            q,
+            st.second,
+            seed=lambda *keys: derive_seed(base, rank, epoch, _STREAM_KEY, index, *keys),
+            name=lambda tag: f"{self.prefix}.b{index}.{tag}",
+            collect_second=self.collect_second,
+            collect_first=self.collect_first and own_stats and st.auto is None,
+            widths=widths,
+        )
         if self.collect_first and st.auto is None and not own_stats:  # a list's tensors one by one, as if alone
-            views = [job.stream] if len(parts) == 1 else [job.stream[a: a + n] for a, n in zip(layout.starts, sizes)]
+            views = [job.stream] if len(parts) == 1 else [job.stream[a : a + n] for a, n in zip(layout.starts, sizes)]
             self._first_stats = self._first_stats + sum(self.ops.statistics(v, q) for v in views)
         buf = _Buffer(index, job, self.steps(job, 0), on_done)
         st.calls += 1
@@ -118,15 +145,17 @@ class StreamedRound:
         numels = [n for n, _ in tensors]
         if len(parts) == 1 and len(tensors) > 1:  # a DDP bucket: its parameters back to back
             if sum(numels) != layout.length:
-                raise ValueError(f"horovod_alq: the buffer's tensors hold {sum(numels)} elements, the buffer "
-                                 f"{layout.length}")
+                raise ValueError(
+                    f"horovod_alq: the buffer's tensors hold {sum(numels)} elements, the buffer {layout.length}"
+                )
             flat, n = parts[0], layout.length
             starts = np.concatenate([[0], np.cumsum(numels)[:-1]]).astype(int).tolist()
             layout = Layout(tuple(numels), tuple(starts), n, ((0, n),), self.engine.quantizer.bucket_size)
-            parts = [flat[s: s + k] for s, k in zip(starts, numels)]
+            parts = [flat[s : s + k] for s, k in zip(starts, numels)]
         elif tuple(numels) != layout.numels:
-            raise ValueError(f"horovod_alq: the buffer's tensors hold {numels} elements, its parts "
-                             f"{list(layout.numels)}")
+            raise ValueError(
+                f"horovod_alq: the buffer's tensors hold {numels} elements, its parts {list(layout.numels)}"
+            )
         start = len(self._keys)
         self._keys += tensors
         widths = auto.quantizers_for(self._keys, start, whole)
@@ -153,15 +182,20 @@ class StreamedRound:
         if not self.refit:
             if self.engine.state.auto is not None:  # one row per tensor of keys (none: no tensor was added)
                 return (np.stack(self._rows) if self._rows else None), None
-            return (self._first_stats if self.collect_first else None,
-                    self._second_stats if self.collect_second else None)
+            return (
+                self._first_stats if self.collect_first else None,
+                self._second_stats if self.collect_second else None,
+            )
         if self.engine.state.auto is not None:
             if self._rows:
                 self.engine.refit_auto(self._rows, self._keys, self.stages[0], f"{self.prefix}.statistics")
             return None
-        self.engine.refit_from(self._first_stats if self.collect_first else None,
-                               self._second_stats if self.collect_second else None,
-                               self.stages[0], f"{self.prefix}.statistics")
+        self.engine.refit_from(
+            self._first_stats if self.collect_first else None,
+            self._second_stats if self.collect_second else None,
+            self.stages[0],
+            f"{self.prefix}.statistics",
+        )
         return None
 
     def wait(self) -> None:
@@ -189,8 +223,13 @@ class StreamedRound:
             self._done(buf, None, exc)
             return
         if stage >= len(self.stages):
-            self._done(buf, None, RuntimeError(f"horovod_alq: the exchange asked for more than "
-                                               f"{len(self.stages)} collectives per buffer"))
+            self._done(
+                buf,
+                None,
+                RuntimeError(
+                    f"horovod_alq: the exchange asked for more than {len(self.stages)} collectives per buffer"
+                ),
+            )
             return
         with self._lock:
             self._ready[stage][buf.index] = request

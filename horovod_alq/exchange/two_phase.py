@@ -23,7 +23,7 @@ from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
 from ..core.wire import HEADER_SIZE
 from .interfaces import Tensor
-from .job import Allgather, Alltoall, Job, joined, Piece, Steps
+from .job import Allgather, Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments
 from .plan import BufferPlan, allgather_bytes, alltoall_bytes, sizes, total
 
@@ -75,18 +75,21 @@ def steps(job: Job, i: int) -> Steps:
     acc = ops.zeros(b - a)
     failure = None
     try:
-        offsets = check_segments(ops, gathered, [[(rb - ra, q) for ra, rb, q, _ in runs[me]]] * n,
-                                 f"shard {me} of buffer {i}")
+        offsets = check_segments(
+            ops, gathered, [[(rb - ra, q) for ra, rb, q, _ in runs[me]]] * n, f"shard {me} of buffer {i}"
+        )
         for k, (ra, rb, q1, _) in enumerate(runs[me]):
-            ops.decode_sum(acc[ra - a: rb - a], gathered, [o[k] for o in offsets], q1)
+            ops.decode_sum(acc[ra - a : rb - a], gathered, [o[k] for o in offsets], q1)
     except ProtocolError as err:
         failure = err
     for pa, pb in job.layout.padding_in(a, b):  # keep padding out of the second norms
-        acc[pa - a: pb - a] = 0
+        acc[pa - a : pb - a] = 0
     if job.collect_second and b > a:
         job.add_second_statistics(ops.statistics(acc, q2))
-    again = [job.encode(acc[ra - a: rb - a], q, job.seed(i, me, 2) if k == 0 else job.seed(i, me, 2, k))
-             for k, (ra, rb, _, q) in enumerate(runs[me])]
+    again = [
+        job.encode(acc[ra - a : rb - a], q, job.seed(i, me, 2) if k == 0 else job.seed(i, me, 2, k))
+        for k, (ra, rb, _, q) in enumerate(runs[me])
+    ]
     payload = joined(ops, again)
     if failure is not None:
         payload = _poisoned(ops, payload)
@@ -94,16 +97,21 @@ def steps(job: Job, i: int) -> Steps:
 
     host = ops.to_numpy(gathered)
     offsets = np.concatenate([[0], np.cumsum(p.second)]).astype(np.int64).tolist()
-    bad = [j for j in range(n) if host.size >= offsets[j] + 2 and bytes(host[offsets[j]: offsets[j] + 2]) == POISON]
+    bad = [j for j in range(n) if host.size >= offsets[j] + 2 and bytes(host[offsets[j] : offsets[j] + 2]) == POISON]
     if bad:
         if failure is not None:
             raise failure
-        raise ProtocolError(f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
-                            f"shards of buffer {i} (see their errors); refusing to decode on every rank")
+        raise ProtocolError(
+            f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
+            f"shards of buffer {i} (see their errors); refusing to decode on every rank"
+        )
     expected = [[(rb - ra, q) for ra, rb, _, q in shard_runs] for shard_runs in runs]
     check = check_segments(ops, gathered, expected, f"second phase of buffer {i}")
-    return [Piece(ra, rb, gathered, (check[j][k],), job.frozen(q))
-            for j, shard_runs in enumerate(runs) for k, (ra, rb, _, q) in enumerate(shard_runs)]
+    return [
+        Piece(ra, rb, gathered, (check[j][k],), job.frozen(q))
+        for j, shard_runs in enumerate(runs)
+        for k, (ra, rb, _, q) in enumerate(shard_runs)
+    ]
 
 
 def empty_first(ops, size: int) -> Alltoall:

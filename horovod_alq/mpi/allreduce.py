@@ -13,9 +13,9 @@ from ..core.protocol import CollectiveTimeout, ProtocolError, stable_hash
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.wire import parse_header
-from ..exchange.payloads import check_payloads
 from ..exchange.engine import RefitError, blame
 from ..exchange.numpy_ops import NumpyOps
+from ..exchange.payloads import check_payloads
 from ..settings import Settings, configure
 from .pending import Pending
 from .transport import MpiTransport
@@ -59,24 +59,34 @@ class QuantizedAllreduce(frontends.Configured):
 
     FRONT_END = "mpi4py"
 
-    def __init__(self, comm: MPI.Intracomm, method: str | None = None, bits: int | str | None = None,
-                 bucket_size: int | None = None, *, settings: Settings | None = None,
-                 collect_every: int | None = None, **keywords) -> None:
+    def __init__(
+        self,
+        comm: MPI.Intracomm,
+        method: str | None = None,
+        bits: int | str | None = None,
+        bucket_size: int | None = None,
+        *,
+        settings: Settings | None = None,
+        collect_every: int | None = None,
+        **keywords,
+    ) -> None:
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
         if comm.Is_inter():
             raise ValueError("comm is an intercommunicator; pass an intracommunicator (e.g. Merge() it)")
         self._comm, self._rank, self._size = comm, comm.Get_rank(), comm.Get_size()
-        self.settings = s = Settings.of(settings, self.FRONT_END, method=method, bits=bits, bucket_size=bucket_size,
-                                        **keywords)
+        self.settings = s = Settings.of(
+            settings, self.FRONT_END, method=method, bits=bits, bucket_size=bucket_size, **keywords
+        )
         self._method = get_method(s.method)
         setup = configure(s, on_request=True)  # refits: adapt() only
         self._quantizer, self._state = setup.quantizer, setup.state
         if collect_every is None:
             collect_every = 1 if self._method.adaptive else 0
         if isinstance(collect_every, bool) or not isinstance(collect_every, (int, np.integer)) or collect_every < 0:
-            raise ValueError(f"collect_every must be a non-negative integer (0: only on request), "
-                             f"got {collect_every!r}")
+            raise ValueError(
+                f"collect_every must be a non-negative integer (0: only on request), got {collect_every!r}"
+            )
         self._collect_every = int(collect_every)
         self._stats_length = statistics_length(self._method)
         self._pending = Pending(self._state.auto is not None)  # recorded for the next adapt()
@@ -100,8 +110,10 @@ class QuantizedAllreduce(frontends.Configured):
         return self._quantizer
 
     def __repr__(self) -> str:
-        return (f"QuantizedAllreduce({self.method!r}, bits={self.bits}, bucket_size={self.bucket_size}, "
-                f"rank {self._rank} of {self._size})")
+        return (
+            f"QuantizedAllreduce({self.method!r}, bits={self.bits}, bucket_size={self.bucket_size}, "
+            f"rank {self._rank} of {self._size})"
+        )
 
     # ----------------------------------------------------------------- exchange
     def __call__(self, x: Any, *, op: str = "average", collect: bool | None = None) -> np.ndarray | list[np.ndarray]:
@@ -134,18 +146,28 @@ class QuantizedAllreduce(frontends.Configured):
         Returns one payload per rank (1-D uint8 views, rank order), e.g. to decode later with
         :meth:`reduce` or with the framework kernels, which read the same bytes. Not with
         ``bits="auto"`` (ValueError on every rank)."""
-        refusal = None if self.bit_budget is None else ValueError(
-            "allgather() returns payloads of one width: not with bits='auto' (call the allreduce)")
+        refusal = (
+            None
+            if self.bit_budget is None
+            else ValueError("allgather() returns payloads of one width: not with bits='auto' (call the allreduce)")
+        )
         arrays, decoded, _ = self._round([x], False, collect, None, exchange="allgather", refusal=refusal)
         q = self._quantizer
         if decoded is None:  # no coordinates: every rank's payload is the same bare header
             return [q.encode(arrays[0].ravel()) for _ in range(self._size)]
         piece = decoded.pieces[0]
         size = len(piece.payloads) // self._size
-        return [piece.payloads[o: o + size] for o in piece.offsets]
+        return [piece.payloads[o : o + size] for o in piece.offsets]
 
-    def _round(self, xs: list, listed: bool, collect: bool | None, op: str | None, exchange: str | None = None,
-               refusal: Exception | None = None):
+    def _round(
+        self,
+        xs: list,
+        listed: bool,
+        collect: bool | None,
+        op: str | None,
+        exchange: str | None = None,
+        refusal: Exception | None = None,
+    ):
         """One streamed round for the arrays ``xs``: the arrays, the ``Decoded`` sum over the ranks
         of their round (None when they hold no element) and each array's start in it. A local
         error (or ``refusal``) travels in the handshake, so that no rank waits alone."""
@@ -160,9 +182,15 @@ class QuantizedAllreduce(frontends.Configured):
         shown = counts if listed else counts[0]  # what the ranks must agree on
         numel = sum(counts)
         try:
-            rnd = self._engine.open_stream(self._ops, self._stages, exchange=exchange, elements=numel,
-                                           order=stable_hash(shown), error=_text(error),
-                                           collect=error is None and self._collects(collect))
+            rnd = self._engine.open_stream(
+                self._ops,
+                self._stages,
+                exchange=exchange,
+                elements=numel,
+                order=stable_hash(shown),
+                error=_text(error),
+                collect=error is None and self._collects(collect),
+            )
         except CollectiveTimeout:
             raise
         except ProtocolError as err:
@@ -173,8 +201,9 @@ class QuantizedAllreduce(frontends.Configured):
         layout = None
         if live:
             flats = [np.ravel(a).astype(np.float32, copy=False) for a in live]
-            layout = rnd.add(flats, numel, lambda decoded, failure: result.update(decoded=decoded, failure=failure),
-                             whole=True)
+            layout = rnd.add(
+                flats, numel, lambda decoded, failure: result.update(decoded=decoded, failure=failure), whole=True
+            )
             rnd.wait()
         failure = result.get("failure")
         if isinstance(failure, ProtocolError) and not isinstance(failure, CollectiveTimeout):
@@ -269,9 +298,15 @@ class QuantizedAllreduce(frontends.Configured):
         except CollectiveTimeout:
             raise
         except ProtocolError as err:  # the handshake: nothing was combined, this rank keeps its statistics
-            raise ValueError(self._explain(err, error, [n for n, _ in keys], "could not adapt on",
-                                           differ="the ranks recorded different arrays since the last adapt() "
-                                                  "(elements per array)")) from None
+            raise ValueError(
+                self._explain(
+                    err,
+                    error,
+                    [n for n, _ in keys],
+                    "could not adapt on",
+                    differ="the ranks recorded different arrays since the last adapt() (elements per array)",
+                )
+            ) from None
         self._pending.clear()
         return updated
 
@@ -285,8 +320,7 @@ class QuantizedAllreduce(frontends.Configured):
         """Levels (both quantizers; ``bits="auto"``: every width's and the allocation), counters, and
         this rank's seed and pending statistics (``bits="auto"``: rows and ``pending_keys``). Loaded
         on another rank, the seed and pending statistics are not taken (that rank keeps its own stream)."""
-        return {**self._state.state_dict(), "rank": self._rank, "seed": self._engine.seed,
-                **self._pending.state_dict()}
+        return {**self._state.state_dict(), "rank": self._rank, "seed": self._engine.seed, **self._pending.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (same method, bits and bucket size). Local: load the same

@@ -36,10 +36,12 @@ class Pending:
             self.keys = keys
 
     def state_dict(self) -> dict:
-        return {"calls_since_adapt": self.calls,
-                "pending": None if self.first is None else self.first.copy(),
-                "pending_second": None if self.second is None else self.second.copy(),
-                "pending_keys": [list(k) for k in self.keys]}
+        return {
+            "calls_since_adapt": self.calls,
+            "pending": None if self.first is None else self.first.copy(),
+            "pending_second": None if self.second is None else self.second.copy(),
+            "pending_keys": [list(k) for k in self.keys],
+        }
 
     def load_state_dict(self, state: dict, same_rank: bool) -> None:
         """Restore the counter; the statistics only from this rank's own state."""

@@ -32,20 +32,24 @@ class MpiTransport:
         def wait():
             wait_for(request.Test, self.timeout, name, self.scope)
             return buf
+
         return wait
 
     def allgather(self, payload, sizes, name):
         counts = [int(c) for c in sizes]
         buf = np.empty(sum(counts), dtype=np.uint8)
-        request = self.comm.Iallgatherv([np.ascontiguousarray(payload), MPI.BYTE],
-                                        [buf, (counts, self._displacements(counts)), MPI.BYTE])
+        request = self.comm.Iallgatherv(
+            [np.ascontiguousarray(payload), MPI.BYTE], [buf, (counts, self._displacements(counts)), MPI.BYTE]
+        )
         return self._waiter(request, buf, name)
 
     def alltoall(self, payload, splits, received, name):
         send, recv = [int(c) for c in splits], [int(c) for c in received]
         buf = np.empty(sum(recv), dtype=np.uint8)
-        request = self.comm.Ialltoallv([np.ascontiguousarray(payload), (send, self._displacements(send)), MPI.BYTE],
-                                       [buf, (recv, self._displacements(recv)), MPI.BYTE])
+        request = self.comm.Ialltoallv(
+            [np.ascontiguousarray(payload), (send, self._displacements(send)), MPI.BYTE],
+            [buf, (recv, self._displacements(recv)), MPI.BYTE],
+        )
         return self._waiter(request, buf, name)
 
     def _allreduce(self, vec, dtype, op, name):
@@ -69,8 +73,10 @@ def _local_size(comm, rank: int, size: int) -> int:
         return declared
     if comm.Compare(MPI.COMM_WORLD) not in (MPI.IDENT, MPI.CONGRUENT):
         return size
-    for g_name, r_name in (("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-                           ("MPI_LOCALNRANKS", "MPI_LOCALRANKID")):
+    for g_name, r_name in (
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("MPI_LOCALNRANKS", "MPI_LOCALRANKID"),
+    ):
         try:
             g, local = int(os.environ[g_name]), int(os.environ[r_name])
         except (KeyError, ValueError):

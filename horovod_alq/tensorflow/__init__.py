@@ -45,5 +45,14 @@ from .compressor import (
 )
 from .graph import ProtocolError, ReductionMismatch
 
-__all__ = ["ALQCompressor", "AMQCompressor", "NUQSGDCompressor", "ProtocolError", "QSGDCompressor",
-           "QuantizedCompressor", "ReductionMismatch", "TernGradCompressor", "compressor_for"]
+__all__ = [
+    "ALQCompressor",
+    "AMQCompressor",
+    "NUQSGDCompressor",
+    "ProtocolError",
+    "QSGDCompressor",
+    "QuantizedCompressor",
+    "ReductionMismatch",
+    "TernGradCompressor",
+    "compressor_for",
+]

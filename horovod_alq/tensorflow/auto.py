@@ -38,14 +38,21 @@ class AutoVariables(tf.Module):
         self.row_length = HISTOGRAM_LENGTH + stats_length
         with tf.init_scope():
             self.levels = tf.Variable(self.padded_levels(), dtype=tf.float64, trainable=False, name="width_levels")
-            self.keys = tf.Variable(np.zeros((0, 2), np.int64), shape=tf.TensorShape([None, 2]), trainable=False,
-                                    name="allocation_keys")
-            self.bits = tf.Variable(np.zeros(0, np.int32), shape=tf.TensorShape([None]), trainable=False,
-                                    name="allocation_bits")
-            self.pending = tf.Variable(np.zeros((0, self.row_length)), shape=tf.TensorShape([None, self.row_length]),
-                                       trainable=False, name="pending_rows")
-            self.pending_keys = tf.Variable(np.zeros((0, 2), np.int64), shape=tf.TensorShape([None, 2]),
-                                            trainable=False, name="pending_keys")
+            self.keys = tf.Variable(
+                np.zeros((0, 2), np.int64), shape=tf.TensorShape([None, 2]), trainable=False, name="allocation_keys"
+            )
+            self.bits = tf.Variable(
+                np.zeros(0, np.int32), shape=tf.TensorShape([None]), trainable=False, name="allocation_bits"
+            )
+            self.pending = tf.Variable(
+                np.zeros((0, self.row_length)),
+                shape=tf.TensorShape([None, self.row_length]),
+                trainable=False,
+                name="pending_rows",
+            )
+            self.pending_keys = tf.Variable(
+                np.zeros((0, 2), np.int64), shape=tf.TensorShape([None, 2]), trainable=False, name="pending_keys"
+            )
 
     def padded_levels(self) -> np.ndarray:
         """Every width's levels, row ``w - 2`` holding width ``w``'s ``2**w`` levels (zero-padded)."""
@@ -68,26 +75,41 @@ class AutoVariables(tf.Module):
         rows = self.pending.read_value()
         grow = tf.maximum(slot + 1 - tf.shape(rows)[0], 0)
         rows = tf.tensor_scatter_nd_add(tf.pad(rows, [[0, grow], [0, 0]]), [[slot]], row[None])
-        keys = tf.tensor_scatter_nd_update(tf.pad(self.pending_keys.read_value(), [[0, grow], [0, 0]]), [[slot]],
-                                           tf.constant([key], tf.int64))
+        keys = tf.tensor_scatter_nd_update(
+            tf.pad(self.pending_keys.read_value(), [[0, grow], [0, 0]]), [[slot]], tf.constant([key], tf.int64)
+        )
         return [self.pending.assign(rows), self.pending_keys.assign(keys)]
 
     def refit(self, default_levels: tf.Variable, mask: tf.Variable) -> list:
         """Allocate and refit from the pending rows; the ops that store the result (and the default
         width's levels in ``default_levels``, the handshake mask in ``mask``) and clear the rows."""
         levels, keys, bits, new_mask = tf.numpy_function(
-            self._refit, [self.levels.read_value(), self.keys.read_value(), self.bits.read_value(),
-                          self.pending.read_value(), self.pending_keys.read_value()],
-            [tf.float64, tf.int64, tf.int32, tf.int32], stateful=True, name="horovod_alq_refit_auto")
+            self._refit,
+            [
+                self.levels.read_value(),
+                self.keys.read_value(),
+                self.bits.read_value(),
+                self.pending.read_value(),
+                self.pending_keys.read_value(),
+            ],
+            [tf.float64, tf.int64, tf.int32, tf.int32],
+            stateful=True,
+            name="horovod_alq_refit_auto",
+        )
         levels.set_shape(self.levels.shape)
         keys.set_shape([None, 2])
         bits.set_shape([None])
         new_mask.set_shape(mask.shape)
         i = self.auto.default - AUTO_WIDTHS[0]
-        return [self.levels.assign(levels), self.keys.assign(keys), self.bits.assign(bits), mask.assign(new_mask),
-                default_levels.assign(levels[i, : 2**self.auto.default]),
-                self.pending.assign(tf.zeros([0, self.row_length], tf.float64)),
-                self.pending_keys.assign(tf.zeros([0, 2], tf.int64))]
+        return [
+            self.levels.assign(levels),
+            self.keys.assign(keys),
+            self.bits.assign(bits),
+            mask.assign(new_mask),
+            default_levels.assign(levels[i, : 2**self.auto.default]),
+            self.pending.assign(tf.zeros([0, self.row_length], tf.float64)),
+            self.pending_keys.assign(tf.zeros([0, 2], tf.int64)),
+        ]
 
     def _refit(self, levels, keys, bits, rows, row_keys):
         """The NumPy core's allocation and fits (deterministic: identical inputs, identical results)."""
@@ -97,10 +119,17 @@ class AutoVariables(tf.Module):
         a = self.auto
         if len(rows) and np.isfinite(rows).all():
             errors = errors_from_histograms(rows[:, :HISTOGRAM_LENGTH], [a.quantizers[w].levels for w in AUTO_WIDTHS])
-            a.refit(np.concatenate([errors, rows[:, HISTOGRAM_LENGTH:]], axis=1), row_keys[:, 0].tolist(),
-                    [tuple(int(v) for v in k) for k in row_keys])
-        return (self.padded_levels(), np.array(a.keys, np.int64).reshape(-1, 2), np.array(a.bits, np.int32),
-                header_mask(a.fingerprint()))
+            a.refit(
+                np.concatenate([errors, rows[:, HISTOGRAM_LENGTH:]], axis=1),
+                row_keys[:, 0].tolist(),
+                [tuple(int(v) for v in k) for k in row_keys],
+            )
+        return (
+            self.padded_levels(),
+            np.array(a.keys, np.int64).reshape(-1, 2),
+            np.array(a.bits, np.int32),
+            header_mask(a.fingerprint()),
+        )
 
     # ------------------------------------------------------------------ between steps (eager)
     def load(self, levels: np.ndarray, keys: np.ndarray, bits: np.ndarray) -> None:
@@ -130,7 +159,9 @@ class AutoVariables(tf.Module):
         rows = np.asarray(state.get("pending_rows", np.zeros((0, self.row_length))), dtype=np.float64)
         keys = np.asarray(state.get("pending_keys", np.zeros((0, 2))), dtype=np.int64).reshape(-1, 2)
         if rows.ndim != 2 or rows.shape[1] != self.row_length or rows.shape[0] != keys.shape[0]:
-            raise ValueError(f"pending_rows has shape {rows.shape} for {keys.shape[0]} keys, expected "
-                             f"({keys.shape[0]}, {self.row_length})")
+            raise ValueError(
+                f"pending_rows has shape {rows.shape} for {keys.shape[0]} keys, expected "
+                f"({keys.shape[0]}, {self.row_length})"
+            )
         self.pending.assign(rows)
         self.pending_keys.assign(keys)

@@ -21,38 +21,47 @@ from .graph import ProtocolError, tf_error
 #: of the tensor's first header and ``bits_second``: every rank checks the configurations agree
 #: before any payload moves.
 CONFIG = HEADER_SIZE + 1
-_CONFIG_FIELDS = {3: "method", 4: "bits", 5: "norm", **{i: "bucket_size" for i in range(8, 12)},
-                  **{i: "levels" for i in range(24, 32)}, HEADER_SIZE: "bits_second"}
+_CONFIG_FIELDS = {
+    3: "method",
+    4: "bits",
+    5: "norm",
+    **{i: "bucket_size" for i in range(8, 12)},
+    **{i: "levels" for i in range(24, 32)},
+    HEADER_SIZE: "bits_second",
+}
 
 
-def check_vector(reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int, extra: int,
-                 two_phase: bool) -> None:
+def check_vector(
+    reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int, extra: int, two_phase: bool
+) -> None:
     """The core's checks of the reduced vector (its length against the one compress made, with
     ``extra`` entries after the core's; the op and scale, the process set, shapes and dtypes,
     slots), then TensorFlow's: every rank gave the tensor the same slot (its payload collectives
     are named after it) and, two-phase, the same configuration bytes ``c`` (``(mean c)**2 ==
     mean c**2``). Raises when one fails."""
     try:
-        read = protocol.read_tensor_vector(reduced, rank=rank, size=size, slot=slot, shape_code=shape_code,
-                                           extra=extra)
+        read = protocol.read_tensor_vector(reduced, rank=rank, size=size, slot=slot, shape_code=shape_code, extra=extra)
     except protocol.ProtocolError as err:
         raise tf_error(err) from None
     if len(set(read.slots)) > 1:
         raise ProtocolError(
             f"horovod_alq: the ranks exchanged different tensors in one allreduce (their slots in this step, "
             f"in rank order: {list(read.slots)}): the ranks compressed their tensors in different orders "
-            f"or different tensors; refusing to decode")
+            f"or different tensors; refusing to decode"
+        )
     if two_phase:
         head = protocol.tensor_vector_length(size)
-        w = reduced[head: head + 2 * CONFIG] / reduced[0]
+        w = reduced[head : head + 2 * CONFIG] / reduced[0]
         c, c2 = w[:CONFIG], w[CONFIG:]
-        differ = sorted({_CONFIG_FIELDS.get(i, "header")
-                         for i in np.flatnonzero(np.abs(c * c - c2) > 1e-9 * np.maximum(1.0, c2))})
+        differ = sorted(
+            {_CONFIG_FIELDS.get(i, "header") for i in np.flatnonzero(np.abs(c * c - c2) > 1e-9 * np.maximum(1.0, c2))}
+        )
         if differ:
             raise ProtocolError(
                 f"horovod_alq: the ranks' compressors differ in {', '.join(differ)} (two-phase exchange; "
                 f"compared before any payload moved). Every rank must build the compressor with the same "
-                f"arguments and load the same state")
+                f"arguments and load the same state"
+            )
 
 
 def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, ranks: int, payload_bytes) -> tuple[tf.Tensor, tf.Tensor]:
@@ -71,16 +80,22 @@ def payloads_ok(gathered: tf.Tensor, header: tf.Tensor, ranks: int, payload_byte
     return ok, fitted
 
 
-def explain_payloads(gathered: np.ndarray, header: np.ndarray, *, numel: int, ranks: int, quantizer: Quantizer,
-                     slot: int) -> None:
+def explain_payloads(
+    gathered: np.ndarray, header: np.ndarray, *, numel: int, ranks: int, quantizer: Quantizer, slot: int
+) -> None:
     """Raise :func:`horovod_alq.exchange.payloads.check_host_payloads`'s error, naming the first rank
     whose payload differs from this rank's configuration (``quantizer``'s method, bucket size and
     norm; the bits and the levels' fingerprint of this rank's payload ``header``) when
     :func:`payloads_ok` failed."""
     own = parse_header(np.asarray(header, np.uint8))
-    q = types.SimpleNamespace(method=quantizer.method, bits=own.bits, bucket_size=quantizer.bucket_size,
-                              norm=quantizer.norm, fingerprint=own.fingerprint,
-                              payload_bytes=lambda n: payload_size(n, own.bits, quantizer.bucket_size))
+    q = types.SimpleNamespace(
+        method=quantizer.method,
+        bits=own.bits,
+        bucket_size=quantizer.bucket_size,
+        norm=quantizer.norm,
+        fingerprint=own.fingerprint,
+        payload_bytes=lambda n: payload_size(n, own.bits, quantizer.bucket_size),
+    )
     try:
         payloads.check_host_payloads(gathered, [numel] * ranks, q, f"tensor in slot {slot}")
     except protocol.ProtocolError as err:

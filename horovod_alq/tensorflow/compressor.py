@@ -48,41 +48,16 @@ from .. import frontends
 from ..core import protocol
 from ..core.auto_bits import AUTO_WIDTHS
 from ..core.methods import get_method
-from ..core.wire import payload_size
 from ..exchange.engine import EXCHANGES, choose_exchange
-from ..exchange.plan import BufferPlan
 from ..settings import Settings, configure
-from . import checks, graph, joined, waits
+from . import checks, graph, joined
+from .exchanges import Exchange, GraphExchanges
 from .state import RoundVariables
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 #: The exchanges this front-end runs in the graph, and the method that runs each: a new exchange of
 #: :data:`horovod_alq.exchange.engine.EXCHANGES` needs its graph execution here (until then it is refused).
 GRAPH_EXCHANGES = {"allgather": "_allgather", "two-phase": "_two_phase"}
-
-
-@dataclass
-class _Exchange:
-    """Context of one compressed tensor between compress and decompress."""
-
-    slot: int
-    shape: tf.TensorShape
-    dtype: tf.DType
-    numel: int
-    payload: tf.Tensor  # this rank's payload (two-phase: its first-phase shards, end to end)
-    collecting: Any  # bool tensor, or None for fixed methods
-    levels: tf.Tensor  # bits="auto": every width's, padded (AutoVariables.padded_levels)
-    header: tf.Tensor
-    eager: bool
-    exchange: str
-    plans: dict[int, BufferPlan]  # per width: the exchange's element ranges, payload sizes and wire bytes
-    seed: tf.Tensor
-    round: tf.Tensor  # index of this tensor's round
-    source: Any = None  # the compressed tensor (autograd connects the output to it)
-    shape_code: int = 0
-    done: list = None  # eager: [decompressed?], read by the finalizer of an abandoned exchange
-    width: Any = None  # bits="auto": the tensor's width (int32 tensor); None with fixed bits
-    own_set: bool = False  # the calling collective runs over the compressor's set (joined.own_set)
 
 
 @dataclass
@@ -112,7 +87,7 @@ class _ClassOrInstance(frontends.ClassOrInstance):
         self.__doc__ = func.__doc__
 
 
-class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.Module):
+class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.CompressorBase, tf.Module):
     """Base class: a Horovod ``compression=`` object for one quantization method (TensorFlow).
 
     A ``tf.Module``: its state (levels, :class:`~horovod_alq.core.rounds.RoundState`'s counters,
@@ -151,27 +126,55 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
     method: str = ""
     HOROVOD = "horovod.tensorflow"
     # Python-side configuration: not part of tf.Module's variable search.
-    _TF_MODULE_IGNORED_PROPERTIES = frozenset(tf.Module._TF_MODULE_IGNORED_PROPERTIES | {
-        "_fns", "_quantizer", "_method", "_second", "_process_set", "_set_cache", "_claimed_uid", "settings",
-        "_per_set_states", "_state"})
+    _TF_MODULE_IGNORED_PROPERTIES = frozenset(
+        tf.Module._TF_MODULE_IGNORED_PROPERTIES
+        | {
+            "_fns",
+            "_quantizer",
+            "_method",
+            "_second",
+            "_process_set",
+            "_set_cache",
+            "_claimed_uid",
+            "settings",
+            "_per_set_states",
+            "_state",
+        }
+    )
 
     FRONT_END = "Horovod TensorFlow"
 
-    def __init__(self, method: str | None = None, bits: int | str | None = None, bucket_size: int | None = None,
-                 *, settings: Settings | None = None, jit_compile: bool = True, process_set=None,
-                 **keywords) -> None:
+    def __init__(
+        self,
+        method: str | None = None,
+        bits: int | str | None = None,
+        bucket_size: int | None = None,
+        *,
+        settings: Settings | None = None,
+        jit_compile: bool = True,
+        process_set=None,
+        **keywords,
+    ) -> None:
         super().__init__(name=type(self).__name__)
-        s = Settings.of(settings, self.FRONT_END, method=method or self.method or None, bits=bits,
-                        bucket_size=bucket_size, **keywords)
+        s = Settings.of(
+            settings,
+            self.FRONT_END,
+            method=method or self.method or None,
+            bits=bits,
+            bucket_size=bucket_size,
+            **keywords,
+        )
         self._method = get_method(s.method)
         setup = configure(s, adapt_second=False)
         self.settings = s if s.seed is not None else s.replace(seed=setup.seed)  # one seed for every set
         self._state = setup.state
         self._quantizer, self._second = q, q2 = setup.quantizer, setup.second
         if self._method.adaptive and q2.bits != q.bits:
-            raise ValueError(f"bits_second={q2.bits} with bits={q.bits}: the TensorFlow compressors cannot adapt "
-                             f"a second quantization of other bits for {self._method.name} (its initial levels "
-                             f"give 12-16x the variance); use bits_second=bits, or the PyTorch compressors")
+            raise ValueError(
+                f"bits_second={q2.bits} with bits={q.bits}: the TensorFlow compressors cannot adapt "
+                f"a second quantization of other bits for {self._method.name} (its initial levels "
+                f"give 12-16x the variance); use bits_second=bits, or the PyTorch compressors"
+            )
         self._exchange = s.exchange  # auto, allgather or two-phase (settings.PARTLY)
         self._process_set = process_set
         self._set_cache = None
@@ -187,11 +190,13 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         # that tf.Module / tf.train.Checkpoint do not track them.
         first = graph.codec(q.bits, q.bucket_size, q.norm, self.jit_compile)
         widths = AUTO_WIDTHS if self._vars.auto is not None else (q.bits,)
-        self._fns = types.SimpleNamespace(sites=weakref.WeakKeyDictionary(), codec=first,
-                                          stats=first.normless if self._vars.stats_length == 4 else first.grid,
-                                          second=graph.codec(q2.bits, q.bucket_size, q.norm, self.jit_compile),
-                                          widths={w: graph.codec(w, q.bucket_size, q.norm, self.jit_compile)
-                                                  for w in widths})
+        self._fns = types.SimpleNamespace(
+            sites=weakref.WeakKeyDictionary(),
+            codec=first,
+            stats=first.normless if self._vars.stats_length == 4 else first.grid,
+            second=graph.codec(q2.bits, q.bucket_size, q.norm, self.jit_compile),
+            widths={w: graph.codec(w, q.bucket_size, q.norm, self.jit_compile) for w in widths},
+        )
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -210,8 +215,10 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         return self._process_set if self._process_set is not None else graph.hvd().global_process_set
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(method={self._method.name!r}, bits={self.bits}, "
-                f"bucket_size={self.bucket_size}, min_size={self.min_size}, exchange={self._exchange!r})")
+        return (
+            f"{type(self).__name__}(method={self._method.name!r}, bits={self.bits}, "
+            f"bucket_size={self.bucket_size}, min_size={self.min_size}, exchange={self._exchange!r})"
+        )
 
     # ------------------------------------------------------------------ Horovod interface
     def _names(self) -> str:
@@ -244,7 +251,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
             # core's outsider vector, which fails their checks, and raise in decompress.
             n = self._set_size()
             head = np.zeros(self._head_len(self.exchange))
-            head[:protocol.tensor_vector_length(n)] = protocol.outsider_vector(n)
+            head[: protocol.tensor_vector_length(n)] = protocol.outsider_vector(n)
             ctx = _Outsider(self._outsider_message(), tensor.shape, tensor.dtype)
             return graph.control(tf.constant(head, tf.float64)), ctx
         eager = tf.executing_eagerly()
@@ -267,9 +274,13 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         h = protocol.shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name)
         width = None if v.auto is None else v.auto.width(slot, numel, h)
         plans = {w: EXCHANGES[exchange].plan(0, numel, n, me, q, q2) for w, (q, q2) in self._widths().items()}
-        counters = v.count(calls=1, payload_bytes=self._per_width(width, {w: sum(p.first) for w, p in plans.items()}),
-                           coordinates=numel, bytes_sent=self._per_width(width, {w: p.sent for w, p in plans.items()}),
-                           bytes_received=self._per_width(width, {w: p.received for w, p in plans.items()}))
+        counters = v.count(
+            calls=1,
+            payload_bytes=self._per_width(width, {w: sum(p.first) for w, p in plans.items()}),
+            coordinates=numel,
+            bytes_sent=self._per_width(width, {w: p.sent for w, p in plans.items()}),
+            bytes_received=self._per_width(width, {w: p.received for w, p in plans.items()}),
+        )
         current = v.current.read_value()
         collecting = v.collecting(current) if self._method.adaptive else None
         levels = (v.levels if v.auto is None else v.auto.levels).read_value()
@@ -283,9 +294,13 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
             if exchange == "allgather":
                 return codec(tensor, lv, header, seed), header
             flat = tf.reshape(tensor, [-1])
-            return tf.concat([graph.encode_part(codec, flat[a:b], lv, v.header(b - a, bits=bits),
-                                                graph.part_seed(seed, j, 1))
-                              for j, (a, b) in enumerate(plans[w].parts)], 0), header
+            return tf.concat(
+                [
+                    graph.encode_part(codec, flat[a:b], lv, v.header(b - a, bits=bits), graph.part_seed(seed, j, 1))
+                    for j, (a, b) in enumerate(plans[w].parts)
+                ],
+                0,
+            ), header
 
         payload, header = self._by_width(width, encode, eager)
         if exchange == "two-phase":
@@ -296,8 +311,24 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
             small = head
         else:
             small = tf.cond(collecting, lambda: tf.concat([head, self._refit_row(tensor)], 0), lambda: head)
-        ctx = _Exchange(slot, tensor.shape, tensor.dtype, numel, payload, collecting, levels, header, eager,
-                        exchange, plans, seed, current, source=tensor, shape_code=h, width=width)
+        ctx = Exchange(
+            slot,
+            tensor.shape,
+            tensor.dtype,
+            numel,
+            payload,
+            collecting,
+            levels,
+            header,
+            eager,
+            exchange,
+            plans,
+            seed,
+            current,
+            source=tensor,
+            shape_code=h,
+            width=width,
+        )
         if eager:
             # Horovod drops ctx without decompress when its allreduce raised (a dtype mismatch): the
             # exchange is then over on this rank, as on the others, which never began it.
@@ -351,8 +382,9 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         if isinstance(ctx, frontends.Delegated):
             return ctx.compressor.decompress(tensor, ctx.ctx)
         if isinstance(ctx, _PassThrough):
-            return graph.restore(tf.cast(tensor, ctx.dtype) if tensor.dtype != ctx.dtype else tensor, ctx.restore,
-                                 ctx.shape)
+            return graph.restore(
+                tf.cast(tensor, ctx.dtype) if tensor.dtype != ctx.dtype else tensor, ctx.restore, ctx.shape
+            )
         if isinstance(ctx, _Outsider):
             return graph.refuse(tensor, ctx.message, ctx.shape, ctx.dtype)
         try:
@@ -371,79 +403,17 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         out = tf.reshape(tf.cast(out, ctx.dtype), ctx.shape)
         return graph.connect_gradient(ctx.source, out, reduced[0] / n, self.process_set)
 
-    def _check_vector(self, ctx: _Exchange, reduced: np.ndarray, expected) -> None:
+    def _check_vector(self, ctx: Exchange, reduced: np.ndarray, expected) -> None:
         size = protocol.tensor_vector_length(self._set_size())
-        checks.check_vector(reduced, rank=self._set_rank(), size=self._set_size(), slot=ctx.slot,
-                            shape_code=ctx.shape_code, extra=int(expected) - size, two_phase=ctx.exchange == "two-phase")
-
-    def _allgather(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
-        """Gather every rank's payload, check every header, decode and sum (flat float32)."""
-        n = self._set_size()
-        name, ps = f"horovod_alq.{self._names()}.{ctx.slot}", self.process_set
-        gathered = waits.bounded(lambda: graph.hvd().allgather(ctx.payload, name=name, ignore_name_scope=True,
-                                                               process_set=ps), name, self._timeout, ps)
-
-        sizes = {w: payload_size(ctx.numel, w, q.bucket_size) for w, (q, _) in self._widths().items()}
-        ok, fitted = checks.payloads_ok(gathered, ctx.header, n, self._per_width(ctx.width, sizes, tf.int32))
-
-        def decode(bits: int | None):  # only the codec depends on the width
-            w = self._quantizer.bits if bits is None else bits
-            payloads = tf.reshape(fitted, [n * sizes[w]])
-            return self._fns.widths[w].decoder(ctx.numel, n)(payloads, self._levels_of(ctx.levels, bits),
-                                                            self._scale(reduced))
-
-        def run():
-            return self._complete(ctx, reduced, self._by_width(ctx.width, decode, ctx.eager))
-
-        explain = functools.partial(checks.explain_payloads, numel=ctx.numel, ranks=n, quantizer=self._quantizer,
-                                    slot=ctx.slot)
-        return graph.guarded(ok, run, explain, [gathered, ctx.header], ctx.numel, ctx.eager)
-
-    def _two_phase(self, ctx: _Exchange, reduced: tf.Tensor) -> tf.Tensor:
-        """:mod:`horovod_alq.exchange.two_phase` on one tensor, per its plan: shard ``j`` of every
-        rank's codes goes to rank ``j``, which sums them and re-quantizes the sum once; every rank
-        decodes all the re-quantized shards (flat float32, identical on every rank). The
-        configurations (``bits="auto"``: the width and the allocation's hash too) were compared
-        through the reduced vector, so the payloads are not checked again."""
-        return self._by_width(ctx.width, functools.partial(self._two_phase_width, ctx, reduced), ctx.eager)
-
-    def _two_phase_width(self, ctx: _Exchange, reduced: tf.Tensor, bits: int | None) -> tf.Tensor:
-        hvd, ps, v = graph.hvd(), self.process_set, self._vars
-        auto = bits is not None
-        w = bits if auto else self._quantizer.bits
-        plan, first = ctx.plans[w], self._fns.widths[w]
-        n, me = self._set_size(), self._set_rank()
-        name = f"horovod_alq.{self._names()}.{ctx.slot}"
-        received, rsplits = waits.bounded(lambda: hvd.alltoall(ctx.payload, splits=list(plan.first), name=name + ".a2a",
-                                                               ignore_name_scope=True, process_set=ps),
-                                          name + ".a2a", self._timeout, ps)
-        received = tf.reshape(received, [n * plan.first[me]])
-        a, b = plan.parts[me]
-        one = tf.constant(1.0, tf.float32)
-        levels = self._levels_of(ctx.levels, bits)
-        acc = first.decoder(b - a, n)(received, levels, one) if b > a else tf.zeros([0], tf.float32)
-        follows = auto or v.state.follows_first
-        levels2 = levels if follows else tf.constant(self._second.levels, tf.float64)
-        second = first if auto else self._fns.second
-        payload2 = graph.encode_part(second.encode, acc, levels2, v.header(b - a, second=True, bits=bits),
-                                     graph.part_seed(ctx.seed, me, 2))
-        # An empty shard's payload reads nothing received, and a graph prunes the ops nothing reads
-        # (control dependencies included): add a zero that reads the alltoall's splits.
-        payload2 += tf.cast(tf.minimum(tf.reduce_min(rsplits), 0), tf.uint8)
-        gathered = waits.bounded(lambda: hvd.allgather(payload2, name=name + ".ag2", ignore_name_scope=True,
-                                                       process_set=ps), name + ".ag2", self._timeout, ps)
-        gathered = tf.reshape(gathered, [sum(plan.second)])
-        scale = self._scale(reduced)
-        offsets = np.cumsum([0, *plan.second]).tolist()
-        pieces = [second.decoder(pb - pa, 1)(gathered[offsets[j]:offsets[j + 1]], levels2, scale)
-                  for j, (pa, pb) in enumerate(plan.parts) if pb > pa]
-        return self._complete(ctx, reduced, tf.concat(pieces, 0))
-
-    def _complete(self, ctx: _Exchange, reduced: tf.Tensor, out: tf.Tensor) -> tf.Tensor:
-        """``out`` once the round completed and its reduced statistics (refit rounds) are pending."""
-        head = self._head_len(ctx.exchange)
-        return self._vars.complete(out, ctx.round, ctx.collecting, lambda: reduced[head:] / reduced[0],
-                                   slot=ctx.slot, key=(ctx.numel, ctx.shape_code))
+        checks.check_vector(
+            reduced,
+            rank=self._set_rank(),
+            size=self._set_size(),
+            slot=ctx.slot,
+            shape_code=ctx.shape_code,
+            extra=int(expected) - size,
+            two_phase=ctx.exchange == "two-phase",
+        )
 
     # ------------------------------------------------------------------ metrics and state
     @_ClassOrInstance
@@ -511,8 +481,10 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         if self._set_cache is None:
             size = self.process_set.size()
             if size is None:
-                raise ValueError(f"horovod_alq: the compressor's process set {self.process_set} is not "
-                                 f"registered with Horovod (hvd.init(process_sets=...) or hvd.add_process_set)")
+                raise ValueError(
+                    f"horovod_alq: the compressor's process set {self.process_set} is not "
+                    f"registered with Horovod (hvd.init(process_sets=...) or hvd.add_process_set)"
+                )
             self._set_cache = (int(size), int(self.process_set.rank()) if self._is_member() else -1)
         return self._set_cache
 
@@ -527,9 +499,11 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase, tf.
         return not ranks or graph.hvd().rank() in ranks
 
     def _outsider_message(self) -> str:
-        return (f"horovod_alq: rank {graph.hvd().rank()} is not in the compressor's process set (ranks "
-                f"{self.process_set.ranks}): pass this compressor only to allreduces over that set "
-                f"(hvd.allreduce(..., process_set=ps), hvd.DistributedGradientTape(..., process_set=ps))")
+        return (
+            f"horovod_alq: rank {graph.hvd().rank()} is not in the compressor's process set (ranks "
+            f"{self.process_set.ranks}): pass this compressor only to allreduces over that set "
+            f"(hvd.allreduce(..., process_set=ps), hvd.DistributedGradientTape(..., process_set=ps))"
+        )
 
 
 class ALQCompressor(frontends.ALQ, QuantizedCompressor):

@@ -83,24 +83,37 @@ def codec(bits: int, bucket_size: int, norm: str, jit_compile: bool) -> types.Si
     (shared by compressors of one configuration: one trace and XLA compile per tensor shape)."""
     opts = dict(bits=bits, bucket_size=bucket_size)
     keep = dict(experimental_attributes={"_noinline": True})
-    encode = tf.function(functools.partial(kernels.encode, norm=norm, unrolled=jit_compile, **opts),
-                         autograph=False, jit_compile=jit_compile, **keep)
+    encode = tf.function(
+        functools.partial(kernels.encode, norm=norm, unrolled=jit_compile, **opts),
+        autograph=False,
+        jit_compile=jit_compile,
+        **keep,
+    )
     decoders: dict = {}
 
     def decoder(numel: int, ranks: int):
         if (numel, ranks) not in decoders:
-            decoders[numel, ranks] = tf.function(functools.partial(kernels.decode_sum, ranks=ranks, numel=numel, **opts),
-                                                 autograph=False, jit_compile=jit_compile, **keep)
+            decoders[numel, ranks] = tf.function(
+                functools.partial(kernels.decode_sum, ranks=ranks, numel=numel, **opts),
+                autograph=False,
+                jit_compile=jit_compile,
+                **keep,
+            )
         return decoders[numel, ranks]
 
     return types.SimpleNamespace(
-        encode=tf.function(encode, autograph=False, **keep), decoder=decoder,
-        normless=tf.function(functools.partial(kernels.normless_statistics, bucket_size=bucket_size, norm=norm),
-                             autograph=False),
-        grid=tf.function(functools.partial(kernels.grid_statistics, grid=GRID, bucket_size=bucket_size, norm=norm),
-                         autograph=False),
-        histograms=tf.function(functools.partial(kernels.grid_histograms, grid=GRID, bucket_size=bucket_size,
-                                                 norm=norm), autograph=False))
+        encode=tf.function(encode, autograph=False, **keep),
+        decoder=decoder,
+        normless=tf.function(
+            functools.partial(kernels.normless_statistics, bucket_size=bucket_size, norm=norm), autograph=False
+        ),
+        grid=tf.function(
+            functools.partial(kernels.grid_statistics, grid=GRID, bucket_size=bucket_size, norm=norm), autograph=False
+        ),
+        histograms=tf.function(
+            functools.partial(kernels.grid_histograms, grid=GRID, bucket_size=bucket_size, norm=norm), autograph=False
+        ),
+    )
 
 
 def encode_part(encode, x: tf.Tensor, levels, header: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:

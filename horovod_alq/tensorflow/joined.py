@@ -64,10 +64,11 @@ def serve(comp, ctx, reduced: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     those), times the op's scale: the reduced vector's scale over the number of those ranks."""
     size = comp._set_size()
     end = protocol.tensor_vector_length(size)
-    present = tf.cast(tf.math.count_nonzero(reduced[end - size:end]), tf.float64)
+    present = tf.cast(tf.math.count_nonzero(reduced[end - size : end]), tf.float64)
     hvd, ps, source = graph.hvd(), comp.process_set, ctx.source
     x = tf.cast(source, tf.float32) if source.dtype == tf.bfloat16 else source
     name = f"horovod_alq.{comp._names()}.joined.{ctx.slot}"
-    summed = waits.bounded(lambda: hvd.allreduce(x, op=hvd.Sum, name=name, ignore_name_scope=True, process_set=ps),
-                           name, comp._timeout, ps)
+    summed = waits.bounded(
+        lambda: hvd.allreduce(x, op=hvd.Sum, name=name, ignore_name_scope=True, process_set=ps), name, comp._timeout, ps
+    )
     return tf.cast(tf.reshape(tf.cast(summed, tf.float64) * (reduced[0] / present), [-1]), dtype)

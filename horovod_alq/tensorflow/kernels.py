@@ -122,7 +122,7 @@ def uniforms(tensor: tf.Tensor, seed: tf.Tensor, bucket_size: int) -> tf.Tensor:
     index = tf.bitcast(tf.range(count, dtype=tf.int32), tf.uint32)
     h = _fmix32(xor(_fmix32(index * tf.constant(0x9E3779B9, tf.uint32) + key0), key1))
     k = tf.bitwise.right_shift(h, tf.constant(9, tf.uint32))
-    u = tf.cast(tf.bitcast(2 * k + 1, tf.int32), tf.float32) * (2.0 ** -24)
+    u = tf.cast(tf.bitcast(2 * k + 1, tf.int32), tf.float32) * (2.0**-24)
     return tf.reshape(tf.cast(u, work_dtype(tensor.dtype)), [nb, bucket_size])
 
 
@@ -199,8 +199,17 @@ def unpack_codes(packed: tf.Tensor, bits: int, n: int) -> tf.Tensor:
     return tf.cast(tf.reshape(codes, [rows, groups * 8])[:, :n], tf.int32)
 
 
-def encode(tensor: tf.Tensor, levels: tf.Tensor, header: tf.Tensor, seed: tf.Tensor, *, bits: int,
-           bucket_size: int, norm: str, unrolled: bool = False) -> tf.Tensor:
+def encode(
+    tensor: tf.Tensor,
+    levels: tf.Tensor,
+    header: tf.Tensor,
+    seed: tf.Tensor,
+    *,
+    bits: int,
+    bucket_size: int,
+    norm: str,
+    unrolled: bool = False,
+) -> tf.Tensor:
     """Encode a float tensor (static shape) into one payload ``header | float32 norms | packed codes``.
 
     Parameters
@@ -220,12 +229,22 @@ def encode(tensor: tf.Tensor, levels: tf.Tensor, header: tf.Tensor, seed: tf.Ten
     tf.Tensor, shape (payload_size(n, bits, bucket_size),), uint8
     """
     u = uniforms(tensor, seed, bucket_size)
-    return encode_with_uniforms(tensor, levels, header, u, bits=bits, bucket_size=bucket_size, norm=norm,
-                                unrolled=unrolled)
+    return encode_with_uniforms(
+        tensor, levels, header, u, bits=bits, bucket_size=bucket_size, norm=norm, unrolled=unrolled
+    )
 
 
-def encode_with_uniforms(tensor: tf.Tensor, levels: tf.Tensor, header: tf.Tensor, u: tf.Tensor, *, bits: int,
-                         bucket_size: int, norm: str, unrolled: bool = False) -> tf.Tensor:
+def encode_with_uniforms(
+    tensor: tf.Tensor,
+    levels: tf.Tensor,
+    header: tf.Tensor,
+    u: tf.Tensor,
+    *,
+    bits: int,
+    bucket_size: int,
+    norm: str,
+    unrolled: bool = False,
+) -> tf.Tensor:
     """:func:`encode` with the uniform draws given (``u`` from :func:`uniforms`)."""
     flat = tf.reshape(tf.cast(tensor, work_dtype(tensor.dtype)), [-1])
     n = int(flat.shape[0])
@@ -236,8 +255,9 @@ def encode_with_uniforms(tensor: tf.Tensor, levels: tf.Tensor, header: tf.Tensor
     return tf.concat([header, tf.reshape(tf.bitcast(norms, tf.uint8), [-1]), packed], axis=0)
 
 
-def decode_sum(gathered: tf.Tensor, levels: tf.Tensor, scale: tf.Tensor, *, ranks: int, numel: int,
-               bits: int, bucket_size: int) -> tf.Tensor:
+def decode_sum(
+    gathered: tf.Tensor, levels: tf.Tensor, scale: tf.Tensor, *, ranks: int, numel: int, bits: int, bucket_size: int
+) -> tf.Tensor:
     """Decode ``ranks`` equally sized payloads laid end to end and return ``scale * sum`` (float32).
 
     The payloads must already be validated (same configuration as this rank; see the compressor).
@@ -283,8 +303,12 @@ def _normalized(tensor: tf.Tensor, bucket_size: int, norm: str):
     if nb:
         counts[-1] = float(n - (nb - 1) * bucket_size)
     keep = norms > 0  # False for NaN
-    return (tf.cast(normalize(buckets, norms), tf.float64), tf.cast(norms, tf.float64),
-            tf.constant(counts, tf.float64), keep)
+    return (
+        tf.cast(normalize(buckets, norms), tf.float64),
+        tf.cast(norms, tf.float64),
+        tf.constant(counts, tf.float64),
+        keep,
+    )
 
 
 def normless_statistics(tensor: tf.Tensor, *, bucket_size: int, norm: str) -> tf.Tensor:
@@ -293,9 +317,14 @@ def normless_statistics(tensor: tf.Tensor, *, bucket_size: int, norm: str) -> tf
     r, _, counts, keep = _normalized(tensor, bucket_size, norm)
     kept = tf.cast(keep, tf.float64)
     sum_r = tf.reduce_sum(r, axis=1)
-    return tf.stack([tf.reduce_sum(counts * kept), tf.reduce_sum(sum_r * kept),
-                     tf.reduce_sum(tf.reduce_sum(tf.square(r), axis=1) * kept),
-                     tf.reduce_sum(tf.square(sum_r) / counts * kept)])
+    return tf.stack(
+        [
+            tf.reduce_sum(counts * kept),
+            tf.reduce_sum(sum_r * kept),
+            tf.reduce_sum(tf.reduce_sum(tf.square(r), axis=1) * kept),
+            tf.reduce_sum(tf.square(sum_r) / counts * kept),
+        ]
+    )
 
 
 def grid_statistics(tensor: tf.Tensor, grid, *, bucket_size: int, norm: str) -> tf.Tensor:
@@ -319,8 +348,9 @@ def _grid_cumulative(tensor: tf.Tensor, grid, bucket_size: int, norm: str, squar
     size = int(grid.shape[0])
     kept = tf.where(keep, norms, tf.zeros_like(norms))
     flat = tf.reshape(r, [1, -1])[:, :n]
-    cells = tf.reshape(tf.maximum(tf.searchsorted(tf.reshape(grid, [1, -1]), flat, side="left",
-                                                  out_type=tf.int32), 1), [-1])
+    cells = tf.reshape(
+        tf.maximum(tf.searchsorted(tf.reshape(grid, [1, -1]), flat, side="left", out_type=tf.int32), 1), [-1]
+    )
     rows = [(kept / counts, tf.reduce_sum(kept))]
     if squared:
         rows.append((kept * kept, tf.reduce_sum(kept * kept * counts)))

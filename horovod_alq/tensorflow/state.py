@@ -37,13 +37,15 @@ class RoundVariables(tf.Module):
         self.row_length = self.stats_length if self.auto is None else self.auto.row_length
         with tf.init_scope():
             self.levels = tf.Variable(q.levels, dtype=tf.float64, trainable=False, name="levels")
-            self.header_mask = tf.Variable(header_mask(self._fingerprint()), dtype=tf.int32, trainable=False,
-                                           name="header_mask")
+            self.header_mask = tf.Variable(
+                header_mask(self._fingerprint()), dtype=tf.int32, trainable=False, name="header_mask"
+            )
             self.seed = tf.Variable(signed64(seed), dtype=tf.int64, trainable=False, name="seed")
             self.counters = {key: tf.Variable(0, dtype=tf.int64, trainable=False, name=key) for key in COUNTERS}
             self.current = tf.Variable(0, dtype=tf.int64, trainable=False, name="current_round")
-            self.pending = tf.Variable(np.zeros(self.stats_length), dtype=tf.float64, trainable=False,
-                                       name="pending_statistics")
+            self.pending = tf.Variable(
+                np.zeros(self.stats_length), dtype=tf.float64, trainable=False, name="pending_statistics"
+            )
             self.pending_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="pending_count")
 
     # ------------------------------------------------------------------ in the step (TF ops)
@@ -57,16 +59,23 @@ class RoundVariables(tf.Module):
         st = self.state
         q = st.auto.quantizers[bits] if bits is not None else st.second if second else st.quantizer
         own = second and not st.follows_first  # fixed levels of their own: a static header
-        static = np.frombuffer(pack_header(Header(self.method.id, q.bits, q.bucket_size, numel,
-                                                  q.fingerprint if own else 0, norm=q.norm)), np.uint8).astype(np.int32)
+        static = np.frombuffer(
+            pack_header(Header(self.method.id, q.bits, q.bucket_size, numel, q.fingerprint if own else 0, norm=q.norm)),
+            np.uint8,
+        ).astype(np.int32)
         if own:
             return tf.constant(static.astype(np.uint8))
         return tf.cast(tf.bitwise.bitwise_xor(tf.constant(static), self.header_mask.read_value()), tf.uint8)
 
     def collecting(self, current: tf.Tensor) -> tf.Tensor:
         """Whether round ``current`` gathers statistics for a refit (the core's refit schedule)."""
-        collects = tf.numpy_function(lambda step: np.bool_(self.state.schedule.collects(int(step))), [current],
-                                     tf.bool, stateful=False, name="horovod_alq_collects")
+        collects = tf.numpy_function(
+            lambda step: np.bool_(self.state.schedule.collects(int(step))),
+            [current],
+            tf.bool,
+            stateful=False,
+            name="horovod_alq_collects",
+        )
         collects.set_shape([])
         return collects
 
@@ -77,23 +86,36 @@ class RoundVariables(tf.Module):
         is begun again by the next call, on every rank alike. Refitting is idempotent: a rank that
         refit in the failed round and one that refits in the next fit the same statistics."""
         if self.auto is not None:
+
             def refit_auto():
-                with tf.control_dependencies(self.auto.refit(self.levels, self.header_mask) + [
-                        self.counters["level_updates"].assign_add(1), self.pending_count.assign(0)]):
+                with tf.control_dependencies(
+                    self.auto.refit(self.levels, self.header_mask)
+                    + [self.counters["level_updates"].assign_add(1), self.pending_count.assign(0)]
+                ):
                     return tf.constant(True)
 
             tf.cond(self.pending_count > 0, refit_auto, lambda: tf.constant(False))
         elif self.method.adaptive:
+
             def refit():
                 levels, mask, updated = tf.numpy_function(
-                    self._refit, [self.levels.read_value(), self.pending.read_value()],
-                    [tf.float64, tf.int32, tf.int64], stateful=True, name="horovod_alq_refit")
+                    self._refit,
+                    [self.levels.read_value(), self.pending.read_value()],
+                    [tf.float64, tf.int32, tf.int64],
+                    stateful=True,
+                    name="horovod_alq_refit",
+                )
                 levels.set_shape(self.levels.shape)
                 mask.set_shape([HEADER_SIZE])
-                with tf.control_dependencies([
-                        self.levels.assign(levels), self.header_mask.assign(mask),
+                with tf.control_dependencies(
+                    [
+                        self.levels.assign(levels),
+                        self.header_mask.assign(mask),
                         self.counters["level_updates"].assign_add(tf.reshape(updated, [])),
-                        self.pending.assign(tf.zeros_like(self.pending)), self.pending_count.assign(0)]):
+                        self.pending.assign(tf.zeros_like(self.pending)),
+                        self.pending_count.assign(0),
+                    ]
+                ):
                     return tf.constant(True)
 
             tf.cond(self.pending_count > 0, refit, lambda: tf.constant(False))
@@ -114,8 +136,15 @@ class RoundVariables(tf.Module):
             q.adapt(stats)
         return q.levels, header_mask(q.fingerprint), np.int64(updated)
 
-    def complete(self, out: tf.Tensor, round_index: tf.Tensor, collecting, statistics, slot: int = 0,
-                 key: tuple[int, int] = (0, 0)) -> tf.Tensor:
+    def complete(
+        self,
+        out: tf.Tensor,
+        round_index: tf.Tensor,
+        collecting,
+        statistics,
+        slot: int = 0,
+        key: tuple[int, int] = (0, 0),
+    ) -> tf.Tensor:
         """``out``, once round ``round_index`` counts as completed and, when ``collecting``, the
         round's reduced ``statistics`` (a callable giving them) were added to the pending ones
         (``bits="auto"``: as the row of the tensor of ``key`` in ``slot``)."""
@@ -148,8 +177,12 @@ class RoundVariables(tf.Module):
 
     def state_dict(self) -> dict:
         """:meth:`RoundState.state_dict` with the seed and the pending statistics, as Python values."""
-        out = {"seed": int(self.seed.numpy()) & protocol.MASK64, **self.read().state_dict(),
-               "pending_statistics": self.pending.numpy(), "pending_count": int(self.pending_count.numpy())}
+        out = {
+            "seed": int(self.seed.numpy()) & protocol.MASK64,
+            **self.read().state_dict(),
+            "pending_statistics": self.pending.numpy(),
+            "pending_count": int(self.pending_count.numpy()),
+        }
         if self.auto is not None:
             out.update(self.auto.pending_state())
         return out

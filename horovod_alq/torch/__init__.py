@@ -10,5 +10,12 @@ from .compressor import (
     compressor_for,
 )
 
-__all__ = ["ALQCompressor", "AMQCompressor", "NUQSGDCompressor", "QSGDCompressor",
-           "QuantizedCompressor", "TernGradCompressor", "compressor_for"]
+__all__ = [
+    "ALQCompressor",
+    "AMQCompressor",
+    "NUQSGDCompressor",
+    "QSGDCompressor",
+    "QuantizedCompressor",
+    "TernGradCompressor",
+    "compressor_for",
+]

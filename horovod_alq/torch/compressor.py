@@ -26,13 +26,21 @@ import torch
 
 from .. import frontends
 from ..core.methods import get_method
-from ..core.protocol import (PREFIX, ReductionMismatch, control_shape, joined_ranks, outsider_vector, passthrough_shape,
-                             process_set_uid, resolve_timeout)
+from ..core.protocol import (
+    PREFIX,
+    ReductionMismatch,
+    control_shape,
+    joined_ranks,
+    outsider_vector,
+    passthrough_shape,
+    process_set_uid,
+    resolve_timeout,
+)
 from ..exchange import Entry
 from ..settings import Settings, configure
 from . import codecs
-from .ops import TorchOps, ops_for
 from .horovod_transport import HorovodTransport, NotMemberError, hvd
+from .ops import TorchOps, ops_for
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -115,17 +123,34 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
     HOROVOD = "horovod.torch"
     FRONT_END = "Horovod PyTorch"
 
-    def __init__(self, method: str | None = None, bits: int | str | None = None, bucket_size: int | None = None,
-                 *, settings: Settings | None = None, process_set=None, fused: bool | None = None,
-                 **keywords) -> None:
+    def __init__(
+        self,
+        method: str | None = None,
+        bits: int | str | None = None,
+        bucket_size: int | None = None,
+        *,
+        settings: Settings | None = None,
+        process_set=None,
+        fused: bool | None = None,
+        **keywords,
+    ) -> None:
         if fused is not None:
-            warnings.warn("horovod_alq: fused= is deprecated; use codec='torch' (fused=False) or "
-                          "codec='auto' (fused=True)", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                "horovod_alq: fused= is deprecated; use codec='torch' (fused=False) or codec='auto' (fused=True)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             if keywords.get("codec") not in (None, "auto"):
                 raise ValueError("give codec= or the deprecated fused=, not both")
             keywords["codec"] = "auto" if fused else "torch"
-        self.settings = s = Settings.of(settings, self.FRONT_END, method=method or self.method or None, bits=bits,
-                                        bucket_size=bucket_size, **keywords)
+        self.settings = s = Settings.of(
+            settings,
+            self.FRONT_END,
+            method=method or self.method or None,
+            bits=bits,
+            bucket_size=bucket_size,
+            **keywords,
+        )
         self._method = get_method(s.method)
         setup = configure(s)
         self._quantizer, self._state = setup.quantizer, setup.state
@@ -144,9 +169,11 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         return self._engine.exchange
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(method={self._method.name!r}, bits={self.bits}, "
-                f"bucket_size={self.bucket_size}, norm={self.norm!r}, min_size={self.min_size}, "
-                f"exchange={self.exchange!r})")
+        return (
+            f"{type(self).__name__}(method={self._method.name!r}, bits={self.bits}, "
+            f"bucket_size={self.bucket_size}, norm={self.norm!r}, min_size={self.min_size}, "
+            f"exchange={self.exchange!r})"
+        )
 
     # ------------------------------------------------------------------ Horovod interface
     @frontends.ClassOrInstance
@@ -177,8 +204,9 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
             vec = outsider_vector(size)
             return torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device), _Outsider(str(err))
         flat = tensor.detach().reshape(-1)
-        entry, vec = self._engine.add(flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport,
-                                      ops=self._ops_for(tensor.device))
+        entry, vec = self._engine.add(
+            flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport, ops=self._ops_for(tensor.device)
+        )
         small = torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device)
         source = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
         calling = frontends.calling_process_set(self.HOROVOD, depth=10)
@@ -209,13 +237,18 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
             # Over the compressor's own set, ranks whose entries are 0 are in hvd.join(): Horovod serves
             # them in an allreduce (zeros), not in the payload collectives. Every other rank holds this
             # vector: all send the tensor uncompressed in one more allreduce, as Horovod alone would.
-            joined = ctx.own_set and joined_ranks(reduced, rank=transport.rank, size=transport.size,
-                                                  shape_code=ctx.entry.shape_code)
+            joined = ctx.own_set and joined_ranks(
+                reduced, rank=transport.rank, size=transport.size, shape_code=ctx.entry.shape_code
+            )
             if not joined or ctx.entry.flat is None:
                 raise
             flat, name = ctx.entry.flat, f"{PREFIX}.{self._engine.uid}.joined.{'.'.join(map(str, joined.slots))}"
-            handle = hvd().allreduce_async(flat.float() if flat.dtype == torch.bfloat16 else flat, op=hvd().Sum,
-                                           name=name, process_set=transport.process_set)
+            handle = hvd().allreduce_async(
+                flat.float() if flat.dtype == torch.bfloat16 else flat,
+                op=hvd().Sum,
+                name=name,
+                process_set=transport.process_set,
+            )
             out, scale = transport._wait(handle, name).double() * joined.scale, joined.scale  # as Horovod scales
             self._state.uncompressed_coordinates += flat.numel()
         out = out.to(device=ctx.device, dtype=ctx.dtype).view(ctx.shape)

@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 
 from ..core.protocol import PREFIX, shape_hash
-from .dist_transport import WATCHDOG, SettleOnce, on_completion
 from ..settings import Settings
 from .dist_state import COMPRESSIBLE, StreamedState
+from .dist_transport import WATCHDOG, SettleOnce, on_completion
 
 __all__ = ["ALQState", "alq_hook"]
 
@@ -92,10 +92,17 @@ class ALQState(StreamedState):
     what = "hook's state"
     FRONT_END = "DDP hook"
 
-    def __init__(self, process_group=None, method: str | None = None, bits: int | str | None = None,
-                 bucket_size: int | None = None, *, settings: Settings | None = None, **keywords) -> None:
-        self._configure(process_group, settings, "ddp", method=method, bits=bits, bucket_size=bucket_size,
-                        **keywords)
+    def __init__(
+        self,
+        process_group=None,
+        method: str | None = None,
+        bits: int | str | None = None,
+        bucket_size: int | None = None,
+        *,
+        settings: Settings | None = None,
+        **keywords,
+    ) -> None:
+        self._configure(process_group, settings, "ddp", method=method, bits=bits, bucket_size=bucket_size, **keywords)
         self._last = -1  # the index of the step's last bucket so far
 
     # ------------------------------------------------------------------ the round
@@ -105,26 +112,29 @@ class ALQState(StreamedState):
             # the previous step never reached its last bucket on this rank (its backward raised)
             self._round = None
         if index == 0:
-            self._round = self.engine.open_stream(self._ops_for(buffer.device), self._stages(),
-                                                  min_size=self.min_size)
+            self._round = self.engine.open_stream(self._ops_for(buffer.device), self._stages(), min_size=self.min_size)
         future: torch.futures.Future = torch.futures.Future()
         if self._round is None:
-            future.set_exception(RuntimeError(f"{PREFIX}: the exchange of this DDP step failed at its first "
-                                              f"bucket (see that error)"))
+            future.set_exception(
+                RuntimeError(f"{PREFIX}: the exchange of this DDP step failed at its first bucket (see that error)")
+            )
             return future
         self._last = index
         stage = self._stages()[0]
         n = stage.size
         # DDP waits for the future in C++: the watchdog bounds that wait (a rank that stopped in the
         # middle of the step never issues this bucket's collectives)
-        settle = SettleOnce(future, f"DDP bucket {index} of step {self.round_state.step}", stage.scope,
-                            self.timeout)
+        settle = SettleOnce(future, f"DDP bucket {index} of step {self.round_state.step}", stage.scope, self.timeout)
         WATCHDOG.watch(settle)
         if buffer.dtype in COMPRESSIBLE and buffer.numel() >= max(self.min_size, 1):
             flat = buffer.detach().reshape(-1)
             tensors = [(p.numel(), shape_hash(tuple(p.shape), str(p.dtype))) for p in parameters]
-            self._round.add(flat, flat.numel(), functools.partial(_complete, settle, buffer, 1.0 / n),
-                            tensors=tensors if self.round_state.auto is not None else None)
+            self._round.add(
+                flat,
+                flat.numel(),
+                functools.partial(_complete, settle, buffer, 1.0 / n),
+                tensors=tensors if self.round_state.auto is not None else None,
+            )
         else:
             self.round_state.uncompressed_coordinates += buffer.numel()
             buffer.div_(n)
@@ -180,5 +190,4 @@ def alq_hook(state: ALQState, bucket: dist.GradBucket) -> torch.futures.Future[t
 
 
 # DDP checks the hook's annotations as objects (this module's are strings: ``from __future__``)
-alq_hook.__annotations__ = {"state": ALQState, "bucket": dist.GradBucket,
-                            "return": torch.futures.Future[torch.Tensor]}
+alq_hook.__annotations__ = {"state": ALQState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}

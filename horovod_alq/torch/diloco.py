@@ -105,16 +105,30 @@ class DiLoCo:
         Settings to start from; the keywords given override them.
     """
 
-    def __init__(self, model: torch.nn.Module, inner_optimizer, *, sync_every: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, process_group=None, method: str | None = None,
-                 bits: int | str | None = None, error_feedback: bool = False, settings: Settings | None = None,
-                 **keywords: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer,
+        *,
+        sync_every: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        process_group=None,
+        method: str | None = None,
+        bits: int | str | None = None,
+        error_feedback: bool = False,
+        settings: Settings | None = None,
+        **keywords: Any,
+    ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive integer (inner steps per outer step), got {sync_every!r}")
         if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < math.inf:
             raise ValueError(f"outer_lr must be a positive number, got {outer_lr!r}")
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) \
-                or not 0 <= outer_momentum < 1:
+        if (
+            isinstance(outer_momentum, bool)
+            or not isinstance(outer_momentum, (int, float))
+            or not 0 <= outer_momentum < 1
+        ):
             raise ValueError(f"outer_momentum must lie in [0, 1), got {outer_momentum!r}")
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
@@ -132,9 +146,11 @@ class DiLoCo:
         stage = self.state._stages()[0]
         self._rank, self._size = stage.rank, stage.size
         if error_feedback and exchange_for(self.state.exchange, stage) != "allgather":
-            raise ValueError(f"DiLoCo: error_feedback=True needs the allgather exchange (exchange="
-                             f"{self.state.exchange!r} is {exchange_for(self.state.exchange, stage)!r} on "
-                             f"{stage.size} ranks): the two-phase exchange does not return this rank's own codes")
+            raise ValueError(
+                f"DiLoCo: error_feedback=True needs the allgather exchange (exchange="
+                f"{self.state.exchange!r} is {exchange_for(self.state.exchange, stage)!r} on "
+                f"{stage.size} ranks): the two-phase exchange does not return this rank's own codes"
+            )
         with torch.no_grad():
             self.global_params = [p.detach().float().clone() for p in self.params]
         self.momentum = [torch.zeros_like(g) for g in self.global_params]
@@ -177,9 +193,14 @@ class DiLoCo:
         shown = self._agreement()
         ops, stages = st._ops_for(self.global_params[0].device), st._stages()
         try:
-            rnd = st.engine.open_stream(ops, stages, min_size=min_size, error=_text(error),
-                                        elements=sum(self.global_params[k].numel() for k in quantized),
-                                        order=stable_hash(shown))
+            rnd = st.engine.open_stream(
+                ops,
+                stages,
+                min_size=min_size,
+                error=_text(error),
+                elements=sum(self.global_params[k].numel() for k in quantized),
+                order=stable_hash(shown),
+            )
         except CollectiveTimeout:
             raise
         except ProtocolError as err:
@@ -190,16 +211,30 @@ class DiLoCo:
         buffers = self._buffers(quantized)
         for b, members in enumerate(buffers):
             parts = [sends[k] for k in members]
-            tensors = [(sends[k].numel(), shape_hash(tuple(self.params[k].shape), str(self.params[k].dtype)))
-                       for k in members] if st.round_state.auto is not None else None
-            layouts.append(rnd.add(parts, sum(p.numel() for p in parts),
-                                   lambda decoded, failure, b=b: results.__setitem__(b, (decoded, failure)),
-                                   tensors=tensors, whole=len(buffers) == 1))
+            tensors = (
+                [
+                    (sends[k].numel(), shape_hash(tuple(self.params[k].shape), str(self.params[k].dtype)))
+                    for k in members
+                ]
+                if st.round_state.auto is not None
+                else None
+            )
+            layouts.append(
+                rnd.add(
+                    parts,
+                    sum(p.numel() for p in parts),
+                    lambda decoded, failure, b=b: results.__setitem__(b, (decoded, failure)),
+                    tensors=tensors,
+                    whole=len(buffers) == 1,
+                )
+            )
         averaged: dict[int, torch.Tensor] = {}
         if plain:
             flat = torch.cat([sends[k] for k in plain])
-            stages[0].wait(torch.distributed.all_reduce(flat, group=st.process_group, async_op=True),
-                           f"{PREFIX}.diloco.{st.round_state.step - 1}.plain")
+            stages[0].wait(
+                torch.distributed.all_reduce(flat, group=st.process_group, async_op=True),
+                f"{PREFIX}.diloco.{st.round_state.step - 1}.plain",
+            )
             flat /= self._size
             st.round_state.uncompressed_coordinates += flat.numel()
             self.plain_bytes_sent += 8 * flat.numel() * (self._size - 1) // self._size  # ring: 2 (N-1)/N floats
@@ -254,19 +289,30 @@ class DiLoCo:
         failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(shared) if m is not None]
         if failed:
             return f"{PREFIX}: DiLoCo could not form the pseudo-gradient on " + "; ".join(failed)
-        differ = [f"{k} ({', '.join(f'rank {r}: {e[k]}' for r, (_, e) in enumerate(shared))})"
-                  for k in shown if len({json.dumps(e[k]) for _, e in shared}) > 1]
+        differ = [
+            f"{k} ({', '.join(f'rank {r}: {e[k]}' for r, (_, e) in enumerate(shared))})"
+            for k in shown
+            if len({json.dumps(e[k]) for _, e in shared}) > 1
+        ]
         if differ:
-            return (f"{PREFIX}: the ranks' DiLoCo settings differ: {'; '.join(differ)}. Every rank must build "
-                    f"DiLoCo with the same arguments, the same model and the same initial parameters")
+            return (
+                f"{PREFIX}: the ranks' DiLoCo settings differ: {'; '.join(differ)}. Every rank must build "
+                f"DiLoCo with the same arguments, the same model and the same initial parameters"
+            )
         return str(err)
 
     def _agreement(self) -> dict:
         """What every rank must share beyond the engine's handshake (its hash travels as ``order``)."""
         shapes = [tuple(g.shape) for g in self.global_params]
         start = stable_hash(*(_digest(g) for g in self.global_params)) if self._check_start else 0
-        return {"sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                "error_feedback": self.error_feedback, "shapes": stable_hash(shapes), "global_parameters": start}
+        return {
+            "sync_every": self.sync_every,
+            "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum,
+            "error_feedback": self.error_feedback,
+            "shapes": stable_hash(shapes),
+            "global_parameters": start,
+        }
 
     # ------------------------------------------------------------------ metrics and state
     def metrics(self) -> dict:
@@ -275,37 +321,47 @@ class DiLoCo:
         parameters' all_reduce, modeled as a ring: ``8 (N-1)/N`` bytes per coordinate) and
         ``total_bytes_sent`` (both)."""
         out = self.state.metrics()
-        out.update(inner_steps=self.inner_steps, outer_steps=self.outer_steps, plain_bytes_sent=self.plain_bytes_sent,
-                   total_bytes_sent=out["bytes_sent"] + self.plain_bytes_sent)
+        out.update(
+            inner_steps=self.inner_steps,
+            outer_steps=self.outer_steps,
+            plain_bytes_sent=self.plain_bytes_sent,
+            total_bytes_sent=out["bytes_sent"] + self.plain_bytes_sent,
+        )
         return out
 
     def state_dict(self) -> dict:
         """Global parameters, outer momentum, error-feedback buffer, step counters and the
         exchange's state (levels, counters, seed). The model and the inner optimizer are saved by
         their own ``state_dict``. Call between steps."""
-        return {"sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                "error_feedback": self.error_feedback, "inner_steps": self.inner_steps,
-                "outer_steps": self.outer_steps, "plain_bytes_sent": self.plain_bytes_sent,
-                "global_params": [g.clone() for g in self.global_params],
-                "momentum": [m.clone() for m in self.momentum],
-                "errors": None if self.errors is None else [e.clone() for e in self.errors],
-                "exchange": self.state.state_dict()}
+        return {
+            "sync_every": self.sync_every,
+            "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum,
+            "error_feedback": self.error_feedback,
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "plain_bytes_sent": self.plain_bytes_sent,
+            "global_params": [g.clone() for g in self.global_params],
+            "momentum": [m.clone() for m in self.momentum],
+            "errors": None if self.errors is None else [e.clone() for e in self.errors],
+            "exchange": self.state.state_dict(),
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (same settings and parameter shapes; ValueError otherwise).
         Load the same state on every rank: the next outer step checks the global parameters."""
         keys = ("sync_every", "outer_lr", "outer_momentum", "error_feedback")
-        differ = [f"{k}: saved {state[k]!r}, this DiLoCo {getattr(self, k)!r}"
-                  for k in keys if state[k] != getattr(self, k)]
+        differ = [
+            f"{k}: saved {state[k]!r}, this DiLoCo {getattr(self, k)!r}" for k in keys if state[k] != getattr(self, k)
+        ]
         shapes = [tuple(t.shape) for t in state["global_params"]]
         if shapes != [tuple(g.shape) for g in self.global_params]:
             differ.append("parameter shapes")
         if differ:
             raise ValueError(f"{PREFIX}: the saved DiLoCo state has other settings ({'; '.join(differ)})")
         self.state.load_state_dict(state["exchange"])
-        for dst, key in ((self.global_params, "global_params"), (self.momentum, "momentum"),
-                         (self.errors, "errors")):
+        for dst, key in ((self.global_params, "global_params"), (self.momentum, "momentum"), (self.errors, "errors")):
             if dst is not None:
                 for d, s in zip(dst, state[key]):
                     d.copy_(s)
@@ -314,8 +370,10 @@ class DiLoCo:
         self._check_start = True
 
     def __repr__(self) -> str:
-        return (f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
-                f"error_feedback={self.error_feedback}, {self.state!r})")
+        return (
+            f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, "
+            f"error_feedback={self.error_feedback}, {self.state!r})"
+        )
 
 
 def _gather_json(transport, value: Any, name: str) -> list:
@@ -323,9 +381,9 @@ def _gather_json(transport, value: Any, name: str) -> list:
     raw = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
     n = int(transport.allreduce_max(np.array([raw.size], dtype=np.int64), f"{name}.size")[0])
     buf = torch.zeros(n, dtype=torch.uint8)
-    buf[:raw.size] = torch.from_numpy(raw.copy())
+    buf[: raw.size] = torch.from_numpy(raw.copy())
     got = transport.allgather(buf, [n] * transport.size, name)().cpu().numpy()
-    return [json.loads(bytes(got[r * n:(r + 1) * n]).rstrip(b"\0").decode()) for r in range(transport.size)]
+    return [json.loads(bytes(got[r * n : (r + 1) * n]).rstrip(b"\0").decode()) for r in range(transport.size)]
 
 
 def _own(decoded: Decoded, rank: int) -> Decoded:

@@ -59,8 +59,10 @@ class StreamedState:
         return self.engine.exchange
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(method={self.method!r}, bits={self.bits}, bucket_size={self.bucket_size}, "
-                f"norm={self.norm!r}, min_size={self.min_size}, exchange={self.exchange!r})")
+        return (
+            f"{type(self).__name__}(method={self.method!r}, bits={self.bits}, bucket_size={self.bucket_size}, "
+            f"norm={self.norm!r}, min_size={self.min_size}, exchange={self.exchange!r})"
+        )
 
     # ------------------------------------------------------------------ metrics and state
     def metrics(self) -> dict:
@@ -75,16 +77,18 @@ class StreamedState:
         identical levels. Call between steps."""
         if self._pending:
             raise RuntimeError("state_dict() during a step's exchange: call it between steps")
-        return {**{k: getattr(self, k) for k in SETTINGS}, "seed": self.engine.seed,
-                **self.round_state.state_dict()}
+        return {**{k: getattr(self, k) for k in SETTINGS}, "seed": self.engine.seed, **self.round_state.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` (same method, bits, bucket size and norm). Load the same state on
         every rank, or the next step raises on every rank (the handshake compares the levels)."""
         if self._pending:
             raise RuntimeError("load_state_dict() during a step's exchange: call it between steps")
-        differ = [f"{k}: saved {state[k]!r}, this {self.what} {getattr(self, k)!r}" for k in SETTINGS
-                  if k in state and state[k] != getattr(self, k)]
+        differ = [
+            f"{k}: saved {state[k]!r}, this {self.what} {getattr(self, k)!r}"
+            for k in SETTINGS
+            if k in state and state[k] != getattr(self, k)
+        ]
         if differ:
             raise ValueError(f"{PREFIX}: the saved state has other settings ({'; '.join(differ)})")
         self.round_state.load_state_dict(state)
@@ -116,8 +120,11 @@ class StreamedState:
             stages.append(DistTransport(group, timeout=self.timeout))
         exchange = exchange or exchange_for(self.exchange, stages[0])
         while len(stages) < STREAMED[exchange].STAGES:
-            stages.append(DistTransport(companion_group(group, len(stages)), timeout=self.timeout,
-                                        local_size=stages[0].local_size))
+            stages.append(
+                DistTransport(
+                    companion_group(group, len(stages)), timeout=self.timeout, local_size=stages[0].local_size
+                )
+            )
         return stages
 
     @property

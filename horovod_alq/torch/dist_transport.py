@@ -32,7 +32,6 @@ import torch.distributed as dist
 from ..core.protocol import resolve_timeout, timeout_error, wait_for
 from ..exchange.hierarchical import local_size_from_env
 
-
 #: ``all_gather_into_tensor`` is called ``all_gather_single`` from PyTorch 2.13 on (the old name warns).
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -55,11 +54,18 @@ class DistTransport:
         ``LOCAL_RANK`` is this rank's place in its run, else the group's size (one node).
     """
 
-    def __init__(self, process_group=None, device: torch.device | None = None,
-                 timeout: float | None = None, local_size: int | None = None) -> None:
+    def __init__(
+        self,
+        process_group=None,
+        device: torch.device | None = None,
+        timeout: float | None = None,
+        local_size: int | None = None,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("horovod_alq: torch.distributed is not initialized; call "
-                               "dist.init_process_group() first (torchrun sets the environment)")
+            raise RuntimeError(
+                "horovod_alq: torch.distributed is not initialized; call "
+                "dist.init_process_group() first (torchrun sets the environment)"
+            )
         self.group = process_group
         rank = dist.get_rank(process_group)
         if rank < 0:
@@ -93,16 +99,20 @@ class DistTransport:
         def result() -> torch.Tensor:
             if all(s == width for s in sizes):
                 return out
-            return torch.cat([out[r * width: r * width + s] for r, s in enumerate(sizes)])
+            return torch.cat([out[r * width : r * width + s] for r, s in enumerate(sizes)])
 
         return _Pending(self, work, result, name)
 
     def alltoall(self, payload: torch.Tensor, splits: Sequence[int], received: Sequence[int], name: str):
         out = torch.empty(sum(int(r) for r in received), dtype=torch.uint8, device=self.device)
-        work = dist.all_to_all_single(out, payload.to(self.device).contiguous(),
-                                      output_split_sizes=[int(r) for r in received],
-                                      input_split_sizes=[int(s) for s in splits], group=self.group,
-                                      async_op=True)
+        work = dist.all_to_all_single(
+            out,
+            payload.to(self.device).contiguous(),
+            output_split_sizes=[int(r) for r in received],
+            input_split_sizes=[int(s) for s in splits],
+            group=self.group,
+            async_op=True,
+        )
         return _Pending(self, work, lambda: out, name)
 
     def _allreduce(self, vec: np.ndarray, dtype, op, name: str) -> np.ndarray:

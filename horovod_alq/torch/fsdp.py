@@ -50,9 +50,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..core.protocol import PREFIX, shape_hash, stable_hash
 from ..exchange import hierarchical, node_reduce_scatter
 from ..exchange.reduce_scatter import NAME
-from .dist_transport import WATCHDOG, SettleOnce
 from ..settings import Settings
 from .dist_state import COMPRESSIBLE, StreamedState
+from .dist_transport import WATCHDOG, SettleOnce
 
 __all__ = ["ALQReduceScatter", "quantize_reduce_scatter"]
 
@@ -91,10 +91,17 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
     FRONT_END = "FSDP2"
     ENGINE_EXCHANGE = "allgather"  # unused by reduce-scatter rounds; kept for the engine's checks
 
-    def __init__(self, process_group=None, method: str | None = None, bits: int | str | None = None,
-                 bucket_size: int | None = None, *, settings: Settings | None = None, **keywords) -> None:
-        self._configure(process_group, settings, "fsdp", method=method, bits=bits, bucket_size=bucket_size,
-                        **keywords)
+    def __init__(
+        self,
+        process_group=None,
+        method: str | None = None,
+        bits: int | str | None = None,
+        bucket_size: int | None = None,
+        *,
+        settings: Settings | None = None,
+        **keywords,
+    ) -> None:
+        self._configure(process_group, settings, "fsdp", method=method, bits=bits, bucket_size=bucket_size, **keywords)
         self._task = -1  # the autograd graph task of the round in progress (-1: outside backward)
         # bits="auto": (input elements, shards) -> each parameter chunk's (elements, shape code) in a
         # shard (None: modules with other layouts share that size), from quantize_reduce_scatter
@@ -127,8 +134,14 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         """A buffer for FSDP's reduce-scatter input or output (a plain tensor)."""
         return torch.empty(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ):
         """Reduce ``input_tensor`` (N shards) over ``group`` and leave this rank's shard, scaled
         as ``op`` says, in ``output_tensor``. With ``async_op`` returns a Work whose ``wait()``
         leaves the result there; otherwise returns None with the result in place."""
@@ -156,8 +169,12 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         settle = SettleOnce(future, f"{PREFIX}.fsdp.{self.round_state.step - 1}.rs", stages[0].scope, self.timeout)
         WATCHDOG.watch(settle)
         pieces = self._layouts.get((flat.numel(), n)) if self.bits == "auto" else None
-        rnd.add(flat, flat.numel(), functools.partial(_complete, settle, output_tensor, scale),
-                tensors=list(pieces) * n if pieces else None)
+        rnd.add(
+            flat,
+            flat.numel(),
+            functools.partial(_complete, settle, output_tensor, scale),
+            tensors=list(pieces) * n if pieces else None,
+        )
         if self._task < 0:  # a call outside a backward pass is a round of its own
             self._close()
         if async_op:
@@ -168,10 +185,12 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
     # ------------------------------------------------------------------ the round
     def _group(self, group):
         if self.process_group is not None and group is not self.process_group:
-            raise ValueError(f"{PREFIX}: this reduce-scatter comm was made for process group "
-                             f"{dist.get_process_group_ranks(self.process_group)}, and FSDP called it for "
-                             f"{dist.get_process_group_ranks(group)}; make it with process_group=None "
-                             f"(the group FSDP passes) or the FSDP mesh's shard group")
+            raise ValueError(
+                f"{PREFIX}: this reduce-scatter comm was made for process group "
+                f"{dist.get_process_group_ranks(self.process_group)}, and FSDP called it for "
+                f"{dist.get_process_group_ranks(group)}; make it with process_group=None "
+                f"(the group FSDP passes) or the FSDP mesh's shard group"
+            )
         return group
 
     def _open(self, stages, device: torch.device, exchange: str = NAME):
@@ -183,8 +202,9 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
             # bits="auto": the recorded layouts make the round's tensors; ranks that recorded others
             # would allocate over different rows, so the handshake compares them (every rank raises)
             order = stable_hash(repr(sorted(self._layouts.items()))) if self.bits == "auto" else 0
-            self._round = self.engine.open_stream(self._ops_for(device), stages, min_size=self.min_size,
-                                                  exchange=exchange, order=order)
+            self._round = self.engine.open_stream(
+                self._ops_for(device), stages, min_size=self.min_size, exchange=exchange, order=order
+            )
             self._task = task
             if task >= 0:  # closed once the backward pass is over (after FSDP's own final callback)
                 torch.autograd.Variable._execution_engine.queue_callback(self._close)
@@ -221,17 +241,22 @@ def _scale(op, size: int) -> float:
         return 1.0
     if kind == dist.ReduceOp.PREMUL_SUM:
         return float(op.factor)
-    raise ValueError(f"{PREFIX}: a quantized reduce-scatter can average or sum (ReduceOp.AVG, SUM, "
-                     f"PREMUL_SUM), not {kind}")
+    raise ValueError(
+        f"{PREFIX}: a quantized reduce-scatter can average or sum (ReduceOp.AVG, SUM, PREMUL_SUM), not {kind}"
+    )
 
 
 def _check(output: torch.Tensor, source: torch.Tensor, size: int) -> None:
     if not (source.is_floating_point() and output.is_floating_point()):
-        raise TypeError(f"{PREFIX}: a quantized reduce-scatter reduces floating-point tensors, got input "
-                        f"{source.dtype} and output {output.dtype}")
+        raise TypeError(
+            f"{PREFIX}: a quantized reduce-scatter reduces floating-point tensors, got input "
+            f"{source.dtype} and output {output.dtype}"
+        )
     if source.numel() != size * output.numel():
-        raise ValueError(f"{PREFIX}: a reduce-scatter over {size} ranks needs an input of {size} x the output's "
-                         f"elements; got an input of {source.numel()} and an output of {output.numel()}")
+        raise ValueError(
+            f"{PREFIX}: a reduce-scatter over {size} ranks needs an input of {size} x the output's "
+            f"elements; got an input of {source.numel()} and an output of {output.numel()}"
+        )
     if not output.is_contiguous():
         raise ValueError(f"{PREFIX}: the reduce-scatter output must be contiguous")
 
@@ -261,8 +286,7 @@ def _done_work():
     return torch._C._distributed_c10d._create_work_from_future(future)
 
 
-def quantize_reduce_scatter(model: torch.nn.Module, comm: ALQReduceScatter | None = None,
-                            **kwargs) -> ALQReduceScatter:
+def quantize_reduce_scatter(model: torch.nn.Module, comm: ALQReduceScatter | None = None, **kwargs) -> ALQReduceScatter:
     """Set ``comm`` (default: ``ALQReduceScatter(**kwargs)``) as the reduce-scatter of every
     ``fully_shard``-ed module of ``model`` (one comm: one round per backward); returns it.
     Raises ValueError if no module of ``model`` is an FSDP module."""
@@ -272,8 +296,10 @@ def quantize_reduce_scatter(model: torch.nn.Module, comm: ALQReduceScatter | Non
         raise TypeError("give a comm or its keywords, not both")
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
-        raise ValueError(f"{PREFIX}: no module of this {type(model).__name__} was fully_shard-ed; call "
-                         f"torch.distributed.fsdp.fully_shard on its blocks and on the model first")
+        raise ValueError(
+            f"{PREFIX}: no module of this {type(model).__name__} was fully_shard-ed; call "
+            f"torch.distributed.fsdp.fully_shard on its blocks and on the model first"
+        )
     for module in modules:
         module.set_custom_reduce_scatter(comm)
         comm.record_layout(module)

@@ -31,9 +31,11 @@ class HorovodTransport:
         h = hvd()
         self.process_set = h.global_process_set if process_set is None else process_set
         if not self.process_set.included():
-            raise NotMemberError(f"horovod_alq: this rank is not a member of the compressor's process set "
-                                 f"{self.process_set.ranks}; use it only in allreduces over that set "
-                                 f"(process_set=), with the same set on every member")
+            raise NotMemberError(
+                f"horovod_alq: this rank is not a member of the compressor's process set "
+                f"{self.process_set.ranks}; use it only in allreduces over that set "
+                f"(process_set=), with the same set on every member"
+            )
         self.rank = int(self.process_set.rank())
         self.size = int(self.process_set.size())
         ranks = self.process_set.ranks

@@ -39,7 +39,7 @@ class TorchOps:
             for a, b in padding:
                 out[a:b].zero_()
         for part, start in zip(parts, starts):
-            out[start: start + part.numel()].copy_(part.reshape(-1))
+            out[start : start + part.numel()].copy_(part.reshape(-1))
         return out
 
     def zeros(self, n: int) -> torch.Tensor:
@@ -55,26 +55,64 @@ class TorchOps:
     def encode(self, x: torch.Tensor, q: Quantizer, seed: int) -> torch.Tensor:
         if x.numel() == 0:
             return self._header(q, 0)
-        return self.codec.encode(x.contiguous(), self.levels(q), self._header(q, x.numel()), bits=q.bits,
-                                 bucket_size=q.bucket_size, norm=q.norm, seed=seed)
+        return self.codec.encode(
+            x.contiguous(),
+            self.levels(q),
+            self._header(q, x.numel()),
+            bits=q.bits,
+            bucket_size=q.bucket_size,
+            norm=q.norm,
+            seed=seed,
+        )
 
     def encode_parts(self, parts, starts, length, q: Quantizer, seed: int):
         encode = getattr(self.codec, "encode_parts", None)
-        if encode is None or length == 0 or q.bucket_size % 8 or not all(
-                p.dtype == torch.float32 and p.device == self.device for p in parts):
+        if (
+            encode is None
+            or length == 0
+            or q.bucket_size % 8
+            or not all(p.dtype == torch.float32 and p.device == self.device for p in parts)
+        ):
             return None
-        return encode([p.reshape(-1).contiguous() for p in parts], list(starts), length, self.levels(q),
-                      self._header(q, length), bits=q.bits, bucket_size=q.bucket_size, norm=q.norm, seed=seed)
+        return encode(
+            [p.reshape(-1).contiguous() for p in parts],
+            list(starts),
+            length,
+            self.levels(q),
+            self._header(q, length),
+            bits=q.bits,
+            bucket_size=q.bucket_size,
+            norm=q.norm,
+            seed=seed,
+        )
 
-    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets, q: Quantizer, *, start: int = 0,
-                   numel: int | None = None, scale: float = 1.0) -> None:
+    def decode_sum(
+        self,
+        out: torch.Tensor,
+        payloads: torch.Tensor,
+        offsets,
+        q: Quantizer,
+        *,
+        start: int = 0,
+        numel: int | None = None,
+        scale: float = 1.0,
+    ) -> None:
         n = out.numel()
         numel = n if numel is None else int(numel)
         if n == 0:
             return
         target = out if out.is_contiguous() else torch.empty_like(out)
-        self.codec.decode_sum(target, payloads.contiguous(), list(offsets), self.levels(q), bits=q.bits,
-                              bucket_size=q.bucket_size, scale=scale, start=start, numel=numel)
+        self.codec.decode_sum(
+            target,
+            payloads.contiguous(),
+            list(offsets),
+            self.levels(q),
+            bits=q.bits,
+            bucket_size=q.bucket_size,
+            scale=scale,
+            start=start,
+            numel=numel,
+        )
         if target is not out:
             out.copy_(target)
 
@@ -100,18 +138,21 @@ class TorchOps:
         rows = x.reshape(-1)[: n - n % d].view(-1, d)
         parts = [rows]
         if n % d:
-            parts.append(x.reshape(-1)[n - n % d:].view(1, -1))
+            parts.append(x.reshape(-1)[n - n % d :].view(1, -1))
         # (no padded copy and no finiteness pass, unlike kernels.bucket_norms: a non-finite norm only
         # gives its bucket the narrowest width, whose codec handles it)
-        norms = [torch.linalg.vector_norm(p.float(), dim=1) if norm == "l2" else kernels.row_max_abs(p).float()
-                 for p in parts if p.numel()]
+        norms = [
+            torch.linalg.vector_norm(p.float(), dim=1) if norm == "l2" else kernels.row_max_abs(p).float()
+            for p in parts
+            if p.numel()
+        ]
         return torch.cat(norms).double().cpu().numpy() if norms else np.zeros(0)
 
     def take_buckets(self, x: torch.Tensor, ids, bucket_size: int) -> torch.Tensor:
         d, n = int(bucket_size), x.numel()
         full, tail = _split_ids(ids, n, d, self.device)
         out = x[: n - n % d].view(-1, d).index_select(0, full).reshape(-1)
-        return torch.cat([out, x[n - n % d:]]) if tail else out
+        return torch.cat([out, x[n - n % d :]]) if tail else out
 
     def add_buckets(self, out: torch.Tensor, values: torch.Tensor, ids, bucket_size: int, scale: float = 1.0) -> None:
         d, n = int(bucket_size), out.numel()
@@ -119,7 +160,7 @@ class TorchOps:
         k = full.numel() * d
         out[: n - n % d].view(-1, d).index_add_(0, full, values[:k].view(-1, d), alpha=scale)
         if tail:
-            out[n - n % d:].add_(values[k:], alpha=scale)
+            out[n - n % d :].add_(values[k:], alpha=scale)
 
     def cat(self, parts) -> torch.Tensor:
         return torch.cat(list(parts)) if len(parts) > 1 else parts[0]

@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 from horovod_alq.exchange.interfaces import SingleRank
@@ -49,14 +48,22 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
     torch.set_num_threads(1)
-    steps = {"GPT gradient": gpt_gradients(1024, batch=1),
-             "synthetic": synthetic(2 if args.quick else 8, 1 << 20 if args.quick else 1 << 21, args.bucket)}
+    steps = {
+        "GPT gradient": gpt_gradients(1024, batch=1),
+        "synthetic": synthetic(2 if args.quick else 8, 1 << 20 if args.quick else 1 << 21, args.bucket),
+    }
     ops, transport = TorchOps("cpu"), SingleRank()
-    cases = {"3 bits": dict(bits=3), f"bits='auto' {args.budget}": dict(bits="auto", bit_budget=args.budget),
-             f"bits_per='bucket' {args.budget}": dict(bits="auto", bit_budget=args.budget, bits_per="bucket")}
-    lines = [f"Command: `python -m scripts.bench.bucket_widths {' '.join(argv if argv is not None else sys.argv[1:])}` "
-             f"({time.strftime('%Y-%m-%d')}; alq, bucket {args.bucket}, one rank, allgather, compiled CPU codec, "
-             f"one thread, medians of {repeats}, rows interleaved).", ""]
+    cases = {
+        "3 bits": dict(bits=3),
+        f"bits='auto' {args.budget}": dict(bits="auto", bit_budget=args.budget),
+        f"bits_per='bucket' {args.budget}": dict(bits="auto", bit_budget=args.budget, bits_per="bucket"),
+    }
+    lines = [
+        f"Command: `python -m scripts.bench.bucket_widths {' '.join(argv if argv is not None else sys.argv[1:])}` "
+        f"({time.strftime('%Y-%m-%d')}; alq, bucket {args.bucket}, one rank, allgather, compiled CPU codec, "
+        f"one thread, medians of {repeats}, rows interleaved).",
+        "",
+    ]
     for title, grads in steps.items():
         numel = sum(g.numel() for g in grads)
         engines = {}
@@ -73,12 +80,17 @@ def main(argv=None) -> int:
                 times[name].append(one_round(setup, engine, grads, ops, transport))
                 sent[name] = setup.state.payload_bytes - before
         base = statistics.median(times["3 bits"])
-        lines += [f"**{title}** ({len(grads)} tensors, {numel:,} coordinates):", "",
-                  "| round after the refit | median (ms) | ratio to 3 bits | payload bytes | bits per coordinate |",
-                  "|---|---:|---:|---:|---:|"]
+        lines += [
+            f"**{title}** ({len(grads)} tensors, {numel:,} coordinates):",
+            "",
+            "| round after the refit | median (ms) | ratio to 3 bits | payload bytes | bits per coordinate |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for name, ts in times.items():
             m = statistics.median(ts)
-            lines.append(f"| {name} | {1000 * m:.1f} | {m / base:.2f} | {sent[name]:,} | {8 * sent[name] / numel:.3f} |")
+            lines.append(
+                f"| {name} | {1000 * m:.1f} | {m / base:.2f} | {sent[name]:,} | {8 * sent[name] / numel:.3f} |"
+            )
         lines.append("")
     write_report(lines, args.out)
     return 0

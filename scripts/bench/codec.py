@@ -28,9 +28,9 @@ import statistics
 import sys
 import time
 
+import horovod.torch as hvd
 import torch
 
-import horovod.torch as hvd
 from scripts.common.bench import parse_size, ratio_rows, timing_table, write_report
 
 
@@ -45,8 +45,9 @@ def compressors(bits: int, bucket: int):
         f"AMQ {bits}b": AMQCompressor(bits=bits, **common),
         f"QSGDinf {bits}b": QSGDCompressor(bits=bits, **common),
         "TernGrad": TernGradCompressor(**common),
-        f"ALQ {bits}b, refit every step": ALQCompressor(bits=bits, bucket_size=bucket, update_steps=(0,),
-                                                         update_every=1, seed=0),
+        f"ALQ {bits}b, refit every step": ALQCompressor(
+            bits=bits, bucket_size=bucket, update_steps=(0,), update_every=1, seed=0
+        ),
         f"ALQ {bits}b, plain torch kernels": ALQCompressor(bits=bits, codec="torch", **common),
         "torch 8-bit quantization hook helpers": TorchQuant8(),
     }
@@ -57,7 +58,9 @@ class TorchQuant8:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks import (
-            _dequantize_per_tensor_backend, _quantize_per_tensor_backend)
+            _dequantize_per_tensor_backend,
+            _quantize_per_tensor_backend,
+        )
 
         observer = torch.ao.quantization.MinMaxObserver()
         observer(tensor)
@@ -116,8 +119,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="1M elements, 3 repeats")
-    p.add_argument("--skip-slow-above", default="16M",
-                   help="sizes above this skip the plain-torch-kernel ALQ (minutes per call); default 16M")
+    p.add_argument(
+        "--skip-slow-above",
+        default="16M",
+        help="sizes above this skip the plain-torch-kernel ALQ (minutes per call); default 16M",
+    )
     p.add_argument("--out", help="rank 0 writes a Markdown table here")
     args = p.parse_args(argv)
     if args.quick:
@@ -131,22 +137,30 @@ def main(argv=None) -> int:
     for size_text in args.sizes.split(","):
         n = parse_size(size_text)
         tensor = torch.randn(n, generator=torch.Generator().manual_seed(hvd.rank()))
-        chosen = {k: v for k, v in methods.items()
-                  if not (n > parse_size(args.skip_slow_above) and "plain torch" in k)}
+        chosen = {k: v for k, v in methods.items() if not (n > parse_size(args.skip_slow_above) and "plain torch" in k)}
         med = time_methods(chosen, tensor, args.warmup, args.repeats)
         rows += ratio_rows(size_text, med)
     load_after = os.getloadavg()[0]
     adapt = adaptation_ms(args.bits, args.bucket_size)
     if hvd.rank() == 0:
-        lines = ["# Codec speed: compress + exchange + decompress", "",
-                 f"Command: `mpirun -np {hvd.size()} python -m scripts.bench.codec "
-                 f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-                 f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads per rank, "
-                 f"{hvd.size()} ranks on one host (shared memory), CPU. {cpu_build.status()}. "
-                 f"Bucket size {args.bucket_size}. Median of {args.repeats} calls, slowest rank. "
-                 f"Load average {load_before:.1f} before, {load_after:.1f} after.", "", *timing_table(rows)]
-        lines += ["", f"Level adaptation ({args.bits} bits, statistics of a 1M-element gradient): "
-                  + ", ".join(f"{m} {ms:.1f} ms" for m, ms in adapt.items())]
+        lines = [
+            "# Codec speed: compress + exchange + decompress",
+            "",
+            f"Command: `mpirun -np {hvd.size()} python -m scripts.bench.codec "
+            f"{' '.join(argv if argv is not None else sys.argv[1:])}`",
+            "",
+            f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads per rank, "
+            f"{hvd.size()} ranks on one host (shared memory), CPU. {cpu_build.status()}. "
+            f"Bucket size {args.bucket_size}. Median of {args.repeats} calls, slowest rank. "
+            f"Load average {load_before:.1f} before, {load_after:.1f} after.",
+            "",
+            *timing_table(rows),
+        ]
+        lines += [
+            "",
+            f"Level adaptation ({args.bits} bits, statistics of a 1M-element gradient): "
+            + ", ".join(f"{m} {ms:.1f} ms" for m, ms in adapt.items()),
+        ]
         write_report(lines, args.out)
     hvd.shutdown()
     return 0

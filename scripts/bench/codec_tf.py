@@ -44,7 +44,9 @@ def compressors(hvd, bits: int, bucket: int, extra_rows: bool) -> dict:
         out[f"ALQ {bits}b, statistics + refit every call"] = (ALQCompressor(bits=bits, **refit), False)
         out[f"ALQ auto (budget {bits})"] = (ALQCompressor(bits="auto", bit_budget=bits, **common), False)
         out[f"ALQ auto (budget {bits}), statistics + refit every call"] = (
-            ALQCompressor(bits="auto", bit_budget=bits, **refit), False)
+            ALQCompressor(bits="auto", bit_budget=bits, **refit),
+            False,
+        )
     return out
 
 
@@ -75,8 +77,10 @@ def time_methods(tf, hvd, methods: dict, tensor, warmup: int, repeats: int) -> t
             elif i == 0:
                 first[name] = elapsed
     slowest = lambda value, tag: max(hvd.allgather_object(value, name=f"bench.{tag}"))  # noqa: E731
-    return ({name: slowest(statistics.median(t), f"t{i}") for i, (name, t) in enumerate(times.items())},
-            {name: slowest(t, f"f{i}") for i, (name, t) in enumerate(first.items())})
+    return (
+        {name: slowest(statistics.median(t), f"t{i}") for i, (name, t) in enumerate(times.items())},
+        {name: slowest(t, f"f{i}") for i, (name, t) in enumerate(first.items())},
+    )
 
 
 def main(argv=None) -> int:
@@ -86,8 +90,11 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-size", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--no-extra-rows", action="store_true",
-                   help="only none, fp16, ALQ and QSGDinf (skip: ALQ eager, without XLA, refitting every call)")
+    p.add_argument(
+        "--no-extra-rows",
+        action="store_true",
+        help="only none, fp16, ALQ and QSGDinf (skip: ALQ eager, without XLA, refitting every call)",
+    )
     p.add_argument("--quick", action="store_true", help="1M elements, 3 repeats")
     p.add_argument("--out", help="rank 0 writes a Markdown table here")
     args = p.parse_args(argv)
@@ -111,23 +118,40 @@ def main(argv=None) -> int:
     if hvd.rank() == 0:
         threads = os.environ.get("TF_NUM_INTRAOP_THREADS", "default")
         command = " ".join(argv if argv is not None else sys.argv[1:])
-        lines = ["# TensorFlow codec speed: compress + exchange + decompress", "",
-                 f"Command: `mpirun -np {hvd.size()} python -m scripts.bench.codec_tf {command}`", "",
-                 (f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, TensorFlow {tf.__version__} "
-                  f"(CPU, intra-op threads: {threads}), {hvd.size()} ranks on one host (shared memory). "
-                  f"Bucket size {args.bucket_size}. Each call is a tf.function around hvd.allreduce, "
-                  f"traced before timing; median of {args.repeats} calls, slowest rank. "
-                  f"Load average {load_before:.1f} before, {load_after:.1f} after (other jobs share "
-                  f"this machine; ratios are more stable than absolute times)."), "", *timing_table(rows)]
-        lines += ["", "First call of each compressor (tracing and XLA compiles included; the compressors' "
-                  "tf.functions are shared by compressors of one configuration, so a later row may reuse an "
-                  "earlier row's traces), slowest rank:", "", "| elements | compressor | first call (s) |",
-                  "|---|---|---:|", *first_calls]
-        lines += ["", "On one host the wire is shared memory, so these times are mostly codec compute. The "
-                  "quantizers allgather b + 32/d bits per coordinate where fp16 allreduces 16: they pay off "
-                  "on slow links, not here. The TF codec is TF ops compiled by XLA, random draws included (a "
-                  "counter-based uint32 hash); the torch compressors have a fused C++ codec "
-                  "(docs/bench_codec.md)."]
+        lines = [
+            "# TensorFlow codec speed: compress + exchange + decompress",
+            "",
+            f"Command: `mpirun -np {hvd.size()} python -m scripts.bench.codec_tf {command}`",
+            "",
+            (
+                f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, TensorFlow {tf.__version__} "
+                f"(CPU, intra-op threads: {threads}), {hvd.size()} ranks on one host (shared memory). "
+                f"Bucket size {args.bucket_size}. Each call is a tf.function around hvd.allreduce, "
+                f"traced before timing; median of {args.repeats} calls, slowest rank. "
+                f"Load average {load_before:.1f} before, {load_after:.1f} after (other jobs share "
+                f"this machine; ratios are more stable than absolute times)."
+            ),
+            "",
+            *timing_table(rows),
+        ]
+        lines += [
+            "",
+            "First call of each compressor (tracing and XLA compiles included; the compressors' "
+            "tf.functions are shared by compressors of one configuration, so a later row may reuse an "
+            "earlier row's traces), slowest rank:",
+            "",
+            "| elements | compressor | first call (s) |",
+            "|---|---|---:|",
+            *first_calls,
+        ]
+        lines += [
+            "",
+            "On one host the wire is shared memory, so these times are mostly codec compute. The "
+            "quantizers allgather b + 32/d bits per coordinate where fp16 allreduces 16: they pay off "
+            "on slow links, not here. The TF codec is TF ops compiled by XLA, random draws included (a "
+            "counter-based uint32 hash); the torch compressors have a fused C++ codec "
+            "(docs/bench_codec.md).",
+        ]
         write_report(lines, args.out)
     hvd.shutdown()
     return 0

@@ -68,18 +68,25 @@ def main(argv=None) -> int:
     n = parse_size(args.size)
     x = torch.from_numpy(np.random.default_rng(0).standard_t(3.0, n).astype(np.float32))
     ms = time_widths(x, ops, simd_modes, args.repeats)
-    lines = ["# Codec speed per bit width (compiled CPU codec, one thread)", "",
-             f"Command: `python -m scripts.bench.codec_widths {' '.join(argv if argv is not None else sys.argv[1:])}`",
-             "", f"{n:,} float32 Student-t (3) coordinates, ALQ levels fitted at each width, max-abs buckets "
-             f"of 8192; median of {args.repeats} calls, widths interleaved. Ratios to 3 bits of the same kernels.",
-             "", "| kernels | bits | encode ms | vs 3 bits | ns per coordinate | decode ms | vs 3 bits |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# Codec speed per bit width (compiled CPU codec, one thread)",
+        "",
+        f"Command: `python -m scripts.bench.codec_widths {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        "",
+        f"{n:,} float32 Student-t (3) coordinates, ALQ levels fitted at each width, max-abs buckets "
+        f"of 8192; median of {args.repeats} calls, widths interleaved. Ratios to 3 bits of the same kernels.",
+        "",
+        "| kernels | bits | encode ms | vs 3 bits | ns per coordinate | decode ms | vs 3 bits |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for simd in simd_modes:
         for bits in WIDTHS:
             enc, dec = ms[simd, bits, "encode"], ms[simd, bits, "decode"]
-            lines.append(f"| {'AVX2' if simd else 'generic'} | {bits} | {enc:.2f} | "
-                         f"{enc / ms[simd, 3, 'encode']:.2f} | {1e6 * enc / n:.2f} | {dec:.2f} | "
-                         f"{dec / ms[simd, 3, 'decode']:.2f} |")
+            lines.append(
+                f"| {'AVX2' if simd else 'generic'} | {bits} | {enc:.2f} | "
+                f"{enc / ms[simd, 3, 'encode']:.2f} | {1e6 * enc / n:.2f} | {dec:.2f} | "
+                f"{dec / ms[simd, 3, 'decode']:.2f} |"
+            )
     write_report(lines, args.out)
     return 0
 

@@ -151,8 +151,11 @@ def report(args, adapt_rows, tput_rows, var_table, elapsed: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small inputs, few repeats (smoke test)")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "docs" / "bench_core.md"),
-                        help="Markdown report to write (default: docs/bench_core.md)")
+    parser.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parents[2] / "docs" / "bench_core.md"),
+        help="Markdown report to write (default: docs/bench_core.md)",
+    )
     args = parser.parse_args(argv)
     args.repeats = 3 if args.quick else 7
     args.n_adapt = 2**18 if args.quick else 2**22

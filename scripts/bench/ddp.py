@@ -121,9 +121,13 @@ def main(argv=None) -> int:
     p.add_argument("--skip", default="", help="comma-separated substrings of rows to leave out")
     p.add_argument("--quick", action="store_true", help="width 0.25, 3 steps, 1 warm-up")
     p.add_argument("--out", help="rank 0 writes the markdown table here")
-    p.add_argument("--profile", default="", help="rows whose label contains this: rank 0 runs their timed "
-                   "steps under cProfile (the hook's thread: encode, handshake, waits; decodes run on gloo's "
-                   "threads) and the table gains the top functions by own time")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="rows whose label contains this: rank 0 runs their timed "
+        "steps under cProfile (the hook's thread: encode, handshake, waits; decodes run on gloo's "
+        "threads) and the table gains the top functions by own time",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.steps, args.warmup = 0.25, 3, 1
@@ -170,8 +174,10 @@ def main(argv=None) -> int:
 
     if rank == 0:
         fp16 = statistics.median(times["fp16_compress_hook"]) if times.get("fp16_compress_hook") else None
-        lines = [f"| exchange (DDP hook) | median ms per step | ratio to fp16 | bits per coordinate |",
-                 "|---|---:|---:|---:|"]
+        lines = [
+            "| exchange (DDP hook) | median ms per step | ratio to fp16 | bits per coordinate |",
+            "|---|---:|---:|---:|",
+        ]
         for label, (model, state) in models.items():
             if label in failed or not times[label]:
                 lines.append(f"| {label} | failed: {failed.get(label, 'no steps')} | | |")
@@ -188,7 +194,8 @@ def main(argv=None) -> int:
             "# DDP communication hooks: one ResNet-50-shaped step",
             "",
             f"Command: `OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {size} -m scripts.bench.ddp"
-            + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])) + "`",
+            + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+            + "`",
             "",
             f"Date: {datetime.date.today().isoformat()}; {size} gloo ranks on one host "
             f"({platform.machine()}, {os.cpu_count()} CPUs, shared); torch {torch.__version__}; "
@@ -200,9 +207,15 @@ def main(argv=None) -> int:
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
             body = buf.getvalue()
-            body = body[body.find("ncalls"):] if "ncalls" in body else body
-            lines += ["", f"Profile of rank 0's hook thread, {label}, {args.steps} timed steps (cProfile, by own time):",
-                      "", "```", body.rstrip(), "```"]
+            body = body[body.find("ncalls") :] if "ncalls" in body else body
+            lines += [
+                "",
+                f"Profile of rank 0's hook thread, {label}, {args.steps} timed steps (cProfile, by own time):",
+                "",
+                "```",
+                body.rstrip(),
+                "```",
+            ]
         text = "\n".join(header + lines) + "\n"
         print(text, flush=True)
         if args.out:

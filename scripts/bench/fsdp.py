@@ -74,13 +74,27 @@ import scripts.bench.network as net  # namespaces, tc, mpirun agent
 import scripts.bench.train_step as bts  # launch in the namespaces / on loopback, if_addr, free_port
 
 ROWS = ["local", "fsdp-fp32", "fsdp-bf16", "fsdp-alq"]
-LABELS = {"local": "fwd+bwd+AdamW alone (unsharded, no collective)",
-          "fsdp-fp32": "FSDP2 reduce-scatter fp32", "fsdp-bf16": "FSDP2 reduce-scatter bf16 (reduce_dtype)",
-          "fsdp-alq": "FSDP2 + ALQReduceScatter(alq, 3 bits, bucket 8192)"}
-FULL = dict(workers="4", rates="1gbit,100mbit", width=192, layers=4, heads=4, context=128, batch_size=8,
-            steps=10, warmup=3, timeout=2400.0)
-QUICK = dict(workers="4", rates="1gbit", width=64, layers=2, heads=2, context=64, batch_size=4,
-             steps=2, warmup=1, timeout=600.0)
+LABELS = {
+    "local": "fwd+bwd+AdamW alone (unsharded, no collective)",
+    "fsdp-fp32": "FSDP2 reduce-scatter fp32",
+    "fsdp-bf16": "FSDP2 reduce-scatter bf16 (reduce_dtype)",
+    "fsdp-alq": "FSDP2 + ALQReduceScatter(alq, 3 bits, bucket 8192)",
+}
+FULL = dict(
+    workers="4",
+    rates="1gbit,100mbit",
+    width=192,
+    layers=4,
+    heads=4,
+    context=128,
+    batch_size=8,
+    steps=10,
+    warmup=3,
+    timeout=2400.0,
+)
+QUICK = dict(
+    workers="4", rates="1gbit", width=64, layers=2, heads=2, context=64, batch_size=4, steps=2, warmup=1, timeout=600.0
+)
 PORT = 29400  # rendezvous port in the (fresh) worker namespaces: one per launch from here on
 
 
@@ -125,10 +139,17 @@ def worker(args) -> int:
     rank, n = rank_size()
     os.environ["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
     if rank == 0 and args.gloo_ifname != "lo" and bts.if_addr(args.gloo_ifname) != args.master_addr:
-        raise RuntimeError(f"rank 0 is not at {args.master_addr} ({args.gloo_ifname}: "
-                           f"{bts.if_addr(args.gloo_ifname)}): the hostfile order is not the rank order")
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}", rank=rank,
-                            world_size=n, timeout=datetime.timedelta(seconds=args.gloo_timeout))
+        raise RuntimeError(
+            f"rank 0 is not at {args.master_addr} ({args.gloo_ifname}: "
+            f"{bts.if_addr(args.gloo_ifname)}): the hostfile order is not the rank order"
+        )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.master_addr}:{args.master_port}",
+        rank=rank,
+        world_size=n,
+        timeout=datetime.timedelta(seconds=args.gloo_timeout),
+    )
     mesh = init_device_mesh("cpu", (n,))
     wire = args.gloo_ifname != "lo"  # per-rank interface counters only in the namespaces
 
@@ -162,8 +183,12 @@ def worker(args) -> int:
         if comm is None:
             return None
         m = comm.metrics()
-        return {"bytes_sent": m["bytes_sent"], "uncompressed": m["uncompressed_coordinates"], "step": m["step"],
-                "exchange": m["exchange"]}
+        return {
+            "bytes_sent": m["bytes_sent"],
+            "uncompressed": m["uncompressed_coordinates"],
+            "step": m["step"],
+            "exchange": m["exchange"],
+        }
 
     gen = torch.Generator().manual_seed(1000 + rank)
     times = {k: [] for k in keys}
@@ -206,55 +231,117 @@ def worker(args) -> int:
         flat = torch.cat([p.full_tensor().detach().reshape(-1) for p in rows[key]["model"].parameters()])
         ref = flat.clone()
         dist.broadcast(ref, 0)
-        d = torch.tensor([float((flat - ref).abs().max()) if torch.isfinite(flat).all() else float("inf")],
-                         dtype=torch.float64)
+        d = torch.tensor(
+            [float((flat - ref).abs().max()) if torch.isfinite(flat).all() else float("inf")], dtype=torch.float64
+        )
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
         diffs[key] = float(d)
 
     per_rank = [None] * n
-    dist.all_gather_object(per_rank, {"times": times, "fwd_bwd": fwd_bwd, "losses": losses, "sent": sent,
-                                      "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    dist.all_gather_object(
+        per_rank,
+        {
+            "times": times,
+            "fwd_bwd": fwd_bwd,
+            "losses": losses,
+            "sent": sent,
+            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        },
+    )
     results = {}
     for key in keys:
         slow = [max(r["times"][key][i] for r in per_rank) for i in range(args.steps)]
         slow_fb = [max(r["fwd_bwd"][key][i] for r in per_rank) for i in range(args.steps)]
-        res = {"label": LABELS[key], "step_s": statistics.median(slow), "steps_s": slow,
-               "fwd_bwd_s": statistics.median(slow_fb), "max_param_diff": diffs.get(key),
-               "loss": statistics.mean(statistics.mean(r["losses"][key]) for r in per_rank),
-               "wire_tx_per_step": ([r["sent"][key] / args.steps for r in per_rank] if wire else None)}
+        res = {
+            "label": LABELS[key],
+            "step_s": statistics.median(slow),
+            "steps_s": slow,
+            "fwd_bwd_s": statistics.median(slow_fb),
+            "max_param_diff": diffs.get(key),
+            "loss": statistics.mean(statistics.mean(r["losses"][key]) for r in per_rank),
+            "wire_tx_per_step": ([r["sent"][key] / args.steps for r in per_rank] if wire else None),
+        }
         b, a = before.get(key), after[key]
         if key == "local":
             res.update(rs_bytes=0.0, gather_bytes=0.0, rs_how="none")
         elif a is None:
             size = 4 if key == "fsdp-fp32" else 2
-            res.update(rs_bytes=share * size * (block_el + root_el), gather_bytes=gather_bytes,
-                       rs_how=f"arithmetic: (N-1)/N x {size} B x padded elements")
+            res.update(
+                rs_bytes=share * size * (block_el + root_el),
+                gather_bytes=gather_bytes,
+                rs_how=f"arithmetic: (N-1)/N x {size} B x padded elements",
+            )
         else:
             rounds = max(1, a["step"] - b["step"])
             rs = (a["bytes_sent"] - b["bytes_sent"]) / args.steps
             unc = (a["uncompressed"] - b["uncompressed"]) / args.steps
-            res.update(rs_bytes=rs + share * 4 * unc, bytes_sent_per_step=rs, uncompressed_per_step=unc,
-                       rounds_per_step=rounds / args.steps, exchange=a["exchange"], gather_bytes=gather_bytes,
-                       rs_how="measured: metrics() bytes_sent + (N-1)/N x 4 B x uncompressed coordinates")
+            res.update(
+                rs_bytes=rs + share * 4 * unc,
+                bytes_sent_per_step=rs,
+                uncompressed_per_step=unc,
+                rounds_per_step=rounds / args.steps,
+                exchange=a["exchange"],
+                gather_bytes=gather_bytes,
+                rs_how="measured: metrics() bytes_sent + (N-1)/N x 4 B x uncompressed coordinates",
+            )
         res["bytes_per_step"] = res["rs_bytes"] + res["gather_bytes"]
         results[key] = res
     if rank == 0:
-        Path(args.worker_out).write_text(json.dumps({
-            "size": n, "params": params, "param_tensors": len(list(plain.parameters())), "vocab": len(chars),
-            "block_elements": block_el, "root_elements": root_el,
-            "maxrss_mb": max(r["maxrss_mb"] for r in per_rank), "torch": torch.__version__, "results": results}))
+        Path(args.worker_out).write_text(
+            json.dumps(
+                {
+                    "size": n,
+                    "params": params,
+                    "param_tensors": len(list(plain.parameters())),
+                    "vocab": len(chars),
+                    "block_elements": block_el,
+                    "root_elements": root_el,
+                    "maxrss_mb": max(r["maxrss_mb"] for r in per_rank),
+                    "torch": torch.__version__,
+                    "results": results,
+                }
+            )
+        )
     dist.destroy_process_group()
     return 0
 
 
 # ---------------------------------------------------------------------------------------- driver
 def worker_args(args, out: Path, ifname: str) -> list[str]:
-    return [sys.executable, "-m", "scripts.bench.fsdp", "--worker", "--worker-out", str(out),
-            "--gloo-ifname", ifname, "--master-addr", args.master_addr, "--master-port", str(args.master_port),
-            "--rows", args.rows, "--width", str(args.width), "--layers", str(args.layers),
-            "--heads", str(args.heads), "--context", str(args.context), "--batch-size", str(args.batch_size),
-            "--lr", str(args.lr), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--gloo-timeout", str(args.gloo_timeout)]
+    return [
+        sys.executable,
+        "-m",
+        "scripts.bench.fsdp",
+        "--worker",
+        "--worker-out",
+        str(out),
+        "--gloo-ifname",
+        ifname,
+        "--master-addr",
+        args.master_addr,
+        "--master-port",
+        str(args.master_port),
+        "--rows",
+        args.rows,
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--heads",
+        str(args.heads),
+        "--context",
+        str(args.context),
+        "--batch-size",
+        str(args.batch_size),
+        "--lr",
+        str(args.lr),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--gloo-timeout",
+        str(args.gloo_timeout),
+    ]
 
 
 def mb(b: float) -> str:
@@ -266,22 +353,32 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
     local = res.get("local", {}).get("step_s")
     lines = []
     if local is not None:
-        lines += ["Alone (unsharded, no collective, same oversubscription): fwd+bwd "
-                  f"{bts.ms(res['local']['fwd_bwd_s'])} ms, fwd+bwd+AdamW step {bts.ms(local)} ms (the compute "
-                  "in the limit).", ""]
-    lines += ["| row | step ms | fwd+bwd ms | vs bf16 | vs fp32 | reduce-scatter MB | all-gathers MB | total MB "
-              "| eth0 tx MB (measured) | limit no overlap, ms | step / limit | mean loss "
-              "| max param diff across ranks |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "Alone (unsharded, no collective, same oversubscription): fwd+bwd "
+            f"{bts.ms(res['local']['fwd_bwd_s'])} ms, fwd+bwd+AdamW step {bts.ms(local)} ms (the compute "
+            "in the limit).",
+            "",
+        ]
+    lines += [
+        "| row | step ms | fwd+bwd ms | vs bf16 | vs fp32 | reduce-scatter MB | all-gathers MB | total MB "
+        "| eth0 tx MB (measured) | limit no overlap, ms | step / limit | mean loss "
+        "| max param diff across ranks |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     bf16, fp32 = (res.get(k, {}).get("step_s") for k in ("fsdp-bf16", "fsdp-fp32"))
     for key, r in res.items():
         sharded = key != "local"
-        cells = [r["label"] + (f" [{r['exchange']}]" if r.get("exchange") else ""), bts.ms(r["step_s"]),
-                 bts.ms(r["fwd_bwd_s"]),
-                 f"{r['step_s'] / bf16:.2f}" if bf16 and sharded else "-",
-                 f"{r['step_s'] / fp32:.2f}" if fp32 and sharded else "-",
-                 mb(r["rs_bytes"]), mb(r["gather_bytes"]), mb(r["bytes_per_step"]),
-                 mb(statistics.mean(r["wire_tx_per_step"])) if r.get("wire_tx_per_step") else "-"]
+        cells = [
+            r["label"] + (f" [{r['exchange']}]" if r.get("exchange") else ""),
+            bts.ms(r["step_s"]),
+            bts.ms(r["fwd_bwd_s"]),
+            f"{r['step_s'] / bf16:.2f}" if bf16 and sharded else "-",
+            f"{r['step_s'] / fp32:.2f}" if fp32 and sharded else "-",
+            mb(r["rs_bytes"]),
+            mb(r["gather_bytes"]),
+            mb(r["bytes_per_step"]),
+            mb(statistics.mean(r["wire_tx_per_step"])) if r.get("wire_tx_per_step") else "-",
+        ]
         if rate_Bps and local is not None and sharded:
             sent = statistics.mean(r["wire_tx_per_step"]) if r.get("wire_tx_per_step") else r["bytes_per_step"]
             limit = local + sent / rate_Bps
@@ -295,17 +392,26 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
 
 def report(args, argv, runs: list[dict], wall: float) -> str:
     first = runs[0]["run"]
-    lines = bts.report_head("# Full FSDP2 training step (forward + backward + reduce-scatter + AdamW): small GPT "
-                            "on CPU, fp32 / bf16 / ALQ reduce-scatter", "scripts.bench.fsdp", argv, runs, wall,
-                            f"Python {platform.python_version()}, gloo", "gloo threads",
-                            load=" (and with whatever else ran on the machine; the rows are interleaved so it "
-                                 "hits them alike)")
-    lines += [f"Model: GPT(vocab {first['vocab']}, width {args.width}, layers {args.layers}, heads {args.heads}, "
-             f"context {args.context}), {first['params']:,} parameters in {first['param_tensors']} tensors "
-             f"(blocks {first['block_elements']:,} and root {first['root_elements']:,} elements as FSDP pads "
-             f"them on {first['size']} ranks); character-level, batch {args.batch_size} x {args.context} tokens per "
-             f"rank; AdamW lr {args.lr:g}. Median over {args.steps} timed steps (after {args.warmup} warm-up) of the "
-             "slowest rank's step; rows interleaved, a barrier before each step.", ""]
+    lines = bts.report_head(
+        "# Full FSDP2 training step (forward + backward + reduce-scatter + AdamW): small GPT "
+        "on CPU, fp32 / bf16 / ALQ reduce-scatter",
+        "scripts.bench.fsdp",
+        argv,
+        runs,
+        wall,
+        f"Python {platform.python_version()}, gloo",
+        "gloo threads",
+        load=" (and with whatever else ran on the machine; the rows are interleaved so it hits them alike)",
+    )
+    lines += [
+        f"Model: GPT(vocab {first['vocab']}, width {args.width}, layers {args.layers}, heads {args.heads}, "
+        f"context {args.context}), {first['params']:,} parameters in {first['param_tensors']} tensors "
+        f"(blocks {first['block_elements']:,} and root {first['root_elements']:,} elements as FSDP pads "
+        f"them on {first['size']} ranks); character-level, batch {args.batch_size} x {args.context} tokens per "
+        f"rank; AdamW lr {args.lr:g}. Median over {args.steps} timed steps (after {args.warmup} warm-up) of the "
+        "slowest rank's step; rows interleaved, a barrier before each step.",
+        "",
+    ]
     for r in runs:
         lines += [bts.rate_heading(r), ""] + table(r["run"], r.get("throughput_Bps")) + [""]
     lines += [
@@ -319,7 +425,9 @@ def report(args, argv, runs: list[dict], wall: float) -> str:
         "between a barrier before and after the step (mean over ranks; TCP/IP headers and gloo framing "
         "included; '-' on loopback); limit no overlap = local step + eth0 tx MB / R (total MB where eth0 tx is "
         "not measured); mean loss: over the timed steps and ranks (the same batches in every row); max param "
-        "diff: the largest |parameter - rank 0's| over ranks after all steps, from full_tensor().", ""]
+        "diff: the largest |parameter - rank 0's| over ranks after all steps, from full_tensor().",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -333,16 +441,29 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate; default 1e-3")
     p.add_argument("--steps", type=int, help=f"timed steps per row; default {FULL['steps']}")
     p.add_argument("--warmup", type=int, help=f"untimed steps per row first; default {FULL['warmup']}")
-    p.add_argument("--quick", action="store_true",
-                   help="defaults for a check of a minute or two: "
-                   + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in QUICK.items()))
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="defaults for a check of a minute or two: "
+        + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in QUICK.items()),
+    )
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, in this order: {','.join(ROWS)}")
-    p.add_argument("--yield-when-idle", type=int, choices=(0, 1), default=1,
-                   help="Open MPI's (it only launches the ranks here); default 1")
-    p.add_argument("--local", action="store_true",
-                   help="no namespaces or shaping: the ranks on this host's loopback (no root needed)")
-    p.add_argument("--out", help="markdown report (JSON next to it); default docs/bench_fsdp.md, "
-                                 "with --quick build/bench/bench_fsdp.md")
+    p.add_argument(
+        "--yield-when-idle",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="Open MPI's (it only launches the ranks here); default 1",
+    )
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="no namespaces or shaping: the ranks on this host's loopback (no root needed)",
+    )
+    p.add_argument(
+        "--out",
+        help="markdown report (JSON next to it); default docs/bench_fsdp.md, with --quick build/bench/bench_fsdp.md",
+    )
     p.add_argument("--timeout", type=float, help="seconds per mpirun; default 2400 (--quick: 600)")
     p.add_argument("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
     p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of scripts.bench.network")

@@ -40,6 +40,7 @@ def _import_codecs():
     and Horovod, which a bare GPU machine may lack)."""
     try:
         from horovod_alq.torch import codecs
+
         return codecs
     except ImportError:
         for name in list(sys.modules):
@@ -49,6 +50,7 @@ def _import_codecs():
         pkg.__path__ = [str(ROOT / "horovod_alq" / "torch")]
         sys.modules["horovod_alq.torch"] = pkg
         from horovod_alq.torch import codecs
+
         return codecs
 
 
@@ -105,12 +107,14 @@ def copy_bandwidth() -> float:
 def _interpreter_payload(n: int, bits: int, d: int, seed: int) -> torch.Tensor:
     """The same encode under Triton's interpreter, in a fresh process (Triton picks interpreter or
     compiler at its first import)."""
-    code = (f"import sys, torch; "
-            f"sys.argv = ['x']; import scripts.bench.gpu as b; codecs = b._import_codecs(); "
-            f"x = torch.randn({n}, generator=torch.Generator().manual_seed(0)); "
-            f"lv = torch.linspace(-1, 1, {1 << bits}, dtype=torch.float64); "
-            f"p = codecs.resolve('triton', 'cpu').encode(x, lv, torch.zeros(32, dtype=torch.uint8), bits={bits}, "
-            f"bucket_size={d}, norm='l2', seed={seed}); sys.stdout.buffer.write(p.numpy().tobytes())")
+    code = (
+        f"import sys, torch; "
+        f"sys.argv = ['x']; import scripts.bench.gpu as b; codecs = b._import_codecs(); "
+        f"x = torch.randn({n}, generator=torch.Generator().manual_seed(0)); "
+        f"lv = torch.linspace(-1, 1, {1 << bits}, dtype=torch.float64); "
+        f"p = codecs.resolve('triton', 'cpu').encode(x, lv, torch.zeros(32, dtype=torch.uint8), bits={bits}, "
+        f"bucket_size={d}, norm='l2', seed={seed}); sys.stdout.buffer.write(p.numpy().tobytes())"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, timeout=600)
     if out.returncode != 0:
@@ -131,8 +135,10 @@ def agreement_check(codecs, bits: int, d: int) -> list[str]:
         pi = _interpreter_payload(n, bits, d, seed)
         differ = int((pg.cpu() != pi).sum())
         norms_equal = bool(torch.equal(pg.cpu()[: 32 + 4 * nb], pi[: 32 + 4 * nb]))
-        first = (f"- GPU vs interpreter payload ({n} elements, {bits} bits, bucket {d}, same seed): header "
-                 f"and norms identical: {norms_equal}; code bytes that differ: {differ} of {pg.numel() - 32 - 4 * nb}")
+        first = (
+            f"- GPU vs interpreter payload ({n} elements, {bits} bits, bucket {d}, same seed): header "
+            f"and norms identical: {norms_equal}; code bytes that differ: {differ} of {pg.numel() - 32 - 4 * nb}"
+        )
     except Exception as exc:  # the timing below is still worth having
         first = f"- GPU vs interpreter payload: not compared ({type(exc).__name__}: {str(exc)[-300:]})"
     out_t = torch.empty(n, device="cuda")
@@ -140,13 +146,16 @@ def agreement_check(codecs, bits: int, d: int) -> list[str]:
     out_g = torch.empty(n, device="cuda")
     gpu.decode_sum(out_g, pg, [0], levels, bits=bits, bucket_size=d, scale=1.0)
     err = float((out_g - x.cuda()).abs().max() / x.abs().max())
-    return [first,
-            f"- GPU payload decoded by the Triton and by the torch-ops codec: identical: {torch.equal(out_t, out_g)}; "
-            f"max |decoded - x| / max |x|: {err:.3f}"]
+    return [
+        first,
+        f"- GPU payload decoded by the Triton and by the torch-ops codec: identical: {torch.equal(out_t, out_g)}; "
+        f"max |decoded - x| / max |x|: {err:.3f}",
+    ]
 
 
-def bench_size(codecs, name: str, n: int, bits: int, d: int, repeats: int, bandwidth: float,
-               baseline: bool) -> list[tuple]:
+def bench_size(
+    codecs, name: str, n: int, bits: int, d: int, repeats: int, bandwidth: float, baseline: bool
+) -> list[tuple]:
     torch.manual_seed(0)
     x = torch.randn(n, device="cuda")
     levels = torch.linspace(-1, 1, 1 << bits, dtype=torch.float64, device="cuda")
@@ -176,7 +185,6 @@ def bench_size(codecs, name: str, n: int, bits: int, d: int, repeats: int, bandw
             extra = peak_extra(dec, 0)
             floor = (p * (4 * nb + code_bytes) + 4 * n) / bandwidth * 1e3
             rows.append((name, backend, f"decode-sum x{p}", ms, floor, extra / in_bytes))
-            del payloads
         stats = lambda: codec.grid_statistics(x, grid, bucket_size=d, norm="l2")  # noqa: E731
         ms = time_ms(stats, max(3, repeats // 2), warmup=1)
         extra = peak_extra(stats, 0)
@@ -184,7 +192,9 @@ def bench_size(codecs, name: str, n: int, bits: int, d: int, repeats: int, bandw
         del payload
     cast = lambda: x.half().float()  # noqa: E731
     ms = time_ms(cast, repeats)
-    rows.append((name, "torch", "fp16 cast round trip", ms, 12 * n / bandwidth * 1e3, peak_extra(cast, 4 * n) / in_bytes))
+    rows.append(
+        (name, "torch", "fp16 cast round trip", ms, 12 * n / bandwidth * 1e3, peak_extra(cast, 4 * n) / in_bytes)
+    )
     return rows
 
 
@@ -195,8 +205,12 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-size", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--bandwidth", type=float, default=4e12, help="bytes/s of the memory floor")
-    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time the plain torch-ops codec (default: yes)")
+    parser.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the plain torch-ops codec (default: yes)",
+    )
     parser.add_argument("--out", help="write the markdown report here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -205,21 +219,30 @@ def main(argv=None) -> int:
     codecs = _import_codecs()
     import triton
 
-    lines = [f"# GPU codec benchmark ({datetime.date.today().isoformat()})", "",
-             f"`{' '.join(['python', '-m', 'scripts.bench.gpu'] + (argv if argv is not None else sys.argv[1:]))}`", "",
-             f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-             f"CUDA {torch.version.cuda}; float32 input, {args.bits} bits, bucket {args.bucket_size}, "
-             f"L2 norm; CUDA events, median of {args.repeats}. Floor: bytes moved at "
-             f"{args.bandwidth / 1e12:.1f} TB/s; measured copy bandwidth {copy_bandwidth() / 1e12:.2f} TB/s. "
-             f"Peak extra: allocated beyond input, payloads and output, x input bytes.", ""]
+    lines = [
+        f"# GPU codec benchmark ({datetime.date.today().isoformat()})",
+        "",
+        f"`{' '.join(['python', '-m', 'scripts.bench.gpu'] + (argv if argv is not None else sys.argv[1:]))}`",
+        "",
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"CUDA {torch.version.cuda}; float32 input, {args.bits} bits, bucket {args.bucket_size}, "
+        f"L2 norm; CUDA events, median of {args.repeats}. Floor: bytes moved at "
+        f"{args.bandwidth / 1e12:.1f} TB/s; measured copy bandwidth {copy_bandwidth() / 1e12:.2f} TB/s. "
+        f"Peak extra: allocated beyond input, payloads and output, x input bytes.",
+        "",
+    ]
     lines += agreement_check(codecs, args.bits, args.bucket_size) + [""]
-    lines += ["| elements | codec | operation | ms | / floor | peak extra (x input) |",
-              "|---|---|---|---|---|---|"]
-    summary = ["", "| elements | codec | (encode + decode x1) ms | / fp16 round trip | / floor |", "|---|---|---|---|---|"]
+    lines += ["| elements | codec | operation | ms | / floor | peak extra (x input) |", "|---|---|---|---|---|---|"]
+    summary = [
+        "",
+        "| elements | codec | (encode + decode x1) ms | / fp16 round trip | / floor |",
+        "|---|---|---|---|---|",
+    ]
     for size in args.sizes.split(","):
         n = parse_size(size)
-        rows = bench_size(codecs, size.strip(), n, args.bits, args.bucket_size, args.repeats, args.bandwidth,
-                          args.baseline)
+        rows = bench_size(
+            codecs, size.strip(), n, args.bits, args.bucket_size, args.repeats, args.bandwidth, args.baseline
+        )
         for name, backend, op, ms, floor, extra in rows:
             lines.append(f"| {name} | {backend} | {op} | {ms:.3f} | {ms / floor:.1f}x | {extra:.3f} |")
         fp16 = next(r[3] for r in rows if r[2] == "fp16 cast round trip")
@@ -228,7 +251,7 @@ def main(argv=None) -> int:
             dec = next(r for r in rows if r[1] == backend and r[2] == "decode-sum x1")
             total, floor = enc[3] + dec[3], enc[4] + dec[4]
             summary.append(f"| {size.strip()} | {backend} | {total:.3f} | {total / fp16:.1f}x | {total / floor:.1f}x |")
-        print("\n".join(lines[-len(rows):]), flush=True)
+        print("\n".join(lines[-len(rows) :]), flush=True)
     text = "\n".join(lines + summary) + "\n"
     print(text)
     if args.out:

@@ -60,18 +60,23 @@ PREFIX = "alqnet"
 SUBNET = "10.213.0"
 N_WORKERS = 4
 METHODS = ["none", "fp16", "qsgdinf", "alq", "alq-2p"]
-LABELS = {"none": "none (fp32)", "fp16": "fp16", "qsgdinf": "QSGDinf 3b", "alq": "ALQ 3b allgather",
-          "alq-2p": "ALQ 3b two-phase", "alq-auto": "ALQ bits='auto' allgather",
-          "alq-auto-2p": "ALQ bits='auto' two-phase"}  # (the last two: --methods; budget --bit-budget)
+LABELS = {
+    "none": "none (fp32)",
+    "fp16": "fp16",
+    "qsgdinf": "QSGDinf 3b",
+    "alq": "ALQ 3b allgather",
+    "alq-2p": "ALQ 3b two-phase",
+    "alq-auto": "ALQ bits='auto' allgather",
+    "alq-auto-2p": "ALQ bits='auto' two-phase",
+}  # (the last two: --methods; budget --bit-budget)
 
 
 # ---------------------------------------------------------------------------------------- worker
 def worker(args) -> int:
     """Runs on every rank (inside its namespace): time training steps per method."""
+    import horovod.torch as hvd
     import torch
     import torch.nn.functional as F
-
-    import horovod.torch as hvd
 
     hvd.init()
     torch.set_num_threads(1)
@@ -79,21 +84,28 @@ def worker(args) -> int:
 
     common = dict(bits=args.bits, bucket_size=args.bucket_size, update_steps=(0,), update_every=0, seed=1)
     auto = dict(common, bits="auto", bit_budget=args.bit_budget)  # allocated at step 0, used from step 1
-    comps = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
-             "qsgdinf": QSGDCompressor(**common, exchange="allgather"),
-             "alq": ALQCompressor(**common, exchange="allgather"),
-             "alq-2p": ALQCompressor(**common, exchange="two-phase"),
-             "alq-auto": ALQCompressor(**auto, exchange="allgather"),
-             "alq-auto-2p": ALQCompressor(**auto, exchange="two-phase")}
+    comps = {
+        "none": hvd.Compression.none,
+        "fp16": hvd.Compression.fp16,
+        "qsgdinf": QSGDCompressor(**common, exchange="allgather"),
+        "alq": ALQCompressor(**common, exchange="allgather"),
+        "alq-2p": ALQCompressor(**common, exchange="two-phase"),
+        "alq-auto": ALQCompressor(**auto, exchange="allgather"),
+        "alq-auto-2p": ALQCompressor(**auto, exchange="two-phase"),
+    }
     h = args.hidden
     results = {}
     for method in args.methods.split(","):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(784, h), torch.nn.ReLU(), torch.nn.Linear(h, h),
-                                    torch.nn.ReLU(), torch.nn.Linear(h, 10))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(784, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 10)
+        )
         params = sum(p.numel() for p in model.parameters())
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                       named_parameters=model.named_parameters(), compression=comps[method])
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            compression=comps[method],
+        )
         x = torch.randn(args.batch_size, 784)
         y = torch.randint(0, 10, (args.batch_size,))
         times, compute = [], []
@@ -110,15 +122,22 @@ def worker(args) -> int:
                 compute.append(t1 - t0)
         per_rank = hvd.allgather_object((times, compute))
         step_max = [max(r[0][i] for r in per_rank) for i in range(len(times))]
-        results[method] = {"step_s": statistics.median(step_max), "steps": step_max,
-                           "compute_s": statistics.median(max(r[1][i] for r in per_rank) for i in range(len(times))),
-                           "params": params}
+        results[method] = {
+            "step_s": statistics.median(step_max),
+            "steps": step_max,
+            "compute_s": statistics.median(max(r[1][i] for r in per_rank) for i in range(len(times))),
+            "params": params,
+        }
         if hasattr(comps[method], "metrics"):  # this package's compressors: payload bytes on the wire
             m = comps[method].metrics()
             rounds = max(1, m["step"])
-            results[method].update(exchange=m["exchange"], bytes_sent_per_step=m["bytes_sent"] / rounds,
-                                   bytes_received_per_step=m["bytes_received"] / rounds,
-                                   allocation=m.get("allocation"), allocated_mean_bits=m.get("allocated_mean_bits"))
+            results[method].update(
+                exchange=m["exchange"],
+                bytes_sent_per_step=m["bytes_sent"] / rounds,
+                bytes_received_per_step=m["bytes_received"] / rounds,
+                allocation=m.get("allocation"),
+                allocated_mean_bits=m.get("allocated_mean_bits"),
+            )
         del opt
     if hvd.rank() == 0:
         Path(args.worker_out).write_text(json.dumps({"size": hvd.size(), "results": results}))
@@ -203,16 +222,23 @@ def parse_rate(rate: str) -> float:
 
 def measure_throughput(seconds: float = 2.0) -> float:
     """Bytes/s from w0 to w1 over the shaped link (one TCP stream, Python sockets)."""
-    code = ("import socket,sys,time\n"
-            "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('{ip}',5999));s.listen(1)\n"
-            "c,_=s.accept();n=0;t=time.time()\n"
-            "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
-            "print(n/(time.time()-t))")
-    server = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}-w1", sys.executable, "-c",
-                               code.format(ip=f"{SUBNET}.2")], stdout=subprocess.PIPE, text=True)
+    code = (
+        "import socket,sys,time\n"
+        "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('{ip}',5999));s.listen(1)\n"
+        "c,_=s.accept();n=0;t=time.time()\n"
+        "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
+        "print(n/(time.time()-t))"
+    )
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", f"{PREFIX}-w1", sys.executable, "-c", code.format(ip=f"{SUBNET}.2")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(1.0)
-    client = ("import socket,time\ns=socket.create_connection(('{ip}',5999));b=bytes(1<<20);t=time.time()\n"
-              "while time.time()-t<{sec}: s.sendall(b)\ns.close()").format(ip=f"{SUBNET}.2", sec=seconds)
+    client = (
+        "import socket,time\ns=socket.create_connection(('{ip}',5999));b=bytes(1<<20);t=time.time()\n"
+        "while time.time()-t<{sec}: s.sendall(b)\ns.close()"
+    ).format(ip=f"{SUBNET}.2", sec=seconds)
     sh(f"ip netns exec {PREFIX}-w0 {sys.executable} -c {shlex.quote(client)}")
     out, _ = server.communicate(timeout=30)
     return float(out.strip())
@@ -229,8 +255,9 @@ exec ip netns exec "$ns" /bin/sh -c "$*"
 """
 
 
-def mpirun_command(tmp: Path, yield_when_idle: int = 1, n: int | None = None,
-                   env: dict | None = None, ranks_per_node: int = 1) -> list[str]:
+def mpirun_command(
+    tmp: Path, yield_when_idle: int = 1, n: int | None = None, env: dict | None = None, ranks_per_node: int = 1
+) -> list[str]:
     """``ip netns exec <head> mpirun ...`` for ``n`` (default N_WORKERS) worker namespaces, with
     the agent and hostfile written to ``tmp``; append the program and its arguments.
     ``ranks_per_node`` G: each namespace is a node of G consecutive ranks (``slots=G``,
@@ -247,22 +274,54 @@ def mpirun_command(tmp: Path, yield_when_idle: int = 1, n: int | None = None,
     agent.chmod(0o755)
     hostfile = tmp / "hostfile"
     hostfile.write_text("".join(f"{SUBNET}.{i + 1} slots={g}\n" for i in range(n)))
-    env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOROVOD_CPU_OPERATIONS": "mpi",
-                "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT),
-                **({"HOROVOD_ALQ_LOCAL_SIZE": str(g)} if g > 1 else {}), **(env or {})}
-    cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none",
-           "-np", str(n * g), "--hostfile", str(hostfile), "--map-by", "slot" if g > 1 else "node",
-           "--mca", "plm_rsh_agent", str(agent), "--mca", "plm_rsh_no_tree_spawn", "1",
-           "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
-           "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
-           # orteds stay attached to the agent instead of daemonizing (Open MPI's default with this
-           # agent: the agent returns at once and the daemon's messages go to /dev/null); attached,
-           # they reach the log. A daemon that never connects back still leaves mpirun waiting
-           # forever (orte_startup_timeout 0, also after an agent that exits 0): launch() bounds that
-           "--mca", "orte_leave_session_attached", "1",
-           # every namespace is a "host" of its own, so Open MPI never sees that all ranks share these
-           # cores, and its waits spin on the cores the other ranks need unless told to yield
-           "--mca", "mpi_yield_when_idle", str(yield_when_idle)]
+    env_vars = {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HOROVOD_CPU_OPERATIONS": "mpi",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": str(ROOT),
+        **({"HOROVOD_ALQ_LOCAL_SIZE": str(g)} if g > 1 else {}),
+        **(env or {}),
+    }
+    cmd = [
+        "mpirun",
+        "--allow-run-as-root",
+        "--bind-to",
+        "none",
+        "-np",
+        str(n * g),
+        "--hostfile",
+        str(hostfile),
+        "--map-by",
+        "slot" if g > 1 else "node",
+        "--mca",
+        "plm_rsh_agent",
+        str(agent),
+        "--mca",
+        "plm_rsh_no_tree_spawn",
+        "1",
+        "--mca",
+        "btl",
+        "self,tcp",
+        "--mca",
+        "btl_tcp_if_include",
+        f"{SUBNET}.0/24",
+        "--mca",
+        "oob_tcp_if_include",
+        f"{SUBNET}.0/24",
+        # orteds stay attached to the agent instead of daemonizing (Open MPI's default with this
+        # agent: the agent returns at once and the daemon's messages go to /dev/null); attached,
+        # they reach the log. A daemon that never connects back still leaves mpirun waiting
+        # forever (orte_startup_timeout 0, also after an agent that exits 0): launch() bounds that
+        "--mca",
+        "orte_leave_session_attached",
+        "1",
+        # every namespace is a "host" of its own, so Open MPI never sees that all ranks share these
+        # cores, and its waits spin on the cores the other ranks need unless told to yield
+        "--mca",
+        "mpi_yield_when_idle",
+        str(yield_when_idle),
+    ]
     for k, v in env_vars.items():
         cmd += ["-x", f"{k}={v}"]
     return ["ip", "netns", "exec", f"{PREFIX}-head", *cmd]
@@ -292,8 +351,8 @@ def _proc_stat(pid: str) -> tuple[str, int] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    comm = text[text.index("(") + 1:text.rindex(")")]
-    return comm, int(text[text.rindex(")") + 2:].split()[1])
+    comm = text[text.index("(") + 1 : text.rindex(")")]
+    return comm, int(text[text.rindex(")") + 2 :].split()[1])
 
 
 def missing_ranks(n: int, ranks_per_node: int = 1) -> list[tuple[str, str | None]]:
@@ -308,16 +367,26 @@ def missing_ranks(n: int, ranks_per_node: int = 1) -> list[tuple[str, str | None
         orteds = {pid for pid, st in stats.items() if st and st[0] == "orted"}
         ranks = sum(1 for st in stats.values() if st and str(st[1]) in orteds)
         if ranks < ranks_per_node:
-            what = (f"{len(orteds)} orted, {ranks} of {ranks_per_node} ranks" if orteds else
-                    "no orted (the agent never started one, or it exited)")
+            what = (
+                f"{len(orteds)} orted, {ranks} of {ranks_per_node} ranks"
+                if orteds
+                else "no orted (the agent never started one, or it exited)"
+            )
             missing.append((ns, f"worker {i} ({SUBNET}.{i + 1}, namespace {ns}): {what}"))
         else:
             missing.append((ns, None))
     return missing
 
 
-def launch(full: list[str], log: Path, timeout: float, missing=None,
-           connect_timeout: float = CONNECT_TIMEOUT, poll: float = 1.0, cleanup=None) -> int:
+def launch(
+    full: list[str],
+    log: Path,
+    timeout: float,
+    missing=None,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    poll: float = 1.0,
+    cleanup=None,
+) -> int:
     """Run a :func:`mpirun_command` line from the repository root, output to ``log``; its exit status.
     ``missing``: a callable returning (key, None if started else a description) for each part of
     the launch (e.g. ``lambda: missing_ranks(n, g)``; a key once started stays started); while
@@ -328,8 +397,15 @@ def launch(full: list[str], log: Path, timeout: float, missing=None,
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     start = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.Popen(full, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            full,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
 
         def kill() -> None:
             try:
@@ -357,9 +433,11 @@ def launch(full: list[str], log: Path, timeout: float, missing=None,
                     elif elapsed > connect_timeout:
                         kill()
                         raise LaunchTimeout(
-                            f"launch not started after {connect_timeout:g} s: " + "; ".join(text for _, text in left)
+                            f"launch not started after {connect_timeout:g} s: "
+                            + "; ".join(text for _, text in left)
                             + " (mpirun starts the ranks only once every orted has connected back to it: a "
-                            f"worker without an orted holds up the others; mpirun killed; its output: {log})")
+                            f"worker without an orted holds up the others; mpirun killed; its output: {log})"
+                        )
                 if elapsed > timeout:
                     kill()
                     raise subprocess.TimeoutExpired(full, timeout)
@@ -369,8 +447,16 @@ def launch(full: list[str], log: Path, timeout: float, missing=None,
             raise
 
 
-def launch_retry(full: list[str], log: Path, timeout: float, missing=None,
-                 connect_timeout: float = CONNECT_TIMEOUT, tries: int = 2, say=print, cleanup=None) -> int:
+def launch_retry(
+    full: list[str],
+    log: Path,
+    timeout: float,
+    missing=None,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    tries: int = 2,
+    say=print,
+    cleanup=None,
+) -> int:
     """:func:`launch`, tried again (once, by default) after a :class:`LaunchTimeout`; the last one raised."""
     for attempt in range(1, tries + 1):
         try:
@@ -385,10 +471,27 @@ def launch_retry(full: list[str], log: Path, timeout: float, missing=None,
 def run_workers(args, tmp: Path, rate_label: str) -> dict:
     out = tmp / f"result_{rate_label}.json"
     full = mpirun_command(tmp, args.yield_when_idle) + [
-            sys.executable, "-m", "scripts.bench.network", "--worker", "--worker-out", str(out),
-            "--methods", args.methods, "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
-            "--bits", str(args.bits), "--bucket-size", str(args.bucket_size),
-            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        sys.executable,
+        "-m",
+        "scripts.bench.network",
+        "--worker",
+        "--worker-out",
+        str(out),
+        "--methods",
+        args.methods,
+        "--hidden",
+        str(args.hidden),
+        "--batch-size",
+        str(args.batch_size),
+        "--bits",
+        str(args.bits),
+        "--bucket-size",
+        str(args.bucket_size),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
     print(f"[{rate_label}] {shlex.join(full)}", flush=True)
     log = tmp / f"mpirun_{rate_label}.log"
     rc = launch_retry(full, log, args.timeout, missing=lambda: missing_ranks(N_WORKERS), cleanup=kill_in_namespaces)
@@ -417,16 +520,21 @@ def _bits(method: str, args) -> float:
 def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
     rates = list(runs)
     params = next(iter(next(iter(runs.values()))["results"].values()))["params"]
-    lines = [f"Command: `python -m scripts.bench.network {' '.join(argv if argv is not None else sys.argv[1:])}` "
-             f"({wall:.0f} s in all).", "",
-             f"{N_WORKERS} workers in network namespaces, MLP 784-{args.hidden}-{args.hidden}-10 "
-             f"({params / 1e6:.1f}M parameters), "
-             f"batch {args.batch_size} per worker, {args.bits} bits, bucket {args.bucket_size}; median over "
-             f"{args.steps} timed steps (after {args.warmup} warm-up) of the slowest rank's step time; "
-             f"Open MPI mpi_yield_when_idle={args.yield_when_idle}.", "",
-             "| link | measured TCP throughput w0->w1 | " + " | ".join(LABELS.get(m, m) for m in args.methods.split(","))
-             + " | fwd+bwd incl. compress calls (max over methods) |",
-             "|---|---|" + "---|" * (len(args.methods.split(",")) + 1)]
+    lines = [
+        f"Command: `python -m scripts.bench.network {' '.join(argv if argv is not None else sys.argv[1:])}` "
+        f"({wall:.0f} s in all).",
+        "",
+        f"{N_WORKERS} workers in network namespaces, MLP 784-{args.hidden}-{args.hidden}-10 "
+        f"({params / 1e6:.1f}M parameters), "
+        f"batch {args.batch_size} per worker, {args.bits} bits, bucket {args.bucket_size}; median over "
+        f"{args.steps} timed steps (after {args.warmup} warm-up) of the slowest rank's step time; "
+        f"Open MPI mpi_yield_when_idle={args.yield_when_idle}.",
+        "",
+        "| link | measured TCP throughput w0->w1 | "
+        + " | ".join(LABELS.get(m, m) for m in args.methods.split(","))
+        + " | fwd+bwd incl. compress calls (max over methods) |",
+        "|---|---|" + "---|" * (len(args.methods.split(",")) + 1),
+    ]
     for rate in rates:
         res = runs[rate]["results"]
         base = res.get("none", {}).get("step_s")
@@ -435,43 +543,72 @@ def report(runs: dict, args, argv, throughput: dict, wall: float) -> str:
             s = res[m]["step_s"]
             cells.append(f"{s * 1e3:.0f} ms" + (f" ({s / base:.2f}x)" if base else ""))
         comp = max(r["compute_s"] for r in res.values())
-        lines.append(f"| {rate} | {throughput.get(rate, float('nan')) * 8 / 1e6:.0f} Mbit/s | " + " | ".join(cells)
-                     + f" | {comp * 1e3:.0f} ms |")
-    lines += ["", "Ratios in parentheses are to none (fp32) on the same link. Wire arithmetic per worker "
-              "and coordinate: " + ", ".join(f"{LABELS.get(m, m)} {wire_bits(m, _bits(m, args), args.bucket_size, N_WORKERS):.2f} bits"
-                                              for m in args.methods.split(",")) + "."]
+        lines.append(
+            f"| {rate} | {throughput.get(rate, float('nan')) * 8 / 1e6:.0f} Mbit/s | "
+            + " | ".join(cells)
+            + f" | {comp * 1e3:.0f} ms |"
+        )
+    lines += [
+        "",
+        "Ratios in parentheses are to none (fp32) on the same link. Wire arithmetic per worker "
+        "and coordinate: "
+        + ", ".join(
+            f"{LABELS.get(m, m)} {wire_bits(m, _bits(m, args), args.bucket_size, N_WORKERS):.2f} bits"
+            for m in args.methods.split(",")
+        )
+        + ".",
+    ]
     methods = args.methods.split(",")
     if "fp16" in methods:
         others = [m for m in methods if m != "fp16"]
-        lines += ["", "Step time as a fraction of fp16's on the same link (below 1: faster than fp16):", "",
-                  "| link | " + " | ".join(f"{LABELS.get(m, m)} / fp16" for m in others) + " |",
-                  "|---|" + "---|" * len(others)]
+        lines += [
+            "",
+            "Step time as a fraction of fp16's on the same link (below 1: faster than fp16):",
+            "",
+            "| link | " + " | ".join(f"{LABELS.get(m, m)} / fp16" for m in others) + " |",
+            "|---|" + "---|" * len(others),
+        ]
         for rate in rates:
             res = runs[rate]["results"]
-            lines.append(f"| {rate} | " + " | ".join(f"{res[m]['step_s'] / res['fp16']['step_s']:.2f}" for m in others)
-                         + " |")
+            lines.append(
+                f"| {rate} | " + " | ".join(f"{res[m]['step_s'] / res['fp16']['step_s']:.2f}" for m in others) + " |"
+            )
     measured = [m for m in methods if "bytes_received_per_step" in next(iter(runs.values()))["results"][m]]
     if measured:
         res = runs[rates[0]]["results"]
-        lines += ["", f"Payload bytes per step and rank, measured by the compressors (rank 0, {rates[0]} run; the "
-                  "same on every link), against the wire arithmetic above times the parameter count:", "",
-                  "| method | exchange | sent | received | arithmetic (received) |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Payload bytes per step and rank, measured by the compressors (rank 0, {rates[0]} run; the "
+            "same on every link), against the wire arithmetic above times the parameter count:",
+            "",
+            "| method | exchange | sent | received | arithmetic (received) |",
+            "|---|---|---|---|---|",
+        ]
         for m in measured:
             r = res[m]
-            lines.append(f"| {LABELS.get(m, m)} | {r['exchange']} | {r['bytes_sent_per_step'] / 1e6:.2f} MB | "
-                         f"{r['bytes_received_per_step'] / 1e6:.2f} MB | "
-                         f"{wire_bits(m, _bits(m, args), args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
-        lines.append(f"| {LABELS['none']} | ring allreduce (arithmetic) | | | "
-                     f"{wire_bits('none', args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
-        lines.append(f"| fp16 | ring allreduce (arithmetic) | | | "
-                     f"{wire_bits('fp16', args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |")
+            lines.append(
+                f"| {LABELS.get(m, m)} | {r['exchange']} | {r['bytes_sent_per_step'] / 1e6:.2f} MB | "
+                f"{r['bytes_received_per_step'] / 1e6:.2f} MB | "
+                f"{wire_bits(m, _bits(m, args), args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |"
+            )
+        lines.append(
+            f"| {LABELS['none']} | ring allreduce (arithmetic) | | | "
+            f"{wire_bits('none', args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |"
+        )
+        lines.append(
+            f"| fp16 | ring allreduce (arithmetic) | | | "
+            f"{wire_bits('fp16', args.bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB |"
+        )
         for m in measured:
             if res[m].get("allocation"):
-                lines += ["", f"{LABELS.get(m, m)}: widths {res[m]['allocation']} of the compressed tensors in "
-                          f"round order (the last layer first), {res[m]['allocated_mean_bits']:.2f} bits per "
-                          f"coordinate (budget {args.bit_budget}); "
-                          "the bytes above average every step, the first one (all at the default "
-                          f"{int(args.bit_budget)} bits, before the allocation) included."]
+                lines += [
+                    "",
+                    f"{LABELS.get(m, m)}: widths {res[m]['allocation']} of the compressed tensors in "
+                    f"round order (the last layer first), {res[m]['allocated_mean_bits']:.2f} bits per "
+                    f"coordinate (budget {args.bit_budget}); "
+                    "the bytes above average every step, the first one (all at the default "
+                    f"{int(args.bit_budget)} bits, before the allocation) included.",
+                ]
     return "\n".join(lines) + "\n"
 
 
@@ -513,8 +650,10 @@ def preflight(script: str, teardown_only: bool, hint: str = "") -> int | None:
         print("left:", left)
         return 1 if left else 0
     if existing_namespaces():
-        print(f"namespaces {existing_namespaces()} exist (another run, or a killed one?); "
-              "remove with --teardown-only", file=sys.stderr)
+        print(
+            f"namespaces {existing_namespaces()} exist (another run, or a killed one?); remove with --teardown-only",
+            file=sys.stderr,
+        )
         return 2
 
     def on_term(signum, frame):
@@ -538,11 +677,20 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1200, help="seconds per mpirun")
-    p.add_argument("--yield-when-idle", type=int, choices=(0, 1), default=1,
-                   help="Open MPI's mpi_yield_when_idle for the ranks; default 1 (the ranks share this "
-                        "machine's cores; 0: busy-wait, what the runs before 2026-12-01 did)")
+    p.add_argument(
+        "--yield-when-idle",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="Open MPI's mpi_yield_when_idle for the ranks; default 1 (the ranks share this "
+        "machine's cores; 0: busy-wait, what the runs before 2026-12-01 did)",
+    )
     p.add_argument("--out-dir", default="docs")
-    p.add_argument("--tag", default="", help="suffix of the output file names (bench_network<tag>.md/.png, data/bench_network<tag>.json)")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="suffix of the output file names (bench_network<tag>.md/.png, data/bench_network<tag>.json)",
+    )
     p.add_argument("--quick", action="store_true", help="1gbit only, MLP 512, 2 steps")
     p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of this script")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -578,8 +726,9 @@ def main(argv=None) -> int:
     wall = time.monotonic() - start
     text = report(runs, args, argv, throughput, wall)
     (out_dir / f"bench_network{args.tag}.md").write_text(text)
-    (out_dir / "data" / f"bench_network{args.tag}.json").write_text(json.dumps({"args": vars(args), "throughput_Bps": throughput,
-                                                                    "runs": runs}, indent=1))
+    (out_dir / "data" / f"bench_network{args.tag}.json").write_text(
+        json.dumps({"args": vars(args), "throughput_Bps": throughput, "runs": runs}, indent=1)
+    )
     plot(runs, args, out_dir / f"bench_network{args.tag}.png")
     print(text)
     return 0

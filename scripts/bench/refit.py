@@ -24,9 +24,9 @@ import time
 import numpy as np
 import torch
 
-from horovod_alq.core.rounds import DEFAULT_UPDATE_EVERY, DEFAULT_UPDATE_STEPS, RefitSchedule
 from horovod_alq.core.allocation import allocate_bits
 from horovod_alq.core.auto_bits import AUTO_WIDTHS, errors_from_histograms
+from horovod_alq.core.rounds import DEFAULT_UPDATE_EVERY, DEFAULT_UPDATE_STEPS, RefitSchedule
 from horovod_alq.exchange.interfaces import SingleRank
 from horovod_alq.exchange.job import auto_rows
 from horovod_alq.settings import Settings, configure
@@ -62,7 +62,7 @@ def allocation_time(auto, grads, ops) -> float:
     errors = errors_from_histograms(squared, [auto.quantizers[w].levels for w in AUTO_WIDTHS])
     allocate_bits(errors, [g.numel() for g in grads], auto.budget, AUTO_WIDTHS)
     elapsed = time.perf_counter() - t0
-    assert np.array_equal(errors, rows[:, :len(AUTO_WIDTHS)])  # the same errors as the round's
+    assert np.array_equal(errors, rows[:, : len(AUTO_WIDTHS)])  # the same errors as the round's
     return elapsed
 
 
@@ -72,10 +72,12 @@ def amortized(extra: float, plain: float, steps: int = DEFAULT_UPDATE_EVERY) -> 
     against the plain rounds' time."""
     refits = sum(RefitSchedule().collects(t) for t in range(steps))
     per_step = extra * refits / steps
-    return (f"Derived: the default schedule refits {refits} times in the first {steps:,} rounds "
-            f"(steps {', '.join(map(str, DEFAULT_UPDATE_STEPS))}, then every {DEFAULT_UPDATE_EVERY:,}), so "
-            f"`bits='auto'`'s {1000 * extra:.1f} ms over a 3-bit refit round add {1e6 * per_step:.1f} us per round "
-            f"on average, {100 * per_step / plain:.2f}% of a plain round.")
+    return (
+        f"Derived: the default schedule refits {refits} times in the first {steps:,} rounds "
+        f"(steps {', '.join(map(str, DEFAULT_UPDATE_STEPS))}, then every {DEFAULT_UPDATE_EVERY:,}), so "
+        f"`bits='auto'`'s {1000 * extra:.1f} ms over a 3-bit refit round add {1e6 * per_step:.1f} us per round "
+        f"on average, {100 * per_step / plain:.2f}% of a plain round."
+    )
 
 
 def main(argv=None) -> int:
@@ -91,15 +93,28 @@ def main(argv=None) -> int:
     warm, grads = gpt_gradients(1024, batch=0), gpt_gradients(1024, batch=1)
     ops, transport = TorchOps("cpu"), SingleRank()
     auto_row = f"refit round, bits='auto' (budget {args.budget})"
-    cases = {"plain round (3 bits)": (3, None, None, False), "refit round, 3 bits": (3, None, None, True),
-             auto_row: ("auto", args.budget, None, True),
-             f"refit round, bits='auto', bits_per='bucket' (budget {args.budget})": ("auto", args.budget, "bucket", True)}
+    cases = {
+        "plain round (3 bits)": (3, None, None, False),
+        "refit round, 3 bits": (3, None, None, True),
+        auto_row: ("auto", args.budget, None, True),
+        f"refit round, bits='auto', bits_per='bucket' (budget {args.budget})": ("auto", args.budget, "bucket", True),
+    }
     times = {name: [] for name in cases}
     allocation = []
     for _ in range(repeats):
         for name, (bits, budget, bits_per, refit) in cases.items():  # rows interleaved
-            setup = configure(Settings(args.method, bits, 8192, bit_budget=budget, bits_per=bits_per,
-                              update_steps=(0,) if refit else (), update_every=0, seed=0))
+            setup = configure(
+                Settings(
+                    args.method,
+                    bits,
+                    8192,
+                    bit_budget=budget,
+                    bits_per=bits_per,
+                    update_steps=(0,) if refit else (),
+                    update_every=0,
+                    seed=0,
+                )
+            )
             engine = setup.engine(exchange="allgather", uid="bench")
             one_round(setup, engine, warm, ops, transport)  # warm: codec, allocations, levels
             setup.state.step = 0  # the timed round refits (or not) again
@@ -108,20 +123,28 @@ def main(argv=None) -> int:
                 allocation.append(allocation_time(setup.state.auto, grads, ops))
     plain = statistics.median(times["plain round (3 bits)"])
     numel = sum(g.numel() for g in grads)
-    lines = [f"Command: `python -m scripts.bench.refit {' '.join(argv if argv is not None else sys.argv[1:])}` "
-             f"({time.strftime('%Y-%m-%d')}; {args.method}, {len(grads)} tensors, {numel:,} coordinates of one GPT "
-             f"gradient, one rank, compiled CPU codec, medians of {repeats}).", "",
-             "| round | median (ms) | ratio to the plain round | ratio to the 3-bit refit round |", "|---|---:|---:|---:|"]
+    lines = [
+        f"Command: `python -m scripts.bench.refit {' '.join(argv if argv is not None else sys.argv[1:])}` "
+        f"({time.strftime('%Y-%m-%d')}; {args.method}, {len(grads)} tensors, {numel:,} coordinates of one GPT "
+        f"gradient, one rank, compiled CPU codec, medians of {repeats}).",
+        "",
+        "| round | median (ms) | ratio to the plain round | ratio to the 3-bit refit round |",
+        "|---|---:|---:|---:|",
+    ]
     refit3 = statistics.median(times["refit round, 3 bits"])
     for name, ts in times.items():
         m = statistics.median(ts)
         lines.append(f"| {name} | {1000 * m:.1f} | {m / plain:.2f} | {m / refit3:.2f} |")
     auto, alloc = statistics.median(times[auto_row]), statistics.median(allocation)
-    lines += ["", f"Of the `bits='auto'` round (per tensor), the allocation proper (every tensor's error at every "
-              f"width from its histograms, then `allocate_bits`' exact optimum) takes {1000 * alloc:.1f} ms, "
-              f"{100 * alloc / refit3:.0f}% of a 3-bit refit round; the rest of its {1000 * (auto - refit3):.1f} ms "
-              f"over one is the per-tensor histograms and the level fits of every width in use.", "",
-              amortized(auto - refit3, plain)]
+    lines += [
+        "",
+        f"Of the `bits='auto'` round (per tensor), the allocation proper (every tensor's error at every "
+        f"width from its histograms, then `allocate_bits`' exact optimum) takes {1000 * alloc:.1f} ms, "
+        f"{100 * alloc / refit3:.0f}% of a 3-bit refit round; the rest of its {1000 * (auto - refit3):.1f} ms "
+        f"over one is the per-tensor histograms and the level fits of every width in use.",
+        "",
+        amortized(auto - refit3, plain),
+    ]
     write_report(lines, args.out)
     return 0
 

@@ -54,9 +54,8 @@ import statistics
 import sys
 import time
 
-import torch
-
 import horovod.torch as hvd
+import torch
 
 BLOCKS = (3, 4, 6, 3)  # bottlenecks per stage of ResNet-50
 WIDTHS = (64, 128, 256, 512)
@@ -115,16 +114,26 @@ def make_compressors(bits: int, bucket: int, include_refit: bool) -> dict:
     methods[DISTINCT_TP] = ALQCompressor(exchange="two-phase", **steady)
     if include_refit:
         methods["ALQ, allgather, refit round"] = ALQCompressor(
-            bits=bits, bucket_size=bucket, update_steps=(0,), update_every=1, seed=0, exchange="allgather")
+            bits=bits, bucket_size=bucket, update_steps=(0,), update_every=1, seed=0, exchange="allgather"
+        )
     return methods
 
 
 DISTINCT = "ALQ, allgather, no repeated shapes (diagnostic)"
 DISTINCT_TP = "ALQ, two-phase, no repeated shapes (diagnostic)"
 
-PROFILE_KEYS = {"alq-distinct": DISTINCT, "alq-two-phase-distinct": DISTINCT_TP, "fp32": "none (fp32)", "none": "none (fp32)", "fp16": "fp16", "alq": "ALQ, allgather",
-                "alq-allgather": "ALQ, allgather", "alq-two-phase": "ALQ, two-phase",
-                "alq-nofusion": "ALQ, allgather, fusion_bytes=0", "alq-refit": "ALQ, allgather, refit round"}
+PROFILE_KEYS = {
+    "alq-distinct": DISTINCT,
+    "alq-two-phase-distinct": DISTINCT_TP,
+    "fp32": "none (fp32)",
+    "none": "none (fp32)",
+    "fp16": "fp16",
+    "alq": "ALQ, allgather",
+    "alq-allgather": "ALQ, allgather",
+    "alq-two-phase": "ALQ, two-phase",
+    "alq-nofusion": "ALQ, allgather, fusion_bytes=0",
+    "alq-refit": "ALQ, allgather, refit round",
+}
 
 
 def distinct_views(work: list) -> list:
@@ -166,20 +175,34 @@ def slowest(seconds: float) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=7, help="timed steps per method (median); default 7")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (>= 1: step 0 "
-                   "of an ALQ compressor is its refit round); default 2")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps per method first (>= 1: step 0 of an ALQ compressor is its refit round); default 2",
+    )
     p.add_argument("--width", type=float, default=1.0, help="channel-count scale of ResNet-50; default 1")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket-size", type=int, default=8192)
     p.add_argument("--no-refit-row", action="store_true", help="skip the 'refit round' row")
-    p.add_argument("--methods", help="only these rows (fp32 and fp16 always run), comma-separated from: "
-                   + ", ".join(sorted(PROFILE_KEYS)))
+    p.add_argument(
+        "--methods",
+        help="only these rows (fp32 and fp16 always run), comma-separated from: " + ", ".join(sorted(PROFILE_KEYS)),
+    )
     p.add_argument("--quick", action="store_true", help="--width 0.5 --steps 3 --warmup 1 (for make bench)")
-    p.add_argument("--profile", metavar="METHOD", choices=sorted(PROFILE_KEYS),
-                   help="only this method, under cProfile on rank 0: " + ", ".join(sorted(PROFILE_KEYS)))
-    p.add_argument("--profile-clock", choices=("wall", "cpu"), default="wall",
-                   help="with --profile: wall time, or the main thread's CPU time (time.thread_time: "
-                        "insensitive to other jobs, blind to waiting); default wall")
+    p.add_argument(
+        "--profile",
+        metavar="METHOD",
+        choices=sorted(PROFILE_KEYS),
+        help="only this method, under cProfile on rank 0: " + ", ".join(sorted(PROFILE_KEYS)),
+    )
+    p.add_argument(
+        "--profile-clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="with --profile: wall time, or the main thread's CPU time (time.thread_time: "
+        "insensitive to other jobs, blind to waiting); default wall",
+    )
     p.add_argument("--profile-out", help="with --profile: write the pstats file here (rank 0)")
     p.add_argument("--profile-lines", type=int, default=30, help="functions listed per sort; default 30")
     p.add_argument("--out", help="rank 0 writes the Markdown report here")
@@ -195,8 +218,10 @@ def main(argv=None) -> int:
 
     shapes = resnet50_shapes(args.width)
     gen = torch.Generator().manual_seed(1234 + hvd.rank())
-    master = [torch.randn(shape, generator=gen) * (10.0 ** -float(torch.empty(()).uniform_(1, 4, generator=gen)))
-              for _, shape in shapes]
+    master = [
+        torch.randn(shape, generator=gen) * (10.0 ** -float(torch.empty(()).uniform_(1, 4, generator=gen)))
+        for _, shape in shapes
+    ]
     work = [m.clone() for m in master]
     methods = make_compressors(args.bits, args.bucket_size, not args.no_refit_row)
     if args.methods:
@@ -223,7 +248,9 @@ def main(argv=None) -> int:
     wall = time.monotonic() - start
     load_after = os.getloadavg()[0]
     if hvd.rank() == 0:
-        lines = report(args, argv, shapes, methods, times, parts, first, load_before, load_after, wall, cpu_build.status())
+        lines = report(
+            args, argv, shapes, methods, times, parts, first, load_before, load_after, wall, cpu_build.status()
+        )
         text = "\n".join(lines) + "\n"
         print(text)
         if args.out:
@@ -251,10 +278,12 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
     big = [s for _, s in shapes if numel(s) >= 1024]
     cmd = " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        "# One optimizer step's gradient exchange, ResNet-50 shapes", "",
+        "# One optimizer step's gradient exchange, ResNet-50 shapes",
+        "",
         f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} mpirun -np {hvd.size()} "
         f"python -m scripts.bench.step{' ' + cmd if cmd else ''}`",
-        f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} (local time of the run), {wall:.0f} s wall.", "",
+        f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} (local time of the run), {wall:.0f} s wall.",
+        "",
         f"Model: ResNet-50 parameter shapes (width x{args.width:g}): {len(shapes)} tensors, {n_all:,} elements, "
         f"{len(big)} tensors of >= 1,024 elements holding {sum(map(numel, big)):,} (compressed by ALQ; the "
         f"others travel through Horovod's plain allreduce).",
@@ -265,23 +294,31 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
         f"{load_after:.1f} after.",
         f"ALQ: {args.bits} bits, bucket {args.bucket_size}, default fusion (64 MiB of float32 per buffer) unless "
         f"named; levels refit at step 0 only (inside the warm-up). Median of {args.steps} steps after "
-        f"{args.warmup} warm-up step(s), slowest rank; methods interleaved step by step.", "",
-        "| compressor | ms per step | vs fp16 | vs fp32 | compress + submit ms | synchronize + decompress ms | CPU ms | first step ms | exchange in use |",
+        f"{args.warmup} warm-up step(s), slowest rank; methods interleaved step by step.",
+        "",
+        "| compressor | ms per step | vs fp16 | vs fp32 | compress + submit ms | synchronize + decompress ms "
+        "| CPU ms | first step ms | exchange in use |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for label in methods:
         sub = statistics.median(a for a, _, _ in parts[label])
         fin = statistics.median(b for _, b, _ in parts[label])
         cpu = statistics.median(c for _, _, c in parts[label])
-        lines.append(f"| {label} | {1e3 * med[label]:.1f} | {med[label] / fp16:.2f} | "
-                     f"{med[label] / med['none (fp32)']:.2f} | {1e3 * sub:.1f} | {1e3 * fin:.1f} | {1e3 * cpu:.0f} | {1e3 * first[label]:.0f} | {exchange_in_use(methods[label])} |")
-    lines += ["", "Columns: the two phases are medians of the slowest rank each, so they need not add up to the "
-              "step; \"CPU ms\": the process CPU time of the step (all threads of the rank, Horovod's background "
-              "thread and MPI's polling included; slowest rank, median), less sensitive than wall time to other "
-              "jobs on the machine; \"first step\" is step 0 (for ALQ its refit round, plus first-call costs such as Horovod "
-              "negotiating new names). \"refit round\" refits at every step: statistics of every buffer, one "
-              "allreduce of them, the level fit, on top of a plain step.",
-              f"All steps (ms): " + "; ".join(f"{k}: " + ", ".join(f"{1e3 * t:.0f}" for t in v) for k, v in times.items())]
+        lines.append(
+            f"| {label} | {1e3 * med[label]:.1f} | {med[label] / fp16:.2f} | "
+            f"{med[label] / med['none (fp32)']:.2f} | {1e3 * sub:.1f} | {1e3 * fin:.1f} | {1e3 * cpu:.0f} | "
+            f"{1e3 * first[label]:.0f} | {exchange_in_use(methods[label])} |"
+        )
+    lines += [
+        "",
+        "Columns: the two phases are medians of the slowest rank each, so they need not add up to the "
+        'step; "CPU ms": the process CPU time of the step (all threads of the rank, Horovod\'s background '
+        "thread and MPI's polling included; slowest rank, median), less sensitive than wall time to other "
+        'jobs on the machine; "first step" is step 0 (for ALQ its refit round, plus first-call costs such as Horovod '
+        'negotiating new names). "refit round" refits at every step: statistics of every buffer, one '
+        "allreduce of them, the level fit, on top of a plain step.",
+        "All steps (ms): " + "; ".join(f"{k}: " + ", ".join(f"{1e3 * t:.0f}" for t in v) for k, v in times.items()),
+    ]
     return lines
 
 
@@ -302,9 +339,12 @@ def profile(comp, label: str, shapes, work, master, args) -> int:
         subs.append(s)
         fins.append(f)
     if prof:
-        print(f"# profile of {label!r} ({args.profile_clock} clock): {args.steps} steps on rank 0 under cProfile; slowest-rank step median "
-              f"{1e3 * statistics.median(totals):.1f} ms; this rank's compress + submit median "
-              f"{1e3 * statistics.median(subs):.1f} ms, synchronize + decompress {1e3 * statistics.median(fins):.1f} ms")
+        print(
+            f"# profile of {label!r} ({args.profile_clock} clock): {args.steps} steps on rank 0 under cProfile; "
+            f"slowest-rank step median "
+            f"{1e3 * statistics.median(totals):.1f} ms; this rank's compress + submit median "
+            f"{1e3 * statistics.median(subs):.1f} ms, synchronize + decompress {1e3 * statistics.median(fins):.1f} ms"
+        )
         if args.profile_out:
             prof.dump_stats(args.profile_out)
         for sort in ("tottime", "cumulative"):

@@ -41,22 +41,29 @@ def main(argv=None) -> int:
     rows = []
     for bits in args.bits.split(","):
         kw = dict(bits="auto", bit_budget=3.0) if bits == "auto" else dict(bits=int(bits))
-        comp = ALQCompressor(bucket_size=8192, update_steps=(0,), update_every=0, seed=1,
-                             jit_compile=not args.no_xla, **kw)
-        step = tf.function(lambda *t, comp=comp: [hvd.allreduce(x, compression=comp, name=f"x{i}")
-                                                  for i, x in enumerate(t)])
+        comp = ALQCompressor(
+            bucket_size=8192, update_steps=(0,), update_every=0, seed=1, jit_compile=not args.no_xla, **kw
+        )
+        step = tf.function(
+            lambda *t, comp=comp: [hvd.allreduce(x, compression=comp, name=f"x{i}") for i, x in enumerate(t)]
+        )
         times = []
         for _ in range(3):  # the first call; the second refits (statistics of the first); the third
             start = time.perf_counter()
             _ = [y.shape for y in step(*xs)]
             times.append(time.perf_counter() - start)
         rows.append(f"| ALQ bits={bits} | {times[0]:.1f} | {times[1]:.2f} | {times[2]:.2f} |")
-    lines = [f"Command: `python -m scripts.bench.tf_first_call {' '.join(argv if argv is not None else sys.argv[1:])}` "
-             f"({time.strftime('%Y-%m-%d')}; TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, XLA "
-             f"{'off' if args.no_xla else 'on'}). ResNet-50's {len(shapes)} gradients in one `tf.function` of "
-             f"`hvd.allreduce` calls, {len(compressed)} compressed ({len(set(compressed))} distinct shapes), "
-             f"one rank.", "", "| compressor | first call (s) | second call, refit (s) | third call (s) |",
-             "|---|---:|---:|---:|", *rows]
+    lines = [
+        f"Command: `python -m scripts.bench.tf_first_call {' '.join(argv if argv is not None else sys.argv[1:])}` "
+        f"({time.strftime('%Y-%m-%d')}; TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, XLA "
+        f"{'off' if args.no_xla else 'on'}). ResNet-50's {len(shapes)} gradients in one `tf.function` of "
+        f"`hvd.allreduce` calls, {len(compressed)} compressed ({len(set(compressed))} distinct shapes), "
+        f"one rank.",
+        "",
+        "| compressor | first call (s) | second call, refit (s) | third call (s) |",
+        "|---|---:|---:|---:|",
+        *rows,
+    ]
     write_report(lines, args.out)
     hvd.shutdown()
     return 0

@@ -95,26 +95,74 @@ from pathlib import Path
 import scripts.bench.network as net  # namespaces, tc, mpirun agent
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ["local", "hvd-fp32", "hvd-fp16", "hvd-fp16-hier", "hvd-alq", "hvd-alq-f4", "hvd-alq-ag", "hvd-alq-2p",
-        "hvd-alq-h", "hvd-alq-h4", "ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-psgd2", "ddp-psgd8", "ddp-alq",
-        "ddp-alq-2p", "ddp-alq-h"]
-DEFAULT_ROWS = ["local", "hvd-fp32", "hvd-fp16", "hvd-alq", "hvd-alq-f4", "hvd-alq-ag", "hvd-alq-2p",
-                "ddp-fp32", "ddp-fp16", "ddp-psgd2", "ddp-psgd8", "ddp-alq"]  # one rank per namespace
-NODE_ROWS = ["local", "hvd-fp32", "hvd-fp16", "hvd-fp16-hier", "hvd-alq-2p", "hvd-alq-h", "hvd-alq-h4",
-             "ddp-fp16", "ddp-bf16", "ddp-alq-2p", "ddp-alq-h"]  # the default with --nodes
+ROWS = [
+    "local",
+    "hvd-fp32",
+    "hvd-fp16",
+    "hvd-fp16-hier",
+    "hvd-alq",
+    "hvd-alq-f4",
+    "hvd-alq-ag",
+    "hvd-alq-2p",
+    "hvd-alq-h",
+    "hvd-alq-h4",
+    "ddp-fp32",
+    "ddp-fp16",
+    "ddp-bf16",
+    "ddp-psgd2",
+    "ddp-psgd8",
+    "ddp-alq",
+    "ddp-alq-2p",
+    "ddp-alq-h",
+]
+DEFAULT_ROWS = [
+    "local",
+    "hvd-fp32",
+    "hvd-fp16",
+    "hvd-alq",
+    "hvd-alq-f4",
+    "hvd-alq-ag",
+    "hvd-alq-2p",
+    "ddp-fp32",
+    "ddp-fp16",
+    "ddp-psgd2",
+    "ddp-psgd8",
+    "ddp-alq",
+]  # one rank per namespace
+NODE_ROWS = [
+    "local",
+    "hvd-fp32",
+    "hvd-fp16",
+    "hvd-fp16-hier",
+    "hvd-alq-2p",
+    "hvd-alq-h",
+    "hvd-alq-h4",
+    "ddp-fp16",
+    "ddp-bf16",
+    "ddp-alq-2p",
+    "ddp-alq-h",
+]  # the default with --nodes
 SEPARATE = {"hvd-fp16-hier": {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}}  # rows that need their own launch
-LABELS = {"local": "fwd+bwd+SGD alone (no exchange)",
-          "hvd-fp32": "Horovod fp32 (Compression.none)", "hvd-fp16": "Horovod fp16 (Compression.fp16)",
-          "hvd-alq": "Horovod ALQCompressor(bits=3), auto",
-          "hvd-alq-f4": "Horovod ALQ 3b, auto, fusion_bytes=4 MiB", "hvd-alq-ag": "Horovod ALQ 3b, allgather",
-          "hvd-alq-2p": "Horovod ALQ 3b, two-phase",
-          "hvd-fp16-hier": "Horovod fp16, HOROVOD_HIERARCHICAL_ALLREDUCE=1 (own launch)",
-          "hvd-alq-h": "Horovod ALQ 3b, hierarchical", "hvd-alq-h4": "Horovod ALQ 4b, hierarchical",
-          "ddp-bf16": "DDP bf16_compress_hook (wrapped, see --help)", "ddp-alq-2p": "DDP alq_hook 3b, two-phase",
-          "ddp-alq-h": "DDP alq_hook 3b, hierarchical",
-          "ddp-fp32": "DDP allreduce (fp32)", "ddp-fp16": "DDP fp16_compress_hook",
-          "ddp-psgd2": "DDP powerSGD_hook rank 2", "ddp-psgd8": "DDP powerSGD_hook rank 8",
-          "ddp-alq": "DDP alq_hook, ALQState(bits=3), auto"}
+LABELS = {
+    "local": "fwd+bwd+SGD alone (no exchange)",
+    "hvd-fp32": "Horovod fp32 (Compression.none)",
+    "hvd-fp16": "Horovod fp16 (Compression.fp16)",
+    "hvd-alq": "Horovod ALQCompressor(bits=3), auto",
+    "hvd-alq-f4": "Horovod ALQ 3b, auto, fusion_bytes=4 MiB",
+    "hvd-alq-ag": "Horovod ALQ 3b, allgather",
+    "hvd-alq-2p": "Horovod ALQ 3b, two-phase",
+    "hvd-fp16-hier": "Horovod fp16, HOROVOD_HIERARCHICAL_ALLREDUCE=1 (own launch)",
+    "hvd-alq-h": "Horovod ALQ 3b, hierarchical",
+    "hvd-alq-h4": "Horovod ALQ 4b, hierarchical",
+    "ddp-bf16": "DDP bf16_compress_hook (wrapped, see --help)",
+    "ddp-alq-2p": "DDP alq_hook 3b, two-phase",
+    "ddp-alq-h": "DDP alq_hook 3b, hierarchical",
+    "ddp-fp32": "DDP allreduce (fp32)",
+    "ddp-fp16": "DDP fp16_compress_hook",
+    "ddp-psgd2": "DDP powerSGD_hook rank 2",
+    "ddp-psgd8": "DDP powerSGD_hook rank 8",
+    "ddp-alq": "DDP alq_hook, ALQState(bits=3), auto",
+}
 FP16_OF = {"hvd": "hvd-fp16", "ddp": "ddp-fp16"}
 PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState accepts with error feedback / warm start
 FULL = dict(workers="4,8", rates="unshaped,1gbit,100mbit", width=1.0, batch_size=8, steps=5, warmup=3, timeout=3600.0)
@@ -189,15 +237,14 @@ def worker(args) -> int:
     """Runs on every rank: build every row, time the steps, check the parameters, rank 0 writes JSON."""
     import resource
 
+    import horovod
+    import horovod.torch as hvd
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import horovod
-    import horovod.torch as hvd
 
     hvd.init()
     torch.set_num_threads(1)
@@ -208,8 +255,13 @@ def worker(args) -> int:
         addr = if_addr(args.gloo_ifname)
         where = (addr, free_port(addr))
     addr, port = hvd.broadcast_object(where, root_rank=0, name="bench_train_step.gloo_address")
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=args.gloo_timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=n,
+        timeout=datetime.timedelta(seconds=args.gloo_timeout),
+    )
 
     from horovod_alq.torch import ALQCompressor
     from horovod_alq.torch.ddp import ALQState, alq_hook
@@ -236,17 +288,21 @@ def worker(args) -> int:
         sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=args.momentum)
         row = {"model": model, "opt": sgd, "state": None}
         if key.startswith("hvd-"):
-            comp = {"hvd-fp32": hvd.Compression.none, "hvd-fp16": hvd.Compression.fp16,
-                    "hvd-alq": ALQCompressor(bits=3), "hvd-alq-f4": ALQCompressor(bits=3, fusion_bytes=4 << 20),
-                    "hvd-alq-ag": ALQCompressor(bits=3, exchange="allgather"),
-                    "hvd-alq-2p": ALQCompressor(bits=3, exchange="two-phase"),
-                    "hvd-fp16-hier": hvd.Compression.fp16,
-                    "hvd-alq-h": ALQCompressor(bits=3, exchange="hierarchical"),
-                    "hvd-alq-h4": ALQCompressor(bits=4, exchange="hierarchical")}[key]
+            comp = {
+                "hvd-fp32": hvd.Compression.none,
+                "hvd-fp16": hvd.Compression.fp16,
+                "hvd-alq": ALQCompressor(bits=3),
+                "hvd-alq-f4": ALQCompressor(bits=3, fusion_bytes=4 << 20),
+                "hvd-alq-ag": ALQCompressor(bits=3, exchange="allgather"),
+                "hvd-alq-2p": ALQCompressor(bits=3, exchange="two-phase"),
+                "hvd-fp16-hier": hvd.Compression.fp16,
+                "hvd-alq-h": ALQCompressor(bits=3, exchange="hierarchical"),
+                "hvd-alq-h4": ALQCompressor(bits=4, exchange="hierarchical"),
+            }[key]
             # names prefixed by the row: Horovod's response cache never sees one name in two rows
-            row["opt"] = hvd.DistributedOptimizer(sgd, named_parameters=[(f"{key}.{k}", p) for k, p in
-                                                                         model.named_parameters()],
-                                                  compression=comp)
+            row["opt"] = hvd.DistributedOptimizer(
+                sgd, named_parameters=[(f"{key}.{k}", p) for k, p in model.named_parameters()], compression=comp
+            )
             row["state"] = comp if hasattr(comp, "metrics") else None
         elif key.startswith("ddp-"):
             bucket_mb = args.ddp_bucket_mb
@@ -258,14 +314,22 @@ def worker(args) -> int:
             elif key == "ddp-bf16":
                 model.register_comm_hook(None, bf16_hook)
             elif key.startswith("ddp-psgd"):
-                state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(key[8:]),
-                                           start_powerSGD_iter=PSGD_START)
-                model.register_comm_hook(state, powersgd_wait_hook if args.powersgd_fix == "wait"
-                                         else psgd.powerSGD_hook)
+                state = psgd.PowerSGDState(
+                    process_group=None, matrix_approximation_rank=int(key[8:]), start_powerSGD_iter=PSGD_START
+                )
+                model.register_comm_hook(
+                    state, powersgd_wait_hook if args.powersgd_fix == "wait" else psgd.powerSGD_hook
+                )
                 row["state"] = state
             elif key.startswith("ddp-alq"):
-                row["state"] = ALQState(bits=3, **({"ddp-alq-2p": {"exchange": "two-phase"},
-                                                    "ddp-alq-h": {"exchange": "hierarchical"}}.get(key, {})))
+                row["state"] = ALQState(
+                    bits=3,
+                    **(
+                        {"ddp-alq-2p": {"exchange": "two-phase"}, "ddp-alq-h": {"exchange": "hierarchical"}}.get(
+                            key, {}
+                        )
+                    ),
+                )
                 model.register_comm_hook(row["state"], alq_hook)
         rows[key] = row
     base = rows[keys[0]]["model"]
@@ -279,13 +343,17 @@ def worker(args) -> int:
         if isinstance(st, psgd.PowerSGDState):
             return {"numel_after": st.total_numel_after_compression, "numel_before": st.total_numel_before_compression}
         m = st.metrics()
-        return {"bytes_sent": m["bytes_sent"], "uncompressed": m["uncompressed_coordinates"],
-                "step": m["step"], "exchange": m["exchange"]}
+        return {
+            "bytes_sent": m["bytes_sent"],
+            "uncompressed": m["uncompressed_coordinates"],
+            "step": m["step"],
+            "exchange": m["exchange"],
+        }
 
     times = {k: [] for k in keys}
     fwd_bwd = {k: [] for k in keys}
     cpu_main = {k: [] for k in keys}  # the main thread's CPU time: compute, hooks, codec, Python
-    cpu_all = {k: [] for k in keys}   # the process's: also Horovod's, Open MPI's and gloo's threads
+    cpu_all = {k: [] for k in keys}  # the process's: also Horovod's, Open MPI's and gloo's threads
     link = {k: [] for k in keys}  # (tx, rx) of this namespace's --count-ifname, tx of its lo, per timed step
     before = {}
     for step in range(args.warmup + args.steps):
@@ -330,61 +398,100 @@ def worker(args) -> int:
         flat = torch.cat([p.detach().reshape(-1) for p in rows[key]["model"].parameters()])
         ref = flat.clone()
         dist.broadcast(ref, 0)
-        d = torch.tensor([float((flat - ref).abs().max()) if torch.isfinite(flat).all() else float("inf")],
-                         dtype=torch.float64)
+        d = torch.tensor(
+            [float((flat - ref).abs().max()) if torch.isfinite(flat).all() else float("inf")], dtype=torch.float64
+        )
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
         diffs[key] = float(d)
 
-    per_rank = hvd.allgather_object({"times": times, "fwd_bwd": fwd_bwd, "cpu_main": cpu_main, "cpu_all": cpu_all,
-                                     "local_rank": hvd.local_rank(), "local_size": hvd.local_size(), "link": link,
-                                     "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    per_rank = hvd.allgather_object(
+        {
+            "times": times,
+            "fwd_bwd": fwd_bwd,
+            "cpu_main": cpu_main,
+            "cpu_all": cpu_all,
+            "local_rank": hvd.local_rank(),
+            "local_size": hvd.local_size(),
+            "link": link,
+            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+    )
     ring = 2 * (n - 1) / n
     results = {}
     for key in keys:
         slow = [max(r["times"][key][i] for r in per_rank) for i in range(args.steps)]
         slow_fb = [max(r["fwd_bwd"][key][i] for r in per_rank) for i in range(args.steps)]
-        res = {"label": LABELS[key], "step_s": statistics.median(slow), "steps_s": slow,
-               "fwd_bwd_s": statistics.median(slow_fb), "max_param_diff": diffs[key],
-               # per step, the mean over ranks; then the median over steps
-               "cpu_main_s": statistics.median(statistics.fmean(r["cpu_main"][key][i] for r in per_rank)
-                                               for i in range(args.steps)),
-               "cpu_all_s": statistics.median(statistics.fmean(r["cpu_all"][key][i] for r in per_rank)
-                                              for i in range(args.steps))}
+        res = {
+            "label": LABELS[key],
+            "step_s": statistics.median(slow),
+            "steps_s": slow,
+            "fwd_bwd_s": statistics.median(slow_fb),
+            "max_param_diff": diffs[key],
+            # per step, the mean over ranks; then the median over steps
+            "cpu_main_s": statistics.median(
+                statistics.fmean(r["cpu_main"][key][i] for r in per_rank) for i in range(args.steps)
+            ),
+            "cpu_all_s": statistics.median(
+                statistics.fmean(r["cpu_all"][key][i] for r in per_rank) for i in range(args.steps)
+            ),
+        }
         b, a = before.get(key), after[key]
         if key == "local":
             res.update(bytes_per_step=0.0, bytes_how="none")
         elif key.endswith(("fp32", "fp16", "bf16", "fp16-hier")):
-            res.update(bytes_per_step=ring * (4 if key.endswith("fp32") else 2) * params,
-                       bytes_how=f"arithmetic: 2(N-1)/N x {4 if key.endswith('fp32') else 2} B x parameters")
+            res.update(
+                bytes_per_step=ring * (4 if key.endswith("fp32") else 2) * params,
+                bytes_how=f"arithmetic: 2(N-1)/N x {4 if key.endswith('fp32') else 2} B x parameters",
+            )
         elif "psgd" in key:
             numel = (a["numel_after"] - b["numel_after"]) / args.steps
-            res.update(bytes_per_step=ring * 4 * numel, numel_after_per_step=numel,
-                       numel_before_per_step=(a["numel_before"] - b["numel_before"]) / args.steps,
-                       bytes_how="PowerSGD counters: 2(N-1)/N x 4 B x total_numel_after_compression")
+            res.update(
+                bytes_per_step=ring * 4 * numel,
+                numel_after_per_step=numel,
+                numel_before_per_step=(a["numel_before"] - b["numel_before"]) / args.steps,
+                bytes_how="PowerSGD counters: 2(N-1)/N x 4 B x total_numel_after_compression",
+            )
         else:
             rounds = max(1, a["step"] - b["step"])
             sent = (a["bytes_sent"] - b["bytes_sent"]) / rounds
             unc = (a["uncompressed"] - b["uncompressed"]) / rounds
-            res.update(bytes_per_step=sent + ring * 4 * unc, bytes_sent_per_step=sent, uncompressed_per_step=unc,
-                       exchange=a["exchange"], rounds=rounds,
-                       bytes_how="measured: metrics() bytes_sent + 2(N-1)/N x 4 B x uncompressed coordinates")
+            res.update(
+                bytes_per_step=sent + ring * 4 * unc,
+                bytes_sent_per_step=sent,
+                uncompressed_per_step=unc,
+                exchange=a["exchange"],
+                rounds=rounds,
+                bytes_how="measured: metrics() bytes_sent + 2(N-1)/N x 4 B x uncompressed coordinates",
+            )
         nodes = [r["link"][key] for r in per_rank if r["local_rank"] == 0]  # one reader per namespace
         if args.count_ifname and nodes:
             steps = len(nodes[0])
-            res.update(link_tx_per_step=sum(c[0] for node in nodes for c in node) / steps,
-                       link_rx_per_step=sum(c[1] for node in nodes for c in node) / steps,
-                       # the busiest node link, the more loaded direction (tbf shapes each direction)
-                       link_max_per_step=max(max(sum(c[0] for c in node), sum(c[1] for c in node))
-                                             for node in nodes) / steps,
-                       # inside the nodes: their loopbacks (tx = rx there)
-                       lo_per_step=sum(c[2] for node in nodes for c in node) / steps)
+            res.update(
+                link_tx_per_step=sum(c[0] for node in nodes for c in node) / steps,
+                link_rx_per_step=sum(c[1] for node in nodes for c in node) / steps,
+                # the busiest node link, the more loaded direction (tbf shapes each direction)
+                link_max_per_step=max(max(sum(c[0] for c in node), sum(c[1] for c in node)) for node in nodes) / steps,
+                # inside the nodes: their loopbacks (tx = rx there)
+                lo_per_step=sum(c[2] for node in nodes for c in node) / steps,
+            )
         results[key] = res
     if rank == 0:
-        Path(args.worker_out).write_text(json.dumps({
-            "size": n, "params": params, "param_tensors": len(list(base.parameters())), "buffers": buffers,
-            "maxrss_mb": max(r["maxrss_mb"] for r in per_rank), "torch": torch.__version__,
-            "horovod": horovod.__version__, "local_size": hvd.local_size(),
-            "nodes": sum(1 for r in per_rank if r["local_rank"] == 0), "results": results}))
+        Path(args.worker_out).write_text(
+            json.dumps(
+                {
+                    "size": n,
+                    "params": params,
+                    "param_tensors": len(list(base.parameters())),
+                    "buffers": buffers,
+                    "maxrss_mb": max(r["maxrss_mb"] for r in per_rank),
+                    "torch": torch.__version__,
+                    "horovod": horovod.__version__,
+                    "local_size": hvd.local_size(),
+                    "nodes": sum(1 for r in per_rank if r["local_rank"] == 0),
+                    "results": results,
+                }
+            )
+        )
     dist.destroy_process_group()
     hvd.shutdown()
     return 0
@@ -395,11 +502,33 @@ def worker_args(args, out: Path, ifname: str, rows: str | None = None) -> list[s
     extra = [] if args.ddp_bucket_mb is None else ["--ddp-bucket-mb", str(args.ddp_bucket_mb)]
     if ifname != "lo":  # in the namespaces: each node's eth0 counters around each row's steps
         extra += ["--count-ifname", ifname]
-    return [sys.executable, "-m", "scripts.bench.train_step", "--worker", "--worker-out", str(out),
-            "--gloo-ifname", ifname, "--rows", rows or args.rows, "--width", str(args.width),
-            "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--powersgd-fix", args.powersgd_fix, "--gloo-timeout", str(args.gloo_timeout),
-            "--momentum", str(args.momentum), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "scripts.bench.train_step",
+        "--worker",
+        "--worker-out",
+        str(out),
+        "--gloo-ifname",
+        ifname,
+        "--rows",
+        rows or args.rows,
+        "--width",
+        str(args.width),
+        "--batch-size",
+        str(args.batch_size),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--powersgd-fix",
+        args.powersgd_fix,
+        "--gloo-timeout",
+        str(args.gloo_timeout),
+        "--momentum",
+        str(args.momentum),
+        *extra,
+    ]
 
 
 def log_path(args, n: int, rate: str) -> Path:
@@ -421,11 +550,13 @@ def run_netns(args, tmp: Path, n: int, rate: str, make_args=None) -> dict:
     main = [k for k in keys if k not in SEPARATE]
     run = None
     if main:
-        run = _launch_netns(args, tmp, n, rate, g, lambda a, out, ifname: worker_args(a, out, ifname, ",".join(main)),
-                            "", {})
+        run = _launch_netns(
+            args, tmp, n, rate, g, lambda a, out, ifname: worker_args(a, out, ifname, ",".join(main)), "", {}
+        )
     for key in (k for k in keys if k in SEPARATE):
-        part = _launch_netns(args, tmp, n, rate, g, lambda a, out, ifname: worker_args(a, out, ifname, key),
-                             f"_{key}", SEPARATE[key])
+        part = _launch_netns(
+            args, tmp, n, rate, g, lambda a, out, ifname: worker_args(a, out, ifname, key), f"_{key}", SEPARATE[key]
+        )
         part["results"][key]["launch"] = "own launch: " + " ".join(f"{k}={v}" for k, v in SEPARATE[key].items())
         if run is None:
             run = part
@@ -443,28 +574,60 @@ def _launch_netns(args, tmp: Path, n: int, rate: str, g: int, make_args, suffix:
     where = f"{n} nodes x {g} ranks" if g > 1 else f"{n} workers"
     print(f"[{where}, {rate}{suffix}] {shlex.join(full)}\n  (output: {log})", flush=True)
     before = net.link_counters(n)
-    rc = net.launch_retry(full, log, args.timeout, missing=lambda: net.missing_ranks(n, g),
-                          connect_timeout=getattr(args, "connect_timeout", net.CONNECT_TIMEOUT),
-                          cleanup=net.kill_in_namespaces)
+    rc = net.launch_retry(
+        full,
+        log,
+        args.timeout,
+        missing=lambda: net.missing_ranks(n, g),
+        connect_timeout=getattr(args, "connect_timeout", net.CONNECT_TIMEOUT),
+        cleanup=net.kill_in_namespaces,
+    )
     after = net.link_counters(n)
     if rc != 0 or not out.exists():
         raise RuntimeError(f"mpirun failed ({rc}):\n{log.read_text()[-6000:]}")
     run = json.loads(out.read_text())
     # the whole launch's bytes on the node links (start-up, wire-up, warm-up, barriers, results included)
-    run["launch_bytes"] = {"tx": sum(a[0] - b[0] for a, b in zip(after, before)),
-                           "rx": sum(a[1] - b[1] for a, b in zip(after, before))}
+    run["launch_bytes"] = {
+        "tx": sum(a[0] - b[0] for a, b in zip(after, before)),
+        "rx": sum(a[1] - b[1] for a, b in zip(after, before)),
+    }
     return run
 
 
 def run_local(args, tmp: Path, n: int, make_args=None) -> dict:
     """The same worker on this host's loopback (no namespaces, no shaping, shared memory allowed)."""
     out = tmp / f"result_{n}_local.json"
-    full = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(n),
-            "--mca", "btl", "self,vader,tcp", "--mca", "btl_vader_single_copy_mechanism", "none",
-            "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo",
-            "--mca", "mpi_yield_when_idle", str(args.yield_when_idle)]
-    for k, v in {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOROVOD_CPU_OPERATIONS": "mpi",
-                 "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}.items():
+    full = [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        str(n),
+        "--mca",
+        "btl",
+        "self,vader,tcp",
+        "--mca",
+        "btl_vader_single_copy_mechanism",
+        "none",
+        "--mca",
+        "btl_tcp_if_include",
+        "lo",
+        "--mca",
+        "oob_tcp_if_include",
+        "lo",
+        "--mca",
+        "mpi_yield_when_idle",
+        str(args.yield_when_idle),
+    ]
+    for k, v in {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HOROVOD_CPU_OPERATIONS": "mpi",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": str(ROOT),
+    }.items():
         full += ["-x", f"{k}={v}"]
     full += (make_args or worker_args)(args, out, "lo")
     log = log_path(args, n, "loopback")
@@ -488,9 +651,12 @@ def memory_check(args, workers: list[int]) -> str | None:
     need = max(workers) * (getattr(args, "ranks_per_node", 1) or 1) * per_rank
     if need <= avail:
         return None
-    return (f"{max(workers) * (getattr(args, 'ranks_per_node', 1) or 1)} ranks x about {per_rank / 1e9:.2f} GB ({params:,} parameters x {rows} rows) = "
-            f"{need / 1e9:.1f} GB > {avail / 1e9:.1f} GB available; use --momentum 0, a smaller --width, fewer "
-            "--rows or --workers (or --skip-memory-check)")
+    return (
+        f"{max(workers) * (getattr(args, 'ranks_per_node', 1) or 1)} ranks x about {per_rank / 1e9:.2f} GB "
+        f"({params:,} parameters x {rows} rows) = "
+        f"{need / 1e9:.1f} GB > {avail / 1e9:.1f} GB available; use --momentum 0, a smaller --width, fewer "
+        "--rows or --workers (or --skip-memory-check)"
+    )
 
 
 def ms(s: float) -> str:
@@ -502,27 +668,42 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
     local = res.get("local", {}).get("step_s")
     lines = []
     if "local" in res:
-        lines.append(f"Alone (no exchange, same oversubscription): fwd+bwd {ms(res['local']['fwd_bwd_s'])} ms, "
-                     f"fwd+bwd+SGD step {ms(local)} ms (the compute in the limits).")
+        lines.append(
+            f"Alone (no exchange, same oversubscription): fwd+bwd {ms(res['local']['fwd_bwd_s'])} ms, "
+            f"fwd+bwd+SGD step {ms(local)} ms (the compute in the limits)."
+        )
         lines.append("")
     links = all("link_tx_per_step" in r for r in res.values())
     nodes = run.get("local_size", 1) > 1 and links  # limits from the counted bytes of the busiest link
-    lines += ["| row | step ms | fwd+bwd ms | vs fp16 | MB sent / step / rank"
-              + (" | MB between nodes / step (eth0 tx, all nodes) | busiest node link MB / step"
-                 " | MB inside nodes / step (lo, all nodes)" if links else "")
-              + " | comm at R, ms | limit no overlap, ms | step / limit | limit overlap, ms | step / limit "
-              "| max param diff across ranks |",
-              "|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if links else "") + "---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "| row | step ms | fwd+bwd ms | vs fp16 | MB sent / step / rank"
+        + (
+            " | MB between nodes / step (eth0 tx, all nodes) | busiest node link MB / step"
+            " | MB inside nodes / step (lo, all nodes)"
+            if links
+            else ""
+        )
+        + " | comm at R, ms | limit no overlap, ms | step / limit | limit overlap, ms | step / limit "
+        "| max param diff across ranks |",
+        "|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if links else "") + "---:|---:|---:|---:|---:|---:|",
+    ]
     for key, r in res.items():
         fam = key.split("-")[0]
         ref = res.get(FP16_OF.get(fam, ""), {}).get("step_s")
         ratio = f"{r['step_s'] / ref:.2f}" if ref and key != "local" else "-"
-        cells = [r["label"] + (f" [{r['exchange']}]" if r.get("exchange") else ""), ms(r["step_s"]),
-                 ms(r["fwd_bwd_s"]), ratio,
-                 f"{r['bytes_per_step'] / 1e6:.3f}"]
+        cells = [
+            r["label"] + (f" [{r['exchange']}]" if r.get("exchange") else ""),
+            ms(r["step_s"]),
+            ms(r["fwd_bwd_s"]),
+            ratio,
+            f"{r['bytes_per_step'] / 1e6:.3f}",
+        ]
         if links:
-            cells += [f"{r['link_tx_per_step'] / 1e6:.3f}", f"{r['link_max_per_step'] / 1e6:.3f}",
-                      f"{r['lo_per_step'] / 1e6:.3f}" if "lo_per_step" in r else "-"]
+            cells += [
+                f"{r['link_tx_per_step'] / 1e6:.3f}",
+                f"{r['link_max_per_step'] / 1e6:.3f}",
+                f"{r['lo_per_step'] / 1e6:.3f}" if "lo_per_step" in r else "-",
+            ]
         if rate_Bps and local is not None and key != "local":
             comm = (r["link_max_per_step"] if nodes else r["bytes_per_step"]) / rate_Bps
             no_ov, ov = local + comm, max(local, comm)
@@ -543,16 +724,20 @@ def launch_lines(run: dict) -> list[str]:
     steps = len(next(iter(res.values()))["steps_s"])
     own = [k for k, r in res.items() if r.get("launch")]
     counted = sum(r["link_tx_per_step"] for k, r in res.items() if k not in own) * steps
-    line = (f"Whole launch on the node links (eth0 tx of every node, read with `ip -n <ns> -s -j link show "
-            f"eth0` before and after mpirun): {lb['tx'] / 1e6:.2f} MB, of which the rows' counted timed "
-            f"steps {counted / 1e6:.2f} MB; the rest is start-up (orted, MPI and gloo wire-up), warm-up "
-            "steps, DDP's initial broadcast, the barriers between rows, the closing parameter check's broadcasts "
-            "and the results' gathering.")
+    line = (
+        f"Whole launch on the node links (eth0 tx of every node, read with `ip -n <ns> -s -j link show "
+        f"eth0` before and after mpirun): {lb['tx'] / 1e6:.2f} MB, of which the rows' counted timed "
+        f"steps {counted / 1e6:.2f} MB; the rest is start-up (orted, MPI and gloo wire-up), warm-up "
+        "steps, DDP's initial broadcast, the barriers between rows, the closing parameter check's broadcasts "
+        "and the results' gathering."
+    )
     for k in own:
         b = run.get("launch_bytes_separate", {}).get(k)
         if b:
-            line += (f" {res[k]['label']}: its own launch, {b['tx'] / 1e6:.2f} MB in all, "
-                     f"{res[k]['link_tx_per_step'] * steps / 1e6:.2f} MB in its counted steps.")
+            line += (
+                f" {res[k]['label']}: its own launch, {b['tx'] / 1e6:.2f} MB in all, "
+                f"{res[k]['link_tx_per_step'] * steps / 1e6:.2f} MB in its counted steps."
+            )
     return ["", line]
 
 
@@ -564,41 +749,67 @@ def cpu_table(run: dict) -> list[str]:
     if not all("cpu_main_s" in r for r in res.values()):
         return []
     local = res.get("local", {}).get("cpu_main_s")
-    lines = ["CPU time per step and rank (mean over ranks, median over steps) and what the cores allow:",
-             "", "| row | step ms | main thread CPU ms | main thread CPU over the local row's, ms "
-             "| other threads CPU ms | all ranks' CPU / cores, ms | step / that |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "CPU time per step and rank (mean over ranks, median over steps) and what the cores allow:",
+        "",
+        "| row | step ms | main thread CPU ms | main thread CPU over the local row's, ms "
+        "| other threads CPU ms | all ranks' CPU / cores, ms | step / that |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for key, r in res.items():
         bound = run["size"] * r["cpu_all_s"] / cores
         extra = "-" if local is None or key == "local" else f"{(r['cpu_main_s'] - local) * 1e3:+.0f}"
-        lines.append(f"| {r['label']} | {ms(r['step_s'])} | {ms(r['cpu_main_s'])} | {extra} "
-                     f"| {ms(r['cpu_all_s'] - r['cpu_main_s'])} | {ms(bound)} | {r['step_s'] / bound:.2f} |")
+        lines.append(
+            f"| {r['label']} | {ms(r['step_s'])} | {ms(r['cpu_main_s'])} | {extra} "
+            f"| {ms(r['cpu_all_s'] - r['cpu_main_s'])} | {ms(bound)} | {r['step_s'] / bound:.2f} |"
+        )
     return [""] + lines
 
 
-def report_head(title: str, module: str, argv, runs: list[dict], wall: float, versions: str,
-                threads: str, fewer_ranks: str = "", load: str = "") -> list[str]:
+def report_head(
+    title: str,
+    module: str,
+    argv,
+    runs: list[dict],
+    wall: float,
+    versions: str,
+    threads: str,
+    fewer_ranks: str = "",
+    load: str = "",
+) -> list[str]:
     """A report's title, command, date and machine lines (this script's and scripts.bench.fsdp's):
     ``versions`` follows the date, ``threads`` names the threads that share the cores,
     ``fewer_ranks`` qualifies a run with no more ranks than cores, ``load`` ends the machine line."""
     first, cores = runs[0]["run"], os.cpu_count()
-    cmd = f"python -m {module}" + "".join(f" {shlex.quote(a)}" for a in
-                                               (argv if argv is not None else sys.argv[1:]))
+    cmd = f"python -m {module}" + "".join(f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:]))
     workers = sorted({r["workers"] for r in runs})
-    return [title, "",
-            f"Command: `{cmd}` ({wall:.0f} s in all).", "",
-            f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {first['torch']}, {versions}.", "",
-            f"Machine: {platform.machine()}, {cores} CPU cores shared by all ranks (and their {threads}): "
-            + ", ".join(f"{w} ranks on {cores} cores = compute oversubscribed {w / cores:g}x" if w > cores
-                        else f"{w} ranks on {cores} cores{fewer_ranks}" for w in workers)
-            + f", so every step time, the local one included, is that of ranks competing for the cores{load}; "
-            f"peak RSS per rank {max(r['run']['maxrss_mb'] for r in runs):.0f} MB.", ""]
+    return [
+        title,
+        "",
+        f"Command: `{cmd}` ({wall:.0f} s in all).",
+        "",
+        f"Date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; torch {first['torch']}, {versions}.",
+        "",
+        f"Machine: {platform.machine()}, {cores} CPU cores shared by all ranks (and their {threads}): "
+        + ", ".join(
+            f"{w} ranks on {cores} cores = compute oversubscribed {w / cores:g}x"
+            if w > cores
+            else f"{w} ranks on {cores} cores{fewer_ranks}"
+            for w in workers
+        )
+        + f", so every step time, the local one included, is that of ranks competing for the cores{load}; "
+        f"peak RSS per rank {max(r['run']['maxrss_mb'] for r in runs):.0f} MB.",
+        "",
+    ]
 
 
 def rate_heading(r: dict) -> str:
     """The section heading of one (workers, link) run, with the link's measured throughput."""
-    head = (f"## {r['nodes']} nodes x {r['ranks_per_node']} ranks, {r['rate']}" if r.get("nodes")
-            else f"## {r['workers']} workers, {r['rate']}")
+    head = (
+        f"## {r['nodes']} nodes x {r['ranks_per_node']} ranks, {r['rate']}"
+        if r.get("nodes")
+        else f"## {r['workers']} workers, {r['rate']}"
+    )
     if r.get("throughput_Bps"):
         head += f" (measured TCP throughput w0->w1 R = {r['throughput_Bps'] * 8 / 1e6:.0f} Mbit/s)"
     return head
@@ -606,25 +817,43 @@ def rate_heading(r: dict) -> str:
 
 def report(args, argv, runs: list[dict], wall: float) -> str:
     first = runs[0]["run"]
-    lines = report_head("# Full training step (forward + backward + exchange + SGD): ResNet-18-shaped CNN on "
-                        "CPU, Horovod and DDP", "scripts.bench.train_step", argv, runs, wall,
-                        f"Horovod {first['horovod']}, Python {platform.python_version()}",
-                        "Horovod, Open MPI and gloo threads", fewer_ranks=" (one core per rank at most)")
-    lines += [f"Model: ResNet-18 (CIFAR form) at width {args.width}, {first['params']:,} parameters in "
-             f"{first['param_tensors']} tensors ({first['buffers']:,} batch-norm buffer elements, which DDP "
-             f"broadcasts from rank 0 at every forward and Horovod leaves alone); 3x32x32 inputs, batch "
-             f"{args.batch_size} per worker; SGD lr 0.01 momentum {args.momentum:g}. Median over {args.steps} "
-             "timed steps "
-             f"(after {args.warmup} warm-up) of the slowest rank's step; rows interleaved, a barrier before each "
-             f"step. Open MPI mpi_yield_when_idle={args.yield_when_idle}. PowerSGD: start_powerSGD_iter="
-             f"{PSGD_START}, " + {"one-bucket": "one DDP bucket (bucket_cap_mb above the model's size)",
-                                  "wait": "DDP's buckets, each bucket's future chain waited for in the hook",
-                                  "none": "DDP's buckets, the hook as it stands"}[args.powersgd_fix]
-             + "; the other DDP rows DDP's default buckets"
-             + (f" ({args.ddp_bucket_mb} MB)" if args.ddp_bucket_mb else " (25 MB)") + ".", ""]
+    lines = report_head(
+        "# Full training step (forward + backward + exchange + SGD): ResNet-18-shaped CNN on CPU, Horovod and DDP",
+        "scripts.bench.train_step",
+        argv,
+        runs,
+        wall,
+        f"Horovod {first['horovod']}, Python {platform.python_version()}",
+        "Horovod, Open MPI and gloo threads",
+        fewer_ranks=" (one core per rank at most)",
+    )
+    lines += [
+        f"Model: ResNet-18 (CIFAR form) at width {args.width}, {first['params']:,} parameters in "
+        f"{first['param_tensors']} tensors ({first['buffers']:,} batch-norm buffer elements, which DDP "
+        f"broadcasts from rank 0 at every forward and Horovod leaves alone); 3x32x32 inputs, batch "
+        f"{args.batch_size} per worker; SGD lr 0.01 momentum {args.momentum:g}. Median over {args.steps} "
+        "timed steps "
+        f"(after {args.warmup} warm-up) of the slowest rank's step; rows interleaved, a barrier before each "
+        f"step. Open MPI mpi_yield_when_idle={args.yield_when_idle}. PowerSGD: start_powerSGD_iter="
+        f"{PSGD_START}, "
+        + {
+            "one-bucket": "one DDP bucket (bucket_cap_mb above the model's size)",
+            "wait": "DDP's buckets, each bucket's future chain waited for in the hook",
+            "none": "DDP's buckets, the hook as it stands",
+        }[args.powersgd_fix]
+        + "; the other DDP rows DDP's default buckets"
+        + (f" ({args.ddp_bucket_mb} MB)" if args.ddp_bucket_mb else " (25 MB)")
+        + ".",
+        "",
+    ]
     for r in runs:
-        lines += [rate_heading(r), ""] + table(r["run"], r.get("throughput_Bps")) + launch_lines(r["run"]) \
-            + cpu_table(r["run"]) + [""]
+        lines += (
+            [rate_heading(r), ""]
+            + table(r["run"], r.get("throughput_Bps"))
+            + launch_lines(r["run"])
+            + cpu_table(r["run"])
+            + [""]
+        )
     lines += [
         "Columns: step ms = median of the slowest rank's full step; fwd+bwd ms = the same for the forward "
         "and backward alone (with DDP: its exchange, which ends in the backward; with Horovod: the "
@@ -649,7 +878,9 @@ def report(args, argv, runs: list[dict], wall: float) -> str:
         "(time.thread_time: forward, backward, the hooks and compressors, the optimizer step) and the other "
         "threads' (process time less that: Horovod's background thread, Open MPI, gloo; Open MPI's "
         "yield-when-idle polling counts as CPU time, so a long wait on a slow link shows there); all ranks' CPU / "
-        "cores = N x process CPU time / cores, the step time if the cores were the only limit.", ""]
+        "cores = N x process CPU time / cores, the step time if the cores were the only limit.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -660,34 +891,66 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=float, help=f"ResNet-18 channel scale; default {FULL['width']}")
     p.add_argument("--batch-size", type=int, help=f"per worker; default {FULL['batch_size']}")
     p.add_argument("--steps", type=int, help=f"timed steps per row; default {FULL['steps']}")
-    p.add_argument("--warmup", type=int, help=f"untimed steps per row first (>= 3 for PowerSGD's "
-                                               f"steady state); default {FULL['warmup']}")
-    p.add_argument("--quick", action="store_true",
-                   help="defaults for a check of 2-3 minutes: " + ", ".join(f"{k} {v:g}" if isinstance(v, float)
-                                                                          else f"{k} {v}" for k, v in QUICK.items()))
-    p.add_argument("--rows", help=f"comma-separated, from {','.join(ROWS)}; default {','.join(DEFAULT_ROWS)}, "
-                                  f"with --nodes {','.join(NODE_ROWS)}")
-    p.add_argument("--nodes", help="node layout: comma-separated node counts (2..8), each node a namespace of "
-                                   "--ranks-per-node ranks, the nodes joined by the shaped links (instead of "
-                                   "--workers: one rank per namespace)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        help=f"untimed steps per row first (>= 3 for PowerSGD's steady state); default {FULL['warmup']}",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="defaults for a check of 2-3 minutes: "
+        + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in QUICK.items()),
+    )
+    p.add_argument(
+        "--rows",
+        help=f"comma-separated, from {','.join(ROWS)}; default {','.join(DEFAULT_ROWS)}, "
+        f"with --nodes {','.join(NODE_ROWS)}",
+    )
+    p.add_argument(
+        "--nodes",
+        help="node layout: comma-separated node counts (2..8), each node a namespace of "
+        "--ranks-per-node ranks, the nodes joined by the shaped links (instead of "
+        "--workers: one rank per namespace)",
+    )
     p.add_argument("--ranks-per-node", type=int, help="ranks in each node's namespace; default 2 with --nodes")
     p.add_argument("--layout", help="KxG[,KxG]: --nodes K --ranks-per-node G in one (one G for all)")
-    p.add_argument("--connect-timeout", type=float, default=60.0,
-                   help="seconds for every rank of a launch to start; then it is killed, named and retried "
-                        "once; default 60")
-    p.add_argument("--powersgd-fix", choices=("one-bucket", "wait", "none"), default="one-bucket",
-                   help="how powerSGD_hook is kept in step on gloo (see above); default one-bucket")
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        help="seconds for every rank of a launch to start; then it is killed, named and retried once; default 60",
+    )
+    p.add_argument(
+        "--powersgd-fix",
+        choices=("one-bucket", "wait", "none"),
+        default="one-bucket",
+        help="how powerSGD_hook is kept in step on gloo (see above); default one-bucket",
+    )
     p.add_argument("--ddp-bucket-mb", type=float, help="bucket_cap_mb of the other DDP rows; default DDP's (25)")
-    p.add_argument("--momentum", type=float, default=0.0,
-                   help="SGD momentum; default 0 (its buffers are one more model copy per row: with 0.9 the "
-                        "11 rows of the full model take 2.8 GB per rank, 8 ranks more than 23 GB)")
-    p.add_argument("--skip-memory-check", action="store_true",
-                   help="launch even if the ranks' estimated memory exceeds MemAvailable")
+    p.add_argument(
+        "--momentum",
+        type=float,
+        default=0.0,
+        help="SGD momentum; default 0 (its buffers are one more model copy per row: with 0.9 the "
+        "11 rows of the full model take 2.8 GB per rank, 8 ranks more than 23 GB)",
+    )
+    p.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="launch even if the ranks' estimated memory exceeds MemAvailable",
+    )
     p.add_argument("--yield-when-idle", type=int, choices=(0, 1), default=1, help="Open MPI's; default 1")
-    p.add_argument("--local", action="store_true",
-                   help="no namespaces or shaping: the ranks on this host's loopback (no root needed)")
-    p.add_argument("--out", help="markdown report (JSON next to it); default docs/bench_train_step.md, "
-                                 "with --quick build/bench/bench_train_step.md")
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="no namespaces or shaping: the ranks on this host's loopback (no root needed)",
+    )
+    p.add_argument(
+        "--out",
+        help="markdown report (JSON next to it); default docs/bench_train_step.md, "
+        "with --quick build/bench/bench_train_step.md",
+    )
     p.add_argument("--timeout", type=float, help="seconds per mpirun; default 3600 (--quick: 600)")
     p.add_argument("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
     p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces of scripts.bench.network")
@@ -733,8 +996,11 @@ def main(argv=None) -> int:
     if not all(2 <= w <= 8 for w in workers):
         p.error("--nodes must be 2..8" if args.nodes else "--workers must be 2..8")
     if any("psgd" in r for r in args.rows.split(",")) and args.warmup < PSGD_START + 1:
-        print(f"note: --warmup {args.warmup} < {PSGD_START + 1}: PowerSGD's timed steps include its first "
-              "(allocating, vanilla) ones", file=sys.stderr)
+        print(
+            f"note: --warmup {args.warmup} < {PSGD_START + 1}: PowerSGD's timed steps include its first "
+            "(allocating, vanilla) ones",
+            file=sys.stderr,
+        )
     if args.out is None:
         args.out = "build/bench/bench_train_step.md" if args.quick else "docs/bench_train_step.md"
     if not args.skip_memory_check and not args.teardown_only:
@@ -776,8 +1042,15 @@ def sweep_netns(args, workers: list[int], prefix: str, run) -> list[dict]:
                 for n in workers:
                     result = run(args, Path(tmp), n, rate)
                     g = getattr(args, "ranks_per_node", 1) or 1
-                    runs.append({"workers": n * g, "rate": rate, "throughput_Bps": bps, "run": result,
-                                 **({"nodes": n, "ranks_per_node": g} if g > 1 else {})})
+                    runs.append(
+                        {
+                            "workers": n * g,
+                            "rate": rate,
+                            "throughput_Bps": bps,
+                            "run": result,
+                            **({"nodes": n, "ranks_per_node": g} if g > 1 else {}),
+                        }
+                    )
                     print(json.dumps({k: round(r["step_s"], 4) for k, r in result["results"].items()}), flush=True)
     finally:
         left = net.teardown()
@@ -796,9 +1069,12 @@ def write_results(args, argv, runs: list[dict], out: Path, text: str) -> None:
     out.write_text(text)
     data = out.parent / "data"
     data.mkdir(parents=True, exist_ok=True)
-    (data / out.with_suffix(".json").name).write_text(json.dumps(
-        {"args": vars(args), "argv": argv if argv is not None else sys.argv[1:], "runs": sorted_runs(args, runs)},
-        indent=1))
+    (data / out.with_suffix(".json").name).write_text(
+        json.dumps(
+            {"args": vars(args), "argv": argv if argv is not None else sys.argv[1:], "runs": sorted_runs(args, runs)},
+            indent=1,
+        )
+    )
     print(text)
 
 

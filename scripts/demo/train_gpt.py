@@ -45,16 +45,23 @@ PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState takes with err
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default="alq@3,none",
-                   help="comma-separated name[@bits] or name@auto<budget> (alq@auto2.5), run in turn")
+    p.add_argument(
+        "--methods",
+        default="alq@3,none",
+        help="comma-separated name[@bits] or name@auto<budget> (alq@auto2.5), run in turn",
+    )
     p.add_argument("--steps", type=int, default=300, help="optimizer steps; default 300")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per worker and step; default 16")
     p.add_argument("--context", type=int, default=64, help="characters per sequence; default 64")
     p.add_argument("--width", type=int, default=128, help="default 128")
     p.add_argument("--layers", type=int, default=4, help="default 4")
     p.add_argument("--heads", type=int, default=4, help="default 4")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
-                   help="AdamW (betas 0.9, 0.95) or SGD with momentum 0.9; default adamw")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "sgd"),
+        help="AdamW (betas 0.9, 0.95) or SGD with momentum 0.9; default adamw",
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate; default 3e-3 (AdamW's)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="default 0.1 (decoupled with AdamW)")
     p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps; default 30")
@@ -78,17 +85,21 @@ def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
     if name.startswith("ddp-"):
         known = name[4:] in QUANTIZED
     if not known:
-        raise SystemExit(f"unknown method {name!r}: a quantized method ({', '.join(QUANTIZED[:8])}, ...), "
-                         f"none, fp16, psgd<rank>, psgd-match or ddp-<quantized method>")
+        raise SystemExit(
+            f"unknown method {name!r}: a quantized method ({', '.join(QUANTIZED[:8])}, ...), "
+            f"none, fp16, psgd<rank>, psgd-match or ddp-<quantized method>"
+        )
     if bits.startswith(("auto", "bucket")):
         kind = "auto" if bits.startswith("auto") else "bucket"
         if name not in QUANTIZED or split_norm(name)[0] not in ADAPTIVE:
-            raise SystemExit(f"{spec!r}: bits='auto' is for the Horovod compressors of {', '.join(ADAPTIVE)} "
-                             f"(with their -l2/-linf/-ag/-2p forms), not {name!r}")
+            raise SystemExit(
+                f"{spec!r}: bits='auto' is for the Horovod compressors of {', '.join(ADAPTIVE)} "
+                f"(with their -l2/-linf/-ag/-2p forms), not {name!r}"
+            )
         from horovod_alq.core.auto_bits import check_budget
 
         try:
-            return name, kind, check_budget(float(bits[len(kind):]))
+            return name, kind, check_budget(float(bits[len(kind) :]))
         except ValueError as exc:
             raise SystemExit(f"{spec!r}: name@auto<budget> with a budget from 2 to 8 (alq@auto2.5): {exc}") from None
     if bits and not bits.isdigit():
@@ -158,8 +169,15 @@ def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budge
     model = GPT(vocab, args.width, args.layers, args.heads, args.context)
     optimizer = make_optimizer(model, args)
     steps = tuple(int(s) for s in args.update_steps.split(",") if s.strip())
-    kw = dict(bits=bits or 3, bucket_size=args.bucket_size, update_steps=steps, update_every=args.update_every,
-              min_size=args.min_size, seed=args.seed, **({"bit_budget": bit_budget} if bits == "auto" else {}))
+    kw = dict(
+        bits=bits or 3,
+        bucket_size=args.bucket_size,
+        update_steps=steps,
+        update_every=args.update_every,
+        min_size=args.min_size,
+        seed=args.seed,
+        **({"bit_budget": bit_budget} if bits == "auto" else {}),
+    )
     if bits == "bucket":  # name@bucket<budget>: widths per bucket
         kw.update(bits="auto", bit_budget=bit_budget, bits_per="bucket")
     extra = {}
@@ -171,8 +189,9 @@ def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budge
         else:
             base, norm = split_norm(name)
             exchange = split_exchange(name)[1]
-            comp = alq.compressor_for(base, **kw, **({"norm": norm} if norm else {}),
-                                      **({"exchange": exchange} if exchange else {}))
+            comp = alq.compressor_for(
+                base, **kw, **({"norm": norm} if norm else {}), **({"exchange": exchange} if exchange else {})
+            )
         opt = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=comp)
         return model, model, opt, comp if hasattr(comp, "metrics") else None, extra
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -182,16 +201,18 @@ def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budge
     ddp = DDP(model, bucket_cap_mb=one_bucket if name.startswith("psgd") else 25)
     if name.startswith("psgd"):
         r = matched_rank(model, 3, args.bucket_size, args.min_size) if name == "psgd-match" else int(name[4:])
-        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=PSGD_START,
-                                   random_seed=args.seed)
+        state = psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=PSGD_START, random_seed=args.seed
+        )
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         extra["rank"] = r
     else:
         from horovod_alq.torch.ddp import ALQState, alq_hook
 
         base, norm = split_norm(name[4:])
-        state = ALQState(None, base, **kw, **({"norm": norm} if norm else {}),
-                         exchange=split_exchange(name[4:])[1] or "auto")
+        state = ALQState(
+            None, base, **kw, **({"norm": norm} if norm else {}), exchange=split_exchange(name[4:])[1] or "auto"
+        )
         ddp.register_comm_hook(state, alq_hook)
     return ddp, model, optimizer, state, extra
 
@@ -223,8 +244,11 @@ def train(spec: str, args, data, hvd) -> dict:
             group["lr"] = lr_at(step, args)
         x, y = sample_batch(train_ids, args.batch_size, args.context, generator)
         opt.zero_grad()
-        loss = model.loss(x, y) if model is plain else torch.nn.functional.cross_entropy(
-            model(x).flatten(0, 1), y.flatten())
+        loss = (
+            model.loss(x, y)
+            if model is plain
+            else torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        )
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -232,23 +256,42 @@ def train(spec: str, args, data, hvd) -> dict:
             curve.append([step + 1, evaluate(plain, val_ids, args)])
     seconds = time.perf_counter() - start
     params = sum(p.numel() for p in plain.parameters())
-    worst = hvd.allreduce(torch.tensor([max(abs(p.detach()).max().item() for p in plain.parameters())]),
-                          op=hvd.Max, name=f"train_gpt.check.{spec}")  # pairs ranks before the next run
-    out = {"method": name, "spec": spec, "bits": bits, "bucket_size": args.bucket_size if bits else None,
-           "eval_loss": curve[-1][1] if curve else None, "curve": curve,
-           "train_loss_last50": sum(losses[-50:]) / len(losses[-50:]), "seconds_per_step": seconds / args.steps,
-           "bits_per_coordinate": sent_bits(name, state), "params": params,
-           "max_abs_param": float(worst), **extra}
+    worst = hvd.allreduce(
+        torch.tensor([max(abs(p.detach()).max().item() for p in plain.parameters())]),
+        op=hvd.Max,
+        name=f"train_gpt.check.{spec}",
+    )  # pairs ranks before the next run
+    out = {
+        "method": name,
+        "spec": spec,
+        "bits": bits,
+        "bucket_size": args.bucket_size if bits else None,
+        "eval_loss": curve[-1][1] if curve else None,
+        "curve": curve,
+        "train_loss_last50": sum(losses[-50:]) / len(losses[-50:]),
+        "seconds_per_step": seconds / args.steps,
+        "bits_per_coordinate": sent_bits(name, state),
+        "params": params,
+        "max_abs_param": float(worst),
+        **extra,
+    }
     if curve:
         out["eval_bpc"] = curve[-1][1] / math.log(2)
     if state is not None and hasattr(state, "metrics"):
         m = state.metrics()
-        out.update(levels=[float(v) for v in m["levels"]], level_updates=m["level_updates"],
-                   exchange=m.get("exchange"), compressed_bits_per_coordinate=m["bits_per_coordinate"])
+        out.update(
+            levels=[float(v) for v in m["levels"]],
+            level_updates=m["level_updates"],
+            exchange=m.get("exchange"),
+            compressed_bits_per_coordinate=m["bits_per_coordinate"],
+        )
         if bits == "auto":  # the last refit's width per tensor (in the round's order) and their mean
-            out.update(bit_budget=m["bit_budget"], allocation=[int(b) for b in m["allocation"]],
-                       allocated_mean_bits=float(m["allocated_mean_bits"]),
-                       allocation_elements=[int(k[0]) for k in state.state_dict()["auto"]["keys"]])
+            out.update(
+                bit_budget=m["bit_budget"],
+                allocation=[int(b) for b in m["allocation"]],
+                allocated_mean_bits=float(m["allocated_mean_bits"]),
+                allocation_elements=[int(k[0]) for k in state.state_dict()["auto"]["keys"]],
+            )
         if bits == "bucket":
             out.update(bit_budget=m["bit_budget"], bits_per=m["bits_per"])
     if not math.isfinite(out["train_loss_last50"]):
@@ -285,12 +328,15 @@ def main(argv=None) -> int:
         r = train(spec, args, data, hvd)
         results.append(r)
         if hvd.rank() == 0:
-            print(f"{spec:>12}  eval loss {r['eval_loss']:.4f}  ({r['eval_bpc']:.3f} bits/char)  "
-                  f"{r['bits_per_coordinate']:.2f} bits/coord sent  {r['seconds_per_step'] * 1e3:.0f} ms/step",
-                  flush=True)
+            print(
+                f"{spec:>12}  eval loss {r['eval_loss']:.4f}  ({r['eval_bpc']:.3f} bits/char)  "
+                f"{r['bits_per_coordinate']:.2f} bits/coord sent  {r['seconds_per_step'] * 1e3:.0f} ms/step",
+                flush=True,
+            )
     if hvd.rank() == 0 and args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "workers": hvd.size(), "results": results},
-                                              indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "workers": hvd.size(), "results": results}, indent=2)
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
     hvd.shutdown()

@@ -59,8 +59,9 @@ def load_digits(seed: int):
 
 
 def evaluate(model, x: np.ndarray, y: np.ndarray) -> float:
-    correct = sum(int((np.argmax(model(x[i:i + 500]).numpy(), 1) == y[i:i + 500]).sum())
-                  for i in range(0, len(x), 500))
+    correct = sum(
+        int((np.argmax(model(x[i : i + 500]).numpy(), 1) == y[i : i + 500]).sum()) for i in range(0, len(x), 500)
+    )
     return correct / len(x)
 
 
@@ -96,13 +97,13 @@ def run(tf, hvd, method: str, args: argparse.Namespace, data) -> dict:
         from tqdm import tqdm
 
         progress = tqdm(total=args.epochs * steps_per_epoch, desc=f"{method:>8}", unit="step", leave=True)
-    step(shard_x[:args.batch_size], shard_y[:args.batch_size])  # trace (not timed); also one real step
+    step(shard_x[: args.batch_size], shard_y[: args.batch_size])  # trace (not timed); also one real step
     start = time.perf_counter()
     loss = float("nan")
     for _ in range(args.epochs):
         order = rng.permutation(len(shard_x))
         for i in range(steps_per_epoch):
-            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
+            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
             loss = step(shard_x[idx], shard_y[idx])
             if progress is not None:
                 progress.update()
@@ -110,8 +111,14 @@ def run(tf, hvd, method: str, args: argparse.Namespace, data) -> dict:
     elapsed = time.perf_counter() - start
     if progress is not None:
         progress.close()
-    return result(method, args, compressor, accuracy=evaluate(model, test_x, test_y), final_loss=float(loss),
-                  seconds_per_step=elapsed / max(1, args.epochs * steps_per_epoch))
+    return result(
+        method,
+        args,
+        compressor,
+        accuracy=evaluate(model, test_x, test_y),
+        final_loss=float(loss),
+        seconds_per_step=elapsed / max(1, args.epochs * steps_per_epoch),
+    )
 
 
 def main(argv=None) -> int:

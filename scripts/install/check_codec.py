@@ -30,10 +30,12 @@ def main(argv: list[str]) -> int:
     if status.startswith("fused CPU codec loaded"):
         print(f"    codec 'cpu' (the compiled CPU codec) loaded: {cpu_build.cached_library()}")
         return 0
-    message = (f"codec 'cpu' (the compiled CPU codec, horovod_alq/torch/codecs/cpu_build.py) did not load: "
-               f"{status}. The compressors would fall back to the plain torch kernels (codec 'torch') and "
-               f"the compiled codec's tests would skip. Fix the build (a C++ compiler, g++, and torch's "
-               f"headers are needed, and HOROVOD_ALQ_FUSED must not be 0), or set {ALLOW}=1 to accept the fallback.")
+    message = (
+        f"codec 'cpu' (the compiled CPU codec, horovod_alq/torch/codecs/cpu_build.py) did not load: "
+        f"{status}. The compressors would fall back to the plain torch kernels (codec 'torch') and "
+        f"the compiled codec's tests would skip. Fix the build (a C++ compiler, g++, and torch's "
+        f"headers are needed, and HOROVOD_ALQ_FUSED must not be 0), or set {ALLOW}=1 to accept the fallback."
+    )
     if os.environ.get(ALLOW) == "1":
         print(f"WARNING: {message} ({ALLOW}=1 is set: going on with codec 'torch')", file=sys.stderr)
         return 0

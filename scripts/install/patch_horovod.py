@@ -19,6 +19,7 @@ that matches neither the original nor the patched text makes the script exit
 with status 1, naming the file, so that a different Horovod version fails
 loudly instead of building something half-patched.
 """
+
 from __future__ import annotations
 
 import sys
@@ -27,18 +28,27 @@ from pathlib import Path
 # (relative path, original text, replacement text, text present only once patched or None,
 # text absent once patched). Each original must occur exactly once in its file.
 EDITS = [
-    ("CMakeLists.txt",
-     "\nset(CMAKE_CXX_STANDARD 14)\n",
-     "\nset(CMAKE_CXX_STANDARD 17)\n",
-     "\nset(CMAKE_CXX_STANDARD 17)\n", "\nset(CMAKE_CXX_STANDARD 14)\n"),
-    ("horovod/torch/CMakeLists.txt",
-     "\n    set(CMAKE_CXX_STANDARD 14)\n",
-     "\n    set(CMAKE_CXX_STANDARD 17)\n",
-     "\n    set(CMAKE_CXX_STANDARD 17)\n", "CMAKE_CXX_STANDARD 14"),
-    ("horovod/tensorflow/CMakeLists.txt",
-     '\nlist(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n',
-     "\n",
-     'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/mpi_ops.cc")', "xla_mpi_ops.cc"),
+    (
+        "CMakeLists.txt",
+        "\nset(CMAKE_CXX_STANDARD 14)\n",
+        "\nset(CMAKE_CXX_STANDARD 17)\n",
+        "\nset(CMAKE_CXX_STANDARD 17)\n",
+        "\nset(CMAKE_CXX_STANDARD 14)\n",
+    ),
+    (
+        "horovod/torch/CMakeLists.txt",
+        "\n    set(CMAKE_CXX_STANDARD 14)\n",
+        "\n    set(CMAKE_CXX_STANDARD 17)\n",
+        "\n    set(CMAKE_CXX_STANDARD 17)\n",
+        "CMAKE_CXX_STANDARD 14",
+    ),
+    (
+        "horovod/tensorflow/CMakeLists.txt",
+        '\nlist(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")\n',
+        "\n",
+        'list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/mpi_ops.cc")',
+        "xla_mpi_ops.cc",
+    ),
 ]
 
 
@@ -57,7 +67,8 @@ def patch(source_dir: Path) -> None:
         else:
             raise SystemExit(
                 f"patch_horovod: {rel}: expected the original text once, found it {count} times; "
-                "this script is written for horovod 0.28.1")
+                "this script is written for horovod 0.28.1"
+            )
 
 
 def main(argv: list[str]) -> int:

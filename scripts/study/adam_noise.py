@@ -49,8 +49,11 @@ def group_of(name: str) -> str | None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default="alq@3,alq@2,alq@auto2.5,alq@bucket2.5,alq@bucket3",
-                   help="train_gpt.py method specs, run in turn")
+    p.add_argument(
+        "--methods",
+        default="alq@3,alq@2,alq@auto2.5,alq@bucket2.5,alq@bucket3",
+        help="train_gpt.py method specs, run in turn",
+    )
     p.add_argument("--steps", type=int, default=60, help="steps measured; default 60")
     p.add_argument("--window", type=int, default=30, help="steps per row; default 30")
     p.add_argument("--repeats", type=int, default=80, help="repeats of one exchange for the bias; default 80")
@@ -91,8 +94,9 @@ def measure(spec: str, args, data, hvd) -> dict:
         loss = model.loss(x, y)
         loss.backward()
         opt.synchronize()
-        exact = hvd.allreduce(torch.cat([local[n].reshape(-1) for n, _, _ in named]), op=hvd.Average,
-                              name=f"adam_noise.{spec}.exact")
+        exact = hvd.allreduce(
+            torch.cat([local[n].reshape(-1) for n, _, _ in named]), op=hvd.Average, name=f"adam_noise.{spec}.exact"
+        )
         exact = exact.double()
         error = torch.cat([p.grad.reshape(-1) for _, p, _ in named]).double() - exact
         if previous is not None:
@@ -104,7 +108,7 @@ def measure(spec: str, args, data, hvd) -> dict:
         at = 0
         for n, p, g in named:
             k = p.numel()
-            e, err, at = exact[at:at + k], error[at:at + k], at + k
+            e, err, at = exact[at : at + k], error[at : at + k], at + k
             if g is None:
                 continue
             acc[f"rel.{g}"] += float(err.pow(2).sum())
@@ -120,7 +124,7 @@ def measure(spec: str, args, data, hvd) -> dict:
                     buckets[g].append((float(e[lo:hi].pow(2).mean()), float(scaled[lo:hi].sum()), hi - lo))
             count[g] += k
             for b, lo in enumerate(range(0, k, run.bucket_size)):
-                eb, gb = err[lo:lo + run.bucket_size], e[lo:lo + run.bucket_size]
+                eb, gb = err[lo : lo + run.bucket_size], e[lo : lo + run.bucket_size]
                 ratio = float(eb.pow(2).sum() / gb.pow(2).sum().clamp_min(1e-300))
                 if ratio > 0:
                     levels.setdefault((g, n, b), []).append(np.log2(ratio))
@@ -132,12 +136,27 @@ def measure(spec: str, args, data, hvd) -> dict:
             rows[f"split.{g}"].append(low_over_high(buckets[g]) if step else float("nan"))
         with opt.skip_synchronize():
             opt.step()
-    bias = repeat_bias(spec, model, opt, named, local, sample_batch(train_ids, run.batch_size, run.context, generator),
-                       args.repeats, hvd)
-    jump = {g: float(np.median([np.std(v) for (gg, *_), v in levels.items() if gg == g and len(v) > 2]
-                               or [float("nan")])) for g in GROUPS}
-    return {"rows": rows, "jump": jump, "eval": tg.evaluate(plain, val_ids, run), "bias": bias,
-            "cos": max(cosines, default=float("nan"))}
+    bias = repeat_bias(
+        spec,
+        model,
+        opt,
+        named,
+        local,
+        sample_batch(train_ids, run.batch_size, run.context, generator),
+        args.repeats,
+        hvd,
+    )
+    jump = {
+        g: float(np.median([np.std(v) for (gg, *_), v in levels.items() if gg == g and len(v) > 2] or [float("nan")]))
+        for g in GROUPS
+    }
+    return {
+        "rows": rows,
+        "jump": jump,
+        "eval": tg.evaluate(plain, val_ids, run),
+        "bias": bias,
+        "cos": max(cosines, default=float("nan")),
+    }
 
 
 def low_over_high(buckets: list) -> float:
@@ -164,8 +183,9 @@ def repeat_bias(spec, model, opt, named, local, batch, repeats: int, hvd) -> dic
         opt.synchronize()
         decoded = torch.cat([p.grad.reshape(-1) for _, p, _ in named]).double()
         if exact is None:
-            exact = hvd.allreduce(torch.cat([local[n].reshape(-1) for n, _, _ in named]), op=hvd.Average,
-                                  name=f"adam_noise.bias.{spec}").double()
+            exact = hvd.allreduce(
+                torch.cat([local[n].reshape(-1) for n, _, _ in named]), op=hvd.Average, name=f"adam_noise.bias.{spec}"
+            ).double()
             total, squares = torch.zeros_like(decoded), torch.zeros_like(decoded)
         total += decoded
         squares += (decoded - exact) ** 2
@@ -182,24 +202,34 @@ def repeat_bias(spec, model, opt, named, local, batch, repeats: int, hvd) -> dic
 
 def report(results: dict, args, seconds: float) -> list[str]:
     argv = " ".join(sys.argv[1:])
-    lines = [f"# The quantization noise as AdamW sees it: GPT, real Horovod path", "",
-             f"Command: `mpirun -np {args.np} python -m scripts.study.adam_noise {argv}` "
-             f"({time.strftime('%Y-%m-%d')}, {seconds:.0f} s). The GPT run of the accuracy sweep "
-             f"(scripts/study/run_accuracy_gpt.py: AdamW betas 0.9/0.95, 250-step schedule with 30 warm-up "
-             f"steps, 8 x 64 characters per worker and step, bucket 8192, refits at steps 0 and 100, "
-             f"{args.np} workers, two-phase), seed {args.seed}, its first {args.steps} steps. Each step's decoded "
-             f"average gradient against the exact average of the same local gradients.", "",
-             "- rel: `||g^ - g||^2 / ||g||^2` of the group, mean over the window's steps (what the widths minimize);",
-             "- pre / sig: `mean_i (g^_i - g_i)^2 / v_i` and `mean_i g_i^2 / v_i` with AdamW's bias-corrected "
-             "second moment `v` before the step (the noise and the signal as AdamW scales them);",
-             "- jump: standard deviation over all measured steps of `log2` of a bucket's relative error, "
-             "median over the group's buckets (how much a coordinate's noise level moves between steps);",
-             "- cos: the largest |cosine| between the errors of consecutive steps;",
-             f"- bias: one batch's exchange repeated {args.repeats} times after the measured steps (no optimizer "
-             "step), per tensor `||mean - exact||^2` over its expectation for an unbiased exchange (near 1);",
-             "- eval: held-out loss after the last measured step.", ""]
-    head = "| method | steps | train loss | " + " | ".join(f"rel {g}" for g in GROUPS) + " | " + \
-        " | ".join(f"pre / sig {g}" for g in GROUPS) + " |"
+    lines = [
+        "# The quantization noise as AdamW sees it: GPT, real Horovod path",
+        "",
+        f"Command: `mpirun -np {args.np} python -m scripts.study.adam_noise {argv}` "
+        f"({time.strftime('%Y-%m-%d')}, {seconds:.0f} s). The GPT run of the accuracy sweep "
+        f"(scripts/study/run_accuracy_gpt.py: AdamW betas 0.9/0.95, 250-step schedule with 30 warm-up "
+        f"steps, 8 x 64 characters per worker and step, bucket 8192, refits at steps 0 and 100, "
+        f"{args.np} workers, two-phase), seed {args.seed}, its first {args.steps} steps. Each step's decoded "
+        f"average gradient against the exact average of the same local gradients.",
+        "",
+        "- rel: `||g^ - g||^2 / ||g||^2` of the group, mean over the window's steps (what the widths minimize);",
+        "- pre / sig: `mean_i (g^_i - g_i)^2 / v_i` and `mean_i g_i^2 / v_i` with AdamW's bias-corrected "
+        "second moment `v` before the step (the noise and the signal as AdamW scales them);",
+        "- jump: standard deviation over all measured steps of `log2` of a bucket's relative error, "
+        "median over the group's buckets (how much a coordinate's noise level moves between steps);",
+        "- cos: the largest |cosine| between the errors of consecutive steps;",
+        f"- bias: one batch's exchange repeated {args.repeats} times after the measured steps (no optimizer "
+        "step), per tensor `||mean - exact||^2` over its expectation for an unbiased exchange (near 1);",
+        "- eval: held-out loss after the last measured step.",
+        "",
+    ]
+    head = (
+        "| method | steps | train loss | "
+        + " | ".join(f"rel {g}" for g in GROUPS)
+        + " | "
+        + " | ".join(f"pre / sig {g}" for g in GROUPS)
+        + " |"
+    )
     lines += [head, "|---|---|---:|" + "---:|" * (2 * len(GROUPS))]
     for spec, r in results.items():
         rows = r["rows"]
@@ -208,27 +238,46 @@ def report(results: dict, args, seconds: float) -> list[str]:
 
             def mean(key):
                 return float(np.nanmean(rows[key][lo:hi])) if np.isfinite(rows[key][lo:hi]).any() else float("nan")
-            lines.append(f"| {spec} | {lo}-{hi} | {mean('loss'):.3f} | "
-                         + " | ".join(f"{mean(f'rel.{g}'):.3f}" for g in GROUPS) + " | "
-                         + " | ".join(f"{mean(f'pre.{g}'):.3f} / {mean(f'sig.{g}'):.3f}" for g in GROUPS) + " |")
-    lines += ["", "Where AdamW's noise sits: `pre` per coordinate in the buckets below the group's median norm "
-              "over those above it (1: spread evenly), mean over the window's steps:", "",
-              "| method | steps | " + " | ".join(f"low / high {g}" for g in GROUPS) + " |",
-              "|---|---|" + "---:|" * len(GROUPS)]
+
+            lines.append(
+                f"| {spec} | {lo}-{hi} | {mean('loss'):.3f} | "
+                + " | ".join(f"{mean(f'rel.{g}'):.3f}" for g in GROUPS)
+                + " | "
+                + " | ".join(f"{mean(f'pre.{g}'):.3f} / {mean(f'sig.{g}'):.3f}" for g in GROUPS)
+                + " |"
+            )
+    lines += [
+        "",
+        "Where AdamW's noise sits: `pre` per coordinate in the buckets below the group's median norm "
+        "over those above it (1: spread evenly), mean over the window's steps:",
+        "",
+        "| method | steps | " + " | ".join(f"low / high {g}" for g in GROUPS) + " |",
+        "|---|---|" + "---:|" * len(GROUPS),
+    ]
     for spec, r in results.items():
         rows = r["rows"]
         for lo in range(0, args.steps, args.window):
             hi = min(args.steps, lo + args.window)
             cells = [np.asarray(rows[f"split.{g}"][lo:hi], dtype=np.float64) for g in GROUPS]
-            lines.append(f"| {spec} | {lo}-{hi} | " + " | ".join(
-                f"{np.nanmean(c):.2f}" if np.isfinite(c).any() else "-" for c in cells) + " |")
-    lines += ["", f"| method | eval loss | " + " | ".join(f"jump {g}" for g in GROUPS)
-              + f" | cos | bias over {args.repeats} repeats (min-max over tensors) |",
-              "|---|---:|" + "---:|" * len(GROUPS) + "---:|---:|"]
+            lines.append(
+                f"| {spec} | {lo}-{hi} | "
+                + " | ".join(f"{np.nanmean(c):.2f}" if np.isfinite(c).any() else "-" for c in cells)
+                + " |"
+            )
+    lines += [
+        "",
+        "| method | eval loss | "
+        + " | ".join(f"jump {g}" for g in GROUPS)
+        + f" | cos | bias over {args.repeats} repeats (min-max over tensors) |",
+        "|---|---:|" + "---:|" * len(GROUPS) + "---:|---:|",
+    ]
     for spec, r in results.items():
         b = list(r["bias"].values())
-        lines.append(f"| {spec} | {r['eval']:.4f} | " + " | ".join(f"{r['jump'][g]:.2f}" for g in GROUPS)
-                     + f" | {r['cos']:.4f} | {min(b):.2f}-{max(b):.2f} |")
+        lines.append(
+            f"| {spec} | {r['eval']:.4f} | "
+            + " | ".join(f"{r['jump'][g]:.2f}" for g in GROUPS)
+            + f" | {r['cos']:.4f} | {min(b):.2f}-{max(b):.2f} |"
+        )
     return lines
 
 

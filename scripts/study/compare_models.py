@@ -22,7 +22,12 @@ from horovod_alq.core.adaptation import fit_alq_levels, fit_amq_multiplier
 from horovod_alq.core.distributions import NormWeightedMixture
 from horovod_alq.core.methods import multiplier_levels, uniform_levels
 from horovod_alq.core.statistics import (
-    SIGMA_FLOOR, distribution_from_statistics, grid_statistics, moments_of, normalize)
+    SIGMA_FLOOR,
+    distribution_from_statistics,
+    grid_statistics,
+    moments_of,
+    normalize,
+)
 from scripts.common.cnn import Net, load_digits
 
 
@@ -85,13 +90,17 @@ def main(argv=None) -> int:
                 table[(step, bucket)] = rows_for(g, args.bits, bucket)
         opt.step()
     cols = list(table)
-    lines = ["# Adapting to a model of the gradients, or to the gradients themselves", "",
-             f"Command: `python -m scripts.study.compare_models "
-             f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-             f"True normalized variance E||Q(g) - g||^2 / ||g||^2 (exact, {args.bits} bits) of the whole "
-             "gradient of the MNIST CNN in scripts/demo/train.py, at SGD step s, bucket size d. Lower is better.", "",
-             "| levels fitted to | " + " | ".join(f"s={s}, d={d}" for s, d in cols) + " |",
-             "|---|" + "---|" * len(cols)]
+    lines = [
+        "# Adapting to a model of the gradients, or to the gradients themselves",
+        "",
+        f"Command: `python -m scripts.study.compare_models {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        "",
+        f"True normalized variance E||Q(g) - g||^2 / ||g||^2 (exact, {args.bits} bits) of the whole "
+        "gradient of the MNIST CNN in scripts/demo/train.py, at SGD step s, bucket size d. Lower is better.",
+        "",
+        "| levels fitted to | " + " | ".join(f"s={s}, d={d}" for s, d in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
     for name in table[cols[0]]:
         lines.append(f"| {name} | " + " | ".join(f"{table[c][name]:.3f}" for c in cols) + " |")
     text = "\n".join(lines) + "\n"

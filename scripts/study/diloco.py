@@ -125,17 +125,18 @@ class PlainOuter:
                 self.bytes_sent += 8 * flat.numel() * (n - 1) // n
             else:  # int8, per-tensor absmax
                 scales = torch.stack([d.abs().max().clamp_min(1e-30) for d in deltas])
-                codes = torch.cat([torch.round(d / s * 127).clamp(-127, 127).to(torch.int8)
-                                   for d, s in zip(deltas, scales)])
+                codes = torch.cat(
+                    [torch.round(d / s * 127).clamp(-127, 127).to(torch.int8) for d, s in zip(deltas, scales)]
+                )
                 all_codes = torch.empty(n * codes.numel(), dtype=torch.int8)
                 all_scales = torch.empty(n * scales.numel())
                 dist.all_gather_into_tensor(all_codes, codes)
                 dist.all_gather_into_tensor(all_scales, scales)
                 total = torch.zeros(codes.numel())
                 for r in range(n):
-                    s = all_scales[r * scales.numel(): (r + 1) * scales.numel()]
+                    s = all_scales[r * scales.numel() : (r + 1) * scales.numel()]
                     per = torch.repeat_interleave(s, torch.tensor([d.numel() for d in deltas]))
-                    total += all_codes[r * codes.numel(): (r + 1) * codes.numel()].float() * per / 127
+                    total += all_codes[r * codes.numel() : (r + 1) * codes.numel()].float() * per / 127
                 avg = list(torch.split(total / n, [d.numel() for d in deltas]))
                 self.bytes_sent += (n - 1) * (codes.numel() + 4 * len(deltas))
             for p, g, m, a in zip(self.params, self.global_params, self.momentum, avg):
@@ -164,9 +165,19 @@ def run_row(row: str, args, data) -> dict:
     if kind in ("fp32", "int8"):
         outer = PlainOuter(model, inner, h, kind, args.outer_lr, args.outer_momentum)
     elif kind != "fp16":
-        outer = DiLoCo(model, inner, sync_every=h, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                       method=kind, bits=bits, error_feedback=ef, bucket_size=args.bucket_size,
-                       exchange="allgather", seed=args.seed)
+        outer = DiLoCo(
+            model,
+            inner,
+            sync_every=h,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            method=kind,
+            bits=bits,
+            error_feedback=ef,
+            bucket_size=args.bucket_size,
+            exchange="allgather",
+            seed=args.seed,
+        )
     params = [p for p in model.parameters()]
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     dp_bytes, seconds, curve = 0, 0.0, []
@@ -189,15 +200,22 @@ def run_row(row: str, args, data) -> dict:
             outer.step()
         seconds += time.perf_counter() - start
         if (step + 1) % args.eval_every == 0:
-            sent = dp_bytes if outer is None else (
-                outer.bytes_sent if isinstance(outer, PlainOuter) else outer.metrics()["total_bytes_sent"])
+            sent = (
+                dp_bytes
+                if outer is None
+                else (outer.bytes_sent if isinstance(outer, PlainOuter) else outer.metrics()["total_bytes_sent"])
+            )
             loss = evaluate(model, val_ids, args) if rank == 0 else float("nan")
             curve.append([step + 1, int(sent), seconds, loss])
     out = {"row": row, "curve": curve, "final_loss": curve[-1][3], "bytes": curve[-1][1], "seconds": seconds}
     if isinstance(outer, DiLoCo):
         m = outer.metrics()
-        out.update(bits_per_coordinate=m["bits_per_coordinate"], level_updates=m["level_updates"],
-                   outer_steps=m["outer_steps"], levels=[float(v) for v in m["levels"]])
+        out.update(
+            bits_per_coordinate=m["bits_per_coordinate"],
+            level_updates=m["level_updates"],
+            outer_steps=m["outer_steps"],
+            levels=[float(v) for v in m["levels"]],
+        )
     dist.barrier()
     return out
 
@@ -216,25 +234,70 @@ def worker(args) -> int:
         results[row] = run_row(row, args, data)
         if dist.get_rank() == 0:
             r = results[row]
-            print(f"seed {args.seed} {row:>16}: held-out loss {r['final_loss']:.4f}, {r['bytes'] / 1e6:.2f} MB sent, "
-                  f"{r['seconds']:.1f} s", flush=True)
+            print(
+                f"seed {args.seed} {row:>16}: held-out loss {r['final_loss']:.4f}, {r['bytes'] / 1e6:.2f} MB sent, "
+                f"{r['seconds']:.1f} s",
+                flush=True,
+            )
     if dist.get_rank() == 0:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "workers": dist.get_world_size(),
-                                               "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "workers": dist.get_world_size(), "results": results}, indent=1)
+        )
     dist.destroy_process_group()
     return 0
 
 
 # ---------------------------------------------------------------------------------- the driver
 def launch(args, seed: int, path: Path) -> None:
-    passed = ["--rows", args.rows, "--steps", args.steps, "--batch-size", args.batch_size, "--context", args.context,
-              "--width", args.width, "--layers", args.layers, "--heads", args.heads, "--lr", args.lr,
-              "--warmup", args.warmup, "--weight-decay", args.weight_decay, "--outer-lr", args.outer_lr,
-              "--outer-momentum", args.outer_momentum, "--bucket-size", args.bucket_size,
-              "--eval-every", args.eval_every, "--eval-windows", args.eval_windows]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers),
-           "-m", "scripts.study.diloco", "--worker", "--seed", str(seed), "--json", str(path), *map(str, passed)]
+    passed = [
+        "--rows",
+        args.rows,
+        "--steps",
+        args.steps,
+        "--batch-size",
+        args.batch_size,
+        "--context",
+        args.context,
+        "--width",
+        args.width,
+        "--layers",
+        args.layers,
+        "--heads",
+        args.heads,
+        "--lr",
+        args.lr,
+        "--warmup",
+        args.warmup,
+        "--weight-decay",
+        args.weight_decay,
+        "--outer-lr",
+        args.outer_lr,
+        "--outer-momentum",
+        args.outer_momentum,
+        "--bucket-size",
+        args.bucket_size,
+        "--eval-every",
+        args.eval_every,
+        "--eval-windows",
+        args.eval_windows,
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.workers),
+        "-m",
+        "scripts.study.diloco",
+        "--worker",
+        "--seed",
+        str(seed),
+        "--json",
+        str(path),
+        *map(str, passed),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
@@ -256,11 +319,15 @@ def summarize(runs: dict[int, dict], args) -> str:
     rows = [r for r in args.rows.split(",") if all(r in run["results"] for run in runs.values())]
     base = "h50-fp32" if "h50-fp32" in rows else rows[0]
     seeds = sorted(runs)
-    lines = [f"Held-out loss of the character GPT after {args.steps} inner steps per worker, {args.workers} "
-             f"workers, seeds {', '.join(map(str, seeds))} (mean ± standard error over seeds; difference: same seed, "
-             f"against {base}). Wall-clock: this machine's measured loop time plus the bytes at {args.rate:g} Mbit/s.",
-             "", f"| row | held-out loss (nats/char) | vs {base} | MB sent per worker | bytes vs {base} | "
-             f"modeled wall-clock (s) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"Held-out loss of the character GPT after {args.steps} inner steps per worker, {args.workers} "
+        f"workers, seeds {', '.join(map(str, seeds))} (mean ± standard error over seeds; difference: same seed, "
+        f"against {base}). Wall-clock: this machine's measured loop time plus the bytes at {args.rate:g} Mbit/s.",
+        "",
+        f"| row | held-out loss (nats/char) | vs {base} | MB sent per worker | bytes vs {base} | "
+        f"modeled wall-clock (s) |",
+        "|---|---|---|---|---|---|",
+    ]
     base_bytes = sum(runs[s]["results"][base]["bytes"] for s in seeds) / len(seeds)
     for row in rows:
         res = [runs[s]["results"][row] for s in seeds]
@@ -269,8 +336,10 @@ def summarize(runs: dict[int, dict], args) -> str:
         mbytes = sum(r["bytes"] for r in res) / len(res)
         wall, _ = _mean_se([r["seconds"] + 8 * r["bytes"] / (args.rate * 1e6) for r in res])
         ratio = mbytes / base_bytes if base_bytes else float("nan")
-        lines.append(f"| {row} | {loss:.4f}{_se(loss_se)} | {diff:+.4f}{_se(diff_se)} | {mbytes / 1e6:.3f} | "
-                     f"{ratio:.4f} | {wall:.1f} |")
+        lines.append(
+            f"| {row} | {loss:.4f}{_se(loss_se)} | {diff:+.4f}{_se(diff_se)} | {mbytes / 1e6:.3f} | "
+            f"{ratio:.4f} | {wall:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -32,8 +32,13 @@ from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
 from scripts.common.threaded import Hub
 
-ROWS = [("flat allgather", "allgather", 3), ("flat two-phase", "two-phase", 3), ("hierarchical", "hierarchical", 3),
-        ("hierarchical", "hierarchical", 4), ("hierarchical", "hierarchical", 5)]
+ROWS = [
+    ("flat allgather", "allgather", 3),
+    ("flat two-phase", "two-phase", 3),
+    ("hierarchical", "hierarchical", 3),
+    ("hierarchical", "hierarchical", 4),
+    ("hierarchical", "hierarchical", 5),
+]
 
 
 def cnn_gradients(ranks: int, warmup: int, batch: int, seed: int) -> list[list[np.ndarray]]:
@@ -85,9 +90,13 @@ def measure(grads: list[list[np.ndarray]], g: int, exchange: str, bits: int, rou
     (rounds after the first, which fits the levels) and the bytes sent between nodes per round."""
     n = len(grads)
     exact = [np.mean([gr[k].astype(np.float64) for gr in grads], axis=0) for k in range(len(grads[0]))]
-    norm2 = sum(float((e ** 2).sum()) for e in exact)
-    setups = [configure(Settings("alq", bits, bucket, seed=11, exchange=exchange, update_steps=(0,), update_every=0,
-                                 min_size=1024)) for _ in range(n)]
+    norm2 = sum(float((e**2).sum()) for e in exact)
+    setups = [
+        configure(
+            Settings("alq", bits, bucket, seed=11, exchange=exchange, update_steps=(0,), update_every=0, min_size=1024)
+        )
+        for _ in range(n)
+    ]
     engines = [s.engine(uid="study") for s in setups]
     ops = NumpyOps()
     errors, inter = [], []
@@ -107,8 +116,12 @@ def measure(grads: list[list[np.ndarray]], g: int, exchange: str, bits: int, rou
         errors.append(sum(float(((o.astype(np.float64) - e) ** 2).sum()) for o, e in zip(outs[0], exact)) / norm2)
         inter.append(sum(b for t in transports for dst, b in t.sent_to.items() if dst // g != t.rank // g))
     errors = np.asarray(errors)
-    return {"error": float(errors.mean()), "error_se": float(errors.std(ddof=1) / np.sqrt(len(errors))),
-            "inter_node_bytes": int(np.mean(inter)), "exchange_used": setups[0].state.exchange}
+    return {
+        "error": float(errors.mean()),
+        "error_se": float(errors.std(ddof=1) / np.sqrt(len(errors))),
+        "inter_node_bytes": int(np.mean(inter)),
+        "exchange_used": setups[0].state.exchange,
+    }
 
 
 def main(argv=None) -> None:
@@ -137,8 +150,18 @@ def main(argv=None) -> None:
                     continue  # one node, or nodes of unequal size
                 for label, exchange, bits in ROWS:
                     res = measure(grads, g, exchange, bits, args.rounds, args.bucket)
-                    results.append({"model": model, "coordinates": coords, "ranks": ranks, "local_size": g,
-                                    "row": label, "exchange": exchange, "bits": bits, **res})
+                    results.append(
+                        {
+                            "model": model,
+                            "coordinates": coords,
+                            "ranks": ranks,
+                            "local_size": g,
+                            "row": label,
+                            "exchange": exchange,
+                            "bits": bits,
+                            **res,
+                        }
+                    )
                     print(json.dumps(results[-1]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -151,27 +174,34 @@ def main(argv=None) -> None:
 def render(results: list[dict], args, seconds: float, command: str | None = None) -> str:
     """The page: one table per model and node layout, ratios to the flat two-phase exchange at 3 bits."""
     command = command or f"`python -m scripts.study.hierarchical_error{' --quick' if args.quick else ''}`"
-    lines = ["# Hierarchical exchange: quantization error and bytes between nodes on real gradients\n",
-             f"{command} ({time.strftime('%Y-%m-%d')}, {seconds:.0f} s on this project's 2-core CPU machine): "
-             f"ranks as threads standing for them, ALQ with max-abs buckets of {args.bucket}, levels fitted "
-             f"in a first round to the same gradients, {args.rounds} rounds of fresh rounding noise after it; "
-             f"gradients after {args.warmup} steps of plain training, minibatches of {args.batch} per rank. "
-             "Error: ||mean_Q - mean||^2 / ||mean||^2 (mean +- s.e. over rounds). Bytes between nodes: every "
-             "byte a rank sent to a rank of another node in one step, all ranks together (counted on the "
-             "transports; headers included).\n"]
+    lines = [
+        "# Hierarchical exchange: quantization error and bytes between nodes on real gradients\n",
+        f"{command} ({time.strftime('%Y-%m-%d')}, {seconds:.0f} s on this project's 2-core CPU machine): "
+        f"ranks as threads standing for them, ALQ with max-abs buckets of {args.bucket}, levels fitted "
+        f"in a first round to the same gradients, {args.rounds} rounds of fresh rounding noise after it; "
+        f"gradients after {args.warmup} steps of plain training, minibatches of {args.batch} per rank. "
+        "Error: ||mean_Q - mean||^2 / ||mean||^2 (mean +- s.e. over rounds). Bytes between nodes: every "
+        "byte a rank sent to a rank of another node in one step, all ranks together (counted on the "
+        "transports; headers included).\n",
+    ]
     layouts = sorted(dict.fromkeys((r["model"], r["ranks"], r["local_size"]) for r in results))
     for model, ranks, g in layouts:
         rows = [r for r in results if (r["model"], r["ranks"], r["local_size"]) == (model, ranks, g)]
         ref = next(r for r in rows if r["exchange"] == "two-phase")
         lines.append(f"\n## {model.upper()} ({rows[0]['coordinates']:,} coordinates), {ranks // g} nodes x {g} ranks\n")
-        lines.append("| exchange | bits | error | error / flat two-phase 3 bits | bytes between nodes | "
-                     "bytes / flat two-phase 3 bits |")
+        lines.append(
+            "| exchange | bits | error | error / flat two-phase 3 bits | bytes between nodes | "
+            "bytes / flat two-phase 3 bits |"
+        )
         lines.append("|---|---|---|---|---|---|")
         for r in rows:
-            lines.append(f"| {r['row']} | {r['bits']} | {r['error']:.4f} +- {r['error_se']:.4f} | "
-                         f"{r['error'] / ref['error']:.2f} | {r['inter_node_bytes']:,} | "
-                         f"{r['inter_node_bytes'] / ref['inter_node_bytes']:.2f} |")
+            lines.append(
+                f"| {r['row']} | {r['bits']} | {r['error']:.4f} +- {r['error_se']:.4f} | "
+                f"{r['error'] / ref['error']:.2f} | {r['inter_node_bytes']:,} | "
+                f"{r['inter_node_bytes'] / ref['inter_node_bytes']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
+
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,8 @@ Runs ``test/parallel/test_torch.py`` (or ``test_tensorflow.py``) under ``mpirun 
 file loaded into pytest as a plugin (``-p scripts.study.horovod_suite``) on every rank. The plugin wraps every
 Horovod call that takes a ``compression=`` argument (torch: ``allreduce``, ``grouped_allreduce``,
 ``reducescatter``, ``grouped_reducescatter``, ``DistributedOptimizer``; TensorFlow: the same plus
-``DistributedGradientTape``, ``PartialDistributedGradientTape``); where the argument is missing or ``Compression.none`` it becomes
+``DistributedGradientTape``, ``PartialDistributedGradientTape``); where the argument is missing or
+``Compression.none`` it becomes
 ``ALQCompressor(bits=3, bucket_size=512, min_size=16)`` (one compressor per test, made for the
 global process set, by default). Calls without a ``compression=`` parameter (``allreduce_async``,
 ``allreduce_``, ...) are Horovod's own.
@@ -50,32 +51,59 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTES_MARK = "<!-- notes -->"
 
-MPI_OPTIONS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-               "--mca", "btl", "self,vader,tcp", "--mca", "btl_vader_single_copy_mechanism", "none",
-               "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
-RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-            "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONUNBUFFERED": "1",
-            "CUDA_VISIBLE_DEVICES": ""}
-SUITES = {"torch": "test_torch.py", "tensorflow": "test_tensorflow.py",
-          "tensorflow-process-sets": "test_tensorflow_process_sets.py"}  # (static sets: its own hvd.init)
+MPI_OPTIONS = [
+    "--allow-run-as-root",
+    "--oversubscribe",
+    "--bind-to",
+    "none",
+    "--mca",
+    "btl",
+    "self,vader,tcp",
+    "--mca",
+    "btl_vader_single_copy_mechanism",
+    "none",
+    "--mca",
+    "btl_tcp_if_include",
+    "lo",
+    "--mca",
+    "oob_tcp_if_include",
+    "lo",
+]
+RANK_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "PYTHONUNBUFFERED": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+}
+SUITES = {
+    "torch": "test_torch.py",
+    "tensorflow": "test_tensorflow.py",
+    "tensorflow-process-sets": "test_tensorflow_process_sets.py",
+}  # (static sets: its own hvd.init)
 # environment of the plugin inside the ranks
-ENV_OUT, ENV_SKIP, ENV_TIMEOUT, ENV_INJECT = ("HOROVOD_SUITE_OUT", "HOROVOD_SUITE_SKIP", "HOROVOD_SUITE_TEST_TIMEOUT",
-                                              "HOROVOD_SUITE_INJECT")
+ENV_OUT, ENV_SKIP, ENV_TIMEOUT, ENV_INJECT = (
+    "HOROVOD_SUITE_OUT",
+    "HOROVOD_SUITE_SKIP",
+    "HOROVOD_SUITE_TEST_TIMEOUT",
+    "HOROVOD_SUITE_INJECT",
+)
 MAX_ALONE = 10  # at most this many tests that look like real problems are re-run alone
 SYNC_WAIT = 30  # seconds a rank that finished a test waits for the others to finish it
 GRACE = 15  # seconds a rank whose watchdog fired waits (so the other ranks dump too) before it exits
@@ -97,6 +125,7 @@ PREFIX = "horovod_alq"
 
 # =============================================================================================
 # The plugin (runs inside every rank's pytest)
+
 
 class _Injector:
     """Wraps Horovod's functions that take ``compression=`` so that none / missing becomes ours."""
@@ -130,8 +159,12 @@ class _Injector:
             try:
                 if self.framework == "torch":
                     import torch
-                    ok = t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and \
-                        t.numel() >= min_size and not t.is_sparse
+
+                    ok = (
+                        t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+                        and t.numel() >= min_size
+                        and not t.is_sparse
+                    )
                 else:
                     n = t.shape.num_elements()  # None: unknown in a graph; counted
                     ok = t.dtype.is_floating and (n is None or n >= min_size)
@@ -142,6 +175,7 @@ class _Injector:
     def wrap(self, module, name: str) -> None:
         import functools
         import inspect
+
         original = getattr(module, name, None)
         if original is None or getattr(original, "_horovod_suite", False):
             return
@@ -198,7 +232,9 @@ def _install(framework: str) -> _Injector:
         # backward, the optimizer's allreduce_async_) keep their own arguments
         import horovod.torch as hvd
         import horovod.torch.mpi_ops as mpi_ops
+
         from horovod_alq.torch import ALQCompressor
+
         modules = [hvd, mpi_ops] if internal else [hvd]
         names = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter", "DistributedOptimizer"]
     else:
@@ -206,14 +242,25 @@ def _install(framework: str) -> _Injector:
             # upstream ends test_tensorflow.py with run_all_in_graph_and_eager_modes(TensorFlowTests):
             # every test first in a TF1 graph with a session, then eagerly. Eager only: TF2's default
             from tensorflow.python.framework import test_util
+
             test_util.run_all_in_graph_and_eager_modes = lambda cls: cls
         import horovod.tensorflow as hvd
+
         from horovod_alq.tensorflow import ALQCompressor
+
         modules = [hvd]
-        names = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter", "DistributedOptimizer",
-                 "DistributedGradientTape", "PartialDistributedGradientTape"]
-    injector = _Injector(framework, lambda: ALQCompressor(bits=bits, bucket_size=bucket, min_size=min_size), scope,
-                         internal)
+        names = [
+            "allreduce",
+            "grouped_allreduce",
+            "reducescatter",
+            "grouped_reducescatter",
+            "DistributedOptimizer",
+            "DistributedGradientTape",
+            "PartialDistributedGradientTape",
+        ]
+    injector = _Injector(
+        framework, lambda: ALQCompressor(bits=bits, bucket_size=bucket, min_size=min_size), scope, internal
+    )
     for module in modules:
         for name in names:
             injector.wrap(module, name)
@@ -228,6 +275,7 @@ def pytest_configure(config) -> None:
         import mock  # noqa: F401
     except ImportError:
         import unittest.mock
+
         sys.modules["mock"] = unittest.mock
     rank = _rank()
     _STATE["rank"] = rank
@@ -236,14 +284,22 @@ def pytest_configure(config) -> None:
     _STATE["timeout"] = float(os.environ.get(ENV_TIMEOUT, "180"))
     (Path(out) / f"rank{rank}.pid").write_text(str(os.getpid()))
     import faulthandler
+
     _STATE["usr1"] = open(_STATE["hang_path"], "a")
     faulthandler.register(signal.SIGUSR1, file=_STATE["usr1"], all_threads=True)  # asked by a rank that left
     framework = os.environ.get("HOROVOD_SUITE_FRAMEWORK", "torch")
     if os.environ.get(ENV_INJECT, "1") == "1":
         _STATE["injector"] = _install(framework)
     import horovod_alq
-    _write({"event": "configure", "rank": rank, "horovod_alq": horovod_alq.__file__,
-            "inject": os.environ.get(ENV_INJECT, "1") == "1"})
+
+    _write(
+        {
+            "event": "configure",
+            "rank": rank,
+            "horovod_alq": horovod_alq.__file__,
+            "inject": os.environ.get(ENV_INJECT, "1") == "1",
+        }
+    )
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -260,6 +316,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def _watchdog_fire(nodeid: str) -> None:
     import faulthandler
+
     with open(_STATE["hang_path"], "a") as f:
         f.write(f"=== rank {_STATE['rank']}: {nodeid} ran past {_STATE['timeout']:g} s; stacks:\n")
         f.flush()
@@ -304,8 +361,10 @@ def _sync_with_others(nodeid: str, outcome: str) -> None:
             if r not in got:
                 try:
                     with open(_STATE["hang_path"].with_name(f"rank{r}.stacks.txt"), "a") as f:
-                        f.write(f"=== rank {r}: still in {nodeid} {SYNC_WAIT} s after rank {_STATE['rank']} "
-                                f"finished it ({got.get(_STATE['rank'])}); stacks:\n")
+                        f.write(
+                            f"=== rank {r}: still in {nodeid} {SYNC_WAIT} s after rank {_STATE['rank']} "
+                            f"finished it ({got.get(_STATE['rank'])}); stacks:\n"
+                        )
                     os.kill(int(Path(os.environ[ENV_OUT], f"rank{r}.pid").read_text()), signal.SIGUSR1)
                 except (OSError, ValueError):
                     pass
@@ -314,6 +373,7 @@ def _sync_with_others(nodeid: str, outcome: str) -> None:
     if "failed" in mixed:
         try:
             from horovod.common import process_sets as ps
+
             if ps._basics is not None and ps._basics.is_initialized():
                 for pid in sorted(ps._basics._get_process_set_ids_and_ranks()):
                     if pid != 0:
@@ -332,6 +392,7 @@ def _runtest_protocol_wrapper():
             return
         import faulthandler
         import threading
+
         injector = _STATE.get("injector")
         if injector is not None:
             injector.new_test()
@@ -357,9 +418,19 @@ def _runtest_protocol_wrapper():
                 break
             if rep["outcome"] == "skipped" and outcome == "passed":
                 outcome, phase, message = "skipped", rep["when"], rep["message"]
-        _write({"event": "result", "test": item.nodeid, "rank": _STATE["rank"], "outcome": outcome,
-                "phase": phase, "message": message, "seconds": round(time.monotonic() - start, 2),
-                "calls": injector.calls if injector else 0, "quantized": injector.quantized if injector else 0})
+        _write(
+            {
+                "event": "result",
+                "test": item.nodeid,
+                "rank": _STATE["rank"],
+                "outcome": outcome,
+                "phase": phase,
+                "message": message,
+                "seconds": round(time.monotonic() - start, 2),
+                "calls": injector.calls if injector else 0,
+                "quantized": injector.quantized if injector else 0,
+            }
+        )
         _sync_with_others(item.nodeid, outcome)
 
     return pytest_runtest_protocol
@@ -391,36 +462,58 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 # =============================================================================================
 # The driver
 
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Categories and method: see the module docstring / docs/horovod_suite.md.")
-    p.add_argument("--horovod-test-dir", type=Path,
-                   help="Horovod's test/ folder at tag v0.28.1 (holds parallel/ and utils/)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Categories and method: see the module docstring / docs/horovod_suite.md.",
+    )
+    p.add_argument(
+        "--horovod-test-dir", type=Path, help="Horovod's test/ folder at tag v0.28.1 (holds parallel/ and utils/)"
+    )
     p.add_argument("--framework", choices=sorted(SUITES), default="torch")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (a subset)")
-    p.add_argument("--quick", action="store_true",
-                   help="a few tests only (allreduce, process sets, optimizer): a smoke run")
+    p.add_argument(
+        "--quick", action="store_true", help="a few tests only (allreduce, process sets, optimizer): a smoke run"
+    )
     p.add_argument("--test-timeout", type=float, default=180, help="seconds per test before it counts as a hang")
-    p.add_argument("--alq-timeout", type=float, default=120,
-                   help="HOROVOD_ALQ_TIMEOUT in the ranks (below --test-timeout, so a bounded wait raises first)")
+    p.add_argument(
+        "--alq-timeout",
+        type=float,
+        default=120,
+        help="HOROVOD_ALQ_TIMEOUT in the ranks (below --test-timeout, so a bounded wait raises first)",
+    )
     p.add_argument("--total-timeout", type=float, default=5400, help="seconds for all launches together")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket-size", type=int, default=512)
     p.add_argument("--min-size", type=int, default=16)
-    p.add_argument("--scope", choices=["test", "session", "call"], default="test",
-                   help="a compressor per test (default), one for the whole run, or one per call")
-    p.add_argument("--internal", action="store_true",
-                   help="also Horovod's internal calls (the allreduce in allgather's / broadcast's backward)")
-    p.add_argument("--tf-eager-only", action="store_true",
-                   help="TensorFlow: run each test eagerly only (upstream runs it in a TF1 graph with a session "
-                        "first, then eagerly); results under the label tensorflow-eager")
+    p.add_argument(
+        "--scope",
+        choices=["test", "session", "call"],
+        default="test",
+        help="a compressor per test (default), one for the whole run, or one per call",
+    )
+    p.add_argument(
+        "--internal",
+        action="store_true",
+        help="also Horovod's internal calls (the allreduce in allgather's / broadcast's backward)",
+    )
+    p.add_argument(
+        "--tf-eager-only",
+        action="store_true",
+        help="TensorFlow: run each test eagerly only (upstream runs it in a TF1 graph with a session "
+        "first, then eagerly); results under the label tensorflow-eager",
+    )
     p.add_argument("--no-baseline", action="store_true", help="do not re-run non-passing tests without the compressor")
     p.add_argument("--results-dir", type=Path, default=ROOT / "build" / "horovod_suite")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "horovod_suite.md")
-    p.add_argument("--merge", action="store_true",
-                   help="replace only the tests run now in the framework's existing results (with -k)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only the tests run now in the framework's existing results (with -k)",
+    )
     p.add_argument("--report-only", action="store_true", help="rewrite --out from the JSON in --results-dir")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
@@ -443,24 +536,64 @@ def _stop_current(*_):
     sys.exit(130)
 
 
-def _launch(args, test_file: Path, out: Path, skip_file: Path, inject: bool, keyword: str | None,
-            selection: list | None, deadline: float, log) -> int:
-    env = {**os.environ, **RANK_ENV, ENV_OUT: str(out), ENV_SKIP: str(skip_file),
-           ENV_TIMEOUT: str(args.test_timeout), ENV_INJECT: "1" if inject else "0",
-           "HOROVOD_SUITE_FRAMEWORK": args.framework, "HOROVOD_SUITE_BITS": str(args.bits),
-           "HOROVOD_SUITE_BUCKET": str(args.bucket_size), "HOROVOD_SUITE_MIN_SIZE": str(args.min_size),
-           "HOROVOD_SUITE_SCOPE": args.scope,
-           "HOROVOD_SUITE_INTERNAL": "1" if args.internal else "0",
-           "HOROVOD_SUITE_TF_EAGER": "1" if args.tf_eager_only else "0", "HOROVOD_ALQ_TIMEOUT": str(args.alq_timeout),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), args.python, "-m", "pytest",
-           "-p", "scripts.study.horovod_suite", "-q", "-rN", "--no-header", "-p", "no:cacheprovider", *(selection or [test_file.name])]
+def _launch(
+    args,
+    test_file: Path,
+    out: Path,
+    skip_file: Path,
+    inject: bool,
+    keyword: str | None,
+    selection: list | None,
+    deadline: float,
+    log,
+) -> int:
+    env = {
+        **os.environ,
+        **RANK_ENV,
+        ENV_OUT: str(out),
+        ENV_SKIP: str(skip_file),
+        ENV_TIMEOUT: str(args.test_timeout),
+        ENV_INJECT: "1" if inject else "0",
+        "HOROVOD_SUITE_FRAMEWORK": args.framework,
+        "HOROVOD_SUITE_BITS": str(args.bits),
+        "HOROVOD_SUITE_BUCKET": str(args.bucket_size),
+        "HOROVOD_SUITE_MIN_SIZE": str(args.min_size),
+        "HOROVOD_SUITE_SCOPE": args.scope,
+        "HOROVOD_SUITE_INTERNAL": "1" if args.internal else "0",
+        "HOROVOD_SUITE_TF_EAGER": "1" if args.tf_eager_only else "0",
+        "HOROVOD_ALQ_TIMEOUT": str(args.alq_timeout),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    cmd = [
+        "mpirun",
+        *MPI_OPTIONS,
+        "-np",
+        str(args.np),
+        args.python,
+        "-m",
+        "pytest",
+        "-p",
+        "scripts.study.horovod_suite",
+        "-q",
+        "-rN",
+        "--no-header",
+        "-p",
+        "no:cacheprovider",
+        *(selection or [test_file.name]),
+    ]
     if keyword:
         cmd += ["-k", keyword]
     print(f"[launch] {'with' if inject else 'WITHOUT'} the compressor: {shlex.join(cmd)}", file=log, flush=True)
     budget = max(30.0, deadline - time.monotonic())
-    proc = subprocess.Popen(cmd, env=env, cwd=test_file.parent, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=test_file.parent,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     _CURRENT[:] = [proc]
     try:
         return proc.wait(timeout=budget)
@@ -502,8 +635,16 @@ def _read(out: Path, np: int) -> tuple[dict, dict, set]:
     return results, started, finished
 
 
-def run_suite(args, test_file: Path, out: Path, inject: bool, keyword: str | None, log, deadline: float,
-              selection: list | None = None) -> dict:
+def run_suite(
+    args,
+    test_file: Path,
+    out: Path,
+    inject: bool,
+    keyword: str | None,
+    log,
+    deadline: float,
+    selection: list | None = None,
+) -> dict:
     """Run (and relaunch past hangs and crashes) until every selected test has a result."""
     out.mkdir(parents=True, exist_ok=True)
     skip_file = out / "skip.txt"
@@ -530,14 +671,21 @@ def run_suite(args, test_file: Path, out: Path, inject: bool, keyword: str | Non
             desync = got.pop("desync", None)
             if desync is not None and got and all(g["outcome"] != "hang" for g in got.values()):
                 # some ranks failed, the others were left in the test (or passed): ended there
-                final[test] = {"ranks": got, "desync": True,
-                               "stacks": {r: st[-12000:] for r, st in stacks.items() if r not in got}}
+                final[test] = {
+                    "ranks": got,
+                    "desync": True,
+                    "stacks": {r: st[-12000:] for r, st in stacks.items() if r not in got},
+                }
             elif len(got) == args.np and all(g["outcome"] != "hang" for g in got.values()):
                 final[test] = {"ranks": got}
             else:  # the launch ended inside this test: a hang (watchdog) or a crash
                 kind = "hang" if any(g["outcome"] == "hang" for g in got.values()) else "crash"
-                final[test] = {"ranks": got, "interrupted": kind, "rc": rc,
-                               "stacks": {r: st[-12000:] for r, st in stacks.items()}}
+                final[test] = {
+                    "ranks": got,
+                    "interrupted": kind,
+                    "rc": rc,
+                    "stacks": {r: st[-12000:] for r, st in stacks.items()},
+                }
         skip_file.write_text("\n".join(final) + "\n")
         if len(finished) == args.np or not progressed or (selection and all(t in final for t in selection)):
             break
@@ -596,21 +744,27 @@ def _where(message: str) -> str:
 
 
 def _versions(python: str) -> dict:
-    code = ("import json,platform,horovod,horovod_alq,pytest;v={'python':platform.python_version(),"
-            "'horovod':horovod.__version__,'pytest':pytest.__version__}\n"
-            "try:\n import torch;v['torch']=torch.__version__\nexcept Exception: pass\n"
-            "try:\n import tensorflow as tf;v['tensorflow']=tf.__version__\nexcept Exception: pass\n"
-            "print(json.dumps(v))")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    code = (
+        "import json,platform,horovod,horovod_alq,pytest;v={'python':platform.python_version(),"
+        "'horovod':horovod.__version__,'pytest':pytest.__version__}\n"
+        "try:\n import torch;v['torch']=torch.__version__\nexcept Exception: pass\n"
+        "try:\n import tensorflow as tf;v['tensorflow']=tf.__version__\nexcept Exception: pass\n"
+        "print(json.dumps(v))"
+    )
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     try:
         out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
         v = json.loads(out.strip().splitlines()[-1])
     except Exception:  # noqa: BLE001
         v = {}
     try:
-        v["horovod_alq commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                                 capture_output=True, text=True).stdout.strip()
+        v["horovod_alq commit"] = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         pass
     return v
@@ -625,15 +779,18 @@ def _compact_stack(text: str) -> list:
             main = False
         elif line.startswith("Current thread") or line.startswith("Thread") and "most recent call first" in line:
             main = line.startswith("Current thread")
-        elif main and line.strip().startswith("File") and not any(
-                k in line for k in ("_pytest", "pluggy", "unittest/case.py", "threading.py")):
+        elif (
+            main
+            and line.strip().startswith("File")
+            and not any(k in line for k in ("_pytest", "pluggy", "unittest/case.py", "threading.py"))
+        ):
             out.append("  " + line.strip())
     return out
 
 
 CATEGORY_TEXT = {
     "precision": "expected precision failure (a quantized result compared with an exact one at upstream's tolerance; "
-                 "passes without the compressor)",
+    "passes without the compressor)",
     "refusal": "expected refusal (a documented horovod_alq refusal of what the test asks for)",
     "real": "real problem",
     "hang": "hang (the per-test watchdog fired)",
@@ -649,44 +806,64 @@ def write_report(results_dir: Path, out: Path) -> None:
     notes = ""
     if out.exists() and NOTES_MARK in out.read_text():
         notes = out.read_text().split(NOTES_MARK, 1)[1]
-    lines = ["# Horovod's own test suite with ALQ injected as every compression", "",
-             "Written by `scripts/study/horovod_suite.py` (its docstring has the method). Upstream's tests are not "
-             "in the PyPI sdist; take them from Horovod's repository at the tag of the installed version:", "",
-             "```", "git clone --depth 1 --branch v0.28.1 https://github.com/horovod/horovod /tmp/horovod", "```", "",
-             "Every Horovod call with a `compression=` parameter (torch: `allreduce`, `grouped_allreduce`, "
-             "`reducescatter`, `grouped_reducescatter`, `DistributedOptimizer`; TensorFlow: also "
-             "`DistributedGradientTape`, `PartialDistributedGradientTape`) gets the compressor where the test passes none or `Compression.none`. "
-             "Calls without that parameter (`allreduce_async`, `allreduce_`, `broadcast`, ...) stay Horovod's.", "",
-             "Categories: **precision**: an assertion failed without a horovod_alq error, the compressor quantized "
-             "tensors in the test, and the test passes when re-run without it (upstream compares the quantized sum "
-             "with an exact one at `torch.allclose(rtol=0)`, atol 1e-8, for up to 3 ranks; 1e-6-scale in TF); "
-             "**refusal**: horovod_alq's documented refusal of what the test asks for (op=Min/Max/Product, Adasum, "
-             "`hvd.join`, reducescatter with compression, a compressor of the global set in an allreduce over another "
-             "set when the error names the process set), raised on every rank; **baseline**: fails without the "
-             "compressor too (torch or Horovod version, not horovod_alq); **real**: anything else; **hang**: the "
-             "per-test watchdog fired (the ranks' stacks are dumped). The ranks are kept in step through their result "
-             "files: a test that fails on some ranks only ends the launch (the ranks still in it dump their stacks, "
-             "shown below) and the next launch goes on with the next test; a test that raised before removing its "
-             "process sets has them removed. A hang, a crash, a test that failed on some ranks only, and (up to 10) "
-             "tests that look like real problems are re-run alone in fresh processes; their category is from that "
-             "run. Column ranks: each rank's outcome (left waiting: still in the test 30 s after another rank "
-             "finished it).", ""]
+    lines = [
+        "# Horovod's own test suite with ALQ injected as every compression",
+        "",
+        "Written by `scripts/study/horovod_suite.py` (its docstring has the method). Upstream's tests are not "
+        "in the PyPI sdist; take them from Horovod's repository at the tag of the installed version:",
+        "",
+        "```",
+        "git clone --depth 1 --branch v0.28.1 https://github.com/horovod/horovod /tmp/horovod",
+        "```",
+        "",
+        "Every Horovod call with a `compression=` parameter (torch: `allreduce`, `grouped_allreduce`, "
+        "`reducescatter`, `grouped_reducescatter`, `DistributedOptimizer`; TensorFlow: also "
+        "`DistributedGradientTape`, `PartialDistributedGradientTape`) gets the compressor where the test passes "
+        "none or `Compression.none`. "
+        "Calls without that parameter (`allreduce_async`, `allreduce_`, `broadcast`, ...) stay Horovod's.",
+        "",
+        "Categories: **precision**: an assertion failed without a horovod_alq error, the compressor quantized "
+        "tensors in the test, and the test passes when re-run without it (upstream compares the quantized sum "
+        "with an exact one at `torch.allclose(rtol=0)`, atol 1e-8, for up to 3 ranks; 1e-6-scale in TF); "
+        "**refusal**: horovod_alq's documented refusal of what the test asks for (op=Min/Max/Product, Adasum, "
+        "`hvd.join`, reducescatter with compression, a compressor of the global set in an allreduce over another "
+        "set when the error names the process set), raised on every rank; **baseline**: fails without the "
+        "compressor too (torch or Horovod version, not horovod_alq); **real**: anything else; **hang**: the "
+        "per-test watchdog fired (the ranks' stacks are dumped). The ranks are kept in step through their result "
+        "files: a test that fails on some ranks only ends the launch (the ranks still in it dump their stacks, "
+        "shown below) and the next launch goes on with the next test; a test that raised before removing its "
+        "process sets has them removed. A hang, a crash, a test that failed on some ranks only, and (up to 10) "
+        "tests that look like real problems are re-run alone in fresh processes; their category is from that "
+        "run. Column ranks: each rank's outcome (left waiting: still in the test 30 s after another rank "
+        "finished it).",
+        "",
+    ]
     for run in runs:
         counts: dict = {}
         for t in run["tests"].values():
             counts[t["category"]] = counts.get(t["category"], 0) + 1
         order = ["passed", "precision", "refusal", "baseline", "real", "hang", "skipped"]
         label = run.get("label", run["framework"])
-        mode = "" if not label.startswith("tensorflow") else (
-            " (eagerly only: --tf-eager-only)" if label.endswith("-eager") else
-            " (upstream's modes: each test in a TF1 graph with a session, then eagerly)")
-        lines += [f"## {run['framework']}: upstream test/parallel/{SUITES[run['framework']]}{mode}", "",
-                  f"- Command: `{run['command']}`",
-                  f"- Date: {run['date']}, {run['wall_s']:.0f} s, {run['np']} ranks (mpirun, CPU), "
-                  f"{run['launches']} launch(es)",
-                  f"- Compressor: `{run['compressor']}`, {run['scope_text']}",
-                  "- Versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items()),
-                  f"- Tests: {len(run['tests'])}: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in order), ""]
+        mode = (
+            ""
+            if not label.startswith("tensorflow")
+            else (
+                " (eagerly only: --tf-eager-only)"
+                if label.endswith("-eager")
+                else " (upstream's modes: each test in a TF1 graph with a session, then eagerly)"
+            )
+        )
+        lines += [
+            f"## {run['framework']}: upstream test/parallel/{SUITES[run['framework']]}{mode}",
+            "",
+            f"- Command: `{run['command']}`",
+            f"- Date: {run['date']}, {run['wall_s']:.0f} s, {run['np']} ranks (mpirun, CPU), "
+            f"{run['launches']} launch(es)",
+            f"- Compressor: `{run['compressor']}`, {run['scope_text']}",
+            "- Versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items()),
+            f"- Tests: {len(run['tests'])}: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in order),
+            "",
+        ]
         bad = [(n, t) for n, t in run["tests"].items() if t["category"] not in ("passed", "skipped")]
         if bad:
             lines += ["| test | category | ranks | where | error (first rank that failed) |", "|---|---|---|---|---|"]
@@ -694,18 +871,27 @@ def write_report(results_dir: Path, out: Path) -> None:
                 msg = t["error"].replace("|", "\\|")
                 if t["category"] == "baseline":
                     msg += f" (without the compressor: {t.get('baseline_error') or ''})".replace("|", "\\|")
-                who = ", ".join(f"{r}: {t['ranks'].get(str(r), {}).get('outcome', 'left waiting')}" for r in range(run["np"]))
+                who = ", ".join(
+                    f"{r}: {t['ranks'].get(str(r), {}).get('outcome', 'left waiting')}" for r in range(run["np"])
+                )
                 lines.append(f"| `{n.rsplit('::', 1)[-1]}` | {t['category']} | {who} | {t['where']} | {msg} |")
             lines.append("")
         hangs = [(n, t) for n, t in run["tests"].items() if t.get("stacks")]
         for n, t in hangs:
-            lines += [f"Where the ranks still in `{n.rsplit('::', 1)[-1]}` wait (main thread, innermost first):", "", "```"]
+            lines += [
+                f"Where the ranks still in `{n.rsplit('::', 1)[-1]}` wait (main thread, innermost first):",
+                "",
+                "```",
+            ]
             for r, st in sorted(t["stacks"].items()):
                 lines += _compact_stack(st)
             lines += ["```", ""]
         skipped = sorted(n.rsplit("::", 1)[-1] for n, t in run["tests"].items() if t["category"] == "skipped")
         if skipped:
-            lines += ["Skipped (upstream's own skips: GPU, NCCL, gloo-only, ...): " + ", ".join(f"`{s}`" for s in skipped), ""]
+            lines += [
+                "Skipped (upstream's own skips: GPU, NCCL, gloo-only, ...): " + ", ".join(f"`{s}`" for s in skipped),
+                "",
+            ]
     lines.append(NOTES_MARK)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + (notes if notes else "\n"))
@@ -721,8 +907,11 @@ def main(argv=None) -> int:
         print("--horovod-test-dir is required (Horovod's test/ folder at v0.28.1; see the docstring)", file=sys.stderr)
         return 2
     test_dir = args.horovod_test_dir.resolve()
-    test_file = test_dir / "parallel" / SUITES[args.framework] if (test_dir / "parallel").is_dir() else \
-        test_dir / SUITES[args.framework]
+    test_file = (
+        test_dir / "parallel" / SUITES[args.framework]
+        if (test_dir / "parallel").is_dir()
+        else test_dir / SUITES[args.framework]
+    )
     if not test_file.exists():
         print(f"{test_file} not found", file=sys.stderr)
         return 2
@@ -742,8 +931,11 @@ def main(argv=None) -> int:
         # 2. what looks like a real problem, a hang, a crash or a test that failed on some ranks only
         #    is re-run alone, in fresh processes (no state left by an earlier test)
         suspect = [t for t, e in shared.items() if not _passed(e) and (e.get("interrupted") or e.get("desync"))]
-        real = [t for t, e in shared.items() if not _passed(e) and t not in suspect
-                and classify(t, e, {"outcome": "passed"})[1] == "real"]
+        real = [
+            t
+            for t, e in shared.items()
+            if not _passed(e) and t not in suspect and classify(t, e, {"outcome": "passed"})[1] == "real"
+        ]
         if len(real) <= MAX_ALONE:  # many alike: one cause, seen in step on every rank; not one launch each
             suspect += real
         for t in suspect:
@@ -756,11 +948,14 @@ def main(argv=None) -> int:
         if redo and not args.no_baseline:
             base = run_suite(args, test_file, work / "baseline", False, None, log, deadline, selection=redo)
             for t in [t for t, e in base.items() if not _passed(e)]:
-                base.update(run_suite(args, test_file, work / "baseline-alone", False, None, log, deadline,
-                                      selection=[t]))
+                base.update(
+                    run_suite(args, test_file, work / "baseline-alone", False, None, log, deadline, selection=[t])
+                )
             for t, e in base.items():
-                baseline[t] = {"outcome": classify(t, e, None)[0], "error": _first_error(
-                    "\n".join(r.get("message", "") for r in e["ranks"].values()))}
+                baseline[t] = {
+                    "outcome": classify(t, e, None)[0],
+                    "error": _first_error("\n".join(r.get("message", "") for r in e["ranks"].values())),
+                }
     launches = len(re.findall(r"^\[launch\]", log_path.read_text(), re.M))
     tests = {}
     for t, e in final.items():
@@ -769,15 +964,35 @@ def main(argv=None) -> int:
         msg = failing[0].get("message", "") if failing else ""
         if e.get("interrupted") == "crash":
             msg = msg or f"the launch ended inside this test (rc {e.get('rc')})"
-        tests[t] = {"outcome": outcome, "category": category, "error": _first_error(msg), "where": _where(msg),
-                    "baseline": baseline.get(t, {}).get("outcome"), "baseline_error": baseline.get(t, {}).get("error"),
-                    "shared": e.get("shared"), "stacks": e.get("stacks"),
-                    "ranks": {str(r): {k: v for k, v in rec.items() if k != "message"} | {"message": rec.get("message", "")[-3000:]}
-                              for r, rec in e["ranks"].items()}}
-    shown = ["python", "-m", "scripts.study.horovod_suite", "--horovod-test-dir", "<horovod>/test",
-             "--framework", args.framework]
-    for flag, value, default in (("-k", args.keyword, None), ("--np", args.np, 2), ("--scope", args.scope, "test"),
-                                 ("--test-timeout", args.test_timeout, 180)):
+        tests[t] = {
+            "outcome": outcome,
+            "category": category,
+            "error": _first_error(msg),
+            "where": _where(msg),
+            "baseline": baseline.get(t, {}).get("outcome"),
+            "baseline_error": baseline.get(t, {}).get("error"),
+            "shared": e.get("shared"),
+            "stacks": e.get("stacks"),
+            "ranks": {
+                str(r): {k: v for k, v in rec.items() if k != "message"} | {"message": rec.get("message", "")[-3000:]}
+                for r, rec in e["ranks"].items()
+            },
+        }
+    shown = [
+        "python",
+        "-m",
+        "scripts.study.horovod_suite",
+        "--horovod-test-dir",
+        "<horovod>/test",
+        "--framework",
+        args.framework,
+    ]
+    for flag, value, default in (
+        ("-k", args.keyword, None),
+        ("--np", args.np, 2),
+        ("--scope", args.scope, "test"),
+        ("--test-timeout", args.test_timeout, 180),
+    ):
         if value != default:
             shown += [flag, str(value)]
     if args.quick:
@@ -796,12 +1011,23 @@ def main(argv=None) -> int:
         date = f"{old['date']} (re-run {len(final)} test(s) {date}: `-k {args.keyword}`)"
         start -= old["wall_s"]  # wall time and launches: both runs
         launches += old["launches"]
-    run = {"framework": args.framework, "label": label, "command": shlex.join(shown), "date": date, "np": args.np,
-           "wall_s": time.monotonic() - start, "launches": launches,
-           "compressor": f"ALQCompressor(bits={args.bits}, bucket_size={args.bucket_size}, min_size={args.min_size})",
-           "scope_text": {"test": "a new one for every test", "session": "one for the whole run",
-                          "call": "a new one for every call"}[args.scope],
-           "versions": _versions(args.python), "tests": tests}
+    run = {
+        "framework": args.framework,
+        "label": label,
+        "command": shlex.join(shown),
+        "date": date,
+        "np": args.np,
+        "wall_s": time.monotonic() - start,
+        "launches": launches,
+        "compressor": f"ALQCompressor(bits={args.bits}, bucket_size={args.bucket_size}, min_size={args.min_size})",
+        "scope_text": {
+            "test": "a new one for every test",
+            "session": "one for the whole run",
+            "call": "a new one for every call",
+        }[args.scope],
+        "versions": _versions(args.python),
+        "tests": tests,
+    }
     (args.results_dir / f"{label}.json").write_text(json.dumps(run, indent=1))
     write_report(args.results_dir, args.out)
     counts: dict = {}

@@ -36,6 +36,7 @@ CHOICES = ["gauss-median", "1/sqrt(d)", "geo-mean", "l2-start", "fitted"]
 def first_gradient(seed: int = 0) -> np.ndarray:
     import torch
     import torch.nn.functional as F
+
     from scripts.common.cnn import Net, load_digits
 
     torch.manual_seed(seed)
@@ -73,15 +74,22 @@ def main(argv=None) -> int:
         configs = [(3, 512)]
     else:
         datas.update({"Gaussian": rng.standard_normal(1 << 18), "Student-t(3)": rng.standard_t(3, 1 << 18)})
-    lines = ["Exact normalized variance with the starting levels (no refit yet); max-abs buckets except "
-             "l2-start. Command: `python -m scripts.study.probe_initial_levels" + (" --quick" if args.quick else "")
-             + (f" --out {args.out}`" if args.out else "`"), "",
-             "| data | method | bits | d | " + " | ".join(CHOICES) + " |", "|---|---|---|---|" + "---|" * len(CHOICES)]
+    lines = [
+        "Exact normalized variance with the starting levels (no refit yet); max-abs buckets except "
+        "l2-start. Command: `python -m scripts.study.probe_initial_levels"
+        + (" --quick" if args.quick else "")
+        + (f" --out {args.out}`" if args.out else "`"),
+        "",
+        "| data | method | bits | d | " + " | ".join(CHOICES) + " |",
+        "|---|---|---|---|" + "---|" * len(CHOICES),
+    ]
     for name, x in datas.items():
         for bits, d in configs:
             for method in ("alq", "amq"):
                 v = variances(x, method, bits, d)
-                lines.append(f"| {name} | {method} | {bits} | {d} | " + " | ".join(f"{v[c]:.3g}" for c in CHOICES) + " |")
+                lines.append(
+                    f"| {name} | {method} | {bits} | {d} | " + " | ".join(f"{v[c]:.3g}" for c in CHOICES) + " |"
+                )
                 print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:

@@ -36,12 +36,32 @@ BITS_FREE = ["terngrad"]  # always 2 bits on the wire: one run per seed whatever
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = "scripts.demo.train"  # run with python -m from ROOT
 # Same single-host Open MPI options as tests/multiproc.py and the Makefile.
-MPI_OPTIONS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-               "--mca", "btl", "self,vader,tcp", "--mca", "btl_vader_single_copy_mechanism", "none",
-               "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
-RANK_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-            "PYTHONWARNINGS": "ignore"}
+MPI_OPTIONS = [
+    "--allow-run-as-root",
+    "--oversubscribe",
+    "--bind-to",
+    "none",
+    "--mca",
+    "btl",
+    "self,vader,tcp",
+    "--mca",
+    "btl_vader_single_copy_mechanism",
+    "none",
+    "--mca",
+    "btl_tcp_if_include",
+    "lo",
+    "--mca",
+    "oob_tcp_if_include",
+    "lo",
+]
+RANK_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "PYTHONWARNINGS": "ignore",
+}
 LABELS = {"none": "fp32", "fp16": "fp16"}
 
 
@@ -51,14 +71,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds; default 0,1,2,3,4")
     p.add_argument("--buckets", default="512,8192", help="bucket sizes; default 512,8192")
     p.add_argument("--bits", default="3", help="comma-separated bit widths; default 3")
-    p.add_argument("--methods", default=",".join(PLAIN),
-                   help="quantized methods; default all, each with the compressor's default exchange; "
-                        "-ag / -2p appended: the allgather / two-phase exchange (alq-ag,alq-2p)")
+    p.add_argument(
+        "--methods",
+        default=",".join(PLAIN),
+        help="quantized methods; default all, each with the compressor's default exchange; "
+        "-ag / -2p appended: the allgather / two-phase exchange (alq-ag,alq-2p)",
+    )
     p.add_argument("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
     p.add_argument("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
     p.add_argument("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
     p.add_argument("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/accuracy_raw")
-    p.add_argument("--out-dir", default="docs", help="accuracy.md and accuracy.png go here, accuracy.json and the raw runs to its data/")
+    p.add_argument(
+        "--out-dir",
+        default="docs",
+        help="accuracy.md and accuracy.png go here, accuracy.json and the raw runs to its data/",
+    )
     p.add_argument("--tag", default="", help="suffix of the output names: accuracy<tag>.md etc.; default none")
     p.add_argument("--timeout", type=float, default=7200, help="seconds per launch; default 7200")
     p.add_argument("--aggregate-only", action="store_true", help="do not launch, only aggregate")
@@ -86,24 +113,50 @@ def launches(args) -> list[dict]:
 
 
 def run_launch(job: dict, args, raw_dir: Path) -> Path:
-    path = raw_dir / f"np{args.np}_b{job['bits']}_d{job['bucket']}_s{job['seed']}_e{args.epochs}_{'-'.join(job['methods'])}.json"
+    path = (
+        raw_dir
+        / f"np{args.np}_b{job['bits']}_d{job['bucket']}_s{job['seed']}_e{args.epochs}_{'-'.join(job['methods'])}.json"
+    )
     if path.exists():
         print(f"[skip] {path.name} exists", flush=True)
         return path
-    cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), sys.executable, "-m", TRAIN,
-           "--methods", ",".join(job["methods"]), "--bits", str(job["bits"]), "--bucket-size", str(job["bucket"]),
-           "--epochs", str(args.epochs), "--seed", str(job["seed"]), "--quiet", "--json", str(path) + ".part"]
+    cmd = [
+        "mpirun",
+        *MPI_OPTIONS,
+        "-np",
+        str(args.np),
+        sys.executable,
+        "-m",
+        TRAIN,
+        "--methods",
+        ",".join(job["methods"]),
+        "--bits",
+        str(job["bits"]),
+        "--bucket-size",
+        str(job["bucket"]),
+        "--epochs",
+        str(args.epochs),
+        "--seed",
+        str(job["seed"]),
+        "--quiet",
+        "--json",
+        str(path) + ".part",
+    ]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
     print(f"[run] {shlex.join(cmd)}", flush=True)
     start = time.monotonic()
     env = {**os.environ, **RANK_ENV}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=args.timeout)
+    proc = subprocess.run(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout
+    )
     if proc.returncode != 0 or not Path(str(path) + ".part").exists():
         raise RuntimeError(f"launch failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}")
     os.replace(str(path) + ".part", path)
-    print(f"[done] {time.monotonic() - start:.0f} s\n{proc.stdout.strip().splitlines()[-len(job['methods']) - 1:]}", flush=True)
+    print(
+        f"[done] {time.monotonic() - start:.0f} s\n{proc.stdout.strip().splitlines()[-len(job['methods']) - 1 :]}",
+        flush=True,
+    )
     return path
 
 
@@ -135,8 +188,13 @@ def _stats(values) -> dict:
     import numpy as np
 
     v = np.asarray(values, dtype=float)
-    return {"n": int(v.size), "mean": float(v.mean()), "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
-            "min": float(v.min()), "max": float(v.max())}
+    return {
+        "n": int(v.size),
+        "mean": float(v.mean()),
+        "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
+        "min": float(v.min()),
+        "max": float(v.max()),
+    }
 
 
 _ONE_BIT_WIDTH = [True]  # set by summarize(): keys name the bucket only, as before --bits took a list
@@ -227,8 +285,13 @@ def markdown(methods: list, configs: list, summary: dict) -> str:
             a, z = (summary.get(_cell_key(m, c, summary) or "") for c in (configs[0], configs[-1]))
             delta = f"{z['mean'] - a['mean']:+.2f}" if a and z else "-"
         lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + (f" | {delta} |" if change else " |"))
-    lines += ["", "Difference to fp32 on the same seed (points): mean ± standard error over seeds.", "",
-              "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(configs)]
+    lines += [
+        "",
+        "Difference to fp32 on the same seed (points): mean ± standard error over seeds.",
+        "",
+        "| method | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(configs),
+    ]
     for m in methods:
         if m == "none":
             continue
@@ -237,10 +300,18 @@ def markdown(methods: list, configs: list, summary: dict) -> str:
         else:
             cells = [shown(m, c, paired) for c in configs]
         lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
-    lines += _same_seed_table(summary, methods, configs, labels, "vs_l2", "Max-abs minus L2 buckets",
-                              lambda m: f"{m[:-5]}: linf − l2")
-    lines += _same_seed_table(summary, methods, configs, labels, "vs_allgather",
-                              "Two-phase minus allgather exchange", lambda m: f"{m[:-3]}: 2p − ag")
+    lines += _same_seed_table(
+        summary, methods, configs, labels, "vs_l2", "Max-abs minus L2 buckets", lambda m: f"{m[:-5]}: linf − l2"
+    )
+    lines += _same_seed_table(
+        summary,
+        methods,
+        configs,
+        labels,
+        "vs_allgather",
+        "Two-phase minus allgather exchange",
+        lambda m: f"{m[:-3]}: 2p − ag",
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -250,8 +321,13 @@ def _same_seed_table(summary, methods, configs, labels, key: str, title: str, ro
     rows = [m for m in methods if any(key in summary.get(_key(m, c), {}) for c in configs)]
     if not rows:
         return []
-    lines = ["", f"{title}, same method and seed (points): mean ± standard error over seeds.", "",
-             "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(configs)]
+    lines = [
+        "",
+        f"{title}, same method and seed (points): mean ± standard error over seeds.",
+        "",
+        "| method | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(configs),
+    ]
     for m in rows:
         cells = []
         for c in configs:
@@ -264,9 +340,19 @@ def _same_seed_table(summary, methods, configs, labels, key: str, title: str, ro
 def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
     methods, configs, summary = summarize(table)
     text = markdown(methods, configs, summary)
-    (out_dir / "data" / f"accuracy{args.tag}.json").write_text(json.dumps(
-        {"np": args.np, "bits": args.bits_list, "epochs": args.epochs, "lr": args.lr, "wall_seconds": wall,
-         "summary": summary}, indent=2))
+    (out_dir / "data" / f"accuracy{args.tag}.json").write_text(
+        json.dumps(
+            {
+                "np": args.np,
+                "bits": args.bits_list,
+                "epochs": args.epochs,
+                "lr": args.lr,
+                "wall_seconds": wall,
+                "summary": summary,
+            },
+            indent=2,
+        )
+    )
     (out_dir / f"accuracy{args.tag}.md").write_text(text)
     plot(summary, methods, configs, out_dir / f"accuracy{args.tag}.png", args)
     return text
@@ -284,8 +370,9 @@ def plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.4))
     x = np.arange(len(methods))
     width = 0.8 / max(1, len(configs))
-    series = [(_config_label(c, configs), c, (i - (len(configs) - 1) / 2) * width, f"C{i}")
-              for i, c in enumerate(configs)]
+    series = [
+        (_config_label(c, configs), c, (i - (len(configs) - 1) / 2) * width, f"C{i}") for i, c in enumerate(configs)
+    ]
     series.append(("fp32 / fp16 (no buckets)", None, 0.0, "gray"))
     limit = 4.0
     for label, config, shift, color in series:
@@ -307,8 +394,17 @@ def plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
                 dmeans.append(d["mean"])
                 derr.append(2 * d["sem"])
             elif d:
-                bx.annotate("collapsed", (j + shift, -limit), xytext=(0, 6), textcoords="offset points",
-                            rotation=90, ha="center", va="bottom", color=color, fontsize=8)
+                bx.annotate(
+                    "collapsed",
+                    (j + shift, -limit),
+                    xytext=(0, 6),
+                    textcoords="offset points",
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    color=color,
+                    fontsize=8,
+                )
         if xs:
             ax.errorbar(xs, means, yerr=[lo, hi], fmt="o", capsize=4, label=label, color=color)
         if dxs:
@@ -324,8 +420,9 @@ def plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
     finish_paired_plot(fig, bx, "accuracy − fp32, same seed (points)", path)
 
 
-def finish_paired_plot(fig, bx, ylabel: str, path: Path,
-                       title: str = "paired difference to fp32: mean ± 2 standard errors") -> None:
+def finish_paired_plot(
+    fig, bx, ylabel: str, path: Path, title: str = "paired difference to fp32: mean ± 2 standard errors"
+) -> None:
     """The paired-difference axis's zero line, labels and grid; the figure saved and closed."""
     import matplotlib.pyplot as plt
 
@@ -348,8 +445,10 @@ def main(argv=None) -> int:
     if not args.aggregate_only:
         jobs = launches(args)
         for k, job in enumerate(jobs):
-            print(f"launch {k + 1}/{len(jobs)}: seed {job['seed']}, bits {job['bits']}, bucket {job['bucket']}",
-                  flush=True)
+            print(
+                f"launch {k + 1}/{len(jobs)}: seed {job['seed']}, bits {job['bits']}, bucket {job['bucket']}",
+                flush=True,
+            )
             run_launch(job, args, raw_dir)
     wall = None if args.aggregate_only else time.monotonic() - start
     table = collect(raw_dir, args)

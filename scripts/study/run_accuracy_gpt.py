@@ -39,10 +39,14 @@ TRAIN = "scripts.demo.train_gpt"  # run with python -m from ROOT
 # At 2 bits ALQ and AMQ nearly coincide (levels -1, -a, b, 1 against -1, -p, p, 1, fitted to the same
 # objective: a, b and p agree to about 1%), so the core grid runs ALQ only there.
 GRIDS = {
-    "core": [["alq@3", "amq@3", "qsgdinf@3", "none", "psgd-match", "psgd2"],
-             ["alq@2", "qsgdinf@2", "terngrad", "fp16"]],
-    "wide": [["alq@4", "qsgdinf@4", "nuqsgd@3", "alq-n@3", "amq-n@3"],
-             ["alq-l2@3", "amq-l2@3", "alq-ag@3", "amq-ag@3", "qsgdinf-ag@3"]],
+    "core": [
+        ["alq@3", "amq@3", "qsgdinf@3", "none", "psgd-match", "psgd2"],
+        ["alq@2", "qsgdinf@2", "terngrad", "fp16"],
+    ],
+    "wide": [
+        ["alq@4", "qsgdinf@4", "nuqsgd@3", "alq-n@3", "amq-n@3"],
+        ["alq-l2@3", "amq-l2@3", "alq-ag@3", "amq-ag@3", "qsgdinf-ag@3"],
+    ],
     "bucket1024": [["alq@3", "amq@3", "qsgdinf@3", "alq@2", "qsgdinf@2"]],
     # bits="auto": a width from 2 to 8 per tensor under a mean budget (name@auto<budget>), against
     # the core grid's fixed widths on the same seeds
@@ -53,17 +57,40 @@ GRIDS = {
     "sgd": [["none", "alq@3", "alq@2", "alq@bucket2.5", "alq@bucket3", "alq@auto2.5"]],
 }
 # Same-seed comparisons shown in the second table: (row, against).
-PAIRS = [("alq@3", "qsgdinf@3"), ("amq@3", "qsgdinf@3"), ("alq@2", "qsgdinf@2"), ("alq@2", "terngrad"),
-         ("alq@3", "amq@3"), ("alq@3", "psgd-match"), ("amq@3", "psgd-match"), ("alq@3", "none"), ("amq@3", "none"),
-         ("psgd-match", "none"), ("qsgdinf@3", "none"), ("fp16", "none"),
-         # the wider grid: 4 bits, norm-less forms, L2 buckets, allgather against two-phase (auto)
-         ("alq@4", "qsgdinf@4"), ("alq-n@3", "alq@3"), ("amq-n@3", "amq@3"), ("alq@3", "alq-l2@3"),
-         ("amq@3", "amq-l2@3"), ("alq-ag@3", "alq@3"), ("amq-ag@3", "amq@3"), ("qsgdinf-ag@3", "qsgdinf@3"),
-         ("nuqsgd@3", "qsgdinf@3"),
-         # bits="auto" against fixed widths (the core grid's runs of the same seeds)
-         ("alq@auto2.5", "alq@3"), ("alq@auto3", "alq@3"), ("alq@auto2.5", "alq@2"),
-         ("alq@bucket2.5", "alq@3"), ("alq@bucket3", "alq@3"), ("alq@bucket2.5", "alq@auto2.5"),
-         ("alq@bucket2.5", "alq@2"), ("alq@bucket3", "none"), ("alq@2", "none")]
+PAIRS = [
+    ("alq@3", "qsgdinf@3"),
+    ("amq@3", "qsgdinf@3"),
+    ("alq@2", "qsgdinf@2"),
+    ("alq@2", "terngrad"),
+    ("alq@3", "amq@3"),
+    ("alq@3", "psgd-match"),
+    ("amq@3", "psgd-match"),
+    ("alq@3", "none"),
+    ("amq@3", "none"),
+    ("psgd-match", "none"),
+    ("qsgdinf@3", "none"),
+    ("fp16", "none"),
+    # the wider grid: 4 bits, norm-less forms, L2 buckets, allgather against two-phase (auto)
+    ("alq@4", "qsgdinf@4"),
+    ("alq-n@3", "alq@3"),
+    ("amq-n@3", "amq@3"),
+    ("alq@3", "alq-l2@3"),
+    ("amq@3", "amq-l2@3"),
+    ("alq-ag@3", "alq@3"),
+    ("amq-ag@3", "amq@3"),
+    ("qsgdinf-ag@3", "qsgdinf@3"),
+    ("nuqsgd@3", "qsgdinf@3"),
+    # bits="auto" against fixed widths (the core grid's runs of the same seeds)
+    ("alq@auto2.5", "alq@3"),
+    ("alq@auto3", "alq@3"),
+    ("alq@auto2.5", "alq@2"),
+    ("alq@bucket2.5", "alq@3"),
+    ("alq@bucket3", "alq@3"),
+    ("alq@bucket2.5", "alq@auto2.5"),
+    ("alq@bucket2.5", "alq@2"),
+    ("alq@bucket3", "none"),
+    ("alq@2", "none"),
+]
 LABELS = {"none": "fp32", "fp16": "fp16", "terngrad": "TernGrad", "psgd2": "PowerSGD rank 2"}
 
 
@@ -75,15 +102,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-size", type=int, default=None, help="default 8192 (1024 for --grid bucket1024)")
     p.add_argument("--steps", type=int, default=250, help="train_gpt.py --steps; default 250")
     p.add_argument("--batch-size", type=int, default=8, help="train_gpt.py --batch-size; default 8")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
-                   help="train_gpt.py --optimizer; sgd runs at --lr (default 0.2) without weight decay")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "sgd"),
+        help="train_gpt.py --optimizer; sgd runs at --lr (default 0.2) without weight decay",
+    )
     p.add_argument("--lr", type=float, default=None, help="peak lr; default train_gpt.py's (AdamW) or 0.2 (SGD)")
     p.add_argument("--extra", default="", help="more train_gpt.py arguments, quoted")
-    p.add_argument("--out-dir", default="docs", help="accuracy_gpt.md/.png go here, accuracy_gpt.json and the raw runs to its data/")
+    p.add_argument(
+        "--out-dir",
+        default="docs",
+        help="accuracy_gpt.md/.png go here, accuracy_gpt.json and the raw runs to its data/",
+    )
     p.add_argument("--timeout", type=float, default=5400, help="seconds per launch; default 5400")
     p.add_argument("--aggregate-only", action="store_true")
-    p.add_argument("--quick", action="store_true", help="2 ranks, seed 0, 20 steps: alq@3, none, psgd-match, "
-                   "or with a --grid other than core that grid's methods")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 ranks, seed 0, 20 steps: alq@3, none, psgd-match, or with a --grid other than core that grid's methods",
+    )
     args = p.parse_args(argv)
     if args.bucket_size is None:
         args.bucket_size = 1024 if args.grid == "bucket1024" else 8192
@@ -113,8 +151,10 @@ def launches(args) -> list[dict]:
 def raw_path(job: dict, args, raw_dir: Path) -> Path:
     """The launch's JSON: a method spec's ``@`` as ``b`` and a budget's ``.`` as ``p`` (``alq@auto2.5``:
     ``alqbauto2p5``)."""
-    return raw_dir / (f"np{args.np}_d{args.bucket_size}_s{job['seed']}_t{args.steps}_b{args.batch_size}_"
-                      f"{'-'.join(m.replace('@', 'b').replace('.', 'p') for m in job['methods'])}.json")
+    return raw_dir / (
+        f"np{args.np}_d{args.bucket_size}_s{job['seed']}_t{args.steps}_b{args.batch_size}_"
+        f"{'-'.join(m.replace('@', 'b').replace('.', 'p') for m in job['methods'])}.json"
+    )
 
 
 def run_launch(job: dict, args, raw_dir: Path) -> None:
@@ -123,14 +163,40 @@ def run_launch(job: dict, args, raw_dir: Path) -> None:
         print(f"[skip] {path.name} exists", flush=True)
         return
     part = Path(str(path) + ".part")
-    cmd = ["mpirun", *MPI_OPTIONS, "-np", str(args.np), sys.executable, "-m", TRAIN,
-           "--methods", ",".join(job["methods"]), "--seed", str(job["seed"]), "--steps", str(args.steps),
-           "--batch-size", str(args.batch_size), "--bucket-size", str(args.bucket_size), "--json", str(part),
-           *optimizer_args(args), *shlex.split(args.extra)]
+    cmd = [
+        "mpirun",
+        *MPI_OPTIONS,
+        "-np",
+        str(args.np),
+        sys.executable,
+        "-m",
+        TRAIN,
+        "--methods",
+        ",".join(job["methods"]),
+        "--seed",
+        str(job["seed"]),
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--bucket-size",
+        str(args.bucket_size),
+        "--json",
+        str(part),
+        *optimizer_args(args),
+        *shlex.split(args.extra),
+    ]
     print(f"[run] {shlex.join(cmd)}", flush=True)
     start = time.monotonic()
-    proc = subprocess.run(cmd, env={**os.environ, **RANK_ENV}, cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
+    proc = subprocess.run(
+        cmd,
+        env={**os.environ, **RANK_ENV},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=args.timeout,
+    )
     if proc.returncode != 0 or not part.exists():
         raise RuntimeError(f"launch failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}")
     os.replace(part, path)
@@ -164,8 +230,13 @@ def _paired(runs: dict, reference: dict | None) -> dict | None:
     d = _stats(diffs)
     ordered = sorted(diffs)
     median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
-    return {**d, "sem": d["std"] / math.sqrt(d["n"]), "median": median, "lower": sum(x < 0 for x in diffs),
-            "diffs": diffs}
+    return {
+        **d,
+        "sem": d["std"] / math.sqrt(d["n"]),
+        "median": median,
+        "lower": sum(x < 0 for x in diffs),
+        "diffs": diffs,
+    }
 
 
 def summarize(rows: dict) -> dict:
@@ -177,11 +248,15 @@ def summarize(rows: dict) -> dict:
         first = next(iter(runs.values()))
         bucket = label.partition("/")[2]
         qsgd_label = f"qsgdinf@{first['bits']}" + (f"/{bucket}" if bucket else "") if first["bits"] else None
-        cell = {"loss": _stats(losses), "bpc": _stats([v / math.log(2) for v in losses]),
-                "bits_per_coordinate": sum(r["bits_per_coordinate"] for r in runs.values()) / len(runs),
-                "vs_fp32": _paired(runs, rows.get("none")),
-                "vs_qsgdinf": _paired(runs, rows.get(qsgd_label)) if qsgd_label else None,
-                "curve": _mean_curve(runs), "seeds": sorted(runs)}
+        cell = {
+            "loss": _stats(losses),
+            "bpc": _stats([v / math.log(2) for v in losses]),
+            "bits_per_coordinate": sum(r["bits_per_coordinate"] for r in runs.values()) / len(runs),
+            "vs_fp32": _paired(runs, rows.get("none")),
+            "vs_qsgdinf": _paired(runs, rows.get(qsgd_label)) if qsgd_label else None,
+            "curve": _mean_curve(runs),
+            "seeds": sorted(runs),
+        }
         if "rank" in first:
             cell["powersgd_rank"] = first["rank"]
         if "allocation" in first:  # bits="auto": each seed's last allocation
@@ -196,19 +271,24 @@ def summarize(rows: dict) -> dict:
 def _mean_curve(runs: dict) -> list:
     curves = [r["curve"] for r in runs.values()]
     steps = [s for s, _ in curves[0]]
-    return [[s, sum(c[i][1] for c in curves) / len(curves)] for i, s in enumerate(steps)
-            if all(len(c) > i and c[i][0] == s for c in curves)]
+    return [
+        [s, sum(c[i][1] for c in curves) / len(curves)]
+        for i, s in enumerate(steps)
+        if all(len(c) > i and c[i][0] == s for c in curves)
+    ]
 
 
 def order(labels) -> list:
     """Baselines first, then by method family, bit width (an auto budget beside its width, after it),
     bucket."""
+
     def key(label):
         spec, _, bucket = label.partition("/")
         name, _, bits = spec.partition("@")
         rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
         auto = bits.startswith(("auto", "bucket"))
         return (rank, -float(bits.removeprefix("auto").removeprefix("bucket") or 0), bucket, auto, name)
+
     return sorted(labels, key=key)
 
 
@@ -218,55 +298,84 @@ def markdown(summary: dict) -> str:
             return "-"
         return f"{d['mean']:+.4f} ± {d['sem']:.4f}" if d["n"] > 1 else f"{d['mean']:+.4f} (one seed)"
 
-    lines = ["| method | bits/coord sent | eval loss (nats/char) | bits/char | − fp32, same seed | "
-             "− QSGDinf same bits, same seed | seeds |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | bits/coord sent | eval loss (nats/char) | bits/char | − fp32, same seed | "
+        "− QSGDinf same bits, same seed | seeds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     rows = {k: v for k, v in summary.items() if k != "pairs"}
     for label in order(rows):
         c = rows[label]
         name = label.partition("@")[0]
         shown = LABELS.get(name, label) + (f" (rank {c['powersgd_rank']})" if name == "psgd-match" else "")
-        lines.append(f"| {shown} | {c['bits_per_coordinate']:.2f} | {c['loss']['mean']:.4f} ± {c['loss']['std']:.4f} "
-                     f"| {c['bpc']['mean']:.3f} | {pm(c['vs_fp32'])} | {pm(c['vs_qsgdinf'])} | {c['loss']['n']} |")
-    lines += ["", "Same-seed differences of the evaluation loss (nats/char; negative: the first is better): mean ± "
-              "standard error, median, and on how many seeds the first was lower.", "",
-              "| comparison | mean ± s.e. | median | first lower | per seed |", "|---|---:|---:|---:|---|"]
+        lines.append(
+            f"| {shown} | {c['bits_per_coordinate']:.2f} | {c['loss']['mean']:.4f} ± {c['loss']['std']:.4f} "
+            f"| {c['bpc']['mean']:.3f} | {pm(c['vs_fp32'])} | {pm(c['vs_qsgdinf'])} | {c['loss']['n']} |"
+        )
+    lines += [
+        "",
+        "Same-seed differences of the evaluation loss (nats/char; negative: the first is better): mean ± "
+        "standard error, median, and on how many seeds the first was lower.",
+        "",
+        "| comparison | mean ± s.e. | median | first lower | per seed |",
+        "|---|---:|---:|---:|---|",
+    ]
     for key, d in summary.get("pairs", {}).items():
         if d:
             a, b = key.split(" - ")
-            lines.append(f"| {LABELS.get(a, a)} − {LABELS.get(b, b)} | {pm(d)} | {d['median']:+.4f} | "
-                         f"{d['lower']} of {d['n']} | {' '.join(f'{x:+.3f}' for x in d['diffs'])} |")
+            lines.append(
+                f"| {LABELS.get(a, a)} − {LABELS.get(b, b)} | {pm(d)} | {d['median']:+.4f} | "
+                f"{d['lower']} of {d['n']} | {' '.join(f'{x:+.3f}' for x in d['diffs'])} |"
+            )
     auto = [label for label in order(rows) if "allocation" in rows[label]]
     if auto:
-        lines += ["", "bits=\"auto\": the widths of the last refit, per tensor in the round's order "
-                  "(elements: " + ", ".join(map(str, rows[auto[0]]["allocation_elements"] or [])) + "), and their "
-                  "mean over the compressed coordinates, per seed.", "",
-                  "| method | seed | widths | mean bits |", "|---|---:|---|---:|"]
+        lines += [
+            "",
+            'bits="auto": the widths of the last refit, per tensor in the round\'s order '
+            "(elements: " + ", ".join(map(str, rows[auto[0]]["allocation_elements"] or [])) + "), and their "
+            "mean over the compressed coordinates, per seed.",
+            "",
+            "| method | seed | widths | mean bits |",
+            "|---|---:|---|---:|",
+        ]
         for label in auto:
             c = rows[label]
             for seed, widths in c["allocation"].items():
-                lines.append(f"| {label} | {seed} | {' '.join(map(str, widths))} | "
-                             f"{c['allocated_mean_bits'][seed]:.3f} |")
+                lines.append(
+                    f"| {label} | {seed} | {' '.join(map(str, widths))} | {c['allocated_mean_bits'][seed]:.3f} |"
+                )
     return "\n".join(lines) + "\n"
 
 
 def preamble(args, rows: dict) -> str:
     """What the table is: model, data, budget, workers, seeds, date."""
-    first = json.loads(next(iter(sorted((Path(args.out_dir) / "data" / f"{stem(args)}_raw").glob(
-        f"np{args.np}_d*_t{args.steps}_b{args.batch_size}_*.json")))).read_text())
+    first = json.loads(
+        next(
+            iter(
+                sorted(
+                    (Path(args.out_dir) / "data" / f"{stem(args)}_raw").glob(
+                        f"np{args.np}_d*_t{args.steps}_b{args.batch_size}_*.json"
+                    )
+                )
+            )
+        ).read_text()
+    )
     a = first["args"]
     optimizer = "SGD (momentum 0.9, no weight decay)" if a.get("optimizer") == "sgd" else "AdamW"
     params = next(iter(next(iter(rows.values())).values()))["params"]
-    return (f"# Held-out loss of a character-level GPT, every exchange\n\n"
-            f"Command: `python -m scripts.study.run_accuracy_gpt` (grids and seeds as listed per row; "
-            f"{time.strftime('%Y-%m-%d')}). GPT of scripts/common/gpt.py: {a['layers']} blocks of width {a['width']}, "
-            f"{a['heads']} heads, context {a['context']}, {params:,} parameters, on Python's pydoc text "
-            f"(90% train, the last 10% held out); {args.np} workers, {args.steps} {optimizer} steps (peak lr {a['lr']}, "
-            f"{a['warmup']} warm-up, cosine to 10%), {args.batch_size} x {a['context']} characters per worker and "
-            f"step; quantized methods at bucket {a['bucket_size']} with the compressors' defaults (max-abs buckets, "
-            f"exchange auto: two-phase at 4 workers, refits at steps {a['update_steps']}). Evaluation loss on "
-            f"{a['eval_windows']} fixed held-out windows after the last step; a seed fixes the initial model, the "
-            f"batches and the rounding, so differences on one seed are paired. Bits/coord sent: the payload a "
-            f"rank contributes per coordinate (uncompressed small tensors at 32).\n\n")
+    return (
+        f"# Held-out loss of a character-level GPT, every exchange\n\n"
+        f"Command: `python -m scripts.study.run_accuracy_gpt` (grids and seeds as listed per row; "
+        f"{time.strftime('%Y-%m-%d')}). GPT of scripts/common/gpt.py: {a['layers']} blocks of width {a['width']}, "
+        f"{a['heads']} heads, context {a['context']}, {params:,} parameters, on Python's pydoc text "
+        f"(90% train, the last 10% held out); {args.np} workers, {args.steps} {optimizer} steps (peak lr {a['lr']}, "
+        f"{a['warmup']} warm-up, cosine to 10%), {args.batch_size} x {a['context']} characters per worker and "
+        f"step; quantized methods at bucket {a['bucket_size']} with the compressors' defaults (max-abs buckets, "
+        f"exchange auto: two-phase at 4 workers, refits at steps {a['update_steps']}). Evaluation loss on "
+        f"{a['eval_windows']} fixed held-out windows after the last step; a seed fixes the initial model, the "
+        f"batches and the rounding, so differences on one seed are paired. Bits/coord sent: the payload a "
+        f"rank contributes per coordinate (uncompressed small tensors at 32).\n\n"
+    )
 
 
 def plot(summary: dict, path: Path, title: str) -> None:
@@ -283,8 +392,9 @@ def plot(summary: dict, path: Path, title: str) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.6))
     for i, label in enumerate(labels):
         curve = summary[label]["curve"]
-        ax.plot([s for s, _ in curve], [v for _, v in curve], label=label, color=f"C{i % 10}",
-                ls="-" if i < 10 else "--")
+        ax.plot(
+            [s for s, _ in curve], [v for _, v in curve], label=label, color=f"C{i % 10}", ls="-" if i < 10 else "--"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("evaluation loss (nats/char), mean over seeds")
     ax.set_title(title, fontsize=10)
@@ -293,10 +403,20 @@ def plot(summary: dict, path: Path, title: str) -> None:
     for j, (key, d) in enumerate(pairs.items()):
         bx.errorbar([j], [d["mean"]], yerr=[2 * d["sem"]], fmt="o", capsize=4, color="C0")
         bx.plot([j + 0.15] * len(d["diffs"]), d["diffs"], "x", color="gray", ms=4)
-    bx.set_xticks(range(len(pairs)), [k.replace(" - ", " − ").replace("none", "fp32") for k in pairs],
-                  rotation=45, ha="right", fontsize=7)
-    finish_paired_plot(fig, bx, "eval loss difference, same seed (nats/char)", path,
-                       "same-seed comparisons: mean ± 2 s.e. (o), each seed (x)")
+    bx.set_xticks(
+        range(len(pairs)),
+        [k.replace(" - ", " − ").replace("none", "fp32") for k in pairs],
+        rotation=45,
+        ha="right",
+        fontsize=7,
+    )
+    finish_paired_plot(
+        fig,
+        bx,
+        "eval loss difference, same seed (nats/char)",
+        path,
+        "same-seed comparisons: mean ± 2 s.e. (o), each seed (x)",
+    )
 
 
 def main(argv=None) -> int:
@@ -316,11 +436,15 @@ def main(argv=None) -> int:
         return 1
     summary = summarize(rows)
     text = preamble(args, rows) + markdown(summary)
-    (out_dir / "data" / f"{stem(args)}.json").write_text(json.dumps(
-        {"np": args.np, "steps": args.steps, "batch_size": args.batch_size, "summary": summary}, indent=2))
+    (out_dir / "data" / f"{stem(args)}.json").write_text(
+        json.dumps({"np": args.np, "steps": args.steps, "batch_size": args.batch_size, "summary": summary}, indent=2)
+    )
     (out_dir / f"{stem(args)}.md").write_text(text)
-    plot(summary, out_dir / f"{stem(args)}.png",
-         f"GPT on pydoc text, {args.np} workers, {args.steps} steps of {args.batch_size} x 64 chars per worker")
+    plot(
+        summary,
+        out_dir / f"{stem(args)}.png",
+        f"GPT on pydoc text, {args.np} workers, {args.steps} steps of {args.batch_size} x 64 chars per worker",
+    )
     print(text)
     if not args.aggregate_only:
         print(f"sweep wall-clock: {time.monotonic() - start:.0f} s")

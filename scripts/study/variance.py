@@ -46,8 +46,15 @@ import torch.nn.functional as F
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import allocate_bits
 from horovod_alq.core.auto_bits import AUTO_WIDTHS, AutoBits
-from scripts.common.auto_bits import (auto_error, auto_refit, best_allocation, bucket_auto_error, bucket_error_matrix,
-                                     quantized_tensors, refit_from)
+from scripts.common.auto_bits import (
+    auto_error,
+    auto_refit,
+    best_allocation,
+    bucket_auto_error,
+    bucket_error_matrix,
+    quantized_tensors,
+    refit_from,
+)
 from scripts.common.cnn import Net, load_digits
 from scripts.study.compare_models import normalized_variance
 
@@ -56,8 +63,16 @@ BASES = ["alq", "alq-n", "amq", "amq-n"]
 ADAPTIVE = [f"{m}-{norm}" for m in BASES for norm in ("l2", "linf")]  # narrowed by --norms in main()
 SCHEDULES = ["paper", "once", "every"]
 AUTO_METHODS = ["alq", "amq"]  # --auto: bits="auto" of these, each with every norm of --norms
-COLORS = {"alq": "C0", "alq-n": "C9", "amq": "C2", "amq-n": "C8", "qsgdinf": "C1", "qsgd": "C7",
-          "nuqsgd": "C3", "terngrad": "C5"}
+COLORS = {
+    "alq": "C0",
+    "alq-n": "C9",
+    "amq": "C2",
+    "amq-n": "C8",
+    "qsgdinf": "C1",
+    "qsgd": "C7",
+    "nuqsgd": "C3",
+    "terngrad": "C5",
+}
 
 
 def split_norm(name: str) -> tuple[str, str | None]:
@@ -89,15 +104,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="docs", help="variance.md and PNGs go here, variance.json to its data/")
-    p.add_argument("--auto", action="store_true",
-                   help="bits='auto' (budgets of --budgets) against uniform 3 bits instead of the methods; "
-                        "writes variance_auto.md/.png, variance_auto_bits.png, data/variance_auto.json")
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="bits='auto' (budgets of --budgets) against uniform 3 bits instead of the methods; "
+        "writes variance_auto.md/.png, variance_auto_bits.png, data/variance_auto.json",
+    )
     p.add_argument("--budgets", default="3.0,2.5", help="--auto: mean bits per coordinate; default 3.0,2.5")
-    p.add_argument("--min-size", type=int, default=1024,
-                   help="--auto: smaller tensors are not quantized (the compressors' default); default 1024")
+    p.add_argument(
+        "--min-size",
+        type=int,
+        default=1024,
+        help="--auto: smaller tensors are not quantized (the compressors' default); default 1024",
+    )
     p.add_argument("--quick", action="store_true", help="30 iterations, 3 bits, bucket 512")
-    p.add_argument("--replot", action="store_true",
-                   help="only rebuild the pages and PNGs from data/variance.json (variance_auto.json with --auto)")
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="only rebuild the pages and PNGs from data/variance.json (variance_auto.json with --auto)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.iters, args.eval_every, args.refit_every, args.paper_steps = 30, 10, 10, "0,20"
@@ -186,10 +211,17 @@ def main(argv=None) -> int:
             print(f"iteration {t}/{args.iters}, loss {loss:.3f}, {time.monotonic() - start:.0f} s", flush=True)
     wall = time.monotonic() - start
 
-    data = {"args": vars(args), "iterations": iters, "loss": losses, "grad_norm": gnorms,
-            "variance": var, "levels": levels, "wall_seconds": wall,
-            "statistics_plus_adapt_ms_mean": 1e3 * adapt_seconds / max(1, adapt_calls),
-            "argv": argv if argv is not None else sys.argv[1:]}
+    data = {
+        "args": vars(args),
+        "iterations": iters,
+        "loss": losses,
+        "grad_norm": gnorms,
+        "variance": var,
+        "levels": levels,
+        "wall_seconds": wall,
+        "statistics_plus_adapt_ms_mean": 1e3 * adapt_seconds / max(1, adapt_calls),
+        "argv": argv if argv is not None else sys.argv[1:],
+    }
     (out / "data" / "variance.json").write_text(json.dumps(data))
     return write_outputs(data, bits_list, buckets, out, data["argv"])
 
@@ -220,15 +252,19 @@ def report(data: dict, bits_list, buckets, argv) -> str:
     after0 = it > 0
     late = it >= it[-1] * 0.5
     first = it == 0
-    lines = [f"Command: `python -m scripts.study.variance {' '.join(argv or [])}` "
-             f"({data['wall_seconds']:.0f} s; {n} measurements, iterations 0..{it[-1]}).", "",
-             "Exact normalized variance E||Q(g)-g||^2/||g||^2 of the full CNN gradient; mean over the "
-             "measurements in iterations (0, 10%] (early), over all iterations > 0 (all), and over the second "
-             "half (late); iteration 0 (it0) is shown apart and left out of the three means: the adaptive "
-             "methods still have their initial levels there (fitted to Gaussian gradients; the product refits "
-             "from iteration 0's statistics, used from iteration 1 on). Adaptive methods: -l2 normalizes "
-             "buckets by their L2 norm (the paper's form), -linf by their max-abs; on the paper schedule "
-             "unless a schedule is named. TernGrad is always its 2-bit ternary code. Lower is better.", ""]
+    lines = [
+        f"Command: `python -m scripts.study.variance {' '.join(argv or [])}` "
+        f"({data['wall_seconds']:.0f} s; {n} measurements, iterations 0..{it[-1]}).",
+        "",
+        "Exact normalized variance E||Q(g)-g||^2/||g||^2 of the full CNN gradient; mean over the "
+        "measurements in iterations (0, 10%] (early), over all iterations > 0 (all), and over the second "
+        "half (late); iteration 0 (it0) is shown apart and left out of the three means: the adaptive "
+        "methods still have their initial levels there (fitted to Gaussian gradients; the product refits "
+        "from iteration 0's statistics, used from iteration 1 on). Adaptive methods: -l2 normalizes "
+        "buckets by their L2 norm (the paper's form), -linf by their max-abs; on the paper schedule "
+        "unless a schedule is named. TernGrad is always its 2-bit ternary code. Lower is better.",
+        "",
+    ]
     for b in bits_list:
         cols = [f"d={d} {w}" for d in buckets for w in ("it0", "early", "all", "late")]
         lines += [f"**{b} bits**", "", "| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
@@ -246,8 +282,10 @@ def report(data: dict, bits_list, buckets, argv) -> str:
             mark = " (lowest)" if any(best[d] == (m, s) for d in buckets) else ""
             lines.append(f"| {_label(m, s)}{mark} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines.append(f"Statistics + refit, mean per call: {data['statistics_plus_adapt_ms_mean']:.1f} ms "
-                 "(NumPy reference, 80k-coordinate gradient, shared CPU).")
+    lines.append(
+        f"Statistics + refit, mean per call: {data['statistics_plus_adapt_ms_mean']:.1f} ms "
+        "(NumPy reference, 80k-coordinate gradient, shared CPU)."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -263,15 +301,22 @@ def _plt():
 def plot_variance(data, bits_list, buckets, path):
     plt = _plt()
     it = data["iterations"]
-    fig, axes = plt.subplots(len(buckets), len(bits_list), figsize=(4.6 * len(bits_list), 3.6 * len(buckets)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(buckets), len(bits_list), figsize=(4.6 * len(bits_list), 3.6 * len(buckets)), squeeze=False, sharex=True
+    )
     for i, d in enumerate(buckets):
         for j, b in enumerate(bits_list):
             ax = axes[i][j]
             for m in FIXED + ADAPTIVE:
                 s = "-" if m in FIXED else "paper"
-                ax.plot(it, data["variance"][_key(m, b, d, s)], color=_color(m), label=m,
-                        lw=1.6 if m in ADAPTIVE else 1.0, ls=_style(m))
+                ax.plot(
+                    it,
+                    data["variance"][_key(m, b, d, s)],
+                    color=_color(m),
+                    label=m,
+                    lw=1.6 if m in ADAPTIVE else 1.0,
+                    ls=_style(m),
+                )
             ax.set_yscale("log")
             ax.set_title(f"{b} bits, bucket {d}")
             ax.grid(alpha=0.3, which="both")
@@ -280,8 +325,10 @@ def plot_variance(data, bits_list, buckets, path):
             if j == 0:
                 ax.set_ylabel("normalized variance")
     axes[0][0].legend(fontsize=6, ncol=2)
-    fig.suptitle("Exact normalized variance on MNIST-CNN gradients (adaptive: refit at 0, 100, 2000; "
-                 "-l2: L2 buckets, -linf: max-abs buckets; TernGrad: 2-bit)")
+    fig.suptitle(
+        "Exact normalized variance on MNIST-CNN gradients (adaptive: refit at 0, 100, 2000; "
+        "-l2: L2 buckets, -linf: max-abs buckets; TernGrad: 2-bit)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -320,8 +367,9 @@ def plot_levels(data, bits_list, buckets, path):
     it = data["iterations"]
     b = 3 if 3 in bits_list else bits_list[0]
     variants = _main_variants()
-    fig, axes = plt.subplots(len(buckets), len(variants), figsize=(4.2 * len(variants), 3.4 * len(buckets)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(buckets), len(variants), figsize=(4.2 * len(variants), 3.4 * len(buckets)), squeeze=False
+    )
     for i, d in enumerate(buckets):
         for j, m in enumerate(variants):
             ax = axes[i][j]
@@ -344,6 +392,7 @@ def plot_levels(data, bits_list, buckets, path):
 # ---------------------------------------------------------------------------------------------
 # --auto: the compressors' bits="auto" against uniform 3 bits
 
+
 def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
     """Train, measure every --eval-every iterations and refit on the paper schedule (the variance
     of iteration t with the levels and widths fitted before t); write the outputs. Besides the
@@ -352,22 +401,35 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
     (exhaustive search; a bound on what any allocation of widths per tensor reaches)."""
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     labels = [f"{m}-{norm}" for m in AUTO_METHODS for norm in norms]
-    widths = {(label, d): [Quantizer(split_norm(label)[0], bits=w, bucket_size=d, norm=split_norm(label)[1])
-                           for w in AUTO_WIDTHS] for label in labels for d in buckets}
-    autos = {(label, d, b): AutoBits(split_norm(label)[0], b, d, split_norm(label)[1])
-             for label in labels for d in buckets for b in budgets}
-    per_bucket_autos = {(label, d, b): AutoBits(split_norm(label)[0], b, d, split_norm(label)[1], bits_per="bucket")
-                        for label in labels for d in buckets for b in budgets}
+    widths = {
+        (label, d): [
+            Quantizer(split_norm(label)[0], bits=w, bucket_size=d, norm=split_norm(label)[1]) for w in AUTO_WIDTHS
+        ]
+        for label in labels
+        for d in buckets
+    }
+    autos = {
+        (label, d, b): AutoBits(split_norm(label)[0], b, d, split_norm(label)[1])
+        for label in labels
+        for d in buckets
+        for b in budgets
+    }
+    per_bucket_autos = {
+        (label, d, b): AutoBits(split_norm(label)[0], b, d, split_norm(label)[1], bits_per="bucket")
+        for label in labels
+        for d in buckets
+        for b in budgets
+    }
     record: dict = {"iterations": [], "loss": [], "float32_share": [], "variance": {}, "bits": {}}
     bucket_widths: dict = {}  # (label, d, budget) -> width index per bucket, fitted at the last refit
     refit_seconds, start = 0.0, time.monotonic()
     for t, loss, grads in gradients(args):
         quantized, sizes, keys = quantized_tensors(grads, args.min_size)
         if t % args.eval_every == 0:
-            total = sum(float((g ** 2).sum()) for _, g in grads)
+            total = sum(float((g**2).sum()) for _, g in grads)
             record["iterations"].append(t)
             record["loss"].append(loss)
-            record["float32_share"].append(1.0 - sum(float((g ** 2).sum()) for _, g in quantized) / total)
+            record["float32_share"].append(1.0 - sum(float((g**2).sum()) for _, g in quantized) / total)
             for (label, d), qs in widths.items():
                 per_bucket, bucket_sizes, firsts = bucket_error_matrix(qs, quantized)
                 e = np.add.reduceat(per_bucket, firsts, axis=0)  # per tensor (error_matrix, from the buckets)
@@ -407,10 +469,19 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
             refit_seconds += time.perf_counter() - a
         if t % 500 == 0:
             print(f"iteration {t}/{args.iters}, loss {loss:.3f}, {time.monotonic() - start:.0f} s", flush=True)
-    record.update(args=vars(args), labels=labels, buckets=buckets, budgets=budgets, refits=sorted(paper_steps),
-                  wall_seconds=time.monotonic() - start, refit_seconds=refit_seconds,
-                  quantized_parameters=[n for n, _ in quantized], quantized_sizes=sizes,
-                  parameters=[(n, g.size) for n, g in grads], argv=argv)
+    record.update(
+        args=vars(args),
+        labels=labels,
+        buckets=buckets,
+        budgets=budgets,
+        refits=sorted(paper_steps),
+        wall_seconds=time.monotonic() - start,
+        refit_seconds=refit_seconds,
+        quantized_parameters=[n for n, _ in quantized],
+        quantized_sizes=sizes,
+        parameters=[(n, g.size) for n, g in grads],
+        argv=argv,
+    )
     (out / "data" / "variance_auto.json").write_text(json.dumps(record))
     return write_auto_outputs(record, out)
 
@@ -437,79 +508,126 @@ def auto_report(record: dict) -> str:
     checkpoints = sorted({int(it[i]) for i in np.linspace(1, len(it) - 1, 5).round().astype(int)})
     names = ", ".join(f"{n} ({s})" for n, s in zip(record["quantized_parameters"], record["quantized_sizes"]))
     float32 = [f"{n} ({s})" for n, s in record["parameters"] if n not in record["quantized_parameters"]]
-    lines = [f"Command: `python -m scripts.study.variance {' '.join(record['argv'] or [])}` "
-             f"({record['wall_seconds']:.0f} s, of which refits {record['refit_seconds']:.0f} s; {len(it)} "
-             f"measurements, iterations 0..{it[-1]}).", "",
-             "The compressors' `bits=\"auto\"` (`horovod_alq.core.auto_bits.AutoBits`: at each refit, widths 2..8 "
-             "per tensor allocated from the exact errors with the previous levels under the budget, then the levels "
-             "of each width in use refitted from its tensors; before the first refit every tensor at the widest "
-             "width within the budget) against uniform 3 bits of the same method and norm (levels refitted from "
-             "all quantized tensors' statistics), both refitted at iterations "
-             f"{', '.join(map(str, record['refits']))} on the CNN's gradients, the statistics of iteration t giving "
-             "the levels and widths used from t + 1. Total normalized variance: the exact E||Q(g)-g||^2 of every "
-             "quantized tensor (buckets from the tensor's start), summed, over the whole gradient's ||g||^2; "
-             f"tensors below {record['args']['min_size']} elements travel in float32 with no error: "
-             f"{', '.join(float32)}, on average {100 * np.mean(record['float32_share']):.1f}% of ||g||^2. "
-             f"Quantized tensors: {names}. Budgets: mean bits per coordinate of the quantized tensors, bucket norms "
-             "not counted. Issue 23's targets: at most 0.7x uniform 3 bits at budget 3.0, at most 1x at 2.5. "
-             "*Best*: not a compressor; at every measurement, the allocation with the least total variance within "
-             "the budget, found by trying all of them, with every width's levels fitted like uniform 3 bits' "
-             "(from all quantized tensors, same refits): what any widths per tensor could reach. *Per bucket*: the "
-             "same with a width per quantization bucket instead of per tensor (allocate_bits' exact optimum over "
-             "the buckets): what widths per bucket could reach; *kept*: widths per bucket allocated at each refit "
-             "(from that gradient's errors, with the refitted levels) and kept until the next, as a compressor "
-             "would keep them. *bits_per=bucket*: the compressors' `bits=\"auto\", bits_per=\"bucket\"` "
-             "(`horovod_alq.core.bucket_widths`): every width's levels and the error model refitted at the same "
-             "refits from all quantized tensors' statistics, and at every iteration each bucket's width chosen "
-             "from that gradient's bucket norms, the quantized tensors in one payload (one fusion buffer, "
-             "allgather).", "",
-             "**Mean over the measurements after iteration 0** (ratio of the means to uniform 3 bits; widths in the "
-             "order of the quantized tensors):", "",
-             "| method, bucket | uniform 3 bits | "
-             + " | ".join(f"auto {b} | ratio | best {b} | ratio | per bucket {b} | ratio | per bucket, kept {b} | ratio"
-                          f" | bits_per=bucket {b} | ratio" for b in budgets)
-             + " | auto's widths at the last refit (" + " / ".join(map(str, budgets)) + ") |",
-             "|---|---:|" + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" * len(budgets) + "---|"]
+    lines = [
+        f"Command: `python -m scripts.study.variance {' '.join(record['argv'] or [])}` "
+        f"({record['wall_seconds']:.0f} s, of which refits {record['refit_seconds']:.0f} s; {len(it)} "
+        f"measurements, iterations 0..{it[-1]}).",
+        "",
+        'The compressors\' `bits="auto"` (`horovod_alq.core.auto_bits.AutoBits`: at each refit, widths 2..8 '
+        "per tensor allocated from the exact errors with the previous levels under the budget, then the levels "
+        "of each width in use refitted from its tensors; before the first refit every tensor at the widest "
+        "width within the budget) against uniform 3 bits of the same method and norm (levels refitted from "
+        "all quantized tensors' statistics), both refitted at iterations "
+        f"{', '.join(map(str, record['refits']))} on the CNN's gradients, the statistics of iteration t giving "
+        "the levels and widths used from t + 1. Total normalized variance: the exact E||Q(g)-g||^2 of every "
+        "quantized tensor (buckets from the tensor's start), summed, over the whole gradient's ||g||^2; "
+        f"tensors below {record['args']['min_size']} elements travel in float32 with no error: "
+        f"{', '.join(float32)}, on average {100 * np.mean(record['float32_share']):.1f}% of ||g||^2. "
+        f"Quantized tensors: {names}. Budgets: mean bits per coordinate of the quantized tensors, bucket norms "
+        "not counted. Issue 23's targets: at most 0.7x uniform 3 bits at budget 3.0, at most 1x at 2.5. "
+        "*Best*: not a compressor; at every measurement, the allocation with the least total variance within "
+        "the budget, found by trying all of them, with every width's levels fitted like uniform 3 bits' "
+        "(from all quantized tensors, same refits): what any widths per tensor could reach. *Per bucket*: the "
+        "same with a width per quantization bucket instead of per tensor (allocate_bits' exact optimum over "
+        "the buckets): what widths per bucket could reach; *kept*: widths per bucket allocated at each refit "
+        "(from that gradient's errors, with the refitted levels) and kept until the next, as a compressor "
+        'would keep them. *bits_per=bucket*: the compressors\' `bits="auto", bits_per="bucket"` '
+        "(`horovod_alq.core.bucket_widths`): every width's levels and the error model refitted at the same "
+        "refits from all quantized tensors' statistics, and at every iteration each bucket's width chosen "
+        "from that gradient's bucket norms, the quantized tensors in one payload (one fusion buffer, "
+        "allgather).",
+        "",
+        "**Mean over the measurements after iteration 0** (ratio of the means to uniform 3 bits; widths in the "
+        "order of the quantized tensors):",
+        "",
+        "| method, bucket | uniform 3 bits | "
+        + " | ".join(
+            f"auto {b} | ratio | best {b} | ratio | per bucket {b} | ratio | per bucket, kept {b} | ratio"
+            f" | bits_per=bucket {b} | ratio"
+            for b in budgets
+        )
+        + " | auto's widths at the last refit ("
+        + " / ".join(map(str, budgets))
+        + ") |",
+        "|---|---:|" + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" * len(budgets) + "---|",
+    ]
     after0 = it > 0
     for label in record["labels"]:
         for d in record["buckets"]:
             u = v[f"{label}|{d}|uniform3"][after0].mean()
             cells = []
             for b in budgets:
-                for key in (f"{label}|{d}|{b}", f"{label}|{d}|{b}|best", f"{label}|{d}|{b}|best_bucket",
-                            f"{label}|{d}|{b}|bucket_stale", f"{label}|{d}|{b}|bucket_auto"):
+                for key in (
+                    f"{label}|{d}|{b}",
+                    f"{label}|{d}|{b}|best",
+                    f"{label}|{d}|{b}|best_bucket",
+                    f"{label}|{d}|{b}|bucket_stale",
+                    f"{label}|{d}|{b}|bucket_auto",
+                ):
                     a = v[key][after0].mean() if key in v else np.nan
                     cells += [f"{a:.3g}", f"{a / u:.2f}"]
             widths = " / ".join(" ".join(map(str, record["bits"][f"{label}|{d}|{b}"][-1])) for b in budgets)
             lines.append(f"| {label}, {d} | {u:.3g} | " + " | ".join(cells) + f" | {widths} |")
-    lines += ["", "**Ratio to uniform 3 bits between refits** (ratio of the means over each interval of iterations, "
-                  "each using one refit's allocation and levels) **and at single iterations**:", "",
-              "| method, bucket, budget | " + " | ".join(f"({lo}, {hi}]" for lo, hi in phases) + " | "
-              + " | ".join(f"it {c}" for c in checkpoints) + " |",
-              "|---|" + "---:|" * (len(phases) + len(checkpoints))]
+    lines += [
+        "",
+        "**Ratio to uniform 3 bits between refits** (ratio of the means over each interval of iterations, "
+        "each using one refit's allocation and levels) **and at single iterations**:",
+        "",
+        "| method, bucket, budget | "
+        + " | ".join(f"({lo}, {hi}]" for lo, hi in phases)
+        + " | "
+        + " | ".join(f"it {c}" for c in checkpoints)
+        + " |",
+        "|---|" + "---:|" * (len(phases) + len(checkpoints)),
+    ]
     for label in record["labels"]:
         for d in record["buckets"]:
             u = v[f"{label}|{d}|uniform3"]
             for b in budgets:
                 a = v[f"{label}|{d}|{b}"]
-                cells = [f"{a[(it > lo) & (it <= hi)].mean() / u[(it > lo) & (it <= hi)].mean():.2f}"
-                         for lo, hi in phases]
+                cells = [
+                    f"{a[(it > lo) & (it <= hi)].mean() / u[(it > lo) & (it <= hi)].mean():.2f}" for lo, hi in phases
+                ]
                 cells += [f"{a[it == c][0] / u[it == c][0]:.2f}" for c in checkpoints]
                 lines.append(f"| {label}, {d}, {b} | " + " | ".join(cells) + " |")
-    met = {b: [v[f"{label}|{d}|{b}"][after0].mean() / v[f"{label}|{d}|uniform3"][after0].mean()
-               for label in record["labels"] for d in record["buckets"]] for b in budgets}
+    met = {
+        b: [
+            v[f"{label}|{d}|{b}"][after0].mean() / v[f"{label}|{d}|uniform3"][after0].mean()
+            for label in record["labels"]
+            for d in record["buckets"]
+        ]
+        for b in budgets
+    }
     target = {3.0: 0.7, 2.5: 1.0}
-    lines += [""] + [f"bits='auto' at budget {b}: ratio {min(r):.2f} to {max(r):.2f}" + (
-        f"; target at most {target[b]}x met in {sum(x <= target[b] for x in r)} of {len(r)} rows." if b in target
-        else ".") for b, r in met.items()]
-    for kind, name in (("best_bucket", "Widths per bucket"), ("bucket_stale", "Widths per bucket, kept"),
-                       ("bucket_auto", "bits_per='bucket'")):
-        finer = {b: [v[f"{label}|{d}|{b}|{kind}"][after0].mean() / v[f"{label}|{d}|uniform3"][after0].mean()
-                     for label in record["labels"] for d in record["buckets"] if f"{label}|{d}|{b}|{kind}" in v]
-                 for b in budgets}
-        lines += [f"{name} at budget {b}: ratio {min(r):.2f} to {max(r):.2f}"
-                  + (f"; the target met in {sum(x <= target[b] for x in r)} of {len(r)} rows." if b in target else ".")
-                  for b, r in finer.items() if r]
+    lines += [""] + [
+        f"bits='auto' at budget {b}: ratio {min(r):.2f} to {max(r):.2f}"
+        + (
+            f"; target at most {target[b]}x met in {sum(x <= target[b] for x in r)} of {len(r)} rows."
+            if b in target
+            else "."
+        )
+        for b, r in met.items()
+    ]
+    for kind, name in (
+        ("best_bucket", "Widths per bucket"),
+        ("bucket_stale", "Widths per bucket, kept"),
+        ("bucket_auto", "bits_per='bucket'"),
+    ):
+        finer = {
+            b: [
+                v[f"{label}|{d}|{b}|{kind}"][after0].mean() / v[f"{label}|{d}|uniform3"][after0].mean()
+                for label in record["labels"]
+                for d in record["buckets"]
+                if f"{label}|{d}|{b}|{kind}" in v
+            ]
+            for b in budgets
+        }
+        lines += [
+            f"{name} at budget {b}: ratio {min(r):.2f} to {max(r):.2f}"
+            + (f"; the target met in {sum(x <= target[b] for x in r)} of {len(r)} rows." if b in target else ".")
+            for b, r in finer.items()
+            if r
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -518,8 +636,9 @@ def plot_auto(record: dict, path: Path) -> None:
     plt = _plt()
     it = record["iterations"]
     labels, buckets = record["labels"], record["buckets"]
-    fig, axes = plt.subplots(len(buckets), len(labels), figsize=(4.2 * len(labels), 3.3 * len(buckets)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(buckets), len(labels), figsize=(4.2 * len(labels), 3.3 * len(buckets)), squeeze=False, sharex=True
+    )
     for i, d in enumerate(buckets):
         for j, label in enumerate(labels):
             ax = axes[i][j]
@@ -527,8 +646,14 @@ def plot_auto(record: dict, path: Path) -> None:
             for k, b in enumerate(record["budgets"]):
                 ax.plot(it, record["variance"][f"{label}|{d}|{b}"], color=f"C{k}", lw=1.2, label=f"auto, budget {b}")
                 if f"{label}|{d}|{b}|best" in record["variance"]:
-                    ax.plot(it, record["variance"][f"{label}|{d}|{b}|best"], color=f"C{k}", lw=0.8, ls="--",
-                            label=f"best allocation, budget {b}")
+                    ax.plot(
+                        it,
+                        record["variance"][f"{label}|{d}|{b}|best"],
+                        color=f"C{k}",
+                        lw=0.8,
+                        ls="--",
+                        label=f"best allocation, budget {b}",
+                    )
             for r in record["refits"][1:]:
                 ax.axvline(r, color="k", ls=":", lw=0.8)
             ax.set_yscale("log")
@@ -539,8 +664,11 @@ def plot_auto(record: dict, path: Path) -> None:
             if j == 0:
                 ax.set_ylabel("total normalized variance")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("bits='auto' against uniform 3 bits on MNIST-CNN gradients (refits at "
-                 + ", ".join(map(str, record["refits"])) + "; dashed: the best allocation, exhaustive search)")
+    fig.suptitle(
+        "bits='auto' against uniform 3 bits on MNIST-CNN gradients (refits at "
+        + ", ".join(map(str, record["refits"]))
+        + "; dashed: the best allocation, exhaustive search)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -553,15 +681,21 @@ def plot_auto_bits(record: dict, path: Path) -> None:
     labels = record["labels"]
     cols = [(d, b) for d in record["buckets"] for b in record["budgets"]]
     names = record["quantized_parameters"]
-    fig, axes = plt.subplots(len(labels), len(cols), figsize=(3.6 * len(cols), 2.4 * len(labels)),
-                             squeeze=False, sharex=True, sharey=True)
+    fig, axes = plt.subplots(
+        len(labels), len(cols), figsize=(3.6 * len(cols), 2.4 * len(labels)), squeeze=False, sharex=True, sharey=True
+    )
     for i, label in enumerate(labels):
         for j, (d, b) in enumerate(cols):
             ax = axes[i][j]
             bits = np.array(record["bits"][f"{label}|{d}|{b}"])
             for k, n in enumerate(names):  # offset so that equal widths stay visible
-                ax.step(it, bits[:, k] + 0.12 * (k - (len(names) - 1) / 2), where="post", color=f"C{k}",
-                        label=n.replace(".weight", ""))
+                ax.step(
+                    it,
+                    bits[:, k] + 0.12 * (k - (len(names) - 1) / 2),
+                    where="post",
+                    color=f"C{k}",
+                    label=n.replace(".weight", ""),
+                )
             ax.set_title(f"{label}, bucket {d}, budget {b}", fontsize=9)
             ax.set_ylim(1.5, 8.5)
             ax.grid(alpha=0.3)

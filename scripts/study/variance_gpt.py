@@ -42,14 +42,29 @@ import torch
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import allocate_bits
 from horovod_alq.core.auto_bits import AutoBits
-from scripts.common.auto_bits import (auto_error, auto_refit, bucket_auto_error, error_matrix, exact_error, quantized_tensors,
-                                     refit_from)
+from scripts.common.auto_bits import (
+    auto_error,
+    auto_refit,
+    bucket_auto_error,
+    error_matrix,
+    exact_error,
+    quantized_tensors,
+    refit_from,
+)
 from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
 
 # (label, method, norm): the compressors' default norm unless named; -l2 is the paper's form.
-METHODS = [("alq", "alq", None), ("amq", "amq", None), ("alq-n", "alq-n", None), ("amq-n", "amq-n", None),
-           ("alq-l2", "alq", "l2"), ("amq-l2", "amq", "l2"),
-           ("qsgdinf", "qsgdinf", None), ("nuqsgd", "nuqsgd", None), ("terngrad", "terngrad", None)]
+METHODS = [
+    ("alq", "alq", None),
+    ("amq", "amq", None),
+    ("alq-n", "alq-n", None),
+    ("amq-n", "amq-n", None),
+    ("alq-l2", "alq", "l2"),
+    ("amq-l2", "amq", "l2"),
+    ("qsgdinf", "qsgdinf", None),
+    ("nuqsgd", "nuqsgd", None),
+    ("terngrad", "terngrad", None),
+]
 TYPES = ["embedding", "attention", "MLP", "head"]
 ALLOC_METHODS = ["alq", "amq"]
 ALLOC_WIDTHS = list(range(2, 9))
@@ -93,8 +108,11 @@ def main(argv=None) -> int:
     (out / "data").mkdir(parents=True, exist_ok=True)
     bits_list = [int(b) for b in args.bits.split(",")]
     refits = {int(s) for s in args.refit_steps.split(",") if s.strip()}
-    quantizers = {(label, b): Quantizer(m, bits=2 if m == "terngrad" else b, bucket_size=args.bucket_size, norm=n)
-                  for label, m, n in METHODS for b in bits_list}
+    quantizers = {
+        (label, b): Quantizer(m, bits=2 if m == "terngrad" else b, bucket_size=args.bucket_size, norm=n)
+        for label, m, n in METHODS
+        for b in bits_list
+    }
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     widths = {(m, w): Quantizer(m, bits=w, bucket_size=args.bucket_size) for m in ALLOC_METHODS for w in ALLOC_WIDTHS}
     current = {}  # (method, budget) -> bits per quantized tensor, from the last refit
@@ -109,8 +127,15 @@ def main(argv=None) -> int:
     schedule = argparse.Namespace(lr=args.lr, warmup=max(1, args.iters // 10), steps=args.iters)
     gen = torch.Generator().manual_seed(args.seed)
     names = [n for n, _ in model.named_parameters()]
-    record: dict = {"iterations": [], "loss": [], "share": [], "variance": {}, "allocation": {}, "refit_bits": {},
-                    "compressor_bits": {}}
+    record: dict = {
+        "iterations": [],
+        "loss": [],
+        "share": [],
+        "variance": {},
+        "allocation": {},
+        "refit_bits": {},
+        "compressor_bits": {},
+    }
     start = time.monotonic()
     for t in range(args.iters + 1):
         for group in opt.param_groups:
@@ -124,7 +149,7 @@ def main(argv=None) -> int:
         if t % args.eval_every == 0:
             sq = {k: 0.0 for k in TYPES + ["norm"]}
             for n, g in grads:
-                sq["norm" if g.size < args.min_size else layer_type(n)] += float((g ** 2).sum())
+                sq["norm" if g.size < args.min_size else layer_type(n)] += float((g**2).sum())
             total = sum(sq.values())
             record["iterations"].append(t)
             record["loss"].append(loss.item())
@@ -164,9 +189,14 @@ def main(argv=None) -> int:
         opt.step()
         if t % 100 == 0:
             print(f"iteration {t}/{args.iters}, loss {loss.item():.3f}, {time.monotonic() - start:.0f} s", flush=True)
-    record.update(args=vars(args), wall_seconds=time.monotonic() - start, parameters=names,
-                  quantized_parameters=[n for n, g in quantized], quantized_sizes=sizes,
-                  argv=argv if argv is not None else sys.argv[1:])
+    record.update(
+        args=vars(args),
+        wall_seconds=time.monotonic() - start,
+        parameters=names,
+        quantized_parameters=[n for n, g in quantized],
+        quantized_sizes=sizes,
+        argv=argv if argv is not None else sys.argv[1:],
+    )
     (out / "data" / "variance_gpt.json").write_text(json.dumps(record))
     text = report(record, bits_list)
     (out / "variance_gpt.md").write_text(text)
@@ -187,8 +217,14 @@ def measure_allocations(record, widths, current, quantized, sizes, budgets, tota
             cols = [ALLOC_WIDTHS.index(3)] * len(rows) if stale is None else [ALLOC_WIDTHS.index(b) for b in stale]
             oracle = allocate_bits(e, sizes, budget, ALLOC_WIDTHS)
             record["allocation"].setdefault(f"{m}|{budget}", []).append(
-                {"stale": float(e[rows, cols].sum() / total), "oracle": oracle.error / total,
-                 "oracle_gap": oracle.gap / total, "uniform3": float(uniform), "oracle_bits": oracle.bits.tolist()})
+                {
+                    "stale": float(e[rows, cols].sum() / total),
+                    "oracle": oracle.error / total,
+                    "oracle_gap": oracle.gap / total,
+                    "uniform3": float(uniform),
+                    "oracle_bits": oracle.bits.tolist(),
+                }
+            )
 
 
 def _mean(rows: list, key: str, mask) -> float:
@@ -199,16 +235,25 @@ def report(record: dict, bits_list) -> str:
     it = np.array(record["iterations"])
     after0 = it > 0
     share = {k: float(np.mean([s[k] for s in record["share"]])) for k in TYPES + ["norm"]}
-    lines = [f"Command: `python -m scripts.study.variance_gpt {' '.join(record['argv'] or [])}` "
-             f"({record['wall_seconds']:.0f} s; {len(it)} measurements, iterations 0..{it[-1]}).", "",
-             "Exact normalized variance E||Q(g)-g||^2/||g||^2 of one worker's GPT gradient, per layer type "
-             "(each type's error over its own squared norm) and in total (over the whole gradient, the "
-             "uncompressed LayerNorms and biases counted with zero error); mean over the measurements after "
-             "iteration 0. Lower is better. Share of ||g||^2 (mean over measurements): "
-             + ", ".join(f"{k} {100 * v:.1f}%" for k, v in share.items()) + ".", ""]
+    lines = [
+        f"Command: `python -m scripts.study.variance_gpt {' '.join(record['argv'] or [])}` "
+        f"({record['wall_seconds']:.0f} s; {len(it)} measurements, iterations 0..{it[-1]}).",
+        "",
+        "Exact normalized variance E||Q(g)-g||^2/||g||^2 of one worker's GPT gradient, per layer type "
+        "(each type's error over its own squared norm) and in total (over the whole gradient, the "
+        "uncompressed LayerNorms and biases counted with zero error); mean over the measurements after "
+        "iteration 0. Lower is better. Share of ||g||^2 (mean over measurements): "
+        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in share.items())
+        + ".",
+        "",
+    ]
     for b in bits_list:
-        lines += [f"**{b} bits**", "", "| method | total | " + " | ".join(TYPES) + " | total / QSGDinf |",
-                  "|---|---:|" + "---:|" * len(TYPES) + "---:|"]
+        lines += [
+            f"**{b} bits**",
+            "",
+            "| method | total | " + " | ".join(TYPES) + " | total / QSGDinf |",
+            "|---|---:|" + "---:|" * len(TYPES) + "---:|",
+        ]
         reference = _mean(record["variance"][f"qsgdinf|{b}"], "total", after0)
         for label, _, _ in METHODS:
             rows = record["variance"][f"{label}|{b}"]
@@ -222,20 +267,24 @@ def report(record: dict, bits_list) -> str:
 
 
 def allocation_report(record: dict, after0) -> list[str]:
-    lines = ["**Bits per tensor under a budget** (widths 2..8, horovod_alq.core.allocation): total normalized "
-             "variance, mean over the measurements after iteration 0, and its ratio to uniform 3 bits of the same "
-             "method. Stale: the allocation of the last refit; oracle: recomputed at every measurement "
-             "(allocate_bits' exact optimum: gap 0 unless its budget grid was coarse); both with every width's levels fitted "
-             "from all tensors. bits='auto': the compressors' own AutoBits (allocated with the previous refit's "
-             "levels, each width then refit from its own tensors; uniform 3 bits before the first refit), "
-             "its allocation kept until the next refit. bits_per='bucket': the compressors' widths per bucket "
-             "(horovod_alq.core.bucket_widths; every width and the error model refit at the same refits, each "
-             "bucket's width chosen from the measured gradient's bucket norms, the quantized tensors in one "
-             "payload).", "",
-             "| method, budget | uniform 3 bits | allocated, stale | stale / uniform 3 | oracle | oracle / uniform 3 | "
-             "gap / oracle | bits='auto' (the compressors) | / uniform 3 | bits_per='bucket' | / uniform 3 | "
-             "bits per tensor at the last refit |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "**Bits per tensor under a budget** (widths 2..8, horovod_alq.core.allocation): total normalized "
+        "variance, mean over the measurements after iteration 0, and its ratio to uniform 3 bits of the same "
+        "method. Stale: the allocation of the last refit; oracle: recomputed at every measurement "
+        "(allocate_bits' exact optimum: gap 0 unless its budget grid was coarse); both with every width's levels "
+        "fitted "
+        "from all tensors. bits='auto': the compressors' own AutoBits (allocated with the previous refit's "
+        "levels, each width then refit from its own tensors; uniform 3 bits before the first refit), "
+        "its allocation kept until the next refit. bits_per='bucket': the compressors' widths per bucket "
+        "(horovod_alq.core.bucket_widths; every width and the error model refit at the same refits, each "
+        "bucket's width chosen from the measured gradient's bucket norms, the quantized tensors in one "
+        "payload).",
+        "",
+        "| method, budget | uniform 3 bits | allocated, stale | stale / uniform 3 | oracle | oracle / uniform 3 | "
+        "gap / oracle | bits='auto' (the compressors) | / uniform 3 | bits_per='bucket' | / uniform 3 | "
+        "bits per tensor at the last refit |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for key, rows in record["allocation"].items():
         m, budget = key.split("|")
         uniform = _mean(rows, "uniform3", after0)
@@ -246,12 +295,19 @@ def allocation_report(record: dict, after0) -> list[str]:
         shown = " ".join(str(b) for b in last)
         comp = _mean(rows, "compressor", after0)
         finer = _mean(rows, "per_bucket", after0) if "per_bucket" in rows[-1] else float("nan")
-        lines.append(f"| {m}, {budget} | {uniform:.3g} | {stale:.3g} | {stale / uniform:.2f} | {oracle:.3g} | "
-                     f"{oracle / uniform:.2f} | {gap / oracle:.1e} | {comp:.3g} | {comp / uniform:.2f} | "
-                     f"{finer:.3g} | {finer / uniform:.2f} | {shown} |")
+        lines.append(
+            f"| {m}, {budget} | {uniform:.3g} | {stale:.3g} | {stale / uniform:.2f} | {oracle:.3g} | "
+            f"{oracle / uniform:.2f} | {gap / oracle:.1e} | {comp:.3g} | {comp / uniform:.2f} | "
+            f"{finer:.3g} | {finer / uniform:.2f} | {shown} |"
+        )
     names = record.get("quantized_parameters", [])
-    lines += ["", "Tensors in that order: " + ", ".join(f"{n} ({s})" for n, s in
-                                                        zip(names, record.get("quantized_sizes", []))) + ".", ""]
+    lines += [
+        "",
+        "Tensors in that order: "
+        + ", ".join(f"{n} ({s})" for n, s in zip(names, record.get("quantized_sizes", [])))
+        + ".",
+        "",
+    ]
     return lines
 
 
@@ -281,8 +337,13 @@ def plot(record: dict, bits_list, path: Path) -> None:
     for j, label in enumerate(shown):
         rows = record["variance"][f"{label}|{b}"]
         values = [_mean(rows, k, mask) for k in TYPES]
-        bx.bar(np.arange(len(TYPES)) + (j - (len(shown) - 1) / 2) * width, values, width, label=label,
-               color=f"C{[m[0] for m in METHODS].index(label)}")
+        bx.bar(
+            np.arange(len(TYPES)) + (j - (len(shown) - 1) / 2) * width,
+            values,
+            width,
+            label=label,
+            color=f"C{[m[0] for m in METHODS].index(label)}",
+        )
     bx.set_yscale("log")
     bx.set_xticks(range(len(TYPES)), TYPES)
     bx.set_ylabel("normalized variance of the layer type")

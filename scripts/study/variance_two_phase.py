@@ -66,11 +66,15 @@ from scripts.common.cnn import Net, load_digits
 
 LABELS = {"alq": "ALQ", "amq": "AMQ", "qsgdinf": "QSGDinf"}
 VARIANTS = ("a", "a0", "b", "b2", "c", "c2")
-VARIANT_NAMES = {"allgather": "allgather", "a": "two-phase (a) reuse first levels",
-                 "a0": "two-phase (a0) initial levels, no refit", "b": "two-phase (b) adapted second levels",
-                 "b2": "two-phase (b') adapted, S of the new first levels",
-                 "c": "two-phase (c) 4-bit second, adapted",
-                 "c2": "two-phase (c') 4-bit second, adapted, S of the new first levels"}
+VARIANT_NAMES = {
+    "allgather": "allgather",
+    "a": "two-phase (a) reuse first levels",
+    "a0": "two-phase (a0) initial levels, no refit",
+    "b": "two-phase (b) adapted second levels",
+    "b2": "two-phase (b') adapted, S of the new first levels",
+    "c": "two-phase (c) 4-bit second, adapted",
+    "c2": "two-phase (c') 4-bit second, adapted, S of the new first levels",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,18 +84,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, default=3, help="first-phase bits (and (a), (a0), (b)); default 3")
     p.add_argument("--bits-second", type=int, default=4, help="variant (c)'s second bits; default 4")
     p.add_argument("--buckets", default="8192,512", help="bucket sizes; default 8192,512")
-    p.add_argument("--checkpoints", default="50,400,1000,2000",
-                   help="training iterations at which to measure; default 50,400,1000,2000")
-    p.add_argument("--draws", type=int, default=3, help="evaluation rounds (fresh minibatches) per checkpoint; default 3")
+    p.add_argument(
+        "--checkpoints",
+        default="50,400,1000,2000",
+        help="training iterations at which to measure; default 50,400,1000,2000",
+    )
+    p.add_argument(
+        "--draws", type=int, default=3, help="evaluation rounds (fresh minibatches) per checkpoint; default 3"
+    )
     p.add_argument("--samples", type=int, default=2, help="draws of S per evaluation round; default 2")
-    p.add_argument("--unbiased-samples", type=int, default=60,
-                   help="full two-phase estimates per setting for the unbiasedness check (last checkpoint, "
-                        "first bucket size, variants a and c'); 0 skips it; default 60")
+    p.add_argument(
+        "--unbiased-samples",
+        type=int,
+        default=60,
+        help="full two-phase estimates per setting for the unbiasedness check (last checkpoint, "
+        "first bucket size, variants a and c'); 0 skips it; default 60",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the Markdown report here (and the raw numbers to data/<name>.json beside it)")
-    p.add_argument("--quick", action="store_true", help="2 checkpoints (20, 60), 2 draws, bucket 8192, 20 unbiased samples")
+    p.add_argument(
+        "--quick", action="store_true", help="2 checkpoints (20, 60), 2 draws, bucket 8192, 20 unbiased samples"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.checkpoints, args.draws, args.samples, args.buckets, args.unbiased_samples = "20,60", 2, 2, "8192", 20
@@ -123,11 +138,13 @@ class Setting:
 
     def __init__(self, method: str, bits: int, bits_second: int, bucket: int) -> None:
         self.q1 = Quantizer(method, bits=bits, bucket_size=bucket)
-        self.second = {"a0": Quantizer(method, bits=bits, bucket_size=bucket),
-                       "b": Quantizer(method, bits=bits, bucket_size=bucket),
-                       "b2": Quantizer(method, bits=bits, bucket_size=bucket),
-                       "c": Quantizer(method, bits=bits_second, bucket_size=bucket),
-                       "c2": Quantizer(method, bits=bits_second, bucket_size=bucket)}
+        self.second = {
+            "a0": Quantizer(method, bits=bits, bucket_size=bucket),
+            "b": Quantizer(method, bits=bits, bucket_size=bucket),
+            "b2": Quantizer(method, bits=bits, bucket_size=bucket),
+            "c": Quantizer(method, bits=bits_second, bucket_size=bucket),
+            "c2": Quantizer(method, bits=bits_second, bucket_size=bucket),
+        }
 
     def levels(self, variant: str) -> np.ndarray:
         return self.q1.levels if variant == "a" else self.second[variant].levels
@@ -172,8 +189,7 @@ def evaluate(st: Setting, grads: list[np.ndarray], samples: int, rng: np.random.
     return out
 
 
-def unbiased_check(st: Setting, grads: list[np.ndarray], variant: str, repeats: int,
-                   rng: np.random.Generator) -> dict:
+def unbiased_check(st: Setting, grads: list[np.ndarray], variant: str, repeats: int, rng: np.random.Generator) -> dict:
     """Sample ``repeats`` full two-phase estimates and test that their mean is the true mean."""
     n = len(grads)
     mean = np.sum([g.astype(np.float64) for g in grads], axis=0) / n
@@ -186,16 +202,22 @@ def unbiased_check(st: Setting, grads: list[np.ndarray], variant: str, repeats: 
     err = ests - mean
     total_var = float(((ests - avg) ** 2).sum() / (repeats - 1))  # trace of the covariance, estimated
     sq = float(((avg - mean) ** 2).sum())
-    directions = {"mean": mean / np.linalg.norm(mean), "ones": np.ones_like(mean) / np.sqrt(mean.size),
-                  "random +-1": np.random.default_rng(7).choice([-1.0, 1.0], mean.size) / np.sqrt(mean.size)}
+    directions = {
+        "mean": mean / np.linalg.norm(mean),
+        "ones": np.ones_like(mean) / np.sqrt(mean.size),
+        "random +-1": np.random.default_rng(7).choice([-1.0, 1.0], mean.size) / np.sqrt(mean.size),
+    }
     tstats = {}
     for name, u in directions.items():
         proj = err @ u
         tstats[name] = float(proj.mean() / (proj.std(ddof=1) / np.sqrt(repeats)))
-    return {"T": sq / (total_var / repeats), "rel_var": total_var / float(mean @ mean),
-            "err_rel": float(np.sqrt(sq) / np.linalg.norm(mean)),
-            "noise_rel": float(np.sqrt(total_var / repeats) / np.linalg.norm(mean)),
-            "t": tstats}
+    return {
+        "T": sq / (total_var / repeats),
+        "rel_var": total_var / float(mean @ mean),
+        "err_rel": float(np.sqrt(sq) / np.linalg.norm(mean)),
+        "noise_rel": float(np.sqrt(total_var / repeats) / np.linalg.norm(mean)),
+        "t": tstats,
+    }
 
 
 # --------------------------------------------------------------------------- training and driver
@@ -220,7 +242,9 @@ def main(argv=None) -> int:
         loss.backward()
         return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy().astype(np.float32), loss.item()
 
-    settings = {(m, d, n): Setting(m, args.bits, args.bits_second, d) for m in methods for d in buckets for n in workers}
+    settings = {
+        (m, d, n): Setting(m, args.bits, args.bits_second, d) for m in methods for d in buckets for n in workers
+    }
     results = {"|".join(map(str, k)): [] for k in settings}  # one dict per (checkpoint, draw)
     levels_log = {}
     unbiased = {}
@@ -246,8 +270,10 @@ def main(argv=None) -> int:
             for m in methods:
                 for d in buckets:
                     st = settings[(m, d, n)]
-                    levels_log[f"{m}|{d}|{n}|{ck}"] = {"first": st.q1.levels.tolist(),
-                                                        **{v: st.second[v].levels.tolist() for v in st.second}}
+                    levels_log[f"{m}|{d}|{n}|{ck}"] = {
+                        "first": st.q1.levels.tolist(),
+                        **{v: st.second[v].levels.tolist() for v in st.second},
+                    }
         print(f"checkpoint {ck}: {time.monotonic() - start:.0f} s", flush=True)
     if args.unbiased_samples > 1:
         grads_by_n = {n: [gradient(sim)[0] for _ in range(n)] for n in workers}
@@ -255,14 +281,21 @@ def main(argv=None) -> int:
         for m in methods:
             for n in workers:
                 for v in ("a", "c2"):  # the product's defaults at equal and at 4 second bits
-                    unbiased[f"{m}|{d}|{n}|{v}"] = unbiased_check(settings[(m, d, n)], grads_by_n[n], v,
-                                                                  args.unbiased_samples, rng)
+                    unbiased[f"{m}|{d}|{n}|{v}"] = unbiased_check(
+                        settings[(m, d, n)], grads_by_n[n], v, args.unbiased_samples, rng
+                    )
         print(f"unbiasedness check: {time.monotonic() - start:.0f} s", flush=True)
     wall = time.monotonic() - start
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])
-    data = {"args": vars(args), "argv": argv_text, "wall_seconds": wall, "results": results,
-            "levels": levels_log, "unbiased": unbiased,
-            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    data = {
+        "args": vars(args),
+        "argv": argv_text,
+        "wall_seconds": wall,
+        "results": results,
+        "levels": levels_log,
+        "unbiased": unbiased,
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+    }
     text = report(data, methods, buckets, workers, checkpoints)
     print(text)
     if args.out:
@@ -281,15 +314,24 @@ def _mean(rows: list[dict], key: str, checkpoint: int | None = None) -> float:
 def report(data: dict, methods, buckets, workers, checkpoints) -> str:
     a = data["args"]
     res = data["results"]
-    lines = [f"Command: `{('python -m scripts.study.variance_two_phase ' + data['argv']).strip()}`",
-             f"Date: {data['date']}; {data['wall_seconds']:.0f} s wall.", "",
-             f"Normalized variance E||est - mean||^2 / ||mean||^2 of the average of N workers' minibatch gradients "
-             f"(batch {a['batch_size']} each, demo CNN, 80k parameters), first quantization {a['bits']} bits; mean over "
-             f"{a['draws']} evaluation rounds at each of the checkpoints {', '.join(map(str, checkpoints))} "
-             f"(training iterations). In brackets: two-phase / allgather.", ""]
+    lines = [
+        f"Command: `{('python -m scripts.study.variance_two_phase ' + data['argv']).strip()}`",
+        f"Date: {data['date']}; {data['wall_seconds']:.0f} s wall.",
+        "",
+        f"Normalized variance E||est - mean||^2 / ||mean||^2 of the average of N workers' minibatch gradients "
+        f"(batch {a['batch_size']} each, demo CNN, 80k parameters), first quantization {a['bits']} bits; mean over "
+        f"{a['draws']} evaluation rounds at each of the checkpoints {', '.join(map(str, checkpoints))} "
+        f"(training iterations). In brackets: two-phase / allgather.",
+        "",
+    ]
     for d in buckets:
         cols = [f"N={n}" for n in workers]
-        lines += [f"**Bucket {d}**", "", "| method | exchange | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+        lines += [
+            f"**Bucket {d}**",
+            "",
+            "| method | exchange | " + " | ".join(cols) + " |",
+            "|---|---|" + "---|" * len(cols),
+        ]
         for m in methods:
             adaptive = get_method(m).adaptive
             for v in ("allgather", *VARIANTS):
@@ -299,7 +341,9 @@ def report(data: dict, methods, buckets, workers, checkpoints) -> str:
                 for n in workers:
                     rows = res[f"{m}|{d}|{n}"]
                     val = _mean(rows, v)
-                    cells.append(f"{val:.3g}" if v == "allgather" else f"{val:.3g} ({val / _mean(rows, 'allgather'):.2f}x)")
+                    cells.append(
+                        f"{val:.3g}" if v == "allgather" else f"{val:.3g} ({val / _mean(rows, 'allgather'):.2f}x)"
+                    )
                 name = VARIANT_NAMES[v] if adaptive or v != "c" else f"two-phase (c) {a['bits_second']}-bit second"
                 if not adaptive and v == "a":
                     name = "two-phase (a) same fixed levels"
@@ -307,16 +351,26 @@ def report(data: dict, methods, buckets, workers, checkpoints) -> str:
         lines.append("")
     # over training: the first bucket size, the largest N
     d, n = buckets[0], workers[-1]
-    lines += [f"**Over training** (bucket {d}, N={n}): normalized variance at each checkpoint", "",
-              "| method | exchange | " + " | ".join(f"iter {c}" for c in checkpoints) + " |",
-              "|---|---|" + "---|" * len(checkpoints)]
+    lines += [
+        f"**Over training** (bucket {d}, N={n}): normalized variance at each checkpoint",
+        "",
+        "| method | exchange | " + " | ".join(f"iter {c}" for c in checkpoints) + " |",
+        "|---|---|" + "---|" * len(checkpoints),
+    ]
     for m in methods:
         for v in ("allgather", "a", "b", "b2", "c", "c2") if get_method(m).adaptive else ("allgather", "a", "c"):
             rows = res[f"{m}|{d}|{n}"]
-            lines.append(f"| {LABELS.get(m, m)} | {v} | " + " | ".join(f"{_mean(rows, v, c):.3g}" for c in checkpoints) + " |")
+            lines.append(
+                f"| {LABELS.get(m, m)} | {v} | " + " | ".join(f"{_mean(rows, v, c):.3g}" for c in checkpoints) + " |"
+            )
     rows = res[f"{methods[0]}|{d}|{n}"]
-    lines += ["", "Mean ||g_i||^2 / ||mean||^2 at each checkpoint (how much the N minibatch gradients disagree): "
-              + ", ".join(f"iter {c}: {_mean(rows, 'gnorm_ratio', c):.2f}" for c in checkpoints) + "", ""]
+    lines += [
+        "",
+        "Mean ||g_i||^2 / ||mean||^2 at each checkpoint (how much the N minibatch gradients disagree): "
+        + ", ".join(f"iter {c}: {_mean(rows, 'gnorm_ratio', c):.2f}" for c in checkpoints)
+        + "",
+        "",
+    ]
     lv = data["levels"]
     last = checkpoints[-1]
     lines += [f"Levels at iteration {last} (bucket {d}, N={n}; positive half):", ""]
@@ -324,25 +378,35 @@ def report(data: dict, methods, buckets, workers, checkpoints) -> str:
         if not get_method(m).adaptive:
             continue
         rec = lv[f"{m}|{d}|{n}|{last}"]
-        for key, name in (("first", "first"), ("b", "second (b), adapted"), ("b2", "second (b')"), ("c", f"second (c), {a['bits_second']} bits")):
+        for key, name in (
+            ("first", "first"),
+            ("b", "second (b), adapted"),
+            ("b2", "second (b')"),
+            ("c", f"second (c), {a['bits_second']} bits"),
+        ):
             vals = [x for x in rec[key] if x >= 0]
             lines.append(f"- {LABELS[m]} {name}: " + ", ".join(f"{x:.3g}" for x in vals))
     lines.append("")
     if data["unbiased"]:
-        lines += [f"**Unbiasedness** (sampled: {a['unbiased_samples']} full two-phase estimates per row, one set of "
-                  f"N minibatch gradients at iteration {last}, bucket {buckets[0]}). T = ||mean of estimates - "
-                  f"mean||^2 / (estimated trace of the covariance / R): about 1 if unbiased (a bias b adds "
-                  f"R ||b||^2 / variance); t: t statistics (R - 1 degrees of freedom) of the error projected on "
-                  f"the mean gradient's direction, on (1, ..., 1) and on a random sign vector; error: "
-                  f"||mean of estimates - mean|| / ||mean||, noise: the error expected without bias, "
-                  f"sqrt(variance / R) / ||mean||.", "",
-                  "| method | N | second | T | t (mean dir.) | t (ones) | t (random) | rel. variance | error | noise |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"**Unbiasedness** (sampled: {a['unbiased_samples']} full two-phase estimates per row, one set of "
+            f"N minibatch gradients at iteration {last}, bucket {buckets[0]}). T = ||mean of estimates - "
+            f"mean||^2 / (estimated trace of the covariance / R): about 1 if unbiased (a bias b adds "
+            f"R ||b||^2 / variance); t: t statistics (R - 1 degrees of freedom) of the error projected on "
+            f"the mean gradient's direction, on (1, ..., 1) and on a random sign vector; error: "
+            f"||mean of estimates - mean|| / ||mean||, noise: the error expected without bias, "
+            f"sqrt(variance / R) / ||mean||.",
+            "",
+            "| method | N | second | T | t (mean dir.) | t (ones) | t (random) | rel. variance | error | noise |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for key, u in data["unbiased"].items():
             m, _, n_, v = key.split("|")
             tt = u["t"]
-            lines.append(f"| {LABELS.get(m, m)} | {n_} | ({v}) | {u['T']:.2f} | {tt['mean']:+.2f} | {tt['ones']:+.2f} | "
-                         f"{tt['random +-1']:+.2f} | {u['rel_var']:.3g} | {u['err_rel']:.3g} | {u['noise_rel']:.3g} |")
+            lines.append(
+                f"| {LABELS.get(m, m)} | {n_} | ({v}) | {u['T']:.2f} | {tt['mean']:+.2f} | {tt['ones']:+.2f} | "
+                f"{tt['random +-1']:+.2f} | {u['rel_var']:.3g} | {u['err_rel']:.3g} | {u['noise_rel']:.3g} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -15,8 +15,8 @@ codec for CPU tensors when it loads, the torch ops otherwise. A new backend is o
 device) and one :func:`register` call at the end of this file.
 
 Every codec has (see :class:`Codec`): ``name``, ``encode``, ``decode_sum``, ``grid_statistics``,
-``grid_histograms``, ``bucket_moments``; a codec may also have ``encode_parts`` (the payload of a stream of tensors, read
-in place: the compiled CPU codec). Payloads are interchangeable between backends and with
+``grid_histograms``, ``bucket_moments``; a codec may also have ``encode_parts`` (the payload of a
+stream of tensors, read in place: the compiled CPU codec). Payloads are interchangeable between backends and with
 :class:`horovod_alq.core.Quantizer`; the random draws differ (each backend has its own
 counter-based or seeded generator), the decoded distribution does not.
 """
@@ -39,27 +39,44 @@ class Codec(Protocol):
 
     name: str
 
-    def encode(self, flat: torch.Tensor, levels: torch.Tensor, header: torch.Tensor, *, bits: int,
-               bucket_size: int, norm: str, seed: int) -> torch.Tensor:
+    def encode(
+        self,
+        flat: torch.Tensor,
+        levels: torch.Tensor,
+        header: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        norm: str,
+        seed: int,
+    ) -> torch.Tensor:
         """Payload (uint8, 1-D, on ``flat``'s device): the 32 ``header`` bytes, one float32 norm
         per bucket, the packed codes. ``flat``: 1-D contiguous float16/bfloat16/float32/float64;
         ``levels``: sorted float64 on the same device; ``norm``: "l2" or "linf"; ``seed``: int in
         [0, 2**63), the only source of randomness."""
 
-    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets: Sequence[int],
-                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float, start: int = 0,
-                   numel: int | None = None) -> torch.Tensor:
+    def decode_sum(
+        self,
+        out: torch.Tensor,
+        payloads: torch.Tensor,
+        offsets: Sequence[int],
+        levels: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        scale: float,
+        start: int = 0,
+        numel: int | None = None,
+    ) -> torch.Tensor:
         """Overwrite the float32 ``out`` (n elements) with ``scale * sum_i decode(payloads[offsets[i]:])``
         and return it. ``payloads``: uint8, already validated payloads back to back, each of
         ``numel`` coordinates (default n), of which coordinates ``[start, start + n)`` are decoded
         (``start``: a multiple of ``bucket_size`` whose codes begin on a byte)."""
 
-    def grid_statistics(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int,
-                        norm: str) -> np.ndarray:
+    def grid_statistics(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int, norm: str) -> np.ndarray:
         """As :func:`horovod_alq.torch.codecs.torch_kernels.grid_statistics`."""
 
-    def grid_histograms(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int,
-                        norm: str) -> np.ndarray:
+    def grid_histograms(self, flat: torch.Tensor, grid: torch.Tensor, *, bucket_size: int, norm: str) -> np.ndarray:
         """As :func:`horovod_alq.torch.codecs.torch_kernels.grid_histograms` (the rows of ``bits="auto"``)."""
 
     def bucket_moments(self, flat: torch.Tensor, *, bucket_size: int, norm: str) -> tuple:
@@ -124,8 +141,16 @@ def _auto(device: torch.device) -> Codec:
     return _FACTORIES["torch"](device)
 
 
-def payload_window(payloads: torch.Tensor, offsets: Sequence[int], *, start: int, n: int, numel: int | None,
-                   bits: int, bucket_size: int) -> tuple[torch.Tensor, list[int]]:
+def payload_window(
+    payloads: torch.Tensor,
+    offsets: Sequence[int],
+    *,
+    start: int,
+    n: int,
+    numel: int | None,
+    bits: int,
+    bucket_size: int,
+) -> tuple[torch.Tensor, list[int]]:
     """Coordinates ``[start, start + n)`` of payloads of ``numel`` coordinates each (None: n), as
     payloads of their own (header bytes kept, the window's norms and codes copied): for backends
     that decode whole payloads only. The payloads themselves when the window is all of them."""
@@ -140,8 +165,11 @@ def payload_window(payloads: torch.Tensor, offsets: Sequence[int], *, start: int
     for offset in offsets:
         norms = offset + HEADER_SIZE + 4 * (start // d)
         codes = offset + HEADER_SIZE + 4 * nb + start * bits // 8
-        parts += [payloads[offset: offset + HEADER_SIZE], payloads[norms: norms + 4 * -(-n // d)],
-                  payloads[codes: codes + -(-n * bits // 8)]]
+        parts += [
+            payloads[offset : offset + HEADER_SIZE],
+            payloads[norms : norms + 4 * -(-n // d)],
+            payloads[codes : codes + -(-n * bits // 8)],
+        ]
     window = torch.cat(parts) if parts else payloads[:0]
     size = HEADER_SIZE + 4 * -(-n // d) + -(-n * bits // 8)
     return window, [k * size for k in range(len(offsets))]
@@ -150,8 +178,10 @@ def payload_window(payloads: torch.Tensor, offsets: Sequence[int], *, start: int
 def check_encode_args(flat: torch.Tensor, bits: int, bucket_size: int, norm: str, seed: int) -> None:
     """The argument checks every backend's encode shares."""
     if flat.dim() != 1 or flat.dtype not in DTYPES:
-        raise ValueError(f"encode: flat must be a 1-D float16/bfloat16/float32/float64 tensor, got "
-                         f"{flat.dtype} of shape {tuple(flat.shape)}")
+        raise ValueError(
+            f"encode: flat must be a 1-D float16/bfloat16/float32/float64 tensor, got "
+            f"{flat.dtype} of shape {tuple(flat.shape)}"
+        )
     if not 2 <= int(bits) <= 8:
         raise ValueError(f"encode: bits must be 2..8, got {bits}")
     if int(bucket_size) <= 0:

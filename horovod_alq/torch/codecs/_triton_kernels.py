@@ -83,8 +83,7 @@ def _finish_norm(total, bad, LINF: tl.constexpr):
 
 
 @triton.jit
-def _code_word(x_ptr, g, c, lo_i, hi_i, live, s, inv, u, lv_ptr, wd_ptr,
-               BITS: tl.constexpr, LINEAR: tl.constexpr):
+def _code_word(x_ptr, g, c, lo_i, hi_i, live, s, inv, u, lv_ptr, wd_ptr, BITS: tl.constexpr, LINEAR: tl.constexpr):
     """int64 words of the groups ``g`` ([G]): elements ``8g + c`` inside ``[lo_i, hi_i)`` are
     coded, the others give code 0. ``live``, ``s``, ``inv``: scalars or [G, 8] tiles."""
     i = g[:, None] * 8 + c[None, :]
@@ -134,9 +133,31 @@ def _uniform(bits):
 
 
 @triton.jit
-def _encode_quads(x_ptr, codes_ptr, u_ptr, q, c, lo_i, hi_i, g_lo, g_hi, code_bytes, live, s, inv,
-                  inv_ptr, s_ptr, d, seed, lv_ptr, wd_ptr, BITS: tl.constexpr, LINEAR: tl.constexpr,
-                  HAS_U: tl.constexpr, GATHER: tl.constexpr):
+def _encode_quads(
+    x_ptr,
+    codes_ptr,
+    u_ptr,
+    q,
+    c,
+    lo_i,
+    hi_i,
+    g_lo,
+    g_hi,
+    code_bytes,
+    live,
+    s,
+    inv,
+    inv_ptr,
+    s_ptr,
+    d,
+    seed,
+    lv_ptr,
+    wd_ptr,
+    BITS: tl.constexpr,
+    LINEAR: tl.constexpr,
+    HAS_U: tl.constexpr,
+    GATHER: tl.constexpr,
+):
     """Codes of the quads ``q`` ([Q]; a quad is 4 groups, 32 elements) restricted to elements
     ``[lo_i, hi_i)``, stored for groups ``[g_lo, g_hi)``; one Philox call per 4 elements.
     GATHER: ``inv`` and ``s`` per element from the per-bucket arrays ``inv_ptr``, ``s_ptr``
@@ -161,18 +182,33 @@ def _encode_quads(x_ptr, codes_ptr, u_ptr, q, c, lo_i, hi_i, g_lo, g_hi, code_by
             b = i // d
             inv_k = tl.load(inv_ptr + b, mask=m, other=0.0)
             s_k = tl.load(s_ptr + b, mask=m, other=1.0)
-            word = _code_word(x_ptr, g, c, lo_i, hi_i, inv_k > 0.0, s_k, inv_k, u, lv_ptr, wd_ptr,
-                              BITS, LINEAR)
+            word = _code_word(x_ptr, g, c, lo_i, hi_i, inv_k > 0.0, s_k, inv_k, u, lv_ptr, wd_ptr, BITS, LINEAR)
         else:
             word = _code_word(x_ptr, g, c, lo_i, hi_i, live, s, inv, u, lv_ptr, wd_ptr, BITS, LINEAR)
         _store_word(codes_ptr, g, c, word, g_lo, g_hi, code_bytes, BITS)
 
 
 @triton.jit(do_not_specialize=["n", "code_bytes", "seed"])
-def _encode_fused_kernel(x_ptr, norms_ptr, codes_ptr, u_ptr, lv_ptr, wd_ptr, n, d, code_bytes, seed,
-                         LINF: tl.constexpr, BITS: tl.constexpr, LINEAR: tl.constexpr,
-                         HAS_U: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                         Q: tl.constexpr, QITERS: tl.constexpr):
+def _encode_fused_kernel(
+    x_ptr,
+    norms_ptr,
+    codes_ptr,
+    u_ptr,
+    lv_ptr,
+    wd_ptr,
+    n,
+    d,
+    code_bytes,
+    seed,
+    LINF: tl.constexpr,
+    BITS: tl.constexpr,
+    LINEAR: tl.constexpr,
+    HAS_U: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+    Q: tl.constexpr,
+    QITERS: tl.constexpr,
+):
     """One program per bucket (d % 8 == 0, so a bucket owns whole code bytes): the norm, then the
     codes, reading the bucket twice (the second read comes from L2)."""
     b = tl.program_id(0).to(tl.int64)
@@ -189,24 +225,97 @@ def _encode_fused_kernel(x_ptr, norms_ptr, codes_ptr, u_ptr, lv_ptr, wd_ptr, n, 
     c = tl.arange(0, 8).to(tl.int64)
     for it in range(QITERS):
         q = g_lo // 4 + it * Q + tl.arange(0, Q).to(tl.int64)
-        _encode_quads(x_ptr, codes_ptr, u_ptr, q, c, start, end, g_lo, g_hi, code_bytes, live, s, inv,
-                      norms_ptr, norms_ptr, d, seed, lv_ptr, wd_ptr, BITS, LINEAR, HAS_U, False)
+        _encode_quads(
+            x_ptr,
+            codes_ptr,
+            u_ptr,
+            q,
+            c,
+            start,
+            end,
+            g_lo,
+            g_hi,
+            code_bytes,
+            live,
+            s,
+            inv,
+            norms_ptr,
+            norms_ptr,
+            d,
+            seed,
+            lv_ptr,
+            wd_ptr,
+            BITS,
+            LINEAR,
+            HAS_U,
+            False,
+        )
 
 
 @triton.jit(do_not_specialize=["n", "code_bytes", "seed"])
-def _codes_kernel(x_ptr, inv_ptr, s_ptr, codes_ptr, u_ptr, lv_ptr, wd_ptr, n, d, code_bytes, seed,
-                  BITS: tl.constexpr, LINEAR: tl.constexpr, HAS_U: tl.constexpr, Q: tl.constexpr):
+def _codes_kernel(
+    x_ptr,
+    inv_ptr,
+    s_ptr,
+    codes_ptr,
+    u_ptr,
+    lv_ptr,
+    wd_ptr,
+    n,
+    d,
+    code_bytes,
+    seed,
+    BITS: tl.constexpr,
+    LINEAR: tl.constexpr,
+    HAS_U: tl.constexpr,
+    Q: tl.constexpr,
+):
     """Codes of Q quads per program, any bucket size: per-element inv and s gathered by bucket."""
     pid = tl.program_id(0).to(tl.int64)
     q = pid * Q + tl.arange(0, Q).to(tl.int64)
     c = tl.arange(0, 8).to(tl.int64)
-    _encode_quads(x_ptr, codes_ptr, u_ptr, q, c, 0, n, 0, (n + 7) // 8, code_bytes, True, 1.0, 1.0,
-                  inv_ptr, s_ptr, d, seed, lv_ptr, wd_ptr, BITS, LINEAR, HAS_U, True)
+    _encode_quads(
+        x_ptr,
+        codes_ptr,
+        u_ptr,
+        q,
+        c,
+        0,
+        n,
+        0,
+        (n + 7) // 8,
+        code_bytes,
+        True,
+        1.0,
+        1.0,
+        inv_ptr,
+        s_ptr,
+        d,
+        seed,
+        lv_ptr,
+        wd_ptr,
+        BITS,
+        LINEAR,
+        HAS_U,
+        True,
+    )
 
 
 @triton.jit(do_not_specialize=["n", "nb"])
-def _norm_partials_kernel(x_ptr, total_ptr, bad_ptr, n, d, nb, S, CH, LINF: tl.constexpr, RB: tl.constexpr,
-                          BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _norm_partials_kernel(
+    x_ptr,
+    total_ptr,
+    bad_ptr,
+    n,
+    d,
+    nb,
+    S,
+    CH,
+    LINF: tl.constexpr,
+    RB: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+):
     """Partial norms (float64 sum of squares or max-abs, non-finite count) to index ``b * S + s``.
     S == 1: program ``pid`` takes the RB whole buckets ``pid * RB + row`` as the rows of a tile;
     S > 1 (RB == 1): chunk ``s = pid % S`` (CH elements) of bucket ``pid // S``.
@@ -244,8 +353,20 @@ def _load_f32(ptr, m):
 
 
 @triton.jit(do_not_specialize=["n", "nb"])
-def _decode_sum_kernel(out_ptr, pay_ptr, off_ptr, table_ptr, n, d, nb, scale, NUM_PAYLOADS: tl.constexpr,
-                       BITS: tl.constexpr, G: tl.constexpr, ALIGNED: tl.constexpr):
+def _decode_sum_kernel(
+    out_ptr,
+    pay_ptr,
+    off_ptr,
+    table_ptr,
+    n,
+    d,
+    nb,
+    scale,
+    NUM_PAYLOADS: tl.constexpr,
+    BITS: tl.constexpr,
+    G: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
     """out[i] = scale * sum_p norm_p[i // d] * table[code_p[i]] for G groups of 8 per program."""
     pid = tl.program_id(0).to(tl.int64)
     g = pid * G + tl.arange(0, G).to(tl.int64)
@@ -273,9 +394,25 @@ def _decode_sum_kernel(out_ptr, pay_ptr, off_ptr, table_ptr, n, d, nb, scale, NU
 
 
 @triton.jit(do_not_specialize=["n", "nb"])
-def _stats_kernel(x_ptr, norms_ptr, grid_ptr, sr_ptr, sr2_ptr, hist_ptr, n, d, nb, S, CH,
-                  X64: tl.constexpr, HIST: tl.constexpr, GBITS: tl.constexpr, R: tl.constexpr,
-                  BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _stats_kernel(
+    x_ptr,
+    norms_ptr,
+    grid_ptr,
+    sr_ptr,
+    sr2_ptr,
+    hist_ptr,
+    n,
+    d,
+    nb,
+    S,
+    CH,
+    X64: tl.constexpr,
+    HIST: tl.constexpr,
+    GBITS: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+):
     """Statistics of refit rounds. Program ``pid`` covers buckets ``[(pid // S) * R, ... + R)``
     (R whole buckets when S == 1) or chunk ``pid % S`` of CH elements of bucket ``pid // S``
     (when S > 1, R == 1); ``CH <= ITERS * BLOCK``. Per (bucket, chunk): sum r and sum r^2

@@ -10,8 +10,8 @@ from typing import Sequence
 
 import torch
 
-from . import torch_kernels as kernels
 from . import check_encode_args, cpu_build
+from . import torch_kernels as kernels
 
 
 class CpuCodec:
@@ -20,35 +20,84 @@ class CpuCodec:
     def __init__(self, module) -> None:
         self._module = module
 
-    def encode(self, flat: torch.Tensor, levels: torch.Tensor, header: torch.Tensor, *, bits: int,
-               bucket_size: int, norm: str, seed: int) -> torch.Tensor:
+    def encode(
+        self,
+        flat: torch.Tensor,
+        levels: torch.Tensor,
+        header: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        norm: str,
+        seed: int,
+    ) -> torch.Tensor:
         check_encode_args(flat, bits, bucket_size, norm, seed)
-        return self._module.encode(flat.contiguous(), levels, header, int(bits), int(bucket_size),
-                                   norm == "linf", int(seed))
+        return self._module.encode(
+            flat.contiguous(), levels, header, int(bits), int(bucket_size), norm == "linf", int(seed)
+        )
 
-    def encode_parts(self, parts: Sequence[torch.Tensor], starts: Sequence[int], length: int,
-                     levels: torch.Tensor, header: torch.Tensor, *, bits: int, bucket_size: int, norm: str,
-                     seed: int) -> torch.Tensor:
+    def encode_parts(
+        self,
+        parts: Sequence[torch.Tensor],
+        starts: Sequence[int],
+        length: int,
+        levels: torch.Tensor,
+        header: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        norm: str,
+        seed: int,
+    ) -> torch.Tensor:
         """The payload that :meth:`encode` gives for the stream of ``length`` coordinates holding the
         float32 ``parts`` at ``starts`` (increasing) and zeros elsewhere, read in place."""
         check_encode_args(torch.empty(0), bits, bucket_size, norm, seed)
-        return self._module.encode_parts(list(parts), [int(s) for s in starts], int(length), levels, header,
-                                         int(bits), int(bucket_size), norm == "linf", int(seed))
+        return self._module.encode_parts(
+            list(parts),
+            [int(s) for s in starts],
+            int(length),
+            levels,
+            header,
+            int(bits),
+            int(bucket_size),
+            norm == "linf",
+            int(seed),
+        )
 
-    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets: Sequence[int],
-                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float, start: int = 0,
-                   numel: int | None = None) -> torch.Tensor:
-        return self._module.decode_sum(out, payloads.contiguous(), [int(o) for o in offsets], levels,
-                                       int(bits), int(bucket_size), float(scale), int(start),
-                                       -1 if numel is None else int(numel))
+    def decode_sum(
+        self,
+        out: torch.Tensor,
+        payloads: torch.Tensor,
+        offsets: Sequence[int],
+        levels: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        scale: float,
+        start: int = 0,
+        numel: int | None = None,
+    ) -> torch.Tensor:
+        return self._module.decode_sum(
+            out,
+            payloads.contiguous(),
+            [int(o) for o in offsets],
+            levels,
+            int(bits),
+            int(bucket_size),
+            float(scale),
+            int(start),
+            -1 if numel is None else int(numel),
+        )
 
     def grid_statistics(self, flat, grid, *, bucket_size: int, norm: str):
-        return self._module.grid_statistics(flat.reshape(-1).contiguous(), grid, int(bucket_size),
-                                            norm == "linf").numpy()
+        return self._module.grid_statistics(
+            flat.reshape(-1).contiguous(), grid, int(bucket_size), norm == "linf"
+        ).numpy()
 
     def grid_histograms(self, flat, grid, *, bucket_size: int, norm: str):
-        return self._module.grid_histograms(flat.reshape(-1).contiguous(), grid, int(bucket_size),
-                                            norm == "linf").numpy()
+        return self._module.grid_histograms(
+            flat.reshape(-1).contiguous(), grid, int(bucket_size), norm == "linf"
+        ).numpy()
 
     def bucket_moments(self, flat, *, bucket_size: int, norm: str):
         return kernels.bucket_moments(flat, bucket_size=bucket_size, norm=norm)

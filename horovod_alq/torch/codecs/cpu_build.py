@@ -52,8 +52,14 @@ def _build(target: Path, verbose: bool):
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="build-", dir=target.parent) as tmp:
-        module = load_extension(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                                extra_ldflags=LDFLAGS, build_directory=tmp, verbose=verbose)
+        module = load_extension(
+            name=NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=tmp,
+            verbose=verbose,
+        )
         staged = Path(tmp) / "staged.so"
         shutil.copy2(Path(tmp) / f"{NAME}.so", staged)
         os.replace(staged, target)  # atomic: concurrent builders just overwrite an identical file
@@ -83,4 +89,3 @@ def status() -> str:
     """One line: whether the fused codec is in use, and if not, why."""
     load()
     return "fused CPU codec loaded" if _MODULE is not None else f"plain torch kernels ({_FAILED})"
-

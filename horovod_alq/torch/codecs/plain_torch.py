@@ -9,28 +9,47 @@ from typing import Sequence
 
 import torch
 
-from . import torch_kernels as kernels
 from . import check_encode_args, payload_window
+from . import torch_kernels as kernels
 
 
 class PlainTorchCodec:
     name = "torch"
 
-    def encode(self, flat: torch.Tensor, levels: torch.Tensor, header: torch.Tensor, *, bits: int,
-               bucket_size: int, norm: str, seed: int) -> torch.Tensor:
+    def encode(
+        self,
+        flat: torch.Tensor,
+        levels: torch.Tensor,
+        header: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        norm: str,
+        seed: int,
+    ) -> torch.Tensor:
         check_encode_args(flat, bits, bucket_size, norm, seed)
         generator = torch.Generator(device=flat.device).manual_seed(int(seed))
-        return kernels.encode(flat, levels, header, bits=bits, bucket_size=bucket_size, norm=norm,
-                              generator=generator)
+        return kernels.encode(flat, levels, header, bits=bits, bucket_size=bucket_size, norm=norm, generator=generator)
 
-    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets: Sequence[int],
-                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float, start: int = 0,
-                   numel: int | None = None) -> torch.Tensor:
-        payloads, offsets = payload_window(payloads, offsets, start=start, n=out.numel(), numel=numel, bits=bits,
-                                           bucket_size=bucket_size)
+    def decode_sum(
+        self,
+        out: torch.Tensor,
+        payloads: torch.Tensor,
+        offsets: Sequence[int],
+        levels: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        scale: float,
+        start: int = 0,
+        numel: int | None = None,
+    ) -> torch.Tensor:
+        payloads, offsets = payload_window(
+            payloads, offsets, start=start, n=out.numel(), numel=numel, bits=bits, bucket_size=bucket_size
+        )
         out.zero_()
         for offset in offsets:
-            kernels.decode_into(out, payloads[int(offset):], levels, bits=bits, bucket_size=bucket_size)
+            kernels.decode_into(out, payloads[int(offset) :], levels, bits=bits, bucket_size=bucket_size)
         return out.mul_(scale)
 
     def grid_statistics(self, flat, grid, *, bucket_size: int, norm: str):

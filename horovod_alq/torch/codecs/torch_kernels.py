@@ -99,8 +99,16 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return codes.reshape(-1)[:n]
 
 
-def encode(tensor: torch.Tensor, levels: torch.Tensor, header: torch.Tensor, *, bits: int,
-           bucket_size: int, norm: str, generator: torch.Generator | None) -> torch.Tensor:
+def encode(
+    tensor: torch.Tensor,
+    levels: torch.Tensor,
+    header: torch.Tensor,
+    *,
+    bits: int,
+    bucket_size: int,
+    norm: str,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     """Encode a float tensor into one payload: ``header | float32 norms | packed codes`` (uint8)."""
     flat = tensor.detach().reshape(-1).to(work_dtype(tensor.dtype))
     buckets = bucket_view(flat, bucket_size)
@@ -110,14 +118,15 @@ def encode(tensor: torch.Tensor, levels: torch.Tensor, header: torch.Tensor, *, 
     return torch.cat([header.to(tensor.device), norms.view(torch.uint8), packed])
 
 
-def decode_into(out: torch.Tensor, payload: torch.Tensor, levels: torch.Tensor, *, bits: int,
-                bucket_size: int) -> torch.Tensor:
+def decode_into(
+    out: torch.Tensor, payload: torch.Tensor, levels: torch.Tensor, *, bits: int, bucket_size: int
+) -> torch.Tensor:
     """Add the decoded values of one (already validated) payload to the float32 tensor ``out``."""
     n = out.numel()
     nb = -(-n // bucket_size)
-    norms = payload[HEADER_SIZE: HEADER_SIZE + 4 * nb].clone().view(torch.float32)  # clone: align
+    norms = payload[HEADER_SIZE : HEADER_SIZE + 4 * nb].clone().view(torch.float32)  # clone: align
     start = HEADER_SIZE + 4 * nb
-    codes = unpack_codes(payload[start: start + -(-n * bits // 8)], bits, n)
+    codes = unpack_codes(payload[start : start + -(-n * bits // 8)], bits, n)
     table = torch.full((1 << bits,), float("nan"), dtype=torch.float32, device=out.device)
     table[: levels.numel()] = levels.to(device=out.device, dtype=torch.float32)  # extra codes: NaN
     values = table[codes]

@@ -38,11 +38,12 @@ import numpy as np
 import torch
 
 from ...core.wire import HEADER_SIZE
-from . import check_encode_args, payload_window
-from . import torch_kernels
+from . import check_encode_args, payload_window, torch_kernels
 
-INSTALL_HINT = ("install it with `pip install triton==3.6.0` (pinned in requirements/pinned.txt; "
-                "`make install` installs it; `pip install horovod-alq[gpu]` for the extra)")
+INSTALL_HINT = (
+    "install it with `pip install triton==3.6.0` (pinned in requirements/pinned.txt; "
+    "`make install` installs it; `pip install horovod-alq[gpu]` for the extra)"
+)
 _KERNEL_SOURCE = Path(__file__).with_name("_triton_kernels.py")
 _KERNELS: dict[bool, object] = {}
 _IMPORT_ERROR: list[str | None] = []
@@ -108,12 +109,12 @@ class TritonCodec:
 
     name = "triton"
     max_fused_bucket = 1 << 16  # larger buckets (or d % 8 != 0): norm kernel + codes kernel
-    encode_block = 1024         # elements per iteration of the norm loops
-    encode_quads = 64           # quads (32 elements) per iteration of the code loops
-    decode_groups = 256         # groups of 8 elements per decode program
-    norm_chunk = 1 << 16        # buckets above this are split over several norm programs
-    stats_chunk = 1 << 15       # elements per statistics program (buckets grouped or split)
-    stats_block = 1024          # elements per iteration of the statistics loop
+    encode_block = 1024  # elements per iteration of the norm loops
+    encode_quads = 64  # quads (32 elements) per iteration of the code loops
+    decode_groups = 256  # groups of 8 elements per decode program
+    norm_chunk = 1 << 16  # buckets above this are split over several norm programs
+    stats_chunk = 1 << 15  # elements per statistics program (buckets grouped or split)
+    stats_block = 1024  # elements per iteration of the statistics loop
 
     def __init__(self, interpret: bool) -> None:
         self.interpret = interpret
@@ -165,16 +166,26 @@ class TritonCodec:
         total = torch.empty(nb * splits, dtype=torch.float64, device=flat.device)
         bad = torch.empty(nb * splits, dtype=torch.int32, device=flat.device)
         self._k._norm_partials_kernel[(_cdiv(nb, rows) * splits,)](
-            flat, total, bad, n, d, nb, splits, chunk, LINF=linf, RB=rows, BLOCK=block,
-            ITERS=_cdiv(chunk, block))
+            flat, total, bad, n, d, nb, splits, chunk, LINF=linf, RB=rows, BLOCK=block, ITERS=_cdiv(chunk, block)
+        )
         total, bad = total.view(nb, splits), bad.view(nb, splits)
         norms = (total.amax(1) if linf else total.sum(1).sqrt()).float()
         ok = (bad.sum(1) == 0) & torch.isfinite(norms)
         return norms.masked_fill_(~ok, float("nan"))
 
     # ------------------------------------------------------------------ codec interface
-    def encode(self, flat: torch.Tensor, levels: torch.Tensor, header: torch.Tensor, *, bits: int,
-               bucket_size: int, norm: str, seed: int, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(
+        self,
+        flat: torch.Tensor,
+        levels: torch.Tensor,
+        header: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        norm: str,
+        seed: int,
+        uniforms: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """See :class:`horovod_alq.torch.codecs.Codec`. ``uniforms`` (testing hook): float32
         tensor of n values in (0, 1) used instead of the Philox draws."""
         check_encode_args(flat, bits, bucket_size, norm, seed)
@@ -188,8 +199,8 @@ class TritonCodec:
         payload[:HEADER_SIZE].copy_(header.reshape(-1))
         if n == 0:
             return payload
-        norms = payload[HEADER_SIZE: HEADER_SIZE + 4 * nb].view(torch.float32)
-        codes = payload[HEADER_SIZE + 4 * nb:]
+        norms = payload[HEADER_SIZE : HEADER_SIZE + 4 * nb].view(torch.float32)
+        codes = payload[HEADER_SIZE + 4 * nb :]
         lv, wd, _ = self._tables(levels, bits, device)
         has_u = uniforms is not None
         if has_u:
@@ -203,28 +214,69 @@ class TritonCodec:
             span = _cdiv(d, 32) + 1  # quads touching one bucket, at most
             quads = min(self.encode_quads, _pow2(span))
             self._k._encode_fused_kernel[(nb,)](
-                flat, norms, codes, u, lv, wd, n, d, code_bytes, int(seed), LINF=linf, BITS=bits,
-                LINEAR=linear, HAS_U=has_u, BLOCK=block, ITERS=_cdiv(d, block), Q=quads,
-                QITERS=_cdiv(span, quads))
+                flat,
+                norms,
+                codes,
+                u,
+                lv,
+                wd,
+                n,
+                d,
+                code_bytes,
+                int(seed),
+                LINF=linf,
+                BITS=bits,
+                LINEAR=linear,
+                HAS_U=has_u,
+                BLOCK=block,
+                ITERS=_cdiv(d, block),
+                Q=quads,
+                QITERS=_cdiv(span, quads),
+            )
         else:
             norms.copy_(self._norms(flat, d, linf))
             live = torch.isfinite(norms) & (norms > 0)
-            scale = torch.where(norms < 2.0 ** -64, 2.0 ** 64, 1.0).to(torch.float32)
+            scale = torch.where(norms < 2.0**-64, 2.0**64, 1.0).to(torch.float32)
             inv = torch.where(live, 1.0 / (norms * scale), torch.zeros_like(norms))
             quads = self.encode_quads
             self._k._codes_kernel[(_cdiv(_cdiv(n, 32), quads),)](
-                flat, inv, scale, codes, u, lv, wd, n, d, code_bytes, int(seed), BITS=bits,
-                LINEAR=linear, HAS_U=has_u, Q=quads)
+                flat,
+                inv,
+                scale,
+                codes,
+                u,
+                lv,
+                wd,
+                n,
+                d,
+                code_bytes,
+                int(seed),
+                BITS=bits,
+                LINEAR=linear,
+                HAS_U=has_u,
+                Q=quads,
+            )
         return payload
 
-    def decode_sum(self, out: torch.Tensor, payloads: torch.Tensor, offsets: Sequence[int],
-                   levels: torch.Tensor, *, bits: int, bucket_size: int, scale: float, start: int = 0,
-                   numel: int | None = None) -> torch.Tensor:
+    def decode_sum(
+        self,
+        out: torch.Tensor,
+        payloads: torch.Tensor,
+        offsets: Sequence[int],
+        levels: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        scale: float,
+        start: int = 0,
+        numel: int | None = None,
+    ) -> torch.Tensor:
         self._check_device(out.device)
         if out.dtype != torch.float32 or not out.is_contiguous() or payloads.dtype != torch.uint8:
             raise ValueError("decode_sum: out must be contiguous float32 and payloads uint8")
-        payloads, offsets = payload_window(payloads, offsets, start=start, n=out.numel(), numel=numel, bits=bits,
-                                           bucket_size=bucket_size)
+        payloads, offsets = payload_window(
+            payloads, offsets, start=start, n=out.numel(), numel=numel, bits=bits, bucket_size=bucket_size
+        )
         n, d, bits = out.numel(), int(bucket_size), int(bits)
         offsets = [int(o) for o in offsets]
         if n == 0:
@@ -240,8 +292,19 @@ class TritonCodec:
         _, _, table = self._tables(levels, bits, out.device)
         groups = self.decode_groups
         self._k._decode_sum_kernel[(_cdiv(_cdiv(n, 8), groups),)](
-            out, payloads, offs, table, n, d, nb, float(scale), NUM_PAYLOADS=len(offsets), BITS=bits,
-            G=groups, ALIGNED=d % 8 == 0)
+            out,
+            payloads,
+            offs,
+            table,
+            n,
+            d,
+            nb,
+            float(scale),
+            NUM_PAYLOADS=len(offsets),
+            BITS=bits,
+            G=groups,
+            ALIGNED=d % 8 == 0,
+        )
         return out
 
     def _statistics(self, flat: torch.Tensor, d: int, norm: str, grid: torch.Tensor | None):
@@ -272,9 +335,24 @@ class TritonCodec:
         if n:
             block = min(_pow2(chunk), self.stats_block)
             self._k._stats_kernel[(programs,)](
-                flat, norms, padded, sr, sr2, hist, n, d, nb, splits, chunk,
-                X64=flat.dtype == torch.float64, HIST=grid is not None, GBITS=gbits, R=per,
-                BLOCK=block, ITERS=_cdiv(chunk, block))
+                flat,
+                norms,
+                padded,
+                sr,
+                sr2,
+                hist,
+                n,
+                d,
+                nb,
+                splits,
+                chunk,
+                X64=flat.dtype == torch.float64,
+                HIST=grid is not None,
+                GBITS=gbits,
+                R=per,
+                BLOCK=block,
+                ITERS=_cdiv(chunk, block),
+            )
         norms64 = norms.double()
         keep = torch.isfinite(norms64) & (norms64 > 0)
         return norms64, keep, sr.view(nb, splits).sum(1), sr2.view(nb, splits).sum(1), hist
@@ -305,9 +383,11 @@ _CODECS: dict[bool, TritonCodec] = {}
 
 
 def _cpu_message(device: torch.device) -> str:
-    return (f"codec 'triton' takes CUDA tensors; tensors on {device} run only under Triton's "
-            f"interpreter, which needs TRITON_INTERPRET=1 in the environment before triton is first "
-            f"imported (slow, meant for tests); use codec='auto' or 'cpu' for CPU tensors")
+    return (
+        f"codec 'triton' takes CUDA tensors; tensors on {device} run only under Triton's "
+        f"interpreter, which needs TRITON_INTERPRET=1 in the environment before triton is first "
+        f"imported (slow, meant for tests); use codec='auto' or 'cpu' for CPU tensors"
+    )
 
 
 def factory(device: torch.device) -> TritonCodec:
@@ -323,23 +403,26 @@ def factory(device: torch.device) -> TritonCodec:
         raise ValueError(f"codec 'triton' needs Triton, which is not importable ({reason}); {INSTALL_HINT}")
     interpret = triton_interpreted()
     if device.type == "cpu" and not interpret:
-        raise ValueError("codec 'triton' on CPU tensors: TRITON_INTERPRET=1 is set, but triton was "
-                         "imported before it was set and runs compiled; set it before the first "
-                         "import of triton (e.g. in the environment of the process)")
+        raise ValueError(
+            "codec 'triton' on CPU tensors: TRITON_INTERPRET=1 is set, but triton was "
+            "imported before it was set and runs compiled; set it before the first "
+            "import of triton (e.g. in the environment of the process)"
+        )
     if interpret not in _CODECS:
         _CODECS[interpret] = TritonCodec(interpret)
     return _CODECS[interpret]
 
 
-def numpy_reference_codes(x: np.ndarray, norms: np.ndarray, levels: np.ndarray, u: np.ndarray,
-                          bucket_size: int) -> np.ndarray:
+def numpy_reference_codes(
+    x: np.ndarray, norms: np.ndarray, levels: np.ndarray, u: np.ndarray, bucket_size: int
+) -> np.ndarray:
     """The codes the Triton encoder writes for given uniforms (tests): float32 arithmetic as in
     ``_triton_kernels`` (``r = clamp((x * s) * (1 / (n_b * s)))``, compare ``u * width < r - lo``)."""
     f = np.float32
     x = np.asarray(x).astype(f)
     nb_norm = np.repeat(np.asarray(norms, dtype=f), bucket_size)[: x.size]
     live = np.isfinite(nb_norm) & (nb_norm > 0)
-    s = np.where(nb_norm < f(2.0 ** -64), f(2.0 ** 64), f(1.0)).astype(f)
+    s = np.where(nb_norm < f(2.0**-64), f(2.0**64), f(1.0)).astype(f)
     with np.errstate(all="ignore"):
         inv = np.where(live, f(1.0) / (nb_norm * s), f(0.0)).astype(f)
         r = np.clip((x * s) * inv, f(-1), f(1)).astype(f)
