@@ -46,8 +46,9 @@ def assert_zero_mean(samples: np.ndarray, alpha: float = ALPHA) -> None:
     assert stats.max() < bound, (float(stats.max()), bound, samples.shape)
 
 
-def assert_t_unbiased(res: dict, keys: Iterable[str] = ("t_plain", "t_signed", "t_buckets_max"), *,
-                      alpha: float = ALPHA, what: Any = None) -> None:
+def assert_t_unbiased(
+    res: dict, keys: Iterable[str] = ("t_plain", "t_signed", "t_buckets_max"), *, alpha: float = ALPHA, what: Any = None
+) -> None:
     """A worker's report ``res`` of t statistics over ``res["reps"]`` rounds says unbiased: each of
     ``keys`` (required) within :func:`t_bound` at ``alpha``; a key ending in ``_max`` is the largest
     |t| over ``res["buckets"]`` statistics (Bonferroni over them), any other key one statistic."""

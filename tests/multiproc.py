@@ -56,11 +56,20 @@ RANK_ENV = {
 MPI_OPTIONS = (
     "--allow-run-as-root",
     "--oversubscribe",
-    "--bind-to", "none",
-    "--mca", "btl", "self,vader,tcp",
-    "--mca", "btl_vader_single_copy_mechanism", "none",
-    "--mca", "btl_tcp_if_include", "lo",
-    "--mca", "oob_tcp_if_include", "lo",
+    "--bind-to",
+    "none",
+    "--mca",
+    "btl",
+    "self,vader,tcp",
+    "--mca",
+    "btl_vader_single_copy_mechanism",
+    "none",
+    "--mca",
+    "btl_tcp_if_include",
+    "lo",
+    "--mca",
+    "oob_tcp_if_include",
+    "lo",
 )
 
 _TAIL = 4000
@@ -92,8 +101,9 @@ def launch_command(launcher: str, np: int) -> list[str]:
     raise ValueError(f"launcher must be one of {LAUNCHERS}, not {launcher!r}")
 
 
-def elastic_launch_command(np: int, discovery_script: str | os.PathLike, min_np: int, max_np: int,
-                           elastic_timeout: int = 60) -> list[str]:
+def elastic_launch_command(
+    np: int, discovery_script: str | os.PathLike, min_np: int, max_np: int, elastic_timeout: int = 60
+) -> list[str]:
     """horovodrun's elastic Gloo mode on this host, starting ``np`` ranks.
 
     ``--network-interface lo`` is required on a single host: without it the elastic driver waits
@@ -102,9 +112,22 @@ def elastic_launch_command(np: int, discovery_script: str | os.PathLike, min_np:
     wait for slots."""
     local = Path(sys.executable).parent / "horovodrun"
     horovodrun = [str(local)] if local.exists() else [sys.executable, "-m", "horovod.runner.launch"]
-    return [*horovodrun, "--gloo", "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
-            "--host-discovery-script", str(discovery_script), "--network-interface", "lo",
-            "--elastic-timeout", str(elastic_timeout)]
+    return [
+        *horovodrun,
+        "--gloo",
+        "-np",
+        str(np),
+        "--min-np",
+        str(min_np),
+        "--max-np",
+        str(max_np),
+        "--host-discovery-script",
+        str(discovery_script),
+        "--network-interface",
+        "lo",
+        "--elastic-timeout",
+        str(elastic_timeout),
+    ]
 
 
 def _tail(text: str, n: int = _TAIL) -> str:
@@ -206,8 +229,15 @@ def run_ranks(
 
         start = time.monotonic()
         proc = subprocess.Popen(
-            cmd, env=run_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, text=True, errors="replace")
+            cmd,
+            env=run_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            text=True,
+            errors="replace",
+        )
         timed_out = False
         try:
             launcher_out, _ = proc.communicate(timeout=timeout)
@@ -233,8 +263,7 @@ def run_ranks(
             problems.insert(0, f"launcher exited with status {proc.returncode}")
         if problems:
             parts = [
-                f"{launcher} run of {path.name} on {np} ranks failed after {elapsed:.1f} s: "
-                + "; ".join(problems),
+                f"{launcher} run of {path.name} on {np} ranks failed after {elapsed:.1f} s: " + "; ".join(problems),
                 "command: " + " ".join(cmd),
                 "---- launcher output (tail) ----\n" + _tail(launcher_out or "(none)"),
             ]

@@ -17,8 +17,9 @@ every exchange and method:
 Adding an exchange: one module, one entry in ``horovod_alq.exchange.engine.EXCHANGES``; this file
 then runs it on every front-end once :func:`expected_bytes` knows its traffic (a branch there; until
 then the byte test fails and says so). A front-end that refuses it fails here (no skip); one that
-runs another exchange under its name shows in the byte and noise checks. An exchange of streamed rounds only (``STREAMED``) that is
-not an allreduce goes in :data:`STREAMED_ONLY` with the reason.
+runs another exchange under its name shows in the byte and noise checks. An exchange of streamed
+rounds only (``STREAMED``) that is not an allreduce goes in :data:`STREAMED_ONLY` with the reason; a
+front-end that refuses an exchange by design goes in :data:`REFUSED` with the words of its error.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from scipy.stats import t as student
-
 from helpers import t_bound, t_stat
 from multiproc import run_ranks
+from scipy.stats import t as student
 
 from horovod_alq.core.wire import payload_size
 from horovod_alq.exchange.engine import EXCHANGES, STREAMED
@@ -48,11 +48,17 @@ N, BITS, BUCKET, ROUNDS, SEED = 10900, 3, 256, 40, 5  # 43 buckets (the last sho
 METHODS = ("qsgdinf", "alq")
 EXCHANGE_NAMES = tuple(EXCHANGES)  # the registry: a new exchange is tested without editing this file
 #: front-end -> (launcher, module it needs)
-FRONTENDS = {"torch": ("mpi", "horovod.torch"), "tf": ("mpi", "horovod.tensorflow"),
-             "ddp": ("torchrun", "torch.distributed"), "mpi": ("mpi", "mpi4py")}
+FRONTENDS = {
+    "torch": ("mpi", "horovod.torch"),
+    "tf": ("mpi", "horovod.tensorflow"),
+    "ddp": ("torchrun", "torch.distributed"),
+    "mpi": ("mpi", "mpi4py"),
+}
 #: Exchanges of ``STREAMED`` that the allreduce front-ends do not serve, and why.
-STREAMED_ONLY = {"reduce-scatter": "FSDP2's reduce-scatter: each rank gets one shard of the sum, not an "
-                                   "allreduce (tests/torch/test_fsdp_ranks.py)"}
+STREAMED_ONLY = {
+    "reduce-scatter": "FSDP2's reduce-scatter: each rank gets one shard of the sum, not an "
+    "allreduce (tests/torch/test_fsdp_ranks.py)"
+}
 ALPHA = 1e-6  # false-alarm probability of each statistical check (one front-end, exchange and method)
 
 
@@ -70,8 +76,9 @@ def exact_average() -> np.ndarray:
     return np.mean([rank_data(r, N).astype(np.float64) for r in range(SIZE)], axis=0)
 
 
-def expected_bytes(exchange: str, rank: int, n: int = N, size: int = SIZE, bits: int = BITS,
-                   bucket: int = BUCKET) -> tuple[int, int]:
+def expected_bytes(
+    exchange: str, rank: int, n: int = N, size: int = SIZE, bits: int = BITS, bucket: int = BUCKET
+) -> tuple[int, int]:
     """(bytes_sent, bytes_received) of one round of one ``n``-element tensor on ``rank``, from the
     wire format (docs/design.md, "bytes_sent": payloads with headers; an allgather sends this rank's
     payload N - 1 times, an alltoall what goes to other ranks; control vectors and handshakes not)."""
@@ -86,10 +93,13 @@ def expected_bytes(exchange: str, rank: int, n: int = N, size: int = SIZE, bits:
         parts = shards(0, n, size, bucket)
         floats = [4 * (b - a) for a, b in parts]
         codes = [payload_size(b - a, bits, bucket) for a, b in parts]
-        return (sum(f for j, f in enumerate(floats) if j != rank) + (size - 1) * codes[rank],
-                (size - 1) * floats[rank] + sum(c for j, c in enumerate(codes) if j != rank))
-    pytest.fail(f"no byte count for exchange {exchange!r}: add its wire traffic to expected_bytes() in "
-                f"{Path(__file__).name}")
+        return (
+            sum(f for j, f in enumerate(floats) if j != rank) + (size - 1) * codes[rank],
+            (size - 1) * floats[rank] + sum(c for j, c in enumerate(codes) if j != rank),
+        )
+    pytest.fail(
+        f"no byte count for exchange {exchange!r}: add its wire traffic to expected_bytes() in {Path(__file__).name}"
+    )
 
 
 # ------------------------------------------------------------------ launches (one per front-end)
@@ -109,10 +119,33 @@ def launched(tmp_path_factory):
             path = os.environ.get("PYTHONPATH")
             env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}  # this checkout's package
             try:
-                reports = run_ranks(WORKER, np=SIZE, launcher=launcher, timeout=300, env=env,
-                                    args=["--frontend", frontend, "--exchanges", ",".join(EXCHANGE_NAMES),
-                                          "--methods", ",".join(METHODS), "--elements", N, "--bits", BITS,
-                                          "--bucket", BUCKET, "--rounds", ROUNDS, "--seed", SEED, "--out", out])
+                reports = run_ranks(
+                    WORKER,
+                    np=SIZE,
+                    launcher=launcher,
+                    timeout=300,
+                    env=env,
+                    args=[
+                        "--frontend",
+                        frontend,
+                        "--exchanges",
+                        ",".join(EXCHANGE_NAMES),
+                        "--methods",
+                        ",".join(METHODS),
+                        "--elements",
+                        N,
+                        "--bits",
+                        BITS,
+                        "--bucket",
+                        BUCKET,
+                        "--rounds",
+                        ROUNDS,
+                        "--seed",
+                        SEED,
+                        "--out",
+                        out,
+                    ],
+                )
                 arrays = dict(np.load(out / f"{frontend}.npz"))
                 _CACHE[frontend] = (reports, arrays)
             except pytest.fail.Exception as exc:  # fail every test of this front-end, launch once
@@ -200,10 +233,15 @@ def test_unbiased(launched, frontend, exchange):
     for method in METHODS:
         _, outs = _run(launched, frontend, method, exchange)
         err = outs.astype(np.float64) - truth
-        stats = np.concatenate([t_stat(np.add.reduceat(err, starts, axis=1)),
-                                t_stat(err.sum(1, keepdims=True)), t_stat((err @ np.sign(truth))[:, None])])
+        stats = np.concatenate(
+            [
+                t_stat(np.add.reduceat(err, starts, axis=1)),
+                t_stat(err.sum(1, keepdims=True)),
+                t_stat((err @ np.sign(truth))[:, None]),
+            ]
+        )
         bound = t_bound(ROUNDS, stats.size, ALPHA)
-        rel = float(np.sqrt((err ** 2).sum(1).mean() / (truth ** 2).sum()))
+        rel = float(np.sqrt((err**2).sum(1).mean() / (truth**2).sum()))
         what = f"{frontend}/{exchange}/{method}: t per bucket, total, signed = {np.round(stats, 2)}, bound {bound:.2f}"
         assert np.all(np.isfinite(stats)), what + " (no noise: not quantized?)"
         assert np.abs(stats).max() < bound, what
@@ -218,8 +256,14 @@ def test_bytes_from_the_wire_format(launched, frontend, exchange):
         for rank, info in enumerate(infos):
             sent, received = expected_bytes(exchange, rank)
             assert set(info["bytes_sent"]) == {sent}, (frontend, exchange, method, rank, info["bytes_sent"], sent)
-            assert set(info["bytes_received"]) == {received}, (frontend, exchange, method, rank,
-                                                               info["bytes_received"], received)
+            assert set(info["bytes_received"]) == {received}, (
+                frontend,
+                exchange,
+                method,
+                rank,
+                info["bytes_received"],
+                received,
+            )
             assert len(info["bytes_sent"]) == ROUNDS + 1
 
 
@@ -248,11 +292,13 @@ def test_frontends_agree(launched, exchange, method):
         mse[f], se[f] = e.mean(0), e.std(0, ddof=1) / np.sqrt(ROUNDS)
     pairs = list(itertools.combinations(serving, 2))
     bound = student.isf(ALPHA / (2 * len(pairs) * starts.size), 2 * (ROUNDS - 1))
-    table = "\n".join(f"  {f:5s} MSE per bucket {np.round(mse[f] / np.diff([*starts, N]), 4)}  bytes_sent {sent[f]}"
-                      for f in serving)
+    table = "\n".join(
+        f"  {f:5s} MSE per bucket {np.round(mse[f] / np.diff([*starts, N]), 4)}  bytes_sent {sent[f]}" for f in serving
+    )
     assert len({repr(v) for v in levels.values()}) == 1, f"levels differ across front-ends: {levels}"
     assert len({repr(v) for v in sent.values()}) == 1, f"bytes_sent differ across front-ends:\n{table}"
     worst = {(f, g): float(np.abs((mse[f] - mse[g]) / np.sqrt(se[f] ** 2 + se[g] ** 2)).max()) for f, g in pairs}
     bad = {k: round(v, 1) for k, v in worst.items() if v >= bound}
-    assert not bad, (f"{exchange}/{method}: noise differs between front-ends (max |z| {bad}, "
-                     f"bound {bound:.1f}):\n{table}")
+    assert not bad, (
+        f"{exchange}/{method}: noise differs between front-ends (max |z| {bad}, bound {bound:.1f}):\n{table}"
+    )

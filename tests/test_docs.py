@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from multiproc import RANK_ENV, launch_command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,14 +21,30 @@ DOCS = ROOT / "docs"
 PACKAGE = ROOT / "horovod_alq"
 
 # The public API: the modules users import, with their __all__.
-PUBLIC_MODULES = ("horovod_alq.settings", "horovod_alq.torch", "horovod_alq.torch.ddp", "horovod_alq.torch.fsdp",
-                  "horovod_alq.torch.diloco",
-                  "horovod_alq.tensorflow", "horovod_alq.mpi", "horovod_alq.core")
+PUBLIC_MODULES = (
+    "horovod_alq.settings",
+    "horovod_alq.torch",
+    "horovod_alq.torch.ddp",
+    "horovod_alq.torch.fsdp",
+    "horovod_alq.torch.diloco",
+    "horovod_alq.tensorflow",
+    "horovod_alq.mpi",
+    "horovod_alq.core",
+)
 # The errors every rank raises when the ranks of an exchange disagree or a collective times out:
 # these and every class the package derives from them (protocol_errors()).
 PROTOCOL_ERROR_ROOTS = {"ProtocolError", "NotMemberError"}
-SNIPPET_PAGES = ("README.md", "docs/index.md", "docs/horovod-torch.md", "docs/horovod-tensorflow.md",
-                 "docs/ddp.md", "docs/fsdp.md", "docs/mpi4py.md", "docs/core.md", "docs/diloco.md")
+SNIPPET_PAGES = (
+    "README.md",
+    "docs/index.md",
+    "docs/horovod-torch.md",
+    "docs/horovod-tensorflow.md",
+    "docs/ddp.md",
+    "docs/fsdp.md",
+    "docs/mpi4py.md",
+    "docs/core.md",
+    "docs/diloco.md",
+)
 
 
 def _mkdocs() -> str:
@@ -41,9 +56,14 @@ def _mkdocs() -> str:
 
 def test_site_builds_with_no_warning(tmp_path):
     site = tmp_path / "site"
-    proc = subprocess.run([_mkdocs(), "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run(
+        [_mkdocs(), "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "WARNING" not in log, log[-4000:]
@@ -83,9 +103,11 @@ def test_every_public_object_is_in_the_reference_with_a_docstring():
             continue
         path = sorted(paths & documented)[0]
         found = loader.load(path.rsplit(".", 1)[0])[path.rsplit(".", 1)[1]]
-        targets = [found] + [m for m in getattr(found, "members", {}).values()
-                             if not m.name.startswith("_") and (m.is_function or m.is_class)
-                             and not m.is_alias and m.name != "__init__"]
+        targets = [found] + [
+            m
+            for m in getattr(found, "members", {}).values()
+            if not m.name.startswith("_") and (m.is_function or m.is_class) and not m.is_alias and m.name != "__init__"
+        ]
         undocumented += [t.path for t in targets if not (t.docstring and t.docstring.value.strip())]
     assert not missing, f"public objects missing from docs/reference/*.md (add a ::: line): {missing}"
     assert not undocumented, f"public objects without a docstring: {undocumented}"
@@ -115,8 +137,12 @@ def _trees() -> list[tuple[Path, ast.Module]]:
 
 def protocol_errors(trees) -> set[str]:
     """PROTOCOL_ERROR_ROOTS and the names of every class of the package derived from them."""
-    bases = {node.name: {getattr(b, "id", None) or getattr(b, "attr", None) for b in node.bases}
-             for _, tree in trees for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    bases = {
+        node.name: {getattr(b, "id", None) or getattr(b, "attr", None) for b in node.bases}
+        for _, tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
     names = set(PROTOCOL_ERROR_ROOTS)
     while True:
         more = {name for name, parents in bases.items() if parents & names} - names
@@ -152,8 +178,10 @@ def test_protocol_messages_are_found():
 def test_every_protocol_error_is_on_the_troubleshooting_page():
     page = " ".join((DOCS / "troubleshooting.md").read_text().split())
     missing = [f"{where}: {message}" for where, message in protocol_messages() if message not in page]
-    assert not missing, ("messages missing from docs/troubleshooting.md (copy each, with … for the "
-                         "values filled in at run time):\n" + "\n".join(missing))
+    assert not missing, (
+        "messages missing from docs/troubleshooting.md (copy each, with … for the "
+        "values filled in at run time):\n" + "\n".join(missing)
+    )
 
 
 _BLOCK = re.compile(r"(?:<!-- snippet: (?P<spec>[^>]*?) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)\n```", re.S)
@@ -168,8 +196,11 @@ def snippets():
 
 
 def _runnable():
-    return [pytest.param(code, spec, id=f"{Path(page).stem}-{i}")
-            for i, (page, spec, code) in enumerate(snippets()) if spec and not spec.startswith("excerpt of")]
+    return [
+        pytest.param(code, spec, id=f"{Path(page).stem}-{i}")
+        for i, (page, spec, code) in enumerate(snippets())
+        if spec and not spec.startswith("excerpt of")
+    ]
 
 
 def _excerpt_problem(code: str, program: str) -> str | None:
@@ -214,8 +245,15 @@ def test_snippet_runs_as_written(code, spec, tmp_path):
     else:
         launcher = "mpi" if spec.startswith("mpirun") else "torchrun"
         command, ranks = [*launch_command(launcher, 2), sys.executable, str(script)], 2
-    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env={**os.environ, **RANK_ENV})
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **RANK_ENV},
+    )
     try:
         out, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:

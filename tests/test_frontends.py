@@ -65,14 +65,17 @@ def test_class_docstrings_and_default_instance(package):
     assert _method_name(default) == "amq" and default.bits == 3
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p.compressor_for("alq-x"), "unknown method 'alq-x'"),
-    (lambda p: p.QSGDCompressor(norm="l1"), "norm must be 'linf' (QSGDinf) or 'l2' (QSGD), got 'l1'"),
-    (lambda p: p.ALQCompressor(min_size=-1), "min_size must be a non-negative integer, got -1"),
-    (lambda p: p.ALQCompressor(min_size=True), "min_size must be a non-negative integer, got True"),
-    (lambda p: p.ALQCompressor(bits=9), "bits"),
-    (lambda p: p.TernGradCompressor(bits=3), "TernGrad always sends 2 bits per coordinate, got bits=3"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p.compressor_for("alq-x"), "unknown method 'alq-x'"),
+        (lambda p: p.QSGDCompressor(norm="l1"), "norm must be 'linf' (QSGDinf) or 'l2' (QSGD), got 'l1'"),
+        (lambda p: p.ALQCompressor(min_size=-1), "min_size must be a non-negative integer, got -1"),
+        (lambda p: p.ALQCompressor(min_size=True), "min_size must be a non-negative integer, got True"),
+        (lambda p: p.ALQCompressor(bits=9), "bits"),
+        (lambda p: p.TernGradCompressor(bits=3), "TernGrad always sends 2 bits per coordinate, got bits=3"),
+    ],
+)
 def test_bad_arguments_name_the_problem(package, make, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
         make(package)
@@ -86,16 +89,19 @@ def test_compressor_module_not_shadowed(package):
     assert package.compressor.compressor_for is package.compressor_for
 
 
-@pytest.mark.parametrize("make, norm", [
-    (lambda p: p.ALQCompressor(norm="linf"), "linf"),
-    (lambda p: p.ALQCompressor(norm="l2", normless=True), "l2"),
-    (lambda p: p.AMQCompressor(norm="linf", bits=2), "linf"),
-    (lambda p: p.compressor_for("amq-n", norm="linf"), "linf"),
-    (lambda p: p.compressor_for("alq", norm="l2"), "l2"),
-    (lambda p: p.compressor_for("qsgdinf", norm="linf"), "linf"),  # its own norm: accepted
-    (lambda p: p.compressor_for("terngrad", norm=None), "linf"),
-    (lambda p: p.NUQSGDCompressor(), "l2"),
-])
+@pytest.mark.parametrize(
+    "make, norm",
+    [
+        (lambda p: p.ALQCompressor(norm="linf"), "linf"),
+        (lambda p: p.ALQCompressor(norm="l2", normless=True), "l2"),
+        (lambda p: p.AMQCompressor(norm="linf", bits=2), "linf"),
+        (lambda p: p.compressor_for("amq-n", norm="linf"), "linf"),
+        (lambda p: p.compressor_for("alq", norm="l2"), "l2"),
+        (lambda p: p.compressor_for("qsgdinf", norm="linf"), "linf"),  # its own norm: accepted
+        (lambda p: p.compressor_for("terngrad", norm=None), "linf"),
+        (lambda p: p.NUQSGDCompressor(), "l2"),
+    ],
+)
 def test_norm_keyword(package, make, norm):
     """norm= reaches the core quantizer of the adaptive methods; levels start where the core's do."""
     comp = make(package)
@@ -111,13 +117,16 @@ def test_default_norm(package):
         assert comp.norm == METHODS[comp._method.name].norm
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p.ALQCompressor(norm="l1"), "norm must be one of 'l2', 'linf'"),
-    (lambda p: p.AMQCompressor(norm=2), "norm must be one of 'l2', 'linf'"),
-    (lambda p: p.compressor_for("qsgdinf", norm="l2"), "qsgdinf has fixed norm 'linf'"),
-    (lambda p: p.compressor_for("nuqsgd", norm="linf"), "nuqsgd has fixed norm 'l2'"),
-    (lambda p: p.TernGradCompressor(norm="l2"), "terngrad has fixed norm 'linf'"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p.ALQCompressor(norm="l1"), "norm must be one of 'l2', 'linf'"),
+        (lambda p: p.AMQCompressor(norm=2), "norm must be one of 'l2', 'linf'"),
+        (lambda p: p.compressor_for("qsgdinf", norm="l2"), "qsgdinf has fixed norm 'linf'"),
+        (lambda p: p.compressor_for("nuqsgd", norm="linf"), "nuqsgd has fixed norm 'l2'"),
+        (lambda p: p.TernGradCompressor(norm="l2"), "terngrad has fixed norm 'linf'"),
+    ],
+)
 def test_bad_norm_names_the_allowed_values(package, make, message):
     with pytest.raises(ValueError, match=message):
         make(package)
@@ -145,12 +154,17 @@ def test_tensorflow_protocol_errors_are_horovods_error_type():
     """Eagerly a TensorFlow compressor's protocol error is a FailedPreconditionError (Horovod's error
     type in TensorFlow), a RuntimeError, and the core's ProtocolError / ReductionMismatch."""
     tf = pytest.importorskip("tensorflow")
-    from horovod_alq.core import protocol
     import horovod_alq.tensorflow as compressor
+    from horovod_alq.core import protocol
 
     err = compressor.ReductionMismatch("horovod_alq: test")
-    for cls in (tf.errors.FailedPreconditionError, RuntimeError, protocol.ProtocolError,
-                protocol.ReductionMismatch, compressor.ProtocolError):
+    for cls in (
+        tf.errors.FailedPreconditionError,
+        RuntimeError,
+        protocol.ProtocolError,
+        protocol.ReductionMismatch,
+        compressor.ProtocolError,
+    ):
         assert isinstance(err, cls), cls
     assert str(err) == "horovod_alq: test" and err.error_code == tf.errors.FAILED_PRECONDITION
 

@@ -5,7 +5,6 @@ reduce-scatter (node-aware): the exchange picked by exchange="auto", identical r
 raises on every rank."""
 
 import pytest
-
 from helpers import assert_t_unbiased
 from multiproc import run_ranks
 
@@ -16,8 +15,14 @@ EXCHANGE = {"fsdp": "hierarchical-reduce-scatter"}  # the others: "hierarchical"
 @pytest.mark.multiproc
 @pytest.mark.parametrize("front", ["mpi", "horovod", "ddp", "fsdp"])
 def test_two_nodes_of_two_ranks(front):
-    results = run_ranks("hierarchical.py", np=4, launcher=LAUNCHERS[front], args=["--front", front],
-                        env={"HOROVOD_ALQ_LOCAL_SIZE": "2"}, timeout=400)
+    results = run_ranks(
+        "hierarchical.py",
+        np=4,
+        launcher=LAUNCHERS[front],
+        args=["--front", front],
+        env={"HOROVOD_ALQ_LOCAL_SIZE": "2"},
+        timeout=400,
+    )
     assert [r["exchange"] for r in results] == [EXCHANGE.get(front, "hierarchical")] * 4
     assert len({r["digest"] for r in results}) == 1, "the ranks' results differ"
     for r in results:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -19,7 +18,7 @@ def expected(n: int) -> dict:
     return {
         "sum": sum(x).tolist(),
         "average": (sum(x) / n).tolist(),
-        "int_sum": [sum(r + 1 for r in range(n)), sum(1000 * r for r in range(n)), -(2 ** 40) * n],
+        "int_sum": [sum(r + 1 for r in range(n)), sum(1000 * r for r in range(n)), -(2**40) * n],
         "gather": np.concatenate(rows).tolist(),
     }
 

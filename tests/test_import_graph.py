@@ -81,8 +81,7 @@ def _reexports(package: str, path: Path, modules: dict[str, Path]) -> dict[str, 
                 for alias in node.names:
                     target = f"{base}.{alias.name}"
                     out[alias.asname or alias.name] = target if target in modules else base
-        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS"
-                                                  for t in node.targets):
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
             for key, value in zip(node.value.keys, node.value.values):
                 out[key.value] = f"{package}.{value.value}"
     return out
@@ -98,8 +97,12 @@ def import_graph(root: Path) -> tuple[dict[str, dict[str, int]], dict[str, list[
 
     def resolve(base: str, name: str | None) -> str | None:
         seen = set()
-        while name is not None and f"{base}.{name}" not in modules and name in exports.get(base, {}) \
-                and (base, name) not in seen:
+        while (
+            name is not None
+            and f"{base}.{name}" not in modules
+            and name in exports.get(base, {})
+            and (base, name) not in seen
+        ):
             seen.add((base, name))
             base = exports[base][name]  # follow re-exports to the defining module
         if name is not None and f"{base}.{name}" in modules:
@@ -129,8 +132,11 @@ def _inits_run(module: str, base: str, modules: dict[str, Path]) -> list[str]:
     packages above it), less ``module`` itself and the packages it lies in (already running)."""
     parts = base.split(".")
     names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return [p for p in names if p in modules and modules[p].name == "__init__.py"
-            and p != module and not module.startswith(p + ".")]
+    return [
+        p
+        for p in names
+        if p in modules and modules[p].name == "__init__.py" and p != module and not module.startswith(p + ".")
+    ]
 
 
 def find_cycle(edges: dict[str, dict[str, int]]) -> list[str] | None:
@@ -143,7 +149,7 @@ def find_cycle(edges: dict[str, dict[str, int]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -169,8 +175,12 @@ def framework_imports(edges: dict, outside: dict, part: str) -> list[str]:
     outside ``part``, as ``"module line N: name"``."""
     inside = [m for m in edges if m == part or m.startswith(part + ".")]
     bad = [f"{m} line {line}: {name}" for m in inside for name, line in outside[m] if name in FRAMEWORKS]
-    bad += [f"{m} line {line}: {target}" for m in inside for target, line in edges[m].items()
-            if target != part and not target.startswith(part + ".")]
+    bad += [
+        f"{m} line {line}: {target}"
+        for m in inside
+        for target, line in edges[m].items()
+        if target != part and not target.startswith(part + ".")
+    ]
     return bad
 
 
@@ -189,9 +199,13 @@ def test_core_imports_no_framework_nothing_outside_core_and_no_private_name():
     assert sum(m.startswith("horovod_alq.core.") for m in edges) > 10
     bad = framework_imports(edges, outside, "horovod_alq.core")
     assert not bad, "horovod_alq.core imports a framework or the rest of the package: " + "; ".join(bad)
-    private = [f"{m} line {line}: {base}.{name}" for m, path in module_names(PACKAGE).items()
-               if m.startswith("horovod_alq.core") for base, name, line in _imports(m, path)
-               if base.startswith("horovod_alq.core") and name and name.startswith("_")]
+    private = [
+        f"{m} line {line}: {base}.{name}"
+        for m, path in module_names(PACKAGE).items()
+        if m.startswith("horovod_alq.core")
+        for base, name, line in _imports(m, path)
+        if base.startswith("horovod_alq.core") and name and name.startswith("_")
+    ]
     assert not private, "private names imported from another module of core: " + "; ".join(private)
 
 
@@ -199,8 +213,10 @@ def test_core_loads_scipy_only_when_it_adapts():
     """The imports inside functions of core that load SciPy (commented there) keep the codec, the
     round state and ``bits="auto"`` free of it until levels are fitted."""
     modules = "quantizer", "rounds", "auto_bits", "bucket_widths", "statistics"
-    code = (f"import sys\nfrom horovod_alq.core import {', '.join(modules)}\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
+    code = (
+        f"import sys\nfrom horovod_alq.core import {', '.join(modules)}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -234,7 +250,10 @@ def test_the_checks_can_fail(tmp_path, case):
     assert describe(cycle, edges).count("line") == len(cycle) - 1
     line = 2 if case == "absolute" else 3
     assert sorted(framework_imports(edges, outside, "pkg.sub")) == [
-        "pkg.sub.b line 2: pkg", "pkg.sub.c line 1: torch", f"pkg.sub.c line {line}: pkg.a"]
+        "pkg.sub.b line 2: pkg",
+        "pkg.sub.c line 1: torch",
+        f"pkg.sub.c line {line}: pkg.a",
+    ]
     del edges["pkg.sub.c"]["pkg.a"]
     assert find_cycle(edges) is None
 

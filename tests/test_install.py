@@ -15,8 +15,9 @@ ALLOW = "HOROVOD_ALQ_ALLOW_TORCH_CODEC"
 def _check(env_extra, *args):
     env = {k: v for k, v in os.environ.items() if k not in (ALLOW, "HOROVOD_ALQ_FUSED")}
     env.update(env_extra)
-    return subprocess.run([sys.executable, str(CHECK), *args], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(CHECK), *args], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
 
 
 def _broken_build(tmp_path):

@@ -21,8 +21,9 @@ def _modules():
 def _is_fixture(node: ast.FunctionDef) -> bool:
     for dec in node.decorator_list:
         target = dec.func if isinstance(dec, ast.Call) else dec
-        if (isinstance(target, ast.Attribute) and target.attr == "fixture") or \
-                (isinstance(target, ast.Name) and target.id == "fixture"):
+        if (isinstance(target, ast.Attribute) and target.attr == "fixture") or (
+            isinstance(target, ast.Name) and target.id == "fixture"
+        ):
             return True
     return False
 
@@ -30,8 +31,12 @@ def _is_fixture(node: ast.FunctionDef) -> bool:
 def _body(node: ast.FunctionDef) -> str:
     """The function's body without its docstring, as ``ast.dump`` writes it (no positions)."""
     body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         body = body[1:]
     return "\n".join(ast.dump(stmt) for stmt in body)
 
@@ -51,10 +56,14 @@ def duplicated_helpers(modules) -> dict:
 
 
 def test_duplicated_helpers_finds_a_copy_and_ignores_tests_fixtures_and_main():
-    copy = "import pytest\n\ndef h(x):\n    '''doc {}'''\n    return x + 1\n\n" \
-           "def test_a():\n    pass\n\ndef main():\n    pass\n\n@pytest.fixture\ndef f():\n    return 1\n"
-    other = "def h(x):\n    return x + 2\n\ndef test_a():\n    pass\n\ndef main():\n    pass\n\n" \
-            "@pytest.fixture\ndef f():\n    return 1\n"
+    copy = (
+        "import pytest\n\ndef h(x):\n    '''doc {}'''\n    return x + 1\n\n"
+        "def test_a():\n    pass\n\ndef main():\n    pass\n\n@pytest.fixture\ndef f():\n    return 1\n"
+    )
+    other = (
+        "def h(x):\n    return x + 2\n\ndef test_a():\n    pass\n\ndef main():\n    pass\n\n"
+        "@pytest.fixture\ndef f():\n    return 1\n"
+    )
     one, two = ast.parse(copy.format(1)), ast.parse(copy.format(2))
     assert list(duplicated_helpers([("a.py", one), ("b.py", two)]).values()) == [["a.py", "b.py"]]
     assert duplicated_helpers([("a.py", one), ("b.py", ast.parse(other))]) == {}
@@ -62,15 +71,21 @@ def test_duplicated_helpers_finds_a_copy_and_ignores_tests_fixtures_and_main():
 
 def test_no_helper_defined_twice():
     dups = duplicated_helpers(_modules())
-    assert not dups, "helpers defined in several files (move them to tests/helpers.py): " + \
-        "; ".join(f"{name} in {', '.join(files)}" for (name, _), files in sorted(dups.items()))
+    assert not dups, "helpers defined in several files (move them to tests/helpers.py): " + "; ".join(
+        f"{name} in {', '.join(files)}" for (name, _), files in sorted(dups.items())
+    )
 
 
 def test_only_the_worker_bootstrap_edits_sys_path():
     editors = []
     for rel, tree in _modules():
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr == "path" and \
-                    isinstance(node.value, ast.Name) and node.value.id == "sys" and rel not in PATH_EDITORS:
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+                and rel not in PATH_EDITORS
+            ):
                 editors.append(f"{rel}:{node.lineno}")
     assert not editors, f"sys.path used outside {sorted(PATH_EDITORS)}: {editors}"

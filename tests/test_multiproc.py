@@ -7,7 +7,6 @@ import uuid
 
 import psutil
 import pytest
-
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from multiproc import MPI_OPTIONS, RANK_ENV, _tool
 
 ROOT = Path(__file__).resolve().parent.parent  # the scripts run as modules from here: python -m scripts.demo.train
@@ -22,10 +21,24 @@ def load(name: str):
     return importlib.import_module(f"scripts.{name}")
 
 
-@pytest.mark.parametrize("name", ["study.variance", "study.run_accuracy", "bench.network", "bench.codec",
-                                  "bench.train_step", "bench.fsdp", "study.run_accuracy_gpt", "study.variance_gpt",
-                                  "study.horovod_suite", "bench.refit", "bench.codec_widths", "bench.bucket_widths",
-                                  "study.adam_noise"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "study.variance",
+        "study.run_accuracy",
+        "bench.network",
+        "bench.codec",
+        "bench.train_step",
+        "bench.fsdp",
+        "study.run_accuracy_gpt",
+        "study.variance_gpt",
+        "study.horovod_suite",
+        "bench.refit",
+        "bench.codec_widths",
+        "bench.bucket_widths",
+        "study.adam_noise",
+    ],
+)
 def test_help(name, capsys):
     with pytest.raises(SystemExit) as exc:
         load(name).main(["--help"])
@@ -38,8 +51,11 @@ def test_bucket_widths_bench_compares_three_rows_per_step(tmp_path):
     steps, 3 bits at 1.00, every row near 3 bits per coordinate."""
     out = tmp_path / "bucket.md"
     assert load("bench.bucket_widths").main(["--quick", "--repeats", "1", "--out", str(out)]) == 0
-    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 3 bits") or
-            line.startswith("| bits")]
+    rows = [
+        line.split("|")[1:-1]
+        for line in out.read_text().splitlines()
+        if line.startswith("| 3 bits") or line.startswith("| bits")
+    ]
     assert len(rows) == 6 and [float(r[2]) for r in rows[::3]] == [1.0, 1.0]
     assert all(3.0 <= float(r[4]) < 3.1 for r in rows), rows
 
@@ -51,14 +67,16 @@ def test_refit_bench_rows_allocation_and_amortized_cost(tmp_path):
     out = tmp_path / "refit.md"
     assert refit.main(["--repeats", "1", "--out", str(out)]) == 0
     text = out.read_text()
-    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| plain") or
-            line.startswith("| refit")]
+    rows = [
+        line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| plain") or line.startswith("| refit")
+    ]
     assert len(rows) == 4 and float(rows[0][2]) == 1.0 and float(rows[1][3]) == 1.0
     assert all(float(r[1]) > 0 for r in rows)
     assert "the allocation proper" in text and "refits 3 times in the first 10,000 rounds" in text
     # 4 ms more per refit, 3 refits in 10,000 rounds of 2 ms: 1.2 us per round, 0.06% of a plain round
-    assert "4.0 ms over a 3-bit refit round add 1.2 us per round on average, 0.06% of a plain round" in \
-        refit.amortized(0.004, 0.002)
+    assert "4.0 ms over a 3-bit refit round add 1.2 us per round on average, 0.06% of a plain round" in refit.amortized(
+        0.004, 0.002
+    )
 
 
 def test_train_step_cpu_table(monkeypatch):
@@ -67,8 +85,7 @@ def test_train_step_cpu_table(monkeypatch):
     ts = load("bench.train_step")
     monkeypatch.setattr(ts.os, "cpu_count", lambda: 2)
     row = dict(label="r", step_s=0.9, fwd_bwd_s=0.8, cpu_main_s=0.2, cpu_all_s=0.35)
-    run = {"size": 4, "results": {"local": {**row, "label": "alone", "cpu_main_s": 0.15},
-                                  "hvd-alq": row}}
+    run = {"size": 4, "results": {"local": {**row, "label": "alone", "cpu_main_s": 0.15}, "hvd-alq": row}}
     cells = [line.split("|")[1:-1] for line in ts.cpu_table(run) if line.startswith("| r ")]
     assert [c.strip() for c in cells[0]] == ["r", "900", "200", "+50", "150", "700", "1.29"]
     assert ts.cpu_table({"size": 4, "results": {"hvd-alq": {"label": "r", "step_s": 1.0}}}) == []
@@ -78,8 +95,11 @@ def test_codec_widths_reports_every_width(tmp_path):
     """scripts/bench/codec_widths.py on a small tensor: a row per width and kernel set, 3 bits at 1.00."""
     out = tmp_path / "widths.md"
     assert load("bench.codec_widths").main(["--size", "64K", "--repeats", "1", "--out", str(out)]) == 0
-    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| AVX2") or
-            line.startswith("| generic")]
+    rows = [
+        line.split("|")[1:-1]
+        for line in out.read_text().splitlines()
+        if line.startswith("| AVX2") or line.startswith("| generic")
+    ]
     assert [int(r[1]) for r in rows] == list(range(2, 9)) * (len(rows) // 7) and len(rows) in (7, 14)
     assert all(float(r[3]) == 1.0 for r in rows if int(r[1]) == 3)
     assert all(float(r[2]) > 0 for r in rows)
@@ -94,11 +114,17 @@ def test_horovod_suite_categories_and_report(tmp_path):
         return {"ranks": dict(enumerate(ranks)), **extra}
 
     ok = {"outcome": "passed"}
-    precision = {"outcome": "failed", "quantized": 3,
-                 "message": "E       AssertionError: hvd.allreduce produces incorrect results"}
+    precision = {
+        "outcome": "failed",
+        "quantized": 3,
+        "message": "E       AssertionError: hvd.allreduce produces incorrect results",
+    }
     op_min = {"outcome": "failed", "message": "E   horovod_alq: ... this allreduce used op=Min; ..."}
-    ps = {"outcome": "failed", "message": "E   horovod_alq: this allreduce reduced over 1 of the 2 ranks of the "
-                                          "compressor's process set [0, 1]"}
+    ps = {
+        "outcome": "failed",
+        "message": "E   horovod_alq: this allreduce reduced over 1 of the 2 ranks of the "
+        "compressor's process set [0, 1]",
+    }
     base = {"outcome": "passed"}
     c = mod.classify
     assert c("t::test_horovod_allreduce", entry(ok, ok), None) == ("passed", "passed")
@@ -111,11 +137,27 @@ def test_horovod_suite_categories_and_report(tmp_path):
     assert c("t::test_optimizer_process_sets", entry(op_min, op_min), base)[1] == "real"
     assert c("t::test_x", entry(precision, precision), {"outcome": "failed"})[1] == "baseline"
     assert c("t::test_x", entry(ok, {"outcome": "hang"}, interrupted="hang"), None) == ("hang", "hang")
-    run = {"framework": "torch", "command": "python -m scripts.study.horovod_suite", "date": "d", "wall_s": 1.0, "np": 2,
-           "launches": 1, "compressor": "ALQCompressor()", "scope_text": "s", "versions": {"horovod": "0.28.1"},
-           "tests": {"t::test_a": {"category": "passed", "outcome": "passed", "error": "", "where": "", "ranks": {}},
-                     "t::test_b": {"category": "refusal", "outcome": "failed", "error": "op=Min | x",
-                                   "where": "test_torch.py:1", "ranks": {"0": {"outcome": "failed"}}}}}
+    run = {
+        "framework": "torch",
+        "command": "python -m scripts.study.horovod_suite",
+        "date": "d",
+        "wall_s": 1.0,
+        "np": 2,
+        "launches": 1,
+        "compressor": "ALQCompressor()",
+        "scope_text": "s",
+        "versions": {"horovod": "0.28.1"},
+        "tests": {
+            "t::test_a": {"category": "passed", "outcome": "passed", "error": "", "where": "", "ranks": {}},
+            "t::test_b": {
+                "category": "refusal",
+                "outcome": "failed",
+                "error": "op=Min | x",
+                "where": "test_torch.py:1",
+                "ranks": {"0": {"outcome": "failed"}},
+            },
+        },
+    }
     (tmp_path / "torch.json").write_text(json.dumps(run))
     out = tmp_path / "report.md"
     out.write_text("old\n<!-- notes -->\nkept notes\n")
@@ -158,8 +200,10 @@ def test_variance_auto_quick(tmp_path):
         # bucket include every allocation per tensor: no worse than the best of those
         assert all(b <= u * (1 + 1e-9) for b, u in zip(v[f"{label}|512|3.0|best"], uniform))
         for budget in (3.0, 2.5):
-            assert all(f <= b * (1 + 1e-9) for f, b in zip(v[f"{label}|512|{budget}|best_bucket"],
-                                                             v[f"{label}|512|{budget}|best"]))
+            assert all(
+                f <= b * (1 + 1e-9)
+                for f, b in zip(v[f"{label}|512|{budget}|best_bucket"], v[f"{label}|512|{budget}|best"])
+            )
             assert all(m <= budget + 1e-9 for m in data["bits"][f"{label}|512|{budget}|best_bucket_mean"])
             kept = v[f"{label}|512|{budget}|bucket_stale"]  # widths per bucket from the last refit: none before it
             assert kept[0] != kept[0] and all(0 < k < float("inf") for k in kept[1:]), kept  # NaN, then values
@@ -173,12 +217,18 @@ def test_run_accuracy_aggregates(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     for seed, acc in ((0, 0.9), (1, 0.92)):
-        results = [{"method": "alq", "bucket_size": 512, "accuracy": acc},
-                   {"method": "none", "bucket_size": None, "accuracy": acc + 0.01}]
+        results = [
+            {"method": "alq", "bucket_size": 512, "accuracy": acc},
+            {"method": "none", "bucket_size": None, "accuracy": acc + 0.01},
+        ]
         (raw / f"np4_b3_d512_s{seed}_e4_alq-none.json").write_text(
-            json.dumps({"args": {"seed": seed}, "results": results}))
+            json.dumps({"args": {"seed": seed}, "results": results})
+        )
         (raw / f"np4_b3_d8192_s{seed}_e4_alq.json").write_text(
-            json.dumps({"args": {"seed": seed}, "results": [{"method": "alq", "bucket_size": 8192, "accuracy": acc - 0.1}]}))
+            json.dumps(
+                {"args": {"seed": seed}, "results": [{"method": "alq", "bucket_size": 8192, "accuracy": acc - 0.1}]}
+            )
+        )
     mod = load("study.run_accuracy")
     assert mod.main(["--aggregate-only", "--epochs", "4", "--raw-dir", str(raw), "--out-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "data" / "accuracy.json").read_text())["summary"]
@@ -193,7 +243,8 @@ def test_run_accuracy_aggregates(tmp_path):
     assert (tmp_path / "accuracy.png").stat().st_size > 10_000
     # a raw file that repeats a (method, bucket, seed) run is an error, not a silent double count
     (raw / "np4_b3_d512_s0_e4_alq-again.json").write_text(
-        json.dumps({"args": {"seed": 0}, "results": [{"method": "alq", "bucket_size": 512, "accuracy": 0.5}]}))
+        json.dumps({"args": {"seed": 0}, "results": [{"method": "alq", "bucket_size": 512, "accuracy": 0.5}]})
+    )
     with pytest.raises(ValueError, match="repeats"):
         mod.main(["--aggregate-only", "--epochs", "4", "--raw-dir", str(raw), "--out-dir", str(tmp_path)])
 
@@ -201,8 +252,23 @@ def test_run_accuracy_aggregates(tmp_path):
 @pytest.mark.multiproc
 def test_bench_codec_two_ranks(tmp_path):
     out = tmp_path / "codec.md"
-    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, "-m", "scripts.bench.codec",
-           "--sizes", "64K", "--repeats", "1", "--warmup", "0", "--out", str(out)]
+    cmd = [
+        _tool("mpirun"),
+        *MPI_OPTIONS,
+        "-np",
+        "2",
+        sys.executable,
+        "-m",
+        "scripts.bench.codec",
+        "--sizes",
+        "64K",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+    ]
     env = {**__import__("os").environ, **RANK_ENV}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -226,20 +292,45 @@ def test_run_accuracy_aggregates_several_bit_widths(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     for seed in (0, 1):
-        first = [{"method": "alq-linf", "bucket_size": 8192, "accuracy": 0.90},
-                 {"method": "terngrad", "bucket_size": 8192, "accuracy": 0.88},
-                 {"method": "none", "bucket_size": None, "accuracy": 0.91}]
+        first = [
+            {"method": "alq-linf", "bucket_size": 8192, "accuracy": 0.90},
+            {"method": "terngrad", "bucket_size": 8192, "accuracy": 0.88},
+            {"method": "none", "bucket_size": None, "accuracy": 0.91},
+        ]
         (raw / f"np4_b2_d8192_s{seed}_e8_alq-linf-terngrad-none.json").write_text(
-            json.dumps({"args": {"seed": seed}, "results": first}))
-        (raw / f"np4_b3_d8192_s{seed}_e8_alq-linf.json").write_text(json.dumps(
-            {"args": {"seed": seed}, "results": [{"method": "alq-linf", "bucket_size": 8192, "accuracy": 0.93}]}))
+            json.dumps({"args": {"seed": seed}, "results": first})
+        )
+        (raw / f"np4_b3_d8192_s{seed}_e8_alq-linf.json").write_text(
+            json.dumps(
+                {"args": {"seed": seed}, "results": [{"method": "alq-linf", "bucket_size": 8192, "accuracy": 0.93}]}
+            )
+        )
     mod = load("study.run_accuracy")
-    assert [j["methods"] for j in mod.launches(mod.parse_args(["--bits", "2,3", "--buckets", "8192", "--seeds", "0",
-                                                                "--methods", "alq-linf,terngrad",
-                                                                "--baselines", "none"]))] == [
-        ["alq-linf", "terngrad", "none"], ["alq-linf"]]
-    assert mod.main(["--aggregate-only", "--bits", "2,3", "--raw-dir", str(raw), "--out-dir", str(tmp_path),
-                     "--tag", "_t"]) == 0
+    assert [
+        j["methods"]
+        for j in mod.launches(
+            mod.parse_args(
+                [
+                    "--bits",
+                    "2,3",
+                    "--buckets",
+                    "8192",
+                    "--seeds",
+                    "0",
+                    "--methods",
+                    "alq-linf,terngrad",
+                    "--baselines",
+                    "none",
+                ]
+            )
+        )
+    ] == [["alq-linf", "terngrad", "none"], ["alq-linf"]]
+    assert (
+        mod.main(
+            ["--aggregate-only", "--bits", "2,3", "--raw-dir", str(raw), "--out-dir", str(tmp_path), "--tag", "_t"]
+        )
+        == 0
+    )
     summary = json.loads((tmp_path / "data" / "accuracy_t.json").read_text())["summary"]
     assert summary["alq-linf@b2d8192"]["mean"] == pytest.approx(90.0)
     assert summary["alq-linf@b3d8192"]["vs_fp32"]["mean"] == pytest.approx(2.0)
@@ -290,18 +381,27 @@ def test_run_accuracy_aggregates_two_phase(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     for seed, acc in ((0, 0.90), (1, 0.94)):
-        results = [{"method": "alq-ag", "bucket_size": 8192, "accuracy": acc},
-                   {"method": "alq-2p", "bucket_size": 8192, "accuracy": acc - 0.005},
-                   {"method": "none", "bucket_size": None, "accuracy": acc + 0.01}]
+        results = [
+            {"method": "alq-ag", "bucket_size": 8192, "accuracy": acc},
+            {"method": "alq-2p", "bucket_size": 8192, "accuracy": acc - 0.005},
+            {"method": "none", "bucket_size": None, "accuracy": acc + 0.01},
+        ]
         (raw / f"np4_b3_d8192_s{seed}_e8_alq-ag-alq-2p-none.json").write_text(
-            json.dumps({"args": {"seed": seed}, "results": results}))
+            json.dumps({"args": {"seed": seed}, "results": results})
+        )
     mod = load("study.run_accuracy")
-    assert [j["methods"] for j in mod.launches(mod.parse_args(["--buckets", "8192", "--seeds", "0",
-                                                                "--methods", "alq-ag,alq-2p",
-                                                                "--baselines", "none"]))] == [
-        ["alq-ag", "alq-2p", "none"]]
-    assert mod.main(["--aggregate-only", "--buckets", "8192", "--raw-dir", str(raw), "--out-dir", str(tmp_path),
-                     "--tag", "_x"]) == 0
+    assert [
+        j["methods"]
+        for j in mod.launches(
+            mod.parse_args(["--buckets", "8192", "--seeds", "0", "--methods", "alq-ag,alq-2p", "--baselines", "none"])
+        )
+    ] == [["alq-ag", "alq-2p", "none"]]
+    assert (
+        mod.main(
+            ["--aggregate-only", "--buckets", "8192", "--raw-dir", str(raw), "--out-dir", str(tmp_path), "--tag", "_x"]
+        )
+        == 0
+    )
     summary = json.loads((tmp_path / "data" / "accuracy_x.json").read_text())["summary"]
     assert summary["alq-2p@8192"]["vs_allgather"]["mean"] == pytest.approx(-0.5)
     assert summary["alq-2p@8192"]["vs_fp32"]["mean"] == pytest.approx(-1.5)
@@ -313,8 +413,22 @@ def test_run_accuracy_aggregates_two_phase(tmp_path):
 def test_train_exchange_two_ranks(tmp_path):
     """train.py with alq-ag and alq-2p: each trains with the exchange it names (1 epoch, 2 ranks)."""
     out = tmp_path / "train.json"
-    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, "-m", "scripts.demo.train",
-           "--methods", "alq-ag,alq-2p", "--epochs", "1", "--quiet", "--json", str(out)]
+    cmd = [
+        _tool("mpirun"),
+        *MPI_OPTIONS,
+        "-np",
+        "2",
+        sys.executable,
+        "-m",
+        "scripts.demo.train",
+        "--methods",
+        "alq-ag,alq-2p",
+        "--epochs",
+        "1",
+        "--quiet",
+        "--json",
+        str(out),
+    ]
     env = {**__import__("os").environ, **RANK_ENV}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -334,7 +448,9 @@ def test_gpt_accuracy_quick(tmp_path):
     assert set(summary) == {"alq@3", "none", "psgd-match"}
     assert set(pairs) == {"alq@3 - none", "alq@3 - psgd-match", "psgd-match - none"}
     d = pairs["alq@3 - none"]
-    assert d["n"] == 1 and d["mean"] == pytest.approx(summary["alq@3"]["loss"]["mean"] - summary["none"]["loss"]["mean"])
+    assert d["n"] == 1 and d["mean"] == pytest.approx(
+        summary["alq@3"]["loss"]["mean"] - summary["none"]["loss"]["mean"]
+    )
     for cell in summary.values():
         assert cell["loss"]["mean"] < 0.85 * __import__("math").log(103), cell  # learned: below the uniform guess
         assert [s for s, _ in cell["curve"]] == [20]
@@ -345,14 +461,14 @@ def test_gpt_accuracy_quick(tmp_path):
     model = gpt.GPT(103, 128, 4, 4, 64)
     r = summary["psgd-match"]["powersgd_rank"]
     params = sum(p.numel() for p in model.parameters())
-    assert summary["psgd-match"]["bits_per_coordinate"] == pytest.approx(8 * train_gpt.powersgd_bytes(model, r) / params,
-                                                                          rel=0.02)
+    assert summary["psgd-match"]["bits_per_coordinate"] == pytest.approx(
+        8 * train_gpt.powersgd_bytes(model, r) / params, rel=0.02
+    )
     target = 8 * train_gpt.quantized_bytes(model, 3, 8192, 1024) / params
     assert abs(summary["psgd-match"]["bits_per_coordinate"] - target) < 0.2 * target
     assert summary["alq@3"]["vs_fp32"]["n"] == 1 and "vs_fp32" in summary["psgd-match"]
     assert (tmp_path / "accuracy_gpt.png").stat().st_size > 10_000
     assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0  # resumes: the launch's file exists
-
 
 
 def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
@@ -365,9 +481,23 @@ def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
     assert train_gpt.parse_method("alq@auto2.5") == ("alq", "auto", 2.5)
     assert train_gpt.parse_method("amq-n-2p@auto3") == ("amq-n-2p", "auto", 3.0)
     assert train_gpt.parse_method("alq@bucket2.5") == ("alq", "bucket", 2.5)
-    for bad in ("ddp-alq@auto3", "psgd2@auto3", "psgd-match@auto3", "none@auto3", "fp16@auto3", "qsgdinf@auto3",
-                "terngrad@auto3", "alq@auto", "alq@auto1.5", "alq@auto9", "alq@autox", "alq@2.5", "bogus@auto3",
-                "qsgdinf@bucket3", "alq@bucket1"):
+    for bad in (
+        "ddp-alq@auto3",
+        "psgd2@auto3",
+        "psgd-match@auto3",
+        "none@auto3",
+        "fp16@auto3",
+        "qsgdinf@auto3",
+        "terngrad@auto3",
+        "alq@auto",
+        "alq@auto1.5",
+        "alq@auto9",
+        "alq@autox",
+        "alq@2.5",
+        "bogus@auto3",
+        "qsgdinf@bucket3",
+        "alq@bucket1",
+    ):
         with pytest.raises(SystemExit):
             train_gpt.parse_method(bad)
     # every PAIRS method is run by some grid; the auto grid's file name is plain
@@ -384,19 +514,40 @@ def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
 
     def result(spec, loss, **extra):
         bits = train_gpt.parse_method(spec)[1]
-        return {"spec": spec, "bits": bits, "eval_loss": loss, "curve": [[250, loss]], "bits_per_coordinate": 3.0,
-                "params": 10, **extra}
+        return {
+            "spec": spec,
+            "bits": bits,
+            "eval_loss": loss,
+            "curve": [[250, loss]],
+            "bits_per_coordinate": 3.0,
+            "params": 10,
+            **extra,
+        }
 
     for seed in range(4):
         core = mod.raw_path({"seed": seed, "methods": ["alq@3", "alq@2"]}, args, raw)
-        core.write_text(json.dumps({"args": {"seed": seed, "bucket_size": 8192}, "results": [
-            result("alq@3", 2.0 + seed / 10), result("alq@2", 2.1 + seed / 10)]}))
+        core.write_text(
+            json.dumps(
+                {
+                    "args": {"seed": seed, "bucket_size": 8192},
+                    "results": [result("alq@3", 2.0 + seed / 10), result("alq@2", 2.1 + seed / 10)],
+                }
+            )
+        )
         if seed < 3:
-            auto = [result(spec, 2.0 + seed / 10 + delta, allocation=[2, 3], allocated_mean_bits=b,
-                           allocation_elements=[100, 100])
-                    for spec, delta, b in (("alq@auto2.5", 0.01 * (seed + 1), 2.5), ("alq@auto3", -0.02, 3.0))]
-            mod.raw_path({"seed": seed, "methods": mod.GRIDS["auto"][0]}, args, raw).write_text(json.dumps(
-                {"args": {"seed": seed, "bucket_size": 8192}, "results": auto}))
+            auto = [
+                result(
+                    spec,
+                    2.0 + seed / 10 + delta,
+                    allocation=[2, 3],
+                    allocated_mean_bits=b,
+                    allocation_elements=[100, 100],
+                )
+                for spec, delta, b in (("alq@auto2.5", 0.01 * (seed + 1), 2.5), ("alq@auto3", -0.02, 3.0))
+            ]
+            mod.raw_path({"seed": seed, "methods": mod.GRIDS["auto"][0]}, args, raw).write_text(
+                json.dumps({"args": {"seed": seed, "bucket_size": 8192}, "results": auto})
+            )
     summary = mod.summarize(mod.collect(raw, args))
     pairs = summary["pairs"]
     assert pairs["alq@auto2.5 - alq@3"]["n"] == 3
@@ -408,6 +559,7 @@ def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
     assert mod.order(summary.keys() - {"pairs"}) == ["alq@3", "alq@auto3", "alq@auto2.5", "alq@2"]
     text = mod.markdown(summary)
     assert "| alq@auto2.5 − alq@2 | -0.0800 ± 0.0058 |" in text and "| alq@auto3 | 1 | 2 3 | 3.000 |" in text
+
 
 def test_gpt_optimizer_choice_and_sgd_sweep_outputs(tmp_path):
     """train_gpt's --optimizer (AdamW by default, SGD with momentum on request) and the SGD sweep's
@@ -435,10 +587,23 @@ def test_adam_noise_two_ranks(tmp_path):
     exact average; 2-bit ALQ's relative error in the range of its variance (about 1 to 3 here, not 0);
     the repeated exchange's bias ratio near 1 for every quantized tensor."""
     out = tmp_path / "adam_noise.json"
-    cmd = [_tool("mpirun"), *MPI_OPTIONS, "-np", "2", sys.executable, "-m", "scripts.study.adam_noise", "--quick",
-           "--out", str(tmp_path / "adam_noise.md"), "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**__import__("os").environ, **RANK_ENV}, capture_output=True,
-                          text=True, timeout=300)
+    cmd = [
+        _tool("mpirun"),
+        *MPI_OPTIONS,
+        "-np",
+        "2",
+        sys.executable,
+        "-m",
+        "scripts.study.adam_noise",
+        "--quick",
+        "--out",
+        str(tmp_path / "adam_noise.md"),
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**__import__("os").environ, **RANK_ENV}, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["workers"] == 2 and set(data["results"]) == {"alq@2", "alq@bucket2.5"}
@@ -543,16 +708,31 @@ def test_namespace_launch_that_never_connects_fails_named_and_retried(tmp_path):
         return [("alqnet-w0", None), ("alqnet-w1", "worker 1 (10.213.0.2, namespace alqnet-w1): no orted")]
 
     start = time.monotonic()
-    with pytest.raises(net.LaunchTimeout, match=r"after 1 s: worker 1 \(10\.213\.0\.2, namespace alqnet-w1\)"
-                                                r": no orted .*\(try 2 of 2\)"):
-        net.launch_retry([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log", 30,
-                         missing=missing, connect_timeout=1.0, cleanup=lambda: cleanups.append(1),
-                         say=lambda *a, **k: said.append(a[0]))
+    with pytest.raises(
+        net.LaunchTimeout,
+        match=r"after 1 s: worker 1 \(10\.213\.0\.2, namespace alqnet-w1\)"
+        r": no orted .*\(try 2 of 2\)",
+    ):
+        net.launch_retry(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            tmp_path / "log",
+            30,
+            missing=missing,
+            connect_timeout=1.0,
+            cleanup=lambda: cleanups.append(1),
+            say=lambda *a, **k: said.append(a[0]),
+        )
     assert time.monotonic() - start < 15 and len(cleanups) == 2 and len(said) == 1 and "retrying" in said[0]
     # a launch whose parts all start is left to finish; the check stops once everything started
     polls.clear()
-    rc = net.launch([sys.executable, "-c", "import time; time.sleep(2.5)"], tmp_path / "log", 30,
-                    missing=lambda: polls.append(1) or [("alqnet-w0", None)], connect_timeout=0.5, poll=0.2)
+    rc = net.launch(
+        [sys.executable, "-c", "import time; time.sleep(2.5)"],
+        tmp_path / "log",
+        30,
+        missing=lambda: polls.append(1) or [("alqnet-w0", None)],
+        connect_timeout=0.5,
+        poll=0.2,
+    )
     assert rc == 0 and len(polls) == 1
     # past the overall timeout: killed, TimeoutExpired
     with pytest.raises(subprocess.TimeoutExpired):

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from multiproc import RANK_ENV
 
 from horovod_alq.exchange.engine import EXCHANGE_CHOICES
 from horovod_alq.settings import DEFAULTS, FRONT_ENDS, NAMES, NOT_SERVED, PARTLY, Settings, configure, served_table
-from multiproc import RANK_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,28 +47,31 @@ def test_every_setting_has_a_changed_value_and_a_docstring():
         assert re.search(rf'^    {name}: .*\n    """', source, flags=re.M), f"{name} has no docstring"
 
 
-@pytest.mark.parametrize("keywords, match", [
-    ({"method": "sgd"}, "unknown method"),
-    ({"bits": 9}, "bits must be"),
-    ({"bits": "four"}, "bits must be"),
-    ({"method": "qsgdinf", "bits": "auto"}, "adaptive method"),
-    ({"bits": "auto", "bits_second": 4}, "bits_second"),
-    ({"bit_budget": 2.5}, "bit_budget applies to bits='auto' only"),
-    ({"bits": "auto", "bits_per": "layer"}, "bits_per must be one of"),
-    ({"bucket_size": 0}, "bucket_size must be"),
-    ({"norm": "l1"}, "norm must be"),
-    ({"method": "qsgd", "norm": "linf"}, "fixed norm"),
-    ({"exchange": "ring"}, "exchange"),
-    ({"adapt_second": "yes"}, "adapt_second"),
-    ({"update_every": -1}, "update_every"),
-    ({"min_size": -1}, "min_size"),
-    ({"seed": 1.5}, "seed"),
-    ({"codec": 3}, "codec"),
-    ({"fusion_bytes": -1}, "fusion_bytes"),
-    ({"timeout": -1}, "timeout"),
-    ({"clip": True}, "clip applies to terngrad only"),
-    ({"method": "terngrad", "bits": 4}, "terngrad"),
-])
+@pytest.mark.parametrize(
+    "keywords, match",
+    [
+        ({"method": "sgd"}, "unknown method"),
+        ({"bits": 9}, "bits must be"),
+        ({"bits": "four"}, "bits must be"),
+        ({"method": "qsgdinf", "bits": "auto"}, "adaptive method"),
+        ({"bits": "auto", "bits_second": 4}, "bits_second"),
+        ({"bit_budget": 2.5}, "bit_budget applies to bits='auto' only"),
+        ({"bits": "auto", "bits_per": "layer"}, "bits_per must be one of"),
+        ({"bucket_size": 0}, "bucket_size must be"),
+        ({"norm": "l1"}, "norm must be"),
+        ({"method": "qsgd", "norm": "linf"}, "fixed norm"),
+        ({"exchange": "ring"}, "exchange"),
+        ({"adapt_second": "yes"}, "adapt_second"),
+        ({"update_every": -1}, "update_every"),
+        ({"min_size": -1}, "min_size"),
+        ({"seed": 1.5}, "seed"),
+        ({"codec": 3}, "codec"),
+        ({"fusion_bytes": -1}, "fusion_bytes"),
+        ({"timeout": -1}, "timeout"),
+        ({"clip": True}, "clip applies to terngrad only"),
+        ({"method": "terngrad", "bits": 4}, "terngrad"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_setting(keywords, match):
     with pytest.raises(ValueError, match=match):
         Settings(**keywords)
@@ -113,8 +116,11 @@ def test_a_front_end_refuses_what_it_does_not_serve(front_end):
 
 
 def test_configure_builds_the_state_the_settings_describe():
-    setup = configure(Settings(bits=4, bucket_size=512, exchange="two-phase", seed=7, overlap=False,
-                               fusion_bytes=1 << 20, bits_second=5))
+    setup = configure(
+        Settings(
+            bits=4, bucket_size=512, exchange="two-phase", seed=7, overlap=False, fusion_bytes=1 << 20, bits_second=5
+        )
+    )
     assert (setup.quantizer.bits, setup.quantizer.bucket_size, setup.second.bits, setup.seed) == (4, 512, 5, 7)
     engine = setup.engine(uid="t")
     assert (engine.exchange, engine.fusion_bytes, engine.early) == ("two-phase", 1 << 20, False)
@@ -124,12 +130,14 @@ def test_configure_builds_the_state_the_settings_describe():
 
 def test_docs_table_is_the_codes():
     text = (ROOT / "docs" / "settings.md").read_text()
-    found = re.search(r"<!-- generated: horovod_alq.settings.served_table\(\) -->\n(.*?)<!-- end generated -->",
-                      text, flags=re.S)
+    found = re.search(
+        r"<!-- generated: horovod_alq.settings.served_table\(\) -->\n(.*?)<!-- end generated -->", text, flags=re.S
+    )
     assert found, "docs/settings.md lost its generated table markers"
     assert found.group(1) == served_table(), (
         "docs/settings.md's table differs from the code: regenerate it with "
-        "python -c 'from horovod_alq.settings import served_table; print(served_table(), end=\"\")'")
+        "python -c 'from horovod_alq.settings import served_table; print(served_table(), end=\"\")'"
+    )
 
 
 # ------------------------------------------------------------------ every front-end takes them
@@ -143,8 +151,11 @@ def _torch_front_ends():
     from horovod_alq.torch.ddp import ALQState
     from horovod_alq.torch.fsdp import ALQReduceScatter
 
-    return {"Horovod PyTorch": lambda **kw: QuantizedCompressor(**kw),
-            "DDP hook": lambda **kw: ALQState(**kw), "FSDP2": lambda **kw: ALQReduceScatter(**kw)}
+    return {
+        "Horovod PyTorch": lambda **kw: QuantizedCompressor(**kw),
+        "DDP hook": lambda **kw: ALQState(**kw),
+        "FSDP2": lambda **kw: ALQReduceScatter(**kw),
+    }
 
 
 @pytest.mark.parametrize("front_end", ["Horovod PyTorch", "DDP hook", "FSDP2"])
@@ -204,11 +215,17 @@ print("RESULT" + json.dumps(out))
 
 def test_tensorflow_and_mpi4py_take_every_setting():
     env = {**os.environ, **RANK_ENV}
-    run = subprocess.run([sys.executable, "-c", _TF_MPI, json.dumps(CHANGED)], capture_output=True, text=True,
-                         env=env, timeout=300, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-c", _TF_MPI, json.dumps(CHANGED)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT")]
     assert run.returncode == 0 and line, run.stdout[-3000:] + run.stderr[-3000:]
-    out = json.loads(line[0][len("RESULT"):])
+    out = json.loads(line[0][len("RESULT") :])
     for fe in ("mpi4py", "Horovod TensorFlow"):
         for name in NAMES:
             kind, detail = out[f"{fe}/{name}"]

@@ -4,8 +4,13 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from horovod_alq.core.adaptation import (_companding_levels, _quantile_levels, fit_alq_levels, fit_alq_levels_together,
-                                         fit_amq_multiplier)
+from horovod_alq.core.adaptation import (
+    _companding_levels,
+    _quantile_levels,
+    fit_alq_levels,
+    fit_alq_levels_together,
+    fit_amq_multiplier,
+)
 from horovod_alq.core.distributions import GridDistribution, NormWeightedMixture, TruncatedNormal
 from horovod_alq.core.methods import multiplier_levels, nuqsgd_levels, uniform_levels
 from horovod_alq.core.objective import amq_objective, expected_variance
@@ -54,8 +59,9 @@ def test_alq_beats_fixed_schemes_and_its_starts(name, bits):
         assert psi < 0.1 * expected_variance(nuqsgd_levels(bits), d)
 
 
-@pytest.mark.parametrize("name,bits", [("mixture", 5), ("grid", 5), ("grid", 8), ("tn-0.02-shifted", 5),
-                                       ("tn-0.02-shifted", 8)])  # (the mixture's 8-bit reference takes 20 s)
+@pytest.mark.parametrize(
+    "name,bits", [("mixture", 5), ("grid", 5), ("grid", 8), ("tn-0.02-shifted", 5), ("tn-0.02-shifted", 8)]
+)  # (the mixture's 8-bit reference takes 20 s)
 def test_alq_wide_fits_reach_the_optimum_in_the_default_sweeps(name, bits):
     """5 to 8 bits (what bits="auto" gives the tensors that matter): the default 30 sweeps end within
     1% of the Psi that 400 sweeps reach. From the quantile, uniform and NUQSGD starts alone they
@@ -95,8 +101,12 @@ def test_alq_with_init_never_worse_than_init():
 def test_alq_reaches_the_optimum_for_2_bits(sigma):
     # Symmetric F, 2 bits: levels -1, -l, l, 1; minimize Psi over l directly.
     d = TruncatedNormal(0.0, sigma)
-    res = optimize.minimize_scalar(lambda l: expected_variance([-1, -l, l, 1], d), bounds=(1e-6, 1 - 1e-6),
-                                   method="bounded", options={"xatol": 1e-12})
+    res = optimize.minimize_scalar(
+        lambda v: expected_variance([-1, -v, v, 1], d),
+        bounds=(1e-6, 1 - 1e-6),
+        method="bounded",
+        options={"xatol": 1e-12},
+    )
     levels = fit_alq_levels(d, 2, sweeps=200)
     assert expected_variance(levels, d) <= res.fun * (1 + 1e-9)
     np.testing.assert_allclose(levels[1:3], [-res.x, res.x], rtol=1e-4)

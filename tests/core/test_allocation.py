@@ -24,7 +24,7 @@ def quantization_like(rng, tensors):
     """Errors of the form s_t * 4^-w with noise (convex, decreasing), as stochastic rounding gives."""
     scale = rng.lognormal(0, 2, tensors)[:, None]
     w = np.array(WIDTHS)[None, :]
-    return scale * 4.0 ** -w * rng.uniform(0.7, 1.3, (tensors, len(WIDTHS)))
+    return scale * 4.0**-w * rng.uniform(0.7, 1.3, (tensors, len(WIDTHS)))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -52,6 +52,7 @@ def test_one_tensor_holding_most_coordinates_gets_its_bits():
     assert a.bits[1] >= 3 and a.mean_bits <= 3.0 + 1e-12
     assert a.error <= errors[:, 1].sum() + 1e-15  # no worse than uniform 3 bits
     from horovod_alq.core.allocation import _greedy
+
     greedy = _greedy(errors, sizes, 3.0, np.array(widths))
     assert greedy.bits[1] == 2 and greedy.error > 1.5 * a.error  # what the greedy alone did
 
@@ -92,13 +93,16 @@ def test_ties_break_by_tensor_index_identically():
     assert allocate_bits(errors.copy(), [8] * 4, 2.5, WIDTHS).bits.tolist() == first.bits.tolist()
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(budget=1.5), "below the narrowest"),
-    (dict(widths=[3, 2, 4, 5]), "strictly increasing"),
-    (dict(sizes=[0, 1]), "positive"),
-    (dict(errors=np.full((2, 4), np.nan)), "finite"),
-    (dict(errors=np.ones((3, 4))), "shape"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(budget=1.5), "below the narrowest"),
+        (dict(widths=[3, 2, 4, 5]), "strictly increasing"),
+        (dict(sizes=[0, 1]), "positive"),
+        (dict(errors=np.full((2, 4), np.nan)), "finite"),
+        (dict(errors=np.ones((3, 4))), "shape"),
+    ],
+)
 def test_bad_input_is_refused(bad, match):
     kw = dict(errors=np.ones((2, 4)), sizes=[1, 1], budget=3.0, widths=WIDTHS)
     with pytest.raises(ValueError, match=match):
@@ -135,7 +139,7 @@ def test_auto_allocation_is_optimal_within_budget_and_refits_each_width_from_its
     auto = AutoBits("alq", 3.0, 128)
     before = {w: q.levels for w, q in auto.quantizers.items()}
     rows = _rows(auto, tensors) + _rows(auto, [t[::-1].copy() for t in tensors])  # two "ranks"
-    errors = rows[:, :len(AUTO_WIDTHS)]
+    errors = rows[:, : len(AUTO_WIDTHS)]
     alloc = auto.refit(rows, sizes, [(n, k) for k, n in enumerate(sizes)])
     assert np.dot(sizes, alloc.bits) <= 3.0 * sum(sizes)
     best = brute_force(errors, np.array(sizes), 3.0, list(AUTO_WIDTHS))
@@ -147,7 +151,7 @@ def test_auto_allocation_is_optimal_within_budget_and_refits_each_width_from_its
             assert np.array_equal(auto.quantizers[w].levels, before[w])
             continue
         ref = Quantizer("alq", bits=w, bucket_size=128)
-        ref.adapt(rows[used, len(AUTO_WIDTHS):].sum(axis=0))
+        ref.adapt(rows[used, len(AUTO_WIDTHS) :].sum(axis=0))
         np.testing.assert_array_equal(auto.quantizers[w].levels, ref.levels)
 
 

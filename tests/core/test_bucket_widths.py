@@ -5,17 +5,22 @@ import itertools
 
 import numpy as np
 import pytest
-
 from helpers import assert_zero_mean
 
 from horovod_alq.core.auto_bits import AutoBits
-from horovod_alq.core.bucket_widths import (BUCKET_WIDTHS, MixedWidths, allocate_buckets, budget_units, code_bits,
-                                            mixed_payload_size, widths_crc)
+from horovod_alq.core.bucket_widths import (
+    BUCKET_WIDTHS,
+    allocate_buckets,
+    budget_units,
+    code_bits,
+    mixed_payload_size,
+    widths_crc,
+)
+from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.core.wire import Header, bucket_lengths, pack_header, parse_header
-from horovod_alq.exchange.payloads import check_host_segments
 from horovod_alq.exchange.mixed import MixedOps
 from horovod_alq.exchange.numpy_ops import NumpyOps
-from horovod_alq.core.protocol import ProtocolError
+from horovod_alq.exchange.payloads import check_host_segments
 
 C = 4.0 ** -np.arange(7) * (1 + 0.1 * np.arange(7))  # strictly convex, decreasing: every width on the hull
 
@@ -137,16 +142,16 @@ def test_corrupted_or_foreign_mixed_payloads_are_refused_naming_the_problem():
 
     def rewritten(widths):  # other widths with a valid checksum
         bad = good.copy()
-        bad[32:32 + b] = widths
-        bad[32 + b: 36 + b] = np.frombuffer(widths_crc(bad[32:32 + b]), dtype=np.uint8)
+        bad[32 : 32 + b] = widths
+        bad[32 + b : 36 + b] = np.frombuffer(widths_crc(bad[32 : 32 + b]), dtype=np.uint8)
         return bad
 
-    w = good[32:32 + b].copy()
+    w = good[32 : 32 + b].copy()
     i, j = np.flatnonzero(w == w.min())[0], np.flatnonzero(w == w.max())[0]
     swapped = w.copy()
     swapped[i], swapped[j] = w[j], w[i]  # the same bits on other buckets
     bad = good.copy()
-    bad[32:32 + b] = swapped
+    bad[32 : 32 + b] = swapped
     with pytest.raises(ProtocolError, match="checksum mismatch"):
         check_host_segments(bad, [[(x.size, mixed)]], "t")
     with pytest.raises(ProtocolError, match="out of 2..8"):

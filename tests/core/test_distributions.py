@@ -45,8 +45,15 @@ def test_partial_moments_match_quadrature(mu, sigma):
     for x in (-1.0, mu - sigma, mu, mu + 0.5 * sigma, 0.7, 1.0):
         x = float(np.clip(x, -1, 1))
         for k in (0, 1, 2):
-            ref = integrate.quad(lambda r: r**k * d.pdf(r), -1.0, x, points=[mu] if -1 < mu < x else None,
-                                 epsabs=1e-14, epsrel=1e-11, limit=200)[0]
+            ref = integrate.quad(
+                lambda r: r**k * d.pdf(r),
+                -1.0,
+                x,
+                points=[mu] if -1 < mu < x else None,
+                epsabs=1e-14,
+                epsrel=1e-11,
+                limit=200,
+            )[0]
             assert d.partial_moment(x, k) == pytest.approx(ref, rel=1e-9, abs=1e-13), (x, k)
     np.testing.assert_allclose(d.partial_moments([-1.0, 1.0])[:, 0], 0, atol=0)
     assert d.partial_moment(1.0, 0) == 1.0
@@ -65,8 +72,9 @@ def test_broadcasting_like_frozen_scipy():
     assert isinstance(TruncatedNormal(0, 1).cdf(0.0), float)
 
 
-@pytest.mark.parametrize("mu,sigma", [(0.0, 1e-8), (0.3, 1e-8), (1.0, 1e-8), (2.0, 1e-8), (-5.0, 0.01),
-                                      (1e3, 0.1), (0.5, 0.0), (-1.0, 1e-4)])
+@pytest.mark.parametrize(
+    "mu,sigma", [(0.0, 1e-8), (0.3, 1e-8), (1.0, 1e-8), (2.0, 1e-8), (-5.0, 0.01), (1e3, 0.1), (0.5, 0.0), (-1.0, 1e-4)]
+)
 def test_truncated_normal_extreme_parameters(mu, sigma):
     d = TruncatedNormal(mu, sigma)
     s = max(sigma, SIGMA_MIN)

@@ -7,9 +7,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from horovod_alq.core.methods import (MAX_BITS, METHODS, METHODS_BY_ID, MIN_BITS, NORMS, NORMS_BY_CODE, PAPER_NORM,
-                                      check_bits, check_norm, get_method, initial_levels, multiplier_levels,
-                                      nuqsgd_levels, terngrad_levels, uniform_levels)
+from horovod_alq.core.methods import (
+    MAX_BITS,
+    METHODS,
+    METHODS_BY_ID,
+    MIN_BITS,
+    NORMS,
+    NORMS_BY_CODE,
+    PAPER_NORM,
+    check_bits,
+    check_norm,
+    get_method,
+    initial_levels,
+    multiplier_levels,
+    nuqsgd_levels,
+    terngrad_levels,
+    uniform_levels,
+)
 
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 BITS = range(MIN_BITS, MAX_BITS + 1)
@@ -91,7 +105,7 @@ def test_fixed_and_initial_levels_follow_the_table(bits):
     """Table 1: linspace(-1, 1, 2^b) (QSGD, QSGDinf), +-{2^-s, ..., 1/2, 1} with s = 2^(b-1) - 1
     (NUQSGD, and the start of the adaptive methods before their Gaussian fit), TernGrad {-1, 0, 1}."""
     s = 2 ** (bits - 1) - 1
-    uniform = np.linspace(-1, 1, 2 ** bits)
+    uniform = np.linspace(-1, 1, 2**bits)
     half = 2.0 ** -np.arange(s, -1, -1)
     nuq = np.concatenate([-half[::-1], half])
     assert np.allclose(uniform_levels(bits), uniform, rtol=0, atol=1e-15)
@@ -107,7 +121,7 @@ def test_fixed_and_initial_levels_follow_the_table(bits):
         assert levels.dtype == np.float64 and levels[0] == -1 and levels[-1] == 1
         assert np.all(np.diff(levels) > 0)
         if name != "terngrad":
-            assert levels.size == 2 ** bits and not np.any(levels == 0)  # no zero level (TernGrad excepted)
+            assert levels.size == 2**bits and not np.any(levels == 0)  # no zero level (TernGrad excepted)
     assert np.array_equal(initial_levels(METHODS["terngrad"], bits), [-1.0, 0.0, 1.0])
     assert np.array_equal(terngrad_levels(), [-1.0, 0.0, 1.0])
 
@@ -115,7 +129,7 @@ def test_fixed_and_initial_levels_follow_the_table(bits):
 def test_multiplier_levels():
     p = 0.3
     levels = multiplier_levels(p, 3)
-    assert np.allclose(levels, [-1, -p, -p ** 2, -p ** 3, p ** 3, p ** 2, p, 1], rtol=1e-15)
+    assert np.allclose(levels, [-1, -p, -(p**2), -(p**3), p**3, p**2, p, 1], rtol=1e-15)
     for bad in (0.0, 1.0, -0.5, 1.5):
         with pytest.raises(ValueError, match=re.escape("multiplier p must lie in (0, 1)")):
             multiplier_levels(bad, 3)

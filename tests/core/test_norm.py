@@ -52,8 +52,9 @@ def test_max_norm_buckets_lower_the_exact_variance(kind, bits, d):
             assert var["linf"] <= 1.01 * var["l2"], (method, var)
 
 
-@pytest.mark.parametrize("method,bits,bucket", [("alq", 2, 64), ("alq", 3, 100), ("amq", 3, 100),
-                                                ("alq-n", 4, 256), ("amq-n", 2, 1000)])
+@pytest.mark.parametrize(
+    "method,bits,bucket", [("alq", 2, 64), ("alq", 3, 100), ("amq", 3, 100), ("alq-n", 4, 256), ("amq-n", 2, 1000)]
+)
 @pytest.mark.parametrize("norm", ["l2", "linf"])
 def test_unbiased_with_either_norm(method, bits, bucket, norm):
     """Mean of M core encodes within a per-coordinate Bernstein bound of x (exact variance of each
@@ -133,8 +134,9 @@ def test_state_dict_round_trip_records_the_norm(method):
     with pytest.raises(ValueError, match="state has norm='linf', this quantizer has norm='l2'"):
         Quantizer(method, bits=3, bucket_size=1024, norm="l2").load_state_dict(state)
     # a state saved before the norm was configurable has the paper's L2 buckets
-    legacy = {k: v for k, v in Quantizer(method, bits=3, bucket_size=1024, norm="l2").state_dict().items()
-              if k != "norm"}
+    legacy = {
+        k: v for k, v in Quantizer(method, bits=3, bucket_size=1024, norm="l2").state_dict().items() if k != "norm"
+    }
     Quantizer(method, bits=3, bucket_size=1024, norm="l2").load_state_dict(legacy)
     with pytest.raises(ValueError, match="state has norm='l2', this quantizer has norm='linf'"):
         Quantizer(method, bits=3, bucket_size=1024, norm="linf").load_state_dict(legacy)

@@ -33,7 +33,8 @@ def stochastic_round(r, levels, rng):
 def test_expected_variance_matches_monte_carlo(mu, sigma, levels):
     n = 200_000
     r = stats.truncnorm((-1 - mu) / sigma, (1 - mu) / sigma, loc=mu, scale=sigma).rvs(
-        n, random_state=np.random.default_rng(7))
+        n, random_state=np.random.default_rng(7)
+    )
     q = stochastic_round(r, levels, np.random.default_rng(8))
     assert abs(np.mean(q - r)) <= 5 * np.std(q - r) / np.sqrt(n)  # unbiased rounding
     err = (q - r) ** 2

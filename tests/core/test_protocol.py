@@ -10,12 +10,31 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from horovod_alq.core.protocol import (DEFAULT_TIMEOUT, HANDSHAKE_FIELDS, REFIT_FIELDS, SETTINGS, STREAM_FIELDS,
-                                       CollectiveTimeout, ProtocolError, ReductionMismatch, derive_seed,
-                                       first_use_uid, handshake_range, handshake_vector, outsider_vector,
-                                       process_set_uid, read_handshake, read_tensor_vector, resolve_timeout,
-                                       shape_hash, splitmix64, stable_hash, tensor_vector, tensor_vector_length,
-                                       wait_for)
+from horovod_alq.core.protocol import (
+    DEFAULT_TIMEOUT,
+    HANDSHAKE_FIELDS,
+    REFIT_FIELDS,
+    SETTINGS,
+    STREAM_FIELDS,
+    CollectiveTimeout,
+    ProtocolError,
+    ReductionMismatch,
+    derive_seed,
+    first_use_uid,
+    handshake_range,
+    handshake_vector,
+    outsider_vector,
+    process_set_uid,
+    read_handshake,
+    read_tensor_vector,
+    resolve_timeout,
+    shape_hash,
+    splitmix64,
+    stable_hash,
+    tensor_vector,
+    tensor_vector_length,
+    wait_for,
+)
 
 CODE = shape_hash((4, 5), "float32")
 
@@ -30,8 +49,13 @@ def _vectors(size, slots=None, codes=None, failed=()):
 def _reduce(vectors, op="sum", ranks=None):
     """What an allreduce with ``op`` over ``ranks`` (default: all) gives every rank."""
     stack = np.stack([vectors[r] for r in (range(len(vectors)) if ranks is None else ranks)])
-    return {"sum": stack.sum(0), "average": stack.mean(0), "min": stack.min(0), "max": stack.max(0),
-            "product": stack.prod(0)}[op]
+    return {
+        "sum": stack.sum(0),
+        "average": stack.mean(0),
+        "min": stack.min(0),
+        "max": stack.max(0),
+        "product": stack.prod(0),
+    }[op]
 
 
 def _read(reduced, rank, size, slot=0, code=CODE, **kw):
@@ -67,8 +91,9 @@ def test_wrong_length_is_a_reducescatter_unless_the_front_end_appended_fields():
     size = 3
     reduced = _reduce(_vectors(size))
     for bad in (reduced[:-1], np.concatenate([reduced, [1.0]])):
-        with pytest.raises(ReductionMismatch, match=f"has {bad.size} elements on this rank, expected "
-                                                    f"{reduced.size} .*reducescatter"):
+        with pytest.raises(
+            ReductionMismatch, match=f"has {bad.size} elements on this rank, expected {reduced.size} .*reducescatter"
+        ):
             _read(bad, 0, size)
     appended = np.concatenate([reduced, [5.0, -2.0]])
     assert _read(appended, 0, size, extra=2).slots == (0, 0, 0)
@@ -76,10 +101,20 @@ def test_wrong_length_is_a_reducescatter_unless_the_front_end_appended_fields():
         _read(reduced, 0, size, extra=2)
 
 
-@pytest.mark.parametrize("size, op, named", [(3, "min", "Min"), (3, "max", "Max"), (3, "product", "Product"),
-                                             (4, "min", "Min"), (4, "max", "Max"), (4, "product", "Product"),
-                                             (2, "min", "Min"), (2, "max", "Max or Product"),
-                                             (2, "product", "Max or Product")])
+@pytest.mark.parametrize(
+    "size, op, named",
+    [
+        (3, "min", "Min"),
+        (3, "max", "Max"),
+        (3, "product", "Product"),
+        (4, "min", "Min"),
+        (4, "max", "Max"),
+        (4, "product", "Product"),
+        (2, "min", "Min"),
+        (2, "max", "Max or Product"),
+        (2, "product", "Max or Product"),
+    ],
+)
 def test_min_max_and_product_are_named(size, op, named):
     reduced = _reduce(_vectors(size, [1] * size), op)
     for rank in range(size):
@@ -97,8 +132,11 @@ def test_a_ranks_missing_slot():
     size = 3
     reduced = _reduce(_vectors(size), ranks=[0, 1])  # rank 2 took no part: another set, or hvd.join()
     for rank in (0, 1):  # their own entry survived: a Sum over a subset, named as such
-        with pytest.raises(ReductionMismatch, match=r"reduced over 2 of the 3 ranks .*ranks \[2\] .*contributed "
-                                                    r"nothing.*hvd.join"):
+        with pytest.raises(
+            ReductionMismatch,
+            match=r"reduced over 2 of the 3 ranks .*ranks \[2\] .*contributed "
+            r"nothing.*hvd.join",
+        ):
             _read(reduced, rank, size)
     with pytest.raises(ReductionMismatch, match=r"ranks \[2\] of the compressor's process set contributed nothing"):
         _read(reduced, 2, size)
@@ -151,15 +189,18 @@ def test_slots_must_be_whole_and_include_this_ranks():
 def test_non_finite_or_zero_vectors():
     size = 2
     reduced = _reduce(_vectors(size))
-    for bad in (np.where(np.arange(reduced.size) == reduced.size - 1, np.nan, reduced), reduced * 0.0,
-                np.where(np.arange(reduced.size) == 0, np.inf, reduced)):
+    for bad in (
+        np.where(np.arange(reduced.size) == reduced.size - 1, np.nan, reduced),
+        reduced * 0.0,
+        np.where(np.arange(reduced.size) == 0, np.inf, reduced),
+    ):
         with pytest.raises(ProtocolError, match="not finite or its scale is 0"):
             _read(bad, 0, size)
 
 
 def test_shape_hash():
     codes = {shape_hash(s, d) for s in [(3,), (3, 1), (1, 3), (7, 7, 7)] for d in ("float16", "float32", "float64")}
-    assert len(codes) == 12 and all(1 <= c < 2 ** 20 for c in codes)
+    assert len(codes) == 12 and all(1 <= c < 2**20 for c in codes)
     assert shape_hash([4, 5], np.dtype("float32")) == CODE  # lists, dtypes by their name
 
 
@@ -180,10 +221,10 @@ def test_handshake_vector_and_range():
     reduced = np.max([handshake_vector(**_values(round=r)) for r in (7, 3, 5)], axis=0)
     assert handshake_range(reduced, "round") == (3, 7)
     assert handshake_range(reduced, "method") == (1 + HANDSHAKE_FIELDS.index("method"),) * 2
-    for bad in (-1, 2 ** 62):
+    for bad in (-1, 2**62):
         with pytest.raises(ValueError, match=r"handshake fields must lie in \[0, 2\*\*62\)"):
             handshake_vector(**_values(bits=bad))
-    assert handshake_vector(**_values(bits=2 ** 62 - 1))[HANDSHAKE_FIELDS.index("bits")] == 2 ** 62 - 1
+    assert handshake_vector(**_values(bits=2**62 - 1))[HANDSHAKE_FIELDS.index("bits")] == 2**62 - 1
 
 
 def test_handshake_agrees_and_tells_a_different_order():
@@ -223,8 +264,11 @@ def test_handshake_refuses_different_tensors(field):
 def test_streamed_and_refit_handshakes():
     fields = STREAM_FIELDS
     assert _agree([_values(fields)] * 2, fields).ordered
-    for field, message in (("min_size", "quantize different tensors"), ("elements", "different numbers of elements"),
-                           ("order", "hold different tensors")):
+    for field, message in (
+        ("min_size", "quantize different tensors"),
+        ("elements", "different numbers of elements"),
+        ("order", "hold different tensors"),
+    ):
         with pytest.raises(ProtocolError, match=message):
             _agree([_values(fields), _values(fields, **{field: 1000})], fields)
     fields = REFIT_FIELDS
@@ -243,10 +287,10 @@ def test_splitmix64_reference_values():
 
 def test_derive_seed_mixes_every_key():
     seeds = {derive_seed(11, rank, rnd) for rank in range(8) for rnd in range(200)}
-    assert len(seeds) == 1600 and all(0 <= s < 2 ** 63 for s in seeds)
+    assert len(seeds) == 1600 and all(0 <= s < 2**63 for s in seeds)
     assert derive_seed(11, 1, 2) == derive_seed(11, 1, 2) != derive_seed(11, 2, 1)
     assert derive_seed(11, 1, 2) != derive_seed(12, 1, 2) and derive_seed(11) != derive_seed(11, 0)
-    assert derive_seed(-1, 3) == derive_seed(2 ** 64 - 1, 3)  # keys and base taken mod 2**64
+    assert derive_seed(-1, 3) == derive_seed(2**64 - 1, 3)  # keys and base taken mod 2**64
     bits = np.array([[(derive_seed(5, k) >> b) & 1 for b in range(63)] for k in range(400)])
     # every bit is a fair coin over the keys: 400 draws, |mean - 1/2| < 5 sigma (sigma = 0.025)
     assert np.abs(bits.mean(0) - 0.5).max() < 5 * 0.025
@@ -255,14 +299,18 @@ def test_derive_seed_mixes_every_key():
 def test_stable_hash():
     assert stable_hash("a", 1) == stable_hash("a", 1) != stable_hash(1, "a")
     assert all(0 <= stable_hash(k, bits=10) < 1024 for k in range(100))
-    assert stable_hash(3) < 2 ** 62
+    assert stable_hash(3) < 2**62
 
 
 def test_first_use_uid_counts_per_scope():
     a, b = f"test-{uuid.uuid4().hex}", f"test-{uuid.uuid4().hex}"
     assert [first_use_uid(a), first_use_uid(a), first_use_uid(b), first_use_uid(a)] == [
-        f"{a}.0", f"{a}.1", f"{b}.0", f"{a}.2"]
-    pid = 10 ** 9 + uuid.uuid4().int % 10 ** 6
+        f"{a}.0",
+        f"{a}.1",
+        f"{b}.0",
+        f"{a}.2",
+    ]
+    pid = 10**9 + uuid.uuid4().int % 10**6
     ps = SimpleNamespace(process_set_id=pid)
     assert [process_set_uid(ps), process_set_uid(ps)] == [f"ps{pid}.0", f"ps{pid}.1"]
 
@@ -291,7 +339,8 @@ def test_wait_for_returns_when_done_and_raises_after_the_timeout():
     calls = []
     wait_for(lambda: calls.append(1) or len(calls) > 3, 10.0, "n", "s")
     assert len(calls) == 4
-    with pytest.raises(CollectiveTimeout, match="collective 'horovod_alq.ps0.3.7.x' over process set 0 did not "
-                                                "complete within 0.05 s") as err:
+    with pytest.raises(
+        CollectiveTimeout, match="collective 'horovod_alq.ps0.3.7.x' over process set 0 did not complete within 0.05 s"
+    ) as err:
         wait_for(lambda: False, 0.05, "horovod_alq.ps0.3.7.x", "process set 0")
     assert isinstance(err.value, TimeoutError) and isinstance(err.value, ProtocolError)

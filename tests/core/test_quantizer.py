@@ -18,7 +18,9 @@ FIXED = ["qsgdinf", "qsgd", "nuqsgd", "terngrad"]
 def test_fixed_level_tables():
     np.testing.assert_array_equal(Quantizer("nuqsgd").levels, [-1, -1 / 2, -1 / 4, -1 / 8, 1 / 8, 1 / 4, 1 / 2, 1])
     # np.linspace is not exactly antisymmetric in float64 (last-ulp differences): compare to 1e-15
-    np.testing.assert_allclose(Quantizer("qsgd").levels, [-1, -5 / 7, -3 / 7, -1 / 7, 1 / 7, 3 / 7, 5 / 7, 1], rtol=0, atol=1e-15)
+    np.testing.assert_allclose(
+        Quantizer("qsgd").levels, [-1, -5 / 7, -3 / 7, -1 / 7, 1 / 7, 3 / 7, 5 / 7, 1], rtol=0, atol=1e-15
+    )
     np.testing.assert_allclose(Quantizer("qsgdinf", bits=2).levels, [-1, -1 / 3, 1 / 3, 1], rtol=0, atol=1e-15)
     np.testing.assert_array_equal(Quantizer("terngrad").levels, [-1, 0, 1])
     np.testing.assert_array_equal(Quantizer("nuqsgd", bits=2).levels, [-1, -0.5, 0.5, 1])
@@ -51,7 +53,10 @@ def test_properties_and_defaults():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(method="alqq"), "unknown method 'alqq'; allowed: qsgdinf, qsgd, nuqsgd, terngrad, alq, alq-n, amq, amq-n"),
+        (
+            dict(method="alqq"),
+            "unknown method 'alqq'; allowed: qsgdinf, qsgd, nuqsgd, terngrad, alq, alq-n, amq, amq-n",
+        ),
         (dict(method="alq", bits=1), "bits must be from 2 to 8, got 1"),
         (dict(method="qsgd", bits=9), "bits must be from 2 to 8, got 9"),
         (dict(method="alq", bits=3.0), "bits must be an integer"),
@@ -151,7 +156,8 @@ def test_codec_variance_end_to_end():
     d, buckets = 256, 200
     dist = TruncatedNormal(0.1, 0.3)
     r = sps.truncnorm((-1.1) / 0.3, 0.9 / 0.3, loc=0.1, scale=0.3).rvs(
-        (buckets, d - 1), random_state=np.random.default_rng(7))
+        (buckets, d - 1), random_state=np.random.default_rng(7)
+    )
     x = np.concatenate([np.ones((buckets, 1)), r], axis=1).ravel()
     q = Quantizer("qsgdinf", bits=3, bucket_size=d, seed=8)
     sq = ((q.decode(q.encode(x)).astype(np.float64) - x) ** 2).reshape(buckets, d)[:, 1:].ravel()
@@ -207,14 +213,19 @@ def test_bad_payloads():
     others = [
         (Quantizer("alq", bits=4, bucket_size=256), "payload made with bits=4, this quantizer uses bits=3"),
         (Quantizer("amq", bits=3, bucket_size=256), "payload made with method amq, this quantizer uses alq"),
-        (Quantizer("alq", bits=3, bucket_size=512), "payload made with bucket_size=512, this quantizer uses bucket_size=256"),
+        (
+            Quantizer("alq", bits=3, bucket_size=512),
+            "payload made with bucket_size=512, this quantizer uses bucket_size=256",
+        ),
     ]
     for other, message in others:
         with pytest.raises(ValueError, match=message):
             q.decode(other.encode(x))
     other = Quantizer("alq", bits=3, bucket_size=256)
     other.set_levels([-1, -0.6, -0.2, -0.05, 0.05, 0.2, 0.6, 1])
-    with pytest.raises(ValueError, match=f"levels differ: payload fingerprint {other.fingerprint:#018x}, local {q.fingerprint:#018x}"):
+    with pytest.raises(
+        ValueError, match=f"levels differ: payload fingerprint {other.fingerprint:#018x}, local {q.fingerprint:#018x}"
+    ):
         q.decode(other.encode(x))
     # Norms and codes are not checksummed (only the header is): a flipped code byte decodes
     # without error to different values.

@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 
 from horovod_alq.core import Quantizer
-from horovod_alq.core.rounds import (COUNTERS, DEFAULT_UPDATE_EVERY, DEFAULT_UPDATE_STEPS, AutoBits, RefitSchedule,
-                                     RoundState, schedule_from)  # AutoBits: the type of RoundState.auto
+from horovod_alq.core.rounds import (
+    COUNTERS,
+    DEFAULT_UPDATE_EVERY,
+    DEFAULT_UPDATE_STEPS,
+    AutoBits,
+    RefitSchedule,
+    RoundState,  # AutoBits: the type of RoundState.auto
+    schedule_from,
+)
 
 
 def _collecting(schedule, upto):

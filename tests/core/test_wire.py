@@ -27,8 +27,7 @@ def make_payload(numel=3669, bits=3, bucket_size=8192, method_id=4, fingerprint=
 
 
 def test_header_layout():
-    raw = pack_header(Header(method_id=6, bits=5, bucket_size=1024, numel=10**10, fingerprint=0xDEADBEEF01,
-                             norm="l2"))
+    raw = pack_header(Header(method_id=6, bits=5, bucket_size=1024, numel=10**10, fingerprint=0xDEADBEEF01, norm="l2"))
     assert len(raw) == 32
     assert raw[:2] == b"AQ" and raw[2] == 2 and raw[3] == 6 and raw[4] == 5 and raw[5:8] == b"\0\0\0"
     assert struct.unpack_from("<I", raw, 8)[0] == 1024
@@ -131,13 +130,17 @@ def test_check_header_messages():
         check_header(h, 4, 3, 512, 0xAB, "l2")
     with pytest.raises(ValueError, match="payload made with bucket_size=512, this quantizer uses bucket_size=8192"):
         check_header(h, 4, 4, 8192, 0xAB, "l2")
-    with pytest.raises(ValueError, match="levels differ: payload fingerprint 0x00000000000000ab, local 0x00000000000000cd"):
+    with pytest.raises(
+        ValueError, match="levels differ: payload fingerprint 0x00000000000000ab, local 0x00000000000000cd"
+    ):
         check_header(h, 4, 4, 512, 0xCD, "l2")
 
 
 def test_split_payloads():
-    parts = [make_payload(numel=n, bits=b, bucket_size=d, seed=i)
-             for i, (n, b, d) in enumerate([(100, 3, 8), (0, 2, 64), (1, 8, 1), (5000, 5, 512)])]
+    parts = [
+        make_payload(numel=n, bits=b, bucket_size=d, seed=i)
+        for i, (n, b, d) in enumerate([(100, 3, 8), (0, 2, 64), (1, 8, 1), (5000, 5, 512)])
+    ]
     joined = np.concatenate(parts)
     out = split_payloads(joined)
     assert len(out) == 4

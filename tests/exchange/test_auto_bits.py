@@ -4,21 +4,22 @@ refusals. The same across real Horovod ranks: tests/torch/test_compressor_ranks.
 
 import numpy as np
 import pytest
-
-from scripts.common.threaded import exchange_round, start_early
 from helpers import assert_zero_mean
 
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
+from scripts.common.threaded import exchange_round, start_early
 
 SCALES = (100.0, 1.0, 0.01, 3.0)  # the gradients of four tensors differ by orders of magnitude
 SIZES = (300, 500, 200, 640)
 
 
 def _setups(n, budget=3.0, exchange="allgather", **kw):
-    setups = [configure(Settings("alq", "auto", 64, bit_budget=budget, update_steps=(0,), update_every=0, seed=11, **kw))
-              for _ in range(n)]
+    setups = [
+        configure(Settings("alq", "auto", 64, bit_budget=budget, update_steps=(0,), update_every=0, seed=11, **kw))
+        for _ in range(n)
+    ]
     return setups, [s.engine(exchange=exchange, uid="t") for s in setups]
 
 
@@ -48,8 +49,11 @@ def test_every_rank_allocates_alike_within_budget_and_mixes_widths_in_one_buffer
     metrics = [s.state.metrics() for s in setups]
     alloc = metrics[0]["allocation"]
     assert all(m["allocation"] == alloc for m in metrics)
-    assert all(np.array_equal(m["width_levels"][w], metrics[0]["width_levels"][w])
-               for m in metrics for w in metrics[0]["width_levels"])
+    assert all(
+        np.array_equal(m["width_levels"][w], metrics[0]["width_levels"][w])
+        for m in metrics
+        for w in metrics[0]["width_levels"]
+    )
     assert len(set(alloc)) > 1 and alloc[0] == max(alloc)  # the 100x tensor gets the most bits
     sizes = np.array(SIZES)
     assert (sizes * np.array(alloc)).sum() <= 3.0 * sizes.sum()
@@ -82,8 +86,10 @@ def test_overlapped_buffers_use_the_allocation_and_give_the_same_sums():
     the round use the allocated widths and the results equal those of the same round run at once."""
     n, results = 2, {}
     for early in (False, True):
-        setups = [configure(Settings("alq", "auto", 64, bit_budget=3.0, update_steps=(0,), update_every=0, seed=11))
-                  for _ in range(n)]
+        setups = [
+            configure(Settings("alq", "auto", 64, bit_budget=3.0, update_steps=(0,), update_every=0, seed=11))
+            for _ in range(n)
+        ]
         engines = [s.engine(exchange="allgather", uid="t", fusion_bytes=4 * 700, early=early) for s in setups]
         ops = NumpyOps()
         if early:
@@ -122,14 +128,17 @@ def test_state_dict_round_trip_and_refusals():
         configure(Settings("alq", 3, 64)).state.load_state_dict(saved)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(method="qsgdinf", bits="auto"), "adaptive method"),
-    (dict(bits="auto", bit_budget=1.5), "bit_budget must be a number from 2 to 8"),
-    (dict(bits="auto", bit_budget=float("nan")), "bit_budget"),
-    (dict(bits=3, bit_budget=3.0), "applies to bits='auto' only"),
-    (dict(bits="four"), "'auto'"),
-    (dict(bits="auto", bits_second=4), "bits_second"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(method="qsgdinf", bits="auto"), "adaptive method"),
+        (dict(bits="auto", bit_budget=1.5), "bit_budget must be a number from 2 to 8"),
+        (dict(bits="auto", bit_budget=float("nan")), "bit_budget"),
+        (dict(bits=3, bit_budget=3.0), "applies to bits='auto' only"),
+        (dict(bits="four"), "'auto'"),
+        (dict(bits="auto", bits_second=4), "bits_second"),
+    ],
+)
 def test_bad_configurations_are_refused(kw, match):
     kw = {"method": "alq", **kw}
     with pytest.raises(ValueError, match=match):

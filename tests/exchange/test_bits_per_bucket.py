@@ -5,14 +5,13 @@ checkpoints. Across real Horovod ranks: tests/torch/test_compressor_ranks.py."""
 
 import numpy as np
 import pytest
-
-from scripts.common.threaded import exchange_round, start_early
 from helpers import assert_zero_mean
 
 from horovod_alq.core.bucket_widths import mixed_payload_size
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
+from scripts.common.threaded import exchange_round, start_early
 
 D = 64
 SIZES = (900, 1300, 640)
@@ -22,13 +21,20 @@ def _grads(step, rank, sizes=SIZES):
     """Tensors whose buckets differ in scale by orders of magnitude (which buckets are large changes
     with the step and the rank)."""
     g = np.random.default_rng(1000 * step + rank)
-    return [(g.standard_normal(n) * np.repeat(np.exp(g.normal(0, 2, -(-n // D))), D)[:n]).astype(np.float32)
-            for n in sizes]
+    return [
+        (g.standard_normal(n) * np.repeat(np.exp(g.normal(0, 2, -(-n // D))), D)[:n]).astype(np.float32) for n in sizes
+    ]
 
 
 def _setups(n, budget=3.0, bits_per="bucket", seed=11):
-    return [configure(Settings("alq", "auto", D, bit_budget=budget, bits_per=bits_per, update_steps=(0,), update_every=0,
-                      seed=seed)) for _ in range(n)]
+    return [
+        configure(
+            Settings(
+                "alq", "auto", D, bit_budget=budget, bits_per=bits_per, update_steps=(0,), update_every=0, seed=seed
+            )
+        )
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("exchange,n", [("allgather", 2), ("allgather", 3), ("two-phase", 3), ("two-phase", 4)])
@@ -57,8 +63,11 @@ def test_widths_per_bucket_keep_the_sum_unbiased_and_beat_uniform_widths(exchang
     truth = [sum(x[k].astype(np.float64) for x in xs) for k in range(len(SIZES))]
     errors = {}
     for bits in ("auto", 3):
-        setups = (_setups(n, 3.0) if bits == "auto" else
-                  [configure(Settings("alq", 3, D, update_steps=(0,), update_every=0, seed=11)) for _ in range(n)])
+        setups = (
+            _setups(n, 3.0)
+            if bits == "auto"
+            else [configure(Settings("alq", 3, D, update_steps=(0,), update_every=0, seed=11)) for _ in range(n)]
+        )
         engines = [s.engine(exchange=exchange, uid="t") for s in setups]
         exchange_round(engines, xs, NumpyOps(), "refit")
         devs = []
@@ -66,7 +75,7 @@ def test_widths_per_bucket_keep_the_sum_unbiased_and_beat_uniform_widths(exchang
             out = exchange_round(engines, xs, NumpyOps(), f"s{step}")[0]
             devs.append(np.concatenate([o - tr for o, tr in zip(out, truth)]))
         dev = np.array(devs)
-        errors[bits] = float((dev ** 2).sum(axis=1).mean())
+        errors[bits] = float((dev**2).sum(axis=1).mean())
         if bits == "auto":
             assert_zero_mean(np.add.reduceat(dev, np.arange(0, dev.shape[1], D), axis=1))
     assert errors["auto"] < 0.5 * errors[3], errors
@@ -80,8 +89,9 @@ def test_overlapped_buffers_give_the_same_sums_as_the_round_at_once():
         ops = NumpyOps()
         if early:
             start_early(engines, ops)
-        results[early] = [exchange_round(engines, [_grads(step, r) for r in range(n)], ops, f"s{step}")
-                          for step in range(3)]
+        results[early] = [
+            exchange_round(engines, [_grads(step, r) for r in range(n)], ops, f"s{step}") for step in range(3)
+        ]
     for a, b in zip(results[False], results[True]):
         assert all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
 
@@ -107,10 +117,13 @@ def test_state_dict_keeps_the_error_model_and_refuses_the_other_unit():
         _setups(1, bits_per="tensor")[0].state.load_state_dict(saved)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(bits=3, bits_per="bucket"), "bits_per applies to bits='auto' only"),
-    (dict(bits="auto", bits_per="layer"), "bits_per must be one of"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(bits=3, bits_per="bucket"), "bits_per applies to bits='auto' only"),
+        (dict(bits="auto", bits_per="layer"), "bits_per must be one of"),
+    ],
+)
 def test_bad_configurations_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         configure(Settings("alq", kw.pop("bits"), D, **kw))

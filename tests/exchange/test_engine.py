@@ -6,8 +6,8 @@ import pytest
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.rounds import RefitSchedule, RoundState
-from horovod_alq.exchange.interfaces import SingleRank
 from horovod_alq.exchange.engine import Engine
+from horovod_alq.exchange.interfaces import SingleRank
 from horovod_alq.exchange.numpy_ops import NumpyOps
 
 
@@ -98,8 +98,9 @@ def test_fused_tensors_come_back_in_place(exchange, bucket):
 
     rng = np.random.default_rng(bucket)
     sizes = [3 * bucket, 5, bucket + 1, 2000, 1, 7 * bucket]
-    exact = [torch.from_numpy(np.sign(rng.standard_normal(n)).astype(np.float32) * (k + 1))
-             for k, n in enumerate(sizes)]
+    exact = [
+        torch.from_numpy(np.sign(rng.standard_normal(n)).astype(np.float32) * (k + 1)) for k, n in enumerate(sizes)
+    ]
     noisy = [torch.from_numpy(rng.standard_normal(n).astype(np.float32)) for n in sizes]
     ops = TorchOps("cpu")
     outs = {}

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
 from helpers import assert_zero_mean
+
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.core.quantizer import Quantizer
 from horovod_alq.exchange import hierarchical
@@ -202,7 +202,7 @@ def test_node_reduce_scatter_keeps_each_shard_and_sends_one_gth_between_nodes(ex
     with ThreadPoolExecutor(n) as pool:
         shards = list(pool.map(rank, range(n)))
     for r, s in enumerate(shards):
-        want = exact[r * per: (r + 1) * per]
+        want = exact[r * per : (r + 1) * per]
         assert np.linalg.norm(s - want) / np.linalg.norm(want) < 0.5
     between = sum(b for t in transports for dst, b in t.sent_to.items() if dst // g != t.rank // g)
     payload = Quantizer("alq", 3, D).payload_bytes(per)

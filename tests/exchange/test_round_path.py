@@ -2,7 +2,6 @@
 than twice on any call path (the code of one concept lives in one place)."""
 
 import collections
-import sys
 import threading
 
 import numpy as np
@@ -20,8 +19,10 @@ def _module(frame) -> str | None:
     return name.split("/horovod_alq/", 1)[1] if "/horovod_alq/" in name else None
 
 
-@pytest.mark.parametrize("exchange, bits, ranks", [("allgather", 3, 2), ("two-phase", 3, 4), ("allgather", "auto", 2),
-                                                   ("two-phase", "auto", 3)])
+@pytest.mark.parametrize(
+    "exchange, bits, ranks",
+    [("allgather", 3, 2), ("two-phase", 3, 4), ("allgather", "auto", 2), ("two-phase", "auto", 3)],
+)
 def test_a_round_enters_each_module_at_most_twice_on_any_path(exchange, bits, ranks):
     worst: dict[str, tuple[int, list]] = {}
     lock = threading.Lock()
@@ -47,8 +48,12 @@ def test_a_round_enters_each_module_at_most_twice_on_any_path(exchange, bits, ra
                     worst[m] = (count, entries)
 
     budget = 3.0 if bits == "auto" else None
-    setups = [configure(Settings("alq", bits, 64, bit_budget=budget, update_steps=(0,), update_every=0, seed=1,
-                                 exchange=exchange)) for _ in range(ranks)]
+    setups = [
+        configure(
+            Settings("alq", bits, 64, bit_budget=budget, update_steps=(0,), update_every=0, seed=1, exchange=exchange)
+        )
+        for _ in range(ranks)
+    ]
     engines = [s.engine(uid="t") for s in setups]
     rng = np.random.default_rng(0)
     xs = [[rng.standard_normal(n).astype(np.float32) for n in (300, 200, 70)] for _ in range(ranks)]

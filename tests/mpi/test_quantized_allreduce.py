@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import assert_t_unbiased, same
 from multiproc import run_ranks
 
@@ -39,8 +38,21 @@ ALPHA = 1e-6  # failure probability of the unbiasedness checks of one method if 
 
 RUNS = {  # every scenario; lists and bits="auto" also on 3 ranks (AUTO_RUNS)
     2: ["--n", 800, "--bucket", 128, "--reps", 120, "--alpha", ALPHA, "--auto-reps", 150],
-    4: ["--methods", "alq,amq-n,terngrad", "--n", 600, "--bucket", 128, "--reps", 80, "--alpha", ALPHA, "--split",
-        "--auto-reps", 80],
+    4: [
+        "--methods",
+        "alq,amq-n,terngrad",
+        "--n",
+        600,
+        "--bucket",
+        128,
+        "--reps",
+        80,
+        "--alpha",
+        ALPHA,
+        "--split",
+        "--auto-reps",
+        80,
+    ],
 }
 AUTO_RUNS = {**RUNS, 3: ["--auto-only", "--auto-reps", 150]}
 _LAUNCHES: dict = {}  # rank count -> the ranks' reports: one launch per rank count for both fixtures
@@ -75,8 +87,13 @@ def _wire_bytes(n: int, bits: int, bucket: int) -> int:
 
 # ---------------------------------------------------------------------------------- exchange
 def _assert_unbiased(res, what):
-    info = (what, {k: res[k] for k in ("bernstein_coordinates", "bernstein_z_sum", "bernstein_z_signed",
-                                       "max_abs_z", "sum_z", "n_z")})
+    info = (
+        what,
+        {
+            k: res[k]
+            for k in ("bernstein_coordinates", "bernstein_z_sum", "bernstein_z_signed", "max_abs_z", "sum_z", "n_z")
+        },
+    )
     assert res["expect_vs_truth"] < 1e-6, info
     assert res["bernstein_coordinates"] < 1, info
     assert res["bernstein_z_sum"] < 1, info
@@ -165,8 +182,13 @@ def test_two_phase_traffic_does_not_grow_with_ranks(np_):
     """N = 3 (odd; buffers that do not divide by N), 4 and 8 (oversubscribed, small arrays): bytes per
     coordinate of two-phase against 2 (N - 1) / N (b + 32/d), headers aside; allgather's grow as N - 1."""
     n, d = 8192 * 4 + 100, 512
-    res = run_ranks("mpi_allreduce.py", np=np_, timeout=300, env=_env(),
-                    args=["--two-phase-only", "--n", n, "--bucket", d, "--reps", 40])
+    res = run_ranks(
+        "mpi_allreduce.py",
+        np=np_,
+        timeout=300,
+        env=_env(),
+        args=["--two-phase-only", "--n", n, "--bucket", d, "--reps", 40],
+    )
     per = 3 + 32 / d
     headers = 2 * np_ * 32 * 8 / n  # at most one header per shard and phase
     expected = 2 * (np_ - 1) / np_ * per
@@ -342,8 +364,7 @@ def test_payloads_decode_with_the_fused_codec(run):
         pytest.skip(f"fused codec unavailable: {cpu_build.status()}")
     offsets = np.cumsum([0] + [p.numel() for p in payloads[:-1]]).tolist()
     out = torch.empty(numel, dtype=torch.float32)
-    module.decode_sum(out, torch.cat(payloads), offsets, levels, res["bits"], res["bucket_size"],
-                      1.0 / len(payloads))
+    module.decode_sum(out, torch.cat(payloads), offsets, levels, res["bits"], res["bucket_size"], 1.0 / len(payloads))
     np.testing.assert_allclose(out.numpy(), np.asarray(res["mean"], dtype=np.float32), rtol=1e-6, atol=1e-7)
 
 
@@ -427,7 +448,7 @@ AUTO_ERRORS = {  # only rank 1 differs; every rank raises
     "list_split": "different element counts (rank 0: [512, 512, 256], rank 1: [512, 256, 512]",
     "list_length": "different element counts (rank 0: [512, 512, 256], rank 1: [512, 512]",
     "recorded": "recorded different arrays since the last adapt() (elements per array) (rank 0: [512, 512, 256], "
-                "rank 1: [512, 512]",
+    "rank 1: [512, 512]",
     "stats": "could not adapt on rank 1: ValueError: stats= does not apply to bits='auto'",
     "allgather": "allgather() returns payloads of one width: not with bits='auto'",
 }

@@ -5,7 +5,6 @@ things; each test here asserts on one run.
 """
 
 import pytest
-
 from helpers import assert_bernstein_unbiased, assert_t_unbiased
 from multiproc import run_ranks
 
@@ -24,8 +23,7 @@ def _run(*args, launcher="mpi"):
 @pytest.fixture(scope="module")
 def exchange_all():
     """100 rounds of hvd.allreduce inside one tf.function per method (traced once), plus 64k elements."""
-    return _run("exchange", "--methods", ",".join(ALL), "--rounds", 100, "--n", 3000, "--bucket", 512,
-                "--large")
+    return _run("exchange", "--methods", ",".join(ALL), "--rounds", 100, "--n", 3000, "--bucket", 512, "--large")
 
 
 @pytest.mark.parametrize("method", ALL)
@@ -57,8 +55,9 @@ def test_wire_bits_per_coordinate_on_large_tensors(exchange_all):
 
 
 def test_eager_exchange_with_sum_over_gloo():
-    res = _run("exchange", "--methods", "alq,amq-n,qsgdinf", "--rounds", 60, "--op", "sum", "--mode", "eager",
-               launcher="gloo")
+    res = _run(
+        "exchange", "--methods", "alq,amq-n,qsgdinf", "--rounds", 60, "--op", "sum", "--mode", "eager", launcher="gloo"
+    )
     for method in ("alq", "amq-n", "qsgdinf"):
         r0, r1 = res[0][method], res[1][method]
         assert_bernstein_unbiased(r0)
@@ -122,9 +121,13 @@ def _scenario(runs, name):
 
 def test_mismatched_configuration_is_refused_on_every_rank(checks):
     res = _scenario(checks, "mismatch")
-    needles = {"bits": ("bits=4", "bits=3"), "bucket": ("bucket_size=512", "bucket_size=256"),
-               "levels": ("levels differ",), "method": ("amq", "alq"),
-               "norm": ("payload made with norm=", "norm=l2", "norm=linf")}
+    needles = {
+        "bits": ("bits=4", "bits=3"),
+        "bucket": ("bucket_size=512", "bucket_size=256"),
+        "levels": ("levels differ",),
+        "method": ("amq", "alq"),
+        "norm": ("payload made with norm=", "norm=l2", "norm=linf"),
+    }
     for rank, r in enumerate(res):
         for mode in ("eager", "function"):
             for what, words in needles.items():
@@ -200,8 +203,9 @@ def test_ranks_that_disagree_before_decompress_raise_and_recover(checks):
 @pytest.fixture(scope="module")
 def process_sets():
     """3 ranks, the process set {0, 1}."""
-    return run_ranks("tf_compressor.py", np=3, timeout=TIMEOUT,
-                     args=["process_sets", "--rounds", 20, "--n", 3000, "--bucket", 256])
+    return run_ranks(
+        "tf_compressor.py", np=3, timeout=TIMEOUT, args=["process_sets", "--rounds", 20, "--n", 3000, "--bucket", 256]
+    )
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
@@ -256,8 +260,12 @@ def two_phase():
     """exchange="two-phase" on 3 ranks: 2900 elements in 23 buckets of 128 (no multiple of 3), and
     a 200-element tensor (2 buckets: an empty shard). Two ranks: the process-set scenario's set
     {0, 1} runs the two-phase exchange (identical results, error of one draw and of the mean)."""
-    return run_ranks("tf_compressor.py", np=3, timeout=TIMEOUT,
-                     args=["two_phase", "--rounds", 40, "--n", 2900, "--bucket", 128, "--steps", 40])
+    return run_ranks(
+        "tf_compressor.py",
+        np=3,
+        timeout=TIMEOUT,
+        args=["two_phase", "--rounds", 40, "--n", 2900, "--bucket", 128, "--steps", 40],
+    )
 
 
 @pytest.mark.parametrize("method", ["alq", "qsgdinf", "amq"])
@@ -313,7 +321,8 @@ def _after_identical(res, keys):
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_reducescatter_is_refused_on_every_rank_then_works(reducescatter_refused, exchange, mode):
     keys = [f"{exchange}.{mode}.{kind}" for kind in ("refit", "plain")] + (
-        [f"grouped.{mode}"] if exchange == "allgather" else [])
+        [f"grouped.{mode}"] if exchange == "allgather" else []
+    )
     for r in reducescatter_refused:
         for key in keys:
             err = r[key]
@@ -358,7 +367,8 @@ def test_auto_bits_agree_on_every_rank_follow_the_core_and_stay_unbiased(train_a
     ranks' data (widths differ between the step's tensors), the same levels and sums; each round
     sends the allocation's payload sizes; the sums of tensors of different widths stay unbiased (t
     tests at 1e-6, Bonferroni over buckets); eagerly as in tf.function; state_dict and
-    tf.train.Checkpoint keep the allocation and levels (a restored compressor takes the same step); training converges at budget 2.5; ranks that differ in
+    tf.train.Checkpoint keep the allocation and levels (a restored compressor takes the same step); training
+    converges at budget 2.5; ranks that differ in
     budget or allocation raise on every rank."""
     res = [r["auto"] for r in train_and_auto]
     expected = res[0]["core_allocation"]

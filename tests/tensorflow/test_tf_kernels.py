@@ -18,19 +18,33 @@ CASES = [("alq", 3), ("alq-n", 2), ("amq", 5), ("qsgdinf", 4), ("qsgd", 8), ("nu
 
 
 def _header(q: Quantizer, numel: int) -> np.ndarray:
-    return np.frombuffer(pack_header(Header(q._method.id, q.bits, q.bucket_size, numel, q.fingerprint, norm=q.norm)),
-                         np.uint8)
+    return np.frombuffer(
+        pack_header(Header(q._method.id, q.bits, q.bucket_size, numel, q.fingerprint, norm=q.norm)), np.uint8
+    )
 
 
 def _tf_encode(q: Quantizer, x: np.ndarray, seed=(1, 2)) -> np.ndarray:
-    return kernels.encode(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, x.size)),
-                          tf.constant(seed, tf.int64), bits=q.bits, bucket_size=q.bucket_size,
-                          norm=q.norm).numpy()
+    return kernels.encode(
+        tf.constant(x),
+        tf.constant(q.levels),
+        tf.constant(_header(q, x.size)),
+        tf.constant(seed, tf.int64),
+        bits=q.bits,
+        bucket_size=q.bucket_size,
+        norm=q.norm,
+    ).numpy()
 
 
 def _tf_decode(q: Quantizer, payloads: list, numel: int, scale: float = 1.0) -> np.ndarray:
-    return kernels.decode_sum(tf.constant(np.concatenate(payloads)), tf.constant(q.levels), tf.constant(scale),
-                              ranks=len(payloads), numel=numel, bits=q.bits, bucket_size=q.bucket_size).numpy()
+    return kernels.decode_sum(
+        tf.constant(np.concatenate(payloads)),
+        tf.constant(q.levels),
+        tf.constant(scale),
+        ranks=len(payloads),
+        numel=numel,
+        bits=q.bits,
+        bucket_size=q.bucket_size,
+    ).numpy()
 
 
 def _data(n: int, seed: int = 0) -> np.ndarray:
@@ -89,9 +103,15 @@ def test_payloads_cross_decode_with_the_torch_kernels(method, bits):
     out = torch.zeros(x.size)
     tk.decode_into(out, torch.from_numpy(payload.copy()), torch.from_numpy(q.levels), bits=bits, bucket_size=64)
     assert np.array_equal(out.numpy(), q.decode(payload))
-    tpayload = tk.encode(torch.from_numpy(x), torch.from_numpy(q.levels), torch.from_numpy(_header(q, x.size).copy()),
-                         bits=bits, bucket_size=64, norm=q.norm,
-                         generator=torch.Generator().manual_seed(0)).numpy()
+    tpayload = tk.encode(
+        torch.from_numpy(x),
+        torch.from_numpy(q.levels),
+        torch.from_numpy(_header(q, x.size).copy()),
+        bits=bits,
+        bucket_size=64,
+        norm=q.norm,
+        generator=torch.Generator().manual_seed(0),
+    ).numpy()
     assert np.array_equal(_tf_decode(q, [tpayload], x.size), q.decode(tpayload))
 
 
@@ -104,8 +124,10 @@ def test_norms_match_the_core_including_float32_overflow_and_float64_input():
             with np.errstate(over="ignore"):
                 xs = x.astype(dtype)  # float16: 3e37 becomes inf, its bucket NaN
             want = normalize(xs, 256, norm).norms
-            got = kernels.bucket_norms(kernels.bucket_view(tf.constant(xs.astype(np.float64 if dtype == np.float64
-                                                                                  else np.float32)), 256), norm)
+            got = kernels.bucket_norms(
+                kernels.bucket_view(tf.constant(xs.astype(np.float64 if dtype == np.float64 else np.float32)), 256),
+                norm,
+            )
             assert np.allclose(got.numpy(), want, rtol=2e-6, equal_nan=True), (norm, dtype)
     big = np.full(10, 1e300)  # float64 whose norm overflows float32: NaN, as in the core
     assert np.isnan(kernels.bucket_norms(kernels.bucket_view(tf.constant(big), 10), "l2").numpy()).all()
@@ -116,9 +138,11 @@ def test_stochastic_rounding_is_unbiased_and_seeded():
     x = _data(64, seed=3)
     draws = 4000
     seeds = tf.stack([tf.fill([draws], tf.constant(7, tf.int64)), tf.range(draws, dtype=tf.int64)], axis=1)
-    enc = tf.function(lambda s: kernels.encode(tf.constant(x), tf.constant(q.levels),
-                                               tf.constant(_header(q, x.size)), s, bits=3, bucket_size=64,
-                                               norm="l2"))
+    enc = tf.function(
+        lambda s: kernels.encode(
+            tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, x.size)), s, bits=3, bucket_size=64, norm="l2"
+        )
+    )
     decoded = np.stack([q.decode(p) for p in tf.map_fn(enc, seeds, fn_output_signature=tf.uint8).numpy()])
     # exact variance of each coordinate's rounding: 6 standard errors of the mean
     norm = np.float32(np.linalg.norm(x.astype(np.float64)))
@@ -130,9 +154,20 @@ def test_stochastic_rounding_is_unbiased_and_seeded():
     assert not np.array_equal(_tf_encode(q, x, (5, 6)), _tf_encode(q, x, (5, 7)))
 
 
-@pytest.mark.parametrize("method,norm", [("alq", "l2"), ("alq-n", "l2"), ("amq", "l2"), ("amq-n", "l2"),
-                                         ("qsgdinf", "linf"), ("alq", "linf"), ("alq-n", "linf"),
-                                         ("amq", "linf"), ("amq-n", "linf")])
+@pytest.mark.parametrize(
+    "method,norm",
+    [
+        ("alq", "l2"),
+        ("alq-n", "l2"),
+        ("amq", "l2"),
+        ("amq-n", "l2"),
+        ("qsgdinf", "linf"),
+        ("alq", "linf"),
+        ("alq-n", "linf"),
+        ("amq", "linf"),
+        ("amq-n", "linf"),
+    ],
+)
 def test_statistics_match_the_core(method, norm):
     q = Quantizer(method, bits=3, bucket_size=256, norm=norm)
     x = _data(5000, seed=4)
@@ -174,10 +209,12 @@ def test_xla_compiled_codec_reads_and_writes_the_same_format(method, bits):
     x[1500] = np.nan
     u = kernels.uniforms(tf.constant(x), tf.constant([3, 4], tf.int64), 100)
     opts = dict(bits=bits, bucket_size=100)
-    plain = kernels.encode_with_uniforms(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, x.size)), u,
-                                         norm=q.norm, **opts).numpy()
-    xla = tf.function(functools.partial(kernels.encode_with_uniforms, norm=q.norm, unrolled=True, **opts),
-                      jit_compile=True)(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, x.size)), u)
+    plain = kernels.encode_with_uniforms(
+        tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, x.size)), u, norm=q.norm, **opts
+    ).numpy()
+    xla = tf.function(
+        functools.partial(kernels.encode_with_uniforms, norm=q.norm, unrolled=True, **opts), jit_compile=True
+    )(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, x.size)), u)
     xla = xla.numpy()
     assert xla.shape == plain.shape and np.array_equal(xla[:32], plain[:32])
     a, b = q.decode(xla), q.decode(plain)
@@ -196,9 +233,18 @@ def test_xla_compiled_codec_reads_and_writes_the_same_format(method, bits):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["plain", "xla"])
-@pytest.mark.parametrize("method,norm,bits", [("alq", "linf", 2), ("alq", "linf", 3), ("amq", "linf", 4),
-                                              ("alq-n", "linf", 3), ("amq-n", "linf", 3), ("alq", "l2", 3),
-                                              ("amq", "l2", 2)])
+@pytest.mark.parametrize(
+    "method,norm,bits",
+    [
+        ("alq", "linf", 2),
+        ("alq", "linf", 3),
+        ("amq", "linf", 4),
+        ("alq-n", "linf", 3),
+        ("amq-n", "linf", 3),
+        ("alq", "l2", 3),
+        ("amq", "l2", 2),
+    ],
+)
 def test_unbiased_with_either_norm(method, norm, bits, jit):
     """Mean of M encodes (the compressors' encoder: XLA-compiled and unrolled, or plain TF ops) is
     within a per-coordinate Bernstein bound of x, with each coordinate's exact rounding variance;
@@ -209,17 +255,21 @@ def test_unbiased_with_either_norm(method, norm, bits, jit):
     n, m = 1000, 300
     x = _data(n, seed=bits)
     x[:128] = 0.0  # a zero-norm bucket decodes to exact zeros
-    enc = tf.function(functools.partial(kernels.encode, bits=bits, bucket_size=128, norm=norm, unrolled=jit),
-                      jit_compile=jit)
+    enc = tf.function(
+        functools.partial(kernels.encode, bits=bits, bucket_size=128, norm=norm, unrolled=jit), jit_compile=jit
+    )
     seeds = tf.stack([tf.fill([m], tf.constant(11, tf.int64)), tf.range(m, dtype=tf.int64)], axis=1)
-    payloads = tf.map_fn(lambda s: enc(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, n)), s),
-                         seeds, fn_output_signature=tf.uint8).numpy()
+    payloads = tf.map_fn(
+        lambda s: enc(tf.constant(x), tf.constant(q.levels), tf.constant(_header(q, n)), s),
+        seeds,
+        fn_output_signature=tf.uint8,
+    ).numpy()
     assert payloads[0][5] == {"l2": 0, "linf": 1}[norm]
     other = Quantizer(method, bits=bits, bucket_size=128, norm={"l2": "linf", "linf": "l2"}[norm])
     with pytest.raises(ValueError, match=f"payload made with norm={norm}, this quantizer uses norm={other.norm}"):
         other.decode(payloads[0])
     mean = np.stack([q.decode(p) for p in payloads]).astype(np.float64).mean(0)
-    norms = np.repeat(payloads[0][32: 32 + 4 * 8].view("<f4").astype(np.float64), 128)[:n]
+    norms = np.repeat(payloads[0][32 : 32 + 4 * 8].view("<f4").astype(np.float64), 128)[:n]
     levels = q.levels.astype(np.float32).astype(np.float64)
     target = x.astype(np.float64)
     r = np.clip(np.divide(target, norms, out=np.zeros(n), where=norms > 0), -1, 1)

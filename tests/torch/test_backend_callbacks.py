@@ -13,8 +13,13 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "backend_callback_exi
 
 
 def _run(mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(WORKER), mode], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, str(WORKER), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.mark.parametrize("attempt", [1, 2])
@@ -22,7 +27,11 @@ def test_exit_waits_for_a_callback_still_running(attempt):
     # with the future's own then() instead (mode "raw"), 5 of 6 runs here died at exit (SIGSEGV or
     # "terminate called without an active exception"): two clean runs are not luck
     proc = _run("counted")
-    assert proc.returncode == 0 and "main thread done" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0 and "main thread done" in proc.stdout, (
+        proc.returncode,
+        proc.stdout,
+        proc.stderr[-3000:],
+    )
 
 
 def test_watchdog_fails_only_the_futures_still_pending():
@@ -40,8 +49,11 @@ def test_watchdog_fails_only_the_futures_still_pending():
     for s in (late, done, unbounded):
         dog.watch(s)
     done.set_result(torch.ones(1))
-    with pytest.raises(Exception, match=r"'DDP bucket 1 of step 0' over process group \[0, 1\] did not "
-                                        r"complete within 0.3 s"):
+    with pytest.raises(
+        Exception,
+        match=r"'DDP bucket 1 of step 0' over process group \[0, 1\] did not "
+        r"complete within 0.3 s",
+    ):
         late.future.wait()
     assert 0.3 <= time.monotonic() - start < 5
     late.set_result(torch.ones(1))  # the exchange finishing after the watchdog: ignored, no error

@@ -78,8 +78,9 @@ def test_cpu_codec_kernels_decode_identically_with_and_without_avx2():
         for simd in (True, False):
             cpu._module.set_simd(simd)
             out = torch.empty(n)
-            cpu.decode_sum(out, payloads, [0, size, 2 * size], torch.tensor(q.levels), bits=bits,
-                           bucket_size=d, scale=0.25)
+            cpu.decode_sum(
+                out, payloads, [0, size, 2 * size], torch.tensor(q.levels), bits=bits, bucket_size=d, scale=0.25
+            )
             outs.append(out)
         cpu._module.set_simd(True)
         assert torch.equal(outs[0], outs[1]), (bits, d, n)
@@ -92,11 +93,17 @@ def test_cpu_codec_kernels_encode_identically_with_and_without_avx2():
     cpu = _resolve("cpu")
     if cpu._module.simd() != "avx2":
         pytest.skip("this CPU has no AVX2")
-    cases = [("alq", 2, 64, 1000, torch.float32), ("alq", 3, 8192, 20_011, torch.float32),
-             ("amq", 4, 96, 3001, torch.float32), ("qsgdinf", 5, 256, 999, torch.float32),
-             ("terngrad", 2, 64, 640, torch.float16), ("alq", 3, 100, 777, torch.float64),
-             ("alq", 8, 256, 5000, torch.float32), ("amq", 6, 128, 3001, torch.float16),
-             ("alq", 7, 512, 4000, torch.float64)]
+    cases = [
+        ("alq", 2, 64, 1000, torch.float32),
+        ("alq", 3, 8192, 20_011, torch.float32),
+        ("amq", 4, 96, 3001, torch.float32),
+        ("qsgdinf", 5, 256, 999, torch.float32),
+        ("terngrad", 2, 64, 640, torch.float16),
+        ("alq", 3, 100, 777, torch.float64),
+        ("alq", 8, 256, 5000, torch.float32),
+        ("amq", 6, 128, 3001, torch.float16),
+        ("alq", 7, 512, 4000, torch.float64),
+    ]
     for method, bits, d, n, dtype in cases:
         for norm in ("linf", "l2") if get_method(method).adaptive else (get_method(method).norm,):
             q = Quantizer(method, bits=bits, bucket_size=d, norm=norm, seed=0)
@@ -107,9 +114,17 @@ def test_cpu_codec_kernels_encode_identically_with_and_without_avx2():
             payloads = []
             for simd in (True, False):
                 cpu._module.set_simd(simd)
-                payloads.append(cpu.encode(x.to(dtype), torch.as_tensor(q.levels),
-                                           _header(get_method(method).id, bits, d, n, q.levels), bits=bits,
-                                           bucket_size=d, norm=norm, seed=5))
+                payloads.append(
+                    cpu.encode(
+                        x.to(dtype),
+                        torch.as_tensor(q.levels),
+                        _header(get_method(method).id, bits, d, n, q.levels),
+                        bits=bits,
+                        bucket_size=d,
+                        norm=norm,
+                        seed=5,
+                    )
+                )
             cpu._module.set_simd(True)
             assert torch.equal(payloads[0], payloads[1]), (method, bits, d, n, dtype, norm)
 
@@ -140,7 +155,7 @@ def _reference_codes(x: np.ndarray, norms: np.ndarray, levels: np.ndarray, d: in
     a, b = key & _M32, key >> 32
     i = np.arange(x.size, dtype=np.uint64)
     h = _lowbias32((_lowbias32(i ^ a) + b) & _M32)
-    u = ((2 * (h >> 9) + 1).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
+    u = ((2 * (h >> 9) + 1).astype(np.float32) * np.float32(2.0**-24)).astype(np.float32)
     lv = levels.astype(np.float32)
     widths = (lv[1:] - lv[:-1]).astype(np.float32)
     with np.errstate(divide="ignore"):  # zero buckets: their codes are 0 (set by the caller)
@@ -152,9 +167,19 @@ def _reference_codes(x: np.ndarray, norms: np.ndarray, levels: np.ndarray, d: in
 
 
 @pytest.mark.parametrize("simd", [True, False], ids=["avx2", "generic"])
-@pytest.mark.parametrize("method,bits,norm", [("alq", 2, "linf"), ("amq", 3, "l2"), ("alq", 4, "linf"),
-                                              ("qsgdinf", 5, "linf"), ("alq", 6, "l2"), ("amq-n", 7, "linf"),
-                                              ("alq", 8, "linf"), ("alq-n", 8, "l2")])
+@pytest.mark.parametrize(
+    "method,bits,norm",
+    [
+        ("alq", 2, "linf"),
+        ("amq", 3, "l2"),
+        ("alq", 4, "linf"),
+        ("qsgdinf", 5, "linf"),
+        ("alq", 6, "l2"),
+        ("amq-n", 7, "linf"),
+        ("alq", 8, "linf"),
+        ("alq-n", 8, "l2"),
+    ],
+)
 def test_cpu_codes_are_the_documented_draw(simd, method, bits, norm):
     """Draw for draw, the compiled codec's codes are those of its documented hash and rounding
     rule, in the vectorized chunks (whole 64-coordinate blocks: a select over the levels up to 4
@@ -170,9 +195,15 @@ def test_cpu_codes_are_the_documented_draw(simd, method, bits, norm):
         x = torch.from_numpy(t.astype(np.float32))
         q.adapt(q.statistics(x.double().numpy()))
         x[400:600] = 0
-        payload = cpu.encode(x, torch.as_tensor(q.levels), _header(get_method(method).id, bits, 200, x.numel(),
-                                                                    q.levels),
-                             bits=bits, bucket_size=200, norm=norm, seed=12345).numpy()
+        payload = cpu.encode(
+            x,
+            torch.as_tensor(q.levels),
+            _header(get_method(method).id, bits, 200, x.numel(), q.levels),
+            bits=bits,
+            bucket_size=200,
+            norm=norm,
+            seed=12345,
+        ).numpy()
     finally:
         cpu._module.set_simd(True)
     norms = _norms(payload, x.numel(), 200)
@@ -180,7 +211,7 @@ def test_cpu_codes_are_the_documented_draw(simd, method, bits, norm):
     want[norms.repeat(200)[: x.numel()] == 0] = 0
     got = _codes(payload, x.numel(), 200, bits)
     assert (got == want).all(), np.flatnonzero(got != want)[:10]
-    assert len(set(want.tolist())) > 2 ** bits // 2  # the levels are in use, not just the extremes
+    assert len(set(want.tolist())) > 2**bits // 2  # the levels are in use, not just the extremes
 
 
 @pytest.mark.parametrize("simd", [True, False], ids=["avx2", "generic"])
@@ -202,7 +233,7 @@ def test_cpu_encode_parts_is_the_encode_of_the_stream(simd, bits, d, norm):
         length = pos + 3  # trailing zeros too
         stream = torch.zeros(length)
         for part, start in zip(parts, starts):
-            stream[start: start + part.numel()] = part
+            stream[start : start + part.numel()] = part
         q = Quantizer("alq", bits=bits, bucket_size=d, norm=norm, seed=0)
         args = dict(bits=bits, bucket_size=d, norm=norm, seed=11)
         header = _header(get_method("alq").id, bits, d, length, q.levels)
@@ -228,9 +259,10 @@ def test_decode_sum_of_a_window_is_the_window_of_the_decode(codec, bits, d):
     offsets = [0, payloads[0].size, 2 * payloads[0].size]
     for start, m in [(0, n), (step, 2 * d), (step, n - step), (2 * step, 1), (0, d + 1)]:
         out = torch.full((m,), 7.0)
-        codec.decode_sum(out, buf, offsets, torch.as_tensor(q.levels), bits=bits, bucket_size=d, scale=1 / 3,
-                         start=start, numel=n)
-        np.testing.assert_array_equal(out.numpy(), whole[start: start + m], err_msg=f"{start}+{m}")
+        codec.decode_sum(
+            out, buf, offsets, torch.as_tensor(q.levels), bits=bits, bucket_size=d, scale=1 / 3, start=start, numel=n
+        )
+        np.testing.assert_array_equal(out.numpy(), whole[start : start + m], err_msg=f"{start}+{m}")
 
 
 @pytest.fixture
@@ -245,9 +277,16 @@ def _header(method_id, bits, d, n, levels) -> torch.Tensor:
 
 def _encode(codec, q: Quantizer, x: torch.Tensor, seed: int = 1, **kw) -> np.ndarray:
     m = get_method(q.method)
-    payload = codec.encode(x.reshape(-1).contiguous(), torch.as_tensor(q.levels),
-                           _header(m.id, q.bits, q.bucket_size, x.numel(), q.levels), bits=q.bits,
-                           bucket_size=q.bucket_size, norm=m.norm, seed=seed, **kw)
+    payload = codec.encode(
+        x.reshape(-1).contiguous(),
+        torch.as_tensor(q.levels),
+        _header(m.id, q.bits, q.bucket_size, x.numel(), q.levels),
+        bits=q.bits,
+        bucket_size=q.bucket_size,
+        norm=m.norm,
+        seed=seed,
+        **kw,
+    )
     assert payload.dtype == torch.uint8 and payload.dim() == 1
     return payload.numpy()
 
@@ -256,26 +295,32 @@ def _decode_sum(codec, q: Quantizer, payloads: list, n: int, scale: float = 1.0)
     buf = torch.from_numpy(np.concatenate(payloads))
     offsets = np.cumsum([0] + [p.size for p in payloads[:-1]]).tolist()
     out = torch.full((n,), 7.0)  # overwritten, not accumulated into
-    got = codec.decode_sum(out, buf, offsets, torch.as_tensor(q.levels), bits=q.bits,
-                           bucket_size=q.bucket_size, scale=scale)
+    got = codec.decode_sum(
+        out, buf, offsets, torch.as_tensor(q.levels), bits=q.bits, bucket_size=q.bucket_size, scale=scale
+    )
     assert got is out
     return out.numpy()
 
 
 def _norms(payload: np.ndarray, n: int, d: int) -> np.ndarray:
-    return payload[32: 32 + 4 * -(-n // d)].view("<f4")
+    return payload[32 : 32 + 4 * -(-n // d)].view("<f4")
 
 
 def _codes(payload: np.ndarray, n: int, d: int, bits: int) -> np.ndarray:
-    return unpack_codes(payload[32 + 4 * -(-n // d):], bits, n).astype(np.int64)
+    return unpack_codes(payload[32 + 4 * -(-n // d) :], bits, n).astype(np.int64)
 
 
 # (method, bits, bucket size, n, dtype): fused Triton path (d % 8 == 0) and generic path,
 # linear level search (bits <= 4) and binary search, short last buckets, every input dtype
-CASES = [("alq", 3, 64, 300, torch.float32), ("qsgdinf", 8, 40, 333, torch.float64),
-         ("nuqsgd", 6, 96, 250, torch.float16), ("terngrad", 2, 256, 600, torch.bfloat16),
-         ("amq", 4, 100, 257, torch.float32), ("qsgd", 5, 48, 200, torch.float32),
-         ("qsgdinf", 7, 24, 100, torch.float16)]
+CASES = [
+    ("alq", 3, 64, 300, torch.float32),
+    ("qsgdinf", 8, 40, 333, torch.float64),
+    ("nuqsgd", 6, 96, 250, torch.float16),
+    ("terngrad", 2, 256, 600, torch.bfloat16),
+    ("amq", 4, 100, 257, torch.float32),
+    ("qsgd", 5, 48, 200, torch.float32),
+    ("qsgdinf", 7, 24, 100, torch.float16),
+]
 
 
 def _x(n, dtype, seed=0):
@@ -323,7 +368,7 @@ def test_payloads_decode_identically_with_every_backend_and_the_core(method, bit
     for name in available:
         got = _decode_sum(codecs.resolve(name, "cpu"), q, payloads, n, scale=0.25)
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
-        assert np.isnan(got[d: 2 * d]).all() and (got[:d] == 0).all()
+        assert np.isnan(got[d : 2 * d]).all() and (got[:d] == 0).all()
         for p in payloads:  # each alone: exactly the core's float32 decode
             np.testing.assert_array_equal(_decode_sum(codecs.resolve(name, "cpu"), q, [p], n), q.decode(p))
 
@@ -349,8 +394,9 @@ def test_corrupted_codes_decode_to_nan(codec):
 def test_decode_of_no_payloads_is_zero(codec):
     q = Quantizer("alq", bucket_size=8, seed=0)
     out = torch.full((5,), 3.0)
-    codec.decode_sum(out, torch.zeros(0, dtype=torch.uint8), [], torch.as_tensor(q.levels), bits=3,
-                     bucket_size=8, scale=2.0)
+    codec.decode_sum(
+        out, torch.zeros(0, dtype=torch.uint8), [], torch.as_tensor(q.levels), bits=3, bucket_size=8, scale=2.0
+    )
     assert (out == 0).all()
 
 
@@ -382,11 +428,17 @@ def test_codes_are_exact_where_rounding_is_deterministic(codec, dtype, norm):
 
 # Forced uniforms through the Triton kernels' testing hook: bits 2..8 (linear and binary level
 # search), fused (d % 8 == 0) and generic paths, zero / NaN / tiny-norm buckets, short last bucket.
-EXACT = [("qsgdinf", 2, 64, 200, torch.float32), ("terngrad", 2, 30, 95, torch.float16),
-         ("alq", 3, 64, 190, torch.bfloat16), ("amq", 4, 50, 170, torch.float64),
-         ("qsgd", 5, 72, 200, torch.float32), ("nuqsgd", 6, 33, 100, torch.float32),
-         ("qsgdinf", 7, 128, 300, torch.float64), ("alq", 8, 56, 150, torch.float16),
-         ("qsgd", 8, 20, 90, torch.float32)]
+EXACT = [
+    ("qsgdinf", 2, 64, 200, torch.float32),
+    ("terngrad", 2, 30, 95, torch.float16),
+    ("alq", 3, 64, 190, torch.bfloat16),
+    ("amq", 4, 50, 170, torch.float64),
+    ("qsgd", 5, 72, 200, torch.float32),
+    ("nuqsgd", 6, 33, 100, torch.float32),
+    ("qsgdinf", 7, 128, 300, torch.float64),
+    ("alq", 8, 56, 150, torch.float16),
+    ("qsgd", 8, 20, 90, torch.float32),
+]
 
 
 @pytest.mark.parametrize("method,bits,d,n,dtype", EXACT)
@@ -396,17 +448,17 @@ def test_triton_codes_for_given_uniforms(triton, method, bits, d, n, dtype):
     x[:d] = 0.0  # zero bucket
     x[d + 2] = float("inf")  # non-finite bucket
     if dtype == torch.float32:
-        x[2 * d: 3 * d] *= 1e-25  # norm below 2**-64: 1 / norm alone would overflow
+        x[2 * d : 3 * d] *= 1e-25  # norm below 2**-64: 1 / norm alone would overflow
     rng = np.random.default_rng(bits)
-    u = (2 * rng.integers(0, 1 << 23, n) + 1) / 2.0 ** 24
-    u[:5] = [0.5 / 2 ** 23, 1 - 0.5 / 2 ** 23, 0.5, 0.25, 0.75]
+    u = (2 * rng.integers(0, 1 << 23, n) + 1) / 2.0**24
+    u[:5] = [0.5 / 2**23, 1 - 0.5 / 2**23, 0.5, 0.25, 0.75]
     payload = _encode(triton, q, x, uniforms=torch.tensor(u, dtype=torch.float32))
     norms = _norms(payload, n, d)
     assert np.isnan(norms[1]) and norms[0] == 0
     expected = triton_codec.numpy_reference_codes(x.float().numpy(), norms, q.levels, u, d)
     assert (_codes(payload, n, d, q.bits) == expected).all()
     dec = q.decode(payload)
-    assert (dec[:d] == 0).all() and np.isnan(dec[d: 2 * d]).all() and np.isfinite(dec[2 * d:]).all()
+    assert (dec[:d] == 0).all() and np.isnan(dec[d : 2 * d]).all() and np.isfinite(dec[2 * d :]).all()
 
 
 def test_triton_fused_and_generic_paths_write_identical_payloads(triton):
@@ -445,7 +497,7 @@ def test_unbiased(codec, method, bits, d):
     n, m = 2 * d, 200
     q = Quantizer(method, bits=bits, bucket_size=d, seed=0)
     x = _x(n, torch.float32, seed=bits)
-    x[:d // 2] = 0.0
+    x[: d // 2] = 0.0
     if codec.name == "triton":  # the generic path: a few programs instead of one per bucket
         saved, codec.max_fused_bucket = codec.max_fused_bucket, 0
     try:
@@ -461,7 +513,7 @@ def test_unbiased(codec, method, bits, d):
     r = np.clip(target / norms, -1, 1)
     cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
     lo, hi = levels[cell], levels[cell + 1]
-    var = norms ** 2 * np.clip((hi - r) * (r - lo), 0, None)
+    var = norms**2 * np.clip((hi - r) * (r - lo), 0, None)
     c = norms * (hi - lo) / m
     log_term = np.log(2 / 1e-9)
     bound = c * log_term / 3 + np.sqrt((c * log_term / 3) ** 2 + 2 * var / m * log_term)
@@ -492,7 +544,7 @@ def test_unbiased_for_tiny_and_subnormal_norms(codec):
     g = torch.Generator().manual_seed(3)
     x = torch.rand(3 * d, generator=g) * 2 - 1
     x[:d] *= 1e-40  # subnormal float32
-    x[d: 2 * d] *= 1e-30  # normal, below 2**-64
+    x[d : 2 * d] *= 1e-30  # normal, below 2**-64
     x[5] = x[d + 5] = 0.0
     q = Quantizer("alq", bits=3, bucket_size=d, seed=0)
     mean = np.mean([q.decode(_encode(codec, q, x, seed=s)) for s in range(1, k + 1)], axis=0)
@@ -512,7 +564,7 @@ def test_statistics_match_the_numpy_core(codec, method, norm):
     torch.manual_seed(0)
     d = 300
     x = torch.distributions.StudentT(3.0).sample((4 * d + 17,))
-    x[d: 2 * d] = 0.0
+    x[d : 2 * d] = 0.0
     x[2 * d + 5] = float("nan")
     q = Quantizer(method, bucket_size=d, seed=0, norm=norm)
     moments = codec.bucket_moments(x, bucket_size=d, norm=norm)
@@ -556,8 +608,14 @@ def test_grid_cells_exact_at_and_beside_grid_points(codec, grid):
     in turn, so that the codec's per-thread table follows a change of grid."""
     g = GRID if grid == "GRID" else np.concatenate([[-1.0], np.linspace(0.5, 0.5001, 300), [1.0]])
     g32 = g.astype(np.float32)
-    values = np.concatenate([g32, np.nextafter(g32, np.float32(2)), np.nextafter(g32, np.float32(-2)),
-                             np.array([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 1.0, -1.0], np.float32)])
+    values = np.concatenate(
+        [
+            g32,
+            np.nextafter(g32, np.float32(2)),
+            np.nextafter(g32, np.float32(-2)),
+            np.array([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 1.0, -1.0], np.float32),
+        ]
+    )
     values = np.clip(values, np.float32(-1), np.float32(1)).astype(np.float32)
     x = torch.from_numpy(np.concatenate([[np.float32(1.0)], values]))  # max-abs norm 1: r = x exactly
     d = x.numel()
@@ -575,13 +633,17 @@ def test_grid_histograms_match_the_numpy_core(codec, norm):
     d = 300
     x = torch.distributions.StudentT(3.0).sample((4 * d + 17,))
     x[:d] *= 50.0  # buckets of very different norms: the two weightings differ
-    x[d: 2 * d] = 0.0
+    x[d : 2 * d] = 0.0
     x[2 * d + 5] = float("nan")
     got = codec.grid_histograms(x, torch.tensor(GRID), bucket_size=d, norm=norm)
     want = grid_histograms(normalize(x.numpy(), d, norm))
     assert got.shape == want.shape == (2, 1 + GRID.size)
-    np.testing.assert_allclose(got[0], codec.grid_statistics(x, torch.tensor(GRID), bucket_size=d, norm=norm),
-                               rtol=1e-12 if codec.name != "triton" else 1e-6, atol=1e-12)  # triton: torch kernels
+    np.testing.assert_allclose(
+        got[0],
+        codec.grid_statistics(x, torch.tensor(GRID), bucket_size=d, norm=norm),
+        rtol=1e-12 if codec.name != "triton" else 1e-6,
+        atol=1e-12,
+    )  # triton: torch kernels
     for row, ref in zip(got, want):
         np.testing.assert_allclose(row, ref, rtol=1e-6, atol=1e-6 * ref[-1])
     assert got[1, 0] == pytest.approx(got[1, -1], rel=1e-12)  # total weight: every coordinate counted once
@@ -624,7 +686,7 @@ def test_triton_statistics_over_split_and_grouped_buckets(triton):
             np.testing.assert_array_equal(norms, ref.norms)
             np.testing.assert_array_equal(count, [1000] * 3)
             np.testing.assert_allclose(sum_r, ref.r.sum(1), rtol=1e-6, atol=1e-5)
-            np.testing.assert_allclose(sum_r2, (ref.r ** 2).sum(1), rtol=1e-6)
+            np.testing.assert_allclose(sum_r2, (ref.r**2).sum(1), rtol=1e-6)
     finally:
         triton.stats_chunk = saved
 
@@ -648,9 +710,11 @@ def test_triton_on_cpu_without_interpreter_says_how(monkeypatch):
 def test_triton_imported_before_the_interpreter_was_asked_for_says_so():
     if triton_codec.import_error() is not None:
         pytest.skip("triton not installed")
-    code = ("import os, triton.language; os.environ['TRITON_INTERPRET'] = '1'\n"
-            "from horovod_alq.torch import codecs\n"
-            "try:\n    codecs.resolve('triton', 'cpu')\nexcept ValueError as err:\n    print(err)\n")
+    code = (
+        "import os, triton.language; os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from horovod_alq.torch import codecs\n"
+        "try:\n    codecs.resolve('triton', 'cpu')\nexcept ValueError as err:\n    print(err)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("TRITON_INTERPRET")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -684,6 +748,7 @@ def test_a_new_backend_is_one_registry_entry(monkeypatch):
 
 def test_compressor_codec_keyword():
     from horovod_alq.torch import ALQCompressor
+
     assert ALQCompressor(codec="triton")._codec == "triton"
     with pytest.raises(ValueError, match="unknown codec"):
         ALQCompressor(codec="gpu")
@@ -735,19 +800,23 @@ def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchang
     fusion buffer; the decoded sum is identical on every rank and unbiased (per bucket t tests at
     1e-6, Bonferroni over the buckets, 60 rounds; Triton's interpreter, at seconds a round:
     allgather, one rank, 6 buckets, 20 rounds)."""
-    from scripts.common.threaded import exchange_round
     from helpers import assert_zero_mean
 
     from horovod_alq.settings import Settings, configure
     from horovod_alq.torch.ops import TorchOps
+    from scripts.common.threaded import exchange_round
 
     slow = codec.name == "triton"
     if slow and exchange == "two-phase":
         pytest.skip("Triton's interpreter: the allgather case covers its codec's runs of several widths")
     n, rounds, d, scales = (1 if slow else 3), (20 if slow else 60), 64, (100.0, 1.0, 0.01)
     sizes = (130, 190, 64) if slow else (300, 520, 200)
-    setups = [configure(Settings("alq", "auto", d, bit_budget=3.0, bits_per=bits_per, update_steps=(0,), update_every=0,
-                        seed=5)) for _ in range(n)]
+    setups = [
+        configure(
+            Settings("alq", "auto", d, bit_budget=3.0, bits_per=bits_per, update_steps=(0,), update_every=0, seed=5)
+        )
+        for _ in range(n)
+    ]
     engines = [s.engine(exchange=exchange, uid="c") for s in setups]
     ops = TorchOps("cpu", "torch")
     ops.codec = _Serialized(codec)  # Triton's interpreter is not thread-safe; the ranks are threads
@@ -793,7 +862,7 @@ def test_mixed_payload_read_in_place_is_the_streams(codec, norm):
     length = starts[-1] + sizes[-1]
     stream = torch.zeros(length)
     for x, s0 in zip(xs, starts):
-        stream[s0: s0 + x.numel()] = x
+        stream[s0 : s0 + x.numel()] = x
     ops = MixedOps(TorchOps("cpu", "torch"))
     ops.inner.codec = codec
     # the widths come from the same norms, bit for bit: an L2 norm of a short row is not always that
@@ -802,9 +871,8 @@ def test_mixed_payload_read_in_place_is_the_streams(codec, norm):
     at = np.concatenate([[0], np.cumsum([-(-x.numel() // d) * d for x in short[:-1]])]).tolist()
     whole = torch.zeros(at[-1] + short[-1].numel())
     for x, s0 in zip(short, at):
-        whole[s0: s0 + x.numel()] = x
-    np.testing.assert_array_equal(ops._parts_norms(short, at, whole.numel(), d, norm),
-                                  ops.bucket_norms(whole, d, norm))
+        whole[s0 : s0 + x.numel()] = x
+    np.testing.assert_array_equal(ops._parts_norms(short, at, whole.numel(), d, norm), ops.bucket_norms(whole, d, norm))
     for refit in (False, True):  # before the first refit every bucket has one width: one run across all
         if refit:
             rows = np.stack([auto.row(x.numpy()) for x in xs])
@@ -814,7 +882,7 @@ def test_mixed_payload_read_in_place_is_the_streams(codec, norm):
             for x, s0 in zip(xs, starts):
                 a, b = max(lo, s0), s0 + x.numel()
                 if a < b:
-                    parts.append(x[a - s0:])
+                    parts.append(x[a - s0 :])
                     at.append(a - lo)
             got = ops.encode_parts(parts, at, length - lo, auto.mixed, 9)
             want = ops.encode(stream[lo:], auto.mixed, 9)

@@ -8,7 +8,6 @@ The worker catches the errors it expects and reports them as ``"Kind/Type: messa
 """
 
 import pytest
-
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -60,8 +59,10 @@ def test_different_parameters_per_rank_train_identically(force_allreduce, exchan
         # the heads have one shape: the ranks' layouts agree, so the fused exchange runs, and the
         # heads (in swapped slots) are found by their control vectors and re-exchanged alone
         # (or, where the ranks' shape sequences differ, the unordered path)
-        assert (r["exchange"] == exchange and r["recovered"] > 0) or "unordered" in r["exchange"], \
-            (r["exchange"], r["recovered"])
+        assert (r["exchange"] == exchange and r["recovered"] > 0) or "unordered" in r["exchange"], (
+            r["exchange"],
+            r["recovered"],
+        )
         # every head moved on every rank (rank 0 trains head a, rank 1 head b; both are averaged)
         assert all(m > 0 for m in r["heads_moved"]), r["heads_moved"]
         # the quantized updates point where the exact ones do
@@ -111,14 +112,17 @@ def shapes():
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
-@pytest.mark.parametrize("case,needle", [
-    ("same_count", "different shapes"),       # (4, 256) and (256, 4)
-    ("different_count", "different shapes"),  # 1024 and 2048 elements
-    ("dtype_f64", "dtypes"),                  # both compressed, float64 and float32
-    ("dtype", "Mismatched"),                  # int32 (uncompressed) and float32: Horovod's own error
-    ("min_size_f32", "Mismatched"),           # 10 elements (uncompressed) and 1024
-    ("min_size_f64", "Mismatched"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("same_count", "different shapes"),  # (4, 256) and (256, 4)
+        ("different_count", "different shapes"),  # 1024 and 2048 elements
+        ("dtype_f64", "dtypes"),  # both compressed, float64 and float32
+        ("dtype", "Mismatched"),  # int32 (uncompressed) and float32: Horovod's own error
+        ("min_size_f32", "Mismatched"),  # 10 elements (uncompressed) and 1024
+        ("min_size_f64", "Mismatched"),
+    ],
+)
 def test_disagreeing_shapes_and_dtypes_raise_on_every_rank_then_work(shapes, exchange, case, needle):
     key = f"{exchange}.{case}"
     for r in shapes:
@@ -234,8 +238,9 @@ def test_join_is_served_as_horovod_serves_it_then_works(join, exchange):
     assert r0["train_error"] is None, r0["train_error"]
     assert r0["trained"] == r0["trained_ref"], "optimizer steps differ from Horovod's own during join"
     # no compressed round completed; uncompressed: 4 allreduces of 1024, 2 steps of 2920 (served) + 8 (bias)
-    assert r0["metrics"]["step"] == 0 and r0["metrics"]["uncompressed_coordinates"] == 4 * 1024 + 2 * 2928, \
-        r0["metrics"]
+    assert r0["metrics"]["step"] == 0 and r0["metrics"]["uncompressed_coordinates"] == 4 * 1024 + 2 * 2928, r0[
+        "metrics"
+    ]
     assert r0["joined"] == join[1][exchange]["joined"] == 0  # rank 0 joined last
     _works_after(join, f"{exchange}.after", exchange)
 

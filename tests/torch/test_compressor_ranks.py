@@ -1,7 +1,6 @@
 """The PyTorch compressors across real ranks (mpirun and horovodrun --gloo)."""
 
 import pytest
-
 from helpers import assert_bernstein_unbiased, assert_t_unbiased
 from multiproc import run_ranks
 
@@ -11,9 +10,27 @@ EXCHANGED = ALL + ["alq-l2", "amq-n-l2"]  # adaptive methods default to max-abs 
 
 
 def _exchange(method, np_=2, launcher="mpi", op="average", rounds=150, bits=3):
-    return run_ranks("torch_compressor.py", np=np_, launcher=launcher, timeout=600,
-                     args=["exchange", "--method", method, "--op", op, "--rounds", rounds,
-                           "--bits", bits, "--numel", 3000, "--bucket", 512])
+    return run_ranks(
+        "torch_compressor.py",
+        np=np_,
+        launcher=launcher,
+        timeout=600,
+        args=[
+            "exchange",
+            "--method",
+            method,
+            "--op",
+            op,
+            "--rounds",
+            rounds,
+            "--bits",
+            bits,
+            "--numel",
+            3000,
+            "--bucket",
+            512,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +77,24 @@ def test_sum_op_unbiased_gloo_and_three_ranks(launcher, np_):
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_two_phase_unbiased_and_identical_on_all_ranks(np_):
     """7 buckets of 512 (the last short): shards of whole buckets that do not divide by N."""
-    res = run_ranks("torch_compressor.py", np=np_, timeout=600,
-                    args=["exchange", "--method", "alq", "--exchange", "two-phase", "--rounds", 120,
-                          "--numel", 3100, "--bucket", 512])
+    res = run_ranks(
+        "torch_compressor.py",
+        np=np_,
+        timeout=600,
+        args=[
+            "exchange",
+            "--method",
+            "alq",
+            "--exchange",
+            "two-phase",
+            "--rounds",
+            120,
+            "--numel",
+            3100,
+            "--bucket",
+            512,
+        ],
+    )
     for r in res:  # two-sided t tests at 1e-6 (per bucket: Bonferroni over the buckets)
         assert_t_unbiased(r)
         assert r["exchange"] == "two-phase" and r["level_updates"] == 1
@@ -103,18 +135,29 @@ def test_training_with_groups_and_backward_passes_over_gloo():
 
 
 def test_wire_bits_per_coordinate_on_large_tensors():
-    res = run_ranks("torch_compressor.py", np=2, timeout=300,
-                    args=["exchange", "--method", "alq", "--numel", 65536, "--bucket", 8192, "--rounds", 3])
+    res = run_ranks(
+        "torch_compressor.py",
+        np=2,
+        timeout=300,
+        args=["exchange", "--method", "alq", "--numel", 65536, "--bucket", 8192, "--rounds", 3],
+    )
     # bits + 32 / bucket_size, within 1% (header: 32 bytes per 65536 coordinates)
     assert res[0]["bits_per_coordinate"] == pytest.approx(3 + 32 / 8192, rel=0.01)
     assert res[0]["payload_bytes"] * 8 / res[0]["coordinates"] < 3.01
 
 
-@pytest.mark.parametrize("what,needle", [
-    ("bits", "differ in bits 3 on some ranks, 4 on others"), ("bucket", "bucket_size 256 on some ranks, 512 on others"),
-    ("levels", "levels differ"), ("method", "differ in method"), ("norm", "differ in norm"),
-    ("budget", "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)"),
-    ("allocation", "bit allocations of bits='auto'")])
+@pytest.mark.parametrize(
+    "what,needle",
+    [
+        ("bits", "differ in bits 3 on some ranks, 4 on others"),
+        ("bucket", "bucket_size 256 on some ranks, 512 on others"),
+        ("levels", "levels differ"),
+        ("method", "differ in method"),
+        ("norm", "differ in norm"),
+        ("budget", "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)"),
+        ("allocation", "bit allocations of bits='auto'"),
+    ],
+)
 def test_mismatched_configuration_is_refused_on_every_rank(what, needle):
     # the round's handshake finds the difference before any payload moves, on every rank
     res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["mismatch", "--what", what])
@@ -161,8 +204,7 @@ def test_payloads_start_inside_backward(exchange):
     """Four fusion buffers: the first three start their payload collectives while loss.backward()
     runs (the compress calls close them), in every step; the results are bit for bit those of
     overlap=False on every rank (same seeds, same codes), and the overlapped average is unbiased."""
-    res = run_ranks("torch_compressor.py", np=2, timeout=300,
-                    args=["overlap", "--exchange", exchange, "--rounds", 40])
+    res = run_ranks("torch_compressor.py", np=2, timeout=300, args=["overlap", "--exchange", exchange, "--rounds", 40])
     first = "allgather" if exchange == "allgather" else "alltoall"
     for r in res:
         on, off = r["True"], r["False"]
@@ -184,9 +226,22 @@ def test_auto_bits_agree_on_every_rank_train_and_stay_unbiased(np_):
     """bits="auto": every rank reaches the same allocation and levels and the same parameters
     (allgather and two-phase), within the budget, training as fixed bits do; the sum of tensors of
     widths chosen apart in one buffer stays unbiased (t tests at 1e-6, Bonferroni over buckets)."""
-    res = run_ranks("torch_compressor.py", np=np_, timeout=600,
-                    args=["auto", "--bucket", 512, "--steps", 100, "--rounds", 80,
-                          "--exchange", "two-phase" if np_ == 3 else "allgather"])
+    res = run_ranks(
+        "torch_compressor.py",
+        np=np_,
+        timeout=600,
+        args=[
+            "auto",
+            "--bucket",
+            512,
+            "--steps",
+            100,
+            "--rounds",
+            80,
+            "--exchange",
+            "two-phase" if np_ == 3 else "allgather",
+        ],
+    )
     for exchange in ("allgather", "two-phase"):
         runs = [r[exchange] for r in res]
         for key in ("params", "allocation", "width_levels"):
@@ -209,8 +264,12 @@ def test_bits_per_bucket_agree_on_every_rank_train_and_stay_unbiased():
     bucket chosen from its own norms; every rank ends with the same parameters and levels
     (allgather, two-phase), training as fixed bits do, checkpoints keep the error model, and the
     sums stay unbiased (t tests at 1e-6, Bonferroni over buckets)."""
-    res = run_ranks("torch_compressor.py", np=2, timeout=600,
-                    args=["auto", "--bucket", 512, "--steps", 100, "--rounds", 80, "--bits-per", "bucket"])
+    res = run_ranks(
+        "torch_compressor.py",
+        np=2,
+        timeout=600,
+        args=["auto", "--bucket", 512, "--steps", 100, "--rounds", 80, "--bits-per", "bucket"],
+    )
     for exchange in ("allgather", "two-phase"):
         runs = [r[exchange] for r in res]
         for key in ("params", "width_levels"):

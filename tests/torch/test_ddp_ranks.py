@@ -8,7 +8,6 @@ stops in the middle of backward makes every waiting rank raise after the timeout
 from __future__ import annotations
 
 import pytest
-
 from helpers import assert_t_unbiased, same
 from multiproc import run_ranks
 
@@ -20,8 +19,13 @@ METHODS = ("alq", "amq", "qsgdinf", "terngrad")
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def ranks(request):
     np_ = request.param
-    return run_ranks("ddp_worker.py", np=np_, launcher="torchrun", timeout=600,
-                     args=["--methods", ",".join(METHODS), "--steps", "30", "--reps", "60"])
+    return run_ranks(
+        "ddp_worker.py",
+        np=np_,
+        launcher="torchrun",
+        timeout=600,
+        args=["--methods", ",".join(METHODS), "--steps", "30", "--reps", "60"],
+    )
 
 
 def test_training_identical_and_learning(ranks):
@@ -130,7 +134,7 @@ def test_payloads_move_during_backward(ranks, exchange):
             # the last bucket's are under way before DDP hands the hook the last bucket
             for k, i in enumerate(hooks):
                 end = hooks[k + 1] if k + 1 < len(hooks) else len(events)
-                assert events[i + 1: end].count(first_kind) == int(quantized[k]), (k, events)
+                assert events[i + 1 : end].count(first_kind) == int(quantized[k]), (k, events)
     assert same(ranks, lambda r: r["overlap"][exchange]["grads"])
 
 
@@ -170,11 +174,25 @@ def test_train_script_ddp_backend(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "r.json"
-    cmd = [*launch_command("torchrun", 2), sys.executable, "-m", "scripts.demo.train", "--backend", "ddp",
-           "--methods", "alq,fp16,none", "--epochs", "1", "--quiet", "--json", str(out)]
+    cmd = [
+        *launch_command("torchrun", 2),
+        sys.executable,
+        "-m",
+        "scripts.demo.train",
+        "--backend",
+        "ddp",
+        "--methods",
+        "alq,fp16,none",
+        "--epochs",
+        "1",
+        "--quiet",
+        "--json",
+        str(out),
+    ]
     env = {**os.environ, **RANK_ENV}
-    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         stdout, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:

@@ -2,7 +2,6 @@
 middle of a round (real ranks; the reset is done as hvd.elastic.run does it)."""
 
 import pytest
-
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc

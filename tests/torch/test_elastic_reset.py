@@ -17,9 +17,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+from multiproc import elastic_launch_command, run_ranks
 
 import horovod_alq
-from multiproc import elastic_launch_command, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -76,9 +76,15 @@ def _elastic_run(tmp_path: Path, mode: str, min_np: int) -> list:
         folder.mkdir()
         script, hosts = _discovery(folder, "localhost:2")
         try:
-            return run_ranks("torch_elastic_reset.py", np=2, launcher="gloo-elastic", timeout=TIMEOUT,
-                             args=[mode, STEPS, AT, hosts], env=RANK_ENV,
-                             launch=elastic_launch_command(2, script, min_np=min_np, max_np=2))
+            return run_ranks(
+                "torch_elastic_reset.py",
+                np=2,
+                launcher="gloo-elastic",
+                timeout=TIMEOUT,
+                args=[mode, STEPS, AT, hosts],
+                env=RANK_ENV,
+                launch=elastic_launch_command(2, script, min_np=min_np, max_np=2),
+            )
         except pytest.fail.Exception as exc:
             text = str(exc)
             if attempt == 2 or not _stalled_outside_horovod_alq(text, np=2):
@@ -89,8 +95,10 @@ def _elastic_run(tmp_path: Path, mode: str, min_np: int) -> list:
 
 #: Where this package's source lies: a frame whose file is under it is a frame of horovod_alq (the
 #: checkout's own folder name is no clue: a clone may be called horovod_alq too).
-PACKAGE_DIRS = {str(Path(horovod_alq.__file__).parent) + os.sep,
-                str(Path(horovod_alq.__file__).resolve().parent) + os.sep}
+PACKAGE_DIRS = {
+    str(Path(horovod_alq.__file__).parent) + os.sep,
+    str(Path(horovod_alq.__file__).resolve().parent) + os.sep,
+}
 _HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):$")
 _FRAME = re.compile(r'^  File "(.*)", line \d+ in ')
 _ELIDED = "  ..."  # faulthandler cut a stack deeper than its limit
@@ -111,7 +119,7 @@ def _thread_stacks(log_tail: str) -> list[list[str]] | None:
     # walk back from the last header over the dump's earlier threads (blocks separated by blank lines)
     first = headers[-1]
     for h in reversed(headers[:-1]):
-        between = lines[h + 1:first]
+        between = lines[h + 1 : first]
         if all(_FRAME.match(line) or line == _ELIDED or not line.strip() for line in between):
             first = h
         else:
@@ -261,13 +269,17 @@ def test_relaunch_only_for_complete_dumps_outside_the_package():
 
 def test_a_dump_cut_by_the_log_tail_is_not_read_as_complete():
     whole = "rank started\n" + _OUTSIDE
-    assert _thread_stacks(whole) == [["/usr/lib/python3.11/threading.py"] * 2,
-                                     ["/venv/site-packages/horovod/torch/mpi_ops.py",
-                                      "/venv/site-packages/horovod/common/elastic.py",
-                                      "/work/tests/workers/torch_elastic_reset.py"]]
+    assert _thread_stacks(whole) == [
+        ["/usr/lib/python3.11/threading.py"] * 2,
+        [
+            "/venv/site-packages/horovod/torch/mpi_ops.py",
+            "/venv/site-packages/horovod/common/elastic.py",
+            "/work/tests/workers/torch_elastic_reset.py",
+        ],
+    ]
     # run_ranks's tail: "...", then the rest from some character on
     start = _OUTSIDE.index("Current thread")
-    assert _thread_stacks("...\n" + _OUTSIDE[start - 5:]) is None  # a cut inside the first thread
+    assert _thread_stacks("...\n" + _OUTSIDE[start - 5 :]) is None  # a cut inside the first thread
     assert _thread_stacks("...\n" + _OUTSIDE[3:]) is None  # a cut in the first header: threads above unseen
     first_frame = _OUTSIDE.index("  File") + 3
     assert _thread_stacks("...\n" + _OUTSIDE[first_frame:]) is None  # frames of a thread without its header

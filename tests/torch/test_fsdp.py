@@ -29,8 +29,9 @@ def test_set_on_every_fsdp_module(group):
         quantize_reduce_scatter(model, comm, bits=3)
 
 
-@pytest.mark.parametrize("op, factor", [(dist.ReduceOp.AVG, 1.0), (dist.ReduceOp.SUM, 1.0),
-                                        (dist.ReduceOp.PREMUL_SUM(0.5), 0.5)])
+@pytest.mark.parametrize(
+    "op, factor", [(dist.ReduceOp.AVG, 1.0), (dist.ReduceOp.SUM, 1.0), (dist.ReduceOp.PREMUL_SUM(0.5), 0.5)]
+)
 def test_one_rank_is_a_quantized_copy(group, op, factor):
     comm = ALQReduceScatter(bits=8, bucket_size=64, seed=1, update_steps=(), update_every=0)
     x = torch.randn(2000)  # at least min_size (1024) elements: quantized
@@ -68,8 +69,9 @@ def test_auto_bits_gives_every_parameter_its_width(group):
     input of another size is one tensor."""
     model = torch.nn.Sequential(torch.nn.Linear(40, 60), torch.nn.Linear(60, 30))
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    comm = quantize_reduce_scatter(model, bits="auto", bit_budget=3.0, bucket_size=64, min_size=16,
-                                   update_steps=(0,), update_every=0, seed=2)
+    comm = quantize_reduce_scatter(
+        model, bits="auto", bit_budget=3.0, bucket_size=64, min_size=16, update_steps=(0,), update_every=0, seed=2
+    )
     assert comm.bits == "auto" and comm.bit_budget == 3.0
     sizes = [2400, 60, 1800, 30]
     assert [[k for k, _ in v] for v in comm._layouts.values()] == [sizes]

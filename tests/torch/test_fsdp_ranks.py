@@ -9,7 +9,6 @@ input and a rank with other settings raise on every rank; bytes on the wire (N =
 from __future__ import annotations
 
 import pytest
-
 from helpers import assert_t_unbiased, same
 from multiproc import run_ranks
 
@@ -22,8 +21,13 @@ METHODS = ("alq", "amq", "qsgdinf", "terngrad")
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def ranks(request):
-    return run_ranks("fsdp_worker.py", np=request.param, launcher="torchrun", timeout=600,
-                     args=["--methods", ",".join(METHODS), "--steps", "30", "--reps", "60"])
+    return run_ranks(
+        "fsdp_worker.py",
+        np=request.param,
+        launcher="torchrun",
+        timeout=600,
+        args=["--methods", ",".join(METHODS), "--steps", "30", "--reps", "60"],
+    )
 
 
 def test_training_identical_and_learning(ranks):
@@ -74,7 +78,7 @@ def _auto_wire(pieces, widths, bucket):
     total = 0
     for j in range(len(widths) // len(pieces)):
         runs = []
-        for k, w in zip(pieces, widths[j * len(pieces): (j + 1) * len(pieces)]):
+        for k, w in zip(pieces, widths[j * len(pieces) : (j + 1) * len(pieces)]):
             runs[-1:] = [(runs[-1][0] + k, w)] if runs and runs[-1][1] == w else runs[-1:] + [(k, w)]
         total += sum(payload_size(k, w, bucket) for k, w in runs)
     return total

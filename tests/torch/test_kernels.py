@@ -6,29 +6,31 @@ import torch
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.wire import Header, pack_header
-from horovod_alq.torch.codecs import torch_kernels as kernels
 from horovod_alq.torch.codecs import cpu_build
+from horovod_alq.torch.codecs import torch_kernels as kernels
 
 METHODS = ["qsgdinf", "qsgd", "nuqsgd", "terngrad", "alq", "alq-n", "amq", "amq-n"]
 
 
 def _torch_encode(q: Quantizer, x: torch.Tensor, use_fused: bool, seed: int = 1) -> torch.Tensor:
-    header = torch.frombuffer(bytearray(pack_header(Header(
-        _method_id(q), q.bits, q.bucket_size, x.numel(), q.fingerprint, norm=q.norm))), dtype=torch.uint8)
+    header = torch.frombuffer(
+        bytearray(pack_header(Header(_method_id(q), q.bits, q.bucket_size, x.numel(), q.fingerprint, norm=q.norm))),
+        dtype=torch.uint8,
+    )
     levels = torch.as_tensor(q.levels)
     norm = q.norm
     if use_fused:
         module = cpu_build.load()
         if module is None:
             pytest.skip(f"fused codec unavailable: {cpu_build.status()}")
-        return module.encode(x.reshape(-1).contiguous(), levels, header, q.bits, q.bucket_size,
-                             norm == "linf", seed)
+        return module.encode(x.reshape(-1).contiguous(), levels, header, q.bits, q.bucket_size, norm == "linf", seed)
     gen = torch.Generator().manual_seed(seed)
     return kernels.encode(x, levels, header, bits=q.bits, bucket_size=q.bucket_size, norm=norm, generator=gen)
 
 
 def _method_id(q):
     from horovod_alq.core.methods import get_method
+
     return get_method(q.method).id
 
 
@@ -57,7 +59,7 @@ def test_torch_payload_decodes_with_numpy_core(method, n, bucket, use_fused):
     assert payload.size == 32 + 4 * -(-n // bucket) + -(-n * q.bits // 8)
     decoded = q.decode(payload)
     # every value is norm * level of its bucket, one of the two levels around x / norm
-    norms = np.repeat(payload[32: 32 + 4 * -(-n // bucket)].view("<f4"), bucket)[:n]
+    norms = np.repeat(payload[32 : 32 + 4 * -(-n // bucket)].view("<f4"), bucket)[:n]
     candidates = norms[:, None] * q.levels.astype(np.float32)[None, :]
     assert (decoded[:, None] == candidates).any(axis=1).all()
     r = x.double().numpy() / norms
@@ -97,8 +99,14 @@ def test_unbiased_for_every_dtype(dtype, use_fused):
 # The fused encoder has a vectorized path (blocks of 64 coordinates inside one bucket, bits <= 4)
 # and a coordinate-by-coordinate one (bucket edges inside a block, tails, bits > 4): cover both,
 # with a zero bucket, at every bit width's extremes.
-FUSED_PATHS = [("qsgdinf", 2, 256, 1000), ("alq", 3, 100, 1000), ("amq", 4, 1024, 3000),
-               ("qsgd", 5, 64, 700), ("nuqsgd", 6, 1000, 2100), ("qsgdinf", 8, 40, 333)]
+FUSED_PATHS = [
+    ("qsgdinf", 2, 256, 1000),
+    ("alq", 3, 100, 1000),
+    ("amq", 4, 1024, 3000),
+    ("qsgd", 5, 64, 700),
+    ("nuqsgd", 6, 1000, 2100),
+    ("qsgdinf", 8, 40, 333),
+]
 
 
 @pytest.mark.parametrize("simd", [True, False], ids=["avx2", "generic"])
@@ -118,9 +126,15 @@ def test_fused_unbiased_on_every_path(method, bits, bucket, n, simd):
 
 
 # Adaptive methods with either bucket norm, both torch backends, the fused paths of FUSED_PATHS.
-NORM_CASES = [("alq", "linf", 2, 256, 1000), ("alq", "linf", 3, 100, 1000), ("amq", "linf", 4, 1024, 3000),
-              ("alq-n", "linf", 3, 64, 700), ("amq-n", "linf", 6, 1000, 2100), ("alq", "l2", 3, 100, 1000),
-              ("amq", "l2", 2, 256, 1000)]
+NORM_CASES = [
+    ("alq", "linf", 2, 256, 1000),
+    ("alq", "linf", 3, 100, 1000),
+    ("amq", "linf", 4, 1024, 3000),
+    ("alq-n", "linf", 3, 64, 700),
+    ("amq-n", "linf", 6, 1000, 2100),
+    ("alq", "l2", 3, 100, 1000),
+    ("amq", "l2", 2, 256, 1000),
+]
 
 
 @pytest.mark.parametrize("use_fused", [False, True], ids=["torch", "fused"])
@@ -143,7 +157,7 @@ def _check_unbiased(q: Quantizer, n: int, use_fused: bool) -> None:
     payloads = [_torch_encode(q, x, use_fused, seed=s).numpy() for s in range(m)]
     mean = np.stack([q.decode(p) for p in payloads]).astype(np.float64).mean(0)
     nb = -(-n // bucket)
-    norms = np.repeat(payloads[0][32: 32 + 4 * nb].view("<f4").astype(np.float64), bucket)[:n]
+    norms = np.repeat(payloads[0][32 : 32 + 4 * nb].view("<f4").astype(np.float64), bucket)[:n]
     levels = q.levels.astype(np.float32).astype(np.float64)  # the values the decoder multiplies
     target = x.double().numpy()
     r = np.clip(np.divide(target, norms, out=np.zeros(n), where=norms > 0), -1, 1)
@@ -189,8 +203,8 @@ def test_non_finite_bucket_only(use_fused):
 def test_fused_and_torch_norms_agree():
     q = Quantizer("alq", bucket_size=4096, seed=0)
     x = torch.randn(3 * 4096 + 5)
-    a = _torch_encode(q, x, True).numpy()[32: 32 + 16].view("<f4")
-    b = _torch_encode(q, x, False).numpy()[32: 32 + 16].view("<f4")
+    a = _torch_encode(q, x, True).numpy()[32 : 32 + 16].view("<f4")
+    b = _torch_encode(q, x, False).numpy()[32 : 32 + 16].view("<f4")
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
 

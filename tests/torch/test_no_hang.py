@@ -8,7 +8,6 @@ the others raise after HOROVOD_ALQ_TIMEOUT instead of waiting forever (worker: t
 from __future__ import annotations
 
 import pytest
-
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc

@@ -79,7 +79,10 @@ def stalled_backward(rank: int, size: int, timeout: float, backward) -> dict:
         seconds = time.monotonic() - start
         if rank == size - 1:
             time.sleep(timeout + 3)
-        return {"raised": True, "message": f"{type(err).__name__}: {err}"[:2000], "seconds": seconds,
-                "timeout": timeout}
+        return {
+            "raised": True,
+            "message": f"{type(err).__name__}: {err}"[:2000],
+            "seconds": seconds,
+            "timeout": timeout,
+        }
     return {"raised": False, "seconds": time.monotonic() - start}
-

@@ -24,9 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-
 import helpers
+import numpy as np
 
 #: Rank ``rank``'s input: its own scale and offset, a heavy-tailed quarter (the test regenerates it).
 rank_data = functools.partial(helpers.rank_data, seed=20, tail=0.05)
@@ -35,6 +34,7 @@ rank_data = functools.partial(helpers.rank_data, seed=20, tail=0.05)
 # ------------------------------------------------------------------ front-ends
 # Each returns (rank, make), make(method, exchange, args) -> (step, metrics): step(x) is one
 # averaged round (NumPy in, NumPy out) and metrics() the front-end's metrics dict.
+
 
 def torch_frontend():
     import horovod.torch as hvd
@@ -45,13 +45,25 @@ def torch_frontend():
     hvd.init()
 
     def make(method, exchange, args):
-        comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0,), update_every=0,
-                              min_size=16, seed=args.seed, exchange=exchange)
+        comp = compressor_for(
+            method,
+            bits=args.bits,
+            bucket_size=args.bucket,
+            update_steps=(0,),
+            update_every=0,
+            min_size=16,
+            seed=args.seed,
+            exchange=exchange,
+        )
         calls = iter(range(1 << 30))
 
         def step(x):
-            out = hvd.allreduce(torch.from_numpy(x), compression=comp, op=hvd.Average,
-                                name=f"conformance.{method}.{exchange}.{next(calls)}")
+            out = hvd.allreduce(
+                torch.from_numpy(x),
+                compression=comp,
+                op=hvd.Average,
+                name=f"conformance.{method}.{exchange}.{next(calls)}",
+            )
             return out.numpy()
 
         return step, comp.metrics
@@ -69,8 +81,17 @@ def tf_frontend():
 
     def make(method, exchange, args):
         # jit_compile=False by default: no XLA compile per traced shape (this test's tensors are tiny)
-        comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0,), update_every=0,
-                              min_size=16, seed=args.seed, exchange=exchange, jit_compile=args.tf_jit)
+        comp = compressor_for(
+            method,
+            bits=args.bits,
+            bucket_size=args.bucket,
+            update_steps=(0,),
+            update_every=0,
+            min_size=16,
+            seed=args.seed,
+            exchange=exchange,
+            jit_compile=args.tf_jit,
+        )
         fn = tf.function(lambda t: hvd.allreduce(t, compression=comp, op=hvd.Average))  # one call, one round
         return (lambda x: fn(tf.constant(x)).numpy()), comp.metrics
 
@@ -98,8 +119,16 @@ def ddp_frontend():
 
     def make(method, exchange, args):
         model = DDP(Linear(args.elements))
-        state = ALQState(method=method, bits=args.bits, bucket_size=args.bucket, exchange=exchange, seed=args.seed,
-                         update_steps=(0,), update_every=0, min_size=16)
+        state = ALQState(
+            method=method,
+            bits=args.bits,
+            bucket_size=args.bucket,
+            exchange=exchange,
+            seed=args.seed,
+            update_steps=(0,),
+            update_every=0,
+            min_size=16,
+        )
         model.register_comm_hook(state, alq_hook)
 
         def step(x):
@@ -119,8 +148,15 @@ def mpi_frontend():
     from horovod_alq.mpi import QuantizedAllreduce
 
     def make(method, exchange, args):
-        ar = QuantizedAllreduce(MPI.COMM_WORLD, method, bits=args.bits, bucket_size=args.bucket, seed=args.seed,
-                                exchange=exchange, collect_every=0)
+        ar = QuantizedAllreduce(
+            MPI.COMM_WORLD,
+            method,
+            bits=args.bits,
+            bucket_size=args.bucket,
+            seed=args.seed,
+            exchange=exchange,
+            collect_every=0,
+        )
         calls, adaptive = [0], get_method(method).adaptive
 
         def step(x):
@@ -157,12 +193,19 @@ def run_one(step, metrics, x, rounds):
         received.append(int(m["bytes_received"] - before[1]))
         before = (m["bytes_sent"], m["bytes_received"])
     return np.stack(outputs), {
-        "digests": digests, "bytes_sent": sent, "bytes_received": received, "exchange": m["exchange"],
+        "digests": digests,
+        "bytes_sent": sent,
+        "bytes_received": received,
+        "exchange": m["exchange"],
         "step": int(m["step"]),
-        "levels": np.asarray(m["levels"]).tolist(), "second_levels": np.asarray(m["second_levels"]).tolist(),
-        "level_updates": int(m["level_updates"]), "coordinates": int(m["coordinates"]),
+        "levels": np.asarray(m["levels"]).tolist(),
+        "second_levels": np.asarray(m["second_levels"]).tolist(),
+        "level_updates": int(m["level_updates"]),
+        "coordinates": int(m["coordinates"]),
         "uncompressed_coordinates": int(m["uncompressed_coordinates"]),
-        "first_round_s": times[0], "later_rounds_s": sum(times[1:])}
+        "first_round_s": times[0],
+        "later_rounds_s": sum(times[1:]),
+    }
 
 
 def main() -> None:

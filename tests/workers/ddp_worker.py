@@ -3,19 +3,18 @@ every scenario in one torchrun launch (start-up dominates), reported as one dict
 
 import argparse
 import copy
-import os
-import sys
 import io
+import os
 import pickle
+import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from common import report, stalled_backward
 from helpers import digest, t_stat
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from horovod_alq.torch.ddp import ALQState, alq_hook
 from horovod_alq.torch.dist_transport import DistTransport
@@ -98,12 +97,21 @@ def training(rank: int, method: str, exchange: str, steps: int, state_kwargs=Non
     losses = train(model, opt, batches(rank, steps), accumulate)
     m = state.metrics()
     k = max(1, steps // 5)
-    return {"params": digest(*model.parameters()), "levels": m["levels"].tolist(),
-            "second_levels": m["second_levels"].tolist(), "level_updates": m["level_updates"],
-            "step": m["step"], "exchange": m["exchange"], "calls": m["calls"],
-            "uncompressed": m["uncompressed_coordinates"], "bits_per_coordinate": m["bits_per_coordinate"],
-            "loss_first": float(np.mean(losses[:k])), "loss_last": float(np.mean(losses[-k:])),
-            "allocation": m.get("allocation"), "allocated_mean_bits": m.get("allocated_mean_bits")}
+    return {
+        "params": digest(*model.parameters()),
+        "levels": m["levels"].tolist(),
+        "second_levels": m["second_levels"].tolist(),
+        "level_updates": m["level_updates"],
+        "step": m["step"],
+        "exchange": m["exchange"],
+        "calls": m["calls"],
+        "uncompressed": m["uncompressed_coordinates"],
+        "bits_per_coordinate": m["bits_per_coordinate"],
+        "loss_first": float(np.mean(losses[:k])),
+        "loss_last": float(np.mean(losses[-k:])),
+        "allocation": m.get("allocation"),
+        "allocated_mean_bits": m.get("allocated_mean_bits"),
+    }
 
 
 class _Dot(torch.nn.Module):
@@ -115,8 +123,9 @@ class _Dot(torch.nn.Module):
         return (self.w * c).sum()
 
 
-def unbiased(rank: int, size: int, exchange: str, method: str = "alq", n: int = 3000, bucket: int = 128,
-             reps: int = 60) -> dict:
+def unbiased(
+    rank: int, size: int, exchange: str, method: str = "alq", n: int = 3000, bucket: int = 128, reps: int = 60
+) -> dict:
     """``reps`` DDP backward passes of loss = <w, c_rank>: the hook's output estimates the mean of
     the c_r; t-statistics over the i.i.d. calls (levels fixed after the refit of step 0)."""
     cs = []
@@ -139,11 +148,16 @@ def unbiased(rank: int, size: int, exchange: str, method: str = "alq", n: int = 
     dev = np.stack(outs) - truth
     nb = -(-n // bucket)
     per_bucket = np.add.reduceat(dev, np.arange(0, nb * bucket, bucket), axis=1)
-    return {"t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
-            "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
-            "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": reps,
-            "exchange": state.metrics()["exchange"], "digest": digest(np.stack(outs)),
-            "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean())}
+    return {
+        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+        "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
+        "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
+        "buckets": nb,
+        "reps": reps,
+        "exchange": state.metrics()["exchange"],
+        "digest": digest(np.stack(outs)),
+        "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean()),
+    }
 
 
 class _Dots(torch.nn.Module):
@@ -155,18 +169,32 @@ class _Dots(torch.nn.Module):
         return sum((w * c).sum() for w, c in zip(self.ws, cs))
 
 
-def unbiased_auto(rank: int, size: int, exchange: str, reps: int = 60, bucket: int = 128,
-                  bits_per: str = "tensor") -> dict:
+def unbiased_auto(
+    rank: int, size: int, exchange: str, reps: int = 60, bucket: int = 128, bits_per: str = "tensor"
+) -> dict:
     """bits="auto": three parameters whose gradients differ 10^4-fold in scale share one DDP bucket;
     after the refit of step 0 they travel at different widths. t statistics as :func:`unbiased`."""
     sizes, scales = (1000, 1500, 500), (100.0, 1.0, 0.01)
-    cs = [[(np.random.default_rng([12, r, k]).standard_normal(n) * s).astype(np.float32)
-           for k, (n, s) in enumerate(zip(sizes, scales))] for r in range(size)]
-    truth = np.concatenate([np.mean([c[k].astype(np.float64) for c in cs], axis=0) / s
-                            for k, s in enumerate(scales)])
+    cs = [
+        [
+            (np.random.default_rng([12, r, k]).standard_normal(n) * s).astype(np.float32)
+            for k, (n, s) in enumerate(zip(sizes, scales))
+        ]
+        for r in range(size)
+    ]
+    truth = np.concatenate([np.mean([c[k].astype(np.float64) for c in cs], axis=0) / s for k, s in enumerate(scales)])
     model = DDP(_Dots(sizes), bucket_cap_mb=1)
-    state = ALQState(method="alq", bits="auto", bit_budget=3.0, bits_per=bits_per, bucket_size=bucket,
-                     exchange=exchange, seed=3, update_steps=(0,), update_every=0)
+    state = ALQState(
+        method="alq",
+        bits="auto",
+        bit_budget=3.0,
+        bits_per=bits_per,
+        bucket_size=bucket,
+        exchange=exchange,
+        seed=3,
+        update_steps=(0,),
+        update_every=0,
+    )
     model.register_comm_hook(state, alq_hook)
     mine = [torch.from_numpy(c) for c in cs[rank]]
     outs = []
@@ -179,10 +207,18 @@ def unbiased_auto(rank: int, size: int, exchange: str, reps: int = 60, bucket: i
     per_bucket = np.add.reduceat(dev, np.arange(0, dev.shape[1], bucket), axis=1)
     t = per_bucket.mean(0) / (per_bucket.std(0, ddof=1) / np.sqrt(reps))
     m = state.metrics()
-    return {"t_buckets_max": float(np.abs(t).max()), "buckets": per_bucket.shape[1], "reps": reps,
-            "allocation": m["allocation"], "exchange": m["exchange"], "bits": state.bits,
-            "bits_per": m["bits_per"], "payload_bytes": m["payload_bytes"], "rounds": m["step"],
-            "digest": digest(np.stack(outs))}
+    return {
+        "t_buckets_max": float(np.abs(t).max()),
+        "buckets": per_bucket.shape[1],
+        "reps": reps,
+        "allocation": m["allocation"],
+        "exchange": m["exchange"],
+        "bits": state.bits,
+        "bits_per": m["bits_per"],
+        "payload_bytes": m["payload_bytes"],
+        "rounds": m["step"],
+        "digest": digest(np.stack(outs)),
+    }
 
 
 def checkpoint(rank: int) -> dict:
@@ -216,9 +252,17 @@ def checkpoint(rank: int) -> dict:
         state_for("amq").load_state_dict(saved["alq"])
     except ValueError as err:
         wrong = str(err)
-    return {"first": first, "second": second, "levels_saved": levels_saved, "restored_levels": restored_levels,
-            "fresh_levels": fresh.levels.tolist(), "fresh_step": fresh.metrics()["step"],
-            "clone_levels": clone.levels.tolist(), "clone_step": clone.metrics()["step"], "wrong_method": wrong}
+    return {
+        "first": first,
+        "second": second,
+        "levels_saved": levels_saved,
+        "restored_levels": restored_levels,
+        "fresh_levels": fresh.levels.tolist(),
+        "fresh_step": fresh.metrics()["step"],
+        "clone_levels": clone.levels.tolist(),
+        "clone_step": clone.metrics()["step"],
+        "wrong_method": wrong,
+    }
 
 
 def _counters(state):
@@ -263,8 +307,13 @@ def subgroup(rank: int, size: int) -> dict:
     model.register_comm_hook(state, alq_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = train(model, opt, batches(rank, 6))
-    return {"member": True, "params": digest(*model.parameters()), "levels": state.levels.tolist(),
-            "step": state.metrics()["step"], "losses": losses}
+    return {
+        "member": True,
+        "params": digest(*model.parameters()),
+        "levels": state.levels.tolist(),
+        "step": state.metrics()["step"],
+        "losses": losses,
+    }
 
 
 def overlap(rank: int, exchange: str, steps: int = 4) -> dict:
@@ -278,6 +327,7 @@ def overlap(rank: int, exchange: str, steps: int = 4) -> dict:
         def call(self, payload, *args):
             events.append(("payload", name))
             return originals[name](self, payload, *args)
+
         return call
 
     def hook(state, bucket):
@@ -302,8 +352,11 @@ def overlap(rank: int, exchange: str, steps: int = 4) -> dict:
     finally:
         for name, f in originals.items():
             setattr(DistTransport, name, f)
-    return {"events": per_step, "grads": digest(*(p.grad for p in model.parameters())),
-            "exchange": state.metrics()["exchange"]}
+    return {
+        "events": per_step,
+        "grads": digest(*(p.grad for p in model.parameters())),
+        "exchange": state.metrics()["exchange"],
+    }
 
 
 def mismatch(rank: int, size: int, which: str) -> dict:
@@ -337,8 +390,10 @@ def stalled(rank: int, size: int, refit: bool, timeout: float = 3.0) -> dict:
     (x, y), (x2, y2) = batches(rank, 2)
     F.cross_entropy(model(x), y).backward()  # a whole step: DDP then rebuilds its buckets at 0.01 MB
     if rank == size - 1:
+
         def stop(grad):
             raise RuntimeError("injected: this rank stops in the middle of backward")
+
         model.module.fc1.weight.register_hook(stop)
     return stalled_backward(rank, size, timeout, lambda: F.cross_entropy(model(x2), y2).backward())
 
@@ -358,24 +413,27 @@ def main() -> None:
     # the other exchange, and DDP's options
     out["train"]["alq/two-phase+accumulate"] = training(rank, "alq", "two-phase", args.steps, accumulate=2)
     out["train"]["amq/static_graph"] = training(rank, "amq", "auto", args.steps, static_graph=True)
-    out["train"]["alq/find_unused+bucket_view"] = training(rank, "alq", "allgather", args.steps, unused=True,
-                                                           find_unused_parameters=True,
-                                                           gradient_as_bucket_view=True)
-    out["train"]["alq/auto"] = training(rank, "alq", "auto", args.steps,
-                                        state_kwargs=dict(bits="auto", bit_budget=2.5))
-    out["train"]["alq/auto-bucket"] = training(rank, "alq", "auto", args.steps,
-                                               state_kwargs=dict(bits="auto", bit_budget=2.5, bits_per="bucket"))
+    out["train"]["alq/find_unused+bucket_view"] = training(
+        rank, "alq", "allgather", args.steps, unused=True, find_unused_parameters=True, gradient_as_bucket_view=True
+    )
+    out["train"]["alq/auto"] = training(rank, "alq", "auto", args.steps, state_kwargs=dict(bits="auto", bit_budget=2.5))
+    out["train"]["alq/auto-bucket"] = training(
+        rank, "alq", "auto", args.steps, state_kwargs=dict(bits="auto", bit_budget=2.5, bits_per="bucket")
+    )
     out["unbiased"] = {ex: unbiased(rank, size, ex, reps=args.reps) for ex in ("allgather", "two-phase")}
     out["unbiased_auto"] = {ex: unbiased_auto(rank, size, ex, reps=args.reps) for ex in ("allgather", "two-phase")}
-    out["unbiased_bucket"] = {ex: unbiased_auto(rank, size, ex, reps=args.reps, bits_per="bucket")
-                              for ex in ("allgather", "two-phase")}
+    out["unbiased_bucket"] = {
+        ex: unbiased_auto(rank, size, ex, reps=args.reps, bits_per="bucket") for ex in ("allgather", "two-phase")
+    }
     out["checkpoint"] = checkpoint(rank)
     out["nonfinite"] = nonfinite(rank)
     if size > 2:
         out["subgroup"] = subgroup(rank, size)
     out["overlap"] = {ex: overlap(rank, ex) for ex in ("allgather", "two-phase")}
     out["mismatch"] = {w: mismatch(rank, size, w) for w in ("bits", "min_size")}
-    out["stalled"] = {k: stalled(rank, size, k == "refit") for k in ("plain", "refit")}  # last: leave collectives behind
+    out["stalled"] = {
+        k: stalled(rank, size, k == "refit") for k in ("plain", "refit")
+    }  # last: leave collectives behind
     report(out)
     # After a comm hook raised inside backward (the mismatch scenarios), PyTorch sometimes aborts at
     # interpreter exit ("terminate called without an active exception", also with its own

@@ -62,16 +62,34 @@ def run(rank, model, inner, diloco, first: int, steps: int):
             assert params == digest(*diloco.global_params)
         elif step % diloco.sync_every == 0:
             after_inner.append(params)
-    return {"after_outer": after_outer, "after_inner": after_inner, "loss_first": float(np.mean(losses[:4])),
-            "loss_last": float(np.mean(losses[-4:]))}
+    return {
+        "after_outer": after_outer,
+        "after_inner": after_inner,
+        "loss_first": float(np.mean(losses[:4])),
+        "loss_last": float(np.mean(losses[-4:])),
+    }
 
 
 def train(rank: int, **kwargs) -> dict:
     model, inner, diloco = build(**kwargs)
     out = run(rank, model, inner, diloco, 0, 24)
     m = diloco.metrics()
-    out.update({k: m[k] for k in ("step", "outer_steps", "inner_steps", "level_updates", "exchange", "bytes_sent",
-                                  "plain_bytes_sent", "bits_per_coordinate", "uncompressed_coordinates")})
+    out.update(
+        {
+            k: m[k]
+            for k in (
+                "step",
+                "outer_steps",
+                "inner_steps",
+                "level_updates",
+                "exchange",
+                "bytes_sent",
+                "plain_bytes_sent",
+                "bits_per_coordinate",
+                "uncompressed_coordinates",
+            )
+        }
+    )
     out["levels"] = m["levels"]
     return out
 
@@ -90,8 +108,19 @@ def unbiased(rank: int, size: int, exchange: str, n: int = 3000, bucket: int = 1
     w = torch.nn.Parameter(torch.zeros(n))
     model = torch.nn.ParameterList([w])
     inner = torch.optim.SGD([w], lr=1.0)
-    diloco = DiLoCo(model, inner, sync_every=1, outer_lr=1.0, outer_momentum=0.0, bits=3, bucket_size=bucket,
-                    exchange=exchange, seed=3, update_steps=(0,), update_every=0)
+    diloco = DiLoCo(
+        model,
+        inner,
+        sync_every=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        bits=3,
+        bucket_size=bucket,
+        exchange=exchange,
+        seed=3,
+        update_steps=(0,),
+        update_every=0,
+    )
     mine = torch.from_numpy(cs[rank])
     outs = []
     for i in range(reps + 1):
@@ -105,11 +134,16 @@ def unbiased(rank: int, size: int, exchange: str, n: int = 3000, bucket: int = 1
     dev = np.stack(outs) - truth
     nb = -(-n // bucket)
     per_bucket = np.add.reduceat(dev, np.arange(0, nb * bucket, bucket), axis=1)
-    return {"t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
-            "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
-            "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": reps,
-            "exchange": diloco.metrics()["exchange"], "digest": digest(np.stack(outs)),
-            "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean())}
+    return {
+        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+        "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
+        "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
+        "buckets": nb,
+        "reps": reps,
+        "exchange": diloco.metrics()["exchange"],
+        "digest": digest(np.stack(outs)),
+        "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean()),
+    }
 
 
 def feedback(rank: int, size: int, n: int = 3000, steps: int = 20) -> dict:
@@ -119,8 +153,18 @@ def feedback(rank: int, size: int, n: int = 3000, steps: int = 20) -> dict:
     c = np.random.default_rng([22, rank]).standard_normal(n).astype(np.float32) * (1 + rank)
     w = torch.nn.Parameter(torch.zeros(n))
     inner = torch.optim.SGD([w], lr=1.0)
-    diloco = DiLoCo(torch.nn.ParameterList([w]), inner, sync_every=1, outer_lr=1.0, outer_momentum=0.0, bits=2,
-                    bucket_size=128, exchange="allgather", seed=4, error_feedback=True)
+    diloco = DiLoCo(
+        torch.nn.ParameterList([w]),
+        inner,
+        sync_every=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        bits=2,
+        bucket_size=128,
+        exchange="allgather",
+        seed=4,
+        error_feedback=True,
+    )
     total = np.zeros(n)
     for _ in range(steps):
         with torch.no_grad():
@@ -153,8 +197,13 @@ def mismatch(rank: int, size: int, which: str) -> dict:
     """The last rank builds its DiLoCo with another setting: every rank must raise, none may hang."""
     kwargs = {}
     if rank == size - 1:
-        kwargs = {"sync_every": dict(sync_every=3), "method": dict(method="amq"), "bits": dict(bits=4),
-                  "outer_lr": dict(outer_lr=0.5), "global_parameters": dict(init=1)}[which]
+        kwargs = {
+            "sync_every": dict(sync_every=3),
+            "method": dict(method="amq"),
+            "bits": dict(bits=4),
+            "outer_lr": dict(outer_lr=0.5),
+            "global_parameters": dict(init=1),
+        }[which]
     model, inner, diloco = build(**{"sync_every": 2, **kwargs})
     try:
         run(rank, model, inner, diloco, 0, 6)
@@ -176,15 +225,18 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     out = {"rank": rank, "size": size}
-    out["train"] = {"allgather+ef": train(rank, exchange="allgather", bits=2, error_feedback=True),
-                    "two-phase": train(rank, exchange="two-phase", bits=3),
-                    "auto": train(rank, bits="auto", bit_budget=2.5, exchange="allgather")}
+    out["train"] = {
+        "allgather+ef": train(rank, exchange="allgather", bits=2, error_feedback=True),
+        "two-phase": train(rank, exchange="two-phase", bits=3),
+        "auto": train(rank, bits="auto", bit_budget=2.5, exchange="allgather"),
+    }
     out["unbiased"] = {ex: unbiased(rank, size, ex) for ex in ("allgather", "two-phase")}
     out["feedback"] = feedback(rank, size)
     out["resume"] = resume(rank, exchange="allgather", bits=2, error_feedback=True, update_steps=(0, 1, 2, 3))
     out["refused"] = refused(size)
-    out["mismatch"] = {w: mismatch(rank, size, w) for w in ("sync_every", "method", "bits", "outer_lr",
-                                                              "global_parameters")}
+    out["mismatch"] = {
+        w: mismatch(rank, size, w) for w in ("sync_every", "method", "bits", "outer_lr", "global_parameters")
+    }
     report(out)
     sys.stdout.flush()
     sys.stderr.flush()

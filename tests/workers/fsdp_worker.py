@@ -11,12 +11,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
 from common import report, stalled_backward
 from ddp_worker import Net, batches
 from helpers import digest, t_stat
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from horovod_alq.core.wire import payload_size
 from horovod_alq.torch.fsdp import ALQReduceScatter, quantize_reduce_scatter
@@ -66,16 +65,28 @@ def training(rank: int, method: str, steps: int, **comm_kwargs) -> dict:
     comm = None if method == "fsdp" else quantize_reduce_scatter(model, comm_for(method, **comm_kwargs))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = fit(model, opt, batches(rank, steps))
-    out = {"loss_first": float(np.mean(losses[:3])), "loss_last": float(np.mean(losses[-3:])),
-           "params": full_digest(model)}
+    out = {
+        "loss_first": float(np.mean(losses[:3])),
+        "loss_last": float(np.mean(losses[-3:])),
+        "params": full_digest(model),
+    }
     if comm is not None:
         m = comm.metrics()
-        out.update(levels=m["levels"].tolist(), level_updates=m["level_updates"], step=m["step"],
-                   calls=m["calls"], exchange=m["exchange"], bits_per_coordinate=m["bits_per_coordinate"],
-                   uncompressed=m["uncompressed_coordinates"])
+        out.update(
+            levels=m["levels"].tolist(),
+            level_updates=m["level_updates"],
+            step=m["step"],
+            calls=m["calls"],
+            exchange=m["exchange"],
+            bits_per_coordinate=m["bits_per_coordinate"],
+            uncompressed=m["uncompressed_coordinates"],
+        )
         if comm.bits == "auto":
-            out.update(allocation=m["allocation"], allocated_mean_bits=m["allocated_mean_bits"],
-                       layouts=sorted([list(k), [n for n, _ in v]] for k, v in comm._layouts.items()))
+            out.update(
+                allocation=m["allocation"],
+                allocated_mean_bits=m["allocated_mean_bits"],
+                layouts=sorted([list(k), [n for n, _ in v]] for k, v in comm._layouts.items()),
+            )
     return out
 
 
@@ -95,7 +106,7 @@ def unbiased(rank: int, size: int, op: str, per: int = 1000, bucket: int = 128, 
     the exact reduction (levels fixed after the refit of the first call, which is skipped)."""
     cs = inputs(size, per)
     factor = {"avg": 1.0 / size, "sum": 1.0, "premul": 0.25}[op]
-    truth = factor * np.sum([c.astype(np.float64) for c in cs], axis=0)[rank * per: (rank + 1) * per]
+    truth = factor * np.sum([c.astype(np.float64) for c in cs], axis=0)[rank * per : (rank + 1) * per]
     comm = ALQReduceScatter(bucket_size=bucket, seed=3, update_steps=(0,), update_every=0)
     mine = torch.from_numpy(cs[rank])
     outs = []
@@ -110,11 +121,17 @@ def unbiased(rank: int, size: int, op: str, per: int = 1000, bucket: int = 128, 
     nb = -(-per // bucket)
     per_bucket = np.add.reduceat(dev, np.arange(0, nb * bucket, bucket), axis=1)
     m = comm.metrics()
-    return {"t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
-            "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
-            "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": reps,
-            "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean()), "step": m["step"],
-            "level_updates": m["level_updates"], "exchange": m["exchange"]}
+    return {
+        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+        "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
+        "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
+        "buckets": nb,
+        "reps": reps,
+        "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean()),
+        "step": m["step"],
+        "level_updates": m["level_updates"],
+        "exchange": m["exchange"],
+    }
 
 
 def unbiased_auto(rank: int, size: int, reps: int = 60, bucket: int = 64) -> dict:
@@ -125,15 +142,18 @@ def unbiased_auto(rank: int, size: int, reps: int = 60, bucket: int = 64) -> dic
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.Linear(40, 24))
     fully_shard(module, mesh=init_device_mesh("cpu", (size,)))
-    comm = quantize_reduce_scatter(module, comm_for("alq", bits="auto", bit_budget=3.0, bucket_size=bucket,
-                                                    update_steps=(0,), seed=3))
-    ((total, _), pieces), = comm._layouts.items()
+    comm = quantize_reduce_scatter(
+        module, comm_for("alq", bits="auto", bit_budget=3.0, bucket_size=bucket, update_steps=(0,), seed=3)
+    )
+    (((total, _), pieces),) = comm._layouts.items()
     per, scales = total // size, [100.0, 1.0, 0.01, 3.0]
     sizes = [k for k, _ in pieces]
     scale = np.concatenate([np.full(k, s) for k, s in zip(sizes, scales)])  # of one shard
-    cs = [(np.random.default_rng([12, r]).standard_normal(total) * np.tile(scale, size)).astype(np.float32)
-          for r in range(size)]
-    truth = np.sum([c.astype(np.float64) for c in cs], axis=0)[rank * per: (rank + 1) * per]
+    cs = [
+        (np.random.default_rng([12, r]).standard_normal(total) * np.tile(scale, size)).astype(np.float32)
+        for r in range(size)
+    ]
+    truth = np.sum([c.astype(np.float64) for c in cs], axis=0)[rank * per : (rank + 1) * per]
     outs = []
     for i in range(reps + 1):
         out = torch.empty(per)
@@ -147,8 +167,15 @@ def unbiased_auto(rank: int, size: int, reps: int = 60, bucket: int = 64) -> dic
     edges = np.concatenate([a + np.arange(0, k, bucket) for a, k in zip(starts, sizes)])
     per_bucket = np.add.reduceat(dev, edges, axis=1)
     m = comm.metrics()
-    return {"t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": int(edges.size), "reps": reps,
-            "allocation": m["allocation"], "pieces": sizes, "step": m["step"], "call_bytes": call_bytes}
+    return {
+        "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
+        "buckets": int(edges.size),
+        "reps": reps,
+        "allocation": m["allocation"],
+        "pieces": sizes,
+        "step": m["step"],
+        "call_bytes": call_bytes,
+    }
 
 
 def wire(rank: int, size: int, per: int = 8 * 8192, bits: int = 3, bucket: int = 8192) -> dict:
@@ -157,8 +184,14 @@ def wire(rank: int, size: int, per: int = 8 * 8192, bits: int = 3, bucket: int =
     x = torch.from_numpy(inputs(size, per)[rank])
     comm(torch.empty(per), x, dist.group.WORLD, dist.ReduceOp.AVG)
     m = comm.metrics()
-    return {"bytes_sent": m["bytes_sent"], "bytes_received": m["bytes_received"], "coordinates": m["coordinates"],
-            "payload": payload_size(per, bits, bucket), "bits": bits, "bucket": bucket}
+    return {
+        "bytes_sent": m["bytes_sent"],
+        "bytes_received": m["bytes_received"],
+        "coordinates": m["coordinates"],
+        "payload": payload_size(per, bits, bucket),
+        "bits": bits,
+        "bucket": bucket,
+    }
 
 
 def special(rank: int, size: int, per: int = 512) -> dict:
@@ -170,9 +203,9 @@ def special(rank: int, size: int, per: int = 512) -> dict:
         x[per + 5] = float("nan")  # shard 1 (rank 1's), its first bucket
     out = torch.empty(per)
     comm(out, x, dist.group.WORLD, dist.ReduceOp.AVG)
-    nan_buckets = [bool(torch.isnan(out[k: k + 128]).any()) for k in range(0, per, 128)]
+    nan_buckets = [bool(torch.isnan(out[k : k + 128]).any()) for k in range(0, per, 128)]
     # bfloat16 (MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) passes such inputs)
-    truth = np.mean([c.astype(np.float64) for c in cs], axis=0)[rank * per: (rank + 1) * per]
+    truth = np.mean([c.astype(np.float64) for c in cs], axis=0)[rank * per : (rank + 1) * per]
     xb = torch.from_numpy(cs[rank]).bfloat16()
     outb = comm.allocate((per,), dtype=torch.bfloat16, device=torch.device("cpu"))
     comm(outb, xb, dist.group.WORLD, dist.ReduceOp.AVG)
@@ -194,9 +227,15 @@ def special(rank: int, size: int, per: int = 512) -> dict:
         except (ValueError, TypeError) as err:
             errors[name] = f"{type(err).__name__}: {err}"
     m = comm.metrics()
-    return {"nan_buckets": nan_buckets, "bf16_dtype": str(outb.dtype), "bf16_rel": bf16_rel,
-            "small_exact": bool(torch.equal(outs, exact)), "uncompressed": m["uncompressed_coordinates"],
-            "step": m["step"], "errors": errors}
+    return {
+        "nan_buckets": nan_buckets,
+        "bf16_dtype": str(outb.dtype),
+        "bf16_rel": bf16_rel,
+        "small_exact": bool(torch.equal(outs, exact)),
+        "uncompressed": m["uncompressed_coordinates"],
+        "step": m["step"],
+        "errors": errors,
+    }
 
 
 def mixed_precision(rank: int, steps: int = 6) -> dict:
@@ -223,9 +262,14 @@ def hsdp(rank: int, steps: int = 6) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = fit(model, opt, batches(rank, steps))
     m = comm.metrics()
-    return {"params": full_digest(model), "levels": m["levels"].tolist(), "step": m["step"],
-            "level_updates": m["level_updates"], "losses": losses,
-            "shard_group": mesh["shard"].mesh.tolist()}
+    return {
+        "params": full_digest(model),
+        "levels": m["levels"].tolist(),
+        "step": m["step"],
+        "level_updates": m["level_updates"],
+        "losses": losses,
+        "shard_group": mesh["shard"].mesh.tolist(),
+    }
 
 
 def checkpoint(rank: int) -> dict:
@@ -252,8 +296,15 @@ def checkpoint(rank: int) -> dict:
         wrong = None
     except ValueError as err:
         wrong = str(err)
-    return {"first": first, "second": second, "levels_saved": levels_saved, "restored": restored,
-            "clone_levels": clone.levels.tolist(), "clone_step": clone.metrics()["step"], "wrong_method": wrong}
+    return {
+        "first": first,
+        "second": second,
+        "levels_saved": levels_saved,
+        "restored": restored,
+        "clone_levels": clone.levels.tolist(),
+        "clone_step": clone.metrics()["step"],
+        "wrong_method": wrong,
+    }
 
 
 def mismatch(rank: int) -> dict:
@@ -261,9 +312,12 @@ def mismatch(rank: int) -> dict:
     bit_budget and a rank whose comm recorded no layout (set with set_custom_reduce_scatter alone):
     every rank raises at the handshake."""
     out = {}
-    for name, kwargs in {"bits": {"bits": 3 + (rank == 1)}, "min_size": {"min_size": 64 + (rank == 1)},
-                         "budget": {"bits": "auto", "bit_budget": 3.0 - 0.5 * (rank == 1)},
-                         "layout": {"bits": "auto", "bit_budget": 3.0}}.items():
+    for name, kwargs in {
+        "bits": {"bits": 3 + (rank == 1)},
+        "min_size": {"min_size": 64 + (rank == 1)},
+        "budget": {"bits": "auto", "bit_budget": 3.0 - 0.5 * (rank == 1)},
+        "layout": {"bits": "auto", "bit_budget": 3.0},
+    }.items():
         model = sharded()
         comm = quantize_reduce_scatter(model, comm_for("alq", **kwargs))
         if name == "layout" and rank == 1:
@@ -293,8 +347,10 @@ def stalled(rank: int, size: int, timeout: float = 3.0) -> dict:
     (x, y), (x2, y2) = batches(rank, 2)
     F.cross_entropy(model(x), y).backward()  # a whole step first
     if rank == size - 1:
+
         def stop(module, grad_output):
             raise RuntimeError("injected: this rank stops in the middle of backward")
+
         model.fc2.register_full_backward_pre_hook(stop)
     return stalled_backward(rank, size, timeout, lambda: F.cross_entropy(model(x2), y2).backward())
 

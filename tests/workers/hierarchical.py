@@ -9,7 +9,6 @@ import argparse
 import os
 
 import numpy as np
-
 from common import report
 from helpers import digest, t_stat
 
@@ -26,8 +25,13 @@ def summarize(outs: list[np.ndarray], exact: np.ndarray) -> dict:
     dev = np.stack(outs).astype(np.float64) - exact
     buckets = np.add.reduceat(dev, np.arange(0, N, D), axis=1)
     t = t_stat(buckets)
-    return {"reps": len(outs), "buckets": buckets.shape[1], "t_buckets_max": float(np.abs(t).max()),
-            "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]), "digest": digest(*outs)}
+    return {
+        "reps": len(outs),
+        "buckets": buckets.shape[1],
+        "t_buckets_max": float(np.abs(t).max()),
+        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+        "digest": digest(*outs),
+    }
 
 
 def run_mpi(args) -> dict:
@@ -134,7 +138,7 @@ def run_fsdp(args) -> dict:
     x = torch.from_numpy(rank_input(rank)[: per * size])
     exact = x.double().clone()
     dist.all_reduce(exact)
-    exact = (exact / size)[rank * per: (rank + 1) * per].numpy()
+    exact = (exact / size)[rank * per : (rank + 1) * per].numpy()
     comm = ALQReduceScatter(bits=args.bits, bucket_size=D, seed=5, update_steps=(0,), update_every=0, min_size=0)
     outs = []
     for _ in range(args.reps):
@@ -145,14 +149,20 @@ def run_fsdp(args) -> dict:
     t = t_stat(np.add.reduceat(dev, np.arange(0, per, D), axis=1))
     gathered = [torch.empty(per) for _ in range(size)]
     dist.all_gather(gathered, torch.from_numpy(outs[-1]))  # every rank's shard: one digest of the whole
-    out = {"reps": len(outs), "buckets": t.size, "t_buckets_max": float(np.abs(t).max()),
-           "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]), "digest": digest(*gathered),
-           "exchange": comm.metrics()["exchange"]}
+    out = {
+        "reps": len(outs),
+        "buckets": t.size,
+        "t_buckets_max": float(np.abs(t).max()),
+        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+        "digest": digest(*gathered),
+        "exchange": comm.metrics()["exchange"],
+    }
     if rank == size - 1:
         os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = "1"  # this rank declares a node per rank
     try:
         ALQReduceScatter(bits=args.bits, bucket_size=D, seed=5, min_size=0, timeout=60)(
-            torch.empty(per), x, dist.group.WORLD, dist.ReduceOp.AVG)
+            torch.empty(per), x, dist.group.WORLD, dist.ReduceOp.AVG
+        )
         out["mismatch"] = None
     except Exception as err:  # noqa: BLE001
         out["mismatch"] = f"{type(err).__name__}: {err}"

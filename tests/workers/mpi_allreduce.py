@@ -5,12 +5,11 @@ import argparse
 import functools
 import hashlib
 
-import numpy as np
-from mpi4py import MPI
-
 import helpers
+import numpy as np
 from common import report
 from helpers import digest, t_stat
+from mpi4py import MPI
 
 from horovod_alq.core.bucket_widths import mixed_payload_size
 from horovod_alq.core.methods import get_method
@@ -81,8 +80,9 @@ def unbiased(comm, method: str, n: int, bucket: int, reps: int, alpha: float) ->
     xs = [rank_data(r, n) for r in members]
     truth = np.mean([v.astype(np.float64) for v in xs], axis=0)
     bits = bits_of(method)
-    ar = QuantizedAllreduce(comm, method, bits=bits, bucket_size=bucket, seed=11 + ALL.index(method),
-                            exchange="allgather")  # the exact law below is the allgather exchange's
+    ar = QuantizedAllreduce(
+        comm, method, bits=bits, bucket_size=bucket, seed=11 + ALL.index(method), exchange="allgather"
+    )  # the exact law below is the allgather exchange's
     start = ar.levels
     for i in range(3):
         ar(x * np.float32(1 + 0.5 * i))
@@ -107,20 +107,34 @@ def unbiased(comm, method: str, n: int, bucket: int, reps: int, alpha: float) ->
     parts = ar.allgather(x)
     m = ar.metrics()
     return {
-        "n": n, "reps": reps, "alpha": alpha,
+        "n": n,
+        "reps": reps,
+        "alpha": alpha,
         "expect_vs_truth": float(np.abs(expect - truth).max() / scale),
         "bernstein_coordinates": per_coord,
         "bernstein_z_sum": bernstein_ratio(z.sum(), z.size, zb, log_term, z_slack),
         "bernstein_z_signed": bernstein_ratio(np.sign(expect[regular]) @ z, z.size, zb, log_term, z_slack),
-        "max_abs_z": float(np.abs(z).max()), "sum_z": float(z.sum()), "n_z": int(z.size),
-        "outputs": h.hexdigest(), "dtype": str(out.dtype), "refit": refit,
-        "start_levels": start.tolist(), "levels": ar.levels.tolist(), "fingerprint": ar.quantizer.fingerprint,
-        "level_updates": m["level_updates"], "step": m["step"], "payload_bytes": m["payload_bytes"],
-        "coordinates": m["coordinates"], "uncompressed": m["uncompressed_coordinates"],
-        "bits_per_coordinate": m["bits_per_coordinate"], "metric_keys": sorted(m),
+        "max_abs_z": float(np.abs(z).max()),
+        "sum_z": float(z.sum()),
+        "n_z": int(z.size),
+        "outputs": h.hexdigest(),
+        "dtype": str(out.dtype),
+        "refit": refit,
+        "start_levels": start.tolist(),
+        "levels": ar.levels.tolist(),
+        "fingerprint": ar.quantizer.fingerprint,
+        "level_updates": m["level_updates"],
+        "step": m["step"],
+        "payload_bytes": m["payload_bytes"],
+        "coordinates": m["coordinates"],
+        "uncompressed": m["uncompressed_coordinates"],
+        "bits_per_coordinate": m["bits_per_coordinate"],
+        "metric_keys": sorted(m),
         "one_payload": payload_size(n, bits, bucket),
-        "gathered_bytes": int(sum(p.size for p in parts)), "payload_sizes": [int(p.size) for p in parts],
-        "own_payload": digest(parts[comm.Get_rank()]), "members": members,
+        "gathered_bytes": int(sum(p.size for p in parts)),
+        "payload_sizes": [int(p.size) for p in parts],
+        "own_payload": digest(parts[comm.Get_rank()]),
+        "members": members,
     }
 
 
@@ -135,15 +149,20 @@ def dtypes(comm) -> dict:
         for label, arr in ((name, x), (name + ".strided", x[:, ::2])):
             out = ar(arr)
             ref = exact if arr is x else exact[:, ::2]
-            res[label] = {"dtype": str(out.dtype), "shape": list(out.shape), "same_shape": out.shape == arr.shape,
-                          "rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)), "digest": digest(out)}
+            res[label] = {
+                "dtype": str(out.dtype),
+                "shape": list(out.shape),
+                "same_shape": out.shape == arr.shape,
+                "rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
+                "digest": digest(out),
+            }
     x = rank_data(rank, 256)
     res["sum_over_average"] = float(np.median(ar(x, op="sum") / ar(x)))
     nan = rank_data(rank, 256)
     if rank == 1:
         nan[70] = np.nan
     out = ar(nan)
-    res["nan_buckets"] = [bool(np.isnan(out[i * 64:(i + 1) * 64]).all()) for i in range(4)]
+    res["nan_buckets"] = [bool(np.isnan(out[i * 64 : (i + 1) * 64]).all()) for i in range(4)]
     res["empty"] = list(ar(np.zeros(0, np.float32)).shape)
     return res
 
@@ -237,11 +256,24 @@ def _counted(name):
     def call(self, *args, **kwargs):
         _COUNT[name] = _COUNT.get(name, 0) + 1
         return base(self, *args, **kwargs)
+
     return call
 
 
-for _name in ("Allgather", "allgather", "Allgatherv", "Iallgatherv", "Allreduce", "allreduce", "Iallreduce",
-              "Alltoallv", "Ialltoallv", "Bcast", "bcast", "Barrier"):
+for _name in (
+    "Allgather",
+    "allgather",
+    "Allgatherv",
+    "Iallgatherv",
+    "Allreduce",
+    "allreduce",
+    "Iallreduce",
+    "Alltoallv",
+    "Ialltoallv",
+    "Bcast",
+    "bcast",
+    "Barrier",
+):
     setattr(_Counting, _name, _counted(_name))
 
 
@@ -268,12 +300,18 @@ def refit_failure(comm) -> dict:
     ar(x)
     start = ar.levels
     if comm.Get_rank() == 1:
+
         def broken(*args, **kwargs):
             raise FloatingPointError("injected")
+
         ar.quantizer.adapt = broken
     err = _attempt(ar.adapt)
-    return {"error": err, "restored": bool(np.array_equal(ar.levels, start)),
-            "level_updates": ar.metrics()["level_updates"], "after": digest(ar(x))}
+    return {
+        "error": err,
+        "restored": bool(np.array_equal(ar.levels, start)),
+        "level_updates": ar.metrics()["level_updates"],
+        "after": digest(ar(x)),
+    }
 
 
 def state(comm) -> dict:
@@ -293,10 +331,15 @@ def state(comm) -> dict:
     a, b, c = ar(x), mine(x), from_root(x)
     ar.adapt()
     mine.adapt()
-    return {"same_output_own_state": bool(np.array_equal(a, b)), "root_state_runs": bool(np.isfinite(c).all()),
-            "loaded_levels_equal": loaded_equal, "adapted_levels_equal": bool(np.array_equal(ar.levels, mine.levels)),
-            "step": from_root.metrics()["step"], "level_updates": mine.metrics()["level_updates"],
-            "multiplier": ar.metrics()["multiplier"]}
+    return {
+        "same_output_own_state": bool(np.array_equal(a, b)),
+        "root_state_runs": bool(np.isfinite(c).all()),
+        "loaded_levels_equal": loaded_equal,
+        "adapted_levels_equal": bool(np.array_equal(ar.levels, mine.levels)),
+        "step": from_root.metrics()["step"],
+        "level_updates": mine.metrics()["level_updates"],
+        "multiplier": ar.metrics()["multiplier"],
+    }
 
 
 def collect(comm) -> dict:
@@ -335,8 +378,15 @@ def payload_dump(comm) -> dict:
     ar.adapt()
     parts = ar.allgather(x)
     mean = ar.reduce(parts)
-    return {"method": ar.method, "bits": ar.bits, "bucket_size": ar.bucket_size, "levels": ar.levels.tolist(),
-            "payloads": [p.tobytes().hex() for p in parts], "mean": mean.tolist(), "mean_digest": digest(mean)}
+    return {
+        "method": ar.method,
+        "bits": ar.bits,
+        "bucket_size": ar.bucket_size,
+        "levels": ar.levels.tolist(),
+        "payloads": [p.tobytes().hex() for p in parts],
+        "mean": mean.tolist(),
+        "mean_digest": digest(mean),
+    }
 
 
 def split(comm, alpha: float) -> dict:
@@ -392,13 +442,18 @@ def two_phase(comm, n: int, bucket: int, reps: int, method: str = "alq") -> dict
     return {
         "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
         "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
-        "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": reps,
-        "digest": digest(outs), "exchange": after["exchange"], "second_updates": after["level_updates"],
+        "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
+        "buckets": nb,
+        "reps": reps,
+        "digest": digest(outs),
+        "exchange": after["exchange"],
+        "second_updates": after["level_updates"],
         "second_follows_first": bool(np.array_equal(ar.metrics()["second_levels"], ar.levels)),
         "second_refit_at_other_bits": _second_refit_at_other_bits(comm, method, bucket, xs[rank]),
         "sent_per_call": after["bytes_sent"] - before["bytes_sent"],
         "received_per_call": after["bytes_received"] - before["bytes_received"],
-        "allgather_sent": g["bytes_sent"], "allgather_received": g["bytes_received"],
+        "allgather_sent": g["bytes_sent"],
+        "allgather_received": g["bytes_received"],
     }
 
 
@@ -448,8 +503,11 @@ def list_unbiased(comm, bits, exchange: str, reps: int, bits_per: str = "tensor"
         outs = ar(xs, collect=False)
         for o in outs:
             h.update(o.tobytes())
-        devs.append(np.concatenate([(o.astype(np.float64).ravel() - t.ravel()) / s
-                                    for o, t, s in zip(outs, truth, AUTO_SCALES)]))
+        devs.append(
+            np.concatenate(
+                [(o.astype(np.float64).ravel() - t.ravel()) / s for o, t, s in zip(outs, truth, AUTO_SCALES)]
+            )
+        )
     m = ar.metrics()
     dev = np.array(devs)
     edges = np.concatenate([[0], np.cumsum(AUTO_SIZES)])
@@ -458,19 +516,32 @@ def list_unbiased(comm, bits, exchange: str, reps: int, bits_per: str = "tensor"
     sign = np.sign(np.concatenate([t.ravel() for t in truth]))
     widths = m["allocation"] if bits == "auto" else [bits] * 3
     return {
-        "reps": reps, "buckets": len(cuts), "updated": updated, "digest": h.hexdigest(),
+        "reps": reps,
+        "buckets": len(cuts),
+        "updated": updated,
+        "digest": h.hexdigest(),
         "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
-        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]), "t_signed": float(t_stat((dev @ sign)[:, None])[0]),
-        "dtypes": [str(o.dtype) for o in outs], "shapes": [list(o.shape) for o in outs],
-        "rel_err": [float(np.linalg.norm(o.astype(np.float64).ravel() - t.ravel()) / np.linalg.norm(t))
-                    for o, t in zip(outs, truth)],
-        "exchange": m["exchange"], "level_updates": m["level_updates"], "levels": ar.levels.tolist(),
-        "allocation": m.get("allocation"), "allocated_mean_bits": m.get("allocated_mean_bits"),
+        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+        "t_signed": float(t_stat((dev @ sign)[:, None])[0]),
+        "dtypes": [str(o.dtype) for o in outs],
+        "shapes": [list(o.shape) for o in outs],
+        "rel_err": [
+            float(np.linalg.norm(o.astype(np.float64).ravel() - t.ravel()) / np.linalg.norm(t))
+            for o, t in zip(outs, truth)
+        ],
+        "exchange": m["exchange"],
+        "level_updates": m["level_updates"],
+        "levels": ar.levels.tolist(),
+        "allocation": m.get("allocation"),
+        "allocated_mean_bits": m.get("allocated_mean_bits"),
         "default_bits": m.get("default_bits"),
         "width_levels": {str(w): v.tolist() for w, v in m.get("width_levels", {}).items()},
         "bytes_per_call": (m["payload_bytes"] - before) / reps,
-        "expected_bytes": (mixed_payload_size(sum(AUTO_SIZES), AUTO_BUCKET, 640) if bits_per == "bucket"
-                           else list_wire(AUTO_SIZES, widths, AUTO_BUCKET)),
+        "expected_bytes": (
+            mixed_payload_size(sum(AUTO_SIZES), AUTO_BUCKET, 640)
+            if bits_per == "bucket"
+            else list_wire(AUTO_SIZES, widths, AUTO_BUCKET)
+        ),
     }
 
 
@@ -485,8 +556,9 @@ def auto_collection(comm) -> dict:
     def rows(xs):
         return np.stack([fresh.row(np.ravel(x).astype(np.float32)) for x in xs])
 
-    ar = QuantizedAllreduce(comm, "alq", bits="auto", bit_budget=2.5, bucket_size=AUTO_BUCKET, seed=4,
-                            exchange="allgather")  # its payload bytes are the widths' (checked)
+    ar = QuantizedAllreduce(
+        comm, "alq", bits="auto", bit_budget=2.5, bucket_size=AUTO_BUCKET, seed=4, exchange="allgather"
+    )  # its payload bytes are the widths' (checked)
     res = {"nothing": ar.adapt()}
     a, b = auto_arrays(world, 0), auto_arrays(world, 1)
     ar(a)
@@ -507,18 +579,25 @@ def auto_collection(comm) -> dict:
     res["allocation"], res["default_bits"] = m["allocation"], m["default_bits"]
     res["pending_after"] = ar.state_dict()["pending"]
     # the allocation's arrays take their widths; any other call (a prefix included) the default
-    calls = {"same": a, "prefix": a[:2], "single": a[0], "other": [a[2], a[0], a[1]],
-             "same_counts": [a[1], a[0], a[2]]}  # arrays are matched by their element counts
+    calls = {
+        "same": a,
+        "prefix": a[:2],
+        "single": a[0],
+        "other": [a[2], a[0], a[1]],
+        "same_counts": [a[1], a[0], a[2]],
+    }  # arrays are matched by their element counts
     res["bytes"] = {}
     for name, xs in calls.items():
         before = ar.metrics()["payload_bytes"]
         ar(xs, collect=False)
         res["bytes"][name] = ar.metrics()["payload_bytes"] - before
-    res["expected"] = {"same": list_wire(AUTO_SIZES, m["allocation"], AUTO_BUCKET),
-                       "prefix": list_wire(AUTO_SIZES[:2], [2, 2], AUTO_BUCKET),
-                       "single": payload_size(AUTO_SIZES[0], 2, AUTO_BUCKET),
-                       "other": list_wire(AUTO_SIZES[::-1], [2, 2, 2], AUTO_BUCKET),
-                       "same_counts": list_wire(AUTO_SIZES, m["allocation"], AUTO_BUCKET)}
+    res["expected"] = {
+        "same": list_wire(AUTO_SIZES, m["allocation"], AUTO_BUCKET),
+        "prefix": list_wire(AUTO_SIZES[:2], [2, 2], AUTO_BUCKET),
+        "single": payload_size(AUTO_SIZES[0], 2, AUTO_BUCKET),
+        "other": list_wire(AUTO_SIZES[::-1], [2, 2, 2], AUTO_BUCKET),
+        "same_counts": list_wire(AUTO_SIZES, m["allocation"], AUTO_BUCKET),
+    }
     res["reduce"] = _attempt(lambda: ar.reduce([np.zeros(40, np.uint8)]))
     return res
 
@@ -583,14 +662,19 @@ def auto_state(comm) -> dict:
     ar.adapt()
     mine.adapt()
     m, n = ar.metrics(), mine.metrics()
-    return {"same_output_own_state": bool(all(same)), "root_state_runs": bool(runs),
-            "allocation_loaded": from_root.metrics()["allocation"] == own["auto"]["bits"],
-            "adapted_alike": m["allocation"] == n["allocation"] and all(
-                np.array_equal(m["width_levels"][w], n["width_levels"][w]) for w in m["width_levels"]),
-            "level_updates": n["level_updates"], "allocation": m["allocation"],
-            "fixed_refused": _attempt(lambda: QuantizedAllreduce(comm, "amq", bits=3).load_state_dict(own)),
-            "budget_refused": _attempt(lambda: QuantizedAllreduce(comm, "amq", bits="auto", bit_budget=3.0)
-                                       .load_state_dict(own))}
+    return {
+        "same_output_own_state": bool(all(same)),
+        "root_state_runs": bool(runs),
+        "allocation_loaded": from_root.metrics()["allocation"] == own["auto"]["bits"],
+        "adapted_alike": m["allocation"] == n["allocation"]
+        and all(np.array_equal(m["width_levels"][w], n["width_levels"][w]) for w in m["width_levels"]),
+        "level_updates": n["level_updates"],
+        "allocation": m["allocation"],
+        "fixed_refused": _attempt(lambda: QuantizedAllreduce(comm, "amq", bits=3).load_state_dict(own)),
+        "budget_refused": _attempt(
+            lambda: QuantizedAllreduce(comm, "amq", bits="auto", bit_budget=3.0).load_state_dict(own)
+        ),
+    }
 
 
 def fixed_list(comm) -> dict:
@@ -602,11 +686,17 @@ def fixed_list(comm) -> dict:
     outs = ar(tuple(xs))
     q = ar.quantizer
     expected = sum(q.statistics(np.ravel(x).astype(np.float32)) for x in xs)
-    return {"statistics_as_alone": bool(np.allclose(ar.state_dict()["pending"], expected, rtol=1e-12)),
-            "bytes": ar.metrics()["payload_bytes"] - before, "expected_bytes": list_wire(AUTO_SIZES, [3] * 3, 64),
-            "type": type(outs).__name__, "shapes": [list(o.shape) for o in outs],
-            "dtypes": [str(o.dtype) for o in outs], "empty": [list(o.shape) for o in ar([np.zeros(0), xs[0][:5]])],
-            "nothing": ar([]), "digest": digest(np.concatenate([o.ravel().astype(np.float64) for o in outs]))}
+    return {
+        "statistics_as_alone": bool(np.allclose(ar.state_dict()["pending"], expected, rtol=1e-12)),
+        "bytes": ar.metrics()["payload_bytes"] - before,
+        "expected_bytes": list_wire(AUTO_SIZES, [3] * 3, 64),
+        "type": type(outs).__name__,
+        "shapes": [list(o.shape) for o in outs],
+        "dtypes": [str(o.dtype) for o in outs],
+        "empty": [list(o.shape) for o in ar([np.zeros(0), xs[0][:5]])],
+        "nothing": ar([]),
+        "digest": digest(np.concatenate([o.ravel().astype(np.float64) for o in outs])),
+    }
 
 
 def auto_bits(comm, reps: int) -> dict:
@@ -640,8 +730,9 @@ def main() -> None:
         report({"rank": comm.Get_rank(), "size": comm.Get_size(), "auto": auto_bits(comm, args.auto_reps)})
         return
     out = {"rank": comm.Get_rank(), "size": comm.Get_size()}
-    out["unbiased"] = {m: unbiased(comm, m, args.n, args.bucket, args.reps, args.alpha)
-                       for m in args.methods.split(",")}
+    out["unbiased"] = {
+        m: unbiased(comm, m, args.n, args.bucket, args.reps, args.alpha) for m in args.methods.split(",")
+    }
     out["dtypes"] = dtypes(comm)
     out["errors"] = errors(comm)
     if comm.Get_size() == 2:

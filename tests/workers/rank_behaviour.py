@@ -1,8 +1,8 @@
 """Worker for the tests of run_ranks itself (no Horovod): report, fail, stay silent or hang.
 
 Usage: rank_behaviour.py MODE [RANK [TAG]]; MODE is applied on RANK ("all", the default: every
-rank), the other ranks report normally. TAG is ignored (it marks the processes for a test). Modes: ok, fail (print a marker and exit 3), silent (exit 0 without
-reporting), hang (sleep forever).
+rank), the other ranks report normally. TAG is ignored (it marks the processes for a test). Modes:
+ok, fail (print a marker and exit 3), silent (exit 0 without reporting), hang (sleep forever).
 """
 
 import sys

@@ -13,9 +13,22 @@ import sys
 import tempfile
 import time
 
-
-SCENARIOS = ["exchange", "train", "keras", "mismatch", "misc", "compat", "deadlock", "process_sets", "two_phase",
-             "reducescatter", "join", "auto", "collide", "stall"]
+SCENARIOS = [
+    "exchange",
+    "train",
+    "keras",
+    "mismatch",
+    "misc",
+    "compat",
+    "deadlock",
+    "process_sets",
+    "two_phase",
+    "reducescatter",
+    "join",
+    "auto",
+    "collide",
+    "stall",
+]
 
 
 def parse_args():
@@ -67,8 +80,9 @@ def core_decodes(comp, x: np.ndarray) -> list:
     m = comp.metrics()
     q = Quantizer(comp._method.name, bits=comp.bits, bucket_size=comp.bucket_size)
     q.set_levels(m["levels"])
-    payload = comp._fns.codec.encode(tf.constant(x), comp._vars.levels, comp._vars.header(x.size),
-                              tf.constant([1, 2], tf.int64)).numpy()
+    payload = comp._fns.codec.encode(
+        tf.constant(x), comp._vars.levels, comp._vars.header(x.size), tf.constant([1, 2], tf.int64)
+    ).numpy()
     return list(q.decode(payload).shape)
 
 
@@ -91,8 +105,15 @@ def exchange(args) -> dict:
     truth = scale * sum(xs)
     out = {}
     for method in args.methods.split(","):
-        comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
-                              update_every=0, min_size=16, seed=args.seed)
+        comp = compressor_for(
+            method,
+            bits=args.bits,
+            bucket_size=args.bucket,
+            update_steps=(0, 5),
+            update_every=0,
+            min_size=16,
+            seed=args.seed,
+        )
         norm = comp.norm
         start = comp.levels.tolist()
         fn = reduce_fn(comp, op, args.mode)
@@ -116,10 +137,16 @@ def exchange(args) -> dict:
         out[method] = {
             "worst_ratio": float(np.max(np.abs(dev_sum) / bound)),
             "aggregate_z": float(dev_sum.sum() / np.sqrt(var_sum.sum())),
-            "digest": h.hexdigest(), "levels": m["levels"].tolist(), "start_levels": start,
-            "level_updates": m["level_updates"], "step": m["step"], "calls": m["calls"],
-            "bits_per_coordinate": m["bits_per_coordinate"], "dtype": str(y.dtype),
-            "core_decoded_shape": core_decodes(comp, rank_data(rank, args.n))}
+            "digest": h.hexdigest(),
+            "levels": m["levels"].tolist(),
+            "start_levels": start,
+            "level_updates": m["level_updates"],
+            "step": m["step"],
+            "calls": m["calls"],
+            "bits_per_coordinate": m["bits_per_coordinate"],
+            "dtype": str(y.dtype),
+            "core_decoded_shape": core_decodes(comp, rank_data(rank, args.n)),
+        }
     if args.large:
         comp = ALQCompressor(bits=3, bucket_size=8192, min_size=16, seed=args.seed, update_steps=(0,))
         fn = reduce_fn(comp, op, args.mode)
@@ -127,11 +154,18 @@ def exchange(args) -> dict:
         for _ in range(3):
             y = fn(big)
         m = comp.metrics()
-        out["large"] = {"bits_per_coordinate": m["bits_per_coordinate"], "payload_bytes": m["payload_bytes"],
-                        "coordinates": m["coordinates"], "digest": digest(y.numpy()),
-                        "rel_err": float(np.linalg.norm(y.numpy() - sum(rank_data(r, 65536) for r in range(size))
-                                                        / (size if op == hvd.Average else 1))
-                                         / np.linalg.norm(y.numpy()))}
+        out["large"] = {
+            "bits_per_coordinate": m["bits_per_coordinate"],
+            "payload_bytes": m["payload_bytes"],
+            "coordinates": m["coordinates"],
+            "digest": digest(y.numpy()),
+            "rel_err": float(
+                np.linalg.norm(
+                    y.numpy() - sum(rank_data(r, 65536) for r in range(size)) / (size if op == hvd.Average else 1)
+                )
+                / np.linalg.norm(y.numpy())
+            ),
+        }
     return out
 
 
@@ -184,15 +218,26 @@ def train_loop(variables, forward, comp, data, steps: int, lr: float = 0.1, seed
         idx = rng.integers(0, len(tx), 32)
         losses.append(float(step(tx[idx], ty[idx])))
     acc = float(np.mean(np.argmax(forward(vx).numpy(), 1) == vy))
-    return {"first_loss": float(np.mean(losses[:10])), "last_loss": float(np.mean(losses[-10:])),
-            "accuracy": acc, "params": [digest(v.numpy()) for v in variables],
-            "traces": step.experimental_get_tracing_count()}
+    return {
+        "first_loss": float(np.mean(losses[:10])),
+        "last_loss": float(np.mean(losses[-10:])),
+        "accuracy": acc,
+        "params": [digest(v.numpy()) for v in variables],
+        "traces": step.experimental_get_tracing_count(),
+    }
 
 
 def make_train_compressor(method: str, args):
     bits = 2 if method == "terngrad" else 4
-    return compressor_for(method, bits=bits, bucket_size=args.bucket, update_steps=(0, 20, 60), update_every=0,
-                          min_size=100, seed=args.seed)
+    return compressor_for(
+        method,
+        bits=bits,
+        bucket_size=args.bucket,
+        update_steps=(0, 20, 60),
+        update_every=0,
+        min_size=100,
+        seed=args.seed,
+    )
 
 
 def train(args) -> dict:
@@ -206,16 +251,21 @@ def train(args) -> dict:
         start = comp.levels.tolist()
         res = train_loop([model.w1, model.b1, model.w2, model.b2], model, comp, data, args.steps)
         m = comp.metrics()
-        res.update(start_levels=start, levels=m["levels"].tolist(), level_updates=m["level_updates"],
-                   step=m["step"], uncompressed=m["uncompressed_coordinates"], coordinates=m["coordinates"],
-                   core_decoded_shape=core_decodes(comp, model.w1.numpy()))
+        res.update(
+            start_levels=start,
+            levels=m["levels"].tolist(),
+            level_updates=m["level_updates"],
+            step=m["step"],
+            uncompressed=m["uncompressed_coordinates"],
+            coordinates=m["coordinates"],
+            core_decoded_shape=core_decodes(comp, model.w1.numpy()),
+        )
         out[method] = res
 
     # Keras 3: DistributedGradientTape needs the Keras variables' underlying tf.Variables.
     import keras
 
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
-                              keras.layers.Dense(10)])
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
     model.set_weights(hvd.broadcast_object(model.get_weights(), root_rank=0))
     comp = make_train_compressor("alq", args)
     direct_error = None
@@ -226,8 +276,9 @@ def train(args) -> dict:
     except Exception as err:  # noqa: BLE001 - reported to the test
         direct_error = f"{type(err).__name__}: {err}"
     res = train_loop([v.value for v in model.trainable_variables], lambda x: model(x), comp, data, args.steps)
-    res.update(keras_version=keras.__version__, direct_error=direct_error,
-               level_updates=comp.metrics()["level_updates"])
+    res.update(
+        keras_version=keras.__version__, direct_error=direct_error, level_updates=comp.metrics()["level_updates"]
+    )
     out["keras3"] = res
     return out
 
@@ -240,24 +291,40 @@ def keras_fit(args) -> dict:
     size, rank = hvdk.size(), hvdk.rank()
     tx, ty, vx, vy = digits_data(rank, size)
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.layers.Dense(128, activation="relu", input_shape=(64,)),
-                              keras.layers.Dense(10)])
-    comp = ALQCompressor(bits=4, bucket_size=args.bucket, update_steps=(0, 20, 60), update_every=0,
-                         min_size=100, seed=args.seed)
+    model = keras.Sequential([keras.layers.Dense(128, activation="relu", input_shape=(64,)), keras.layers.Dense(10)])
+    comp = ALQCompressor(
+        bits=4, bucket_size=args.bucket, update_steps=(0, 20, 60), update_every=0, min_size=100, seed=args.seed
+    )
     start = comp.levels.tolist()
     opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), compression=comp)
-    model.compile(optimizer=opt, metrics=["accuracy"],
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    hist = model.fit(tx, ty, batch_size=32, epochs=args.steps, shuffle=True, verbose=0,
-                     callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0)])
+    model.compile(
+        optimizer=opt, metrics=["accuracy"], loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    hist = model.fit(
+        tx,
+        ty,
+        batch_size=32,
+        epochs=args.steps,
+        shuffle=True,
+        verbose=0,
+        callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
     acc = float(np.mean(np.argmax(model.predict(vx, verbose=0), 1) == vy))
     m = comp.metrics()
     import tf_keras
 
-    return {"keras": keras.__name__, "keras_version": tf_keras.__version__, "loss": hist.history["loss"], "accuracy": acc,
-            "params": [digest(w) for w in model.get_weights()], "start_levels": start,
-            "levels": m["levels"].tolist(), "level_updates": m["level_updates"], "step": m["step"],
-            "bits_per_coordinate": m["bits_per_coordinate"]}
+    return {
+        "keras": keras.__name__,
+        "keras_version": tf_keras.__version__,
+        "loss": hist.history["loss"],
+        "accuracy": acc,
+        "params": [digest(w) for w in model.get_weights()],
+        "start_levels": start,
+        "levels": m["levels"].tolist(),
+        "level_updates": m["level_updates"],
+        "step": m["step"],
+        "bits_per_coordinate": m["bits_per_coordinate"],
+    }
 
 
 def mismatch(args) -> dict:
@@ -330,36 +397,45 @@ def misc(args) -> dict:
             base = rank_data(rank, n)
             t = tf.cast(base * 10, dt) if not dt.is_floating else tf.reshape(tf.cast(base, dt), [10, n // 10])
             y = hvd.allreduce(t, compression=comp, name=f"{name}.{n}")
-            ref = tf.cast(hvd.allreduce(tf.cast(t, tf.float32) if dt == tf.bfloat16 else t, name=f"ref.{name}.{n}"),
-                          dt)
+            ref = tf.cast(hvd.allreduce(tf.cast(t, tf.float32) if dt == tf.bfloat16 else t, name=f"ref.{name}.{n}"), dt)
             yd, rd = tf.cast(y, tf.float64).numpy(), tf.cast(ref, tf.float64).numpy()
-            res[f"{name}.{n}"] = {"dtype": y.dtype.name, "same_shape": y.shape == t.shape,
-                                  "rel_err": float(np.linalg.norm(yd - rd) / max(np.linalg.norm(rd), 1e-12)),
-                                  "exact": bool(np.array_equal(yd, rd)), "digest": digest(yd)}
+            res[f"{name}.{n}"] = {
+                "dtype": y.dtype.name,
+                "same_shape": y.shape == t.shape,
+                "rel_err": float(np.linalg.norm(yd - rd) / max(np.linalg.norm(rd), 1e-12)),
+                "exact": bool(np.array_equal(yd, rd)),
+                "digest": digest(yd),
+            }
     out["dtypes"] = res
     nan = rank_data(rank, 512)
     if rank == 1:
         nan[300] = np.nan
     y = hvd.allreduce(tf.constant(nan), compression=comp, name="nan").numpy()
-    out["nan_buckets"] = [bool(np.isnan(y[i * 128:(i + 1) * 128]).all()) for i in range(4)]
+    out["nan_buckets"] = [bool(np.isnan(y[i * 128 : (i + 1) * 128]).all()) for i in range(4)]
 
     # the same tensor on both ranks, same seed: the ranks' payloads still differ (rank in the seed)
     same = QSGDCompressor(bits=3, bucket_size=256, min_size=16, seed=11)
     small, ctx = same.compress(tf.constant(rank_data(0, 4096)))
     same.decompress(hvd.allreduce(small, name="same.small"), ctx)
     halves = np.split(hvd.allgather(ctx.payload, name="same.payloads").numpy(), size)
-    out["rank_payloads_differ"] = (digest(halves[0][32:]) != digest(halves[1][32:])
-                                   and digest(halves[0][:32]) == digest(halves[1][:32]))
+    out["rank_payloads_differ"] = digest(halves[0][32:]) != digest(halves[1][32:]) and digest(halves[0][:32]) == digest(
+        halves[1][:32]
+    )
 
     # the class itself as compression=, and a grouped allreduce (eager: one round of two slots)
     y = hvd.allreduce(tf.constant(rank_data(rank, 2048)), compression=QSGDCompressor, name="cls")
     out["class_default"] = {"shape": list(y.shape), "calls": QSGDCompressor.metrics()["calls"]}
     comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, update_steps=(0,), seed=3)
-    ys = hvd.grouped_allreduce([tf.constant(rank_data(rank, 2048)), tf.constant(rank_data(rank + 5, 1024))],
-                               compression=comp)
+    ys = hvd.grouped_allreduce(
+        [tf.constant(rank_data(rank, 2048)), tf.constant(rank_data(rank + 5, 1024))], compression=comp
+    )
     m = comp.metrics()
-    out["grouped"] = {"shapes": [list(t.shape) for t in ys], "step": m["step"], "calls": m["calls"],
-                      "digest": digest(*[t.numpy() for t in ys])}
+    out["grouped"] = {
+        "shapes": [list(t.shape) for t in ys],
+        "step": m["step"],
+        "calls": m["calls"],
+        "digest": digest(*[t.numpy() for t in ys]),
+    }
     hvd.allreduce(tf.constant(rank_data(rank, 2048)), compression=comp)
     out["grouped"]["updates_after_next_round"] = comp.metrics()["level_updates"]
 
@@ -371,15 +447,19 @@ def misc(args) -> dict:
     tx, ty, _, _ = digits_data(rank, size)
     for i in range(4):
         with tf.GradientTape() as tape:
-            logits = model(tx[i * 16:(i + 1) * 16])
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(ty[i * 16:(i + 1) * 16], logits))
+            logits = model(tx[i * 16 : (i + 1) * 16])
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(ty[i * 16 : (i + 1) * 16], logits))
         grads = hvd.DistributedGradientTape(tape, compression=comp).gradient(loss, variables)
         for v, g in zip(variables, grads):
             v.assign_sub(0.1 * g)
     m = comp.metrics()
-    out["eager_tape"] = {"params": [digest(v.numpy()) for v in variables], "step": m["step"],
-                         "calls": m["calls"], "level_updates": m["level_updates"],
-                         "uncompressed": m["uncompressed_coordinates"]}
+    out["eager_tape"] = {
+        "params": [digest(v.numpy()) for v in variables],
+        "step": m["step"],
+        "calls": m["calls"],
+        "level_updates": m["level_updates"],
+        "uncompressed": m["uncompressed_coordinates"],
+    }
     return out
 
 
@@ -387,14 +467,14 @@ def compat(args) -> dict:
     """Horovod compatibility (issue 14), eagerly and in tf.function: ops a quantized exchange cannot
     honour and shape disagreements raise on every rank; autograd through hvd.allreduce gives
     Horovod's own gradient, not zeros; afterwards the compressor still works."""
-    size, rank = hvd.size(), hvd.rank()
+    rank = hvd.rank()
     comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3)
     out = {}
     x = tf.fill([2048], float(rank + 1))
     for mode in ("eager", "function"):
         for name in ("Min", "Max", "Product"):
             op = getattr(hvd, name)
-            call = (lambda t, op=op: hvd.allreduce(t, compression=comp, op=op))
+            call = lambda t, op=op: hvd.allreduce(t, compression=comp, op=op)
             fn = tf.function(call) if mode == "function" else call
             try:
                 fn(x)
@@ -449,8 +529,9 @@ def deadlock(args) -> dict:
         out[f"{mode}.dtype"] = _attempt(call if mode == "eager" else tf.function(call), tensor)
         small = ALQCompressor(bits=3, bucket_size=512, min_size=1024 if rank == 0 else 4096, seed=3)
         call = lambda t, mode=mode: hvd.allreduce(t, compression=small, name=f"min.{mode}")  # noqa: E731
-        out[f"{mode}.min_size"] = _attempt(call if mode == "eager" else tf.function(call),
-                                           tf.constant(rank_data(rank, 2048)))
+        out[f"{mode}.min_size"] = _attempt(
+            call if mode == "eager" else tf.function(call), tf.constant(rank_data(rank, 2048))
+        )
         x = tf.constant(rank_data(rank, 4096))
         out[f"{mode}.plain_after"] = float(hvd.allreduce(tf.ones([8]) * (rank + 1), name=f"plain.{mode}")[0])
         call = lambda t: hvd.allreduce(t, compression=comp)  # noqa: E731
@@ -473,42 +554,62 @@ def process_sets(args) -> dict:
     # DistributedGradientTape(process_set=ps) inside tf.function, on every rank (rank 2 skips the set's allreduce)
     model = MLP(seed=1)
     variables = [model.w1, model.b1, model.w2, model.b2]
-    comp = ALQCompressor(bits=4, bucket_size=512, min_size=100, update_steps=(0, 2), update_every=0, seed=6,
-                         process_set=ps)
+    comp = ALQCompressor(
+        bits=4, bucket_size=512, min_size=100, update_steps=(0, 2), update_every=0, seed=6, process_set=ps
+    )
     res = train_loop(variables, model, comp, digits_data(rank, hvd.size()), 6, process_set=ps)
     res.update(step=comp.metrics()["step"] if member else None)
     out["tape"] = res
     x = tf.constant(rank_data(rank, args.n))
     for exchange in ("allgather", "two-phase"):
-        comp = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=4, update_steps=(0, 3),
-                             update_every=0, process_set=ps, exchange=exchange)
+        comp = ALQCompressor(
+            bits=3,
+            bucket_size=args.bucket,
+            min_size=16,
+            seed=4,
+            update_steps=(0, 3),
+            update_every=0,
+            process_set=ps,
+            exchange=exchange,
+        )
         if not member:  # (Horovod 0.28.1 itself waits forever in an allreduce over a set without this rank)
             continue
         fn = tf.function(lambda t, comp=comp: hvd.allreduce(t, compression=comp, process_set=ps))
         ys = np.stack([fn(x).numpy().astype(np.float64) for _ in range(args.rounds)])
         m = comp.metrics()
         err = np.linalg.norm(ys - truth, axis=1) / np.linalg.norm(truth)
-        out[exchange] = {"digest": digest(ys), "rel_err_single": float(err.max()),
-                         "rel_err_mean": float(np.linalg.norm(ys.mean(0) - truth) / np.linalg.norm(truth)),
-                         "level_updates": m["level_updates"], "step": m["step"], "exchange": m["exchange"],
-                         "levels": m["levels"].tolist()}
+        out[exchange] = {
+            "digest": digest(ys),
+            "rel_err_single": float(err.max()),
+            "rel_err_mean": float(np.linalg.norm(ys.mean(0) - truth) / np.linalg.norm(truth)),
+            "level_updates": m["level_updates"],
+            "step": m["step"],
+            "exchange": m["exchange"],
+            "levels": m["levels"].tolist(),
+        }
     # the set's compressor with a global allreduce; the global compressor with the set's allreduce
     # (no refit rounds: there the members' head vectors carry statistics, the outsider's cannot, and
     # Horovod's own shape-mismatch error was seen to leave the outsider waiting inside tf.function)
-    comp = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=4, update_steps=(), update_every=0,
-                         process_set=ps)
+    comp = ALQCompressor(
+        bits=3, bucket_size=args.bucket, min_size=16, seed=4, update_steps=(), update_every=0, process_set=ps
+    )
     for mode in ("eager", "function"):
         call = lambda t, mode=mode: hvd.allreduce(t, compression=comp, name=f"global.{mode}")  # noqa: E731
         out[f"{mode}.global"] = _attempt(call if mode == "eager" else tf.function(call), x)
         if member:  # a compressor made without process_set= serves the set with a compressor of its own
-            glob = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=4, update_steps=(),
-                                 update_every=0)
-            call = lambda t, glob=glob, mode=mode: hvd.allreduce(t, compression=glob, process_set=ps,  # noqa: E731
-                                                                name=f"subset.{mode}")
+            glob = ALQCompressor(bits=3, bucket_size=args.bucket, min_size=16, seed=4, update_steps=(), update_every=0)
+            call = lambda t, glob=glob, mode=mode: hvd.allreduce(
+                t,
+                compression=glob,
+                process_set=ps,  # noqa: E731
+                name=f"subset.{mode}",
+            )
             out[f"{mode}.subset"] = _attempt(call if mode == "eager" else tf.function(call), x)
             y = call(x).numpy().astype(np.float64)
-            out[f"{mode}.subset"].update(rel_err=float(np.linalg.norm(y - truth) / np.linalg.norm(truth)),
-                                         sets=[list(k) for k in glob.metrics().get("process_sets", {})])
+            out[f"{mode}.subset"].update(
+                rel_err=float(np.linalg.norm(y - truth) / np.linalg.norm(truth)),
+                sets=[list(k) for k in glob.metrics().get("process_sets", {})],
+            )
     # issue 21's case: only the set's members make (and use) a compressor for it; afterwards every
     # rank makes one and allreduces globally: the names still pair (per process set, at first use)
     if member:
@@ -535,8 +636,17 @@ def two_phase(args) -> dict:
     tiny = tf.constant(rank_data(rank + 7, 200))  # 2 buckets of 128: empty shards from 3 ranks on
     out = {}
     for method, bits_second in (("alq", None), ("qsgdinf", 4), ("amq", None)):
-        comp = compressor_for(method, bits=3, bucket_size=d, update_steps=(0, 5), update_every=0, min_size=16,
-                              seed=args.seed, exchange="two-phase", bits_second=bits_second)
+        comp = compressor_for(
+            method,
+            bits=3,
+            bucket_size=d,
+            update_steps=(0, 5),
+            update_every=0,
+            min_size=16,
+            seed=args.seed,
+            exchange="two-phase",
+            bits_second=bits_second,
+        )
         print(f"two_phase: {method}", flush=True)
         fn = tf.function(lambda t, u, comp=comp: hvd.grouped_allreduce([t, u], compression=comp))
         x = tf.constant(rank_data(rank, n))
@@ -558,11 +668,17 @@ def two_phase(args) -> dict:
         out[method] = {
             "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
             "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
-            "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": args.rounds,
+            "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
+            "buckets": nb,
+            "reps": args.rounds,
             "rel_err": float(np.linalg.norm(dev[-1]) / np.linalg.norm(truth)),
-            "digest": digest(*outs), "tiny_digest": digest(*tinies),
-            "tiny_err": float(np.abs(np.mean(tinies, 0) - np.mean([rank_data(r + 7, 200) for r in range(size)], 0)).max()),
-            "exchange": after["exchange"], "level_updates": after["level_updates"],
+            "digest": digest(*outs),
+            "tiny_digest": digest(*tinies),
+            "tiny_err": float(
+                np.abs(np.mean(tinies, 0) - np.mean([rank_data(r + 7, 200) for r in range(size)], 0)).max()
+            ),
+            "exchange": after["exchange"],
+            "level_updates": after["level_updates"],
             "levels_moved": after["levels"].tolist() != before["levels"].tolist() or after["level_updates"] > 0,
             "second_follows": after["second_levels"].tolist() == after["levels"].tolist(),
             "sent_per_round": (after["bytes_sent"] - before["bytes_sent"]) / args.rounds,
@@ -573,8 +689,15 @@ def two_phase(args) -> dict:
     print("two_phase: tape", flush=True)
     model = MLP(seed=1)
     variables = [model.w1, model.b1, model.w2, model.b2]
-    comp = ALQCompressor(bits=4, bucket_size=512, min_size=100, update_steps=(0, 20, 60), update_every=0,
-                         seed=args.seed, exchange="two-phase")
+    comp = ALQCompressor(
+        bits=4,
+        bucket_size=512,
+        min_size=100,
+        update_steps=(0, 20, 60),
+        update_every=0,
+        seed=args.seed,
+        exchange="two-phase",
+    )
     res = train_loop(variables, model, comp, digits_data(rank, size), args.steps)
     m = comp.metrics()
     res.update(exchange=m["exchange"], level_updates=m["level_updates"], step=m["step"])
@@ -590,7 +713,7 @@ def _refused(fn, *a) -> dict:
         return {"error": None, "digest": digest(y.numpy())}
     except Exception as err:  # noqa: BLE001 - reported to the test
         text = str(err)
-        return {"error": text[max(text.find("horovod_alq:"), 0):][:1500], "type": type(err).__name__}
+        return {"error": text[max(text.find("horovod_alq:"), 0) :][:1500], "type": type(err).__name__}
 
 
 REFUSALS = [(exchange, mode) for exchange in ("allgather", "two-phase") for mode in ("eager", "function")]
@@ -606,12 +729,17 @@ def _after(comps, rank: int, tag: str) -> dict:
     for key, comp in comps.items():
         steps = comp.metrics()["step"]
         eager = hvd.allreduce(x, compression=comp, op=hvd.Average, name=f"{tag}.{key}.eager").numpy()
-        fn = tf.function(lambda t, comp=comp: hvd.allreduce(t, compression=comp, op=hvd.Average,
-                                                            name=f"{tag}.{key}.function"))
+        fn = tf.function(
+            lambda t, comp=comp: hvd.allreduce(t, compression=comp, op=hvd.Average, name=f"{tag}.{key}.function")
+        )
         traced = fn(x).numpy()
         err = max(np.linalg.norm(y - truth) for y in (eager, traced)) / np.linalg.norm(truth)
-        out[key] = {"steps_before": steps, "steps_after": comp.metrics()["step"], "digest": digest(eager, traced),
-                    "rel_err": float(err)}
+        out[key] = {
+            "steps_before": steps,
+            "steps_after": comp.metrics()["step"],
+            "digest": digest(eager, traced),
+            "rel_err": float(err),
+        }
     return out
 
 
@@ -626,21 +754,29 @@ def reducescatter(args) -> dict:
     for exchange, mode in REFUSALS:
         for refit in (True, False):
             key = f"{exchange}.{mode}.{'refit' if refit else 'plain'}"
-            comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3, exchange=exchange,
-                                 update_steps=(0,) if refit else (), update_every=0)
+            comp = ALQCompressor(
+                bits=3,
+                bucket_size=512,
+                min_size=16,
+                seed=3,
+                exchange=exchange,
+                update_steps=(0,) if refit else (),
+                update_every=0,
+            )
             call = lambda t, comp=comp, key=key: hvd.reducescatter(  # noqa: E731
-                t, compression=comp, op=hvd.Average, name=f"rs.{key}")
+                t, compression=comp, op=hvd.Average, name=f"rs.{key}"
+            )
             out[key] = _refused(call if mode == "eager" else tf.function(call), x)
             comps[key] = comp
     for mode in ("eager", "function"):  # grouped_reducescatter: each tensor refused alike
         key = f"grouped.{mode}"
-        comps[key] = comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3, update_steps=(0,),
-                                          update_every=0)
+        comps[key] = comp = ALQCompressor(
+            bits=3, bucket_size=512, min_size=16, seed=3, update_steps=(0,), update_every=0
+        )
         call = lambda t, comp=comp: hvd.grouped_reducescatter([t, 2 * t], compression=comp)[0]  # noqa: E731
         out[key] = _refused(call if mode == "eager" else tf.function(call), x)
     # reducescatter without compression still works
-    rs = hvd.reducescatter(tf.ones([4, 3]) * (rank + 1), compression=hvd.Compression.none, op=hvd.Sum,
-                           name="rs.none")
+    rs = hvd.reducescatter(tf.ones([4, 3]) * (rank + 1), compression=hvd.Compression.none, op=hvd.Sum, name="rs.none")
     out["uncompressed"] = rs.numpy().tolist()
     out["after"] = _after(comps, rank, "rs.after")
     return out
@@ -659,8 +795,9 @@ def join(args) -> dict:
     for exchange, mode in REFUSALS:
         for op in ("Average", "Sum"):
             key = f"{exchange}.{mode}.{op}"
-            comps[key] = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3, exchange=exchange,
-                                       update_steps=(0,), update_every=0)
+            comps[key] = ALQCompressor(
+                bits=3, bucket_size=512, min_size=16, seed=3, exchange=exchange, update_steps=(0,), update_every=0
+            )
     model = MLP(seed=1)
     variables = [model.w1, model.b1, model.w2, model.b2]
     comps["tape"] = ALQCompressor(bits=4, bucket_size=512, min_size=100, update_steps=(0,), update_every=0, seed=6)
@@ -680,25 +817,32 @@ def join(args) -> dict:
     else:
         for key, comp in comps.items():
             if key == "tape":
-                got = _refused(lambda a, b: tf.concat([tf.reshape(g, [-1]) for g in grads_with(comp)(a, b)], 0),
-                               tx[:32], ty[:32])
-                ref = _refused(lambda a, b: tf.concat([tf.reshape(g, [-1]) for g in grads_with(
-                    hvd.Compression.none)(a, b)], 0), tx[:32], ty[:32])
+                got = _refused(
+                    lambda a, b: tf.concat([tf.reshape(g, [-1]) for g in grads_with(comp)(a, b)], 0), tx[:32], ty[:32]
+                )
+                ref = _refused(
+                    lambda a, b: tf.concat([tf.reshape(g, [-1]) for g in grads_with(hvd.Compression.none)(a, b)], 0),
+                    tx[:32],
+                    ty[:32],
+                )
                 out[key] = [dict(got, ref=ref["digest"])]
                 continue
             exchange, mode, op = key.split(".")
             calls = []
             for i in range(2):
                 call = lambda t, comp=comp, op=op, name=f"join.{key}.{i}": hvd.allreduce(  # noqa: E731
-                    t, compression=comp, op=getattr(hvd, op), name=name)
+                    t, compression=comp, op=getattr(hvd, op), name=name
+                )
                 plain = lambda t, op=op, name=f"join.{key}.{i}.ref": hvd.allreduce(  # noqa: E731
-                    t, op=getattr(hvd, op), name=name)
+                    t, op=getattr(hvd, op), name=name
+                )
                 got = _refused(call if mode == "eager" else tf.function(call), x)
                 calls.append(dict(got, ref=_refused(plain if mode == "eager" else tf.function(plain), x)["digest"]))
             out[key] = calls
         out["joined"] = int(hvd.join())
     out["after"] = _after(comps, rank, "join.after")
     return out
+
 
 def collide(args) -> dict:
     """Issue 43, item 1: a float64 tensor below min_size with the control vector's 9 elements (2 ranks;
@@ -711,8 +855,10 @@ def collide(args) -> dict:
     column = tf.reshape(tf.range(9, dtype=tf.float64), [9, 1]) * (rank + 1)
     out = {}
     for mode in ("eager", "function"):
-        for case, x in (("collide", tf.ones([9] if rank == 0 else [1024], tf.float64)),
-                        ("collide_2d", tf.ones([9, 1] if rank == 0 else [1024], tf.float64))):
+        for case, x in (
+            ("collide", tf.ones([9] if rank == 0 else [1024], tf.float64)),
+            ("collide_2d", tf.ones([9, 1] if rank == 0 else [1024], tf.float64)),
+        ):
             call = lambda t, name=f"{case}.{mode}": hvd.allreduce(t, compression=comp, name=name)  # noqa: E731
             out[f"{case}.{mode}"] = _attempt(call if mode == "eager" else tf.function(call), x)
         call = lambda t, name=f"column.{mode}": hvd.allreduce(t, compression=comp, name=name)  # noqa: E731
@@ -722,8 +868,9 @@ def collide(args) -> dict:
         for case, fn in fns.items():
             y = fn(column)
             out[f"{case}.{mode}"] = {"shape": y.shape.as_list(), "values": y.numpy().ravel().tolist()}
-    out["after"] = _attempt(lambda t: hvd.allreduce(t, compression=comp, name="collide.after"),
-                            tf.constant(rank_data(rank, 2048)))
+    out["after"] = _attempt(
+        lambda t: hvd.allreduce(t, compression=comp, name="collide.after"), tf.constant(rank_data(rank, 2048))
+    )
     return out
 
 
@@ -741,8 +888,9 @@ def _stall_payloads(comp, exchange: str) -> None:
             time.sleep(STALL)
         else:
             shape = ctx.payload.shape
-            ctx.payload = tf.numpy_function(lambda p: (time.sleep(STALL), p)[1], [ctx.payload], ctx.payload.dtype,
-                                            stateful=True)
+            ctx.payload = tf.numpy_function(
+                lambda p: (time.sleep(STALL), p)[1], [ctx.payload], ctx.payload.dtype, stateful=True
+            )
             ctx.payload.set_shape(shape)
         return run(ctx, reduced)
 
@@ -758,12 +906,21 @@ def stall(args) -> dict:
     out = {"timeout": STALL_TIMEOUT, "stall": STALL}
     for exchange in ("allgather", "two-phase"):
         for mode in ("eager", "function"):
-            comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=3, exchange=exchange,
-                                 timeout=STALL_TIMEOUT, update_steps=(), update_every=0)
+            comp = ALQCompressor(
+                bits=3,
+                bucket_size=512,
+                min_size=16,
+                seed=3,
+                exchange=exchange,
+                timeout=STALL_TIMEOUT,
+                update_steps=(),
+                update_every=0,
+            )
             if rank == 1:
                 _stall_payloads(comp, exchange)
             call = lambda t, comp=comp, name=f"stall.{exchange}.{mode}": hvd.allreduce(  # noqa: E731
-                t, compression=comp, op=hvd.Average, name=name)
+                t, compression=comp, op=hvd.Average, name=name
+            )
             hvd.allreduce(tf.ones([1]), name=f"stall.start.{exchange}.{mode}")  # start together
             start = time.monotonic()
             res = _refused(call if mode == "eager" else tf.function(call), x)
@@ -795,11 +952,20 @@ def auto(args) -> dict:
     expected = [int(b) for b in core.refit(rows, [numel] * len(scales), keys).bits]
     out = {"core_allocation": expected}
     for exchange in ("allgather", "two-phase"):
-        comp = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, update_steps=(0,), update_every=0,
-                             min_size=100, seed=args.seed, exchange=exchange)
+        comp = ALQCompressor(
+            bits="auto",
+            bit_budget=3.0,
+            bucket_size=args.bucket,
+            update_steps=(0,),
+            update_every=0,
+            min_size=100,
+            seed=args.seed,
+            exchange=exchange,
+        )
         xs = [tf.constant(x) for x in data[rank]]
-        fn = tf.function(lambda *t: [hvd.allreduce(x, op=hvd.Sum, compression=comp, name=f"auto{k}")
-                                     for k, x in enumerate(t)])
+        fn = tf.function(
+            lambda *t: [hvd.allreduce(x, op=hvd.Sum, compression=comp, name=f"auto{k}") for k, x in enumerate(t)]
+        )
         devs, sent, h = [], [], hashlib.sha1()
         for r in range(args.rounds):
             before = comp.metrics()["payload_bytes"]
@@ -812,8 +978,16 @@ def auto(args) -> dict:
         dev = np.stack(devs)
         per_bucket = np.add.reduceat(dev, np.arange(0, dev.shape[1], args.bucket), axis=1)
         m = comp.metrics()
-        eager = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, update_steps=(0,), update_every=0,
-                              min_size=100, seed=args.seed, exchange=exchange)
+        eager = ALQCompressor(
+            bits="auto",
+            bit_budget=3.0,
+            bucket_size=args.bucket,
+            update_steps=(0,),
+            update_every=0,
+            min_size=100,
+            seed=args.seed,
+            exchange=exchange,
+        )
         he = hashlib.sha1()  # eagerly, one grouped allreduce per round: the same rounds, draws and sums
         for r in range(args.rounds):
             got = hvd.grouped_allreduce(xs, op=hvd.Sum, compression=eager, name="auto_eager")
@@ -822,33 +996,60 @@ def auto(args) -> dict:
         again.load_state_dict(comp.state_dict())
         m2 = again.metrics()
         # tf.train.Checkpoint: a restored compressor takes the next step exactly as the saved one
-        restored = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, min_size=100,
-                                 exchange=exchange)
+        restored = ALQCompressor(bits="auto", bit_budget=3.0, bucket_size=args.bucket, min_size=100, exchange=exchange)
         path = tf.train.Checkpoint(compressor=comp).save(os.path.join(tempfile.mkdtemp(), f"auto{rank}"))
         tf.train.Checkpoint(compressor=restored).restore(path).assert_consumed()
-        nexts = [hvd.grouped_allreduce(xs, op=hvd.Sum, compression=c, name=f"auto_next{i}")
-                 for i, c in enumerate((comp, restored))]
+        nexts = [
+            hvd.grouped_allreduce(xs, op=hvd.Sum, compression=c, name=f"auto_next{i}")
+            for i, c in enumerate((comp, restored))
+        ]
         out[exchange] = {
-            "allocation": m["allocation"], "allocated_mean_bits": m["allocated_mean_bits"], "bits": comp.bits,
-            "exchange": m["exchange"], "level_updates": m["level_updates"], "digest": h.hexdigest(),
-            "eager_digest": he.hexdigest(), "eager_allocation": eager.metrics()["allocation"],
+            "allocation": m["allocation"],
+            "allocated_mean_bits": m["allocated_mean_bits"],
+            "bits": comp.bits,
+            "exchange": m["exchange"],
+            "level_updates": m["level_updates"],
+            "digest": h.hexdigest(),
+            "eager_digest": he.hexdigest(),
+            "eager_allocation": eager.metrics()["allocation"],
             "width_levels": {str(w): v.tolist() for w, v in m["width_levels"].items()},
-            "sent_first": sent[0], "sent_later": sorted(set(sent[1:])),
+            "sent_first": sent[0],
+            "sent_later": sorted(set(sent[1:])),
             "payload_sizes": {str(w): payload_size(numel, w, args.bucket) for w in range(2, 9)},
-            "t_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": per_bucket.shape[1], "reps": dev.shape[0],
+            "t_max": float(np.abs(t_stat(per_bucket)).max()),
+            "buckets": per_bucket.shape[1],
+            "reps": dev.shape[0],
             "checkpoint_same_step": all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(*nexts)),
-            "reloaded": m2["allocation"] == m["allocation"] and all(
-                np.array_equal(m2["width_levels"][w], v) for w, v in m["width_levels"].items())}
+            "reloaded": m2["allocation"] == m["allocation"]
+            and all(np.array_equal(m2["width_levels"][w], v) for w, v in m["width_levels"].items()),
+        }
     model = MLP(seed=1)
-    comp = ALQCompressor(bits="auto", bit_budget=2.5, bucket_size=args.bucket, update_steps=(0, 20, 60),
-                         update_every=0, min_size=100, seed=args.seed)
+    comp = ALQCompressor(
+        bits="auto",
+        bit_budget=2.5,
+        bucket_size=args.bucket,
+        update_steps=(0, 20, 60),
+        update_every=0,
+        min_size=100,
+        seed=args.seed,
+    )
     res = train_loop([model.w1, model.b1, model.w2, model.b2], model, comp, digits_data(rank, size), args.steps)
     m = comp.metrics()
-    out["train"] = {**res, "allocation": m["allocation"], "allocated_mean_bits": m["allocated_mean_bits"],
-                    "level_updates": m["level_updates"]}
+    out["train"] = {
+        **res,
+        "allocation": m["allocation"],
+        "allocated_mean_bits": m["allocated_mean_bits"],
+        "level_updates": m["level_updates"],
+    }
     for what in ("budget", "allocation"):
-        comp = ALQCompressor(bits="auto", bit_budget=2.5 if rank == 1 and what == "budget" else 3.0,
-                             bucket_size=256, min_size=16, seed=0, update_steps=())
+        comp = ALQCompressor(
+            bits="auto",
+            bit_budget=2.5 if rank == 1 and what == "budget" else 3.0,
+            bucket_size=256,
+            min_size=16,
+            seed=0,
+            update_steps=(),
+        )
         if rank == 1 and what == "allocation":
             state = comp.state_dict()
             state["auto"]["keys"], state["auto"]["bits"] = [[4096, shape_hash((4096,), "float32")]], [5]

@@ -9,10 +9,9 @@ that the test can check that *every* rank raised (and what), and that the ranks 
 import argparse
 import traceback
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-
-import horovod.torch as hvd
 from common import cell_moments, report
 from helpers import digest
 
@@ -57,8 +56,14 @@ def check_mean(comp, x: torch.Tensor, name: str, process_set=None) -> dict:
     dev = np.abs(out.double().numpy().ravel() - truth)
     bound = width + 1e-5 * np.abs(truth) + 1e-9
     rel = float(np.linalg.norm(out.double().numpy().ravel() - truth) / max(np.linalg.norm(truth), 1e-12))
-    return {"ok": bool((dev <= bound).all()), "worst": float((dev / bound).max()), "rel_err": rel,
-            "mean": float(out.double().mean()), "truth_mean": float(truth.mean()), "digest": digest(out)}
+    return {
+        "ok": bool((dev <= bound).all()),
+        "worst": float((dev / bound).max()),
+        "rel_err": rel,
+        "mean": float(out.double().mean()),
+        "truth_mean": float(truth.mean()),
+        "digest": digest(out),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,8 +88,9 @@ def _two_heads_train(compression, steps, seed=0):
     model = TwoHeads()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     start = [p.detach().clone() for p in model.parameters()]
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), compression=compression)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), compression=compression
+    )
     g = torch.Generator().manual_seed(100 + rank)
     losses = []
     for _ in range(steps):
@@ -114,12 +120,16 @@ def force_allreduce(args) -> dict:
         b = torch.cat([m.reshape(-1) for m in exact_moved]).double()
         m = comp.metrics()
         res[exchange] = {
-            "error": None, "params": [digest(p) for p in model.parameters()],
+            "error": None,
+            "params": [digest(p) for p in model.parameters()],
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
             "cosine_to_exact": float(a @ b / (a.norm() * b.norm())),
             "heads_moved": [float(moved[i].abs().max()) for i in (2, 3, 4, 5)],
-            "exchange": m["exchange"], "step": m["step"], "coordinates": m["coordinates"],
-            "recovered": m["recovered"]}
+            "exchange": m["exchange"],
+            "step": m["step"],
+            "coordinates": m["coordinates"],
+            "recovered": m["recovered"],
+        }
     return res
 
 
@@ -137,8 +147,7 @@ def ops(args) -> dict:
             x = torch.full((64,), float(rank + 1))
             err, out = error_of(lambda: hvd.allreduce(x, op=op, compression=comp, name=f"{exchange}.{op_name}"))
             res[f"{exchange}.{op_name}"] = {"error": err, "out": None if out is None else out[:4].tolist()}
-            after = check_mean(comp, after_data(rank, 1024) + rank,
-                               f"{exchange}.{op_name}.after")
+            after = check_mean(comp, after_data(rank, 1024) + rank, f"{exchange}.{op_name}.after")
             res[f"{exchange}.{op_name}.after"] = after
     return res
 
@@ -149,9 +158,12 @@ def adasum(args) -> dict:
     model = torch.nn.Linear(64, 32)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     before = digest(model.weight)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(),
-                                   compression=comp_for(), op=hvd.Adasum)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=comp_for(),
+        op=hvd.Adasum,
+    )
 
     def step():
         opt.zero_grad()
@@ -184,21 +196,23 @@ def shapes(args) -> dict:
             "dtype_f64": torch.ones(1024, dtype=torch.float64) if rank == 0 else torch.ones(1024),
             # rank 0's uncompressed float64 tensor has exactly the control vector's length (7 + N) while
             # rank 1 compresses: the control vector goes as (7 + N, 1), so Horovod's shape check refuses
-            "collide": (torch.ones(9, dtype=torch.float64) if rank == 0
-                        else torch.ones(1024, dtype=torch.float64)),
+            "collide": (torch.ones(9, dtype=torch.float64) if rank == 0 else torch.ones(1024, dtype=torch.float64)),
             # ... and with exactly the control vector's shape (it goes as (9, 1, 1))
-            "collide_2d": (torch.ones(9, 1, dtype=torch.float64) if rank == 0
-                           else torch.ones(1024, dtype=torch.float64)),
+            "collide_2d": (
+                torch.ones(9, 1, dtype=torch.float64) if rank == 0 else torch.ones(1024, dtype=torch.float64)
+            ),
             # both ranks pass a (9, 1) tensor uncompressed: reduced as (9, 1, 1), returned as (9, 1)
             "column": torch.arange(9, dtype=torch.float64).reshape(9, 1) * (rank + 1),
         }
         for case, x in cases.items():
             err, out = error_of(lambda: hvd.allreduce(x, compression=comp, name=f"{exchange}.{case}"))
-            res[f"{exchange}.{case}"] = {"error": err, "shape": None if out is None else list(out.shape),
-                                         "values": None if out is None else out.reshape(-1).tolist()}
+            res[f"{exchange}.{case}"] = {
+                "error": err,
+                "shape": None if out is None else list(out.shape),
+                "values": None if out is None else out.reshape(-1).tolist(),
+            }
             # the compressor (and Horovod) still work afterwards
-            res[f"{exchange}.{case}.after"] = check_mean(
-                comp, after_data(rank), f"{exchange}.{case}.after")
+            res[f"{exchange}.{case}.after"] = check_mean(comp, after_data(rank), f"{exchange}.{case}.after")
         res[f"{exchange}.step"] = comp.metrics()["step"]
     return res
 
@@ -225,11 +239,15 @@ def process_sets(args) -> dict:
     # made without process_set= serves the set with a compressor of its own
     if member:
         pinned = comp_for(process_set=hvd.global_process_set)
-        err, out = error_of(lambda: hvd.allreduce(torch.full((1024,), value), compression=pinned,
-                                                  name="ps.swapped", process_set=ps))
+        err, out = error_of(
+            lambda: hvd.allreduce(torch.full((1024,), value), compression=pinned, name="ps.swapped", process_set=ps)
+        )
         res["swapped"] = {"error": err, "out": None if out is None else out[:4].tolist()}
-        err, out = error_of(lambda: hvd.allreduce(torch.full((1024,), value), compression=comp_for(),
-                                                  name="ps.unpinned", process_set=ps))
+        err, out = error_of(
+            lambda: hvd.allreduce(
+                torch.full((1024,), value), compression=comp_for(), name="ps.unpinned", process_set=ps
+            )
+        )
         res["unpinned"] = {"error": err, "out": None if out is None else out[:4].tolist()}
         res["after"] = check_mean(comp, torch.full((1024,), value), "ps.after", process_set=ps)
     hvd.barrier()
@@ -239,16 +257,22 @@ def process_sets(args) -> dict:
         model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
         hvd.broadcast_parameters(model.state_dict(), root_rank=0, process_set=ps) if _bcast_has_ps() else None
         start = digest(model[0].weight)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(),
-                                       compression=comp_for(process_set=ps), process_set=ps)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression=comp_for(process_set=ps),
+            process_set=ps,
+        )
         g = torch.Generator().manual_seed(rank)
         for _ in range(4):
             opt.zero_grad()
             model(torch.randn(16, 16, generator=g)).pow(2).mean().backward()
             opt.step()
-        res["train"] = {"params": [digest(p) for p in model.parameters()], "moved": digest(model[0].weight) != start,
-                        "step": opt._compression.metrics()["step"] if hasattr(opt, "_compression") else None}
+        res["train"] = {
+            "params": [digest(p) for p in model.parameters()],
+            "moved": digest(model[0].weight) != start,
+            "step": opt._compression.metrics()["step"] if hasattr(opt, "_compression") else None,
+        }
     hvd.barrier()
     return res
 
@@ -274,8 +298,11 @@ def autograd(args) -> dict:
             grads = []
             for compression in (hvd.Compression.none, comp):
                 x = torch.randn(1024, generator=torch.Generator().manual_seed(rank)).requires_grad_()
-                err, y = error_of(lambda: hvd.allreduce(x, op=op, compression=compression,
-                                                        name=f"ag.{exchange}.{op_name}.{len(grads)}"))
+                err, y = error_of(
+                    lambda: hvd.allreduce(
+                        x, op=op, compression=compression, name=f"ag.{exchange}.{op_name}.{len(grads)}"
+                    )
+                )
                 if err is not None:
                     grads.append(err)
                     continue
@@ -284,9 +311,12 @@ def autograd(args) -> dict:
             ref, got = grads
             res[f"{exchange}.{op_name}"] = {
                 "errors": [g for g in grads if isinstance(g, str)],
-                "equal": isinstance(ref, torch.Tensor) and isinstance(got, torch.Tensor) and bool(torch.equal(ref, got)),
+                "equal": isinstance(ref, torch.Tensor)
+                and isinstance(got, torch.Tensor)
+                and bool(torch.equal(ref, got)),
                 "got": got[:4].tolist() if isinstance(got, torch.Tensor) else None,
-                "ref": ref[:4].tolist() if isinstance(ref, torch.Tensor) else None}
+                "ref": ref[:4].tolist() if isinstance(ref, torch.Tensor) else None,
+            }
     return res
 
 
@@ -298,8 +328,9 @@ def _join_train(compression, steps: int = 2) -> list:
     """A few optimizer steps of a small model (rank 0's data); returns the parameters' digests."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), compression=compression)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), compression=compression
+    )
     g = torch.Generator().manual_seed(5)
     for _ in range(steps):
         opt.zero_grad()
@@ -326,19 +357,30 @@ def join(args) -> dict:
             x = torch.randn(1024, generator=torch.Generator().manual_seed(3))
             for op_name, scale in (("Average", 0.5), ("Sum", 1.0)):
                 for i in range(2):
-                    err, out = error_of(lambda: hvd.allreduce(x, compression=comp, op=getattr(hvd, op_name),
-                                                              name=f"j.{exchange}.{op_name}.{i}"))
+                    err, out = error_of(
+                        lambda: hvd.allreduce(
+                            x, compression=comp, op=getattr(hvd, op_name), name=f"j.{exchange}.{op_name}.{i}"
+                        )
+                    )
                     ref = hvd.allreduce(x, op=getattr(hvd, op_name), name=f"j.{exchange}.{op_name}.{i}.ref")
-                    calls.append({"error": err, "equal": out is not None and bool(torch.equal(out, ref)),
-                                  "exact": out is not None and bool(torch.equal(out, x * scale))})
+                    calls.append(
+                        {
+                            "error": err,
+                            "equal": out is not None and bool(torch.equal(out, ref)),
+                            "exact": out is not None and bool(torch.equal(out, x * scale)),
+                        }
+                    )
             # the same compressor: one used on rank 0 only would not pair with rank 1's afterwards
             err, trained = error_of(lambda: _join_train(comp))
-            res[exchange] = {"calls": calls, "train_error": err, "trained": trained,
-                             "trained_ref": _join_train(hvd.Compression.none),
-                             "metrics": {k: comp.metrics()[k] for k in ("step", "uncompressed_coordinates")},
-                             "joined": hvd.join()}
-        res[f"{exchange}.after"] = check_mean(comp, after_data(rank),
-                                              f"j.{exchange}.after")
+            res[exchange] = {
+                "calls": calls,
+                "train_error": err,
+                "trained": trained,
+                "trained_ref": _join_train(hvd.Compression.none),
+                "metrics": {k: comp.metrics()[k] for k in ("step", "uncompressed_coordinates")},
+                "joined": hvd.join(),
+            }
+        res[f"{exchange}.after"] = check_mean(comp, after_data(rank), f"j.{exchange}.after")
     return res
 
 
@@ -347,11 +389,11 @@ def reducescatter(args) -> dict:
     res = {}
     for exchange in EXCHANGES:
         comp = comp_for(exchange)
-        err, out = error_of(lambda: hvd.reducescatter(torch.ones(64, 32) * (rank + 1), compression=comp,
-                                                      name=f"rs.{exchange}"))
+        err, out = error_of(
+            lambda: hvd.reducescatter(torch.ones(64, 32) * (rank + 1), compression=comp, name=f"rs.{exchange}")
+        )
         res[exchange] = {"error": err, "shape": None if out is None else list(out.shape)}
-        res[f"{exchange}.after"] = check_mean(comp, after_data(rank),
-                                              f"rs.{exchange}.after")
+        res[f"{exchange}.after"] = check_mean(comp, after_data(rank), f"rs.{exchange}.after")
     return res
 
 
@@ -388,12 +430,18 @@ def odd_sizes(args) -> dict:
             outs = hvd.grouped_allreduce(xs, compression=comp, op=hvd.Average, name=f"odd.{fusion}.{rnd}")
             exact = hvd.grouped_allreduce(xs, op=hvd.Average, name=f"odd.exact.{fusion}.{rnd}")
             res[f"{fusion}.{rnd}"] = {
-                "digests": [digest(o) for o in outs], "shapes": [list(o.shape) for o in outs],
-                "rel_err": [float((o - e).norm() / e.norm()) for o, e in zip(outs, exact)]}
+                "digests": [digest(o) for o in outs],
+                "shapes": [list(o.shape) for o in outs],
+                "rel_err": [float((o - e).norm() / e.norm()) for o, e in zip(outs, exact)],
+            }
         m = comp.metrics()
-        res[f"{fusion}.metrics"] = {"exchange": m["exchange"], "levels": m["levels"].tolist(),
-                                    "level_updates": m["level_updates"], "initial_second": initial_second,
-                                    "second_levels": m["second_levels"].tolist()}
+        res[f"{fusion}.metrics"] = {
+            "exchange": m["exchange"],
+            "levels": m["levels"].tolist(),
+            "level_updates": m["level_updates"],
+            "initial_second": initial_second,
+            "second_levels": m["second_levels"].tolist(),
+        }
     return res
 
 
@@ -403,8 +451,21 @@ PROCESS_SET = None
 def main() -> None:
     global PROCESS_SET
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["force_allreduce", "ops", "adasum", "shapes", "process_sets", "autograd",
-                                        "join", "reducescatter", "settings", "odd_sizes"])
+    p.add_argument(
+        "scenario",
+        choices=[
+            "force_allreduce",
+            "ops",
+            "adasum",
+            "shapes",
+            "process_sets",
+            "autograd",
+            "join",
+            "reducescatter",
+            "settings",
+            "odd_sizes",
+        ],
+    )
     args = p.parse_args()
     if args.scenario == "process_sets":
         PROCESS_SET = hvd.ProcessSet([0, 1])

@@ -4,10 +4,9 @@ import argparse
 import hashlib
 import json
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-
-import horovod.torch as hvd
 from common import cell_moments, report
 from helpers import digest, rank_data, t_stat
 
@@ -30,8 +29,16 @@ def exchange(args) -> dict:
             method, norm = method[: -len(suffix) - 1], suffix
     if args.exchange != "allgather":
         return exchange_two_phase(args, method, norm)
-    comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 5),
-                          update_every=0, min_size=16, seed=args.seed, norm=norm)
+    comp = compressor_for(
+        method,
+        bits=args.bits,
+        bucket_size=args.bucket,
+        update_steps=(0, 5),
+        update_every=0,
+        min_size=16,
+        seed=args.seed,
+        norm=norm,
+    )
     norm = comp.norm
     op = hvd.Sum if args.op == "sum" else hvd.Average
     xs = [rank_tensor(r, args.numel).double().numpy() for r in range(size)]
@@ -56,11 +63,16 @@ def exchange(args) -> dict:
     bound = c * log_term / 3 + np.sqrt((c * log_term / 3) ** 2 + 2 * var_sum * log_term)
     bound += args.rounds * 1e-6 * np.abs(truth) + 1e-9  # float32 rounding of the outputs
     m = comp.metrics()
-    return {"worst_ratio": float(np.max(np.abs(dev_sum) / bound)),
-            "aggregate_z": float(dev_sum.sum() / np.sqrt(var_sum.sum())),
-            "digests": digests, "levels": m["levels"].tolist(), "level_updates": m["level_updates"],
-            "bits_per_coordinate": m["bits_per_coordinate"], "payload_bytes": m["payload_bytes"],
-            "coordinates": m["coordinates"]}
+    return {
+        "worst_ratio": float(np.max(np.abs(dev_sum) / bound)),
+        "aggregate_z": float(dev_sum.sum() / np.sqrt(var_sum.sum())),
+        "digests": digests,
+        "levels": m["levels"].tolist(),
+        "level_updates": m["level_updates"],
+        "bits_per_coordinate": m["bits_per_coordinate"],
+        "payload_bytes": m["payload_bytes"],
+        "coordinates": m["coordinates"],
+    }
 
 
 def exchange_two_phase(args, method, norm) -> dict:
@@ -69,8 +81,17 @@ def exchange_two_phase(args, method, norm) -> dict:
     rounds are i.i.d., and the t statistics of the per-round deviation summed over all coordinates
     (plain, and signed by the truth: a scale error) and summed per bucket must be small."""
     size, rank = hvd.size(), hvd.rank()
-    comp = compressor_for(method, bits=args.bits, bucket_size=args.bucket, update_steps=(0,), update_every=0,
-                          min_size=16, seed=args.seed, norm=norm, exchange="two-phase")
+    comp = compressor_for(
+        method,
+        bits=args.bits,
+        bucket_size=args.bucket,
+        update_steps=(0,),
+        update_every=0,
+        min_size=16,
+        seed=args.seed,
+        norm=norm,
+        exchange="two-phase",
+    )
     op = hvd.Sum if args.op == "sum" else hvd.Average
     xs = [rank_tensor(r, args.numel).float().double().numpy() for r in range(size)]
     truth = (1.0 if op == hvd.Sum else 1.0 / size) * sum(xs)
@@ -85,12 +106,19 @@ def exchange_two_phase(args, method, norm) -> dict:
     nb = -(-args.numel // args.bucket)
     per_bucket = np.add.reduceat(dev, np.arange(0, nb * args.bucket, args.bucket), axis=1)
     m = comp.metrics()
-    return {"t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
-            "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
-            "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": nb, "reps": args.rounds,
-            "rel_err": float(np.sqrt((dev ** 2).sum(1).mean() / (truth ** 2).sum())),
-            "digests": digests, "exchange": m["exchange"], "levels": m["levels"].tolist(),
-            "second_levels": m["second_levels"].tolist(), "level_updates": m["level_updates"]}
+    return {
+        "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
+        "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
+        "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
+        "buckets": nb,
+        "reps": args.rounds,
+        "rel_err": float(np.sqrt((dev**2).sum(1).mean() / (truth**2).sum())),
+        "digests": digests,
+        "exchange": m["exchange"],
+        "levels": m["levels"].tolist(),
+        "second_levels": m["second_levels"].tolist(),
+        "level_updates": m["level_updates"],
+    }
 
 
 def digits_data(rank: int, size: int):
@@ -121,8 +149,12 @@ def fit_digits(model, opt, rank: int, size: int, steps: int, bpps: int = 1) -> d
         losses.append(loss.item())
     with torch.no_grad():
         acc = (model(vx).argmax(1) == vy).float().mean().item()
-    return {"first_loss": float(np.mean(losses[:10])), "last_loss": float(np.mean(losses[-10:])),
-            "accuracy": acc, "params": [digest(p) for p in model.parameters()]}
+    return {
+        "first_loss": float(np.mean(losses[:10])),
+        "last_loss": float(np.mean(losses[-10:])),
+        "accuracy": acc,
+        "params": [digest(p) for p in model.parameters()],
+    }
 
 
 def train(args) -> dict:
@@ -133,15 +165,23 @@ def train(args) -> dict:
     if args.method == "none":
         comp = hvd.Compression.none
     else:
-        comp = compressor_for(args.method, bits=args.bits, bucket_size=args.bucket, update_steps=(0, 20, 60),
-                              update_every=0, min_size=100, seed=args.seed)
+        comp = compressor_for(
+            args.method,
+            bits=args.bits,
+            bucket_size=args.bucket,
+            update_steps=(0, 20, 60),
+            update_every=0,
+            min_size=100,
+            seed=args.seed,
+        )
     start_levels = None if args.method == "none" else comp.levels.tolist()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     kwargs = {}
     if args.groups:
         kwargs["num_groups"] = args.groups
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
-                                   backward_passes_per_step=args.bpps, **kwargs)
+    opt = hvd.DistributedOptimizer(
+        opt, named_parameters=model.named_parameters(), compression=comp, backward_passes_per_step=args.bpps, **kwargs
+    )
     result = fit_digits(model, opt, rank, size, args.steps, args.bpps)
     if args.method != "none":
         m = comp.metrics()
@@ -152,11 +192,19 @@ def train(args) -> dict:
         flat = w.detach().reshape(-1).float()
         payload = comp._ops_for(flat.device).encode(flat, comp._quantizer, 0).numpy()
         decoded = q.decode(payload)
-        result.update(start_levels=start_levels, levels=m["levels"].tolist(), level_updates=m["level_updates"],
-                      step=m["step"], bits_per_coordinate=m["bits_per_coordinate"],
-                      uncompressed=m["uncompressed_coordinates"], coordinates=m["coordinates"],
-                      core_decoded_shape=list(decoded.shape), state=json.loads(json.dumps(
-                          {k: v for k, v in comp.state_dict().items() if k in ("step", "level_updates")})))
+        result.update(
+            start_levels=start_levels,
+            levels=m["levels"].tolist(),
+            level_updates=m["level_updates"],
+            step=m["step"],
+            bits_per_coordinate=m["bits_per_coordinate"],
+            uncompressed=m["uncompressed_coordinates"],
+            coordinates=m["coordinates"],
+            core_decoded_shape=list(decoded.shape),
+            state=json.loads(
+                json.dumps({k: v for k, v in comp.state_dict().items() if k in ("step", "level_updates")})
+            ),
+        )
     return result
 
 
@@ -169,29 +217,61 @@ def auto(args) -> dict:
     out = {}
     for exchange in ("allgather", "two-phase"):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64),
-                                    torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 128),
+            torch.nn.ReLU(),
+            torch.nn.Linear(128, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 10),
+        )
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        comp = ALQCompressor(bits="auto", bit_budget=2.5, bits_per=args.bits_per, bucket_size=args.bucket,
-                             update_steps=(0, 20, 60), update_every=0, min_size=100, seed=args.seed, exchange=exchange)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                       named_parameters=model.named_parameters(), compression=comp)
+        comp = ALQCompressor(
+            bits="auto",
+            bit_budget=2.5,
+            bits_per=args.bits_per,
+            bucket_size=args.bucket,
+            update_steps=(0, 20, 60),
+            update_every=0,
+            min_size=100,
+            seed=args.seed,
+            exchange=exchange,
+        )
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            compression=comp,
+        )
         fitted = fit_digits(model, opt, rank, size, args.steps)
         m = comp.metrics()
         saved = comp.state_dict()
-        again = ALQCompressor(bits="auto", bit_budget=2.5, bits_per=args.bits_per, bucket_size=args.bucket,
-                              min_size=100)
+        again = ALQCompressor(
+            bits="auto", bit_budget=2.5, bits_per=args.bits_per, bucket_size=args.bucket, min_size=100
+        )
         again.load_state_dict(saved)
         out[exchange] = {
-            **fitted, "allocation": m["allocation"],
-            "allocated_mean_bits": m["allocated_mean_bits"], "bits_per_coordinate": m["bits_per_coordinate"],
-            "level_updates": m["level_updates"], "exchange": m["exchange"], "bits": comp.bits,
+            **fitted,
+            "allocation": m["allocation"],
+            "allocated_mean_bits": m["allocated_mean_bits"],
+            "bits_per_coordinate": m["bits_per_coordinate"],
+            "level_updates": m["level_updates"],
+            "exchange": m["exchange"],
+            "bits": comp.bits,
             "width_levels": {str(w): v.tolist() for w, v in m["width_levels"].items()},
-            "reloaded": again._state.auto.fingerprint() == comp._state.auto.fingerprint() and all(
-                np.array_equal(again.metrics()["width_levels"][w], v) for w, v in m["width_levels"].items())}
+            "reloaded": again._state.auto.fingerprint() == comp._state.auto.fingerprint()
+            and all(np.array_equal(again.metrics()["width_levels"][w], v) for w, v in m["width_levels"].items()),
+        }
     # unbiasedness with mixed widths: tensors of scales 1000, 1, 0.001 in one buffer, summed over ranks
-    comp = ALQCompressor(bits="auto", bit_budget=3.0, bits_per=args.bits_per, bucket_size=args.bucket,
-                         update_steps=(0,), update_every=0, min_size=100, seed=args.seed, exchange=args.exchange)
+    comp = ALQCompressor(
+        bits="auto",
+        bit_budget=3.0,
+        bits_per=args.bits_per,
+        bucket_size=args.bucket,
+        update_steps=(0,),
+        update_every=0,
+        min_size=100,
+        seed=args.seed,
+        exchange=args.exchange,
+    )
     scales, numel = (1000.0, 1.0, 0.001), 1500
     xs = [rank_tensor(rank, numel) * s for s in scales]
     truth = [hvd.allreduce(x, op=hvd.Sum, name=f"truth{k}") for k, x in enumerate(xs)]
@@ -203,9 +283,14 @@ def auto(args) -> dict:
     dev = np.stack(devs)
     per_bucket = np.add.reduceat(dev, np.arange(0, dev.shape[1], args.bucket), axis=1)
     m = comp.metrics()
-    out["unbiased"] = {"t_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": per_bucket.shape[1],
-                       "reps": dev.shape[0], "allocation": m["allocation"], "exchange": m["exchange"],
-                       "digest": digest(dev)}
+    out["unbiased"] = {
+        "t_max": float(np.abs(t_stat(per_bucket)).max()),
+        "buckets": per_bucket.shape[1],
+        "reps": dev.shape[0],
+        "allocation": m["allocation"],
+        "exchange": m["exchange"],
+        "digest": digest(dev),
+    }
     if args.bits_per == "bucket":  # the widths of this rank's buckets in a payload of its tensors
         from horovod_alq.exchange.mixed import MixedOps
 
@@ -253,9 +338,14 @@ def dtypes(args) -> dict:
             out = hvd.allreduce(x, compression=comp, name=f"{name}.{n}")
             ref = hvd.allreduce(x if dt != torch.bfloat16 else x.float(), name=f"ref.{name}.{n}").to(dt)
             err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
-            res[f"{name}.{n}"] = {"dtype": str(out.dtype), "shape": list(out.shape),
-                                  "same_shape": out.shape == x.shape, "rel_err": err,
-                                  "exact": bool(torch.equal(out, ref)), "digest": digest(out.float())}
+            res[f"{name}.{n}"] = {
+                "dtype": str(out.dtype),
+                "shape": list(out.shape),
+                "same_shape": out.shape == x.shape,
+                "rel_err": err,
+                "exact": bool(torch.equal(out, ref)),
+                "digest": digest(out.float()),
+            }
     # the class itself as compression= (one default instance per class), also its metrics()
     plain = rank_tensor(rank, 4096)
     via_class = hvd.allreduce(plain, compression=ALQCompressor, name="class")
@@ -265,7 +355,7 @@ def dtypes(args) -> dict:
     nan = rank_tensor(rank, 512)
     nan[300] = float("nan") if rank == 1 else nan[300]
     out = hvd.allreduce(nan, compression=comp, name="nan")
-    res["nan_buckets"] = [bool(torch.isnan(out[i * 128:(i + 1) * 128]).all()) for i in range(4)]
+    res["nan_buckets"] = [bool(torch.isnan(out[i * 128 : (i + 1) * 128]).all()) for i in range(4)]
     return res
 
 
@@ -275,9 +365,11 @@ def amp(args) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 64)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(),
-                                   compression=ALQCompressor(bits=3, bucket_size=1024, min_size=100))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=ALQCompressor(bits=3, bucket_size=1024, min_size=100),
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     before = digest(model.weight)
     x = torch.randn(8, 256)
@@ -296,8 +388,12 @@ def amp(args) -> dict:
     with opt.skip_synchronize():
         scaler.step(opt)
     scaler.update()
-    return {"skipped": skipped, "scale": scaler.get_scale(), "moved_after": digest(model.weight) != before,
-            "params": digest(model.weight)}
+    return {
+        "skipped": skipped,
+        "scale": scaler.get_scale(),
+        "moved_after": digest(model.weight) != before,
+        "params": digest(model.weight),
+    }
 
 
 def state(args) -> dict:
@@ -311,10 +407,14 @@ def state(args) -> dict:
     restored.load_state_dict(saved)
     a = hvd.allreduce(x, compression=comp, name="after.a")
     b = hvd.allreduce(x, compression=restored, name="after.b")
-    return {"levels_equal": bool(np.array_equal(comp.levels, restored.levels)),
-            "step": restored.metrics()["step"], "updates": restored.metrics()["level_updates"],
-            "same_output": bool(torch.equal(a, b)), "levels": comp.levels.tolist(),
-            "start_levels": ALQCompressor(bits=3).levels.tolist()}
+    return {
+        "levels_equal": bool(np.array_equal(comp.levels, restored.levels)),
+        "step": restored.metrics()["step"],
+        "updates": restored.metrics()["level_updates"],
+        "same_output": bool(torch.equal(a, b)),
+        "levels": comp.levels.tolist(),
+        "start_levels": ALQCompressor(bits=3).levels.tolist(),
+    }
 
 
 def overlap(args) -> dict:
@@ -333,15 +433,26 @@ def overlap(args) -> dict:
         def call(self, payload, *rest):
             events.append([name, phase[0], rest[-1]])
             return originals[name](self, payload, *rest)
+
         return call
 
     def model_and_opt(overlap_on):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
-        comp = ALQCompressor(bits=3, bucket_size=512, min_size=1024, seed=4, exchange=args.exchange,
-                             fusion_bytes=256 * 256 * 4, update_steps=(0, 3), update_every=0, overlap=overlap_on)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), compression=comp,
-                                       named_parameters=model.named_parameters())
+        comp = ALQCompressor(
+            bits=3,
+            bucket_size=512,
+            min_size=1024,
+            seed=4,
+            exchange=args.exchange,
+            fusion_bytes=256 * 256 * 4,
+            update_steps=(0, 3),
+            update_every=0,
+            overlap=overlap_on,
+        )
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), compression=comp, named_parameters=model.named_parameters()
+        )
         return model, opt, comp
 
     out = {}
@@ -363,21 +474,37 @@ def overlap(args) -> dict:
                 steps.append([e for e in events if e[1] == "backward"])
                 grads.append(hashlib.sha1(b"".join(digest(p.grad).encode() for p in model.parameters())).hexdigest())
             m = comp.metrics()
-            out[str(overlap_on)] = {"early": steps, "grads": grads, "exchange": m["exchange"],
-                                    "level_updates": m["level_updates"], "params": [digest(p) for p in model.parameters()]}
+            out[str(overlap_on)] = {
+                "early": steps,
+                "grads": grads,
+                "exchange": m["exchange"],
+                "level_updates": m["level_updates"],
+                "params": [digest(p) for p in model.parameters()],
+            }
     finally:
         for name, f in originals.items():
             setattr(tr.HorovodTransport, name, f)
 
     n, k = 4096, 4
-    cs = [[(torch.randn(n, generator=torch.Generator().manual_seed(100 * r + j)) * (1 + j) + 0.2 * r)
-           for j in range(k)] for r in range(size)]
+    cs = [
+        [(torch.randn(n, generator=torch.Generator().manual_seed(100 * r + j)) * (1 + j) + 0.2 * r) for j in range(k)]
+        for r in range(size)
+    ]
     truth = [sum(c[j].double() for c in cs) / size for j in range(k)]
     ws = [torch.nn.Parameter(torch.zeros(n)) for _ in range(k)]
-    comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, seed=5, exchange=args.exchange,
-                         fusion_bytes=n * 4, update_steps=(0,), update_every=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(ws, lr=0.0), compression=comp,
-                                   named_parameters=[(f"w{j}", w) for j, w in enumerate(ws)])
+    comp = ALQCompressor(
+        bits=3,
+        bucket_size=512,
+        min_size=16,
+        seed=5,
+        exchange=args.exchange,
+        fusion_bytes=n * 4,
+        update_steps=(0,),
+        update_every=0,
+    )
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(ws, lr=0.0), compression=comp, named_parameters=[(f"w{j}", w) for j, w in enumerate(ws)]
+    )
     devs = []
     for i in range(args.rounds + 1):
         opt.zero_grad()
@@ -391,16 +518,19 @@ def overlap(args) -> dict:
     # per coordinate, a rounding probability near 0 or 1 gives the same code in every round (a zero
     # sample variance): test sums over buckets instead, as the DDP worker does
     per_bucket = np.add.reduceat(dev, np.arange(0, n * k, 512), axis=1)
-    out["unbiased"] = {"t_max": float(np.abs(t_stat(per_bucket)).max()), "buckets": per_bucket.shape[1],
-                       "reps": args.rounds, "t_sum": float(t_stat(dev.sum(1, keepdims=True))[0]),
-                       "digest": digest(dev)}
+    out["unbiased"] = {
+        "t_max": float(np.abs(t_stat(per_bucket)).max()),
+        "buckets": per_bucket.shape[1],
+        "reps": args.rounds,
+        "t_sum": float(t_stat(dev.sum(1, keepdims=True))[0]),
+        "digest": digest(dev),
+    }
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["exchange", "train", "mismatch", "dtypes", "state", "amp", "overlap",
-                                              "auto"])
+    p.add_argument("scenario", choices=["exchange", "train", "mismatch", "dtypes", "state", "amp", "overlap", "auto"])
     p.add_argument("--method", default="alq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket", type=int, default=512)

@@ -10,10 +10,9 @@ The ranks report their parameters, levels and counters.
 
 import hashlib
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-
-import horovod.torch as hvd
 from common import report
 
 import horovod_alq.torch.elastic  # noqa: F401  (registers the compressor's state handler)
@@ -25,8 +24,9 @@ hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 comp = ALQCompressor(bits=3, bucket_size=128, min_size=16, update_steps=(0, 3, 7), update_every=0, seed=1)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                               named_parameters=model.named_parameters(), compression=comp)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(), compression=comp
+)
 state = hvd.elastic.TorchState(model, opt, compressor=comp, batch=0)
 state.sync()
 failed = False
@@ -49,6 +49,14 @@ while state.batch < STEPS:
     state.commit()
 
 m = comp.metrics()
-report({"params": hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
-        "levels": m["levels"].tolist(), "step": m["step"], "level_updates": m["level_updates"],
-        "pending_before_reset": pending_before, "pending_after": comp._engine.pending(), "batch": state.batch})
+report(
+    {
+        "params": hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
+        "levels": m["levels"].tolist(),
+        "step": m["step"],
+        "level_updates": m["level_updates"],
+        "pending_before_reset": pending_before,
+        "pending_after": comp._engine.pending(),
+        "batch": state.batch,
+    }
+)

@@ -22,10 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-
-import horovod.torch as hvd
 from common import launcher_rank, report
 from horovod.common.exceptions import HorovodInternalError
 
@@ -38,11 +37,13 @@ ME = launcher_rank()  # fixed for the life of the process (hvd.rank() may change
 
 hvd.init()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
-                            torch.nn.Linear(32, 4))
+model = torch.nn.Sequential(
+    torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+)
 comp = ALQCompressor(bits=3, bucket_size=512, min_size=16, update_steps=(0, 3, 8), update_every=0, seed=1)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                               named_parameters=model.named_parameters(), compression=comp)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(), compression=comp
+)
 state = hvd.elastic.TorchState(model=model, optimizer=opt, compressor=comp, batch=0)
 
 events, trace = [], {}
@@ -51,17 +52,24 @@ injected = {"done": False}
 
 def snapshot() -> dict:
     m = comp.metrics()
-    return {"params": hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
-            "fingerprint": str(comp._quantizer.fingerprint), "levels": m["levels"].tolist(), "step": m["step"],
-            "level_updates": m["level_updates"]}
+    return {
+        "params": hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
+        "fingerprint": str(comp._quantizer.fingerprint),
+        "levels": m["levels"].tolist(),
+        "step": m["step"],
+        "level_updates": m["level_updates"],
+    }
 
 
 def round_state() -> dict:
     """The compressor's current round: tensors compressed, decompressed, and how it failed."""
     rnd = comp._engine._round
-    return {"pending": comp._engine.pending(), "compressed": len(rnd.entries),
-            "decompressed": sum(e.done for e in rnd.entries),
-            "failure": None if rnd.failure is None else f"{type(rnd.failure).__name__}: {rnd.failure}"[:300]}
+    return {
+        "pending": comp._engine.pending(),
+        "compressed": len(rnd.entries),
+        "decompressed": sum(e.done for e in rnd.entries),
+        "failure": None if rnd.failure is None else f"{type(rnd.failure).__name__}: {rnd.failure}"[:300],
+    }
 
 
 def fail_mid_backward(grad):
@@ -75,8 +83,9 @@ def fail_mid_backward(grad):
 
 def on_reset():
     """After restore() and Horovod's re-initialization, before sync()."""
-    events.append({"event": "reset", "batch": state.batch, **round_state(),
-                   "rank": hvd.rank(), "size": hvd.size(), **snapshot()})
+    events.append(
+        {"event": "reset", "batch": state.batch, **round_state(), "rank": hvd.rank(), "size": hvd.size(), **snapshot()}
+    )
     if MODE == "error" and ME == 1:  # come back diverged: sync() must replace this with rank 0's state
         comp._quantizer.set_levels(np.linspace(-1, 1, 8))
         comp._state.step += 7
@@ -116,8 +125,17 @@ def train(state):
 
 def record(outcome: str) -> None:
     """Report (again, every batch): a removed worker is aborted inside hvd.init() and cannot report later."""
-    report({"me": ME, "outcome": outcome, "batch": state.batch, "events": events, "trace": trace,
-            "pending_at_end": comp._engine.pending(), "final": snapshot()})
+    report(
+        {
+            "me": ME,
+            "outcome": outcome,
+            "batch": state.batch,
+            "events": events,
+            "trace": trace,
+            "pending_at_end": comp._engine.pending(),
+            "final": snapshot(),
+        }
+    )
 
 
 train(state)

@@ -5,10 +5,9 @@ the middle of a round makes the others raise after the timeout (not hang)."""
 
 import time
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-import horovod.torch as hvd
-
 from common import report
 
 from horovod_alq.core.protocol import CollectiveTimeout, ProtocolError
@@ -46,8 +45,7 @@ def uneven() -> dict:
     c = ALQCompressor(bits=8, bucket_size=512, min_size=16, seed=3)
     start = time.monotonic()
     r = hvd.allreduce(data(), compression=c, name="dt")
-    out.update(global_rel=rel(r, range(SIZE)), seconds=time.monotonic() - start,
-               digest=float(r.double().sum()))
+    out.update(global_rel=rel(r, range(SIZE)), seconds=time.monotonic() - start, digest=float(r.double().sum()))
     return out
 
 
@@ -66,22 +64,31 @@ def any_set() -> dict:
     if RANK in (0, 1):
         torch.manual_seed(0)
         model = torch.nn.Linear(64, 64)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=c,
-                                       named_parameters=model.named_parameters(), process_set=PS01)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            compression=c,
+            named_parameters=model.named_parameters(),
+            process_set=PS01,
+        )
         for step in range(4):
             opt.zero_grad()
-            model(torch.from_numpy(np.random.default_rng([9, RANK, step]).standard_normal((8, 64))
-                                   .astype(np.float32))).square().mean().backward()
+            model(
+                torch.from_numpy(np.random.default_rng([9, RANK, step]).standard_normal((8, 64)).astype(np.float32))
+            ).square().mean().backward()
             opt.step()
         out["model_digest"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     metrics = c.metrics()
     out["sets"] = sorted(",".join(map(str, r)) for r in metrics.get("process_sets", {}))
-    out["set_levels"] = {",".join(map(str, r)): m["levels"].tolist() for r, m in metrics.get("process_sets", {}).items()}
+    out["set_levels"] = {
+        ",".join(map(str, r)): m["levels"].tolist() for r, m in metrics.get("process_sets", {}).items()
+    }
     out["ps01_updates"] = metrics.get("process_sets", {}).get((0, 1), {}).get("level_updates")
     state = c.state_dict()
     fresh = AMQCompressor(bits=8, bucket_size=512, min_size=16, seed=4)
     fresh.load_state_dict(state)
-    out["state_round_trip"] = sorted(fresh.state_dict().get("process_sets", {})) == sorted(state.get("process_sets", {}))
+    out["state_round_trip"] = sorted(fresh.state_dict().get("process_sets", {})) == sorted(
+        state.get("process_sets", {})
+    )
     return out
 
 
@@ -115,8 +122,7 @@ def stop_mid_round() -> dict:
 
 
 # one launch for all (start-up dominates); the stop scenario leaves a collective pending: last
-report({"rank": RANK, "uneven": uneven(), "any_set": any_set(), "wrong_set": wrong_set(),
-        "stop": stop_mid_round()})
+report({"rank": RANK, "uneven": uneven(), "any_set": any_set(), "wrong_set": wrong_set(), "stop": stop_mid_round()})
 # every rank here, then shut down (the handshake that rank 2 never joined is cancelled there)
 hvd.allreduce(torch.zeros(1), name="end")
 hvd.shutdown()
