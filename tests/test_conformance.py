@@ -57,7 +57,9 @@ FRONTENDS = {
 #: Exchanges of ``STREAMED`` that the allreduce front-ends do not serve, and why.
 STREAMED_ONLY = {
     "reduce-scatter": "FSDP2's reduce-scatter: each rank gets one shard of the sum, not an "
-    "allreduce (tests/torch/test_fsdp_ranks.py)"
+    "allreduce (tests/torch/test_fsdp_ranks.py)",
+    "hierarchical-reduce-scatter": "FSDP2's node-aware reduce-scatter: one shard of the sum per rank "
+    "(tests/exchange/test_hierarchical.py, tests/test_hierarchical_ranks.py)",
 }
 ALPHA = 1e-6  # false-alarm probability of each statistical check (one front-end, exchange and method)
 

@@ -10,8 +10,9 @@ from typing import Sequence
 
 import torch
 
-from . import check_encode_args, cpu_build
+from . import cpu_build
 from . import torch_kernels as kernels
+from .common import check_encode_args
 
 
 class CpuCodec:

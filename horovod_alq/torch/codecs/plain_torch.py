@@ -9,8 +9,8 @@ from typing import Sequence
 
 import torch
 
-from . import check_encode_args, payload_window
 from . import torch_kernels as kernels
+from .common import check_encode_args, payload_window
 
 
 class PlainTorchCodec:

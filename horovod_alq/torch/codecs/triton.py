@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from ...core.wire import HEADER_SIZE
-from . import check_encode_args, payload_window, torch_kernels
+from . import torch_kernels
+from .common import check_encode_args, payload_window
 
 INSTALL_HINT = (
     "install it with `pip install triton==3.6.0` (pinned in requirements/pinned.txt; "
