@@ -65,6 +65,20 @@ def local_size_from_env(size: int) -> int | None:
     return g
 
 
+def resolve_local_size(size: int, rank: int, launcher: tuple[int, int] | None) -> int:
+    """The ranks per node of a group of ``size``: ``$HOROVOD_ALQ_LOCAL_SIZE`` when set, else the
+    launcher's ``(local size, local rank)`` when its nodes are runs of consecutive ranks of that size
+    (this rank's local rank is its place in its run), else ``size`` (one node). What every
+    transport's ``local_size`` is."""
+    declared = local_size_from_env(size)
+    if declared is not None:
+        return declared
+    if launcher is None:
+        return size
+    g, local = launcher
+    return g if 0 < g <= size and size % g == 0 and local == rank % g else size
+
+
 def local_size(transport: Transport) -> int:
     """The ranks per node of ``transport`` (its ``local_size``; all ranks one node when it has none)."""
     g = int(getattr(transport, "local_size", 0) or transport.size)

@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core.protocol import resolve_timeout, wait_for
-from ..exchange.hierarchical import local_size_from_env
+from ..exchange.hierarchical import resolve_local_size
 
 
 class MpiTransport:
@@ -68,18 +68,15 @@ def _local_size(comm, rank: int, size: int) -> int:
     the launcher's node layout (Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH's
     ``MPI_LOCALNRANKS``) when nodes are runs of consecutive ranks, else ``size`` (one node). Read
     from the environment, not with a collective (``Split_type``), so that nothing here can wait."""
-    declared = local_size_from_env(size)
-    if declared is not None:
-        return declared
-    if comm.Compare(MPI.COMM_WORLD) not in (MPI.IDENT, MPI.CONGRUENT):
-        return size
-    for g_name, r_name in (
-        ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("MPI_LOCALNRANKS", "MPI_LOCALRANKID"),
-    ):
-        try:
-            g, local = int(os.environ[g_name]), int(os.environ[r_name])
-        except (KeyError, ValueError):
-            continue
-        return g if 0 < g <= size and size % g == 0 and local == rank % g else size
-    return size
+    launcher = None
+    if comm.Compare(MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):
+        for g_name, r_name in (
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+            ("MPI_LOCALNRANKS", "MPI_LOCALRANKID"),
+        ):
+            try:
+                launcher = int(os.environ[g_name]), int(os.environ[r_name])
+                break
+            except (KeyError, ValueError):
+                continue
+    return resolve_local_size(size, rank, launcher)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.protocol import resolve_timeout, timeout_error, wait_for
-from ..exchange.hierarchical import local_size_from_env
+from ..exchange.hierarchical import resolve_local_size
 
 #: ``all_gather_into_tensor`` is called ``all_gather_single`` from PyTorch 2.13 on (the old name warns).
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -226,16 +226,15 @@ def companion_group(process_group=None, index: int = 1):
 
 
 def _local_size(process_group, rank: int, size: int) -> int:
-    """The ranks per node of a group (see :class:`DistTransport`)."""
-    declared = local_size_from_env(size)
-    if declared is not None:
-        return declared
-    world = process_group is None or process_group == dist.group.WORLD
-    try:
-        g, local = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    except (KeyError, ValueError):
-        return size
-    return g if world and 0 < g <= size and size % g == 0 and local == rank % g else size
+    """The ranks per node of a group (see :class:`DistTransport`): torchrun's ``LOCAL_WORLD_SIZE`` and
+    ``LOCAL_RANK`` for the world group (:func:`~horovod_alq.exchange.hierarchical.resolve_local_size`)."""
+    launcher = None
+    if process_group is None or process_group == dist.group.WORLD:
+        try:
+            launcher = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+        except (KeyError, ValueError):
+            pass
+    return resolve_local_size(size, rank, launcher)
 
 
 class SettleOnce:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..core.protocol import resolve_timeout, wait_for
-from ..exchange.hierarchical import local_size_from_env
+from ..exchange.hierarchical import resolve_local_size
 
 
 def hvd():
@@ -77,13 +77,6 @@ class HorovodTransport:
 
 
 def _local_size(h, ranks, rank: int, size: int) -> int:
-    """Ranks per node of a process set: ``$HOROVOD_ALQ_LOCAL_SIZE``, else Horovod's
-    ``local_size()`` for the global set when nodes are runs of consecutive ranks of that size (this
-    rank's ``local_rank()`` is its place in its run), else the set's size (one node)."""
-    declared = local_size_from_env(size)
-    if declared is not None:
-        return declared
-    g = int(h.local_size())
-    if ranks is None and 0 < g <= size and size % g == 0 and int(h.local_rank()) == rank % g:
-        return g
-    return size
+    """Ranks per node of a process set (:func:`~horovod_alq.exchange.hierarchical.resolve_local_size`):
+    Horovod's ``local_size()`` and ``local_rank()`` for the global set."""
+    return resolve_local_size(size, rank, (int(h.local_size()), int(h.local_rank())) if ranks is None else None)

@@ -209,3 +209,13 @@ def test_node_reduce_scatter_keeps_each_shard_and_sends_one_gth_between_nodes(ex
     nodes = n // g
     expected = n * (n - g) * payload if exchange == "reduce-scatter" else n * (nodes - 1) * payload
     assert between == expected, (between, expected)
+
+
+def test_resolve_local_size_takes_a_consistent_launcher_layout_only(monkeypatch):
+    monkeypatch.delenv(hierarchical.LOCAL_SIZE_ENV, raising=False)
+    assert hierarchical.resolve_local_size(8, 5, (4, 1)) == 4  # rank 5 is local rank 1 of nodes of 4
+    assert hierarchical.resolve_local_size(8, 5, (4, 0)) == 8  # not consecutive: one node
+    assert hierarchical.resolve_local_size(8, 5, (3, 2)) == 8  # does not divide the ranks
+    assert hierarchical.resolve_local_size(8, 5, None) == 8
+    monkeypatch.setenv(hierarchical.LOCAL_SIZE_ENV, "2")
+    assert hierarchical.resolve_local_size(8, 5, (4, 1)) == 2  # the declaration wins
