@@ -51,7 +51,7 @@ demo-fsdp: install
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node $(NP) -m scripts.demo.train --backend fsdp \
 		--methods alq,none $(DEMO_ARGS)
 
-# Quick versions of the evidence in docs/results.md (variance, codec speed, one ResNet-50 step,
+# Quick versions of the evidence in docs/results/index.md (variance, codec speed, one ResNet-50 step,
 # accuracy, netns wall-clock, a full ResNet-18-shaped training step with Horovod and DDP on 4 netns
 # workers over 1 Gbit/s links; the last two need root), written to build/bench/. The 2 ranks and
 # their Horovod background threads share 2 cores: Open MPI must yield when idle, not spin.

@@ -25,7 +25,7 @@ class ALQ:
 
     ``normless=True`` gives ALQ-N (one truncated normal instead of the norm-weighted mixture).
     ``norm="linf"`` (the default) normalizes each bucket by its max-abs; ``norm="l2"`` by its L2
-    norm, the paper's form (2x to 6x the variance on real gradients, docs/results.md)."""
+    norm, the paper's form (2x to 6x the variance on real gradients, docs/results/bucket_norm.md)."""
 
     method = "alq"
 

@@ -13,7 +13,7 @@ hook's ``ALQState``, FSDP2's ``ALQReduceScatter``, mpi4py's ``QuantizedAllreduce
 
 A front-end that cannot serve a setting refuses a value other than its default with a ValueError
 that says why (:data:`NOT_SERVED`; some values only: :data:`PARTLY`); :func:`served_table` writes
-the table of docs/settings.md.
+the table of docs/guides/settings.md.
 :func:`configure` builds what a front-end runs from its settings: both quantizers, the refit
 schedule, the round state, the seed and the exchange engine.
 """
@@ -55,7 +55,7 @@ class Settings:
     """Bits per coordinate on the wire, 2 to 8 (TernGrad: 2, which it takes whatever the default).
     ``"auto"`` (adaptive methods): a width from 2 to 8 per tensor, chosen at every refit so that
     the step's quantization variance is smallest within ``bit_budget``; one level set per width
-    (docs/design.md, "Bits per tensor"). Until the first refit every tensor gets
+    (docs/design/design.md, "Bits per tensor"). Until the first refit every tensor gets
     ``floor(bit_budget)`` bits."""
 
     bucket_size: int = 8192
@@ -73,7 +73,7 @@ class Settings:
     """``bits="auto"`` only: what gets a width. ``"tensor"`` (None): the allocation above, agreed by
     every rank. ``"bucket"``: every quantization bucket of every payload, chosen by each rank at
     every step from its own bucket norms; each payload fills ``bit_budget`` and carries a width byte
-    per bucket (docs/design.md, "Bits per bucket"); bucket sizes that are multiples of 8."""
+    per bucket (docs/design/design.md, "Bits per bucket"); bucket sizes that are multiples of 8."""
 
     exchange: str = "auto"
     """How codes travel: ``"allgather"`` (every rank gathers every rank's codes, ``(N-1)(b + 32/d)``
@@ -90,7 +90,7 @@ class Settings:
     """How the second (two-phase) quantization's levels follow the gradients. None: at equal bits they
     are the first quantizer's, copied at every refit; at other bits they are refit from the reduced
     shards' statistics. True: refit them at equal bits too. False: at other bits keep their initial
-    fit (docs/variance_two_phase.md)."""
+    fit (docs/results/variance_two_phase.md)."""
 
     update_steps: Sequence[int] | None = None
     """Rounds (optimizer steps) whose statistics refit the levels; None: (0, 100, 2000)."""
@@ -297,7 +297,7 @@ PARTLY: dict[str, dict[str, tuple[tuple, str]]] = {
 
 
 def served_table() -> str:
-    """The Markdown table of docs/settings.md: which front-end serves which setting, and why not."""
+    """The Markdown table of docs/guides/settings.md: which front-end serves which setting, and why not."""
     notes: list[str] = []
     head = "| setting | default | " + " | ".join(FRONT_ENDS) + " |"
     rows = [head, "|" + "---|" * (len(FRONT_ENDS) + 2)]

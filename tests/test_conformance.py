@@ -82,7 +82,7 @@ def expected_bytes(
     exchange: str, rank: int, n: int = N, size: int = SIZE, bits: int = BITS, bucket: int = BUCKET
 ) -> tuple[int, int]:
     """(bytes_sent, bytes_received) of one round of one ``n``-element tensor on ``rank``, from the
-    wire format (docs/design.md, "bytes_sent": payloads with headers; an allgather sends this rank's
+    wire format (docs/design/design.md, "bytes_sent": payloads with headers; an allgather sends this rank's
     payload N - 1 times, an alltoall what goes to other ranks; control vectors and handshakes not)."""
     if exchange == "allgather":
         p = payload_size(n, bits, bucket)

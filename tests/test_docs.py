@@ -37,13 +37,13 @@ PROTOCOL_ERROR_ROOTS = {"ProtocolError", "NotMemberError"}
 SNIPPET_PAGES = (
     "README.md",
     "docs/index.md",
-    "docs/horovod-torch.md",
-    "docs/horovod-tensorflow.md",
-    "docs/ddp.md",
-    "docs/fsdp.md",
-    "docs/mpi4py.md",
-    "docs/core.md",
-    "docs/diloco.md",
+    "docs/guides/horovod-torch.md",
+    "docs/guides/horovod-tensorflow.md",
+    "docs/guides/ddp.md",
+    "docs/guides/fsdp.md",
+    "docs/guides/mpi4py.md",
+    "docs/guides/core.md",
+    "docs/guides/diloco.md",
 )
 
 
@@ -70,9 +70,97 @@ def test_site_builds_with_no_warning(tmp_path):
     reference = (site / "reference" / "torch.html").read_text()
     assert 'id="horovod_alq.torch.ALQCompressor"' in reference
     assert "Settings to start from" in reference  # a parameter of QuantizedCompressor's docstring
-    results = (site / "results.html").read_text()
-    assert re.search(r'<img [^>]*src="variance_vs_iter.png"', results)
-    assert (site / "variance_vs_iter.png").stat().st_size > 10_000
+    assert (site / "results" / "index.html").exists()
+    variance = (site / "results" / "variance_training.html").read_text()
+    assert re.search(r'<img [^>]*src="variance_vs_iter.png"', variance)
+    assert (site / "results" / "variance_vs_iter.png").stat().st_size > 10_000
+    assert (site / "results" / "data" / "variance.json").exists()
+
+
+# Markdown links: [text](target "title"), ![alt](target), and reference definitions [id]: target.
+_LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_DEFINITION = re.compile(r"^\s{0,3}\[[^\]]+\]:\s+<?(\S+?)>?(?:\s|$)")
+
+
+def _markdown_links(path: Path) -> list[tuple[int, str]]:
+    """(line number, target) of every link of a Markdown file, outside code blocks and code spans."""
+    found, fence = [], None
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        marker = re.match(r"\s*(`{3,}|~{3,})", line)
+        if marker:
+            if fence is None:
+                fence = marker.group(1)
+            elif marker.group(1).startswith(fence):
+                fence = None
+            continue
+        if fence is not None:
+            continue
+        text = re.sub(r"(`+).*?\1", "", line)
+        found += [(number, m.group(1)) for m in _LINK.finditer(text)]
+        found += [(number, m.group(1)) for m in _DEFINITION.finditer(text)]
+    return found
+
+
+def _anchors(page: Path) -> set[str]:
+    """The ids of a page's headings as the toc extension makes them (explicit {#id} too)."""
+    from markdown.extensions.toc import slugify
+
+    ids, seen, fence = set(), {}, False
+    for line in page.read_text().splitlines():
+        if re.match(r"\s*(```|~~~)", line):
+            fence = not fence
+        heading = None if fence else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not heading:
+            continue
+        text = heading.group(1)
+        explicit = re.search(r"\{#([\w-]+)[^}]*\}\s*$", text)
+        if explicit:
+            ids.add(explicit.group(1))
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text).replace("`", "").replace("*", "")
+        slug = slugify(text, "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        ids.add(slug if n == 0 else f"{slug}_{n}")
+    return ids
+
+
+def _link_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def test_every_relative_link_resolves():
+    """Every relative link of README.md and of the pages under docs/ names a file that exists; a
+    page's links stay inside docs/ (the site has nothing else); README's links into docs/ that name
+    an anchor name a heading of that page (mkdocs checks the anchors of links between pages)."""
+    problems, checked = [], 0
+    for page in _link_pages():
+        where = page.relative_to(ROOT)
+        for number, target in _markdown_links(page):
+            if re.match(r"[a-zA-Z][\w+.-]*:", target) or target.startswith("#"):
+                continue  # http:, mailto:, ...; an anchor on the same page (checked by mkdocs)
+            path, _, anchor = target.partition("#")
+            if target.startswith("/"):
+                problems.append(f"{where}:{number}: absolute link {target}")
+                continue
+            resolved = (page.parent / path).resolve()
+            checked += 1
+            if not resolved.exists():
+                problems.append(f"{where}:{number}: {target} does not exist")
+            elif page.is_relative_to(DOCS) and not resolved.is_relative_to(DOCS):
+                problems.append(f"{where}:{number}: {target} is outside docs/, not part of the site")
+            elif anchor and not page.is_relative_to(DOCS) and resolved.suffix == ".md":
+                if anchor not in _anchors(resolved):
+                    problems.append(f"{where}:{number}: {target}: no heading with that anchor")
+    assert not problems, "\n".join(problems)
+    assert checked > 200  # the pattern still finds the links
+
+
+def test_readme_links_into_the_docs():
+    targets = [t for _, t in _markdown_links(ROOT / "README.md") if t.startswith("docs/")]
+    assert {"docs/index.md", "docs/results/index.md", "docs/guides/getting-started.md"} <= {
+        t.partition("#")[0] for t in targets
+    }
 
 
 def _public_objects():
@@ -176,10 +264,10 @@ def test_protocol_messages_are_found():
 
 
 def test_every_protocol_error_is_on_the_troubleshooting_page():
-    page = " ".join((DOCS / "troubleshooting.md").read_text().split())
+    page = " ".join((DOCS / "guides" / "troubleshooting.md").read_text().split())
     missing = [f"{where}: {message}" for where, message in protocol_messages() if message not in page]
     assert not missing, (
-        "messages missing from docs/troubleshooting.md (copy each, with … for the "
+        "messages missing from docs/guides/troubleshooting.md (copy each, with … for the "
         "values filled in at run time):\n" + "\n".join(missing)
     )
 

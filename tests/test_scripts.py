@@ -1,5 +1,5 @@
-"""Smoke tests of the evidence scripts (docs/results.md): each one's --help, and the short paths
-that write its outputs. Kept brief; the real runs are `make bench` and the commands in results.md."""
+"""Smoke tests of the evidence scripts (docs/results/index.md): each one's --help, and the short paths
+that write its outputs. Kept brief; the real runs are `make bench` and the commands in the results pages."""
 
 from __future__ import annotations
 

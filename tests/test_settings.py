@@ -129,13 +129,13 @@ def test_configure_builds_the_state_the_settings_describe():
 
 
 def test_docs_table_is_the_codes():
-    text = (ROOT / "docs" / "settings.md").read_text()
+    text = (ROOT / "docs" / "guides" / "settings.md").read_text()
     found = re.search(
         r"<!-- generated: horovod_alq.settings.served_table\(\) -->\n(.*?)<!-- end generated -->", text, flags=re.S
     )
-    assert found, "docs/settings.md lost its generated table markers"
+    assert found, "docs/guides/settings.md lost its generated table markers"
     assert found.group(1) == served_table(), (
-        "docs/settings.md's table differs from the code: regenerate it with "
+        "docs/guides/settings.md's table differs from the code: regenerate it with "
         "python -c 'from horovod_alq.settings import served_table; print(served_table(), end=\"\")'"
     )
 

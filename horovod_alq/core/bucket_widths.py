@@ -6,7 +6,7 @@ where ``c_w`` is the error per unit of squared bucket norm of ``w``'s levels on 
 normalized distribution (the same for every bucket of one size: the normalized coordinates of
 all buckets follow it). ``c`` comes from the allreduced refit statistics, so every rank holds the
 same; the norms are this rank's, so each rank picks its own widths for every payload, at every
-step: which buckets are large changes from step to step (docs/results.md, section 11).
+step: which buckets are large changes from step to step (docs/results/bits_per_tensor.md).
 
 :func:`allocate_buckets` minimizes ``sum_b s_b c_{w_b}`` under ``sum_b n_b w_b <= cap``: every
 bucket starts at the narrowest width and the segments of ``c``'s lower convex hull are taken in

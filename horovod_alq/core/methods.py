@@ -1,7 +1,7 @@
 """The quantization methods: identity, norm, adaptivity and level sets.
 
 Level sets are sorted float64 arrays in [-1, 1] with -1 and 1 as endpoints and no zero level
-(TernGrad excepted), as in Faghri et al. (NeurIPS 2020), Table 1 of ``docs/design.md``. Each method
+(TernGrad excepted), as in Faghri et al. (NeurIPS 2020), Table 1 of ``docs/design/design.md``. Each method
 has a default bucket norm; the adaptive ones take either (:func:`check_norm`): the paper normalizes
 their buckets by the L2 norm (``norm="l2"``), this package by default by the max-abs (``"linf"``).
 """
@@ -39,7 +39,7 @@ METHODS: dict[str, Method] = {
         Method("nuqsgd", 2, "l2", None, False),
         Method("terngrad", 3, "linf", None, False),
         # Adaptive methods: max-abs buckets by default (lower variance than the paper's L2 buckets
-        # on every case measured, docs/results.md); norm="l2" gives the paper's form.
+        # on every case measured, docs/results/bucket_norm.md); norm="l2" gives the paper's form.
         Method("alq", 4, "linf", "levels", False),
         Method("alq-n", 5, "linf", "levels", True),
         Method("amq", 6, "linf", "multiplier", False),

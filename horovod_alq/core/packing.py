@@ -1,4 +1,4 @@
-"""Pack level indices into a ``bits``-bit, LSB-first bit stream (wire format of ``docs/design.md``).
+"""Pack level indices into a ``bits``-bit, LSB-first bit stream (wire format of ``docs/design/design.md``).
 
 The code of coordinate ``i`` occupies stream bits ``[i*bits, (i+1)*bits)``, value bit 0 first;
 stream bit ``k`` is bit ``k % 8`` of byte ``k // 8``; unused trailing bits are 0. Eight codes make

@@ -1,4 +1,4 @@
-"""The safety protocol of the quantized exchange, written once for every front-end (``docs/design.md``).
+"""The safety protocol of the quantized exchange, written once for every front-end (``docs/design/design.md``).
 
 Two small messages keep every rank on the same path, whatever the ranks do:
 

@@ -1,7 +1,7 @@
 """The reference codec and adaptation entry point: :class:`Quantizer`.
 
 Faghri et al., "Adaptive Gradient Quantization for Data-Parallel SGD" (NeurIPS 2020). The payload
-layout and encoding rules are those of ``docs/design.md``; the framework kernels produce and consume
+layout and encoding rules are those of ``docs/design/design.md``; the framework kernels produce and consume
 the same bytes.
 """
 

@@ -1,4 +1,4 @@
-"""Bucket normalization, per-bucket moments and the additive statistics vector (``docs/design.md``).
+"""Bucket normalization, per-bucket moments and the additive statistics vector (``docs/design/design.md``).
 
 Pipeline: ``x -> normalize`` (float32 bucket norms and normalized coordinates ``r``, shared with the
 encoder) ``-> summarize`` (a fixed-length float64 vector; the elementwise sum over workers describes
@@ -10,7 +10,7 @@ Norm-based methods (ALQ, AMQ) use the norm-weighted mixture of the buckets' *emp
 distributions, as a CDF on :data:`GRID`: the paper models each bucket as a truncated normal, but
 real gradients are heavy-tailed and that model makes ALQ put all its levels in the bulk (on the
 MNIST CNN of scripts/demo/train.py it multiplied the true quantization variance by up to 8 and cost 20
-points of accuracy; ``docs/statistics.md``). The empirical CDF is as cheap and just as additive.
+points of accuracy; ``docs/design/statistics.md``). The empirical CDF is as cheap and just as additive.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Payload header, levels fingerprint and payload slicing (wire format version 2, ``docs/design.md``).
+"""Payload header, levels fingerprint and payload slicing (wire format version 2, ``docs/design/design.md``).
 
 A payload is a 32-byte header, one float32 norm per bucket, then the packed codes::
 

@@ -1,4 +1,4 @@
-"""The quantized exchange, written once for every front-end (``docs/design.md``, "Exchange").
+"""The quantized exchange, written once for every front-end (``docs/design/design.md``, "Exchange").
 
 Three axes vary independently:
 

@@ -75,7 +75,7 @@ STREAMED = {
 #: Fusion buffers hold this many bytes of float32 gradient by default (``fusion_bytes=``,
 #: ``HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per tensor).
 DEFAULT_FUSION_BYTES = 64 << 20
-#: ``exchange="auto"`` uses the two-phase exchange from this many ranks on (docs/results.md, section 7).
+#: ``exchange="auto"`` uses the two-phase exchange from this many ranks on (docs/results/exchanges.md).
 TWO_PHASE_FROM = 4
 
 
@@ -560,7 +560,7 @@ class Engine:
         """A float32 vector of ``n`` for this round's ``tag``, with stale contents: the one of the
         last round that used ``tag`` once each of that round's tensors was decompressed (nobody
         reads it any more), else a new one. A fresh 100 MB vector costs its page faults on every
-        round (docs/bench_step.md); the streams of refit rounds and of codecs that cannot encode
+        round (docs/results/bench_step.md); the streams of refit rounds and of codecs that cannot encode
         tensors in place use it."""
         held = self._kept.get(tag)
         if held is not None:

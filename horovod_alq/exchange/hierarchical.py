@@ -18,7 +18,7 @@ Only codes cross nodes: ``(nodes - 1)`` payloads of ``1/G`` of the buffer per ra
 a flat allgather sends. The estimate stays unbiased (exact sums, one unbiased quantization of each
 node's sum). A node's sum has up to ``G`` times the norm of one rank's gradient, so at equal bits
 the variance of the average is between equal to and ``G`` times the flat exchange's; at equal
-inter-node bytes the hierarchical exchange can spend more bits (docs/settings.md, "Clusters of
+inter-node bytes the hierarchical exchange can spend more bits (docs/guides/settings.md, "Clusters of
 nodes"). In refit rounds the owners collect the statistics of what they quantize (the node sums).
 
 An owner that finds an invalid payload among those it received poisons what it forwards, so that

@@ -44,13 +44,13 @@ class QuantizedAllreduce(frontends.Configured):
         None: the default). ``bits="auto"``: a width per array of a call's list, chosen by
         :meth:`adapt` under ``bit_budget``. ``clip`` (TernGrad) is served here. Not served:
         ``min_size``, ``codec``, ``fusion_bytes``, ``overlap``, and the refit schedule
-        (``update_steps``, ``update_every``): levels are refit by :meth:`adapt` (docs/settings.md).
+        (``update_steps``, ``update_every``): levels are refit by :meth:`adapt` (docs/guides/settings.md).
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them.
     collect_every : int, optional
         Which calls record this rank's statistics for the next :meth:`adapt`: every
         ``collect_every``-th call since the last one (default 1 for adaptive methods); 0: only calls
-        made with ``collect=True``. Recording costs a local pass over the array (docs/mpi4py.md).
+        made with ``collect=True``. Recording costs a local pass over the array (docs/guides/mpi4py.md).
     Notes
     -----
     Results have the input's dtype (float16, float32 or float64) and shape; the sum over ranks is

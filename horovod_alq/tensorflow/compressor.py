@@ -8,7 +8,7 @@ Usage::
     compression = ALQCompressor(bits=3, bucket_size=8192)
     tape = hvd.DistributedGradientTape(tape, compression=compression)   # or hvd.allreduce(..., compression=)
 
-Same wire format and protocol as the PyTorch compressors (docs/design.md, "TensorFlow"):
+Same wire format and protocol as the PyTorch compressors (docs/design/design.md, "TensorFlow"):
 ``compress`` encodes the gradient and hands Horovod's allreduce the core's tensor vector (two-phase:
 with the configuration sums; refit rounds: with the statistics); it issues no collective.
 ``decompress`` checks the reduced vector (:mod:`.checks`; every rank sees the same one, so every
@@ -107,8 +107,8 @@ class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.Com
         call, also inside ``tf.function``); ``exchange="two-phase"`` cuts each tensor's buckets into
         N shards; ``bits_second`` other than ``bits`` only for the fixed methods (the second
         quantization does not adapt in TensorFlow, and adaptive levels left at their initial fit give
-        12 to 16x the variance, docs/variance_two_phase.md). Not served: ``codec``, ``bits_per``,
-        ``adapt_second``, ``fusion_bytes``, ``overlap``, ``clip`` (docs/settings.md).
+        12 to 16x the variance, docs/results/variance_two_phase.md). Not served: ``codec``, ``bits_per``,
+        ``adapt_second``, ``fusion_bytes``, ``overlap``, ``clip`` (docs/guides/settings.md).
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them. A subclass's method overrides theirs.
     jit_compile : bool
@@ -242,7 +242,7 @@ class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.Com
         numel = tensor.shape.num_elements()
         if tensor.dtype not in COMPRESSIBLE or numel is None or numel < max(self.min_size, 1):
             self._vars.count(uncompressed_coordinates=tf.size(tensor))
-            sent, how = graph.passthrough(tensor)  # never the control vector's shape (docs/design.md)
+            sent, how = graph.passthrough(tensor)  # never the control vector's shape (docs/design/design.md)
             if tensor.dtype == tf.bfloat16:  # Horovod's TF allreduce has no bfloat16
                 sent = tf.cast(sent, tf.float32)
             return sent, _PassThrough(tensor.dtype, tensor.shape, how)

@@ -1,4 +1,4 @@
-"""``hvd.join()`` in the TensorFlow compressors (docs/design.md, "Protocol").
+"""``hvd.join()`` in the TensorFlow compressors (docs/design/design.md, "Protocol").
 
 Horovod serves a rank in ``hvd.join()`` in allreduces (it sums zeros for it), not in allgathers or
 alltoalls, so a quantized exchange cannot run while a rank of the set is joined. Where the calling

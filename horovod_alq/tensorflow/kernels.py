@@ -1,4 +1,4 @@
-"""TensorFlow kernels of the wire format in ``docs/design.md``: bucket norms, unbiased stochastic
+"""TensorFlow kernels of the wire format in ``docs/design/design.md``: bucket norms, unbiased stochastic
 rounding, b-bit packing into a payload, and the decode-and-sum of gathered payloads.
 
 Plain TF ops with static shapes, usable eagerly and inside ``tf.function`` (the compressors wrap

@@ -1,4 +1,4 @@
-"""Bounded waits for the TensorFlow compressors' own collectives (``timeout=``, docs/horovod-tensorflow.md).
+"""Bounded waits for the TensorFlow compressors' own collectives (``timeout=``, docs/guides/horovod-tensorflow.md).
 
 Horovod's TensorFlow collectives are op kernels with no handle to poll: eagerly the calling thread
 blocks in the op until every rank issued it. :func:`bounded` therefore runs an eager collective on

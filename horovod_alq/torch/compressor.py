@@ -7,7 +7,7 @@ Usage::
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=ALQCompressor(bits=3, bucket_size=8192))
 
-How the exchange works (``docs/design.md``): ``compress`` records the gradient and hands Horovod's
+How the exchange works (``docs/design/design.md``): ``compress`` records the gradient and hands Horovod's
 allreduce a small float64 control vector (``horovod_alq.core.protocol``); the round's gradients
 are fused into buffers, and each buffer that is complete (a later gradient does not fit in it)
 is quantized and its codes start moving from ``compress`` (``overlap=True``), during the backward
@@ -98,7 +98,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
     method, bits, bucket_size, **keywords
         The shared settings, :class:`horovod_alq.settings.Settings` (its fields as keywords: ``bits=3``,
         ``bucket_size=8192``, ``exchange="auto"``, ``min_size=1024``, ``timeout``, ...; None: the
-        default). Every one is served here but ``clip`` (docs/settings.md).
+        default). Every one is served here but ``clip`` (docs/guides/settings.md).
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them. A subclass's method
         (``ALQCompressor``: ``"alq"``) overrides theirs.
@@ -106,7 +106,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         Pin the compressor to this process set: allreduces over another set raise, naming it.
         Default: not pinned; the compressor serves every set it is used with (the global one, and
         each other set through a compressor of its own with these settings, made at the set's
-        first use: levels, statistics and rounds per set; ``docs/design.md``).
+        first use: levels, statistics and rounds per set; ``docs/design/design.md``).
     fused : bool, optional
         Deprecated: ``fused=False`` is ``codec="torch"``, ``fused=True`` is ``codec="auto"``.
 
@@ -114,7 +114,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
     -----
     Collective names: a compressor's collectives are named after its process set and the order in
     which this process first *uses* compressors of that set, so ranks that created different numbers
-    of compressors (one per process set, one on some ranks only) still pair (docs/design.md).
+    of compressors (one per process set, one on some ranks only) still pair (docs/design/design.md).
     Horovod's own allreduce of the control vector is Horovod's (its stall warnings apply);
     ``timeout`` bounds the compressor's own collectives.
     """

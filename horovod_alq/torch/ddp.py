@@ -77,7 +77,7 @@ class ALQState(StreamedState):
         own wait for a bucket's future (a bucket whose exchange has not completed this long after
         its hook ran fails with the timeout's error). ``fusion_bytes`` is checked equal on every
         rank, otherwise unused (DDP's buckets are the fusion); ``overlap`` and ``clip`` are not
-        served (docs/settings.md).
+        served (docs/guides/settings.md).
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them.
 

@@ -82,7 +82,7 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         (an exact reduce-scatter inside each node, then only the node sums' codes between nodes:
         :mod:`horovod_alq.exchange.node_reduce_scatter`), flat otherwise; ``"hierarchical"``: always
         node-aware. Not served (one quantization of each rank's shard): ``bits_second``,
-        ``adapt_second``, ``fusion_bytes``, ``overlap``, ``bits_per``, ``clip`` (docs/settings.md).
+        ``adapt_second``, ``fusion_bytes``, ``overlap``, ``bits_per``, ``clip`` (docs/guides/settings.md).
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them.
     """

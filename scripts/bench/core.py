@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the NumPy core: adaptation time, reference-codec throughput, quantization variance.
 
-Writes a Markdown report (default ``docs/bench_core.md``) with the tables, the command that produced
+Writes a Markdown report (default ``docs/results/bench_core.md``) with the tables, the command that produced
 them and a note on the machine. ``--quick`` uses smaller inputs and fewer repeats (a smoke test).
 """
 
@@ -141,7 +141,7 @@ def report(args, adapt_rows, tput_rows, var_table, elapsed: float) -> str:
         "- ALQ and AMQ adapt to the norm-weighted empirical distribution of the normalized "
         "coordinates; ALQ-N and AMQ-N to one truncated normal (the paper's model), which "
         "underweights the heavy tails of Student-t data: there ALQ-N is 3x worse than ALQ "
-        "(docs/statistics.md).",
+        "(docs/design/statistics.md).",
         "- QSGDinf normalizes by the max-abs, which suits light-tailed (Gaussian) buckets: it beats "
         "the L2-normalized adaptive methods there at d=512, and loses by 3-20x on Student-t data.",
     ]
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small inputs, few repeats (smoke test)")
     parser.add_argument(
         "--out",
-        default=str(Path(__file__).resolve().parents[2] / "docs" / "bench_core.md"),
-        help="Markdown report to write (default: docs/bench_core.md)",
+        default=str(Path(__file__).resolve().parents[2] / "docs" / "results" / "bench_core.md"),
+        help="Markdown report to write (default: docs/results/bench_core.md)",
     )
     args = parser.parse_args(argv)
     args.repeats = 3 if args.quick else 7

@@ -3,7 +3,7 @@
 DistributedDataParallel's own allreduce, its fp16_compress_hook and its 8-bit quantization hook,
 side by side in the same processes (2 gloo ranks on CPU). Run with torchrun:
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench.ddp --out docs/bench_ddp.md
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench.ddp --out docs/results/bench_ddp.md
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench.ddp --quick
 
 The model: the 161 parameters of torchvision's resnet50 (the shapes of scripts/bench/step.py's

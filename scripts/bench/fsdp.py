@@ -462,7 +462,8 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--out",
-        help="markdown report (JSON next to it); default docs/bench_fsdp.md, with --quick build/bench/bench_fsdp.md",
+        help="markdown report (JSON in data/ beside it); default docs/results/bench_fsdp.md, "
+        "with --quick build/bench/bench_fsdp.md",
     )
     p.add_argument("--timeout", type=float, help="seconds per mpirun; default 2400 (--quick: 600)")
     p.add_argument("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
@@ -485,7 +486,7 @@ def main(argv=None) -> int:
     if not all(2 <= w <= 8 for w in workers):
         p.error("--workers must be 2..8")
     if args.out is None:
-        args.out = "build/bench/bench_fsdp.md" if args.quick else "docs/bench_fsdp.md"
+        args.out = "build/bench/bench_fsdp.md" if args.quick else "docs/results/bench_fsdp.md"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

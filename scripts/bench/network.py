@@ -4,7 +4,7 @@ its own network namespace, linked through a bridge with tc-shaped veths, time pe
 (fp32), fp16, QSGDinf and ALQ (allgather and two-phase exchange), as ratios to none and to fp16.
 Needs root (ip netns, tc).
 
-    python -m scripts.bench.network --out-dir docs                 # unshaped, 1gbit, 100mbit
+    python -m scripts.bench.network --out-dir docs/results                 # unshaped, 1gbit, 100mbit
     python -m scripts.bench.network --quick --out-dir /tmp/net     # small model, 1 rate, 2 steps
 
 Topology (created by this script, torn down at the end, also on failure, Ctrl-C or SIGTERM):
@@ -685,7 +685,7 @@ def main(argv=None) -> int:
         help="Open MPI's mpi_yield_when_idle for the ranks; default 1 (the ranks share this "
         "machine's cores; 0: busy-wait, what the runs before 2026-12-01 did)",
     )
-    p.add_argument("--out-dir", default="docs")
+    p.add_argument("--out-dir", default="docs/results")
     p.add_argument(
         "--tag",
         default="",

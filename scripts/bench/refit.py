@@ -10,7 +10,7 @@ in use); medians over repeats, rows interleaved, as ratios to the plain round. E
 refits on another batch's gradient than the round before it (as in training: a refit's statistics
 are new), so the level fits start warm but not at their fixed point.
 
-    python -m scripts.bench.refit --out docs/bench_refit.md
+    python -m scripts.bench.refit --out docs/results/bench_refit.md
     python -m scripts.bench.refit --quick
 """
 

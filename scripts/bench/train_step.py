@@ -948,7 +948,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--out",
-        help="markdown report (JSON next to it); default docs/bench_train_step.md, "
+        help="markdown report (JSON next to it); default docs/results/bench_train_step.md, "
         "with --quick build/bench/bench_train_step.md",
     )
     p.add_argument("--timeout", type=float, help="seconds per mpirun; default 3600 (--quick: 600)")
@@ -1002,7 +1002,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     if args.out is None:
-        args.out = "build/bench/bench_train_step.md" if args.quick else "docs/bench_train_step.md"
+        args.out = "build/bench/bench_train_step.md" if args.quick else "docs/results/bench_train_step.md"
     if not args.skip_memory_check and not args.teardown_only:
         problem = memory_check(args, workers)
         if problem:

@@ -9,8 +9,8 @@ side-by-side summary.
 The model is a tf.Module of plain tf.Variables trained in a tf.function around
 hvd.DistributedGradientTape (traced once, then run for every step), the way that works with
 TensorFlow 2.21 (Keras 3 variables: pass their ``.value``; Keras model.fit: horovod.tensorflow.keras
-with tf_keras, see docs/horovod-tensorflow.md). Methods: alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd, terngrad (this
-package), none (fp32) and fp16 (Horovod's own compressors). No downloads.
+with tf_keras, see docs/guides/horovod-tensorflow.md). Methods: alq, alq-n, amq, amq-n, qsgdinf, qsgd, nuqsgd,
+terngrad (this package), none (fp32) and fp16 (Horovod's own compressors). No downloads.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ package uses)? Fits both on real gradients of the MNIST CNN of scripts/demo/trai
 SGD) and reports the true normalized variance E||Q(g) - g||^2 / ||g||^2 of each fit, computed
 exactly from the levels and the gradient (no sampling).
 
-    python -m scripts.study.compare_models --out docs/statistics.md
+    python -m scripts.study.compare_models --out docs/design/statistics.md
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the relative squared error of the decoded mean against the exact mean, ||mean_Q 
 the bytes that crossed between nodes per step, counted on the transports (every byte a rank sent to
 a rank of another node, summed over ranks).
 
-    python -m scripts.study.hierarchical_error --out docs/hierarchical_error.md     # N=4 and 16, G=2,4,8
+    python -m scripts.study.hierarchical_error --out docs/results/hierarchical_error.md     # N=4 and 16, G=2,4,8
     python -m scripts.study.hierarchical_error --quick --out /tmp/h.md             # N=8, G=2, CNN only
 """
 
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     p.add_argument("--bucket", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="8 ranks, G=2, the CNN, 3 rounds, 10 warm-up steps")
-    p.add_argument("--out", default="docs/hierarchical_error.md")
+    p.add_argument("--out", default="docs/results/hierarchical_error.md")
     args = p.parse_args(argv)
     if args.quick:
         args.ranks, args.local_sizes, args.models, args.rounds, args.warmup = "8", "2", "cnn", 3, 10

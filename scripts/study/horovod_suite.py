@@ -40,7 +40,7 @@ put in a category:
 ``run_all_in_graph_and_eager_modes(TensorFlowTests)``, which runs each test first in a TF1 graph
 with a session, then eagerly.
 
-The report (markdown, ``--out``, default docs/horovod_suite.md) lists the command, date, versions,
+The report (markdown, ``--out``, default docs/results/horovod_suite.md) lists the command, date, versions,
 counts and every non-passing test; text after the line ``<!-- notes -->`` in an existing report is
 kept. Results per framework are kept as JSON in ``--results-dir`` so that one report covers both.
 """
@@ -467,7 +467,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Categories and method: see the module docstring / docs/horovod_suite.md.",
+        epilog="Categories and method: see the module docstring / docs/results/horovod_suite.md.",
     )
     p.add_argument(
         "--horovod-test-dir", type=Path, help="Horovod's test/ folder at tag v0.28.1 (holds parallel/ and utils/)"
@@ -508,7 +508,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--no-baseline", action="store_true", help="do not re-run non-passing tests without the compressor")
     p.add_argument("--results-dir", type=Path, default=ROOT / "build" / "horovod_suite")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "horovod_suite.md")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "horovod_suite.md")
     p.add_argument(
         "--merge",
         action="store_true",

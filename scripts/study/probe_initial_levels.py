@@ -14,7 +14,7 @@ and on synthetic Gaussian and Student-t(3) data:
     l2-start      the product's start with L2 buckets (norm="l2")
     fitted        max-abs buckets, levels fitted to the data's own statistics
 
-    python -m scripts.study.probe_initial_levels --out docs/initial_levels.md
+    python -m scripts.study.probe_initial_levels --out docs/results/initial_levels.md
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ evaluation loss (nats and bits per character), the same-seed differences to fp32
 the same bit width (mean and standard error over seeds), the bits per coordinate each method sent,
 and a plot of the learning curves.
 
-    python -m scripts.study.run_accuracy_gpt --out-dir docs                 # the core grid, 5 seeds
-    python -m scripts.study.run_accuracy_gpt --grid wide --seeds 0,1 --out-dir docs   # the wider grid
-    python -m scripts.study.run_accuracy_gpt --grid auto --out-dir docs     # bits="auto" under a budget
-    python -m scripts.study.run_accuracy_gpt --grid bucket --out-dir docs   # bits_per="bucket" under a budget
-    python -m scripts.study.run_accuracy_gpt --grid sgd --optimizer sgd --out-dir docs   # SGD, momentum 0.9
+    python -m scripts.study.run_accuracy_gpt --out-dir docs/results                 # the core grid, 5 seeds
+    python -m scripts.study.run_accuracy_gpt --grid wide --seeds 0,1 --out-dir docs/results   # the wider grid
+    python -m scripts.study.run_accuracy_gpt --grid auto --out-dir docs/results     # bits="auto" under a budget
+    python -m scripts.study.run_accuracy_gpt --grid bucket --out-dir docs/results   # bits_per="bucket" under a budget
+    python -m scripts.study.run_accuracy_gpt --grid sgd --optimizer sgd --out-dir docs/results   # SGD, momentum 0.9
     python -m scripts.study.run_accuracy_gpt --quick --out-dir /tmp/g       # 2 ranks, 1 seed, 20 steps
 
 Every launch writes its JSON under <out-dir>/accuracy_gpt_raw; a launch whose JSON exists is
@@ -112,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra", default="", help="more train_gpt.py arguments, quoted")
     p.add_argument(
         "--out-dir",
-        default="docs",
+        default="docs/results",
         help="accuracy_gpt.md/.png go here, accuracy_gpt.json and the raw runs to its data/",
     )
     p.add_argument("--timeout", type=float, default=5400, help="seconds per launch; default 5400")

@@ -42,7 +42,7 @@ sum, encode, decode) per setting; the mean estimate's squared error against ||me
 estimated variance / R (ratio T ~ 1), and t statistics of the error projected on fixed directions
 must be O(1).
 
-    python -m scripts.study.variance_two_phase --out docs/variance_two_phase.md
+    python -m scripts.study.variance_two_phase --out docs/results/variance_two_phase.md
     python -m scripts.study.variance_two_phase --quick
 """
 

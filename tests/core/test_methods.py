@@ -1,4 +1,4 @@
-"""horovod_alq.core.methods: the method table (against Table 1 of docs/design.md), the bits and
+"""horovod_alq.core.methods: the method table (against Table 1 of docs/design/design.md), the bits and
 norm checks, and the fixed and initial level sets."""
 
 import re
@@ -25,12 +25,12 @@ from horovod_alq.core.methods import (
     uniform_levels,
 )
 
-DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
+DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design" / "design.md"
 BITS = range(MIN_BITS, MAX_BITS + 1)
 
 
 def _design_table() -> dict:
-    """``{name: (id, norm, adaptive column)}`` from the method table of docs/design.md."""
+    """``{name: (id, norm, adaptive column)}`` from the method table of docs/design/design.md."""
     rows = {}
     for line in DESIGN.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -1,4 +1,4 @@
-"""b-bit LSB-first packing of codes (docs/design.md, wire format)."""
+"""b-bit LSB-first packing of codes (docs/design/design.md, wire format)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Payload header, fingerprint, sizes, slicing and splitting (docs/design.md, wire format v2)."""
+"""Payload header, fingerprint, sizes, slicing and splitting (docs/design/design.md, wire format v2)."""
 
 import hashlib
 import struct

@@ -452,7 +452,7 @@ def test_stalled_rank_eagerly_the_waiting_rank_raises_within_the_timeout(collide
 @pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
 def test_stalled_rank_in_tf_function_the_waiting_rank_waits_for_it(collide_and_stall, exchange):
     # inside tf.function Horovod's collectives are graph ops, which timeout= cannot interrupt
-    # (docs/horovod-tensorflow.md): rank 0 waits until rank 1 issues the collective, then both finish
+    # (docs/guides/horovod-tensorflow.md): rank 0 waits until rank 1 issues the collective, then both finish
     waiting, stalled = (r["stall"] for r in collide_and_stall)
     a, b = waiting[f"{exchange}.function"], stalled[f"{exchange}.function"]
     assert a["error"] is None and b["error"] is None, (a, b)

@@ -788,7 +788,8 @@ def join(args) -> dict:
     tf.function): every call is served as Horovod serves it without compression (rank 0's tensor,
     scaled by the op: compared with Horovod's own allreduce in the same mode); then rank 0 joins,
     rank 1 returns from hvd.join(), and both ranks exchange identically. One join per run:
-    in Horovod 0.28.1 a second hvd.join() returns before the other ranks joined (see docs/horovod-tensorflow.md)."""
+    in Horovod 0.28.1 a second hvd.join() returns before the other ranks joined (see
+    docs/guides/horovod-tensorflow.md)."""
     rank = hvd.rank()
     x = tf.constant(rank_data(rank, 2048))
     out, comps = {}, {}

@@ -1,6 +1,6 @@
 """Codecs of the torch compressors: one interface, one module per backend, one registry.
 
-A codec turns a flat float tensor into a payload of the wire format (``docs/design.md``) and sums
+A codec turns a flat float tensor into a payload of the wire format (``docs/design/design.md``) and sums
 decoded payloads; it also computes the statistics of refit rounds. Backends:
 
 - ``torch``: plain torch ops (:mod:`.plain_torch`, kernels in :mod:`horovod_alq.torch.codecs.torch_kernels`), any

@@ -1,4 +1,4 @@
-"""Triton kernels of the wire format (``docs/design.md``), used by :mod:`.triton`.
+"""Triton kernels of the wire format (``docs/design/design.md``), used by :mod:`.triton`.
 
 This file is loaded by :func:`horovod_alq.torch.codecs.triton.kernels` (twice in one process if
 both are needed: once with ``@triton.jit`` compiled for the GPU, once under Triton's interpreter

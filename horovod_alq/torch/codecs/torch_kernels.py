@@ -1,4 +1,4 @@
-"""Torch kernels of the wire format in ``docs/design.md``: bucket norms, unbiased stochastic
+"""Torch kernels of the wire format in ``docs/design/design.md``: bucket norms, unbiased stochastic
 rounding, b-bit packing, and the decode-and-sum of payloads, on the tensor's own device.
 
 Plain vectorized torch ops; the compiled CPU codec (:mod:`horovod_alq.torch.codecs.cpu_build`)

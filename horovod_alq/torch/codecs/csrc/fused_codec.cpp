@@ -1,4 +1,4 @@
-// Fused CPU kernels for the horovod-alq wire format (docs/design.md).
+// Fused CPU kernels for the horovod-alq wire format (docs/design/design.md).
 //
 // encode: bucket norms, unbiased stochastic rounding and b-bit packing, bucket by bucket;
 // encode_parts: the same for a fused stream of tensors, read where they lie (no stream copy);
