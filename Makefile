@@ -53,8 +53,10 @@ demo-fsdp: install
 
 # Quick versions of the evidence in docs/results/index.md (variance, codec speed, one ResNet-50 step,
 # accuracy, netns wall-clock, a full ResNet-18-shaped training step with Horovod and DDP on 4 netns
-# workers over 1 Gbit/s links; the last two need root), written to build/bench/. The 2 ranks and
-# their Horovod background threads share 2 cores: Open MPI must yield when idle, not spin.
+# workers over 1 Gbit/s and 100 Mbit/s links, time to accuracy of the character GPT on 2 nodes x 2
+# ranks at 100 Mbit/s; the last three need root), written to build/bench/, then a summary of where
+# ALQ wins and loses. The ranks and their Horovod background threads share 2 cores: Open MPI must
+# yield when idle, not spin.
 bench: install
 	$(PY) -m scripts.study.variance --quick --out-dir build/bench
 	$(PY) -m scripts.study.variance --auto --quick --out-dir build/bench
@@ -70,6 +72,8 @@ bench: install
 	$(PY) -m scripts.bench.bucket_widths --quick --out build/bench/bench_bucket_widths.md
 	$(PY) -m scripts.bench.network --quick --out-dir build/bench
 	$(PY) -m scripts.bench.train_step --quick --out build/bench/bench_train_step.md
+	$(PY) -m scripts.study.time_to_accuracy --quick --fresh --out-dir build/bench
+	$(PY) -m scripts.bench.summary --dir build/bench
 
 # Removes the venv and build leftovers; the Horovod wheel cache (~/.cache/horovod-alq) stays.
 clean:

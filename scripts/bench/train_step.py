@@ -5,7 +5,7 @@ PyTorch DDP, on 4 and 8 workers in network namespaces with tc-shaped links (unsh
 100 Mbit/s). Needs root (ip netns, tc), except --local and --help.
 
     python -m scripts.bench.train_step                                # 4,8 workers x unshaped,1gbit,100mbit
-    python -m scripts.bench.train_step --quick                        # width 0.25, 4 workers, 1gbit, 5 steps
+    python -m scripts.bench.train_step --quick                        # width 0.25, 4 workers, 1gbit and 100mbit, 5 steps
     python -m scripts.bench.train_step --local --workers 2 --quick    # no namespaces, loopback, no root
 
 The namespaces, links, shaping and the mpirun launch (a hostfile of worker addresses and an rsh
@@ -166,7 +166,7 @@ LABELS = {
 FP16_OF = {"hvd": "hvd-fp16", "ddp": "ddp-fp16"}
 PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState accepts with error feedback / warm start
 FULL = dict(workers="4,8", rates="unshaped,1gbit,100mbit", width=1.0, batch_size=8, steps=5, warmup=3, timeout=3600.0)
-QUICK = dict(workers="4", rates="1gbit", width=0.25, batch_size=8, steps=5, warmup=3, timeout=600.0)
+QUICK = dict(workers="4", rates="1gbit,100mbit", width=0.25, batch_size=8, steps=5, warmup=3, timeout=600.0)
 
 
 # ---------------------------------------------------------------------------------------- model

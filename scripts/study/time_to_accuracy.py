@@ -1,0 +1,821 @@
+#!/usr/bin/env python
+"""Time to accuracy on slow links: the held-out loss of the character GPT (scripts/common/gpt.py)
+against wall-clock training seconds, for every exchange, on 2 nodes x 2 ranks in network
+namespaces whose links between nodes are shaped to 100 Mbit/s and 1 Gbit/s (scripts/bench/
+network.py's namespaces; the ranks of a node talk over their namespace's loopback). Needs root,
+except --local.
+
+    python -m scripts.study.time_to_accuracy --out-dir docs/results            # 2 rates x 3 seeds, 240 steps
+    python -m scripts.study.time_to_accuracy --quick --out-dir build/bench     # 1 seed, 1 rate, 40 steps
+    python -m scripts.study.time_to_accuracy --local --np 2 --quick --out-dir /tmp/tta  # loopback, no root
+
+Rows (all in the same processes, interleaved: at every step each row takes its step in turn, a
+barrier before each, so the machine's noise hits them alike; each row its own model, from the
+same initial weights, fed the same batches, a different one per rank, same seed):
+
+- ``hvd-fp16``: Horovod ``Compression.fp16``, the 16-bit baseline every ratio is taken to;
+- ``ddp-bf16``: DDP's ``bf16_compress_hook`` over gloo (registered under another name: DDP
+  refuses the hook of that name without CUDA and NCCL; gloo allreduces bfloat16 on CPU);
+- ``ddp-psgd``: DDP's ``powerSGD_hook`` at the rank whose bytes per step are closest to the
+  3-bit payload (scripts/demo/train_gpt.py's ``matched_rank``; one DDP bucket, see
+  scripts/bench/train_step.py for why on gloo);
+- ``hvd-qsgdinf``: ``QSGDCompressor(bits=3)``; ``hvd-alq``: ``ALQCompressor(bits=3)``;
+  ``hvd-alq-auto``: ``ALQCompressor(bits="auto", bit_budget=2.5)``: default settings otherwise,
+  so ``exchange="auto"``, which on 2 nodes x 2 ranks is the hierarchical exchange;
+- ``hvd-alq-flat``: ``ALQCompressor(bits=3, exchange="two-phase")``, the flat exchange the
+  hierarchical one replaces;
+- ``local``: forward, backward and AdamW with no exchange (its loss is not compared: it sees a
+  quarter of the data): the compute the exchanges must add to, for the step profile.
+
+The clock: each row's wall-clock seconds since its start are the sum of its steps' times, a
+step's time being the slowest rank's (forward, backward, exchange, optimizer; a synchronous step
+ends when its slowest rank does). The held-out loss (scripts/demo/train_gpt.py's ``evaluate``:
+fixed, evenly spaced windows of the last 10% of the text) is measured by rank 0 every
+--eval-every steps, outside the clock (evaluation time is excluded, as are the barriers).
+Every rank writes a log line per row and step (JSON: row, step, seconds since the start on
+this rank's clock and the slowest rank's, its step's seconds, bytes it sent, the held-out loss
+where measured) to <out-dir>/data/time_to_accuracy_logs/<run>/rank<r>.jsonl.
+
+Targets per seed, read off that seed's fp16 curve: the held-out loss fp16 reaches at 50%, 75% and
+100% of its steps. A row reaches a target at its first evaluation at or below it; its time is its
+clock at that step. The table gives the mean and standard error over seeds of that time, the
+ratio to fp16's (per seed, then mean and s.e.), "not reached" where a row misses it (with how
+many seeds did reach), and the bytes each rank sends per step beside it.
+
+Bytes per step and rank: measured for this package's rows (``metrics()["bytes_sent"]`` plus ring
+arithmetic 2(N-1)/N x 4 B for the few tensors sent uncompressed), PowerSGD's counters
+(``total_numel_after_compression``, allreduced in float32) x 2(N-1)/N, arithmetic for fp16 and bf16
+(2(N-1)/N x 2 B x parameters); in the namespaces also the bytes that crossed each node's shaped
+link (eth0's counters, read around each row's step by each node's first rank).
+
+Every (rate, seed) run writes its JSON to <out-dir>/data/time_to_accuracy_raw/; a run whose JSON
+exists is skipped (an interrupted study resumes) and ``--aggregate-only`` rebuilds the report.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LABELS = {
+    "hvd-fp16": "Horovod fp16",
+    "ddp-bf16": "DDP bf16_compress_hook",
+    "ddp-psgd": "DDP PowerSGD, rank matched to 3 bits",
+    "hvd-qsgdinf": "QSGDinf 3 bits",
+    "hvd-alq": "ALQ 3 bits (defaults)",
+    "hvd-alq-auto": 'ALQ bits="auto", budget 2.5',
+    "hvd-alq-flat": "ALQ 3 bits, flat two-phase",
+    "local": "no exchange (compute alone)",
+}
+ROWS = list(LABELS)
+BASELINE = "hvd-fp16"
+TARGETS = (0.5, 0.75, 1.0)  # fractions of fp16's steps whose loss is a target
+FULL = dict(layout="2x2", rates="100mbit,1gbit", seeds="0,1,2", steps=240, eval_every=20, timeout=7200.0)
+QUICK = dict(layout="2x2", rates="100mbit", seeds="0", steps=40, eval_every=10, timeout=1200.0)
+PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState takes with error feedback and warm start
+STEM = "time_to_accuracy"
+
+
+# ---------------------------------------------------------------------------------------- worker
+def build_row(key: str, args, vocab: int, hvd, plain_args) -> dict:
+    """One row: the model to call, the model to evaluate, its optimizer and its counters (or None)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from horovod_alq.torch import ALQCompressor, QSGDCompressor
+    from scripts.common.gpt import GPT
+    from scripts.demo.train_gpt import make_optimizer, matched_rank
+
+    torch.manual_seed(args.seed)  # the same initial model in every row and on every rank
+    model = GPT(vocab, args.width, args.layers, args.heads, args.context)
+    opt = make_optimizer(model, plain_args)
+    row = {"call": model, "model": model, "opt": opt, "state": None, "extra": {}}
+    if key == "local":
+        return row
+    if key.startswith("hvd-"):
+        comp = {
+            "hvd-fp16": lambda: hvd.Compression.fp16,
+            "hvd-qsgdinf": lambda: QSGDCompressor(bits=3, seed=args.seed),
+            "hvd-alq": lambda: ALQCompressor(bits=3, seed=args.seed),
+            "hvd-alq-auto": lambda: ALQCompressor(bits="auto", bit_budget=2.5, seed=args.seed),
+            "hvd-alq-flat": lambda: ALQCompressor(bits=3, exchange="two-phase", seed=args.seed),
+        }[key]()
+        # names prefixed by the row: Horovod's response cache never sees one name in two rows
+        row["opt"] = hvd.DistributedOptimizer(
+            opt, named_parameters=[(f"{key}.{k}", p) for k, p in model.named_parameters()], compression=comp
+        )
+        row["state"] = comp if hasattr(comp, "metrics") else None
+        return row
+
+    def bf16_hook(state, bucket: dist.GradBucket):
+        """bf16_compress_hook itself under another name (DDP refuses that name without NCCL)."""
+        return default_hooks.bf16_compress_hook(state, bucket)
+
+    if key == "ddp-bf16":
+        row["call"] = DDP(model)
+        row["call"].register_comm_hook(None, bf16_hook)
+        return row
+    rank = matched_rank(model, 3, 8192, 1024)
+    one_bucket = 4 * sum(p.numel() for p in model.parameters()) / 2**20 + 1
+    row["call"] = DDP(model, bucket_cap_mb=one_bucket)
+    state = psgd.PowerSGDState(
+        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=PSGD_START, random_seed=args.seed
+    )
+    row["call"].register_comm_hook(state, psgd.powerSGD_hook)
+    row["state"], row["extra"] = state, {"powersgd_rank": rank}
+    return row
+
+
+def counters(row: dict) -> tuple[float, float]:
+    """(payload bytes sent, coordinates sent uncompressed) so far by this rank's row; PowerSGD:
+    (0, coordinates after its compression)."""
+    st = row["state"]
+    if st is None:
+        return 0.0, 0.0
+    if hasattr(st, "total_numel_after_compression"):
+        return 0.0, float(st.total_numel_after_compression)
+    m = st.metrics()
+    return float(m["bytes_sent"]), float(m["uncompressed_coordinates"])
+
+
+def worker(args) -> int:
+    """Runs on every rank: every row's steps in turn, the per-step log, rank 0 writes the run's JSON."""
+    import horovod
+    import horovod.torch as hvd
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from scripts.bench.train_step import free_port, if_addr, if_bytes
+    from scripts.common.gpt import char_splits, lr_at, sample_batch
+    from scripts.demo.train_gpt import evaluate
+
+    hvd.init()
+    torch.set_num_threads(1)
+    rank, n = hvd.rank(), hvd.size()
+    os.environ["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
+    where = None
+    if rank == 0:
+        addr = if_addr(args.gloo_ifname)
+        where = (addr, free_port(addr))
+    addr, port = hvd.broadcast_object(where, root_rank=0, name="time_to_accuracy.gloo_address")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=600)
+    )
+    train_ids, val_ids, chars = char_splits()
+    # train_gpt.py's optimizer and schedule (AdamW, lr 3e-3, weight decay 0.1, warm-up then cosine)
+    plain = argparse.Namespace(
+        optimizer="adamw",
+        lr=args.lr,
+        weight_decay=0.1,
+        warmup=min(30, args.steps // 8),
+        steps=args.steps,
+        context=args.context,
+        eval_windows=args.eval_windows,
+    )
+    keys = args.rows.split(",")
+    rows = {k: build_row(k, args, len(chars), hvd, plain) for k in keys}
+    params = sum(p.numel() for p in rows[keys[0]]["model"].parameters())
+    ring = 2 * (n - 1) / n
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"rank{rank}.jsonl", "w")
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    per = {k: {"step_s": [], "fwd_bwd_s": [], "cpu_main_s": [], "cpu_all_s": [], "bytes": [], "link": []} for k in keys}
+    clock = dict.fromkeys(keys, 0.0)  # this rank's
+    slow_clock = dict.fromkeys(keys, 0.0)  # the slowest rank's, step by step
+    curves = {k: [] for k in keys}
+    last = {k: counters(rows[k]) for k in keys}
+    count = args.count_ifname and hvd.local_rank() == 0
+    for step in range(args.steps):
+        x, y = sample_batch(train_ids, args.batch_size, args.context, generator)
+        for key in keys:
+            row = rows[key]
+            for group in row["opt"].param_groups:
+                group["lr"] = lr_at(step, plain)
+            dist.barrier()
+            l0 = if_bytes(args.count_ifname) if count else (0, 0)
+            c0, p0 = time.thread_time(), time.process_time()
+            t0 = time.perf_counter()
+            if row["call"] is row["model"]:
+                loss = row["model"].loss(x, y)
+            else:
+                loss = F.cross_entropy(row["call"](x).flatten(0, 1), y.flatten())
+            loss.backward()
+            t1 = time.perf_counter()
+            row["opt"].step()
+            t2 = time.perf_counter()
+            c2, p2 = time.thread_time(), time.process_time()
+            row["opt"].zero_grad()
+            if args.count_ifname:  # the row's traffic has ended on every rank after this barrier
+                dist.barrier()
+            l1 = if_bytes(args.count_ifname) if count else (0, 0)
+            now = counters(row)
+            if key in ("hvd-fp16", "ddp-bf16"):
+                sent = ring * 2 * params
+            elif key == "ddp-psgd":
+                sent = ring * 4 * (now[1] - last[key][1])
+            else:
+                sent = (now[0] - last[key][0]) + ring * 4 * (now[1] - last[key][1])
+            last[key] = now
+            slowest = torch.tensor([t2 - t0], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            clock[key] += t2 - t0
+            slow_clock[key] += float(slowest)
+            rec = per[key]
+            rec["step_s"].append(float(slowest))
+            rec["fwd_bwd_s"].append(t1 - t0)
+            rec["cpu_main_s"].append(c2 - c0)
+            rec["cpu_all_s"].append(p2 - p0)
+            rec["bytes"].append(sent)
+            rec["link"].append((l1[0] - l0[0], l1[1] - l0[1]))
+            line = {
+                "row": key,
+                "step": step + 1,
+                "seconds": round(clock[key], 6),
+                "seconds_slowest": round(slow_clock[key], 6),
+                "step_seconds": round(t2 - t0, 6),
+                "bytes_sent": round(sent, 1),
+                "train_loss": round(float(loss), 5),
+            }
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                value = evaluate(row["model"], val_ids, plain) if rank == 0 and key != "local" else None
+                value = hvd.broadcast_object(value, root_rank=0, name=f"tta.eval.{key}.{step}")
+                if value is not None:
+                    curves[key].append([step + 1, value])
+                    line["eval_loss"] = round(value, 6)
+            log.write(json.dumps(line) + "\n")
+        log.flush()
+        if rank == 0 and (step + 1) % max(1, args.steps // 10) == 0:
+            print(f"step {step + 1}/{args.steps}: " + ", ".join(f"{k} {slow_clock[k]:.1f} s" for k in keys), flush=True)
+    log.close()
+
+    # the parameters after all steps: the largest difference to rank 0's (0 where every rank averaged alike)
+    diffs = {}
+    for key in keys:
+        flat = torch.cat([p.detach().reshape(-1) for p in rows[key]["model"].parameters()])
+        ref = flat.clone()
+        dist.broadcast(ref, 0)
+        d = torch.tensor([float((flat - ref).abs().max()) if torch.isfinite(flat).all() else math.inf])
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        diffs[key] = float(d)
+    gathered = hvd.allgather_object({"per": per, "local_rank": hvd.local_rank()})
+    if rank == 0:
+        out_rows = {}
+        for key in keys:
+            ranks = [g["per"][key] for g in gathered]
+            nodes = [g["per"][key]["link"] for g in gathered if g["local_rank"] == 0]
+            steps = len(ranks[0]["step_s"])
+            mean_over = lambda field, i: statistics.fmean(r[field][i] for r in ranks)  # noqa: E731
+            res = {
+                "label": LABELS[key],
+                "step_s": [round(v, 6) for v in ranks[0]["step_s"]],  # the slowest rank's (all-reduced)
+                "curve": curves[key],
+                "bytes_per_step": statistics.fmean(statistics.fmean(r["bytes"]) for r in ranks),
+                "max_param_diff": diffs[key],
+                # per step the mean over ranks, then the median over steps
+                "fwd_bwd_s": statistics.median(mean_over("fwd_bwd_s", i) for i in range(steps)),
+                "cpu_main_s": statistics.median(mean_over("cpu_main_s", i) for i in range(steps)),
+                "cpu_all_s": statistics.median(mean_over("cpu_all_s", i) for i in range(steps)),
+                **rows[key]["extra"],
+            }
+            if args.count_ifname:
+                # the busiest node link, the more loaded direction (tbf shapes each direction)
+                res["link_max_per_step"] = (
+                    max(max(sum(c[0] for c in nd), sum(c[1] for c in nd)) for nd in nodes) / steps
+                )
+            st = rows[key]["state"]
+            if st is not None and hasattr(st, "metrics"):
+                m = st.metrics()
+                res.update(exchange=m["exchange"], bits_per_coordinate=m["bits_per_coordinate"])
+            out_rows[key] = res
+        Path(args.worker_out).write_text(
+            json.dumps(
+                {
+                    "size": n,
+                    "local_size": hvd.local_size(),
+                    "params": params,
+                    "torch": torch.__version__,
+                    "horovod": horovod.__version__,
+                    "rows": out_rows,
+                }
+            )
+        )
+    dist.destroy_process_group()
+    hvd.shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- targets
+def reach(curve: list, clock: list[float], target: float) -> float | None:
+    """Seconds on ``clock`` (cumulative, per step) at the first evaluation of ``curve`` ([step, loss])
+    at or below ``target``; None if none is."""
+    step = reach_step(curve, target)
+    return None if step is None else clock[step - 1]
+
+
+def reach_step(curve: list, target: float) -> int | None:
+    """The step of the first evaluation of ``curve`` at or below ``target``, or None."""
+    return next((step for step, loss in curve if loss <= target), None)
+
+
+def targets_of(curve: list, steps: int) -> list[tuple[float, int, float]]:
+    """(fraction, step, loss) of the baseline's ``curve`` at each fraction of :data:`TARGETS` of
+    ``steps`` (the evaluation at that step: --eval-every divides those steps)."""
+    at = dict((s, v) for s, v in curve)
+    out = []
+    for f in TARGETS:
+        step = round(f * steps)
+        if step not in at:
+            raise ValueError(
+                f"the fp16 curve has no evaluation at step {step} ({f:.0%} of {steps}); steps: {sorted(at)}"
+            )
+        out.append((f, step, at[step]))
+    return out
+
+
+def cumulative(step_s: list[float]) -> list[float]:
+    total, out = 0.0, []
+    for s in step_s:
+        total += s
+        out.append(total)
+    return out
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    m = statistics.fmean(values)
+    return m, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per rate: per row the time to each target over seeds (mean, s.e., ratio to fp16, seeds that
+    reached it), bytes, step profile, final loss."""
+    out = {}
+    for rate in sorted({r["rate"] for r in runs}, key=lambda r: [x["rate"] for x in runs].index(r)):
+        group = [r for r in runs if r["rate"] == rate]
+        keys = list(group[0]["rows"])
+        table = {}
+        for key in keys:
+            if key == "local":
+                continue
+            entry = {"targets": [], "label": LABELS[key]}
+            for i, f in enumerate(TARGETS):
+                times, ratios, losses, steps_to = [], [], [], []
+                for run in group:
+                    steps = len(run["rows"][BASELINE]["step_s"])
+                    _, _, target = targets_of(run["rows"][BASELINE]["curve"], steps)[i]
+                    losses.append(target)
+                    t = reach(run["rows"][key]["curve"], cumulative(run["rows"][key]["step_s"]), target)
+                    t0 = reach(run["rows"][BASELINE]["curve"], cumulative(run["rows"][BASELINE]["step_s"]), target)
+                    if t is not None:
+                        times.append(t)
+                        ratios.append(t / t0)
+                        steps_to.append(reach_step(run["rows"][key]["curve"], target))
+                entry["targets"].append(
+                    {
+                        "fraction": f,
+                        "loss": statistics.fmean(losses),
+                        "reached": len(times),
+                        "seeds": len(group),
+                        "seconds": mean_se(times) if times else None,
+                        "ratio": mean_se(ratios) if ratios else None,
+                        "steps": statistics.fmean(steps_to) if steps_to else None,
+                    }
+                )
+            rws = [run["rows"][key] for run in group]
+            entry.update(
+                final_loss=mean_se([r["curve"][-1][1] for r in rws]),
+                final_vs_fp16=mean_se(
+                    [r["curve"][-1][1] - run["rows"][BASELINE]["curve"][-1][1] for r, run in zip(rws, group)]
+                ),
+                total_s=mean_se([sum(r["step_s"]) for r in rws]),
+                step_s=statistics.median(statistics.median(r["step_s"]) for r in rws),
+                bytes_per_step=statistics.fmean(r["bytes_per_step"] for r in rws),
+                link_max_per_step=(
+                    statistics.fmean(r["link_max_per_step"] for r in rws) if "link_max_per_step" in rws[0] else None
+                ),
+                fwd_bwd_s=statistics.median(r["fwd_bwd_s"] for r in rws),
+                cpu_main_s=statistics.median(r["cpu_main_s"] for r in rws),
+                cpu_all_s=statistics.median(r["cpu_all_s"] for r in rws),
+                exchange=rws[0].get("exchange"),
+                max_param_diff=max(r["max_param_diff"] for r in rws),
+                powersgd_rank=rws[0].get("powersgd_rank"),
+            )
+            table[key] = entry
+        local = [run["rows"]["local"] for run in group if "local" in run["rows"]]
+        out[rate] = {
+            "rows": table,
+            "seeds": [r["seed"] for r in group],
+            "throughput_Bps": statistics.fmean(r["throughput_Bps"] for r in group)
+            if group[0].get("throughput_Bps")
+            else None,
+            "local_step_s": statistics.median(statistics.median(r["step_s"]) for r in local) if local else None,
+            "local_cpu_main_s": statistics.median(r["cpu_main_s"] for r in local) if local else None,
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------- report
+def fmt_time(t) -> str:
+    return "not reached" if t is None else f"{t[0]:.1f} ± {t[1]:.1f}" if t[1] == t[1] else f"{t[0]:.1f}"
+
+
+def fmt_ratio(r, reached: int, seeds: int) -> str:
+    if r is None:
+        return f"not reached (0/{seeds})"
+    text = f"{r[0]:.2f} ± {r[1]:.2f}" if r[1] == r[1] else f"{r[0]:.2f}"
+    return text + ("" if reached == seeds else f" ({reached}/{seeds} seeds; not reached in the others)")
+
+
+def rate_table(rate: str, s: dict) -> list[str]:
+    head = "| row | " + " | ".join(
+        f"to {t['fraction']:.0%} target: s | ratio to fp16" for t in s["rows"][BASELINE]["targets"]
+    )
+    lines = [
+        head + " | final loss (vs fp16) | bytes sent/step/rank | busiest node link bytes/step |",
+        "|---|" + "---|---|" * len(TARGETS) + "---|---|---|",
+    ]
+    for key, e in s["rows"].items():
+        cells = []
+        for t in e["targets"]:
+            cells += [fmt_time(t["seconds"]), fmt_ratio(t["ratio"], t["reached"], t["seeds"])]
+        d = e["final_vs_fp16"]
+        final = f"{e['final_loss'][0]:.4f} ({d[0]:+.4f})"
+        link = "" if e["link_max_per_step"] is None else f"{e['link_max_per_step'] / 1e6:.2f} MB"
+        lines.append(
+            f"| {e['label']} | " + " | ".join(cells) + f" | {final} | {e['bytes_per_step'] / 1e6:.3f} MB | {link} |"
+        )
+    targets = ", ".join(f"{t['fraction']:.0%}: {t['loss']:.4f}" for t in s["rows"][BASELINE]["targets"])
+    lines.append("")
+    lines.append(f"Targets (fp16's held-out loss at that share of its steps, mean over seeds): {targets} nats/char.")
+    lines.append(
+        "Bytes sent: all a rank sends per step, inside its node too (the hierarchical exchange's first "
+        "stage sends float32 over the node's fast links); the busiest node link: what crossed the shaped "
+        "link of the more loaded node, in its more loaded direction (eth0's counters)."
+    )
+    return lines
+
+
+def profile_table(s: dict) -> list[str]:
+    """Where each row's step goes: the slowest rank's step (median), fwd+bwd on a rank (with DDP,
+    its hooks' exchange too), the main thread's CPU and the process's; against compute alone."""
+    local = s["local_step_s"]
+    lines = [
+        "| row | step ms | vs no exchange | fwd+bwd ms | opt.step+exchange ms | main-thread CPU ms "
+        "| all threads CPU ms | exchange |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, e in s["rows"].items():
+        vs = f"{e['step_s'] / local:.2f}x" if local else ""
+        lines.append(
+            f"| {e['label']} | {e['step_s'] * 1e3:.0f} | {vs} | {e['fwd_bwd_s'] * 1e3:.0f} | "
+            f"{(e['step_s'] - e['fwd_bwd_s']) * 1e3:.0f} | {e['cpu_main_s'] * 1e3:.0f} | {e['cpu_all_s'] * 1e3:.0f} | "
+            f"{e['exchange'] or ''} |"
+        )
+    if local:
+        lines.append(f"| no exchange (compute alone) | {local * 1e3:.0f} | 1.00x | | | | | |")
+    return lines
+
+
+def diagnose(rate: str, s: dict) -> list[str]:
+    """Why each row's time to fp16's final loss differs from fp16's: the steps it needed against
+    fp16's, times its step time against fp16's; the step against compute alone split into the main
+    thread's extra CPU (codec, hooks, Python) and the rest (wire and waits)."""
+    base = s["rows"][BASELINE]
+    local, local_cpu = s["local_step_s"], s["local_cpu_main_s"]
+    lines = [f"Why, at {rate} (time to fp16's final loss = steps needed x time per step, each against fp16's):", ""]
+    if local:
+        lines.append(
+            f"- {base['label']}: step {base['step_s'] * 1e3:.0f} ms = compute {local * 1e3:.0f} ms + "
+            f"{(base['step_s'] - local) * 1e3:.0f} ms of exchange."
+        )
+    for key, e in s["rows"].items():
+        if key == BASELINE:
+            continue
+        t, t0 = e["targets"][-1], base["targets"][-1]
+        step_ratio = e["step_s"] / base["step_s"]
+        if t["steps"] is None:
+            steps = f"never reached in {t['seeds']} seed(s) (final loss {e['final_vs_fp16'][0]:+.4f} against fp16's)"
+        else:
+            steps = f"{t['steps']:.0f} steps against fp16's {t0['steps']:.0f} ({t['steps'] / t0['steps']:.2f}x)"
+            if t["reached"] < t["seeds"]:
+                steps += f", in {t['reached']} of {t['seeds']} seeds"
+        where = ""
+        if local and local_cpu is not None:
+            extra = e["step_s"] - local
+            codec = max(0.0, e["cpu_main_s"] - local_cpu)
+            where = (
+                f"; its step is compute {local * 1e3:.0f} ms + {extra * 1e3:.0f} ms of exchange, of which "
+                f"{min(codec, extra) * 1e3:.0f} ms main-thread CPU beyond compute (codec, hooks) and "
+                f"{max(0.0, extra - codec) * 1e3:.0f} ms wire and waits"
+            )
+        lines.append(f"- {e['label']}: {steps}; step time {step_ratio:.2f}x fp16's{where}.")
+    return lines
+
+
+def target_checks(summary: dict) -> list[str]:
+    """The study's targets, met or missed: at 100 Mbit/s ALQ 3 bits reaches fp16's final loss in at
+    most 0.6x fp16's time and before PowerSGD at matched bytes; at 1 Gbit/s, every target in at
+    most 1.0x fp16's time."""
+
+    def ratio(rate, key, i):
+        r = summary[rate]["rows"][key]["targets"][i]
+        return None if r["ratio"] is None or r["reached"] < r["seeds"] else r["ratio"][0]
+
+    def seconds(rate, key):
+        r = summary[rate]["rows"][key]["targets"][-1]
+        return None if r["seconds"] is None or r["reached"] < r["seeds"] else r["seconds"][0]
+
+    out = []
+    if "100mbit" in summary and "hvd-alq" in summary["100mbit"]["rows"]:
+        r = ratio("100mbit", "hvd-alq", -1)
+        text = "not reached in every seed" if r is None else f"{r:.2f}x"
+        out.append(
+            f"- 100 Mbit/s, ALQ 3 bits to fp16's final loss in at most 0.6x fp16's time: {text}, "
+            f"{'met' if r is not None and r <= 0.6 else 'missed'}."
+        )
+        if "ddp-psgd" in summary["100mbit"]["rows"]:
+            a, b = seconds("100mbit", "hvd-alq"), seconds("100mbit", "ddp-psgd")
+            met = a is not None and (b is None or a < b)
+            fmt = lambda v: "not reached" if v is None else f"{v:.1f} s"  # noqa: E731
+            out.append(
+                f"- 100 Mbit/s, before PowerSGD at matched bytes: ALQ {fmt(a)}, PowerSGD {fmt(b)}: "
+                f"{'met' if met else 'missed'}."
+            )
+    if "1gbit" in summary and "hvd-alq" in summary["1gbit"]["rows"]:
+        rs = [ratio("1gbit", "hvd-alq", i) for i in range(len(TARGETS))]
+        text = ", ".join("not reached" if r is None else f"{r:.2f}x" for r in rs)
+        met = all(r is not None and r <= 1.0 for r in rs)
+        out.append(
+            f"- 1 Gbit/s, ALQ 3 bits to every target in at most 1.0x fp16's time: {text}, {'met' if met else 'missed'}."
+        )
+    return out
+
+
+def plot(runs: list[dict], summary: dict, path: Path) -> bool:
+    """Held-out loss against wall-clock seconds, one panel per rate: mean over seeds (time and loss
+    at each evaluation step), a band of ± one standard error of the loss."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rates = list(summary)
+    fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4.5), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        group = [r for r in runs if r["rate"] == rate]
+        for key in summary[rate]["rows"]:
+            steps = [s for s, _ in group[0]["rows"][key]["curve"]]
+            ts = [statistics.fmean(cumulative(r["rows"][key]["step_s"])[s - 1] for r in group) for s in steps]
+            per = [[r["rows"][key]["curve"][i][1] for r in group] for i in range(len(steps))]
+            mean = [statistics.fmean(v) for v in per]
+            se = [statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0.0 for v in per]
+            (line,) = ax.plot(ts, mean, marker=".", label=LABELS[key], lw=2.2 if key in (BASELINE, "hvd-alq") else 1.2)
+            ax.fill_between(
+                ts,
+                [m - e for m, e in zip(mean, se)],
+                [m + e for m, e in zip(mean, se)],
+                alpha=0.2,
+                color=line.get_color(),
+            )
+        for t in summary[rate]["rows"][BASELINE]["targets"]:
+            ax.axhline(t["loss"], color="grey", ls=":", lw=0.8)
+        ax.set_title(f"{rate} between nodes, {len(group)} seed(s)")
+        ax.set_xlabel("wall-clock training seconds (evaluation excluded)")
+        ax.set_ylabel("held-out loss (nats/char)")
+        low = min(t["loss"] for t in summary[rate]["rows"][BASELINE]["targets"])
+        ax.set_ylim(low - 0.15, low + 0.9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def report(args, argv, runs: list[dict], summary: dict, plotted: bool) -> str:
+    first = runs[0]
+    layout = first.get("layout") or f"{first['size']} ranks on one host's loopback"
+    lines = [
+        "# Time to accuracy on slow links",
+        "",
+        f"Generated by `python -m scripts.study.time_to_accuracy {shlex.join(argv)}` on "
+        f"{datetime.date.today().isoformat()}; {platform.node() and 'this machine'}: {os.cpu_count()} cores "
+        f"({platform.processor() or platform.machine()}), Python {platform.python_version()}, torch {first['torch']}, "
+        f"Horovod {first['horovod']}. {first['size']} ranks as {layout}; the character GPT "
+        f"(width {args.width}, {args.layers} layers, context {args.context}, {first['params']:,} parameters), "
+        f"{args.batch_size} sequences per rank and step, AdamW (lr {args.lr}, warm-up, cosine), "
+        f"{args.steps} steps, held-out loss every {args.eval_every} steps on {args.eval_windows} windows.",
+        "",
+        "Every row runs in the same processes, step by step in turn, on the same seeds and batches; its clock "
+        "sums its own steps' times (the slowest rank's), evaluation and barriers excluded. All ranks share the "
+        "machine's cores, so compute is slower than on a node of its own, which makes the exchange a smaller "
+        "share of the step than on a real cluster of this network.",
+        "",
+    ]
+    checks = target_checks(summary)
+    if checks:
+        lines += ["Targets (ALQ 3 bits with default settings, the mean ratio over seeds):", "", *checks, ""]
+    if plotted:
+        lines += [f"![held-out loss against seconds]({STEM}.png)", ""]
+    for rate, s in summary.items():
+        tp = s["throughput_Bps"]
+        lines += [
+            f"## {rate}" + (f" (TCP throughput between nodes {tp * 8 / 1e6:.0f} Mbit/s)" if tp else ""),
+            "",
+            f"Seeds {', '.join(str(x) for x in s['seeds'])}. Time to each target in seconds (mean ± s.e. over seeds), "
+            "its ratio to fp16's (per seed; below 1 is sooner):",
+            "",
+            *rate_table(rate, s),
+            "",
+            "Where the step goes (medians over steps and seeds; the main thread runs forward, backward, the "
+            "hooks' codecs and the optimizer; the other threads Horovod's background loop, MPI and gloo):",
+            "",
+            *profile_table(s),
+            "",
+        ]
+        if s["local_step_s"]:
+            share = 1 - s["local_step_s"] / s["rows"][BASELINE]["step_s"]
+            lines += [
+                f"The exchange's share of fp16's step at {rate}: {share:.0%} (1 - compute alone / fp16's step).",
+                "",
+            ]
+        lines += [*diagnose(rate, s), ""]
+        worst = max(e["max_param_diff"] for e in s["rows"].values())
+        lines += [f"Largest parameter difference between ranks after training, any row: {worst:.3g}.", ""]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------- driver
+def worker_command(args, out: Path, log_dir: Path, ifname: str, seed: int) -> list[str]:
+    cmd = [sys.executable, "-m", "scripts.study.time_to_accuracy", "--worker", "--worker-out", str(out)]
+    cmd += ["--log-dir", str(log_dir), "--gloo-ifname", ifname, "--seed", str(seed), "--rows", args.rows]
+    for name in ("steps", "eval_every", "eval_windows", "batch_size", "context", "width", "layers", "heads", "lr"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if ifname != "lo":
+        cmd += ["--count-ifname", ifname]
+    return cmd
+
+
+def launch(args, tmp: Path, rate: str, seed: int, data: Path) -> dict:
+    """One run (all rows) at ``rate`` with ``seed``: in the namespaces, or on the loopback (--local)."""
+    import scripts.bench.network as net
+
+    name = f"{rate}_s{seed}"
+    out = tmp / f"{name}.json"
+    logs = data / f"{STEM}_logs" / name
+    logs.mkdir(parents=True, exist_ok=True)
+    mpilog = logs / "mpirun.log"
+    if args.local:
+        full = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(args.np)]
+        full += ["--mca", "btl", "self,vader,tcp", "--mca", "btl_vader_single_copy_mechanism", "none"]
+        full += [
+            "--mca",
+            "btl_tcp_if_include",
+            "lo",
+            "--mca",
+            "oob_tcp_if_include",
+            "lo",
+            "--mca",
+            "mpi_yield_when_idle",
+            "1",
+        ]
+        for k, v in {"OMP_NUM_THREADS": "1", "HOROVOD_CPU_OPERATIONS": "mpi", "PYTHONPATH": str(ROOT)}.items():
+            full += ["-x", f"{k}={v}"]
+        full += worker_command(args, out, logs, "lo", seed)
+        print(f"[{name}] {shlex.join(full)}", flush=True)
+        rc = net.launch(full, mpilog, args.timeout)
+    else:
+        k, g = args.nodes, args.ranks_per_node
+        full = net.mpirun_command(tmp, 1, k, ranks_per_node=g) + worker_command(args, out, logs, "eth0", seed)
+        print(f"[{name}, {k} nodes x {g} ranks] {shlex.join(full)}", flush=True)
+        rc = net.launch_retry(
+            full, mpilog, args.timeout, missing=lambda: net.missing_ranks(k, g), cleanup=net.kill_in_namespaces
+        )
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"mpirun failed ({rc}):\n{mpilog.read_text()[-6000:]}")
+    run = json.loads(out.read_text())
+    run.update(rate=rate, seed=seed)
+    if not args.local:
+        run["layout"] = f"{args.nodes} nodes x {args.ranks_per_node} ranks (namespaces; {rate} links between nodes)"
+    return run
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="defaults: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    p.add_argument("--layout", help=f"KxG: K nodes (namespaces) of G ranks; default {FULL['layout']}")
+    p.add_argument("--rates", help=f"tc rates of the links between nodes; default {FULL['rates']}")
+    p.add_argument("--seeds", help=f"default {FULL['seeds']}")
+    p.add_argument("--steps", type=int, help=f"steps per row; default {FULL['steps']}")
+    p.add_argument("--eval-every", type=int, help=f"steps between evaluations; default {FULL['eval_every']}")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated from {','.join(ROWS)}; default all")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step; default 16")
+    p.add_argument("--context", type=int, default=64, help="default 64")
+    p.add_argument("--width", type=int, default=128, help="default 128")
+    p.add_argument("--layers", type=int, default=4, help="default 4")
+    p.add_argument("--heads", type=int, default=4, help="default 4")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak lr; default 3e-3")
+    p.add_argument("--eval-windows", type=int, default=256, help="held-out windows per evaluation; default 256")
+    p.add_argument("--local", action="store_true", help="no namespaces: --np ranks on the loopback (no root)")
+    p.add_argument("--np", type=int, default=2, help="ranks with --local; default 2")
+    p.add_argument("--out-dir", default="docs/results", help="report, plot, data/; default docs/results")
+    p.add_argument("--timeout", type=float, help="seconds per run; default 7200 (--quick 1200)")
+    p.add_argument("--aggregate-only", action="store_true", help="rebuild the report from the runs' JSON")
+    p.add_argument("--fresh", action="store_true", help="run again what has its JSON already (make bench)")
+    p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--log-dir", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--gloo-ifname", default="lo", help=argparse.SUPPRESS)
+    p.add_argument("--count-ifname", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for k, v in (QUICK if args.quick else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.worker:
+        return worker(args)
+    unknown = [r for r in args.rows.split(",") if r not in ROWS]
+    if unknown or BASELINE not in args.rows.split(","):
+        p.error(f"--rows: choose from {ROWS}, with {BASELINE} (the baseline); unknown: {unknown}")
+    for f in TARGETS:
+        step = round(f * args.steps)
+        if step % args.eval_every and step != args.steps:
+            p.error(f"--eval-every {args.eval_every} must divide {step} ({f:.0%} of --steps {args.steps})")
+    try:
+        args.nodes, args.ranks_per_node = (int(v) for v in args.layout.lower().split("x"))
+    except ValueError:
+        p.error(f"--layout {args.layout!r}: expected KxG, e.g. 2x2")
+    out_dir = Path(args.out_dir)
+    data = out_dir / "data"
+    raw = data / f"{STEM}_raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    rates = ["loopback"] if args.local else args.rates.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    start = time.monotonic()
+    if not args.aggregate_only:
+        todo = [(r, s) for r in rates for s in seeds if args.fresh or not (raw / f"{r}_s{s}.json").exists()]
+        if todo and not args.local:
+            import scripts.bench.network as net
+
+            status = net.preflight("scripts.study.time_to_accuracy", args.teardown_only, "; --local runs without")
+            if status is not None:
+                return status
+        with tempfile.TemporaryDirectory(prefix="alqtta-") as tmp:
+            try:
+                if todo and not args.local:
+                    net.setup(args.nodes)
+                for rate in rates:
+                    mine = [s for r, s in todo if r == rate]
+                    if not mine:
+                        continue
+                    bps = None
+                    if not args.local:
+                        net.shape(None if rate == "unshaped" else rate, args.nodes)
+                        bps = net.measure_throughput()
+                        print(f"[{rate}] TCP throughput w0->w1: {bps * 8 / 1e6:.0f} Mbit/s", flush=True)
+                    for seed in mine:
+                        run = launch(args, Path(tmp), rate, seed, data)
+                        run["throughput_Bps"] = bps
+                        run["argv"] = argv
+                        (raw / f"{rate}_s{seed}.json").write_text(json.dumps(run))
+            finally:
+                if todo and not args.local:
+                    left = net.teardown()
+                    print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
+    runs = [
+        json.loads((raw / f"{r}_s{s}.json").read_text())
+        for r in rates
+        for s in seeds
+        if (raw / f"{r}_s{s}.json").exists()
+    ]
+    if not runs:
+        print("no runs to report", file=sys.stderr)
+        return 1
+    summary = summarize(runs)
+    plotted = plot(runs, summary, out_dir / f"{STEM}.png")
+    text = report(args, argv, runs, summary, plotted)
+    (out_dir / f"{STEM}.md").write_text(text)
+    (data / f"{STEM}.json").write_text(json.dumps({"argv": argv, "summary": summary}, indent=1))
+    print(text)
+    print(f"({time.monotonic() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
