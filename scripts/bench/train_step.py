@@ -5,7 +5,7 @@ PyTorch DDP, on 4 and 8 workers in network namespaces with tc-shaped links (unsh
 100 Mbit/s). Needs root (ip netns, tc), except --local and --help.
 
     python -m scripts.bench.train_step                                # 4,8 workers x unshaped,1gbit,100mbit
-    python -m scripts.bench.train_step --quick                        # width 0.25, 4 workers, 1gbit and 100mbit, 5 steps
+    python -m scripts.bench.train_step --quick      # width 0.25, 4 workers, 1gbit and 100mbit, 5 steps
     python -m scripts.bench.train_step --local --workers 2 --quick    # no namespaces, loopback, no root
 
 The namespaces, links, shaping and the mpirun launch (a hostfile of worker addresses and an rsh
