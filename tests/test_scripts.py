@@ -37,6 +37,7 @@ def load(name: str):
         "bench.codec_widths",
         "bench.bucket_widths",
         "study.adam_noise",
+        "study.scale",
         "study.time_to_accuracy",
     ],
 )
