@@ -104,13 +104,23 @@ def check_exchange(exchange: str) -> str:
 
 def choose_exchange(exchange: str, size: int, local_size: int | None = None) -> str:
     """The exchange in use for ``size`` ranks in nodes of ``local_size`` (None: one node): ``auto`` is
-    the hierarchical exchange when the ranks span several nodes of several ranks, else two-phase
-    from :data:`TWO_PHASE_FROM` ranks on, else allgather."""
+    the hierarchical exchange when the ranks span several nodes of several ranks, and at most
+    ``2 x local_size`` nodes (:func:`hierarchical_pays`), else two-phase from :data:`TWO_PHASE_FROM`
+    ranks on, else allgather."""
     if exchange != "auto":
         return exchange
-    if local_size is not None and 1 < local_size < size:
+    if local_size is not None and 1 < local_size < size and hierarchical_pays(size // local_size, local_size):
         return hierarchical.NAME
     return two_phase.NAME if size >= TWO_PHASE_FROM else allgather.NAME
+
+
+def hierarchical_pays(nodes: int, local_size: int) -> bool:
+    """Whether the hierarchical exchange sends no more bytes between nodes than the flat two-phase
+    one: per node, it sends its quantized node sum to every other node, ``(M - 1) P q`` bytes for
+    ``M`` nodes, ``P`` coordinates and ``q`` bytes per coordinate; two-phase sends ``2 G P q (M - 1) / M``
+    (both phases, the share of peers on other nodes) for ``G`` ranks per node. So up to ``M = 2G``
+    nodes (docs/results/scale_model.md: beyond, its traffic between nodes grows with their number)."""
+    return nodes <= 2 * local_size
 
 
 def exchange_for(exchange: str, transport: Transport) -> str:

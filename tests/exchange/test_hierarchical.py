@@ -11,7 +11,7 @@ from helpers import assert_zero_mean
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.core.quantizer import Quantizer
 from horovod_alq.exchange import hierarchical
-from horovod_alq.exchange.engine import choose_exchange
+from horovod_alq.exchange.engine import choose_exchange, hierarchical_pays
 from horovod_alq.exchange.layout import plan_layout
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
@@ -168,6 +168,34 @@ def test_auto_picks_it_across_nodes_only():
     assert choose_exchange("auto", 8, 8) == "two-phase"  # one node
     assert choose_exchange("auto", 8, 1) == "two-phase"  # a rank per node
     assert choose_exchange("auto", 2, None) == "allgather"
+    # many nodes: the node sums' allgather between nodes outgrows two-phase beyond 2G nodes
+    assert choose_exchange("auto", 128, 8) == "hierarchical"  # 16 nodes of 8: equal bytes, less error
+    assert choose_exchange("auto", 256, 8) == "two-phase"  # 32 nodes of 8
+    assert choose_exchange("auto", 8, 2) == "hierarchical"  # 4 nodes of 2
+    assert choose_exchange("auto", 10, 2) == "two-phase"  # 5 nodes of 2
+    assert choose_exchange("hierarchical", 256, 8) == "hierarchical"  # asked for: never overridden
+
+
+@pytest.mark.parametrize("n", [4, 8, 12, 16])
+def test_the_auto_rule_follows_the_bytes_between_nodes(n):
+    """hierarchical_pays(M, G): the hierarchical exchange's bytes between nodes against two-phase's,
+    measured on the threaded ranks, G = 2: M / 2G, from half at M = 2 nodes to twice at M = 8."""
+    g = 2
+    rng = np.random.default_rng(n)
+    # large enough that each rank's shards span many buckets (with the 1,090 elements of SIZES, headers
+    # and bucket rounding of 12 shards would dominate)
+    xs = [[rng.standard_normal(k).astype(np.float32) for k in (24000, 9000, 3000)] for _ in range(n)]
+    between = {}
+    for exchange in ("hierarchical", "two-phase"):
+        engines = [s.engine(uid="h") for s in _setups(n, exchange=exchange, update_steps=())]
+        transports = Hub(n, local_size=g).transports()
+        out = _round(engines, transports, xs, exchange)
+        assert not any(isinstance(o, Exception) for o in out), out
+        between[exchange] = sum(b for t in transports for r, b in t.sent_to.items() if r // g != t.rank // g)
+    ratio = between["hierarchical"] / between["two-phase"]
+    nodes = n // g
+    assert ratio == pytest.approx(nodes / (2 * g), rel=0.05), (ratio, between)
+    assert hierarchical_pays(nodes, g) == (ratio <= 1.05)
 
 
 def test_local_size_from_the_environment(monkeypatch):
