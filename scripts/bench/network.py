@@ -321,6 +321,11 @@ def mpirun_command(
         "--mca",
         "mpi_yield_when_idle",
         str(yield_when_idle),
+        # no shared-memory copy of the node's topology: Open MPI 4.1.4's orted segfaulted in
+        # hwloc_shmem_topology_write at start-up in 2 of about 10 launches here (mpirun then exits 139)
+        "--mca",
+        "rtc_hwloc_vmhole",
+        "none",
     ]
     for k, v in env_vars.items():
         cmd += ["-x", f"{k}={v}"]

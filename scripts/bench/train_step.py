@@ -233,6 +233,26 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
+def join_gloo(hvd, ifname: str, timeout: float) -> None:
+    """torch.distributed (gloo) in the processes Horovod started, over interface ``ifname``: rank 0
+    picks its address there and a free port, and Horovod broadcasts them."""
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    where = None
+    if hvd.rank() == 0:
+        addr = if_addr(ifname)
+        where = (addr, free_port(addr))
+    addr, port = hvd.broadcast_object(where, root_rank=0, name="join_gloo.address")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{addr}:{port}",
+        rank=hvd.rank(),
+        world_size=hvd.size(),
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
 def worker(args) -> int:
     """Runs on every rank: build every row, time the steps, check the parameters, rank 0 writes JSON."""
     import resource
@@ -249,19 +269,7 @@ def worker(args) -> int:
     hvd.init()
     torch.set_num_threads(1)
     rank, n = hvd.rank(), hvd.size()
-    os.environ["GLOO_SOCKET_IFNAME"] = args.gloo_ifname
-    where = None
-    if rank == 0:
-        addr = if_addr(args.gloo_ifname)
-        where = (addr, free_port(addr))
-    addr, port = hvd.broadcast_object(where, root_rank=0, name="bench_train_step.gloo_address")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=n,
-        timeout=datetime.timedelta(seconds=args.gloo_timeout),
-    )
+    join_gloo(hvd, args.gloo_ifname, args.gloo_timeout)
 
     from horovod_alq.torch import ALQCompressor
     from horovod_alq.torch.ddp import ALQState, alq_hook
