@@ -81,7 +81,7 @@ class Settings:
     sums, allgather: about ``2(N-1)/N (b + 32/d)`` bits, a second quantization), ``"hierarchical"``
     (nodes of consecutive ranks: exact sums inside a node, only the node sums' codes between nodes;
     nodes from ``$HOROVOD_ALQ_LOCAL_SIZE`` or the launcher), ``"auto"``: hierarchical when the ranks
-    span 2 to 2G nodes of G > 1 ranks, else two-phase from 4 ranks on, else allgather."""
+    span 2 to about G + 1 nodes of G > 1 ranks, else two-phase from 4 ranks on, else allgather."""
 
     bits_second: int | None = None
     """Bits of the two-phase exchange's second quantization; None: ``bits``."""

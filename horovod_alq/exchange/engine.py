@@ -104,8 +104,8 @@ def check_exchange(exchange: str) -> str:
 
 def choose_exchange(exchange: str, size: int, local_size: int | None = None) -> str:
     """The exchange in use for ``size`` ranks in nodes of ``local_size`` (None: one node): ``auto`` is
-    the hierarchical exchange when the ranks span several nodes of several ranks, and at most
-    ``2 x local_size`` nodes (:func:`hierarchical_pays`), else two-phase from :data:`TWO_PHASE_FROM`
+    the hierarchical exchange when the ranks span several nodes of several ranks, up to about
+    ``local_size + 1`` nodes (:func:`hierarchical_pays`), else two-phase from :data:`TWO_PHASE_FROM`
     ranks on, else allgather."""
     if exchange != "auto":
         return exchange
@@ -116,11 +116,14 @@ def choose_exchange(exchange: str, size: int, local_size: int | None = None) -> 
 
 def hierarchical_pays(nodes: int, local_size: int) -> bool:
     """Whether the hierarchical exchange sends no more bytes between nodes than the flat two-phase
-    one: per node, it sends its quantized node sum to every other node, ``(M - 1) P q`` bytes for
-    ``M`` nodes, ``P`` coordinates and ``q`` bytes per coordinate; two-phase sends ``2 G P q (M - 1) / M``
-    (both phases, the share of peers on other nodes) for ``G`` ranks per node. So up to ``M = 2G``
-    nodes (docs/results/scale_model.md: beyond, its traffic between nodes grows with their number)."""
-    return nodes <= 2 * local_size
+    one, for ``M = nodes`` nodes of ``G = local_size`` ranks, ``N = M G``. Per node and bytes ``P q``
+    of one rank's payload: the hierarchical exchange sends its quantized node sum to every other
+    node, ``(M - 1) P q``; two-phase sends ``G (M - 1) / M P q`` in its alltoall and, with a ring
+    allgather of the owners' sums (NCCL, gloo, Open MPI for large buffers), ``(N - 1) / N P q``. So up
+    to about ``G + 1`` nodes (docs/results/scale_model.md: beyond, the node sums' allgather grows
+    with the number of nodes)."""
+    m, g = nodes, local_size
+    return m - 1 <= g * (m - 1) / m + (m * g - 1) / (m * g)
 
 
 def exchange_for(exchange: str, transport: Transport) -> str:
