@@ -109,7 +109,7 @@ def test_bench_summary_reads_both_quick_runs(tmp_path, quick_run):
     (tmp_path / "data" / "bench_train_step.json").write_text(json.dumps({"runs": runs}))
     text = "\n".join(summary.summary(tmp_path))
     assert "1gbit: ALQ loses (1.25x, the exchange 75% of fp16's step)" in text
-    assert "100mbit: ALQ wins (0.50x" in text and "0.20-0.20x fp16's bytes" in text
+    assert "100mbit: ALQ wins (0.50x" in text and "0.20x fp16's bytes" in text
     assert "no time-to-accuracy run" in text
     text = "\n".join(summary.summary(quick_run))
-    assert "ALQ 3 bits reaches it in" in text and "loopback" in text
+    assert "75% of its steps" in text and "100% of its steps" in text and "loopback" in text
