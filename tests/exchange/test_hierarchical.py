@@ -78,16 +78,20 @@ def test_unbiased():
     assert_zero_mean(devs[:, :64])  # and coordinate by coordinate on a stretch
 
 
+def _between_nodes(n: int, g: int, xs, exchange: str) -> list[int]:
+    """One round of ``exchange`` on ``n`` threaded ranks in nodes of ``g``: the bytes each rank sent
+    to ranks of other nodes."""
+    engines = [s.engine(uid="h") for s in _setups(n, exchange=exchange, update_steps=())]
+    transports = Hub(n, local_size=g).transports()
+    out = _round(engines, transports, xs, exchange)
+    assert not any(isinstance(o, Exception) for o in out), out
+    return [sum(b for r, b in t.sent_to.items() if r // g != t.rank // g) for t in transports]
+
+
 def test_only_codes_cross_nodes_and_fewer_than_flat():
     n, g = 4, 2
     xs = [_grads(0, r) for r in range(n)]
-    sent = {}
-    for exchange in ("hierarchical", "allgather"):
-        engines = [s.engine(uid="h") for s in _setups(n, exchange=exchange, update_steps=())]
-        transports = Hub(n, local_size=g).transports()
-        out = _round(engines, transports, xs, exchange)
-        assert not any(isinstance(o, Exception) for o in out), out
-        sent[exchange] = [sum(b for r, b in t.sent_to.items() if r // g != t.rank // g) for t in transports]
+    sent = {exchange: _between_nodes(n, g, xs, exchange) for exchange in ("hierarchical", "allgather")}
     elements = plan_layout(list(SIZES), D, None).length  # the round's stream, tensors on bucket boundaries
     flat_payload = Quantizer("alq", 3, D).payload_bytes(elements)
     # between nodes: (nodes - 1) payloads of about 1/G of the round per rank; the allgather sends its
@@ -186,13 +190,7 @@ def test_bytes_between_nodes_against_two_phase(n):
     # large enough that each rank's shards span many buckets (with the 1,090 elements of SIZES, headers
     # and bucket rounding of 12 shards would dominate)
     xs = [[rng.standard_normal(k).astype(np.float32) for k in (24000, 9000, 3000)] for _ in range(n)]
-    between = {}
-    for exchange in ("hierarchical", "two-phase"):
-        engines = [s.engine(uid="h") for s in _setups(n, exchange=exchange, update_steps=())]
-        transports = Hub(n, local_size=g).transports()
-        out = _round(engines, transports, xs, exchange)
-        assert not any(isinstance(o, Exception) for o in out), out
-        between[exchange] = sum(b for t in transports for r, b in t.sent_to.items() if r // g != t.rank // g)
+    between = {exchange: sum(_between_nodes(n, g, xs, exchange)) for exchange in ("hierarchical", "two-phase")}
     nodes = n // g
     payload = Quantizer("alq", 3, D).payload_bytes(36000)
     assert between["hierarchical"] == pytest.approx(nodes * (nodes - 1) * payload, rel=0.05)
