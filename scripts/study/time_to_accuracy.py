@@ -636,7 +636,9 @@ def report(args, argv, runs: list[dict], summary: dict, plotted: bool, date: str
         "Every row runs in the same processes, step by step in turn, on the same seeds and batches; its clock "
         "sums its own steps' times (the slowest rank's), evaluation and barriers excluded. All ranks share the "
         "machine's cores, so compute is slower than on a node of its own, which makes the exchange a smaller "
-        "share of the step than on a real cluster of this network.",
+        "share of the step than on a real cluster of this network. Each run's JSON is in "
+        f"`data/{STEM}_raw/` beside this page (this page again: the same command with `--aggregate-only`); "
+        "the ranks' per-step logs stay beside them on the machine that ran them (`*_logs/`, not kept).",
         "",
     ]
     checks = target_checks(summary)
