@@ -605,30 +605,9 @@ def _launch_netns(args, tmp: Path, n: int, rate: str, g: int, make_args, suffix:
 def run_local(args, tmp: Path, n: int, make_args=None) -> dict:
     """The same worker on this host's loopback (no namespaces, no shaping, shared memory allowed)."""
     out = tmp / f"result_{n}_local.json"
-    full = [
-        "mpirun",
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "-np",
-        str(n),
-        "--mca",
-        "btl",
-        "self,vader,tcp",
-        "--mca",
-        "btl_vader_single_copy_mechanism",
-        "none",
-        "--mca",
-        "btl_tcp_if_include",
-        "lo",
-        "--mca",
-        "oob_tcp_if_include",
-        "lo",
-        "--mca",
-        "mpi_yield_when_idle",
-        str(args.yield_when_idle),
-    ]
+    from scripts.study.run_accuracy import MPI_OPTIONS  # one host's Open MPI options
+
+    full = ["mpirun", *MPI_OPTIONS, "-np", str(n), "--mca", "mpi_yield_when_idle", str(args.yield_when_idle)]
     for k, v in {
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
