@@ -42,9 +42,9 @@ class QuantizedAllreduce(frontends.Configured):
     method, bits, bucket_size, **keywords
         The shared settings, :class:`horovod_alq.settings.Settings` (its fields as keywords;
         None: the default). ``bits="auto"``: a width per array of a call's list, chosen by
-        :meth:`adapt` under ``bit_budget``. ``clip`` (TernGrad) is served here. Not served:
-        ``min_size``, ``codec``, ``fusion_bytes``, ``overlap``, and the refit schedule
-        (``update_steps``, ``update_every``): levels are refit by :meth:`adapt` (docs/guides/settings.md).
+        :meth:`adapt` under ``bit_budget``. ``clip`` (TernGrad) is served here; levels are refit by
+        :meth:`adapt`. A setting mpi4py does not serve raises ValueError naming why
+        (:data:`horovod_alq.settings.NOT_SERVED`; the table in docs/guides/settings.md).
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them.
     collect_every : int, optional

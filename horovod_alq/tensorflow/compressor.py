@@ -107,8 +107,9 @@ class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.Com
         call, also inside ``tf.function``); ``exchange="two-phase"`` cuts each tensor's buckets into
         N shards; ``bits_second`` other than ``bits`` only for the fixed methods (the second
         quantization does not adapt in TensorFlow, and adaptive levels left at their initial fit give
-        12 to 16x the variance, docs/results/variance_two_phase.md). Not served: ``codec``, ``bits_per``,
-        ``adapt_second``, ``fusion_bytes``, ``overlap``, ``clip`` (docs/guides/settings.md).
+        12 to 16x the variance, docs/results/variance_two_phase.md). A setting TensorFlow does not
+        serve raises ValueError naming why (:data:`horovod_alq.settings.NOT_SERVED`; the table in
+        docs/guides/settings.md).
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them. A subclass's method overrides theirs.
     jit_compile : bool

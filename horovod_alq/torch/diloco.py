@@ -98,7 +98,8 @@ class DiLoCo:
         ``update_steps`` / ``update_every`` count outer steps (neither given: refits after outer
         steps 0, 1, 2, 5, then every 5th); ``min_size``: smaller parameters travel uncompressed;
         ``fusion_bytes``: the pseudo-gradient goes in buffers of this many bytes of float32.
-        ``overlap`` and ``clip`` are not served.
+        A setting DiLoCo does not serve raises ValueError naming why
+        (:data:`horovod_alq.settings.NOT_SERVED`; the table in docs/guides/settings.md).
     error_feedback : bool
         Add each outer step's quantization error (this rank's own) to the next pseudo-gradient.
     settings : horovod_alq.settings.Settings, optional

@@ -81,8 +81,8 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         default) reduce-scatters node-aware when the shard group spans several nodes of several ranks
         (an exact reduce-scatter inside each node, then only the node sums' codes between nodes:
         :mod:`horovod_alq.exchange.node_reduce_scatter`), flat otherwise; ``"hierarchical"``: always
-        node-aware. Not served (one quantization of each rank's shard): ``bits_second``,
-        ``adapt_second``, ``fusion_bytes``, ``overlap``, ``bits_per``, ``clip`` (docs/guides/settings.md).
+        node-aware. A setting FSDP2 does not serve raises ValueError naming why
+        (:data:`horovod_alq.settings.NOT_SERVED`; the table in docs/guides/settings.md).
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them.
     """
