@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-from .core.auto_bits import AutoBits
+from .core.auto_bits import AutoBits, check_auto
 from .core.methods import check_bits, check_norm, get_method
 from .core.protocol import MASK64, resolve_timeout
 from .core.quantizer import Quantizer
@@ -74,6 +74,13 @@ class Settings:
     every rank. ``"bucket"``: every quantization bucket of every payload, chosen by each rank at
     every step from its own bucket norms; each payload fills ``bit_budget`` and carries a width byte
     per bucket (docs/design/design.md, "Bits per bucket"); bucket sizes that are multiples of 8."""
+
+    bits_max: int | None = None
+    """``bits="auto"`` with widths per tensor only: the widest width a tensor may get, 3 to 8; None: 8.
+    A refit computes every tensor's error at every width and fits the widths in use, so a lower cap
+    makes refits cheaper and bounds any one tensor's bytes, at some variance (``bits_max=4`` on the
+    GPT at budget 3: a refit round as cheap as fixed 3 bits', 1.1x the allocation's error;
+    docs/results/bench_refit.md)."""
 
     exchange: str = "auto"
     """How codes travel: ``"allgather"`` (every rank gathers every rank's codes, ``(N-1)(b + 32/d)``
@@ -142,15 +149,15 @@ class Settings:
                     "bits='auto' quantizes both phases of the two-phase exchange with each tensor's "
                     "width: bits_second and adapt_second=True do not apply"
                 )
+            budget = DEFAULT_BIT_BUDGET if self.bit_budget is None else self.bit_budget
+            check_auto(budget, "tensor" if self.bits_per is None else self.bits_per, self.bits_max)
         else:
             if method.name == "terngrad" and bits == DEFAULT_BITS and not isinstance(bits, bool):
                 bits = 2
             set_(self, "bits", check_bits(method, bits))
-            for name in ("bit_budget", "bits_per"):
+            for name in ("bit_budget", "bits_per", "bits_max"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to bits='auto' only (got bits={self.bits!r})")
-        if self.bits_per not in (None, "tensor", "bucket"):
-            raise ValueError(f"bits_per must be one of 'tensor', 'bucket', got {self.bits_per!r}")
         if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1:
             raise ValueError(f"bucket_size must be a positive integer, got {self.bucket_size!r}")
         check_norm(method, self.norm)
@@ -247,6 +254,7 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "overlap": "TensorFlow exchanges each tensor once its own control vector is reduced, with no fusion "
         "buffers to start early",
         "clip": _TERNGRAD_CLIP,
+        "bits_max": "TensorFlow's graph holds a level set for every width from 2 to 8",
     },
     "DDP hook": {
         "overlap": "DDP overlaps by itself: each bucket's exchange starts when its hook runs",
@@ -376,6 +384,7 @@ def configure(settings: Settings, *, on_request: bool = False, adapt_second: boo
             s.bucket_size,
             norm=s.norm,
             bits_per="tensor" if s.bits_per is None else s.bits_per,
+            bits_max=s.bits_max,
         )
         first = second = auto.quantizers[auto.default]
         adapt = False

@@ -25,6 +25,7 @@ CHANGED = {
     "norm": {"norm": "l2"},
     "bit_budget": {"bits": "auto", "bit_budget": 2.5},
     "bits_per": {"bits": "auto", "bits_per": "bucket", "bucket_size": 512},
+    "bits_max": {"bits": "auto", "bits_max": 4},
     "exchange": {"exchange": "two-phase"},
     "bits_second": {"method": "qsgdinf", "bits_second": 4},  # TensorFlow adapts no second width
     "adapt_second": {"adapt_second": True},
@@ -57,6 +58,10 @@ def test_every_setting_has_a_changed_value_and_a_docstring():
         ({"bits": "auto", "bits_second": 4}, "bits_second"),
         ({"bit_budget": 2.5}, "bit_budget applies to bits='auto' only"),
         ({"bits": "auto", "bits_per": "layer"}, "bits_per must be one of"),
+        ({"bits": 3, "bits_max": 4}, "bits_max applies to bits='auto' only"),
+        ({"bits": "auto", "bits_max": 2}, "bits_max must be an integer from 3 to 8"),
+        ({"bits": "auto", "bits_max": 4, "bit_budget": 4.5}, "bit_budget must be a number from 2 to 4"),
+        ({"bits": "auto", "bits_max": 4, "bits_per": "bucket"}, "bits_max applies to bits_per='tensor'"),
         ({"bucket_size": 0}, "bucket_size must be"),
         ({"norm": "l1"}, "norm must be"),
         ({"method": "qsgd", "norm": "linf"}, "fixed norm"),
@@ -126,6 +131,8 @@ def test_configure_builds_the_state_the_settings_describe():
     assert (engine.exchange, engine.fusion_bytes, engine.early) == ("two-phase", 1 << 20, False)
     auto = configure(Settings(bits="auto", bit_budget=2.5, bucket_size=64)).state.auto
     assert auto is not None and auto.budget == 2.5
+    capped = configure(Settings(bits="auto", bit_budget=2.5, bucket_size=64, bits_max=4)).state.auto
+    assert auto.widths == (2, 3, 4, 5, 6, 7, 8) and capped.widths == (2, 3, 4)
 
 
 def test_docs_table_is_the_codes():

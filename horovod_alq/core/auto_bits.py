@@ -28,20 +28,41 @@ AUTO_WIDTHS: tuple[int, ...] = tuple(range(2, 9))
 BITS_PER = ("tensor", "bucket")
 
 
-def check_budget(budget) -> float:
-    """``bit_budget`` as a float in [2, 8] (mean bits per coordinate of the quantized tensors,
-    bucket norms not counted), or ValueError naming it."""
+def check_budget(budget, bits_max: int | None = None) -> float:
+    """``bit_budget`` as a float from 2 to ``bits_max`` (None: 8; mean bits per coordinate of the
+    quantized tensors, bucket norms not counted), or ValueError naming it."""
+    top = check_bits_max(bits_max)
     if (
         isinstance(budget, bool)
         or not isinstance(budget, (int, float, np.integer, np.floating))
         or not np.isfinite(budget)
-        or not AUTO_WIDTHS[0] <= budget <= AUTO_WIDTHS[-1]
+        or not AUTO_WIDTHS[0] <= budget <= top
     ):
         raise ValueError(
-            f"bit_budget must be a number from {AUTO_WIDTHS[0]} to {AUTO_WIDTHS[-1]} (mean bits per "
-            f"coordinate), got {budget!r}"
+            f"bit_budget must be a number from {AUTO_WIDTHS[0]} to {top} (mean bits per coordinate"
+            f"{'' if bits_max is None else ', at most bits_max'}), got {budget!r}"
         )
     return float(budget)
+
+
+def check_auto(budget, bits_per: str, bits_max: int | None) -> float:
+    """The settings of ``bits="auto"`` checked together (ValueError naming the one at fault); returns
+    the budget as a float."""
+    if bits_per not in BITS_PER:
+        raise ValueError(f"bits_per must be one of {', '.join(map(repr, BITS_PER))}, got {bits_per!r}")
+    if bits_max is not None and bits_per == "bucket":
+        raise ValueError("bits_max applies to bits_per='tensor' (per-bucket payloads have a slot for every width)")
+    return check_budget(budget, bits_max)
+
+
+def check_bits_max(bits_max) -> int:
+    """The widest width of ``bits="auto"``: ``bits_max`` (an integer from 3 to 8), None: 8; or ValueError."""
+    if bits_max is None:
+        return AUTO_WIDTHS[-1]
+    top = AUTO_WIDTHS[-1]
+    if isinstance(bits_max, bool) or not isinstance(bits_max, (int, np.integer)) or not 3 <= bits_max <= top:
+        raise ValueError(f"bits_max must be an integer from 3 to {AUTO_WIDTHS[-1]} or None, got {bits_max!r}")
+    return int(bits_max)
 
 
 def errors_from_histograms(squared: np.ndarray, level_sets: Sequence[np.ndarray]) -> np.ndarray:
@@ -82,9 +103,9 @@ def quantization_errors(x: np.ndarray, quantizers: Sequence) -> np.ndarray:
 
 
 class AutoBits:
-    """The state of ``bits="auto"``: one quantizer per width of :data:`AUTO_WIDTHS` (each with its
-    own levels) and the allocation of the last refit, a width per tensor of the round it was fitted
-    on (``keys``: each tensor's (elements, shape code), in order).
+    """The state of ``bits="auto"``: one quantizer per width (:attr:`widths`: :data:`AUTO_WIDTHS` up
+    to ``bits_max``, each with its own levels) and the allocation of the last refit, a width per
+    tensor of the round it was fitted on (``keys``: each tensor's (elements, shape code), in order).
 
     A round whose tensors are exactly ``keys`` quantizes each with its allocated width; any other
     round (before the first refit, a plain allreduce between steps, ranks in different orders)
@@ -98,13 +119,19 @@ class AutoBits:
     """
 
     def __init__(
-        self, method: str, budget: float, bucket_size: int, norm: str | None = None, bits_per: str = "tensor"
+        self,
+        method: str,
+        budget: float,
+        bucket_size: int,
+        norm: str | None = None,
+        bits_per: str = "tensor",
+        bits_max: int | None = None,
     ) -> None:
-        self.budget = check_budget(budget)
-        if bits_per not in BITS_PER:
-            raise ValueError(f"bits_per must be one of {', '.join(map(repr, BITS_PER))}, got {bits_per!r}")
+        self.budget = check_auto(budget, bits_per, bits_max)
         self.bits_per = bits_per
-        self.quantizers = {w: Quantizer(method, bits=w, bucket_size=bucket_size, norm=norm) for w in AUTO_WIDTHS}
+        #: The candidate widths.
+        self.widths: tuple[int, ...] = tuple(w for w in AUTO_WIDTHS if w <= check_bits_max(bits_max))
+        self.quantizers = {w: Quantizer(method, bits=w, bucket_size=bucket_size, norm=norm) for w in self.widths}
         self.default = int(np.floor(self.budget))
         self.keys: tuple = ()
         self.bits: tuple[int, ...] = ()
@@ -146,7 +173,7 @@ class AutoBits:
         the error model is computed after the refit, with the new levels."""
         if self.mixed is not None:
             return np.concatenate([np.atleast_2d(squared), np.atleast_2d(stats)], axis=1)
-        errors = errors_from_histograms(squared, [self.quantizers[w].levels for w in AUTO_WIDTHS])
+        errors = errors_from_histograms(squared, [self.quantizers[w].levels for w in self.widths])
         return np.concatenate([errors, np.atleast_2d(stats)], axis=1)
 
     def refit(self, rows: np.ndarray, sizes: Sequence[int], keys: Sequence) -> Allocation:
@@ -154,8 +181,8 @@ class AutoBits:
         rows = np.asarray(rows, dtype=np.float64)
         if self.mixed is not None:
             return self._refit_buckets(rows)
-        w = len(AUTO_WIDTHS)
-        alloc = allocate_bits(np.maximum(rows[:, :w], 0.0), sizes, self.budget, AUTO_WIDTHS)
+        w = len(self.widths)
+        alloc = allocate_bits(np.maximum(rows[:, :w], 0.0), sizes, self.budget, self.widths)
         widths = sorted(set(alloc.bits.tolist()))
         stats = [rows[alloc.bits == width, w:].sum(axis=0) for width in widths]
         seen = [i for i, st in enumerate(stats) if st[0] > 0]  # (no finite non-zero bucket: keep)
@@ -185,7 +212,7 @@ class AutoBits:
 
     def fingerprint(self) -> int:
         """Hash of every width's levels and of the allocation (the handshake's)."""
-        return stable_hash(*(self.quantizers[w].fingerprint for w in AUTO_WIDTHS), self.allocation_hash())
+        return stable_hash(*(self.quantizers[w].fingerprint for w in self.widths), self.allocation_hash())
 
     def allocation_hash(self) -> int:
         if self.mixed is not None:
@@ -206,6 +233,12 @@ class AutoBits:
     def load_state_dict(self, state: dict) -> None:
         if float(state["budget"]) != self.budget:
             raise ValueError(f"state has bit_budget={state['budget']!r}, this compressor has {self.budget!r}")
+        widths = tuple(int(w) for w in state["quantizers"])
+        if widths != self.widths:
+            raise ValueError(
+                f"state has bits='auto' widths {widths[0]} to {widths[-1]}, this compressor "
+                f"{self.widths[0]} to {self.widths[-1]} (bits_max)"
+            )
         for w, q in self.quantizers.items():
             q.load_state_dict(state["quantizers"][w] if w in state["quantizers"] else state["quantizers"][str(w)])
         if state.get("bits_per", "tensor") != self.bits_per:

@@ -6,7 +6,9 @@ One process, one rank (every collective returns its input), the Horovod compress
 the compiled CPU codec: the time of a plain round (quantize, exchange, decode every tensor of the
 step), of a refit round with fixed 3 bits (statistics and one level fit added) and of a refit round
 with ``bits="auto"`` (each tensor's error at every width, the allocation, one level fit per width
-in use); medians over repeats, rows interleaved, as ratios to the plain round. Each timed round
+in use; with ``bits_max=4`` only the widths 2 to 4); medians over repeats, rows interleaved, as
+ratios to the plain round. Also what the cap costs: the allocation's quantization error at budget
+``--budget`` with widths 2 to 4 against 2 to 8, on the timed round's gradient and levels. Each timed round
 refits on another batch's gradient than the round before it (as in training: a refit's statistics
 are new), so the level fits start warm but not at their fixed point.
 
@@ -66,6 +68,18 @@ def allocation_time(auto, grads, ops) -> float:
     return elapsed
 
 
+def cap_line(errors: np.ndarray, sizes: list, budget: float, chosen: tuple) -> str:
+    """What ``bits_max=4`` costs: the optimal allocation's error within widths 2 to 4 against 2 to 8."""
+    full = allocate_bits(errors, sizes, budget, AUTO_WIDTHS)
+    capped = allocate_bits(errors[:, :3], sizes, budget, AUTO_WIDTHS[:3])
+    wide = sum(n for n, b in zip(sizes, chosen) if b > 4)
+    return (
+        f"`bits_max=4`: at budget {budget} the allocation within widths 2 to 4 has {capped.error / full.error:.3f}x "
+        f"the quantization error of the one within 2 to 8 (same errors per width, the timed round's levels); "
+        f"uncapped, {wide:,} of {sum(sizes):,} coordinates got more than 4 bits (widths {sorted(set(chosen))})."
+    )
+
+
 def amortized(extra: float, plain: float, steps: int = DEFAULT_UPDATE_EVERY) -> str:
     """What ``extra`` seconds per refit round cost per step of a run under the default refit schedule
     (derived from the medians, not timed): refits in the first ``steps`` rounds, per round and
@@ -93,16 +107,24 @@ def main(argv=None) -> int:
     warm, grads = gpt_gradients(1024, batch=0), gpt_gradients(1024, batch=1)
     ops, transport = TorchOps("cpu"), SingleRank()
     auto_row = f"refit round, bits='auto' (budget {args.budget})"
+    capped_row = f"refit round, bits='auto', bits_max=4 (budget {args.budget})"
     cases = {
-        "plain round (3 bits)": (3, None, None, False),
-        "refit round, 3 bits": (3, None, None, True),
-        auto_row: ("auto", args.budget, None, True),
-        f"refit round, bits='auto', bits_per='bucket' (budget {args.budget})": ("auto", args.budget, "bucket", True),
+        "plain round (3 bits)": (3, None, None, False, None),
+        "refit round, 3 bits": (3, None, None, True, None),
+        auto_row: ("auto", args.budget, None, True, None),
+        capped_row: ("auto", args.budget, None, True, 4),
+        f"refit round, bits='auto', bits_per='bucket' (budget {args.budget})": (
+            "auto",
+            args.budget,
+            "bucket",
+            True,
+            None,
+        ),
     }
     times = {name: [] for name in cases}
     allocation = []
     for _ in range(repeats):
-        for name, (bits, budget, bits_per, refit) in cases.items():  # rows interleaved
+        for name, (bits, budget, bits_per, refit, bits_max) in cases.items():  # rows interleaved
             setup = configure(
                 Settings(
                     args.method,
@@ -110,6 +132,7 @@ def main(argv=None) -> int:
                     8192,
                     bit_budget=budget,
                     bits_per=bits_per,
+                    bits_max=bits_max,
                     update_steps=(0,) if refit else (),
                     update_every=0,
                     seed=0,
@@ -121,6 +144,8 @@ def main(argv=None) -> int:
             times[name].append(one_round(setup, engine, grads, ops, transport))
             if name == auto_row:
                 allocation.append(allocation_time(setup.state.auto, grads, ops))
+                chosen = setup.state.auto.bits
+                errors = auto_rows(setup.state.auto, ops, grads)[:, : len(AUTO_WIDTHS)]
     plain = statistics.median(times["plain round (3 bits)"])
     numel = sum(g.numel() for g in grads)
     lines = [
@@ -144,6 +169,8 @@ def main(argv=None) -> int:
         f"over one is the per-tensor histograms and the level fits of every width in use.",
         "",
         amortized(auto - refit3, plain),
+        "",
+        cap_line(errors, [g.numel() for g in grads], args.budget, chosen),
     ]
     write_report(lines, args.out)
     return 0

@@ -171,6 +171,29 @@ def test_auto_default_and_other_rounds():
     assert other.fingerprint() == auto.fingerprint()
 
 
+def test_bits_max_caps_the_allocation_and_the_level_sets():
+    """bits_max=4: three level sets, an allocation within 2 to 4 bits that is optimal among them
+    (a tensor that gets 8 bits uncapped gets 4), and checkpoints of another cap refused."""
+    rng = np.random.default_rng(1)
+    sizes = [256, 512, 128, 384]
+    tensors = [(s * rng.standard_normal(n)).astype(np.float32) for s, n in zip((300.0, 1.0, 0.01, 3.0), sizes)]
+    keys = [(n, k) for k, n in enumerate(sizes)]
+    full, capped = AutoBits("alq", 3.5, 128), AutoBits("alq", 3.5, 128, bits_max=4)
+    assert capped.widths == (2, 3, 4) and sorted(capped.quantizers) == [2, 3, 4]
+    uncapped = full.refit(_rows(full, tensors), sizes, keys)
+    rows = _rows(capped, tensors)
+    assert rows.shape[1] == _rows(full, tensors).shape[1] - 4  # errors at 3 widths, then the statistics
+    alloc = capped.refit(rows, sizes, keys)
+    assert max(uncapped.bits) > 4 and set(alloc.bits.tolist()) <= {2, 3, 4}
+    best = brute_force(rows[:, :3], np.array(sizes), 3.5, [2, 3, 4])
+    assert best - 1e-12 <= alloc.error <= best + alloc.gap + 1e-12
+    assert capped.fingerprint() != AutoBits("alq", 3.5, 128).fingerprint()
+    with pytest.raises(ValueError, match="widths 2 to 8, this compressor 2 to 4"):
+        AutoBits("alq", 3.5, 128, bits_max=4).load_state_dict(full.state_dict())
+    with pytest.raises(ValueError, match="bit_budget must be a number from 2 to 4"):
+        AutoBits("alq", 4.5, 128, bits_max=4)
+
+
 @pytest.mark.parametrize("bad", [1.99, 8.5, float("inf"), "3", True, None])
 def test_bad_budgets_are_refused(bad):
     with pytest.raises(ValueError, match="bit_budget"):

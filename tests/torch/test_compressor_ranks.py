@@ -156,6 +156,7 @@ def test_wire_bits_per_coordinate_on_large_tensors():
         ("norm", "differ in norm"),
         ("budget", "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)"),
         ("allocation", "bit allocations of bits='auto'"),
+        ("bits_max", "levels differ"),  # the widths' level sets: 2 to 4 on one rank, 2 to 8 on the other
     ],
 )
 def test_mismatched_configuration_is_refused_on_every_rank(what, needle):

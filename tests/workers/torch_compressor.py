@@ -313,8 +313,10 @@ def mismatch(args) -> dict:
     comp = AMQCompressor(**kw) if rank == 1 and args.what == "method" else ALQCompressor(**kw)
     if rank == 1 and args.what == "levels":
         comp._quantizer.set_levels(np.array([-1, -0.3, -0.1, -0.01, 0.01, 0.1, 0.3, 1.0]))
-    if args.what in ("budget", "allocation"):  # bits="auto": another budget, or another allocation
+    if args.what in ("budget", "allocation", "bits_max"):  # bits="auto": another budget, allocation or cap
         kw.update(bits="auto", bit_budget=2.5 if rank == 1 and args.what == "budget" else 3.0)
+        if rank == 1 and args.what == "bits_max":
+            kw["bits_max"] = 4
         comp = ALQCompressor(**kw)
         if rank == 1 and args.what == "allocation":
             auto = comp._state.auto
