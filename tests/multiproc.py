@@ -32,45 +32,15 @@ from typing import Any
 
 import pytest
 
+from scripts.common.mpi import MPI_OPTIONS, RANK_ENV
+
 WORKERS = Path(__file__).resolve().parent / "workers"
 BOOT = WORKERS / "_boot.py"
 LAUNCHERS = ("mpi", "gloo", "torchrun")
 
-# Every rank gets one thread per library: 2 ranks on 2 cores must not oversubscribe.
-RANK_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "TF_NUM_INTRAOP_THREADS": "1",
-    "TF_NUM_INTEROP_THREADS": "1",
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-    "PYTHONUNBUFFERED": "1",
-    "PYTHONFAULTHANDLER": "1",
-    # Open MPI refuses root unless told; harmless for other users.
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-}
-
-# Quiet, single-host Open MPI: shared memory and loopback only, no InfiniBand probing; no
-# single-copy (CMA) shared memory, which containers often forbid.
-MPI_OPTIONS = (
-    "--allow-run-as-root",
-    "--oversubscribe",
-    "--bind-to",
-    "none",
-    "--mca",
-    "btl",
-    "self,vader,tcp",
-    "--mca",
-    "btl_vader_single_copy_mechanism",
-    "none",
-    "--mca",
-    "btl_tcp_if_include",
-    "lo",
-    "--mca",
-    "oob_tcp_if_include",
-    "lo",
-)
+# One host's Open MPI options and rank environment (scripts/common/mpi.py), with Python's fault
+# handler: a rank that a test kills prints its stack.
+RANK_ENV = {**RANK_ENV, "PYTHONFAULTHANDLER": "1"}
 
 _TAIL = 4000
 

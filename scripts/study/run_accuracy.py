@@ -30,38 +30,13 @@ import time
 from pathlib import Path
 
 from scripts.common.demo import BASELINES, PLAIN, QUANTIZED
+from scripts.common.mpi import MPI_OPTIONS, RANK_ENV
 
 BITS_FREE = ["terngrad"]  # always 2 bits on the wire: one run per seed whatever --bits says
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = "scripts.demo.train"  # run with python -m from ROOT
-# Same single-host Open MPI options as tests/multiproc.py and the Makefile.
-MPI_OPTIONS = [
-    "--allow-run-as-root",
-    "--oversubscribe",
-    "--bind-to",
-    "none",
-    "--mca",
-    "btl",
-    "self,vader,tcp",
-    "--mca",
-    "btl_vader_single_copy_mechanism",
-    "none",
-    "--mca",
-    "btl_tcp_if_include",
-    "lo",
-    "--mca",
-    "oob_tcp_if_include",
-    "lo",
-]
-RANK_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "PYTHONWARNINGS": "ignore",
-}
+RANK_ENV = {**RANK_ENV, "PYTHONWARNINGS": "ignore"}
 LABELS = {"none": "fp32", "fp16": "fp16"}
 
 
