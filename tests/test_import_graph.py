@@ -270,3 +270,14 @@ def test_a_cycle_through_a_package_init_is_seen(tmp_path):
     assert find_cycle(edges) == ["pkg.a", "pkg.sub", "pkg.sub.c", "pkg.a"]
     del edges["pkg.a"]["pkg.sub"]
     assert find_cycle(edges) is None
+
+
+#: Front-end modules kept small enough to read in one sitting: their shared work belongs in the
+#: engine, the settings or a module of the front-end's package named for what it holds.
+MAX_LINES = {"tensorflow/compressor.py": 500, "mpi/allreduce.py": 330}
+
+
+def test_front_end_modules_stay_within_their_size():
+    sizes = {name: len((PACKAGE / name).read_text().splitlines()) for name in MAX_LINES}
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES[name]}
+    assert not over, f"over their size (lines): {over}, limits {MAX_LINES}"

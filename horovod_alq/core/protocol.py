@@ -204,6 +204,11 @@ class ProtocolError(RuntimeError):
     """Raised identically on every rank when the protocol finds that ranks disagree."""
 
 
+def error_text(error: BaseException | None) -> str | None:
+    """How a rank's own error travels in a handshake: ``"Type: message"`` (None: no error)."""
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
 class ReductionMismatch(ProtocolError):
     """The tensor vector was not reduced by a Sum or Average over exactly the compressor's process
     set (another set, ``hvd.join``, a reducescatter, Adasum): some ranks of the set may not be in

@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from .. import frontends
 from ..core.methods import get_method
-from ..core.protocol import CollectiveTimeout, ProtocolError, stable_hash
+from ..core.protocol import CollectiveTimeout, ProtocolError, error_text, stable_hash
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.wire import parse_header
@@ -17,7 +17,7 @@ from ..exchange.engine import RefitError, blame
 from ..exchange.numpy_ops import NumpyOps
 from ..exchange.payloads import check_payloads
 from ..settings import Settings, configure
-from .pending import Pending
+from .pending import Pending, without_rng
 from .transport import MpiTransport
 
 __all__ = ["QuantizedAllreduce"]
@@ -188,7 +188,7 @@ class QuantizedAllreduce(frontends.Configured):
                 exchange=exchange,
                 elements=numel,
                 order=stable_hash(shown),
-                error=_text(error),
+                error=error_text(error),
                 collect=error is None and self._collects(collect),
             )
         except CollectiveTimeout:
@@ -252,7 +252,7 @@ class QuantizedAllreduce(frontends.Configured):
     def _explain(self, err: ProtocolError, error: Exception | None, shown: Any, what: str, **differ: str) -> str:
         """A failed handshake's message: the ranks at fault (:func:`~horovod_alq.exchange.engine.blame`:
         their errors, or ``shown``, what they must agree on), else the handshake's own."""
-        why = blame(self._transport, _text(error), shown, "messages", what, **differ)
+        why = blame(self._transport, error_text(error), shown, "messages", what, **differ)
         return f"{_PREFIX}: {err if why is None else why}"
 
     # ----------------------------------------------------------------- adaptation
@@ -274,24 +274,11 @@ class QuantizedAllreduce(frontends.Configured):
         Raises, on every rank: ValueError when the ranks' configurations, levels or recorded arrays
         differ or a rank's ``stats`` is malformed; RuntimeError when the fit failed on some rank or
         the ranks reached different levels (the previous levels are restored)."""
-        auto = self._state.auto is not None
-        first, error = (self._pending.first if auto else None), None  # bits="auto": the recorded rows
-        try:
-            if auto and stats is not None:
-                raise ValueError("stats= does not apply to bits='auto' (adapt() fits from the recorded calls)")
-            local = None if auto else self._pending.first if stats is None else stats
-            if local is not None:
-                first = np.asarray(local, dtype=np.float64)
-                if first.shape != (self._stats_length,):
-                    raise ValueError(f"stats has shape {first.shape}, {self.method} expects {(self._stats_length,)}")
-                if not np.isfinite(first).all():
-                    raise ValueError("stats has non-finite entries")
-        except (TypeError, ValueError) as err:
-            error = err
+        first, error = self._pending.contribution(stats, self._stats_length, self.method)
         second = self._pending.second if stats is None else None
-        keys = self._pending.keys if auto else ()
+        keys = self._pending.keys if self._state.auto is not None else ()
         try:
-            updated = self._engine.refit(first, second, self._transport, error=_text(error), keys=keys)
+            updated = self._engine.refit(first, second, self._transport, error=error_text(error), keys=keys)
         except RefitError as err:
             self._pending.clear()
             raise RuntimeError(f"{_PREFIX}: {err}") from None
@@ -327,7 +314,7 @@ class QuantizedAllreduce(frontends.Configured):
         levels on every rank, or the next call fails with a mismatch on every rank."""
         same_rank = state.get("rank") == self._rank
         if not same_rank:
-            state = _without_rng(state)
+            state = without_rng(state)
         self._state.load_state_dict(state)
         if same_rank and state.get("seed") is not None:
             self._engine.seed = int(state["seed"])
@@ -339,16 +326,3 @@ def _float_array(x: Any, name: str) -> np.ndarray:
     if not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"{name} must be a floating-point array (float16/32/64), got dtype {arr.dtype}")
     return arr
-
-
-def _without_rng(state: dict) -> dict:
-    """``state`` with every quantizer's random generator state left out (another rank's stream)."""
-    out = dict(state, quantizer=dict(state["quantizer"], rng=None))
-    if state.get("auto") is not None:
-        quantizers = {w: dict(q, rng=None) for w, q in state["auto"]["quantizers"].items()}
-        out["auto"] = dict(state["auto"], quantizers=quantizers)
-    return out
-
-
-def _text(error: Exception | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"

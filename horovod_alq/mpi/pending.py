@@ -1,6 +1,7 @@
 """What :class:`~horovod_alq.mpi.QuantizedAllreduce` records between two ``adapt()`` calls: this
 rank's statistics (``bits="auto"``: one row per array, and the arrays' keys), its reduced shards'
-statistics (two-phase owner) and the calls since the last ``adapt()``; kept in its ``state_dict``."""
+statistics (two-phase owner) and the calls since the last ``adapt()``; kept in its ``state_dict``,
+of which another rank takes neither these nor the random streams (:func:`without_rng`)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,24 @@ class Pending:
             self.first = self.first + stats[0] if same else stats[0]
             self.keys = keys
 
+    def contribution(self, stats, length: int, method: str) -> tuple[np.ndarray | None, Exception | None]:
+        """What this rank gives an ``adapt()``: the recorded statistics (``bits="auto"``: rows), or
+        ``stats`` checked (shape ``(length,)``, finite); and the error that makes every rank refuse."""
+        first = self.first if self.auto else None
+        try:
+            if self.auto and stats is not None:
+                raise ValueError("stats= does not apply to bits='auto' (adapt() fits from the recorded calls)")
+            local = None if self.auto else self.first if stats is None else stats
+            if local is not None:
+                first = np.asarray(local, dtype=np.float64)
+                if first.shape != (length,):
+                    raise ValueError(f"stats has shape {first.shape}, {method} expects {(length,)}")
+                if not np.isfinite(first).all():
+                    raise ValueError("stats has non-finite entries")
+        except (TypeError, ValueError) as err:
+            return first, err
+        return first, None
+
     def state_dict(self) -> dict:
         return {
             "calls_since_adapt": self.calls,
@@ -58,3 +77,12 @@ def _array(values) -> np.ndarray | None:
 
 def _add(total: np.ndarray | None, stats: np.ndarray | None) -> np.ndarray | None:
     return total if stats is None else stats if total is None else total + stats
+
+
+def without_rng(state: dict) -> dict:
+    """``state`` with every quantizer's random generator state left out (another rank's stream)."""
+    out = dict(state, quantizer=dict(state["quantizer"], rng=None))
+    if state.get("auto") is not None:
+        quantizers = {w: dict(q, rng=None) for w, q in state["auto"]["quantizers"].items()}
+        out["auto"] = dict(state["auto"], quantizers=quantizers)
+    return out

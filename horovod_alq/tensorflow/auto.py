@@ -16,6 +16,9 @@ from the reduced rows, as the PyTorch compressors do.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 
@@ -165,3 +168,26 @@ class AutoVariables(tf.Module):
             )
         self.pending.assign(rows)
         self.pending_keys.assign(keys)
+
+
+def per_width(width, values: dict, dtype: tf.DType = tf.int64) -> Any:
+    """The value of the tensor's width in ``values`` (width -> int): the one value with fixed
+    bits, a ``dtype`` tensor looked up in the table when the width is chosen at run time."""
+    if width is None:
+        return next(iter(values.values()))
+    return tf.gather(tf.constant([values[w] for w in AUTO_WIDTHS], dtype), width - AUTO_WIDTHS[0])
+
+
+def by_width(width, fn, eager: bool):
+    """``fn(bits)`` of the tensor's width: fixed bits, or ``bits="auto"``'s width chosen at run
+    time (eagerly the branch of its value, in a graph a ``tf.switch_case`` over every width)."""
+    if width is None:
+        return fn(None)
+    if eager:
+        return fn(int(width))
+    return tf.switch_case(width - AUTO_WIDTHS[0], [functools.partial(fn, w) for w in AUTO_WIDTHS])
+
+
+def levels_of(levels: tf.Tensor, bits: int | None) -> tf.Tensor:
+    """The levels of width ``bits`` (``bits="auto"``: a row of the padded levels; None: fixed)."""
+    return levels if bits is None else levels[bits - AUTO_WIDTHS[0], : 2**bits]

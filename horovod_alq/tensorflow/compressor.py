@@ -50,8 +50,9 @@ from ..core.auto_bits import AUTO_WIDTHS
 from ..core.methods import get_method
 from ..exchange.engine import EXCHANGES, choose_exchange
 from ..settings import Settings, configure
-from . import checks, graph, joined
+from . import auto, checks, graph, joined
 from .exchanges import Exchange, GraphExchanges
+from .membership import SetMembership
 from .state import RoundVariables
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
@@ -87,7 +88,7 @@ class _ClassOrInstance(frontends.ClassOrInstance):
         self.__doc__ = func.__doc__
 
 
-class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.CompressorBase, tf.Module):
+class QuantizedCompressor(SetMembership, GraphExchanges, frontends.PerProcessSet, frontends.CompressorBase, tf.Module):
     """Base class: a Horovod ``compression=`` object for one quantization method (TensorFlow).
 
     A ``tf.Module``: its state (levels, :class:`~horovod_alq.core.rounds.RoundState`'s counters,
@@ -277,10 +278,10 @@ class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.Com
         plans = {w: EXCHANGES[exchange].plan(0, numel, n, me, q, q2) for w, (q, q2) in self._widths().items()}
         counters = v.count(
             calls=1,
-            payload_bytes=self._per_width(width, {w: sum(p.first) for w, p in plans.items()}),
+            payload_bytes=auto.per_width(width, {w: sum(p.first) for w, p in plans.items()}),
             coordinates=numel,
-            bytes_sent=self._per_width(width, {w: p.sent for w, p in plans.items()}),
-            bytes_received=self._per_width(width, {w: p.received for w, p in plans.items()}),
+            bytes_sent=auto.per_width(width, {w: p.sent for w, p in plans.items()}),
+            bytes_received=auto.per_width(width, {w: p.received for w, p in plans.items()}),
         )
         current = v.current.read_value()
         collecting = v.collecting(current) if self._method.adaptive else None
@@ -291,7 +292,7 @@ class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.Com
         def encode(bits: int | None):  # None: the fixed width
             w = self._quantizer.bits if bits is None else bits
             header = v.header(numel, bits=bits)
-            codec, lv = self._fns.widths[w].encode, self._levels_of(levels, bits)
+            codec, lv = self._fns.widths[w].encode, auto.levels_of(levels, bits)
             if exchange == "allgather":
                 return codec(tensor, lv, header, seed), header
             flat = tf.reshape(tensor, [-1])
@@ -303,7 +304,7 @@ class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.Com
                 0,
             ), header
 
-        payload, header = self._by_width(width, encode, eager)
+        payload, header = auto.by_width(width, encode, eager)
         if exchange == "two-phase":
             second = tf.constant(float(self._second.bits), tf.float64) if width is None else tf.cast(width, tf.float64)
             config = tf.concat([tf.cast(header, tf.float64), second[None]], 0)
@@ -342,29 +343,6 @@ class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.Com
         if self._vars.auto is None:
             return {self._quantizer.bits: (self._quantizer, self._second)}
         return {w: (q, q) for w, q in self._state.auto.quantizers.items()}
-
-    @staticmethod
-    def _per_width(width, values: dict, dtype: tf.DType = tf.int64) -> Any:
-        """The value of the tensor's width in ``values`` (width -> int): the one value with fixed
-        bits, a ``dtype`` tensor looked up in the table when the width is chosen at run time."""
-        if width is None:
-            return next(iter(values.values()))
-        return tf.gather(tf.constant([values[w] for w in AUTO_WIDTHS], dtype), width - AUTO_WIDTHS[0])
-
-    @staticmethod
-    def _by_width(width, fn, eager: bool):
-        """``fn(bits)`` of the tensor's width: fixed bits, or ``bits="auto"``'s width chosen at run
-        time (eagerly the branch of its value, in a graph a ``tf.switch_case`` over every width)."""
-        if width is None:
-            return fn(None)
-        if eager:
-            return fn(int(width))
-        return tf.switch_case(width - AUTO_WIDTHS[0], [functools.partial(fn, w) for w in AUTO_WIDTHS])
-
-    @staticmethod
-    def _levels_of(levels: tf.Tensor, bits: int | None) -> tf.Tensor:
-        """The levels of width ``bits`` (``bits="auto"``: a row of the padded levels; None: fixed)."""
-        return levels if bits is None else levels[bits - AUTO_WIDTHS[0], : 2**bits]
 
     def _refit_row(self, tensor) -> tf.Tensor:
         """What a refit round adds to the tensor's vector: its statistics, or (``bits="auto"``) its
@@ -476,35 +454,6 @@ class QuantizedCompressor(GraphExchanges, frontends.PerProcessSet, frontends.Com
     # ---- process set
     def _for_set(self, process_set) -> QuantizedCompressor:
         return QuantizedCompressor(process_set=process_set, settings=self.settings, jit_compile=self.jit_compile)
-
-    def _set_info(self) -> tuple[int, int]:
-        """(size, rank in the set), read from Horovod once (a set's membership does not change)."""
-        if self._set_cache is None:
-            size = self.process_set.size()
-            if size is None:
-                raise ValueError(
-                    f"horovod_alq: the compressor's process set {self.process_set} is not "
-                    f"registered with Horovod (hvd.init(process_sets=...) or hvd.add_process_set)"
-                )
-            self._set_cache = (int(size), int(self.process_set.rank()) if self._is_member() else -1)
-        return self._set_cache
-
-    def _set_size(self) -> int:
-        return self._set_info()[0]
-
-    def _set_rank(self) -> int:
-        return self._set_info()[1]
-
-    def _is_member(self) -> bool:
-        ranks = self.process_set.ranks
-        return not ranks or graph.hvd().rank() in ranks
-
-    def _outsider_message(self) -> str:
-        return (
-            f"horovod_alq: rank {graph.hvd().rank()} is not in the compressor's process set (ranks "
-            f"{self.process_set.ranks}): pass this compressor only to allreduces over that set "
-            f"(hvd.allreduce(..., process_set=ps), hvd.DistributedGradientTape(..., process_set=ps))"
-        )
 
 
 class ALQCompressor(frontends.ALQ, QuantizedCompressor):

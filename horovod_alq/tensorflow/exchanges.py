@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from ..core.wire import payload_size
 from ..exchange.plan import BufferPlan
-from . import checks, graph, waits
+from . import auto, checks, graph, waits
 
 
 @dataclass
@@ -57,17 +57,17 @@ class GraphExchanges:
         )
 
         sizes = {w: payload_size(ctx.numel, w, q.bucket_size) for w, (q, _) in self._widths().items()}
-        ok, fitted = checks.payloads_ok(gathered, ctx.header, n, self._per_width(ctx.width, sizes, tf.int32))
+        ok, fitted = checks.payloads_ok(gathered, ctx.header, n, auto.per_width(ctx.width, sizes, tf.int32))
 
         def decode(bits: int | None):  # only the codec depends on the width
             w = self._quantizer.bits if bits is None else bits
             payloads = tf.reshape(fitted, [n * sizes[w]])
             return self._fns.widths[w].decoder(ctx.numel, n)(
-                payloads, self._levels_of(ctx.levels, bits), self._scale(reduced)
+                payloads, auto.levels_of(ctx.levels, bits), self._scale(reduced)
             )
 
         def run():
-            return self._complete(ctx, reduced, self._by_width(ctx.width, decode, ctx.eager))
+            return self._complete(ctx, reduced, auto.by_width(ctx.width, decode, ctx.eager))
 
         explain = functools.partial(
             checks.explain_payloads, numel=ctx.numel, ranks=n, quantizer=self._quantizer, slot=ctx.slot
@@ -80,12 +80,12 @@ class GraphExchanges:
         decodes all the re-quantized shards (flat float32, identical on every rank). The
         configurations (``bits="auto"``: the width and the allocation's hash too) were compared
         through the reduced vector, so the payloads are not checked again."""
-        return self._by_width(ctx.width, functools.partial(self._two_phase_width, ctx, reduced), ctx.eager)
+        return auto.by_width(ctx.width, functools.partial(self._two_phase_width, ctx, reduced), ctx.eager)
 
     def _two_phase_width(self, ctx: Exchange, reduced: tf.Tensor, bits: int | None) -> tf.Tensor:
         hvd, ps, v = graph.hvd(), self.process_set, self._vars
-        auto = bits is not None
-        w = bits if auto else self._quantizer.bits
+        chosen = bits is not None  # bits='auto': the width chosen for this tensor
+        w = bits if chosen else self._quantizer.bits
         plan, first = ctx.plans[w], self._fns.widths[w]
         n, me = self._set_size(), self._set_rank()
         name = f"horovod_alq.{self._names()}.{ctx.slot}"
@@ -100,11 +100,11 @@ class GraphExchanges:
         received = tf.reshape(received, [n * plan.first[me]])
         a, b = plan.parts[me]
         one = tf.constant(1.0, tf.float32)
-        levels = self._levels_of(ctx.levels, bits)
+        levels = auto.levels_of(ctx.levels, bits)
         acc = first.decoder(b - a, n)(received, levels, one) if b > a else tf.zeros([0], tf.float32)
-        follows = auto or v.state.follows_first
+        follows = chosen or v.state.follows_first
         levels2 = levels if follows else tf.constant(self._second.levels, tf.float64)
-        second = first if auto else self._fns.second
+        second = first if chosen else self._fns.second
         payload2 = graph.encode_part(
             second.encode, acc, levels2, v.header(b - a, second=True, bits=bits), graph.part_seed(ctx.seed, me, 2)
         )

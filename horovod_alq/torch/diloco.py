@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.protocol import PREFIX, CollectiveTimeout, ProtocolError, shape_hash, stable_hash
+from ..core.protocol import PREFIX, CollectiveTimeout, ProtocolError, error_text, shape_hash, stable_hash
 from ..exchange.engine import exchange_for, resolve_fusion_bytes
 from ..exchange.job import Decoded, Piece
 from ..settings import Settings
@@ -198,7 +198,7 @@ class DiLoCo:
                 ops,
                 stages,
                 min_size=min_size,
-                error=_text(error),
+                error=error_text(error),
                 elements=sum(self.global_params[k].numel() for k in quantized),
                 order=stable_hash(shown),
             )
@@ -286,7 +286,7 @@ class DiLoCo:
         """After a failed handshake (alike on every rank; two more collectives on every rank): the
         ranks' own errors, else the DiLoCo fields that differ with every rank's value, else ``err``."""
         name = f"{PREFIX}.diloco.{self.state.round_state.step}.messages"
-        shared = _gather_json(transport, [_text(error), shown], name)
+        shared = _gather_json(transport, [error_text(error), shown], name)
         failed = [f"rank {r}: {m}" for r, (m, _) in enumerate(shared) if m is not None]
         if failed:
             return f"{PREFIX}: DiLoCo could not form the pseudo-gradient on " + "; ".join(failed)
@@ -398,7 +398,3 @@ def _digest(t: torch.Tensor) -> int:
     """A 62-bit hash of a tensor's bytes (the same on every rank for equal tensors)."""
     raw = hashlib.blake2b(t.detach().cpu().contiguous().numpy().tobytes(), digest_size=8).digest()
     return int.from_bytes(raw, "little") >> 2
-
-
-def _text(error: Exception | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"
