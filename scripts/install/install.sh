@@ -209,6 +209,13 @@ EOF
     # The wheel depends on the frameworks' versions, the patch, the build settings and the MPI.
     build_env=(MAKEFLAGS="-j$JOBS" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
                HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)
+    # GCC 13 and later no longer include <stdexcept> and <cstdint> through other standard headers,
+    # and Horovod 0.28.1's sources rely on it (horovod/common/common.h: "'logic_error' is not a
+    # member of 'std'", seen with Debian 13's GCC 14): pre-include both there. Older compilers
+    # build as before (and keep their cache key).
+    if (( $(g++ -dumpversion | cut -d. -f1) >= 13 )); then
+        build_env+=(CXXFLAGS="${CXXFLAGS:-} -include stdexcept -include cstdint")
+    fi
     detail=$(cat "$ROOT/scripts/install/patch_horovod.py" <(printf '%s\n' "${build_env[@]:1}") <(mpirun --version 2>&1 | head -1) <(g++ -dumpfullversion) | sha)
     key="horovod${HOROVOD_VERSION}_${versions}_${detail}"
     wheel_dir="$CACHE/wheels/$key"
