@@ -150,7 +150,13 @@ def test_horovod_suite_categories_and_report(tmp_path):
         "scope_text": "s",
         "versions": {"horovod": "0.28.1"},
         "tests": {
-            "t::test_a": {"category": "passed", "outcome": "passed", "error": "", "where": "", "ranks": {}},
+            "t::test_a": {
+                "category": "passed",
+                "outcome": "passed",
+                "error": "",
+                "where": "",
+                "ranks": {"0": ok, "1": ok},
+            },
             "t::test_b": {
                 "category": "refusal",
                 "outcome": "failed",
@@ -158,14 +164,29 @@ def test_horovod_suite_categories_and_report(tmp_path):
                 "where": "test_torch.py:1",
                 "ranks": {"0": {"outcome": "failed"}},
             },
+            "t::test_c": {
+                "category": "refusal",
+                "outcome": "failed",
+                "error": "e",
+                "where": "",
+                "ranks": {},
+                "shared": mod._run_summary("t::test_c", entry(op_min, interrupted="crash"), 2),
+                "alone": mod._run_summary("t::test_c", entry(op_min, op_min), 2),
+            },
         },
     }
+    assert run["tests"]["t::test_c"]["shared"]["ranks"] == {"0": "failed", "1": "left waiting"}
+    assert "op=Min" in run["tests"]["t::test_c"]["alone"]["error"]
     (tmp_path / "torch.json").write_text(json.dumps(run))
     out = tmp_path / "report.md"
     out.write_text("old\n<!-- notes -->\nkept notes\n")
     mod.write_report(tmp_path, out)
     text = out.read_text()
-    assert "passed 1, precision 0, refusal 1" in text and "`test_b` | refusal | 0: failed, 1: left waiting" in text
+    assert "passed 1, precision 0, refusal 2" in text
+    # a record without the per-run summaries (older JSON): the final run's ranks as the shared run
+    assert "`test_b` | refusal | failed (0: failed, 1: left waiting) | not re-run |" in text
+    assert "`test_c` | refusal | crash (0: failed, 1: left waiting) | failed |" in text
+    assert "| `test_a` | passed | not re-run | passed |" in text  # every test that ran, passed ones too
     assert "op=Min \\| x" in text and text.endswith("<!-- notes -->\nkept notes\n") and "old" not in text
 
 

@@ -42,7 +42,8 @@ with a session, then eagerly.
 
 The report (markdown, ``--out``, default docs/results/horovod_suite.md) lists the command, date, versions,
 counts and every non-passing test; text after the line ``<!-- notes -->`` in an existing report is
-kept. Results per framework are kept as JSON in ``--results-dir`` so that one report covers both.
+kept. Results per framework are kept as JSON in ``--results-dir`` (docs/results/data/horovod_suite, committed) so
+that one report covers every suite; the ranks' logs go to ``--work-dir`` (build/horovod_suite).
 """
 
 from __future__ import annotations
@@ -59,39 +60,12 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.common.mpi import MPI_OPTIONS, RANK_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTES_MARK = "<!-- notes -->"
 
-MPI_OPTIONS = [
-    "--allow-run-as-root",
-    "--oversubscribe",
-    "--bind-to",
-    "none",
-    "--mca",
-    "btl",
-    "self,vader,tcp",
-    "--mca",
-    "btl_vader_single_copy_mechanism",
-    "none",
-    "--mca",
-    "btl_tcp_if_include",
-    "lo",
-    "--mca",
-    "oob_tcp_if_include",
-    "lo",
-]
-RANK_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "TF_NUM_INTRAOP_THREADS": "1",
-    "TF_NUM_INTEROP_THREADS": "1",
-    "TF_CPP_MIN_LOG_LEVEL": "2",
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "PYTHONUNBUFFERED": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-}
+RANK_ENV = {**RANK_ENV, "CUDA_VISIBLE_DEVICES": ""}
 SUITES = {
     "torch": "test_torch.py",
     "tensorflow": "test_tensorflow.py",
@@ -507,7 +481,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "first, then eagerly); results under the label tensorflow-eager",
     )
     p.add_argument("--no-baseline", action="store_true", help="do not re-run non-passing tests without the compressor")
-    p.add_argument("--results-dir", type=Path, default=ROOT / "build" / "horovod_suite")
+    p.add_argument(
+        "--results-dir",
+        type=Path,
+        default=ROOT / "docs" / "results" / "data" / "horovod_suite",
+        help="the JSON per suite (committed: the report is rebuilt from it)",
+    )
+    p.add_argument("--work-dir", type=Path, default=ROOT / "build" / "horovod_suite", help="the ranks' logs")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "horovod_suite.md")
     p.add_argument(
         "--merge",
@@ -518,6 +498,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
     args.results_dir, args.out = args.results_dir.resolve(), args.out.resolve()  # the ranks run elsewhere
+    args.work_dir = args.work_dir.resolve()
     return args
 
 
@@ -731,6 +712,16 @@ def classify(test: str, entry: dict, baseline: dict | None) -> tuple[str, str]:
     return "failed", "real"
 
 
+def _run_summary(test: str, entry: dict, np: int) -> dict:
+    """One launch's result for a test: its outcome, each rank's and the first error."""
+    failing = [r.get("message", "") for _, r in sorted(entry["ranks"].items()) if r.get("outcome") != "passed"]
+    return {
+        "outcome": classify(test, entry, None)[0],
+        "ranks": {str(r): entry["ranks"].get(r, {}).get("outcome", "left waiting") for r in range(np)},
+        "error": _first_error(failing[0]) if failing else "",
+    }
+
+
 def _first_error(message: str) -> str:
     lines = [ln[1:].strip() for ln in message.splitlines() if ln.startswith("E ")]
     text = " ".join(lines) if lines else (message.strip().splitlines() or [""])[-1]
@@ -797,12 +788,31 @@ CATEGORY_TEXT = {
 }
 
 
+def _run_cells(test: dict, np: int) -> tuple[str, str]:
+    """The shared run's and the alone re-run's result of one test, as table cells."""
+
+    def cell(run: dict | None) -> str:
+        if not run:
+            return "not re-run"
+        ranks = set(run["ranks"].values())
+        if ranks == {run["outcome"]}:
+            return run["outcome"]
+        return run["outcome"] + " (" + ", ".join(f"{r}: {o}" for r, o in sorted(run["ranks"].items())) + ")"
+
+    shared = test.get("shared")
+    if not isinstance(shared, dict):  # a report from before the per-run record: only the ranks of the final run
+        shared = {
+            "outcome": test["outcome"],
+            "ranks": {str(r): test["ranks"].get(str(r), {}).get("outcome", "left waiting") for r in range(np)},
+        }
+    return cell(shared), cell(test.get("alone"))
+
+
 def write_report(results_dir: Path, out: Path) -> None:
-    runs = []
-    for fw in ("torch", "tensorflow", "tensorflow-eager", "tensorflow-process-sets", "tensorflow-process-sets-eager"):
-        path = results_dir / f"{fw}.json"
-        if path.exists():
-            runs.append(json.loads(path.read_text()))
+    runs = sorted(
+        (json.loads(path.read_text()) for path in results_dir.glob("*.json")),
+        key=lambda run: (list(SUITES).index(run["framework"]), run["np"], run.get("label", "")),
+    )
     notes = ""
     if out.exists() and NOTES_MARK in out.read_text():
         notes = out.read_text().split(NOTES_MARK, 1)[1]
@@ -834,8 +844,9 @@ def write_report(results_dir: Path, out: Path) -> None:
         "shown below) and the next launch goes on with the next test; a test that raised before removing its "
         "process sets has them removed. A hang, a crash, a test that failed on some ranks only, and (up to 10) "
         "tests that look like real problems are re-run alone in fresh processes; their category is from that "
-        "run. Column ranks: each rank's outcome (left waiting: still in the test 30 s after another rank "
-        "finished it).",
+        "run. Columns *shared run* and *alone re-run*: the test's outcome in the launch of the whole suite and "
+        "in its re-run alone, with each rank's where the ranks differ (left waiting: still in the test 30 s "
+        "after another rank finished it). The JSON behind each section is in `docs/results/data/horovod_suite/`.",
         "",
     ]
     for run in runs:
@@ -849,12 +860,12 @@ def write_report(results_dir: Path, out: Path) -> None:
             if not label.startswith("tensorflow")
             else (
                 " (eagerly only: --tf-eager-only)"
-                if label.endswith("-eager")
+                if "-eager" in label
                 else " (upstream's modes: each test in a TF1 graph with a session, then eagerly)"
             )
         )
         lines += [
-            f"## {run['framework']}: upstream test/parallel/{SUITES[run['framework']]}{mode}",
+            f"## {run['framework']}, {run['np']} ranks: upstream test/parallel/{SUITES[run['framework']]}{mode}",
             "",
             f"- Command: `{run['command']}`",
             f"- Date: {run['date']}, {run['wall_s']:.0f} s, {run['np']} ranks (mpirun, CPU), "
@@ -866,16 +877,32 @@ def write_report(results_dir: Path, out: Path) -> None:
         ]
         bad = [(n, t) for n, t in run["tests"].items() if t["category"] not in ("passed", "skipped")]
         if bad:
-            lines += ["| test | category | ranks | where | error (first rank that failed) |", "|---|---|---|---|---|"]
+            lines += [
+                "| test | category | shared run | alone re-run | where | error (first rank that failed) |",
+                "|---|---|---|---|---|---|",
+            ]
             for n, t in sorted(bad, key=lambda x: (order.index(x[1]["category"]), x[0])):
                 msg = t["error"].replace("|", "\\|")
                 if t["category"] == "baseline":
                     msg += f" (without the compressor: {t.get('baseline_error') or ''})".replace("|", "\\|")
-                who = ", ".join(
-                    f"{r}: {t['ranks'].get(str(r), {}).get('outcome', 'left waiting')}" for r in range(run["np"])
+                shared, alone = _run_cells(t, run["np"])
+                lines.append(
+                    f"| `{n.rsplit('::', 1)[-1]}` | {t['category']} | {shared} | {alone} | {t['where']} | {msg} |"
                 )
-                lines.append(f"| `{n.rsplit('::', 1)[-1]}` | {t['category']} | {who} | {t['where']} | {msg} |")
             lines.append("")
+        ran = sorted(n for n, t in run["tests"].items() if t["category"] != "skipped")
+        lines += [
+            f"Every test that ran ({len(ran)}), as the shared launch saw it and, where it was re-run alone in fresh "
+            "processes, as that run saw it:",
+            "",
+            "| test | shared run | alone re-run | category |",
+            "|---|---|---|---|",
+        ]
+        for n in ran:
+            t = run["tests"][n]
+            shared, alone = _run_cells(t, run["np"])
+            lines.append(f"| `{n.rsplit('::', 1)[-1]}` | {shared} | {alone} | {t['category']} |")
+        lines.append("")
         hangs = [(n, t) for n, t in run["tests"].items() if t.get("stacks")]
         for n, t in hangs:
             lines += [
@@ -918,8 +945,10 @@ def main(argv=None) -> int:
     keyword = QUICK if args.quick and not args.keyword else args.keyword
     args.results_dir.mkdir(parents=True, exist_ok=True)
     label = args.framework + ("-eager" if args.tf_eager_only and args.framework.startswith("tensorflow") else "")
-    work = args.results_dir / label
-    log_path = args.results_dir / f"{label}.log"
+    label += "" if args.np == 2 else f"-np{args.np}"
+    work = args.work_dir / label
+    log_path = args.work_dir / f"{label}.log"
+    args.work_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     signal.signal(signal.SIGTERM, _stop_current)
@@ -941,7 +970,7 @@ def main(argv=None) -> int:
         for t in suspect:
             alone = run_suite(args, test_file, work / "alq-alone", True, None, log, deadline, selection=[t])
             if t in alone:
-                final[t] = {**alone[t], "shared": classify(t, shared[t], None)[0]}
+                final[t] = {**alone[t], "shared": shared[t], "alone": True}
         # 3. the baseline: what still fails, without the compressor (together, then alone)
         baseline: dict = {}
         redo = [t for t, e in final.items() if not _passed(e)]
@@ -971,7 +1000,8 @@ def main(argv=None) -> int:
             "where": _where(msg),
             "baseline": baseline.get(t, {}).get("outcome"),
             "baseline_error": baseline.get(t, {}).get("error"),
-            "shared": e.get("shared"),
+            "shared": _run_summary(t, e["shared"] if e.get("alone") else e, args.np),
+            "alone": _run_summary(t, e, args.np) if e.get("alone") else None,
             "stacks": e.get("stacks"),
             "ranks": {
                 str(r): {k: v for k, v in rec.items() if k != "message"} | {"message": rec.get("message", "")[-3000:]}
