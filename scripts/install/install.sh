@@ -209,14 +209,16 @@ EOF
     # The wheel depends on the frameworks' versions, the patch, the build settings and the MPI.
     build_env=(MAKEFLAGS="-j$JOBS" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
                HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)
-    # GCC 13 and later no longer include <stdexcept> and <cstdint> through other standard headers,
-    # and Horovod 0.28.1's sources rely on it (horovod/common/common.h: "'logic_error' is not a
-    # member of 'std'", seen with Debian 13's GCC 14): pre-include both there. Older compilers
-    # build as before (and keep their cache key).
+    # GCC 13 and later (Debian 13's GCC 14): libstdc++ no longer includes some standard headers
+    # through others, which Horovod 0.28.1 relies on (pre-include them), and one FlatBuffers
+    # template no longer compiles (patch_horovod_gcc13.py). Only there do both enter the cache key,
+    # so older compilers keep theirs.
+    patches=("$ROOT/scripts/install/patch_horovod.py")
     if (( $(g++ -dumpversion | cut -d. -f1) >= 13 )); then
-        build_env+=(CXXFLAGS="${CXXFLAGS:-} -include stdexcept -include cstdint")
+        patches+=("$ROOT/scripts/install/patch_horovod_gcc13.py")
+        build_env+=(CXXFLAGS="${CXXFLAGS:-} -include cstdint -include stdexcept -include string")
     fi
-    detail=$(cat "$ROOT/scripts/install/patch_horovod.py" <(printf '%s\n' "${build_env[@]:1}") <(mpirun --version 2>&1 | head -1) <(g++ -dumpfullversion) | sha)
+    detail=$(cat "${patches[@]}" <(printf '%s\n' "${build_env[@]:1}") <(mpirun --version 2>&1 | head -1) <(g++ -dumpfullversion) | sha)
     key="horovod${HOROVOD_VERSION}_${versions}_${detail}"
     wheel_dir="$CACHE/wheels/$key"
     hstamp="$VENV/.horovod-alq-horovod"
@@ -238,8 +240,10 @@ EOF
             HINT="could not download the horovod==$HOROVOD_VERSION sdist from PyPI; check the network"
             vpip download -q --no-input --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$BUILD_TMP"
             tar -xzf "$BUILD_TMP/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD_TMP"
-            HINT="scripts/install/patch_horovod.py no longer matches the Horovod source; see docs in that script"
-            "$VPY" "$ROOT/scripts/install/patch_horovod.py" "$BUILD_TMP/horovod-$HOROVOD_VERSION"
+            HINT="scripts/install/patch_horovod*.py no longer match the Horovod source; see docs in those scripts"
+            for patch in "${patches[@]}"; do
+                "$VPY" "$patch" "$BUILD_TMP/horovod-$HOROVOD_VERSION"
+            done
             HINT="the Horovod build failed: see the end of $log (printed above)"
             start=$SECONDS
             if ! (cd "$BUILD_TMP/horovod-$HOROVOD_VERSION" &&
