@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -50,6 +51,11 @@ def _import(path: Path):
 def _build(target: Path, verbose: bool):
     from torch.utils.cpp_extension import load as load_extension
 
+    # torch builds with the ``ninja`` found on PATH; pip installs it next to this interpreter, which
+    # is not on PATH when a virtual environment's python runs without being activated
+    here = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=here):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="build-", dir=target.parent) as tmp:
         module = load_extension(
