@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,8 +64,9 @@ def test_bucket_widths_bench_compares_three_rows_per_step(tmp_path):
 
 
 def test_refit_bench_rows_allocation_and_amortized_cost(tmp_path):
-    """scripts/bench/refit.py with one repeat: the four rounds, the allocation proper's share and
-    the derived cost per round under the default schedule (3 refits in the first 10,000 rounds)."""
+    """scripts/bench/refit.py with one repeat: the five rounds, the allocation proper's share, the
+    derived cost per round under the default schedule (3 refits in the first 10,000 rounds) and
+    what bits_max=4 costs in error (at least the uncapped allocation's: a subset of its widths)."""
     refit = load("bench.refit")
     out = tmp_path / "refit.md"
     assert refit.main(["--repeats", "1", "--out", str(out)]) == 0
@@ -72,9 +74,11 @@ def test_refit_bench_rows_allocation_and_amortized_cost(tmp_path):
     rows = [
         line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| plain") or line.startswith("| refit")
     ]
-    assert len(rows) == 4 and float(rows[0][2]) == 1.0 and float(rows[1][3]) == 1.0
-    assert all(float(r[1]) > 0 for r in rows)
+    assert len(rows) == 5 and float(rows[0][2]) == 1.0 and float(rows[1][3]) == 1.0
+    assert all(float(r[1]) > 0 for r in rows) and "bits_max=4" in rows[3][0]
     assert "the allocation proper" in text and "refits 3 times in the first 10,000 rounds" in text
+    ratio = float(re.search(r"widths 2 to 4 has ([0-9.]+)x the quantization error", text).group(1))
+    assert ratio >= 1.0
     # 4 ms more per refit, 3 refits in 10,000 rounds of 2 ms: 1.2 us per round, 0.06% of a plain round
     assert "4.0 ms over a 3-bit refit round add 1.2 us per round on average, 0.06% of a plain round" in refit.amortized(
         0.004, 0.002
