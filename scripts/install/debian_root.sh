@@ -48,6 +48,9 @@ mount --rbind /sys "$TARGET/sys"
 mount --bind /dev "$TARGET/dev"
 mount --bind /dev/pts "$TARGET/dev/pts"
 cp /etc/resolv.conf "$TARGET/etc/resolv.conf"
+# The Debian installer names the machine in /etc/hosts (127.0.1.1); debootstrap does not, and gloo
+# (torchrun, horovodrun --gloo) resolves the host name to find its interface.
+grep -qw "$(hostname)" "$TARGET/etc/hosts" || echo "127.0.1.1	$(hostname)" >>"$TARGET/etc/hosts"
 
 # A network that inspects TLS (as this machine's does) signs with a CA of its own: the root trusts
 # the certificates this machine added (/usr/local/share/ca-certificates), and pip reads the system
