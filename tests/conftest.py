@@ -1,10 +1,15 @@
 """Shared pytest set-up (tests/ is on the path through setup.cfg's ``pythonpath``): on machines
 without an NVIDIA GPU, Triton's interpreter (``TRITON_INTERPRET=1``) before anything imports
 triton, so that the Triton codec's tests run on CPU tensors whichever test imports triton first
-(Triton fixes its mode at import)."""
+(Triton fixes its mode at import). Triton is then loaded before any test loads TensorFlow: triton
+3.7.1 (what PyPI's CUDA build of torch 2.13 requires) crashes in its import when TensorFlow 2.21
+was loaded first (a segfault, seen in a Debian 13 root), and works loaded before it."""
 
+import importlib.util
 import os
 from pathlib import Path
 
 if "TRITON_INTERPRET" not in os.environ and not Path("/dev/nvidia0").exists():
     os.environ["TRITON_INTERPRET"] = "1"
+if importlib.util.find_spec("triton") is not None:
+    import triton  # noqa: F401
