@@ -57,11 +57,11 @@ def check_auto(budget, bits_per: str, bits_max: int | None) -> float:
 
 def check_bits_max(bits_max) -> int:
     """The widest width of ``bits="auto"``: ``bits_max`` (an integer from 3 to 8), None: 8; or ValueError."""
-    if bits_max is None:
-        return AUTO_WIDTHS[-1]
     top = AUTO_WIDTHS[-1]
+    if bits_max is None:
+        return top
     if isinstance(bits_max, bool) or not isinstance(bits_max, (int, np.integer)) or not 3 <= bits_max <= top:
-        raise ValueError(f"bits_max must be an integer from 3 to {AUTO_WIDTHS[-1]} or None, got {bits_max!r}")
+        raise ValueError(f"bits_max must be an integer from 3 to {top} or None, got {bits_max!r}")
     return int(bits_max)
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# (relative path, original text, patched text); each original occurs exactly once in its file.
+# As patch_horovod.py's edits: (relative path, original text, replacement text, text present only
+# once patched or None, text absent once patched). Each original occurs exactly once in its file.
 EDITS = [
     (
         "third_party/flatbuffers/include/flatbuffers/stl_emulation.h",
@@ -32,6 +33,8 @@ EDITS = [
         "    count_ = other.count_;\n"
         "  }\n",
         "",
+        "FLATBUFFERS_CONSTEXPR_CPP11 span(const span &other)",
+        "span &operator=(const span &other)",
     ),
 ]
 
@@ -40,13 +43,13 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: patch_horovod_gcc13.py SOURCE_DIR", file=sys.stderr)
         return 2
-    for rel, old, new in EDITS:
+    for rel, old, new, present, absent in EDITS:
         path = Path(argv[1]) / rel
         text = path.read_text() if path.is_file() else ""
-        if text.count(old) == 1 and (not new or new not in text):
+        if text.count(old) == 1:
             path.write_text(text.replace(old, new))
             print(f"patch_horovod_gcc13: patched {rel}")
-        elif new and text.count(new) == 1 or not new and "span &operator=(const span &other)" not in text and text:
+        elif present in text and absent not in text:
             print(f"patch_horovod_gcc13: {rel} already patched")
         else:
             print(f"patch_horovod_gcc13: {rel}: neither the original nor the patched text (horovod 0.28.1?)")
