@@ -86,12 +86,15 @@ class Settings:
     """How codes travel: ``"allgather"`` (every rank gathers every rank's codes, ``(N-1)(b + 32/d)``
     bits received per coordinate, one quantization), ``"two-phase"`` (scatter-reduce, re-quantize the
     sums, allgather: about ``2(N-1)/N (b + 32/d)`` bits, a second quantization), ``"hierarchical"``
-    (nodes of consecutive ranks: exact sums inside a node, only the node sums' codes between nodes;
-    nodes from ``$HOROVOD_ALQ_LOCAL_SIZE`` or the launcher), ``"auto"``: hierarchical when the ranks
-    span 2 to about G + 1 nodes of G > 1 ranks, else two-phase from 4 ranks on, else allgather."""
+    (nodes of consecutive ranks: exact sums inside a node, only the node sums' codes between nodes,
+    allgathered; nodes from ``$HOROVOD_ALQ_LOCAL_SIZE`` or the launcher), ``"hierarchical-two-phase"``
+    (the same inside nodes, a two-phase exchange of the node sums between nodes: bytes between nodes
+    that do not grow with the nodes, a second quantization), ``"auto"``: across 2 or 3 nodes of
+    G > 1 ranks hierarchical, across 4 or more hierarchical-two-phase, else two-phase from 4 ranks
+    on, else allgather."""
 
     bits_second: int | None = None
-    """Bits of the two-phase exchange's second quantization; None: ``bits``."""
+    """Bits of the two-phase exchanges' second quantization; None: ``bits``."""
 
     adapt_second: bool | None = None
     """How the second (two-phase) quantization's levels follow the gradients. None: at equal bits they
@@ -290,8 +293,8 @@ PARTLY: dict[str, dict[str, tuple[tuple, str]]] = {
     "Horovod TensorFlow": {
         "exchange": (
             ("auto", "allgather", "two-phase"),
-            "the hierarchical exchange has no graph "
-            "execution; for it use the PyTorch compressors, the DDP hook or mpi4py",
+            "the hierarchical exchanges have no graph "
+            "execution; for them use the PyTorch compressors, the DDP hook or mpi4py",
         )
     },
     "FSDP2": {

@@ -764,3 +764,60 @@ def test_namespace_launch_that_never_connects_fails_named_and_retried(tmp_path):
     # past the overall timeout: killed, TimeoutExpired
     with pytest.raises(subprocess.TimeoutExpired):
         net.launch([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log", 1.0, poll=0.2)
+
+
+def test_hierarchical_error_append_merges_rows(tmp_path):
+    """--append: the rows measured again replace theirs, the others stay, in the study's row order,
+    and the page names both commands and adds their seconds."""
+    from scripts.study import hierarchical_error as he
+
+    def row(exchange, bits, error, g=2):
+        label = next(lbl for lbl, e, b in he.ROWS if (e, b) == (exchange, bits))
+        return {
+            "model": "cnn",
+            "coordinates": 10,
+            "ranks": 4,
+            "local_size": g,
+            "row": label,
+            "exchange": exchange,
+            "bits": bits,
+            "error": error,
+            "error_se": 0.0,
+            "inter_node_bytes": 100,
+            "exchange_used": exchange,
+        }
+
+    raw, page = tmp_path / "h.json", tmp_path / "h.md"
+    raw.write_text(json.dumps([row("two-phase", 3, 0.5), row("hierarchical", 3, 0.25)]))
+    page.write_text("# title\n\n`python -m scripts.study.hierarchical_error --ranks 4` (2026-12-01, 100 s on this)\n")
+    new = [row("two-phase", 3, 0.4), row("hierarchical-two-phase", 3, 0.3)]
+    results, command, seconds = he.merged(raw, page, new, ["--append"], 20.0)
+    assert [(r["exchange"], r["error"]) for r in results] == [
+        ("two-phase", 0.4),
+        ("hierarchical", 0.25),
+        ("hierarchical-two-phase", 0.3),
+    ]
+    assert command.startswith("`python -m scripts.study.hierarchical_error --ranks 4`, then `python -m")
+    assert "--append" in command and seconds == 120.0
+
+
+def test_step_repeats_ranges_and_targets(tmp_path):
+    """Ratios made inside each run, min / median / max over runs; targets counted run by run."""
+    from scripts.bench import step_repeats
+
+    src = json.loads((ROOT / "docs/results/data/bench_train_step_nodes_quiet.json").read_text())
+    paths = []
+    for k, scale in enumerate((1.0, 1.5)):  # a second run where the hierarchical rows took 1.5x as long
+        run = json.loads(json.dumps(src))
+        for r in run["runs"]:
+            for key in ("hvd-alq-h", "ddp-alq-h"):
+                r["run"]["results"][key]["step_s"] *= scale
+        paths.append(tmp_path / f"run{k}.json")
+        paths[-1].write_text(json.dumps(run))
+    text = step_repeats.report(step_repeats.load(paths), paths, ["x"])
+    res = {r["rate"]: r["run"]["results"] for r in src["runs"]}["100mbit"]
+    ratio = res["hvd-alq-h"]["step_s"] / res["hvd-fp16"]["step_s"]
+    line = next(x for x in text.splitlines() if x.startswith("| Horovod ALQ 3b, hierarchical |") and "100mbit" not in x)
+    assert f"{ratio:.2f} / {1.25 * ratio:.2f} / {1.5 * ratio:.2f}" in text, line
+    target = next(x for x in text.splitlines() if "| 100mbit | at most 0.35x |" in x and x.startswith("| Horovod"))
+    assert "| 0 of 2 |" in target and f"{ratio:.2f}, {1.5 * ratio:.2f}" in target

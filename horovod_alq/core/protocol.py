@@ -499,7 +499,14 @@ def read_handshake(
         }
         named = {
             "norm": ("l2", "linf"),
-            "exchange": ("allgather", "two-phase", "reduce-scatter", "hierarchical", "hierarchical-reduce-scatter"),
+            "exchange": (
+                "allgather",
+                "two-phase",
+                "reduce-scatter",
+                "hierarchical",
+                "hierarchical-reduce-scatter",
+                "hierarchical-two-phase",
+            ),
         }
 
         def show(f, v):

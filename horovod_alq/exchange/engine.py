@@ -53,7 +53,15 @@ from ..core.protocol import (
 from ..core.quantizer import Quantizer
 from ..core.rounds import RoundState
 from ..core.statistics import statistics_length
-from . import allgather, hierarchical, node_reduce_scatter, recovery, reduce_scatter, two_phase
+from . import (
+    allgather,
+    hierarchical,
+    hierarchical_two_phase,
+    node_reduce_scatter,
+    recovery,
+    reduce_scatter,
+    two_phase,
+)
 from .driver import Started, run
 from .interfaces import TensorOps, Transport
 from .job import Decoded, Job, auto_rows, issue
@@ -61,7 +69,12 @@ from .layout import plan_layout
 from .stream import StreamedRound
 
 #: Exchanges by name; "auto" picks one by the rule of :func:`choose_exchange`.
-EXCHANGES = {allgather.NAME: allgather, two_phase.NAME: two_phase, hierarchical.NAME: hierarchical}
+EXCHANGES = {
+    allgather.NAME: allgather,
+    two_phase.NAME: two_phase,
+    hierarchical.NAME: hierarchical,
+    hierarchical_two_phase.NAME: hierarchical_two_phase,
+}
 EXCHANGE_CHOICES = (*EXCHANGES, "auto")
 #: The exchanges of streamed rounds: also the reduce-scatter (FSDP2), whose result is one shard (the
 #: order numbers them in the handshake).
@@ -71,7 +84,11 @@ STREAMED = {
     reduce_scatter.NAME: reduce_scatter,
     hierarchical.NAME: hierarchical,
     node_reduce_scatter.NAME: node_reduce_scatter,
+    hierarchical_two_phase.NAME: hierarchical_two_phase,
 }
+#: The most collectives of one buffer (a front-end that pairs collectives by call order can pass
+#: one transport this many times to :meth:`Engine.open_stream`).
+MAX_STAGES = max(m.STAGES for m in STREAMED.values())
 #: Fusion buffers hold this many bytes of float32 gradient by default (``fusion_bytes=``,
 #: ``HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per tensor).
 DEFAULT_FUSION_BYTES = 64 << 20
@@ -103,27 +120,21 @@ def check_exchange(exchange: str) -> str:
 
 
 def choose_exchange(exchange: str, size: int, local_size: int | None = None) -> str:
-    """The exchange in use for ``size`` ranks in nodes of ``local_size`` (None: one node): ``auto`` is
-    the hierarchical exchange when the ranks span several nodes of several ranks, up to about
-    ``local_size + 1`` nodes (:func:`hierarchical_pays`), else two-phase from :data:`TWO_PHASE_FROM`
-    ranks on, else allgather."""
+    """The exchange in use for ``size`` ranks in nodes of ``local_size`` (None: one node). ``auto``:
+    across several nodes of several ranks, a hierarchical exchange (exact inside the node), whose
+    stage between nodes follows the flat rule applied to the nodes: the node sums allgathered below
+    :data:`TWO_PHASE_FROM` nodes, a two-phase exchange of them from there on; otherwise two-phase
+    from :data:`TWO_PHASE_FROM` ranks on, else allgather."""
     if exchange != "auto":
         return exchange
-    if local_size is not None and 1 < local_size < size and hierarchical_pays(size // local_size, local_size):
-        return hierarchical.NAME
+    if local_size is not None and 1 < local_size < size:
+        return hierarchical_two_phase.NAME if size // local_size >= TWO_PHASE_FROM else hierarchical.NAME
     return two_phase.NAME if size >= TWO_PHASE_FROM else allgather.NAME
 
 
-def hierarchical_pays(nodes: int, local_size: int) -> bool:
-    """Whether the hierarchical exchange sends no more bytes between nodes than the flat two-phase
-    one, for ``M = nodes`` nodes of ``G = local_size`` ranks, ``N = M G``. Per node and bytes ``P q``
-    of one rank's payload: the hierarchical exchange sends its quantized node sum to every other
-    node, ``(M - 1) P q``; two-phase sends ``G (M - 1) / M P q`` in its alltoall and, with a ring
-    allgather of the owners' sums (NCCL, gloo, Open MPI for large buffers), ``(N - 1) / N P q``. So up
-    to about ``G + 1`` nodes (docs/results/scale_model.md: beyond, the node sums' allgather grows
-    with the number of nodes)."""
-    m, g = nodes, local_size
-    return m - 1 <= g * (m - 1) / m + (m * g - 1) / (m * g)
+def requantizes(exchange: str) -> bool:
+    """Whether ``exchange`` quantizes sums a second time (with the second quantizer)."""
+    return getattr(STREAMED[exchange], "REQUANTIZES", False)
 
 
 def exchange_for(exchange: str, transport: Transport) -> str:
@@ -296,7 +307,7 @@ class Engine:
         """Whether this round collects statistics for the first and for the second quantizer."""
         st = self.state
         # second quantizer: the round after each refit of the first
-        return st.collecting, exchange == two_phase.NAME and st.adapt_second and st.collecting_second
+        return st.collecting, requantizes(exchange) and st.adapt_second and st.collecting_second
 
     # ------------------------------------------------------------------ decompress
     def pending(self) -> bool:
@@ -431,7 +442,7 @@ class Engine:
             collect_first, collect_second = self._collects(exchange)
         else:  # the caller's statistics stay local: the ranks need not agree on them
             collect_first = bool(collect) and get_method(q.method).adaptive
-            collect_second = collect_first and exchange == two_phase.NAME and st.adapt_second
+            collect_second = collect_first and requantizes(exchange) and st.adapt_second
         refit = collect is None and (collect_first or collect_second)
         prefix = f"{PREFIX}.{self.uid}.{epoch}"
         vec = handshake_vector(
@@ -661,7 +672,7 @@ class Engine:
         self._agree(transport, f"{prefix}.handshake", exchange, error, recorded)
         if not get_method(q.method).adaptive:
             return False
-        if not (exchange == two_phase.NAME and st.adapt_second):
+        if not (requantizes(exchange) and st.adapt_second):
             second = None  # nothing to refit it from (the same on every rank: the settings agree)
         elif second is None:
             second = np.zeros(statistics_length(get_method(q.method)))

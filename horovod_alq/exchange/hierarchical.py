@@ -28,22 +28,21 @@ every rank raises after the last collective (none waits in a collective another 
 from __future__ import annotations
 
 import os
+from typing import Sequence
 
 import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
-from ..core.wire import HEADER_SIZE
-from .interfaces import Transport
+from .interfaces import Tensor, Transport
 from .job import Alltoall, Job, Piece, Steps, joined
-from .payloads import check_segments
+from .payloads import check_segments, poisoned, poisoned_blocks
 from .plan import BufferPlan, alltoall_bytes, sizes, total
 from .two_phase import shards
 
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 3
 NAME = "hierarchical"
-POISON = b"ER"
 #: The environment variable that declares nodes of that many consecutive ranks.
 LOCAL_SIZE_ENV = "HOROVOD_ALQ_LOCAL_SIZE"
 #: This exchange quantizes the node sums, not the rank's own values: it collects the first
@@ -103,22 +102,15 @@ def plan(
     g = size if g is None else g
     parts = tuple(shards(lo, hi, g, first.bucket_size))
     own = sizes(parts, first, segments)
-    node, local = divmod(rank, g)
-    nodes = size // g
-    peers = [node * g + j for j in range(g)]
-    floats = [4 * (b - a) for a, b in parts]
-    stage1 = _splits(size, {r: floats[r % g] for r in peers}), _splits(size, {r: floats[local] for r in peers})
-    cross = [k * g + local for k in range(nodes)]
-    stage2 = _splits(size, {r: own[local] for r in cross}), _splits(size, {r: own[local] for r in cross})
-    stage3 = (
-        _splits(size, {r: nodes * own[local] for r in peers}),
-        _splits(size, {r: nodes * own[r % g] for r in peers}),
-    )
-    counts = total(*(alltoall_bytes(s, r, rank) for s, r in (stage1, stage2, stage3)))
+    local, nodes = rank % g, size // g
+    to = splits(size, {r: own[local] for r in cross_ranks(rank, size, g)})
+    stage3 = forward_splits(size, rank, [nodes * s for s in own])
+    counts = total(*(alltoall_bytes(s, r, rank) for s, r in (node_sum_splits(parts, size, rank), (to, to), stage3)))
     return BufferPlan(parts, own, (), *counts)
 
 
-def _splits(size: int, to: dict[int, int]) -> list[int]:
+def splits(size: int, to: dict[int, int]) -> list[int]:
+    """An alltoall's per-rank byte counts over ``size`` ranks: ``to[r]`` for the ranks in ``to``, else 0."""
     return [int(to.get(r, 0)) for r in range(size)]
 
 
@@ -128,29 +120,11 @@ def steps(job: Job, i: int) -> Steps:
     ops, t = job.ops, job.transport
     n, me = t.size, t.rank
     g = local_size(t)
-    node, local = divmod(me, g)
-    nodes = n // g
-    lo, hi = job.layout.buffers[i]
-    p = plan(lo, hi, n, me, job.first, segments=job.segments, g=g)
+    local, nodes = me % g, n // g
+    p = plan(*job.layout.buffers[i], n, me, job.first, segments=job.segments, g=g)
     parts = p.parts
     a, b = parts[local]
-    peers = [node * g + j for j in range(g)]
-    cross = [k * g + local for k in range(nodes)]
-
-    # 1. exact reduce-scatter inside the node
-    x = job.stream[lo:hi]
-    floats = [4 * (pb - pa) for pa, pb in parts]
-    pieces = [ops.as_bytes(x[pa - lo : pb - lo]) for pa, pb in parts]
-    gathered = yield Alltoall(
-        ops.cat(pieces),
-        _splits(n, {r: floats[r % g] for r in peers}),
-        _splits(n, {r: floats[local] for r in peers}),
-        f"h1-{i}",
-    )
-    shard = ops.from_bytes(gathered)
-    acc = ops.zeros(b - a)
-    for k in range(g):  # in rank order: the node's owners of other shards do the same sums
-        acc += shard[k * (b - a) : (k + 1) * (b - a)]
+    acc = yield from node_sum(job, i, parts, g)
 
     # 2. the node's sum of this shard, quantized, to the owners of the same shard on every node
     runs = job.segments(a, b)
@@ -161,9 +135,8 @@ def steps(job: Job, i: int) -> Steps:
     if job.collect_first and b > a and job.widths is None:
         job.add_first_statistics(ops.statistics(acc, job.first))
     own = p.first[local]
-    gathered = yield Alltoall(
-        ops.cat([payload] * nodes), _splits(n, {r: own for r in cross}), _splits(n, {r: own for r in cross}), f"h2-{i}"
-    )
+    to = splits(n, {r: own for r in cross_ranks(me, n, g)})
+    gathered = yield Alltoall(ops.cat([payload] * nodes), to, to, f"h2-{i}")
     failure = None
     try:
         check_segments(
@@ -174,27 +147,11 @@ def steps(job: Job, i: int) -> Steps:
         )
     except ProtocolError as err:
         failure = err
-    forward = gathered if failure is None else _poisoned(ops, gathered)
 
     # 3. every node's codes of this shard to the node's ranks
-    gathered = yield Alltoall(
-        ops.cat([forward] * g),
-        _splits(n, {r: nodes * own for r in peers}),
-        _splits(n, {r: nodes * p.first[r % g] for r in peers}),
-        f"h3-{i}",
+    gathered = yield from forward_in_node(
+        job, i, gathered, [nodes * s for s in p.first], failure, f"h3-{i}", "from the other nodes"
     )
-    host = ops.to_numpy(gathered)
-    starts = np.concatenate([[0], np.cumsum([nodes * s for s in p.first])]).astype(np.int64).tolist()
-    bad = [
-        peers[j] for j in range(g) if host.size >= starts[j] + 2 and bytes(host[starts[j] : starts[j] + 2]) == POISON
-    ]
-    if bad:
-        if failure is not None:
-            raise failure
-        raise ProtocolError(
-            f"{PREFIX}: rank(s) {bad} received invalid payloads from the other nodes for "
-            f"their shards of buffer {i} (see their errors); refusing to decode on every rank"
-        )
     expected = [[(rb - ra, q) for ra, rb, q, _ in job.segments(pa, pb)] for pa, pb in parts for _ in range(nodes)]
     offsets = check_segments(ops, gathered, expected, f"buffer {i} from the node")
     out = []
@@ -204,14 +161,73 @@ def steps(job: Job, i: int) -> Steps:
     return out
 
 
+def node_ranks(rank: int, g: int) -> list[int]:
+    """The ranks of ``rank``'s node (nodes of ``g`` consecutive ranks)."""
+    node = rank // g
+    return [node * g + j for j in range(g)]
+
+
+def node_sum_splits(parts: Sequence[tuple[int, int]], size: int, rank: int) -> tuple[list[int], list[int]]:
+    """The byte counts (sent, received per rank) of stage 1 for the ``len(parts)`` shards of a buffer."""
+    g = len(parts)
+    floats = [4 * (b - a) for a, b in parts]
+    peers = node_ranks(rank, g)
+    return splits(size, {r: floats[r % g] for r in peers}), splits(size, {r: floats[rank % g] for r in peers})
+
+
+def forward_splits(size: int, rank: int, block: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The byte counts of the last stage: ``block[j]`` bytes from local rank ``j`` to its node."""
+    g = len(block)
+    peers = node_ranks(rank, g)
+    return splits(size, {r: block[rank % g] for r in peers}), splits(size, {r: block[r % g] for r in peers})
+
+
+def cross_ranks(rank: int, size: int, g: int) -> list[int]:
+    """The ranks with ``rank``'s local rank, one per node, in node order: the owners of its shard."""
+    return [k * g + rank % g for k in range(size // g)]
+
+
+def node_sum(job: Job, i: int, parts: Sequence[tuple[int, int]], g: int):
+    """Stage 1 of buffer ``i`` (``parts``: its ``g`` shards), an exact float32 reduce-scatter inside
+    the node: yields one :class:`Alltoall`, returns this rank's node sum of its shard ``local``
+    (the node's ranks' shards summed in rank order, so that a node's owners agree bit for bit)."""
+    ops, t = job.ops, job.transport
+    n, me = t.size, t.rank
+    lo, hi = job.layout.buffers[i]
+    a, b = parts[me % g]
+    x = job.stream[lo:hi]
+    gathered = yield Alltoall(
+        ops.cat([ops.as_bytes(x[pa - lo : pb - lo]) for pa, pb in parts]), *node_sum_splits(parts, n, me), f"h1-{i}"
+    )
+    shard = ops.from_bytes(gathered)
+    acc = ops.zeros(b - a)
+    for k in range(g):
+        acc += shard[k * (b - a) : (k + 1) * (b - a)]
+    return acc
+
+
+def forward_in_node(
+    job: Job, i: int, held: Tensor, block: Sequence[int], failure: ProtocolError | None, tag: str, source: str
+):
+    """The last stage: this rank's ``held`` payloads of its shard go to its node's ranks (poisoned
+    when ``failure``: it found an invalid payload), each rank receiving ``block[j]`` bytes from
+    local rank ``j``. Yields one :class:`Alltoall`, returns the gathered bytes; raises on every
+    rank of a node (its ``failure``, else naming the ranks) if any block arrived poisoned."""
+    ops, t = job.ops, job.transport
+    g = len(block)
+    forward = held if failure is None else poisoned(ops, held)
+    gathered = yield Alltoall(ops.cat([forward] * g), *forward_splits(t.size, t.rank, block), tag)
+    bad = [node_ranks(t.rank, g)[j] for j in poisoned_blocks(ops.to_numpy(gathered), block)]
+    if bad:
+        if failure is not None:
+            raise failure
+        raise ProtocolError(
+            f"{PREFIX}: rank(s) {bad} received invalid payloads {source} for their shards of "
+            f"buffer {i} (see their errors); refusing to decode on every rank"
+        )
+    return gathered
+
+
 def empty_first(ops, size: int) -> Alltoall:
     """The first collective of ``steps(job, 0)`` with nothing to contribute (see allgather's)."""
     return Alltoall(ops.from_numpy(np.zeros(0, dtype=np.uint8)), [0] * size, [0] * size, "h1-0")
-
-
-def _poisoned(ops, payloads):
-    host = ops.to_numpy(payloads).copy()
-    if host.size >= HEADER_SIZE:
-        host[:2] = np.frombuffer(POISON, dtype=np.uint8)
-        host[2:HEADER_SIZE] = 0
-    return ops.from_numpy(host)

@@ -13,6 +13,26 @@ from ..core.quantizer import Quantizer
 from ..core.wire import HEADER_SIZE, check_header, parse_header
 from .interfaces import Tensor, TensorOps
 
+#: The first bytes of a poisoned payload: a rank that found invalid payloads sends it on in place of
+#: its own, so that every rank raises after the exchange's last collective (none waits in one that
+#: another rank will not issue).
+POISON = b"ER"
+
+
+def poisoned(ops: TensorOps, payload: Tensor) -> Tensor:
+    """``payload`` marked as poisoned (its header overwritten; an empty one stays empty)."""
+    host = ops.to_numpy(payload).copy()
+    if host.size >= HEADER_SIZE:
+        host[:2] = np.frombuffer(POISON, dtype=np.uint8)
+        host[2:HEADER_SIZE] = 0
+    return ops.from_numpy(host)
+
+
+def poisoned_blocks(host: np.ndarray, sizes: Sequence[int]) -> list[int]:
+    """The indices of the blocks of ``host`` (back to back, ``sizes[j]`` bytes each) that begin poisoned."""
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+    return [j for j, s in enumerate(starts[:-1]) if host.size >= s + 2 and bytes(host[s : s + 2]) == POISON]
+
 
 def check_payloads(
     ops: TensorOps, gathered: Tensor, numels: Sequence[int], quantizer: Quantizer, what: str

@@ -21,16 +21,15 @@ import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
-from ..core.wire import HEADER_SIZE
-from .interfaces import Tensor
 from .job import Allgather, Alltoall, Job, Piece, Steps, joined
-from .payloads import check_segments
+from .payloads import check_segments, poisoned, poisoned_blocks
 from .plan import BufferPlan, allgather_bytes, alltoall_bytes, sizes, total
 
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 2
 NAME = "two-phase"
-POISON = b"ER"
+#: It re-quantizes the owners' sums with the second quantizer.
+REQUANTIZES = True
 
 
 def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, int]]:
@@ -92,12 +91,10 @@ def steps(job: Job, i: int) -> Steps:
     ]
     payload = joined(ops, again)
     if failure is not None:
-        payload = _poisoned(ops, payload)
+        payload = poisoned(ops, payload)
     gathered = yield Allgather(payload, list(p.second), f"ag2-{i}")
 
-    host = ops.to_numpy(gathered)
-    offsets = np.concatenate([[0], np.cumsum(p.second)]).astype(np.int64).tolist()
-    bad = [j for j in range(n) if host.size >= offsets[j] + 2 and bytes(host[offsets[j] : offsets[j] + 2]) == POISON]
+    bad = poisoned_blocks(ops.to_numpy(gathered), p.second)
     if bad:
         if failure is not None:
             raise failure
@@ -117,10 +114,3 @@ def steps(job: Job, i: int) -> Steps:
 def empty_first(ops, size: int) -> Alltoall:
     """The first collective of ``steps(job, 0)`` with nothing to contribute (see allgather's)."""
     return Alltoall(ops.from_numpy(np.zeros(0, dtype=np.uint8)), [0] * size, [0] * size, "a2a0")
-
-
-def _poisoned(ops, payload: Tensor) -> Tensor:
-    host = ops.to_numpy(payload).copy()
-    host[:2] = np.frombuffer(POISON, dtype=np.uint8)
-    host[2:HEADER_SIZE] = 0
-    return ops.from_numpy(host)

@@ -13,7 +13,7 @@ from ..core.protocol import CollectiveTimeout, ProtocolError, error_text, stable
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.wire import parse_header
-from ..exchange.engine import RefitError, blame
+from ..exchange.engine import MAX_STAGES, RefitError, blame
 from ..exchange.numpy_ops import NumpyOps
 from ..exchange.payloads import check_payloads
 from ..settings import Settings, configure
@@ -91,7 +91,7 @@ class QuantizedAllreduce(frontends.Configured):
         self._stats_length = statistics_length(self._method)
         self._pending = Pending(self._state.auto is not None)  # recorded for the next adapt()
         self._transport = MpiTransport(comm, s.timeout)
-        self._stages = [self._transport] * 3  # MPI pairs by call order: one transport for every stage
+        self._stages = [self._transport] * MAX_STAGES  # MPI pairs by call order: one transport for every stage
         self._ops = NumpyOps()
         self._engine = setup.engine(uid="mpi", fusion_bytes=0, early=False)
 

@@ -54,10 +54,11 @@ over the shaped links. Default rows then: local, Horovod fp32, fp16, fp16 with
 HOROVOD_HIERARCHICAL_ALLREDUCE=1 (``hvd-fp16-hier``: a process-wide setting read at ``hvd.init()``,
 so it runs in a launch of its own; Horovod 0.28.1 implements hierarchical allreduce for NCCL only,
 so on CPU tensors with MPI operations it should change nothing, and the counters check that),
-ALQ 3b two-phase (flat), ALQ hierarchical at 3 and 4 bits, DDP fp16_compress_hook,
-bf16_compress_hook (DDP refuses to register the hook of that name without CUDA and NCCL, so it is
-registered under another name; gloo allreduces bfloat16 on CPU), alq_hook two-phase and
-hierarchical (``exchange="auto"`` would pick hierarchical in this layout: the rows name theirs).
+ALQ 3b two-phase (flat), ALQ hierarchical at 3 and 4 bits, ALQ 3b hierarchical two-phase, DDP
+fp16_compress_hook, bf16_compress_hook (DDP refuses to register the hook of that name without CUDA
+and NCCL, so it is registered under another name; gloo allreduces bfloat16 on CPU), alq_hook
+two-phase, hierarchical and hierarchical two-phase (``exchange="auto"`` picks hierarchical across 2
+or 3 nodes, hierarchical two-phase from 4: the rows name theirs).
 In the namespaces every row also reports the bytes that crossed between namespaces per step, read
 from each namespace's eth0 counters (see the columns' note in the report); the default one-rank-
 per-namespace layout is unchanged.
@@ -106,6 +107,7 @@ ROWS = [
     "hvd-alq-2p",
     "hvd-alq-h",
     "hvd-alq-h4",
+    "hvd-alq-h2p",
     "ddp-fp32",
     "ddp-fp16",
     "ddp-bf16",
@@ -114,6 +116,7 @@ ROWS = [
     "ddp-alq",
     "ddp-alq-2p",
     "ddp-alq-h",
+    "ddp-alq-h2p",
 ]
 DEFAULT_ROWS = [
     "local",
@@ -137,10 +140,12 @@ NODE_ROWS = [
     "hvd-alq-2p",
     "hvd-alq-h",
     "hvd-alq-h4",
+    "hvd-alq-h2p",
     "ddp-fp16",
     "ddp-bf16",
     "ddp-alq-2p",
     "ddp-alq-h",
+    "ddp-alq-h2p",
 ]  # the default with --nodes
 SEPARATE = {"hvd-fp16-hier": {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}}  # rows that need their own launch
 LABELS = {
@@ -154,9 +159,11 @@ LABELS = {
     "hvd-fp16-hier": "Horovod fp16, HOROVOD_HIERARCHICAL_ALLREDUCE=1 (own launch)",
     "hvd-alq-h": "Horovod ALQ 3b, hierarchical",
     "hvd-alq-h4": "Horovod ALQ 4b, hierarchical",
+    "hvd-alq-h2p": "Horovod ALQ 3b, hierarchical two-phase",
     "ddp-bf16": "DDP bf16_compress_hook (wrapped, see --help)",
     "ddp-alq-2p": "DDP alq_hook 3b, two-phase",
     "ddp-alq-h": "DDP alq_hook 3b, hierarchical",
+    "ddp-alq-h2p": "DDP alq_hook 3b, hierarchical two-phase",
     "ddp-fp32": "DDP allreduce (fp32)",
     "ddp-fp16": "DDP fp16_compress_hook",
     "ddp-psgd2": "DDP powerSGD_hook rank 2",
@@ -306,6 +313,7 @@ def worker(args) -> int:
                 "hvd-fp16-hier": hvd.Compression.fp16,
                 "hvd-alq-h": ALQCompressor(bits=3, exchange="hierarchical"),
                 "hvd-alq-h4": ALQCompressor(bits=4, exchange="hierarchical"),
+                "hvd-alq-h2p": ALQCompressor(bits=3, exchange="hierarchical-two-phase"),
             }[key]
             # names prefixed by the row: Horovod's response cache never sees one name in two rows
             row["opt"] = hvd.DistributedOptimizer(
@@ -330,14 +338,8 @@ def worker(args) -> int:
                 )
                 row["state"] = state
             elif key.startswith("ddp-alq"):
-                row["state"] = ALQState(
-                    bits=3,
-                    **(
-                        {"ddp-alq-2p": {"exchange": "two-phase"}, "ddp-alq-h": {"exchange": "hierarchical"}}.get(
-                            key, {}
-                        )
-                    ),
-                )
+                exchange = {"2p": "two-phase", "h": "hierarchical", "h2p": "hierarchical-two-phase"}
+                row["state"] = ALQState(bits=3, exchange=exchange.get(key[len("ddp-alq-") :], "auto"))
                 model.register_comm_hook(row["state"], alq_hook)
         rows[key] = row
     base = rows[keys[0]]["model"]

@@ -6,7 +6,8 @@ consecutive ranks each compute the gradient of their own minibatch of the demo C
 or of the character GPT (scripts/common/gpt.py), after --warmup steps of plain training. Every
 exchange runs the real engine (horovod_alq.exchange, NumPy codec, ALQ levels fitted in a first round
 to these gradients): the flat ones (`allgather`, and `two-phase`, what `exchange="auto"` picks on
-one node from 4 ranks) at 3 bits, and the hierarchical one at 3, 4 and 5 bits. For each it reports
+one node from 4 ranks) at 3 bits, the hierarchical one at 3, 4 and 5 bits and the hierarchical
+two-phase one at 3 and 4 (what `"auto"` picks from 4 nodes on). For each it reports
 the relative squared error of the decoded mean against the exact mean, ||mean_Q - mean||^2 /
 ||mean||^2, averaged over --rounds rounds of fresh rounding noise (mean and standard error), and
 the bytes that crossed between nodes per step, counted on the transports (every byte a rank sent to
@@ -14,12 +15,15 @@ a rank of another node, summed over ranks).
 
     python -m scripts.study.hierarchical_error --out docs/results/hierarchical_error.md     # N=4 and 16, G=2,4,8
     python -m scripts.study.hierarchical_error --quick --out /tmp/h.md             # N=8, G=2, CNN only
+    python -m scripts.study.hierarchical_error --exchanges hierarchical-two-phase --append   # add rows to the page
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +42,8 @@ ROWS = [
     ("hierarchical", "hierarchical", 3),
     ("hierarchical", "hierarchical", 4),
     ("hierarchical", "hierarchical", 5),
+    ("hierarchical two-phase", "hierarchical-two-phase", 3),
+    ("hierarchical two-phase", "hierarchical-two-phase", 4),
 ]
 
 
@@ -136,9 +142,24 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="8 ranks, G=2, the CNN, 3 rounds, 10 warm-up steps")
     p.add_argument("--out", default="docs/results/hierarchical_error.md")
+    p.add_argument(
+        "--exchanges",
+        help="comma-separated: only the rows of these exchanges (flat two-phase, the "
+        "reference of the ratios, always runs)",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="merge into --out's raw data: replace the rows measured "
+        "again, keep the others, and name both commands on the page",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.ranks, args.local_sizes, args.models, args.rounds, args.warmup = "8", "2", "cnn", 3, 10
+    rows = ROWS
+    if args.exchanges:
+        wanted = {*args.exchanges.split(","), "two-phase"}
+        rows = [r for r in ROWS if r[1] in wanted]
     started = time.time()
     results = []
     for ranks in (int(v) for v in str(args.ranks).split(",")):
@@ -148,7 +169,7 @@ def main(argv=None) -> None:
             for g in (int(v) for v in args.local_sizes.split(",")):
                 if not 1 < g < ranks or ranks % g:
                     continue  # one node, or nodes of unequal size
-                for label, exchange, bits in ROWS:
+                for label, exchange, bits in rows:
                     res = measure(grads, g, exchange, bits, args.rounds, args.bucket)
                     results.append(
                         {
@@ -166,9 +187,32 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     raw_dir = out.parent / "data" if (out.parent / "data").is_dir() else out.parent
-    (raw_dir / (out.stem + ".json")).write_text(json.dumps(results, indent=1))
-    out.write_text(render(results, args, time.time() - started))
+    raw = raw_dir / (out.stem + ".json")
+    command = seconds = None
+    if args.append:
+        results, command, seconds = merged(raw, out, results, argv, time.time() - started)
+    raw.write_text(json.dumps(results, indent=1))
+    out.write_text(render(results, args, seconds or time.time() - started, command))
     print(f"wrote {out} and {raw_dir / (out.stem + '.json')}")
+
+
+def merged(raw: Path, page: Path, new: list[dict], argv, seconds: float) -> tuple[list[dict], str, float]:
+    """``new`` rows merged into the study's raw data (the rows of the same model, layout, exchange
+    and bits replaced, in the study's row order), the page's command line with this run's added,
+    and the seconds of both."""
+    key = lambda r: (r["model"], r["ranks"], r["local_size"], r["exchange"], r["bits"])  # noqa: E731
+    again = {key(r) for r in new}
+    old = [r for r in json.loads(raw.read_text()) if key(r) not in again]
+    order = {(e, b): k for k, (_, e, b) in enumerate(ROWS)}
+    results = sorted(
+        old + new, key=lambda r: (r["ranks"], r["model"], r["local_size"], order[r["exchange"], r["bits"]])
+    )
+    first = page.read_text().split("\n\n", 2)[1]  # the command paragraph
+    before = re.match(r"(.*) \(\d{4}-\d\d-\d\d, (\d+) s on", first)
+    argv = sys.argv[1:] if argv is None else argv
+    this = f"`python -m scripts.study.hierarchical_error {' '.join(argv)}` ({time.strftime('%Y-%m-%d')})"
+    command = f"{before.group(1)}, then {this}"
+    return results, command, float(before.group(2)) + seconds
 
 
 def render(results: list[dict], args, seconds: float, command: str | None = None) -> str:

@@ -1,7 +1,7 @@
 """Worker for tests/test_hierarchical_ranks.py: the hierarchical exchange on 4 ranks declared as 2
 nodes x 2 (HOROVOD_ALQ_LOCAL_SIZE=2), through one front-end (--front): mpi4py's QuantizedAllreduce,
 the Horovod PyTorch compressor (under mpirun), the DDP hook or FSDP2's reduce-scatter comm (its
-node-aware reduce-scatter; under torchrun). Reports the exchange
+node-aware reduce-scatter; under torchrun), with --exchange (default "auto"). Reports the exchange
 in use, a digest of every rank's results, the t statistics of the results' deviations from the
 exact average over --reps rounds, and what a rank that declares another node layout gets."""
 
@@ -43,14 +43,14 @@ def run_mpi(args) -> dict:
     rank, size = comm.Get_rank(), comm.Get_size()
     x = rank_input(rank)
     exact = comm.allreduce(x.astype(np.float64)) / size
-    ar = QuantizedAllreduce(comm, "alq", bits=args.bits, bucket_size=D, seed=5)
+    ar = QuantizedAllreduce(comm, "alq", bits=args.bits, bucket_size=D, seed=5, exchange=args.exchange)
     outs = [ar(x) for _ in range(args.reps)]
     out = summarize(outs, exact)
     out["exchange"] = ar.metrics()["exchange"]
     out["sent"] = ar.metrics()["bytes_sent"]
     if rank == size - 1:
         os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)  # this rank declares one node of every rank
-    other = QuantizedAllreduce(comm, "alq", bits=args.bits, bucket_size=D, seed=5)
+    other = QuantizedAllreduce(comm, "alq", bits=args.bits, bucket_size=D, seed=5, exchange=args.exchange)
     try:
         other(x)
         out["mismatch"] = None
@@ -69,14 +69,16 @@ def run_horovod(args) -> dict:
     rank, size = hvd.rank(), hvd.size()
     x = torch.from_numpy(rank_input(rank))
     exact = hvd.allreduce(x.double(), op=hvd.Average, name="exact").numpy()
-    comp = ALQCompressor(bits=args.bits, bucket_size=D, seed=5, update_steps=(0,), update_every=0)
+    comp = ALQCompressor(
+        bits=args.bits, bucket_size=D, seed=5, update_steps=(0,), update_every=0, exchange=args.exchange
+    )
     outs = [hvd.allreduce(x, compression=comp, op=hvd.Average, name=f"h{k}").numpy() for k in range(args.reps)]
     out = summarize(outs, exact)
     out["exchange"] = comp.metrics()["exchange"]
     out["levels"] = digest(comp.levels)
     if rank == size - 1:
         os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)
-    other = ALQCompressor(bits=args.bits, bucket_size=D, seed=5)
+    other = ALQCompressor(bits=args.bits, bucket_size=D, seed=5, exchange=args.exchange)
     try:
         hvd.allreduce(x, compression=other, op=hvd.Average, name="mismatch")
         out["mismatch"] = None
@@ -110,13 +112,15 @@ def run_ddp(args) -> dict:
 
     exact = x.double().clone()
     dist.all_reduce(exact)
-    state = ALQState(bits=args.bits, bucket_size=D, seed=5, update_steps=(0,), update_every=0, min_size=0)
+    state = ALQState(
+        bits=args.bits, bucket_size=D, seed=5, update_steps=(0,), update_every=0, min_size=0, exchange=args.exchange
+    )
     out = summarize(grads(state), (exact / size).numpy())
     out["exchange"] = state.metrics()["exchange"]
     if rank == size - 1:
         os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)
     try:
-        grads(ALQState(bits=args.bits, bucket_size=D, seed=5, min_size=0, timeout=60))
+        grads(ALQState(bits=args.bits, bucket_size=D, seed=5, min_size=0, timeout=60, exchange=args.exchange))
         out["mismatch"] = None
     except Exception as err:  # noqa: BLE001
         out["mismatch"] = f"{type(err).__name__}: {err}"
@@ -173,6 +177,7 @@ def run_fsdp(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--front", choices=("mpi", "horovod", "ddp", "fsdp"), required=True)
+    parser.add_argument("--exchange", default="auto")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--reps", type=int, default=60)
     args = parser.parse_args()
