@@ -34,7 +34,8 @@ routes over the namespace's loopback: unshaped, and not in eth0's counters. Only
 nodes crosses the shaped veths; :func:`link_counters` reads each node's eth0 bytes.
 Open MPI's out-of-band and TCP BTL traffic are restricted to 10.213.0.0/24 (``btl self,tcp``: no
 shared memory between ranks, since they are on "different hosts"), so every byte of the gradient
-exchange crosses the shaped veths. Horovod uses MPI for its CPU collectives (HOROVOD_CPU_OPERATIONS=mpi).
+exchange between nodes crosses the shaped veths (with ``intra="shm"`` the ranks of one node use
+shared memory between them). Horovod uses MPI for its CPU collectives (HOROVOD_CPU_OPERATIONS=mpi).
 
 The model is a wide MLP (784 -> H -> H -> 10, about 20.0M parameters for H = 4096) with a batch of
 8 per worker: communication dominates. Each method runs --warmup untimed then --steps timed steps;
@@ -47,6 +48,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -178,6 +180,8 @@ def teardown() -> list[str]:
     kill_in_namespaces()
     for ns in existing_namespaces():
         sh(f"ip netns del {ns}", check=False)
+    for folder in Path("/dev/shm").glob(f"{PREFIX}-w*"):  # the agent's shared-memory folders
+        shutil.rmtree(folder, ignore_errors=True)
     return existing_namespaces()
 
 
@@ -251,12 +255,21 @@ case "$host" in
 {cases}
   *) echo "agent: unknown host $host" >&2; exit 1;;
 esac
-exec ip netns exec "$ns" /bin/sh -c "$*"
+# each "host" its own directory for shared-memory segments: the namespaces share /dev/shm and the
+# host name, by which Open MPI names a node's segments (with the job and local rank), so two nodes'
+# segments would collide
+mkdir -p "/dev/shm/$ns"
+exec env OMPI_MCA_btl_vader_backing_directory="/dev/shm/$ns" ip netns exec "$ns" /bin/sh -c "$*"
 """
 
 
 def mpirun_command(
-    tmp: Path, yield_when_idle: int = 1, n: int | None = None, env: dict | None = None, ranks_per_node: int = 1
+    tmp: Path,
+    yield_when_idle: int = 1,
+    n: int | None = None,
+    env: dict | None = None,
+    ranks_per_node: int = 1,
+    intra: str = "tcp",
 ) -> list[str]:
     """``ip netns exec <head> mpirun ...`` for ``n`` (default N_WORKERS) worker namespaces, with
     the agent and hostfile written to ``tmp``; append the program and its arguments.
@@ -302,7 +315,9 @@ def mpirun_command(
         "1",
         "--mca",
         "btl",
-        "self,tcp",
+        "self,vader,tcp" if intra == "shm" and g > 1 else "self,tcp",
+        # no single-copy (CMA) between the namespaces' processes: plain copies through the segment
+        *(("--mca", "btl_vader_single_copy_mechanism", "none") if intra == "shm" and g > 1 else ()),
         "--mca",
         "btl_tcp_if_include",
         f"{SUBNET}.0/24",

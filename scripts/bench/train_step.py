@@ -579,7 +579,9 @@ def run_netns(args, tmp: Path, n: int, rate: str, make_args=None) -> dict:
 
 def _launch_netns(args, tmp: Path, n: int, rate: str, g: int, make_args, suffix: str, env: dict) -> dict:
     out = tmp / f"result_{n}_{rate}{suffix}.json"
-    full = net.mpirun_command(tmp, args.yield_when_idle, n, env=env, ranks_per_node=g) + make_args(args, out, "eth0")
+    full = net.mpirun_command(
+        tmp, args.yield_when_idle, n, env=env, ranks_per_node=g, intra=getattr(args, "intra_node", "tcp")
+    ) + make_args(args, out, "eth0")
     log = log_path(args, n * g, rate + suffix)
     where = f"{n} nodes x {g} ranks" if g > 1 else f"{n} workers"
     print(f"[{where}, {rate}{suffix}] {shlex.join(full)}\n  (output: {log})", flush=True)
@@ -823,7 +825,13 @@ def report(args, argv, runs: list[dict], wall: float) -> str:
         f"{args.batch_size} per worker; SGD lr 0.01 momentum {args.momentum:g}. Median over {args.steps} "
         "timed steps "
         f"(after {args.warmup} warm-up) of the slowest rank's step; rows interleaved, a barrier before each "
-        f"step. Open MPI mpi_yield_when_idle={args.yield_when_idle}. PowerSGD: start_powerSGD_iter="
+        f"step. Open MPI mpi_yield_when_idle={args.yield_when_idle}"
+        + (
+            f", between the ranks of a node {'shared memory (vader)' if args.intra_node == 'shm' else 'TCP over lo'}"
+            if getattr(args, "nodes", None)
+            else ""
+        )
+        + ". PowerSGD: start_powerSGD_iter="
         f"{PSGD_START}, "
         + {
             "one-bucket": "one DDP bucket (bucket_cap_mb above the model's size)",
@@ -904,6 +912,14 @@ def main(argv=None) -> int:
     )
     p.add_argument("--ranks-per-node", type=int, help="ranks in each node's namespace; default 2 with --nodes")
     p.add_argument("--layout", help="KxG[,KxG]: --nodes K --ranks-per-node G in one (one G for all)")
+    p.add_argument(
+        "--intra-node",
+        choices=("tcp", "shm"),
+        default="tcp",
+        help="how Open MPI (the Horovod rows) moves bytes between the ranks of a node: TCP over the "
+        "namespace's loopback, or shared memory (vader), as a node's fast links would; gloo (the DDP "
+        "rows) always uses TCP; default tcp",
+    )
     p.add_argument(
         "--connect-timeout",
         type=float,
