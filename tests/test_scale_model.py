@@ -140,8 +140,32 @@ def test_quick_run_writes_page_plot_and_data(tmp_path):
     text = (tmp_path / "scale_model.md").read_text()
     assert (tmp_path / "scale_model.png").stat().st_size > 10_000
     data = json.loads((tmp_path / "data" / "scale_model.json").read_text())
-    assert len(data["calibration"]) == 20 and all(r["predicted_over_measured"] > 0 for r in data["calibration"])
+    expected = scale.median_rows([c for c in scale.CALIBRATION if c.exists()])
+    assert len(data["calibration"]) == len(expected) >= 40  # 2 layouts x 2 rates x the modelled rows
+    assert all(r["predicted_over_measured"] > 0 for r in data["calibration"])
     assert {x["gpus"] for x in data["projection"]} == {16, 64}
     assert len(data["crossover"]) == 2 * 2 * 5  # codecs x scales x ALQ rows
     for heading in ("## Calibration", "## Projection", "## Crossover", "predicted / measured", "not measured"):
         assert heading in text
+
+
+def test_median_rows_take_each_rows_median_over_runs(tmp_path):
+    """Three runs of one command: every row's step, compute and rate are the medians over them."""
+    src = json.loads((scale.DATA / "bench_train_step_nodes_tcp.json").read_text())
+    paths = []
+    for k, factor in enumerate((1.0, 3.0, 1.2)):
+        run = json.loads(json.dumps(src))
+        for r in run["runs"]:
+            for row in r["run"]["results"].values():
+                row["step_s"] *= factor
+        paths.append(tmp_path / f"run{k}.json")
+        paths[-1].write_text(json.dumps(run))
+    one = {(r["layout"], r["rate"], r["row"]): r for r in scale.load_rows(paths[0])}
+    rows = scale.median_rows(paths)
+    assert len(rows) == len(one)
+    for r in rows:
+        base = one[r["layout"], r["rate"], r["row"]]
+        assert r["runs"] == 3
+        assert r["measured_s"] == pytest.approx(1.2 * base["measured_s"])
+        assert r["compute_s"] == pytest.approx(1.2 * base["compute_s"])
+        assert r["spread"] == pytest.approx(3.0)

@@ -797,7 +797,8 @@ def test_hierarchical_error_append_merges_rows(tmp_path):
         ("hierarchical", 0.25),
         ("hierarchical-two-phase", 0.3),
     ]
-    assert command.startswith("`python -m scripts.study.hierarchical_error --ranks 4`, then `python -m")
+    assert command.startswith("`python -m scripts.study.hierarchical_error --ranks 4` (2026-12-01), then `python -m")
+    assert command.endswith("--append`")  # the page adds this run's date after it
     assert "--append" in command and seconds == 120.0
 
 
@@ -821,3 +822,18 @@ def test_step_repeats_ranges_and_targets(tmp_path):
     assert f"{ratio:.2f} / {1.25 * ratio:.2f} / {1.5 * ratio:.2f}" in text, line
     target = next(x for x in text.splitlines() if "| 100mbit | at most 0.35x |" in x and x.startswith("| Horovod"))
     assert "| 0 of 2 |" in target and f"{ratio:.2f}, {1.5 * ratio:.2f}" in target
+
+
+def test_step_repeats_scales_a_row_of_its_own_launch():
+    """A row launched on its own is compared step / alone against step / alone."""
+    from scripts.bench import step_repeats
+
+    results = {
+        "local": {"step_s": 0.08},
+        "hvd-fp16": {"step_s": 0.10},
+        "hvd-fp16-hier": {"step_s": 0.06, "own_local_s": 0.05},
+    }
+    assert step_repeats.scaled(results["hvd-fp16-hier"], results) == pytest.approx(0.06 * 0.08 / 0.05)
+    assert step_repeats.scaled(results["hvd-fp16"], results) == 0.10
+    del results["hvd-fp16-hier"]["own_local_s"]  # runs from before the own launch timed its step alone
+    assert step_repeats.scaled(results["hvd-fp16-hier"], results) == 0.06

@@ -36,7 +36,7 @@ from .hierarchical import cross_ranks, forward_in_node, forward_splits, local_si
 from .job import Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
 from .plan import BufferPlan, alltoall_bytes, sizes, total
-from .two_phase import shards
+from .two_phase import shards, sum_shard
 
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 4
@@ -125,19 +125,7 @@ def steps(job: Job, i: int) -> Steps:
     phase1, phase2 = _between(n, me, g, p.first, p.second)
     gathered = yield Alltoall(ops.cat(payloads), *phase1, f"h2-{i}")
     sa, sb = mine[node]
-    reduced = ops.zeros(sb - sa)
-    failure = None
-    try:
-        expected = [[(rb - ra, q) for ra, rb, q, _ in runs[node]]] * m
-        offsets = check_segments(ops, gathered, expected, f"sub-shard {local}.{node} of buffer {i}")
-        for s, (ra, rb, q1, _) in enumerate(runs[node]):
-            ops.decode_sum(reduced[ra - sa : rb - sa], gathered, [o[s] for o in offsets], q1)
-    except ProtocolError as err:
-        failure = err
-    for pa, pb in job.layout.padding_in(sa, sb):  # keep padding out of the second norms
-        reduced[pa - sa : pb - sa] = 0
-    if job.collect_second and sb > sa:
-        job.add_second_statistics(ops.statistics(reduced, job.second))
+    reduced, failure = sum_shard(job, gathered, runs[node], m, sa, sb, f"sub-shard {local}.{node} of buffer {i}")
     again = joined(
         ops,
         [job.encode(reduced[ra - sa : rb - sa], q2, job.seed(i, 6, s)) for s, (ra, rb, _, q2) in enumerate(runs[node])],

@@ -71,20 +71,7 @@ def steps(job: Job, i: int) -> Steps:
         payloads.append(payload)
         runs.append(shard_runs)
     gathered = yield Alltoall(ops.cat(payloads), list(p.first), [p.first[me]] * n, f"a2a{i}")
-    acc = ops.zeros(b - a)
-    failure = None
-    try:
-        offsets = check_segments(
-            ops, gathered, [[(rb - ra, q) for ra, rb, q, _ in runs[me]]] * n, f"shard {me} of buffer {i}"
-        )
-        for k, (ra, rb, q1, _) in enumerate(runs[me]):
-            ops.decode_sum(acc[ra - a : rb - a], gathered, [o[k] for o in offsets], q1)
-    except ProtocolError as err:
-        failure = err
-    for pa, pb in job.layout.padding_in(a, b):  # keep padding out of the second norms
-        acc[pa - a : pb - a] = 0
-    if job.collect_second and b > a:
-        job.add_second_statistics(ops.statistics(acc, q2))
+    acc, failure = sum_shard(job, gathered, runs[me], n, a, b, f"shard {me} of buffer {i}")
     again = [
         job.encode(acc[ra - a : rb - a], q, job.seed(i, me, 2) if k == 0 else job.seed(i, me, 2, k))
         for k, (ra, rb, _, q) in enumerate(runs[me])
@@ -109,6 +96,26 @@ def steps(job: Job, i: int) -> Steps:
         for j, shard_runs in enumerate(runs)
         for k, (ra, rb, _, q) in enumerate(shard_runs)
     ]
+
+
+def sum_shard(job: Job, gathered, runs, copies: int, a: int, b: int, what: str):
+    """Decode and sum the ``copies`` payloads of ``[a, b)`` (encoded as ``runs``) in ``gathered``:
+    the sum (padding zeroed, the second quantizer's statistics collected) and the ProtocolError met
+    on the way, or None; a rank that met one poisons what it sends next, so that every rank raises."""
+    ops = job.ops
+    acc = ops.zeros(b - a)
+    failure = None
+    try:
+        offsets = check_segments(ops, gathered, [[(rb - ra, q) for ra, rb, q, _ in runs]] * copies, what)
+        for k, (ra, rb, q1, _) in enumerate(runs):
+            ops.decode_sum(acc[ra - a : rb - a], gathered, [o[k] for o in offsets], q1)
+    except ProtocolError as err:
+        failure = err
+    for pa, pb in job.layout.padding_in(a, b):  # keep padding out of the second norms
+        acc[pa - a : pb - a] = 0
+    if job.collect_second and b > a:
+        job.add_second_statistics(ops.statistics(acc, job.second))
+    return acc, failure
 
 
 def empty_first(ops, size: int) -> Alltoall:

@@ -22,7 +22,9 @@ FLAT = {"hvd": "hvd-alq-2p", "ddp": "ddp-alq-2p"}
 TARGETS = [
     ("hvd-alq-h", "hvd-alq-2p", "1gbit", 0.8),
     ("hvd-alq-h", "hvd-fp16", "1gbit", 1.0),
+    ("hvd-alq-h", "hvd-fp16-hier", "1gbit", 1.0),
     ("hvd-alq-h", "hvd-fp16", "100mbit", 0.35),
+    ("hvd-alq-h", "hvd-fp16-hier", "100mbit", 0.35),
     ("ddp-alq-h", "ddp-alq-2p", "1gbit", 0.8),
     ("ddp-alq-h", "ddp-fp16", "1gbit", 1.0),
     ("ddp-alq-h", "ddp-fp16", "100mbit", 0.35),
@@ -46,13 +48,21 @@ def load(paths: list[Path]) -> dict:
                 ref, flat = res.get(REFERENCE.get(fw, "")), res.get(FLAT.get(fw, ""))
                 cell.setdefault(key, []).append(
                     (
-                        r["step_s"],
-                        r["step_s"] / ref["step_s"] if ref else None,
+                        scaled(r, res),
+                        scaled(r, res) / ref["step_s"] if ref else None,
                         r["step_s"] / flat["step_s"] if flat else None,
                         r.get("link_tx_per_step"),
                     )
                 )
     return {"table": table, "labels": labels}
+
+
+def scaled(row: dict, results: dict) -> float:
+    """A row's step; for a row of its own launch (``own_local_s``: that launch's step alone), scaled
+    by this launch's step alone over that one, so that ratios to this launch's rows compare
+    step / alone (launches of different processes run at different speeds on shared cores)."""
+    own, here = row.get("own_local_s"), results.get("local", {}).get("step_s")
+    return row["step_s"] * here / own if own and here else row["step_s"]
 
 
 def span(values: list) -> str:
@@ -73,7 +83,9 @@ def report(data: dict, paths: list[Path], argv: list[str]) -> str:
         f"Command: `python -m scripts.bench.step_repeats {' '.join(argv)}`, over {len(paths)} runs of "
         "scripts/bench/train_step.py (their commands and dates in each JSON's `argv` and on the pages they "
         "wrote). Each cell: min / median / max over the runs of a ratio made inside one run (rows "
-        "interleaved in the same processes), so the machine's load moves both sides of it.",
+        "interleaved in the same processes), so the machine's load moves both sides of it; a row of its "
+        "own launch (a process-wide setting) is scaled by the two launches' steps alone (step / alone "
+        "against step / alone).",
         "",
     ]
     for (layout, rate), cell in sorted(table.items()):

@@ -564,10 +564,19 @@ def run_netns(args, tmp: Path, n: int, rate: str, make_args=None) -> dict:
             args, tmp, n, rate, g, lambda a, out, ifname: worker_args(a, out, ifname, ",".join(main)), "", {}
         )
     for key in (k for k in keys if k in SEPARATE):
+        # with the step alone of its own launch, so that its ratios can be scaled by the alone steps
         part = _launch_netns(
-            args, tmp, n, rate, g, lambda a, out, ifname: worker_args(a, out, ifname, key), f"_{key}", SEPARATE[key]
+            args,
+            tmp,
+            n,
+            rate,
+            g,
+            lambda a, out, ifname: worker_args(a, out, ifname, f"local,{key}"),
+            f"_{key}",
+            SEPARATE[key],
         )
         part["results"][key]["launch"] = "own launch: " + " ".join(f"{k}={v}" for k, v in SEPARATE[key].items())
+        part["results"][key]["own_local_s"] = part["results"]["local"]["step_s"]
         if run is None:
             run = part
         else:
@@ -728,6 +737,11 @@ def launch_lines(run: dict) -> list[str]:
             line += (
                 f" {res[k]['label']}: its own launch, {b['tx'] / 1e6:.2f} MB in all, "
                 f"{res[k]['link_tx_per_step'] * steps / 1e6:.2f} MB in its counted steps."
+            )
+        if res[k].get("own_local_s") and "local" in res:
+            line += (
+                f" Its launch's step alone took {ms(res[k]['own_local_s'])} ms against {ms(res['local']['step_s'])}"
+                " ms in this one: compare its step / alone with the other rows'."
             )
     return ["", line]
 

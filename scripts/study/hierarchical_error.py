@@ -208,11 +208,11 @@ def merged(raw: Path, page: Path, new: list[dict], argv, seconds: float) -> tupl
         old + new, key=lambda r: (r["ranks"], r["model"], r["local_size"], order[r["exchange"], r["bits"]])
     )
     first = page.read_text().split("\n\n", 2)[1]  # the command paragraph
-    before = re.match(r"(.*) \(\d{4}-\d\d-\d\d, (\d+) s on", first)
+    before = re.match(r"(.*) \((\d{4}-\d\d-\d\d), (\d+) s on", first)
     argv = sys.argv[1:] if argv is None else argv
-    this = f"`python -m scripts.study.hierarchical_error {' '.join(argv)}` ({time.strftime('%Y-%m-%d')})"
-    command = f"{before.group(1)}, then {this}"
-    return results, command, float(before.group(2)) + seconds
+    this = f"`python -m scripts.study.hierarchical_error {' '.join(argv)}`"
+    command = f"{before.group(1)} ({before.group(2)}), then {this}"  # the page adds this run's date
+    return results, command, float(before.group(3)) + seconds
 
 
 def render(results: list[dict], args, seconds: float, command: str | None = None) -> str:

@@ -23,12 +23,13 @@ and one step is
 L is the work of the rank's host (codec, copies inside the node), W the time on the wire. phi = 0:
 nothing overlaps (the exchange and the codec follow the compute, the projection's default); phi = 1:
 the shorter of L and W hides under the longer. ``share`` = max(1, ranks / host cores) is the host
-oversubscription (4 ranks on the 2 cores of the machine that measured the calibration rows; 1 in the
+oversubscription (4 or 8 ranks on the 2 cores of the machine that measured the calibration rows; 1 in the
 projection: a core per rank), B_host the host's TCP cost of a byte sent between nodes (the
 calibration ties it to B_intra: a byte through the kernel's TCP stack, loopback or veth; infinite in
 the projection, RDMA). The calibration fits alpha (= alpha_intra on one host), eta, B_intra, kappa
 (a factor on the codec kernels' time: the whole quantized path per coordinate) and phi to the
-measured steps of 2 nodes x 2 ranks by least squares on log(predicted / measured); the projection
+measured steps of 2 and 4 nodes x 2 ranks (each row's median over repeated runs) by least squares on
+log(predicted / measured); the projection
 uses stated inputs (the measured CPU codec kernels, an assumed GPU codec, 400 GB/s inside a node,
 alpha a parameter, kappa = 1).
 
@@ -52,7 +53,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "docs" / "results" / "data"
-CALIBRATION = DATA / "bench_train_step_nodes_quiet.json"
+#: The namespace runs of 2 and 4 nodes of 2 ranks, TCP between a node's ranks (what the model's
+#: B_intra describes); the calibration fits the medians over them.
+CALIBRATION = [DATA / f"bench_train_step_nodes_tcp{x}.json" for x in ("", "_2", "_3")]
 CHECKS = [DATA / f for f in ("bench_train_step_cores_two.json", "bench_train_step_cores_two_B.json")]
 CHECKS += [DATA / "bench_train_step_cores_two_100.json", DATA / "bench_train_step.json"]
 CHECKS += [DATA / f"bench_train_step_cores_long_{x}.json" for x in "AB"]
@@ -357,6 +360,26 @@ def load_rows(path: Path, host_cores: int = 2) -> list[dict]:
     return rows
 
 
+def median_rows(paths: list[Path], host_cores: int = 2) -> list[dict]:
+    """:func:`load_rows` of repeated runs of one command: one row per layout, rate and row, with the
+    median over the runs of its measured step, its run's step alone, R and bytes (``runs``: how many,
+    ``spread``: the largest of its steps over the smallest)."""
+    groups: dict = {}
+    for path in paths:
+        for r in load_rows(path, host_cores):
+            groups.setdefault((r["layout"], r["rate"], r["row"]), []).append(r)
+    rows = []
+    for group in groups.values():
+        row = dict(group[0], runs=len(group), source=", ".join(r["source"] for r in group))
+        for key in ("measured_s", "compute_s", "rate_Bps", "link_max", "lo"):
+            values = [r[key] for r in group if r.get(key) is not None]
+            row[key] = float(np.median(values)) if values else None
+        steps = [r["measured_s"] for r in group]
+        row["spread"] = max(steps) / min(steps)
+        rows.append(row)
+    return rows
+
+
 # ----------------------------------------------------------------------------- calibration
 def predict(rows: list[dict], m: Params, codec: Codec) -> np.ndarray:
     """Predicted step (s) of every measured row."""
@@ -469,11 +492,14 @@ def outside(ratio: float) -> bool:
 
 
 def measured_table(rows: list[dict], ratios, m: Params, codec: Codec, source: bool = False) -> list[str]:
-    """Predicted against measured, one line per row, with L and W."""
+    """Predicted against measured, one line per row, with L and W (and the runs' spread when the rows
+    are medians of repeated runs)."""
+    spread = all("spread" in r for r in rows)
     lines = [
         ("| source " if source else "")
-        + "| layout | rate | row | compute ms | L ms | W ms | predicted ms | measured ms | predicted / measured |",
-        ("|---" if source else "") + "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        + "| layout | rate | row | compute ms | L ms | W ms | predicted ms | measured ms | predicted / measured |"
+        + (" runs' max / min |" if spread else ""),
+        ("|---" if source else "") + "|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if spread else ""),
     ]
     for r, ratio in zip(rows, ratios):
         local, wire = parts(r["cost"], r["rate_Bps"], m, codec, r["bits"], g=r["g"], share=r["share"])
@@ -482,8 +508,18 @@ def measured_table(rows: list[dict], ratios, m: Params, codec: Codec, source: bo
             (f"| {r['source']} " if source else "")
             + f"| {r['layout']} | {r['rate']} | {r['label']} | {fmt_ms(r['compute_s'])} | {fmt_ms(local)} | "
             f"{fmt_ms(wire)} | {fmt_ms(r['measured_s'] * ratio)} | {fmt_ms(r['measured_s'])} | {ratio:.2f}{flag} |"
+            + (f" {r['spread']:.2f} |" if spread else "")
         )
     return lines
+
+
+def spreads_by_layout(rows: list[dict]) -> dict[str, list[float]]:
+    """The runs' spread of each median row, by layout (empty for rows of one run)."""
+    out: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("runs", 1) > 1:
+            out.setdefault(r["layout"], []).append(r["spread"])
+    return out
 
 
 def bytes_table(rows: list[dict]) -> list[str]:
@@ -681,8 +717,12 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
     twin = twins(checks)
     ref_compute = 6 * REF_PARAMS * REF_TOKENS / (REF_MFU * REF_PEAK)
     msgs = [r["cost"].msgs + r["cost"].msgs_intra for r in rows]
+    layouts = " and ".join(dict.fromkeys(r["layout"].replace("x", " nodes x ") + " ranks" for r in rows))
+    runs = max(r.get("runs", 1) for r in rows)
+    sources = args.calibration.split(",")
+    pages = ", ".join(f"[{Path(c).stem}]({Path(c).stem}.md)" for c in sources)
     out = [
-        "# A scale model of the training step (alpha-beta), calibrated on 2 nodes x 2 ranks",
+        f"# A scale model of the training step (alpha-beta), calibrated on {layouts}",
         "",
         f"Command: `{' '.join(['python -m scripts.study.scale', *argv])}` "
         f"({wall:.1f} s). Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. "
@@ -692,21 +732,28 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
         "",
         "## Summary",
         "",
-        f"- **Calibration**: {within} of {len(rows)} measured steps of 2 nodes x 2 ranks (100 Mbit/s and 1 Gbit/s "
-        f"between nodes) predicted within 25%; predicted / measured {ratios.min():.2f} to {ratios.max():.2f} "
+        f"- **Calibration**: {within} of {len(rows)} measured steps of {layouts} (100 Mbit/s and 1 Gbit/s "
+        f"between nodes; each the median over {runs} runs) predicted within 25%; predicted / measured "
+        f"{ratios.min():.2f} to {ratios.max():.2f} "
         f"with 5 global parameters (alpha {fitted.alpha * 1e3:.3g} ms, eta {fitted.eta:.2f}, "
         f"B_intra {fitted.b_intra / 1e6:.0f} MB/s, kappa {fitted.kappa:.1f}, phi {fitted.phi:.2f})."
         + (
             " Rows outside 25%: "
-            + ", ".join(f"{r['label']} at {r['rate']} ({x:.2f})" for r, x in zip(rows, ratios) if outside(x))
+            + ", ".join(
+                f"{r['layout']} {r['label']} at {r['rate']} ({x:.2f})" for r, x in zip(rows, ratios) if outside(x)
+            )
             + "."
             if within < len(rows)
             else ""
+        )
+        + "".join(
+            f" The {layout} rows' own runs spread by up to {max(spreads):.2f}x (largest step over smallest)."
+            for layout, spreads in spreads_by_layout(rows).items()
         ),
         f"- **Out of sample** (the flat runs, not fitted: other rank counts, another model width, runs the "
         f"pages call noisy): {check_within} of {len(checks)} within 25%, predicted / measured "
         f"{check_ratios.min():.2f} to {check_ratios.max():.2f} ({check_pattern}): the host parameters "
-        "(kappa, B_intra, phi) belong to the oversubscribed 2 x 2 runs and do not carry over well; the "
+        "(kappa, B_intra, phi) belong to the oversubscribed node runs and do not carry over well; the "
         "bytes do (the bytes table)."
         if checks
         else "- No out-of-sample runs read.",
@@ -751,10 +798,11 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
         ASSUMPTIONS,
         "## Inputs",
         "",
-        f"- Step times: `{args.calibration}` "
-        "([its page](bench_train_step_nodes_quiet.md)): ResNet-18-shaped CNN at width 0.25 "
-        f"({rows[0]['params']:,} parameters), 2 nodes x 2 ranks in network namespaces on one 2-core machine, "
-        "slowest rank's median step; compute = its run's 'alone' row; R = the run's measured TCP throughput.",
+        f"- Step times: {', '.join(f'`{c}`' for c in sources)} ({pages}): one command run {len(sources)} "
+        f"times, ResNet-18-shaped CNN at width 0.25 ({rows[0]['params']:,} parameters), {layouts} in "
+        "network namespaces on one 2-core machine (TCP between a node's ranks too), slowest rank's median "
+        "step; for each row the median over the runs of its step, of its run's 'alone' row (compute) and "
+        "of the run's measured TCP throughput (R).",
         f"- CPU codec: {codec_src}: encode {cpu.enc3 * 1e9:.3f} ns per coordinate at 3 bits, "
         f"{cpu.enc4 * 1e9:.3f} at 4, decode-and-add {cpu.dec * 1e9:.3f} ns per coordinate and payload.",
         f"- GPU codec: **not measured** (no GPU here; [bench_gpu.md](bench_gpu.md) has the command): an "
@@ -840,7 +888,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small grid: 16 and 64 GPUs, 10 and 100 Gbit/s")
     p.add_argument("--out-dir", default="docs/results", help="writes scale_model.md, .png and data/scale_model.json")
     rel = lambda path: str(path.relative_to(ROOT))  # noqa: E731
-    p.add_argument("--calibration", default=rel(CALIBRATION), help="the bench_train_step JSON to fit")
+    p.add_argument(
+        "--calibration",
+        default=",".join(rel(c) for c in CALIBRATION if c.exists()),
+        help="comma-separated bench_train_step JSONs of one command: the model fits each row's median over them",
+    )
     p.add_argument("--checks", default=",".join(map(rel, CHECKS)), help="JSONs to predict, not fitted")
     p.add_argument("--codec-table", default=rel(CODEC_TABLE), help="bench_codec_widths.md, the CPU kernels")
     p.add_argument("--host-cores", type=int, default=2, help="cores of the machine that measured the steps")
@@ -860,7 +912,7 @@ def main(argv=None) -> int:
         args.gpus, args.rates = "16,64", "10,100"
     started = time.time()
     cpu, codec_src = cpu_codec(ROOT / args.codec_table)
-    rows = load_rows(ROOT / args.calibration, args.host_cores)
+    rows = median_rows([ROOT / c for c in args.calibration.split(",")], args.host_cores)
     fitted, ratios, spread = calibrate(rows, cpu)
     checks = []
     for path in (ROOT / c for c in args.checks.split(",") if c):
