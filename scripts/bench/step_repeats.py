@@ -46,11 +46,12 @@ def load(paths: list[Path]) -> dict:
                 labels[key] = r["label"]
                 fw = key.split("-")[0]
                 ref, flat = res.get(REFERENCE.get(fw, "")), res.get(FLAT.get(fw, ""))
+                step = scaled(r, res)
                 cell.setdefault(key, []).append(
                     (
-                        scaled(r, res),
-                        scaled(r, res) / ref["step_s"] if ref else None,
-                        r["step_s"] / flat["step_s"] if flat else None,
+                        step,
+                        step / ref["step_s"] if ref else None,
+                        step / flat["step_s"] if flat else None,
                         r.get("link_tx_per_step"),
                     )
                 )
