@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 from .core.auto_bits import AutoBits, check_auto
+from .core.entropy import check_wire
 from .core.methods import check_bits, check_norm, get_method
 from .core.protocol import MASK64, resolve_timeout
 from .core.quantizer import Quantizer
@@ -115,6 +116,13 @@ class Settings:
     """Seed of the stochastic rounding (mixed with the rank, round, buffer and phase); None: fresh
     entropy on every rank."""
 
+    wire: str = "fixed"
+    """How payloads travel: ``"fixed"``, every code on ``bits`` bits; ``"entropy"``, each payload's
+    codes rANS-coded with its own code frequencies (carried in the payload), decoded back to the
+    same codes, so the same results for fewer bytes (docs/design/entropy_wire.md). The coder runs on
+    the host (the compiled CPU codec where it loads, else NumPy); payloads on a GPU are copied
+    there and back."""
+
     codec: str = "auto"
     """PyTorch codec backend (:mod:`horovod_alq.torch.codecs`): ``"auto"`` (Triton for CUDA tensors
     when importable, the compiled CPU codec for CPU tensors when it loads, torch ops otherwise),
@@ -175,6 +183,7 @@ class Settings:
         check_min_size(self.min_size)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        check_wire(self.wire)
         if not isinstance(self.codec, str):
             raise ValueError(f"codec must be a backend's name, got {self.codec!r}")
         resolve_fusion_bytes(self.fusion_bytes)
@@ -258,6 +267,8 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "buffers to start early",
         "clip": _TERNGRAD_CLIP,
         "bits_max": "TensorFlow's graph holds a level set for every width from 2 to 8",
+        "wire": "TensorFlow moves payloads inside its graph, where no host-side coder runs; for the "
+        "entropy-coded wire use the PyTorch front-ends or mpi4py",
     },
     "DDP hook": {
         "overlap": "DDP overlaps by itself: each bucket's exchange starts when its hook runs",
@@ -366,6 +377,7 @@ class Setup:
             early=s.overlap if early is None else early,
             exchange=s.exchange if exchange is None else exchange,
             fusion_bytes=s.fusion_bytes if fusion_bytes is None else fusion_bytes,
+            wire=s.wire,
         )
 
 

@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .entropy import WIRES
+
 PREFIX = "horovod_alq"
 MASK64 = (1 << 64) - 1
 
@@ -418,6 +420,7 @@ SETTINGS = (
     "bits_second",
     "adapt_second",
     "local_size",
+    "wire",
 )
 HANDSHAKE_FIELDS = (
     "error",
@@ -499,6 +502,7 @@ def read_handshake(
         }
         named = {
             "norm": ("l2", "linf"),
+            "wire": WIRES,
             "exchange": (
                 "allgather",
                 "two-phase",

@@ -62,7 +62,9 @@ from . import (
     reduce_scatter,
     two_phase,
 )
+from ..core.entropy import WIRES, check_wire
 from .driver import Started, run
+from .entropy_wire import WireBytes, on_wire
 from .interfaces import TensorOps, Transport
 from .job import Decoded, Job, auto_rows, issue
 from .layout import plan_layout
@@ -205,6 +207,8 @@ class Engine:
     uid : str, optional
         Part of every collective's name; must be the same on every rank for this compressor (the
         Horovod compressors set it at first use, :func:`horovod_alq.core.protocol.first_use_uid`).
+    wire : {"fixed", "entropy"}
+        How payloads travel (:mod:`.entropy_wire`).
     early : bool
         Start a fusion buffer's exchange in :meth:`add`, as soon as the buffer is complete (a later
         tensor does not fit in it), instead of at the round's first :meth:`finish`: its payloads
@@ -222,6 +226,7 @@ class Engine:
         seed: int = 0,
         uid: str | None = "0",
         early: bool = False,
+        wire: str = "fixed",
     ) -> None:
         self.quantizer = quantizer
         self.state = state
@@ -230,6 +235,9 @@ class Engine:
         self.seed = int(seed)
         self.uid = uid
         self.early = early
+        self.wire = check_wire(wire)
+        #: Bytes this rank's payload collectives sent, before and after the wire's coding.
+        self.wire_bytes = WireBytes()
         self._round = _Round()
         self._kept: dict[str, tuple[Any, _Round]] = {}  # tag -> (buffer, the round that used it last)
 
@@ -256,7 +264,7 @@ class Engine:
         vec = tensor_vector(transport.rank, transport.size, entry.slot, code, error is not None)
         rnd.early_off |= error is not None
         if self.early and ops is not None and not rnd.early_off:
-            self._plan(rnd, entry, ops, transport)
+            self._plan(rnd, entry, ops, self._on_wire(transport, ops))
         return entry, vec
 
     def _plan(self, rnd: _Round, entry: Entry, ops: TensorOps, transport: Transport) -> None:
@@ -345,7 +353,7 @@ class Engine:
             rnd.failure = err
         if not rnd.started:
             try:
-                self._run_round(rnd, ops, transport, None if err is None else str(err))
+                self._run_round(rnd, ops, self._on_wire(transport, ops), None if err is None else str(err))
             except Exception as exc:
                 rnd.failure = exc
                 raise
@@ -355,7 +363,9 @@ class Engine:
             raise ProtocolError(f"{PREFIX}: the exchange of this round failed: {rnd.failure}")
         if isinstance(rnd.result, _Ordered) and any(s != entry.slot for s in info.slots):
             out = (
-                recovery.recover(rnd, entry, info.slots, self.quantizer, self.state, self.seed, ops, transport)
+                recovery.recover(
+                    rnd, entry, info.slots, self.quantizer, self.state, self.seed, ops, self._on_wire(transport, ops)
+                )
                 * info.scale
             )
         elif isinstance(rnd.result, _Ordered):
@@ -366,6 +376,9 @@ class Engine:
         if (entry.numel, entry.shape_code) not in rnd.repeated:  # like tensors may still need it
             entry.flat = None
         return out, info.scale
+
+    def _on_wire(self, transport: Transport, ops: TensorOps | None) -> Transport:
+        return on_wire(transport, ops, self.wire, self.wire_bytes)
 
     # ------------------------------------------------------------------ the round
     def _settings(self, exchange: str, epoch: int, collecting: bool, transport: Transport) -> dict:
@@ -383,6 +396,7 @@ class Engine:
             fusion_bytes=self.fusion_bytes,
             bits_second=0 if auto else st.second.bits,
             adapt_second=int(st.adapt_second),
+            wire=WIRES.index(self.wire),
             levels=stable_hash(q.fingerprint, st.second.fingerprint, auto.fingerprint() if auto else 0),
             allocation=auto.allocation_hash() if auto else 0,
             round=epoch,
@@ -459,7 +473,7 @@ class Engine:
         return StreamedRound(
             self,
             ops,
-            stages[: module.STAGES],
+            [self._on_wire(t, ops) for t in stages[: module.STAGES]],
             module,
             epoch=epoch,
             prefix=prefix,

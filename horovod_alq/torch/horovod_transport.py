@@ -27,6 +27,9 @@ class HorovodTransport:
     """Collectives of :mod:`horovod.torch` over one process set (default: the global one); each
     wait is bounded by ``timeout`` seconds (:func:`horovod_alq.core.protocol.resolve_timeout`)."""
 
+    #: Horovod's allgather and alltoall take blocks of any size from each rank by themselves.
+    variable_sizes = True
+
     def __init__(self, process_set=None, timeout: float | None = None) -> None:
         h = hvd()
         self.process_set = h.global_process_set if process_set is None else process_set

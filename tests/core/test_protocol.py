@@ -245,7 +245,7 @@ def test_handshake_error_flag():
 def test_handshake_names_the_setting_that_differs(field):
     with pytest.raises(ProtocolError, match="the ranks differ in .*Every rank must build the compressor") as err:
         _agree([_values(**{field: 0}), _values(**{field: 1})])
-    assert ("0 on some ranks, 1 on others" in str(err.value)) == (field not in ("norm", "exchange"))
+    assert ("0 on some ranks, 1 on others" in str(err.value)) == (field not in ("norm", "exchange", "wire"))
 
 
 def test_handshake_names_norm_and_exchange():

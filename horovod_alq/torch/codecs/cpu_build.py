@@ -85,10 +85,19 @@ def load(verbose: bool = False):
 
         target = cached_library()
         _MODULE = _import(target) if target.exists() else _build(target, verbose)
+        _install_entropy(_MODULE)
     except Exception as exc:  # no compiler, no headers, a corrupt cache file, ...
         _FAILED = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"horovod_alq: fused CPU codec unavailable ({_FAILED}); using plain torch kernels")
     return _MODULE
+
+
+def _install_entropy(module) -> None:
+    """The entropy wire's coder (:mod:`horovod_alq.core.entropy`) runs on the compiled module from now on."""
+    from ...core import entropy
+    from .entropy_kernel import CompiledRans
+
+    entropy.use_kernel(CompiledRans(module))
 
 
 def status() -> str:

@@ -16,6 +16,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -193,6 +194,195 @@ torch::Tensor grid_histograms(torch::Tensor x, torch::Tensor grid, int64_t bucke
   return out;
 }
 
+// ------------------------------------------------------------------------------------------
+// The entropy-coded wire's rANS coder (horovod_alq/core/entropy.py is the format and the reference):
+// a 32-bit state in [2^23, 2^31), byte-wise renormalization, frequencies summing to 2^14, one
+// stream per bucket (its final state little-endian, then the renormalization bytes in the order the
+// decoder reads them). Division-free encoding by a reciprocal (the same mapping as x / f, x % f).
+namespace {
+
+constexpr uint32_t kRansL = 1u << 23;
+constexpr int kProbBits = 14;
+constexpr uint32_t kProbScale = 1u << kProbBits;
+
+// Code i of a packed LSB-first stream of `bits`-bit codes (`size` bytes).
+inline uint32_t code_at(const uint8_t* p, int64_t size, int64_t i, int64_t bits) {
+  const int64_t k = i * bits, byte = k >> 3;
+  uint32_t v = p[byte];
+  if (byte + 1 < size) v |= static_cast<uint32_t>(p[byte + 1]) << 8;
+  return (v >> (k & 7)) & ((1u << bits) - 1);
+}
+
+struct EncSymbol {
+  uint32_t x_max, rcp, bias, cmpl;
+  int shift;
+};
+
+std::vector<EncSymbol> enc_symbols(const int64_t* freq, int64_t count) {
+  std::vector<EncSymbol> out(count);
+  uint32_t start = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    const uint32_t f = static_cast<uint32_t>(freq[s]);
+    EncSymbol& e = out[s];
+    e.x_max = ((kRansL >> kProbBits) << 8) * f;
+    e.cmpl = kProbScale - f;
+    if (f < 2) {  // f == 1: q = x - 1 (f == 0 never codes)
+      e.rcp = ~0u;
+      e.shift = 0;
+      e.bias = start + kProbScale - 1;
+    } else {
+      int shift = 0;
+      while (f > (1u << shift)) ++shift;
+      e.rcp = static_cast<uint32_t>(((uint64_t{1} << (shift + 31)) + f - 1) / f);
+      e.shift = shift - 1;
+      e.bias = start;
+    }
+    start += f;
+  }
+  return out;
+}
+
+torch::Tensor int64_table(const torch::Tensor& freq, int64_t bits, const char* what) {
+  auto f = freq.to(torch::kInt64).contiguous();
+  TORCH_CHECK(f.numel() == (int64_t{1} << bits), what, ": one frequency per code");
+  const int64_t* p = f.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t s = 0; s < f.numel(); ++s) {
+    TORCH_CHECK(p[s] >= 0 && p[s] <= kProbScale, what, ": frequency out of range");
+    total += p[s];
+  }
+  TORCH_CHECK(total == kProbScale, what, ": frequencies must sum to 2^14");
+  return f;
+}
+
+}  // namespace
+
+// Occurrences of each of the 2^bits codes among the n packed codes (int64).
+torch::Tensor rans_count(torch::Tensor codes, int64_t n, int64_t bits) {
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && bits >= 2 && bits <= 8, "rans_count: bad codes");
+  TORCH_CHECK(codes.numel() == (n * bits + 7) / 8, "rans_count: packed codes of the wrong size");
+  auto out = torch::zeros({int64_t{1} << bits}, torch::kInt64);
+  int64_t* h = out.data_ptr<int64_t>();
+  const uint8_t* p = codes.data_ptr<uint8_t>();
+  const int64_t size = codes.numel();
+  for (int64_t i = 0; i < n; ++i) ++h[code_at(p, size, i, bits)];
+  return out;
+}
+
+// Each bucket of d of the n packed codes rANS-coded with `freq`: (lengths int64 (B,), streams uint8).
+std::tuple<torch::Tensor, torch::Tensor> rans_encode(torch::Tensor codes, int64_t n, int64_t d, int64_t bits,
+                                                      torch::Tensor freq) {
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && bits >= 2 && bits <= 8 && d > 0,
+              "rans_encode: bad arguments");
+  TORCH_CHECK(codes.numel() == (n * bits + 7) / 8, "rans_encode: packed codes of the wrong size");
+  auto f = int64_table(freq, bits, "rans_encode");
+  const auto sym = enc_symbols(f.data_ptr<int64_t>(), f.numel());
+  const int64_t nb = (n + d - 1) / d, cap = 2 * d + 4, size = codes.numel();
+  const uint8_t* p = codes.data_ptr<uint8_t>();
+  std::vector<uint8_t> scratch(static_cast<size_t>(nb * cap));
+  auto lengths = torch::empty({nb}, torch::kInt64);
+  int64_t* len = lengths.data_ptr<int64_t>();
+  std::atomic<bool> absent{false};
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      uint8_t* end = scratch.data() + (b + 1) * cap;
+      uint8_t* ptr = end;
+      uint32_t x = kRansL;
+      const int64_t lo = b * d, hi = std::min(n, lo + d);
+      for (int64_t i = hi - 1; i >= lo; --i) {
+        const uint32_t s = code_at(p, size, i, bits);
+        const EncSymbol& e = sym[s];
+        if (e.x_max == 0) { absent = true; break; }
+        while (x >= e.x_max) { *--ptr = static_cast<uint8_t>(x & 0xff); x >>= 8; }
+        const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(x) * e.rcp) >> 32) >> e.shift;
+        x = x + e.bias + q * e.cmpl;
+      }
+      ptr -= 4;
+      ptr[0] = x & 0xff; ptr[1] = (x >> 8) & 0xff; ptr[2] = (x >> 16) & 0xff; ptr[3] = x >> 24;
+      len[b] = end - ptr;
+    }
+  });
+  TORCH_CHECK(!absent, "rans_encode: a code of the payload has frequency 0 in its model");
+  int64_t total = 0;
+  for (int64_t b = 0; b < nb; ++b) total += len[b];
+  auto streams = torch::empty({total}, torch::kUInt8);
+  uint8_t* out = streams.data_ptr<uint8_t>();
+  for (int64_t b = 0; b < nb; ++b) {
+    std::memcpy(out, scratch.data() + (b + 1) * cap - len[b], len[b]);
+    out += len[b];
+  }
+  return {lengths, streams};
+}
+
+// Inverse of rans_encode: the packed codes. Raises naming the first bucket whose stream runs out,
+// has bytes left over or does not end in the initial state.
+torch::Tensor rans_decode(torch::Tensor streams, torch::Tensor lengths, int64_t n, int64_t d, int64_t bits,
+                          torch::Tensor freq) {
+  TORCH_CHECK(streams.scalar_type() == torch::kUInt8 && streams.is_contiguous() && bits >= 2 && bits <= 8 && d > 0,
+              "rans_decode: bad arguments");
+  auto f = int64_table(freq, bits, "rans_decode");
+  const int64_t nb = (n + d - 1) / d;
+  auto lens = lengths.to(torch::kInt64).contiguous();
+  TORCH_CHECK(lens.numel() == nb, "rans_decode: one length per bucket");
+  const int64_t* len = lens.data_ptr<int64_t>();
+  std::vector<int64_t> starts(nb + 1, 0);
+  for (int64_t b = 0; b < nb; ++b) {
+    TORCH_CHECK(len[b] >= 4, "bucket ", b, ": coded stream shorter than its 4-byte state");
+    starts[b + 1] = starts[b] + len[b];
+  }
+  TORCH_CHECK(starts[nb] == streams.numel(), "rans_decode: stream lengths do not add up to the streams");
+  const int64_t* pf = f.data_ptr<int64_t>();
+  std::vector<uint32_t> fr(f.numel()), cum(f.numel());
+  std::vector<uint8_t> slot_sym(kProbScale);
+  uint32_t c = 0;
+  for (int64_t s = 0; s < f.numel(); ++s) {
+    fr[s] = static_cast<uint32_t>(pf[s]);
+    cum[s] = c;
+    std::memset(slot_sym.data() + c, static_cast<int>(s), fr[s]);
+    c += fr[s];
+  }
+  auto out = torch::zeros({(n * bits + 7) / 8}, torch::kUInt8);
+  uint8_t* po = out.data_ptr<uint8_t>();
+  const uint8_t* src = streams.data_ptr<uint8_t>();
+  std::vector<int64_t> bad(nb, 0);
+  // buckets whose codes share no byte may be decoded in parallel
+  const int64_t grain = ((d * bits) % 8 == 0) ? 1 : std::max<int64_t>(nb, 1);
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> local(d);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* ptr = src + starts[b];
+      const uint8_t* end = src + starts[b + 1];
+      uint32_t x = ptr[0] | (uint32_t{ptr[1]} << 8) | (uint32_t{ptr[2]} << 16) | (uint32_t{ptr[3]} << 24);
+      ptr += 4;
+      const int64_t lo = b * d, m = std::min(n, lo + d) - lo;
+      for (int64_t i = 0; i < m; ++i) {
+        const uint32_t slot = x & (kProbScale - 1);
+        const uint8_t s = slot_sym[slot];
+        local[i] = s;
+        x = fr[s] * (x >> kProbBits) + slot - cum[s];
+        while (x < kRansL) {
+          if (ptr >= end) { bad[b] = 1; break; }
+          x = (x << 8) | *ptr++;
+        }
+        if (bad[b]) break;
+      }
+      if (bad[b]) continue;
+      if (x != kRansL || ptr != end) { bad[b] = 2; continue; }
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t k = (lo + i) * bits;
+        const uint32_t v = uint32_t{local[i]} << (k & 7);
+        po[k >> 3] |= static_cast<uint8_t>(v & 0xff);
+        if ((k & 7) + bits > 8) po[(k >> 3) + 1] |= static_cast<uint8_t>(v >> 8);
+      }
+    }
+  });
+  for (int64_t b = 0; b < nb; ++b) {
+    TORCH_CHECK(bad[b] != 1, "bucket ", b, ": coded stream truncated");
+    TORCH_CHECK(bad[b] != 2, "bucket ", b, ": coded stream corrupted (its decoder does not end in the initial state)");
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &encode, "Encode a 1-D float CPU tensor into a horovod-alq payload");
   m.def("encode_parts", &encode_parts, "Encode the stream that holds float32 tensors at given starts, in place");
@@ -201,6 +391,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1);
   m.def("grid_statistics", &grid_statistics, "Refit statistics [W, C(grid)] of the norm-based methods");
   m.def("grid_histograms", &grid_histograms, "grid_statistics and the same counts weighted by norm**2 (bits='auto')");
+  m.def("rans_count", &rans_count, "Occurrences of each code among packed codes");
+  m.def("rans_encode", &rans_encode, "rANS-code each bucket of packed codes (the entropy wire)");
+  m.def("rans_decode", &rans_decode, "Decode rANS streams back to packed codes (the entropy wire)");
   m.def("simd", [] { return std::string(use_avx2 ? "avx2" : "generic"); }, "The kernels in use");
   m.def("set_simd", [](bool avx2) { use_avx2 = avx2 && cpu_has_avx2(); },
         "Use the AVX2 kernels (where the CPU has them) or the generic ones");

@@ -1,0 +1,165 @@
+"""``wire="entropy"`` at the transport: every payload collective of every exchange moves rANS-coded
+frames (:mod:`horovod_alq.core.entropy`) and hands the exchange back the fixed-length bytes.
+
+:class:`EntropyTransport` wraps a :class:`~.interfaces.Transport`. What an exchange sends to a peer
+(an alltoall split, or its allgather contribution) is re-coded on the host; what it receives is
+decoded to exactly the bytes the fixed wire would have delivered, so plans, checks, decoding and the
+results are those of the fixed wire, byte for byte. Coded sizes are known only after coding: a
+transport that gathers blocks of any size by itself (Horovod: ``variable_sizes``) sends them as
+they are; the others first exchange the sizes (8 bytes per peer) on the same transport.
+
+A frame that does not decode raises on every rank where every rank received it (allgather); in an
+alltoall only its receiver has it, so the receiver substitutes ``0xFF`` bytes, which fail the
+exchange's own payload check there (bad magic), and the exchange's poisoning makes every rank raise;
+a warning names the frame and what was wrong with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..core import entropy
+from ..core.protocol import PREFIX, ProtocolError
+from .interfaces import Tensor, TensorOps, Transport
+
+_TRIED_COMPILED = False
+
+
+def load_compiled_coder() -> str:
+    """Serve the coder with the compiled CPU codec where torch is installed and it loads (once per
+    process; the torch front-ends load it anyway); returns :func:`~horovod_alq.core.entropy.kernel_name`."""
+    global _TRIED_COMPILED
+    if entropy.kernel_name() == "numpy" and not _TRIED_COMPILED:
+        _TRIED_COMPILED = True
+        if importlib.util.find_spec("torch") is not None:
+            importlib.import_module("horovod_alq.torch.codecs.cpu_build").load()
+    return entropy.kernel_name()
+
+
+@dataclass
+class WireBytes:
+    """What this rank's payload collectives sent: ``fixed`` bytes before coding, ``coded`` on the wire."""
+
+    fixed: int = 0
+    coded: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """Coded bytes per fixed byte (1.0 before anything was sent)."""
+        return self.coded / self.fixed if self.fixed else 1.0
+
+
+def _sizes_bytes(sizes: Sequence[int]) -> np.ndarray:
+    return np.asarray(sizes, dtype="<i8").view(np.uint8)
+
+
+class EntropyTransport:
+    """``transport`` with its payload collectives on the entropy wire (``ops``: the framework's
+    host/device conversions; ``counter``: where the bytes sent are added)."""
+
+    def __init__(self, transport: Transport, ops: TensorOps, counter: WireBytes | None = None) -> None:
+        self.inner, self.ops = transport, ops
+        self.counter = WireBytes() if counter is None else counter
+        self.variable = bool(getattr(transport, "variable_sizes", False))
+        load_compiled_coder()
+
+    def __getattr__(self, name: str):  # rank, size, local_size, scope, ... of the wrapped transport
+        return getattr(self.inner, name)
+
+    def allreduce_sum(self, vec: np.ndarray, name: str) -> np.ndarray:
+        return self.inner.allreduce_sum(vec, name)
+
+    def allreduce_max(self, vec: np.ndarray, name: str) -> np.ndarray:
+        return self.inner.allreduce_max(vec, name)
+
+    def _code(self, host: np.ndarray) -> np.ndarray:
+        coded = entropy.encode_wire(host)
+        self.counter.fixed += int(host.size)
+        self.counter.coded += int(coded.size)
+        return coded
+
+    def _peer_sizes(self, mine: Sequence[int], name: str, gather: bool) -> list[int]:
+        """Every rank's coded size (``gather``: of its one block), or what each rank sends to this one."""
+        n = self.inner.size
+        if gather:
+            got = self.inner.allgather(self.ops.from_numpy(_sizes_bytes(mine)), [8] * n, f"{name}.sizes")()
+        else:
+            got = self.inner.alltoall(self.ops.from_numpy(_sizes_bytes(mine)), [8] * n, [8] * n, f"{name}.sizes")()
+        return np.ascontiguousarray(self.ops.to_numpy(got)).view("<i8").tolist()
+
+    def _decoded(self, got: Tensor, sizes: Sequence[int] | None, expected: Sequence[int], name: str, gather: bool):
+        host = np.ascontiguousarray(self.ops.to_numpy(got))
+        if sizes is None:  # self-delimiting: cut it after each rank's expected fixed bytes
+            return (
+                self.ops.from_numpy(entropy.decode_wire(host)) if gather else self._split_decode(host, expected, name)
+            )
+        parts, pos = [], 0
+        for r, (size, want) in enumerate(zip(sizes, expected)):
+            parts.append(self._decode_part(host[pos : pos + size], want, r, name, gather))
+            pos += size
+        return self.ops.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
+
+    def _split_decode(self, host: np.ndarray, expected: Sequence[int], name: str) -> Tensor:
+        """Frames of every rank back to back (sizes unknown): decoded frame by frame, each rank's
+        share being the frames that decode to its expected bytes."""
+        parts, pos = [], 0
+        for r, want in enumerate(expected):
+            mine: list[np.ndarray] = []
+            try:
+                while sum(m.size for m in mine) < want:
+                    size = entropy.frame_size(host, pos)
+                    mine.append(entropy.decode_frame(host[pos : pos + size]))
+                    pos += size
+                if sum(m.size for m in mine) != want:
+                    raise ValueError(f"frames decode to more bytes than the {want} the exchange expects")
+                parts += mine
+            except ValueError as err:
+                self._warn(r, name, err)
+                parts.append(np.full(want, 0xFF, dtype=np.uint8))
+                pos = host.size  # the rest cannot be delimited
+        return self.ops.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
+
+    def _decode_part(self, frames: np.ndarray, want: int, rank: int, name: str, gather: bool) -> np.ndarray:
+        try:
+            out = entropy.decode_wire(frames)
+            if out.size != want:
+                raise ValueError(f"frames decode to {out.size} bytes, the exchange expects {want}")
+            return out
+        except ValueError as err:
+            if gather:
+                raise ProtocolError(f"{PREFIX}: {name}: rank {rank}'s entropy-coded payloads: {err}") from None
+            self._warn(rank, name, err)
+            return np.full(want, 0xFF, dtype=np.uint8)
+
+    @staticmethod
+    def _warn(rank: int, name: str, err: Exception) -> None:
+        warnings.warn(f"{PREFIX}: {name}: rank {rank}'s entropy-coded payloads do not decode ({err})", RuntimeWarning)
+
+    def allgather(self, payload: Tensor, sizes: Sequence[int], name: str) -> Callable[[], Tensor]:
+        coded = self._code(np.ascontiguousarray(self.ops.to_numpy(payload)))
+        peer = None if self.variable else self._peer_sizes([coded.size], name, True)
+        wait = self.inner.allgather(self.ops.from_numpy(coded), peer or [coded.size] * self.inner.size, name)
+        return lambda: self._decoded(wait(), peer, [int(s) for s in sizes], name, True)
+
+    def alltoall(self, payload: Tensor, splits: Sequence[int], received: Sequence[int], name: str):
+        host = np.ascontiguousarray(self.ops.to_numpy(payload))
+        bounds = np.concatenate([[0], np.cumsum([int(s) for s in splits])]).astype(np.int64)
+        coded = [self._code(host[bounds[j] : bounds[j + 1]]) for j in range(len(splits))]
+        out_splits = [c.size for c in coded]
+        peer = None if self.variable else self._peer_sizes(out_splits, name, False)
+        body = np.concatenate(coded) if coded else np.zeros(0, np.uint8)
+        wait = self.inner.alltoall(self.ops.from_numpy(body), out_splits, peer or out_splits, name)
+        return lambda: self._decoded(wait(), peer, [int(r) for r in received], name, False)
+
+
+def on_wire(transport: Transport, ops: TensorOps | None, wire: str, counter: WireBytes) -> Transport:
+    """``transport`` as the ``wire`` format needs it (the fixed wire: itself)."""
+    if wire == "fixed" or ops is None or isinstance(transport, EntropyTransport):
+        return transport
+    return EntropyTransport(transport, ops, counter)
