@@ -316,10 +316,9 @@ def decode_frame(frame: np.ndarray) -> np.ndarray:
         raise ValueError(
             f"coded entropy frame's frequencies sum to {int(freq.astype(np.int64).sum())}, not {PROB_SCALE}"
         )
-    if int(lengths.astype(np.int64).sum()) != streams.size:
-        raise ValueError(
-            f"coded entropy frame's stream lengths sum to {int(lengths.astype(np.int64).sum())}, it holds {streams.size}"
-        )
+    coded = int(lengths.astype(np.int64).sum())
+    if coded != streams.size:
+        raise ValueError(f"coded entropy frame's stream lengths sum to {coded}, it holds {streams.size}")
     out = np.empty(decoded, dtype=np.uint8)
     out[:pos] = body[:pos]
     out[pos:] = decode_streams(streams, lengths, n, d, bits, freq)

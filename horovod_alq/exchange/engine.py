@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..core.entropy import WIRES, check_wire
 from ..core.methods import get_method
 from ..core.protocol import (
     PREFIX,
@@ -62,7 +63,6 @@ from . import (
     reduce_scatter,
     two_phase,
 )
-from ..core.entropy import WIRES, check_wire
 from .driver import Started, run
 from .entropy_wire import WireBytes, on_wire
 from .interfaces import TensorOps, Transport
