@@ -79,9 +79,8 @@ class Settings:
     bits_max: int | None = None
     """``bits="auto"`` with widths per tensor only: the widest width a tensor may get, 3 to 8; None: 8.
     A refit computes every tensor's error at every width and fits the widths in use, so a lower cap
-    makes refits cheaper and bounds any one tensor's bytes, at some variance (``bits_max=4`` on the
-    GPT at budget 3: a refit round 1.28-1.34x fixed 3 bits' against 1.48-1.55x uncapped, for 1.10x
-    the allocation's error; docs/results/bench_refit.md)."""
+    makes refits cheaper and bounds any one tensor's bytes, at some variance (measured in
+    docs/results/bench_refit.md)."""
 
     exchange: str = "auto"
     """How codes travel: ``"allgather"`` (every rank gathers every rank's codes, ``(N-1)(b + 32/d)``

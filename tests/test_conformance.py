@@ -309,3 +309,46 @@ def test_frontends_agree(launched, exchange, method):
     assert not bad, (
         f"{exchange}/{method}: noise differs between front-ends (max |z| {bad}, bound {bound:.1f}):\n{table}"
     )
+
+
+# ------------------------------------------------------------------ the entropy-coded wire
+#: The front-ends that serve ``wire="entropy"`` (TensorFlow refuses it: tests/test_settings.py).
+ENTROPY_FRONTENDS = ("torch", "ddp", "mpi")
+ENTROPY_ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def launched_entropy(tmp_path_factory):
+    """``launched_entropy(frontend)``: per-rank reports of one launch with ``wire="entropy"`` (alq,
+    every exchange, the fixed launches' seed and inputs, ENTROPY_ROUNDS rounds)."""
+    cache: dict = {}
+
+    def get(frontend: str):
+        if frontend not in cache:
+            launcher, module = FRONTENDS[frontend]
+            if importlib.util.find_spec(module.split(".")[0]) is None:
+                pytest.skip(f"{module} is not installed")
+            out = tmp_path_factory.mktemp(f"conformance-entropy-{frontend}")
+            path = os.environ.get("PYTHONPATH")
+            env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+            args = ["--frontend", frontend, "--exchanges", ",".join(EXCHANGE_NAMES), "--methods", "alq"]
+            args += ["--elements", N, "--bits", BITS, "--bucket", BUCKET, "--rounds", ENTROPY_ROUNDS]
+            args += ["--seed", SEED, "--out", out, "--wire", "entropy"]
+            cache[frontend] = run_ranks(WORKER, np=SIZE, launcher=launcher, timeout=300, env=env, args=args)
+        return cache[frontend]
+
+    return get
+
+
+@pytest.mark.parametrize("exchange", EXCHANGE_NAMES)
+@pytest.mark.parametrize("frontend", ENTROPY_FRONTENDS)
+def test_entropy_wire_gives_the_fixed_wires_results(launched, launched_entropy, frontend, exchange):
+    """On real ranks, every exchange on the entropy-coded wire gives, round for round and on every
+    rank, the bit-identical results of the fixed wire (same seed: same codes), for fewer bytes."""
+    fixed, _ = _run(launched, frontend, "alq", exchange)
+    coded = [r["runs"][f"alq|{exchange}"] for r in launched_entropy(frontend)]
+    for rank, (f, c) in enumerate(zip(fixed, coded)):
+        assert c.get("error") is None, (frontend, exchange, rank, c.get("error"))
+        assert c["digests"] == f["digests"][:ENTROPY_ROUNDS], (frontend, exchange, rank)
+        assert f["wire_coded_bytes"] == 0 and c["wire_fixed_bytes"] > 0, (f, c)
+        assert c["wire_coded_bytes"] < c["wire_fixed_bytes"], (frontend, exchange, rank, c)

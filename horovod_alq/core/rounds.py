@@ -57,6 +57,8 @@ COUNTERS = (
     "bytes_sent",
     "bytes_received",
     "recovered",
+    "wire_fixed_bytes",
+    "wire_coded_bytes",
 )
 
 
@@ -78,6 +80,8 @@ class RoundState:
     bytes_sent: int = 0  # payload bytes this rank put on the wire (all phases, headers included)
     bytes_received: int = 0
     recovered: int = 0  # tensors re-exchanged alone: ranks had put them in different slots of one shape
+    wire_fixed_bytes: int = 0  # wire="entropy": what this rank's collectives would have sent on the fixed wire
+    wire_coded_bytes: int = 0  # ... and what they sent (frames)
     exchange: str | None = None  # the exchange used by the last round
     auto: AutoBits | None = None  # bits="auto": a quantizer per width and the allocation
 

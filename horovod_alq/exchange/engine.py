@@ -64,7 +64,7 @@ from . import (
     two_phase,
 )
 from .driver import Started, run
-from .entropy_wire import WireBytes, on_wire
+from .entropy_wire import on_wire
 from .interfaces import TensorOps, Transport
 from .job import Decoded, Job, auto_rows, issue
 from .layout import plan_layout
@@ -236,8 +236,6 @@ class Engine:
         self.uid = uid
         self.early = early
         self.wire = check_wire(wire)
-        #: Bytes this rank's payload collectives sent, before and after the wire's coding.
-        self.wire_bytes = WireBytes()
         self._round = _Round()
         self._kept: dict[str, tuple[Any, _Round]] = {}  # tag -> (buffer, the round that used it last)
 
@@ -378,7 +376,7 @@ class Engine:
         return out, info.scale
 
     def _on_wire(self, transport: Transport, ops: TensorOps | None) -> Transport:
-        return on_wire(transport, ops, self.wire, self.wire_bytes)
+        return on_wire(transport, ops, self.wire, self.state)
 
     # ------------------------------------------------------------------ the round
     def _settings(self, exchange: str, epoch: int, collecting: bool, transport: Transport) -> dict:

@@ -44,15 +44,11 @@ def load_compiled_coder() -> str:
 
 @dataclass
 class WireBytes:
-    """What this rank's payload collectives sent: ``fixed`` bytes before coding, ``coded`` on the wire."""
+    """What this rank's payload collectives sent: ``wire_fixed_bytes`` before coding,
+    ``wire_coded_bytes`` on the wire (:class:`~horovod_alq.core.rounds.RoundState` has both)."""
 
-    fixed: int = 0
-    coded: int = 0
-
-    @property
-    def ratio(self) -> float:
-        """Coded bytes per fixed byte (1.0 before anything was sent)."""
-        return self.coded / self.fixed if self.fixed else 1.0
+    wire_fixed_bytes: int = 0
+    wire_coded_bytes: int = 0
 
 
 def _sizes_bytes(sizes: Sequence[int]) -> np.ndarray:
@@ -61,9 +57,10 @@ def _sizes_bytes(sizes: Sequence[int]) -> np.ndarray:
 
 class EntropyTransport:
     """``transport`` with its payload collectives on the entropy wire (``ops``: the framework's
-    host/device conversions; ``counter``: where the bytes sent are added)."""
+    host/device conversions; ``counter``: where the bytes sent are added, a :class:`WireBytes` or
+    a round state)."""
 
-    def __init__(self, transport: Transport, ops: TensorOps, counter: WireBytes | None = None) -> None:
+    def __init__(self, transport: Transport, ops: TensorOps, counter=None) -> None:
         self.inner, self.ops = transport, ops
         self.counter = WireBytes() if counter is None else counter
         self.variable = bool(getattr(transport, "variable_sizes", False))
@@ -80,8 +77,8 @@ class EntropyTransport:
 
     def _code(self, host: np.ndarray) -> np.ndarray:
         coded = entropy.encode_wire(host)
-        self.counter.fixed += int(host.size)
-        self.counter.coded += int(coded.size)
+        self.counter.wire_fixed_bytes += int(host.size)
+        self.counter.wire_coded_bytes += int(coded.size)
         return coded
 
     def _peer_sizes(self, mine: Sequence[int], name: str, gather: bool) -> list[int]:
@@ -158,7 +155,7 @@ class EntropyTransport:
         return lambda: self._decoded(wait(), peer, [int(r) for r in received], name, False)
 
 
-def on_wire(transport: Transport, ops: TensorOps | None, wire: str, counter: WireBytes) -> Transport:
+def on_wire(transport: Transport, ops: TensorOps | None, wire: str, counter) -> Transport:
     """``transport`` as the ``wire`` format needs it (the fixed wire: itself)."""
     if wire == "fixed" or ops is None or isinstance(transport, EntropyTransport):
         return transport

@@ -1,7 +1,7 @@
 """Worker for tests/test_conformance.py: every (method, exchange) through one front-end, one launch.
 
     conformance.py --frontend {torch,tf,ddp,mpi} --exchanges allgather,two-phase --methods qsgdinf,alq
-                   --elements N --bits B --bucket D --rounds R --seed S --out DIR
+                   --elements N --bits B --bucket D --rounds R --seed S --out DIR [--wire entropy]
 
 Front-ends: ``torch`` (``hvd.allreduce`` with the Horovod torch compressor; mpirun), ``tf``
 (``hvd.allreduce`` with the TensorFlow compressor inside one ``tf.function``; mpirun), ``ddp``
@@ -54,6 +54,7 @@ def torch_frontend():
             min_size=16,
             seed=args.seed,
             exchange=exchange,
+            wire=args.wire,
         )
         calls = iter(range(1 << 30))
 
@@ -91,6 +92,7 @@ def tf_frontend():
             seed=args.seed,
             exchange=exchange,
             jit_compile=args.tf_jit,
+            wire=args.wire,
         )
         fn = tf.function(lambda t: hvd.allreduce(t, compression=comp, op=hvd.Average))  # one call, one round
         return (lambda x: fn(tf.constant(x)).numpy()), comp.metrics
@@ -128,6 +130,7 @@ def ddp_frontend():
             update_steps=(0,),
             update_every=0,
             min_size=16,
+            wire=args.wire,
         )
         model.register_comm_hook(state, alq_hook)
 
@@ -156,6 +159,7 @@ def mpi_frontend():
             seed=args.seed,
             exchange=exchange,
             collect_every=0,
+            wire=args.wire,
         )
         calls, adaptive = [0], get_method(method).adaptive
 
@@ -203,6 +207,8 @@ def run_one(step, metrics, x, rounds):
         "level_updates": int(m["level_updates"]),
         "coordinates": int(m["coordinates"]),
         "uncompressed_coordinates": int(m["uncompressed_coordinates"]),
+        "wire_fixed_bytes": int(m["wire_fixed_bytes"]),
+        "wire_coded_bytes": int(m["wire_coded_bytes"]),
         "first_round_s": times[0],
         "later_rounds_s": sum(times[1:]),
     }
@@ -219,6 +225,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--tf-jit", action="store_true", help="tf: compile the codec with XLA")
+    p.add_argument("--wire", default="fixed", choices=("fixed", "entropy"))
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
