@@ -23,14 +23,16 @@ Frame layout (little-endian)::
     56     4B   its float32 bucket norms, verbatim
            2S   code frequencies, uint16, S = 2**b, summing to 2**PROB_BITS (0: code absent)
            4B   the coded length of each bucket's stream, uint32
-                the streams: per bucket, its final rANS state (4 bytes) then its renormalization
-                bytes in the order the decoder reads them (codes of the bucket first to last)
+                the streams: per bucket, its LANES = 2 final rANS states (4 bytes each) then their
+                renormalization bytes in the order the decoder reads them (codes of the bucket
+                first to last; code ``i`` of a bucket is coded by state ``i % 2``, so that the
+                two states' arithmetic overlaps)
 
 rANS with a 32-bit state in ``[RANS_L, 256 RANS_L)`` and byte-wise renormalization (Duda's
 asymmetric numeral systems, in the byte-aligned form of Giesen's ryg_rans): coding code ``s`` of
 frequency ``f`` and cumulative frequency ``c`` maps ``x`` to ``(x // f) * 2**PROB_BITS + x % f + c``
-after emitting low bytes while ``x >= f * 2**(31 - PROB_BITS)``. Every bucket starts at ``RANS_L``
-and its decoder must end there with every byte used: with the frame's CRC, a corrupted or
+after emitting low bytes while ``x >= f * 2**(31 - PROB_BITS)``. Every state starts at ``RANS_L``
+and the decoder must end there with every byte used: with the frame's CRC, a corrupted or
 truncated stream raises (ValueError naming what is wrong), it never decodes into other codes.
 
 The compiled CPU codec serves the coder (:func:`use_kernel`); the NumPy functions here are its
@@ -58,6 +60,8 @@ RAW, CODED = 0, 1
 PROB_BITS = 14
 PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 23
+#: Interleaved states per bucket: code ``i`` of a bucket is coded by state ``i % LANES``.
+LANES = 2
 _FRAME = struct.Struct("<2sBBIQQ")
 assert _FRAME.size == FRAME_HEADER
 
@@ -153,26 +157,28 @@ def encode_streams(codes: np.ndarray, n: int, d: int, bits: int, freq: np.ndarra
     f, c = _tables(freq)
     if b and np.any(f[np.unique(flat)] == 0):
         raise ValueError("a code of the payload has frequency 0 in its model")
-    cap = 2 * d + 4
+    cap = 2 * d + 4 * LANES
     out = np.zeros((b, cap), dtype=np.uint8)
     ptr = np.full(b, cap, dtype=np.int64)
-    x = np.full(b, RANS_L, dtype=np.uint64)
+    states = np.full((LANES, b), RANS_L, dtype=np.uint64)
     rows = np.arange(b)
     shift = np.uint64(31 - PROB_BITS)
     for i in range(d - 1, -1, -1):
         live = counts > i
         s = sym[:, i]
         fs = np.where(live, f[s], np.uint64(1))
+        x = states[i % LANES]
         for _ in range(2):  # f >= 1 and x < 2**31: at most two bytes out
             emit = live & (x >= (fs << shift))
             ptr[emit] -= 1
             out[rows[emit], ptr[emit]] = (x[emit] & np.uint64(0xFF)).astype(np.uint8)
             x = np.where(emit, x >> np.uint64(8), x)
         coded = ((x // fs) << np.uint64(PROB_BITS)) + x % fs + c[s]
-        x = np.where(live, coded, x)
-    for k in range(4):  # the final state, little-endian, at the front
-        ptr -= 1
-        out[rows, ptr] = ((x >> np.uint64(8 * (3 - k))) & np.uint64(0xFF)).astype(np.uint8)
+        states[i % LANES] = np.where(live, coded, x)
+    for lane in range(LANES - 1, -1, -1):  # the final states, little-endian, lane 0 first
+        for k in range(4):
+            ptr -= 1
+            out[rows, ptr] = ((states[lane] >> np.uint64(8 * (3 - k))) & np.uint64(0xFF)).astype(np.uint8)
     lengths = (cap - ptr).astype(np.uint32)
     streams = np.concatenate([out[r, ptr[r] :] for r in range(b)]) if b else np.zeros(0, np.uint8)
     return lengths, streams
@@ -187,15 +193,16 @@ def decode_streams(streams: np.ndarray, lengths: np.ndarray, n: int, d: int, bit
     lengths = np.asarray(lengths, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     ends = starts + lengths
-    if np.any(lengths < 4):
-        raise ValueError(f"bucket {int(np.argmax(lengths < 4))}: coded stream shorter than its 4-byte state")
+    if np.any(lengths < 4 * LANES):
+        raise ValueError(f"bucket {int(np.argmax(lengths < 4 * LANES))}: coded stream shorter than its states")
     f, c = _tables(freq)
     slot_symbol = np.repeat(np.arange(f.size), f.astype(np.int64))
     src = np.concatenate([np.asarray(streams, dtype=np.uint8), np.zeros(1, np.uint8)]).astype(np.uint64)
-    x = np.zeros(b, dtype=np.uint64)
-    for k in range(4):  # the state, little-endian
-        x |= src[np.minimum(starts + k, src.size - 1)] << np.uint64(8 * k)
-    ptr = starts + 4
+    states = np.zeros((LANES, b), dtype=np.uint64)
+    for lane in range(LANES):  # the states, little-endian
+        for k in range(4):
+            states[lane] |= src[np.minimum(starts + 4 * lane + k, src.size - 1)] << np.uint64(8 * k)
+    ptr = starts + 4 * LANES
     counts = np.full(b, d, dtype=np.int64)
     if b:
         counts[-1] = n - (b - 1) * d
@@ -203,6 +210,7 @@ def decode_streams(streams: np.ndarray, lengths: np.ndarray, n: int, d: int, bit
     mask = np.uint64(PROB_SCALE - 1)
     for i in range(d):
         live = counts > i
+        x = states[i % LANES]
         slot = x & mask
         s = slot_symbol[slot.astype(np.int64)]
         out[:, i] = s
@@ -213,7 +221,8 @@ def decode_streams(streams: np.ndarray, lengths: np.ndarray, n: int, d: int, bit
                 raise ValueError(f"bucket {int(np.argmax(need & (ptr >= ends)))}: coded stream truncated")
             x = np.where(need, (x << np.uint64(8)) | src[np.minimum(ptr, src.size - 1)], x)
             ptr = ptr + need
-    bad = np.flatnonzero((x != np.uint64(RANS_L)) | (ptr != ends))
+        states[i % LANES] = x
+    bad = np.flatnonzero(np.any(states != np.uint64(RANS_L), axis=0) | (ptr != ends))
     if bad.size:
         raise ValueError(
             f"bucket {int(bad[0])}: coded stream corrupted (its decoder does not end in the initial state)"

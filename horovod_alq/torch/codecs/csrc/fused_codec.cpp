@@ -197,13 +197,14 @@ torch::Tensor grid_histograms(torch::Tensor x, torch::Tensor grid, int64_t bucke
 // ------------------------------------------------------------------------------------------
 // The entropy-coded wire's rANS coder (horovod_alq/core/entropy.py is the format and the reference):
 // a 32-bit state in [2^23, 2^31), byte-wise renormalization, frequencies summing to 2^14, one
-// stream per bucket (its final state little-endian, then the renormalization bytes in the order the
-// decoder reads them). Division-free encoding by a reciprocal (the same mapping as x / f, x % f).
+// stream per bucket (its two final states little-endian, then the renormalization bytes in the order
+// the decoder reads them; code i of a bucket on state i % 2). Division-free encoding by a reciprocal (the same mapping as x / f, x % f).
 namespace {
 
 constexpr uint32_t kRansL = 1u << 23;
 constexpr int kProbBits = 14;
 constexpr uint32_t kProbScale = 1u << kProbBits;
+constexpr int kLanes = 2;  // interleaved states per bucket: code i of a bucket on state i % 2
 
 // Code i of a packed LSB-first stream of `bits`-bit codes (`size` bytes).
 inline uint32_t code_at(const uint8_t* p, int64_t size, int64_t i, int64_t bits) {
@@ -277,7 +278,7 @@ std::tuple<torch::Tensor, torch::Tensor> rans_encode(torch::Tensor codes, int64_
   TORCH_CHECK(codes.numel() == (n * bits + 7) / 8, "rans_encode: packed codes of the wrong size");
   auto f = int64_table(freq, bits, "rans_encode");
   const auto sym = enc_symbols(f.data_ptr<int64_t>(), f.numel());
-  const int64_t nb = (n + d - 1) / d, cap = 2 * d + 4, size = codes.numel();
+  const int64_t nb = (n + d - 1) / d, cap = 2 * d + 4 * kLanes, size = codes.numel();
   const uint8_t* p = codes.data_ptr<uint8_t>();
   std::vector<uint8_t> scratch(static_cast<size_t>(nb * cap));
   auto lengths = torch::empty({nb}, torch::kInt64);
@@ -287,18 +288,21 @@ std::tuple<torch::Tensor, torch::Tensor> rans_encode(torch::Tensor codes, int64_
     for (int64_t b = b0; b < b1; ++b) {
       uint8_t* end = scratch.data() + (b + 1) * cap;
       uint8_t* ptr = end;
-      uint32_t x = kRansL;
+      uint32_t x[kLanes] = {kRansL, kRansL};
       const int64_t lo = b * d, hi = std::min(n, lo + d);
       for (int64_t i = hi - 1; i >= lo; --i) {
         const uint32_t s = code_at(p, size, i, bits);
         const EncSymbol& e = sym[s];
         if (e.x_max == 0) { absent = true; break; }
-        while (x >= e.x_max) { *--ptr = static_cast<uint8_t>(x & 0xff); x >>= 8; }
-        const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(x) * e.rcp) >> 32) >> e.shift;
-        x = x + e.bias + q * e.cmpl;
+        uint32_t& xl = x[(i - lo) & 1];
+        while (xl >= e.x_max) { *--ptr = static_cast<uint8_t>(xl & 0xff); xl >>= 8; }
+        const uint32_t q = static_cast<uint32_t>((static_cast<uint64_t>(xl) * e.rcp) >> 32) >> e.shift;
+        xl = xl + e.bias + q * e.cmpl;
       }
-      ptr -= 4;
-      ptr[0] = x & 0xff; ptr[1] = (x >> 8) & 0xff; ptr[2] = (x >> 16) & 0xff; ptr[3] = x >> 24;
+      for (int lane = kLanes - 1; lane >= 0; --lane) {  // lane 0's state first, little-endian
+        ptr -= 4;
+        ptr[0] = x[lane] & 0xff; ptr[1] = (x[lane] >> 8) & 0xff; ptr[2] = (x[lane] >> 16) & 0xff; ptr[3] = x[lane] >> 24;
+      }
       len[b] = end - ptr;
     }
   });
@@ -327,7 +331,7 @@ torch::Tensor rans_decode(torch::Tensor streams, torch::Tensor lengths, int64_t 
   const int64_t* len = lens.data_ptr<int64_t>();
   std::vector<int64_t> starts(nb + 1, 0);
   for (int64_t b = 0; b < nb; ++b) {
-    TORCH_CHECK(len[b] >= 4, "bucket ", b, ": coded stream shorter than its 4-byte state");
+    TORCH_CHECK(len[b] >= 4 * kLanes, "bucket ", b, ": coded stream shorter than its states");
     starts[b + 1] = starts[b] + len[b];
   }
   TORCH_CHECK(starts[nb] == streams.numel(), "rans_decode: stream lengths do not add up to the streams");
@@ -352,22 +356,38 @@ torch::Tensor rans_decode(torch::Tensor streams, torch::Tensor lengths, int64_t 
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* ptr = src + starts[b];
       const uint8_t* end = src + starts[b + 1];
-      uint32_t x = ptr[0] | (uint32_t{ptr[1]} << 8) | (uint32_t{ptr[2]} << 16) | (uint32_t{ptr[3]} << 24);
-      ptr += 4;
+      uint32_t x[kLanes];
+      for (int lane = 0; lane < kLanes; ++lane, ptr += 4)
+        x[lane] = ptr[0] | (uint32_t{ptr[1]} << 8) | (uint32_t{ptr[2]} << 16) | (uint32_t{ptr[3]} << 24);
       const int64_t lo = b * d, m = std::min(n, lo + d) - lo;
-      for (int64_t i = 0; i < m; ++i) {
-        const uint32_t slot = x & (kProbScale - 1);
-        const uint8_t s = slot_sym[slot];
-        local[i] = s;
-        x = fr[s] * (x >> kProbBits) + slot - cum[s];
-        while (x < kRansL) {
-          if (ptr >= end) { bad[b] = 1; break; }
-          x = (x << 8) | *ptr++;
-        }
-        if (bad[b]) break;
+      bool short_stream = false;
+      int64_t i = 0;
+      for (; i + 1 < m && !short_stream; i += 2) {  // both lanes in step: their arithmetic overlaps
+        const uint32_t s0 = x[0] & (kProbScale - 1), s1 = x[1] & (kProbScale - 1);
+        const uint8_t c0 = slot_sym[s0], c1 = slot_sym[s1];
+        local[i] = c0;
+        local[i + 1] = c1;
+        x[0] = fr[c0] * (x[0] >> kProbBits) + s0 - cum[c0];
+        x[1] = fr[c1] * (x[1] >> kProbBits) + s1 - cum[c1];
+        for (int lane = 0; lane < kLanes; ++lane)
+          while (x[lane] < kRansL) {
+            if (ptr >= end) { short_stream = true; break; }
+            x[lane] = (x[lane] << 8) | *ptr++;
+          }
       }
+      if (!short_stream && i < m) {  // an odd last code, on lane 0
+        const uint32_t s0 = x[0] & (kProbScale - 1);
+        const uint8_t c0 = slot_sym[s0];
+        local[i] = c0;
+        x[0] = fr[c0] * (x[0] >> kProbBits) + s0 - cum[c0];
+        while (x[0] < kRansL) {
+          if (ptr >= end) { short_stream = true; break; }
+          x[0] = (x[0] << 8) | *ptr++;
+        }
+      }
+      if (short_stream) bad[b] = 1;
       if (bad[b]) continue;
-      if (x != kRansL || ptr != end) { bad[b] = 2; continue; }
+      if (x[0] != kRansL || x[1] != kRansL || ptr != end) { bad[b] = 2; continue; }
       for (int64_t i = 0; i < m; ++i) {
         const int64_t k = (lo + i) * bits;
         const uint32_t v = uint32_t{local[i]} << (k & 7);

@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""Bits per coordinate of the fixed and the entropy-coded wire on real gradients, and the coder's speed.
+
+For the character GPT (AdamW, 4 layers of 128) and the demo CNN (SGD + momentum), trained --iters
+steps on their uncompressed gradients, the tensors the compressors quantize (>= --min-size) are
+fused into one stream, as a fusion buffer. For each method and width, with levels refit from that
+gradient's statistics (as a compressor's refit round would), one payload of the stream is made
+and coded as ``wire="entropy"`` sends it, and the report gives:
+
+- fixed and coded bits per coordinate (whole payloads: norms, headers, frequency table included),
+  and their ratio;
+- the empirical entropy of the codes (the floor of any code of the codes alone), and what a static
+  model derived from the agreed statistics and levels would cost instead of the payload's own
+  frequencies (its cross-entropy: the mismatch of the fitted distribution);
+- the exact quantization variance relative to ||g||^2, and as a multiple of the Gaussian
+  rate-distortion bound ``sigma^2 2^(-2R)`` at the coded rate R (sigma^2 = ||g||^2 / n).
+
+Then the coder's throughput on one core: the GPT's stream tiled to --speed-coordinates, encode
+(``encode_wire`` of a payload) and decode (``decode_wire``), in MB/s of float32 input, beside the
+fixed codec's own encode and decode (the compiled CPU codec), interleaved, --repeats times.
+
+    python -m scripts.study.entropy_wire --out docs/results/entropy_wire.md
+    python -m scripts.study.entropy_wire --quick --out /tmp/entropy_wire.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from horovod_alq.core import Quantizer, entropy
+from horovod_alq.core.methods import get_method
+from horovod_alq.core.statistics import distribution_from_statistics
+from horovod_alq.core.wire import Header, pack_header
+from horovod_alq.torch.codecs import cpu_build
+from scripts.common.auto_bits import exact_error
+from scripts.common.cnn import Net, load_digits
+from scripts.common.gpt import GPT, char_splits, sample_batch
+
+METHODS = ("alq", "amq", "qsgdinf")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="docs/results/entropy_wire.md")
+    p.add_argument("--iters", type=int, default=100, help="training steps before the gradient is taken")
+    p.add_argument("--bits", default="2,3,4")
+    p.add_argument("--bucket-size", type=int, default=8192)
+    p.add_argument("--min-size", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speed-coordinates", type=int, default=1 << 24)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="5 steps, 3 bits, 1M coordinates, 1 repeat")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.iters, args.bits, args.speed_coordinates, args.repeats = 5, "3", 1 << 20, 1
+    return args
+
+
+def gpt_gradient(args) -> np.ndarray:
+    torch.manual_seed(args.seed)
+    train, _, chars = char_splits()
+    model = GPT(len(chars), width=128, layers=4, heads=4, context=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(args.seed)
+    for _ in range(args.iters + 1):
+        x, y = sample_batch(train, 8, 64, gen)
+        opt.zero_grad()
+        model.loss(x, y).backward()
+        grads = [p.grad.detach().reshape(-1).clone() for p in model.parameters()]
+        opt.step()
+    return _stream(grads, args.min_size)
+
+
+def cnn_gradient(args) -> np.ndarray:
+    torch.manual_seed(args.seed)
+    train_x, train_y, _, _ = load_digits(args.seed)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(args.seed)
+    for _ in range(args.iters + 1):
+        idx = torch.randint(0, len(train_x), (32,), generator=gen)
+        opt.zero_grad()
+        F.cross_entropy(model(train_x[idx]), train_y[idx]).backward()
+        grads = [p.grad.detach().reshape(-1).clone() for p in model.parameters()]
+        opt.step()
+    return _stream(grads, args.min_size)
+
+
+def _stream(grads, min_size: int) -> np.ndarray:
+    return torch.cat([g for g in grads if g.numel() >= min_size]).numpy().astype(np.float32)
+
+
+def model_cross_entropy(q: Quantizer, stats: np.ndarray, counts: np.ndarray) -> float:
+    """Bits per code of the codes ``counts`` under the static model of the fitted distribution:
+    P(code j) = E[weight of level j] under unbiased rounding of r ~ the distribution."""
+    dist = distribution_from_statistics(q.method, stats)
+    lv = q.levels
+    m0, m1 = dist.partial_moments(lv)[:2]
+    mass, first = np.diff(m0), np.diff(m1)
+    up = np.clip((first - lv[:-1] * mass) / np.diff(lv), 0.0, mass)
+    p = np.zeros(lv.size)
+    p[1:] += up
+    p[:-1] += mass - up
+    p = np.maximum(p / p.sum(), 2.0**-entropy.PROB_BITS)
+    c = counts[: lv.size].astype(np.float64)
+    return float(-(c * np.log2(p)).sum() / c.sum())
+
+
+def measure(g: np.ndarray, method: str, bits: int, d: int) -> dict:
+    q = Quantizer(method, bits=bits, bucket_size=d, seed=1)
+    stats = q.statistics(g)
+    q.adapt(stats)
+    payload = q.encode(g)
+    frame = entropy.encode_wire(payload)
+    n = g.size
+    nb = -(-n // d)
+    codes = payload[32 + 4 * nb :]
+    counts = entropy.count_codes(codes, n, bits)
+    err = exact_error(q, g)
+    sq = float((g.astype(np.float64) ** 2).sum())
+    rate = 8 * frame.size / n
+    return {
+        "method": method,
+        "bits": bits,
+        "fixed_bits": 8 * payload.size / n,
+        "coded_bits": rate,
+        "ratio": frame.size / payload.size,
+        "entropy": entropy.code_entropy(counts),
+        "model_bits": model_cross_entropy(q, stats, counts),
+        "variance": err / sq,
+        "rd_multiple": (err / n) / ((sq / n) * 2.0 ** (-2 * rate)),
+    }
+
+
+def speed(g: np.ndarray, n: int, repeats: int, d: int) -> list[dict]:
+    """Interleaved timings (seconds) of the fixed codec's encode and decode and the coder's, per repeat."""
+    x = torch.from_numpy(np.resize(g, n).astype(np.float32))
+    q = Quantizer("alq", bits=3, bucket_size=d, seed=1)
+    q.adapt(q.statistics(g))
+    module = cpu_build.load()
+    levels = torch.from_numpy(q.levels)
+    method_id = get_method("alq").id
+    header = torch.frombuffer(
+        bytearray(pack_header(Header(method_id, 3, d, n, q.fingerprint, norm=q.norm))), dtype=torch.uint8
+    )
+    rows = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        payload = module.encode(x, levels, header, 3, d, True, 7)
+        t1 = time.perf_counter()
+        frame = entropy.encode_wire(payload.numpy())
+        t2 = time.perf_counter()
+        back = entropy.decode_wire(frame)
+        t3 = time.perf_counter()
+        out = torch.empty(n, dtype=torch.float32)
+        module.decode_sum(out, torch.from_numpy(back), [0], levels, 3, d, 1.0, 0, n)
+        t4 = time.perf_counter()
+        assert np.array_equal(back, payload.numpy()) and frame[3] == entropy.CODED
+        rows.append({"encode": t1 - t0, "code": t2 - t1, "decode": t3 - t2, "decode_sum": t4 - t3})
+    return rows
+
+
+def report(rows: dict, timing: list[dict], n: int, argv: list[str], kernel: str) -> str:
+    mb = 4 * n / 1e6
+    lines = [
+        "# The entropy-coded wire: bits per coordinate and the coder's speed",
+        "",
+        f"Command: `python -m scripts.study.entropy_wire {' '.join(argv)}` ({datetime.date.today()}, "
+        f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread, coder: {kernel}).",
+        "",
+        "Bits per coordinate of whole payloads (headers, norms, table), the codes' empirical entropy,",
+        "the cost of a static model of the fitted distribution instead of the payload's own frequencies,",
+        "the exact variance relative to ||g||^2 and as a multiple of the Gaussian bound sigma^2 2^(-2R).",
+        "",
+        "| gradients | method | bits | fixed bits/coord | coded bits/coord | coded / fixed | code entropy | "
+        "fitted-model cost | relative variance | x Gaussian bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model, rs in rows.items():
+        for r in rs:
+            lines.append(
+                f"| {model} | {r['method']} | {r['bits']} | {r['fixed_bits']:.3f} | {r['coded_bits']:.3f} | "
+                f"{r['ratio']:.3f} | {r['entropy']:.3f} | {r['model_bits']:.3f} | {r['variance']:.4f} | "
+                f"{r['rd_multiple']:.2f} |"
+            )
+    lines += [
+        "",
+        f"Speed on one core, ALQ 3 bits, {n:,} coordinates of the GPT's gradient (tiled), MB/s of "
+        "float32 input; each repeat runs all four in turn:",
+        "",
+        "| repeat | fixed encode | entropy code | entropy decode | fixed decode |",
+        "|---|---|---|---|---|",
+    ]
+    for i, t in enumerate(timing):
+        lines.append(
+            f"| {i} | {mb / t['encode']:.0f} | {mb / t['code']:.0f} | {mb / t['decode']:.0f} | "
+            f"{mb / t['decode_sum']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    kernel = "compiled" if cpu_build.load() is not None else "numpy"
+    bits = [int(b) for b in args.bits.split(",")]
+    grads = {"GPT (AdamW)": gpt_gradient(args), "CNN (SGD)": cnn_gradient(args)}
+    rows = {name: [measure(g, m, b, args.bucket_size) for m in METHODS for b in bits] for name, g in grads.items()}
+    timing = speed(grads["GPT (AdamW)"], args.speed_coordinates, args.repeats, args.bucket_size)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report(rows, timing, args.speed_coordinates, argv, kernel))
+    data = {"argv": argv, "date": str(datetime.date.today()), "rows": rows, "timing": timing}
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    print(out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
