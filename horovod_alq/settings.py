@@ -30,7 +30,7 @@ from .core.auto_bits import AutoBits, check_auto
 from .core.entropy import check_wire
 from .core.methods import check_bits, check_norm, get_method
 from .core.protocol import MASK64, resolve_timeout
-from .core.quantizer import Quantizer
+from .core.quantizer import Quantizer, check_code_entropy
 from .core.rounds import RefitSchedule, RoundState, schedule_from
 from .exchange.engine import Engine, check_exchange, resolve_fusion_bytes
 
@@ -122,6 +122,14 @@ class Settings:
     the host (the compiled CPU codec where it loads, else NumPy); payloads on a GPU are copied
     there and back."""
 
+    code_entropy: float | None = None
+    """With ``wire="entropy"``, ALQ and ALQ-N at fixed ``bits``: fit the ``2**bits`` levels for the
+    least variance whose codes carry at most this entropy (bits per coordinate, under the fitted
+    distribution; from 1 to ``bits``) instead of the least variance for the count of levels, so that
+    ``bits=4, code_entropy=2.5`` pays about 2.5 bits per coordinate on the wire
+    (docs/design/entropy_wire.md). Not ``bit_budget``, which is the fixed-length bits of
+    ``bits="auto"``. None: ALQ's fit."""
+
     codec: str = "auto"
     """PyTorch codec backend (:mod:`horovod_alq.torch.codecs`): ``"auto"`` (Triton for CUDA tensors
     when importable, the compiled CPU codec for CPU tensors when it loads, torch ops otherwise),
@@ -183,6 +191,12 @@ class Settings:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         check_wire(self.wire)
+        if self.code_entropy is not None:
+            if self.wire != "entropy":
+                raise ValueError("code_entropy fits levels for the entropy-coded wire: it needs wire='entropy'")
+            if bits == "auto":
+                raise ValueError("code_entropy applies to a fixed width (bits=2..8), not bits='auto'")
+            check_code_entropy(method, self.bits, self.code_entropy)
         if not isinstance(self.codec, str):
             raise ValueError(f"codec must be a backend's name, got {self.codec!r}")
         resolve_fusion_bytes(self.fusion_bytes)
@@ -266,6 +280,7 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "buffers to start early",
         "clip": _TERNGRAD_CLIP,
         "bits_max": "TensorFlow's graph holds a level set for every width from 2 to 8",
+        "code_entropy": "it fits levels for the entropy-coded wire, which TensorFlow does not serve",
         "wire": "TensorFlow moves payloads inside its graph, where no host-side coder runs; for the "
         "entropy-coded wire use the PyTorch front-ends or mpi4py",
     },
@@ -403,10 +418,10 @@ def configure(settings: Settings, *, on_request: bool = False, adapt_second: boo
         first = second = auto.quantizers[auto.default]
         adapt = False
     else:
-        first = Quantizer(s.method, s.bits, s.bucket_size, clip=s.clip, norm=s.norm)
-        second = Quantizer(
-            s.method, first.bits if s.bits_second is None else s.bits_second, first.bucket_size, norm=first.norm
-        )
+        first = Quantizer(s.method, s.bits, s.bucket_size, clip=s.clip, norm=s.norm, code_entropy=s.code_entropy)
+        bits2 = first.bits if s.bits_second is None else s.bits_second
+        entropy2 = None if s.code_entropy is None else min(s.code_entropy, bits2)
+        second = Quantizer(s.method, bits2, first.bucket_size, norm=first.norm, code_entropy=entropy2)
     schedule = RefitSchedule((), 0) if on_request else schedule_from(s.update_steps, s.update_every)
     seed = int.from_bytes(os.urandom(8), "little") if s.seed is None else int(s.seed) & MASK64
     return Setup(s, RoundState(first, schedule, second, adapt, auto=auto), seed)

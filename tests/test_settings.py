@@ -34,6 +34,7 @@ CHANGED = {
     "min_size": {"min_size": 10},
     "seed": {"seed": 5},
     "wire": {"wire": "entropy"},
+    "code_entropy": {"bits": 4, "wire": "entropy", "code_entropy": 2.5},
     "codec": {"codec": "torch"},
     "fusion_bytes": {"fusion_bytes": 1 << 20},
     "overlap": {"overlap": False},

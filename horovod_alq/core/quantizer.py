@@ -64,6 +64,17 @@ def gaussian_sigma(bucket_size: int, norm: str) -> float:
     return 1.0 / m
 
 
+def check_code_entropy(method: Method, bits: int, value: Any) -> float | None:
+    """``code_entropy`` as a float, None, or ValueError naming the problem."""
+    if value is None:
+        return None
+    if method.adapts != "levels":
+        raise ValueError(f"code_entropy fits adapted levels: it needs alq or alq-n, not {method.name!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not 1.0 <= value <= bits:
+        raise ValueError(f"code_entropy must be a number of bits per coordinate from 1 to bits={bits}, got {value!r}")
+    return float(value)
+
+
 def _check_bucket_size(bucket_size: Any) -> int:
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer)):
         raise ValueError(f"bucket_size must be a positive integer, got {bucket_size!r}")
@@ -123,6 +134,7 @@ class Quantizer:
         seed: int | None = None,
         clip: bool | float = False,
         norm: str | None = None,
+        code_entropy: float | None = None,
     ) -> None:
         self._method: Method = get_method(method)
         self._norm = check_norm(self._method, norm)
@@ -131,11 +143,12 @@ class Quantizer:
         self._bits = check_bits(self._method, bits)
         self._bucket_size = _check_bucket_size(bucket_size)
         self._clip = self._check_clip(clip)
+        self._code_entropy = check_code_entropy(self._method, self._bits, code_entropy)
         self._rng = np.random.default_rng(seed)
         self._multiplier: float | None = 0.5 if self._method.adapts == "multiplier" else None
         self._store_levels(initial_levels(self._method, self._bits))
         if self._method.adaptive:
-            key = (self._method.name, self._bits, self._bucket_size, self._norm)
+            key = (self._method.name, self._bits, self._bucket_size, self._norm, self._code_entropy)
             if key not in _GAUSSIAN_STARTS:
                 from .distributions import TruncatedNormal  # (loads SciPy: only adaptive methods need it)
 
@@ -177,6 +190,11 @@ class Quantizer:
     def clip(self) -> float | None:
         """TernGrad clipping threshold in standard deviations, or None."""
         return self._clip
+
+    @property
+    def code_entropy(self) -> float | None:
+        """The code entropy the levels are fitted for (bits per coordinate), or None: ALQ's fit."""
+        return self._code_entropy
 
     @property
     def levels(self) -> np.ndarray:
@@ -398,7 +416,12 @@ class Quantizer:
         from .adaptation import fit_alq_levels, fit_amq_multiplier  # (loads SciPy: only adaptive methods need it)
 
         if self._method.adapts == "levels":
-            self._set_fitted(fit_alq_levels(dist, self._bits, init=self._levels.copy()))
+            levels = fit_alq_levels(dist, self._bits, init=self._levels.copy())
+            if self._code_entropy is not None:
+                from .rate_levels import fit_levels_for_entropy
+
+                levels = fit_levels_for_entropy(dist, self._bits, self._code_entropy, init=levels)
+            self._set_fitted(levels)
         else:
             p = float(fit_amq_multiplier(dist, self._bits, previous=self._multiplier))
             p32 = float(np.float32(p))
@@ -416,10 +439,10 @@ def adapt_together(quantizers: Sequence[Quantizer], stats: Sequence[np.ndarray])
     alq = [
         (q, distribution_from_statistics(q._method, st))
         for q, st in zip(quantizers, stats)
-        if q._method.adapts == "levels"
+        if q._method.adapts == "levels" and q.code_entropy is None
     ]
     for q, st in zip(quantizers, stats):
-        if q._method.adapts != "levels":
+        if q._method.adapts != "levels" or q.code_entropy is not None:
             q.adapt(st)
     fitted = fit_alq_levels_together(
         [d for _, d in alq], [q.bits for q, _ in alq], inits=[q.levels.copy() for q, _ in alq]
