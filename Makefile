@@ -10,7 +10,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none \
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 
-.PHONY: install test lint format demo demo-ddp demo-fsdp docs clean bench
+.PHONY: install test lint format demo demo-ddp demo-fsdp docs clean bench gpu-check
 
 install:
 	bash scripts/install/install.sh
@@ -77,6 +77,15 @@ bench: install
 	$(PY) -m scripts.bench.train_step --quick --out build/bench/bench_train_step.md
 	$(PY) -m scripts.study.time_to_accuracy --quick --fresh --out-dir build/bench
 	$(PY) -m scripts.bench.summary --dir build/bench
+
+# Every CUDA path checked and timed in one process on one GPU (docs/guides/gpu.md): codec correctness,
+# the codec benchmark, DDP step times at world size 1 over NCCL, FSDP2/DiLoCo/torch.compile smoke runs
+# and the Horovod compressor; the report goes to build/gpu_paths.md and .json. No CUDA: exit status 2.
+# Not after `install`: its venv holds the CPU build of torch. A machine whose python3 has torch with
+# CUDA, triton, numpy and scipy: make gpu-check PY=python3 (= PYTHONPATH=. python3 -m scripts.bench.gpu_paths).
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONPATH=. $(PY) -m scripts.bench.gpu_paths --out build/gpu_paths.md $(GPU_CHECK_ARGS)
 
 # Removes the venv and build leftovers; the Horovod wheel cache (~/.cache/horovod-alq) stays.
 clean:

@@ -1,0 +1,263 @@
+"""Every CUDA path checked and timed in one command (issue 52): one process, one GPU, one report.
+
+    PYTHONPATH=. python -m scripts.bench.gpu_paths    # a GPU machine: torch, triton, numpy, scipy
+    make gpu-check PY=python3                         # the same (make gpu-check: .venv/bin/python)
+    python -m scripts.bench.gpu_paths --device cpu --tiny --out build/gpu_paths.md   # the dry run
+
+Sections (``--only`` picks some by key; each runs even if an earlier one failed, and the report
+says which failed, with the traceback):
+
+- ``codec``: codec correctness for ``codec="auto"`` (Triton on CUDA) and the torch-ops codec:
+  unbiased over many seeds with the error of the mean shrinking like 1/sqrt(T) (against the exact
+  variance of stochastic rounding), NaN and Inf confined to their buckets, float16, bfloat16 and
+  float64 inputs, 2, 3, 4 and 8 bits, every codec decoding every codec's payload identically, and
+  the GPU payload against the Triton interpreter's byte for byte (scripts.bench.gpu's check);
+- ``bench``: scripts.bench.gpu's table (encode, decode-sum, statistics at 16M, 64M and 256M
+  against the memory floor and the fp16 round trip, with peak extra memory);
+- ``ddp-gpt``, ``ddp-resnet``: DDP step times at world size 1 (NCCL on CUDA, gloo on CPU) of a
+  GPT-2-small-shaped LM and a ResNet-50, rows interleaved: DDP's allreduce, fp16 and bf16
+  compress hooks, PowerSGD rank 4, alq_hook at 3 bits and ``bits="auto"``, and a no-exchange hook
+  (a row's excess over it is the hook's own cost: the collectives are trivial at one rank);
+- ``fsdp``, ``diloco``, ``compile``: smoke runs of FSDP2's comm called directly (FSDP2 skips the
+  reduce-scatter at one rank), DiLoCo and ``torch.compile(DDP)`` with the hook against eager:
+  loss falls, parameters finite, compiled equals eager within tolerance;
+- ``horovod``: the Horovod compressor on CUDA, in a subprocess, when a Horovod built with NCCL is
+  importable (skipped with the reason otherwise).
+
+The sections live in scripts/bench/gpu_paths_codec.py (codec, bench) and gpu_paths_steps.py (the
+rest); this module runs them and writes a Markdown report and a JSON sidecar (``--out``; rewritten
+before and after every section, so a crash leaves what ran and the section it died in; a section
+still running after ``--section-timeout`` seconds ends the process with every thread's stack on
+stderr). Exit status: 0 all ran or skipped, 1 a section failed, 2 no CUDA device (unless
+``--device cpu``). ``--tiny`` shrinks every size (the CPU dry run in tests/test_gpu_paths.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import faulthandler
+import json
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SECTIONS = ["codec", "bench", "ddp-gpt", "ddp-resnet", "fsdp", "diloco", "compile", "horovod"]
+
+
+class Skipped(Exception):
+    """A section that cannot run here: reported as skipped with this reason."""
+
+
+class Section:
+    """One section's outcome: checks (name, ok, detail), Markdown lines, JSON data, traceback."""
+
+    def __init__(self, key: str, title: str) -> None:
+        self.key, self.title = key, title
+        self.status, self.reason, self.seconds, self.traceback = "running", "", 0.0, None
+        self.checks: list[dict] = []
+        self.lines: list[str] = []
+        self.data: dict = {}
+        self.targets: list[dict] = []
+
+    def check(self, name: str, ok, detail: str = "") -> bool:
+        self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
+        return bool(ok)
+
+    def target(self, name: str, value: float | None, limit: float, unit: str = "", note: str = "") -> None:
+        """A GPU target: recorded (met or missed), not a check (the section does not fail on it)."""
+        met = None if value is None else bool(value <= limit)
+        self.targets.append({"name": name, "value": value, "limit": limit, "unit": unit, "met": met, "note": note})
+
+    def as_dict(self) -> dict:
+        keys = ("key", "title", "status", "reason", "seconds", "checks", "data", "targets", "traceback")
+        return {k: getattr(self, k) for k in keys}
+
+
+class Ctx:
+    """What every section gets: the device, the sizes (--tiny) and the parsed arguments."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.tiny = args, args.tiny
+        self.device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def pick(self, tiny, full):
+        return tiny if self.tiny else full
+
+
+def run_sections(specs, ctx: Ctx, write=None, fail=(), limit: float = 0) -> list[Section]:
+    """Run each ``(key, title, fn)`` as ``fn(ctx, section)``, whatever the earlier ones did; a raise
+    fails the section (traceback kept), a :class:`Skipped` skips it, a false check fails it.
+    ``write(sections)`` before and after each one; ``fail``: keys whose section raises at once
+    (tests); ``limit``: seconds after which a section that has not returned ends the process."""
+    done: list[Section] = []
+    for key, title, fn in specs:
+        sec = Section(key, title)
+        done.append(sec)
+        print(f"== {title}", flush=True)
+        if write is not None:
+            write(done)  # a section that never returns stays "running" in the report
+        if limit:
+            faulthandler.dump_traceback_later(limit, exit=True)
+        start = time.perf_counter()
+        try:
+            if key in fail:
+                raise RuntimeError(f"injected failure (--fail {key})")
+            fn(ctx, sec)
+            ctx.sync()  # an asynchronous CUDA error belongs to the section that caused it
+            bad = [c["name"] for c in sec.checks if not c["ok"]]
+            sec.status, sec.reason = ("failed", "failed checks: " + "; ".join(bad)) if bad else ("passed", "")
+        except Skipped as skip:
+            sec.status, sec.reason = "skipped", str(skip)
+        except Exception as exc:  # noqa: BLE001 - reported; the next section still runs
+            sec.status, sec.reason = (
+                "failed",
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+            )
+            sec.traceback = traceback.format_exc()
+        faulthandler.cancel_dump_traceback_later()
+        sec.seconds = round(time.perf_counter() - start, 2)
+        print(f"   {sec.status} in {sec.seconds:.1f} s {sec.reason}", flush=True)
+        if write is not None:
+            write(done)
+    return done
+
+
+# ---------------------------------------------------------------------------------------- report
+def environment(ctx: Ctx) -> dict:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "host": platform.node(),
+        "cpus": __import__("os").cpu_count(),
+    }
+    for name in ("triton", "scipy", "horovod"):
+        try:
+            env[name] = __import__("importlib.metadata").metadata.version(name)
+        except Exception:  # noqa: BLE001
+            env[name] = "not installed"
+    if ctx.cuda:
+        prop = torch.cuda.get_device_properties(0)
+        env.update(
+            gpu=prop.name,
+            memory_gib=round(prop.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+            capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+        )
+        with contextlib.suppress(Exception):
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            env["driver"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+    return env
+
+
+def markdown(header: dict, sections: list[Section]) -> str:
+    env = header["environment"]
+    lines = [
+        f"# GPU paths check ({header['date']})",
+        "",
+        f"`{header['command']}`",
+        "",
+        "Environment: " + "; ".join(f"{k} {v}" for k, v in env.items()) + ".",
+        "",
+        "| section | status | seconds | reason |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {s.title} | {s.status} | {s.seconds:.1f} | {s.reason} |" for s in sections]
+    targets = [(s, t) for s in sections for t in s.targets]
+    if targets:
+        lines += ["", "## Targets", "", "| target | value | limit | met |", "|---|---|---|---|"]
+        for s, t in targets:
+            value = "-" if t["value"] is None else f"{t['value']:.3g}{t['unit']}"
+            met = {True: "yes", False: "NO", None: t["note"] or "n/a"}[t["met"]]
+            lines.append(f"| {t['name']} | {value} | {t['limit']:g}{t['unit']} | {met} |")
+    for s in sections:
+        lines += ["", f"## {s.title}", "", f"Status: **{s.status}**{': ' + s.reason if s.reason else ''}", ""]
+        lines += [
+            f"- [{'x' if c['ok'] else ' '}] {c['name']}" + (f": {c['detail']}" if c["detail"] else "") for c in s.checks
+        ]
+        lines += ([""] if s.checks else []) + s.lines
+        if s.traceback:
+            lines += ["", "```", s.traceback.rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def writer(header: dict, out: str | None):
+    def write(sections: list[Section]) -> None:
+        if not out:
+            return
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown(header, sections))
+        data = {**header, "sections": [s.as_dict() for s in sections]}
+        path.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+    return write
+
+
+def parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the dry run (gloo)")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes and models (the CPU dry run)")
+    p.add_argument("--out", default="build/gpu_paths.md", help="the Markdown report; its JSON beside it (.json)")
+    p.add_argument("--only", default="", help=f"comma-separated section keys: {','.join(SECTIONS)}")
+    p.add_argument("--sizes", default="", help="codec benchmark sizes (default 16M,64M,256M; --tiny 64K,256K)")
+    p.add_argument("--bandwidth", type=float, default=4e12, help="bytes/s of the memory floor (default 4e12)")
+    p.add_argument("--section-timeout", type=float, default=300, help="seconds; 0: none (default 300)")
+    p.add_argument("--fail", default="", help="comma-separated section keys that raise at once (tests the report)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+        print(
+            f"gpu_paths: no CUDA device (torch {torch.__version__}, {build}); --device cpu runs the dry run",
+            file=sys.stderr,
+        )
+        return 2
+    from scripts.bench import gpu_paths_codec as codec
+    from scripts.bench import gpu_paths_steps as steps
+
+    ctx = Ctx(args)
+    torch.manual_seed(0)
+    header = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["python -m scripts.bench.gpu_paths", *argv]),
+        "environment": environment(ctx),
+    }
+    fns = {**codec.SECTIONS, **steps.SECTIONS}
+    keys = [k.strip() for k in args.only.split(",") if k.strip()] or SECTIONS
+    unknown = [k for k in keys if k not in fns]
+    if unknown:
+        print(f"gpu_paths: unknown sections {unknown}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    sections = run_sections(
+        [(k, *fns[k]) for k in keys], ctx, writer(header, args.out), args.fail.split(","), args.section_timeout
+    )
+    header["seconds"] = round(time.perf_counter() - start, 1)
+    writer(header, args.out)(sections)
+    steps.shutdown()
+    print(
+        f"gpu_paths: {', '.join(f'{s.key} {s.status}' for s in sections)} in {header['seconds']} s; report {args.out}"
+    )
+    return 1 if any(s.status == "failed" for s in sections) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
