@@ -278,11 +278,17 @@ def code_payload(payload: np.ndarray) -> np.ndarray:
 
 def frame_size(buf: np.ndarray, offset: int = 0) -> int:
     """The size of the frame at ``offset`` of ``buf``, from its header (ValueError if it is not one)."""
+    return frame_sizes(buf, offset)[0]
+
+
+def frame_sizes(buf: np.ndarray, offset: int = 0) -> tuple[int, int]:
+    """The frame's size and the size of what it decodes to, from its header at ``offset`` of ``buf``
+    (ValueError if it is not one)."""
     if buf.size - offset < FRAME_HEADER:
         raise ValueError(
             f"entropy frame truncated: {buf.size - offset} bytes, shorter than its {FRAME_HEADER}-byte header"
         )
-    magic, version, kind, _, size, _ = _FRAME.unpack(buf[offset : offset + FRAME_HEADER].tobytes())
+    magic, version, kind, _, size, decoded = _FRAME.unpack(buf[offset : offset + FRAME_HEADER].tobytes())
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}, expected {MAGIC!r}: not an entropy-coded frame")
     if version != VERSION:
@@ -291,7 +297,7 @@ def frame_size(buf: np.ndarray, offset: int = 0) -> int:
         raise ValueError(f"bad entropy frame header (kind {kind}, size {size})")
     if offset + size > buf.size:
         raise ValueError(f"entropy frame truncated: {buf.size - offset} bytes, its header says {size}")
-    return int(size)
+    return int(size), int(decoded)
 
 
 def decode_frame(frame: np.ndarray) -> np.ndarray:

@@ -90,69 +90,69 @@ class EntropyTransport:
             got = self.inner.alltoall(self.ops.from_numpy(_sizes_bytes(mine)), [8] * n, [8] * n, f"{name}.sizes")()
         return np.ascontiguousarray(self.ops.to_numpy(got)).view("<i8").tolist()
 
-    def _decoded(self, got: Tensor, sizes: Sequence[int] | None, expected: Sequence[int], name: str, gather: bool):
+    def _decoded(self, got: Tensor, sizes, expected: Sequence[int], own: tuple, name: str, gather: bool):
+        """The fixed bytes of every rank's frames, back to back in ``got`` (``sizes``: each rank's
+        coded bytes, or None: cut after each rank's ``expected`` fixed bytes, read from the frames'
+        headers). ``own``: this rank's (fixed bytes, frames it sent): where its share of ``got`` is
+        those frames, it is those fixed bytes, not decoded again."""
         host = np.ascontiguousarray(self.ops.to_numpy(got))
-        if sizes is None:  # self-delimiting: cut it after each rank's expected fixed bytes
-            return (
-                self.ops.from_numpy(entropy.decode_wire(host)) if gather else self._split_decode(host, expected, name)
-            )
-        parts, pos = [], 0
-        for r, (size, want) in enumerate(zip(sizes, expected)):
-            parts.append(self._decode_part(host[pos : pos + size], want, r, name, gather))
-            pos += size
-        return self.ops.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
-
-    def _split_decode(self, host: np.ndarray, expected: Sequence[int], name: str) -> Tensor:
-        """Frames of every rank back to back (sizes unknown): decoded frame by frame, each rank's
-        share being the frames that decode to its expected bytes."""
         parts, pos = [], 0
         for r, want in enumerate(expected):
-            mine: list[np.ndarray] = []
             try:
-                while sum(m.size for m in mine) < want:
-                    size = entropy.frame_size(host, pos)
-                    mine.append(entropy.decode_frame(host[pos : pos + size]))
-                    pos += size
-                if sum(m.size for m in mine) != want:
-                    raise ValueError(f"frames decode to more bytes than the {want} the exchange expects")
-                parts += mine
+                end = pos + sizes[r] if sizes is not None else self._delimit(host, pos, want)
+                if r == self.inner.rank and np.array_equal(host[pos:end], own[1]):
+                    part = own[0]
+                else:
+                    part = entropy.decode_wire(host[pos:end])
+                    if part.size != want:
+                        raise ValueError(f"frames decode to {part.size} bytes, the exchange expects {want}")
+                pos = end
             except ValueError as err:
+                if gather:
+                    raise ProtocolError(f"{PREFIX}: {name}: rank {r}'s entropy-coded payloads: {err}") from None
                 self._warn(r, name, err)
-                parts.append(np.full(want, 0xFF, dtype=np.uint8))
-                pos = host.size  # the rest cannot be delimited
+                part = np.full(want, 0xFF, dtype=np.uint8)
+                pos = host.size if sizes is None else pos + sizes[r]  # without sizes the rest is lost
+            parts.append(part)
         return self.ops.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
 
-    def _decode_part(self, frames: np.ndarray, want: int, rank: int, name: str, gather: bool) -> np.ndarray:
-        try:
-            out = entropy.decode_wire(frames)
-            if out.size != want:
-                raise ValueError(f"frames decode to {out.size} bytes, the exchange expects {want}")
-            return out
-        except ValueError as err:
-            if gather:
-                raise ProtocolError(f"{PREFIX}: {name}: rank {rank}'s entropy-coded payloads: {err}") from None
-            self._warn(rank, name, err)
-            return np.full(want, 0xFF, dtype=np.uint8)
+    @staticmethod
+    def _delimit(host: np.ndarray, pos: int, want: int) -> int:
+        """The end of the frames from ``pos`` whose headers add up to ``want`` decoded bytes."""
+        got = 0
+        while got < want:
+            size, decoded = entropy.frame_sizes(host, pos)
+            pos, got = pos + size, got + decoded
+        if got != want:
+            raise ValueError(f"frames decode to more bytes than the {want} the exchange expects")
+        return pos
 
     @staticmethod
     def _warn(rank: int, name: str, err: Exception) -> None:
         warnings.warn(f"{PREFIX}: {name}: rank {rank}'s entropy-coded payloads do not decode ({err})", RuntimeWarning)
 
     def allgather(self, payload: Tensor, sizes: Sequence[int], name: str) -> Callable[[], Tensor]:
-        coded = self._code(np.ascontiguousarray(self.ops.to_numpy(payload)))
+        host = np.array(self.ops.to_numpy(payload), dtype=np.uint8, copy=True).ravel()  # kept: this rank's share
+        coded = self._code(host)
         peer = None if self.variable else self._peer_sizes([coded.size], name, True)
         wait = self.inner.allgather(self.ops.from_numpy(coded), peer or [coded.size] * self.inner.size, name)
-        return lambda: self._decoded(wait(), peer, [int(s) for s in sizes], name, True)
+        return lambda: self._decoded(wait(), peer, [int(s) for s in sizes], (host, coded), name, True)
 
     def alltoall(self, payload: Tensor, splits: Sequence[int], received: Sequence[int], name: str):
-        host = np.ascontiguousarray(self.ops.to_numpy(payload))
+        host = np.ascontiguousarray(self.ops.to_numpy(payload)).ravel()
         bounds = np.concatenate([[0], np.cumsum([int(s) for s in splits])]).astype(np.int64)
-        coded = [self._code(host[bounds[j] : bounds[j + 1]]) for j in range(len(splits))]
+        me = self.inner.rank
+        own = host[bounds[me] : bounds[me + 1]].copy()  # this rank's share of its own alltoall: not coded
+        coded = [
+            entropy.raw_frame(own) if j == me and own.size else self._code(host[bounds[j] : bounds[j + 1]])
+            for j in range(len(splits))
+        ]
+        own_frames = coded[me] if me < len(coded) else np.zeros(0, np.uint8)
         out_splits = [c.size for c in coded]
         peer = None if self.variable else self._peer_sizes(out_splits, name, False)
         body = np.concatenate(coded) if coded else np.zeros(0, np.uint8)
         wait = self.inner.alltoall(self.ops.from_numpy(body), out_splits, peer or out_splits, name)
-        return lambda: self._decoded(wait(), peer, [int(r) for r in received], name, False)
+        return lambda: self._decoded(wait(), peer, [int(r) for r in received], (own, own_frames), name, False)
 
 
 def on_wire(transport: Transport, ops: TensorOps | None, wire: str, counter) -> Transport:

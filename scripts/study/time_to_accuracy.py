@@ -74,6 +74,8 @@ LABELS = {
     "hvd-alq": "ALQ 3 bits (defaults)",
     "hvd-alq-auto": 'ALQ bits="auto", budget 2.5',
     "hvd-alq-flat": "ALQ 3 bits, flat two-phase",
+    "hvd-alq4-entropy": 'ALQ 4 bits, wire="entropy"',
+    "hvd-alq4-rate": 'ALQ 4 bits, wire="entropy", code_entropy=2.8',
     "local": "no exchange (compute alone)",
 }
 ROWS = list(LABELS)
@@ -111,6 +113,8 @@ def build_row(key: str, args, vocab: int, hvd, plain_args) -> dict:
             "hvd-alq": lambda: ALQCompressor(bits=3, seed=args.seed),
             "hvd-alq-auto": lambda: ALQCompressor(bits="auto", bit_budget=2.5, seed=args.seed),
             "hvd-alq-flat": lambda: ALQCompressor(bits=3, exchange="two-phase", seed=args.seed),
+            "hvd-alq4-entropy": lambda: ALQCompressor(bits=4, wire="entropy", seed=args.seed),
+            "hvd-alq4-rate": lambda: ALQCompressor(bits=4, wire="entropy", code_entropy=2.8, seed=args.seed),
         }[key]()
         # names prefixed by the row: Horovod's response cache never sees one name in two rows
         row["opt"] = hvd.DistributedOptimizer(
@@ -147,7 +151,8 @@ def counters(row: dict) -> tuple[float, float]:
     if hasattr(st, "total_numel_after_compression"):
         return 0.0, float(st.total_numel_after_compression)
     m = st.metrics()
-    return float(m["bytes_sent"]), float(m["uncompressed_coordinates"])
+    coded = m["wire_coded_bytes"] / m["wire_fixed_bytes"] if m["wire_fixed_bytes"] else 1.0  # wire="entropy"
+    return float(m["bytes_sent"]) * coded, float(m["uncompressed_coordinates"])
 
 
 def worker(args) -> int:
@@ -734,6 +739,7 @@ def launch(args, tmp: Path, rate: str, seed: int, data: Path) -> dict:
 
 
 def main(argv=None) -> int:
+    global STEM
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="defaults: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
@@ -765,6 +771,7 @@ def main(argv=None) -> int:
     p.add_argument("--local", action="store_true", help="no namespaces: --np ranks on the loopback (no root)")
     p.add_argument("--np", type=int, default=2, help="ranks with --local; default 2")
     p.add_argument("--out-dir", default="docs/results", help="report, plot, data/; default docs/results")
+    p.add_argument("--stem", default=STEM, help=f"name of the page, plot and data; default {STEM}")
     p.add_argument("--timeout", type=float, help="seconds per run; default 7200 (--quick 1200)")
     p.add_argument("--aggregate-only", action="store_true", help="rebuild the report from the runs' JSON")
     p.add_argument("--fresh", action="store_true", help="run again what has its JSON already (make bench)")
@@ -781,6 +788,7 @@ def main(argv=None) -> int:
             setattr(args, k, v)
     if args.worker:
         return worker(args)
+    STEM = args.stem
     unknown = [r for r in args.rows.split(",") if r not in ROWS]
     if unknown or BASELINE not in args.rows.split(","):
         p.error(f"--rows: choose from {ROWS}, with {BASELINE} (the baseline); unknown: {unknown}")
