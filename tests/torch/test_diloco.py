@@ -44,6 +44,17 @@ def test_unbiased(ranks):
         assert same(ranks, lambda r: r["unbiased"][exchange]["digest"])
 
 
+def test_entropy_wire_takes_the_same_outer_steps_for_fewer_bytes(ranks):
+    """wire="entropy": the outer steps of the fixed wire's run, bit for bit (the same seed), for fewer
+    bytes."""
+    for exchange in ("allgather", "two-phase"):
+        plain, e = (ranks[0]["entropy"][f"{exchange}|{wire}"] for wire in ("fixed", "entropy"))
+        assert e["step_digests"] == plain["step_digests"], exchange
+        fixed, coded = e["wire_bytes"]
+        assert 0 < coded < fixed and plain["wire_bytes"] == [0, 0], (exchange, e["wire_bytes"])
+        assert same(ranks, lambda r: r["entropy"][f"{exchange}|entropy"]["digest"])
+
+
 def test_error_feedback_telescopes(ranks):
     """Sum over T outer steps of the decoded average + the mean of the ranks' last error buffers
     = T x the exact average (float32 rounding only); without the buffers, off by 2-bit noise."""

@@ -94,7 +94,9 @@ def train(rank: int, **kwargs) -> dict:
     return out
 
 
-def unbiased(rank: int, size: int, exchange: str, n: int = 3000, bucket: int = 128, reps: int = 60) -> dict:
+def unbiased(
+    rank: int, size: int, exchange: str, n: int = 3000, bucket: int = 128, reps: int = 60, wire: str = "fixed"
+) -> dict:
     """``reps`` outer steps whose pseudo-gradient is exactly rank r's fixed ``c_r`` (global parameters 0,
     an inner SGD step of lr 1 on gradient c_r, outer SGD of lr 1 without momentum: the new global
     parameters are minus the decoded average). t statistics over the steps after the refit of step 0."""
@@ -120,6 +122,7 @@ def unbiased(rank: int, size: int, exchange: str, n: int = 3000, bucket: int = 1
         seed=3,
         update_steps=(0,),
         update_every=0,
+        wire=wire,
     )
     mine = torch.from_numpy(cs[rank])
     outs = []
@@ -142,7 +145,9 @@ def unbiased(rank: int, size: int, exchange: str, n: int = 3000, bucket: int = 1
         "reps": reps,
         "exchange": diloco.metrics()["exchange"],
         "digest": digest(np.stack(outs)),
+        "step_digests": [digest(o) for o in outs],
         "rel_error": float(np.abs(dev).mean() / np.abs(truth).mean()),
+        "wire_bytes": [int(diloco.metrics()[k]) for k in ("wire_fixed_bytes", "wire_coded_bytes")],
     }
 
 
@@ -231,6 +236,11 @@ def main() -> None:
         "auto": train(rank, bits="auto", bit_budget=2.5, exchange="allgather"),
     }
     out["unbiased"] = {ex: unbiased(rank, size, ex) for ex in ("allgather", "two-phase")}
+    out["entropy"] = {  # buckets of 1024: of 128 a bucket's 12 bytes of streams' state cost more than coding saves
+        f"{ex}|{wire}": unbiased(rank, size, ex, n=8192, bucket=1024, reps=6, wire=wire)
+        for ex in ("allgather", "two-phase")
+        for wire in ("fixed", "entropy")
+    }
     out["feedback"] = feedback(rank, size)
     out["resume"] = resume(rank, exchange="allgather", bits=2, error_feedback=True, update_steps=(0, 1, 2, 3))
     out["refused"] = refused(size)
