@@ -10,7 +10,7 @@ MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none \
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 
-.PHONY: install test lint format demo demo-ddp demo-fsdp docs clean bench gpu-check
+.PHONY: install test test-fast lint format demo demo-ddp demo-fsdp docs clean bench gpu-check
 
 install:
 	bash scripts/install/install.sh
@@ -21,6 +21,12 @@ install:
 test: install lint
 	$(PY) scripts/install/check_codec.py
 	$(PY) -m pytest tests --durations=20 $(PYTEST_ARGS)
+
+# The inner loop: every test that starts no ranks (tests/conftest.py marks the ones that launch
+# mpirun, horovodrun or torchrun `multiproc`). `make test` stays the full suite.
+test-fast: install lint
+	$(PY) scripts/install/check_codec.py
+	$(PY) -m pytest tests -m "not multiproc" --durations=10 $(PYTEST_ARGS)
 
 # ruff's lint and format check (pyproject.toml's [tool.ruff]); `make format` applies both fixes.
 lint: install

@@ -13,3 +13,21 @@ if "TRITON_INTERPRET" not in os.environ and not Path("/dev/nvidia0").exists():
     os.environ["TRITON_INTERPRET"] = "1"
 if importlib.util.find_spec("triton") is not None:
     import triton  # noqa: F401
+
+#: What marks a test module as starting several processes (``make test-fast`` leaves them out).
+_LAUNCHES = ("run_ranks(", "mpirun", "torchrun", "horovodrun")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of a module that launches ranks (tests/multiproc.py, or a launcher by name)
+    ``multiproc``, as its own ``pytestmark`` may also do: ``-m "not multiproc"`` is the fast tier."""
+    import pytest
+
+    launches: dict[str, bool] = {}
+    for item in items:
+        path = str(item.fspath)
+        if path not in launches:
+            text = Path(path).read_text()
+            launches[path] = any(word in text for word in _LAUNCHES)
+        if launches[path]:
+            item.add_marker(pytest.mark.multiproc)

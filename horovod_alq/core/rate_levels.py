@@ -26,6 +26,9 @@ from .distributions import Distribution
 
 _LOG2E = 1.0 / np.log(2.0)
 _P_FLOOR = 1e-300
+#: The least gap between two levels: levels that merge would no longer be distinct in float32
+#: (the entropy term rewards merging them: fewer effective levels).
+MIN_GAP = 2.0**-16
 
 
 def code_probabilities(levels: np.ndarray, dist: Distribution) -> np.ndarray:
@@ -76,14 +79,21 @@ def _objective(lv: np.ndarray, dist: Distribution, lam: float) -> tuple[float, n
     return psi + lam * h, g_psi + lam * g_h, h
 
 
+def _spread(gaps: int) -> float:
+    """What the gaps share beyond their ``MIN_GAP`` each."""
+    return 2.0 - gaps * MIN_GAP
+
+
 def _levels_of(z: np.ndarray) -> np.ndarray:
     g = np.exp(z - z.max())
     g /= g.sum()
-    return np.concatenate([[-1.0], -1.0 + 2.0 * np.cumsum(g)[:-1], [1.0]])
+    gaps = MIN_GAP + _spread(z.size) * g
+    return np.concatenate([[-1.0], -1.0 + np.cumsum(gaps)[:-1], [1.0]])
 
 
 def _logits_of(levels: np.ndarray) -> np.ndarray:
-    return np.log(np.maximum(np.diff(levels), 1e-12))
+    gaps = np.diff(levels)
+    return np.log(np.maximum((gaps - MIN_GAP) / _spread(gaps.size), 1e-12))
 
 
 def _minimize(z0: np.ndarray, dist: Distribution, lam: float) -> np.ndarray:
@@ -94,8 +104,8 @@ def _minimize(z0: np.ndarray, dist: Distribution, lam: float) -> np.ndarray:
         value, grad_l, _ = _objective(lv, dist, lam)
         g = np.exp(z - z.max())
         g /= g.sum()
-        # levels_k = -1 + 2 sum_{j<k} g_j: d J / d g_j = 2 sum_{k>j} dJ/dl_k (interior k)
-        d_gap = 2.0 * np.cumsum(grad_l[1:-1][::-1])[::-1]
+        # levels_k = -1 + sum_{j<k} (MIN_GAP + spread g_j): d J / d g_j = spread sum_{k>j} dJ/dl_k (interior k)
+        d_gap = _spread(z.size) * np.cumsum(grad_l[1:-1][::-1])[::-1]
         d_gap = np.concatenate([d_gap, [0.0]])
         return value, g * (d_gap - float(g @ d_gap))
 

@@ -85,3 +85,15 @@ def test_quantizer_and_settings():
 def test_bad_values_are_refused(keywords, match):
     with pytest.raises(ValueError, match=match):
         Settings(**keywords)
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+@pytest.mark.parametrize("bits, target", [(3, 1.0), (4, 1.5), (4, 2.8), (5, 2.0)])
+def test_low_targets_keep_the_levels_distinct(norm, bits, target):
+    """A low target makes merging levels pay (fewer effective levels): the gaps keep MIN_GAP, so the
+    levels stay strictly increasing in float32, from the Gaussian start and after a refit."""
+    q = Quantizer("alq", bits=bits, bucket_size=8192, seed=1, code_entropy=target, norm=norm)
+    assert np.all(np.diff(q.levels.astype(np.float32)) > 0)
+    x = np.random.default_rng(3).standard_t(3, 1 << 15)
+    q.adapt(q.statistics(x))
+    assert np.all(np.diff(q.levels.astype(np.float32)) > 0)

@@ -411,9 +411,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1);
   m.def("grid_statistics", &grid_statistics, "Refit statistics [W, C(grid)] of the norm-based methods");
   m.def("grid_histograms", &grid_histograms, "grid_statistics and the same counts weighted by norm**2 (bits='auto')");
-  m.def("rans_count", &rans_count, "Occurrences of each code among packed codes");
-  m.def("rans_encode", &rans_encode, "rANS-code each bucket of packed codes (the entropy wire)");
-  m.def("rans_decode", &rans_decode, "Decode rANS streams back to packed codes (the entropy wire)");
+  // The coder touches only its tensors' memory: other Python threads (Horovod's hooks) run meanwhile.
+  m.def("rans_count", &rans_count, "Occurrences of each code among packed codes",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rans_encode", &rans_encode, "rANS-code each bucket of packed codes (the entropy wire)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rans_decode", &rans_decode, "Decode rANS streams back to packed codes (the entropy wire)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("simd", [] { return std::string(use_avx2 ? "avx2" : "generic"); }, "The kernels in use");
   m.def("set_simd", [](bool avx2) { use_avx2 = avx2 && cpu_has_avx2(); },
         "Use the AVX2 kernels (where the CPU has them) or the generic ones");
