@@ -124,10 +124,10 @@ class Settings:
 
     code_entropy: float | None = None
     """With ``wire="entropy"``, ALQ and ALQ-N at fixed ``bits``: fit the ``2**bits`` levels for the
-    least variance whose codes carry at most this entropy (bits per coordinate, under the fitted
-    distribution; from 1 to ``bits``) instead of the least variance for the count of levels, so that
-    ``bits=4, code_entropy=2.5`` pays about 2.5 bits per coordinate on the wire
-    (docs/design/entropy_wire.md). Not ``bit_budget``, which is the fixed-length bits of
+    least variance whose codes carry at most this entropy (bits per coordinate under the fitted
+    distribution; above 0, at most ``bits``) instead of the least variance for the count of levels:
+    ``bits=4, code_entropy=2.5`` pays about 2.5 bits per coordinate on the wire, plus the fitted
+    distribution's mismatch (docs/design/entropy_wire.md). Not ``bit_budget``, which is the fixed-length bits of
     ``bits="auto"``. None: ALQ's fit."""
 
     codec: str = "auto"

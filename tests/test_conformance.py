@@ -110,48 +110,29 @@ def expected_bytes(
 _CACHE: dict = {}
 
 
+def _launch(tmp_path_factory, frontend: str, tag: str, args: list) -> tuple:
+    """One launch of the worker on ``frontend`` with ``args``: (per-rank reports, rank 0's outputs)."""
+    launcher, module = FRONTENDS[frontend]
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        pytest.skip(f"{module} is not installed")
+    out = tmp_path_factory.mktemp(f"{tag}-{frontend}")
+    path = os.environ.get("PYTHONPATH")
+    env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}  # this checkout's package
+    common = ["--frontend", frontend, "--exchanges", ",".join(EXCHANGE_NAMES), "--elements", N, "--bits", BITS]
+    common += ["--bucket", BUCKET, "--seed", SEED, "--out", out]
+    reports = run_ranks(WORKER, np=SIZE, launcher=launcher, timeout=300, env=env, args=common + args)
+    return reports, dict(np.load(out / f"{frontend}.npz"))
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """``launched(frontend)``: (per-rank reports, rank 0's outputs) of that front-end's one launch."""
 
     def get(frontend: str):
         if frontend not in _CACHE:
-            launcher, module = FRONTENDS[frontend]
-            if importlib.util.find_spec(module.split(".")[0]) is None:
-                pytest.skip(f"{module} is not installed")
-            out = tmp_path_factory.mktemp(f"conformance-{frontend}")
-            path = os.environ.get("PYTHONPATH")
-            env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}  # this checkout's package
             try:
-                reports = run_ranks(
-                    WORKER,
-                    np=SIZE,
-                    launcher=launcher,
-                    timeout=300,
-                    env=env,
-                    args=[
-                        "--frontend",
-                        frontend,
-                        "--exchanges",
-                        ",".join(EXCHANGE_NAMES),
-                        "--methods",
-                        ",".join(METHODS),
-                        "--elements",
-                        N,
-                        "--bits",
-                        BITS,
-                        "--bucket",
-                        BUCKET,
-                        "--rounds",
-                        ROUNDS,
-                        "--seed",
-                        SEED,
-                        "--out",
-                        out,
-                    ],
-                )
-                arrays = dict(np.load(out / f"{frontend}.npz"))
-                _CACHE[frontend] = (reports, arrays)
+                args = ["--methods", ",".join(METHODS), "--rounds", ROUNDS]
+                _CACHE[frontend] = _launch(tmp_path_factory, frontend, "conformance", args)
             except pytest.fail.Exception as exc:  # fail every test of this front-end, launch once
                 _CACHE[frontend] = exc
         if isinstance(_CACHE[frontend], BaseException):
@@ -325,16 +306,8 @@ def launched_entropy(tmp_path_factory):
 
     def get(frontend: str):
         if frontend not in cache:
-            launcher, module = FRONTENDS[frontend]
-            if importlib.util.find_spec(module.split(".")[0]) is None:
-                pytest.skip(f"{module} is not installed")
-            out = tmp_path_factory.mktemp(f"conformance-entropy-{frontend}")
-            path = os.environ.get("PYTHONPATH")
-            env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
-            args = ["--frontend", frontend, "--exchanges", ",".join(EXCHANGE_NAMES), "--methods", "alq"]
-            args += ["--elements", N, "--bits", BITS, "--bucket", BUCKET, "--rounds", ENTROPY_ROUNDS]
-            args += ["--seed", SEED, "--out", out, "--wire", "entropy"]
-            cache[frontend] = run_ranks(WORKER, np=SIZE, launcher=launcher, timeout=300, env=env, args=args)
+            args = ["--methods", "alq", "--rounds", ENTROPY_ROUNDS, "--wire", "entropy"]
+            cache[frontend] = _launch(tmp_path_factory, frontend, "conformance-entropy", args)[0]
         return cache[frontend]
 
     return get

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from .packing import pack_codes, packed_size, unpack_codes
-from .wire import HEADER_SIZE, num_buckets, parse_header
+from .wire import HEADER_SIZE, bucket_lengths, num_buckets, parse_header
 
 #: The wire formats a front-end may put on the network (``Settings.wire``).
 WIRES = ("fixed", "entropy")
@@ -151,9 +151,7 @@ def encode_streams(codes: np.ndarray, n: int, d: int, bits: int, freq: np.ndarra
     sym = np.zeros(b * d, dtype=np.int64)
     sym[:n] = flat
     sym = sym.reshape(b, d)
-    counts = np.full(b, d, dtype=np.int64)
-    if b:
-        counts[-1] = n - (b - 1) * d
+    counts = bucket_lengths(n, d)
     f, c = _tables(freq)
     if b and np.any(f[np.unique(flat)] == 0):
         raise ValueError("a code of the payload has frequency 0 in its model")
@@ -203,9 +201,7 @@ def decode_streams(streams: np.ndarray, lengths: np.ndarray, n: int, d: int, bit
         for k in range(4):
             states[lane] |= src[np.minimum(starts + 4 * lane + k, src.size - 1)] << np.uint64(8 * k)
     ptr = starts + 4 * LANES
-    counts = np.full(b, d, dtype=np.int64)
-    if b:
-        counts[-1] = n - (b - 1) * d
+    counts = bucket_lengths(n, d)
     out = np.zeros((b, d), dtype=np.uint8)
     mask = np.uint64(PROB_SCALE - 1)
     for i in range(d):

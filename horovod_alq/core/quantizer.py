@@ -70,8 +70,10 @@ def check_code_entropy(method: Method, bits: int, value: Any) -> float | None:
         return None
     if method.adapts != "levels":
         raise ValueError(f"code_entropy fits adapted levels: it needs alq or alq-n, not {method.name!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not 1.0 <= value <= bits:
-        raise ValueError(f"code_entropy must be a number of bits per coordinate from 1 to bits={bits}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not 0.0 < value <= bits:
+        raise ValueError(
+            f"code_entropy must be a positive number of bits per coordinate up to bits={bits}, got {value!r}"
+        )
     return float(value)
 
 

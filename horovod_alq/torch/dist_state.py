@@ -113,7 +113,8 @@ class StreamedState:
     def _stages(self, group=None, exchange: str | None = None) -> list[DistTransport]:
         """The transports of a streamed round over ``group`` (default: ``process_group``): the
         group, then one companion group per further collective of a buffer (two-phase: 1,
-        hierarchical: 2, hierarchical two-phase: 3)."""
+        hierarchical: 2, hierarchical two-phase: 3). The group is the user's to destroy; the
+        companions are :mod:`.dist_transport`'s (destroyed at exit, or by its ``destroy_companions``)."""
         group = self.process_group if group is None else group
         stages = self._transports.setdefault(group, [])
         if not stages:

@@ -11,10 +11,22 @@ rank pads its payload to the largest size and the padding is dropped on arrival 
 every rank's size). ``all_to_all_single`` takes the splits directly (gloo and NCCL support uneven
 splits of uint8 tensors). The small vectors go through ``all_reduce`` (SUM of float64, MAX of int64).
 
-Python callbacks on the backend's threads (:func:`on_completion`) are counted, and the interpreter's
-exit waits for them: otherwise a backend thread that still has to release a completed collective
-(its work and the callback hold Python objects) can find the interpreter finalizing, and the
-process aborts at exit ("terminate called without an active exception").
+Teardown (issue 56: a rank must end with its error's status, never abort at exit). A backend thread
+that needs the GIL once the interpreter has begun to finalize is ended by CPython in the middle of a
+C++ destructor, and the process aborts ("terminate called without an active exception"). So:
+
+- every tensor handed to a collective owns its memory (:func:`_owned`: a tensor over NumPy's memory,
+  ``torch.from_numpy``, is copied first), so that the backend thread that drops a finished
+  collective frees plain memory, without the GIL;
+- Python callbacks on the backend's threads (:func:`on_completion`) are counted, and the
+  interpreter's exit waits for them (:class:`_BackendCallbacks`);
+- the :class:`Watchdog` thread is stopped and joined at exit;
+- the companion groups (:func:`companion_group`) are this module's: they are destroyed at exit (an
+  ``atexit`` hook, before the interpreter finalizes; one with a collective of ours still in flight,
+  after a :class:`~horovod_alq.core.protocol.CollectiveTimeout`, is left alone: destroying it would
+  wait for that collective), by :func:`destroy_companions`, or by the user's
+  ``dist.destroy_process_group()`` (all groups), after which they are made again on next use.
+  The group a front-end is given (default: the world) is the user's to destroy.
 """
 
 from __future__ import annotations
@@ -83,18 +95,19 @@ class DistTransport:
     def wait(self, work, name: str) -> None:
         """Wait for ``work`` (bounded by the timeout), raising its error if it failed."""
         wait_for(work.is_completed, self.timeout, name, self.scope)
+        IN_FLIGHT.done(work)
         work.wait()
 
     def allgather(self, payload: torch.Tensor, sizes: Sequence[int], name: str):
         sizes = [int(s) for s in sizes]
         width = max(sizes) if sizes else 0
-        src = payload.to(self.device).contiguous()
+        src = _owned(payload.to(self.device).contiguous())
         if src.numel() != width:
             padded = torch.zeros(width, dtype=torch.uint8, device=self.device)
             padded[: src.numel()] = src
             src = padded
         out = torch.empty(width * self.size, dtype=torch.uint8, device=self.device)
-        work = _ALL_GATHER(out, src, group=self.group, async_op=True)
+        work = self._started(_ALL_GATHER(out, src, group=self.group, async_op=True))
 
         def result() -> torch.Tensor:
             if all(s == width for s in sizes):
@@ -107,24 +120,67 @@ class DistTransport:
         out = torch.empty(sum(int(r) for r in received), dtype=torch.uint8, device=self.device)
         work = dist.all_to_all_single(
             out,
-            payload.to(self.device).contiguous(),
+            _owned(payload.to(self.device).contiguous()),
             output_split_sizes=[int(r) for r in received],
             input_split_sizes=[int(s) for s in splits],
             group=self.group,
             async_op=True,
         )
-        return _Pending(self, work, lambda: out, name)
+        return _Pending(self, self._started(work), lambda: out, name)
 
     def _allreduce(self, vec: np.ndarray, dtype, op, name: str) -> np.ndarray:
-        t = torch.from_numpy(np.ascontiguousarray(vec, dtype=dtype)).to(self.device)
-        self.wait(dist.all_reduce(t, op=op, group=self.group, async_op=True), name)
+        t = torch.tensor(np.ascontiguousarray(vec, dtype=dtype), device=self.device)  # a copy: memory of its own
+        self.wait(self._started(dist.all_reduce(t, op=op, group=self.group, async_op=True)), name)
         return t.cpu().numpy()
+
+    def _started(self, work):
+        """``work``, recorded as in flight on this transport's group until it completes."""
+        IN_FLIGHT.add(self.group, work)
+        return work
 
     def allreduce_sum(self, vec: np.ndarray, name: str) -> np.ndarray:
         return self._allreduce(vec, np.float64, dist.ReduceOp.SUM, name)
 
     def allreduce_max(self, vec: np.ndarray, name: str) -> np.ndarray:
         return self._allreduce(vec, np.int64, dist.ReduceOp.MAX, name)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it when its memory is not torch's own (``torch.from_numpy``: the backend
+    thread that drops a finished collective would free it, and freeing NumPy's memory takes the GIL,
+    which aborts the process once the interpreter finalizes)."""
+    if t.device.type == "cpu" and not t.untyped_storage().resizable():
+        return t.clone()
+    return t
+
+
+class _InFlight:
+    """The collectives this module started and that have not completed, by process group (a work is
+    dropped once waited for, or by the next start after it completed): what says whether a
+    companion group can be destroyed at exit without waiting for a collective that will not end
+    (one that a :class:`~horovod_alq.core.protocol.CollectiveTimeout` left behind)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._works: list[tuple[object, object]] = []
+
+    def add(self, group, work) -> None:
+        with self._lock:
+            self._works = [(g, w) for g, w in self._works if not w.is_completed()]
+            self._works.append((group, work))
+
+    def done(self, work) -> None:
+        """Forget ``work`` (completed): its tensors are not kept past their use."""
+        with self._lock:
+            self._works = [(g, w) for g, w in self._works if w is not work]
+
+    def busy(self, group) -> bool:
+        """Whether a collective of ours on ``group`` has not completed."""
+        with self._lock:
+            return any(g is group and not w.is_completed() for g, w in self._works)
+
+
+IN_FLIGHT = _InFlight()
 
 
 class _Pending:
@@ -160,8 +216,8 @@ class _Pending:
 
 class _BackendCallbacks:
     """Counts the Python callbacks started on backend threads and, at the interpreter's exit
-    (an ``atexit`` hook, registered with the first callback), waits until every one has returned
-    (at most ``DRAIN_SECONDS``), then lets the backend threads run for ``RELEASE_SECONDS``.
+    (:func:`_at_exit`), waits until every one has returned (at most ``DRAIN_SECONDS``), then lets
+    the backend threads run for ``RELEASE_SECONDS``.
 
     Why: a backend thread releases a collective's work and the callback after the callback
     returned, and both hold Python objects (the callable; the work's saved thread-local state),
@@ -177,14 +233,10 @@ class _BackendCallbacks:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.started = self.finished = 0
-        self._registered = False
 
     def add(self, future, callback: Callable) -> None:
         with self._lock:
             self.started += 1
-            if not self._registered:
-                atexit.register(self.drain)
-                self._registered = True
 
         def run(f):
             try:
@@ -196,6 +248,8 @@ class _BackendCallbacks:
         future.then(run)
 
     def drain(self) -> None:
+        if not self.started:
+            return
         deadline = time.monotonic() + self.DRAIN_SECONDS
         while self.finished < self.started and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -211,18 +265,47 @@ def on_completion(work, callback: Callable) -> None:
     _CALLBACKS.add(work.get_future(), callback)
 
 
-_COMPANIONS: dict[tuple[int, ...], object] = {}
+_COMPANIONS: dict[tuple[tuple[int, ...], int], object] = {}
 
 
 def companion_group(process_group=None, index: int = 1):
     """The ``index``-th other process group with the members of ``process_group`` (made once per
-    member set and index, by every member on first use, at the same point of their programs): its
-    collectives pair apart from the group's own, so collectives issued from completion callbacks
-    keep one order (an exchange's stage ``k`` runs on companion ``k``)."""
+    member set and index, by every member on first use, at the same point of their programs; again
+    after ``dist.destroy_process_group()`` destroyed it): its collectives pair apart from the group's
+    own, so collectives issued from completion callbacks keep one order (an exchange's stage ``k``
+    runs on companion ``k``). This module's own: destroyed at exit or by :func:`destroy_companions`."""
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
-    if (ranks, index) not in _COMPANIONS:
-        _COMPANIONS[ranks, index] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _COMPANIONS[ranks, index]
+    group = _COMPANIONS.get((ranks, index))
+    if group is None or not _registered(group):
+        group = _COMPANIONS[ranks, index] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return group
+
+
+def destroy_companions() -> int:
+    """Destroy the companion groups this module made (:func:`companion_group`) that torch.distributed
+    still knows and that have no collective of ours in flight; returns how many. Local, not a
+    collective. Runs at exit by itself; call it to release them earlier (after the last step of every
+    front-end over their ranks: a later step makes them again, on every rank alike)."""
+    done = 0
+    for key, group in list(_COMPANIONS.items()):
+        if not _registered(group):  # the user's dist.destroy_process_group() destroyed it
+            del _COMPANIONS[key]
+        elif not IN_FLIGHT.busy(group):
+            dist.destroy_process_group(group)
+            del _COMPANIONS[key]
+            done += 1
+    return done
+
+
+def _registered(group) -> bool:
+    """Whether torch.distributed still knows ``group`` (not destroyed, not from an earlier init)."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, KeyError, RuntimeError):
+        return False
+    return True
 
 
 def _local_size(process_group, rank: int, size: int) -> int:
@@ -279,6 +362,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._watched: list[tuple[float, SettleOnce]] = []
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def watch(self, settle: SettleOnce) -> None:
         if settle.seconds == float("inf"):
@@ -286,12 +370,21 @@ class Watchdog:
         with self._lock:
             self._watched.append((time.monotonic() + settle.seconds, settle))
             if self._thread is None:
+                self._stop.clear()
                 self._thread = threading.Thread(target=self._run, name="horovod-alq-watchdog", daemon=True)
                 self._thread.start()
 
+    def stop(self) -> None:
+        """End the thread and wait for it (at exit: it may be failing a future, in C++, when the
+        interpreter finalizes); a later :meth:`watch` starts another."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join(timeout=2 * self.PERIOD + 1)
+
     def _run(self) -> None:
-        while True:
-            time.sleep(self.PERIOD)
+        while not self._stop.wait(self.PERIOD):
             now = time.monotonic()
             with self._lock:
                 due = [s for d, s in self._watched if d <= now and not s.settled]
@@ -301,3 +394,16 @@ class Watchdog:
 
 
 WATCHDOG = Watchdog()
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Before the interpreter finalizes: stop the watchdog, wait for the callbacks still running on
+    backend threads, destroy the companion groups that have nothing in flight (where nothing else
+    holds one, its threads are joined now, not while the interpreter finalizes)."""
+    WATCHDOG.stop()
+    _CALLBACKS.drain()
+    try:
+        destroy_companions()
+    except Exception:  # noqa: BLE001 - at exit: a teardown that fails leaves the group to the process's end
+        pass

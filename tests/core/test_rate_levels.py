@@ -75,9 +75,9 @@ def test_quantizer_and_settings():
     "keywords, match",
     [
         ({"bits": 4, "code_entropy": 2.5}, "needs wire='entropy'"),
-        ({"bits": 4, "wire": "entropy", "code_entropy": 4.5}, "code_entropy must be a number of bits"),
-        ({"bits": 4, "wire": "entropy", "code_entropy": 0.5}, "code_entropy must be a number of bits"),
-        ({"bits": 4, "wire": "entropy", "code_entropy": "2"}, "code_entropy must be a number of bits"),
+        ({"bits": 4, "wire": "entropy", "code_entropy": 4.5}, "code_entropy must be a positive number of bits"),
+        ({"bits": 4, "wire": "entropy", "code_entropy": 0.0}, "code_entropy must be a positive number of bits"),
+        ({"bits": 4, "wire": "entropy", "code_entropy": "2"}, "code_entropy must be a positive number of bits"),
         ({"method": "amq", "bits": 4, "wire": "entropy", "code_entropy": 2.5}, "needs alq or alq-n"),
         ({"bits": "auto", "wire": "entropy", "code_entropy": 2.5}, "not bits='auto'"),
     ],
@@ -88,7 +88,7 @@ def test_bad_values_are_refused(keywords, match):
 
 
 @pytest.mark.parametrize("norm", ["linf", "l2"])
-@pytest.mark.parametrize("bits, target", [(3, 1.0), (4, 1.5), (4, 2.8), (5, 2.0)])
+@pytest.mark.parametrize("bits, target", [(3, 0.5), (4, 1.5), (4, 2.8), (5, 2.0)])
 def test_low_targets_keep_the_levels_distinct(norm, bits, target):
     """A low target makes merging levels pay (fewer effective levels): the gaps keep MIN_GAP, so the
     levels stay strictly increasing in float32, from the Gaussian start and after a refit."""
