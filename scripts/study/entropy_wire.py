@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     kernel = "compiled" if cpu_build.load() is not None else "numpy"
     bits = [int(b) for b in args.bits.split(",")]
     grads = {"GPT (AdamW)": gpt_gradient(args), "CNN (SGD)": cnn_gradient(args)}
-    rows = {name: [measure(g, m, b, args.bucket_size) for m in METHODS for b in bits] for name, g in grads.items()}
+    rows = {name: rows_for(g, bits, args.bucket_size) for name, g in grads.items()}
     timing = speed(grads["GPT (AdamW)"], args.speed_coordinates, args.repeats, args.bucket_size)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
