@@ -76,6 +76,7 @@ LABELS = {
     "hvd-alq-flat": "ALQ 3 bits, flat two-phase",
     "hvd-alq4-entropy": 'ALQ 4 bits, wire="entropy"',
     "hvd-alq4-rate": 'ALQ 4 bits, wire="entropy", code_entropy=2.8',
+    "hvd-alq4-rate21": 'ALQ 4 bits, wire="entropy", code_entropy=2.1',
     "local": "no exchange (compute alone)",
 }
 ROWS = list(LABELS)
@@ -115,6 +116,7 @@ def build_row(key: str, args, vocab: int, hvd, plain_args) -> dict:
             "hvd-alq-flat": lambda: ALQCompressor(bits=3, exchange="two-phase", seed=args.seed),
             "hvd-alq4-entropy": lambda: ALQCompressor(bits=4, wire="entropy", seed=args.seed),
             "hvd-alq4-rate": lambda: ALQCompressor(bits=4, wire="entropy", code_entropy=2.8, seed=args.seed),
+            "hvd-alq4-rate21": lambda: ALQCompressor(bits=4, wire="entropy", code_entropy=2.1, seed=args.seed),
         }[key]()
         # names prefixed by the row: Horovod's response cache never sees one name in two rows
         row["opt"] = hvd.DistributedOptimizer(
