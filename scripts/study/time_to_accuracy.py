@@ -802,6 +802,10 @@ def main(argv=None) -> int:
         args.nodes, args.ranks_per_node = (int(v) for v in args.layout.lower().split("x"))
     except ValueError:
         p.error(f"--layout {args.layout!r}: expected KxG, e.g. 2x2")
+    if args.teardown_only:  # nothing else: not the page either
+        import scripts.bench.network as net
+
+        return net.preflight("scripts.study.time_to_accuracy", True) or 0
     out_dir = Path(args.out_dir)
     data = out_dir / "data"
     raw = data / f"{STEM}_raw"
