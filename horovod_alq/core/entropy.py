@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from .packing import pack_codes, packed_size, unpack_codes
-from .wire import HEADER_SIZE, bucket_lengths, num_buckets, parse_header
+from .wire import HEADER_SIZE, Header, bucket_lengths, num_buckets, parse_header
 
 #: The wire formats a front-end may put on the network (``Settings.wire``).
 WIRES = ("fixed", "entropy")
@@ -253,11 +253,13 @@ def raw_frame(data: np.ndarray) -> np.ndarray:
     return _frame(RAW, [data], data.size)
 
 
-def code_payload(payload: np.ndarray) -> np.ndarray:
-    """The frame of one plain fixed-length payload (header already validated by the caller): coded,
-    or raw where coding would not make it smaller."""
+def code_payload(payload: np.ndarray, header: Header | None = None) -> np.ndarray:
+    """The frame of one fixed-length payload (``header``: its parsed header, if the caller has it):
+    coded, or raw where it is mixed (bits 0) or coding would not make it smaller."""
     payload = np.asarray(payload, dtype=np.uint8).ravel()
-    header = parse_header(payload)
+    header = parse_header(payload) if header is None else header
+    if header.bits == 0:
+        return raw_frame(payload)
     n, d, bits = header.numel, header.bucket_size, header.bits
     b = num_buckets(n, d)
     codes = payload[HEADER_SIZE + 4 * b :]
@@ -337,18 +339,18 @@ def decode_frame(frame: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------- the wire
-def _plain_payloads(buf: np.ndarray) -> list[tuple[int, int]] | None:
-    """``(offset, size)`` of each payload if ``buf`` is a run of valid fixed-length payloads, else None."""
+def _plain_payloads(buf: np.ndarray) -> list[tuple[int, Header]] | None:
+    """``(offset, header)`` of each payload if ``buf`` is a run of valid fixed-length payloads, else None."""
     out, pos = [], 0
     while pos < buf.size:
         try:
-            size = parse_header(buf[pos:]).payload_size
+            header = parse_header(buf[pos:])
         except ValueError:
             return None
-        if pos + size > buf.size:
+        if pos + header.payload_size > buf.size:
             return None
-        out.append((pos, size))
-        pos += size
+        out.append((pos, header))
+        pos += header.payload_size
     return out
 
 
@@ -361,10 +363,7 @@ def encode_wire(buf: np.ndarray) -> np.ndarray:
     parts = _plain_payloads(buf)
     if parts is None:
         return raw_frame(buf)
-    frames = []
-    for pos, size in parts:
-        payload = buf[pos : pos + size]
-        frames.append(code_payload(payload) if payload[4] != 0 else raw_frame(payload))
+    frames = [code_payload(buf[pos : pos + h.payload_size], h) for pos, h in parts]
     return frames[0] if len(frames) == 1 else np.concatenate(frames)
 
 
