@@ -263,14 +263,16 @@ class Quantizer:
         self._store_levels(arr)
 
     def state_dict(self) -> dict:
-        """Configuration and adaptive state: levels, multiplier and the random generator's state."""
+        """Configuration and adaptive state: levels, multiplier and the random generator's state, in
+        plain Python types (the levels a list of exact float64 values), so that ``torch.load``'s
+        default ``weights_only=True`` and any pickle-free format take it."""
         return {
             "method": self.method,
             "bits": self.bits,
             "bucket_size": self.bucket_size,
             "norm": self.norm,
-            "levels": self.levels,
-            "multiplier": self._multiplier,
+            "levels": [float(v) for v in self.levels],
+            "multiplier": None if self._multiplier is None else float(self._multiplier),
             "rng": self._rng.bit_generator.state,
         }
 

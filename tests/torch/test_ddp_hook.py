@@ -3,6 +3,7 @@ keys, state round trip and argument checks. The multi-rank behaviour: test_ddp_r
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import pytest
@@ -49,6 +50,14 @@ def test_state_round_trip_and_checks(group):
     other = ALQState(method="alq", bucket_size=64, seed=9)
     other.load_state_dict(saved)
     assert (other.levels == state.levels).all() and other.metrics()["step"] == 1 and other.seed == 3
+    for method, bits in (("alq", 3), ("amq", 3), ("alq", "auto")):  # torch.load's default weights_only=True
+        kept = ALQState(method=method, bits=bits, bucket_size=64, seed=3)
+        buf = io.BytesIO()
+        torch.save({"alq": kept.state_dict()}, buf)
+        buf.seek(0)
+        back = ALQState(method=method, bits=bits, bucket_size=64)
+        back.load_state_dict(torch.load(buf)["alq"])
+        assert (back.levels == kept.levels).all() and back.metrics()["multiplier"] == kept.metrics()["multiplier"]
     clone = pickle.loads(pickle.dumps(state))
     assert (clone.levels == state.levels).all() and clone.min_size == 16
     with pytest.raises(ValueError, match="other settings"):
