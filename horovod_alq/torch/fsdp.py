@@ -301,6 +301,28 @@ def quantize_reduce_scatter(model: torch.nn.Module, comm: ALQReduceScatter | Non
             f"torch.distributed.fsdp.fully_shard on its blocks and on the model first"
         )
     for module in modules:
+        if _all_reduce_only(module):
+            raise ValueError(
+                f"{PREFIX}: FSDP reduces the gradients of this {type(module).__name__} with its own "
+                "all_reduce alone (replicate(), or a mesh whose shard dimension has one rank): FSDP2 calls "
+                "a custom reduce-scatter only over a shard group of several ranks and has no custom "
+                "all-reduce, so ALQ would never run. Use DDP with horovod_alq.torch.ddp.alq_hook, or "
+                "fully_shard over the data-parallel ranks"
+            )
         module.set_custom_reduce_scatter(comm)
         comm.record_layout(module)
     return comm
+
+
+def _all_reduce_only(module) -> bool:
+    """Whether FSDP reduces ``module``'s gradients by a float all_reduce across replicas without a
+    reduce-scatter of several ranks (``replicate()``; HSDP with one rank per shard group)."""
+    try:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+    except AttributeError:
+        return False
+    for group in groups:
+        info = group.mesh_info
+        if getattr(info, "shard_mesh_size", 1) == 1 and getattr(info, "replicate_mesh_size", 1) > 1:
+            return True
+    return False
