@@ -328,3 +328,59 @@ def test_entropy_wire_gives_the_fixed_wires_results(launched, launched_entropy, 
         # on one node the hierarchical exchanges send float32 sums (raw frames: 24 bytes more each)
         bound = 1.01 if exchange.startswith("hierarchical") else 1.0
         assert c["wire_coded_bytes"] < bound * c["wire_fixed_bytes"], (frontend, exchange, rank, c)
+
+
+# ------------------------------------------------------------------ golden rounds (refactoring guard)
+GOLDEN = ROOT / "tests" / "data" / "golden_conformance.json"
+UPDATE_GOLDEN = "HOROVOD_ALQ_UPDATE_GOLDEN"
+
+
+def _signature() -> dict:
+    """What the recorded digests depend on besides the code: the packages' versions and the CPU
+    kernels torch picked (another vector width may sum floats in another order)."""
+    import platform
+
+    import torch
+
+    return {"machine": platform.machine(), "torch": torch.__version__, "numpy": np.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+
+
+def _fingerprint(infos: list) -> dict:
+    """One (method, exchange) run: the digest of every round's output on every rank, levels, bytes."""
+    import hashlib
+
+    rounds = hashlib.sha1("".join(d for info in infos for d in info["digests"]).encode()).hexdigest()
+    return {"rounds": rounds, "levels": infos[0]["levels"], "bytes_sent": [i["bytes_sent"][0] for i in infos]}
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_golden_rounds(launched, frontend):
+    """Every front-end, exchange and method gives the recorded results, bit for bit: the rounds'
+    output digests on every rank, the levels and the bytes of tests/data/golden_conformance.json.
+    A change that alters results on purpose (a wire format, a rounding rule) re-records them with
+    ``HOROVOD_ALQ_UPDATE_GOLDEN=1 pytest tests/test_conformance.py -k golden`` and says why in its
+    commit; a refactoring must leave them alone. Skipped on machines whose signature differs from
+    the recording's (another CPU kernel width may sum floats in another order)."""
+    import json
+
+    reports, _ = launched(frontend)
+    keys = sorted(reports[0]["runs"])
+    found = {
+        key: _fingerprint([r["runs"][key] for r in reports])
+        for key in keys
+        if reports[0]["runs"][key].get("error") is None
+    }
+    stored = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {"signature": _signature(), "frontends": {}}
+    if os.environ.get(UPDATE_GOLDEN) == "1":
+        stored["signature"] = _signature()
+        stored["frontends"][frontend] = found
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+        return
+    if stored["signature"] != _signature():
+        pytest.skip(f"recorded on {stored['signature']}, this machine is {_signature()}")
+    golden = stored["frontends"].get(frontend)
+    assert golden is not None, f"no golden rounds for {frontend}: record them with {UPDATE_GOLDEN}=1"
+    differ = sorted(k for k in set(golden) | set(found) if golden.get(k) != found.get(k))
+    assert not differ, f"{frontend}: results differ from the recorded ones for {differ}"
