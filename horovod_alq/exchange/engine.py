@@ -61,6 +61,7 @@ from . import (
     node_reduce_scatter,
     recovery,
     reduce_scatter,
+    topology,
     two_phase,
 )
 from .driver import Started, run
@@ -141,7 +142,7 @@ def requantizes(exchange: str) -> bool:
 
 def exchange_for(exchange: str, transport: Transport) -> str:
     """:func:`choose_exchange` for ``transport``'s ranks and nodes."""
-    return choose_exchange(exchange, transport.size, hierarchical.local_size(transport))
+    return choose_exchange(exchange, transport.size, topology.local_size(transport))
 
 
 @dataclass(eq=False)
@@ -386,7 +387,7 @@ class Engine:
         return dict(
             method=get_method(q.method).id,
             bits=0 if auto else q.bits,
-            local_size=hierarchical.local_size(transport),
+            local_size=topology.local_size(transport),
             budget=round(1000 * auto.budget) if auto else 0,
             bucket_size=q.bucket_size,
             norm=("l2", "linf").index(q.norm),

@@ -1,6 +1,6 @@
 """Hierarchical exchange: exact inside a node, quantized only between nodes.
 
-The ranks form nodes of ``G`` consecutive ranks (the transport's ``local_size``: rank ``r`` is on
+The ranks form nodes of ``G`` consecutive ranks (:func:`.topology.local_size`: rank ``r`` is on
 node ``r // G``, local rank ``r % G``). Each buffer is cut into ``G`` shards of whole buckets; local
 rank ``j`` owns shard ``j``. Three collectives per buffer, each a global alltoall in which ranks
 outside a group exchange nothing (so no process set has to be registered):
@@ -27,63 +27,25 @@ every rank raises after the last collective (none waits in a collective another 
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
-from .interfaces import Tensor, Transport
+from .interfaces import Tensor
 from .job import Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
 from .plan import BufferPlan, alltoall_bytes, sizes, total
+from .topology import local_size
 from .two_phase import shards
 
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 3
 NAME = "hierarchical"
-#: The environment variable that declares nodes of that many consecutive ranks.
-LOCAL_SIZE_ENV = "HOROVOD_ALQ_LOCAL_SIZE"
 #: This exchange quantizes the node sums, not the rank's own values: it collects the first
 #: quantizer's statistics itself (``Job.first_statistics``).
 OWN_FIRST_STATISTICS = True
-
-
-def local_size_from_env(size: int) -> int | None:
-    """``$HOROVOD_ALQ_LOCAL_SIZE`` when set (checked to divide ``size``), else None."""
-    raw = os.environ.get(LOCAL_SIZE_ENV)
-    if raw is None or raw == "":
-        return None
-    try:
-        g = int(raw)
-    except ValueError:
-        raise ValueError(f"{LOCAL_SIZE_ENV} must be a whole number of ranks per node, got {raw!r}") from None
-    if g < 1 or size % g:
-        raise ValueError(f"{LOCAL_SIZE_ENV}={g} does not divide the {size} ranks into nodes of equal size")
-    return g
-
-
-def resolve_local_size(size: int, rank: int, launcher: tuple[int, int] | None) -> int:
-    """The ranks per node of a group of ``size``: ``$HOROVOD_ALQ_LOCAL_SIZE`` when set, else the
-    launcher's ``(local size, local rank)`` when its nodes are runs of consecutive ranks of that size
-    (this rank's local rank is its place in its run), else ``size`` (one node). What every
-    transport's ``local_size`` is."""
-    declared = local_size_from_env(size)
-    if declared is not None:
-        return declared
-    if launcher is None:
-        return size
-    g, local = launcher
-    return g if 0 < g <= size and size % g == 0 and local == rank % g else size
-
-
-def local_size(transport: Transport) -> int:
-    """The ranks per node of ``transport`` (its ``local_size``; all ranks one node when it has none)."""
-    g = int(getattr(transport, "local_size", 0) or transport.size)
-    if g < 1 or transport.size % g:
-        raise ValueError(f"{PREFIX}: {g} ranks per node do not divide the {transport.size} ranks")
-    return g
 
 
 def plan(

@@ -32,10 +32,11 @@ import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
-from .hierarchical import cross_ranks, forward_in_node, forward_splits, local_size, node_sum, node_sum_splits, splits
+from .hierarchical import cross_ranks, forward_in_node, forward_splits, node_sum, node_sum_splits, splits
 from .job import Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
 from .plan import BufferPlan, alltoall_bytes, sizes, total
+from .topology import local_size
 from .two_phase import shards, sum_shard
 
 #: Collectives per buffer (a streamed round gives each its own transport).

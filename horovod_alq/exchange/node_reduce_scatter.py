@@ -1,7 +1,7 @@
 """Node-aware reduce-scatter (FSDP2 across nodes): exact inside a node, codes only between nodes.
 
 The buffer is N shards of ``S`` (shard ``r`` is rank ``r``'s, as in :mod:`.reduce_scatter`); the
-ranks form nodes of ``G`` consecutive ranks (:func:`.hierarchical.local_size`). Two collectives,
+ranks form nodes of ``G`` consecutive ranks (:func:`.topology.local_size`). Two collectives,
 global alltoalls in which ranks outside a group exchange nothing:
 
 1. exact reduce-scatter inside the node: local rank ``j`` receives, from every rank of its node,
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hierarchical import local_size
 from .job import Alltoall, Job, Piece, Steps
 from .payloads import check_segments
 from .reduce_scatter import shard_bounds, span  # noqa: F401 - span: where the result lies
+from .topology import local_size
 
 #: Collectives per buffer.
 STAGES = 2

@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core.protocol import resolve_timeout, wait_for
-from ..exchange.hierarchical import resolve_local_size
+from ..exchange.topology import resolve_local_size
 
 
 class MpiTransport:

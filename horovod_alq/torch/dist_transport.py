@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.protocol import resolve_timeout, timeout_error, wait_for
-from ..exchange.hierarchical import resolve_local_size
+from ..exchange.topology import resolve_local_size
 
 #: ``all_gather_into_tensor`` is called ``all_gather_single`` from PyTorch 2.13 on (the old name warns).
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -310,7 +310,7 @@ def _registered(group) -> bool:
 
 def _local_size(process_group, rank: int, size: int) -> int:
     """The ranks per node of a group (see :class:`DistTransport`): torchrun's ``LOCAL_WORLD_SIZE`` and
-    ``LOCAL_RANK`` for the world group (:func:`~horovod_alq.exchange.hierarchical.resolve_local_size`)."""
+    ``LOCAL_RANK`` for the world group (:func:`~horovod_alq.exchange.topology.resolve_local_size`)."""
     launcher = None
     if process_group is None or process_group == dist.group.WORLD:
         try:

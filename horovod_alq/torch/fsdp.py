@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..core.protocol import PREFIX, shape_hash, stable_hash
-from ..exchange import hierarchical, node_reduce_scatter
+from ..exchange import node_reduce_scatter, topology
 from ..exchange.reduce_scatter import NAME
 from ..settings import Settings
 from .dist_state import COMPRESSIBLE, StreamedState
@@ -125,7 +125,7 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
     def _exchange_for(self, transport) -> str:
         """The reduce-scatter of a call over ``transport``'s ranks: node-aware when the settings'
         exchange is "hierarchical", or "auto" and the ranks span several nodes of several ranks."""
-        g = hierarchical.local_size(transport)
+        g = topology.local_size(transport)
         spans = 1 < g < transport.size
         return node_reduce_scatter.NAME if self.settings.exchange == "hierarchical" or spans else NAME
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..core.protocol import resolve_timeout, wait_for
-from ..exchange.hierarchical import resolve_local_size
+from ..exchange.topology import resolve_local_size
 
 
 def hvd():
@@ -80,6 +80,6 @@ class HorovodTransport:
 
 
 def _local_size(h, ranks, rank: int, size: int) -> int:
-    """Ranks per node of a process set (:func:`~horovod_alq.exchange.hierarchical.resolve_local_size`):
+    """Ranks per node of a process set (:func:`~horovod_alq.exchange.topology.resolve_local_size`):
     Horovod's ``local_size()`` and ``local_rank()`` for the global set."""
     return resolve_local_size(size, rank, (int(h.local_size()), int(h.local_rank())) if ranks is None else None)

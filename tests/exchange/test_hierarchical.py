@@ -11,7 +11,7 @@ from helpers import assert_zero_mean
 
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.core.quantizer import Quantizer
-from horovod_alq.exchange import hierarchical
+from horovod_alq.exchange import topology
 from horovod_alq.exchange.engine import MAX_STAGES, choose_exchange
 from horovod_alq.exchange.layout import plan_layout
 from horovod_alq.exchange.numpy_ops import NumpyOps
@@ -255,14 +255,14 @@ def test_an_invalid_payload_between_nodes_raises_on_every_rank(exchange, bad):
 
 
 def test_local_size_from_the_environment(monkeypatch):
-    monkeypatch.setenv(hierarchical.LOCAL_SIZE_ENV, "2")
-    assert hierarchical.local_size_from_env(4) == 2
-    monkeypatch.setenv(hierarchical.LOCAL_SIZE_ENV, "3")
+    monkeypatch.setenv(topology.LOCAL_SIZE_ENV, "2")
+    assert topology.local_size_from_env(4) == 2
+    monkeypatch.setenv(topology.LOCAL_SIZE_ENV, "3")
     with pytest.raises(ValueError, match="does not divide the 4 ranks"):
-        hierarchical.local_size_from_env(4)
-    monkeypatch.setenv(hierarchical.LOCAL_SIZE_ENV, "two")
+        topology.local_size_from_env(4)
+    monkeypatch.setenv(topology.LOCAL_SIZE_ENV, "two")
     with pytest.raises(ValueError, match="whole number"):
-        hierarchical.local_size_from_env(4)
+        topology.local_size_from_env(4)
 
 
 @pytest.mark.parametrize("exchange", ["reduce-scatter", "hierarchical-reduce-scatter"])
@@ -296,10 +296,10 @@ def test_node_reduce_scatter_keeps_each_shard_and_sends_one_gth_between_nodes(ex
 
 
 def test_resolve_local_size_takes_a_consistent_launcher_layout_only(monkeypatch):
-    monkeypatch.delenv(hierarchical.LOCAL_SIZE_ENV, raising=False)
-    assert hierarchical.resolve_local_size(8, 5, (4, 1)) == 4  # rank 5 is local rank 1 of nodes of 4
-    assert hierarchical.resolve_local_size(8, 5, (4, 0)) == 8  # not consecutive: one node
-    assert hierarchical.resolve_local_size(8, 5, (3, 2)) == 8  # does not divide the ranks
-    assert hierarchical.resolve_local_size(8, 5, None) == 8
-    monkeypatch.setenv(hierarchical.LOCAL_SIZE_ENV, "2")
-    assert hierarchical.resolve_local_size(8, 5, (4, 1)) == 2  # the declaration wins
+    monkeypatch.delenv(topology.LOCAL_SIZE_ENV, raising=False)
+    assert topology.resolve_local_size(8, 5, (4, 1)) == 4  # rank 5 is local rank 1 of nodes of 4
+    assert topology.resolve_local_size(8, 5, (4, 0)) == 8  # not consecutive: one node
+    assert topology.resolve_local_size(8, 5, (3, 2)) == 8  # does not divide the ranks
+    assert topology.resolve_local_size(8, 5, None) == 8
+    monkeypatch.setenv(topology.LOCAL_SIZE_ENV, "2")
+    assert topology.resolve_local_size(8, 5, (4, 1)) == 2  # the declaration wins
