@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Quantization error of the hierarchical exchange against the flat ones, on real gradients.
 
-N ranks (threads of one process standing for them, scripts/common/threaded.py) in nodes of G
+N ranks (threads of one process standing for them, horovod_alq.testing) in nodes of G
 consecutive ranks each compute the gradient of their own minibatch of the demo CNN (MNIST digits)
 or of the character GPT (scripts/common/gpt.py), after --warmup steps of plain training. Every
 exchange runs the real engine (horovod_alq.exchange, NumPy codec, ALQ levels fitted in a first round
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from scripts.common.threaded import Hub
+from horovod_alq.testing import Hub
 
 ROWS = [
     ("flat allgather", "allgather", 3),

@@ -1,4 +1,4 @@
-"""bits="auto" in the exchange engine, with ranks as threads (tests/exchange/threaded.py) and the
+"""bits="auto" in the exchange engine, with ranks as threads (horovod_alq.testing) and the
 NumPy codec: the allocation every rank reaches, mixed widths in one fusion buffer, unbiasedness,
 refusals. The same across real Horovod ranks: tests/torch/test_compressor_ranks.py."""
 
@@ -9,7 +9,7 @@ from helpers import assert_zero_mean
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from scripts.common.threaded import exchange_round, start_early
+from horovod_alq.testing import exchange_round, start_early
 
 SCALES = (100.0, 1.0, 0.01, 3.0)  # the gradients of four tensors differ by orders of magnitude
 SIZES = (300, 500, 200, 640)

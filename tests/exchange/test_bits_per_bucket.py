@@ -11,7 +11,7 @@ from horovod_alq.core.bucket_widths import mixed_payload_size
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from scripts.common.threaded import exchange_round, start_early
+from horovod_alq.testing import exchange_round, start_early
 
 D = 64
 SIZES = (900, 1300, 640)

@@ -13,7 +13,7 @@ from horovod_alq.exchange.engine import EXCHANGES
 from horovod_alq.exchange.entropy_wire import EntropyTransport
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from scripts.common.threaded import Hub
+from horovod_alq.testing import Hub
 
 D = 256
 SIZES = (5000, 3000, 1500)

@@ -16,7 +16,7 @@ from horovod_alq.exchange.engine import MAX_STAGES, choose_exchange
 from horovod_alq.exchange.layout import plan_layout
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from scripts.common.threaded import Hub, ThreadTransport
+from horovod_alq.testing import Hub, ThreadTransport
 
 D = 64
 BOTH = ("hierarchical", "hierarchical-two-phase")

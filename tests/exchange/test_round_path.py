@@ -9,7 +9,7 @@ import pytest
 
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from scripts.common.threaded import exchange_round
+from horovod_alq.testing import exchange_round
 
 ROOT_FILE = "exchange/engine.py"
 

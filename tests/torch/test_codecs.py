@@ -803,8 +803,8 @@ def test_mixed_widths_in_one_buffer_sum_unbiased_on_every_backend(codec, exchang
     from helpers import assert_zero_mean
 
     from horovod_alq.settings import Settings, configure
+    from horovod_alq.testing import exchange_round
     from horovod_alq.torch.ops import TorchOps
-    from scripts.common.threaded import exchange_round
 
     slow = codec.name == "triton"
     if slow and exchange == "two-phase":

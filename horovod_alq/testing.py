@@ -1,6 +1,6 @@
 """Ranks as threads of one process: a transport whose collectives pair by name (as Horovod's do),
 for fast multi-rank tests and studies of the engine's rounds (``Hub(size, local_size=G)``: nodes of G
-consecutive ranks). Real processes: tests/torch, tests/mpi."""
+consecutive ranks). The tests and scripts/study use it; real processes: tests/torch, tests/mpi."""
 
 from __future__ import annotations
 
