@@ -380,7 +380,7 @@ class Engine:
         return on_wire(transport, ops, self.wire, self.state)
 
     # ------------------------------------------------------------------ the round
-    def _settings(self, exchange: str, epoch: int, collecting: bool, transport: Transport) -> dict:
+    def _handshake_fields(self, exchange: str, epoch: int, collecting: bool, transport: Transport) -> dict:
         """The handshake fields every rank must share: settings, levels, round number, refit flag,
         and the node layout (ranks per node)."""
         q, st, auto = self.quantizer, self.state, self.state.auto
@@ -464,7 +464,7 @@ class Engine:
             min_size=int(min_size),
             elements=int(elements),
             order=int(order),
-            **self._settings(exchange, epoch, refit, transport),
+            **self._handshake_fields(exchange, epoch, refit, transport),
         )
         read_handshake(transport.allreduce_max(vec, f"{prefix}.handshake"), error, fields=STREAM_FIELDS)
         st.step += 1
@@ -491,7 +491,7 @@ class Engine:
         order = tuple((e.numel, e.shape_code) for e in live)
         fields = dict(
             error=int(local_error is not None or any(e.error is not None for e in live)),
-            **self._settings(exchange, epoch, collecting, transport),
+            **self._handshake_fields(exchange, epoch, collecting, transport),
             tensors=len(live),
             elements=sum(e.numel for e in live),
             contents=stable_hash(tuple(sorted(order))),
@@ -740,7 +740,7 @@ class Engine:
             fields=REFIT_FIELDS,
             error=int(error is not None),
             recorded=recorded,
-            **self._settings(exchange, self.state.step, True, transport),
+            **self._handshake_fields(exchange, self.state.step, True, transport),
         )
         read_handshake(transport.allreduce_max(vec, name), error, fields=REFIT_FIELDS)
 

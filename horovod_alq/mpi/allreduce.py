@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import frontends
+from .. import compressor_mixins as mixins
 from ..core.methods import get_method
 from ..core.protocol import CollectiveTimeout, ProtocolError, error_text, stable_hash
 from ..core.quantizer import Quantizer
@@ -26,7 +26,7 @@ _PREFIX = "horovod_alq.mpi"
 _OPS = ("average", "sum")
 
 
-class QuantizedAllreduce(frontends.Configured):
+class QuantizedAllreduce(mixins.Configured):
     """Average NumPy arrays over an mpi4py communicator with quantized payloads.
 
     Every rank encodes its array, the payloads are exchanged, and every rank decodes and averages

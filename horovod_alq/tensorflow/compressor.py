@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from .. import frontends
+from .. import compressor_mixins as mixins
 from ..core import protocol
 from ..core.auto_bits import AUTO_WIDTHS
 from ..core.methods import get_method
@@ -79,8 +79,8 @@ class _PassThrough:
     restore: Any = None  # graph.passthrough's: how to give the reduced tensor its shape back
 
 
-class _ClassOrInstance(frontends.ClassOrInstance):
-    """:class:`frontends.ClassOrInstance` whose method autograph leaves alone: it is plain Python
+class _ClassOrInstance(mixins.ClassOrInstance):
+    """:class:`mixins.ClassOrInstance` whose method autograph leaves alone: it is plain Python
     over static shapes, called from inside tf.function."""
 
     def __init__(self, func):
@@ -88,7 +88,7 @@ class _ClassOrInstance(frontends.ClassOrInstance):
         self.__doc__ = func.__doc__
 
 
-class QuantizedCompressor(SetMembership, GraphExchanges, frontends.PerProcessSet, frontends.CompressorBase, tf.Module):
+class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, mixins.CompressorBase, tf.Module):
     """Base class: a Horovod ``compression=`` object for one quantization method (TensorFlow).
 
     A ``tf.Module``: its state (levels, :class:`~horovod_alq.core.rounds.RoundState`'s counters,
@@ -238,7 +238,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, frontends.PerProcessSet
         other = self._for_calling_process_set()
         if other is not None:
             small, ctx = other.compress(tensor)
-            return small, frontends.Delegated(other, ctx)
+            return small, mixins.Delegated(other, ctx)
         self._names()  # claimed at the first compress of any tensor (every rank of the allreduce calls it)
         tensor = tf.convert_to_tensor(tensor)
         numel = tensor.shape.num_elements()
@@ -358,7 +358,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, frontends.PerProcessSet
         the original shape and dtype."""
         if ctx is None:
             return tensor
-        if isinstance(ctx, frontends.Delegated):
+        if isinstance(ctx, mixins.Delegated):
             return ctx.compressor.decompress(tensor, ctx.ctx)
         if isinstance(ctx, _PassThrough):
             return graph.restore(
@@ -456,7 +456,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, frontends.PerProcessSet
         return QuantizedCompressor(process_set=process_set, settings=self.settings, jit_compile=self.jit_compile)
 
 
-class ALQCompressor(frontends.ALQ, QuantizedCompressor):
+class ALQCompressor(mixins.ALQ, QuantizedCompressor):
     """ALQ for Horovod TensorFlow: levels fitted by coordinate descent to the gradients'
     statistics (``normless=True``: ALQ-N).
 
@@ -465,21 +465,21 @@ class ALQCompressor(frontends.ALQ, QuantizedCompressor):
     :class:`QuantizedCompressor`."""
 
 
-class AMQCompressor(frontends.AMQ, QuantizedCompressor):
+class AMQCompressor(mixins.AMQ, QuantizedCompressor):
     """AMQ for Horovod TensorFlow: levels ``+-{p**s, ..., p, 1}`` with the multiplier ``p`` adapted
     (``normless=True``: AMQ-N). Keywords as :class:`ALQCompressor`."""
 
 
-class QSGDCompressor(frontends.QSGD, QuantizedCompressor):
+class QSGDCompressor(mixins.QSGD, QuantizedCompressor):
     """QSGD for Horovod TensorFlow, uniform levels: ``norm="linf"`` (default) is QSGDinf, ``norm="l2"``
     the original QSGD. Other keywords: those of :class:`QuantizedCompressor`."""
 
 
-class NUQSGDCompressor(frontends.NUQSGD, QuantizedCompressor):
+class NUQSGDCompressor(mixins.NUQSGD, QuantizedCompressor):
     """NUQSGD for Horovod TensorFlow: fixed exponential levels ``+-{2**-s, ..., 1/2, 1}``, L2 buckets."""
 
 
-class TernGradCompressor(frontends.TernGrad, QuantizedCompressor):
+class TernGradCompressor(mixins.TernGrad, QuantizedCompressor):
     """TernGrad for Horovod TensorFlow: levels {-1, 0, 1} times the bucket's max-abs, 2 bits per
     coordinate (``bits`` other than 2 is refused)."""
 
@@ -488,4 +488,4 @@ def compressor_for(method: str, **kwargs) -> QuantizedCompressor:
     """The compressor for a method name ("alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd",
     "terngrad"), with the classes' keywords: ``compressor_for("alq-n", bits=3)`` is
     ``ALQCompressor(bits=3, normless=True)``. TernGrad ignores ``bits`` (always 2)."""
-    return frontends.compressor_by_name(globals(), method, **kwargs)
+    return mixins.compressor_by_name(globals(), method, **kwargs)

@@ -14,14 +14,14 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from .. import frontends
+from .. import compressor_mixins as mixins
 from ..core import protocol
 from . import graph, waits
 
 
 def own_set(comp) -> bool:
     """Whether the Horovod collective calling ``comp.compress`` runs over ``comp``'s process set."""
-    calling = frontends.calling_process_set(comp.HOROVOD, depth=12)
+    calling = mixins.calling_process_set(comp.HOROVOD, depth=12)
     return calling is not None and calling.process_set_id == comp.process_set.process_set_id
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import frontends
+from .. import compressor_mixins as mixins
 from ..core.methods import get_method
 from ..core.protocol import (
     PREFIX,
@@ -90,7 +90,7 @@ class _QuantizedAllreduceGrad(torch.autograd.Function):
         return summed * ctx.scale, None, None, None
 
 
-class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
+class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
     """Base class: a Horovod ``compression=`` object for one quantization method.
 
     Parameters
@@ -176,13 +176,13 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         )
 
     # ------------------------------------------------------------------ Horovod interface
-    @frontends.ClassOrInstance
+    @mixins.ClassOrInstance
     def compress(self, tensor: torch.Tensor):
         """Record ``tensor`` for this round's exchange; return the control vector to allreduce."""
         other = self._for_calling_process_set()
         if other is not None:
             small, ctx = other.compress(tensor)
-            return small, frontends.Delegated(other, ctx)
+            return small, mixins.Delegated(other, ctx)
         if self._engine.uid is None:  # named at its first compress of any tensor (every rank calls it)
             ps = self._process_set if self._process_set is not None else hvd().global_process_set
             self._engine.uid = process_set_uid(ps)
@@ -209,7 +209,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         )
         small = torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device)
         source = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
-        calling = frontends.calling_process_set(self.HOROVOD, depth=10)
+        calling = mixins.calling_process_set(self.HOROVOD, depth=10)
         own_set = calling is not None and calling.process_set_id == transport.process_set.process_set_id
         ctx = _Exchange(entry, tensor.shape, tensor.dtype, tensor.device, source, own_set)
         # The framework holds ctx until decompress; if it drops ctx first (its allreduce raised), the
@@ -217,12 +217,12 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         weakref.finalize(ctx, entry.abandon)
         return small, ctx
 
-    @frontends.ClassOrInstance
+    @mixins.ClassOrInstance
     def decompress(self, tensor: torch.Tensor, ctx):
         """Exchange the round's codes (first call of a round) and return this tensor's reduced values."""
         if ctx is None:  # sparse gradients: Horovod reduced them itself
             return tensor
-        if isinstance(ctx, frontends.Delegated):
+        if isinstance(ctx, mixins.Delegated):
             return ctx.compressor.decompress(tensor, ctx.ctx)
         if isinstance(ctx, _PassThrough):
             out = tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
@@ -257,7 +257,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         return out
 
     # ------------------------------------------------------------------ metrics and state
-    @frontends.ClassOrInstance
+    @mixins.ClassOrInstance
     def metrics(self) -> dict:
         """``levels``, ``multiplier``, ``second_levels``, ``level_updates``, ``step``, ``calls``,
         ``payload_bytes`` (this rank's own payloads), ``coordinates``, ``uncompressed_coordinates``,
@@ -305,7 +305,7 @@ class QuantizedCompressor(frontends.PerProcessSet, frontends.CompressorBase):
         return QuantizedCompressor(process_set=process_set, settings=self.settings)
 
 
-class ALQCompressor(frontends.ALQ, QuantizedCompressor):
+class ALQCompressor(mixins.ALQ, QuantizedCompressor):
     """ALQ for Horovod PyTorch: levels fitted by coordinate descent to the gradients'
     statistics (``normless=True``: ALQ-N).
 
@@ -314,21 +314,21 @@ class ALQCompressor(frontends.ALQ, QuantizedCompressor):
     :class:`QuantizedCompressor`."""
 
 
-class AMQCompressor(frontends.AMQ, QuantizedCompressor):
+class AMQCompressor(mixins.AMQ, QuantizedCompressor):
     """AMQ for Horovod PyTorch: levels ``+-{p**s, ..., p, 1}`` with the multiplier ``p`` adapted
     (``normless=True``: AMQ-N). Keywords as :class:`ALQCompressor`."""
 
 
-class QSGDCompressor(frontends.QSGD, QuantizedCompressor):
+class QSGDCompressor(mixins.QSGD, QuantizedCompressor):
     """QSGD for Horovod PyTorch, uniform levels: ``norm="linf"`` (default) is QSGDinf, ``norm="l2"``
     the original QSGD. Other keywords: those of :class:`QuantizedCompressor`."""
 
 
-class NUQSGDCompressor(frontends.NUQSGD, QuantizedCompressor):
+class NUQSGDCompressor(mixins.NUQSGD, QuantizedCompressor):
     """NUQSGD for Horovod PyTorch: fixed exponential levels ``+-{2**-s, ..., 1/2, 1}``, L2 buckets."""
 
 
-class TernGradCompressor(frontends.TernGrad, QuantizedCompressor):
+class TernGradCompressor(mixins.TernGrad, QuantizedCompressor):
     """TernGrad for Horovod PyTorch: levels {-1, 0, 1} times the bucket's max-abs, 2 bits per
     coordinate (``bits`` other than 2 is refused)."""
 
@@ -337,4 +337,4 @@ def compressor_for(method: str, **kwargs) -> QuantizedCompressor:
     """The compressor for a method name ("alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd",
     "terngrad"), with the classes' keywords: ``compressor_for("alq-n", bits=3)`` is
     ``ALQCompressor(bits=3, normless=True)``. TernGrad ignores ``bits`` (always 2)."""
-    return frontends.compressor_by_name(globals(), method, **kwargs)
+    return mixins.compressor_by_name(globals(), method, **kwargs)

@@ -4,7 +4,7 @@ Each class here is a mixin that turns a scheme's own keywords (``normless=``, ``
 method name of :mod:`horovod_alq.core.methods` and calls the framework's base class with it;
 each framework declares its public classes on top of its base::
 
-    class ALQCompressor(frontends.ALQ, QuantizedCompressor): ...
+    class ALQCompressor(compressor_mixins.ALQ, QuantizedCompressor): ...
 
 so the keywords, defaults and checks exist once for both frameworks; so do the base pieces of
 their ``QuantizedCompressor`` (:class:`CompressorBase`, :class:`ClassOrInstance`) and the
