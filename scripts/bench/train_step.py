@@ -108,6 +108,8 @@ ROWS = [
     "hvd-alq-h",
     "hvd-alq-h4",
     "hvd-alq-h2p",
+    "hvd-alq-e",
+    "hvd-alq4-e",
     "ddp-fp32",
     "ddp-fp16",
     "ddp-bf16",
@@ -117,6 +119,8 @@ ROWS = [
     "ddp-alq-2p",
     "ddp-alq-h",
     "ddp-alq-h2p",
+    "ddp-alq-e",
+    "ddp-alq4-e",
 ]
 DEFAULT_ROWS = [
     "local",
@@ -160,10 +164,14 @@ LABELS = {
     "hvd-alq-h": "Horovod ALQ 3b, hierarchical",
     "hvd-alq-h4": "Horovod ALQ 4b, hierarchical",
     "hvd-alq-h2p": "Horovod ALQ 3b, hierarchical two-phase",
+    "hvd-alq-e": "Horovod ALQ 3b, auto, entropy wire",
+    "hvd-alq4-e": "Horovod ALQ 4b, auto, entropy wire",
     "ddp-bf16": "DDP bf16_compress_hook (wrapped, see --help)",
     "ddp-alq-2p": "DDP alq_hook 3b, two-phase",
     "ddp-alq-h": "DDP alq_hook 3b, hierarchical",
     "ddp-alq-h2p": "DDP alq_hook 3b, hierarchical two-phase",
+    "ddp-alq-e": "DDP alq_hook 3b, auto, entropy wire",
+    "ddp-alq4-e": "DDP alq_hook 4b, auto, entropy wire",
     "ddp-fp32": "DDP allreduce (fp32)",
     "ddp-fp16": "DDP fp16_compress_hook",
     "ddp-psgd2": "DDP powerSGD_hook rank 2",
@@ -314,6 +322,8 @@ def worker(args) -> int:
                 "hvd-alq-h": ALQCompressor(bits=3, exchange="hierarchical"),
                 "hvd-alq-h4": ALQCompressor(bits=4, exchange="hierarchical"),
                 "hvd-alq-h2p": ALQCompressor(bits=3, exchange="hierarchical-two-phase"),
+                "hvd-alq-e": ALQCompressor(bits=3, wire="entropy"),
+                "hvd-alq4-e": ALQCompressor(bits=4, wire="entropy"),
             }[key]
             # names prefixed by the row: Horovod's response cache never sees one name in two rows
             row["opt"] = hvd.DistributedOptimizer(
@@ -339,7 +349,11 @@ def worker(args) -> int:
                 row["state"] = state
             elif key.startswith("ddp-alq"):
                 exchange = {"2p": "two-phase", "h": "hierarchical", "h2p": "hierarchical-two-phase"}
-                row["state"] = ALQState(bits=3, exchange=exchange.get(key[len("ddp-alq-") :], "auto"))
+                bits, wire = (
+                    (4, "entropy") if key == "ddp-alq4-e" else (3, "entropy" if key == "ddp-alq-e" else "fixed")
+                )
+                exchange = exchange.get(key[len("ddp-alq-") :], "auto")
+                row["state"] = ALQState(bits=bits, exchange=exchange, wire=wire)
                 model.register_comm_hook(row["state"], alq_hook)
         rows[key] = row
     base = rows[keys[0]]["model"]
@@ -358,6 +372,8 @@ def worker(args) -> int:
             "uncompressed": m["uncompressed_coordinates"],
             "step": m["step"],
             "exchange": m["exchange"],
+            "wire_fixed": m.get("wire_fixed_bytes", 0),
+            "wire_coded": m.get("wire_coded_bytes", 0),
         }
 
     times = {k: [] for k in keys}
@@ -465,13 +481,18 @@ def worker(args) -> int:
             rounds = max(1, a["step"] - b["step"])
             sent = (a["bytes_sent"] - b["bytes_sent"]) / rounds
             unc = (a["uncompressed"] - b["uncompressed"]) / rounds
+            fixed, coded = a["wire_fixed"] - b["wire_fixed"], a["wire_coded"] - b["wire_coded"]
+            if fixed > 0:  # wire="entropy": bytes_sent is the fixed wire's; scale by what coding kept
+                sent *= coded / fixed
+                res.update(coded_over_fixed=coded / fixed)
             res.update(
                 bytes_per_step=sent + ring * 4 * unc,
                 bytes_sent_per_step=sent,
                 uncompressed_per_step=unc,
                 exchange=a["exchange"],
                 rounds=rounds,
-                bytes_how="measured: metrics() bytes_sent + 2(N-1)/N x 4 B x uncompressed coordinates",
+                bytes_how="measured: metrics() bytes_sent (x wire_coded_bytes / wire_fixed_bytes on the entropy "
+                "wire) + 2(N-1)/N x 4 B x uncompressed coordinates",
             )
         nodes = [r["link"][key] for r in per_rank if r["local_rank"] == 0]  # one reader per namespace
         if args.count_ifname and nodes:
@@ -879,7 +900,8 @@ def report(args, argv, runs: list[dict], wall: float) -> str:
         "MB inside nodes: the same from each namespace's lo (the ranks of a node reach each other over it, "
         "unshaped); with several ranks per node the limits below use the busiest node link's bytes; "
         "MB sent: the ALQ rows measured (metrics()['bytes_sent'] "
-        "over the timed steps, plus 2(N-1)/N x 4 B per coordinate that travelled uncompressed), PowerSGD "
+        "over the timed steps, on the entropy wire times wire_coded_bytes / wire_fixed_bytes, "
+        "plus 2(N-1)/N x 4 B per coordinate that travelled uncompressed), PowerSGD "
         "from its counters (2(N-1)/N x 4 B x total_numel_after_compression: its P, Q and uncompressed "
         "tensors are allreduced in fp32), fp32 and fp16 by arithmetic (2(N-1)/N x 4 or 2 B x parameters: a "
         "bandwidth-optimal ring allreduce; Open MPI and gloo may send more); comm at R = bytes / R with R the "
