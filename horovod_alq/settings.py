@@ -33,6 +33,7 @@ from .core.protocol import MASK64, resolve_timeout
 from .core.quantizer import Quantizer, check_code_entropy
 from .core.rounds import RefitSchedule, RoundState, schedule_from
 from .exchange.engine import Engine, check_exchange, resolve_fusion_bytes
+from .exchange.feedback import ErrorFeedback, check_feedback
 
 __all__ = ["Settings", "Setup", "configure", "served_table"]
 
@@ -130,6 +131,17 @@ class Settings:
     distribution's mismatch (docs/design/entropy_wire.md). Not ``bit_budget``, which is the fixed-length bits of
     ``bits="auto"``. None: ALQ's fit."""
 
+    error_feedback: bool = False
+    """Keep what each quantization dropped and add it to the next round's input, on every rank and for
+    every exchange (a two-phase or hierarchical owner also keeps the error of the sums it
+    quantizes): nothing extra on the wire, one buffer of the compressed gradients' size per rank.
+    The sum of what was applied stays within one buffer of the true sum, but a step's estimate is
+    no longer unbiased. Whether it helps depends on the optimizer (docs/guides/settings.md). The
+    buffers go into ``state_dict()``; a bucket holding NaN or Inf keeps its previous error."""
+
+    error_feedback_dtype: str = "float32"
+    """The error buffers' dtype: ``"float32"``, or ``"bfloat16"`` (torch tensors) for half the memory."""
+
     codec: str = "auto"
     """PyTorch codec backend (:mod:`horovod_alq.torch.codecs`): ``"auto"`` (Triton for CUDA tensors
     when importable, the compiled CPU codec for CPU tensors when it loads, torch ops otherwise),
@@ -191,6 +203,7 @@ class Settings:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         check_wire(self.wire)
+        check_feedback(self.error_feedback, self.error_feedback_dtype)
         if self.code_entropy is not None:
             if self.wire != "entropy":
                 raise ValueError("code_entropy fits levels for the entropy-coded wire: it needs wire='entropy'")
@@ -283,6 +296,8 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "code_entropy": "it fits levels for the entropy-coded wire, which TensorFlow does not serve",
         "wire": "TensorFlow moves payloads inside its graph, where no host-side coder runs; for the "
         "entropy-coded wire use the PyTorch front-ends or mpi4py",
+        "error_feedback": "not built yet for TensorFlow's graph exchange; use the PyTorch front-ends or mpi4py",
+        "error_feedback_dtype": "TensorFlow has no error feedback yet",
     },
     "DDP hook": {
         "overlap": "DDP overlaps by itself: each bucket's exchange starts when its hook runs",
@@ -306,6 +321,8 @@ NOT_SERVED: dict[str, dict[str, str]] = {
     },
     "DiLoCo": {
         "overlap": "the pseudo-gradient is complete when the outer step starts: there is no backward pass to overlap",
+        "error_feedback": "DiLoCo's own error_feedback= argument keeps the pseudo-gradients' error (allgather)",
+        "error_feedback_dtype": "DiLoCo's own error buffers are float32",
         "clip": _TERNGRAD_CLIP,
     },
 }
@@ -321,6 +338,9 @@ PARTLY: dict[str, dict[str, tuple[tuple, str]]] = {
             "the hierarchical exchanges have no graph "
             "execution; for them use the PyTorch compressors, the DDP hook or mpi4py",
         )
+    },
+    "mpi4py": {
+        "error_feedback_dtype": (("float32",), "NumPy has no bfloat16: the buffers are float32"),
     },
     "FSDP2": {
         "exchange": (
@@ -392,6 +412,8 @@ class Setup:
             exchange=s.exchange if exchange is None else exchange,
             fusion_bytes=s.fusion_bytes if fusion_bytes is None else fusion_bytes,
             wire=s.wire,
+            error_feedback=s.error_feedback,
+            error_feedback_dtype=s.error_feedback_dtype,
         )
 
 
@@ -424,4 +446,5 @@ def configure(settings: Settings, *, on_request: bool = False, adapt_second: boo
         second = Quantizer(s.method, bits2, first.bucket_size, norm=first.norm, code_entropy=entropy2)
     schedule = RefitSchedule((), 0) if on_request else schedule_from(s.update_steps, s.update_every)
     seed = int.from_bytes(os.urandom(8), "little") if s.seed is None else int(s.seed) & MASK64
-    return Setup(s, RoundState(first, schedule, second, adapt, auto=auto), seed)
+    feedback = ErrorFeedback(s.error_feedback_dtype) if s.error_feedback else None
+    return Setup(s, RoundState(first, schedule, second, adapt, auto=auto, feedback=feedback), seed)

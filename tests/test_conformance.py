@@ -330,6 +330,49 @@ def test_entropy_wire_gives_the_fixed_wires_results(launched, launched_entropy, 
         assert c["wire_coded_bytes"] < bound * c["wire_fixed_bytes"], (frontend, exchange, rank, c)
 
 
+# ------------------------------------------------------------------ error feedback
+#: The front-ends that serve ``error_feedback`` through these launches (TensorFlow refuses it:
+#: tests/test_settings.py; FSDP2 and DiLoCo: tests/torch).
+FEEDBACK_FRONTENDS = ("torch", "ddp", "mpi")
+FEEDBACK_ROUNDS = 12
+
+
+@pytest.fixture(scope="module")
+def launched_feedback(tmp_path_factory):
+    """``launched_feedback(frontend)``: (reports, rank 0's outputs) of one launch with
+    ``error_feedback=True`` (alq, every exchange, FEEDBACK_ROUNDS rounds of the same input)."""
+    cache: dict = {}
+
+    def get(frontend: str):
+        if frontend not in cache:
+            args = ["--methods", "alq", "--rounds", FEEDBACK_ROUNDS, "--error-feedback"]
+            cache[frontend] = _launch(tmp_path_factory, frontend, "conformance-feedback", args)
+        return cache[frontend]
+
+    return get
+
+
+@pytest.mark.parametrize("exchange", EXCHANGE_NAMES)
+@pytest.mark.parametrize("frontend", FEEDBACK_FRONTENDS)
+def test_error_feedback_applies_the_true_sum_less_the_buffers(launched_feedback, frontend, exchange):
+    """On real ranks, for every exchange: each round's average is ``(sum of what the ranks meant to
+    send - what they keep) / N``, so over the rounds after the warm-up the applied sum is R times the
+    exact average plus the ranks' buffers after the warm-up less their buffers after the last
+    round, over N (every rank's buffers from its ``state_dict()``), and identical on both ranks."""
+    reports, arrays = launched_feedback(frontend)
+    infos = [r["runs"][f"alq|{exchange}"] for r in reports]
+    for rank, info in enumerate(infos):
+        assert info.get("error") is None, (frontend, exchange, rank, info.get("error"))
+        assert info["digests"] == infos[0]["digests"], (frontend, exchange, "ranks differ")
+    outs = arrays[f"alq|{exchange}"].astype(np.float64)
+    first = np.sum([info["buffers"][0] for info in infos], axis=0)
+    last = np.sum([info["buffers"][1] for info in infos], axis=0)
+    drift = outs.sum(0) - FEEDBACK_ROUNDS * exact_average()
+    assert np.abs(last).max() > 0, "no error kept"
+    scale = np.abs(exact_average()).max()
+    np.testing.assert_allclose(drift, (first - last) / SIZE, atol=1e-5 * FEEDBACK_ROUNDS * scale * 10)
+
+
 # ------------------------------------------------------------------ golden rounds (refactoring guard)
 GOLDEN = ROOT / "tests" / "data" / "golden_conformance.json"
 UPDATE_GOLDEN = "HOROVOD_ALQ_UPDATE_GOLDEN"

@@ -35,6 +35,8 @@ CHANGED = {
     "seed": {"seed": 5},
     "wire": {"wire": "entropy"},
     "code_entropy": {"bits": 4, "wire": "entropy", "code_entropy": 2.5},
+    "error_feedback": {"error_feedback": True},
+    "error_feedback_dtype": {"error_feedback_dtype": "bfloat16"},
     "codec": {"codec": "torch"},
     "fusion_bytes": {"fusion_bytes": 1 << 20},
     "overlap": {"overlap": False},

@@ -421,6 +421,7 @@ SETTINGS = (
     "adapt_second",
     "local_size",
     "wire",
+    "error_feedback",
 )
 HANDSHAKE_FIELDS = (
     "error",
@@ -497,6 +498,7 @@ def read_handshake(
             "allocation": "bit allocations of bits='auto' (hashes",
             "budget": "bit_budget (thousandths of a bit:",
             "local_size": "node layouts (ranks per node:",
+            "error_feedback": "error_feedback (1: on, 0: off:",
             "round": "round numbers (a previous exchange failed on some ranks only:",
             "collecting": "refit schedules (update_steps / update_every:",
         }

@@ -9,8 +9,9 @@ reduced statistics, so every rank refits identically.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from .auto_bits import AutoBits
 from .methods import get_method
@@ -84,6 +85,7 @@ class RoundState:
     wire_coded_bytes: int = 0  # ... and what they sent (frames)
     exchange: str | None = None  # the exchange used by the last round
     auto: AutoBits | None = None  # bits="auto": a quantizer per width and the allocation
+    feedback: Any = None  # error_feedback=True: the error buffers (exchange.feedback.ErrorFeedback)
 
     def __post_init__(self) -> None:
         if self.second is None:
@@ -130,6 +132,7 @@ class RoundState:
         }
         out.update({key: getattr(self, key) for key in COUNTERS})
         out["bits_per_coordinate"] = 8.0 * self.payload_bytes / self.coordinates if self.coordinates else float("nan")
+        out["error_feedback_bytes"] = self.feedback.nbytes if self.feedback is not None else 0
         if self.auto is not None:
             a = self.auto
             used = a.quantizers if a.mixed is not None else sorted(set(a.bits) | {a.default})
@@ -148,6 +151,8 @@ class RoundState:
         out.update({key: getattr(self, key) for key in COUNTERS})
         if self.auto is not None:
             out["auto"] = self.auto.state_dict()
+        if self.feedback is not None:
+            out["error_feedback"] = self.feedback.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -167,6 +172,22 @@ class RoundState:
             self.second.load_state_dict(state["second"])
         for key in COUNTERS:
             setattr(self, key, int(state.get(key, 0)))
+        saved = state.get("error_feedback")
+        if saved is not None and self.feedback is None:
+            raise ValueError(
+                "state was saved with error_feedback=True (it holds error buffers), this compressor has "
+                "error_feedback=False: build it with error_feedback=True, or drop the state's 'error_feedback'"
+            )
+        if self.feedback is not None:
+            if saved is None:
+                warnings.warn(
+                    "horovod_alq: the state was saved without error buffers (error_feedback=False); "
+                    "error feedback starts from zero",
+                    stacklevel=3,
+                )
+                self.feedback.load_state_dict({"buffers": []})
+            else:
+                self.feedback.load_state_dict(saved)
 
 
 def schedule_from(update_steps: Sequence[int] | None, update_every: int | None) -> RefitSchedule:

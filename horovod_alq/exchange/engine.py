@@ -66,6 +66,7 @@ from . import (
 )
 from .driver import Started, run
 from .entropy_wire import on_wire
+from .feedback import ErrorFeedback, check_feedback
 from .interfaces import TensorOps, Transport
 from .job import Decoded, Job, auto_rows, issue
 from .layout import plan_layout
@@ -210,6 +211,9 @@ class Engine:
         Horovod compressors set it at first use, :func:`horovod_alq.core.protocol.first_use_uid`).
     wire : {"fixed", "entropy"}
         How payloads travel (:mod:`.entropy_wire`).
+    error_feedback : bool
+        Keep what each quantization dropped and add it to the next round's input (:mod:`.feedback`;
+        the buffers live in ``state.feedback``, in ``error_feedback_dtype``).
     early : bool
         Start a fusion buffer's exchange in :meth:`add`, as soon as the buffer is complete (a later
         tensor does not fit in it), instead of at the round's first :meth:`finish`: its payloads
@@ -228,6 +232,8 @@ class Engine:
         uid: str | None = "0",
         early: bool = False,
         wire: str = "fixed",
+        error_feedback: bool = False,
+        error_feedback_dtype: str = "float32",
     ) -> None:
         self.quantizer = quantizer
         self.state = state
@@ -237,6 +243,10 @@ class Engine:
         self.uid = uid
         self.early = early
         self.wire = check_wire(wire)
+        check_feedback(error_feedback, error_feedback_dtype)
+        self.error_feedback = error_feedback
+        if error_feedback and state.feedback is None:
+            state.feedback = ErrorFeedback(error_feedback_dtype)
         self._round = _Round()
         self._kept: dict[str, tuple[Any, _Round]] = {}  # tag -> (buffer, the round that used it last)
 
@@ -306,6 +316,7 @@ class Engine:
             collect_second=self._collects(exchange)[1],
             collect_first=self._collects(exchange)[0] and getattr(EXCHANGES[exchange], "OWN_FIRST_STATISTICS", False),
             widths=self._early_widths(rnd, entries),
+            **self.feedback_for("early", i, tuple(e.numel for e in entries)),
         )
         steps = EXCHANGES[exchange].steps(job, 0)
         rnd.early.append(Started(job, steps, job.issue(next(steps)), offset))
@@ -380,6 +391,15 @@ class Engine:
         return on_wire(transport, ops, self.wire, self.state)
 
     # ------------------------------------------------------------------ the round
+    def _new_round(self) -> None:
+        """A round passed its handshake: error buffers the last round did not use are dropped."""
+        if self.state.feedback is not None:
+            self.state.feedback.end_round()
+
+    def feedback_for(self, *key) -> dict:
+        """A :class:`~.job.Job`'s error-feedback fields: the buffers and ``key`` (what the job is)."""
+        return {"feedback": self.state.feedback, "feedback_key": key} if self.error_feedback else {}
+
     def _handshake_fields(self, exchange: str, epoch: int, collecting: bool, transport: Transport) -> dict:
         """The handshake fields every rank must share: settings, levels, round number, refit flag,
         and the node layout (ranks per node)."""
@@ -396,6 +416,7 @@ class Engine:
             bits_second=0 if auto else st.second.bits,
             adapt_second=int(st.adapt_second),
             wire=WIRES.index(self.wire),
+            error_feedback=int(self.error_feedback),
             levels=stable_hash(q.fingerprint, st.second.fingerprint, auto.fingerprint() if auto else 0),
             allocation=auto.allocation_hash() if auto else 0,
             round=epoch,
@@ -467,6 +488,7 @@ class Engine:
             **self._handshake_fields(exchange, epoch, refit, transport),
         )
         read_handshake(transport.allreduce_max(vec, f"{prefix}.handshake"), error, fields=STREAM_FIELDS)
+        self._new_round()
         st.step += 1
         st.exchange = exchange
         return StreamedRound(
@@ -514,6 +536,7 @@ class Engine:
             raise
         if not early:
             self._drain(rnd, reduced)
+        self._new_round()
         st.step += 1  # every rank passed the handshake: the round counts, whatever happens next
         # The same sequence of shapes gives every rank the same layout, so the fused exchange sums
         # slot k of every rank; a tensor that some rank put in another slot of the same shape
@@ -538,6 +561,7 @@ class Engine:
             collect_first=collect_first and getattr(EXCHANGES[exchange], "OWN_FIRST_STATISTICS", False),
             stream_buffer=lambda n: self._kept_buffer(rnd, "stream", n, ops),
             widths=widths if ordered else None,
+            **self.feedback_for("round", layout.numels),
         )
         st.coordinates += sum(e.numel for e in live)
         started = {}
@@ -585,6 +609,8 @@ class Engine:
         rank issued them), so that the transport lets go of them; none where the ranks disagree on
         the round or the exchange (their names differ: such collectives never complete)."""
         early, rnd.early = rnd.early, []
+        if early and self.state.feedback is not None:  # their errors were never applied
+            self.state.feedback.forget("early")
         if not early or any(len(set(handshake_range(reduced, f))) > 1 for f in ("round", "exchange")):
             return
         for s in early:

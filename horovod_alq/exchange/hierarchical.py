@@ -91,7 +91,11 @@ def steps(job: Job, i: int) -> Steps:
     # 2. the node's sum of this shard, quantized, to the owners of the same shard on every node
     runs = job.segments(a, b)
     payload = joined(
-        ops, [job.encode(acc[ra - a : rb - a], q, job.seed(i, 4, k)) for k, (ra, rb, q, _) in enumerate(runs)]
+        ops,
+        [
+            job.encode(acc[ra - a : rb - a], q, job.seed(i, 4, k), ("node", ra, rb))
+            for k, (ra, rb, q, _) in enumerate(runs)
+        ],
     )
     job.encoded += int(payload.shape[0])
     if job.collect_first and b > a and job.widths is None:

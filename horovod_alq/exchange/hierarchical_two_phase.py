@@ -119,7 +119,13 @@ def steps(job: Job, i: int) -> Steps:
     # 2. the node's sum of each sub-shard to its owner on every node; the owner sums the nodes'
     runs = [job.segments(sa, sb) for sa, sb in mine]
     payloads = [
-        joined(ops, [job.encode(acc[ra - a : rb - a], q1, job.seed(i, 5, k, s)) for s, (ra, rb, q1, _) in enumerate(r)])
+        joined(
+            ops,
+            [
+                job.encode(acc[ra - a : rb - a], q1, job.seed(i, 5, k, s), ("node", ra, rb))
+                for s, (ra, rb, q1, _) in enumerate(r)
+            ],
+        )
         for k, r in enumerate(runs)
     ]
     job.encoded += sum(int(x.shape[0]) for x in payloads)
@@ -129,7 +135,10 @@ def steps(job: Job, i: int) -> Steps:
     reduced, failure = sum_shard(job, gathered, runs[node], m, sa, sb, f"sub-shard {local}.{node} of buffer {i}")
     again = joined(
         ops,
-        [job.encode(reduced[ra - sa : rb - sa], q2, job.seed(i, 6, s)) for s, (ra, rb, _, q2) in enumerate(runs[node])],
+        [
+            job.encode(reduced[ra - sa : rb - sa], q2, job.seed(i, 6, s), ("sum", ra, rb))
+            for s, (ra, rb, _, q2) in enumerate(runs[node])
+        ],
     )
 
     # 3. the re-quantized sub-shards to the owners of the same shard on every node

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..core.protocol import PREFIX
 from ..core.quantizer import Quantizer
+from .feedback import ErrorFeedback
 from .interfaces import Tensor, TensorOps, Transport
 from .layout import Layout
 from .plan import allgather_bytes, alltoall_bytes
@@ -97,6 +98,8 @@ class Job:
     encoded: int = 0  # bytes of this rank's own (first-phase) payloads
     second_statistics: np.ndarray | None = None  # the owners' statistics of their reduced shards
     first_statistics: np.ndarray | None = None  # with collect_first: the statistics of what it quantized
+    feedback: ErrorFeedback | None = None  # error_feedback: the front-end's error buffers
+    feedback_key: tuple = ()  # what identifies this job's buffers from round to round
     _stream: Tensor | None = None
     _frozen: dict = field(default_factory=dict)
 
@@ -139,7 +142,14 @@ class Job:
 
     def encode_range(self, lo: int, hi: int, quantizer: Quantizer, seed: int) -> Tensor:
         """The payload of the stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its buffer): this
-        rank's own codes (counted in ``encoded``)."""
+        rank's own codes (counted in ``encoded``); with error feedback, of the range plus its error."""
+        if self.feedback is not None:
+            key = (*self.feedback_key, "own", lo, hi)
+            payload = self.feedback.encode(self.ops, self.stream[lo:hi], quantizer, seed, key)
+            for a, b in self.layout.padding_in(lo, hi):  # no error carried in the padding
+                self.feedback.zero(key, a - lo, b - lo)
+            self.encoded += int(payload.shape[0])
+            return payload
         if self._stream is None:
             parts, starts = [], []
             for part, s, n in zip(self.parts, self.layout.starts, self.layout.numels):
@@ -155,8 +165,15 @@ class Job:
         self.encoded += int(payload.shape[0])
         return payload
 
-    def encode(self, x: Tensor, quantizer: Quantizer, seed: int) -> Tensor:
-        """A payload of ``x`` (not of the stream: a reduced shard); an empty ``x`` gives the bare header."""
+    def encode(self, x: Tensor, quantizer: Quantizer, seed: int, key: tuple = ()) -> Tensor:
+        """A payload of ``x`` (not of the stream: a sum this rank owns; ``key`` names it for error
+        feedback: a stage and its stream range ``(tag, lo, hi)``); an empty ``x`` gives the bare header."""
+        if self.feedback is not None and key:
+            full, lo = (*self.feedback_key, *key), key[-2]
+            payload = self.feedback.encode(self.ops, x, quantizer, seed, full)
+            for a, b in self.layout.padding_in(lo, key[-1]):  # no error carried in the padding
+                self.feedback.zero(full, a - lo, b - lo)
+            return payload
         return self.ops.encode(x, quantizer, seed)
 
     def encode_runs(self, lo: int, hi: int, seed: Callable[[int], int]) -> tuple[Tensor, list]:

@@ -61,7 +61,7 @@ def steps(job: Job, i: int) -> Steps:
         part = acc[k * per : (k + 1) * per]
         runs = job.segments(a, b)
         for m, (ra, rb, q, _) in enumerate(runs):
-            payloads.append(job.encode(part[ra - a : rb - a], q, job.seed(i, k, 5, m)))
+            payloads.append(job.encode(part[ra - a : rb - a], q, job.seed(i, k, 5, m), ("node", ra, rb)))
         sizes.append(sum(q.payload_bytes(rb - ra) for ra, rb, q, _ in runs))
         if job.collect_first and job.widths is None and b > a:
             job.add_first_statistics(ops.statistics(part, job.first))

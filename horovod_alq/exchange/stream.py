@@ -121,6 +121,7 @@ class StreamedRound:
             collect_second=self.collect_second,
             collect_first=self.collect_first and own_stats and st.auto is None,
             widths=widths,
+            **eng.feedback_for("stream", index, layout.numels),
         )
         if self.collect_first and st.auto is None and not own_stats:  # a list's tensors one by one, as if alone
             views = [job.stream] if len(parts) == 1 else [job.stream[a : a + n] for a, n in zip(layout.starts, sizes)]

@@ -73,7 +73,7 @@ def steps(job: Job, i: int) -> Steps:
     gathered = yield Alltoall(ops.cat(payloads), list(p.first), [p.first[me]] * n, f"a2a{i}")
     acc, failure = sum_shard(job, gathered, runs[me], n, a, b, f"shard {me} of buffer {i}")
     again = [
-        job.encode(acc[ra - a : rb - a], q, job.seed(i, me, 2) if k == 0 else job.seed(i, me, 2, k))
+        job.encode(acc[ra - a : rb - a], q, job.seed(i, me, 2) if k == 0 else job.seed(i, me, 2, k), ("sum", ra, rb))
         for k, (ra, rb, _, q) in enumerate(runs[me])
     ]
     payload = joined(ops, again)

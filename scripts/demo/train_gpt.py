@@ -76,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def split_feedback(spec: str) -> tuple[str, bool]:
+    """``"alq@3+ef"`` -> ``("alq@3", True)``: the ``+ef`` suffix turns on ``error_feedback``."""
+    return (spec[: -len("+ef")], True) if spec.endswith("+ef") else (spec, False)
+
+
 def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
     """(name, bits, bit_budget): ``"alq@2"`` -> ``("alq", 2, None)``; ``"none"`` -> ``("none", None, None)``;
     ``"alq@auto2.5"`` -> ``("alq", "auto", 2.5)`` (ALQ/AMQ forms through Horovod only). SystemExit on
@@ -160,9 +165,11 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
 
 
-def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budget: float | None = None):
+def make_run(
+    name: str, bits: int | str | None, args, vocab: int, hvd, bit_budget: float | None = None, feedback: bool = False
+):
     """(model to call, model whose parameters are evaluated, optimizer, state with metrics or None, extra record).
-    ``bits="auto"`` takes ``bit_budget`` (parse_method)."""
+    ``bits="auto"`` takes ``bit_budget`` (parse_method); ``feedback``: ``error_feedback=True``."""
     from horovod_alq import torch as alq
 
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
@@ -177,6 +184,7 @@ def make_run(name: str, bits: int | str | None, args, vocab: int, hvd, bit_budge
         min_size=args.min_size,
         seed=args.seed,
         **({"bit_budget": bit_budget} if bits == "auto" else {}),
+        **({"error_feedback": True} if feedback else {}),
     )
     if bits == "bucket":  # name@bucket<budget>: widths per bucket
         kw.update(bits="auto", bit_budget=bit_budget, bits_per="bucket")
@@ -232,10 +240,13 @@ def sent_bits(name: str, state) -> float:
 
 
 def train(spec: str, args, data, hvd) -> dict:
-    name, bits, bit_budget = parse_method(spec)
+    base, feedback = split_feedback(spec)
+    name, bits, bit_budget = parse_method(base)
+    if feedback and name not in QUANTIZED and not (name.startswith("ddp-") and name[4:] in QUANTIZED):
+        raise SystemExit(f"{spec!r}: +ef (error feedback) is for the quantized methods")
     train_ids, val_ids, chars = data
     rank = hvd.rank()
-    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd, bit_budget)
+    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd, bit_budget, feedback)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     curve, losses = [], []
     start = time.perf_counter()
@@ -314,7 +325,7 @@ def init_gloo(hvd, dist) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     specs = [s.strip() for s in args.methods.split(",") if s.strip()]
-    names = [parse_method(s)[0] for s in specs]
+    names = [parse_method(split_feedback(s)[0])[0] for s in specs]
     import horovod.torch as hvd
     import torch.distributed as dist
 

@@ -55,6 +55,8 @@ GRIDS = {
     "bucket": [["alq@bucket2.5", "alq@bucket3"]],
     # the widths under SGD (--optimizer sgd), against fixed widths and fp32 of the same launch
     "sgd": [["none", "alq@3", "alq@2", "alq@bucket2.5", "alq@bucket3", "alq@auto2.5"]],
+    # error_feedback=True (name@bits+ef) against the same widths without it and fp32, same launch
+    "feedback": [["none", "alq@3", "alq@3+ef", "alq@2", "alq@2+ef"]],
 }
 # Same-seed comparisons shown in the second table: (row, against).
 PAIRS = [
@@ -90,6 +92,11 @@ PAIRS = [
     ("alq@bucket2.5", "alq@2"),
     ("alq@bucket3", "none"),
     ("alq@2", "none"),
+    # error feedback against the same widths without it, and against fp32
+    ("alq@3+ef", "alq@3"),
+    ("alq@2+ef", "alq@2"),
+    ("alq@3+ef", "none"),
+    ("alq@2+ef", "none"),
 ]
 LABELS = {"none": "fp32", "fp16": "fp16", "terngrad": "TernGrad", "psgd2": "PowerSGD rank 2"}
 
@@ -153,7 +160,7 @@ def raw_path(job: dict, args, raw_dir: Path) -> Path:
     ``alqbauto2p5``)."""
     return raw_dir / (
         f"np{args.np}_d{args.bucket_size}_s{job['seed']}_t{args.steps}_b{args.batch_size}_"
-        f"{'-'.join(m.replace('@', 'b').replace('.', 'p') for m in job['methods'])}.json"
+        f"{'-'.join(m.replace('@', 'b').replace('.', 'p').replace('+', 'p') for m in job['methods'])}.json"
     )
 
 
@@ -285,9 +292,10 @@ def order(labels) -> list:
     def key(label):
         spec, _, bucket = label.partition("/")
         name, _, bits = spec.partition("@")
+        bits, feedback = bits.removesuffix("+ef"), bits.endswith("+ef")
         rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
         auto = bits.startswith(("auto", "bucket"))
-        return (rank, -float(bits.removeprefix("auto").removeprefix("bucket") or 0), bucket, auto, name)
+        return (rank, -float(bits.removeprefix("auto").removeprefix("bucket") or 0), bucket, auto, feedback, name)
 
     return sorted(labels, key=key)
 

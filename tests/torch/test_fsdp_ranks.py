@@ -170,3 +170,23 @@ def test_other_settings_raise_on_every_rank(ranks):
         assert m["budget"] is not None and "bit_budget" in m["budget"], m
         # bits="auto" with layouts recorded on some ranks only: their rounds hold other tensors
         assert m["layout"] is not None and "hold different tensors" in m["layout"], m
+
+
+def test_error_feedback_applies_the_true_sum_less_the_buffers():
+    """error_feedback=True in FSDP2's reduce-scatter (2 ranks): over the rounds after the warm-up,
+    each rank's shard of the applied sum is R times the exact average plus the ranks' buffers after
+    the warm-up less those after the last round, over N (buffers from the comm's state_dict)."""
+    import numpy as np
+    from helpers import rank_data
+
+    n, rounds = 10240, 12
+    ranks = run_ranks("fsdp_feedback.py", np=2, launcher="torchrun", timeout=300, args=["--rounds", rounds])
+    avg = np.mean([rank_data(k, n, seed=20, tail=0.05).astype(np.float64) for k in range(2)], axis=0)
+    first = np.sum([r["first"] for r in ranks], axis=0)
+    last = np.sum([r["last"] for r in ranks], axis=0)
+    assert np.abs(last).max() > 0, "no error kept"
+    shard = n // 2
+    for r in ranks:
+        part = slice(r["rank"] * shard, (r["rank"] + 1) * shard)
+        drift = np.array(r["sum"]) - rounds * avg[part]
+        np.testing.assert_allclose(drift, (first[part] - last[part]) / 2, atol=1e-4)

@@ -31,6 +31,20 @@ import numpy as np
 rank_data = functools.partial(helpers.rank_data, seed=20, tail=0.05)
 
 
+def feedback(args) -> dict:
+    """``error_feedback=True`` when asked for (the keyword only then: TensorFlow refuses it)."""
+    return {"error_feedback": True} if args.error_feedback else {}
+
+
+def placed_buffers(holder, n: int) -> list:
+    """This rank's error buffers (from its ``state_dict()``) summed at their stream positions."""
+    total = np.zeros(n)
+    for key, buf in holder.state_dict()["error_feedback"]["buffers"]:
+        lo, hi = key[-2], key[-1]
+        total[lo:hi] += np.asarray(buf, dtype=np.float64)[: n - lo]
+    return total.tolist()
+
+
 # ------------------------------------------------------------------ front-ends
 # Each returns (rank, make), make(method, exchange, args) -> (step, metrics): step(x) is one
 # averaged round (NumPy in, NumPy out) and metrics() the front-end's metrics dict.
@@ -55,6 +69,7 @@ def torch_frontend():
             seed=args.seed,
             exchange=exchange,
             wire=args.wire,
+            **feedback(args),
         )
         calls = iter(range(1 << 30))
 
@@ -67,6 +82,7 @@ def torch_frontend():
             )
             return out.numpy()
 
+        step.holder = comp
         return step, comp.metrics
 
     return hvd.rank(), make
@@ -93,6 +109,7 @@ def tf_frontend():
             exchange=exchange,
             jit_compile=args.tf_jit,
             wire=args.wire,
+            **feedback(args),
         )
         fn = tf.function(lambda t: hvd.allreduce(t, compression=comp, op=hvd.Average))  # one call, one round
         return (lambda x: fn(tf.constant(x)).numpy()), comp.metrics
@@ -131,6 +148,7 @@ def ddp_frontend():
             update_every=0,
             min_size=16,
             wire=args.wire,
+            **feedback(args),
         )
         model.register_comm_hook(state, alq_hook)
 
@@ -139,6 +157,7 @@ def ddp_frontend():
             model(torch.from_numpy(x)).backward()
             return model.module.p.grad.numpy().copy()
 
+        step.holder = state
         return step, state.metrics
 
     return dist.get_rank(), make
@@ -160,6 +179,7 @@ def mpi_frontend():
             exchange=exchange,
             collect_every=0,
             wire=args.wire,
+            **feedback(args),
         )
         calls, adaptive = [0], get_method(method).adaptive
 
@@ -172,6 +192,7 @@ def mpi_frontend():
                 ar.adapt()
             return out
 
+        step.holder = ar
         return step, ar.metrics
 
     return MPI.COMM_WORLD.Get_rank(), make
@@ -180,8 +201,9 @@ def mpi_frontend():
 FRONTENDS = {"torch": torch_frontend, "tf": tf_frontend, "ddp": ddp_frontend, "mpi": mpi_frontend}
 
 
-def run_one(step, metrics, x, rounds):
-    """Warm-up round, then ``rounds`` rounds; per-round byte counts from the cumulative metrics."""
+def run_one(step, metrics, x, rounds, after_warmup=None):
+    """Warm-up round, then ``rounds`` rounds; per-round byte counts from the cumulative metrics;
+    ``after_warmup()`` is called after the warm-up round."""
     sent, received, outputs, digests, times = [], [], [], [], []
     last = metrics()
     before = (last["bytes_sent"], last["bytes_received"])
@@ -189,6 +211,8 @@ def run_one(step, metrics, x, rounds):
         t0 = time.monotonic()
         y = step(x)
         times.append(time.monotonic() - t0)
+        if i == 0 and after_warmup is not None:
+            after_warmup()
         if i:
             outputs.append(np.asarray(y, dtype=np.float32).reshape(-1))
             digests.append(helpers.digest(outputs[-1]))
@@ -226,6 +250,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--tf-jit", action="store_true", help="tf: compile the codec with XLA")
     p.add_argument("--wire", default="fixed", choices=("fixed", "entropy"))
+    p.add_argument("--error-feedback", action="store_true", help="error_feedback=True; reports the buffers")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -240,7 +265,14 @@ def main() -> None:
             key = f"{method}|{exchange}"
             t0 = time.monotonic()
             try:  # a refusal (e.g. an exchange this front-end does not serve) is reported, not skipped
-                arrays[key], info = run_one(*make(method, exchange, args), x, args.rounds)
+                step, metrics = make(method, exchange, args)
+                first: list = []
+                keep = (
+                    (lambda: first.append(placed_buffers(step.holder, args.elements))) if args.error_feedback else None
+                )
+                arrays[key], info = run_one(step, metrics, x, args.rounds, keep)
+                if args.error_feedback:  # after the warm-up round and after the last
+                    info["buffers"] = [first[0], placed_buffers(step.holder, args.elements)]
             except Exception as exc:
                 traceback.print_exc()
                 info = {"error": f"{type(exc).__name__}: {exc}"}

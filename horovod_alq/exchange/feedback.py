@@ -1,0 +1,127 @@
+"""Error feedback: what a rank's quantization dropped, added to what it quantizes next time.
+
+Every quantization a rank performs keeps its error ``e = x - decode(encode(x))`` under a key
+naming what was quantized: its own values of a buffer range (the first phase of every flat
+exchange), or the sums it owns (the two-phase exchange's second quantization, the node sums of the
+hierarchical ones). The next round adds ``e`` to the same key's input before encoding it. So every
+exchange gets error feedback with nothing extra on the wire; the estimate is no longer unbiased
+step by step, but the sum of what was applied stays within one buffer of the sum of the true values.
+
+A key holds the job's identity (the kind of round and its layout's sizes) and the stream range:
+when a round's layout changes, the changed parts start again from zero. Buckets whose input holds
+NaN or Inf keep their previous error (a skipped step must not absorb a NaN). Buffers are float32, or
+bfloat16 to halve their memory (torch tensors only).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import numpy as np
+
+from ..core.quantizer import Quantizer
+from .interfaces import Tensor, TensorOps
+
+#: The dtypes an error buffer may be kept in.
+FEEDBACK_DTYPES = ("float32", "bfloat16")
+
+
+def check_feedback(error_feedback, dtype) -> None:
+    """ValueError naming a bad ``error_feedback`` (a bool) or ``error_feedback_dtype``."""
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+    if dtype not in FEEDBACK_DTYPES:
+        raise ValueError(f"error_feedback_dtype must be one of {', '.join(map(repr, FEEDBACK_DTYPES))}, got {dtype!r}")
+
+
+class ErrorFeedback:
+    """The error buffers of one front-end's rounds, by key (see the module docstring)."""
+
+    def __init__(self, dtype: str = "float32") -> None:
+        check_feedback(True, dtype)
+        self.dtype = dtype
+        self.buffers: dict[Hashable, Tensor] = {}
+        self._touched: set = set()
+
+    def encode(self, ops: TensorOps, x: Tensor, quantizer: Quantizer, seed: int, key: Hashable) -> Tensor:
+        """The payload of ``x`` plus ``key``'s error; ``key``'s error becomes what this payload dropped."""
+        e = self.buffers.get(key)
+        target = x + self._float(e) if e is not None and e.shape[0] == x.shape[0] else x
+        payload = ops.encode(target, quantizer, seed)
+        decoded = ops.zeros(int(x.shape[0]))
+        ops.decode_sum(decoded, payload, [0], quantizer)
+        error = target - decoded
+        bad = _bad_buckets(error, quantizer.bucket_size)
+        if bad is not None:  # keep the previous error (or none) where the input was not finite
+            keep = self._float(e) if e is not None and e.shape[0] == x.shape[0] else None
+            for b in bad:
+                lo, hi = b * quantizer.bucket_size, min((b + 1) * quantizer.bucket_size, int(x.shape[0]))
+                error[lo:hi] = 0 if keep is None else keep[lo:hi]
+        self.buffers[key] = self._stored(error)
+        self._touched.add(key)
+        return payload
+
+    def zero(self, key: Hashable, lo: int, hi: int) -> None:
+        """Zero ``key``'s error on ``[lo, hi)`` of its input (padding between tensors)."""
+        e = self.buffers.get(key)
+        if e is not None:
+            e[lo:hi] = 0
+
+    def forget(self, kind: str) -> None:
+        """Drop the buffers of the jobs of ``kind`` (the first element of their keys): quantizations
+        whose results the round did not use (early buffers re-exchanged in the fused round)."""
+        self.buffers = {k: v for k, v in self.buffers.items() if k[0] != kind}
+        self._touched = {k for k in self._touched if k[0] != kind}
+
+    def end_round(self) -> None:
+        """Drop the buffers no encode of this round used (parts of a layout that changed)."""
+        self.buffers = {k: v for k, v in self.buffers.items() if k in self._touched}
+        self._touched = set()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the buffers."""
+        return sum(int(v.shape[0]) * (2 if self.dtype == "bfloat16" else 4) for v in self.buffers.values())
+
+    def state_dict(self) -> dict:
+        return {"dtype": self.dtype, "buffers": [(k, v) for k, v in self.buffers.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffers = {_key(k): v for k, v in state["buffers"]}
+        self._touched = set(self.buffers)  # the last round's: kept by the next round's start
+
+    def _stored(self, error: Tensor) -> Tensor:
+        if self.dtype == "bfloat16":
+            if isinstance(error, np.ndarray):
+                raise ValueError("error_feedback_dtype='bfloat16' keeps torch tensors only")
+            return error.to(dtype=_torch_dtype("bfloat16"))
+        return error
+
+    def _float(self, e: Tensor) -> Tensor:
+        return e if isinstance(e, np.ndarray) or self.dtype == "float32" else e.float()
+
+
+def _bad_buckets(x: Tensor, bucket: int) -> list[int] | None:
+    """The buckets of ``x`` holding NaN or Inf, or None when there are none."""
+    if isinstance(x, np.ndarray):
+        finite = np.isfinite(x)
+        if finite.all():
+            return None
+        bad = ~finite
+    else:
+        finite = x.isfinite()
+        if bool(finite.all()):
+            return None
+        bad = (~finite).cpu().numpy()
+    return sorted({int(i) // bucket for i in np.flatnonzero(bad)})
+
+
+def _key(k):
+    """A key as saved (tuples may come back as lists from some formats)."""
+    return tuple(_key(v) for v in k) if isinstance(k, (list, tuple)) else k
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)

@@ -1,0 +1,199 @@
+"""error_feedback=True through every exchange on threaded ranks (nodes of 2 for the hierarchical
+ones): with a fixed gradient the applied sum minus T times the true average is exactly minus the
+ranks' last error buffers (bounded), and much smaller than without error feedback (which
+grows like sqrt(T)); a bucket holding NaN keeps its previous error; a saved state resumes bit for
+bit; a rank with another setting is refused on every rank; bad values and states raise or warn."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from horovod_alq.core.protocol import ProtocolError
+from horovod_alq.exchange.engine import EXCHANGES
+from horovod_alq.exchange.layout import plan_layout
+from horovod_alq.exchange.numpy_ops import NumpyOps
+from horovod_alq.settings import Settings, configure
+from horovod_alq.testing import Hub, start_early
+
+D, N = 256, 4
+SIZES = (5000, 3000, 1500)
+
+
+def _grads(rank, nan_bucket=None):
+    rng = np.random.default_rng(rank)
+    xs = [(rng.standard_t(3, n) * (1 + rank)).astype(np.float32) for n in SIZES]
+    if nan_bucket is not None:
+        xs[0][nan_bucket * D + 3] = np.nan
+    return xs
+
+
+def _setups(exchange, feedback, bits=3, fusion_bytes=None, **widths):
+    return [
+        configure(
+            Settings(
+                "alq",
+                bits=bits,
+                bucket_size=D,
+                seed=7,
+                exchange=exchange,
+                update_steps=(0,),
+                error_feedback=f,
+                fusion_bytes=fusion_bytes,
+                **widths,
+            )
+        )
+        for f in feedback
+    ]
+
+
+def _rounds(setups, rounds, first=0, nan=None, early=False):
+    """``rounds`` rounds (numbered from ``first``) of every rank's fixed gradients; every rank's
+    outputs per round (or its error). ``nan``: (round, bucket of rank 0's first tensor) set to NaN."""
+    engines = [s.engine(uid="f") for s in setups]
+    hub = Hub(N, local_size=2)
+    transports = hub.transports()
+    ops = NumpyOps()
+    if early:  # fusion buffers start as soon as they are complete (Horovod's overlap=True)
+        start_early(engines, ops)
+
+    def rank(r):
+        t, outs = transports[r], []
+        for step in range(first, first + rounds):
+            bucket = nan[1] if nan is not None and nan[0] == step and r == 0 else None
+            entries = [engines[r].add(x, x.size, x.shape, "float32", t) for x in _grads(r, bucket)]
+            reduced = [t.allreduce_sum(v, f"{step}.control{k}") for k, (_, v) in enumerate(entries)]
+            outs.append([engines[r].finish(e, v, ops, t)[0] * 1 for (e, _), v in zip(entries, reduced)])
+        return outs
+
+    with ThreadPoolExecutor(N) as pool:
+        futures = [pool.submit(rank, r) for r in range(N)]
+        return [f.exception() or f.result() for f in futures]
+
+
+def _drift(outs, rounds):
+    """Rank 0's applied sum over the rounds minus ``rounds`` times the true sum over ranks (what a
+    round returns; the front-ends divide by N), per tensor."""
+    truth = [np.sum([_grads(r)[k].astype(np.float64) for r in range(N)], axis=0) for k in range(len(SIZES))]
+    return [sum(o[k].astype(np.float64) for o in outs[0]) - rounds * truth[k] for k in range(len(SIZES))]
+
+
+def _buffers(setups, layout=None):
+    """Every rank's error buffers summed at their positions in the round's stream (float64): the
+    fused job's keys hold stream positions, an early job's (``("early", i, ...)``) positions in
+    its own buffer, the round's buffer ``i``."""
+    layout = layout or plan_layout(SIZES, D, None)
+    total = np.zeros(layout.length)
+    for s in setups:
+        for key, buf in s.state.feedback.buffers.items():
+            offset = layout.buffers[key[1]][0] if key[0] == "early" else 0
+            lo, hi = offset + key[-2], offset + key[-1]
+            total[lo:hi] += np.asarray(buf, dtype=np.float64)[: layout.length - lo]
+    return total
+
+
+def _check_drift(drift, left, layout, rounds):
+    for k, (d, s, n) in enumerate(zip(drift, layout.starts, SIZES)):
+        scale = np.abs(_grads(N - 1)[k]).max()
+        np.testing.assert_allclose(d, left[s : s + n], atol=1e-4 * rounds * scale, err_msg=f"tensor {k}")
+
+
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+def test_applied_sum_is_the_true_sum_less_the_last_buffers(exchange):
+    T = 30
+    setups = _setups(exchange, [True] * N)
+    outs = _rounds(setups, T)
+    assert not any(isinstance(o, Exception) for o in outs), outs
+    for r in range(1, N):  # identical on every rank
+        for a, b in zip(outs[0][-1], outs[r][-1]):
+            np.testing.assert_array_equal(a, b)
+    drift = _drift(outs, T)
+    _check_drift(drift, -_buffers(setups), plan_layout(SIZES, D, None), T)
+    plain = _drift(_rounds(_setups(exchange, [False] * N), T), T)
+    ratio = np.sqrt(sum((d**2).sum() for d in drift) / sum((d**2).sum() for d in plain))
+    assert ratio < 0.5, f"{exchange}: drift with error feedback {ratio:.2f} of the drift without"
+    assert all(s.state.metrics()["error_feedback_bytes"] > 0 for s in setups if s.state.feedback.buffers)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+@pytest.mark.parametrize("bits_per", ["tensor", "bucket"])
+def test_adaptive_widths_keep_the_identity(exchange, bits_per):
+    """bits="auto" (a width per tensor, or per bucket): the same identity, the widths changing
+    between the refit round and the next."""
+    T = 12
+    setups = _setups(exchange, [True] * N, bits="auto", bit_budget=3.0, bits_per=bits_per)
+    outs = _rounds(setups, T)
+    assert not any(isinstance(o, Exception) for o in outs), outs
+    _check_drift(_drift(outs, T), -_buffers(setups), plan_layout(SIZES, D, None), T)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+def test_early_started_buffers_keep_their_errors(exchange):
+    """With fusion buffers that start early (Horovod's overlap), the applied sum is still the true
+    sum less the last buffers: the early buffers' errors are kept under their own keys."""
+    T, fusion = 20, 4 * SIZES[0]  # the first tensor fills a buffer, which starts early
+    setups = _setups(exchange, [True] * N, fusion_bytes=fusion)
+    outs = _rounds(setups, T, early=True)
+    assert not any(isinstance(o, Exception) for o in outs), outs
+    assert any(k[0] == "early" for k in setups[0].state.feedback.buffers)
+    layout = plan_layout(SIZES, D, fusion // 4)
+    _check_drift(_drift(outs, T), -_buffers(setups, layout), layout, T)
+
+
+@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+def test_a_nan_bucket_keeps_its_previous_error(exchange):
+    setups = _setups(exchange, [True] * N)
+    outs = _rounds(setups, 2, nan=(1, 2))
+    assert not any(isinstance(o, Exception) for o in outs), outs
+    assert np.isnan(outs[0][1][0][2 * D : 3 * D]).all()  # the bucket comes back NaN, as without feedback
+    for s in setups:
+        for key, buf in s.state.feedback.buffers.items():
+            assert np.isfinite(buf).all(), (exchange, key)
+    after = _rounds(setups, 1, first=2)
+    assert np.isfinite(np.concatenate(after[0][0])).all()
+
+
+def test_a_saved_state_resumes_bit_for_bit():
+    setups = _setups("two-phase", [True] * N)
+    _rounds(setups, 3)
+    saved = [s.state.state_dict() for s in setups]
+    assert all(st["error_feedback"]["buffers"] for st in saved)
+    straight = _rounds(setups, 1, first=3)
+    fresh = _setups("two-phase", [True] * N)
+    for s, st in zip(fresh, saved):
+        s.state.load_state_dict(st)
+    resumed = _rounds(fresh, 1, first=3)
+    for a, b in zip(straight[0][0], resumed[0][0]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_states_with_and_without_buffers():
+    on, off = _setups("allgather", [True, False])
+    _rounds(_setups("allgather", [True] * N), 1)  # (buffers exist only after a round)
+    with pytest.warns(UserWarning, match="starts from zero"):
+        on.state.load_state_dict(off.state.state_dict())
+    assert on.state.feedback.buffers == {}
+    saved = on.state.state_dict()
+    with pytest.raises(ValueError, match="error_feedback=True"):
+        off.state.load_state_dict(saved)
+
+
+def test_a_rank_with_another_setting_is_refused_on_every_rank():
+    setups = _setups("two-phase", [True, True, False, True])
+    outs = _rounds(setups, 1)
+    assert all(isinstance(o, ProtocolError) for o in outs), outs
+    assert all("error_feedback" in str(o) for o in outs), outs[0]
+    assert all(not s.state.feedback or not s.state.feedback.buffers for s in setups)  # before any payload
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"error_feedback": 1}, "error_feedback must be True or False, got 1"),
+        ({"error_feedback": "yes"}, "error_feedback must be True or False"),
+        ({"error_feedback_dtype": "float16"}, "error_feedback_dtype must be one of 'float32', 'bfloat16'"),
+    ],
+)
+def test_bad_values_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Settings(**kwargs)
