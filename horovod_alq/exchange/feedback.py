@@ -15,6 +15,7 @@ bfloat16 to halve their memory (torch tensors only).
 
 from __future__ import annotations
 
+import threading
 from typing import Hashable
 
 import numpy as np
@@ -44,22 +45,54 @@ class ErrorFeedback:
         self._touched: set = set()
 
     def encode(self, ops: TensorOps, x: Tensor, quantizer: Quantizer, seed: int, key: Hashable) -> Tensor:
-        """The payload of ``x`` plus ``key``'s error; ``key``'s error becomes what this payload dropped."""
+        """The payload of ``x`` plus ``key``'s error; ``key``'s error becomes what this payload dropped.
+        Runs in place in the key's buffer and a per-thread scratch (no allocation once warm)."""
+        n = int(x.shape[0])
         e = self.buffers.get(key)
-        target = x + self._float(e) if e is not None and e.shape[0] == x.shape[0] else x
+        e = e if e is not None and int(e.shape[0]) == n else None
+        target, decoded = self._scratch(x, n)
+        target[:] = x
+        if e is not None:
+            target += e  # (a bfloat16 buffer is promoted in place)
+        if not _finite(target):  # a bucket with NaN or Inf: keep its previous error (rare: allocate)
+            return self._encode_keeping(ops, target, quantizer, seed, key, e)
         payload = ops.encode(target, quantizer, seed)
-        decoded = ops.zeros(int(x.shape[0]))
+        decoded[:] = 0
+        ops.decode_sum(decoded, payload, [0], quantizer)
+        if e is None:
+            self.buffers[key] = self._stored(target - decoded)
+        elif self.dtype == "float32":
+            e[:] = target
+            e -= decoded
+        else:  # bfloat16 (torch): the difference in the scratch, rounded into the buffer
+            decoded *= -1
+            decoded += target
+            e.copy_(decoded)
+        self._touched.add(key)
+        return payload
+
+    def _encode_keeping(self, ops, target, quantizer, seed, key, e) -> Tensor:
+        payload = ops.encode(target, quantizer, seed)
+        decoded = ops.zeros(int(target.shape[0]))
         ops.decode_sum(decoded, payload, [0], quantizer)
         error = target - decoded
-        bad = _bad_buckets(error, quantizer.bucket_size)
-        if bad is not None:  # keep the previous error (or none) where the input was not finite
-            keep = self._float(e) if e is not None and e.shape[0] == x.shape[0] else None
-            for b in bad:
-                lo, hi = b * quantizer.bucket_size, min((b + 1) * quantizer.bucket_size, int(x.shape[0]))
-                error[lo:hi] = 0 if keep is None else keep[lo:hi]
+        d = quantizer.bucket_size
+        for b in _bad_buckets(error, d) or ():
+            lo, hi = b * d, min((b + 1) * d, int(target.shape[0]))
+            error[lo:hi] = 0 if e is None else self._float(e)[lo:hi]
         self.buffers[key] = self._stored(error)
         self._touched.add(key)
         return payload
+
+    def _scratch(self, x: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """Two float32 vectors of ``n`` like ``x`` (same framework and device), kept per thread."""
+        pool = _SCRATCH.__dict__.setdefault("pool", {})
+        kind = "numpy" if isinstance(x, np.ndarray) else str(x.device)
+        have = pool.get(kind)
+        if have is None or int(have[0].shape[0]) < n:
+            make = (lambda: np.empty(n, np.float32)) if kind == "numpy" else (lambda: x.new_empty(n))
+            have = pool[kind] = (make(), make())
+        return have[0][:n], have[1][:n]
 
     def zero(self, key: Hashable, lo: int, hi: int) -> None:
         """Zero ``key``'s error on ``[lo, hi)`` of its input (padding between tensors)."""
@@ -84,10 +117,14 @@ class ErrorFeedback:
         return sum(int(v.shape[0]) * (2 if self.dtype == "bfloat16" else 4) for v in self.buffers.values())
 
     def state_dict(self) -> dict:
-        return {"dtype": self.dtype, "buffers": [(k, v) for k, v in self.buffers.items()]}
+        """The buffers, copied (rounds update them in place)."""
+        copy = lambda v: v.copy() if isinstance(v, np.ndarray) else v.clone()  # noqa: E731
+        return {"dtype": self.dtype, "buffers": [(k, copy(v)) for k, v in self.buffers.items()]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.buffers = {_key(k): v for k, v in state["buffers"]}
+        """Take the saved buffers (copied: rounds update them in place)."""
+        copy = lambda v: v.copy() if isinstance(v, np.ndarray) else v.clone()  # noqa: E731
+        self.buffers = {_key(k): copy(v) for k, v in state["buffers"]}
         self._touched = set(self.buffers)  # the last round's: kept by the next round's start
 
     def _stored(self, error: Tensor) -> Tensor:
@@ -99,6 +136,17 @@ class ErrorFeedback:
 
     def _float(self, e: Tensor) -> Tensor:
         return e if isinstance(e, np.ndarray) or self.dtype == "float32" else e.float()
+
+
+#: Per-thread scratch vectors of :meth:`ErrorFeedback.encode` (encodes may run on several threads).
+_SCRATCH = threading.local()
+
+
+def _finite(x: Tensor) -> bool:
+    """Whether every value of ``x`` is finite (one sum: NaN and Inf propagate; float64 for NumPy)."""
+    if isinstance(x, np.ndarray):
+        return bool(np.isfinite(x.sum(dtype=np.float64)))
+    return bool(x.sum(dtype=_torch_dtype("float64")).isfinite())
 
 
 def _bad_buckets(x: Tensor, bucket: int) -> list[int] | None:

@@ -197,3 +197,27 @@ def test_a_rank_with_another_setting_is_refused_on_every_rank():
 def test_bad_values_name_the_problem(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Settings(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_buffers_in_either_dtype(dtype):
+    """TorchOps (the compiled CPU codec): k encodes of one vector decode to k times it less the
+    last error, to the buffer dtype's rounding; bfloat16 buffers take half the memory."""
+    import torch
+
+    from horovod_alq.core.quantizer import Quantizer
+    from horovod_alq.exchange.feedback import ErrorFeedback
+    from horovod_alq.torch.ops import TorchOps
+
+    ops, q = TorchOps(torch.device("cpu")), Quantizer("alq", bits=3, bucket_size=D)
+    x = torch.from_numpy(_grads(1)[0])
+    fb, total = ErrorFeedback(dtype), torch.zeros(x.shape[0], dtype=torch.float64)
+    for k in range(8):
+        out = ops.zeros(x.shape[0])
+        ops.decode_sum(out, fb.encode(ops, x, q, k, ("t",)), [0], q)
+        total += out.double()
+    e = fb.buffers[("t",)]
+    assert e.dtype == getattr(torch, dtype) and fb.nbytes == x.shape[0] * (2 if dtype == "bfloat16" else 4)
+    # each bfloat16 rounding of the buffer loses up to 2^-8 of it; the errors are below a level gap
+    tol = (8 * 2.0**-8 if dtype == "bfloat16" else 1e-5) * float(x.abs().max())
+    np.testing.assert_allclose(total.numpy(), (8 * x.double() - e.double()).numpy(), atol=tol)
