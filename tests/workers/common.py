@@ -86,3 +86,27 @@ def stalled_backward(rank: int, size: int, timeout: float, backward) -> dict:
             "timeout": timeout,
         }
     return {"raised": False, "seconds": time.monotonic() - start}
+
+
+def linear(n: int):
+    """A torch module whose loss ``<p, x>`` has gradient ``x`` exactly (``p``: n zeros)."""
+    import torch
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(n))
+
+        def forward(self, x):
+            return (self.p * x).sum()
+
+    return Linear()
+
+
+def placed_buffers(state: dict, n: int) -> list:
+    """The error buffers of a front-end's ``state_dict()`` summed at their stream positions."""
+    total = np.zeros(n)
+    for key, buf in state["error_feedback"]["buffers"]:
+        lo, hi = key[-2], key[-1]
+        total[lo:hi] += np.asarray(buf, dtype=np.float64)[: n - lo]
+    return total.tolist()

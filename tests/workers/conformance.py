@@ -36,15 +36,6 @@ def feedback(args) -> dict:
     return {"error_feedback": True} if args.error_feedback else {}
 
 
-def placed_buffers(holder, n: int) -> list:
-    """This rank's error buffers (from its ``state_dict()``) summed at their stream positions."""
-    total = np.zeros(n)
-    for key, buf in holder.state_dict()["error_feedback"]["buffers"]:
-        lo, hi = key[-2], key[-1]
-        total[lo:hi] += np.asarray(buf, dtype=np.float64)[: n - lo]
-    return total.tolist()
-
-
 # ------------------------------------------------------------------ front-ends
 # Each returns (rank, make), make(method, exchange, args) -> (step, metrics): step(x) is one
 # averaged round (NumPy in, NumPy out) and metrics() the front-end's metrics dict.
@@ -120,24 +111,15 @@ def tf_frontend():
 def ddp_frontend():
     import torch
     import torch.distributed as dist
+    from common import linear
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from horovod_alq.torch.ddp import ALQState, alq_hook
 
     dist.init_process_group("gloo")
 
-    class Linear(torch.nn.Module):
-        """loss = <p, x>: the gradient of p is x exactly, one DDP bucket."""
-
-        def __init__(self, n):
-            super().__init__()
-            self.p = torch.nn.Parameter(torch.zeros(n))
-
-        def forward(self, x):
-            return (self.p * x).sum()
-
     def make(method, exchange, args):
-        model = DDP(Linear(args.elements))
+        model = DDP(linear(args.elements))  # the gradient is x exactly, one DDP bucket
         state = ALQState(
             method=method,
             bits=args.bits,
@@ -254,7 +236,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    from common import report
+    from common import placed_buffers, report
 
     start = time.monotonic()
     rank, make = FRONTENDS[args.frontend]()
@@ -268,11 +250,13 @@ def main() -> None:
                 step, metrics = make(method, exchange, args)
                 first: list = []
                 keep = (
-                    (lambda: first.append(placed_buffers(step.holder, args.elements))) if args.error_feedback else None
+                    (lambda: first.append(placed_buffers(step.holder.state_dict(), args.elements)))
+                    if args.error_feedback
+                    else None
                 )
                 arrays[key], info = run_one(step, metrics, x, args.rounds, keep)
                 if args.error_feedback:  # after the warm-up round and after the last
-                    info["buffers"] = [first[0], placed_buffers(step.holder, args.elements)]
+                    info["buffers"] = [first[0], placed_buffers(step.holder.state_dict(), args.elements)]
             except Exception as exc:
                 traceback.print_exc()
                 info = {"error": f"{type(exc).__name__}: {exc}"}

@@ -10,30 +10,11 @@ import argparse
 import numpy as np
 import torch
 import torch.distributed as dist
-from common import report
+from common import linear, placed_buffers, report
 from helpers import rank_data
 from torch.distributed.fsdp import fully_shard
 
 from horovod_alq.torch.fsdp import ALQReduceScatter, quantize_reduce_scatter
-
-
-class Linear(torch.nn.Module):
-    """loss = <p, x>: the gradient of p is x exactly."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.p = torch.nn.Parameter(torch.zeros(n))
-
-    def forward(self, x):
-        return (self.p * x).sum()
-
-
-def placed(comm, n: int) -> list:
-    total = np.zeros(n)
-    for key, buf in comm.state_dict()["error_feedback"]["buffers"]:
-        lo, hi = key[-2], key[-1]
-        total[lo:hi] += np.asarray(buf, dtype=np.float64)[: n - lo]
-    return total.tolist()
 
 
 def main() -> None:
@@ -43,7 +24,7 @@ def main() -> None:
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), args.elements
-    model = Linear(n)
+    model = linear(n)
     fully_shard(model)
     comm = quantize_reduce_scatter(
         model,
@@ -55,10 +36,10 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         model(x).backward()
         if i == 0:
-            first = placed(comm, n)
+            first = placed_buffers(comm.state_dict(), n)
         else:
             outs.append(model.p.grad.to_local().double().numpy().copy())
-    report({"rank": rank, "sum": np.sum(outs, axis=0), "first": first, "last": placed(comm, n)})
+    report({"rank": rank, "sum": np.sum(outs, axis=0), "first": first, "last": placed_buffers(comm.state_dict(), n)})
     dist.destroy_process_group()
 
 
