@@ -386,7 +386,7 @@ def misc(args) -> dict:
         outs[name + ".metrics"] = {k: v for k, v in c.metrics().items() if k != "levels"}
         outs[name + ".levels"] = c.levels.tolist()
     out["state"] = outs
-    out["state_levels_moved"] = saved["quantizer"]["levels"].tolist() != ALQCompressor(bits=3).levels.tolist()
+    out["state_levels_moved"] = list(saved["quantizer"]["levels"]) != ALQCompressor(bits=3).levels.tolist()
     out["state_step"], out["state_updates"] = saved["step"], saved["level_updates"]
 
     comp = ALQCompressor(bits=4, bucket_size=128, min_size=64, seed=1)
