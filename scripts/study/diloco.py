@@ -21,6 +21,20 @@ wall-clock: the loop's measured time on this machine (compute, codec and loopbac
 plus the bytes sent at ``--rate`` Mbit/s. Outputs under --out-dir: diloco_study.md (table),
 diloco_study.png (plot), data/diloco_study.json (every seed's curves); each seed's launch also
 writes data/diloco_study_raw/seed<k>.json, and a seed whose file exists is not run again.
+
+Row names (``--rows``, comma-separated; :func:`row_spec` reads them)::
+
+    row    := base ("@lr" NUMBER)? ("@m" NUMBER)?       e.g.  h50-fp32@lr0.5@m0.9
+    base   := a key of ROWS | "h" H "-" kind            e.g.  h100-fp32, h10-alq2-ef
+
+``hH-kind`` is the H = 50 row ``h50-kind`` with H inner steps per outer step; ``@lr`` and ``@m`` set
+that row's outer learning rate and Nesterov momentum (``@m0``: plain SGD), overriding
+``--outer-lr`` / ``--outer-momentum``, for the fp32/int8 rows and the DiLoCo rows alike, so one
+launch can sweep them. Rank 0 evaluates a row every lcm(``--eval-every``, H) steps. Every DiLoCo
+row also records, per outer step (:class:`OuterProbe`), the L2 norms of the exact average of the
+ranks' pseudo-gradients (one extra fp32 all_reduce, neither timed nor counted in the bytes), of the
+averaged pseudo-gradient the outer optimizer was given (quantized or not) and of their difference,
+the ranks' mean own pseudo-gradient norm, and the norm of the global parameters' update.
 """
 
 from __future__ import annotations
@@ -29,33 +43,70 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Every row: (name, H or None for per-step data parallelism, method, bits, error feedback).
+#: Every row: (name, H or None for per-step data parallelism, method, bits, error feedback, wire).
 ROWS = {
-    "dp-fp16": (None, "fp16", None, False),
-    "h50-fp32": (50, "fp32", None, False),
-    "h50-int8": (50, "int8", None, False),
-    "h50-qsgdinf2": (50, "qsgdinf", 2, False),
-    "h50-qsgdinf2-ef": (50, "qsgdinf", 2, True),
-    "h50-alq4": (50, "alq", 4, False),
-    "h50-alq3": (50, "alq", 3, False),
-    "h50-alq2": (50, "alq", 2, False),
-    "h50-alq2-ef": (50, "alq", 2, True),
-    "h10-fp32": (10, "fp32", None, False),
-    "h10-alq3": (10, "alq", 3, False),
+    "dp-fp16": (None, "fp16", None, False, "fixed"),
+    "h50-fp32": (50, "fp32", None, False, "fixed"),
+    "h50-int8": (50, "int8", None, False, "fixed"),
+    "h50-qsgdinf2": (50, "qsgdinf", 2, False, "fixed"),
+    "h50-qsgdinf2-ef": (50, "qsgdinf", 2, True, "fixed"),
+    "h50-alq4": (50, "alq", 4, False, "fixed"),
+    "h50-alq3": (50, "alq", 3, False, "fixed"),
+    "h50-alq2": (50, "alq", 2, False, "fixed"),
+    "h50-alq2-ef": (50, "alq", 2, True, "fixed"),
+    "h10-fp32": (10, "fp32", None, False, "fixed"),
+    "h10-alq3": (10, "alq", 3, False, "fixed"),
+    # the entropy-coded wire: the same outer steps as the row without "-entropy" (same seed), fewer bytes
+    "h50-alq4-entropy": (50, "alq", 4, False, "entropy"),
+    "h50-alq3-entropy": (50, "alq", 3, False, "entropy"),
+    "h50-alq2-entropy": (50, "alq", 2, False, "entropy"),
 }
+DEFAULT_ROWS = [row for row in ROWS if not row.endswith("-entropy")]
 QUICK_ROWS = ("dp-fp16", "h10-fp32", "h10-alq3")
+_ROW = re.compile(r"(?P<base>[^@]+)(?:@lr(?P<lr>[^@]+))?(?:@m(?P<m>[^@]+))?")
+
+
+def row_spec(row: str, args=None) -> tuple:
+    """``(H, method, bits, error feedback, wire, outer lr, outer momentum)`` of a row name (the grammar
+    in the module docstring; ``args.outer_lr`` / ``args.outer_momentum`` where the name sets none).
+    ValueError when the name is not a row or its outer step is out of range."""
+    match = _ROW.fullmatch(row)
+    base = match["base"] if match else ""
+    if base in ROWS:
+        spec = ROWS[base]
+    else:
+        h = re.fullmatch(r"h([1-9][0-9]*)-(.+)", base)
+        if not h or f"h50-{h[2]}" not in ROWS:
+            raise ValueError(f"unknown row {row!r}")
+        spec = (int(h[1]), *ROWS[f"h50-{h[2]}"][1:])
+    if spec[0] is None and (match["lr"] or match["m"]):
+        raise ValueError(f"row {row!r}: per-step data parallelism has no outer step")
+    try:
+        lr = float(match["lr"]) if match["lr"] else float(getattr(args, "outer_lr", 0.7))
+        mu = float(match["m"]) if match["m"] else float(getattr(args, "outer_momentum", 0.9))
+    except ValueError:
+        raise ValueError(f"row {row!r}: @lr and @m take numbers") from None
+    if not (0 < lr < math.inf and 0 <= mu < 1):
+        raise ValueError(f"row {row!r}: the outer lr must be positive and the momentum in [0, 1)")
+    return (*spec, lr, mu)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 workers, 1 seed, 20 steps of a tiny GPT, 3 rows")
-    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows; default all")
+    p.add_argument(
+        "--rows",
+        default=",".join(DEFAULT_ROWS),
+        help=f"comma-separated rows of {', '.join(ROWS)}, or hH-<kind>, each with @lr<x>@m<x> (see above); "
+        "default all but the -entropy ones",
+    )
     p.add_argument("--seeds", default="0,1,2", help="default 0,1,2")
     p.add_argument("--workers", type=int, default=4, help="default 4")
     p.add_argument("--steps", type=int, default=1000, help="inner steps of every row; default 1000 (20 at H=50)")
@@ -82,13 +133,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rows, args.seeds, args.workers, args.steps = ",".join(QUICK_ROWS), "0", 2, 20
         args.width, args.layers, args.heads, args.context, args.batch_size = 32, 1, 2, 32, 8
         args.eval_every, args.eval_windows, args.warmup = 10, 16, 2
-    unknown = [r for r in args.rows.split(",") if r not in ROWS]
-    if unknown:
-        p.error(f"unknown rows {unknown}; the rows are {', '.join(ROWS)}")
     for row in args.rows.split(","):
-        h = ROWS[row][0]
-        if h and (args.eval_every % h or args.steps % h):
-            p.error(f"--eval-every {args.eval_every} and --steps {args.steps} must be multiples of {row}'s H = {h}")
+        try:
+            h = row_spec(row, args)[0]
+        except ValueError as err:
+            p.error(f"{err}; the rows are {', '.join(ROWS)}, hH-<kind>, each with @lr<x>, @m<x>")
+        if h and args.steps % math.lcm(h, args.eval_every):
+            p.error(f"--steps {args.steps} must be a multiple of lcm(--eval-every, {row}'s H = {h})")
     return args
 
 
@@ -146,8 +197,118 @@ class PlainOuter:
                 p.copy_(g)
 
 
+def coded(outer) -> float:
+    """DiLoCo's bytes sent: on the entropy wire the engine's (fixed-wire) payload bytes times what the
+    coding kept (``wire_coded_bytes / wire_fixed_bytes``: exact for allgather, where every rank sends
+    its own frame N - 1 times), plus the uncompressed parameters' ring all_reduce."""
+    m = outer.metrics()
+    scale = m["wire_coded_bytes"] / m["wire_fixed_bytes"] if m["wire_fixed_bytes"] else 1.0
+    return m["bytes_sent"] * scale + m["plain_bytes_sent"]
+
+
+class OuterProbe:
+    """Measures every outer step of ``outer`` (a :class:`PlainOuter` or a
+    :class:`~horovod_alq.torch.diloco.DiLoCo`, read only): a post-hook on the inner optimizer sees the
+    ranks' parameters right before the outer step (one fp32 all_reduce: the exact average of the
+    pseudo-gradients ``global - local`` and the ranks' mean own norm); :meth:`after`, called right
+    after the step, reads the new global parameters and momentum. The averaged pseudo-gradient the
+    outer optimizer applied, ``a``, follows from ``m' = mu m + a`` (or ``g' = g - lr a`` without
+    momentum). Per outer step, the L2 norms of: the exact average (``exact_norm``), ``a``
+    (``applied_norm``), ``a`` minus the exact average (``error_norm``), the ranks' own
+    pseudo-gradients (``local_norm``, their mean) and the update ``g - g'`` (``update_norm``).
+    ``seconds``: the probe's own time, to leave out of the timed loop."""
+
+    KEYS = ("exact_norm", "applied_norm", "error_norm", "local_norm", "update_norm")
+
+    def __init__(self, outer, inner, sync_every: int, lr: float, mu: float) -> None:
+        self.outer, self.sync_every, self.lr, self.mu = outer, sync_every, lr, mu
+        self.record = {k: [] for k in self.KEYS}
+        self.calls, self.seconds, self.taken = 0, 0.0, None
+        inner.register_step_post_hook(self._hook)
+
+    @staticmethod
+    def _flat(tensors):
+        import torch
+
+        return torch.cat([t.detach().float().reshape(-1) for t in tensors])
+
+    def _hook(self, optimizer, *_) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.calls += 1
+        if self.calls % self.sync_every:
+            return
+        start = time.perf_counter()
+        g, m = self._flat(self.outer.global_params), self._flat(self.outer.momentum)
+        local = g - self._flat(self.outer.params)
+        both = torch.cat([local, local.norm().reshape(1)])
+        dist.all_reduce(both)
+        both /= dist.get_world_size()
+        self.taken = (g, m, both[:-1], float(both[-1]))
+        self.seconds += time.perf_counter() - start
+
+    def after(self) -> None:
+        """Right after the inner step that ended in an outer step (every rank)."""
+        start = time.perf_counter()
+        g, m, exact, local_norm = self.taken
+        g_new = self._flat(self.outer.global_params)
+        update = g - g_new
+        applied = self._flat(self.outer.momentum) - self.mu * m if self.mu else update / self.lr
+        values = (exact.norm(), applied.norm(), (applied - exact).norm(), local_norm, update.norm())
+        for key, value in zip(self.KEYS, values):
+            self.record[key].append(float(value))
+        self.taken = None
+        self.seconds += time.perf_counter() - start
+
+    def summary(self) -> dict:
+        """``outer_probe``: the per-step lists; ``outer_probe_mean``: their means."""
+        means = {k: sum(v) / len(v) if v else float("nan") for k, v in self.record.items()}
+        return {"outer_probe": self.record, "outer_probe_mean": means}
+
+
+def make_outer(model, inner, spec: tuple, args):
+    """The row's outer step (``spec``: :func:`row_spec`): None for data parallelism."""
+    from horovod_alq.torch.diloco import DiLoCo
+
+    h, kind, bits, ef, wire, outer_lr, outer_momentum = spec
+    if kind == "fp16":
+        return None
+    if kind in ("fp32", "int8"):
+        return PlainOuter(model, inner, h, kind, outer_lr, outer_momentum)
+    return DiLoCo(
+        model,
+        inner,
+        sync_every=h,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        method=kind,
+        bits=bits,
+        error_feedback=ef,
+        bucket_size=args.bucket_size,
+        exchange="allgather",
+        wire=wire,
+        seed=args.seed,
+    )
+
+
+def dp_step(params, n: int) -> int:
+    """Per-step data parallelism's exchange: the gradients rounded to fp16, summed, averaged; the
+    bytes a ring all_reduce of fp16 sends per worker."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([p.grad.reshape(-1) for p in params]).half().float()
+    dist.all_reduce(flat)
+    flat /= n
+    for p, g in zip(params, torch.split(flat, [p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p))
+    return 4 * flat.numel() * (n - 1) // n
+
+
 def run_row(row: str, args, data) -> dict:
-    """Train one row on this rank; rank 0's record: the curve [(inner step, bytes sent, seconds, loss)]."""
+    """Train one row on this rank; rank 0's record: the curve [(inner step, bytes sent, seconds, loss)],
+    and for the DiLoCo rows the outer step's settings and :class:`OuterProbe`'s measurements."""
     import torch
     import torch.distributed as dist
 
@@ -157,29 +318,16 @@ def run_row(row: str, args, data) -> dict:
 
     train_ids, val_ids, chars = data
     rank, n = dist.get_rank(), dist.get_world_size()
-    h, kind, bits, ef = ROWS[row]
+    spec = row_spec(row, args)
+    h = spec[0]
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every row
     model = GPT(len(chars), args.width, args.layers, args.heads, args.context)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    outer = None
-    if kind in ("fp32", "int8"):
-        outer = PlainOuter(model, inner, h, kind, args.outer_lr, args.outer_momentum)
-    elif kind != "fp16":
-        outer = DiLoCo(
-            model,
-            inner,
-            sync_every=h,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            method=kind,
-            bits=bits,
-            error_feedback=ef,
-            bucket_size=args.bucket_size,
-            exchange="allgather",
-            seed=args.seed,
-        )
+    outer = make_outer(model, inner, spec, args)
+    probe = None if outer is None else OuterProbe(outer, inner, h, spec[5], spec[6])
     params = [p for p in model.parameters()]
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    every = math.lcm(args.eval_every, h) if h else args.eval_every
     dp_bytes, seconds, curve = 0, 0.0, []
     for step in range(args.steps):
         start = time.perf_counter()
@@ -188,26 +336,21 @@ def run_row(row: str, args, data) -> dict:
         x, y = sample_batch(train_ids, args.batch_size, args.context, generator)
         inner.zero_grad()
         model.loss(x, y).backward()
-        if outer is None:  # data parallel, fp16 gradients: rounded to fp16, summed, averaged
-            flat = torch.cat([p.grad.reshape(-1) for p in params]).half().float()
-            dist.all_reduce(flat)
-            flat /= n
-            for p, g in zip(params, torch.split(flat, [p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
-            dp_bytes += 4 * flat.numel() * (n - 1) // n
+        if outer is None:
+            dp_bytes += dp_step(params, n)
             inner.step()
         else:
             outer.step()
+            if (step + 1) % h == 0:
+                probe.after()
         seconds += time.perf_counter() - start
-        if (step + 1) % args.eval_every == 0:
-            sent = (
-                dp_bytes
-                if outer is None
-                else (outer.bytes_sent if isinstance(outer, PlainOuter) else outer.metrics()["total_bytes_sent"])
-            )
+        if (step + 1) % every == 0:
+            sent = dp_bytes if outer is None else (outer.bytes_sent if isinstance(outer, PlainOuter) else coded(outer))
             loss = evaluate(model, val_ids, args) if rank == 0 else float("nan")
-            curve.append([step + 1, int(sent), seconds, loss])
-    out = {"row": row, "curve": curve, "final_loss": curve[-1][3], "bytes": curve[-1][1], "seconds": seconds}
+            curve.append([step + 1, int(sent), seconds - (probe.seconds if probe else 0.0), loss])
+    out = {"row": row, "curve": curve, "final_loss": curve[-1][3], "bytes": curve[-1][1], "seconds": curve[-1][2]}
+    if outer is not None:
+        out.update(sync_every=h, outer_lr=spec[5], outer_momentum=spec[6], **probe.summary())
     if isinstance(outer, DiLoCo):
         m = outer.metrics()
         out.update(
@@ -215,6 +358,9 @@ def run_row(row: str, args, data) -> dict:
             level_updates=m["level_updates"],
             outer_steps=m["outer_steps"],
             levels=[float(v) for v in m["levels"]],
+            wire=spec[4],
+            wire_fixed_bytes=m["wire_fixed_bytes"],
+            wire_coded_bytes=m["wire_coded_bytes"],
         )
     dist.barrier()
     return out

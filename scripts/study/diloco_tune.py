@@ -1,0 +1,267 @@
+#!/usr/bin/env python
+"""DiLoCo with a tuned fp32 baseline first, then the quantizers at its optimum (issue 54): a driver of
+:mod:`scripts.study.diloco` (whose rows carry their own outer lr and momentum, ``h50-fp32@lr0.5@m0.9``).
+
+    python -m scripts.study.diloco_tune --stage sweep --out-dir build/diloco_tuned    # seed 0, H = 50
+    python -m scripts.study.diloco_tune --stage horizon --out-dir build/diloco_tuned  # best pair, H = 10, 100
+    python -m scripts.study.diloco_tune --stage quant --seeds 0,1,2 --out-dir build/diloco_tuned
+    python -m scripts.study.diloco_tune --stage report --out-dir build/diloco_tuned   # tables.md
+
+``sweep``: fp32 pseudo-gradients at H = 50, outer lr {0.3, 0.5, 0.7, 1.0} x Nesterov momentum
+{0, 0.9} (``--lrs``, ``--momenta``), one launch of seed 0. ``horizon``: the sweep's best pair on the
+held-out loss (or ``--lr`` / ``--momentum``) at H = 10 and 100, seed 0. ``quant``: at that pair, H = 50,
+fp32, int8, QSGDinf 2 bits, ALQ 2, 3, 4 bits and ALQ 2 bits with error feedback, one launch per seed.
+Each launch writes ``<out-dir>/raw/<stage>_seed<k>.json``; a row a seed already has in any of those
+files is not run again (the tuned fp32 row of seed 0 comes from the sweep); a later launch of a stage
+and seed writes ``<stage>2_seed<k>.json`` and so on. ``--kinds`` limits the quant stage's rows.
+``report`` writes ``<out-dir>/tables.md``: the sweep, the H table, the quantizers at the tuned point
+(mean ± standard error over the seeds each row ran, same-seed differences against tuned fp32), the
+gap to per-step fp16 data parallelism (``dp-fp16`` of the earlier study's raw files, ``--dp-raw``,
+used only when their recorded arguments match) and the outer-step norms of
+:class:`scripts.study.diloco.OuterProbe`. Every other argument is the study's default (4 workers,
+1000 inner steps, the same GPT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from scripts.study import diloco
+
+QUANT = ("fp32", "int8", "qsgdinf2", "alq2", "alq3", "alq4", "alq2-ef")
+#: The arguments a DP reference's raw file must share with this study's launches.
+SHARED = ("steps", "batch_size", "context", "width", "layers", "heads", "lr", "warmup", "weight_decay")
+SHARED += ("eval_windows",)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", required=True, choices=("sweep", "horizon", "quant", "report"))
+    p.add_argument("--out-dir", default="build/diloco_tuned", help="default build/diloco_tuned")
+    p.add_argument("--seeds", default="0", help="the quant stage's seeds; default 0")
+    p.add_argument("--lrs", default="0.3,0.5,0.7,1.0", help="the sweep's outer learning rates")
+    p.add_argument("--momenta", default="0.0,0.9", help="the sweep's Nesterov momenta")
+    p.add_argument("--lr", type=float, help="the tuned outer lr (default: the sweep's best)")
+    p.add_argument("--momentum", type=float, help="the tuned outer momentum (default: the sweep's best)")
+    p.add_argument("--kinds", default=",".join(QUANT), help=f"the quant stage's rows; default {','.join(QUANT)}")
+    p.add_argument("--h", type=int, default=50, help="the sweep's and the quantizers' H; default 50")
+    p.add_argument("--horizons", default="10,100", help="the horizon stage's H; default 10,100")
+    p.add_argument("--study", default="", help="more arguments for scripts.study.diloco (a smoke test)")
+    p.add_argument("--dp-raw", default="docs/results/data/diloco_study_raw", help="dp-fp16's raw files")
+    return p.parse_args(argv)
+
+
+def name(kind: str, lr: float, mu: float, h: int = 50) -> str:
+    return f"h{h}-{kind}@lr{lr:g}@m{mu:g}"
+
+
+def load_all(raw: Path) -> dict[int, dict]:
+    """Every seed's results across the stage files: {seed: {row: result}}, and the launch args."""
+    runs: dict[int, dict] = {}
+    for path in sorted(raw.glob("*_seed*.json")):
+        data = json.loads(path.read_text())
+        seed = int(data["args"]["seed"])
+        runs.setdefault(seed, {"args": data["args"], "results": {}})["results"].update(data["results"])
+    return runs
+
+
+def sweep_rows(args) -> list[str]:
+    return [name("fp32", float(lr), float(mu), args.h) for lr in args.lrs.split(",") for mu in args.momenta.split(",")]
+
+
+def tuned(args, runs: dict) -> tuple[float, float]:
+    """The tuned pair: ``--lr`` / ``--momentum``, else the sweep's row with the lowest held-out loss."""
+    if args.lr is not None and args.momentum is not None:
+        return args.lr, args.momentum
+    sweep = {r: runs[0]["results"][r] for r in sweep_rows(args) if r in runs.get(0, {}).get("results", {})}
+    if not sweep:
+        raise SystemExit("no sweep results: run --stage sweep first, or give --lr and --momentum")
+    best = min(sweep, key=lambda r: sweep[r]["final_loss"])
+    return sweep[best]["outer_lr"], sweep[best]["outer_momentum"]
+
+
+def run_stage(args, rows: list[str], seed: int, raw: Path, runs: dict) -> None:
+    """One launch of the rows this seed does not have yet."""
+    todo = [r for r in rows if r not in runs.get(seed, {}).get("results", {})]
+    if not todo:
+        print(f"{args.stage} seed {seed}: every row is done", flush=True)
+        return
+    path = raw / f"{args.stage}_seed{seed}.json"
+    for k in range(2, 100):
+        if not path.exists():
+            break
+        path = raw / f"{args.stage}{k}_seed{seed}.json"
+    study = diloco.parse_args(["--rows", ",".join(todo), *args.study.split()])
+    diloco.launch(study, seed, path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out_dir)
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    runs = load_all(raw)
+    if args.stage == "sweep":
+        run_stage(args, sweep_rows(args), 0, raw, runs)
+    elif args.stage == "horizon":
+        lr, mu = tuned(args, runs)
+        run_stage(args, [name("fp32", lr, mu, int(h)) for h in args.horizons.split(",")], 0, raw, runs)
+    elif args.stage == "quant":
+        lr, mu = tuned(args, runs)
+        for seed in (int(s) for s in args.seeds.split(",")):
+            run_stage(args, [name(k, lr, mu, args.h) for k in args.kinds.split(",")], seed, raw, runs)
+            runs = load_all(raw)
+    else:
+        text = report(args, runs)
+        (out / "tables.md").write_text(text)
+        print(text)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- the report
+def mean_se(values: list[float]) -> tuple[float, float]:
+    return diloco._mean_se(values)
+
+
+def fmt(values: list[float], sign: str = "") -> str:
+    """Mean ± standard error (4 decimals; no error for one value); ``sign="+"``: signed."""
+    m, se = mean_se(values)
+    return f"{m:{sign}.4f}" + ("" if math.isnan(se) else f" ± {se:.4f}")
+
+
+def sweep_table(args, runs: dict) -> list[str]:
+    res = runs.get(0, {}).get("results", {})
+    lines = [
+        "| outer lr | momentum | held-out loss, step 500 | held-out loss, step 1000 | "
+        "mean ‖pseudo-gradient‖ | mean ‖update‖ | ‖update‖ / ‖pseudo-gradient‖ |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in sweep_rows(args):
+        if row in res:
+            r = res[row]
+            mid = next((c[3] for c in r["curve"] if c[0] == 500), float("nan"))
+            pm = r["outer_probe_mean"]
+            lines.append(
+                f"| {r['outer_lr']:g} | {r['outer_momentum']:g} | {mid:.4f} | {r['final_loss']:.4f} | "
+                f"{pm['applied_norm']:.4f} | {pm['update_norm']:.4f} | {pm['update_norm'] / pm['applied_norm']:.3f} |"
+            )
+    return lines
+
+
+def horizon_table(args, runs: dict, lr: float, mu: float) -> list[str]:
+    res = runs.get(0, {}).get("results", {})
+    lines = [
+        "| H | outer steps | held-out loss | MB sent per worker | mean ‖pseudo-gradient‖ | mean ‖update‖ |",
+        "|---|---|---|---|---|---|",
+    ]
+    for h in sorted({args.h, *(int(h) for h in args.horizons.split(","))}):
+        row = name("fp32", lr, mu, h)
+        if row in res:
+            r = res[row]
+            pm = r["outer_probe_mean"]
+            lines.append(
+                f"| {h} | {len(r['outer_probe']['update_norm'])} | {r['final_loss']:.4f} | {r['bytes'] / 1e6:.3f} | "
+                f"{pm['applied_norm']:.4f} | {pm['update_norm']:.4f} |"
+            )
+    return lines
+
+
+def dp_reference(args, runs: dict) -> dict[int, float]:
+    """dp-fp16's final held-out loss per seed from ``--dp-raw``, where the recorded args match."""
+    out = {}
+    for seed, run in runs.items():
+        path = Path(args.dp_raw) / f"seed{seed}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        differ = [k for k in SHARED if data["args"][k] != run["args"][k]]
+        if data["workers"] != 4 or differ or "dp-fp16" not in data["results"]:
+            print(f"dp reference seed {seed}: not used ({differ or 'workers or row'})", file=sys.stderr)
+            continue
+        out[seed] = data["results"]["dp-fp16"]["final_loss"]
+    return out
+
+
+def quant_table(runs: dict, lr: float, mu: float, h: int, dp: dict[int, float]) -> list[str]:
+    """Per row, over the seeds that ran it and the tuned fp32 row: the loss, the same-seed difference."""
+    base = name("fp32", lr, mu, h)
+    lines = [
+        f"| row | seeds | held-out loss (nats/char) | vs {base} (same seed) | MB sent per worker | bytes vs fp32 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind in QUANT:
+        row = name(kind, lr, mu, h)
+        seeds = [s for s in sorted(runs) if row in runs[s]["results"] and base in runs[s]["results"]]
+        if not seeds:
+            continue
+        res = [runs[s]["results"][row] for s in seeds]
+        diff = [r["final_loss"] - runs[s]["results"][base]["final_loss"] for s, r in zip(seeds, res)]
+        mbytes = sum(r["bytes"] for r in res) / len(res)
+        fp32_bytes = sum(runs[s]["results"][base]["bytes"] for s in seeds) / len(seeds)
+        lines.append(
+            f"| {row} | {','.join(map(str, seeds))} | {fmt([r['final_loss'] for r in res])} | {fmt(diff, '+')} | "
+            f"{mbytes / 1e6:.3f} | {mbytes / fp32_bytes:.4f} |"
+        )
+    both = [s for s in sorted(runs) if s in dp and base in runs[s]["results"]]
+    if both:
+        gap = [runs[s]["results"][base]["final_loss"] - dp[s] for s in both]
+        rel = [runs[s]["results"][base]["final_loss"] / dp[s] - 1 for s in both]
+        lines += [
+            "",
+            f"dp-fp16 (seeds {', '.join(map(str, both))}, the earlier study's raw files): "
+            f"{fmt([dp[s] for s in both])}; tuned fp32 DiLoCo minus dp-fp16, same seed: {fmt(gap, '+')} nats/char "
+            f"({100 * mean_se(rel)[0]:+.1f}% of dp-fp16's loss).",
+        ]
+    return lines
+
+
+def norm_table(runs: dict, rows: list[str]) -> list[str]:
+    """Per row, means over seeds of the per-outer-step means of OuterProbe's norms and the cosine of
+    the applied averaged pseudo-gradient with the exact one."""
+    lines = [
+        "| row | seeds | ‖exact avg‖ | ‖applied avg‖ | ‖applied − exact‖ | cos(applied, exact) | "
+        "mean ‖own‖ | ‖update‖ | ‖update‖ / ‖applied‖ |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        res = [runs[s]["results"][row] for s in sorted(runs) if row in runs[s]["results"]]
+        if not res:
+            continue
+        cols = {k: sum(r["outer_probe_mean"][k] for r in res) / len(res) for k in diloco.OuterProbe.KEYS}
+        cos = []
+        for r in res:
+            p = r["outer_probe"]
+            for a, e, d in zip(p["applied_norm"], p["exact_norm"], p["error_norm"]):
+                cos.append((a * a + e * e - d * d) / (2 * a * e))
+        lines.append(
+            f"| {row} | {len(res)} | {cols['exact_norm']:.4f} | {cols['applied_norm']:.4f} | "
+            f"{cols['error_norm']:.4f} | {sum(cos) / len(cos):.3f} | {cols['local_norm']:.4f} | "
+            f"{cols['update_norm']:.4f} | {cols['update_norm'] / cols['applied_norm']:.3f} |"
+        )
+    return lines
+
+
+def report(args, runs: dict) -> str:
+    lr, mu = tuned(args, runs)
+    dp = dp_reference(args, runs)
+    mine = [name(k, lr, mu, args.h) for k in QUANT]
+    others = sorted({r for run in runs.values() for r in run["results"]} - set(mine))
+    parts = [
+        f"## Sweep (seed 0, H = {args.h}, fp32)\n\nTuned pair: outer lr {lr:g}, momentum {mu:g}.\n",
+        "\n".join(sweep_table(args, runs)),
+        "\n## H at the tuned pair (seed 0, fp32)\n",
+        "\n".join(horizon_table(args, runs, lr, mu)),
+        f"\n## The quantizers at the tuned point (H = {args.h})\n",
+        "\n".join(quant_table(runs, lr, mu, args.h, dp)),
+        "\n## Outer-step norms (mean over outer steps, then over seeds)\n",
+        "\n".join(norm_table(runs, mine + others)),
+    ]
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
