@@ -412,8 +412,6 @@ class Setup:
             exchange=s.exchange if exchange is None else exchange,
             fusion_bytes=s.fusion_bytes if fusion_bytes is None else fusion_bytes,
             wire=s.wire,
-            error_feedback=s.error_feedback,
-            error_feedback_dtype=s.error_feedback_dtype,
         )
 
 

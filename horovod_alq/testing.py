@@ -105,6 +105,23 @@ def exchange_round(engines, tensors, ops, tag: str, hub: Hub | None = None) -> l
     return hub.outcomes(rank)
 
 
+def exchange_rounds(engines, rounds, ops, hub: Hub | None = None) -> list:
+    """:func:`exchange_round` for each round in turn (``rounds``: each a list of tensors per rank):
+    every rank's outputs per round, or the exception that ended its rounds (they stop at the first)."""
+    hub = hub or Hub(len(engines))
+    outs: list = [[] for _ in engines]
+    for step, tensors in enumerate(rounds):
+        got = exchange_round(engines, tensors, ops, f"round{step}", hub)
+        for r, out in enumerate(got):
+            if isinstance(out, BaseException):
+                outs[r] = out
+            else:
+                outs[r].append(out)
+        if any(isinstance(out, BaseException) for out in got):
+            break
+    return outs
+
+
 def start_early(engines, ops) -> None:
     """Make each engine's ``add`` pass ``ops`` (what Horovod's compressors do with ``overlap=True``),
     so that a fusion buffer starts its exchange as soon as it is complete."""

@@ -66,7 +66,6 @@ from . import (
 )
 from .driver import Started, run
 from .entropy_wire import on_wire
-from .feedback import ErrorFeedback, check_feedback
 from .interfaces import TensorOps, Transport
 from .job import Decoded, Job, auto_rows, issue
 from .layout import plan_layout
@@ -200,7 +199,8 @@ class Engine:
     quantizer : Quantizer
         The (first-phase) codec and its levels.
     state : RoundState
-        Counters, schedule and checkpoint state (shared with the front-end's ``metrics``).
+        Counters, schedule and checkpoint state (shared with the front-end's ``metrics``); its
+        ``feedback`` (error buffers, :mod:`.feedback`) turns error feedback on.
     exchange : {"allgather", "two-phase", "auto"}
     fusion_bytes : int
         Bytes of float32 gradient per fusion buffer; 0: one buffer per tensor.
@@ -211,9 +211,6 @@ class Engine:
         Horovod compressors set it at first use, :func:`horovod_alq.core.protocol.first_use_uid`).
     wire : {"fixed", "entropy"}
         How payloads travel (:mod:`.entropy_wire`).
-    error_feedback : bool
-        Keep what each quantization dropped and add it to the next round's input (:mod:`.feedback`;
-        the buffers live in ``state.feedback``, in ``error_feedback_dtype``).
     early : bool
         Start a fusion buffer's exchange in :meth:`add`, as soon as the buffer is complete (a later
         tensor does not fit in it), instead of at the round's first :meth:`finish`: its payloads
@@ -232,8 +229,6 @@ class Engine:
         uid: str | None = "0",
         early: bool = False,
         wire: str = "fixed",
-        error_feedback: bool = False,
-        error_feedback_dtype: str = "float32",
     ) -> None:
         self.quantizer = quantizer
         self.state = state
@@ -243,10 +238,6 @@ class Engine:
         self.uid = uid
         self.early = early
         self.wire = check_wire(wire)
-        check_feedback(error_feedback, error_feedback_dtype)
-        self.error_feedback = error_feedback
-        if error_feedback and state.feedback is None:
-            state.feedback = ErrorFeedback(error_feedback_dtype)
         self._round = _Round()
         self._kept: dict[str, tuple[Any, _Round]] = {}  # tag -> (buffer, the round that used it last)
 
@@ -398,7 +389,7 @@ class Engine:
 
     def feedback_for(self, *key) -> dict:
         """A :class:`~.job.Job`'s error-feedback fields: the buffers and ``key`` (what the job is)."""
-        return {"feedback": self.state.feedback, "feedback_key": key} if self.error_feedback else {}
+        return {"feedback": self.state.feedback, "feedback_key": key} if self.state.feedback is not None else {}
 
     def _handshake_fields(self, exchange: str, epoch: int, collecting: bool, transport: Transport) -> dict:
         """The handshake fields every rank must share: settings, levels, round number, refit flag,
@@ -416,7 +407,7 @@ class Engine:
             bits_second=0 if auto else st.second.bits,
             adapt_second=int(st.adapt_second),
             wire=WIRES.index(self.wire),
-            error_feedback=int(self.error_feedback),
+            error_feedback=int(self.state.feedback is not None),
             levels=stable_hash(q.fingerprint, st.second.fingerprint, auto.fingerprint() if auto else 0),
             allocation=auto.allocation_hash() if auto else 0,
             round=epoch,

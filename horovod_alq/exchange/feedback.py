@@ -118,13 +118,11 @@ class ErrorFeedback:
 
     def state_dict(self) -> dict:
         """The buffers, copied (rounds update them in place)."""
-        copy = lambda v: v.copy() if isinstance(v, np.ndarray) else v.clone()  # noqa: E731
-        return {"dtype": self.dtype, "buffers": [(k, copy(v)) for k, v in self.buffers.items()]}
+        return {"dtype": self.dtype, "buffers": [(k, _copy(v)) for k, v in self.buffers.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         """Take the saved buffers (copied: rounds update them in place)."""
-        copy = lambda v: v.copy() if isinstance(v, np.ndarray) else v.clone()  # noqa: E731
-        self.buffers = {_key(k): copy(v) for k, v in state["buffers"]}
+        self.buffers = {_key(k): _copy(v) for k, v in state["buffers"]}
         self._touched = set(self.buffers)  # the last round's: kept by the next round's start
 
     def _stored(self, error: Tensor) -> Tensor:
@@ -162,6 +160,10 @@ def _bad_buckets(x: Tensor, bucket: int) -> list[int] | None:
             return None
         bad = (~finite).cpu().numpy()
     return sorted({int(i) // bucket for i in np.flatnonzero(bad)})
+
+
+def _copy(v: Tensor) -> Tensor:
+    return v.copy() if isinstance(v, np.ndarray) else v.clone()
 
 
 def _key(k):

@@ -2,8 +2,6 @@
 ones): the same results as the fixed wire, bit for bit, for fewer bytes; a rank on another wire
 refused on every rank before any payload moves; a corrupted frame refused, never decoded."""
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import pytest
 
@@ -13,7 +11,7 @@ from horovod_alq.exchange.engine import EXCHANGES
 from horovod_alq.exchange.entropy_wire import EntropyTransport
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from horovod_alq.testing import Hub
+from horovod_alq.testing import Hub, exchange_rounds
 
 D = 256
 SIZES = (5000, 3000, 1500)
@@ -31,21 +29,8 @@ def _rounds(exchange, wires, rounds=2, n=4, g=2, bits=3):
         for w in wires
     ]
     engines = [s.engine(uid="e") for s in setups]
-    hub = Hub(n, local_size=g)
-    transports = hub.transports()
-    ops = NumpyOps()
-
-    def rank(r):
-        t, outs = transports[r], []
-        for step in range(rounds):
-            entries = [engines[r].add(x, x.size, x.shape, "float32", t) for x in _grads(step, r)]
-            reduced = [t.allreduce_sum(v, f"{step}.control{k}") for k, (_, v) in enumerate(entries)]
-            outs.append([engines[r].finish(e, v, ops, t)[0] * 1 for (e, _), v in zip(entries, reduced)])
-        return outs
-
-    with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(rank, r) for r in range(n)]
-        return [f.exception() or f.result() for f in futures], engines
+    tensors = [[_grads(step, r) for r in range(n)] for step in range(rounds)]
+    return exchange_rounds(engines, tensors, NumpyOps(), Hub(n, local_size=g)), engines
 
 
 @pytest.mark.parametrize("exchange", sorted(EXCHANGES))

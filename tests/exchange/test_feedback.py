@@ -4,8 +4,6 @@ ranks' last error buffers (bounded), and much smaller than without error feedbac
 grows like sqrt(T)); a bucket holding NaN keeps its previous error; a saved state resumes bit for
 bit; a rank with another setting is refused on every rank; bad values and states raise or warn."""
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import pytest
 
@@ -14,7 +12,7 @@ from horovod_alq.exchange.engine import EXCHANGES
 from horovod_alq.exchange.layout import plan_layout
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.settings import Settings, configure
-from horovod_alq.testing import Hub, start_early
+from horovod_alq.testing import Hub, exchange_rounds, start_early
 
 D, N = 256, 4
 SIZES = (5000, 3000, 1500)
@@ -51,24 +49,14 @@ def _rounds(setups, rounds, first=0, nan=None, early=False):
     """``rounds`` rounds (numbered from ``first``) of every rank's fixed gradients; every rank's
     outputs per round (or its error). ``nan``: (round, bucket of rank 0's first tensor) set to NaN."""
     engines = [s.engine(uid="f") for s in setups]
-    hub = Hub(N, local_size=2)
-    transports = hub.transports()
     ops = NumpyOps()
     if early:  # fusion buffers start as soon as they are complete (Horovod's overlap=True)
         start_early(engines, ops)
-
-    def rank(r):
-        t, outs = transports[r], []
-        for step in range(first, first + rounds):
-            bucket = nan[1] if nan is not None and nan[0] == step and r == 0 else None
-            entries = [engines[r].add(x, x.size, x.shape, "float32", t) for x in _grads(r, bucket)]
-            reduced = [t.allreduce_sum(v, f"{step}.control{k}") for k, (_, v) in enumerate(entries)]
-            outs.append([engines[r].finish(e, v, ops, t)[0] * 1 for (e, _), v in zip(entries, reduced)])
-        return outs
-
-    with ThreadPoolExecutor(N) as pool:
-        futures = [pool.submit(rank, r) for r in range(N)]
-        return [f.exception() or f.result() for f in futures]
+    tensors = [
+        [_grads(r, nan[1] if nan is not None and nan[0] == step and r == 0 else None) for r in range(N)]
+        for step in range(first, first + rounds)
+    ]
+    return exchange_rounds(engines, tensors, ops, Hub(N, local_size=2))
 
 
 def _drift(outs, rounds):
