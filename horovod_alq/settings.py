@@ -12,7 +12,7 @@ hook's ``ALQState``, FSDP2's ``ALQReduceScatter``, mpi4py's ``QuantizedAllreduce
     state = ALQState(settings=settings)                 # DDP hook, same settings
 
 A front-end that cannot serve a setting refuses a value other than its default with a ValueError
-that says why (:data:`NOT_SERVED`; some values only: :data:`PARTLY`); :func:`served_table` writes
+that says why (:data:`NOT_SERVED`; some values only: :func:`partly`); :func:`served_table` writes
 the table of docs/guides/settings.md.
 :func:`configure` builds what a front-end runs from its settings: both quantizers, the refit
 schedule, the round state, the seed and the exchange engine.
@@ -32,8 +32,10 @@ from .core.methods import check_bits, check_norm, get_method
 from .core.protocol import MASK64, resolve_timeout
 from .core.quantizer import Quantizer, check_code_entropy
 from .core.rounds import RefitSchedule, RoundState, schedule_from
-from .exchange.engine import Engine, check_exchange, resolve_fusion_bytes
+from .exchange import registry
+from .exchange.engine import Engine, resolve_fusion_bytes
 from .exchange.feedback import ErrorFeedback, check_feedback
+from .exchange.registry import check_exchange
 
 __all__ = ["Settings", "Setup", "configure", "served_table"]
 
@@ -244,12 +246,12 @@ class Settings:
 
     def check_served(self, front_end: str) -> None:
         """ValueError if a setting ``front_end`` does not serve differs from its default, or takes a
-        value the front-end does not serve (:data:`PARTLY`)."""
+        value the front-end does not serve (:func:`partly`)."""
         for name, why in NOT_SERVED[front_end].items():
             value = getattr(self, name)
             if value != DEFAULTS[name]:
                 raise ValueError(f"{front_end} does not serve {name}={value!r}: {why}")
-        for name, (allowed, why) in PARTLY.get(front_end, {}).items():
+        for name, (allowed, why) in partly().get(front_end, {}).items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(
@@ -330,46 +332,51 @@ NOT_SERVED: dict[str, dict[str, str]] = {
 IGNORED: dict[str, dict[str, str]] = {
     "DDP hook": {"fusion_bytes": "checked equal on every rank; DDP's bucket_cap_mb is the fusion"},
 }
-#: Settings a front-end serves for some values only: the values, and why not the others.
-PARTLY: dict[str, dict[str, tuple[tuple, str]]] = {
-    "Horovod TensorFlow": {
-        "exchange": (
-            ("auto", "allgather", "two-phase"),
-            "the hierarchical exchanges have no graph "
-            "execution; for them use the PyTorch compressors, the DDP hook or mpi4py",
-        )
-    },
-    "mpi4py": {
-        "error_feedback_dtype": (("float32",), "NumPy has no bfloat16: the buffers are float32"),
-    },
-    "FSDP2": {
-        "exchange": (
-            ("auto", "hierarchical"),
-            "FSDP2 reduce-scatters (each rank receives its own shard): "
-            "'auto' is node-aware across nodes of several ranks, flat otherwise",
-        )
-    },
-}
+
+
+def partly() -> dict[str, dict[str, tuple[tuple, str]]]:
+    """Settings a front-end serves for some values only: the values, and why not the others (the
+    exchanges from :mod:`horovod_alq.exchange.registry`'s capability flags)."""
+    return {
+        "Horovod TensorFlow": {
+            "exchange": (
+                ("auto", *registry.graph_names()),
+                "the other exchanges have no graph execution; "
+                "for them use the PyTorch compressors, the DDP hook or mpi4py",
+            )
+        },
+        "mpi4py": {
+            "error_feedback_dtype": (("float32",), "NumPy has no bfloat16: the buffers are float32"),
+        },
+        "FSDP2": {
+            "exchange": (
+                registry.shard_choices(),
+                "FSDP2 reduce-scatters (each rank receives its own shard): "
+                "'auto' is node-aware across nodes of several ranks, flat otherwise",
+            )
+        },
+    }
 
 
 def served_table() -> str:
     """The Markdown table of docs/guides/settings.md: which front-end serves which setting, and why not."""
     notes: list[str] = []
+    partial = partly()
     head = "| setting | default | " + " | ".join(FRONT_ENDS) + " |"
     rows = [head, "|" + "---|" * (len(FRONT_ENDS) + 2)]
     for name in NAMES:
         cells = []
         for fe in FRONT_ENDS:
-            partly = PARTLY.get(fe, {}).get(name)
+            some = partial.get(fe, {}).get(name)
             why = NOT_SERVED[fe].get(name) or IGNORED.get(fe, {}).get(name)
-            if partly is not None:
-                why = f"{', '.join(map(repr, partly[0]))} only: {partly[1]}"
+            if some is not None:
+                why = f"{', '.join(map(repr, some[0]))} only: {some[1]}"
             if why is None:
                 cells.append("yes")
                 continue
             if why not in notes:
                 notes.append(why)
-            mark = "no" if name in NOT_SERVED[fe] else "partly" if partly is not None else "ignored"
+            mark = "no" if name in NOT_SERVED[fe] else "partly" if some is not None else "ignored"
             cells.append(f"{mark} ({notes.index(why) + 1})")
         rows.append(f"| `{name}` | `{DEFAULTS[name]!r}` | " + " | ".join(cells) + " |")
     rows.append("")

@@ -14,12 +14,14 @@ every exchange and method:
 4. across front-ends: the same levels, the same bytes, and the same error distribution (mean squared
    error per bucket: the same quantizer and exchange must add the same noise).
 
-Adding an exchange: one module, one entry in ``horovod_alq.exchange.engine.EXCHANGES``; this file
-then runs it on every front-end once :func:`expected_bytes` knows its traffic (a branch there; until
-then the byte test fails and says so). A front-end that refuses it fails here (no skip); one that
-runs another exchange under its name shows in the byte and noise checks. An exchange of streamed
-rounds only (``STREAMED``) that is not an allreduce goes in :data:`STREAMED_ONLY` with the reason; a
-front-end that refuses an exchange by design goes in :data:`REFUSED` with the words of its error.
+Adding an exchange: one module, one :func:`horovod_alq.exchange.registry.register`; this file then
+runs it on every front-end, its expected bytes from its descriptor's ``plan``
+(:func:`test_plans_are_the_wire_format` checks the built-in plans against the wire format). A
+front-end that refuses it fails here (no skip), unless its capability flags say it refuses
+(:data:`REFUSED`, TensorFlow without ``graph``); one that runs another exchange under its name shows
+in the byte and noise checks. Reduce-scatters (a shard per rank, not an allreduce) are FSDP2's:
+tests/torch/test_fsdp_ranks.py. tests/test_toy_exchange.py runs the same checks on an exchange that
+it defines and registers itself.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from helpers import t_bound, t_stat
 from multiproc import run_ranks
 from scipy.stats import t as student
 
+from horovod_alq.core.quantizer import Quantizer
 from horovod_alq.core.wire import payload_size
-from horovod_alq.exchange.engine import EXCHANGES, STREAMED
+from horovod_alq.exchange import registry
 from horovod_alq.exchange.two_phase import shards
 
 pytestmark = pytest.mark.multiproc
@@ -46,20 +49,13 @@ WORKER = ROOT / "tests" / "workers" / "conformance.py"
 SIZE = 2  # ranks
 N, BITS, BUCKET, ROUNDS, SEED = 10900, 3, 256, 40, 5  # 43 buckets (the last short): uneven two-phase shards
 METHODS = ("qsgdinf", "alq")
-EXCHANGE_NAMES = tuple(EXCHANGES)  # the registry: a new exchange is tested without editing this file
+EXCHANGE_NAMES = registry.allreduce_names()  # a new exchange is tested without editing this file
 #: front-end -> (launcher, module it needs)
 FRONTENDS = {
     "torch": ("mpi", "horovod.torch"),
     "tf": ("mpi", "horovod.tensorflow"),
     "ddp": ("torchrun", "torch.distributed"),
     "mpi": ("mpi", "mpi4py"),
-}
-#: Exchanges of ``STREAMED`` that the allreduce front-ends do not serve, and why.
-STREAMED_ONLY = {
-    "reduce-scatter": "FSDP2's reduce-scatter: each rank gets one shard of the sum, not an "
-    "allreduce (tests/torch/test_fsdp_ranks.py)",
-    "hierarchical-reduce-scatter": "FSDP2's node-aware reduce-scatter: one shard of the sum per rank "
-    "(tests/exchange/test_hierarchical.py, tests/test_hierarchical_ranks.py)",
 }
 ALPHA = 1e-6  # false-alarm probability of each statistical check (one front-end, exchange and method)
 
@@ -78,12 +74,19 @@ def exact_average() -> np.ndarray:
     return np.mean([rank_data(r, N).astype(np.float64) for r in range(SIZE)], axis=0)
 
 
-def expected_bytes(
+def expected_bytes(exchange: str, rank: int) -> tuple[int, int]:
+    """(bytes_sent, bytes_received) of one round of the ``N``-element tensor on ``rank``: what the
+    exchange's plan says (one node of ``SIZE`` ranks)."""
+    return registry.get(exchange).bytes(N, rank, SIZE, Quantizer("qsgdinf", BITS, BUCKET))
+
+
+def wire_format_bytes(
     exchange: str, rank: int, n: int = N, size: int = SIZE, bits: int = BITS, bucket: int = BUCKET
 ) -> tuple[int, int]:
-    """(bytes_sent, bytes_received) of one round of one ``n``-element tensor on ``rank``, from the
-    wire format (docs/design/design.md, "bytes_sent": payloads with headers; an allgather sends this rank's
-    payload N - 1 times, an alltoall what goes to other ranks; control vectors and handshakes not)."""
+    """(bytes_sent, bytes_received) of one round of one ``n``-element tensor on ``rank`` of one node,
+    worked out by hand from the wire format (docs/design/design.md, "bytes_sent": payloads with
+    headers; an allgather sends this rank's payload N - 1 times, an alltoall what goes to other
+    ranks; control vectors and handshakes not)."""
     if exchange == "allgather":
         p = payload_size(n, bits, bucket)
         return (size - 1) * p, (size - 1) * p
@@ -101,25 +104,36 @@ def expected_bytes(
             sum(f for j, f in enumerate(floats) if j != rank) + (size - 1) * codes[rank],
             (size - 1) * floats[rank] + sum(c for j, c in enumerate(codes) if j != rank),
         )
-    pytest.fail(
-        f"no byte count for exchange {exchange!r}: add its wire traffic to expected_bytes() in {Path(__file__).name}"
-    )
+    raise KeyError(exchange)
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase", "hierarchical", "hierarchical-two-phase"])
+@pytest.mark.parametrize("size, n", [(2, N), (3, 5000), (4, 300)])
+def test_plans_are_the_wire_format(exchange, size, n):
+    """The built-in exchanges' plans (what :func:`expected_bytes` reads) count the bytes the wire
+    format says, on every rank of one node."""
+    q = Quantizer("qsgdinf", BITS, BUCKET)
+    for rank in range(size):
+        assert registry.get(exchange).bytes(n, rank, size, q) == wire_format_bytes(exchange, rank, n, size)
 
 
 # ------------------------------------------------------------------ launches (one per front-end)
 _CACHE: dict = {}
 
 
-def _launch(tmp_path_factory, frontend: str, tag: str, args: list) -> tuple:
-    """One launch of the worker on ``frontend`` with ``args``: (per-rank reports, rank 0's outputs)."""
+def _launch(
+    tmp_path_factory, frontend: str, tag: str, args: list, exchanges=EXCHANGE_NAMES, plugin: str | None = None
+) -> tuple:
+    """One launch of the worker on ``frontend`` with ``args`` over ``exchanges`` (``plugin``:
+    ``FILE:FUNCTION`` that registers more): (per-rank reports, rank 0's outputs)."""
     launcher, module = FRONTENDS[frontend]
     if importlib.util.find_spec(module.split(".")[0]) is None:
         pytest.skip(f"{module} is not installed")
     out = tmp_path_factory.mktemp(f"{tag}-{frontend}")
     path = os.environ.get("PYTHONPATH")
     env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}  # this checkout's package
-    common = ["--frontend", frontend, "--exchanges", ",".join(EXCHANGE_NAMES), "--elements", N, "--bits", BITS]
-    common += ["--bucket", BUCKET, "--seed", SEED, "--out", out]
+    common = ["--frontend", frontend, "--exchanges", ",".join(exchanges), "--elements", N, "--bits", BITS]
+    common += ["--bucket", BUCKET, "--seed", SEED, "--out", out] + (["--plugin", plugin] if plugin else [])
     reports = run_ranks(WORKER, np=SIZE, launcher=launcher, timeout=300, env=env, args=common + args)
     return reports, dict(np.load(out / f"{frontend}.npz"))
 
@@ -152,11 +166,16 @@ def _run(launched, frontend, method, exchange):
     return infos, arrays[key]
 
 
-#: (front-end, exchange) pairs a front-end refuses by design, and the words its error must contain.
-REFUSED = {
-    ("tf", "hierarchical"): "for them use the PyTorch compressors",
-    ("tf", "hierarchical-two-phase"): "for them use the PyTorch compressors",
-}
+def refusal(frontend: str, exchange: str) -> str | None:
+    """The words of the error with which ``frontend`` refuses ``exchange`` by design (its capability
+    flags: TensorFlow runs only the exchanges with a graph execution), else None."""
+    if frontend == "tf" and not registry.get(exchange).graph:
+        return "for them use the PyTorch compressors"
+    return None
+
+
+#: (front-end, exchange) pairs refused by design, and the words of the error.
+REFUSED = {(f, e): refusal(f, e) for f in FRONTENDS for e in EXCHANGE_NAMES if refusal(f, e)}
 CASES = [pytest.param(f, e, id=f"{f}-{e}") for f in FRONTENDS for e in EXCHANGE_NAMES if (f, e) not in REFUSED]
 
 
@@ -166,13 +185,21 @@ def test_a_refused_exchange_says_what_to_use(launched, frontend, exchange):
     for method in METHODS:
         for rank, r in enumerate(reports):
             error = r["runs"][f"{method}|{exchange}"].get("error")
-            assert error is not None and REFUSED[frontend, exchange] in error, (rank, method, error)
+            assert error is not None and refusal(frontend, exchange) in error, (rank, method, error)
 
 
-def test_registry_is_covered():
-    """Every exchange is either an allreduce exchange (tested here) or a streamed-only one, with a reason."""
+def test_registry_is_consistent():
+    """Every exchange is an allreduce (tested here) or a reduce-scatter that names the allreduce
+    whose first stages it is; names and wire ids are unique and the handshake knows them."""
+    from horovod_alq.core.protocol import EXCHANGE_NAMES as HANDSHAKE_NAMES
+
     assert EXCHANGE_NAMES, "the registry is empty"
-    assert set(STREAMED) - set(EXCHANGES) == set(STREAMED_ONLY), (sorted(STREAMED), sorted(EXCHANGES))
+    ids = {e.wire_id: e.name for e in registry.REGISTRY.values()}
+    assert len(ids) == len(registry.REGISTRY) and HANDSHAKE_NAMES == ids
+    for e in registry.REGISTRY.values():
+        assert e.allreduce or e.shard_of is None or e.shard_of in EXCHANGE_NAMES, e
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(registry.get("allgather"))
 
 
 @pytest.mark.parametrize("frontend, exchange", CASES)
@@ -270,7 +297,7 @@ def test_frontends_agree(launched, exchange, method):
     """
     truth = exact_average()
     starts = np.arange(0, N, BUCKET)
-    serving = [f for f in FRONTENDS if (f, exchange) not in REFUSED]
+    serving = [f for f in FRONTENDS if refusal(f, exchange) is None]
     runs = {f: _run(launched, f, method, exchange) for f in serving}
     levels = {f: infos[0]["levels"] for f, (infos, _) in runs.items()}
     sent = {f: [i["bytes_sent"][0] for i in infos] for f, (infos, _) in runs.items()}

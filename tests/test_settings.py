@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from multiproc import RANK_ENV
 
-from horovod_alq.exchange.engine import EXCHANGE_CHOICES
-from horovod_alq.settings import DEFAULTS, FRONT_ENDS, NAMES, NOT_SERVED, PARTLY, Settings, configure, served_table
+from horovod_alq.exchange.registry import choices
+from horovod_alq.settings import DEFAULTS, FRONT_ENDS, NAMES, NOT_SERVED, Settings, configure, partly, served_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,8 +107,8 @@ def test_of_merges_keywords_over_settings():
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_a_front_end_refuses_the_values_it_does_not_serve(front_end):
-    for name, (allowed, why) in PARTLY.get(front_end, {}).items():
-        for value in {"exchange": EXCHANGE_CHOICES}.get(name, ()):
+    for name, (allowed, why) in partly().get(front_end, {}).items():
+        for value in {"exchange": choices()}.get(name, ()):
             if value in allowed:
                 Settings.of(None, front_end, **{name: value})
             else:
@@ -155,7 +155,7 @@ def test_docs_table_is_the_codes():
 # ------------------------------------------------------------------ every front-end takes them
 def _allowed(front_end: str, name: str, value) -> tuple:
     """The values of ``name`` that ``front_end`` serves (``(value,)`` when it serves every value)."""
-    return PARTLY.get(front_end, {}).get(name, ((value,), ""))[0]
+    return partly().get(front_end, {}).get(name, ((value,), ""))[0]
 
 
 def _torch_front_ends():

@@ -2,10 +2,8 @@
 
 Three axes vary independently:
 
-* **exchanges** (how payloads travel): :mod:`.allgather` (every rank gathers every rank's codes),
-  :mod:`.two_phase` (scatter-reduce, re-quantize, allgather) and, for streamed rounds only,
-  :mod:`.reduce_scatter` (FSDP2: each rank keeps the sum of its shard); a new one is one module
-  and one entry in :data:`.engine.EXCHANGES` (or :data:`.engine.STREAMED`);
+* **exchanges** (how payloads travel): each is one module that defines an
+  :class:`.descriptor.Exchange`, registered in :data:`.registry.REGISTRY` (which lists them);
 * **transports** (how bytes move): Horovod for PyTorch (:mod:`horovod_alq.torch.horovod_transport`),
   mpi4py (:mod:`horovod_alq.mpi.transport`); each is an allgather, an alltoall and two small allreduces;
 * **tensor ops** (the codec on the framework's tensors): :class:`.interfaces.TensorOps` (NumPy:
@@ -19,14 +17,15 @@ each exchange's ``plan`` (:mod:`.plan`) is its arithmetic (ranges, payload sizes
 read by its ``steps`` and by TensorFlow, which runs the exchange in its graph.
 """
 
-from .engine import EXCHANGE_CHOICES, Engine, Entry, resolve_fusion_bytes
+from .descriptor import Exchange
+from .engine import Engine, Entry, resolve_fusion_bytes
 from .interfaces import TensorOps, Transport
 from .layout import Layout, plan_layout
 
 __all__ = [
-    "EXCHANGE_CHOICES",
     "Engine",
     "Entry",
+    "Exchange",
     "Layout",
     "TensorOps",
     "Transport",

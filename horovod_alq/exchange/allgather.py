@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.quantizer import Quantizer
+from .descriptor import Exchange
 from .interfaces import Tensor
 from .job import Allgather, Job, Piece, Steps
 from .payloads import check_payloads, check_segments
@@ -72,3 +73,6 @@ def gather_streams(job: Job, lengths: list[int] | None = None) -> list[Tensor]:
         ops.decode_sum(out, gathered, [offset], q)
         streams.append(out)
     return streams
+
+
+EXCHANGE = Exchange(NAME, 0, STAGES, steps, plan, empty_first, graph=True)

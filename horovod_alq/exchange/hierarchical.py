@@ -33,6 +33,7 @@ import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
+from .descriptor import Exchange
 from .interfaces import Tensor
 from .job import Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
@@ -43,9 +44,6 @@ from .two_phase import shards
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 3
 NAME = "hierarchical"
-#: This exchange quantizes the node sums, not the rank's own values: it collects the first
-#: quantizer's statistics itself (``Job.first_statistics``).
-OWN_FIRST_STATISTICS = True
 
 
 def plan(
@@ -197,3 +195,6 @@ def forward_in_node(
 def empty_first(ops, size: int) -> Alltoall:
     """The first collective of ``steps(job, 0)`` with nothing to contribute (see allgather's)."""
     return Alltoall(ops.from_numpy(np.zeros(0, dtype=np.uint8)), [0] * size, [0] * size, "h1-0")
+
+
+EXCHANGE = Exchange(NAME, 3, STAGES, steps, plan, empty_first, own_first_statistics=True, node_aware=True)

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
+from .descriptor import Exchange
 from .hierarchical import cross_ranks, forward_in_node, forward_splits, node_sum, node_sum_splits, splits
 from .job import Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
@@ -42,10 +43,6 @@ from .two_phase import shards, sum_shard
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 4
 NAME = "hierarchical-two-phase"
-#: It quantizes the node sums (collects the first quantizer's statistics itself) and re-quantizes
-#: the reduced sub-shards with the second quantizer (as the two-phase exchange).
-OWN_FIRST_STATISTICS = True
-REQUANTIZES = True
 
 
 def sub_shards(lo: int, hi: int, g: int, nodes: int, bucket_size: int) -> list[tuple[int, int]]:
@@ -171,3 +168,8 @@ def steps(job: Job, i: int) -> Steps:
 def empty_first(ops, size: int) -> Alltoall:
     """The first collective of ``steps(job, 0)`` with nothing to contribute (see allgather's)."""
     return Alltoall(ops.from_numpy(np.zeros(0, dtype=np.uint8)), [0] * size, [0] * size, "h1-0")
+
+
+EXCHANGE = Exchange(
+    NAME, 5, STAGES, steps, plan, empty_first, requantizes=True, own_first_statistics=True, node_aware=True
+)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .descriptor import Exchange
 from .job import Alltoall, Job, Piece, Steps
 from .payloads import check_segments
 from .reduce_scatter import shard_bounds, span  # noqa: F401 - span: where the result lies
@@ -28,7 +29,6 @@ from .topology import local_size
 #: Collectives per buffer.
 STAGES = 2
 NAME = "hierarchical-reduce-scatter"
-OWN_FIRST_STATISTICS = True
 
 
 def steps(job: Job, i: int) -> Steps:
@@ -79,3 +79,8 @@ def steps(job: Job, i: int) -> Steps:
     return [
         Piece(ra, rb, gathered, tuple(o[m] for o in offsets), job.frozen(q)) for m, (ra, rb, q, _) in enumerate(own)
     ]
+
+
+EXCHANGE = Exchange(
+    NAME, 4, STAGES, steps, span=span, own_first_statistics=True, node_aware=True, shard_of="hierarchical"
+)

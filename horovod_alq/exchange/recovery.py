@@ -12,30 +12,31 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.protocol import derive_seed
 from . import allgather
 from .job import Job
 from .payloads import check_payloads
 
 
-def recover(rnd, entry, slots: tuple[int, ...], quantizer, state, seed: int, ops, transport):
+def recover(rnd, entry, slots: tuple[int, ...], ops, transport):
     """The sum over ranks of ``entry``, a tensor that the ranks put in different ``slots`` of one
     shape (the fused sum at its slot mixed it with another tensor). Every rank quantizes again its
     values at *every* slot of that shape and allgathers them, named by slot: every rank finds the
     swap in the tensor's control vector, whenever it decompresses it, and issues the same
     collectives, all before waiting for any (ranks decompress in their own orders). Then rank
-    ``r``'s values are taken from the slot it gave this tensor. ``rnd``: the engine's round (its
-    ``recovery`` holds the slots' waits or results); ``state``: the round state that counts bytes."""
-    q = quantizer
+    ``r``'s values are taken from the slot it gave this tensor. ``rnd``: the
+    :class:`.fused.FusedRound` (its ``recovery`` holds the slots' waits or results; its ``ctx``,
+    the codec, seeds and counters of the round)."""
+    ctx = rnd.ctx
+    q, state = ctx.quantizer, ctx.state
     live = rnd.live()
     key = (entry.numel, entry.shape_code)
     index = {e.slot: k for k, e in enumerate(live)}
     for k, e in enumerate(live):
         if (e.numel, e.shape_code) == key and k not in rnd.recovery:
             x = ops.stream([e.flat], [0], e.numel)
-            payload = ops.encode(x, q, derive_seed(seed, transport.rank, rnd.epoch, 1 << 40, k))
+            payload = ops.encode(x, q, ctx.recovery_seed(k))
             sizes = [int(payload.shape[0])] * transport.size
-            rnd.recovery[k] = transport.allgather(payload, sizes, f"{rnd.prefix}.recover.{k}")
+            rnd.recovery[k] = transport.allgather(payload, sizes, ctx.name("recover")(str(k)))
             state.bytes_sent += (transport.size - 1) * sizes[0]
             state.bytes_received += (transport.size - 1) * sizes[0]
             state.payload_bytes += sizes[0]

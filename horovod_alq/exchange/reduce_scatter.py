@@ -13,6 +13,7 @@ per run of one width within a shard. Streamed rounds only
 
 from __future__ import annotations
 
+from .descriptor import Exchange
 from .job import Alltoall, Job, Piece, Steps
 from .payloads import check_segments
 
@@ -56,3 +57,6 @@ def span(job: Job) -> tuple[int, int]:
     """Where this rank's result lies in a one-buffer job's stream: ``(start, length)`` of its shard."""
     a, b = shard_bounds(job, 0)[job.transport.rank]
     return a, b - a
+
+
+EXCHANGE = Exchange(NAME, 2, STAGES, steps, span=span)

@@ -27,20 +27,21 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..core.methods import get_method
-from ..core.protocol import derive_seed, timeout_error
+from ..core.protocol import timeout_error
 from ..core.statistics import statistics_length
+from .context import RoundContext
+from .descriptor import Exchange
 from .interfaces import TensorOps, Transport
 from .job import Decoded, Job, auto_rows
 from .layout import Layout, plan_layout
-
-#: The seed key that keeps a streamed buffer's draws apart from a whole round's.
-_STREAM_KEY = 1 << 41
+from .refit import Refitter
 
 
 class StreamedRound:
     """One round of :class:`.engine.Engine` exchanged buffer by buffer (made by
     :meth:`.engine.Engine.open_stream`, after its handshake).
 
+    ``ctx``: the round's names, seeds and counters; ``refitter``: its refit at :meth:`close`.
     ``stages[s]`` carries the ``s``-th collective of every buffer (``stages[0]`` is the engine's
     transport: the handshake, the first collectives and the statistics). A transport's wait
     function may have ``then(callback)`` (run the callback once the collective completed, on any
@@ -49,22 +50,21 @@ class StreamedRound:
 
     def __init__(
         self,
-        engine,
+        ctx: RoundContext,
+        refitter: Refitter,
         ops: TensorOps,
         stages: Sequence[Transport],
-        module,
         *,
-        epoch: int,
-        prefix: str,
         collect_first: bool,
         collect_second: bool,
         refit: bool = True,
     ) -> None:
-        self.engine, self.ops, self.stages = engine, ops, list(stages)
-        self.module, self.steps, self.epoch, self.prefix = module, module.steps, epoch, prefix
-        self.span = getattr(module, "span", _whole)  # what of a buffer's stream the exchange leaves here
+        self.ctx, self.refitter, self.ops, self.stages = ctx, refitter, ops, list(stages)
+        self.exchange: Exchange = ctx.exchange
+        self.prefix = ctx.prefix
+        self.span = ctx.exchange.span or _whole  # what of a buffer's stream the exchange leaves here
         self.collect_first, self.collect_second, self.refit = collect_first, collect_second, refit
-        q = engine.quantizer
+        q = ctx.quantizer
         k = statistics_length(get_method(q.method))
         self._first_stats = np.zeros(k)
         self._second_stats = np.zeros(k)
@@ -96,10 +96,9 @@ class StreamedRound:
         shape code) of the tensors of the list, or of those laid back to back in ``flat`` (a DDP
         bucket's parameters); ``whole``: this buffer holds all of the round's tensors (they take
         the allocation's widths only if they are exactly its tensors)."""
-        eng, t = self.engine, self.stages[0]
-        st, q = eng.state, eng.quantizer
+        ctx, t = self.ctx, self.stages[0]
+        st, q = ctx.state, ctx.quantizer
         index = len(self._buffers)
-        base, rank, epoch = eng.seed, t.rank, self.epoch
         parts = list(flat) if isinstance(flat, (list, tuple)) else [flat]
         sizes = [int(p.shape[0]) for p in parts] if len(parts) > 1 else [int(numel)]
         if sum(sizes) != int(numel):
@@ -108,7 +107,7 @@ class StreamedRound:
         widths = None
         if st.auto is not None:
             parts, layout, widths = self._auto_layout(parts, layout, tensors, whole)
-        own_stats = getattr(self.module, "OWN_FIRST_STATISTICS", False)  # it quantizes other values than these
+        own_stats = self.exchange.own_first_statistics  # it quantizes other values than these
         job = Job(
             parts,
             layout,
@@ -116,17 +115,17 @@ class StreamedRound:
             t,
             q,
             st.second,
-            seed=lambda *keys: derive_seed(base, rank, epoch, _STREAM_KEY, index, *keys),
-            name=lambda tag: f"{self.prefix}.b{index}.{tag}",
+            seed=ctx.stream_seed(index),
+            name=ctx.name(f"b{index}"),
             collect_second=self.collect_second,
             collect_first=self.collect_first and own_stats and st.auto is None,
             widths=widths,
-            **eng.feedback_for("stream", index, layout.numels),
+            **ctx.feedback_for("stream", index, layout.numels),
         )
         if self.collect_first and st.auto is None and not own_stats:  # a list's tensors one by one, as if alone
             views = [job.stream] if len(parts) == 1 else [job.stream[a : a + n] for a, n in zip(layout.starts, sizes)]
             self._first_stats = self._first_stats + sum(self.ops.statistics(v, q) for v in views)
-        buf = _Buffer(index, job, self.steps(job, 0), on_done)
+        buf = _Buffer(index, job, self.exchange.steps(job, 0), on_done)
         st.calls += 1
         st.coordinates += int(numel)
         with self._lock:
@@ -141,7 +140,7 @@ class StreamedRound:
         the allocated sequence's beginning (the same on every rank: they hand over the same
         buffers; ``whole``: when the round is exactly that sequence), else the default width. In
         rounds that collect, each tensor's row is recorded for :meth:`close`."""
-        auto = self.engine.state.auto
+        auto = self.ctx.state.auto
         tensors = [(int(n), int(c)) for n, c in tensors] if tensors else [(n, 0) for n in layout.numels]
         numels = [n for n, _ in tensors]
         if len(parts) == 1 and len(tensors) > 1:  # a DDP bucket: its parameters back to back
@@ -151,7 +150,7 @@ class StreamedRound:
                 )
             flat, n = parts[0], layout.length
             starts = np.concatenate([[0], np.cumsum(numels)[:-1]]).astype(int).tolist()
-            layout = Layout(tuple(numels), tuple(starts), n, ((0, n),), self.engine.quantizer.bucket_size)
+            layout = Layout(tuple(numels), tuple(starts), n, ((0, n),), self.ctx.quantizer.bucket_size)
             parts = [flat[s : s + k] for s, k in zip(starts, numels)]
         elif tuple(numels) != layout.numels:
             raise ValueError(
@@ -181,17 +180,17 @@ class StreamedRound:
         if self.failure is not None:
             raise self.failure
         if not self.refit:
-            if self.engine.state.auto is not None:  # one row per tensor of keys (none: no tensor was added)
+            if self.ctx.state.auto is not None:  # one row per tensor of keys (none: no tensor was added)
                 return (np.stack(self._rows) if self._rows else None), None
             return (
                 self._first_stats if self.collect_first else None,
                 self._second_stats if self.collect_second else None,
             )
-        if self.engine.state.auto is not None:
+        if self.ctx.state.auto is not None:
             if self._rows:
-                self.engine.refit_auto(self._rows, self._keys, self.stages[0], f"{self.prefix}.statistics")
+                self.refitter.from_rows(self._rows, self._keys, self.stages[0], f"{self.prefix}.statistics")
             return None
-        self.engine.refit_from(
+        self.refitter.from_statistics(
             self._first_stats if self.collect_first else None,
             self._second_stats if self.collect_second else None,
             self.stages[0],
@@ -252,11 +251,9 @@ class StreamedRound:
             _then(wait, lambda b=b, wait=wait: self._advance(b, stage + 1, wait))
 
     def _done(self, buf: "_Buffer", decoded: Decoded | None, error: BaseException | None) -> None:
-        st, job = self.engine.state, buf.job
+        job = buf.job
         with self._lock:  # counted before the consumer learns the buffer is done
-            st.bytes_sent += job.sent
-            st.bytes_received += job.received
-            st.payload_bytes += job.encoded
+            self.ctx.count(job)
             if job.second_statistics is not None:
                 self._second_stats = self._second_stats + job.second_statistics
             if job.first_statistics is not None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
+from .descriptor import Exchange
 from .job import Allgather, Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
 from .plan import BufferPlan, allgather_bytes, alltoall_bytes, sizes, total
@@ -28,8 +29,6 @@ from .plan import BufferPlan, allgather_bytes, alltoall_bytes, sizes, total
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 2
 NAME = "two-phase"
-#: It re-quantizes the owners' sums with the second quantizer.
-REQUANTIZES = True
 
 
 def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, int]]:
@@ -121,3 +120,6 @@ def sum_shard(job: Job, gathered, runs, copies: int, a: int, b: int, what: str):
 def empty_first(ops, size: int) -> Alltoall:
     """The first collective of ``steps(job, 0)`` with nothing to contribute (see allgather's)."""
     return Alltoall(ops.from_numpy(np.zeros(0, dtype=np.uint8)), [0] * size, [0] * size, "a2a0")
+
+
+EXCHANGE = Exchange(NAME, 1, STAGES, steps, plan, empty_first, requantizes=True, graph=True)

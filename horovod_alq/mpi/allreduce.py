@@ -13,10 +13,12 @@ from ..core.protocol import CollectiveTimeout, ProtocolError, error_text, stable
 from ..core.quantizer import Quantizer
 from ..core.statistics import statistics_length
 from ..core.wire import parse_header
-from ..exchange.engine import MAX_STAGES, RefitError, blame
+from ..exchange import registry
 from ..exchange.numpy_ops import NumpyOps
 from ..exchange.payloads import check_payloads
+from ..exchange.refit import RefitError
 from ..settings import Settings, configure
+from .blame import blame
 from .pending import Pending, without_rng
 from .transport import MpiTransport
 
@@ -91,7 +93,8 @@ class QuantizedAllreduce(mixins.Configured):
         self._stats_length = statistics_length(self._method)
         self._pending = Pending(self._state.auto is not None)  # recorded for the next adapt()
         self._transport = MpiTransport(comm, s.timeout)
-        self._stages = [self._transport] * MAX_STAGES  # MPI pairs by call order: one transport for every stage
+        # MPI pairs by call order: one transport for every stage
+        self._stages = [self._transport] * registry.max_stages()
         self._ops = NumpyOps()
         self._engine = setup.engine(uid="mpi", fusion_bytes=0, early=False)
 
@@ -250,8 +253,7 @@ class QuantizedAllreduce(mixins.Configured):
         return self._collect_every > 0 and self._pending.calls % self._collect_every == 0
 
     def _explain(self, err: ProtocolError, error: Exception | None, shown: Any, what: str, **differ: str) -> str:
-        """A failed handshake's message: the ranks at fault (:func:`~horovod_alq.exchange.engine.blame`:
-        their errors, or ``shown``, what they must agree on), else the handshake's own."""
+        """A failed handshake's message: :func:`.blame.blame`'s, else the handshake's own."""
         why = blame(self._transport, error_text(error), shown, "messages", what, **differ)
         return f"{_PREFIX}: {err if why is None else why}"
 

@@ -48,7 +48,7 @@ from .. import compressor_mixins as mixins
 from ..core import protocol
 from ..core.auto_bits import AUTO_WIDTHS
 from ..core.methods import get_method
-from ..exchange.engine import EXCHANGES, choose_exchange
+from ..exchange.registry import choose_exchange, get
 from ..settings import Settings, configure
 from . import auto, checks, graph, joined
 from .exchanges import Exchange, GraphExchanges
@@ -56,9 +56,12 @@ from .membership import SetMembership
 from .state import RoundVariables
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
-#: The exchanges this front-end runs in the graph, and the method that runs each: a new exchange of
-#: :data:`horovod_alq.exchange.engine.EXCHANGES` needs its graph execution here (until then it is refused).
-GRAPH_EXCHANGES = {"allgather": "_allgather", "two-phase": "_two_phase"}
+
+
+def graph_method(exchange: str) -> str:
+    """The compressor's method that runs ``exchange`` in the graph (one of
+    :func:`horovod_alq.exchange.registry.graph_names`; an exchange without ``graph`` is refused)."""
+    return "_" + exchange.replace("-", "_")
 
 
 @dataclass
@@ -177,7 +180,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
                 f"a second quantization of other bits for {self._method.name} (its initial levels "
                 f"give 12-16x the variance); use bits_second=bits, or the PyTorch compressors"
             )
-        self._exchange = s.exchange  # auto, allgather or two-phase (settings.PARTLY)
+        self._exchange = s.exchange  # auto or one with a graph execution (settings.partly)
         self._process_set = process_set
         self._set_cache = None
         self.min_size = s.min_size
@@ -275,7 +278,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         n, me = self._set_size(), self._set_rank()
         h = protocol.shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name)
         width = None if v.auto is None else v.auto.width(slot, numel, h)
-        plans = {w: EXCHANGES[exchange].plan(0, numel, n, me, q, q2) for w, (q, q2) in self._widths().items()}
+        plans = {w: get(exchange).plan(0, numel, n, me, q, q2) for w, (q, q2) in self._widths().items()}
         counters = v.count(
             calls=1,
             payload_bytes=auto.per_width(width, {w: sum(p.first) for w, p in plans.items()}),
@@ -373,7 +376,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
                 expected = tf.where(ctx.collecting, expected + self._vars.row_length, expected)
             n = self._set_size()
             check = functools.partial(self._check_vector, ctx)
-            run = functools.partial(getattr(self, GRAPH_EXCHANGES[ctx.exchange]), ctx, reduced)
+            run = functools.partial(getattr(self, graph_method(ctx.exchange)), ctx, reduced)
             out = joined.guarded(self, ctx, reduced, expected, check, run)  # ranks in hvd.join(): served
         finally:
             if ctx.eager:

@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 from ..core.protocol import PREFIX, CollectiveTimeout, ProtocolError, error_text, shape_hash, stable_hash
-from ..exchange.engine import exchange_for, resolve_fusion_bytes
+from ..exchange.engine import resolve_fusion_bytes
+from ..exchange.registry import exchange_for
 from ..exchange.job import Decoded, Piece
 from ..settings import Settings
 from .dist_state import StreamedState

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..core.protocol import PREFIX, resolve_timeout
-from ..exchange.engine import STREAMED, exchange_for
+from ..exchange.registry import exchange_for, get
 from ..settings import Settings, configure
 from . import codecs
 from .dist_transport import DistTransport, companion_group
@@ -120,7 +120,7 @@ class StreamedState:
         if not stages:
             stages.append(DistTransport(group, timeout=self.timeout))
         exchange = exchange or exchange_for(self.exchange, stages[0])
-        while len(stages) < STREAMED[exchange].STAGES:
+        while len(stages) < get(exchange).stages:
             stages.append(
                 DistTransport(
                     companion_group(group, len(stages)), timeout=self.timeout, local_size=stages[0].local_size

@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..core.protocol import PREFIX, shape_hash, stable_hash
-from ..exchange import node_reduce_scatter, topology
+from ..exchange import registry, topology
 from ..exchange.reduce_scatter import NAME
 from ..settings import Settings
 from .dist_state import COMPRESSIBLE, StreamedState
@@ -123,11 +123,8 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         return NAME
 
     def _exchange_for(self, transport) -> str:
-        """The reduce-scatter of a call over ``transport``'s ranks: node-aware when the settings'
-        exchange is "hierarchical", or "auto" and the ranks span several nodes of several ranks."""
-        g = topology.local_size(transport)
-        spans = 1 < g < transport.size
-        return node_reduce_scatter.NAME if self.settings.exchange == "hierarchical" or spans else NAME
+        """The reduce-scatter of a call over ``transport``'s ranks (:func:`.registry.shard_exchange`)."""
+        return registry.shard_exchange(self.settings.exchange, transport.size, topology.local_size(transport))
 
     # ------------------------------------------------------------------ the Comm interface
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

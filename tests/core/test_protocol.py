@@ -10,22 +10,24 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from horovod_alq.core.protocol import (
-    DEFAULT_TIMEOUT,
+from horovod_alq.core.handshake import (
     HANDSHAKE_FIELDS,
     REFIT_FIELDS,
     SETTINGS,
     STREAM_FIELDS,
+    handshake_range,
+    handshake_vector,
+    read_handshake,
+)
+from horovod_alq.core.protocol import (
+    DEFAULT_TIMEOUT,
     CollectiveTimeout,
     ProtocolError,
     ReductionMismatch,
     derive_seed,
     first_use_uid,
-    handshake_range,
-    handshake_vector,
     outsider_vector,
     process_set_uid,
-    read_handshake,
     read_tensor_vector,
     resolve_timeout,
     shape_hash,

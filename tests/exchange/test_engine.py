@@ -53,8 +53,8 @@ def test_buffers_are_kept_across_finished_rounds():
         entry, vec = _add(eng, x)
         out = eng.finish(entry, vec, ops, t)[0]
         assert np.abs(out - x).max() <= np.abs(x).max()
-        held.append(id(eng._kept["stream"][0]))
-        assert out is not eng._kept["stream"][0] and not np.shares_memory(out, eng._kept["stream"][0])
+        held.append(id(eng._kept._kept["stream"][0]))
+        assert out is not eng._kept._kept["stream"][0] and not np.shares_memory(out, eng._kept._kept["stream"][0])
     assert held[0] == held[1] == held[2]
 
 
@@ -69,7 +69,7 @@ def test_kept_stream_padding_is_zeroed():
     parts = [np.ones(70, dtype=np.float32), np.full(10, 0.5, dtype=np.float32)]
     entries = [_add(eng, p) for p in parts]
     outs = [eng.finish(e, v, ops, t)[0] for e, v in entries]
-    assert eng._kept["stream"][0].shape == big.shape
+    assert eng._kept._kept["stream"][0].shape == big.shape
     # a bucket with max-abs 1 (padding zero) holds the levels -1..1 exactly at +-1: exact decode
     np.testing.assert_array_equal(outs[0][64:70], parts[0][64:70])
 

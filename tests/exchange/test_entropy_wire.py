@@ -7,9 +7,9 @@ import pytest
 
 from horovod_alq.core import entropy
 from horovod_alq.core.protocol import ProtocolError
-from horovod_alq.exchange.engine import EXCHANGES
 from horovod_alq.exchange.entropy_wire import EntropyTransport
 from horovod_alq.exchange.numpy_ops import NumpyOps
+from horovod_alq.exchange.registry import allreduce_names
 from horovod_alq.settings import Settings, configure
 from horovod_alq.testing import Hub, exchange_rounds
 
@@ -33,7 +33,7 @@ def _rounds(exchange, wires, rounds=2, n=4, g=2, bits=3):
     return exchange_rounds(engines, tensors, NumpyOps(), Hub(n, local_size=g)), engines
 
 
-@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+@pytest.mark.parametrize("exchange", sorted(allreduce_names()))
 def test_same_results_as_the_fixed_wire_for_fewer_bytes(exchange):
     fixed, _ = _rounds(exchange, ["fixed"] * 4)
     coded, engines = _rounds(exchange, ["entropy"] * 4)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from horovod_alq.core.protocol import ProtocolError
-from horovod_alq.exchange.engine import EXCHANGES
 from horovod_alq.exchange.layout import plan_layout
 from horovod_alq.exchange.numpy_ops import NumpyOps
+from horovod_alq.exchange.registry import allreduce_names
 from horovod_alq.settings import Settings, configure
 from horovod_alq.testing import Hub, exchange_rounds, start_early
 
@@ -86,7 +86,7 @@ def _check_drift(drift, left, layout, rounds):
         np.testing.assert_allclose(d, left[s : s + n], atol=1e-4 * rounds * scale, err_msg=f"tensor {k}")
 
 
-@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+@pytest.mark.parametrize("exchange", sorted(allreduce_names()))
 def test_applied_sum_is_the_true_sum_less_the_last_buffers(exchange):
     T = 30
     setups = _setups(exchange, [True] * N)
@@ -128,7 +128,7 @@ def test_early_started_buffers_keep_their_errors(exchange):
     _check_drift(_drift(outs, T), -_buffers(setups, layout), layout, T)
 
 
-@pytest.mark.parametrize("exchange", sorted(EXCHANGES))
+@pytest.mark.parametrize("exchange", sorted(allreduce_names()))
 def test_a_nan_bucket_keeps_its_previous_error(exchange):
     setups = _setups(exchange, [True] * N)
     outs = _rounds(setups, 2, nan=(1, 2))

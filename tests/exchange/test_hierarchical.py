@@ -12,9 +12,9 @@ from helpers import assert_zero_mean
 from horovod_alq.core.protocol import ProtocolError
 from horovod_alq.core.quantizer import Quantizer
 from horovod_alq.exchange import topology
-from horovod_alq.exchange.engine import MAX_STAGES, choose_exchange
 from horovod_alq.exchange.layout import plan_layout
 from horovod_alq.exchange.numpy_ops import NumpyOps
+from horovod_alq.exchange.registry import choose_exchange, max_stages
 from horovod_alq.settings import Settings, configure
 from horovod_alq.testing import Hub, ThreadTransport
 
@@ -150,7 +150,7 @@ def test_bits_auto_and_streamed_rounds(exchange):
 
     def rank(r):
         t = ThreadTransport(hub, r)
-        rnd = engines[r].open_stream(NumpyOps(), [t] * MAX_STAGES, elements=int(sum(SIZES)))
+        rnd = engines[r].open_stream(NumpyOps(), [t] * max_stages(), elements=int(sum(SIZES)))
         got = {}
         rnd.add([x for x in xs[r]], int(sum(SIZES)), lambda dec, err: got.update(dec=dec, err=err))
         rnd.wait()

@@ -2,6 +2,7 @@
 
     conformance.py --frontend {torch,tf,ddp,mpi} --exchanges allgather,two-phase --methods qsgdinf,alq
                    --elements N --bits B --bucket D --rounds R --seed S --out DIR [--wire entropy]
+                   [--plugin FILE:FUNCTION]
 
 Front-ends: ``torch`` (``hvd.allreduce`` with the Horovod torch compressor; mpirun), ``tf``
 (``hvd.allreduce`` with the TensorFlow compressor inside one ``tf.function``; mpirun), ``ddp``
@@ -220,6 +221,17 @@ def run_one(step, metrics, x, rounds, after_warmup=None):
     }
 
 
+def load_plugin(spec: str) -> None:
+    """Import ``FILE`` and call its ``FUNCTION()``: how a test module registers its own exchange here."""
+    import importlib.util
+
+    path, function = spec.rsplit(":", 1)
+    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    getattr(module, function)()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--frontend", required=True, choices=sorted(FRONTENDS))
@@ -234,7 +246,10 @@ def main() -> None:
     p.add_argument("--wire", default="fixed", choices=("fixed", "entropy"))
     p.add_argument("--error-feedback", action="store_true", help="error_feedback=True; reports the buffers")
     p.add_argument("--out", required=True)
+    p.add_argument("--plugin", help="FILE:FUNCTION to call first (a test that registers an exchange of its own)")
     args = p.parse_args()
+    if args.plugin:
+        load_plugin(args.plugin)
 
     from common import placed_buffers, report
 
