@@ -323,8 +323,6 @@ NOT_SERVED: dict[str, dict[str, str]] = {
     },
     "DiLoCo": {
         "overlap": "the pseudo-gradient is complete when the outer step starts: there is no backward pass to overlap",
-        "error_feedback": "DiLoCo's own error_feedback= argument keeps the pseudo-gradients' error (allgather)",
-        "error_feedback_dtype": "DiLoCo's own error buffers are float32",
         "clip": _TERNGRAD_CLIP,
     },
 }

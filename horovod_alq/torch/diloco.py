@@ -26,9 +26,9 @@ result is loaded into the model. Parameters with fewer than ``min_size`` element
 uncompressed (one float32 ``all_reduce``). The global parameters are bit-identical on every rank
 after every outer step; between outer steps the ranks' parameters differ.
 
-``error_feedback=True``: what this rank meant to send minus what its own payload decodes to is
-added to its next pseudo-gradient (allgather exchange only: the two-phase exchange does not hand
-back this rank's own first-phase codes, so it raises ValueError on every rank at construction).
+``error_feedback=True`` (the shared setting, :mod:`horovod_alq.exchange.feedback`): what this rank
+meant to send minus what its own payload decodes to is added to its next pseudo-gradient, with
+every exchange (in the two-phase ones the shard owner also keeps the second quantization's error).
 
 Agreement: the first outer step's handshake carries a hash of ``sync_every``, ``outer_lr``,
 ``outer_momentum``, ``error_feedback``, the parameters' shapes and (first outer step after
@@ -50,8 +50,6 @@ import torch
 
 from ..core.protocol import PREFIX, CollectiveTimeout, ProtocolError, error_text, shape_hash, stable_hash
 from ..exchange.engine import resolve_fusion_bytes
-from ..exchange.registry import exchange_for
-from ..exchange.job import Decoded, Piece
 from ..settings import Settings
 from .dist_state import StreamedState
 
@@ -101,8 +99,6 @@ class DiLoCo:
         ``fusion_bytes``: the pseudo-gradient goes in buffers of this many bytes of float32.
         A setting DiLoCo does not serve raises ValueError naming why
         (:data:`horovod_alq.settings.NOT_SERVED`; the table in docs/guides/settings.md).
-    error_feedback : bool
-        Add each outer step's quantization error (this rank's own) to the next pseudo-gradient.
     settings : horovod_alq.settings.Settings, optional
         Settings to start from; the keywords given override them.
     """
@@ -118,7 +114,6 @@ class DiLoCo:
         process_group=None,
         method: str | None = None,
         bits: int | str | None = None,
-        error_feedback: bool = False,
         settings: Settings | None = None,
         **keywords: Any,
     ) -> None:
@@ -132,8 +127,6 @@ class DiLoCo:
             or not 0 <= outer_momentum < 1
         ):
             raise ValueError(f"outer_momentum must lie in [0, 1), got {outer_momentum!r}")
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         given = dict(settings.keywords()) if settings is not None else {}
         given.update({k: v for k, v in keywords.items() if v is not None})
         if given.get("update_steps") is None and given.get("update_every") is None:
@@ -141,22 +134,14 @@ class DiLoCo:
         self.state = _OuterState(process_group, settings, dict(method=method, bits=bits, **keywords))
         self.model, self.inner_optimizer = model, inner_optimizer
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
-        self.error_feedback = error_feedback
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("DiLoCo: the model has no parameters that require grad")
         stage = self.state._stages()[0]
         self._rank, self._size = stage.rank, stage.size
-        if error_feedback and exchange_for(self.state.exchange, stage) != "allgather":
-            raise ValueError(
-                f"DiLoCo: error_feedback=True needs the allgather exchange (exchange="
-                f"{self.state.exchange!r} is {exchange_for(self.state.exchange, stage)!r} on "
-                f"{stage.size} ranks): the two-phase exchange does not return this rank's own codes"
-            )
         with torch.no_grad():
             self.global_params = [p.detach().float().clone() for p in self.params]
         self.momentum = [torch.zeros_like(g) for g in self.global_params]
-        self.errors = [torch.zeros_like(g) for g in self.global_params] if error_feedback else None
         self.inner_steps = 0
         self.outer_steps = 0
         self.plain_bytes_sent = 0
@@ -184,10 +169,7 @@ class DiLoCo:
             for k, (p, g) in enumerate(zip(self.params, self.global_params)):
                 if p.shape != g.shape:
                     raise ValueError(f"parameter {k} changed shape from {tuple(g.shape)} to {tuple(p.shape)}")
-                s = (g - p.detach().float()).reshape(-1)
-                if self.errors is not None:
-                    s += self.errors[k].reshape(-1)
-                sends.append(s)
+                sends.append((g - p.detach().float()).reshape(-1))
         except Exception as err:  # noqa: BLE001 - travels in the handshake: no rank waits alone
             error = err
         quantized = [k for k, g in enumerate(self.global_params) if g.numel() >= max(min_size, 1)]
@@ -251,12 +233,8 @@ class DiLoCo:
             raise failure
         for b, (members, layout) in enumerate(zip(buffers, layouts)):
             decoded = results[b][0]
-            own = _own(decoded, self._rank) if self.errors is not None else None
             for k, start in zip(members, layout.starts):
-                n = sends[k].numel()
-                averaged[k] = decoded.read(start, start + n, 1.0 / self._size)
-                if own is not None:
-                    self.errors[k].copy_((sends[k] - own.read(start, start + n)).view_as(self.errors[k]))
+                averaged[k] = decoded.read(start, start + sends[k].numel(), 1.0 / self._size)
         rnd.close()  # the refit, in the rounds that collect
         mu, lr = self.outer_momentum, self.outer_lr
         for k, (p, g, m) in enumerate(zip(self.params, self.global_params, self.momentum)):
@@ -316,6 +294,10 @@ class DiLoCo:
             "global_parameters": start,
         }
 
+    @property
+    def error_feedback(self) -> bool:
+        return self.state.settings.error_feedback
+
     # ------------------------------------------------------------------ metrics and state
     def metrics(self) -> dict:
         """The other front-ends' keys (``step`` and the byte counts: the outer steps' quantized
@@ -332,8 +314,8 @@ class DiLoCo:
         return out
 
     def state_dict(self) -> dict:
-        """Global parameters, outer momentum, error-feedback buffer, step counters and the
-        exchange's state (levels, counters, seed). The model and the inner optimizer are saved by
+        """Global parameters, outer momentum, step counters and the exchange's state (levels,
+        counters, seed, error buffers). The model and the inner optimizer are saved by
         their own ``state_dict``. Call between steps."""
         return {
             "sync_every": self.sync_every,
@@ -345,7 +327,6 @@ class DiLoCo:
             "plain_bytes_sent": self.plain_bytes_sent,
             "global_params": [g.clone() for g in self.global_params],
             "momentum": [m.clone() for m in self.momentum],
-            "errors": None if self.errors is None else [e.clone() for e in self.errors],
             "exchange": self.state.state_dict(),
         }
 
@@ -363,10 +344,9 @@ class DiLoCo:
         if differ:
             raise ValueError(f"{PREFIX}: the saved DiLoCo state has other settings ({'; '.join(differ)})")
         self.state.load_state_dict(state["exchange"])
-        for dst, key in ((self.global_params, "global_params"), (self.momentum, "momentum"), (self.errors, "errors")):
-            if dst is not None:
-                for d, s in zip(dst, state[key]):
-                    d.copy_(s)
+        for dst, key in ((self.global_params, "global_params"), (self.momentum, "momentum")):
+            for d, s in zip(dst, state[key]):
+                d.copy_(s)
         self.inner_steps, self.outer_steps = int(state["inner_steps"]), int(state["outer_steps"])
         self.plain_bytes_sent = int(state["plain_bytes_sent"])
         self._check_start = True
@@ -386,13 +366,6 @@ def _gather_json(transport, value: Any, name: str) -> list:
     buf[: raw.size] = torch.from_numpy(raw.copy())
     got = transport.allgather(buf, [n] * transport.size, name)().cpu().numpy()
     return [json.loads(bytes(got[r * n : (r + 1) * n]).rstrip(b"\0").decode()) for r in range(transport.size)]
-
-
-def _own(decoded: Decoded, rank: int) -> Decoded:
-    """The allgather exchange's result with this rank's payloads only (every piece holds one payload
-    per rank, in rank order): what this rank's own contribution decodes to."""
-    pieces = [Piece(p.lo, p.hi, p.payloads, (p.offsets[rank],), p.quantizer) for p in decoded.pieces]
-    return Decoded(decoded.ops, decoded.length, pieces, decoded.start)
 
 
 def _digest(t: torch.Tensor) -> int:

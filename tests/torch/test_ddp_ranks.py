@@ -54,6 +54,19 @@ def test_training_identical_and_learning(ranks):
     assert size in (2, 3)
 
 
+def test_error_feedback_with_no_sync_accumulation(ranks):
+    """With no_sync() accumulation the hook runs, and the error buffers change, at the synchronized
+    micro-steps only: one round per optimizer step, never one per micro-step."""
+    micro = ranks[0]["accumulate_feedback"]["micro"]
+    assert [m["rounds"] for m in micro] == [(i + 1) // 2 for i in range(len(micro))]
+    assert not micro[0]["sync"] and micro[0]["rounds"] == 0  # no buffer yet: the first round is to come
+    previous = micro[0]["buffers"]
+    for m in micro[1:]:
+        assert (m["buffers"] != previous) == m["sync"], micro
+        previous = m["buffers"]
+    assert same(ranks, lambda r: r["accumulate_feedback"]["params"])
+
+
 def test_unbiased(ranks):
     for exchange, u in ranks[0]["unbiased"].items():
         assert u["exchange"] == exchange

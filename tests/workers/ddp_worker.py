@@ -398,6 +398,27 @@ def stalled(rank: int, size: int, refit: bool, timeout: float = 3.0) -> dict:
     return stalled_backward(rank, size, timeout, lambda: F.cross_entropy(model(x2), y2).backward())
 
 
+def accumulate_feedback(rank: int, micro: int = 8, accumulate: int = 2) -> dict:
+    """``no_sync()`` accumulation with ``error_feedback=True``: after each micro-step, a digest of
+    the rank's error buffers and the rounds run so far (the buffers may change at synchronized
+    micro-steps only, and must change at each)."""
+    model = make_model()
+    state = state_for("alq", exchange="two-phase", error_feedback=True, bits=2)
+    model.register_comm_hook(state, alq_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+    for i, (x, y) in enumerate(batches(rank, micro)):
+        sync = (i + 1) % accumulate == 0
+        with model.no_sync() if not sync else _null():
+            F.cross_entropy(model(x), y).backward()
+        if sync:
+            opt.step()
+            opt.zero_grad()
+        buffers = state.state_dict()["error_feedback"]["buffers"]
+        seen.append({"sync": sync, "rounds": state.metrics()["step"], "buffers": digest(*(b for _, b in buffers))})
+    return {"micro": seen, "params": digest(*model.parameters())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--methods", default="alq,amq,qsgdinf,terngrad")
@@ -412,6 +433,7 @@ def main() -> None:
         out["train"][method] = training(rank, method, "auto", args.steps)
     # the other exchange, and DDP's options
     out["train"]["alq/two-phase+accumulate"] = training(rank, "alq", "two-phase", args.steps, accumulate=2)
+    out["accumulate_feedback"] = accumulate_feedback(rank)
     out["train"]["amq/static_graph"] = training(rank, "amq", "auto", args.steps, static_graph=True)
     out["train"]["alq/find_unused+bucket_view"] = training(
         rank, "alq", "allgather", args.steps, unused=True, find_unused_parameters=True, gradient_as_bucket_view=True
