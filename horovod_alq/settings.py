@@ -86,15 +86,13 @@ class Settings:
     docs/results/bench_refit.md)."""
 
     exchange: str = "auto"
-    """How codes travel: ``"allgather"`` (every rank gathers every rank's codes, ``(N-1)(b + 32/d)``
-    bits received per coordinate, one quantization), ``"two-phase"`` (scatter-reduce, re-quantize the
-    sums, allgather: about ``2(N-1)/N (b + 32/d)`` bits, a second quantization), ``"hierarchical"``
-    (nodes of consecutive ranks: exact sums inside a node, only the node sums' codes between nodes,
-    allgathered; nodes from ``$HOROVOD_ALQ_LOCAL_SIZE`` or the launcher), ``"hierarchical-two-phase"``
-    (the same inside nodes, a two-phase exchange of the node sums between nodes: bytes between nodes
-    that do not grow with the nodes, a second quantization), ``"auto"``: across 2 or 3 nodes of
-    G > 1 ranks hierarchical, across 4 or more hierarchical-two-phase, else two-phase from 4 ranks
-    on, else allgather."""
+    """How codes travel: one of :func:`horovod_alq.exchange.registry.choices`, the registered
+    exchanges (each module's docstring says how it moves codes; docs/design/design.md, "Exchange"),
+    or ``"auto"``, :func:`~horovod_alq.exchange.registry.choose_exchange`'s rule. Built in:
+    ``"allgather"`` (one quantization, ``(N-1)(b + 32/d)`` bits received per coordinate),
+    ``"two-phase"`` (a second quantization, about ``2(N-1)/N (b + 32/d)`` bits), ``"hierarchical"``
+    and ``"hierarchical-two-phase"`` (exact sums inside nodes of consecutive ranks, codes between
+    them; nodes from ``$HOROVOD_ALQ_LOCAL_SIZE`` or the launcher)."""
 
     bits_second: int | None = None
     """Bits of the two-phase exchanges' second quantization; None: ``bits``."""

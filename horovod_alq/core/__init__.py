@@ -17,7 +17,7 @@ _EXPORTS = {
     "get_method": "methods",
     "TruncatedNormal": "distributions",
     "NormWeightedMixture": "distributions",
-    "GridDistribution": "distributions",
+    "GridDistribution": "grid",
     "expected_variance": "objective",
     "amq_objective": "objective",
     "amq_derivative": "objective",

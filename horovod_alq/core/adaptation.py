@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .distributions import Distribution, GridDistribution, GridStack
+from .distributions import Distribution
+from .grid import GridDistribution, GridStack
 from .methods import nuqsgd_levels, uniform_levels
 from .objective import (
     amq_psi_grad,

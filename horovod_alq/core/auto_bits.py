@@ -74,7 +74,7 @@ def errors_from_histograms(squared: np.ndarray, level_sets: Sequence[np.ndarray]
     grid cell, which moves the result by about 0.1% on real gradients, at most a few %). All
     tensors and widths at once; 0 for a tensor without weight."""
     # (here, not at the top: distributions and objective load SciPy, which bits="auto" needs only at refits)
-    from .distributions import GridStack
+    from .grid import GridStack
     from .objective import cell_costs
 
     c = np.atleast_2d(np.asarray(squared, dtype=np.float64))[:, 1:]  # C2 at the grid points

@@ -11,8 +11,8 @@ The partial moments are what the quantization objective (``objective.py``) is bu
 expected variance of a cell [l, u] is ``-u*l*dM0 + (u + l)*dM1 - dM2``.
 
 Classes: :class:`TruncatedNormal` (the model of one bucket, Faghri et al., NeurIPS 2020, sec. 2),
-:class:`NormWeightedMixture` (ALQ / AMQ: buckets weighted by their norms) and
-:class:`GridDistribution` (piecewise-linear CDF on a grid, the form of the additive statistics).
+:class:`NormWeightedMixture` (ALQ / AMQ: buckets weighted by their norms); the grid form of the
+additive statistics is in :mod:`.grid`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy import special
 
-__all__ = ["SIGMA_MIN", "TruncatedNormal", "NormWeightedMixture", "GridDistribution"]
+__all__ = ["SIGMA_MIN", "Distribution", "TruncatedNormal", "NormWeightedMixture"]
 
 #: Standard deviations below this (including 0) are raised to it: a near point mass.
 SIGMA_MIN = 1e-12
@@ -31,11 +31,11 @@ _INV_SQRT2PI = float(1.0 / np.sqrt(2.0 * np.pi))
 _SQRT_HALF_PI = float(np.sqrt(0.5 * np.pi))
 
 
-def _asfloat(x: ArrayLike) -> np.ndarray:
+def as_float64(x: ArrayLike) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def _out(y: np.ndarray) -> np.ndarray | float:
+def as_result(y: np.ndarray) -> np.ndarray | float:
     """0-d results as Python floats, like scipy's frozen distributions."""
     return float(y) if np.ndim(y) == 0 else y
 
@@ -78,22 +78,22 @@ class Distribution:
         ndarray, shape ``(3, *shape)``
             Rows: CDF, first and second partial moment.
         """
-        return self._mpdf(_asfloat(x))[:3]
+        return self._mpdf(as_float64(x))[:3]
 
     def partial_moment(self, x: ArrayLike, order: int) -> np.ndarray | float:
         """``integral_a^x r**order dF(r)`` for ``order`` in {0, 1, 2} (0 gives the CDF)."""
         if isinstance(order, bool) or order not in (0, 1, 2):
             raise ValueError(f"order must be 0, 1 or 2, got {order!r}")
-        return _out(self._mpdf(_asfloat(x))[order])
+        return as_result(self._mpdf(as_float64(x))[order])
 
     def pdf(self, x: ArrayLike) -> np.ndarray | float:
         """Density at ``x`` (0 outside the support)."""
-        x = _asfloat(x)
-        return _out(np.where((x >= self.a) & (x <= self.b), self._mpdf(x)[3], 0.0))
+        x = as_float64(x)
+        return as_result(np.where((x >= self.a) & (x <= self.b), self._mpdf(x)[3], 0.0))
 
     def cdf(self, x: ArrayLike) -> np.ndarray | float:
         """Cumulative distribution function at ``x``."""
-        return _out(np.clip(self._mpdf(_asfloat(x))[0], 0.0, 1.0))
+        return as_result(np.clip(self._mpdf(as_float64(x))[0], 0.0, 1.0))
 
     def mean(self) -> np.ndarray | float:
         raise NotImplementedError
@@ -132,8 +132,8 @@ class TruncatedNormal(Distribution):
     """
 
     def __init__(self, mu: ArrayLike, sigma: ArrayLike, a: float = -1.0, b: float = 1.0) -> None:
-        mu = _asfloat(mu)
-        sigma = _asfloat(sigma)
+        mu = as_float64(mu)
+        sigma = as_float64(sigma)
         a, b = float(a), float(b)
         if not (np.isfinite(a) and np.isfinite(b) and a < b):
             raise ValueError(f"bounds must be finite with a < b, got a={a!r}, b={b!r}")
@@ -224,13 +224,13 @@ class TruncatedNormal(Distribution):
 
     def pdf(self, x: ArrayLike) -> np.ndarray | float:
         """Density at ``x`` (0 outside the support)."""
-        x = _asfloat(x)
+        x = as_float64(x)
         phiz = self._eval(x)[1]
-        return _out(np.where((x >= self.a) & (x <= self.b), phiz / self.sigma, 0.0))
+        return as_result(np.where((x >= self.a) & (x <= self.b), phiz / self.sigma, 0.0))
 
     def cdf(self, x: ArrayLike) -> np.ndarray | float:
         """Cumulative distribution function at ``x``."""
-        return _out(np.clip(self._eval(_asfloat(x))[0], 0.0, 1.0))
+        return as_result(np.clip(self._eval(as_float64(x))[0], 0.0, 1.0))
 
     def _ppf_raw(self, q: np.ndarray) -> np.ndarray:
         """Quantiles for ``q`` in [0, 1] (no checks)."""
@@ -260,21 +260,21 @@ class TruncatedNormal(Distribution):
 
     def ppf(self, q: ArrayLike) -> np.ndarray | float:
         """Quantile function (closed form via ``ndtri`` / ``ndtri_exp``); NaN outside [0, 1]."""
-        q = _asfloat(q)
+        q = as_float64(q)
         x = self._ppf_raw(q)
         x = np.where(q == 0, self.a, np.where(q == 1, self.b, x))
-        return _out(np.where((q >= 0) & (q <= 1), x, np.nan))
+        return as_result(np.where((q >= 0) & (q <= 1), x, np.nan))
 
     def mean(self) -> np.ndarray | float:
         """Mean of the distribution."""
-        return _out(self.mu - self.sigma * (self._phiz_b - self._phiz_a))
+        return as_result(self.mu - self.sigma * (self._phiz_b - self._phiz_a))
 
     def var(self) -> np.ndarray | float:
         """Variance of the distribution."""
         mu, s = self.mu, self.sigma
         d = self._phiz_b - self._phiz_a
         v = s * s * (1.0 - ((self.b - mu) * self._phiz_b - (self.a - mu) * self._phiz_a) / s - d * d)
-        return _out(np.clip(v, 0.0, 0.25 * (self.b - self.a) ** 2))
+        return as_result(np.clip(v, 0.0, 0.25 * (self.b - self.a) ** 2))
 
     def __repr__(self) -> str:
         return f"TruncatedNormal(mu={self.mu!r}, sigma={self.sigma!r}, a={self.a}, b={self.b})"
@@ -300,7 +300,9 @@ class NormWeightedMixture(Distribution):
     _exact_ppf = False
 
     def __init__(self, weights: ArrayLike, mus: ArrayLike, sigmas: ArrayLike) -> None:
-        w, mus, sigmas = (np.ravel(v) for v in np.broadcast_arrays(_asfloat(weights), _asfloat(mus), _asfloat(sigmas)))
+        w, mus, sigmas = (
+            np.ravel(v) for v in np.broadcast_arrays(as_float64(weights), as_float64(mus), as_float64(sigmas))
+        )
         if w.size == 0:
             raise ValueError("the mixture needs at least one component")
         if not np.all(np.isfinite(w)) or np.any(w < 0):
@@ -334,9 +336,9 @@ class NormWeightedMixture(Distribution):
 
     def cdf(self, x: ArrayLike) -> np.ndarray | float:
         """Cumulative distribution function at ``x``."""
-        x = _asfloat(x)
+        x = as_float64(x)
         f = np.sum(self.components._eval(x[..., None])[0] * self.weights, axis=-1)
-        return _out(np.clip(f, 0.0, 1.0))
+        return as_result(np.clip(f, 0.0, 1.0))
 
     def _cdf_table(self) -> tuple[np.ndarray, np.ndarray]:
         if self._table is None:
@@ -348,7 +350,7 @@ class NormWeightedMixture(Distribution):
 
     def ppf(self, q: ArrayLike) -> np.ndarray | float:
         """Quantile function by numerical inversion; NaN outside [0, 1]."""
-        q = _asfloat(q)
+        q = as_float64(q)
         shape = q.shape
         qf = q.ravel()
         x = np.full(qf.shape, np.nan)
@@ -365,7 +367,7 @@ class NormWeightedMixture(Distribution):
             xs, _ = _invert_cdf(self, qs, lo.copy(), hi.copy(), x0, self._mpdf(x0))
             xs = np.where(qs == 0, -1.0, np.where(qs == 1, 1.0, xs))
             x[ok] = xs
-        return _out(x.reshape(shape))
+        return as_result(x.reshape(shape))
 
     def mean(self) -> float:
         """Mean of the distribution."""
@@ -379,164 +381,6 @@ class NormWeightedMixture(Distribution):
 
     def __repr__(self) -> str:
         return f"NormWeightedMixture({self.weights.size} components)"
-
-
-class GridDistribution(Distribution):
-    """Distribution with a piecewise-linear CDF on a grid over [-1, 1] (constant density per cell).
-
-    Parameters
-    ----------
-    grid : array_like, shape (G,)
-        Strictly increasing, ``grid[0] == -1`` and ``grid[-1] == 1``; G >= 2.
-    cdf_values : array_like, shape (G,)
-        CDF at the grid points, up to a positive factor (it is divided by ``cdf_values[-1]``, so
-        norm-weighted sums can be passed as they are); must start at 0 and be nondecreasing
-        (violations up to 1e-9 relative are rounding and are repaired).
-
-    Notes
-    -----
-    Partial moments are exact per cell from precomputed cumulative sums; ``ppf`` interpolates
-    inversely and returns the left end of a zero-mass stretch.
-    """
-
-    _TOL = 1e-9
-
-    def __init__(self, grid: ArrayLike, cdf_values: ArrayLike) -> None:
-        g = np.array(grid, dtype=np.float64)
-        c = np.array(cdf_values, dtype=np.float64)
-        if g.ndim != 1 or c.shape != g.shape or g.size < 2:
-            raise ValueError(
-                f"grid and cdf_values must be 1-D of the same length >= 2, got shapes {g.shape} and {c.shape}"
-            )
-        if not (np.all(np.isfinite(g)) and np.all(np.isfinite(c))):
-            raise ValueError("grid and cdf_values must be finite")
-        if not np.all(np.diff(g) > 0):
-            raise ValueError("grid must be strictly increasing")
-        if abs(g[0] + 1.0) > 1e-12 or abs(g[-1] - 1.0) > 1e-12:
-            raise ValueError(f"grid must run from -1 to 1, got [{g[0]!r}, {g[-1]!r}]")
-        g[0], g[-1] = -1.0, 1.0
-        if not c[-1] > 0:
-            raise ValueError(f"cdf_values[-1] (total mass) must be > 0, got {c[-1]!r}")
-        c = c / c[-1]
-        if abs(c[0]) > self._TOL:
-            raise ValueError(f"cdf_values[0] must be 0 (F(-1) = 0), got {c[0]!r} after normalizing")
-        if np.any(np.diff(c) < -self._TOL) or np.any(c < -self._TOL) or np.any(c > 1 + self._TOL):
-            raise ValueError("cdf_values must be nondecreasing")
-        self.grid, self._h = g, np.diff(g)
-        tables = _cumulative_tables(g, c[None])
-        self.cdf_values, self._p1, self._p2, self._dc, self._dens = (t[0] for t in tables)
-
-    def _mpdf(self, x: np.ndarray) -> np.ndarray:
-        return self._moments(self.grid, (self.cdf_values, self._p1, self._p2, self._dc, self._dens), x)
-
-    @staticmethod
-    def _moments(g: np.ndarray, tables: tuple, x: np.ndarray, which=0) -> np.ndarray:
-        """M0, M1, M2 and the density at ``x`` (shape (4,) + x.shape) from the cumulative tables
-        (cdf, p1, p2: G entries per distribution; dc, dens: G - 1) of distribution ``which``
-        (broadcast against ``x``) of several laid back to back on the grid ``g``."""
-        cdf, p1, p2, dc, dens = tables
-        xc = np.minimum(np.maximum(x, -1.0), 1.0)
-        i = np.searchsorted(g[1:-1], xc, side="right")  # cell index, 0 .. G-2
-        at, cell = which * g.size + i, which * (g.size - 1) + i
-        gi = g[i]
-        dct = dc[cell] * ((xc - gi) / (g[i + 1] - gi))  # mass in [g_i, x]
-        out = np.empty((4,) + dct.shape)
-        out[0] = cdf[at] + dct
-        out[1] = p1[at] + dct * (gi + xc) * 0.5
-        out[2] = p2[at] + dct * (gi * gi + gi * xc + xc * xc) / 3.0
-        out[3] = dens[cell]
-        return out
-
-    def cdf(self, x: ArrayLike) -> np.ndarray | float:
-        """Cumulative distribution function at ``x``."""
-        x = _asfloat(x)
-        return _out(np.where(np.isnan(x), np.nan, np.interp(x, self.grid, self.cdf_values)))
-
-    def _ppf_raw(self, q: np.ndarray) -> np.ndarray:
-        c, g = self.cdf_values, self.grid
-        i = np.searchsorted(c[1:-1], q, side="left")  # first k >= 1 with c_k >= q, minus 1
-        dc, gi = self._dc[i], g[i]
-        with np.errstate(all="ignore"):
-            x = np.where(dc > 0, gi + (q - c[i]) / dc * self._h[i], gi)
-        return np.minimum(np.maximum(x, gi), g[i + 1])
-
-    def ppf(self, q: ArrayLike) -> np.ndarray | float:
-        """Inverse interpolation; ``inf {x : F(x) >= q}``, NaN outside [0, 1]."""
-        q = _asfloat(q)
-        return _out(np.where((q >= 0) & (q <= 1), self._ppf_raw(q), np.nan))
-
-    def mean(self) -> float:
-        """Mean of the distribution."""
-        return float(self._p1[-1])
-
-    def var(self) -> float:
-        """Variance of the distribution."""
-        mid = (self.grid[:-1] + self.grid[1:]) / 2.0
-        return float(np.sum(self._dc * ((mid - self.mean()) ** 2 + self._h**2 / 12.0)))
-
-    def __repr__(self) -> str:
-        return f"GridDistribution({self.grid.size} grid points)"
-
-
-def _cumulative_tables(g: np.ndarray, c: np.ndarray) -> tuple:
-    """The tables of :meth:`GridDistribution._moments` (cdf, p1, p2: shape (T, G); dc, dens: (T,
-    G - 1)) of T distributions on the grid ``g`` from their CDFs at the grid points (``c``, shape (T,
-    G), already divided by their totals; rounding below 0, above 1 or downwards is repaired)."""
-    c = np.clip(np.maximum.accumulate(np.clip(c, 0.0, 1.0), axis=1), 0.0, 1.0)
-    c[:, 0], c[:, -1] = 0.0, 1.0
-    gl, gr = g[:-1], g[1:]
-    dc = np.diff(c, axis=1)
-    zero = np.zeros((c.shape[0], 1))
-    p1 = np.concatenate([zero, np.cumsum(dc * (gl + gr) / 2.0, axis=1)], axis=1)
-    p2 = np.concatenate([zero, np.cumsum(dc * (gl * gl + gl * gr + gr * gr) / 3.0, axis=1)], axis=1)
-    return c, p1, p2, dc, dc / (gr - gl)
-
-
-class GridStack:
-    """Several :class:`GridDistribution` on one grid, for work on all of them at once (ALQ fits that
-    run together, the errors of ``bits="auto"``): ``_mpdf`` and ``_ppf_raw`` of distribution
-    ``which`` (an int array broadcast against the argument)."""
-
-    _exact_ppf = True
-
-    def __init__(self, dists: list[GridDistribution]) -> None:
-        self.grid, self._h, self._keys = dists[0].grid, dists[0]._h, None
-        # each table flat, distribution t's entries at t * G (cdf, p1, p2) or t * (G - 1) (per cell)
-        self._cdf, self._p1, self._p2, self._dc, self._dens = (
-            np.concatenate(t) for t in zip(*((d.cdf_values, d._p1, d._p2, d._dc, d._dens) for d in dists))
-        )
-
-    @classmethod
-    def from_cumulative(cls, grid: np.ndarray, weights: np.ndarray) -> "GridStack":
-        """The stack of ``GridDistribution(grid, w)`` for each row ``w`` of ``weights`` (shape (T,
-        G), cumulative, each with a positive total), built at once and without the checks."""
-        stack = cls.__new__(cls)
-        stack.grid = np.asarray(grid, dtype=np.float64)
-        stack._h, stack._keys = np.diff(stack.grid), None
-        w = np.asarray(weights, dtype=np.float64)
-        tables = _cumulative_tables(stack.grid, w / w[:, -1:])
-        stack._cdf, stack._p1, stack._p2, stack._dc, stack._dens = (t.ravel() for t in tables)
-        return stack
-
-    def _mpdf(self, x: np.ndarray, which: np.ndarray) -> np.ndarray:
-        return GridDistribution._moments(self.grid, (self._cdf, self._p1, self._p2, self._dc, self._dens), x, which)
-
-    def _ppf_raw(self, q: np.ndarray, which: np.ndarray) -> np.ndarray:
-        g = self.grid
-        qc = np.minimum(np.maximum(q, 0.0), 1.0)
-        # GridDistribution._ppf_raw's index in distribution `which`'s interior CDF values, for all
-        # at once: one search in the pairs (distribution, value), compared lexicographically as
-        # complex numbers (exact: no arithmetic on the values)
-        inner = g.size - 2
-        if self._keys is None:
-            cdf = self._cdf.reshape(-1, g.size)
-            self._keys = (np.arange(cdf.shape[0])[:, None] + 1j * cdf[:, 1:-1]).ravel()
-        # (a NaN value sorts after every pair: capped to the end of its own distribution, as alone)
-        i = np.minimum(np.searchsorted(self._keys, which + 1j * qc, side="left") - which * inner, inner)
-        c, dc, gi = self._cdf[which * g.size + i], self._dc[which * (g.size - 1) + i], g[i]
-        with np.errstate(all="ignore"):
-            x = np.where(dc > 0, gi + (qc - c) / dc * self._h[i], gi)
-        return np.minimum(np.maximum(x, gi), g[i + 1])
 
 
 def _invert_cdf(

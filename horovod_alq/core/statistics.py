@@ -264,7 +264,8 @@ def distribution_from_statistics(method: str | Method, stats: np.ndarray):
     ValueError
         Wrong length, non-finite entries, or no data (N == 0 or W == 0).
     """
-    from .distributions import GridDistribution, TruncatedNormal  # (loads SciPy, needed at refits only)
+    from .distributions import TruncatedNormal  # (loads SciPy, needed at refits only)
+    from .grid import GridDistribution
 
     m = _method(method)
     stats = np.asarray(stats, dtype=np.float64)

@@ -11,7 +11,8 @@ from horovod_alq.core.adaptation import (
     fit_alq_levels_together,
     fit_amq_multiplier,
 )
-from horovod_alq.core.distributions import GridDistribution, NormWeightedMixture, TruncatedNormal
+from horovod_alq.core.distributions import NormWeightedMixture, TruncatedNormal
+from horovod_alq.core.grid import GridDistribution
 from horovod_alq.core.methods import multiplier_levels, nuqsgd_levels, uniform_levels
 from horovod_alq.core.objective import amq_objective, expected_variance
 

@@ -6,13 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import integrate, stats
 
-from horovod_alq.core.distributions import (
-    SIGMA_MIN,
-    GridDistribution,
-    GridStack,
-    NormWeightedMixture,
-    TruncatedNormal,
-)
+from horovod_alq.core.distributions import SIGMA_MIN, NormWeightedMixture, TruncatedNormal
+from horovod_alq.core.grid import GridDistribution, GridStack
 
 # (mu, sigma) where scipy's truncnorm is itself accurate.
 MODERATE = [(0.0, 0.02), (0.3, 0.1), (-0.5, 0.5), (0.0, 1.0), (0.9, 3.0), (-1.2, 0.3), (1.5, 0.5)]

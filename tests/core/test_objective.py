@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from horovod_alq.core.distributions import GridDistribution, NormWeightedMixture, TruncatedNormal
+from horovod_alq.core.distributions import NormWeightedMixture, TruncatedNormal
+from horovod_alq.core.grid import GridDistribution
 from horovod_alq.core.methods import multiplier_levels, nuqsgd_levels, uniform_levels
 from horovod_alq.core.objective import (
     amq_derivative,
