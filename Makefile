@@ -1,12 +1,9 @@
 # horovod-alq developer targets. `make test` is all a new machine needs (it installs first).
 PY     := .venv/bin/python
 NP     ?= 2
-# Open MPI 5 (Debian 13) finds no interface for its runtime's messages on the loopback alone: only
-# older versions are told to use it (as scripts/common/mpi.py does).
-OMPI_MAJOR := $(shell mpirun --version 2>/dev/null | sed -n 's/^mpirun .Open MPI. v*\([0-9][0-9]*\)\..*/\1/p' | head -n 1)
-MPIRUN := mpirun --allow-run-as-root --oversubscribe --bind-to none \
-          --mca btl self,vader,tcp --mca btl_vader_single_copy_mechanism none \
-          --mca btl_tcp_if_include lo $(if $(filter 1 2 3 4,$(OMPI_MAJOR)),--mca oob_tcp_if_include lo)
+# mpirun on this host with scripts/common/launch.py's options (shared memory and loopback, root
+# allowed, no binding, oversubscription allowed) and its rank environment.
+MPIRUN := $(PY) -m scripts.common.launch
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 

@@ -367,7 +367,7 @@ STATUS_CLAIMS = (
         r"allgather below 4 (workers|ranks),? (and )?two-phase from 4(?![^|.]*\bnode)",
         "docs/guides/settings.md",
         r'"hierarchical"` \(auto on 2 or 3 nodes\)',
-        'exchange="auto" picks a hierarchical exchange across nodes of several ranks (engine.choose_exchange)',
+        'exchange="auto" picks a hierarchical exchange across nodes of several ranks (registry.choose_exchange)',
     ),
 )
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,42 +30,36 @@ from typing import Any
 
 import pytest
 
-from scripts.common.mpi import MPI_OPTIONS, RANK_ENV
+from scripts.common import launch as one_host
+from scripts.common.launch import MPI_OPTIONS, RANK_ENV
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 BOOT = WORKERS / "_boot.py"
 LAUNCHERS = ("mpi", "gloo", "torchrun")
 
-# One host's Open MPI options and rank environment (scripts/common/mpi.py), with Python's fault
+# One host's Open MPI options and rank environment (scripts/common/launch.py), with Python's fault
 # handler: a rank that a test kills prints its stack.
 RANK_ENV = {**RANK_ENV, "PYTHONFAULTHANDLER": "1"}
+__all__ = ["MPI_OPTIONS", "RANK_ENV", "launch_command", "elastic_launch_command", "run_ranks"]
 
 _TAIL = 4000
 
 
-def _tool(name: str) -> str:
-    """``name`` next to this Python (the venv's bin/) if it is there, else from PATH."""
-    local = Path(sys.executable).parent / name
-    if local.exists():
-        return str(local)
-    found = shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} not found next to {sys.executable} or on PATH; run `make install`")
-    return found
+def _horovodrun() -> list[str]:
+    """horovodrun of this Python's Horovod (outside a venv when reusing an existing Horovod)."""
+    local = Path(sys.executable).parent / "horovodrun"
+    return [str(local)] if local.exists() else [sys.executable, "-m", "horovod.runner.launch"]
 
 
 def launch_command(launcher: str, np: int) -> list[str]:
     """The command prefix that starts ``np`` local ranks with ``launcher`` ("mpi", "gloo", or
     "torchrun": torch.distributed's launcher, for workers that call ``dist.init_process_group``)."""
     if launcher == "mpi":
-        return [_tool("mpirun"), *MPI_OPTIONS, "-np", str(np)]
-    if launcher == "torchrun":  # --standalone picks a free port; --no-python: run "python _boot.py ..."
-        return [_tool("torchrun"), "--standalone", "--nproc-per-node", str(np), "--no-python"]
+        return one_host.mpirun(np)
+    if launcher == "torchrun":  # --no-python: run "python _boot.py ..."
+        return one_host.torchrun(np)
     if launcher == "gloo":
-        # horovodrun of this Python's Horovod (outside a venv when reusing an existing Horovod).
-        local = Path(sys.executable).parent / "horovodrun"
-        horovodrun = [str(local)] if local.exists() else [sys.executable, "-m", "horovod.runner.launch"]
-        return [*horovodrun, "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
+        return [*_horovodrun(), "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
     raise ValueError(f"launcher must be one of {LAUNCHERS}, not {launcher!r}")
 
 
@@ -80,23 +72,11 @@ def elastic_launch_command(
     for a second host to agree on common interfaces (``gloo_run._get_min_start_hosts``) until the
     elastic timeout (600 s by default), which looks like a hang. ``--elastic-timeout`` bounds the
     wait for slots."""
-    local = Path(sys.executable).parent / "horovodrun"
-    horovodrun = [str(local)] if local.exists() else [sys.executable, "-m", "horovod.runner.launch"]
     return [
-        *horovodrun,
-        "--gloo",
-        "-np",
-        str(np),
-        "--min-np",
-        str(min_np),
-        "--max-np",
-        str(max_np),
-        "--host-discovery-script",
-        str(discovery_script),
-        "--network-interface",
-        "lo",
-        "--elastic-timeout",
-        str(elastic_timeout),
+        *_horovodrun(),
+        *("--gloo", "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np)),
+        *("--host-discovery-script", str(discovery_script), "--network-interface", "lo"),
+        *("--elastic-timeout", str(elastic_timeout)),
     ]
 
 
@@ -104,55 +84,15 @@ def _tail(text: str, n: int = _TAIL) -> str:
     return text if len(text) <= n else "...\n" + text[-n:]
 
 
-def _signal_everything(proc: subprocess.Popen, result_dir: Path, sig: int) -> None:
-    """Send ``sig`` to the launcher's process group and to every rank that recorded its pid
-    (and its process group: launchers such as horovodrun start ranks in their own sessions)."""
-    own_group = os.getpgrp()
+def _rank_pids(result_dir: Path) -> list[int]:
+    """The pids the ranks recorded (``_boot`` writes them)."""
+    pids = []
     for pid_file in result_dir.glob("rank*.pid"):
         try:
-            pid = int(pid_file.read_text())
-            group = os.getpgid(pid)
-            if group != own_group:
-                os.killpg(group, sig)
-            os.kill(pid, sig)
-        except (ValueError, ProcessLookupError, PermissionError):
+            pids.append(int(pid_file.read_text()))
+        except ValueError:
             pass
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _dump_stacks(result_dir: Path) -> None:
-    """Ask every rank that recorded its pid for its threads' Python stacks (``_boot`` writes them to
-    the rank's log on SIGUSR1) and give them a moment to write."""
-    asked = False
-    for pid_file in result_dir.glob("rank*.pid"):
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGUSR1)
-            asked = True
-        except (ValueError, ProcessLookupError, PermissionError):
-            pass
-    if asked:
-        time.sleep(1.0)
-
-
-def _kill_everything(proc: subprocess.Popen, result_dir: Path) -> str:
-    """Stop a timed-out run: the ranks' stacks into their logs, then SIGTERM (lets the launcher stop
-    ranks it is still starting), SIGKILL after a grace period. Returns the launcher's output."""
-    _dump_stacks(result_dir)
-    _signal_everything(proc, result_dir, signal.SIGTERM)
-    try:
-        out, _ = proc.communicate(timeout=5)
-    except subprocess.TimeoutExpired:
-        out = None
-    _signal_everything(proc, result_dir, signal.SIGKILL)
-    if out is None:
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            out = "(launcher output unavailable: it did not exit after SIGKILL)"
-    return out
+    return pids
 
 
 def run_ranks(
@@ -198,22 +138,24 @@ def run_ranks(
             run_env.update(env)
 
         start = time.monotonic()
-        proc = subprocess.Popen(
-            cmd,
-            env=run_env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            text=True,
-            errors="replace",
-        )
-        timed_out = False
+        log = result_dir / "launcher.log"
+        timed_out, rc = False, None
         try:
-            launcher_out, _ = proc.communicate(timeout=timeout)
+            # the ranks' stacks into their logs, then SIGTERM (lets the launcher stop ranks it is
+            # still starting), SIGKILL after a grace period
+            rc = one_host.run(
+                cmd,
+                log,
+                timeout,
+                env=run_env,
+                cwd=os.getcwd(),
+                grace=5,
+                ranks=lambda: _rank_pids(result_dir),
+                stacks=True,
+            )
         except subprocess.TimeoutExpired:
             timed_out = True
-            launcher_out = _kill_everything(proc, result_dir)
+        launcher_out = log.read_text(errors="replace") if log.exists() else ""
         elapsed = time.monotonic() - start
 
         results, problems, logs = [], [], []
@@ -229,8 +171,8 @@ def run_ranks(
 
         if timed_out:
             problems.insert(0, f"timed out after {timeout:g} s; killed all processes")
-        elif proc.returncode != 0:
-            problems.insert(0, f"launcher exited with status {proc.returncode}")
+        elif rc != 0:
+            problems.insert(0, f"launcher exited with status {rc}")
         if problems:
             parts = [
                 f"{launcher} run of {path.name} on {np} ranks failed after {elapsed:.1f} s: " + "; ".join(problems),

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multiproc import MPI_OPTIONS, RANK_ENV, _tool
+
+from scripts.common import launch
 
 ROOT = Path(__file__).resolve().parent.parent  # the scripts run as modules from here: python -m scripts.demo.train
 
@@ -20,6 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent  # the scripts run as modules from
 def load(name: str):
     """The script ``scripts.<name>`` ("study.variance")."""
     return importlib.import_module(f"scripts.{name}")
+
+
+def mpirun_module(module: str, *args, np: int = 2, timeout: float = 300) -> None:
+    """``python -m module ARGS`` on ``np`` ranks (scripts/common/launch.py's mpirun); fails with its output."""
+    cmd = [*launch.mpirun(np), sys.executable, "-m", module, *map(str, args)]
+    rc, out = launch.output(cmd, timeout, env=launch.rank_env())
+    assert rc == 0, out[-4000:]
 
 
 @pytest.mark.parametrize(
@@ -279,26 +287,7 @@ def test_run_accuracy_aggregates(tmp_path):
 @pytest.mark.multiproc
 def test_bench_codec_two_ranks(tmp_path):
     out = tmp_path / "codec.md"
-    cmd = [
-        _tool("mpirun"),
-        *MPI_OPTIONS,
-        "-np",
-        "2",
-        sys.executable,
-        "-m",
-        "scripts.bench.codec",
-        "--sizes",
-        "64K",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--out",
-        str(out),
-    ]
-    env = {**__import__("os").environ, **RANK_ENV}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    mpirun_module("scripts.bench.codec", "--sizes", "64K", "--repeats", "1", "--warmup", "0", "--out", out, timeout=120)
     text = out.read_text()
     for name in ("fp16", "ALQ 3b", "torch 8-bit quantization hook helpers"):
         assert f"| {name} |" in text
@@ -440,25 +429,7 @@ def test_run_accuracy_aggregates_two_phase(tmp_path):
 def test_train_exchange_two_ranks(tmp_path):
     """train.py with alq-ag and alq-2p: each trains with the exchange it names (1 epoch, 2 ranks)."""
     out = tmp_path / "train.json"
-    cmd = [
-        _tool("mpirun"),
-        *MPI_OPTIONS,
-        "-np",
-        "2",
-        sys.executable,
-        "-m",
-        "scripts.demo.train",
-        "--methods",
-        "alq-ag,alq-2p",
-        "--epochs",
-        "1",
-        "--quiet",
-        "--json",
-        str(out),
-    ]
-    env = {**__import__("os").environ, **RANK_ENV}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    mpirun_module("scripts.demo.train", "--methods", "alq-ag,alq-2p", "--epochs", "1", "--quiet", "--json", out)
     results = json.loads(out.read_text())["results"]
     assert [(r["method"], r["exchange"]) for r in results] == [("alq-ag", "allgather"), ("alq-2p", "two-phase")]
     assert all(r["accuracy"] > 0.5 and r["bucket_size"] == 8192 for r in results)
@@ -614,24 +585,7 @@ def test_adam_noise_two_ranks(tmp_path):
     exact average; 2-bit ALQ's relative error in the range of its variance (about 1 to 3 here, not 0);
     the repeated exchange's bias ratio near 1 for every quantized tensor."""
     out = tmp_path / "adam_noise.json"
-    cmd = [
-        _tool("mpirun"),
-        *MPI_OPTIONS,
-        "-np",
-        "2",
-        sys.executable,
-        "-m",
-        "scripts.study.adam_noise",
-        "--quick",
-        "--out",
-        str(tmp_path / "adam_noise.md"),
-        "--json",
-        str(out),
-    ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env={**__import__("os").environ, **RANK_ENV}, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    mpirun_module("scripts.study.adam_noise", "--quick", "--out", tmp_path / "adam_noise.md", "--json", out)
     data = json.loads(out.read_text())
     assert data["workers"] == 2 and set(data["results"]) == {"alq@2", "alq@bucket2.5"}
     for spec, r in data["results"].items():
@@ -722,12 +676,12 @@ def test_diloco_study_quick(tmp_path, capsys):
 
 
 def test_namespace_launch_that_never_connects_fails_named_and_retried(tmp_path):
-    """scripts/bench/network.py's launch (issue 43, item 9): a launch whose ranks have not all started
+    """scripts/common/network.py's launch (issue 43, item 9): a launch whose ranks have not all started
     within the connect timeout is killed, named, tried once more, and then raises; no namespaces
     needed (a stub command that never starts a rank, a stub check that names the missing worker)."""
     import time
 
-    net = load("bench.network")
+    net = load("common.network")
     polls, cleanups, said = [], [], []
 
     def missing():

@@ -25,8 +25,7 @@ import torch
 from horovod_alq.exchange.interfaces import SingleRank
 from horovod_alq.settings import Settings, configure
 from horovod_alq.torch.ops import TorchOps
-from scripts.bench.refit import gpt_gradients, one_round
-from scripts.common.bench import write_report
+from scripts.common.bench import gpt_gradients, one_round, write_report
 
 
 def synthetic(tensors: int, numel: int, bucket: int) -> list[torch.Tensor]:

@@ -44,7 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, quantizat
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from horovod_alq.torch.ddp import ALQState, alq_hook
-from scripts.bench.step import numel, resnet50_shapes  # the same 161 shapes
+from scripts.common.bench import numel, resnet50_shapes  # step.py's 161 shapes
 
 
 class Shaped(torch.nn.Module):
@@ -113,41 +113,50 @@ def rows(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=7, help="timed steps per row (median); default 7")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row first; default 2")
-    p.add_argument("--width", type=float, default=1.0, help="scale every channel count; default 1")
-    p.add_argument("--bits", type=int, default=3)
-    p.add_argument("--bucket-size", type=int, default=8192)
-    p.add_argument("--skip", default="", help="comma-separated substrings of rows to leave out")
-    p.add_argument("--quick", action="store_true", help="width 0.25, 3 steps, 1 warm-up")
-    p.add_argument("--out", help="rank 0 writes the markdown table here")
-    p.add_argument(
-        "--profile",
-        default="",
-        help="rows whose label contains this: rank 0 runs their timed "
-        "steps under cProfile (the hook's thread: encode, handshake, waits; decodes run on gloo's "
-        "threads) and the table gains the top functions by own time",
+    add = p.add_argument
+    add("--steps", type=int, default=7, help="timed steps per row (median); default 7")
+    add("--warmup", type=int, default=2, help="untimed steps per row first; default 2")
+    add("--width", type=float, default=1.0, help="scale every channel count; default 1")
+    add("--bits", type=int, default=3)
+    add("--bucket-size", type=int, default=8192)
+    add("--skip", default="", help="comma-separated substrings of rows to leave out")
+    add("--quick", action="store_true", help="width 0.25, 3 steps, 1 warm-up")
+    add("--out", help="rank 0 writes the markdown table here")
+    profile = "rows whose label contains this: rank 0 runs their timed steps under cProfile (the hook's thread: "
+    profile += (
+        "encode, handshake, waits; decodes run on gloo's threads) and the table gains the top functions by own time"
     )
+    add("--profile", default="", help=profile)
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.steps, args.warmup = 0.25, 3, 1
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     shapes = resnet50_shapes(args.width)
-    total = sum(numel(s) for _, s in shapes)
     g = torch.Generator().manual_seed(1000 + rank)
     grads = [torch.randn(s, generator=g) * float(torch.rand(1, generator=g) * 0.1 + 1e-3) for _, s in shapes]
-
     models = {}
     for label, spec in rows(args).items():
         model = DDP(Shaped(shapes))
         if spec is not None:
             model.register_comm_hook(*spec)
         models[label] = (model, None if spec is None else spec[0])
-    times = {label: [] for label in models}
-    failed = {}
     profiles = {label: cProfile.Profile() for label in models if args.profile and args.profile in label}
+    times, failed = run_steps(args, models, grads, profiles, rank)
+    if rank == 0:
+        text = page(args, argv, shapes, models, times, failed, profiles)
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text(text)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_steps(args, models: dict, grads: list, profiles: dict, rank: int) -> tuple[dict, dict]:
+    """Every row's steps in turn, a barrier before each: the slowest rank's seconds per timed step
+    of each row, and why each row that failed did."""
+    times, failed = {label: [] for label in models}, {}
     for step in range(args.warmup + args.steps):
         for label, (model, _) in models.items():
             if label in failed:
@@ -171,57 +180,49 @@ def main(argv=None) -> int:
                 times[label].append(float(elapsed))
         if rank == 0:
             print(f"step {step + 1}/{args.warmup + args.steps} done", flush=True)
+    return times, failed
 
-    if rank == 0:
-        fp16 = statistics.median(times["fp16_compress_hook"]) if times.get("fp16_compress_hook") else None
-        lines = [
-            "| exchange (DDP hook) | median ms per step | ratio to fp16 | bits per coordinate |",
-            "|---|---:|---:|---:|",
-        ]
-        for label, (model, state) in models.items():
-            if label in failed or not times[label]:
-                lines.append(f"| {label} | failed: {failed.get(label, 'no steps')} | | |")
-                continue
-            med = statistics.median(times[label])
-            ratio = f"{med / fp16:.2f}" if fp16 else "-"
-            bits = {"DDP allreduce (fp32)": "32", "fp16_compress_hook": "16"}.get(label, "-")
-            if "quantization" in label:
-                bits = "8"
-            if state is not None:
-                bits = f"{state.metrics()['bits_per_coordinate']:.3f}"
-            lines.append(f"| {label} | {1000 * med:.1f} | {ratio} | {bits} |")
-        header = [
-            "# DDP communication hooks: one ResNet-50-shaped step",
-            "",
-            f"Command: `OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {size} -m scripts.bench.ddp"
-            + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-            + "`",
-            "",
-            f"Date: {datetime.date.today().isoformat()}; {size} gloo ranks on one host "
-            f"({platform.machine()}, {os.cpu_count()} CPUs, shared); torch {torch.__version__}; "
-            f"{len(shapes)} tensors, {total:,} elements (width {args.width}); median of {args.steps} steps "
-            f"after {args.warmup} warm-up steps; the slowest rank's step, rows interleaved.",
-            "",
-        ]
-        for label, prof in profiles.items():
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
-            body = buf.getvalue()
-            body = body[body.find("ncalls") :] if "ncalls" in body else body
-            lines += [
-                "",
-                f"Profile of rank 0's hook thread, {label}, {args.steps} timed steps (cProfile, by own time):",
-                "",
-                "```",
-                body.rstrip(),
-                "```",
-            ]
-        text = "\n".join(header + lines) + "\n"
-        print(text, flush=True)
-        if args.out:
-            Path(args.out).write_text(text)
-    dist.destroy_process_group()
-    return 0
+
+def page(args, argv, shapes, models: dict, times: dict, failed: dict, profiles: dict) -> str:
+    size = dist.get_world_size()
+    fp16 = statistics.median(times["fp16_compress_hook"]) if times.get("fp16_compress_hook") else None
+    lines = [
+        "| exchange (DDP hook) | median ms per step | ratio to fp16 | bits per coordinate |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, (model, state) in models.items():
+        if label in failed or not times[label]:
+            lines.append(f"| {label} | failed: {failed.get(label, 'no steps')} | | |")
+            continue
+        med = statistics.median(times[label])
+        ratio = f"{med / fp16:.2f}" if fp16 else "-"
+        bits = {"DDP allreduce (fp32)": "32", "fp16_compress_hook": "16"}.get(
+            label, "8" if "quantization" in label else "-"
+        )
+        if state is not None:
+            bits = f"{state.metrics()['bits_per_coordinate']:.3f}"
+        lines.append(f"| {label} | {1000 * med:.1f} | {ratio} | {bits} |")
+    header = [
+        "# DDP communication hooks: one ResNet-50-shaped step",
+        "",
+        f"Command: `OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node {size} -m scripts.bench.ddp"
+        + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        + "`",
+        "",
+        f"Date: {datetime.date.today().isoformat()}; {size} gloo ranks on one host "
+        f"({platform.machine()}, {os.cpu_count()} CPUs, shared); torch {torch.__version__}; "
+        f"{len(shapes)} tensors, {sum(numel(s) for _, s in shapes):,} elements (width {args.width}); median of "
+        f"{args.steps} steps after {args.warmup} warm-up steps; the slowest rank's step, rows interleaved.",
+        "",
+    ]
+    for label, prof in profiles.items():
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+        body = buf.getvalue()
+        body = body[body.find("ncalls") :] if "ncalls" in body else body
+        title = f"Profile of rank 0's hook thread, {label}, {args.steps} timed steps (cProfile, by own time):"
+        lines += ["", title, "", "```", body.rstrip(), "```"]
+    return "\n".join(header + lines) + "\n"
 
 
 if __name__ == "__main__":

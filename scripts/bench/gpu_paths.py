@@ -49,11 +49,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scripts.common.gpu import Skipped
+
 SECTIONS = ["codec", "bench", "ddp-gpt", "ddp-resnet", "fsdp", "diloco", "compile", "horovod"]
-
-
-class Skipped(Exception):
-    """A section that cannot run here: reported as skipped with this reason."""
 
 
 class Section:

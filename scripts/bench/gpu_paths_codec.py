@@ -13,7 +13,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from scripts.bench import gpu
+from scripts.common import gpu
 
 HEADER = torch.zeros(32, dtype=torch.uint8)  # the payload header: copied, never read here
 

@@ -380,7 +380,7 @@ def compile_smoke(ctx, sec) -> None:
 
 # ---------------------------------------------------------------------------------------- Horovod
 def horovod_section(ctx, sec) -> None:
-    from scripts.bench.gpu_paths import Skipped
+    from scripts.common.gpu import Skipped
 
     if importlib.util.find_spec("horovod") is None:
         raise Skipped("Horovod is not importable (building it with NCCL: docs/guides/gpu.md)")

@@ -33,26 +33,7 @@ from horovod_alq.exchange.interfaces import SingleRank
 from horovod_alq.exchange.job import auto_rows
 from horovod_alq.settings import Settings, configure
 from horovod_alq.torch.ops import TorchOps
-from scripts.common.bench import write_report
-from scripts.common.gpt import GPT, char_splits, sample_batch
-
-
-def gpt_gradients(min_size: int, batch: int = 0) -> list[torch.Tensor]:
-    """The GPT's gradient (model seeded with 0) on batch number ``batch`` of the training text."""
-    torch.manual_seed(0)
-    train, _, chars = char_splits()
-    model = GPT(len(chars), 128, 4, 4, 64)
-    x, y = sample_batch(train, 16, 64, torch.Generator().manual_seed(batch))
-    model.loss(x, y).backward()
-    return [p.grad.reshape(-1).clone() for p in model.parameters() if p.numel() >= min_size]
-
-
-def one_round(setup, engine, grads, ops, transport) -> float:
-    t0 = time.perf_counter()
-    entries = [engine.add(g, g.numel(), tuple(g.shape), g.dtype, transport) for g in grads]
-    for entry, vec in entries:
-        engine.finish(entry, vec.astype(np.float64), ops, transport)
-    return time.perf_counter() - t0
+from scripts.common.bench import gpt_gradients, one_round, write_report
 
 
 def allocation_time(auto, grads, ops) -> float:

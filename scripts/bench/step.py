@@ -57,45 +57,7 @@ import time
 import horovod.torch as hvd
 import torch
 
-BLOCKS = (3, 4, 6, 3)  # bottlenecks per stage of ResNet-50
-WIDTHS = (64, 128, 256, 512)
-EXPANSION = 4
-
-
-def resnet50_shapes(width: float = 1.0, classes: int = 1000) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of torchvision's resnet50 parameters, in ``named_parameters()`` order."""
-    c = lambda ch: max(1, int(round(ch * width)))  # noqa: E731
-    shapes: list[tuple[str, tuple[int, ...]]] = []
-
-    def conv_bn(prefix_conv: str, prefix_bn: str, out: int, inp: int, k: int) -> None:
-        shapes.append((f"{prefix_conv}.weight", (out, inp, k, k)))
-        shapes.append((f"{prefix_bn}.weight", (out,)))
-        shapes.append((f"{prefix_bn}.bias", (out,)))
-
-    stem = c(64)
-    conv_bn("conv1", "bn1", stem, 3, 7)
-    inplanes = stem
-    for stage, (blocks, w) in enumerate(zip(BLOCKS, WIDTHS), start=1):
-        w = c(w)
-        out = w * EXPANSION
-        for b in range(blocks):
-            p = f"layer{stage}.{b}"
-            conv_bn(f"{p}.conv1", f"{p}.bn1", w, inplanes, 1)
-            conv_bn(f"{p}.conv2", f"{p}.bn2", w, w, 3)
-            conv_bn(f"{p}.conv3", f"{p}.bn3", out, w, 1)
-            if b == 0:
-                conv_bn(f"{p}.downsample.0", f"{p}.downsample.1", out, inplanes, 1)
-            inplanes = out
-    shapes.append(("fc.weight", (classes, inplanes)))
-    shapes.append(("fc.bias", (classes,)))
-    return shapes
-
-
-def numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+from scripts.common.bench import numel, resnet50_shapes
 
 
 def make_compressors(bits: int, bucket: int, include_refit: bool) -> dict:
@@ -172,40 +134,34 @@ def slowest(seconds: float) -> float:
     return float(hvd.allreduce(torch.tensor([seconds], dtype=torch.float64), op=hvd.Max, name="bench.max")[0])
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=7, help="timed steps per method (median); default 7")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=2,
-        help="untimed steps per method first (>= 1: step 0 of an ALQ compressor is its refit round); default 2",
-    )
-    p.add_argument("--width", type=float, default=1.0, help="channel-count scale of ResNet-50; default 1")
-    p.add_argument("--bits", type=int, default=3)
-    p.add_argument("--bucket-size", type=int, default=8192)
-    p.add_argument("--no-refit-row", action="store_true", help="skip the 'refit round' row")
-    p.add_argument(
-        "--methods",
-        help="only these rows (fp32 and fp16 always run), comma-separated from: " + ", ".join(sorted(PROFILE_KEYS)),
-    )
-    p.add_argument("--quick", action="store_true", help="--width 0.5 --steps 3 --warmup 1 (for make bench)")
-    p.add_argument(
+    add, keys = p.add_argument, ", ".join(sorted(PROFILE_KEYS))
+    add("--steps", type=int, default=7, help="timed steps per method (median); default 7")
+    warmup = "untimed steps per method first (>= 1: step 0 of an ALQ compressor is its refit round); default 2"
+    add("--warmup", type=int, default=2, help=warmup)
+    add("--width", type=float, default=1.0, help="channel-count scale of ResNet-50; default 1")
+    add("--bits", type=int, default=3)
+    add("--bucket-size", type=int, default=8192)
+    add("--no-refit-row", action="store_true", help="skip the 'refit round' row")
+    add("--methods", help="only these rows (fp32 and fp16 always run), comma-separated from: " + keys)
+    add("--quick", action="store_true", help="--width 0.5 --steps 3 --warmup 1 (for make bench)")
+    add(
         "--profile",
         metavar="METHOD",
         choices=sorted(PROFILE_KEYS),
-        help="only this method, under cProfile on rank 0: " + ", ".join(sorted(PROFILE_KEYS)),
+        help="only this method, under cProfile on rank 0: " + keys,
     )
-    p.add_argument(
-        "--profile-clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="with --profile: wall time, or the main thread's CPU time (time.thread_time: "
-        "insensitive to other jobs, blind to waiting); default wall",
-    )
-    p.add_argument("--profile-out", help="with --profile: write the pstats file here (rank 0)")
-    p.add_argument("--profile-lines", type=int, default=30, help="functions listed per sort; default 30")
-    p.add_argument("--out", help="rank 0 writes the Markdown report here")
+    clock = "with --profile: wall time, or the main thread's CPU time (time.thread_time: insensitive to other jobs, "
+    add("--profile-clock", choices=("wall", "cpu"), default="wall", help=clock + "blind to waiting); default wall")
+    add("--profile-out", help="with --profile: write the pstats file here (rank 0)")
+    add("--profile-lines", type=int, default=30, help="functions listed per sort; default 30")
+    add("--out", help="rank 0 writes the Markdown report here")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.steps, args.warmup = 0.5, 3, 1

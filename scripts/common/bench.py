@@ -1,13 +1,15 @@
-"""What the codec benchmarks (scripts/bench/codec.py, codec_tf.py) share: sizes, ratios, the table."""
+"""What the benchmarks share: sizes, ratios and the table of the codec benchmarks (scripts/bench/codec.py,
+codec_tf.py); ResNet-50's parameter shapes (step.py, ddp.py); the GPT's gradients and one timed round
+of an engine (refit.py, bucket_widths.py)."""
 
 from __future__ import annotations
 
 
 def parse_size(text: str) -> int:
-    """ "16M" -> 16 * 2**20, "512K" -> 512 * 2**10, "1000" -> 1000."""
+    """ "16M" -> 16 * 2**20, "512K" -> 512 * 2**10, "1G" -> 2**30, "1000" -> 1000."""
     text = text.strip().upper()
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
-    return int(float(text.rstrip("KM")) * scale)
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+    return int(float(text.rstrip("KMG")) * scale)
 
 
 def ratio_rows(size_text: str, medians: dict) -> list[tuple]:
@@ -32,3 +34,72 @@ def write_report(lines: list[str], out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             f.write(text)
+
+
+BLOCKS = (3, 4, 6, 3)  # bottlenecks per stage of ResNet-50
+WIDTHS = (64, 128, 256, 512)
+EXPANSION = 4
+
+
+def resnet50_shapes(width: float = 1.0, classes: int = 1000) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of torchvision's resnet50 parameters, in ``named_parameters()`` order."""
+    c = lambda ch: max(1, int(round(ch * width)))  # noqa: E731
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def conv_bn(prefix_conv: str, prefix_bn: str, out: int, inp: int, k: int) -> None:
+        shapes.append((f"{prefix_conv}.weight", (out, inp, k, k)))
+        shapes.append((f"{prefix_bn}.weight", (out,)))
+        shapes.append((f"{prefix_bn}.bias", (out,)))
+
+    stem = c(64)
+    conv_bn("conv1", "bn1", stem, 3, 7)
+    inplanes = stem
+    for stage, (blocks, w) in enumerate(zip(BLOCKS, WIDTHS), start=1):
+        w = c(w)
+        out = w * EXPANSION
+        for b in range(blocks):
+            p = f"layer{stage}.{b}"
+            conv_bn(f"{p}.conv1", f"{p}.bn1", w, inplanes, 1)
+            conv_bn(f"{p}.conv2", f"{p}.bn2", w, w, 3)
+            conv_bn(f"{p}.conv3", f"{p}.bn3", out, w, 1)
+            if b == 0:
+                conv_bn(f"{p}.downsample.0", f"{p}.downsample.1", out, inplanes, 1)
+            inplanes = out
+    shapes.append(("fc.weight", (classes, inplanes)))
+    shapes.append(("fc.bias", (classes,)))
+    return shapes
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def gpt_gradients(min_size: int, batch: int = 0) -> list:
+    """The GPT's gradient (model seeded with 0) on batch number ``batch`` of the training text: its
+    tensors of at least ``min_size`` elements, flattened."""
+    import torch
+
+    from scripts.common.gpt import GPT, char_splits, sample_batch
+
+    torch.manual_seed(0)
+    train, _, chars = char_splits()
+    model = GPT(len(chars), 128, 4, 4, 64)
+    x, y = sample_batch(train, 16, 64, torch.Generator().manual_seed(batch))
+    model.loss(x, y).backward()
+    return [p.grad.reshape(-1).clone() for p in model.parameters() if p.numel() >= min_size]
+
+
+def one_round(setup, engine, grads, ops, transport) -> float:
+    """Seconds of one round of ``engine`` on ``grads`` with one rank's ``transport``."""
+    import time
+
+    import numpy as np
+
+    t0 = time.perf_counter()
+    entries = [engine.add(g, g.numel(), tuple(g.shape), g.dtype, transport) for g in grads]
+    for entry, vec in entries:
+        engine.finish(entry, vec.astype(np.float64), ops, transport)
+    return time.perf_counter() - t0

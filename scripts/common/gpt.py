@@ -1,5 +1,6 @@
-"""A small GPT (decoder-only transformer) and a character-level corpus: the English text that ships
-with Python (``pydoc_data.topics``, about 465k characters, 103 distinct).
+"""A small GPT (decoder-only transformer), a character-level corpus (the English text that ships with
+Python, ``pydoc_data.topics``, about 465k characters, 103 distinct) and what its training runs share
+(the optimizer, the held-out evaluation, the PowerSGD rank matched to a quantized payload's bytes).
 
     from scripts.common.gpt import GPT, char_splits, sample_batch
 
@@ -121,3 +122,57 @@ def lr_at(step: int, args) -> float:
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---------------------------------------------------------------------------------------- training
+def powersgd_bytes(model: torch.nn.Module, rank: int) -> int:
+    """Bytes one rank contributes per step under ``powerSGD_hook`` at ``rank``: P (m x r) and Q
+    (n x r) in float32 for every matrix it compresses (a tensor viewed as shape[0] x rest, compressed
+    when that saves at least its min_compression_rate of 2), the rest in float32."""
+    total = 0
+    for p in model.parameters():
+        if p.dim() < 2:
+            total += 4 * p.numel()
+            continue
+        m, n = p.shape[0], p.numel() // p.shape[0]
+        r = min(rank, m, n)
+        total += 4 * (m + n) * r if (m + n) * r * 2 <= m * n else 4 * m * n
+    return total
+
+
+def quantized_bytes(model: torch.nn.Module, bits: int, bucket_size: int, min_size: int) -> float:
+    """Bytes of one rank's payload at ``bits`` per coordinate plus a float32 norm per bucket;
+    tensors below ``min_size`` in float32."""
+    total = 0.0
+    for p in model.parameters():
+        n = p.numel()
+        total += 4 * n if n < min_size else n * bits / 8 + 4 * math.ceil(n / bucket_size)
+    return total
+
+
+def matched_rank(model: torch.nn.Module, bits: int, bucket_size: int, min_size: int) -> int:
+    """The PowerSGD rank whose bytes per step are closest to the ``bits``-bit quantized payload."""
+    target = quantized_bytes(model, bits, bucket_size, min_size)
+    return min(range(1, 65), key=lambda r: abs(powersgd_bytes(model, r) - target))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val: torch.Tensor, args) -> float:
+    """Mean cross-entropy (nats per character) over ``--eval-windows`` evenly spaced held-out windows."""
+    model.eval()
+    starts = torch.linspace(0, len(val) - args.context - 2, args.eval_windows).long()
+    losses = []
+    for chunk in starts.split(64):
+        offsets = chunk[:, None] + torch.arange(args.context + 1)
+        w = val[offsets]
+        losses.append(model.loss(w[:, :-1], w[:, 1:]) * len(chunk))
+    model.train()
+    return float(torch.stack(losses).sum() / len(starts))
+
+
+def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
+    """``--optimizer``: AdamW (betas 0.9, 0.95, decoupled weight decay) or SGD with momentum 0.9
+    (weight decay added to the gradient), both at ``--lr`` (the schedule sets it every step)."""
+    if getattr(args, "optimizer", "adamw") == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))

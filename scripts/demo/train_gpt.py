@@ -38,7 +38,17 @@ from pathlib import Path
 import torch
 
 from scripts.common.demo import ADAPTIVE, BASELINES, QUANTIZED, split_exchange, split_norm
-from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
+from scripts.common.gpt import (  # noqa: F401 (the studies and tests find these here too)
+    GPT,
+    char_splits,
+    evaluate,
+    lr_at,
+    make_optimizer,
+    matched_rank,
+    powersgd_bytes,
+    quantized_bytes,
+    sample_batch,
+)
 
 PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState takes with error feedback and warm start
 
@@ -110,59 +120,6 @@ def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
     if bits and not bits.isdigit():
         raise SystemExit(f"{spec!r}: bits must be an integer or auto<budget> (alq@3, alq@auto2.5)")
     return name, int(bits) if bits else None, None
-
-
-def powersgd_bytes(model: torch.nn.Module, rank: int) -> int:
-    """Bytes one rank contributes per step under ``powerSGD_hook`` at ``rank``: P (m x r) and Q
-    (n x r) in float32 for every matrix it compresses (a tensor viewed as shape[0] x rest, compressed
-    when that saves at least its min_compression_rate of 2), the rest in float32."""
-    total = 0
-    for p in model.parameters():
-        if p.dim() < 2:
-            total += 4 * p.numel()
-            continue
-        m, n = p.shape[0], p.numel() // p.shape[0]
-        r = min(rank, m, n)
-        total += 4 * (m + n) * r if (m + n) * r * 2 <= m * n else 4 * m * n
-    return total
-
-
-def quantized_bytes(model: torch.nn.Module, bits: int, bucket_size: int, min_size: int) -> float:
-    """Bytes of one rank's payload at ``bits`` per coordinate plus a float32 norm per bucket;
-    tensors below ``min_size`` in float32."""
-    total = 0.0
-    for p in model.parameters():
-        n = p.numel()
-        total += 4 * n if n < min_size else n * bits / 8 + 4 * math.ceil(n / bucket_size)
-    return total
-
-
-def matched_rank(model: torch.nn.Module, bits: int, bucket_size: int, min_size: int) -> int:
-    """The PowerSGD rank whose bytes per step are closest to the ``bits``-bit quantized payload."""
-    target = quantized_bytes(model, bits, bucket_size, min_size)
-    return min(range(1, 65), key=lambda r: abs(powersgd_bytes(model, r) - target))
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, val: torch.Tensor, args) -> float:
-    """Mean cross-entropy (nats per character) over ``--eval-windows`` evenly spaced held-out windows."""
-    model.eval()
-    starts = torch.linspace(0, len(val) - args.context - 2, args.eval_windows).long()
-    losses = []
-    for chunk in starts.split(64):
-        offsets = chunk[:, None] + torch.arange(args.context + 1)
-        w = val[offsets]
-        losses.append(model.loss(w[:, :-1], w[:, 1:]) * len(chunk))
-    model.train()
-    return float(torch.stack(losses).sum() / len(starts))
-
-
-def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    """``--optimizer``: AdamW (betas 0.9, 0.95, decoupled weight decay) or SGD with momentum 0.9
-    (weight decay added to the gradient), both at ``--lr`` (the schedule sets it every step)."""
-    if getattr(args, "optimizer", "adamw") == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
 
 
 def make_run(

@@ -85,7 +85,6 @@ def measure(spec: str, args, data, hvd) -> dict:
     rows = {k: [] for k in ("loss", *(f"{m}.{g}" for m in ("rel", "pre", "sig", "split") for g in GROUPS))}
     levels: dict = {}  # (group, tensor, bucket) -> log2 of its relative error, per step
     cosines, previous = [], None
-    beta2 = opt.param_groups[0]["betas"][1]
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = tg.lr_at(step, run)
@@ -102,32 +101,7 @@ def measure(spec: str, args, data, hvd) -> dict:
         if previous is not None:
             cosines.append(abs(float(error @ previous / (error.norm() * previous.norm()).clamp_min(1e-300))))
         previous = error
-        acc = {k: 0.0 for k in rows if k != "loss"} | {f"norm.{g}": 0.0 for g in GROUPS}
-        count = dict.fromkeys(GROUPS, 0)
-        buckets = {g: [] for g in GROUPS}  # (mean square of the exact gradient, AdamW-scaled noise, coordinates)
-        at = 0
-        for n, p, g in named:
-            k = p.numel()
-            e, err, at = exact[at : at + k], error[at : at + k], at + k
-            if g is None:
-                continue
-            acc[f"rel.{g}"] += float(err.pow(2).sum())
-            acc[f"norm.{g}"] += float(e.pow(2).sum())
-            state = opt.state.get(p, {})
-            if "exp_avg_sq" in state:
-                v = state["exp_avg_sq"].reshape(-1).double() / (1 - beta2 ** float(state["step"])) + 1e-16
-                scaled = err.pow(2) / v
-                acc[f"pre.{g}"] += float(scaled.sum())
-                acc[f"sig.{g}"] += float((e.pow(2) / v).sum())
-                for lo in range(0, k, run.bucket_size):
-                    hi = min(k, lo + run.bucket_size)
-                    buckets[g].append((float(e[lo:hi].pow(2).mean()), float(scaled[lo:hi].sum()), hi - lo))
-            count[g] += k
-            for b, lo in enumerate(range(0, k, run.bucket_size)):
-                eb, gb = err[lo : lo + run.bucket_size], e[lo : lo + run.bucket_size]
-                ratio = float(eb.pow(2).sum() / gb.pow(2).sum().clamp_min(1e-300))
-                if ratio > 0:
-                    levels.setdefault((g, n, b), []).append(np.log2(ratio))
+        acc, count, buckets = step_sums(named, exact, error, opt, run.bucket_size, levels)
         rows["loss"].append(loss.item())
         for g in GROUPS:
             rows[f"rel.{g}"].append(acc[f"rel.{g}"] / max(acc[f"norm.{g}"], 1e-300))
@@ -136,16 +110,8 @@ def measure(spec: str, args, data, hvd) -> dict:
             rows[f"split.{g}"].append(low_over_high(buckets[g]) if step else float("nan"))
         with opt.skip_synchronize():
             opt.step()
-    bias = repeat_bias(
-        spec,
-        model,
-        opt,
-        named,
-        local,
-        sample_batch(train_ids, run.batch_size, run.context, generator),
-        args.repeats,
-        hvd,
-    )
+    batch = sample_batch(train_ids, run.batch_size, run.context, generator)
+    bias = repeat_bias(spec, model, opt, named, local, batch, args.repeats, hvd)
     jump = {
         g: float(np.median([np.std(v) for (gg, *_), v in levels.items() if gg == g and len(v) > 2] or [float("nan")]))
         for g in GROUPS
@@ -157,6 +123,41 @@ def measure(spec: str, args, data, hvd) -> dict:
         "bias": bias,
         "cos": max(cosines, default=float("nan")),
     }
+
+
+def step_sums(named, exact, error, opt, bucket_size: int, levels: dict) -> tuple[dict, dict, dict]:
+    """One step's sums per group: the squared error and the exact gradient's squared norm, both
+    scaled by AdamW's second moment; the coordinates; each bucket's (mean square of the exact
+    gradient, AdamW-scaled noise, coordinates); and each bucket's log2 relative error appended to
+    ``levels``."""
+    beta2 = opt.param_groups[0]["betas"][1]
+    acc = {f"{m}.{g}": 0.0 for m in ("rel", "pre", "sig", "norm") for g in GROUPS}
+    count = dict.fromkeys(GROUPS, 0)
+    buckets = {g: [] for g in GROUPS}
+    at = 0
+    for n, p, g in named:
+        k = p.numel()
+        e, err, at = exact[at : at + k], error[at : at + k], at + k
+        if g is None:
+            continue
+        acc[f"rel.{g}"] += float(err.pow(2).sum())
+        acc[f"norm.{g}"] += float(e.pow(2).sum())
+        state = opt.state.get(p, {})
+        if "exp_avg_sq" in state:
+            v = state["exp_avg_sq"].reshape(-1).double() / (1 - beta2 ** float(state["step"])) + 1e-16
+            scaled = err.pow(2) / v
+            acc[f"pre.{g}"] += float(scaled.sum())
+            acc[f"sig.{g}"] += float((e.pow(2) / v).sum())
+            for lo in range(0, k, bucket_size):
+                hi = min(k, lo + bucket_size)
+                buckets[g].append((float(e[lo:hi].pow(2).mean()), float(scaled[lo:hi].sum()), hi - lo))
+        count[g] += k
+        for b, lo in enumerate(range(0, k, bucket_size)):
+            eb, gb = err[lo : lo + bucket_size], e[lo : lo + bucket_size]
+            ratio = float(eb.pow(2).sum() / gb.pow(2).sum().clamp_min(1e-300))
+            if ratio > 0:
+                levels.setdefault((g, n, b), []).append(np.log2(ratio))
+    return acc, count, buckets
 
 
 def low_over_high(buckets: list) -> float:

@@ -28,22 +28,8 @@ from horovod_alq.core.statistics import (
     moments_of,
     normalize,
 )
+from scripts.common.auto_bits import normalized_variance
 from scripts.common.cnn import Net, load_digits
-
-
-def coordinate_errors(levels: np.ndarray, g: np.ndarray, bucket: int, norm: str = "l2") -> np.ndarray:
-    """Exact E(Q(g_i) - g_i)^2 of every coordinate for unbiased stochastic rounding to ``levels``
-    (buckets of ``bucket`` from the start of ``g``)."""
-    nz = normalize(g, bucket, norm)
-    r = nz.r.reshape(-1)[: g.size]
-    n = np.repeat(nz.norms.astype(np.float64), bucket)[: g.size]
-    cell = np.clip(np.searchsorted(levels, r, side="right") - 1, 0, levels.size - 2)
-    return n**2 * (levels[cell + 1] - r) * (r - levels[cell])
-
-
-def normalized_variance(levels: np.ndarray, g: np.ndarray, bucket: int, norm: str = "l2") -> float:
-    """Exact E||Q(g) - g||^2 / ||g||^2 for unbiased stochastic rounding to ``levels``."""
-    return float(coordinate_errors(levels, g, bucket, norm).sum() / (g.astype(np.float64) ** 2).sum())
 
 
 def paper_mixture(g: np.ndarray, bucket: int) -> NormWeightedMixture:

@@ -42,6 +42,7 @@ from horovod_alq.core.methods import get_method
 from horovod_alq.core.statistics import distribution_from_statistics
 from horovod_alq.core.wire import Header, pack_header
 from horovod_alq.torch.codecs import cpu_build
+from scripts.common import report as pages
 from scripts.common.auto_bits import exact_error
 from scripts.common.cnn import Net, load_digits
 from scripts.common.gpt import GPT, char_splits, sample_batch
@@ -194,44 +195,37 @@ def report(rows: dict, timing: list[dict], n: int, argv: list[str], kernel: str)
         "the cost of a static model of the fitted distribution instead of the payload's own frequencies,",
         "the exact variance relative to ||g||^2 and as a multiple of the Gaussian bound sigma^2 2^(-2R).",
         "",
-        "| gradients | method | bits | fixed bits/coord | coded bits/coord | coded / fixed | code entropy | "
-        "fitted-model cost | relative variance | x Gaussian bound |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for model, rs in rows.items():
-        for r in rs:
-            lines.append(
-                f"| {model} | {r['method']} | {r['bits']} | {r['fixed_bits']:.3f} | {r['coded_bits']:.3f} | "
-                f"{r['ratio']:.3f} | {r['entropy']:.3f} | {r['model_bits']:.3f} | {r['variance']:.4f} | "
-                f"{r['rd_multiple']:.2f} |"
-            )
+    head = ["gradients", "method", "bits", "fixed bits/coord", "coded bits/coord", "coded / fixed", "code entropy"]
+    head += ["fitted-model cost", "relative variance", "x Gaussian bound"]
+    fields = (("fixed_bits", ".3f"), ("coded_bits", ".3f"), ("ratio", ".3f"), ("entropy", ".3f"), ("model_bits", ".3f"))
+    fields += (("variance", ".4f"), ("rd_multiple", ".2f"))
+    cells = [
+        [model, r["method"], r["bits"]] + [format(r[k], f) for k, f in fields] for model, rs in rows.items() for r in rs
+    ]
+    lines += pages.table(head, cells)
     lines += [
         "",
         "Levels for a code entropy (16 levels) against ALQ 3 bits on the fixed wire (3.0 bits per "
         "coordinate plus norms), variance ratio:",
         "",
-        "| gradients | code_entropy | coded bits/coord | variance / ALQ 3 bits' |",
-        "|---|---|---|---|",
     ]
-    for model, rs in rows.items():
-        for r in rs:
-            if "variance_vs_alq3" in r:
-                lines.append(
-                    f"| {model} | {r['method'].split('=')[1]} | {r['coded_bits']:.3f} | {r['variance_vs_alq3']:.3f} |"
-                )
+    cells = [
+        [model, r["method"].split("=")[1], f"{r['coded_bits']:.3f}", f"{r['variance_vs_alq3']:.3f}"]
+        for model, rs in rows.items()
+        for r in rs
+        if "variance_vs_alq3" in r
+    ]
+    lines += pages.table(["gradients", "code_entropy", "coded bits/coord", "variance / ALQ 3 bits'"], cells)
     lines += [
         "",
         f"Speed on one core, ALQ 3 bits, {n:,} coordinates of the GPT's gradient (tiled), MB/s of "
         "float32 input; each repeat runs all four in turn:",
         "",
-        "| repeat | fixed encode | entropy code | entropy decode | fixed decode |",
-        "|---|---|---|---|---|",
     ]
-    for i, t in enumerate(timing):
-        lines.append(
-            f"| {i} | {mb / t['encode']:.0f} | {mb / t['code']:.0f} | {mb / t['decode']:.0f} | "
-            f"{mb / t['decode_sum']:.0f} |"
-        )
+    keys = ("encode", "code", "decode", "decode_sum")
+    cells = [[i] + [f"{mb / t[k]:.0f}" for k in keys] for i, t in enumerate(timing)]
+    lines += pages.table(["repeat", "fixed encode", "entropy code", "entropy decode", "fixed decode"], cells)
     return "\n".join(lines) + "\n"
 
 

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.common import launch
+
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("diloco", "ddp", "fsdp", "hierarchical", "timeout", "mpi")
 STATUS = "rank{}.status"
@@ -80,27 +82,12 @@ def shim(out_dir: Path, command: list[str], cores: bool) -> int:
 
 # ------------------------------------------------------------------ launching
 def launch_command(path: str, np: int, out_dir: Path, cores: bool) -> list[str]:
-    """The launcher (torchrun; mpirun with scripts/common/mpi.py's options for mpi4py), each rank
+    """The launcher (torchrun; mpirun with scripts/common/launch.py's options for mpi4py), each rank
     the shim of ``python -m scripts.study.exit_workers PATH``."""
-    from scripts.common.mpi import MPI_OPTIONS
-
-    bindir = Path(sys.executable).parent
     python = sys.executable
     worker = [python, "-m", "scripts.study.exit_workers", path]
     rank = [python, "-m", "scripts.study.exit_stress", "--shim", str(out_dir), *(["--cores"] if cores else []), "--"]
-    if path == "mpi":
-        mpirun = str(bindir / "mpirun") if (bindir / "mpirun").exists() else "mpirun"
-        return [mpirun, *MPI_OPTIONS, "-np", str(np), *rank, *worker]
-    torchrun = str(bindir / "torchrun") if (bindir / "torchrun").exists() else "torchrun"
-    return [torchrun, "--standalone", "--nproc-per-node", str(np), "--no-python", *rank, *worker]
-
-
-def rank_environment() -> dict[str, str]:
-    from scripts.common.mpi import RANK_ENV
-
-    env = {**os.environ, **RANK_ENV, "PYTHONFAULTHANDLER": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
+    return [*(launch.mpirun(np) if path == "mpi" else launch.torchrun(np)), *rank, *worker]
 
 
 def run_once(path: str, np: int = 2, timeout: float = 120.0, keep: Path | None = None) -> dict:
@@ -110,22 +97,26 @@ def run_once(path: str, np: int = 2, timeout: float = 120.0, keep: Path | None =
     (logs, core files) there."""
     out_dir = Path(tempfile.mkdtemp(prefix=f"exit-stress-{path}-"))
     start = time.monotonic()
-    proc = subprocess.Popen(
-        launch_command(path, np, out_dir, cores=keep is not None),
-        cwd=ROOT,
-        env=rank_environment(),
-        stdin=subprocess.DEVNULL,
-        stdout=open(out_dir / "launcher.log", "wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    hung, raised = False, None
+    raised = None
+
+    def stopping() -> list[int]:
+        """At a hang, before the kill: whether each rank had raised its error yet; then the pids to
+        kill, every shim's and worker's (torchrun starts its ranks in sessions of their own)."""
+        nonlocal raised
+        raised = [RAISED in _text(out_dir / LOG.format(r)) for r in range(np)]
+        return [int(p) for f in out_dir.glob("rank*.pid") for p in _text(f).split()]
+
     try:
-        launcher = proc.wait(timeout=timeout)
+        launcher = launch.run(
+            launch_command(path, np, out_dir, cores=keep is not None),
+            out_dir / "launcher.log",
+            timeout,
+            env=launch.rank_env(PYTHONFAULTHANDLER="1"),
+            ranks=stopping,
+        )
     except subprocess.TimeoutExpired:
-        hung, launcher = True, None
-        raised = [RAISED in _text(out_dir / LOG.format(r)) for r in range(np)]  # had it raised its error yet?
-        _kill_group(proc, out_dir)
+        launcher = None
+    hung = launcher is None
     statuses = []
     for rank in range(np):
         f = out_dir / STATUS.format(rank)
@@ -151,18 +142,6 @@ def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _kill_group(proc: subprocess.Popen, out_dir: Path) -> None:
-    """SIGKILL the launcher's session and every shim and worker that recorded its pid (torchrun
-    starts its ranks in sessions of their own)."""
-    pids = [int(p) for f in out_dir.glob("rank*.pid") for p in _text(f).split()]
-    for kill, target in [(os.killpg, proc.pid)] + [(os.kill, p) for p in pids]:
-        try:
-            kill(target, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait()
-
-
 def ensure_codec() -> None:
     """Build the compiled CPU codec for the current source now, if it is not built (in a process of
     its own, untimed): ranks that would build it themselves, after another process edited its
@@ -171,7 +150,9 @@ def ensure_codec() -> None:
 
     if not cpu_build.cached_library().exists():
         build = "from horovod_alq.torch.codecs import cpu_build; print(cpu_build.status())"
-        subprocess.run([sys.executable, "-c", build], cwd=ROOT, env=rank_environment(), capture_output=True)
+        subprocess.run(
+            [sys.executable, "-c", build], cwd=ROOT, env=launch.rank_env(PYTHONFAULTHANDLER="1"), capture_output=True
+        )
 
 
 # ------------------------------------------------------------------ load

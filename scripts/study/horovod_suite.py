@@ -60,7 +60,9 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.common.mpi import MPI_OPTIONS, RANK_ENV
+from scripts.common import launch
+from scripts.common import report as pages
+from scripts.common.launch import RANK_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTES_MARK = "<!-- notes -->"
@@ -505,15 +507,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 QUICK = "allreduce_average or allreduce_process_sets or optimizer_process_sets or test_horovod_allreduce_min"
 
 
-_CURRENT: list = []  # the mpirun in flight, killed with the driver
-
-
 def _stop_current(*_):
-    for proc in _CURRENT:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    """SIGTERM to the driver: the mpirun in flight is killed with it."""
+    launch.kill_running()
     sys.exit(130)
 
 
@@ -545,48 +541,15 @@ def _launch(
         "HOROVOD_ALQ_TIMEOUT": str(args.alq_timeout),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     }
-    cmd = [
-        "mpirun",
-        *MPI_OPTIONS,
-        "-np",
-        str(args.np),
-        args.python,
-        "-m",
-        "pytest",
-        "-p",
-        "scripts.study.horovod_suite",
-        "-q",
-        "-rN",
-        "--no-header",
-        "-p",
-        "no:cacheprovider",
-        *(selection or [test_file.name]),
-    ]
+    cmd = [*launch.mpirun(args.np), args.python, "-m", "pytest", "-p", "scripts.study.horovod_suite", "-q", "-rN"]
+    cmd += ["--no-header", "-p", "no:cacheprovider", *(selection or [test_file.name])]
     if keyword:
         cmd += ["-k", keyword]
     print(f"[launch] {'with' if inject else 'WITHOUT'} the compressor: {shlex.join(cmd)}", file=log, flush=True)
-    budget = max(30.0, deadline - time.monotonic())
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=test_file.parent,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    _CURRENT[:] = [proc]
     try:
-        return proc.wait(timeout=budget)
+        return launch.run(cmd, log, max(30.0, deadline - time.monotonic()), env=env, cwd=test_file.parent, grace=10)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            return proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            return proc.wait()
-    finally:
-        _CURRENT.clear()
+        return -signal.SIGTERM
 
 
 def _read(out: Path, np: int) -> tuple[dict, dict, set]:
@@ -808,6 +771,42 @@ def _run_cells(test: dict, np: int) -> tuple[str, str]:
     return cell(shared), cell(test.get("alone"))
 
 
+INTRO = [
+    "# Horovod's own test suite with ALQ injected as every compression",
+    "",
+    "Written by `scripts/study/horovod_suite.py` (its docstring has the method). Upstream's tests are not "
+    "in the PyPI sdist; take them from Horovod's repository at the tag of the installed version:",
+    "",
+    "```",
+    "git clone --depth 1 --branch v0.28.1 https://github.com/horovod/horovod /tmp/horovod",
+    "```",
+    "",
+    "Every Horovod call with a `compression=` parameter (torch: `allreduce`, `grouped_allreduce`, "
+    "`reducescatter`, `grouped_reducescatter`, `DistributedOptimizer`; TensorFlow: also "
+    "`DistributedGradientTape`, `PartialDistributedGradientTape`) gets the compressor where the test passes "
+    "none or `Compression.none`. "
+    "Calls without that parameter (`allreduce_async`, `allreduce_`, `broadcast`, ...) stay Horovod's.",
+    "",
+    "Categories: **precision**: an assertion failed without a horovod_alq error, the compressor quantized "
+    "tensors in the test, and the test passes when re-run without it (upstream compares the quantized sum "
+    "with an exact one at `torch.allclose(rtol=0)`, atol 1e-8, for up to 3 ranks; 1e-6-scale in TF); "
+    "**refusal**: horovod_alq's documented refusal of what the test asks for (op=Min/Max/Product, Adasum, "
+    "`hvd.join`, reducescatter with compression, a compressor of the global set in an allreduce over another "
+    "set when the error names the process set), raised on every rank; **baseline**: fails without the "
+    "compressor too (torch or Horovod version, not horovod_alq); **real**: anything else; **hang**: the "
+    "per-test watchdog fired (the ranks' stacks are dumped). The ranks are kept in step through their result "
+    "files: a test that fails on some ranks only ends the launch (the ranks still in it dump their stacks, "
+    "shown below) and the next launch goes on with the next test; a test that raised before removing its "
+    "process sets has them removed. A hang, a crash, a test that failed on some ranks only, and (up to 10) "
+    "tests that look like real problems are re-run alone in fresh processes; their category is from that "
+    "run. Columns *shared run* and *alone re-run*: the test's outcome in the launch of the whole suite and "
+    "in its re-run alone, with each rank's where the ranks differ (left waiting: still in the test 30 s "
+    "after another rank finished it). The JSON behind each section is in `docs/results/data/horovod_suite/`.",
+    "",
+]
+ORDER = ["passed", "precision", "refusal", "baseline", "real", "hang", "skipped"]
+
+
 def write_report(results_dir: Path, out: Path) -> None:
     runs = sorted(
         (json.loads(path.read_text()) for path in results_dir.glob("*.json")),
@@ -816,112 +815,62 @@ def write_report(results_dir: Path, out: Path) -> None:
     notes = ""
     if out.exists() and NOTES_MARK in out.read_text():
         notes = out.read_text().split(NOTES_MARK, 1)[1]
-    lines = [
-        "# Horovod's own test suite with ALQ injected as every compression",
-        "",
-        "Written by `scripts/study/horovod_suite.py` (its docstring has the method). Upstream's tests are not "
-        "in the PyPI sdist; take them from Horovod's repository at the tag of the installed version:",
-        "",
-        "```",
-        "git clone --depth 1 --branch v0.28.1 https://github.com/horovod/horovod /tmp/horovod",
-        "```",
-        "",
-        "Every Horovod call with a `compression=` parameter (torch: `allreduce`, `grouped_allreduce`, "
-        "`reducescatter`, `grouped_reducescatter`, `DistributedOptimizer`; TensorFlow: also "
-        "`DistributedGradientTape`, `PartialDistributedGradientTape`) gets the compressor where the test passes "
-        "none or `Compression.none`. "
-        "Calls without that parameter (`allreduce_async`, `allreduce_`, `broadcast`, ...) stay Horovod's.",
-        "",
-        "Categories: **precision**: an assertion failed without a horovod_alq error, the compressor quantized "
-        "tensors in the test, and the test passes when re-run without it (upstream compares the quantized sum "
-        "with an exact one at `torch.allclose(rtol=0)`, atol 1e-8, for up to 3 ranks; 1e-6-scale in TF); "
-        "**refusal**: horovod_alq's documented refusal of what the test asks for (op=Min/Max/Product, Adasum, "
-        "`hvd.join`, reducescatter with compression, a compressor of the global set in an allreduce over another "
-        "set when the error names the process set), raised on every rank; **baseline**: fails without the "
-        "compressor too (torch or Horovod version, not horovod_alq); **real**: anything else; **hang**: the "
-        "per-test watchdog fired (the ranks' stacks are dumped). The ranks are kept in step through their result "
-        "files: a test that fails on some ranks only ends the launch (the ranks still in it dump their stacks, "
-        "shown below) and the next launch goes on with the next test; a test that raised before removing its "
-        "process sets has them removed. A hang, a crash, a test that failed on some ranks only, and (up to 10) "
-        "tests that look like real problems are re-run alone in fresh processes; their category is from that "
-        "run. Columns *shared run* and *alone re-run*: the test's outcome in the launch of the whole suite and "
-        "in its re-run alone, with each rank's where the ranks differ (left waiting: still in the test 30 s "
-        "after another rank finished it). The JSON behind each section is in `docs/results/data/horovod_suite/`.",
-        "",
-    ]
-    for run in runs:
-        counts: dict = {}
-        for t in run["tests"].values():
-            counts[t["category"]] = counts.get(t["category"], 0) + 1
-        order = ["passed", "precision", "refusal", "baseline", "real", "hang", "skipped"]
-        label = run.get("label", run["framework"])
-        mode = (
-            ""
-            if not label.startswith("tensorflow")
-            else (
-                " (eagerly only: --tf-eager-only)"
-                if "-eager" in label
-                else " (upstream's modes: each test in a TF1 graph with a session, then eagerly)"
-            )
-        )
-        lines += [
-            f"## {run['framework']}, {run['np']} ranks: upstream test/parallel/{SUITES[run['framework']]}{mode}",
-            "",
-            f"- Command: `{run['command']}`",
-            f"- Date: {run['date']}, {run['wall_s']:.0f} s, {run['np']} ranks (mpirun, CPU), "
-            f"{run['launches']} launch(es)",
-            f"- Compressor: `{run['compressor']}`, {run['scope_text']}",
-            "- Versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items()),
-            f"- Tests: {len(run['tests'])}: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in order),
-            "",
-        ]
-        bad = [(n, t) for n, t in run["tests"].items() if t["category"] not in ("passed", "skipped")]
-        if bad:
-            lines += [
-                "| test | category | shared run | alone re-run | where | error (first rank that failed) |",
-                "|---|---|---|---|---|---|",
-            ]
-            for n, t in sorted(bad, key=lambda x: (order.index(x[1]["category"]), x[0])):
-                msg = t["error"].replace("|", "\\|")
-                if t["category"] == "baseline":
-                    msg += f" (without the compressor: {t.get('baseline_error') or ''})".replace("|", "\\|")
-                shared, alone = _run_cells(t, run["np"])
-                lines.append(
-                    f"| `{n.rsplit('::', 1)[-1]}` | {t['category']} | {shared} | {alone} | {t['where']} | {msg} |"
-                )
-            lines.append("")
-        ran = sorted(n for n, t in run["tests"].items() if t["category"] != "skipped")
-        lines += [
-            f"Every test that ran ({len(ran)}), as the shared launch saw it and, where it was re-run alone in fresh "
-            "processes, as that run saw it:",
-            "",
-            "| test | shared run | alone re-run | category |",
-            "|---|---|---|---|",
-        ]
-        for n in ran:
-            t = run["tests"][n]
-            shared, alone = _run_cells(t, run["np"])
-            lines.append(f"| `{n.rsplit('::', 1)[-1]}` | {shared} | {alone} | {t['category']} |")
-        lines.append("")
-        hangs = [(n, t) for n, t in run["tests"].items() if t.get("stacks")]
-        for n, t in hangs:
-            lines += [
-                f"Where the ranks still in `{n.rsplit('::', 1)[-1]}` wait (main thread, innermost first):",
-                "",
-                "```",
-            ]
-            for r, st in sorted(t["stacks"].items()):
-                lines += _compact_stack(st)
-            lines += ["```", ""]
-        skipped = sorted(n.rsplit("::", 1)[-1] for n, t in run["tests"].items() if t["category"] == "skipped")
-        if skipped:
-            lines += [
-                "Skipped (upstream's own skips: GPU, NCCL, gloo-only, ...): " + ", ".join(f"`{s}`" for s in skipped),
-                "",
-            ]
-    lines.append(NOTES_MARK)
+    lines = INTRO + [line for run in runs for line in _run_section(run)] + [NOTES_MARK]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + (notes if notes else "\n"))
+
+
+def _run_section(run: dict) -> list[str]:
+    """One run's section: what ran, the tests that did not pass, every test, the stacks, the skips."""
+    counts: dict = {}
+    for t in run["tests"].values():
+        counts[t["category"]] = counts.get(t["category"], 0) + 1
+    label = run.get("label", run["framework"])
+    mode = ""
+    if label.startswith("tensorflow"):
+        eager = "-eager" in label
+        mode = (
+            " (eagerly only: --tf-eager-only)"
+            if eager
+            else " (upstream's modes: each test in a TF1 graph with a session, then eagerly)"
+        )
+    lines = [
+        f"## {run['framework']}, {run['np']} ranks: upstream test/parallel/{SUITES[run['framework']]}{mode}",
+        "",
+        f"- Command: `{run['command']}`",
+        f"- Date: {run['date']}, {run['wall_s']:.0f} s, {run['np']} ranks (mpirun, CPU), {run['launches']} launch(es)",
+        f"- Compressor: `{run['compressor']}`, {run['scope_text']}",
+        "- Versions: " + ", ".join(f"{k} {v}" for k, v in run["versions"].items()),
+        f"- Tests: {len(run['tests'])}: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in ORDER),
+        "",
+    ]
+    name = lambda n: f"`{n.rsplit('::', 1)[-1]}`"
+    bad = [(n, t) for n, t in run["tests"].items() if t["category"] not in ("passed", "skipped")]
+    if bad:
+        cells = []
+        for n, t in sorted(bad, key=lambda x: (ORDER.index(x[1]["category"]), x[0])):
+            msg = t["error"].replace("|", "\\|")
+            if t["category"] == "baseline":
+                msg += f" (without the compressor: {t.get('baseline_error') or ''})".replace("|", "\\|")
+            cells.append([name(n), t["category"], *_run_cells(t, run["np"]), t["where"], msg])
+        head = ["test", "category", "shared run", "alone re-run", "where", "error (first rank that failed)"]
+        lines += pages.table(head, cells) + [""]
+    ran = sorted(n for n, t in run["tests"].items() if t["category"] != "skipped")
+    lines += [
+        f"Every test that ran ({len(ran)}), as the shared launch saw it and, where it was re-run alone in fresh "
+        "processes, as that run saw it:",
+        "",
+    ]
+    cells = [[name(n), *_run_cells(run["tests"][n], run["np"]), run["tests"][n]["category"]] for n in ran]
+    lines += pages.table(["test", "shared run", "alone re-run", "category"], cells) + [""]
+    for n, t in run["tests"].items():
+        if t.get("stacks"):
+            lines += [f"Where the ranks still in {name(n)} wait (main thread, innermost first):", "", "```"]
+            lines += [line for _, st in sorted(t["stacks"].items()) for line in _compact_stack(st)] + ["```", ""]
+    skipped = sorted(name(n) for n, t in run["tests"].items() if t["category"] == "skipped")
+    if skipped:
+        lines += ["Skipped (upstream's own skips: GPU, NCCL, gloo-only, ...): " + ", ".join(skipped), ""]
+    return lines
 
 
 def main(argv=None) -> int:
@@ -934,103 +883,24 @@ def main(argv=None) -> int:
         print("--horovod-test-dir is required (Horovod's test/ folder at v0.28.1; see the docstring)", file=sys.stderr)
         return 2
     test_dir = args.horovod_test_dir.resolve()
-    test_file = (
-        test_dir / "parallel" / SUITES[args.framework]
-        if (test_dir / "parallel").is_dir()
-        else test_dir / SUITES[args.framework]
-    )
+    parallel = test_dir / "parallel"
+    test_file = (parallel if parallel.is_dir() else test_dir) / SUITES[args.framework]
     if not test_file.exists():
         print(f"{test_file} not found", file=sys.stderr)
         return 2
-    keyword = QUICK if args.quick and not args.keyword else args.keyword
     args.results_dir.mkdir(parents=True, exist_ok=True)
     label = args.framework + ("-eager" if args.tf_eager_only and args.framework.startswith("tensorflow") else "")
     label += "" if args.np == 2 else f"-np{args.np}"
-    work = args.work_dir / label
     log_path = args.work_dir / f"{label}.log"
     args.work_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     signal.signal(signal.SIGTERM, _stop_current)
-    deadline = time.monotonic() + args.total_timeout
     with open(log_path, "w") as log:
-        # 1. the whole suite in one launch (relaunched past hangs and crashes)
-        shared = run_suite(args, test_file, work / "alq", True, keyword, log, deadline)
-        final = dict(shared)
-        # 2. what looks like a real problem, a hang, a crash or a test that failed on some ranks only
-        #    is re-run alone, in fresh processes (no state left by an earlier test)
-        suspect = [t for t, e in shared.items() if not _passed(e) and (e.get("interrupted") or e.get("desync"))]
-        real = [
-            t
-            for t, e in shared.items()
-            if not _passed(e) and t not in suspect and classify(t, e, {"outcome": "passed"})[1] == "real"
-        ]
-        if len(real) <= MAX_ALONE:  # many alike: one cause, seen in step on every rank; not one launch each
-            suspect += real
-        for t in suspect:
-            alone = run_suite(args, test_file, work / "alq-alone", True, None, log, deadline, selection=[t])
-            if t in alone:
-                final[t] = {**alone[t], "shared": shared[t], "alone": True}
-        # 3. the baseline: what still fails, without the compressor (together, then alone)
-        baseline: dict = {}
-        redo = [t for t, e in final.items() if not _passed(e)]
-        if redo and not args.no_baseline:
-            base = run_suite(args, test_file, work / "baseline", False, None, log, deadline, selection=redo)
-            for t in [t for t, e in base.items() if not _passed(e)]:
-                base.update(
-                    run_suite(args, test_file, work / "baseline-alone", False, None, log, deadline, selection=[t])
-                )
-            for t, e in base.items():
-                baseline[t] = {
-                    "outcome": classify(t, e, None)[0],
-                    "error": _first_error("\n".join(r.get("message", "") for r in e["ranks"].values())),
-                }
+        final, baseline = run_all(args, test_file, args.work_dir / label, log)
     launches = len(re.findall(r"^\[launch\]", log_path.read_text(), re.M))
-    tests = {}
-    for t, e in final.items():
-        outcome, category = classify(t, e, baseline.get(t))
-        failing = [r for _, r in sorted(e["ranks"].items()) if r.get("outcome") in ("failed", "error", "hang")]
-        msg = failing[0].get("message", "") if failing else ""
-        if e.get("interrupted") == "crash":
-            msg = msg or f"the launch ended inside this test (rc {e.get('rc')})"
-        tests[t] = {
-            "outcome": outcome,
-            "category": category,
-            "error": _first_error(msg),
-            "where": _where(msg),
-            "baseline": baseline.get(t, {}).get("outcome"),
-            "baseline_error": baseline.get(t, {}).get("error"),
-            "shared": _run_summary(t, e["shared"] if e.get("alone") else e, args.np),
-            "alone": _run_summary(t, e, args.np) if e.get("alone") else None,
-            "stacks": e.get("stacks"),
-            "ranks": {
-                str(r): {k: v for k, v in rec.items() if k != "message"} | {"message": rec.get("message", "")[-3000:]}
-                for r, rec in e["ranks"].items()
-            },
-        }
-    shown = [
-        "python",
-        "-m",
-        "scripts.study.horovod_suite",
-        "--horovod-test-dir",
-        "<horovod>/test",
-        "--framework",
-        args.framework,
-    ]
-    for flag, value, default in (
-        ("-k", args.keyword, None),
-        ("--np", args.np, 2),
-        ("--scope", args.scope, "test"),
-        ("--test-timeout", args.test_timeout, 180),
-    ):
-        if value != default:
-            shown += [flag, str(value)]
-    if args.quick:
-        shown.append("--quick")
-    if args.internal:
-        shown.append("--internal")
-    if args.tf_eager_only:
-        shown.append("--tf-eager-only")
+    tests = {t: _test_record(t, e, baseline.get(t), args.np) for t, e in final.items()}
+    shown = _command(args)
     previous = args.results_dir / f"{label}.json"
     if args.merge and previous.exists():
         old = json.loads(previous.read_text())
@@ -1041,23 +911,15 @@ def main(argv=None) -> int:
         date = f"{old['date']} (re-run {len(final)} test(s) {date}: `-k {args.keyword}`)"
         start -= old["wall_s"]  # wall time and launches: both runs
         launches += old["launches"]
-    run = {
-        "framework": args.framework,
-        "label": label,
-        "command": shlex.join(shown),
-        "date": date,
-        "np": args.np,
-        "wall_s": time.monotonic() - start,
-        "launches": launches,
-        "compressor": f"ALQCompressor(bits={args.bits}, bucket_size={args.bucket_size}, min_size={args.min_size})",
-        "scope_text": {
-            "test": "a new one for every test",
-            "session": "one for the whole run",
-            "call": "a new one for every call",
-        }[args.scope],
-        "versions": _versions(args.python),
-        "tests": tests,
+    scopes = {
+        "test": "a new one for every test",
+        "session": "one for the whole run",
+        "call": "a new one for every call",
     }
+    run = {"framework": args.framework, "label": label, "command": shlex.join(shown), "date": date, "np": args.np}
+    run.update(wall_s=time.monotonic() - start, launches=launches)
+    run["compressor"] = f"ALQCompressor(bits={args.bits}, bucket_size={args.bucket_size}, min_size={args.min_size})"
+    run.update(scope_text=scopes[args.scope], versions=_versions(args.python), tests=tests)
     (args.results_dir / f"{label}.json").write_text(json.dumps(run, indent=1))
     write_report(args.results_dir, args.out)
     counts: dict = {}
@@ -1065,6 +927,77 @@ def main(argv=None) -> int:
         counts[t["category"]] = counts.get(t["category"], 0) + 1
     print(f"{args.framework}: {len(tests)} tests: {counts}; report {args.out}, log {log_path}")
     return 0
+
+
+def run_all(args, test_file: Path, work: Path, log) -> tuple[dict, dict]:
+    """The suite with the compressor, its suspects again alone, and what still fails without it:
+    (each test's final entry, the baseline's outcome and error of each test re-run without it)."""
+    keyword = QUICK if args.quick and not args.keyword else args.keyword
+    deadline = time.monotonic() + args.total_timeout
+    # 1. the whole suite in one launch (relaunched past hangs and crashes)
+    shared = run_suite(args, test_file, work / "alq", True, keyword, log, deadline)
+    final = dict(shared)
+    # 2. what looks like a real problem, a hang, a crash or a test that failed on some ranks only
+    #    is re-run alone, in fresh processes (no state left by an earlier test)
+    suspect = [t for t, e in shared.items() if not _passed(e) and (e.get("interrupted") or e.get("desync"))]
+    real = [
+        t
+        for t, e in shared.items()
+        if not _passed(e) and t not in suspect and classify(t, e, {"outcome": "passed"})[1] == "real"
+    ]
+    if len(real) <= MAX_ALONE:  # many alike: one cause, seen in step on every rank; not one launch each
+        suspect += real
+    for t in suspect:
+        alone = run_suite(args, test_file, work / "alq-alone", True, None, log, deadline, selection=[t])
+        if t in alone:
+            final[t] = {**alone[t], "shared": shared[t], "alone": True}
+    # 3. the baseline: what still fails, without the compressor (together, then alone)
+    baseline: dict = {}
+    redo = [t for t, e in final.items() if not _passed(e)]
+    if redo and not args.no_baseline:
+        base = run_suite(args, test_file, work / "baseline", False, None, log, deadline, selection=redo)
+        for t in [t for t, e in base.items() if not _passed(e)]:
+            base.update(run_suite(args, test_file, work / "baseline-alone", False, None, log, deadline, selection=[t]))
+        for t, e in base.items():
+            error = _first_error("\n".join(r.get("message", "") for r in e["ranks"].values()))
+            baseline[t] = {"outcome": classify(t, e, None)[0], "error": error}
+    return final, baseline
+
+
+def _test_record(t: str, e: dict, baseline: dict | None, np: int) -> dict:
+    """One test's record in the run's JSON."""
+    outcome, category = classify(t, e, baseline)
+    failing = [r for _, r in sorted(e["ranks"].items()) if r.get("outcome") in ("failed", "error", "hang")]
+    msg = failing[0].get("message", "") if failing else ""
+    if e.get("interrupted") == "crash":
+        msg = msg or f"the launch ended inside this test (rc {e.get('rc')})"
+    return {
+        "outcome": outcome,
+        "category": category,
+        "error": _first_error(msg),
+        "where": _where(msg),
+        "baseline": (baseline or {}).get("outcome"),
+        "baseline_error": (baseline or {}).get("error"),
+        "shared": _run_summary(t, e["shared"] if e.get("alone") else e, np),
+        "alone": _run_summary(t, e, np) if e.get("alone") else None,
+        "stacks": e.get("stacks"),
+        "ranks": {
+            str(r): {k: v for k, v in rec.items() if k != "message"} | {"message": rec.get("message", "")[-3000:]}
+            for r, rec in e["ranks"].items()
+        },
+    }
+
+
+def _command(args) -> list[str]:
+    """The command line as the report shows it: the options that differ from their defaults."""
+    shown = ["python", "-m", "scripts.study.horovod_suite", "--horovod-test-dir", "<horovod>/test"]
+    shown += ["--framework", args.framework]
+    defaults = (("-k", args.keyword, None), ("--np", args.np, 2), ("--scope", args.scope, "test"))
+    for flag, value, default in defaults + (("--test-timeout", args.test_timeout, 180),):
+        if value != default:
+            shown += [flag, str(value)]
+    flags = (("--quick", args.quick), ("--internal", args.internal), ("--tf-eager-only", args.tf_eager_only))
+    return shown + [flag for flag, on in flags if on]
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import numpy as np
 from horovod_alq.core import Quantizer
 from horovod_alq.core.distributions import TruncatedNormal
 from horovod_alq.core.quantizer import gaussian_sigma
-from scripts.study.compare_models import normalized_variance
+from scripts.common.auto_bits import normalized_variance
 
 CHOICES = ["gauss-median", "1/sqrt(d)", "geo-mean", "l2-start", "fitted"]
 

@@ -24,19 +24,18 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from scripts.common import launch
+from scripts.common import report as pages
 from scripts.common.demo import BASELINES, PLAIN, QUANTIZED
-from scripts.common.mpi import MPI_OPTIONS, RANK_ENV
 
 BITS_FREE = ["terngrad"]  # always 2 bits on the wire: one run per seed whatever --bits says
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = "scripts.demo.train"  # run with python -m from ROOT
-RANK_ENV = {**RANK_ENV, "PYTHONWARNINGS": "ignore"}
 LABELS = {"none": "fp32", "fp16": "fp16"}
 
 
@@ -95,41 +94,19 @@ def run_launch(job: dict, args, raw_dir: Path) -> Path:
     if path.exists():
         print(f"[skip] {path.name} exists", flush=True)
         return path
-    cmd = [
-        "mpirun",
-        *MPI_OPTIONS,
-        "-np",
-        str(args.np),
-        sys.executable,
-        "-m",
-        TRAIN,
-        "--methods",
-        ",".join(job["methods"]),
-        "--bits",
-        str(job["bits"]),
-        "--bucket-size",
-        str(job["bucket"]),
-        "--epochs",
-        str(args.epochs),
-        "--seed",
-        str(job["seed"]),
-        "--quiet",
-        "--json",
-        str(path) + ".part",
-    ]
+    cmd = [*launch.mpirun(args.np), sys.executable, "-m", TRAIN, "--methods", ",".join(job["methods"])]
+    cmd += ["--bits", str(job["bits"]), "--bucket-size", str(job["bucket"]), "--epochs", str(args.epochs)]
+    cmd += ["--seed", str(job["seed"]), "--quiet", "--json", str(path) + ".part"]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
     print(f"[run] {shlex.join(cmd)}", flush=True)
     start = time.monotonic()
-    env = {**os.environ, **RANK_ENV}
-    proc = subprocess.run(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.timeout
-    )
-    if proc.returncode != 0 or not Path(str(path) + ".part").exists():
-        raise RuntimeError(f"launch failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}")
+    rc, out = launch.output(cmd, args.timeout, env=launch.rank_env(PYTHONWARNINGS="ignore"))
+    if rc != 0 or not Path(str(path) + ".part").exists():
+        raise RuntimeError(f"launch failed (rc {rc}):\n{out[-3000:]}")
     os.replace(str(path) + ".part", path)
     print(
-        f"[done] {time.monotonic() - start:.0f} s\n{proc.stdout.strip().splitlines()[-len(job['methods']) - 1 :]}",
+        f"[done] {time.monotonic() - start:.0f} s\n{out.strip().splitlines()[-len(job['methods']) - 1 :]}",
         flush=True,
     )
     return path
@@ -157,19 +134,6 @@ def collect(raw_dir: Path, args) -> dict:
     for (method, config, seed), accuracy in sorted(runs.items(), key=lambda kv: kv[0][2]):
         table.setdefault((method, config), []).append((seed, accuracy))
     return table
-
-
-def _stats(values) -> dict:
-    import numpy as np
-
-    v = np.asarray(values, dtype=float)
-    return {
-        "n": int(v.size),
-        "mean": float(v.mean()),
-        "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
-        "min": float(v.min()),
-        "max": float(v.max()),
-    }
 
 
 _ONE_BIT_WIDTH = [True]  # set by summarize(): keys name the bucket only, as before --bits took a list
@@ -203,22 +167,22 @@ def summarize(table: dict) -> tuple[list, list, dict]:
             runs = table.get((m, c), [])
             if not runs:
                 continue
-            cell = _stats([100 * a for _, a in runs])
+            cell = pages.stats([100 * a for _, a in runs])
             diffs = [100 * a - reference[seed] for seed, a in runs if seed in reference]
             if diffs and m != "none":
-                d = _stats(diffs)
+                d = pages.stats(diffs)
                 cell["vs_fp32"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
             if m.endswith("-2p") and (m[:-3] + "-ag", c) in table:  # same method, the allgather exchange
                 ag = dict(table[(m[:-3] + "-ag", c)])
                 pairs = [100 * (a - ag[seed]) for seed, a in runs if seed in ag]
                 if pairs:
-                    d = _stats(pairs)
+                    d = pages.stats(pairs)
                     cell["vs_allgather"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
             if m.endswith("-linf") and (m[:-5] + "-l2", c) in table:  # same method, the paper's L2 buckets
                 l2 = dict(table[(m[:-5] + "-l2", c)])
                 pairs = [100 * (a - l2[seed]) for seed, a in runs if seed in l2]
                 if pairs:
-                    d = _stats(pairs)
+                    d = pages.stats(pairs)
                     cell["vs_l2"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
             summary[_key(m, c)] = cell
     return methods, configs, summary
@@ -249,32 +213,26 @@ def markdown(methods: list, configs: list, summary: dict) -> str:
     labels = [_config_label(c, configs) for c in configs]
     single_bits = len({c[0] for c in configs}) == 1
     change = single_bits and len(configs) > 1
-    head = "| method | " + " | ".join(labels) + (f" | change {configs[0][1]}→{configs[-1][1]} |" if change else " |")
-    lines = [head, "|---|" + "---|" * (len(configs) + change)]
+    cells = []
     for m in methods:
         if m in BASELINES:
-            cells = [acc(summary.get(f"{m}@None"))] + ["(same)"] * (len(configs) - 1)
+            row = [acc(summary.get(f"{m}@None"))] + ["(same)"] * (len(configs) - 1)
             delta = "-"
         else:
-            cells = [shown(m, c, acc) for c in configs]
+            row = [shown(m, c, acc) for c in configs]
             a, z = (summary.get(_cell_key(m, c, summary) or "") for c in (configs[0], configs[-1]))
             delta = f"{z['mean'] - a['mean']:+.2f}" if a and z else "-"
-        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + (f" | {delta} |" if change else " |"))
-    lines += [
-        "",
-        "Difference to fp32 on the same seed (points): mean ± standard error over seeds.",
-        "",
-        "| method | " + " | ".join(labels) + " |",
-        "|---|" + "---|" * len(configs),
+        cells.append([LABELS.get(m, m), *row] + ([delta] if change else []))
+    head = ["method", *labels] + ([f"change {configs[0][1]}→{configs[-1][1]}"] if change else [])
+    lines = pages.table(head, cells)
+    lines += ["", "Difference to fp32 on the same seed (points): mean ± standard error over seeds.", ""]
+    cells = [
+        [LABELS.get(m, m)]
+        + ([paired(summary.get(f"{m}@None"))] if m in BASELINES else [shown(m, c, paired) for c in configs])
+        for m in methods
+        if m != "none"
     ]
-    for m in methods:
-        if m == "none":
-            continue
-        if m in BASELINES:
-            cells = [paired(summary.get(f"{m}@None"))]
-        else:
-            cells = [shown(m, c, paired) for c in configs]
-        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
+    lines += pages.table(["method", *labels], cells)
     lines += _same_seed_table(
         summary, methods, configs, labels, "vs_l2", "Max-abs minus L2 buckets", lambda m: f"{m[:-5]}: linf − l2"
     )
@@ -296,19 +254,12 @@ def _same_seed_table(summary, methods, configs, labels, key: str, title: str, ro
     rows = [m for m in methods if any(key in summary.get(_key(m, c), {}) for c in configs)]
     if not rows:
         return []
-    lines = [
-        "",
-        f"{title}, same method and seed (points): mean ± standard error over seeds.",
-        "",
-        "| method | " + " | ".join(labels) + " |",
-        "|---|" + "---|" * len(configs),
-    ]
+    lines = ["", f"{title}, same method and seed (points): mean ± standard error over seeds.", ""]
+    cells = []
     for m in rows:
-        cells = []
-        for c in configs:
-            d = summary.get(_key(m, c), {}).get(key)
-            cells.append(f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-")
-        lines.append(f"| {row_label(m)} | " + " | ".join(cells) + " |")
+        diffs = [summary.get(_key(m, c), {}).get(key) for c in configs]
+        cells.append([row_label(m)] + [f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-" for d in diffs])
+    lines += pages.table(["method", *labels], cells)
     return lines
 
 
@@ -336,10 +287,7 @@ def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
 def plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
     """Left: accuracy, mean and min..max over seeds. Right: same-seed difference to fp32, mean ± 2
     standard errors, on a scale where the working methods are visible (collapsed ones are marked)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pages.pyplot()
     import numpy as np
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.4))
@@ -392,22 +340,7 @@ def plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
     ax.legend(loc="lower left", fontsize=8)
     bx.set_ylim(-limit, limit)
     bx.set_xticks(x, [LABELS.get(m, m) for m in methods], rotation=30)
-    finish_paired_plot(fig, bx, "accuracy − fp32, same seed (points)", path)
-
-
-def finish_paired_plot(
-    fig, bx, ylabel: str, path: Path, title: str = "paired difference to fp32: mean ± 2 standard errors"
-) -> None:
-    """The paired-difference axis's zero line, labels and grid; the figure saved and closed."""
-    import matplotlib.pyplot as plt
-
-    bx.axhline(0, color="black", lw=0.8)
-    bx.set_ylabel(ylabel)
-    bx.set_title(title, fontsize=10)
-    bx.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pages.finish_paired_plot(fig, bx, "accuracy − fp32, same seed (points)", path)
 
 
 def main(argv=None) -> int:

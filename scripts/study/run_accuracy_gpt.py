@@ -26,12 +26,12 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from scripts.study.run_accuracy import MPI_OPTIONS, RANK_ENV, _stats, finish_paired_plot
+from scripts.common import launch
+from scripts.common import report as pages
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = "scripts.demo.train_gpt"  # run with python -m from ROOT
@@ -170,44 +170,17 @@ def run_launch(job: dict, args, raw_dir: Path) -> None:
         print(f"[skip] {path.name} exists", flush=True)
         return
     part = Path(str(path) + ".part")
-    cmd = [
-        "mpirun",
-        *MPI_OPTIONS,
-        "-np",
-        str(args.np),
-        sys.executable,
-        "-m",
-        TRAIN,
-        "--methods",
-        ",".join(job["methods"]),
-        "--seed",
-        str(job["seed"]),
-        "--steps",
-        str(args.steps),
-        "--batch-size",
-        str(args.batch_size),
-        "--bucket-size",
-        str(args.bucket_size),
-        "--json",
-        str(part),
-        *optimizer_args(args),
-        *shlex.split(args.extra),
-    ]
+    cmd = [*launch.mpirun(args.np), sys.executable, "-m", TRAIN, "--methods", ",".join(job["methods"])]
+    cmd += ["--seed", str(job["seed"]), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    cmd += ["--bucket-size", str(args.bucket_size), "--json", str(part), *optimizer_args(args)]
+    cmd += shlex.split(args.extra)
     print(f"[run] {shlex.join(cmd)}", flush=True)
     start = time.monotonic()
-    proc = subprocess.run(
-        cmd,
-        env={**os.environ, **RANK_ENV},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=args.timeout,
-    )
-    if proc.returncode != 0 or not part.exists():
-        raise RuntimeError(f"launch failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}")
+    rc, out = launch.output(cmd, args.timeout, env=launch.rank_env(PYTHONWARNINGS="ignore"))
+    if rc != 0 or not part.exists():
+        raise RuntimeError(f"launch failed (rc {rc}):\n{out[-3000:]}")
     os.replace(part, path)
-    lines = [ln for ln in proc.stdout.splitlines() if "eval loss" in ln]
+    lines = [ln for ln in out.splitlines() if "eval loss" in ln]
     print(f"[done] {time.monotonic() - start:.0f} s\n" + "\n".join(lines), flush=True)
 
 
@@ -234,7 +207,7 @@ def _paired(runs: dict, reference: dict | None) -> dict | None:
     diffs = [r["eval_loss"] - reference[s]["eval_loss"] for s, r in runs.items() if s in reference]
     if not diffs:
         return None
-    d = _stats(diffs)
+    d = pages.stats(diffs)
     ordered = sorted(diffs)
     median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
     return {
@@ -256,8 +229,8 @@ def summarize(rows: dict) -> dict:
         bucket = label.partition("/")[2]
         qsgd_label = f"qsgdinf@{first['bits']}" + (f"/{bucket}" if bucket else "") if first["bits"] else None
         cell = {
-            "loss": _stats(losses),
-            "bpc": _stats([v / math.log(2) for v in losses]),
+            "loss": pages.stats(losses),
+            "bpc": pages.stats([v / math.log(2) for v in losses]),
             "bits_per_coordinate": sum(r["bits_per_coordinate"] for r in runs.values()) / len(runs),
             "vs_fp32": _paired(runs, rows.get("none")),
             "vs_qsgdinf": _paired(runs, rows.get(qsgd_label)) if qsgd_label else None,
@@ -389,10 +362,7 @@ def preamble(args, rows: dict) -> str:
 def plot(summary: dict, path: Path, title: str) -> None:
     """Left: mean evaluation loss against step (learning curves). Right: the same-seed comparisons
     of PAIRS, mean ± 2 standard errors and every seed's difference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pages.pyplot()
 
     pairs = {k: d for k, d in summary.get("pairs", {}).items() if d}
     summary = {k: v for k, v in summary.items() if k != "pairs"}
@@ -418,7 +388,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
         ha="right",
         fontsize=7,
     )
-    finish_paired_plot(
+    pages.finish_paired_plot(
         fig,
         bx,
         "eval loss difference, same seed (nats/char)",

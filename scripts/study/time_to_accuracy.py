@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time to accuracy on slow links: the held-out loss of the character GPT (scripts/common/gpt.py)
 against wall-clock training seconds, for every exchange, on 2 nodes x 2 ranks in network
-namespaces whose links between nodes are shaped to 100 Mbit/s and 1 Gbit/s (scripts/bench/
+namespaces whose links between nodes are shaped to 100 Mbit/s and 1 Gbit/s (scripts/common/
 network.py's namespaces; the ranks of a node talk over their namespace's loopback). Needs root,
 except --local.
 
@@ -17,7 +17,7 @@ same initial weights, fed the same batches, a different one per rank, same seed)
 - ``ddp-bf16``: DDP's ``bf16_compress_hook`` over gloo (registered under another name: DDP
   refuses the hook of that name without CUDA and NCCL; gloo allreduces bfloat16 on CPU);
 - ``ddp-psgd``: DDP's ``powerSGD_hook`` at the rank whose bytes per step are closest to the
-  3-bit payload (scripts/demo/train_gpt.py's ``matched_rank``; one DDP bucket, see
+  3-bit payload (scripts/common/gpt.py's ``matched_rank``; one DDP bucket, see
   scripts/bench/train_step.py for why on gloo);
 - ``hvd-qsgdinf``: ``QSGDCompressor(bits=3)``; ``hvd-alq``: ``ALQCompressor(bits=3)``;
   ``hvd-alq-auto``: ``ALQCompressor(bits="auto", bit_budget=2.5)``: default settings otherwise,
@@ -29,7 +29,7 @@ same initial weights, fed the same batches, a different one per rank, same seed)
 
 The clock: each row's wall-clock seconds since its start are the sum of its steps' times, a
 step's time being the slowest rank's (forward, backward, exchange, optimizer; a synchronous step
-ends when its slowest rank does). The held-out loss (scripts/demo/train_gpt.py's ``evaluate``:
+ends when its slowest rank does). The held-out loss (scripts/common/gpt.py's ``evaluate``:
 fixed, evenly spaced windows of the last 10% of the text) is measured by rank 0 every
 --eval-every steps, outside the clock (evaluation time is excluded, as are the barriers).
 Every rank writes a log line per row and step (JSON: row, step, seconds since the start on
@@ -61,100 +61,51 @@ import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-LABELS = {
-    "hvd-fp16": "Horovod fp16",
-    "ddp-bf16": "DDP bf16_compress_hook",
-    "ddp-psgd": "DDP PowerSGD, rank matched to 3 bits",
-    "hvd-qsgdinf": "QSGDinf 3 bits",
-    "hvd-alq": "ALQ 3 bits (defaults)",
-    "hvd-alq-auto": 'ALQ bits="auto", budget 2.5',
-    "hvd-alq-flat": "ALQ 3 bits, flat two-phase",
-    "hvd-alq4-entropy": 'ALQ 4 bits, wire="entropy"',
-    "hvd-alq4-rate": 'ALQ 4 bits, wire="entropy", code_entropy=2.8',
-    "hvd-alq4-rate21": 'ALQ 4 bits, wire="entropy", code_entropy=2.1',
-    "local": "no exchange (compute alone)",
-}
-ROWS = list(LABELS)
+from scripts.common import launch as launching
+from scripts.common import network as net
+from scripts.common import report as pages
+from scripts.common import rows, timing
+
+ROWS = "hvd-fp16,ddp-bf16,ddp-psgd,hvd-qsgdinf,hvd-alq,hvd-alq-auto,hvd-alq-flat,hvd-alq4-entropy".split(",")
+ROWS += ["hvd-alq4-rate", "hvd-alq4-rate21", "local"]
+LABELS = {k: rows.ROWS[k].label for k in ROWS}  # scripts/common/rows.py's, but for the names these pages use
+LABELS.update({"hvd-fp16": "Horovod fp16", "ddp-bf16": "DDP bf16_compress_hook", "hvd-alq": "ALQ 3 bits (defaults)"})
+LABELS["local"] = "no exchange (compute alone)"
 BASELINE = "hvd-fp16"
 TARGETS = (0.5, 0.75, 1.0)  # fractions of fp16's steps whose loss is a target
 FULL = dict(layout="2x2", rates="100mbit,1gbit", seeds="0,1,2", steps=240, eval_every=20, timeout=7200.0)
 QUICK = dict(layout="2x2", rates="100mbit", seeds="0", steps=40, eval_every=10, timeout=1200.0)
-PSGD_START = 2  # start_powerSGD_iter: the smallest PowerSGDState takes with error feedback and warm start
 STEM = "time_to_accuracy"
+FIELDS = ("step_s", "fwd_bwd_s", "cpu_main_s", "cpu_all_s", "bytes", "link")
 
 
 # ---------------------------------------------------------------------------------------- worker
 def build_row(key: str, args, vocab: int, hvd, plain_args) -> dict:
-    """One row: the model to call, the model to evaluate, its optimizer and its counters (or None)."""
+    """One row (scripts/common/rows.py's): the model to call, the model to evaluate, its optimizer
+    and its counters (or None); PowerSGD at the rank whose bytes match 3-bit ALQ's."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from horovod_alq.torch import ALQCompressor, QSGDCompressor
-    from scripts.common.gpt import GPT
-    from scripts.demo.train_gpt import make_optimizer, matched_rank
+    from scripts.common.gpt import GPT, make_optimizer, matched_rank
 
     torch.manual_seed(args.seed)  # the same initial model in every row and on every rank
     model = GPT(vocab, args.width, args.layers, args.heads, args.context)
-    opt = make_optimizer(model, plain_args)
-    row = {"call": model, "model": model, "opt": opt, "state": None, "extra": {}}
-    if key == "local":
-        return row
-    if key.startswith("hvd-"):
-        comp = {
-            "hvd-fp16": lambda: hvd.Compression.fp16,
-            "hvd-qsgdinf": lambda: QSGDCompressor(bits=3, seed=args.seed),
-            "hvd-alq": lambda: ALQCompressor(bits=3, seed=args.seed),
-            "hvd-alq-auto": lambda: ALQCompressor(bits="auto", bit_budget=2.5, seed=args.seed),
-            "hvd-alq-flat": lambda: ALQCompressor(bits=3, exchange="two-phase", seed=args.seed),
-            "hvd-alq4-entropy": lambda: ALQCompressor(bits=4, wire="entropy", seed=args.seed),
-            "hvd-alq4-rate": lambda: ALQCompressor(bits=4, wire="entropy", code_entropy=2.8, seed=args.seed),
-            "hvd-alq4-rate21": lambda: ALQCompressor(bits=4, wire="entropy", code_entropy=2.1, seed=args.seed),
-        }[key]()
-        # names prefixed by the row: Horovod's response cache never sees one name in two rows
-        row["opt"] = hvd.DistributedOptimizer(
-            opt, named_parameters=[(f"{key}.{k}", p) for k, p in model.named_parameters()], compression=comp
-        )
-        row["state"] = comp if hasattr(comp, "metrics") else None
-        return row
-
-    def bf16_hook(state, bucket: dist.GradBucket):
-        """bf16_compress_hook itself under another name (DDP refuses that name without NCCL)."""
-        return default_hooks.bf16_compress_hook(state, bucket)
-
-    if key == "ddp-bf16":
-        row["call"] = DDP(model)
-        row["call"].register_comm_hook(None, bf16_hook)
-        return row
-    rank = matched_rank(model, 3, 8192, 1024)
-    one_bucket = 4 * sum(p.numel() for p in model.parameters()) / 2**20 + 1
-    row["call"] = DDP(model, bucket_cap_mb=one_bucket)
-    state = psgd.PowerSGDState(
-        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=PSGD_START, random_seed=args.seed
-    )
-    row["call"].register_comm_hook(state, psgd.powerSGD_hook)
-    row["state"], row["extra"] = state, {"powersgd_rank": rank}
-    return row
+    matched = lambda m: matched_rank(m, 3, 8192, 1024)
+    return rows.build(key, model, make_optimizer(model, plain_args), hvd, seed=args.seed, matched_rank=matched)
 
 
-def counters(row: dict) -> tuple[float, float]:
+def sent_so_far(row: dict) -> tuple[float, float]:
     """(payload bytes sent, coordinates sent uncompressed) so far by this rank's row; PowerSGD:
     (0, coordinates after its compression)."""
-    st = row["state"]
-    if st is None:
+    c = timing.counters(row["state"])
+    if c is None:
         return 0.0, 0.0
-    if hasattr(st, "total_numel_after_compression"):
-        return 0.0, float(st.total_numel_after_compression)
-    m = st.metrics()
-    coded = m["wire_coded_bytes"] / m["wire_fixed_bytes"] if m["wire_fixed_bytes"] else 1.0  # wire="entropy"
-    return float(m["bytes_sent"]) * coded, float(m["uncompressed_coordinates"])
+    if "numel_after" in c:
+        return 0.0, float(c["numel_after"])
+    coded = c["wire_coded"] / c["wire_fixed"] if c["wire_fixed"] else 1.0  # wire="entropy"
+    return float(c["bytes_sent"]) * coded, float(c["uncompressed"])
 
 
 def worker(args) -> int:
@@ -163,166 +114,153 @@ def worker(args) -> int:
     import horovod.torch as hvd
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from scripts.bench.train_step import if_bytes, join_gloo
-    from scripts.common.gpt import char_splits, lr_at, sample_batch
-    from scripts.demo.train_gpt import evaluate
+    from scripts.common.gpt import char_splits
 
     hvd.init()
     torch.set_num_threads(1)
-    rank, n = hvd.rank(), hvd.size()
-    join_gloo(hvd, args.gloo_ifname, 600)
+    net.join_gloo(hvd, args.gloo_ifname, 600)
     train_ids, val_ids, chars = char_splits()
     # train_gpt.py's optimizer and schedule (AdamW, lr 3e-3, weight decay 0.1, warm-up then cosine)
-    plain = argparse.Namespace(
-        optimizer="adamw",
-        lr=args.lr,
-        weight_decay=0.1,
-        warmup=min(30, args.steps // 8),
-        steps=args.steps,
-        context=args.context,
-        eval_windows=args.eval_windows,
-    )
+    plain = argparse.Namespace(optimizer="adamw", lr=args.lr, weight_decay=0.1, warmup=min(30, args.steps // 8))
+    plain.__dict__.update(steps=args.steps, context=args.context, eval_windows=args.eval_windows)
     keys = args.rows.split(",")
-    rows = {k: build_row(k, args, len(chars), hvd, plain) for k in keys}
-    params = sum(p.numel() for p in rows[keys[0]]["model"].parameters())
-    ring = 2 * (n - 1) / n
-    log_dir = Path(args.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / f"rank{rank}.jsonl", "w")
-    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    per = {k: {"step_s": [], "fwd_bwd_s": [], "cpu_main_s": [], "cpu_all_s": [], "bytes": [], "link": []} for k in keys}
-    clock = dict.fromkeys(keys, 0.0)  # this rank's
-    slow_clock = dict.fromkeys(keys, 0.0)  # the slowest rank's, step by step
-    curves = {k: [] for k in keys}
-    last = {k: counters(rows[k]) for k in keys}
-    count = args.count_ifname and hvd.local_rank() == 0
-    for step in range(args.steps):
-        x, y = sample_batch(train_ids, args.batch_size, args.context, generator)
-        for key in keys:
-            row = rows[key]
-            for group in row["opt"].param_groups:
-                group["lr"] = lr_at(step, plain)
-            dist.barrier()
-            l0 = if_bytes(args.count_ifname) if count else (0, 0)
-            c0, p0 = time.thread_time(), time.process_time()
-            t0 = time.perf_counter()
-            if row["call"] is row["model"]:
-                loss = row["model"].loss(x, y)
-            else:
-                loss = F.cross_entropy(row["call"](x).flatten(0, 1), y.flatten())
-            loss.backward()
-            t1 = time.perf_counter()
-            if args.clip and hasattr(row["opt"], "synchronize"):  # Horovod: the averaged gradients first
-                row["opt"].synchronize()
-                torch.nn.utils.clip_grad_norm_(row["model"].parameters(), args.clip)
-                with row["opt"].skip_synchronize():
-                    row["opt"].step()
-            else:
-                if args.clip:
-                    torch.nn.utils.clip_grad_norm_(row["model"].parameters(), args.clip)
-                row["opt"].step()
-            t2 = time.perf_counter()
-            c2, p2 = time.thread_time(), time.process_time()
-            row["opt"].zero_grad()
-            if args.count_ifname:  # the row's traffic has ended on every rank after this barrier
-                dist.barrier()
-            l1 = if_bytes(args.count_ifname) if count else (0, 0)
-            now = counters(row)
-            if key in ("hvd-fp16", "ddp-bf16"):
-                sent = ring * 2 * params
-            elif key == "ddp-psgd":
-                sent = ring * 4 * (now[1] - last[key][1])
-            else:
-                sent = (now[0] - last[key][0]) + ring * 4 * (now[1] - last[key][1])
-            last[key] = now
-            slowest = torch.tensor([t2 - t0], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            clock[key] += t2 - t0
-            slow_clock[key] += float(slowest)
-            rec = per[key]
-            rec["step_s"].append(float(slowest))
-            rec["fwd_bwd_s"].append(t1 - t0)
-            rec["cpu_main_s"].append(c2 - c0)
-            rec["cpu_all_s"].append(p2 - p0)
-            rec["bytes"].append(sent)
-            rec["link"].append((l1[0] - l0[0], l1[1] - l0[1]))
-            line = {
-                "row": key,
-                "step": step + 1,
-                "seconds": round(clock[key], 6),
-                "seconds_slowest": round(slow_clock[key], 6),
-                "step_seconds": round(t2 - t0, 6),
-                "bytes_sent": round(sent, 1),
-                "train_loss": round(float(loss), 5),
-            }
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-                value = evaluate(row["model"], val_ids, plain) if rank == 0 and key != "local" else None
-                value = hvd.broadcast_object(value, root_rank=0, name="tta.eval")
-                if value is not None:
-                    curves[key].append([step + 1, value])
-                    line["eval_loss"] = round(value, 6)
-            log.write(json.dumps(line) + "\n")
-        log.flush()
-        if rank == 0 and (step + 1) % max(1, args.steps // 10) == 0:
-            print(f"step {step + 1}/{args.steps}: " + ", ".join(f"{k} {slow_clock[k]:.1f} s" for k in keys), flush=True)
-    log.close()
-
+    built = {k: build_row(k, args, len(chars), hvd, plain) for k in keys}
+    params = sum(p.numel() for p in built[keys[0]]["model"].parameters())
+    per, curves = train(args, built, (train_ids, val_ids), plain, params, hvd)
     # the parameters after all steps: the largest difference to rank 0's (0 where every rank averaged alike)
-    diffs = {}
-    for key in keys:
-        flat = torch.cat([p.detach().reshape(-1) for p in rows[key]["model"].parameters()])
-        ref = flat.clone()
-        dist.broadcast(ref, 0)
-        d = torch.tensor([float((flat - ref).abs().max()) if torch.isfinite(flat).all() else math.inf])
-        dist.all_reduce(d, op=dist.ReduceOp.MAX)
-        diffs[key] = float(d)
+    diffs = {key: timing.param_diff(built[key]["model"].parameters()) for key in keys}
     gathered = hvd.allgather_object({"per": per, "local_rank": hvd.local_rank()})
-    if rank == 0:
-        out_rows = {}
-        for key in keys:
-            ranks = [g["per"][key] for g in gathered]
-            nodes = [g["per"][key]["link"] for g in gathered if g["local_rank"] == 0]
-            steps = len(ranks[0]["step_s"])
-            mean_over = lambda field, i: statistics.fmean(r[field][i] for r in ranks)  # noqa: E731
-            res = {
-                "label": LABELS[key],
-                "step_s": [round(v, 6) for v in ranks[0]["step_s"]],  # the slowest rank's (all-reduced)
-                "curve": curves[key],
-                "bytes_per_step": statistics.fmean(statistics.fmean(r["bytes"]) for r in ranks),
-                "max_param_diff": diffs[key],
-                # per step the mean over ranks, then the median over steps
-                "fwd_bwd_s": statistics.median(mean_over("fwd_bwd_s", i) for i in range(steps)),
-                "cpu_main_s": statistics.median(mean_over("cpu_main_s", i) for i in range(steps)),
-                "cpu_all_s": statistics.median(mean_over("cpu_all_s", i) for i in range(steps)),
-                **rows[key]["extra"],
-            }
-            if args.count_ifname:
-                # the busiest node link, the more loaded direction (tbf shapes each direction)
-                res["link_max_per_step"] = (
-                    max(max(sum(c[0] for c in nd), sum(c[1] for c in nd)) for nd in nodes) / steps
-                )
-            st = rows[key]["state"]
-            if st is not None and hasattr(st, "metrics"):
-                m = st.metrics()
-                res.update(exchange=m["exchange"], bits_per_coordinate=m["bits_per_coordinate"])
-            out_rows[key] = res
-        Path(args.worker_out).write_text(
-            json.dumps(
-                {
-                    "size": n,
-                    "local_size": hvd.local_size(),
-                    "params": params,
-                    "torch": torch.__version__,
-                    "horovod": horovod.__version__,
-                    "rows": out_rows,
-                }
-            )
-        )
+    if hvd.rank() == 0:
+        results = {key: row_result(args, key, gathered, curves[key], diffs[key], built[key]) for key in keys}
+        run = {"size": hvd.size(), "local_size": hvd.local_size(), "params": params, "torch": torch.__version__}
+        run.update(horovod=horovod.__version__, rows=results)
+        Path(args.worker_out).write_text(json.dumps(run))
     dist.destroy_process_group()
     hvd.shutdown()
     return 0
+
+
+def train(args, built: dict, data: tuple, plain, params: int, hvd) -> tuple[dict, dict]:
+    """Every row's steps in turn on the same batches (a different one per rank), each row's clock the
+    sum of its steps' (the slowest rank's); every rank logs every row's step as a JSON line. Returns
+    {field: {row: [per step]}} (:data:`FIELDS`) and each row's held-out curve ([step, loss])."""
+    import torch
+
+    from scripts.common.gpt import sample_batch
+
+    rank, keys, (train_ids, val_ids) = hvd.rank(), list(built), data
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    per = {field: {k: [] for k in keys} for field in FIELDS}
+    clocks = {k: [0.0, 0.0] for k in keys}  # this rank's, the slowest rank's (step by step)
+    curves = {k: [] for k in keys}
+    last = {k: sent_so_far(built[k]) for k in keys}
+    link = (lambda: timing.if_bytes(args.count_ifname)) if args.count_ifname and hvd.local_rank() == 0 else None
+    with open(log_dir / f"rank{rank}.jsonl", "w") as log:
+        for step in range(args.steps):
+            batch = sample_batch(train_ids, args.batch_size, args.context, generator)
+            for key in keys:
+                rec, last[key] = row_step(
+                    args, key, built[key], batch, step, plain, link, last[key], params, hvd.size()
+                )
+                clocks[key][0] += rec["own_s"]
+                clocks[key][1] += rec["step_s"]
+                for field in FIELDS:
+                    per[field][key].append(rec[field])
+                line = {"row": key, "step": step + 1, "seconds": round(clocks[key][0], 6)}
+                line.update(seconds_slowest=round(clocks[key][1], 6), step_seconds=round(rec["own_s"], 6))
+                line.update(bytes_sent=round(rec["bytes"], 1), train_loss=round(float(rec["out"]), 5))
+                if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                    value = evaluation(built[key], key, val_ids, plain, hvd)
+                    if value is not None:
+                        curves[key].append([step + 1, value])
+                        line["eval_loss"] = round(value, 6)
+                log.write(json.dumps(line) + "\n")
+            log.flush()
+            if rank == 0 and (step + 1) % max(1, args.steps // 10) == 0:
+                clock = ", ".join(f"{k} {clocks[k][1]:.1f} s" for k in keys)
+                print(f"step {step + 1}/{args.steps}: " + clock, flush=True)
+    return per, curves
+
+
+def row_step(args, key: str, row: dict, batch, step: int, plain, link, last, params: int, n: int):
+    """One row's timed step (scripts/common/timing.py's), its bytes since ``last`` (the counters
+    then) and the slowest rank's step time: (the step's record, the counters now)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from scripts.common.gpt import lr_at
+
+    x, y = batch
+    for group in row["opt"].param_groups:
+        group["lr"] = lr_at(step, plain)
+
+    def forward_backward():
+        if row["call"] is row["model"]:
+            loss = row["model"].loss(x, y)
+        else:
+            loss = F.cross_entropy(row["call"](x).flatten(0, 1), y.flatten())
+        loss.backward()
+        return loss
+
+    def optimizer_step():
+        if args.clip and hasattr(row["opt"], "synchronize"):  # Horovod: the averaged gradients first
+            row["opt"].synchronize()
+            torch.nn.utils.clip_grad_norm_(row["model"].parameters(), args.clip)
+            with row["opt"].skip_synchronize():
+                row["opt"].step()
+            return
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(row["model"].parameters(), args.clip)
+        row["opt"].step()
+
+    rec = timing.timed_step(
+        forward_backward, optimizer_step, row["opt"].zero_grad, dist.barrier, link, bool(args.count_ifname)
+    )
+    now, ring, counted = sent_so_far(row), timing.ring(n), rows.ROWS[key].counted
+    if counted == "arithmetic":
+        rec["bytes"] = ring * rows.ROWS[key].width * params
+    elif counted == "psgd":
+        rec["bytes"] = ring * 4 * (now[1] - last[1])
+    else:
+        rec["bytes"] = (now[0] - last[0]) + ring * 4 * (now[1] - last[1])
+    slowest = torch.tensor([rec["step_s"]], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    rec.update(own_s=rec["step_s"], step_s=float(slowest), link=rec["link"] or (0, 0))
+    return rec, now
+
+
+def evaluation(row: dict, key: str, val_ids, plain, hvd) -> float | None:
+    """The held-out loss, measured by rank 0 (scripts/common/gpt.py's ``evaluate``) and sent
+    to every rank; None for the local row."""
+    from scripts.common.gpt import evaluate
+
+    value = evaluate(row["model"], val_ids, plain) if hvd.rank() == 0 and key != "local" else None
+    return hvd.broadcast_object(value, root_rank=0, name="tta.eval")
+
+
+def row_result(args, key: str, gathered: list[dict], curve: list, diff: float, row: dict) -> dict:
+    """One row's run: the slowest rank's step times, its curve, bytes per step (the mean over ranks
+    and steps), per step the mean over ranks then the median over steps of the forward and
+    backward and the CPU times, and (in the namespaces) the busiest node link's bytes per step."""
+    pers = [g["per"] for g in gathered]
+    res = {"label": LABELS[key], "step_s": [round(v, 6) for v in pers[0]["step_s"][key]], "curve": curve}
+    res.update(bytes_per_step=statistics.fmean(statistics.fmean(r["bytes"][key]) for r in pers), max_param_diff=diff)
+    for field in ("fwd_bwd_s", "cpu_main_s", "cpu_all_s"):
+        res[field] = timing.median_of_means(pers, field, key)
+    res.update(row["extra"])
+    if args.count_ifname:
+        nodes = [g["per"]["link"][key] for g in gathered if g["local_rank"] == 0]
+        steps = len(pers[0]["step_s"][key])
+        # the busiest node link, the more loaded direction (tbf shapes each direction)
+        res["link_max_per_step"] = max(max(sum(c[0] for c in nd), sum(c[1] for c in nd)) for nd in nodes) / steps
+    if row["state"] is not None and hasattr(row["state"], "metrics"):
+        m = row["state"].metrics()
+        res.update(exchange=m["exchange"], bits_per_coordinate=m["bits_per_coordinate"])
+    return res
 
 
 # ---------------------------------------------------------------------------------------- targets
@@ -447,23 +385,19 @@ def fmt_ratio(r, reached: int, seeds: int) -> str:
 
 
 def rate_table(rate: str, s: dict) -> list[str]:
-    head = "| row | " + " | ".join(
-        f"to {t['fraction']:.0%} target: s | ratio to fp16" for t in s["rows"][BASELINE]["targets"]
-    )
-    lines = [
-        head + " | final loss (vs fp16) | bytes sent/step/rank | busiest node link bytes/step |",
-        "|---|" + "---|---|" * len(TARGETS) + "---|---|---|",
+    head = ["row"] + [
+        c for t in s["rows"][BASELINE]["targets"] for c in (f"to {t['fraction']:.0%} target: s", "ratio to fp16")
     ]
-    for key, e in s["rows"].items():
-        cells = []
+    head += ["final loss (vs fp16)", "bytes sent/step/rank", "busiest node link bytes/step"]
+    cells = []
+    for e in s["rows"].values():
+        row = [e["label"]]
         for t in e["targets"]:
-            cells += [fmt_time(t["seconds"]), fmt_ratio(t["ratio"], t["reached"], t["seeds"])]
+            row += [fmt_time(t["seconds"]), fmt_ratio(t["ratio"], t["reached"], t["seeds"])]
         d = e["final_vs_fp16"]
-        final = f"{e['final_loss'][0]:.4f} ({d[0]:+.4f})"
-        link = "" if e["link_max_per_step"] is None else f"{e['link_max_per_step'] / 1e6:.2f} MB"
-        lines.append(
-            f"| {e['label']} | " + " | ".join(cells) + f" | {final} | {e['bytes_per_step'] / 1e6:.3f} MB | {link} |"
-        )
+        row += [f"{e['final_loss'][0]:.4f} ({d[0]:+.4f})", f"{e['bytes_per_step'] / 1e6:.3f} MB"]
+        cells.append(row + ["" if e["link_max_per_step"] is None else f"{e['link_max_per_step'] / 1e6:.2f} MB"])
+    lines = pages.table(head, cells)
     targets = ", ".join(f"{t['fraction']:.0%}: {t['loss']:.4f}" for t in s["rows"][BASELINE]["targets"])
     lines.append("")
     lines.append(f"Targets (fp16's held-out loss at that share of its steps, mean over seeds): {targets} nats/char.")
@@ -479,18 +413,14 @@ def profile_table(s: dict) -> list[str]:
     """Where each row's step goes: the slowest rank's step (median), fwd+bwd on a rank (with DDP,
     its hooks' exchange too), the main thread's CPU and the process's; against compute alone."""
     local = s["local_step_s"]
-    lines = [
-        "| row | step ms | vs no exchange | fwd+bwd ms | opt.step+exchange ms | main-thread CPU ms "
-        "| all threads CPU ms | exchange |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for key, e in s["rows"].items():
+    head = ["row", "step ms", "vs no exchange", "fwd+bwd ms", "opt.step+exchange ms", "main-thread CPU ms"]
+    cells = []
+    for e in s["rows"].values():
         vs = f"{e['step_s'] / local:.2f}x" if local else ""
-        lines.append(
-            f"| {e['label']} | {e['step_s'] * 1e3:.0f} | {vs} | {e['fwd_bwd_s'] * 1e3:.0f} | "
-            f"{(e['step_s'] - e['fwd_bwd_s']) * 1e3:.0f} | {e['cpu_main_s'] * 1e3:.0f} | {e['cpu_all_s'] * 1e3:.0f} | "
-            f"{e['exchange'] or ''} |"
-        )
+        row = [e["label"], f"{e['step_s'] * 1e3:.0f}", vs, f"{e['fwd_bwd_s'] * 1e3:.0f}"]
+        row += [f"{(e['step_s'] - e['fwd_bwd_s']) * 1e3:.0f}", f"{e['cpu_main_s'] * 1e3:.0f}"]
+        cells.append(row + [f"{e['cpu_all_s'] * 1e3:.0f}", e["exchange"] or ""])
+    lines = pages.table(head + ["all threads CPU ms", "exchange"], cells)
     if local:
         lines.append(f"| no exchange (compute alone) | {local * 1e3:.0f} | 1.00x | | | | | |")
     return lines
@@ -585,10 +515,7 @@ def plot(runs: list[dict], summary: dict, path: Path) -> bool:
     """Held-out loss against wall-clock seconds, one panel per rate: mean over seeds (time and loss
     at each evaluation step), a band of ± one standard error of the loss."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pages.pyplot()
     except ImportError:
         return False
     rates = list(summary)
@@ -602,13 +529,8 @@ def plot(runs: list[dict], summary: dict, path: Path) -> bool:
             mean = [statistics.fmean(v) for v in per]
             se = [statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else 0.0 for v in per]
             (line,) = ax.plot(ts, mean, marker=".", label=LABELS[key], lw=2.2 if key in (BASELINE, "hvd-alq") else 1.2)
-            ax.fill_between(
-                ts,
-                [m - e for m, e in zip(mean, se)],
-                [m + e for m, e in zip(mean, se)],
-                alpha=0.2,
-                color=line.get_color(),
-            )
+            low, high = [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)]
+            ax.fill_between(ts, low, high, alpha=0.2, color=line.get_color())
         for t in summary[rate]["rows"][BASELINE]["targets"]:
             ax.axhline(t["loss"], color="grey", ls=":", lw=0.8)
         ax.set_title(f"{rate} between nodes, {len(group)} seed(s)")
@@ -617,9 +539,7 @@ def plot(runs: list[dict], summary: dict, path: Path) -> bool:
         low = min(t["loss"] for t in summary[rate]["rows"][BASELINE]["targets"])
         ax.set_ylim(low - 0.15, low + 0.9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pages.save(fig, path)
     return True
 
 
@@ -699,8 +619,7 @@ def worker_command(args, out: Path, log_dir: Path, ifname: str, seed: int) -> li
     cmd = [sys.executable, "-m", "scripts.study.time_to_accuracy", "--worker", "--worker-out", str(out)]
     cmd += ["--log-dir", str(log_dir), "--gloo-ifname", ifname, "--seed", str(seed), "--rows", args.rows]
     names = ("steps", "eval_every", "eval_windows", "batch_size", "context", "width", "layers", "heads", "lr", "clip")
-    for name in names:
-        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    cmd += launching.flags(args, *names)
     if ifname != "lo":
         cmd += ["--count-ifname", ifname]
     return cmd
@@ -708,89 +627,71 @@ def worker_command(args, out: Path, log_dir: Path, ifname: str, seed: int) -> li
 
 def launch(args, tmp: Path, rate: str, seed: int, data: Path) -> dict:
     """One run (all rows) at ``rate`` with ``seed``: in the namespaces, or on the loopback (--local)."""
-    import scripts.bench.network as net
-
     name = f"{rate}_s{seed}"
-    out = tmp / f"{name}.json"
     logs = data / f"{STEM}_logs" / name
     logs.mkdir(parents=True, exist_ok=True)
-    mpilog = logs / "mpirun.log"
+    cmd = lambda out, ifname: worker_command(args, out, logs, ifname, seed)
     if args.local:
-        from scripts.study.run_accuracy import MPI_OPTIONS, RANK_ENV  # one host's Open MPI options
-
-        full = ["mpirun", *MPI_OPTIONS, "--mca", "mpi_yield_when_idle", "1", "-np", str(args.np)]
-        for k, v in {**RANK_ENV, "HOROVOD_CPU_OPERATIONS": "mpi", "PYTHONPATH": str(ROOT)}.items():
-            full += ["-x", f"{k}={v}"]
-        full += worker_command(args, out, logs, "lo", seed)
-        print(f"[{name}] {shlex.join(full)}", flush=True)
-        rc = net.launch(full, mpilog, args.timeout)
+        run = net.run_local(args, tmp, args.np, cmd, logs / "mpirun.log", tag=name)
     else:
-        k, g = args.nodes, args.ranks_per_node
-        full = net.mpirun_command(tmp, 1, k, ranks_per_node=g) + worker_command(args, out, logs, "eth0", seed)
-        print(f"[{name}, {k} nodes x {g} ranks] {shlex.join(full)}", flush=True)
-        rc = net.launch_retry(
-            full, mpilog, args.timeout, missing=lambda: net.missing_ranks(k, g), cleanup=net.kill_in_namespaces
-        )
-    if rc != 0 or not out.exists():
-        raise RuntimeError(f"mpirun failed ({rc}):\n{mpilog.read_text()[-6000:]}")
-    run = json.loads(out.read_text())
+        run = net.run_netns(args, tmp, args.nodes, rate, cmd, logs / "mpirun.log", suffix=f"_s{seed}")
     run.update(rate=rate, seed=seed)
     if not args.local:
         run["layout"] = f"{args.nodes} nodes x {args.ranks_per_node} ranks (namespaces; shaped links between them)"
     return run
 
 
-def main(argv=None) -> int:
-    global STEM
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="defaults: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
-    p.add_argument("--layout", help=f"KxG: K nodes (namespaces) of G ranks; default {FULL['layout']}")
-    p.add_argument("--rates", help=f"tc rates of the links between nodes; default {FULL['rates']}")
-    p.add_argument("--seeds", help=f"default {FULL['seeds']}")
-    p.add_argument("--steps", type=int, help=f"steps per row; default {FULL['steps']}")
-    p.add_argument("--eval-every", type=int, help=f"steps between evaluations; default {FULL['eval_every']}")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated from {','.join(ROWS)}; default all")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=8,
-        help="sequences per rank and step; default 8 (the exchange about two thirds of fp16's step at 100 Mbit/s here)",
-    )
-    p.add_argument("--context", type=int, default=64, help="default 64")
-    p.add_argument("--width", type=int, default=128, help="default 128")
-    p.add_argument("--layers", type=int, default=4, help="default 4")
-    p.add_argument("--heads", type=int, default=4, help="default 4")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak lr; default 3e-3")
-    p.add_argument(
+    add = p.add_argument
+    add("--quick", action="store_true", help="defaults: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    add("--layout", help=f"KxG: K nodes (namespaces) of G ranks; default {FULL['layout']}")
+    add("--rates", help=f"tc rates of the links between nodes; default {FULL['rates']}")
+    add("--seeds", help=f"default {FULL['seeds']}")
+    add("--steps", type=int, help=f"steps per row; default {FULL['steps']}")
+    add("--eval-every", type=int, help=f"steps between evaluations; default {FULL['eval_every']}")
+    add("--rows", default=",".join(ROWS), help=f"comma-separated from {','.join(ROWS)}; default all")
+    batch = "sequences per rank and step; default 8 (the exchange about two thirds of fp16's step at 100 Mbit/s here)"
+    add("--batch-size", type=int, default=8, help=batch)
+    add("--context", type=int, default=64, help="default 64")
+    add("--width", type=int, default=128, help="default 128")
+    add("--layers", type=int, default=4, help="default 4")
+    add("--heads", type=int, default=4, help="default 4")
+    add("--lr", type=float, default=3e-3, help="AdamW's peak lr; default 3e-3")
+    clip = "clip the averaged gradient's norm to this (0: no clipping); default 1.0 (without it one seed "
+    add(
         "--clip",
         type=float,
         default=1.0,
-        help="clip the averaged gradient's norm to this (0: no clipping); default 1.0 (without it one seed "
-        "of three spikes after the warm-up and never recovers, in fp32 too)",
+        help=clip + "of three spikes after the warm-up and never recovers, in fp32 too)",
     )
-    p.add_argument("--eval-windows", type=int, default=256, help="held-out windows per evaluation; default 256")
-    p.add_argument("--local", action="store_true", help="no namespaces: --np ranks on the loopback (no root)")
-    p.add_argument("--np", type=int, default=2, help="ranks with --local; default 2")
-    p.add_argument("--out-dir", default="docs/results", help="report, plot, data/; default docs/results")
-    p.add_argument("--stem", default=STEM, help=f"name of the page, plot and data; default {STEM}")
-    p.add_argument("--timeout", type=float, help="seconds per run; default 7200 (--quick 1200)")
-    p.add_argument("--aggregate-only", action="store_true", help="rebuild the report from the runs' JSON")
-    p.add_argument("--fresh", action="store_true", help="run again what has its JSON already (make bench)")
-    p.add_argument("--teardown-only", action="store_true", help="remove leftover namespaces")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    p.add_argument("--log-dir", help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--gloo-ifname", default="lo", help=argparse.SUPPRESS)
-    p.add_argument("--count-ifname", help=argparse.SUPPRESS)
+    add("--eval-windows", type=int, default=256, help="held-out windows per evaluation; default 256")
+    add("--local", action="store_true", help="no namespaces: --np ranks on the loopback (no root)")
+    add("--np", type=int, default=2, help="ranks with --local; default 2")
+    add("--out-dir", default="docs/results", help="report, plot, data/; default docs/results")
+    add("--stem", default=STEM, help=f"name of the page, plot and data; default {STEM}")
+    add("--timeout", type=float, help="seconds per run; default 7200 (--quick 1200)")
+    add("--aggregate-only", action="store_true", help="rebuild the report from the runs' JSON")
+    add("--fresh", action="store_true", help="run again what has its JSON already (make bench)")
+    add("--teardown-only", action="store_true", help="remove leftover namespaces")
+    add("--worker", action="store_true", help=argparse.SUPPRESS)
+    add("--worker-out", help=argparse.SUPPRESS)
+    add("--log-dir", help=argparse.SUPPRESS)
+    add("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    add("--gloo-ifname", default="lo", help=argparse.SUPPRESS)
+    add("--count-ifname", help=argparse.SUPPRESS)
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str]):
     args = p.parse_args(argv)
     for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.worker:
-        return worker(args)
-    STEM = args.stem
+    return args
+
+
+def check(p: argparse.ArgumentParser, args) -> None:
     unknown = [r for r in args.rows.split(",") if r not in ROWS]
     if unknown or BASELINE not in args.rows.split(","):
         p.error(f"--rows: choose from {ROWS}, with {BASELINE} (the baseline); unknown: {unknown}")
@@ -802,9 +703,41 @@ def main(argv=None) -> int:
         args.nodes, args.ranks_per_node = (int(v) for v in args.layout.lower().split("x"))
     except ValueError:
         p.error(f"--layout {args.layout!r}: expected KxG, e.g. 2x2")
-    if args.teardown_only:  # nothing else: not the page either
-        import scripts.bench.network as net
 
+
+def run_all(args, argv: list[str], raw: Path, data: Path, rates: list[str], seeds: list[int]) -> int | None:
+    """Every (rate, seed) run whose JSON is not in ``raw`` yet (all with --fresh); an exit status to
+    stop with, or None."""
+    todo = [(r, s) for r in rates for s in seeds if args.fresh or not (raw / f"{r}_s{s}.json").exists()]
+    if not todo:
+        return None
+    if not args.local:
+        status = net.preflight("scripts.study.time_to_accuracy", args.teardown_only, "; --local runs without")
+        if status is not None:
+            return status
+
+    def each(tmp: Path, rate: str | None, bps: float | None) -> list:
+        rate = rate or "loopback"
+        for seed in [s for r, s in todo if r == rate]:
+            run = launch(args, tmp, rate, seed, data)
+            run.update(throughput_Bps=bps, argv=argv)
+            (raw / f"{rate}_s{seed}.json").write_text(json.dumps(run))
+        return []
+
+    net.sweep(args.local, [r for r in rates if any(r == t for t, _ in todo)], args.nodes, "alqtta-", each)
+    return None
+
+
+def main(argv=None) -> int:
+    global STEM
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    args = parse(p, argv)
+    if args.worker:
+        return worker(args)
+    STEM = args.stem
+    check(p, args)
+    if args.teardown_only:  # nothing else: not the page either
         return net.preflight("scripts.study.time_to_accuracy", True) or 0
     out_dir = Path(args.out_dir)
     data = out_dir / "data"
@@ -814,54 +747,19 @@ def main(argv=None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     start = time.monotonic()
     if not args.aggregate_only:
-        todo = [(r, s) for r in rates for s in seeds if args.fresh or not (raw / f"{r}_s{s}.json").exists()]
-        if todo and not args.local:
-            import scripts.bench.network as net
-
-            status = net.preflight("scripts.study.time_to_accuracy", args.teardown_only, "; --local runs without")
-            if status is not None:
-                return status
-        with tempfile.TemporaryDirectory(prefix="alqtta-") as tmp:
-            try:
-                if todo and not args.local:
-                    net.setup(args.nodes)
-                for rate in rates:
-                    mine = [s for r, s in todo if r == rate]
-                    if not mine:
-                        continue
-                    bps = None
-                    if not args.local:
-                        net.shape(None if rate == "unshaped" else rate, args.nodes)
-                        bps = net.measure_throughput()
-                        print(f"[{rate}] TCP throughput w0->w1: {bps * 8 / 1e6:.0f} Mbit/s", flush=True)
-                    for seed in mine:
-                        run = launch(args, Path(tmp), rate, seed, data)
-                        run["throughput_Bps"] = bps
-                        run["argv"] = argv
-                        (raw / f"{rate}_s{seed}.json").write_text(json.dumps(run))
-            finally:
-                if todo and not args.local:
-                    left = net.teardown()
-                    print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
-    runs = [
-        json.loads((raw / f"{r}_s{s}.json").read_text())
-        for r in rates
-        for s in seeds
-        if (raw / f"{r}_s{s}.json").exists()
-    ]
+        status = run_all(args, argv, raw, data, rates, seeds)
+        if status is not None:
+            return status
+    files = [raw / f"{r}_s{s}.json" for r in rates for s in seeds if (raw / f"{r}_s{s}.json").exists()]
+    runs = [json.loads(f.read_text()) for f in files]
     if not runs:
         print("no runs to report", file=sys.stderr)
         return 1
     summary = summarize(runs)
     plotted = plot(runs, summary, out_dir / f"{STEM}.png")
     shown = runs[0].get("argv", argv)  # the runs' own command line, also when only aggregating
-    run_args = p.parse_args(shown)
-    for k, v in (QUICK if run_args.quick else FULL).items():
-        if getattr(run_args, k) is None:
-            setattr(run_args, k, v)
-    files = [raw / f"{r}_s{s}.json" for r in rates for s in seeds if (raw / f"{r}_s{s}.json").exists()]
     days = sorted({datetime.date.fromtimestamp(f.stat().st_mtime).isoformat() for f in files})
-    text = report(run_args, shown, runs, summary, plotted, " to ".join(dict.fromkeys([days[0], days[-1]])))
+    text = report(parse(p, shown), shown, runs, summary, plotted, " to ".join(dict.fromkeys([days[0], days[-1]])))
     (out_dir / f"{STEM}.md").write_text(text)
     (data / f"{STEM}.json").write_text(json.dumps({"argv": argv, "summary": summary}, indent=1))
     print(text)

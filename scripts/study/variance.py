@@ -46,17 +46,18 @@ import torch.nn.functional as F
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import allocate_bits
 from horovod_alq.core.auto_bits import AUTO_WIDTHS, AutoBits
+from scripts.common import report as pages
 from scripts.common.auto_bits import (
     auto_error,
     auto_refit,
     best_allocation,
     bucket_auto_error,
     bucket_error_matrix,
+    normalized_variance,
     quantized_tensors,
     refit_from,
 )
 from scripts.common.cnn import Net, load_digits
-from scripts.study.compare_models import normalized_variance
 
 FIXED = ["qsgdinf", "qsgd", "nuqsgd", "terngrad"]
 BASES = ["alq", "alq-n", "amq", "amq-n"]
@@ -290,10 +291,7 @@ def report(data: dict, bits_list, buckets, argv) -> str:
 
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pages.pyplot()
 
     return plt
 
@@ -329,9 +327,7 @@ def plot_variance(data, bits_list, buckets, path):
         "Exact normalized variance on MNIST-CNN gradients (adaptive: refit at 0, 100, 2000; "
         "-l2: L2 buckets, -linf: max-abs buckets; TernGrad: 2-bit)"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pages.save(fig, path, dpi=100)
 
 
 def _main_variants():
@@ -357,9 +353,7 @@ def plot_staleness(data, bits_list, buckets, path):
         ax.set_ylabel("normalized variance")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pages.save(fig, path, dpi=100)
 
 
 def plot_levels(data, bits_list, buckets, path):
@@ -384,9 +378,7 @@ def plot_levels(data, bits_list, buckets, path):
             ax.set_ylabel("interior levels (symlog)")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pages.save(fig, path, dpi=100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,52 +412,17 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
         for d in buckets
         for b in budgets
     }
+    estimators = (widths, autos, per_bucket_autos, budgets)
     record: dict = {"iterations": [], "loss": [], "float32_share": [], "variance": {}, "bits": {}}
     bucket_widths: dict = {}  # (label, d, budget) -> width index per bucket, fitted at the last refit
     refit_seconds, start = 0.0, time.monotonic()
     for t, loss, grads in gradients(args):
         quantized, sizes, keys = quantized_tensors(grads, args.min_size)
         if t % args.eval_every == 0:
-            total = sum(float((g**2).sum()) for _, g in grads)
-            record["iterations"].append(t)
-            record["loss"].append(loss)
-            record["float32_share"].append(1.0 - sum(float((g**2).sum()) for _, g in quantized) / total)
-            for (label, d), qs in widths.items():
-                per_bucket, bucket_sizes, firsts = bucket_error_matrix(qs, quantized)
-                e = np.add.reduceat(per_bucket, firsts, axis=0)  # per tensor (error_matrix, from the buckets)
-                uniform = e[:, AUTO_WIDTHS.index(3)].sum() / total
-                record["variance"].setdefault(f"{label}|{d}|uniform3", []).append(uniform)
-                for b in budgets:
-                    best = best_allocation(e, sizes, b, AUTO_WIDTHS)
-                    if best is not None:
-                        record["variance"].setdefault(f"{label}|{d}|{b}|best", []).append(best[0] / total)
-                        record["bits"].setdefault(f"{label}|{d}|{b}|best", []).append(best[1])
-                    finer = allocate_bits(per_bucket, bucket_sizes, b, AUTO_WIDTHS)  # exact (gap 0) here
-                    record["variance"].setdefault(f"{label}|{d}|{b}|best_bucket", []).append(finer.error / total)
-                    record["bits"].setdefault(f"{label}|{d}|{b}|best_bucket_mean", []).append(finer.mean_bits)
-                    record.setdefault("bucket_gaps", []).append(finer.gap)
-                    kept = bucket_widths.get((label, d, b))  # the widths per bucket of the last refit
-                    stale = np.nan if kept is None else per_bucket[np.arange(len(kept)), kept].sum() / total
-                    record["variance"].setdefault(f"{label}|{d}|{b}|bucket_stale", []).append(stale)
-            for (label, d, b), auto in autos.items():
-                err, bits = auto_error(auto, quantized, keys)
-                record["variance"].setdefault(f"{label}|{d}|{b}", []).append(err / total)
-                record["bits"].setdefault(f"{label}|{d}|{b}", []).append(bits)
-            for (label, d, b), auto in per_bucket_autos.items():
-                err, mean_bits = bucket_auto_error(auto, quantized)
-                record["variance"].setdefault(f"{label}|{d}|{b}|bucket_auto", []).append(err / total)
-                record["bits"].setdefault(f"{label}|{d}|{b}|bucket_auto_mean", []).append(mean_bits)
+            measure_auto(record, t, loss, grads, (quantized, sizes, keys), estimators, bucket_widths)
         if t in paper_steps:
             a = time.perf_counter()
-            for (label, d), qs in widths.items():
-                for q in qs:
-                    refit_from(q, quantized)
-                per_bucket, bucket_sizes, _ = bucket_error_matrix(qs, quantized)
-                for b in budgets:  # widths per bucket from this gradient, kept until the next refit
-                    bits = allocate_bits(per_bucket, bucket_sizes, b, AUTO_WIDTHS).bits
-                    bucket_widths[label, d, b] = np.searchsorted(AUTO_WIDTHS, bits)
-            for auto in (*autos.values(), *per_bucket_autos.values()):
-                auto_refit(auto, quantized, sizes, keys)
+            refit_auto(estimators, (quantized, sizes, keys), bucket_widths)
             refit_seconds += time.perf_counter() - a
         if t % 500 == 0:
             print(f"iteration {t}/{args.iters}, loss {loss:.3f}, {time.monotonic() - start:.0f} s", flush=True)
@@ -484,6 +441,58 @@ def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
     )
     (out / "data" / "variance_auto.json").write_text(json.dumps(record))
     return write_auto_outputs(record, out)
+
+
+def measure_auto(record: dict, t: int, loss: float, grads, tensors: tuple, estimators: tuple, bucket_widths: dict):
+    """One measurement of :func:`run_auto`: every width's uniform and best allocations (per tensor
+    and per bucket, and the per-bucket widths of the last refit), and the compressors' AutoBits."""
+    quantized, sizes, keys = tensors
+    widths, autos, per_bucket_autos, budgets = estimators
+    total = sum(float((g**2).sum()) for _, g in grads)
+    record["iterations"].append(t)
+    record["loss"].append(loss)
+    record["float32_share"].append(1.0 - sum(float((g**2).sum()) for _, g in quantized) / total)
+    for (label, d), qs in widths.items():
+        per_bucket, bucket_sizes, firsts = bucket_error_matrix(qs, quantized)
+        e = np.add.reduceat(per_bucket, firsts, axis=0)  # per tensor (error_matrix, from the buckets)
+        uniform = e[:, AUTO_WIDTHS.index(3)].sum() / total
+        record["variance"].setdefault(f"{label}|{d}|uniform3", []).append(uniform)
+        for b in budgets:
+            best = best_allocation(e, sizes, b, AUTO_WIDTHS)
+            if best is not None:
+                record["variance"].setdefault(f"{label}|{d}|{b}|best", []).append(best[0] / total)
+                record["bits"].setdefault(f"{label}|{d}|{b}|best", []).append(best[1])
+            finer = allocate_bits(per_bucket, bucket_sizes, b, AUTO_WIDTHS)  # exact (gap 0) here
+            record["variance"].setdefault(f"{label}|{d}|{b}|best_bucket", []).append(finer.error / total)
+            record["bits"].setdefault(f"{label}|{d}|{b}|best_bucket_mean", []).append(finer.mean_bits)
+            record.setdefault("bucket_gaps", []).append(finer.gap)
+            kept = bucket_widths.get((label, d, b))  # the widths per bucket of the last refit
+            stale = np.nan if kept is None else per_bucket[np.arange(len(kept)), kept].sum() / total
+            record["variance"].setdefault(f"{label}|{d}|{b}|bucket_stale", []).append(stale)
+    for (label, d, b), auto in autos.items():
+        err, bits = auto_error(auto, quantized, keys)
+        record["variance"].setdefault(f"{label}|{d}|{b}", []).append(err / total)
+        record["bits"].setdefault(f"{label}|{d}|{b}", []).append(bits)
+    for (label, d, b), auto in per_bucket_autos.items():
+        err, mean_bits = bucket_auto_error(auto, quantized)
+        record["variance"].setdefault(f"{label}|{d}|{b}|bucket_auto", []).append(err / total)
+        record["bits"].setdefault(f"{label}|{d}|{b}|bucket_auto_mean", []).append(mean_bits)
+
+
+def refit_auto(estimators: tuple, tensors: tuple, bucket_widths: dict) -> None:
+    """A refit of :func:`run_auto`: every width's levels, the widths per bucket kept until the next
+    refit, and the AutoBits."""
+    quantized, sizes, keys = tensors
+    widths, autos, per_bucket_autos, budgets = estimators
+    for (label, d), qs in widths.items():
+        for q in qs:
+            refit_from(q, quantized)
+        per_bucket, bucket_sizes, _ = bucket_error_matrix(qs, quantized)
+        for b in budgets:  # widths per bucket from this gradient, kept until the next refit
+            bits = allocate_bits(per_bucket, bucket_sizes, b, AUTO_WIDTHS).bits
+            bucket_widths[label, d, b] = np.searchsorted(AUTO_WIDTHS, bits)
+    for auto in (*autos.values(), *per_bucket_autos.values()):
+        auto_refit(auto, quantized, sizes, keys)
 
 
 def write_auto_outputs(record: dict, out: Path) -> int:
@@ -540,95 +549,71 @@ def auto_report(record: dict) -> str:
         "**Mean over the measurements after iteration 0** (ratio of the means to uniform 3 bits; widths in the "
         "order of the quantized tensors):",
         "",
-        "| method, bucket | uniform 3 bits | "
-        + " | ".join(
-            f"auto {b} | ratio | best {b} | ratio | per bucket {b} | ratio | per bucket, kept {b} | ratio"
-            f" | bits_per=bucket {b} | ratio"
-            for b in budgets
-        )
-        + " | auto's widths at the last refit ("
-        + " / ".join(map(str, budgets))
-        + ") |",
-        "|---|---:|" + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" * len(budgets) + "---|",
     ]
-    after0 = it > 0
-    for label in record["labels"]:
-        for d in record["buckets"]:
-            u = v[f"{label}|{d}|uniform3"][after0].mean()
-            cells = []
-            for b in budgets:
-                for key in (
-                    f"{label}|{d}|{b}",
-                    f"{label}|{d}|{b}|best",
-                    f"{label}|{d}|{b}|best_bucket",
-                    f"{label}|{d}|{b}|bucket_stale",
-                    f"{label}|{d}|{b}|bucket_auto",
-                ):
-                    a = v[key][after0].mean() if key in v else np.nan
-                    cells += [f"{a:.3g}", f"{a / u:.2f}"]
-            widths = " / ".join(" ".join(map(str, record["bits"][f"{label}|{d}|{b}"][-1])) for b in budgets)
-            lines.append(f"| {label}, {d} | {u:.3g} | " + " | ".join(cells) + f" | {widths} |")
+    lines += auto_means_table(record, v, it > 0) + [""]
     lines += [
-        "",
         "**Ratio to uniform 3 bits between refits** (ratio of the means over each interval of iterations, "
         "each using one refit's allocation and levels) **and at single iterations**:",
         "",
-        "| method, bucket, budget | "
-        + " | ".join(f"({lo}, {hi}]" for lo, hi in phases)
-        + " | "
-        + " | ".join(f"it {c}" for c in checkpoints)
-        + " |",
-        "|---|" + "---:|" * (len(phases) + len(checkpoints)),
     ]
+    head = ["method, bucket, budget"] + [f"({lo}, {hi}]" for lo, hi in phases] + [f"it {c}" for c in checkpoints]
+    cells = []
     for label in record["labels"]:
         for d in record["buckets"]:
             u = v[f"{label}|{d}|uniform3"]
             for b in budgets:
                 a = v[f"{label}|{d}|{b}"]
-                cells = [
+                row = [f"{label}, {d}, {b}"]
+                row += [
                     f"{a[(it > lo) & (it <= hi)].mean() / u[(it > lo) & (it <= hi)].mean():.2f}" for lo, hi in phases
                 ]
-                cells += [f"{a[it == c][0] / u[it == c][0]:.2f}" for c in checkpoints]
-                lines.append(f"| {label}, {d}, {b} | " + " | ".join(cells) + " |")
-    met = {
-        b: [
-            v[f"{label}|{d}|{b}"][after0].mean() / v[f"{label}|{d}|uniform3"][after0].mean()
-            for label in record["labels"]
-            for d in record["buckets"]
-        ]
-        for b in budgets
-    }
+                cells.append(row + [f"{a[it == c][0] / u[it == c][0]:.2f}" for c in checkpoints])
+    lines += pages.table(head, cells, "-" + "r" * len(head)) + [""]
     target = {3.0: 0.7, 2.5: 1.0}
-    lines += [""] + [
-        f"bits='auto' at budget {b}: ratio {min(r):.2f} to {max(r):.2f}"
-        + (
-            f"; target at most {target[b]}x met in {sum(x <= target[b] for x in r)} of {len(r)} rows."
-            if b in target
-            else "."
-        )
-        for b, r in met.items()
-    ]
-    for kind, name in (
-        ("best_bucket", "Widths per bucket"),
-        ("bucket_stale", "Widths per bucket, kept"),
-        ("bucket_auto", "bits_per='bucket'"),
-    ):
-        finer = {
-            b: [
-                v[f"{label}|{d}|{b}|{kind}"][after0].mean() / v[f"{label}|{d}|uniform3"][after0].mean()
+    kinds = (("", "bits='auto'", "target at most {t}x"), ("|best_bucket", "Widths per bucket", "the target"))
+    kinds += (
+        ("|bucket_stale", "Widths per bucket, kept", "the target"),
+        ("|bucket_auto", "bits_per='bucket'", "the target"),
+    )
+    for kind, name, what in kinds:
+        for b in budgets:
+            r = [
+                v[f"{label}|{d}|{b}{kind}"][it > 0].mean() / v[f"{label}|{d}|uniform3"][it > 0].mean()
                 for label in record["labels"]
                 for d in record["buckets"]
-                if f"{label}|{d}|{b}|{kind}" in v
+                if f"{label}|{d}|{b}{kind}" in v
             ]
-            for b in budgets
-        }
-        lines += [
-            f"{name} at budget {b}: ratio {min(r):.2f} to {max(r):.2f}"
-            + (f"; the target met in {sum(x <= target[b] for x in r)} of {len(r)} rows." if b in target else ".")
-            for b, r in finer.items()
-            if r
-        ]
+            if r:
+                met = f"; {what.format(t=target.get(b))} met in {sum(x <= target[b] for x in r)} of {len(r)} rows."
+                lines.append(
+                    f"{name} at budget {b}: ratio {min(r):.2f} to {max(r):.2f}" + (met if b in target else ".")
+                )
     return "\n".join(lines) + "\n"
+
+
+def auto_means_table(record: dict, v: dict, after0) -> list[str]:
+    """Per method and bucket, the mean over the measurements after iteration 0 of every estimator at
+    every budget, its ratio to uniform 3 bits, and auto's widths at the last refit."""
+    budgets = record["budgets"]
+    head = ["method, bucket", "uniform 3 bits"]
+    for b in budgets:
+        head += [f"auto {b}", "ratio", f"best {b}", "ratio", f"per bucket {b}", "ratio"]
+        head += [f"per bucket, kept {b}", "ratio", f"bits_per=bucket {b}", "ratio"]
+    head.append("auto's widths at the last refit (" + " / ".join(map(str, budgets)) + ")")
+    cells = []
+    for label in record["labels"]:
+        for d in record["buckets"]:
+            u = v[f"{label}|{d}|uniform3"][after0].mean()
+            row = [f"{label}, {d}", f"{u:.3g}"]
+            for b in budgets:
+                for kind in ("", "|best", "|best_bucket", "|bucket_stale", "|bucket_auto"):
+                    key = f"{label}|{d}|{b}{kind}"
+                    a = v[key][after0].mean() if key in v else np.nan
+                    row += [f"{a:.3g}", f"{a / u:.2f}"]
+            cells.append(
+                row + [" / ".join(" ".join(map(str, record["bits"][f"{label}|{d}|{b}"][-1])) for b in budgets)]
+            )
+    return pages.table(head, cells, "-" + "r" * (len(head) - 2) + "-")
 
 
 def plot_auto(record: dict, path: Path) -> None:
@@ -669,9 +654,7 @@ def plot_auto(record: dict, path: Path) -> None:
         + ", ".join(map(str, record["refits"]))
         + "; dashed: the best allocation, exhaustive search)"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pages.save(fig, path, dpi=100)
 
 
 def plot_auto_bits(record: dict, path: Path) -> None:
@@ -705,9 +688,7 @@ def plot_auto_bits(record: dict, path: Path) -> None:
                 ax.set_ylabel("bits")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("bits='auto': width of each quantized tensor against iteration (lines offset by 0.12)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pages.save(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ import torch
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import allocate_bits
 from horovod_alq.core.auto_bits import AutoBits
+from scripts.common import report as pages
 from scripts.common.auto_bits import (
     auto_error,
     auto_refit,
@@ -121,6 +122,9 @@ def main(argv=None) -> int:
     # the compressors' own bits="auto" state (previous levels for the allocation, then a refit per width)
     autos = {(m, b): AutoBits(m, b, args.bucket_size) for m in ALLOC_METHODS for b in budgets}
     per_bucket = {(m, b): AutoBits(m, b, args.bucket_size, bits_per="bucket") for m in ALLOC_METHODS for b in budgets}
+    est = dict(
+        quantizers=quantizers, widths=widths, current=current, autos=autos, per_bucket=per_bucket, budgets=budgets
+    )
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     train_ids, _, chars = char_splits()
@@ -149,45 +153,9 @@ def main(argv=None) -> int:
         grads = [(n, p.grad.detach().reshape(-1).double().numpy()) for n, p in model.named_parameters()]
         quantized, sizes, keys = quantized_tensors(grads, args.min_size)
         if t % args.eval_every == 0:
-            sq = {k: 0.0 for k in TYPES + ["norm"]}
-            for n, g in grads:
-                sq["norm" if g.size < args.min_size else layer_type(n)] += float((g**2).sum())
-            total = sum(sq.values())
-            record["iterations"].append(t)
-            record["loss"].append(loss.item())
-            record["share"].append({k: v / total for k, v in sq.items()})
-            for (label, b), q in quantizers.items():
-                err = {k: 0.0 for k in TYPES}
-                for n, g in quantized:
-                    err[layer_type(n)] += exact_error(q, g)
-                row = {k: err[k] / sq[k] for k in TYPES if sq[k] > 0}
-                row["total"] = sum(err.values()) / total
-                record["variance"].setdefault(f"{label}|{b}", []).append(row)
-            if budgets:
-                measure_allocations(record, widths, current, quantized, sizes, budgets, total)
-                for (m, budget), auto in autos.items():
-                    err, _ = auto_error(auto, quantized, keys)
-                    record["allocation"][f"{m}|{budget}"][-1]["compressor"] = err / total
-                for (m, budget), auto in per_bucket.items():
-                    err, _ = bucket_auto_error(auto, quantized)
-                    record["allocation"][f"{m}|{budget}"][-1]["per_bucket"] = err / total
+            measure(record, t, loss.item(), grads, (quantized, sizes, keys), est, args)
         if t in refits:
-            for (label, b), q in quantizers.items():
-                if q.method in ("alq", "alq-n", "amq", "amq-n"):
-                    refit_from(q, quantized)
-            if budgets:
-                for q in widths.values():
-                    refit_from(q, quantized)
-                for auto in per_bucket.values():
-                    auto_refit(auto, quantized, sizes, keys)
-                for (m, budget), auto in autos.items():
-                    bits = auto_refit(auto, quantized, sizes, keys)
-                    record["compressor_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = bits
-                for m in ALLOC_METHODS:
-                    e = error_matrix([widths[(m, w)] for w in ALLOC_WIDTHS], quantized)
-                    for budget in budgets:
-                        current[(m, budget)] = allocate_bits(e, sizes, budget, ALLOC_WIDTHS).bits
-                        record["refit_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = current[(m, budget)].tolist()
+            refit(record, t, (quantized, sizes, keys), est)
         opt.step()
         if t % 100 == 0:
             print(f"iteration {t}/{args.iters}, loss {loss.item():.3f}, {time.monotonic() - start:.0f} s", flush=True)
@@ -205,6 +173,60 @@ def main(argv=None) -> int:
     plot(record, bits_list, out / "variance_gpt.png")
     print(text)
     return 0
+
+
+def measure(record: dict, t: int, loss: float, grads, tensors: tuple, est: dict, args) -> None:
+    """One measurement: every method's error per layer type and in total; with budgets, the
+    allocations (stale, oracle, the compressors' per tensor and per bucket)."""
+    quantized, sizes, keys = tensors
+    quantizers, widths, current, budgets = est["quantizers"], est["widths"], est["current"], est["budgets"]
+    autos, per_bucket = est["autos"], est["per_bucket"]
+    sq = {k: 0.0 for k in TYPES + ["norm"]}
+    for n, g in grads:
+        sq["norm" if g.size < args.min_size else layer_type(n)] += float((g**2).sum())
+    total = sum(sq.values())
+    record["iterations"].append(t)
+    record["loss"].append(loss)
+    record["share"].append({k: v / total for k, v in sq.items()})
+    for (label, b), q in quantizers.items():
+        err = {k: 0.0 for k in TYPES}
+        for n, g in quantized:
+            err[layer_type(n)] += exact_error(q, g)
+        row = {k: err[k] / sq[k] for k in TYPES if sq[k] > 0}
+        row["total"] = sum(err.values()) / total
+        record["variance"].setdefault(f"{label}|{b}", []).append(row)
+    if budgets:
+        measure_allocations(record, widths, current, quantized, sizes, budgets, total)
+        for (m, budget), auto in autos.items():
+            err, _ = auto_error(auto, quantized, keys)
+            record["allocation"][f"{m}|{budget}"][-1]["compressor"] = err / total
+        for (m, budget), auto in per_bucket.items():
+            err, _ = bucket_auto_error(auto, quantized)
+            record["allocation"][f"{m}|{budget}"][-1]["per_bucket"] = err / total
+
+
+def refit(record: dict, t: int, tensors: tuple, est: dict) -> None:
+    """A refit: the adaptive methods' levels; with budgets, every width's levels, the compressors'
+    AutoBits and the allocation kept until the next refit."""
+    quantized, sizes, keys = tensors
+    quantizers, widths, current, budgets = est["quantizers"], est["widths"], est["current"], est["budgets"]
+    autos, per_bucket = est["autos"], est["per_bucket"]
+    for (label, b), q in quantizers.items():
+        if q.method in ("alq", "alq-n", "amq", "amq-n"):
+            refit_from(q, quantized)
+    if budgets:
+        for q in widths.values():
+            refit_from(q, quantized)
+        for auto in per_bucket.values():
+            auto_refit(auto, quantized, sizes, keys)
+        for (m, budget), auto in autos.items():
+            bits = auto_refit(auto, quantized, sizes, keys)
+            record["compressor_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = bits
+        for m in ALLOC_METHODS:
+            e = error_matrix([widths[(m, w)] for w in ALLOC_WIDTHS], quantized)
+            for budget in budgets:
+                current[(m, budget)] = allocate_bits(e, sizes, budget, ALLOC_WIDTHS).bits
+                record["refit_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = current[(m, budget)].tolist()
 
 
 def measure_allocations(record, widths, current, quantized, sizes, budgets, total) -> None:
@@ -316,10 +338,7 @@ def allocation_report(record: dict, after0) -> list[str]:
 def plot(record: dict, bits_list, path: Path) -> None:
     """Left: total normalized variance against iteration at 3 bits (or the first width). Right: per
     layer type, mean over iterations > 0, for the main methods."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pages.pyplot()
 
     b = 3 if 3 in bits_list else bits_list[0]
     it = record["iterations"]
@@ -352,19 +371,14 @@ def plot(record: dict, bits_list, path: Path) -> None:
     bx.set_title(f"per layer type, {b} bits (mean over iterations > 0)", fontsize=10)
     bx.grid(axis="y", alpha=0.3, which="both")
     bx.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pages.save(fig, path)
     if record["refit_bits"]:
         plot_bits(record, path.with_name(path.stem + "_bits.png"))
 
 
 def plot_bits(record: dict, path: Path) -> None:
     """Bits per quantized tensor chosen at each refit, per method and budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pages.pyplot()
 
     names = record["quantized_parameters"]
     keys = list(record["refit_bits"])
@@ -381,9 +395,7 @@ def plot_bits(record: dict, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xticks(range(len(names)), [n.replace(".weight", "") for n in names], rotation=70, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pages.save(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

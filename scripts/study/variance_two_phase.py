@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from horovod_alq.core import Quantizer
 from horovod_alq.core.methods import get_method
 from horovod_alq.core.statistics import normalize
+from scripts.common import report as pages
 from scripts.common.cnn import Net, load_digits
 
 LABELS = {"alq": "ALQ", "amq": "AMQ", "qsgdinf": "QSGDinf"}
@@ -276,26 +277,11 @@ def main(argv=None) -> int:
                     }
         print(f"checkpoint {ck}: {time.monotonic() - start:.0f} s", flush=True)
     if args.unbiased_samples > 1:
-        grads_by_n = {n: [gradient(sim)[0] for _ in range(n)] for n in workers}
-        d = buckets[0]
-        for m in methods:
-            for n in workers:
-                for v in ("a", "c2"):  # the product's defaults at equal and at 4 second bits
-                    unbiased[f"{m}|{d}|{n}|{v}"] = unbiased_check(
-                        settings[(m, d, n)], grads_by_n[n], v, args.unbiased_samples, rng
-                    )
+        unbiased = unbiased_all(args, settings, methods, buckets[0], workers, lambda: gradient(sim)[0], rng)
         print(f"unbiasedness check: {time.monotonic() - start:.0f} s", flush=True)
-    wall = time.monotonic() - start
     argv_text = " ".join(argv if argv is not None else sys.argv[1:])
-    data = {
-        "args": vars(args),
-        "argv": argv_text,
-        "wall_seconds": wall,
-        "results": results,
-        "levels": levels_log,
-        "unbiased": unbiased,
-        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-    }
+    data = {"args": vars(args), "argv": argv_text, "wall_seconds": time.monotonic() - start, "results": results}
+    data.update(levels=levels_log, unbiased=unbiased, date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
     text = report(data, methods, buckets, workers, checkpoints)
     print(text)
     if args.out:
@@ -304,6 +290,20 @@ def main(argv=None) -> int:
         (out.parent / "data").mkdir(parents=True, exist_ok=True)
         (out.parent / "data" / out.with_suffix(".json").name).write_text(json.dumps(data))
     return 0
+
+
+def unbiased_all(args, settings: dict, methods, d: int, workers, gradient, rng) -> dict:
+    """The sampled unbiasedness check of every method and worker count at bucket ``d``, at the
+    product's defaults for equal and for 4 second bits."""
+    grads_by_n = {n: [gradient() for _ in range(n)] for n in workers}
+    out = {}
+    for m in methods:
+        for n in workers:
+            for v in ("a", "c2"):
+                out[f"{m}|{d}|{n}|{v}"] = unbiased_check(
+                    settings[(m, d, n)], grads_by_n[n], v, args.unbiased_samples, rng
+                )
+    return out
 
 
 def _mean(rows: list[dict], key: str, checkpoint: int | None = None) -> float:
@@ -349,65 +349,57 @@ def report(data: dict, methods, buckets, workers, checkpoints) -> str:
                     name = "two-phase (a) same fixed levels"
                 lines.append(f"| {LABELS.get(m, m)} | {name} | " + " | ".join(cells) + " |")
         lines.append("")
-    # over training: the first bucket size, the largest N
-    d, n = buckets[0], workers[-1]
-    lines += [
-        f"**Over training** (bucket {d}, N={n}): normalized variance at each checkpoint",
-        "",
-        "| method | exchange | " + " | ".join(f"iter {c}" for c in checkpoints) + " |",
-        "|---|---|" + "---|" * len(checkpoints),
-    ]
+    return "\n".join(lines + training_lines(data, methods, buckets[0], workers[-1], checkpoints)) + "\n"
+
+
+def training_lines(data: dict, methods, d: int, n: int, checkpoints) -> list[str]:
+    """Over training (bucket ``d``, ``n`` workers), the levels at the last checkpoint and the sampled
+    unbiasedness check."""
+    a, res = data["args"], data["results"]
+    head = ["method", "exchange"] + [f"iter {c}" for c in checkpoints]
+    cells = []
     for m in methods:
         for v in ("allgather", "a", "b", "b2", "c", "c2") if get_method(m).adaptive else ("allgather", "a", "c"):
-            rows = res[f"{m}|{d}|{n}"]
-            lines.append(
-                f"| {LABELS.get(m, m)} | {v} | " + " | ".join(f"{_mean(rows, v, c):.3g}" for c in checkpoints) + " |"
-            )
+            cells.append([LABELS.get(m, m), v] + [f"{_mean(res[f'{m}|{d}|{n}'], v, c):.3g}" for c in checkpoints])
+    lines = [f"**Over training** (bucket {d}, N={n}): normalized variance at each checkpoint", ""]
+    lines += pages.table(head, cells)
     rows = res[f"{methods[0]}|{d}|{n}"]
     lines += [
         "",
         "Mean ||g_i||^2 / ||mean||^2 at each checkpoint (how much the N minibatch gradients disagree): "
-        + ", ".join(f"iter {c}: {_mean(rows, 'gnorm_ratio', c):.2f}" for c in checkpoints)
-        + "",
+        + ", ".join(f"iter {c}: {_mean(rows, 'gnorm_ratio', c):.2f}" for c in checkpoints),
         "",
     ]
-    lv = data["levels"]
     last = checkpoints[-1]
     lines += [f"Levels at iteration {last} (bucket {d}, N={n}; positive half):", ""]
-    for m in methods:
-        if not get_method(m).adaptive:
-            continue
-        rec = lv[f"{m}|{d}|{n}|{last}"]
-        for key, name in (
-            ("first", "first"),
-            ("b", "second (b), adapted"),
-            ("b2", "second (b')"),
-            ("c", f"second (c), {a['bits_second']} bits"),
-        ):
-            vals = [x for x in rec[key] if x >= 0]
-            lines.append(f"- {LABELS[m]} {name}: " + ", ".join(f"{x:.3g}" for x in vals))
+    second = (("first", "first"), ("b", "second (b), adapted"), ("b2", "second (b')"))
+    for m in (m for m in methods if get_method(m).adaptive):
+        rec = data["levels"][f"{m}|{d}|{n}|{last}"]
+        for key, name in second + (("c", f"second (c), {a['bits_second']} bits"),):
+            lines.append(f"- {LABELS[m]} {name}: " + ", ".join(f"{x:.3g}" for x in rec[key] if x >= 0))
     lines.append("")
     if data["unbiased"]:
         lines += [
             f"**Unbiasedness** (sampled: {a['unbiased_samples']} full two-phase estimates per row, one set of "
-            f"N minibatch gradients at iteration {last}, bucket {buckets[0]}). T = ||mean of estimates - "
+            f"N minibatch gradients at iteration {last}, bucket {d}). T = ||mean of estimates - "
             f"mean||^2 / (estimated trace of the covariance / R): about 1 if unbiased (a bias b adds "
             f"R ||b||^2 / variance); t: t statistics (R - 1 degrees of freedom) of the error projected on "
             f"the mean gradient's direction, on (1, ..., 1) and on a random sign vector; error: "
             f"||mean of estimates - mean|| / ||mean||, noise: the error expected without bias, "
             f"sqrt(variance / R) / ||mean||.",
             "",
-            "| method | N | second | T | t (mean dir.) | t (ones) | t (random) | rel. variance | error | noise |",
-            "|---|---|---|---|---|---|---|---|---|---|",
         ]
+        head = ["method", "N", "second", "T", "t (mean dir.)", "t (ones)", "t (random)", "rel. variance", "error"]
+        cells = []
         for key, u in data["unbiased"].items():
             m, _, n_, v = key.split("|")
             tt = u["t"]
-            lines.append(
-                f"| {LABELS.get(m, m)} | {n_} | ({v}) | {u['T']:.2f} | {tt['mean']:+.2f} | {tt['ones']:+.2f} | "
-                f"{tt['random +-1']:+.2f} | {u['rel_var']:.3g} | {u['err_rel']:.3g} | {u['noise_rel']:.3g} |"
+            cells.append(
+                [LABELS.get(m, m), n_, f"({v})", f"{u['T']:.2f}", f"{tt['mean']:+.2f}", f"{tt['ones']:+.2f}"]
+                + [f"{tt['random +-1']:+.2f}", f"{u['rel_var']:.3g}", f"{u['err_rel']:.3g}", f"{u['noise_rel']:.3g}"]
             )
-    return "\n".join(lines) + "\n"
+        lines += pages.table(head + ["noise"], cells)
+    return lines
 
 
 if __name__ == "__main__":

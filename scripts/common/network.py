@@ -1,0 +1,490 @@
+"""Network namespaces joined by tc-shaped links, and mpirun across them: what scripts/bench/network.py,
+train_step.py, fsdp.py and scripts/study/time_to_accuracy.py share. Needs root (ip netns, tc).
+
+Topology (made by :func:`setup`, removed by :func:`teardown`, also on failure, Ctrl-C or SIGTERM
+once :func:`preflight` has run):
+
+    netns alqnet-w0 .. alqnet-w{n-1}  eth0 = 10.213.0.1 .. 10.213.0.n/24, tc tbf egress (:func:`shape`)
+    netns alqnet-head                 eth0 = 10.213.0.100/24 (unshaped; mpirun runs here)
+    netns alqnet-br                   bridge br0 with the peer veths (tbf egress toward each worker)
+
+Only interfaces inside these namespaces are created or shaped: the machine's own interfaces,
+loopback and routing are never touched. Each worker's link is shaped in both directions (its own
+eth0 egress and the bridge port toward it), like a full-duplex NIC of the given rate per worker.
+
+Launch: mpirun runs in the head namespace with a hostfile of the worker addresses and
+``--mca plm_rsh_agent <agent>``; the agent is a small shell script (written to a temp dir) that maps
+the address to the worker's namespace and runs Open MPI's orted there with ``ip netns exec``.
+Every rank of a launch must run within a minute (:func:`launch` polls each namespace for the
+orted's children); otherwise mpirun and everything in the namespaces are killed, the namespaces
+missing ranks are named (with or without an orted), and the launch is tried once more
+(:func:`launch_retry`); the caller's ``finally`` tears the namespaces down either way.
+
+Node layout (``mpirun_command(..., n=K, ranks_per_node=G)``): G consecutive ranks in each of K
+namespaces (``slots=G``, ``--map-by slot``; Open MPI's local size G, ``HOROVOD_ALQ_LOCAL_SIZE=G``
+exported). The G ranks of a node reach each other at their namespace's own address, which Linux
+routes over the namespace's loopback: unshaped, and not in eth0's counters. Only traffic between
+nodes crosses the shaped veths; :func:`link_counters` reads each node's eth0 bytes.
+Open MPI's out-of-band and TCP BTL traffic are restricted to 10.213.0.0/24 (``btl self,tcp``: no
+shared memory between ranks, since they are on "different hosts"), so every byte of the gradient
+exchange between nodes crosses the shaped veths (with ``intra="shm"`` the ranks of one node use
+shared memory between them). Horovod uses MPI for its CPU collectives (HOROVOD_CPU_OPERATIONS=mpi).
+
+In the ranks: :func:`join_gloo` joins torch.distributed (gloo) over a namespace's interface.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.common import launch as launching
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFIX = "alqnet"
+SUBNET = "10.213.0"
+
+
+def sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, shell=True, text=True, capture_output=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`{cmd}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def ns_names() -> list[str]:
+    return [f"{PREFIX}-w{i}" for i in range(8)] + [f"{PREFIX}-head", f"{PREFIX}-br"]
+
+
+def existing_namespaces() -> list[str]:
+    out = sh("ip netns list", check=False).stdout.split("\n")
+    return [line.split()[0] for line in out if line.strip() and line.split()[0] in ns_names()]
+
+
+def kill_in_namespaces() -> None:
+    """SIGKILL every process in our namespaces (orteds, ranks, agents); the namespaces stay."""
+    for ns in existing_namespaces():
+        for pid in sh(f"ip netns pids {ns}", check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+def teardown() -> list[str]:
+    """Kill processes left in our namespaces, delete the namespaces (their veths go with them).
+    Returns the namespaces still present afterwards (should be empty)."""
+    kill_in_namespaces()
+    for ns in existing_namespaces():
+        sh(f"ip netns del {ns}", check=False)
+    for folder in Path("/dev/shm").glob(f"{PREFIX}-w*"):  # the agent's shared-memory folders
+        shutil.rmtree(folder, ignore_errors=True)
+    return existing_namespaces()
+
+
+def setup(n: int) -> None:
+    """The bridge, the head and ``n`` worker namespaces."""
+    br = f"{PREFIX}-br"
+    sh(f"ip netns add {br}")
+    sh(f"ip -n {br} link set lo up")
+    sh(f"ip -n {br} link add br0 type bridge")
+    sh(f"ip -n {br} link set br0 up")
+    hosts = [(f"{PREFIX}-w{i}", f"{SUBNET}.{i + 1}", f"p{i}") for i in range(n)]
+    hosts.append((f"{PREFIX}-head", f"{SUBNET}.100", "phead"))
+    for ns, ip, port in hosts:
+        sh(f"ip netns add {ns}")
+        # create the pair inside the bridge namespace, then move one end: nothing in the root namespace
+        sh(f"ip -n {br} link add {port} type veth peer name eth0 netns {ns}")
+        sh(f"ip -n {br} link set {port} master br0 up")
+        sh(f"ip -n {ns} link set lo up")
+        sh(f"ip -n {ns} addr add {ip}/24 dev eth0")
+        sh(f"ip -n {ns} link set eth0 up")
+    # connectivity is checked by measure_throughput (no ping on this machine)
+
+
+def shape(rate: str | None, n: int) -> None:
+    """tbf on both ends of every worker link (never the head's link, whose traffic is control only);
+    ``n``: the first n workers."""
+    br = f"{PREFIX}-br"
+    for i in range(n):
+        for cmd_ns, dev in ((f"{PREFIX}-w{i}", "eth0"), (br, f"p{i}")):
+            sh(f"ip netns exec {cmd_ns} tc qdisc del dev {dev} root", check=False)
+            if rate:
+                bits = parse_rate(rate)
+                burst = max(64 * 1024, int(bits / 8 / 250 * 2))  # >= 2 timer ticks at HZ=250, >= one GSO frame
+                sh(f"ip netns exec {cmd_ns} tc qdisc add dev {dev} root tbf rate {rate} burst {burst} latency 100ms")
+
+
+def parse_rate(rate: str) -> float:
+    r = rate.lower().removesuffix("bit").removesuffix("bps")
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9}.get(r[-1], 1)
+    return float(r.rstrip("kmg")) * scale
+
+
+def measure_throughput(seconds: float = 2.0) -> float:
+    """Bytes/s from w0 to w1 over the shaped link (one TCP stream, Python sockets)."""
+    code = (
+        "import socket,sys,time\n"
+        "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('{ip}',5999));s.listen(1)\n"
+        "c,_=s.accept();n=0;t=time.time()\n"
+        "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
+        "print(n/(time.time()-t))"
+    )
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", f"{PREFIX}-w1", sys.executable, "-c", code.format(ip=f"{SUBNET}.2")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)
+    client = (
+        "import socket,time\ns=socket.create_connection(('{ip}',5999));b=bytes(1<<20);t=time.time()\n"
+        "while time.time()-t<{sec}: s.sendall(b)\ns.close()"
+    ).format(ip=f"{SUBNET}.2", sec=seconds)
+    sh(f"ip netns exec {PREFIX}-w0 {sys.executable} -c {shlex.quote(client)}")
+    out, _ = server.communicate(timeout=30)
+    return float(out.strip())
+
+
+AGENT = """#!/bin/sh
+# Open MPI rsh agent: "$1" is the host (a worker address), the rest is the command for a shell.
+host="$1"; shift
+case "$host" in
+{cases}
+  *) echo "agent: unknown host $host" >&2; exit 1;;
+esac
+# each "host" its own directory for shared-memory segments: the namespaces share /dev/shm and the
+# host name, by which Open MPI names a node's segments (with the job and local rank), so two nodes'
+# segments would collide
+mkdir -p "/dev/shm/$ns"
+exec env OMPI_MCA_btl_vader_backing_directory="/dev/shm/$ns" ip netns exec "$ns" /bin/sh -c "$*"
+"""
+
+
+def mpirun_command(
+    tmp: Path,
+    yield_when_idle: int = 1,
+    n: int = 4,
+    env: dict | None = None,
+    ranks_per_node: int = 1,
+    intra: str = "tcp",
+) -> list[str]:
+    """``ip netns exec <head> mpirun ...`` for ``n`` worker namespaces, with
+    the agent and hostfile written to ``tmp``; append the program and its arguments.
+    ``ranks_per_node`` G: each namespace is a node of G consecutive ranks (``slots=G``,
+    ``--map-by slot``: Open MPI's local size, so ``hvd.local_size()``, is G, and
+    ``HOROVOD_ALQ_LOCAL_SIZE=G`` is exported for the DDP rows); their TCP between each other goes to
+    the namespace's own address, i.e. over its loopback, unshaped and not counted on eth0. G = 1
+    (the default): one rank per namespace, every link between ranks shaped.
+    ``env``: more variables exported to the ranks."""
+    g = int(ranks_per_node)
+    cases = "\n".join(f"  {SUBNET}.{i + 1}) ns={PREFIX}-w{i};;" for i in range(n))
+    agent = tmp / "netns_agent.sh"
+    agent.write_text(AGENT.format(cases=cases))
+    agent.chmod(0o755)
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("".join(f"{SUBNET}.{i + 1} slots={g}\n" for i in range(n)))
+    env_vars = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOROVOD_CPU_OPERATIONS": "mpi"}
+    env_vars.update(
+        PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), **({"HOROVOD_ALQ_LOCAL_SIZE": str(g)} if g > 1 else {})
+    )
+    shm = intra == "shm" and g > 1
+    mca = {
+        "plm_rsh_agent": str(agent),
+        "plm_rsh_no_tree_spawn": "1",
+        "btl": "self,vader,tcp" if shm else "self,tcp",
+        # no single-copy (CMA) between the namespaces' processes: plain copies through the segment
+        **({"btl_vader_single_copy_mechanism": "none"} if shm else {}),
+        "btl_tcp_if_include": f"{SUBNET}.0/24",
+        "oob_tcp_if_include": f"{SUBNET}.0/24",
+        # orteds stay attached to the agent instead of daemonizing (Open MPI's default with this
+        # agent: the agent returns at once and the daemon's messages go to /dev/null); attached,
+        # they reach the log. A daemon that never connects back still leaves mpirun waiting
+        # forever (orte_startup_timeout 0, also after an agent that exits 0): launch() bounds that
+        "orte_leave_session_attached": "1",
+        # every namespace is a "host" of its own, so Open MPI never sees that all ranks share these
+        # cores, and its waits spin on the cores the other ranks need unless told to yield
+        "mpi_yield_when_idle": str(yield_when_idle),
+        # no shared-memory copy of the node's topology: Open MPI 4.1.4's orted segfaulted in
+        # hwloc_shmem_topology_write at start-up in 2 of about 10 launches here (mpirun then exits 139)
+        "rtc_hwloc_vmhole": "none",
+    }
+    cmd = ["mpirun", "--allow-run-as-root", "--bind-to", "none", "-np", str(n * g), "--hostfile", str(hostfile)]
+    cmd += ["--map-by", "slot" if g > 1 else "node"] + [a for k, v in mca.items() for a in ("--mca", k, v)]
+    cmd += [a for k, v in {**env_vars, **(env or {})}.items() for a in ("-x", f"{k}={v}")]
+    return ["ip", "netns", "exec", f"{PREFIX}-head", *cmd]
+
+
+def link_counters(n: int) -> list[tuple[int, int]]:
+    """(tx_bytes, rx_bytes) of eth0 of each of the first ``n`` worker
+    namespaces, from ``ip -n <ns> -s -j link show eth0`` (whole frames: Ethernet, IP and TCP
+    headers included)."""
+    out = []
+    for i in range(n):
+        st = json.loads(sh(f"ip -n {PREFIX}-w{i} -s -j link show eth0").stdout)[0]["stats64"]
+        out.append((int(st["tx"]["bytes"]), int(st["rx"]["bytes"])))
+    return out
+
+
+class LaunchTimeout(RuntimeError):
+    """A launch whose ranks did not all start within the connect timeout."""
+
+
+CONNECT_TIMEOUT = 60.0  # seconds for every node's orted to connect back and start its ranks
+
+
+def _proc_stat(pid: str) -> tuple[str, int] | None:
+    """(comm, ppid) of a process, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm = text[text.index("(") + 1 : text.rindex(")")]
+    return comm, int(text[text.rindex(")") + 2 :].split()[1])
+
+
+def missing_ranks(n: int, ranks_per_node: int = 1) -> list[tuple[str, str | None]]:
+    """(namespace, None when its ``ranks_per_node`` ranks run, else what runs there) for each of
+    the first ``n`` worker namespaces: a rank is a child of an ``orted``, which mpirun starts
+    through the agent, and launches ranks on only after every orted has connected back to it."""
+    missing = []
+    for i in range(n):
+        ns = f"{PREFIX}-w{i}"
+        pids = sh(f"ip netns pids {ns}", check=False).stdout.split()
+        stats = {pid: _proc_stat(pid) for pid in pids}
+        orteds = {pid for pid, st in stats.items() if st and st[0] == "orted"}
+        ranks = sum(1 for st in stats.values() if st and str(st[1]) in orteds)
+        if ranks < ranks_per_node:
+            what = (
+                f"{len(orteds)} orted, {ranks} of {ranks_per_node} ranks"
+                if orteds
+                else "no orted (the agent never started one, or it exited)"
+            )
+            missing.append((ns, f"worker {i} ({SUBNET}.{i + 1}, namespace {ns}): {what}"))
+        else:
+            missing.append((ns, None))
+    return missing
+
+
+def launch(
+    full: list[str],
+    log: Path,
+    timeout: float,
+    missing=None,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    poll: float = 1.0,
+    cleanup=None,
+) -> int:
+    """Run a :func:`mpirun_command` line from the repository root, output to ``log``; its exit status.
+    ``missing``: a callable returning (key, None if started else a description) for each part of
+    the launch (e.g. ``lambda: missing_ranks(n, g)``; a key once started stays started); while
+    anything is missing after ``connect_timeout`` seconds, mpirun's process group is killed,
+    ``cleanup()`` called (e.g. :func:`kill_in_namespaces`; the namespaces stay, for a retry) and
+    :class:`LaunchTimeout` names what was missing. Past ``timeout``: the same kill, and
+    ``subprocess.TimeoutExpired`` (scripts/common/launch.py's :func:`~scripts.common.launch.run`)."""
+    start, started, waiting = time.monotonic(), set(), [missing is not None]
+
+    def watch() -> None:
+        if not waiting[0]:
+            return
+        now = missing()
+        started.update(key for key, text in now if text is None)
+        left = [text for key, text in now if key not in started]
+        if not left:
+            waiting[0] = False
+        elif time.monotonic() - start > connect_timeout:
+            raise LaunchTimeout(
+                f"launch not started after {connect_timeout:g} s: "
+                + "; ".join(left)
+                + " (mpirun starts the ranks only once every orted has connected back to it: a "
+                f"worker without an orted holds up the others; mpirun killed; its output: {log})"
+            )
+
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return launching.run(full, log, timeout, env=env, watch=watch, poll=poll, cleanup=cleanup)
+
+
+def launch_retry(
+    full: list[str],
+    log: Path,
+    timeout: float,
+    missing=None,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    tries: int = 2,
+    say=print,
+    cleanup=None,
+) -> int:
+    """:func:`launch`, tried again (once, by default) after a :class:`LaunchTimeout`; the last one raised."""
+    for attempt in range(1, tries + 1):
+        try:
+            return launch(full, log, timeout, missing, connect_timeout, cleanup=cleanup)
+        except LaunchTimeout as e:
+            if attempt == tries:
+                raise LaunchTimeout(f"{e} (try {attempt} of {tries})") from None
+            say(f"{e}; retrying ({attempt + 1} of {tries})", flush=True)
+    raise AssertionError("unreachable")
+
+
+def preflight(script: str, teardown_only: bool, hint: str = "") -> int | None:
+    """Before any namespace is made: root, ``--teardown-only``, namespaces left by another run, and
+    SIGTERM / SIGHUP raised as KeyboardInterrupt (so the caller's cleanup tears the namespaces
+    down). Returns an exit status to stop with, or None to go on."""
+    if os.geteuid() != 0:
+        print(f"{script} needs root (ip netns, tc){hint}", file=sys.stderr)
+        return 2
+    if teardown_only:
+        left = teardown()
+        print("left:", left)
+        return 1 if left else 0
+    if existing_namespaces():
+        print(
+            f"namespaces {existing_namespaces()} exist (another run, or a killed one?); remove with --teardown-only",
+            file=sys.stderr,
+        )
+        return 2
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    return None
+
+
+# ---------------------------------------------------------------------------------------- in the ranks
+def if_addr(name: str) -> str:
+    """IPv4 address of network interface ``name`` (SIOCGIFADDR)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))[20:24])
+
+
+def free_port(addr: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def join_gloo(hvd, ifname: str, timeout: float) -> None:
+    """torch.distributed (gloo) in the processes Horovod started, over interface ``ifname``: rank 0
+    picks its address there and a free port, and Horovod broadcasts them."""
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    where = None
+    if hvd.rank() == 0:
+        addr = if_addr(ifname)
+        where = (addr, free_port(addr))
+    addr, port = hvd.broadcast_object(where, root_rank=0, name="join_gloo.address")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{addr}:{port}",
+        rank=hvd.rank(),
+        world_size=hvd.size(),
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+# ---------------------------------------------------------------------------------------- sweeps
+def sweep(local: bool, rates: list[str], nodes: int, prefix: str, each) -> list:
+    """``each(tmp, rate, bps)`` (a list) for each rate, concatenated: with ``local`` once, rate and
+    bps None, for the loopback; else in ``nodes`` worker namespaces (made here, removed at the end,
+    also on failure) for every rate (tc's; "unshaped": no qdisc), the links shaped to it and their
+    TCP throughput ``bps`` (bytes/s) measured first."""
+    out = []
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        if local:
+            return each(Path(tmp), None, None)
+        try:
+            setup(nodes)
+            for rate in rates:
+                shape(None if rate == "unshaped" else rate, nodes)
+                bps = measure_throughput()
+                print(f"[{rate}] TCP throughput w0->w1: {bps * 8 / 1e6:.0f} Mbit/s", flush=True)
+                out += each(Path(tmp), rate, bps)
+        finally:
+            left = teardown()
+            print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
+    return out
+
+
+def step_runs(args, workers: list[int], prefix: str, run) -> list[dict]:
+    """A step benchmark's runs: ``run(args, tmp, n, rate)`` for every worker count (node count with
+    ``args.ranks_per_node`` > 1), on the loopback (``args.local``, rate None) or in the namespaces at
+    every rate of ``args.rates``; by worker count, then in the order of ``args.rates``."""
+    rates, g = args.rates.split(","), getattr(args, "ranks_per_node", 1) or 1
+
+    def each(tmp: Path, rate: str | None, bps: float | None) -> list[dict]:
+        out = []
+        for n in workers:
+            result = run(args, tmp, n, rate)
+            entry = {"workers": n * g, "rate": rate or "loopback (no namespaces)", "run": result}
+            if rate is not None:
+                entry.update(throughput_Bps=bps, **({"nodes": n, "ranks_per_node": g} if g > 1 else {}))
+                print(json.dumps({k: round(r["step_s"], 4) for k, r in result["results"].items()}), flush=True)
+            out.append(entry)
+        return out
+
+    runs = sweep(args.local, rates, max(workers), prefix, each)
+    return sorted(runs, key=lambda r: (r["workers"], rates.index(r["rate"]) if r["rate"] in rates else 0))
+
+
+def _result(rc: int, out: Path, log: Path) -> dict:
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"mpirun failed ({rc}):\n{log.read_text()[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def run_netns(args, tmp: Path, n: int, rate: str, cmd, log: Path, suffix: str = "", env: dict | None = None) -> dict:
+    """The worker command ``cmd(out, "eth0")`` (its JSON written to ``out``) on ``n`` nodes of
+    ``args.ranks_per_node`` ranks (default 1) and that JSON back, with the whole launch's bytes on
+    the node links (start-up, wire-up, warm-up, barriers, results included) as "launch_bytes".
+    Each launch has ``args.connect_timeout`` (default a minute) to start every rank, else it is
+    killed, named and tried once more; mpirun's output goes to ``log``."""
+    g = getattr(args, "ranks_per_node", 1) or 1
+    out = tmp / f"result_{n}_{rate}{suffix}.json"
+    yield_when_idle, intra = getattr(args, "yield_when_idle", 1), getattr(args, "intra_node", "tcp")
+    full = mpirun_command(tmp, yield_when_idle, n, env=env, ranks_per_node=g, intra=intra) + cmd(out, "eth0")
+    where = f"{n} nodes x {g} ranks" if g > 1 else f"{n} workers"
+    print(f"[{where}, {rate}{suffix}] {shlex.join(full)}\n  (output: {log})", flush=True)
+    before = link_counters(n)
+    connect = getattr(args, "connect_timeout", CONNECT_TIMEOUT)
+    missing = lambda: missing_ranks(n, g)
+    rc = launch_retry(full, log, args.timeout, missing, connect, cleanup=kill_in_namespaces)
+    after = link_counters(n)
+    run = _result(rc, out, log)
+    run["launch_bytes"] = {
+        "tx": sum(a[0] - b[0] for a, b in zip(after, before)),
+        "rx": sum(a[1] - b[1] for a, b in zip(after, before)),
+    }
+    return run
+
+
+def run_local(args, tmp: Path, n: int, cmd, log: Path, tag: str = "local") -> dict:
+    """The same worker command on ``n`` ranks on this host's loopback (no namespaces, no shaping,
+    shared memory allowed) and its JSON back."""
+    out = tmp / f"result_{n}_{tag}.json"
+    env = {**launching.RANK_ENV, "HOROVOD_CPU_OPERATIONS": "mpi", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    full = launching.mpirun(n, env, getattr(args, "yield_when_idle", 1)) + cmd(out, "lo")
+    print(f"[{n} workers, loopback] {shlex.join(full)}\n  (output: {log})", flush=True)
+    return _result(launch(full, log, args.timeout), out, log)
+
+
+def log_path(out: str, n: int, rate: str) -> Path:
+    """mpirun's output, kept beside the report ``out`` (data/<out stem>_logs/)."""
+    folder = Path(out).parent / "data" / f"{Path(out).stem}_logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"mpirun_{n}_{rate}.log"
