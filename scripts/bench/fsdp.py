@@ -369,16 +369,10 @@ def parser() -> argparse.ArgumentParser:
     add("--rows", default=",".join(ROWS), help=f"comma-separated, in this order: {','.join(ROWS)}")
     yield_help = "Open MPI's (it only launches the ranks here); default 1"
     add("--yield-when-idle", type=int, choices=(0, 1), default=1, help=yield_help)
-    local_help = "no namespaces or shaping: the ranks on this host's loopback (no root needed)"
-    add("--local", action="store_true", help=local_help)
     out_help = "markdown report (JSON in data/ beside it); default docs/results/bench_fsdp.md, with --quick "
     add("--out", help=out_help + "build/bench/bench_fsdp.md")
     add("--timeout", type=float, help="seconds per mpirun; default 2400 (--quick: 600)")
-    add("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
-    add("--teardown-only", action="store_true", help="remove leftover namespaces of scripts.bench.network")
-    add("--worker", action="store_true", help=argparse.SUPPRESS)
-    add("--worker-out", help=argparse.SUPPRESS)
-    add("--gloo-ifname", default="eth0", help=argparse.SUPPRESS)
+    net.add_namespace_options(add)
     add("--master-addr", default=f"{net.SUBNET}.1", help=argparse.SUPPRESS)
     add("--master-port", type=int, default=PORT, help=argparse.SUPPRESS)
     return p
@@ -387,9 +381,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    net.apply_defaults(args, QUICK, FULL)
     if args.worker:
         return worker(args)
     unknown = [r for r in args.rows.split(",") if r not in ROWS]

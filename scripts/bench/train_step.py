@@ -548,16 +548,10 @@ def parser() -> argparse.ArgumentParser:
     mem_help = "launch even if the ranks' estimated memory exceeds MemAvailable"
     add("--skip-memory-check", action="store_true", help=mem_help)
     add("--yield-when-idle", type=int, choices=(0, 1), default=1, help="Open MPI's; default 1")
-    local_help = "no namespaces or shaping: the ranks on this host's loopback (no root needed)"
-    add("--local", action="store_true", help=local_help)
     out_help = "markdown report (JSON next to it); default docs/results/bench_train_step.md, with --quick build/bench/"
     add("--out", help=out_help + "bench_train_step.md")
     add("--timeout", type=float, help="seconds per mpirun; default 3600 (--quick: 600)")
-    add("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
-    add("--teardown-only", action="store_true", help="remove leftover namespaces of scripts.bench.network")
-    add("--worker", action="store_true", help=argparse.SUPPRESS)
-    add("--worker-out", help=argparse.SUPPRESS)
-    add("--gloo-ifname", default="eth0", help=argparse.SUPPRESS)
+    net.add_namespace_options(add)
     add("--count-ifname", help=argparse.SUPPRESS)
     return p
 
@@ -592,9 +586,7 @@ def parse_layout(p: argparse.ArgumentParser, args) -> None:
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    net.apply_defaults(args, QUICK, FULL)
     parse_layout(p, args)
     if args.rows is None:
         args.rows = ",".join(NODE_ROWS if args.nodes else DEFAULT_ROWS)

@@ -35,6 +35,7 @@ In the ranks: :func:`join_gloo` joins torch.distributed (gloo) over a namespace'
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -488,3 +489,25 @@ def log_path(out: str, n: int, rate: str) -> Path:
     folder = Path(out).parent / "data" / f"{Path(out).stem}_logs"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"mpirun_{n}_{rate}.log"
+
+
+def add_namespace_options(add) -> None:
+    """The options every benchmark through the namespaces shares (``add``: a parser's add_argument):
+    ``--local`` and the hidden ones of the worker and of the teardown."""
+    add(
+        "--local",
+        action="store_true",
+        help="no namespaces or shaping: the ranks on this host's loopback (no root needed)",
+    )
+    add("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
+    add("--teardown-only", action="store_true", help="remove leftover namespaces of scripts.bench.network")
+    add("--worker", action="store_true", help=argparse.SUPPRESS)
+    add("--worker-out", help=argparse.SUPPRESS)
+    add("--gloo-ifname", default="eth0", help=argparse.SUPPRESS)
+
+
+def apply_defaults(args, quick: dict, full: dict) -> None:
+    """Options left at None take ``quick``'s value with ``--quick``, else ``full``'s."""
+    for k, v in (quick if args.quick else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)

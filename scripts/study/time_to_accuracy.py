@@ -685,9 +685,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse(p: argparse.ArgumentParser, argv: list[str]):
     args = p.parse_args(argv)
-    for k, v in (QUICK if args.quick else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    net.apply_defaults(args, QUICK, FULL)
     return args
 
 
