@@ -42,7 +42,7 @@ class Exchange:
 
 
 class GraphExchanges:
-    """The graph execution of each exchange (``GRAPH_EXCHANGES`` of the compressor names the method
+    """The graph execution of each exchange (``graph_method`` of the compressor names the method
     that runs each); the compressor provides the codec functions, variables and process set."""
 
     def _allgather(self, ctx: Exchange, reduced: tf.Tensor) -> tf.Tensor:
