@@ -24,13 +24,18 @@ writes data/diloco_study_raw/seed<k>.json, and a seed whose file exists is not r
 
 Row names (``--rows``, comma-separated; :func:`row_spec` reads them)::
 
-    row    := base ("@lr" NUMBER)? ("@m" NUMBER)?       e.g.  h50-fp32@lr0.5@m0.9
-    base   := a key of ROWS | "h" H "-" kind            e.g.  h100-fp32, h10-alq2-ef
+    row    := base ("@lr" NUMBER)? ("@m" NUMBER)? ("@n" NUMBER)?   e.g.  h50-fp32@lr0.5@m0.9
+    base   := a key of ROWS | "h" H "-" kind                        e.g.  h100-fp32, h10-alq2-ef
 
 ``hH-kind`` is the H = 50 row ``h50-kind`` with H inner steps per outer step; ``@lr`` and ``@m`` set
 that row's outer learning rate and Nesterov momentum (``@m0``: plain SGD), overriding
 ``--outer-lr`` / ``--outer-momentum``, for the fp32/int8 rows and the DiLoCo rows alike, so one
-launch can sweep them. Rank 0 evaluates a row every lcm(``--eval-every``, H) steps. Every DiLoCo
+launch can sweep them. ``@n`` (fp32 rows only) is the noise control of issue 54: after the exact
+all_reduce, every outer step adds isotropic Gaussian noise of norm ``n`` times the averaged
+pseudo-gradient's (per coordinate ``N(0, (n ||avg|| / sqrt(d))^2)``, unbiased), drawn from a
+generator seeded by the seed and the outer step, the same on every rank, so that the ranks stay
+identical; ``h50-fp32@lr0.7@m0@n0.875`` matches QSGDinf 2 bits' measured relative error.
+Rank 0 evaluates a row every lcm(``--eval-every``, H) steps. Every DiLoCo
 row also records, per outer step (:class:`OuterProbe`), the L2 norms of the exact average of the
 ranks' pseudo-gradients (one extra fp32 all_reduce, neither timed nor counted in the bytes), of the
 averaged pseudo-gradient the outer optimizer was given (quantized or not) and of their difference,
@@ -70,13 +75,14 @@ ROWS = {
 }
 DEFAULT_ROWS = [row for row in ROWS if not row.endswith("-entropy")]
 QUICK_ROWS = ("dp-fp16", "h10-fp32", "h10-alq3")
-_ROW = re.compile(r"(?P<base>[^@]+)(?:@lr(?P<lr>[^@]+))?(?:@m(?P<m>[^@]+))?")
+_ROW = re.compile(r"(?P<base>[^@]+)(?:@lr(?P<lr>[^@]+))?(?:@m(?P<m>[^@]+))?(?:@n(?P<n>[^@]+))?")
 
 
 def row_spec(row: str, args=None) -> tuple:
-    """``(H, method, bits, error feedback, wire, outer lr, outer momentum)`` of a row name (the grammar
-    in the module docstring; ``args.outer_lr`` / ``args.outer_momentum`` where the name sets none).
-    ValueError when the name is not a row or its outer step is out of range."""
+    """``(H, method, bits, error feedback, wire, outer lr, outer momentum, relative noise)`` of a row
+    name (the grammar in the module docstring; ``args.outer_lr`` / ``args.outer_momentum`` where the
+    name sets none; noise 0.0 without ``@n``). ValueError when the name is not a row or its outer step
+    or noise is out of range."""
     match = _ROW.fullmatch(row)
     base = match["base"] if match else ""
     if base in ROWS:
@@ -86,16 +92,19 @@ def row_spec(row: str, args=None) -> tuple:
         if not h or f"h50-{h[2]}" not in ROWS:
             raise ValueError(f"unknown row {row!r}")
         spec = (int(h[1]), *ROWS[f"h50-{h[2]}"][1:])
-    if spec[0] is None and (match["lr"] or match["m"]):
+    if spec[0] is None and (match["lr"] or match["m"] or match["n"]):
         raise ValueError(f"row {row!r}: per-step data parallelism has no outer step")
+    if match["n"] and spec[1] != "fp32":
+        raise ValueError(f"row {row!r}: @n (added noise) is for the fp32 rows only")
     try:
         lr = float(match["lr"]) if match["lr"] else float(getattr(args, "outer_lr", 0.7))
         mu = float(match["m"]) if match["m"] else float(getattr(args, "outer_momentum", 0.9))
+        noise = float(match["n"]) if match["n"] else 0.0
     except ValueError:
-        raise ValueError(f"row {row!r}: @lr and @m take numbers") from None
-    if not (0 < lr < math.inf and 0 <= mu < 1):
-        raise ValueError(f"row {row!r}: the outer lr must be positive and the momentum in [0, 1)")
-    return (*spec, lr, mu)
+        raise ValueError(f"row {row!r}: @lr, @m and @n take numbers") from None
+    if not (0 < lr < math.inf and 0 <= mu < 1 and 0 <= noise < math.inf):
+        raise ValueError(f"row {row!r}: the outer lr must be positive, the momentum in [0, 1), the noise >= 0")
+    return (*spec, lr, mu, noise)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -137,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         try:
             h = row_spec(row, args)[0]
         except ValueError as err:
-            p.error(f"{err}; the rows are {', '.join(ROWS)}, hH-<kind>, each with @lr<x>, @m<x>")
+            p.error(f"{err}; the rows are {', '.join(ROWS)}, hH-<kind>, each with @lr<x>, @m<x> (fp32: @n<x>)")
         if h and args.steps % math.lcm(h, args.eval_every):
             p.error(f"--steps {args.steps} must be a multiple of lcm(--eval-every, {row}'s H = {h})")
     return args
@@ -146,14 +155,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------- the workers
 class PlainOuter:
     """DiLoCo's outer step with the pseudo-gradient in fp32 (an exact all_reduce) or int8 (per-tensor
-    absmax, allgathered): the same Nesterov update as :class:`~horovod_alq.torch.diloco.DiLoCo`."""
+    absmax, allgathered): the same Nesterov update as :class:`~horovod_alq.torch.diloco.DiLoCo`.
+    ``noise > 0`` (fp32 only): isotropic Gaussian noise of norm about ``noise`` times the averaged
+    pseudo-gradient's is added to it before the update, drawn from a generator seeded by ``seed`` and
+    the outer step (the same on every rank; the ranks' exact averages are equal, so are the updates)."""
 
-    def __init__(self, model, inner, sync_every: int, kind: str, outer_lr: float, outer_momentum: float) -> None:
+    def __init__(
+        self,
+        model,
+        inner,
+        sync_every: int,
+        kind: str,
+        outer_lr: float,
+        outer_momentum: float,
+        noise: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         import torch
 
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner, self.sync_every, self.kind = inner, sync_every, kind
-        self.lr, self.mu = outer_lr, outer_momentum
+        self.lr, self.mu, self.noise, self.seed = outer_lr, outer_momentum, noise, seed
         self.global_params = [p.detach().float().clone() for p in self.params]
         self.momentum = [torch.zeros_like(g) for g in self.global_params]
         self.steps, self.bytes_sent = 0, 0
@@ -172,7 +194,12 @@ class PlainOuter:
             if self.kind == "fp32":
                 flat = torch.cat(deltas)
                 dist.all_reduce(flat)
-                avg = list(torch.split(flat / n, [d.numel() for d in deltas]))
+                flat /= n
+                if self.noise:
+                    gen = torch.Generator().manual_seed(1_000_003 * (self.seed + 1) + self.steps // self.sync_every)
+                    sigma = self.noise * float(flat.norm()) / math.sqrt(flat.numel())
+                    flat += sigma * torch.randn(flat.numel(), generator=gen)
+                avg = list(torch.split(flat, [d.numel() for d in deltas]))
                 self.bytes_sent += 8 * flat.numel() * (n - 1) // n
             else:  # int8, per-tensor absmax
                 scales = torch.stack([d.abs().max().clamp_min(1e-30) for d in deltas])
@@ -271,11 +298,11 @@ def make_outer(model, inner, spec: tuple, args):
     """The row's outer step (``spec``: :func:`row_spec`): None for data parallelism."""
     from horovod_alq.torch.diloco import DiLoCo
 
-    h, kind, bits, ef, wire, outer_lr, outer_momentum = spec
+    h, kind, bits, ef, wire, outer_lr, outer_momentum, noise = spec
     if kind == "fp16":
         return None
     if kind in ("fp32", "int8"):
-        return PlainOuter(model, inner, h, kind, outer_lr, outer_momentum)
+        return PlainOuter(model, inner, h, kind, outer_lr, outer_momentum, noise, args.seed)
     return DiLoCo(
         model,
         inner,
@@ -350,7 +377,7 @@ def run_row(row: str, args, data) -> dict:
             curve.append([step + 1, int(sent), seconds - (probe.seconds if probe else 0.0), loss])
     out = {"row": row, "curve": curve, "final_loss": curve[-1][3], "bytes": curve[-1][1], "seconds": curve[-1][2]}
     if outer is not None:
-        out.update(sync_every=h, outer_lr=spec[5], outer_momentum=spec[6], **probe.summary())
+        out.update(sync_every=h, outer_lr=spec[5], outer_momentum=spec[6], outer_noise=spec[7], **probe.summary())
     if isinstance(outer, DiLoCo):
         m = outer.metrics()
         out.update(

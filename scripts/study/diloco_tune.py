@@ -17,8 +17,12 @@ and seed writes ``<stage>2_seed<k>.json`` and so on. ``--kinds`` limits the quan
 ``report`` writes ``<out-dir>/tables.md``: the sweep, the H table, the quantizers at the tuned point
 (mean ± standard error over the seeds each row ran, same-seed differences against tuned fp32), the
 gap to per-step fp16 data parallelism (``dp-fp16`` of the earlier study's raw files, ``--dp-raw``,
-used only when their recorded arguments match) and the outer-step norms of
-:class:`scripts.study.diloco.OuterProbe`. Every other argument is the study's default (4 workers,
+used only when their recorded arguments match), paired differences between the quantizers, and the
+outer-step norms of :class:`scripts.study.diloco.OuterProbe`. Rows that other launches of
+:mod:`scripts.study.diloco` wrote into ``<out-dir>/raw/`` (``noise_seed<k>.json``,
+``noise2_seed<k>.json``: the noise controls ``h50-fp32@lr0.7@m0@n0.875`` and ``@n0.638``, fp32 at
+lr 1.0 on more seeds) join the quantizers' table when a seed other than 0 ran them or they carry
+``@n``. Every other argument is the study's default (4 workers,
 1000 inner steps, the same GPT).
 """
 
@@ -186,24 +190,39 @@ def dp_reference(args, runs: dict) -> dict[int, float]:
     return out
 
 
-def quant_table(runs: dict, lr: float, mu: float, h: int, dp: dict[int, float]) -> list[str]:
-    """Per row, over the seeds that ran it and the tuned fp32 row: the loss, the same-seed difference."""
+def extra_rows(runs: dict, mine: list[str]) -> list[str]:
+    """The rows beyond the quant stage's that seeds other than 0 ran, or with added noise (``@n``):
+    the noise control and fp32 at other outer steps, compared with the tuned point seed by seed."""
+    rows = {r for s, run in runs.items() for r in run["results"] if s != 0 or "@n" in r}
+    return sorted(rows - set(mine))
+
+
+def paired(runs: dict, row: str, base: str) -> tuple[list[int], list[float]]:
+    """The seeds that ran both rows and ``row`` minus ``base`` on each."""
+    seeds = [s for s in sorted(runs) if row in runs[s]["results"] and base in runs[s]["results"]]
+    return seeds, [runs[s]["results"][row]["final_loss"] - runs[s]["results"][base]["final_loss"] for s in seeds]
+
+
+def quant_table(runs: dict, lr: float, mu: float, h: int, dp: dict[int, float], extra=()) -> list[str]:
+    """Per row, over the seeds that ran it and the tuned fp32 row: each seed's loss, their mean, the
+    same-seed difference (mean ± standard error over the seeds), the bytes."""
     base = name("fp32", lr, mu, h)
+    every = sorted(runs)
     lines = [
-        f"| row | seeds | held-out loss (nats/char) | vs {base} (same seed) | MB sent per worker | bytes vs fp32 |",
-        "|---|---|---|---|---|---|",
+        f"| row | {' | '.join(f'seed {s}' for s in every)} | mean | vs {base} (same seed) | MB sent per worker | "
+        "bytes vs fp32 |",
+        "|---|" + "---|" * len(every) + "---|---|---|---|",
     ]
-    for kind in QUANT:
-        row = name(kind, lr, mu, h)
-        seeds = [s for s in sorted(runs) if row in runs[s]["results"] and base in runs[s]["results"]]
+    for row in [name(kind, lr, mu, h) for kind in QUANT] + list(extra):
+        seeds, diff = paired(runs, row, base)
         if not seeds:
             continue
         res = [runs[s]["results"][row] for s in seeds]
-        diff = [r["final_loss"] - runs[s]["results"][base]["final_loss"] for s, r in zip(seeds, res)]
+        per = [f"{runs[s]['results'][row]['final_loss']:.4f}" if s in seeds else "" for s in every]
         mbytes = sum(r["bytes"] for r in res) / len(res)
         fp32_bytes = sum(runs[s]["results"][base]["bytes"] for s in seeds) / len(seeds)
         lines.append(
-            f"| {row} | {','.join(map(str, seeds))} | {fmt([r['final_loss'] for r in res])} | {fmt(diff, '+')} | "
+            f"| {row} | {' | '.join(per)} | {fmt([r['final_loss'] for r in res])} | {fmt(diff, '+')} | "
             f"{mbytes / 1e6:.3f} | {mbytes / fp32_bytes:.4f} |"
         )
     both = [s for s in sorted(runs) if s in dp and base in runs[s]["results"]]
@@ -219,27 +238,55 @@ def quant_table(runs: dict, lr: float, mu: float, h: int, dp: dict[int, float]) 
     return lines
 
 
+def pair_table(runs: dict, lr: float, mu: float, h: int, extra=()) -> list[str]:
+    """The issue's comparisons, seed by seed: ALQ 2 bits (with and without error feedback) against
+    tuned fp32, int8 and QSGDinf 2 bits, every extra row against QSGDinf 2 bits and ALQ 2 bits, and
+    the noise rows (``@n``) against each other, in order of noise; the bytes ratio."""
+    rows = {k: name(k, lr, mu, h) for k in QUANT}
+    pairs = [(rows[a], rows[b]) for a in ("alq2", "alq2-ef") for b in ("fp32", "int8", "qsgdinf2")]
+    pairs += [(rows["qsgdinf2"], rows["fp32"])] + [(r, rows[k]) for r in extra for k in ("qsgdinf2", "alq2")]
+    noisy = sorted((r for r in extra if "@n" in r), key=lambda r: float(r.rsplit("@n", 1)[1]))
+    pairs += list(zip(noisy[1:], noisy[:-1]))
+    lines = [
+        "| row | minus | seeds | difference (mean ± s.e.) | row better in | bytes ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a, b in pairs:
+        seeds, diff = paired(runs, a, b)
+        if not seeds:
+            continue
+        ratio = sum(runs[s]["results"][a]["bytes"] for s in seeds) / sum(runs[s]["results"][b]["bytes"] for s in seeds)
+        lines.append(
+            f"| {a} | {b} | {','.join(map(str, seeds))} | {fmt(diff, '+')} | "
+            f"{sum(d < 0 for d in diff)} of {len(diff)} | {ratio:.4f} |"
+        )
+    return lines
+
+
 def norm_table(runs: dict, rows: list[str]) -> list[str]:
     """Per row, means over seeds of the per-outer-step means of OuterProbe's norms and the cosine of
-    the applied averaged pseudo-gradient with the exact one."""
+    the applied averaged pseudo-gradient with the exact one; the relative error is the mean over outer
+    steps of ``‖applied − exact‖ / ‖exact‖`` (``@n`` of the noise control matches it)."""
     lines = [
-        "| row | seeds | ‖exact avg‖ | ‖applied avg‖ | ‖applied − exact‖ | cos(applied, exact) | "
-        "mean ‖own‖ | ‖update‖ | ‖update‖ / ‖applied‖ |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | seeds | ‖exact avg‖ | ‖applied avg‖ | ‖applied − exact‖ | ‖applied − exact‖ / ‖exact‖ | "
+        "cos(applied, exact) | mean ‖own‖ | ‖update‖ | ‖update‖ / ‖applied‖ |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         res = [runs[s]["results"][row] for s in sorted(runs) if row in runs[s]["results"]]
         if not res:
             continue
         cols = {k: sum(r["outer_probe_mean"][k] for r in res) / len(res) for k in diloco.OuterProbe.KEYS}
-        cos = []
+        cos, rel = [], []
         for r in res:
             p = r["outer_probe"]
             for a, e, d in zip(p["applied_norm"], p["exact_norm"], p["error_norm"]):
                 cos.append((a * a + e * e - d * d) / (2 * a * e))
+                rel.append(d / e)
         lines.append(
             f"| {row} | {len(res)} | {cols['exact_norm']:.4f} | {cols['applied_norm']:.4f} | "
-            f"{cols['error_norm']:.4f} | {sum(cos) / len(cos):.3f} | {cols['local_norm']:.4f} | "
+            f"{cols['error_norm']:.4f} | {sum(rel) / len(rel):.3f} | {sum(cos) / len(cos):.3f} | "
+            f"{cols['local_norm']:.4f} | "
             f"{cols['update_norm']:.4f} | {cols['update_norm'] / cols['applied_norm']:.3f} |"
         )
     return lines
@@ -249,6 +296,7 @@ def report(args, runs: dict) -> str:
     lr, mu = tuned(args, runs)
     dp = dp_reference(args, runs)
     mine = [name(k, lr, mu, args.h) for k in QUANT]
+    extra = extra_rows(runs, mine)
     others = sorted({r for run in runs.values() for r in run["results"]} - set(mine))
     parts = [
         f"## Sweep (seed 0, H = {args.h}, fp32)\n\nTuned pair: outer lr {lr:g}, momentum {mu:g}.\n",
@@ -256,7 +304,9 @@ def report(args, runs: dict) -> str:
         "\n## H at the tuned pair (seed 0, fp32)\n",
         "\n".join(horizon_table(args, runs, lr, mu)),
         f"\n## The quantizers at the tuned point (H = {args.h})\n",
-        "\n".join(quant_table(runs, lr, mu, args.h, dp)),
+        "\n".join(quant_table(runs, lr, mu, args.h, dp, extra)),
+        "\n## Paired differences (same seed)\n",
+        "\n".join(pair_table(runs, lr, mu, args.h, extra)),
         "\n## Outer-step norms (mean over outer steps, then over seeds)\n",
         "\n".join(norm_table(runs, mine + others)),
     ]
