@@ -49,13 +49,25 @@ def recipe(page: str, index: int = 0) -> str:
     return blocks[index]
 
 
-def run_recipe(tmp_path, page: str, checks: str, index: int = 0, np: int = 2, launch=None, timeout: float = 300):
-    """Run block ``index`` of ``page`` with ``checks`` appended on ``np`` torchrun ranks."""
+def run_recipe(
+    tmp_path,
+    page: str,
+    checks: str,
+    index: int = 0,
+    np: int = 2,
+    launch=None,
+    timeout: float = 300,
+    hard_exit: bool = False,
+):
+    """Run block ``index`` of ``page`` with ``checks`` appended on ``np`` torchrun ranks; ``hard_exit``:
+    leave with ``os._exit(0)`` after the page's teardown, skipping the interpreter's C++ teardown."""
     script = tmp_path / f"{Path(page).stem}_{index}.py"
     body, end = recipe(page, index), ""
     if body.rstrip().endswith(TEARDOWN):  # the checks run while the process group is up
         body, end = body.rstrip()[: -len(TEARDOWN)], TEARDOWN + "\n"
     checks = "\n# checks (tests/test_recipes.py)\n" + textwrap.dedent(checks)
+    if hard_exit:
+        end += "_os._exit(0)\n"
     script.write_text(PREAMBLE + body + DIGEST + checks + end)
     env = {"RECIPE_DIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
     return run_ranks(script, np=np, launcher="torchrun", launch=launch, env=env, timeout=timeout)
@@ -181,6 +193,10 @@ def test_replicate_is_refused_and_a_comm_set_on_it_never_runs(tmp_path):
         model(torch.randn(8, 64)).sum().backward()
         common.report({"refused": refused, "comm_step": comm.metrics()["step"]})
         """,
+        # after replicate() and a backward over gloo, PyTorch aborts at interpreter exit in about 1
+        # run of 6 ("terminate called without an active exception", no Python frame; also before
+        # 2026-12-05's changes): the page says so, and the checks above have reported by then
+        hard_exit=True,
     )
     for r in ranks:
         assert "replicate()" in r["refused"] and "alq_hook" in r["refused"], r
