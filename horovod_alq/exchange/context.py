@@ -64,6 +64,13 @@ class RoundContext:
         return self.round_seed(RECOVERY_KEY, slot)
 
     # ---------------------------------------------------------------- counters
+    def passed_handshake(self) -> None:
+        """Every rank passed this round's handshake: the round counts (``step``), and the error
+        buffers the last round did not use are dropped."""
+        if self.state.feedback is not None:
+            self.state.feedback.end_round()
+        self.state.step += 1
+
     def count(self, job) -> None:
         """Add a finished job's bytes to the round state's counters."""
         st = self.state

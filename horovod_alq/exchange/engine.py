@@ -232,9 +232,7 @@ class Engine:
             **ctx.handshake_fields(refit, transport),
         )
         read_handshake(transport.allreduce_max(vec, ctx.name()("handshake")), error, fields=STREAM_FIELDS)
-        if st.feedback is not None:  # error buffers the last round did not use are dropped
-            st.feedback.end_round()
-        st.step += 1
+        ctx.passed_handshake()
         st.exchange = ex.name
         return StreamedRound(
             ctx,

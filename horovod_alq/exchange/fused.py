@@ -222,9 +222,7 @@ class FusedRound:
             raise
         if not early:
             self._drain(ctx, reduced)
-        if st.feedback is not None:  # error buffers the last round did not use are dropped
-            st.feedback.end_round()
-        st.step += 1  # every rank passed the handshake: the round counts, whatever happens next
+        ctx.passed_handshake()  # the round counts, whatever happens next
         # The same sequence of shapes gives every rank the same layout, so the fused exchange sums
         # slot k of every rank; a tensor that some rank put in another slot of the same shape
         # (ranks that swapped two like tensors: the handshake cannot see it) is found by its control

@@ -109,7 +109,7 @@ def shard_exchange(exchange: str, size: int, local_size: int) -> str:
     shards = [e for e in REGISTRY.values() if not e.allreduce]
     if exchange == "auto":
         spans = 1 < local_size < size
-        return next(e.name for e in shards if e.node_aware == spans and (e.shard_of is None or spans))
+        return next(e.name for e in shards if e.node_aware == spans)
     for e in shards:
         if e.shard_of == exchange:
             return e.name
