@@ -1,21 +1,26 @@
 """The hierarchical exchanges across real processes: 4 ranks declared as 2 nodes x 2
-(HOROVOD_ALQ_LOCAL_SIZE=2) through mpi4py, the Horovod PyTorch compressor, the DDP hook and FSDP2's
-reduce-scatter (node-aware): the exchange picked by exchange="auto" and the hierarchical two-phase
-exchange asked for, identical results on every rank (FSDP2: one digest of every rank's shard),
-unbiased, and a rank that declares another node layout raises on every rank."""
+(HOROVOD_ALQ_LOCAL_SIZE=2) through mpi4py, the Horovod PyTorch and TensorFlow compressors, the DDP
+hook and FSDP2's reduce-scatter (node-aware): the exchange picked by exchange="auto" and the
+hierarchical two-phase exchange asked for, identical results on every rank (FSDP2: one digest of
+every rank's shard), unbiased, and a rank that declares another node layout raises on every rank.
+TensorFlow also: the bytes of its plan (the PyTorch front-ends' too: tests/test_conformance.py),
+one refit, and inputs whose node sums are 0 average to exactly 0 (only node sums are quantized)."""
 
 import pytest
 from helpers import assert_t_unbiased
 from multiproc import run_ranks
 
-LAUNCHERS = {"mpi": "mpi", "horovod": "mpi", "ddp": "torchrun", "fsdp": "torchrun"}
+from horovod_alq.core.quantizer import Quantizer
+from horovod_alq.exchange import registry
+
+LAUNCHERS = {"mpi": "mpi", "horovod": "mpi", "tf": "mpi", "ddp": "torchrun", "fsdp": "torchrun"}
 EXCHANGE = {"fsdp": "hierarchical-reduce-scatter"}  # the others: "hierarchical"
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
     "front, exchange",
-    [*((f, "auto") for f in LAUNCHERS), *((f, "hierarchical-two-phase") for f in ("mpi", "horovod", "ddp"))],
+    [*((f, "auto") for f in LAUNCHERS), *((f, "hierarchical-two-phase") for f in ("mpi", "horovod", "tf", "ddp"))],
 )
 def test_two_nodes_of_two_ranks(front, exchange):
     results = run_ranks(
@@ -33,3 +38,9 @@ def test_two_nodes_of_two_ranks(front, exchange):
         assert_t_unbiased(r, ("t_plain", "t_buckets_max"), what=front)
     for rank, r in enumerate(results):
         assert r["mismatch"] is not None and "node layouts" in r["mismatch"], (rank, r["mismatch"])
+    if front == "tf":
+        q = Quantizer("qsgdinf", 4, 256)  # the worker's bits and bucket size (payload sizes only)
+        for rank, r in enumerate(results):
+            assert (r["sent"], r["received"]) == registry.get(expected).bytes(3000, rank, 4, q, local_size=2), rank
+            assert r["level_updates"] == 1 and r["levels"] == results[0]["levels"], rank
+            assert r["cancelled_max"] == 0.0, (rank, r["cancelled_max"])

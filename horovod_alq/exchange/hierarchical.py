@@ -197,4 +197,4 @@ def empty_first(ops, size: int) -> Alltoall:
     return Alltoall(ops.from_numpy(np.zeros(0, dtype=np.uint8)), [0] * size, [0] * size, "h1-0")
 
 
-EXCHANGE = Exchange(NAME, 3, STAGES, steps, plan, empty_first, own_first_statistics=True, node_aware=True)
+EXCHANGE = Exchange(NAME, 3, STAGES, steps, plan, empty_first, own_first_statistics=True, node_aware=True, graph=True)

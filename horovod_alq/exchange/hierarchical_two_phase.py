@@ -73,7 +73,7 @@ def plan(
             alltoall_bytes(s, r, rank)
             for s, r in (
                 node_sum_splits([(parts[j * m][0], parts[j * m + m - 1][1]) for j in range(g)], size, rank),
-                *_between(size, rank, g, own, again),
+                *between_splits(size, rank, g, own, again),
                 forward_splits(size, rank, [sum(again[j * m : (j + 1) * m]) for j in range(g)]),
             )
         )
@@ -81,7 +81,7 @@ def plan(
     return BufferPlan(parts, own, again, *counts)
 
 
-def _between(size: int, rank: int, g: int, own, again) -> tuple[tuple[list[int], list[int]], ...]:
+def between_splits(size: int, rank: int, g: int, own, again) -> tuple[tuple[list[int], list[int]], ...]:
     """The byte counts of stages 2 and 3 (phase 1 and phase 2 between nodes)."""
     m = size // g
     node, local = divmod(rank, g)
@@ -126,7 +126,7 @@ def steps(job: Job, i: int) -> Steps:
         for k, r in enumerate(runs)
     ]
     job.encoded += sum(int(x.shape[0]) for x in payloads)
-    phase1, phase2 = _between(n, me, g, p.first, p.second)
+    phase1, phase2 = between_splits(n, me, g, p.first, p.second)
     gathered = yield Alltoall(ops.cat(payloads), *phase1, f"h2-{i}")
     sa, sb = mine[node]
     reduced, failure = sum_shard(job, gathered, runs[node], m, sa, sb, f"sub-shard {local}.{node} of buffer {i}")
@@ -171,5 +171,14 @@ def empty_first(ops, size: int) -> Alltoall:
 
 
 EXCHANGE = Exchange(
-    NAME, 5, STAGES, steps, plan, empty_first, requantizes=True, own_first_statistics=True, node_aware=True
+    NAME,
+    5,
+    STAGES,
+    steps,
+    plan,
+    empty_first,
+    requantizes=True,
+    own_first_statistics=True,
+    node_aware=True,
+    graph=True,
 )

@@ -17,9 +17,9 @@ from ..core.wire import HEADER_SIZE, parse_header, payload_size
 from ..exchange import payloads
 from .graph import ProtocolError, tf_error
 
-#: Two-phase vectors add to the core's tensor vector the sums of ``c`` and ``c**2`` for the 32 bytes
-#: of the tensor's first header and ``bits_second``: every rank checks the configurations agree
-#: before any payload moves.
+#: Vectors of the exchanges that do not gather every payload (two-phase, node-aware) add to the
+#: core's tensor vector the sums of ``c`` and ``c**2`` for the 32 bytes of the tensor's first header
+#: and ``bits_second``: every rank checks the configurations agree before any payload moves.
 CONFIG = HEADER_SIZE + 1
 _CONFIG_FIELDS = {
     3: "method",
@@ -32,13 +32,22 @@ _CONFIG_FIELDS = {
 
 
 def check_vector(
-    reduced: np.ndarray, *, rank: int, size: int, slot: int, shape_code: int, extra: int, two_phase: bool
+    reduced: np.ndarray,
+    *,
+    rank: int,
+    size: int,
+    slot: int,
+    shape_code: int,
+    extra: int,
+    config: str | None = None,
+    layout: int | None = None,
 ) -> None:
     """The core's checks of the reduced vector (its length against the one compress made, with
     ``extra`` entries after the core's; the op and scale, the process set, shapes and dtypes,
     slots), then TensorFlow's: every rank gave the tensor the same slot (its payload collectives
-    are named after it) and, two-phase, the same configuration bytes ``c`` (``(mean c)**2 ==
-    mean c**2``). Raises when one fails."""
+    are named after it); with ``config`` (the exchange's name), the same configuration bytes ``c``
+    (``(mean c)**2 == mean c**2``); with ``layout`` (where the ranks' entries start), the same
+    ranks per node. Raises when one fails."""
     try:
         read = protocol.read_tensor_vector(reduced, rank=rank, size=size, slot=slot, shape_code=shape_code, extra=extra)
     except protocol.ProtocolError as err:
@@ -49,8 +58,16 @@ def check_vector(
             f"in rank order: {list(read.slots)}): the ranks compressed their tensors in different orders "
             f"or different tensors; refusing to decode"
         )
-    if two_phase:
-        head = protocol.tensor_vector_length(size)
+    head = protocol.tensor_vector_length(size)
+    if layout is not None:
+        # rank r's entry is its ranks per node (Sum: as is; Average: over the size, as reduced[0])
+        g = np.rint(reduced[layout : layout + size] * size / reduced[0]).astype(int).tolist()
+        if len(set(g)) > 1:
+            raise ProtocolError(
+                f"horovod_alq: the ranks declare different node layouts (ranks per node, in rank order: {g}); "
+                f"every rank must see the same HOROVOD_ALQ_LOCAL_SIZE or launcher layout. Refusing to exchange"
+            )
+    if config is not None:
         w = reduced[head : head + 2 * CONFIG] / reduced[0]
         c, c2 = w[:CONFIG], w[CONFIG:]
         differ = sorted(
@@ -58,7 +75,7 @@ def check_vector(
         )
         if differ:
             raise ProtocolError(
-                f"horovod_alq: the ranks' compressors differ in {', '.join(differ)} (two-phase exchange; "
+                f"horovod_alq: the ranks' compressors differ in {', '.join(differ)} ({config} exchange; "
                 f"compared before any payload moved). Every rank must build the compressor with the same "
                 f"arguments and load the same state"
             )

@@ -50,12 +50,21 @@ from ..core.auto_bits import AUTO_WIDTHS
 from ..core.methods import get_method
 from ..exchange.registry import choose_exchange, get
 from ..settings import Settings, configure
-from . import auto, checks, graph, joined
-from .exchanges import Exchange, GraphExchanges
+from . import auto, graph, joined
+from .exchanges import Exchange, GraphExchanges, own_statistics
 from .membership import SetMembership
 from .state import RoundVariables
 
 COMPRESSIBLE = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+def _encoded(exchange: str, plan, rank: int, g: int) -> int:
+    """The payload bytes this rank encodes of one tensor (``metrics()["payload_bytes"]``): its
+    shards of the whole tensor, or (node-aware) of its node's sum of its own shard."""
+    if not get(exchange).node_aware:
+        return sum(plan.first)
+    per = len(plan.parts) // g  # sub-shards per shard
+    return sum(plan.first[(rank % g) * per : (rank % g + 1) * per])
 
 
 def graph_method(exchange: str) -> str:
@@ -212,7 +221,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
     @property
     def exchange(self) -> str:
         """The exchange in use: ``exchange=`` with "auto" resolved for the process set's size."""
-        return choose_exchange(self._exchange, self._set_size())
+        return choose_exchange(self._exchange, self._set_size(), self._local_size())
 
     @property
     def process_set(self):
@@ -274,14 +283,15 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         v = self._vars
         if slot == 0:
             v.begin_round()
-        exchange = self.exchange
+        exchange, g = self.exchange, self._local_size()
         n, me = self._set_size(), self._set_rank()
         h = protocol.shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name)
         width = None if v.auto is None else v.auto.width(slot, numel, h)
-        plans = {w: get(exchange).plan(0, numel, n, me, q, q2) for w, (q, q2) in self._widths().items()}
+        layout = {"g": g} if get(exchange).node_aware else {}
+        plans = {w: get(exchange).plan(0, numel, n, me, q, q2, **layout) for w, (q, q2) in self._widths().items()}
         counters = v.count(
             calls=1,
-            payload_bytes=auto.per_width(width, {w: sum(p.first) for w, p in plans.items()}),
+            payload_bytes=auto.per_width(width, {w: _encoded(exchange, p, me, g) for w, p in plans.items()}),
             coordinates=numel,
             bytes_sent=auto.per_width(width, {w: p.sent for w, p in plans.items()}),
             bytes_received=auto.per_width(width, {w: p.received for w, p in plans.items()}),
@@ -291,28 +301,11 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         levels = (v.levels if v.auto is None else v.auto.levels).read_value()
         seed = tf.stack([tf.bitwise.bitwise_xor(v.seed.read_value(), self._rank_key()), counters["calls"] - 1])
         head = tf.constant(protocol.tensor_vector(me, n, slot, h, failed=False), tf.float64)
-
-        def encode(bits: int | None):  # None: the fixed width
-            w = self._quantizer.bits if bits is None else bits
-            header = v.header(numel, bits=bits)
-            codec, lv = self._fns.widths[w].encode, auto.levels_of(levels, bits)
-            if exchange == "allgather":
-                return codec(tensor, lv, header, seed), header
-            flat = tf.reshape(tensor, [-1])
-            return tf.concat(
-                [
-                    graph.encode_part(codec, flat[a:b], lv, v.header(b - a, bits=bits), graph.part_seed(seed, j, 1))
-                    for j, (a, b) in enumerate(plans[w].parts)
-                ],
-                0,
-            ), header
-
-        payload, header = auto.by_width(width, encode, eager)
-        if exchange == "two-phase":
-            second = tf.constant(float(self._second.bits), tf.float64) if width is None else tf.cast(width, tf.float64)
-            config = tf.concat([tf.cast(header, tf.float64), second[None]], 0)
-            head = tf.concat([head, config, config * config], 0)
-        if collecting is None:
+        payload, header = self._own_payload(tensor, exchange, width, plans, levels, seed, eager)
+        head = self._control_head(head, exchange, header, width, g)
+        # the statistics row: unless the exchange collects its own (always with "auto": one length)
+        row = collecting is not None and (self._exchange == "auto" or not own_statistics(exchange, v.auto is not None))
+        if not row:
             small = head
         else:
             small = tf.cond(collecting, lambda: tf.concat([head, self._refit_row(tensor)], 0), lambda: head)
@@ -333,6 +326,8 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
             source=tensor,
             shape_code=h,
             width=width,
+            row=row,
+            g=g,
         )
         if eager:
             # Horovod drops ctx without decompress when its allreduce raised (a dtype mismatch): the
@@ -372,7 +367,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         try:
             reduced = tf.reshape(tf.cast(tensor, tf.float64), [-1])
             expected = tf.constant(self._head_len(ctx.exchange))  # the length compress made
-            if ctx.collecting is not None:
+            if ctx.collecting is not None and ctx.row:
                 expected = tf.where(ctx.collecting, expected + self._vars.row_length, expected)
             n = self._set_size()
             check = functools.partial(self._check_vector, ctx)
@@ -384,18 +379,6 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
                 self._outstanding -= 1
         out = tf.reshape(tf.cast(out, ctx.dtype), ctx.shape)
         return graph.connect_gradient(ctx.source, out, reduced[0] / n, self.process_set)
-
-    def _check_vector(self, ctx: Exchange, reduced: np.ndarray, expected) -> None:
-        size = protocol.tensor_vector_length(self._set_size())
-        checks.check_vector(
-            reduced,
-            rank=self._set_rank(),
-            size=self._set_size(),
-            slot=ctx.slot,
-            shape_code=ctx.shape_code,
-            extra=int(expected) - size,
-            two_phase=ctx.exchange == "two-phase",
-        )
 
     # ------------------------------------------------------------------ metrics and state
     @_ClassOrInstance
@@ -444,11 +427,6 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
 
     def _rank_key(self) -> int:
         return graph.signed64(protocol.splitmix64(graph.hvd().rank() + 1))
-
-    def _head_len(self, exchange: str) -> int:
-        """Length of the vector compress hands the allreduce, statistics aside: the core's tensor
-        vector, and the configuration sums (two-phase)."""
-        return protocol.tensor_vector_length(self._set_size()) + (2 * checks.CONFIG if exchange == "two-phase" else 0)
 
     def _scale(self, reduced: tf.Tensor) -> tf.Tensor:
         """Sum of 1 over the ranks (N for Sum, 1 for Average) over N: the factor on the decoded sum."""

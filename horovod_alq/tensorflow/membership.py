@@ -1,8 +1,10 @@
 """A TensorFlow compressor's process set as seen from this rank: the set's size, this rank's place
-in it (read from Horovod once: a set's membership does not change) and the error of a rank outside it."""
+in it (read from Horovod once: a set's membership does not change), its node layout and the error
+of a rank outside it."""
 
 from __future__ import annotations
 
+from ..exchange.topology import resolve_local_size
 from . import graph
 
 
@@ -27,6 +29,14 @@ class SetMembership:
 
     def _set_rank(self) -> int:
         return self._set_info()[1]
+
+    def _local_size(self) -> int:
+        """Ranks per node of the set (:func:`horovod_alq.exchange.topology.resolve_local_size`):
+        ``$HOROVOD_ALQ_LOCAL_SIZE``, else Horovod's local size for the global set (when its nodes
+        are runs of consecutive ranks), else one node. Read at each compress (traced: once)."""
+        hvd, (size, rank) = graph.hvd(), self._set_info()
+        launcher = (hvd.local_size(), hvd.local_rank()) if self.process_set.process_set_id == 0 else None
+        return resolve_local_size(size, rank, launcher)
 
     def _is_member(self) -> bool:
         ranks = self.process_set.ranks

@@ -1,9 +1,11 @@
 """Worker for tests/test_hierarchical_ranks.py: the hierarchical exchange on 4 ranks declared as 2
 nodes x 2 (HOROVOD_ALQ_LOCAL_SIZE=2), through one front-end (--front): mpi4py's QuantizedAllreduce,
-the Horovod PyTorch compressor (under mpirun), the DDP hook or FSDP2's reduce-scatter comm (its
-node-aware reduce-scatter; under torchrun), with --exchange (default "auto"). Reports the exchange
-in use, a digest of every rank's results, the t statistics of the results' deviations from the
-exact average over --reps rounds, and what a rank that declares another node layout gets."""
+the Horovod PyTorch compressor (under mpirun), the Horovod TensorFlow compressor (mpirun, inside
+tf.function), the DDP hook or FSDP2's reduce-scatter comm (its node-aware reduce-scatter; under
+torchrun), with --exchange (default "auto"). Reports the exchange in use, a digest of every rank's
+results, the t statistics of the results' deviations from the exact average over --reps rounds,
+and what a rank that declares another node layout gets; TensorFlow also its bytes per round and
+the largest value of the average of inputs whose node sums are 0."""
 
 import argparse
 import os
@@ -76,6 +78,40 @@ def run_horovod(args) -> dict:
     out = summarize(outs, exact)
     out["exchange"] = comp.metrics()["exchange"]
     out["levels"] = digest(comp.levels)
+    if rank == size - 1:
+        os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)
+    other = ALQCompressor(bits=args.bits, bucket_size=D, seed=5, exchange=args.exchange)
+    try:
+        hvd.allreduce(x, compression=other, op=hvd.Average, name="mismatch")
+        out["mismatch"] = None
+    except Exception as err:  # noqa: BLE001
+        out["mismatch"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def run_tf(args) -> dict:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    from horovod_alq.tensorflow import ALQCompressor
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    x = tf.constant(rank_input(rank))
+    exact = hvd.allreduce(tf.cast(x, tf.float64), op=hvd.Average, name="exact").numpy()
+    comp = ALQCompressor(
+        bits=args.bits, bucket_size=D, seed=5, update_steps=(0,), update_every=0, exchange=args.exchange
+    )
+    step = tf.function(lambda t: hvd.allreduce(t, compression=comp, op=hvd.Average, name="h"))
+    outs = [step(x).numpy() for _ in range(args.reps)]
+    out = summarize(outs, exact)
+    m = comp.metrics()
+    out.update(exchange=m["exchange"], levels=digest(comp.levels), level_updates=m["level_updates"])
+    out["sent"], out["received"] = m["bytes_sent"] / args.reps, m["bytes_received"] / args.reps
+    # local ranks 0 and 1 of a node send opposite inputs: every node's sum is exactly 0 (eagerly)
+    node_zero = tf.constant(rank_input(rank // 2 * 2) * (1 - 2 * (rank % 2)))
+    cancel = ALQCompressor(bits=args.bits, bucket_size=D, seed=6, exchange=args.exchange)
+    out["cancelled_max"] = float(np.abs(hvd.allreduce(node_zero, compression=cancel, name="zero").numpy()).max())
     if rank == size - 1:
         os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)
     other = ALQCompressor(bits=args.bits, bucket_size=D, seed=5, exchange=args.exchange)
@@ -176,12 +212,12 @@ def run_fsdp(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--front", choices=("mpi", "horovod", "ddp", "fsdp"), required=True)
+    parser.add_argument("--front", choices=("mpi", "horovod", "tf", "ddp", "fsdp"), required=True)
     parser.add_argument("--exchange", default="auto")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--reps", type=int, default=60)
     args = parser.parse_args()
-    report({"mpi": run_mpi, "horovod": run_horovod, "ddp": run_ddp, "fsdp": run_fsdp}[args.front](args))
+    report({"mpi": run_mpi, "horovod": run_horovod, "tf": run_tf, "ddp": run_ddp, "fsdp": run_fsdp}[args.front](args))
 
 
 if __name__ == "__main__":
