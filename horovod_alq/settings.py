@@ -288,9 +288,8 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "bits_per": "per-bucket widths need the mixed-payload codec, written for torch and NumPy only",
         "adapt_second": "the second quantization keeps the first one's levels in TensorFlow (bits_second=bits), "
         "or a fixed method's levels",
-        "fusion_bytes": "TensorFlow exchanges each tensor on its own, in graph order: there is no fusion buffer",
-        "overlap": "TensorFlow exchanges each tensor once its own control vector is reduced, with no fusion "
-        "buffers to start early",
+        "overlap": "in a traced step TensorFlow's executor starts each tensor's or fusion buffer's exchange once "
+        "its inputs exist; there is no switch",
         "clip": _TERNGRAD_CLIP,
         "bits_max": "TensorFlow's graph holds a level set for every width from 2 to 8",
         "code_entropy": "it fits levels for the entropy-coded wire, which TensorFlow does not serve",

@@ -20,7 +20,9 @@ Usage (the compressor is an object with state: create it once, reuse it every st
 What works with TensorFlow 2.21 (Keras 3) and Horovod 0.28.1 (also with ``process_set=`` and ``exchange=``):
 
 * ``hvd.DistributedGradientTape`` and ``hvd.allreduce`` / ``hvd.grouped_allreduce`` with
-  ``tf.Variable`` s (custom loops, ``tf.Module``), eagerly and inside ``tf.function``.
+  ``tf.Variable`` s (custom loops, ``tf.Module``), eagerly and inside ``tf.function``; each tensor
+  is exchanged on its own. :class:`DistributedGradientTape` and :func:`fused_allreduce` (here)
+  pack the tensors into fusion buffers of ``fusion_bytes`` first (:mod:`.fusion`).
 * Keras 3 models in a custom loop: pass the Keras variables' underlying tf.Variables,
   ``[v.value for v in model.trainable_variables]``, to ``tape.gradient``. Passing the Keras 3
   variables themselves fails inside Horovod (``'Variable' object has no attribute 'ref'``).
@@ -43,11 +45,13 @@ from .compressor import (
     TernGradCompressor,
     compressor_for,
 )
+from .fusion import DistributedGradientTape, fused_allreduce
 from .graph import ProtocolError, ReductionMismatch
 
 __all__ = [
     "ALQCompressor",
     "AMQCompressor",
+    "DistributedGradientTape",
     "NUQSGDCompressor",
     "ProtocolError",
     "QSGDCompressor",
@@ -55,4 +59,5 @@ __all__ = [
     "ReductionMismatch",
     "TernGradCompressor",
     "compressor_for",
+    "fused_allreduce",
 ]

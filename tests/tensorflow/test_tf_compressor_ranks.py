@@ -111,8 +111,8 @@ def test_keras_model_fit_with_tf_keras():
 
 @pytest.fixture(scope="module")
 def checks():
-    """One 2-rank launch of four scenarios in turn (TensorFlow starts once); the refusing ones last."""
-    return _run("misc+compat+mismatch+deadlock")
+    """One 2-rank launch of five scenarios in turn (TensorFlow starts once); the refusing ones last."""
+    return _run("misc+compat+fusion+mismatch+deadlock")
 
 
 def _scenario(runs, name):
@@ -458,3 +458,30 @@ def test_stalled_rank_in_tf_function_the_waiting_rank_waits_for_it(collide_and_s
     assert a["error"] is None and b["error"] is None, (a, b)
     assert a["digest"] == b["digest"]
     assert a["seconds"] >= waiting["stall"] - 1.0, a["seconds"]
+
+
+def test_fused_allreduce_buffers_rounds_and_tape(checks):
+    """horovod_alq.tensorflow.fused_allreduce on 2 ranks, eagerly and in tf.function: identical on
+    both ranks, every tensor back in its dtype and shape (None stays None, ints exact, a tensor
+    below min_size uncompressed), each quantized tensor unbiased (t of the deviations summed over
+    chunks of 128 coordinates, over 24 calls, Bonferroni), one round per call; fusion_bytes=6000
+    packs the 5 quantized tensors into 4 buffers (one per dtype, the 300- and 1200-element float32
+    tensors together), fusion_bytes=0 a buffer each. DistributedGradientTape gives the plain tape's
+    gradients fused alike, bit for bit."""
+    from helpers import t_bound
+
+    res = _scenario(checks, "fusion")
+    for key, buffers in (("eager.6000", 4), ("function.6000", 4), ("eager.0", 5), ("function.0", 5)):
+        a, b = res[0][key], res[1][key]
+        assert a["digest"] == b["digest"], key
+        assert a["dtypes"] == ["float32", "float32", "float32", "float32", "float16", "int32", None, "float64"]
+        assert a["shapes"] == [[40, 30], [7], [300], [20, 20, 3], [500], [10], None, [200]], key
+        assert a["ints_exact"] and a["small_close"] < 1e-6, key
+        assert a["step"] == a["reps"] and a["calls"] == buffers * a["reps"], (key, a)
+        assert a["uncompressed"] == 17 * a["reps"], (key, a)
+        for i, t in a["t_max"].items():  # |t| of the deviations summed over chunks of 128
+            count = {"0": 10, "2": 3, "3": 10, "4": 4, "7": 2}[str(i)]
+            assert t < t_bound(a["reps"], count), (key, i, t)
+    for r in res:
+        assert r["tape"]["keys"] == ["b", "w"] and r["tape"]["same"], r["tape"]
+    assert res[0]["tape"]["digest"] == res[1]["tape"]["digest"]

@@ -28,6 +28,7 @@ SCENARIOS = [
     "auto",
     "collide",
     "stall",
+    "fusion",
 ]
 
 
@@ -1060,6 +1061,81 @@ def auto(args) -> dict:
             out[f"mismatch.{what}"] = {"error": None, "out": digest(y.numpy())}
         except Exception as err:  # noqa: BLE001 - reported to the test
             out[f"mismatch.{what}"] = {"error": f"{type(err).__name__}: {err}"[-1500:]}
+    return out
+
+
+FUSION_SHAPES = [((40, 30), "float32"), ((7,), "float32"), ((300,), "float32"), ((20, 20, 3), "float32"),
+                 ((500,), "float16"), ((10,), "int32"), (None, None), ((200,), "float64")]  # fmt: skip
+
+
+def fusion_inputs(rank: int) -> list:
+    """Rank ``rank``'s tensors for the fusion scenario (ints: the same on every rank; None: no gradient)."""
+    rng = np.random.default_rng(40 + rank)
+    return [
+        None if shape is None
+        else np.arange(10, dtype=dtype) if dtype == "int32"
+        else (rng.standard_normal(shape) + rank).astype(dtype)
+        for shape, dtype in FUSION_SHAPES
+    ]  # fmt: skip
+
+
+def _chunk_t(dev: np.ndarray, chunk: int = 128) -> float:
+    """The largest |t| of the deviations (reps, *shape) summed over chunks of ``chunk`` coordinates."""
+    flat = dev.reshape(dev.shape[0], -1)
+    return float(np.abs(t_stat(np.add.reduceat(flat, np.arange(0, flat.shape[1], chunk), axis=1))).max())
+
+
+def fusion(args) -> dict:
+    """horovod_alq.tensorflow.fused_allreduce, eagerly and in tf.function, 24 calls each: the ranks'
+    results (digest), each tensor's dtype and shape, the t statistics of each float tensor's deviation
+    from the exact average, the compressor's counters (buffers per call), fusion_bytes=0 (a buffer
+    per tensor), and DistributedGradientTape against the plain tape's gradients fused alike."""
+    from horovod_alq.tensorflow import DistributedGradientTape, fused_allreduce
+
+    rank, size, reps = hvd.rank(), hvd.size(), 24
+    mine = fusion_inputs(rank)
+    every = [fusion_inputs(r) for r in range(size)]
+    exact = [None if x is None else np.mean([e[i].astype(np.float64) for e in every], 0) for i, x in enumerate(mine)]
+    tensors = [None if x is None else tf.constant(x) for x in mine]
+    out = {}
+    for mode in ("eager", "function"):
+        for fusion_bytes in (6000, 0):
+            comp = ALQCompressor(bits=4, bucket_size=128, seed=3, min_size=16, fusion_bytes=fusion_bytes)
+            fn = (lambda ts, c=comp: fused_allreduce(ts, c)) if mode == "eager" else tf.function(
+                lambda ts, c=comp: fused_allreduce(ts, c))  # fmt: skip
+            runs = [[None if y is None else y.numpy() for y in fn(tensors)] for _ in range(reps)]
+            floats = [i for i, x in enumerate(mine) if x is not None and x.dtype.kind == "f" and x.size >= 16]
+            m = comp.metrics()
+            out[f"{mode}.{fusion_bytes}"] = {
+                "digest": digest(*[y for y in runs[-1] if y is not None]),
+                "dtypes": [None if y is None else str(y.dtype) for y in runs[0]],
+                "shapes": [None if y is None else list(y.shape) for y in runs[0]],
+                "t_max": {i: _chunk_t(np.stack([r[i].astype(np.float64) - exact[i] for r in runs])) for i in floats},
+                "ints_exact": bool(np.array_equal(runs[0][5], exact[5])),
+                "small_close": float(np.abs(runs[0][1] - exact[1]).max()),
+                "reps": reps,
+                "step": m["step"],
+                "calls": m["calls"],
+                "uncompressed": m["uncompressed_coordinates"],
+            }
+    w = tf.Variable(tf.constant(np.random.default_rng(rank).standard_normal((64, 8)), tf.float32))
+    b = tf.Variable(tf.zeros([8]))
+    x = tf.constant(np.random.default_rng(100 + rank).standard_normal((16, 64)), tf.float32)
+    grads = {}
+    for how in ("tape", "plain"):
+        comp = ALQCompressor(bits=3, bucket_size=128, seed=9, min_size=4)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(x @ w + b) ** 2)
+        if how == "tape":
+            grads[how] = DistributedGradientTape(tape, compression=comp).gradient(loss, {"w": w, "b": b})
+        else:
+            g = tape.gradient(loss, {"w": w, "b": b})
+            grads[how] = dict(zip(("b", "w"), fused_allreduce([g["b"], g["w"]], comp)))
+    out["tape"] = {
+        "keys": sorted(grads["tape"]),
+        "same": all(np.array_equal(grads["tape"][k].numpy(), grads["plain"][k].numpy()) for k in ("w", "b")),
+        "digest": digest(grads["tape"]["w"], grads["tape"]["b"]),
+    }
     return out
 
 
