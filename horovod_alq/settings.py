@@ -291,7 +291,6 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "overlap": "in a traced step TensorFlow's executor starts each tensor's or fusion buffer's exchange once "
         "its inputs exist; there is no switch",
         "clip": _TERNGRAD_CLIP,
-        "bits_max": "TensorFlow's graph holds a level set for every width from 2 to 8",
         "code_entropy": "it fits levels for the entropy-coded wire, which TensorFlow does not serve",
         "wire": "TensorFlow moves payloads inside its graph, where no host-side coder runs; for the "
         "entropy-coded wire use the PyTorch front-ends or mpi4py",

@@ -58,9 +58,11 @@ class AutoVariables(tf.Module):
             )
 
     def padded_levels(self) -> np.ndarray:
-        """Every width's levels, row ``w - 2`` holding width ``w``'s ``2**w`` levels (zero-padded)."""
-        out = np.zeros((len(AUTO_WIDTHS), 2 ** AUTO_WIDTHS[-1]))
-        for i, w in enumerate(AUTO_WIDTHS):
+        """Every candidate width's levels (2 to ``bits_max``), row ``w - 2`` holding width ``w``'s
+        ``2**w`` levels (zero-padded)."""
+        widths = self.auto.widths
+        out = np.zeros((len(widths), 2 ** widths[-1]))
+        for i, w in enumerate(widths):
             out[i, : 2**w] = self.auto.quantizers[w].levels
         return out
 
@@ -121,7 +123,7 @@ class AutoVariables(tf.Module):
         rows, row_keys = rows[live], row_keys[live]
         a = self.auto
         if len(rows) and np.isfinite(rows).all():
-            errors = errors_from_histograms(rows[:, :HISTOGRAM_LENGTH], [a.quantizers[w].levels for w in AUTO_WIDTHS])
+            errors = errors_from_histograms(rows[:, :HISTOGRAM_LENGTH], [a.quantizers[w].levels for w in a.widths])
             a.refit(
                 np.concatenate([errors, rows[:, HISTOGRAM_LENGTH:]], axis=1),
                 row_keys[:, 0].tolist(),
@@ -138,7 +140,7 @@ class AutoVariables(tf.Module):
     def load(self, levels: np.ndarray, keys: np.ndarray, bits: np.ndarray) -> None:
         """Set the :class:`AutoBits` from the variables' values."""
         a = self.auto
-        for i, w in enumerate(AUTO_WIDTHS):
+        for i, w in enumerate(a.widths):
             a.quantizers[w].set_levels(levels[i, : 2**w])
         a.keys = tuple(tuple(int(v) for v in k) for k in np.asarray(keys).reshape(-1, 2))
         a.bits = tuple(int(b) for b in bits)
@@ -171,21 +173,23 @@ class AutoVariables(tf.Module):
 
 
 def per_width(width, values: dict, dtype: tf.DType = tf.int64) -> Any:
-    """The value of the tensor's width in ``values`` (width -> int): the one value with fixed
-    bits, a ``dtype`` tensor looked up in the table when the width is chosen at run time."""
+    """The value of the tensor's width in ``values`` (each candidate width -> int): the one value
+    with fixed bits, a ``dtype`` tensor looked up in the table when the width is chosen at run time."""
     if width is None:
         return next(iter(values.values()))
-    return tf.gather(tf.constant([values[w] for w in AUTO_WIDTHS], dtype), width - AUTO_WIDTHS[0])
+    widths = sorted(values)
+    return tf.gather(tf.constant([values[w] for w in widths], dtype), width - widths[0])
 
 
-def by_width(width, fn, eager: bool):
+def by_width(width, fn, eager: bool, widths: tuple[int, ...] = AUTO_WIDTHS):
     """``fn(bits)`` of the tensor's width: fixed bits, or ``bits="auto"``'s width chosen at run
-    time (eagerly the branch of its value, in a graph a ``tf.switch_case`` over every width)."""
+    time among ``widths`` (consecutive, from 2 to ``bits_max``; eagerly the branch of its value, in
+    a graph a ``tf.switch_case`` over every width)."""
     if width is None:
         return fn(None)
     if eager:
         return fn(int(width))
-    return tf.switch_case(width - AUTO_WIDTHS[0], [functools.partial(fn, w) for w in AUTO_WIDTHS])
+    return tf.switch_case(width - widths[0], [functools.partial(fn, w) for w in widths])
 
 
 def levels_of(levels: tf.Tensor, bits: int | None) -> tf.Tensor:

@@ -46,7 +46,6 @@ import tensorflow as tf
 
 from .. import compressor_mixins as mixins
 from ..core import protocol
-from ..core.auto_bits import AUTO_WIDTHS
 from ..core.methods import get_method
 from ..exchange.registry import choose_exchange, get
 from ..settings import Settings, configure
@@ -203,7 +202,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         # The codec's tf.functions and per-traced-graph call-site counters, in a plain namespace so
         # that tf.Module / tf.train.Checkpoint do not track them.
         first = graph.codec(q.bits, q.bucket_size, q.norm, self.jit_compile)
-        widths = AUTO_WIDTHS if self._vars.auto is not None else (q.bits,)
+        widths = self._state.auto.widths if self._vars.auto is not None else (q.bits,)
         self._fns = types.SimpleNamespace(
             sites=weakref.WeakKeyDictionary(),
             codec=first,

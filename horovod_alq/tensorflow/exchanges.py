@@ -59,6 +59,10 @@ class GraphExchanges:
     that runs each), the rank's own payload and the control vector's head; the compressor provides
     the codec functions, variables and process set."""
 
+    def _by_width(self, width, fn, eager: bool):
+        """:func:`.auto.by_width` over this compressor's candidate widths."""
+        return auto.by_width(width, fn, eager, tuple(self._fns.widths))
+
     # ------------------------------------------------------------------ compress
     def _own_payload(self, tensor, exchange: str, width, plans, levels, seed, eager: bool):
         """``(payload, header)``: this rank's codes of ``tensor`` as the exchange sends them (the
@@ -66,7 +70,7 @@ class GraphExchanges:
         in ``decompress``: None) and the header of the whole tensor's payload."""
         v, numel = self._vars, tensor.shape.num_elements()
         if get(exchange).node_aware:
-            return None, auto.by_width(width, lambda bits: v.header(numel, bits=bits), eager)
+            return None, self._by_width(width, lambda bits: v.header(numel, bits=bits), eager)
 
         def encode(bits: int | None):  # None: the fixed width
             w = self._quantizer.bits if bits is None else bits
@@ -83,7 +87,7 @@ class GraphExchanges:
                 0,
             ), header
 
-        return auto.by_width(width, encode, eager)
+        return self._by_width(width, encode, eager)
 
     def _head_parts(self, exchange: str) -> tuple[bool, bool]:
         """Whether the control vector carries (the configuration sums, the ranks' layouts): the
@@ -156,7 +160,7 @@ class GraphExchanges:
             )
 
         def run():
-            return self._complete(ctx, reduced, auto.by_width(ctx.width, decode, ctx.eager))
+            return self._complete(ctx, reduced, self._by_width(ctx.width, decode, ctx.eager))
 
         explain = functools.partial(
             checks.explain_payloads, numel=ctx.numel, ranks=n, quantizer=self._quantizer, slot=ctx.slot
@@ -169,7 +173,7 @@ class GraphExchanges:
         decodes all the re-quantized shards (flat float32, identical on every rank). The
         configurations (``bits="auto"``: the width and the allocation's hash too) were compared
         through the reduced vector, so the payloads are not checked again."""
-        return auto.by_width(ctx.width, functools.partial(self._two_phase_width, ctx, reduced), ctx.eager)
+        return self._by_width(ctx.width, functools.partial(self._two_phase_width, ctx, reduced), ctx.eager)
 
     def _two_phase_width(self, ctx: Exchange, reduced: tf.Tensor, bits: int | None) -> tf.Tensor:
         hvd, ps, v = graph.hvd(), self.process_set, self._vars
@@ -213,7 +217,7 @@ class GraphExchanges:
         ranks outside a group exchange nothing). Every rank decodes the same payloads and sums the
         nodes in node order: identical on every rank. The configurations and the layouts were
         compared through the reduced vector, so the payloads are not checked again."""
-        return auto.by_width(ctx.width, functools.partial(self._hierarchical_width, ctx, reduced), ctx.eager)
+        return self._by_width(ctx.width, functools.partial(self._hierarchical_width, ctx, reduced), ctx.eager)
 
     def _hierarchical_width(self, ctx: Exchange, reduced: tf.Tensor, bits: int | None) -> tf.Tensor:
         w = self._quantizer.bits if bits is None else bits
@@ -244,7 +248,7 @@ class GraphExchanges:
         node, a two-phase exchange of the node sums between the owners of each shard (sub-shard
         ``k`` summed and re-quantized by the owner on node ``k``), then forwarded inside the node
         (four alltoalls of the set). Checked as :meth:`_hierarchical`."""
-        return auto.by_width(ctx.width, functools.partial(self._hierarchical_two_phase_width, ctx, reduced), ctx.eager)
+        return self._by_width(ctx.width, functools.partial(self._hierarchical_two_phase_width, ctx, reduced), ctx.eager)
 
     def _hierarchical_two_phase_width(self, ctx: Exchange, reduced: tf.Tensor, bits: int | None) -> tf.Tensor:
         v, chosen = self._vars, bits is not None

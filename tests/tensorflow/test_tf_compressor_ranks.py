@@ -367,9 +367,9 @@ def test_auto_bits_agree_on_every_rank_follow_the_core_and_stay_unbiased(train_a
     ranks' data (widths differ between the step's tensors), the same levels and sums; each round
     sends the allocation's payload sizes; the sums of tensors of different widths stay unbiased (t
     tests at 1e-6, Bonferroni over buckets); eagerly as in tf.function; state_dict and
-    tf.train.Checkpoint keep the allocation and levels (a restored compressor takes the same step); training
-    converges at budget 2.5; ranks that differ in
-    budget or allocation raise on every rank."""
+    tf.train.Checkpoint keep the allocation and levels (a restored compressor takes the same step);
+    ``bits_max=4`` holds widths 2 to 4 and allocates as the core does under the cap; training
+    converges at budget 2.5; ranks that differ in budget or allocation raise on every rank."""
     res = [r["auto"] for r in train_and_auto]
     expected = res[0]["core_allocation"]
     assert len(set(expected)) > 1, expected
@@ -388,6 +388,10 @@ def test_auto_bits_agree_on_every_rank_follow_the_core_and_stay_unbiased(train_a
         assert r0["reloaded"] and r0["checkpoint_same_step"]
         for r in (r0, r1):
             assert_t_unbiased(r, ("t_max",))
+    c0, c1 = (r["bits_max"] for r in res)  # bits_max=4: widths 2-4 in the graph, the core's allocation
+    assert c0["widths"] == [2, 3, 4] and c0["levels_shape"] == [3, 16], c0
+    assert c0["allocation"] == c0["core_allocation"] and max(c0["allocation"]) <= 4, c0
+    assert c0["allocation"] == c1["allocation"] and c0["digest"] == c1["digest"]
     tr0, tr1 = (r["train"] for r in res)
     assert tr0["params"] == tr1["params"] and tr0["allocation"] == tr1["allocation"]
     assert tr0["level_updates"] == 3 and tr0["allocated_mean_bits"] <= 2.5 + 1e-9

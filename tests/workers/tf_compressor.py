@@ -1025,6 +1025,23 @@ def auto(args) -> dict:
             "reloaded": m2["allocation"] == m["allocation"]
             and all(np.array_equal(m2["width_levels"][w], v) for w, v in m["width_levels"].items()),
         }
+    # bits_max=4: the graph holds widths 2 to 4 only; the allocation is the core's under the cap
+    capped = AutoBits("alq", 3.0, args.bucket, bits_max=4)
+    rows = sum(np.stack([capped.row(x) for x in d]) for d in data)
+    comp = ALQCompressor(bits="auto", bit_budget=3.0, bits_max=4, bucket_size=args.bucket, update_steps=(0,),
+                         update_every=0, min_size=100, seed=args.seed)  # fmt: skip
+    fn = tf.function(
+        lambda *t: [hvd.allreduce(x, op=hvd.Sum, compression=comp, name=f"cap{k}") for k, x in enumerate(t)]
+    )
+    ys = [fn(*[tf.constant(x) for x in data[rank]]) for _ in range(3)][-1]
+    m = comp.metrics()
+    out["bits_max"] = {
+        "core_allocation": [int(b) for b in capped.refit(rows, [numel] * len(scales), keys).bits],
+        "allocation": m["allocation"],
+        "widths": sorted(int(w) for w in m["width_levels"]),
+        "levels_shape": list(comp._vars.auto.levels.shape),
+        "digest": digest(*[y.numpy() for y in ys]),
+    }
     model = MLP(seed=1)
     comp = ALQCompressor(
         bits="auto",
