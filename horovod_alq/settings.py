@@ -286,16 +286,12 @@ NOT_SERVED: dict[str, dict[str, str]] = {
     "Horovod TensorFlow": {
         "codec": "TensorFlow runs its own codec (TF ops, XLA-compiled: jit_compile=)",
         "bits_per": "per-bucket widths need the mixed-payload codec, written for torch and NumPy only",
-        "adapt_second": "the second quantization keeps the first one's levels in TensorFlow (bits_second=bits), "
-        "or a fixed method's levels",
         "overlap": "in a traced step TensorFlow's executor starts each tensor's or fusion buffer's exchange once "
         "its inputs exist; there is no switch",
         "clip": _TERNGRAD_CLIP,
         "code_entropy": "it fits levels for the entropy-coded wire, which TensorFlow does not serve",
         "wire": "TensorFlow moves payloads inside its graph, where no host-side coder runs; for the "
         "entropy-coded wire use the PyTorch front-ends or mpi4py",
-        "error_feedback": "not built yet for TensorFlow's graph exchange; use the PyTorch front-ends or mpi4py",
-        "error_feedback_dtype": "TensorFlow has no error feedback yet",
     },
     "DDP hook": {
         "overlap": "DDP overlaps by itself: each bucket's exchange starts when its hook runs",
@@ -337,7 +333,8 @@ def partly() -> dict[str, dict[str, tuple[tuple, str]]]:
                 ("auto", *registry.graph_names()),
                 "the other exchanges have no graph execution; "
                 "for them use the PyTorch compressors, the DDP hook or mpi4py",
-            )
+            ),
+            "error_feedback_dtype": (("float32",), "the graph's buffers are float32 variables"),
         },
         "mpi4py": {
             "error_feedback_dtype": (("float32",), "NumPy has no bfloat16: the buffers are float32"),

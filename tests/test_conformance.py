@@ -358,9 +358,8 @@ def test_entropy_wire_gives_the_fixed_wires_results(launched, launched_entropy, 
 
 
 # ------------------------------------------------------------------ error feedback
-#: The front-ends that serve ``error_feedback`` through these launches (TensorFlow refuses it:
-#: tests/test_settings.py; FSDP2 and DiLoCo: tests/torch).
-FEEDBACK_FRONTENDS = ("torch", "ddp", "mpi")
+#: The front-ends that serve ``error_feedback`` through these launches (FSDP2 and DiLoCo: tests/torch).
+FEEDBACK_FRONTENDS = ("torch", "tf", "ddp", "mpi")
 FEEDBACK_ROUNDS = 12
 
 

@@ -27,7 +27,7 @@ CHANGED = {
     "bits_per": {"bits": "auto", "bits_per": "bucket", "bucket_size": 512},
     "bits_max": {"bits": "auto", "bits_max": 4},
     "exchange": {"exchange": "two-phase"},
-    "bits_second": {"method": "qsgdinf", "bits_second": 4},  # TensorFlow adapts no second width
+    "bits_second": {"method": "qsgdinf", "bits_second": 4},
     "adapt_second": {"adapt_second": True},
     "update_steps": {"update_steps": (0, 5)},
     "update_every": {"update_every": 7},

@@ -117,9 +117,9 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         the budget; ``min_size`` also sends uncompressed a tensor whose size is not known when
         traced; ``seed`` is combined with the rank and a call counter (the draws differ on every
         call, also inside ``tf.function``); ``exchange="two-phase"`` cuts each tensor's buckets into
-        N shards; ``bits_second`` other than ``bits`` only for the fixed methods (the second
-        quantization does not adapt in TensorFlow, and adaptive levels left at their initial fit give
-        12 to 16x the variance, docs/results/variance_two_phase.md). A setting TensorFlow does not
+        N shards; ``bits_second`` and ``adapt_second`` as in PyTorch (the second quantizer's levels
+        refit from the owners' reduced shards in the round after each refit of the first, with one
+        more allreduce of their statistics in that round). A setting TensorFlow does not
         serve raises ValueError naming why (:data:`horovod_alq.settings.NOT_SERVED`; the table in
         docs/guides/settings.md).
     settings : horovod_alq.settings.Settings, optional
@@ -178,16 +178,10 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
             **keywords,
         )
         self._method = get_method(s.method)
-        setup = configure(s, adapt_second=False)
+        setup = configure(s)
         self.settings = s if s.seed is not None else s.replace(seed=setup.seed)  # one seed for every set
         self._state = setup.state
         self._quantizer, self._second = q, q2 = setup.quantizer, setup.second
-        if self._method.adaptive and q2.bits != q.bits:
-            raise ValueError(
-                f"bits_second={q2.bits} with bits={q.bits}: the TensorFlow compressors cannot adapt "
-                f"a second quantization of other bits for {self._method.name} (its initial levels "
-                f"give 12-16x the variance); use bits_second=bits, or the PyTorch compressors"
-            )
         self._exchange = s.exchange  # auto or one with a graph execution (settings.partly)
         self._process_set = process_set
         self._set_cache = None
@@ -300,7 +294,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         levels = (v.levels if v.auto is None else v.auto.levels).read_value()
         seed = tf.stack([tf.bitwise.bitwise_xor(v.seed.read_value(), self._rank_key()), counters["calls"] - 1])
         head = tf.constant(protocol.tensor_vector(me, n, slot, h, failed=False), tf.float64)
-        payload, header = self._own_payload(tensor, exchange, width, plans, levels, seed, eager)
+        payload, header = self._own_payload(tensor, exchange, width, plans, levels, seed, eager, slot)
         head = self._control_head(head, exchange, header, width, g)
         # the statistics row: unless the exchange collects its own (always with "auto": one length)
         row = collecting is not None and (self._exchange == "auto" or not own_statistics(exchange, v.auto is not None))
@@ -327,6 +321,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
             width=width,
             row=row,
             g=g,
+            collecting_second=v.collecting_second(current) if get(exchange).requantizes else None,
         )
         if eager:
             # Horovod drops ctx without decompress when its allreduce raised (a dtype mismatch): the

@@ -46,6 +46,7 @@ class Exchange:
     own_set: bool = False  # the calling collective runs over the compressor's set (joined.own_set)
     row: bool = True  # a refit round's statistics travel in the control vector (else the exchange's own)
     g: int = 1  # ranks per node (node-aware exchanges)
+    collecting_second: Any = None  # bool tensor: the round collects for the second quantizer (else None)
 
 
 def own_statistics(exchange: str, auto_bits: bool) -> bool:
@@ -64,7 +65,20 @@ class GraphExchanges:
         return auto.by_width(width, fn, eager, tuple(self._fns.widths))
 
     # ------------------------------------------------------------------ compress
-    def _own_payload(self, tensor, exchange: str, width, plans, levels, seed, eager: bool):
+    def _encode_part(self, codec, x: tf.Tensor, levels, header: tf.Tensor, seed, key: tuple) -> tf.Tensor:
+        """One payload of ``x`` with ``codec`` (a :func:`.graph.codec`); an empty range's is its
+        header alone. With error feedback, of ``x`` plus the buffer of ``key`` ((slot, elements,
+        tag, lo, hi): :mod:`.feedback`), which keeps what the payload dropped."""
+        n = x.shape.num_elements()
+        if n == 0:
+            return header
+        fb = self._vars.feedback
+        if fb is None:
+            return codec.encode(x, levels, header, seed)
+        one = tf.constant(1.0, tf.float32)
+        return fb.encode(codec.encode, lambda p, lv: codec.decoder(n, 1)(p, lv, one), x, levels, header, seed, key)
+
+    def _own_payload(self, tensor, exchange: str, width, plans, levels, seed, eager: bool, slot: int = 0):
         """``(payload, header)``: this rank's codes of ``tensor`` as the exchange sends them (the
         whole tensor, or one payload per shard end to end; node-aware exchanges quantize node sums
         in ``decompress``: None) and the header of the whole tensor's payload."""
@@ -75,13 +89,20 @@ class GraphExchanges:
         def encode(bits: int | None):  # None: the fixed width
             w = self._quantizer.bits if bits is None else bits
             header = v.header(numel, bits=bits)
-            codec, lv = self._fns.widths[w].encode, auto.levels_of(levels, bits)
+            codec, lv = self._fns.widths[w], auto.levels_of(levels, bits)
             if exchange == "allgather":
-                return codec(tensor, lv, header, seed), header
+                return self._encode_part(codec, tensor, lv, header, seed, (slot, numel, "own", 0, numel)), header
             flat = tf.reshape(tensor, [-1])
             return tf.concat(
                 [
-                    graph.encode_part(codec, flat[a:b], lv, v.header(b - a, bits=bits), graph.part_seed(seed, j, 1))
+                    self._encode_part(
+                        codec,
+                        flat[a:b],
+                        lv,
+                        v.header(b - a, bits=bits),
+                        graph.part_seed(seed, j, 1),
+                        (slot, numel, "own", a, b),
+                    )  # fmt: skip
                     for j, (a, b) in enumerate(plans[w].parts)
                 ],
                 0,
@@ -188,11 +209,12 @@ class GraphExchanges:
         levels = auto.levels_of(ctx.levels, bits)
         acc = first.decoder(b - a, n)(received, levels, one) if b > a else tf.zeros([0], tf.float32)
         follows = chosen or v.state.follows_first
-        levels2 = levels if follows else tf.constant(self._second.levels, tf.float64)
+        levels2 = levels if follows else v.second_levels_now()
         second = first if chosen else self._fns.second
-        payload2 = graph.encode_part(
-            second.encode, acc, levels2, v.header(b - a, second=True, bits=bits), graph.part_seed(ctx.seed, me, 2)
-        )
+        payload2 = self._encode_part(
+            second, acc, levels2, v.header(b - a, second=True, bits=bits), graph.part_seed(ctx.seed, me, 2),
+            (ctx.slot, ctx.numel, "sum", a, b),
+        )  # fmt: skip
         payload2 = _reading(payload2, rsplits)
         gathered = waits.bounded(
             lambda: hvd.allgather(payload2, name=name + ".ag2", ignore_name_scope=True, process_set=ps),
@@ -208,7 +230,8 @@ class GraphExchanges:
             for j, (pa, pb) in enumerate(plan.parts)
             if pb > pa
         ]
-        return self._complete(ctx, reduced, tf.concat(pieces, 0))
+        second_statistics = self._owner_statistics(acc, b > a, name + ".second")
+        return self._complete(ctx, reduced, tf.concat(pieces, 0), second=second_statistics)
 
     def _hierarchical(self, ctx: Exchange, reduced: tf.Tensor) -> tf.Tensor:
         """:mod:`horovod_alq.exchange.hierarchical` on one tensor: exact sums inside the node, each
@@ -229,7 +252,10 @@ class GraphExchanges:
         acc, read = self._node_sum(ctx, plan.parts, name)
         header = self._vars.header(b - a, bits=bits)
         payload = _reading(
-            graph.encode_part(first.encode, acc, levels, header, graph.part_seed(ctx.seed, local, 3)), read
+            self._encode_part(
+                first, acc, levels, header, graph.part_seed(ctx.seed, local, 3), (ctx.slot, ctx.numel, "node", a, b)
+            ),
+            read,
         )
         to = hier.splits(n, {r: own for r in hier.cross_ranks(me, n, g)})
         held, _ = self._alltoall(tf.tile(payload, [nodes]), (to, to), name + ".h2")
@@ -255,7 +281,7 @@ class GraphExchanges:
         w = bits if chosen else self._quantizer.bits
         plan, first, levels = ctx.plans[w], self._fns.widths[w], auto.levels_of(ctx.levels, bits)
         follows = chosen or v.state.follows_first
-        levels2 = levels if follows else tf.constant(self._second.levels, tf.float64)
+        levels2 = levels if follows else v.second_levels_now()
         second = first if chosen else self._fns.second
         n, me, g = self._set_size(), self._set_rank(), ctx.g
         m = n // g
@@ -266,12 +292,13 @@ class GraphExchanges:
         a, b = mine[0][0], mine[-1][1]
         acc, read = self._node_sum(ctx, [(parts[j * m][0], parts[j * m + m - 1][1]) for j in range(g)], name)
         payloads = [
-            graph.encode_part(
-                first.encode,
+            self._encode_part(
+                first,
                 acc[sa - a : sb - a],
                 levels,
                 v.header(sb - sa, bits=bits),
                 graph.part_seed(ctx.seed, local * m + k, 3),
+                (ctx.slot, ctx.numel, "node", sa, sb),
             )
             for k, (sa, sb) in enumerate(mine)
         ]
@@ -280,9 +307,9 @@ class GraphExchanges:
         sa, sb = mine[node]
         one = tf.constant(1.0, tf.float32)
         total = first.decoder(sb - sa, m)(received, levels, one) if sb > sa else tf.zeros([0], tf.float32)
-        again = graph.encode_part(
-            second.encode, total, levels2, v.header(sb - sa, second=True, bits=bits),
-            graph.part_seed(ctx.seed, g * m + local * m + node, 3),
+        again = self._encode_part(
+            second, total, levels2, v.header(sb - sa, second=True, bits=bits),
+            graph.part_seed(ctx.seed, g * m + local * m + node, 3), (ctx.slot, ctx.numel, "sum", sa, sb),
         )  # fmt: skip
         held, _ = self._alltoall(tf.tile(_reading(again, read1), [m]), phase2, name + ".h3")
         block = [sum(plan.second[j * m : (j + 1) * m]) for j in range(g)]
@@ -293,7 +320,13 @@ class GraphExchanges:
             for j, (pa, pb) in enumerate(parts)
             if pb > pa
         ]
-        return self._complete(ctx, reduced, tf.concat(pieces, 0), self._owner_statistics(acc, b > a, name))
+        return self._complete(
+            ctx,
+            reduced,
+            tf.concat(pieces, 0),
+            self._owner_statistics(acc, b > a, name),
+            self._owner_statistics(total, sb > sa, name + ".second"),
+        )
 
     def _node_sum(self, ctx: Exchange, shards, name: str) -> tuple[tf.Tensor, tf.Tensor]:
         """Stage 1 of the node-aware exchanges: an exact float32 reduce-scatter inside the node
@@ -312,15 +345,19 @@ class GraphExchanges:
         return acc, splits
 
     def _owner_statistics(self, acc: tf.Tensor, nonempty: bool, name: str):
-        """A refit round's statistics of the node sums (fixed bits): the owners' statistics of what
-        they quantize, summed over the set in one more allreduce (run only in refit rounds: every
-        rank takes the same branch), over the set's size as the control vector's are."""
+        """A refit round's statistics of what the owners quantize (fixed bits: node sums for the
+        first quantizer, reduced shards for the second): their statistics summed over the set in one
+        more allreduce (run only in the rounds that collect: every rank takes the same branch), over
+        the set's size as the control vector's are."""
         if self._vars.auto is not None:
             return None
         n, ps, hvd = self._set_size(), self.process_set, graph.hvd()
 
         def statistics():
-            mine = self._fns.stats(acc) if nonempty else tf.zeros([self._vars.stats_length], tf.float64)
+            # an empty shard's zeros read ``acc`` (its sum is 0): an op that reads nothing from outside
+            # a cond branch may run when the branch is not taken (TF lowers it to Switch/Merge)
+            empty = tf.zeros([self._vars.stats_length], tf.float64) + tf.reduce_sum(tf.cast(acc, tf.float64))
+            mine = self._fns.stats(acc) if nonempty else empty
             summed = waits.bounded(
                 lambda: hvd.allreduce(mine, op=hvd.Sum, name=name + ".stats", ignore_name_scope=True, process_set=ps),
                 name + ".stats",
@@ -344,10 +381,14 @@ class GraphExchanges:
         )
         return tf.reshape(received, [sum(splits[1])]), counts
 
-    def _complete(self, ctx: Exchange, reduced: tf.Tensor, out: tf.Tensor, statistics=None) -> tf.Tensor:
+    def _complete(self, ctx: Exchange, reduced: tf.Tensor, out: tf.Tensor, statistics=None, second=None) -> tf.Tensor:
         """``out`` once the round completed and its reduced statistics (refit rounds) are pending:
-        ``statistics()``'s, else those the control vector carried."""
+        ``statistics()``'s, else those the control vector carried; and, in the rounds that collect
+        for the second quantizer, ``second()``'s."""
         head = self._head_len(ctx.exchange)
+        if second is not None and ctx.collecting_second is not None:
+            with tf.control_dependencies([self._vars.keep_second(ctx.collecting_second, second)]):
+                out = tf.identity(out)
         return self._vars.complete(
             out,
             ctx.round,

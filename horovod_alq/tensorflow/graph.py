@@ -116,13 +116,6 @@ def codec(bits: int, bucket_size: int, norm: str, jit_compile: bool) -> types.Si
     )
 
 
-def encode_part(encode, x: tf.Tensor, levels, header: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-    """One payload; an empty range's is its header alone."""
-    if x.shape.num_elements() == 0:
-        return header
-    return encode(x, levels, header, seed)
-
-
 def part_seed(seed: tf.Tensor, part: int, phase: int) -> tf.Tensor:
     """The ``[key, counter]`` seed of one shard's encoding in one phase of the two-phase exchange.
     Bit 63 keeps the key's input apart from a rank key's (``rank + 1``): owner 0's second-phase

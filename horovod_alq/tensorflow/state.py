@@ -15,6 +15,7 @@ from ..core.rounds import COUNTERS, RoundState
 from ..core.statistics import statistics_length
 from ..core.wire import HEADER_SIZE, Header, pack_header
 from .auto import AutoVariables
+from .feedback import FeedbackVariables
 from .graph import header_mask, signed64
 
 
@@ -35,6 +36,8 @@ class RoundVariables(tf.Module):
         self.auto = None if state.auto is None else AutoVariables(state.auto, self.stats_length)
         #: what a refit round adds to a tensor's vector: its statistics, or (auto) its row
         self.row_length = self.stats_length if self.auto is None else self.auto.row_length
+        #: error_feedback: the error buffers (None without)
+        self.feedback = None if state.feedback is None else FeedbackVariables(q.bucket_size)
         with tf.init_scope():
             self.levels = tf.Variable(q.levels, dtype=tf.float64, trainable=False, name="levels")
             self.header_mask = tf.Variable(
@@ -47,6 +50,19 @@ class RoundVariables(tf.Module):
                 np.zeros(self.stats_length), dtype=tf.float64, trainable=False, name="pending_statistics"
             )
             self.pending_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="pending_count")
+        #: the second quantizer's levels adapt (two-phase exchanges, ``adapt_second``; fixed bits)
+        self.adapts_second = bool(state.adapt_second and self.method.adaptive and self.auto is None)
+        if self.adapts_second:
+            q2 = state.second
+            with tf.init_scope():
+                self.second_levels = tf.Variable(q2.levels, dtype=tf.float64, trainable=False, name="second_levels")
+                self.second_mask = tf.Variable(
+                    header_mask(q2.fingerprint), dtype=tf.int32, trainable=False, name="second_header_mask"
+                )
+                self.pending_second = tf.Variable(
+                    np.zeros(self.stats_length), dtype=tf.float64, trainable=False, name="pending_second_statistics"
+                )
+                self.pending_second_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="pending_second_count")
 
     # ------------------------------------------------------------------ in the step (TF ops)
     def count(self, **values) -> dict:
@@ -58,14 +74,55 @@ class RoundVariables(tf.Module):
         ``bits``: of that width, ``bits="auto"``)."""
         st = self.state
         q = st.auto.quantizers[bits] if bits is not None else st.second if second else st.quantizer
-        own = second and not st.follows_first  # fixed levels of their own: a static header
+        own = second and bits is None and not st.follows_first  # levels of its own
+        fixed = own and not self.adapts_second  # fixed levels of their own: a static header
         static = np.frombuffer(
-            pack_header(Header(self.method.id, q.bits, q.bucket_size, numel, q.fingerprint if own else 0, norm=q.norm)),
+            pack_header(
+                Header(self.method.id, q.bits, q.bucket_size, numel, q.fingerprint if fixed else 0, norm=q.norm)
+            ),
             np.uint8,
         ).astype(np.int32)
-        if own:
+        if fixed:
             return tf.constant(static.astype(np.uint8))
-        return tf.cast(tf.bitwise.bitwise_xor(tf.constant(static), self.header_mask.read_value()), tf.uint8)
+        mask = self.second_mask if own else self.header_mask
+        return tf.cast(tf.bitwise.bitwise_xor(tf.constant(static), mask.read_value()), tf.uint8)
+
+    def second_levels_now(self) -> tf.Tensor:
+        """The second quantizer's current levels (fixed bits, not following the first)."""
+        if self.adapts_second:
+            return self.second_levels.read_value()
+        return tf.constant(self.state.second.levels, tf.float64)
+
+    def collecting_second(self, current: tf.Tensor):
+        """Whether round ``current`` gathers the owners' statistics for the second quantizer (the
+        round after each refit of the first, :attr:`RoundState.collecting_second`); None if its
+        levels do not adapt."""
+        if not self.adapts_second:
+            return None
+        schedule = self.state.schedule
+        collects = tf.numpy_function(
+            lambda step: np.bool_(int(step) > 0 and schedule.collects(int(step) - 1)),
+            [current],
+            tf.bool,
+            stateful=False,
+            name="horovod_alq_collects_second",
+        )
+        collects.set_shape([])
+        return collects
+
+    def keep_second(self, collecting, statistics) -> tf.Tensor:
+        """When ``collecting`` (a bool tensor; None: never), add ``statistics()`` (the owners'
+        reduced statistics) to the second quantizer's pending ones; the op to depend on."""
+        if collecting is None:
+            return tf.constant(False)
+
+        def keep():
+            with tf.control_dependencies(
+                [self.pending_second.assign_add(statistics()), self.pending_second_count.assign_add(1)]
+            ):
+                return tf.constant(True)
+
+        return tf.cond(collecting, keep, lambda: tf.constant(False))
 
     def collecting(self, current: tf.Tensor) -> tf.Tensor:
         """Whether round ``current`` gathers statistics for a refit (the core's refit schedule)."""
@@ -119,6 +176,30 @@ class RoundVariables(tf.Module):
                     return tf.constant(True)
 
             tf.cond(self.pending_count > 0, refit, lambda: tf.constant(False))
+        if self.adapts_second:
+
+            def refit_second():
+                levels, mask, updated = tf.numpy_function(
+                    self._refit_second,
+                    [self.second_levels.read_value(), self.pending_second.read_value()],
+                    [tf.float64, tf.int32, tf.int64],
+                    stateful=True,
+                    name="horovod_alq_refit_second",
+                )
+                levels.set_shape(self.second_levels.shape)
+                mask.set_shape([HEADER_SIZE])
+                with tf.control_dependencies(
+                    [
+                        self.second_levels.assign(levels),
+                        self.second_mask.assign(mask),
+                        self.counters["level_updates"].assign_add(tf.reshape(updated, [])),
+                        self.pending_second.assign(tf.zeros_like(self.pending_second)),
+                        self.pending_second_count.assign(0),
+                    ]
+                ):
+                    return tf.constant(True)
+
+            tf.cond(self.pending_second_count > 0, refit_second, lambda: tf.constant(False))
         self.current.assign(self.counters["step"])
 
     def _fingerprint(self) -> int:
@@ -132,6 +213,15 @@ class RoundVariables(tf.Module):
         q = self.state.quantizer
         q.set_levels(levels)
         updated = bool(np.isfinite(stats).all() and stats[0] > 0)  # else no finite non-zero bucket seen
+        if updated:
+            q.adapt(stats)
+        return q.levels, header_mask(q.fingerprint), np.int64(updated)
+
+    def _refit_second(self, levels: np.ndarray, stats: np.ndarray):
+        """The second quantizer's fit from the owners' statistics (as :meth:`_refit`)."""
+        q = self.state.second
+        q.set_levels(levels)
+        updated = bool(np.isfinite(stats).all() and stats[0] > 0)
         if updated:
             q.adapt(stats)
         return q.levels, header_mask(q.fingerprint), np.int64(updated)
@@ -170,6 +260,10 @@ class RoundVariables(tf.Module):
         st.quantizer.set_levels(self.levels.numpy())
         if self.auto is not None:
             self.auto.read()  # (the quantizer is the default width's, with the same levels)
+        if self.adapts_second:
+            st.second.set_levels(self.second_levels.numpy())
+        if self.feedback is not None:
+            st.feedback.load_state_dict(self.feedback.state())
         st.refitted_first()
         for key, var in self.counters.items():
             setattr(st, key, int(var.numpy()))
@@ -185,6 +279,9 @@ class RoundVariables(tf.Module):
         }
         if self.auto is not None:
             out.update(self.auto.pending_state())
+        if self.adapts_second:
+            out["pending_second_statistics"] = self.pending_second.numpy()
+            out["pending_second_count"] = int(self.pending_second_count.numpy())
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -197,6 +294,8 @@ class RoundVariables(tf.Module):
         if self.auto is not None:
             self.auto.load_pending(state)
             self.auto.assign_from_auto()  # (the quantizer is the default width's)
+        if self.feedback is not None:
+            self.feedback.load(st.feedback.state_dict())
         st.refitted_first()
         self.levels.assign(st.quantizer.levels)
         self.header_mask.assign(header_mask(self._fingerprint()))
@@ -205,3 +304,11 @@ class RoundVariables(tf.Module):
         self.seed.assign(signed64(int(state["seed"])))
         self.pending.assign(pending)
         self.pending_count.assign(int(state.get("pending_count", 0)))
+        if self.adapts_second:
+            second = np.asarray(state.get("pending_second_statistics", np.zeros(self.stats_length)), np.float64)
+            if second.shape != (self.stats_length,):
+                raise ValueError(f"pending_second_statistics has shape {second.shape}, expected ({self.stats_length},)")
+            self.second_levels.assign(st.second.levels)
+            self.second_mask.assign(header_mask(st.second.fingerprint))
+            self.pending_second.assign(second)
+            self.pending_second_count.assign(int(state.get("pending_second_count", 0)))

@@ -29,6 +29,7 @@ SCENARIOS = [
     "collide",
     "stall",
     "fusion",
+    "feedback",
 ]
 
 
@@ -625,6 +626,43 @@ def process_sets(args) -> dict:
     return out
 
 
+#: (key, method, bits, bits_second, adapt_second) of the two-phase scenario; "alq@3": 4 bits, the
+#: second quantization at 3 bits adapts its levels, "alq@3-fixed" keeps their initial fit (both on
+#: spiky inputs, :func:`spiky_data`, where the fit matters).
+CASES_TWO_PHASE = [
+    ("alq", "alq", 3, None, None),
+    ("qsgdinf", "qsgdinf", 3, 4, None),
+    ("amq", "amq", 3, None, None),
+    ("alq@3", "alq", 4, 3, None),
+    ("alq@3-fixed", "alq", 4, 3, False),
+]
+
+
+def spiky_data(rank: int, n: int) -> np.ndarray:
+    """Heavy-tailed inputs: 5% of the coordinates 100 times larger than the others."""
+    g = np.random.default_rng(50 + rank)
+    return (g.standard_normal(n) * np.where(g.random(n) < 0.05, 20.0, 0.2)).astype(np.float32)
+
+
+def comp_initial_second(comp) -> list:
+    """The initial levels of ``comp``'s second quantizer (a fresh compressor's)."""
+    fresh = compressor_for("alq", bits=comp.bits, bucket_size=comp.bucket_size, bits_second=3)
+    return fresh.metrics()["second_levels"].tolist()
+
+
+def _second_state_round_trip(comp) -> bool:
+    """A compressor loaded with ``comp``'s state_dict has its second levels and pending statistics."""
+    other = compressor_for("alq", bits=comp.bits, bucket_size=comp.bucket_size, bits_second=3, exchange="two-phase")
+    try:
+        other.load_state_dict(comp.state_dict())
+    except ValueError:
+        return False
+    a, b = comp.state_dict(), other.state_dict()
+    return a["second"] == b["second"] and np.array_equal(
+        a.get("pending_second_statistics", []), b.get("pending_second_statistics", [])
+    )
+
+
 def two_phase(args) -> dict:
     """Issue item 3: exchange="two-phase" per tensor. Unbiased (t-statistics of the deviation summed
     over all coordinates, signed by the truth, and per bucket: coordinates of a bucket share a norm),
@@ -632,14 +670,14 @@ def two_phase(args) -> dict:
     ranks: empty shards); DistributedGradientTape inside tf.function gives identical variables."""
     size, rank = hvd.size(), hvd.rank()
     n, d = args.n, args.bucket
-    xs = [rank_data(r, n).astype(np.float64) for r in range(size)]
-    truth = np.mean(xs, axis=0)
     tiny = tf.constant(rank_data(rank + 7, 200))  # 2 buckets of 128: empty shards from 3 ranks on
     out = {}
-    for method, bits_second in (("alq", None), ("qsgdinf", 4), ("amq", None)):
+    for key, method, bits, bits_second, adapt in CASES_TWO_PHASE:
+        data = spiky_data if "@" in key else rank_data
+        truth = np.mean([data(r, n).astype(np.float64) for r in range(size)], axis=0)
         comp = compressor_for(
             method,
-            bits=3,
+            bits=bits,
             bucket_size=d,
             update_steps=(0, 5),
             update_every=0,
@@ -647,10 +685,11 @@ def two_phase(args) -> dict:
             seed=args.seed,
             exchange="two-phase",
             bits_second=bits_second,
+            adapt_second=adapt,
         )
-        print(f"two_phase: {method}", flush=True)
+        print(f"two_phase: {key}", flush=True)
         fn = tf.function(lambda t, u, comp=comp: hvd.grouped_allreduce([t, u], compression=comp))
-        x = tf.constant(rank_data(rank, n))
+        x = tf.constant(data(rank, n))
         fn(x, tiny)
         before = comp.metrics()
         outs, tinies = [], []
@@ -666,7 +705,7 @@ def two_phase(args) -> dict:
         g0 = gather.metrics()
         hvd.allreduce(x, compression=gather)
         g1 = gather.metrics()
-        out[method] = {
+        out[key] = {
             "t_plain": float(t_stat(dev.sum(1, keepdims=True))[0]),
             "t_signed": float(t_stat((dev @ np.sign(truth))[:, None])[0]),
             "t_buckets_max": float(np.abs(t_stat(per_bucket)).max()),
@@ -682,6 +721,9 @@ def two_phase(args) -> dict:
             "level_updates": after["level_updates"],
             "levels_moved": after["levels"].tolist() != before["levels"].tolist() or after["level_updates"] > 0,
             "second_follows": after["second_levels"].tolist() == after["levels"].tolist(),
+            "second_moved": after["second_levels"].tolist() != comp_initial_second(comp),
+            "mse": float(np.mean(dev**2)),
+            "state_same": _second_state_round_trip(comp),
             "sent_per_round": (after["bytes_sent"] - before["bytes_sent"]) / args.rounds,
             "received_per_round": (after["bytes_received"] - before["bytes_received"]) / args.rounds,
             "allgather_sent": g1["bytes_sent"] - g0["bytes_sent"],
@@ -1153,6 +1195,81 @@ def fusion(args) -> dict:
         "same": all(np.array_equal(grads["tape"][k].numpy(), grads["plain"][k].numpy()) for k in ("w", "b")),
         "digest": digest(grads["tape"]["w"], grads["tape"]["b"]),
     }
+    return out
+
+
+def feedback(args) -> dict:
+    """error_feedback=True in TensorFlow (2 ranks, in tf.function): a state_dict and a
+    tf.train.Checkpoint restore take the next step bit for bit; a bucket holding NaN keeps its
+    previous error while the others change; a state without buffers loads with a warning and zero
+    buffers, one with buffers into a compressor without error feedback raises; a refit keeps the
+    buffers; bits="auto" and fused_allreduce run with it, identically on both ranks."""
+    import warnings
+
+    from horovod_alq.tensorflow import fused_allreduce
+
+    rank = hvd.rank()
+    x = tf.constant(rank_data(rank, 1000))
+    common = dict(bits=2, bucket_size=128, min_size=16, seed=4, error_feedback=True)
+
+    def make(**kw):
+        comp = ALQCompressor(**{**common, **kw})
+        return comp, tf.function(lambda t: hvd.allreduce(t, compression=comp, name="fb"))
+
+    def buffers(comp):
+        return {tuple(k): np.asarray(v) for k, v in comp.state_dict()["error_feedback"]["buffers"]}
+
+    out = {}
+    comp, fn = make(update_steps=(0, 2), update_every=0)
+    for _ in range(2):
+        fn(x)
+    before = buffers(comp)
+    for _ in range(2):  # round 3 begins with the refit of round 2's statistics: the buffers stay
+        fn(x)
+    kept = buffers(comp)
+    out["refit_kept"] = (
+        comp.metrics()["level_updates"] == 2
+        and set(kept) == set(before)
+        and all(np.abs(v).max() > 0 for v in kept.values())
+    )
+    saved = comp.state_dict()
+    path = tf.train.Checkpoint(compressor=comp).save(os.path.join(tempfile.mkdtemp(), f"fb{rank}"))
+    other, other_fn = make(update_steps=(0, 2), update_every=0)
+    other.load_state_dict(saved)
+    restored, restored_fn = make(update_steps=(0, 2), update_every=0)
+    tf.train.Checkpoint(compressor=restored).restore(path)
+    nexts = [fn(x).numpy(), other_fn(x).numpy(), restored_fn(x).numpy()]
+    out["resume_same"] = [bool(np.array_equal(nexts[0], y)) for y in nexts[1:]]
+    out["digest"] = digest(nexts[0])
+    before = buffers(comp)
+    y = rank_data(rank, 1000).copy()
+    y[5] = np.nan
+    try:
+        fn(tf.constant(y))
+    except Exception:  # noqa: BLE001 - the NaN bucket may fail the exchange; the buffer is what is checked
+        pass
+    after = buffers(comp)
+    (key,) = [k for k in after if k[2] == "own"]
+    out["nan_bucket_kept"] = bool(np.array_equal(after[key][:128], before[key][:128]))
+    out["others_changed"] = bool(not np.array_equal(after[key][128:], before[key][128:]))
+    fresh, _ = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain_state = ALQCompressor(bits=2, bucket_size=128, min_size=16).state_dict()
+        fresh.load_state_dict(plain_state)
+    out["warned"] = any("without error buffers" in str(w.message) for w in caught)
+    try:
+        ALQCompressor(bits=2, bucket_size=128, min_size=16).load_state_dict(saved)
+        out["refused"] = None
+    except ValueError as err:
+        out["refused"] = str(err)
+    auto_comp, auto_fn = make(bits="auto", bit_budget=2.5, update_steps=(0,), update_every=0)
+    ys = [auto_fn(x) for _ in range(3)][-1]
+    fused_comp = ALQCompressor(**common)
+    fused = tf.function(lambda ts: fused_allreduce(ts, fused_comp))
+    zs = [fused([x, x[:300] * 2.0]) for _ in range(3)][-1]
+    out["auto_fused_digest"] = digest(ys.numpy(), *[z.numpy() for z in zs])
+    out["auto_fused_buffers"] = [len(buffers(auto_comp)), len(buffers(fused_comp))]
     return out
 
 
