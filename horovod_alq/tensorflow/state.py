@@ -153,53 +153,10 @@ class RoundVariables(tf.Module):
 
             tf.cond(self.pending_count > 0, refit_auto, lambda: tf.constant(False))
         elif self.method.adaptive:
-
-            def refit():
-                levels, mask, updated = tf.numpy_function(
-                    self._refit,
-                    [self.levels.read_value(), self.pending.read_value()],
-                    [tf.float64, tf.int32, tf.int64],
-                    stateful=True,
-                    name="horovod_alq_refit",
-                )
-                levels.set_shape(self.levels.shape)
-                mask.set_shape([HEADER_SIZE])
-                with tf.control_dependencies(
-                    [
-                        self.levels.assign(levels),
-                        self.header_mask.assign(mask),
-                        self.counters["level_updates"].assign_add(tf.reshape(updated, [])),
-                        self.pending.assign(tf.zeros_like(self.pending)),
-                        self.pending_count.assign(0),
-                    ]
-                ):
-                    return tf.constant(True)
-
-            tf.cond(self.pending_count > 0, refit, lambda: tf.constant(False))
+            self._refit_from(self.state.quantizer, self.levels, self.header_mask, self.pending, self.pending_count)
         if self.adapts_second:
-
-            def refit_second():
-                levels, mask, updated = tf.numpy_function(
-                    self._refit_second,
-                    [self.second_levels.read_value(), self.pending_second.read_value()],
-                    [tf.float64, tf.int32, tf.int64],
-                    stateful=True,
-                    name="horovod_alq_refit_second",
-                )
-                levels.set_shape(self.second_levels.shape)
-                mask.set_shape([HEADER_SIZE])
-                with tf.control_dependencies(
-                    [
-                        self.second_levels.assign(levels),
-                        self.second_mask.assign(mask),
-                        self.counters["level_updates"].assign_add(tf.reshape(updated, [])),
-                        self.pending_second.assign(tf.zeros_like(self.pending_second)),
-                        self.pending_second_count.assign(0),
-                    ]
-                ):
-                    return tf.constant(True)
-
-            tf.cond(self.pending_second_count > 0, refit_second, lambda: tf.constant(False))
+            q2 = self.state.second
+            self._refit_from(q2, self.second_levels, self.second_mask, self.pending_second, self.pending_second_count)
         self.current.assign(self.counters["step"])
 
     def _fingerprint(self) -> int:
@@ -208,23 +165,37 @@ class RoundVariables(tf.Module):
         st = self.state
         return st.quantizer.fingerprint if st.auto is None else st.auto.fingerprint()
 
-    def _refit(self, levels: np.ndarray, stats: np.ndarray):
-        """The NumPy core's fit (deterministic: identical inputs give identical levels on every rank)."""
-        q = self.state.quantizer
-        q.set_levels(levels)
-        updated = bool(np.isfinite(stats).all() and stats[0] > 0)  # else no finite non-zero bucket seen
-        if updated:
-            q.adapt(stats)
-        return q.levels, header_mask(q.fingerprint), np.int64(updated)
+    def _refit_from(self, q, levels: tf.Variable, mask: tf.Variable, pending: tf.Variable, count: tf.Variable) -> None:
+        """When ``count`` > 0: fit quantizer ``q`` (the NumPy core, deterministic: identical inputs
+        give identical levels on every rank) to the ``pending`` statistics, store its levels in
+        ``levels`` and their header mask in ``mask``, count the update, clear the statistics."""
 
-    def _refit_second(self, levels: np.ndarray, stats: np.ndarray):
-        """The second quantizer's fit from the owners' statistics (as :meth:`_refit`)."""
-        q = self.state.second
-        q.set_levels(levels)
-        updated = bool(np.isfinite(stats).all() and stats[0] > 0)
-        if updated:
-            q.adapt(stats)
-        return q.levels, header_mask(q.fingerprint), np.int64(updated)
+        def fit(current: np.ndarray, stats: np.ndarray):
+            q.set_levels(current)
+            updated = bool(np.isfinite(stats).all() and stats[0] > 0)  # else no finite non-zero bucket seen
+            if updated:
+                q.adapt(stats)
+            return q.levels, header_mask(q.fingerprint), np.int64(updated)
+
+        def refit():
+            new, new_mask, updated = tf.numpy_function(
+                fit, [levels.read_value(), pending.read_value()], [tf.float64, tf.int32, tf.int64], stateful=True,
+                name="horovod_alq_refit",
+            )  # fmt: skip
+            new.set_shape(levels.shape)
+            new_mask.set_shape([HEADER_SIZE])
+            with tf.control_dependencies(
+                [
+                    levels.assign(new),
+                    mask.assign(new_mask),
+                    self.counters["level_updates"].assign_add(tf.reshape(updated, [])),
+                    pending.assign(tf.zeros_like(pending)),
+                    count.assign(0),
+                ]
+            ):
+                return tf.constant(True)
+
+        tf.cond(count > 0, refit, lambda: tf.constant(False))
 
     def complete(
         self,

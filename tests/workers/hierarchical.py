@@ -61,6 +61,19 @@ def run_mpi(args) -> dict:
     return out
 
 
+def horovod_mismatch(hvd, compressor, x, args) -> str | None:
+    """The error of one Horovod allreduce (torch or TF) after the last rank declared one node of
+    every rank, or None if it went through."""
+    if hvd.rank() == hvd.size() - 1:
+        os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(hvd.size())
+    other = compressor(bits=args.bits, bucket_size=D, seed=5, exchange=args.exchange)
+    try:
+        hvd.allreduce(x, compression=other, op=hvd.Average, name="mismatch")
+        return None
+    except Exception as err:  # noqa: BLE001 - reported
+        return f"{type(err).__name__}: {err}"
+
+
 def run_horovod(args) -> dict:
     import horovod.torch as hvd
     import torch
@@ -68,7 +81,7 @@ def run_horovod(args) -> dict:
     from horovod_alq.torch import ALQCompressor
 
     hvd.init()
-    rank, size = hvd.rank(), hvd.size()
+    rank = hvd.rank()
     x = torch.from_numpy(rank_input(rank))
     exact = hvd.allreduce(x.double(), op=hvd.Average, name="exact").numpy()
     comp = ALQCompressor(
@@ -78,14 +91,7 @@ def run_horovod(args) -> dict:
     out = summarize(outs, exact)
     out["exchange"] = comp.metrics()["exchange"]
     out["levels"] = digest(comp.levels)
-    if rank == size - 1:
-        os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)
-    other = ALQCompressor(bits=args.bits, bucket_size=D, seed=5, exchange=args.exchange)
-    try:
-        hvd.allreduce(x, compression=other, op=hvd.Average, name="mismatch")
-        out["mismatch"] = None
-    except Exception as err:  # noqa: BLE001
-        out["mismatch"] = f"{type(err).__name__}: {err}"
+    out["mismatch"] = horovod_mismatch(hvd, ALQCompressor, x, args)
     return out
 
 
@@ -96,7 +102,7 @@ def run_tf(args) -> dict:
     from horovod_alq.tensorflow import ALQCompressor
 
     hvd.init()
-    rank, size = hvd.rank(), hvd.size()
+    rank = hvd.rank()
     x = tf.constant(rank_input(rank))
     exact = hvd.allreduce(tf.cast(x, tf.float64), op=hvd.Average, name="exact").numpy()
     comp = ALQCompressor(
@@ -112,14 +118,7 @@ def run_tf(args) -> dict:
     node_zero = tf.constant(rank_input(rank // 2 * 2) * (1 - 2 * (rank % 2)))
     cancel = ALQCompressor(bits=args.bits, bucket_size=D, seed=6, exchange=args.exchange)
     out["cancelled_max"] = float(np.abs(hvd.allreduce(node_zero, compression=cancel, name="zero").numpy()).max())
-    if rank == size - 1:
-        os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)
-    other = ALQCompressor(bits=args.bits, bucket_size=D, seed=5, exchange=args.exchange)
-    try:
-        hvd.allreduce(x, compression=other, op=hvd.Average, name="mismatch")
-        out["mismatch"] = None
-    except Exception as err:  # noqa: BLE001
-        out["mismatch"] = f"{type(err).__name__}: {err}"
+    out["mismatch"] = horovod_mismatch(hvd, ALQCompressor, x, args)
     return out
 
 
