@@ -514,13 +514,7 @@ def parser() -> argparse.ArgumentParser:
     add("--quick", action="store_true", help="defaults for a check of 2-3 minutes: " + quick)
     rows_help = f"comma-separated, from {','.join(ROWS)}; default {','.join(DEFAULT_ROWS)}, with --nodes "
     add("--rows", help=rows_help + ",".join(NODE_ROWS))
-    add(
-        "--nodes",
-        help="node layout: comma-separated node counts (2..8), each node a namespace of --ranks-per-node ranks, "
-        "the nodes joined by the shaped links (instead of --workers: one rank per namespace)",
-    )
-    add("--ranks-per-node", type=int, help="ranks in each node's namespace; default 2 with --nodes")
-    add("--layout", help="KxG[,KxG]: --nodes K --ranks-per-node G in one (one G for all)")
+    net.add_layout_options(add)
     add(
         "--intra-node",
         choices=("tcp", "shm"),
@@ -556,38 +550,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_layout(p: argparse.ArgumentParser, args) -> None:
-    """--layout into --nodes and --ranks-per-node; --nodes into the namespaces; ranks_per_node 1 without."""
-    if args.layout:
-        if args.nodes or args.ranks_per_node:
-            p.error("--layout replaces --nodes and --ranks-per-node")
-        try:
-            pairs = [tuple(int(v) for v in item.lower().split("x")) for item in args.layout.split(",")]
-            assert all(len(pair) == 2 for pair in pairs)
-        except (ValueError, AssertionError):
-            p.error(f"--layout {args.layout!r}: expected KxG[,KxG], e.g. 2x2,4x2")
-        if len({g for _, g in pairs}) != 1:
-            p.error("--layout: one ranks-per-node G for all layouts")
-        args.nodes, args.ranks_per_node = ",".join(str(k) for k, _ in pairs), pairs[0][1]
-    if args.nodes:
-        if args.ranks_per_node is None:
-            args.ranks_per_node = 2
-        if args.local:
-            p.error("--nodes needs the namespaces (not --local)")
-        args.workers = args.nodes  # the namespaces; ranks = nodes x ranks_per_node
-    elif args.ranks_per_node not in (None, 1):
-        p.error("--ranks-per-node needs --nodes")
-    else:
-        args.ranks_per_node = 1
-    if args.ranks_per_node < 1:
-        p.error("--ranks-per-node must be at least 1")
-
-
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     net.apply_defaults(args, QUICK, FULL)
-    parse_layout(p, args)
+    net.parse_layout(p, args)
     if args.rows is None:
         args.rows = ",".join(NODE_ROWS if args.nodes else DEFAULT_ROWS)
     if args.worker:

@@ -1,5 +1,5 @@
 """Network namespaces joined by tc-shaped links, and mpirun across them: what scripts/bench/network.py,
-train_step.py, fsdp.py and scripts/study/time_to_accuracy.py share. Needs root (ip netns, tc).
+train_step.py, fsdp.py, tf_step.py and scripts/study/time_to_accuracy.py share. Needs root (ip netns, tc).
 
 Topology (made by :func:`setup`, removed by :func:`teardown`, also on failure, Ctrl-C or SIGTERM
 once :func:`preflight` has run):
@@ -511,3 +511,43 @@ def apply_defaults(args, quick: dict, full: dict) -> None:
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+
+
+def add_layout_options(add) -> None:
+    """--nodes, --ranks-per-node and --layout (``add``: a parser's add_argument); :func:`parse_layout`
+    reads them."""
+    add(
+        "--nodes",
+        help="node layout: comma-separated node counts (2..8), each node a namespace of --ranks-per-node ranks, "
+        "the nodes joined by the shaped links (instead of --workers: one rank per namespace)",
+    )
+    add("--ranks-per-node", type=int, help="ranks in each node's namespace; default 2 with --nodes")
+    add("--layout", help="KxG[,KxG]: --nodes K --ranks-per-node G in one (one G for all)")
+
+
+def parse_layout(p: argparse.ArgumentParser, args) -> None:
+    """--layout into --nodes and --ranks-per-node; --nodes into the namespaces; ranks_per_node 1 without
+    (the step benchmarks' options: train_step.py, tf_step.py)."""
+    if args.layout:
+        if args.nodes or args.ranks_per_node:
+            p.error("--layout replaces --nodes and --ranks-per-node")
+        try:
+            pairs = [tuple(int(v) for v in item.lower().split("x")) for item in args.layout.split(",")]
+            assert all(len(pair) == 2 for pair in pairs)
+        except (ValueError, AssertionError):
+            p.error(f"--layout {args.layout!r}: expected KxG[,KxG], e.g. 2x2,4x2")
+        if len({g for _, g in pairs}) != 1:
+            p.error("--layout: one ranks-per-node G for all layouts")
+        args.nodes, args.ranks_per_node = ",".join(str(k) for k, _ in pairs), pairs[0][1]
+    if args.nodes:
+        if args.ranks_per_node is None:
+            args.ranks_per_node = 2
+        if args.local:
+            p.error("--nodes needs the namespaces (not --local)")
+        args.workers = args.nodes  # the namespaces; ranks = nodes x ranks_per_node
+    elif args.ranks_per_node not in (None, 1):
+        p.error("--ranks-per-node needs --nodes")
+    else:
+        args.ranks_per_node = 1
+    if args.ranks_per_node < 1:
+        p.error("--ranks-per-node must be at least 1")
