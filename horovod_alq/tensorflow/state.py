@@ -100,15 +100,7 @@ class RoundVariables(tf.Module):
         if not self.adapts_second:
             return None
         schedule = self.state.schedule
-        collects = tf.numpy_function(
-            lambda step: np.bool_(int(step) > 0 and schedule.collects(int(step) - 1)),
-            [current],
-            tf.bool,
-            stateful=False,
-            name="horovod_alq_collects_second",
-        )
-        collects.set_shape([])
-        return collects
+        return _flag(lambda step: step > 0 and schedule.collects(step - 1), current, "horovod_alq_collects_second")
 
     def keep_second(self, collecting, statistics) -> tf.Tensor:
         """When ``collecting`` (a bool tensor; None: never), add ``statistics()`` (the owners'
@@ -126,15 +118,7 @@ class RoundVariables(tf.Module):
 
     def collecting(self, current: tf.Tensor) -> tf.Tensor:
         """Whether round ``current`` gathers statistics for a refit (the core's refit schedule)."""
-        collects = tf.numpy_function(
-            lambda step: np.bool_(self.state.schedule.collects(int(step))),
-            [current],
-            tf.bool,
-            stateful=False,
-            name="horovod_alq_collects",
-        )
-        collects.set_shape([])
-        return collects
+        return _flag(self.state.schedule.collects, current, "horovod_alq_collects")
 
     def begin_round(self) -> None:
         """Refit from the previous round's statistics (if it collected any); the round's index is the
@@ -283,3 +267,10 @@ class RoundVariables(tf.Module):
             self.second_mask.assign(header_mask(st.second.fingerprint))
             self.pending_second.assign(second)
             self.pending_second_count.assign(int(state.get("pending_second_count", 0)))
+
+
+def _flag(test, current: tf.Tensor, name: str) -> tf.Tensor:
+    """``test(round)`` of the round index ``current`` (a schedule's answer, on the host) as a bool scalar."""
+    flag = tf.numpy_function(lambda step: np.bool_(test(int(step))), [current], tf.bool, stateful=False, name=name)
+    flag.set_shape([])
+    return flag
