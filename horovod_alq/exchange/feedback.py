@@ -10,7 +10,8 @@ step by step, but the sum of what was applied stays within one buffer of the sum
 A key holds the job's identity (the kind of round and its layout's sizes) and the stream range:
 when a round's layout changes, the changed parts start again from zero. Buckets whose input holds
 NaN or Inf keep their previous error (a skipped step must not absorb a NaN). Buffers are float32, or
-bfloat16 to halve their memory (torch tensors only).
+bfloat16 to halve their memory (torch tensors only). Ops with an ``encode_feedback`` (the compiled
+CPU codec's) do all of it in one pass, with the same results; others take the two passes below.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ class ErrorFeedback:
         n = int(x.shape[0])
         e = self.buffers.get(key)
         e = e if e is not None and int(e.shape[0]) == n else None
+        fused = getattr(ops, "encode_feedback", None)
+        if fused is not None and not isinstance(x, np.ndarray):  # the compiled codec: one pass, same results
+            error = e if e is not None else self._stored(ops.zeros(n))
+            payload = fused(x, error, quantizer, seed)
+            if payload is not None:
+                self.buffers[key] = error
+                self._touched.add(key)
+                return payload
         target, decoded = self._scratch(x, n)
         target[:] = x
         if e is not None:

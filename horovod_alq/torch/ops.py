@@ -86,6 +86,34 @@ class TorchOps:
             seed=seed,
         )
 
+    def encode_feedback(self, x: torch.Tensor, error: torch.Tensor, q: Quantizer, seed: int):
+        """The payload of ``x + error`` with ``error`` updated in place (see
+        :meth:`horovod_alq.torch.codecs.cpu.CpuCodec.encode_feedback`), or None where the codec
+        has no such kernel or the tensors do not suit it."""
+        encode = getattr(self.codec, "encode_feedback", None)
+        if (
+            encode is None
+            or x.numel() == 0
+            or q.bucket_size % 8
+            or x.dtype != torch.float32
+            or error.dtype not in (torch.float32, torch.bfloat16)
+            or x.device != self.device
+            or not x.is_contiguous()
+            or not error.is_contiguous()
+            or x.shape != error.shape
+        ):
+            return None
+        return encode(
+            x,
+            error,
+            self.levels(q),
+            self._header(q, x.numel()),
+            bits=q.bits,
+            bucket_size=q.bucket_size,
+            norm=q.norm,
+            seed=seed,
+        )
+
     def decode_sum(
         self,
         out: torch.Tensor,

@@ -3,10 +3,13 @@
 codec on float32 CPU tensors (TorchOps), ALQ 3 bits, buckets of 8192.
 
 Rows, interleaved, medians over repeats: the codec's round of one rank's own values (encode, then
-decode one payload: what every exchange does at least once) and the same with error feedback
-(``ErrorFeedback.encode``: the error added to the input, the encode, a decode of the own payload,
-the new error and its finiteness check). The extra time is reported as a share of the codec's
-round; the memory of the buffers per dtype is exact (4 or 2 bytes per compressed coordinate).
+decode one payload: what every exchange does at least once); the same with error feedback as it
+runs (``ErrorFeedback.encode``: the compiled codec's one-pass kernel, which adds the error, encodes,
+and writes the new error of each bucket while it is in cache); the same through the two-pass path
+that other codecs take (the error added, the encode, a decode of the own payload, the new error and
+a finiteness check); and, as the memory floor, one elementwise pass ``e += x`` over the buffer.
+Extra times are shares of the codec's round; the memory of the buffers per dtype is exact (4 or 2
+bytes per compressed coordinate).
 
     python -m scripts.bench.feedback --out docs/results/bench_feedback.md
     python -m scripts.bench.feedback --quick
@@ -35,29 +38,52 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+class TwoPass:
+    """``ops`` without the one-pass kernel: error feedback's path on codecs that lack it."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    def __getattr__(self, name):
+        if name == "encode_feedback":
+            raise AttributeError(name)
+        return getattr(self.ops, name)
+
+
 def measure(n: int, repeats: int, dtype: str) -> dict:
     ops, q = TorchOps(torch.device("cpu"), "auto"), Quantizer("alq", bits=3, bucket_size=8192)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=g) * torch.rand(n, generator=g)
     out = torch.zeros(n)
-    fb = ErrorFeedback(dtype)
+    one, two = ErrorFeedback(dtype), ErrorFeedback(dtype)
+    floor = torch.zeros(n, dtype=getattr(torch, dtype))
+    slow = TwoPass(ops)
 
     def codec():
         out.zero_()
         ops.decode_sum(out, ops.encode(x, q, 1), [0], q)
 
-    def feedback():
+    def one_pass():
         out.zero_()
-        ops.decode_sum(out, fb.encode(ops, x, q, 1, ("k",)), [0], q)
+        ops.decode_sum(out, one.encode(ops, x, q, 1, ("k",)), [0], q)
 
-    codec(), feedback()  # warm-up (and the buffer exists from here on)
-    rows = {"codec": [], "feedback": []}
+    def two_pass():
+        out.zero_()
+        ops.decode_sum(out, two.encode(slow, x, q, 1, ("k",)), [0], q)
+
+    rows = {"codec": codec, "one_pass": one_pass, "two_pass": two_pass, "floor": lambda: floor.add_(x)}
+    for fn in rows.values():  # warm-up (and the buffers exist from here on)
+        fn()
+    times = {k: [] for k in rows}
     for _ in range(repeats):
-        rows["codec"].append(timed(codec, 1))
-        rows["feedback"].append(timed(feedback, 1))
-    base, with_fb = statistics.median(rows["codec"]), statistics.median(rows["feedback"])
-    return {"n": n, "dtype": dtype, "codec_s": base, "feedback_s": with_fb, "share": (with_fb - base) / base,
-            "bytes": fb.nbytes, "codec": ops.codec.name}  # fmt: skip
+        for k, fn in rows.items():
+            times[k].append(timed(fn, 1))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["codec"]
+    return {"n": n, "dtype": dtype, "codec": ops.codec.name, "bytes": one.nbytes, "codec_s": base,
+            **{f"{k}_s": med[k] for k in ("one_pass", "two_pass", "floor")},
+            "one_pass_share": (med["one_pass"] - base) / base, "two_pass_share": (med["two_pass"] - base) / base,
+            "floor_share": med["floor"] / base}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -72,14 +98,15 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     results = [measure(int(n), args.repeats, d) for n in args.sizes.split(",") for d in ("float32", "bfloat16")]
     lines = [
-        "| coordinates | buffer dtype | codec round, ms | with error feedback, ms | extra / codec round | "
-        "buffer memory, MB (bytes per coordinate) |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| coordinates | buffer dtype | codec round, ms | with error feedback (one pass), ms | extra / round | "
+        "two-pass path, ms | extra / round | e += x, ms / round | buffer memory, MB (bytes per coordinate) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
-            f"| {r['n']:,} | {r['dtype']} | {1e3 * r['codec_s']:.1f} | {1e3 * r['feedback_s']:.1f} | "
-            f"{r['share']:.2f} | {r['bytes'] / 1e6:.1f} ({r['bytes'] / r['n']:g}) |"
+            f"| {r['n']:,} | {r['dtype']} | {1e3 * r['codec_s']:.1f} | {1e3 * r['one_pass_s']:.1f} | "
+            f"{r['one_pass_share']:.2f} | {1e3 * r['two_pass_s']:.1f} | {r['two_pass_share']:.2f} | "
+            f"{1e3 * r['floor_s']:.1f} / {r['floor_share']:.2f} | {r['bytes'] / 1e6:.1f} ({r['bytes'] / r['n']:g}) |"
         )
     table = "\n".join(lines) + "\n"
     print(f"codec: {results[0]['codec']}\n{table}")

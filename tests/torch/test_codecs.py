@@ -246,6 +246,82 @@ def test_cpu_encode_parts_is_the_encode_of_the_stream(simd, bits, d, norm):
         cpu._module.set_simd(True)
 
 
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "generic"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "bits,d,n,norm", [(3, 64, 1000, "linf"), (2, 8, 77, "l2"), (4, 128, 517, "l2"), (8, 16, 260, "linf")]
+)
+def test_cpu_encode_feedback_is_the_two_pass_error_feedback(simd, dtype, bits, d, n, norm):
+    """The compiled one-pass error feedback gives the bytes and the buffer of the two-pass one
+    (add, encode, decode, subtract), bit for bit, over rounds with a NaN bucket (which keeps its
+    error), a bucket of tiny values, a zero bucket and a short last bucket."""
+    from horovod_alq.exchange.feedback import ErrorFeedback
+    from horovod_alq.torch.ops import TorchOps
+
+    cpu = _resolve("cpu")
+    cpu._module.set_simd(simd)
+    try:
+        ops = TorchOps(torch.device("cpu"), "cpu")
+
+        class TwoPass:  # the same ops without the one-pass kernel
+            def __getattr__(self, name):
+                if name == "encode_feedback":
+                    raise AttributeError(name)
+                return getattr(ops, name)
+
+        q = Quantizer("alq", bits=bits, bucket_size=d, norm=norm, seed=0)
+        one, two = ErrorFeedback(dtype), ErrorFeedback(dtype)
+        g = torch.Generator().manual_seed(bits * 7 + d)
+        for step in range(5):
+            x = torch.randn(n, generator=g)
+            x[d : 2 * d] *= 1e-30 if step % 2 else 0.0
+            if step == 2:
+                x[3] = float("nan")
+            if step == 3:
+                x[2 * d + 1] = float("inf")
+            before = None if step == 0 else one.buffers[("k",)].clone()
+            got = one.encode(ops, x, q, 100 + step, ("k",))
+            want = two.encode(TwoPass(), x, q, 100 + step, ("k",))
+            assert torch.equal(got, want), step
+            e = one.buffers[("k",)]
+            assert e.dtype == getattr(torch, dtype) and torch.equal(e, two.buffers[("k",)]), step
+            if step in (2, 3):  # the bucket holding NaN or Inf kept its error, the others moved
+                bad = 0 if step == 2 else 2 * d + 1
+                b = slice(bad // d * d, bad // d * d + d)
+                assert torch.equal(e[b], before[b]) and not torch.equal(e, before)
+        assert bool(one.buffers[("k",)].abs().gt(0).any())
+    finally:
+        cpu._module.set_simd(True)
+
+
+def test_mixed_widths_take_the_two_pass_error_feedback():
+    """bits_per="bucket" payloads hold several widths: the one-width kernel must not encode them."""
+    from horovod_alq.core.bucket_widths import MixedWidths
+    from horovod_alq.exchange.mixed import MixedOps
+    from horovod_alq.torch.ops import TorchOps
+
+    _resolve("cpu")
+    mixed = MixedOps(TorchOps(torch.device("cpu"), "cpu"))
+    qs = {b: Quantizer("alq", bits=b, bucket_size=64, seed=0) for b in (2, 3, 4)}
+    x, e = torch.randn(256), torch.zeros(256)
+    assert mixed.encode_feedback(x, e, MixedWidths(qs, 3.0, 3), 1) is None
+    assert torch.equal(mixed.encode_feedback(x, e.clone(), qs[3], 1), mixed.inner.encode(x, qs[3], 1))
+
+
+def test_cpu_encode_feedback_refuses_what_it_cannot_take():
+    cpu = _resolve("cpu")
+    q = Quantizer("alq", bits=3, bucket_size=64, seed=0)
+    header = _header(get_method("alq").id, 3, 64, 100, q.levels)
+    levels = torch.as_tensor(q.levels)
+    args = dict(bits=3, bucket_size=64, norm="l2", seed=1)
+    with pytest.raises(RuntimeError, match="err must be"):
+        cpu.encode_feedback(torch.randn(100), torch.zeros(99), levels, header, **args)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu.encode_feedback(torch.randn(100).double(), torch.zeros(100), levels, header, **args)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        cpu.encode_feedback(torch.randn(100), torch.zeros(100), levels, header, **{**args, "bucket_size": 60})
+
+
 @pytest.mark.parametrize("bits,d", [(3, 64), (2, 8), (5, 16), (3, 100)])
 def test_decode_sum_of_a_window_is_the_window_of_the_decode(codec, bits, d):
     """Coordinates [start, start + m) of payloads, scaled: the same floats as that slice of the

@@ -16,7 +16,8 @@ device) and one :func:`register` call at the end of this file.
 
 Every codec has (see :class:`Codec`): ``name``, ``encode``, ``decode_sum``, ``grid_statistics``,
 ``grid_histograms``, ``bucket_moments``; a codec may also have ``encode_parts`` (the payload of a
-stream of tensors, read in place: the compiled CPU codec). Payloads are interchangeable between backends and with
+stream of tensors, read in place) and ``encode_feedback`` (error feedback's encode in one pass):
+the compiled CPU codec has both. Payloads are interchangeable between backends and with
 :class:`horovod_alq.core.Quantizer`; the random draws differ (each backend has its own
 counter-based or seeded generator), the decoded distribution does not.
 """

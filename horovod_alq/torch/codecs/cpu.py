@@ -65,6 +65,27 @@ class CpuCodec:
             int(seed),
         )
 
+    def encode_feedback(
+        self,
+        flat: torch.Tensor,
+        error: torch.Tensor,
+        levels: torch.Tensor,
+        header: torch.Tensor,
+        *,
+        bits: int,
+        bucket_size: int,
+        norm: str,
+        seed: int,
+    ) -> torch.Tensor:
+        """The payload :meth:`encode` gives for ``flat + error`` (``flat`` float32, ``error`` float32
+        or bfloat16, ``bucket_size`` a multiple of 8); ``error`` becomes, bucket by bucket, what
+        that payload drops, except in buckets where that is not finite, which keep it. One pass
+        over memory."""
+        check_encode_args(flat, bits, bucket_size, norm, seed)
+        return self._module.encode_feedback(
+            flat, error, levels, header, int(bits), int(bucket_size), norm == "linf", int(seed)
+        )
+
     def decode_sum(
         self,
         out: torch.Tensor,

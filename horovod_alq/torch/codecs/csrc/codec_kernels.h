@@ -374,14 +374,33 @@ struct Parts {
   }
 };
 
+// Error feedback's input: coordinate i is x[i] + err[i], assembled bucket by bucket in the scratch
+// (err float32 or bfloat16, added as float32).
+template <typename err_t>
+struct WithError {
+  const float* x;
+  const err_t* err;
+  const float* peek(int64_t, int64_t) const { return nullptr; }
+  const float* at(int64_t s, int64_t e, float* scratch) const {
+    for (int64_t i = s; i < e; ++i) scratch[i - s] = x[i] + static_cast<float>(err[i]);
+    return scratch;
+  }
+};
+
+// What encode_codes does after a bucket's codes (bucket-by-bucket path only): nothing, or NewError.
+struct NoAfter {
+  template <typename scalar_t>
+  void operator()(int64_t, int64_t, const scalar_t*, float) const {}
+};
+
 // The codes of the n values of `src` into out, the bucket norms into norms. With d a multiple of 8
 // the work goes bucket by bucket: each bucket's norm right before its codes (its values come from
 // memory once, the second read hits the cache), and the next bucket prefetched meanwhile. Otherwise
 // (Contiguous sources only) the norms come first, in a pass of their own (groups of 8 may straddle
 // buckets).
-template <int BITS, typename scalar_t, typename Source>
+template <int BITS, typename scalar_t, typename Source, typename After = NoAfter>
 void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
-                  int64_t num_levels, uint64_t seed, uint8_t* out) {
+                  int64_t num_levels, uint64_t seed, uint8_t* out, const After& after = After{}) {
   const int64_t groups = (n + 7) / 8;
   const int64_t total_bytes = (n * BITS + 7) / 8;
   const Key key(seed);
@@ -479,6 +498,7 @@ void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* nor
         const scalar_t* ahead = b + 1 < b1 && s + 2 * d <= n ? src.peek(s + d, s + 2 * d) : nullptr;
         norms[b] = bucket_norm(xb, e - s, linf);
         encode_groups(xb, s, b * per_bucket, std::min(groups, (b + 1) * per_bucket), ahead);
+        after(s, e, xb, norms[b]);
       }
     });
   } else {
@@ -612,6 +632,73 @@ inline void encode_parts_payload(const float* const* data, const int64_t* starts
   const Parts<float> parts{data, starts, sizes, count};
   dispatch_bits(bits, [&](auto b) {
     encode_codes<decltype(b)::value, float>(parts, n, d, linf, norms, levels, num_levels, seed, codes);
+  });
+}
+
+// Error feedback's new error of bucket [s, e) right after its codes, while its values are in cache:
+// err = values - decode(codes), the decoder's float32 product norm * level; a bucket whose error is
+// not finite (NaN or Inf in its values, an overflowing norm) keeps its previous error. A bfloat16
+// buffer takes the error rounded to nearest, ties to even.
+template <int BITS, typename err_t>
+struct NewError {
+  err_t* err;
+  const uint8_t* codes;
+  const float* levels;
+  int64_t num_levels;
+  int64_t total_bytes;
+  void operator()(int64_t s, int64_t e, const float* values, float norm) const {
+    constexpr uint64_t mask = (uint64_t{1} << BITS) - 1;
+    constexpr int entries = 1 << BITS;
+    float table[entries < 16 ? 16 : entries];  // codes past the levels do not occur (the encoder's own)
+    for (int k = 0; k < (entries < 16 ? 16 : entries); ++k) table[k] = levels[std::min<int64_t>(k & mask, num_levels - 1)];
+    const int64_t m = e - s;
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < m + 8) scratch.resize(m + 8);  // whole groups
+    float* decoded = scratch.data();
+#ifdef HOROVOD_ALQ_AVX2
+    const __m256 table_lo = _mm256_loadu_ps(table), table_hi = _mm256_loadu_ps(table + 8);
+#endif
+    for (int64_t i0 = s; i0 < e; i0 += 8) {
+      const int64_t g = i0 / 8;
+      uint64_t word = 0;
+      if (g * BITS + 8 <= total_bytes)
+        std::memcpy(&word, codes + g * BITS, 8);  // one load (the bits past this group are shifted out)
+      else
+        std::memcpy(&word, codes + g * BITS, std::min<int64_t>(BITS, total_bytes - g * BITS));
+      float* o = decoded + (i0 - s);
+#ifdef HOROVOD_ALQ_AVX2
+      if constexpr (BITS <= 4) {
+        decode_group8<BITS>(o, static_cast<uint32_t>(word), table_lo, table_hi, norm, true);
+        continue;
+      }
+#endif
+      for (int k = 0; k < 8; ++k) o[k] = norm * table[(word >> (k * BITS)) & mask];
+    }
+    uint32_t bad = 0;  // an error that is NaN or Inf (exponent all ones): bitwise, so it vectorizes
+    for (int64_t i = 0; i < m; ++i) {
+      const float v = values[i] - decoded[i];
+      decoded[i] = v;
+      uint32_t u;
+      std::memcpy(&u, &v, 4);
+      bad |= static_cast<uint32_t>((u & 0x7F800000U) == 0x7F800000U);
+    }
+    if (bad) return;
+    if constexpr (std::is_same_v<err_t, float>)
+      std::memcpy(err + s, decoded, sizeof(float) * m);
+    else
+      for (int64_t i = 0; i < m; ++i) err[s + i] = static_cast<err_t>(decoded[i]);
+  }
+};
+
+// The payload of x + err (x float32, d a multiple of 8), err becoming what it dropped (see NewError):
+// error feedback in one pass over memory.
+template <typename err_t>
+void encode_feedback_payload(const float* x, err_t* err, int64_t n, int64_t d, bool linf, float* norms,
+                             const float* levels, int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes) {
+  dispatch_bits(bits, [&](auto b) {
+    constexpr int B = decltype(b)::value;
+    encode_codes<B, float>(WithError<err_t>{x, err}, n, d, linf, norms, levels, num_levels, seed, codes,
+                           NewError<B, err_t>{err, codes, levels, num_levels, (n * B + 7) / 8});
   });
 }
 

@@ -2,6 +2,7 @@
 //
 // encode: bucket norms, unbiased stochastic rounding and b-bit packing, bucket by bucket;
 // encode_parts: the same for a fused stream of tensors, read where they lie (no stream copy);
+// encode_feedback: the encode of x plus an error buffer, the buffer updated in the same pass;
 // decode_sum: unpack every rank's payload (or a window of it), scale by its norms and sum, in one
 // pass, straight into the output.
 // Randomness is counter-based (a hash of a seed-derived key and the element index), so results
@@ -127,6 +128,34 @@ torch::Tensor encode_parts(std::vector<torch::Tensor> parts, std::vector<int64_t
   (use_avx2 ? avx2::encode_parts_payload : generic::encode_parts_payload)(
       data.data(), starts.data(), sizes.data(), static_cast<int64_t>(data.size()), n, bucket_size, linf, norms,
       lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed), codes);
+  return out;
+}
+
+// Error feedback in one pass: the payload of x + err (x float32, err float32 or bfloat16, same length),
+// and err overwritten, bucket by bucket, with what that payload drops, except in buckets where that
+// is not finite.
+torch::Tensor encode_feedback(torch::Tensor x, torch::Tensor err, torch::Tensor levels, torch::Tensor header,
+                              int64_t bits, int64_t bucket_size, bool linf, int64_t seed) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 1 && x.is_contiguous(),
+              "encode_feedback: x must be a contiguous 1-D float32 CPU tensor");
+  TORCH_CHECK(err.device().is_cpu() && (err.scalar_type() == torch::kFloat32 || err.scalar_type() == torch::kBFloat16) &&
+                  err.dim() == 1 && err.is_contiguous() && err.numel() == x.numel(),
+              "encode_feedback: err must be a contiguous float32 or bfloat16 CPU tensor as long as x");
+  check_encode(bits, bucket_size);
+  TORCH_CHECK(bucket_size % 8 == 0, "encode_feedback: bucket_size must be a multiple of 8");
+  auto lf = level_table(levels, bits);
+  const int64_t n = x.numel();
+  auto [out, norms, codes] = new_payload(n, bits, bucket_size, header);
+  auto run = [&](auto* e) {
+    using err_t = std::remove_pointer_t<decltype(e)>;
+    (use_avx2 ? avx2::encode_feedback_payload<err_t> : generic::encode_feedback_payload<err_t>)(
+        x.data_ptr<float>(), e, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits,
+        static_cast<uint64_t>(seed), codes);
+  };
+  if (err.scalar_type() == torch::kFloat32)
+    run(err.data_ptr<float>());
+  else
+    run(err.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -406,6 +435,7 @@ torch::Tensor rans_decode(torch::Tensor streams, torch::Tensor lengths, int64_t 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &encode, "Encode a 1-D float CPU tensor into a horovod-alq payload");
   m.def("encode_parts", &encode_parts, "Encode the stream that holds float32 tensors at given starts, in place");
+  m.def("encode_feedback", &encode_feedback, "Encode x + err and keep in err what the payload drops");
   m.def("decode_sum", &decode_sum, "Decode payloads, sum them and scale, into a float32 tensor", py::arg("out"),
         py::arg("payloads"), py::arg("offsets"), py::arg("levels"), py::arg("bits"), py::arg("bucket_size"),
         py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1);
