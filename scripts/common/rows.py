@@ -103,6 +103,9 @@ ROWS: dict[str, Row] = {
     "hvd-alq4-rate21": hvd(
         'ALQ 4 bits, wire="entropy", code_entropy=2.1', "alq", bits=4, wire="entropy", code_entropy=2.1
     ),
+    "hvd-alq-ef": hvd("ALQ 3 bits, error_feedback=True", "alq", bits=3, error_feedback=True),
+    "hvd-alq2": hvd("ALQ 2 bits", "alq", bits=2),
+    "hvd-alq2-ef": hvd("ALQ 2 bits, error_feedback=True", "alq", bits=2, error_feedback=True),
 }
 
 

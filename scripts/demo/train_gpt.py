@@ -69,8 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--optimizer",
         default="adamw",
-        choices=("adamw", "sgd"),
-        help="AdamW (betas 0.9, 0.95) or SGD with momentum 0.9; default adamw",
+        choices=("adamw", "adamw-frozen", "sgd"),
+        help="AdamW (betas 0.9, 0.95), the same with its second moment frozen after --freeze-step "
+        "(1-bit Adam's schedule), or SGD with momentum 0.9; default adamw",
+    )
+    p.add_argument(
+        "--freeze-step", type=int, help="adamw-frozen: steps that update the second moment; default --warmup"
     )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate; default 3e-3 (AdamW's)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="default 0.1 (decoupled with AdamW)")
@@ -86,9 +90,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def split_feedback(spec: str) -> tuple[str, bool]:
-    """``"alq@3+ef"`` -> ``("alq@3", True)``: the ``+ef`` suffix turns on ``error_feedback``."""
-    return (spec[: -len("+ef")], True) if spec.endswith("+ef") else (spec, False)
+def split_feedback(spec: str) -> tuple[str, int | None]:
+    """``"alq@3+ef"`` -> ``("alq@3", 0)``: the ``+ef`` suffix turns on ``error_feedback``;
+    ``"alq@3+ef30"`` -> ``("alq@3", 30)``: from step 30 on (earlier steps without it); no suffix: None."""
+    base, _, start = spec.partition("+ef")
+    if base == spec:
+        return spec, None
+    if start and not start.isdigit():
+        raise SystemExit(f"{spec!r}: +ef or +ef<first step> (alq@3+ef30)")
+    return base, int(start or 0)
 
 
 def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
@@ -197,17 +207,22 @@ def sent_bits(name: str, state) -> float:
 
 
 def train(spec: str, args, data, hvd) -> dict:
-    base, feedback = split_feedback(spec)
+    base, feedback_from = split_feedback(spec)
+    feedback = feedback_from is not None
     name, bits, bit_budget = parse_method(base)
     if feedback and name not in QUANTIZED and not (name.startswith("ddp-") and name[4:] in QUANTIZED):
         raise SystemExit(f"{spec!r}: +ef (error feedback) is for the quantized methods")
     train_ids, val_ids, chars = data
     rank = hvd.rank()
-    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd, bit_budget, feedback)
+    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd, bit_budget, feedback_from == 0)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    curve, losses = [], []
+    curve, losses, moments = [], [], []
     start = time.perf_counter()
     for step in range(args.steps):
+        if feedback_from and step == feedback_from:  # +ef<step>: error feedback from this step on
+            from horovod_alq.exchange.feedback import ErrorFeedback
+
+            state._state.feedback = ErrorFeedback()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = sample_batch(train_ids, args.batch_size, args.context, generator)
@@ -222,6 +237,9 @@ def train(spec: str, args, data, hvd) -> dict:
         losses.append(loss.item())
         if rank == 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             curve.append([step + 1, evaluate(plain, val_ids, args)])
+            moment = second_moment(opt)
+            if moment is not None:
+                moments.append([step + 1, moment])
     seconds = time.perf_counter() - start
     params = sum(p.numel() for p in plain.parameters())
     worst = hvd.allreduce(
@@ -243,6 +261,8 @@ def train(spec: str, args, data, hvd) -> dict:
         "max_abs_param": float(worst),
         **extra,
     }
+    if moments:  # Adam's mean second moment at each evaluation: what noise in the gradients inflates
+        out["second_moment"] = moments
     if curve:
         out["eval_bpc"] = curve[-1][1] / math.log(2)
     if state is not None and hasattr(state, "metrics"):
@@ -265,6 +285,16 @@ def train(spec: str, args, data, hvd) -> dict:
     if not math.isfinite(out["train_loss_last50"]):
         out["diverged"] = True
     return out
+
+
+def second_moment(opt) -> float | None:
+    """The mean of AdamW's second-moment estimate over every parameter coordinate (None for SGD)."""
+    total, count = 0.0, 0
+    for st in opt.state.values():
+        v = st.get("exp_avg_sq", st.get("v"))
+        if v is not None:
+            total, count = total + float(v.double().sum()), count + v.numel()
+    return total / count if count else None
 
 
 def init_gloo(hvd, dist) -> None:

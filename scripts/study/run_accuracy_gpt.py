@@ -56,7 +56,12 @@ GRIDS = {
     # the widths under SGD (--optimizer sgd), against fixed widths and fp32 of the same launch
     "sgd": [["none", "alq@3", "alq@2", "alq@bucket2.5", "alq@bucket3", "alq@auto2.5"]],
     # error_feedback=True (name@bits+ef) against the same widths without it and fp32, same launch
-    "feedback": [["none", "alq@3", "alq@3+ef", "alq@2", "alq@2+ef"]],
+    "feedback": [["none", "alq@3", "alq@3+ef", "alq@2", "alq@2+ef"], ["psgd-match", "psgd2"]],
+    # with --optimizer adamw-frozen (1-bit Adam's schedule): error feedback from the start (+ef) and
+    # from the freeze step on (+ef30, the default freeze at the 30-step warm-up)
+    "frozen": [["none", "alq@3", "alq@3+ef", "alq@3+ef30"], ["alq@2", "alq@2+ef", "alq@2+ef30"]],
+    # fp32 alone: a learning-rate sweep (one --out-dir per --lr)
+    "fp32": [["none"]],
 }
 # Same-seed comparisons shown in the second table: (row, against).
 PAIRS = [
@@ -97,6 +102,9 @@ PAIRS = [
     ("alq@2+ef", "alq@2"),
     ("alq@3+ef", "none"),
     ("alq@2+ef", "none"),
+    ("alq@3+ef30", "alq@3"),
+    ("alq@2+ef30", "alq@2"),
+    ("psgd2", "none"),
 ]
 LABELS = {"none": "fp32", "fp16": "fp16", "terngrad": "TernGrad", "psgd2": "PowerSGD rank 2"}
 
@@ -112,8 +120,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--optimizer",
         default="adamw",
-        choices=("adamw", "sgd"),
-        help="train_gpt.py --optimizer; sgd runs at --lr (default 0.2) without weight decay",
+        choices=("adamw", "adamw-frozen", "sgd"),
+        help="train_gpt.py --optimizer; sgd runs at --lr (default 0.2) without weight decay; adamw-frozen: "
+        "AdamW with its second moment frozen after --extra '--freeze-step N' (default the warm-up)",
     )
     p.add_argument("--lr", type=float, default=None, help="peak lr; default train_gpt.py's (AdamW) or 0.2 (SGD)")
     p.add_argument("--extra", default="", help="more train_gpt.py arguments, quoted")
@@ -146,7 +155,9 @@ def stem(args) -> str:
 
 def optimizer_args(args) -> list[str]:
     """train_gpt.py's optimizer arguments for this sweep."""
-    out = [] if args.optimizer == "adamw" else ["--optimizer", args.optimizer, "--weight-decay", "0"]
+    out = {"adamw": [], "adamw-frozen": ["--optimizer", "adamw-frozen"]}.get(
+        args.optimizer, ["--optimizer", args.optimizer, "--weight-decay", "0"]
+    )
     return out + ([] if args.lr is None else ["--lr", repr(args.lr)])
 
 
@@ -265,7 +276,8 @@ def order(labels) -> list:
     def key(label):
         spec, _, bucket = label.partition("/")
         name, _, bits = spec.partition("@")
-        bits, feedback = bits.removesuffix("+ef"), bits.endswith("+ef")
+        bits, _, start = bits.partition("+ef")
+        feedback = int(start or 0) if "+ef" in spec else -1
         rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
         auto = bits.startswith(("auto", "bucket"))
         return (rank, -float(bits.removeprefix("auto").removeprefix("bucket") or 0), bucket, auto, feedback, name)
@@ -342,7 +354,10 @@ def preamble(args, rows: dict) -> str:
         ).read_text()
     )
     a = first["args"]
-    optimizer = "SGD (momentum 0.9, no weight decay)" if a.get("optimizer") == "sgd" else "AdamW"
+    optimizer = {
+        "sgd": "SGD (momentum 0.9, no weight decay)",
+        "adamw-frozen": f"AdamW (second moment frozen after step {a.get('freeze_step') or a['warmup']})",
+    }.get(a.get("optimizer"), "AdamW")
     params = next(iter(next(iter(rows.values())).values()))["params"]
     return (
         f"# Held-out loss of a character-level GPT, every exchange\n\n"

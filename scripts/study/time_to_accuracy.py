@@ -71,6 +71,8 @@ from scripts.common import rows, timing
 
 ROWS = "hvd-fp16,ddp-bf16,ddp-psgd,hvd-qsgdinf,hvd-alq,hvd-alq-auto,hvd-alq-flat,hvd-alq4-entropy".split(",")
 ROWS += ["hvd-alq4-rate", "hvd-alq4-rate21", "local"]
+DEFAULT_ROWS = list(ROWS)  # the error-feedback rows run on request (--rows), with --optimizer sgd
+ROWS += ["hvd-alq-ef", "hvd-alq2", "hvd-alq2-ef"]
 LABELS = {k: rows.ROWS[k].label for k in ROWS}  # scripts/common/rows.py's, but for the names these pages use
 LABELS.update({"hvd-fp16": "Horovod fp16", "ddp-bf16": "DDP bf16_compress_hook", "hvd-alq": "ALQ 3 bits (defaults)"})
 LABELS["local"] = "no exchange (compute alone)"
@@ -79,6 +81,8 @@ TARGETS = (0.5, 0.75, 1.0)  # fractions of fp16's steps whose loss is a target
 FULL = dict(layout="2x2", rates="100mbit,1gbit", seeds="0,1,2", steps=240, eval_every=20, timeout=7200.0)
 QUICK = dict(layout="2x2", rates="100mbit", seeds="0", steps=40, eval_every=10, timeout=1200.0)
 STEM = "time_to_accuracy"
+OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD (momentum 0.9, no weight decay)"}
+LR = {"adamw": 3e-3, "sgd": 0.05}  # SGD's: the fp32 sweep of docs/results/error_feedback.md
 FIELDS = ("step_s", "fwd_bwd_s", "cpu_main_s", "cpu_all_s", "bytes", "link")
 
 
@@ -121,8 +125,12 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     net.join_gloo(hvd, args.gloo_ifname, 600)
     train_ids, val_ids, chars = char_splits()
-    # train_gpt.py's optimizer and schedule (AdamW, lr 3e-3, weight decay 0.1, warm-up then cosine)
-    plain = argparse.Namespace(optimizer="adamw", lr=args.lr, weight_decay=0.1, warmup=min(30, args.steps // 8))
+    # train_gpt.py's optimizers and schedule (AdamW: weight decay 0.1; SGD: momentum 0.9, no weight
+    # decay, as run_accuracy_gpt's; warm-up then cosine)
+    decay = 0.1 if args.optimizer == "adamw" else 0.0
+    plain = argparse.Namespace(
+        optimizer=args.optimizer, lr=args.lr, weight_decay=decay, warmup=min(30, args.steps // 8), freeze_step=None
+    )
     plain.__dict__.update(steps=args.steps, context=args.context, eval_windows=args.eval_windows)
     keys = args.rows.split(",")
     built = {k: build_row(k, args, len(chars), hvd, plain) for k in keys}
@@ -556,7 +564,7 @@ def report(args, argv, runs: list[dict], summary: dict, plotted: bool, date: str
         f"({platform.processor() or platform.machine()}), Python {platform.python_version()}, torch {first['torch']}, "
         f"Horovod {first['horovod']}. {first['size']} ranks as {layout}; the character GPT "
         f"(width {args.width}, {args.layers} layers, context {args.context}, {first['params']:,} parameters), "
-        f"{args.batch_size} sequences per rank and step, AdamW (lr {args.lr}, warm-up, cosine), "
+        f"{args.batch_size} sequences per rank and step, {OPTIMIZERS[args.optimizer]} (lr {args.lr}, warm-up, cosine), "
         f"gradient norm clipped to {args.clip:g} (after the average), "
         f"{args.steps} steps, held-out loss every {args.eval_every} steps on {args.eval_windows} windows.",
         "",
@@ -619,6 +627,7 @@ def worker_command(args, out: Path, log_dir: Path, ifname: str, seed: int) -> li
     cmd = [sys.executable, "-m", "scripts.study.time_to_accuracy", "--worker", "--worker-out", str(out)]
     cmd += ["--log-dir", str(log_dir), "--gloo-ifname", ifname, "--seed", str(seed), "--rows", args.rows]
     names = ("steps", "eval_every", "eval_windows", "batch_size", "context", "width", "layers", "heads", "lr", "clip")
+    names += ("optimizer",)
     cmd += launching.flags(args, *names)
     if ifname != "lo":
         cmd += ["--count-ifname", ifname]
@@ -650,14 +659,19 @@ def parser() -> argparse.ArgumentParser:
     add("--seeds", help=f"default {FULL['seeds']}")
     add("--steps", type=int, help=f"steps per row; default {FULL['steps']}")
     add("--eval-every", type=int, help=f"steps between evaluations; default {FULL['eval_every']}")
-    add("--rows", default=",".join(ROWS), help=f"comma-separated from {','.join(ROWS)}; default all")
+    add(
+        "--rows",
+        default=",".join(DEFAULT_ROWS),
+        help=f"comma-separated from {','.join(ROWS)}; default all but hvd-alq-ef, hvd-alq2, hvd-alq2-ef",
+    )
     batch = "sequences per rank and step; default 8 (the exchange about two thirds of fp16's step at 100 Mbit/s here)"
     add("--batch-size", type=int, default=8, help=batch)
     add("--context", type=int, default=64, help="default 64")
     add("--width", type=int, default=128, help="default 128")
     add("--layers", type=int, default=4, help="default 4")
     add("--heads", type=int, default=4, help="default 4")
-    add("--lr", type=float, default=3e-3, help="AdamW's peak lr; default 3e-3")
+    add("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", help="default adamw")
+    add("--lr", type=float, help=f"peak lr; default {LR['adamw']} (AdamW), {LR['sgd']} (SGD, tuned for fp32)")
     clip = "clip the averaged gradient's norm to this (0: no clipping); default 1.0 (without it one seed "
     add(
         "--clip",
@@ -686,6 +700,8 @@ def parser() -> argparse.ArgumentParser:
 def parse(p: argparse.ArgumentParser, argv: list[str]):
     args = p.parse_args(argv)
     net.apply_defaults(args, QUICK, FULL)
+    if args.lr is None:
+        args.lr = LR[args.optimizer]
     return args
 
 
