@@ -52,18 +52,17 @@ class TorchOps:
         header = pack_header(Header(get_method(q.method).id, q.bits, q.bucket_size, numel, q.fingerprint, norm=q.norm))
         return torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
 
+    def _coding(self, q: Quantizer, numel: int, seed: int) -> tuple[tuple, dict]:
+        """An encode's levels and header, and its keywords, as every codec's encode takes them."""
+        return (self.levels(q), self._header(q, numel)), dict(
+            bits=q.bits, bucket_size=q.bucket_size, norm=q.norm, seed=seed
+        )
+
     def encode(self, x: torch.Tensor, q: Quantizer, seed: int) -> torch.Tensor:
         if x.numel() == 0:
             return self._header(q, 0)
-        return self.codec.encode(
-            x.contiguous(),
-            self.levels(q),
-            self._header(q, x.numel()),
-            bits=q.bits,
-            bucket_size=q.bucket_size,
-            norm=q.norm,
-            seed=seed,
-        )
+        args, kw = self._coding(q, x.numel(), seed)
+        return self.codec.encode(x.contiguous(), *args, **kw)
 
     def encode_parts(self, parts, starts, length, q: Quantizer, seed: int):
         encode = getattr(self.codec, "encode_parts", None)
@@ -74,17 +73,8 @@ class TorchOps:
             or not all(p.dtype == torch.float32 and p.device == self.device for p in parts)
         ):
             return None
-        return encode(
-            [p.reshape(-1).contiguous() for p in parts],
-            list(starts),
-            length,
-            self.levels(q),
-            self._header(q, length),
-            bits=q.bits,
-            bucket_size=q.bucket_size,
-            norm=q.norm,
-            seed=seed,
-        )
+        args, kw = self._coding(q, length, seed)
+        return encode([p.reshape(-1).contiguous() for p in parts], list(starts), length, *args, **kw)
 
     def encode_feedback(self, x: torch.Tensor, error: torch.Tensor, q: Quantizer, seed: int):
         """The payload of ``x + error`` with ``error`` updated in place (see
@@ -103,16 +93,8 @@ class TorchOps:
             or x.shape != error.shape
         ):
             return None
-        return encode(
-            x,
-            error,
-            self.levels(q),
-            self._header(q, x.numel()),
-            bits=q.bits,
-            bucket_size=q.bucket_size,
-            norm=q.norm,
-            seed=seed,
-        )
+        args, kw = self._coding(q, x.numel(), seed)
+        return encode(x, error, *args, **kw)
 
     def decode_sum(
         self,
