@@ -36,12 +36,20 @@ def check_feedback(error_feedback, dtype) -> None:
         raise ValueError(f"error_feedback_dtype must be one of {', '.join(map(repr, FEEDBACK_DTYPES))}, got {dtype!r}")
 
 
+def check_scale(scale) -> None:
+    """ValueError naming an ``error_feedback_scale`` that is not a number in (0, 1]."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+        raise ValueError(f"error_feedback_scale must be a number in (0, 1], got {scale!r}")
+
+
 class ErrorFeedback:
     """The error buffers of one front-end's rounds, by key (see the module docstring)."""
 
-    def __init__(self, dtype: str = "float32") -> None:
+    def __init__(self, dtype: str = "float32", scale: float = 1.0) -> None:
         check_feedback(True, dtype)
+        check_scale(scale)
         self.dtype = dtype
+        self.scale = float(scale)  # the share of each error kept for the next round
         self.buffers: dict[Hashable, Tensor] = {}
         self._touched: set = set()
 
@@ -54,7 +62,7 @@ class ErrorFeedback:
         fused = getattr(ops, "encode_feedback", None)
         if fused is not None and not isinstance(x, np.ndarray):  # the compiled codec: one pass, same results
             error = e if e is not None else self._stored(ops.zeros(n))
-            payload = fused(x, error, quantizer, seed)
+            payload = fused(x, error, quantizer, seed, self.scale)
             if payload is not None:
                 self.buffers[key] = error
                 self._touched.add(key)
@@ -69,14 +77,15 @@ class ErrorFeedback:
         decoded[:] = 0
         ops.decode_sum(decoded, payload, [0], quantizer)
         if e is None:
-            self.buffers[key] = self._stored(target - decoded)
+            self.buffers[key] = self._stored(self._scaled(target - decoded))
         elif self.dtype == "float32":
             e[:] = target
             e -= decoded
+            self._scaled(e)
         else:  # bfloat16 (torch): the difference in the scratch, rounded into the buffer
             decoded *= -1
             decoded += target
-            e.copy_(decoded)
+            e.copy_(self._scaled(decoded))
         self._touched.add(key)
         return payload
 
@@ -84,7 +93,7 @@ class ErrorFeedback:
         payload = ops.encode(target, quantizer, seed)
         decoded = ops.zeros(int(target.shape[0]))
         ops.decode_sum(decoded, payload, [0], quantizer)
-        error = target - decoded
+        error = self._scaled(target - decoded)
         d = quantizer.bucket_size
         for b in _bad_buckets(error, d) or ():
             lo, hi = b * d, min((b + 1) * d, int(target.shape[0]))
@@ -92,6 +101,12 @@ class ErrorFeedback:
         self.buffers[key] = self._stored(error)
         self._touched.add(key)
         return payload
+
+    def _scaled(self, error: Tensor) -> Tensor:
+        """``error`` times the kept share, in place (float32, as the compiled kernel multiplies)."""
+        if self.scale != 1.0:
+            error *= np.float32(self.scale) if isinstance(error, np.ndarray) else self.scale
+        return error
 
     def _scratch(self, x: Tensor, n: int) -> tuple[Tensor, Tensor]:
         """Two float32 vectors of ``n`` like ``x`` (same framework and device), kept per thread."""

@@ -76,7 +76,7 @@ class TorchOps:
         args, kw = self._coding(q, length, seed)
         return encode([p.reshape(-1).contiguous() for p in parts], list(starts), length, *args, **kw)
 
-    def encode_feedback(self, x: torch.Tensor, error: torch.Tensor, q: Quantizer, seed: int):
+    def encode_feedback(self, x: torch.Tensor, error: torch.Tensor, q: Quantizer, seed: int, scale: float = 1.0):
         """The payload of ``x + error`` with ``error`` updated in place (see
         :meth:`horovod_alq.torch.codecs.cpu.CpuCodec.encode_feedback`), or None where the codec
         has no such kernel or the tensors do not suit it."""
@@ -94,7 +94,7 @@ class TorchOps:
         ):
             return None
         args, kw = self._coding(q, x.numel(), seed)
-        return encode(x, error, *args, **kw)
+        return encode(x, error, *args, **kw, scale=scale)
 
     def decode_sum(
         self,

@@ -76,14 +76,15 @@ class CpuCodec:
         bucket_size: int,
         norm: str,
         seed: int,
+        scale: float = 1.0,
     ) -> torch.Tensor:
         """The payload :meth:`encode` gives for ``flat + error`` (``flat`` float32, ``error`` float32
         or bfloat16, ``bucket_size`` a multiple of 8); ``error`` becomes, bucket by bucket, what
-        that payload drops, except in buckets where that is not finite, which keep it. One pass
-        over memory."""
+        that payload drops (times ``scale``), except in buckets where that is not finite, which
+        keep it. One pass over memory."""
         check_encode_args(flat, bits, bucket_size, norm, seed)
         return self._module.encode_feedback(
-            flat, error, levels, header, int(bits), int(bucket_size), norm == "linf", int(seed)
+            flat, error, levels, header, int(bits), int(bucket_size), norm == "linf", int(seed), float(scale)
         )
 
     def decode_sum(

@@ -132,10 +132,10 @@ torch::Tensor encode_parts(std::vector<torch::Tensor> parts, std::vector<int64_t
 }
 
 // Error feedback in one pass: the payload of x + err (x float32, err float32 or bfloat16, same length),
-// and err overwritten, bucket by bucket, with what that payload drops, except in buckets where that
-// is not finite.
+// and err overwritten, bucket by bucket, with `scale` times what that payload drops, except in
+// buckets where that is not finite.
 torch::Tensor encode_feedback(torch::Tensor x, torch::Tensor err, torch::Tensor levels, torch::Tensor header,
-                              int64_t bits, int64_t bucket_size, bool linf, int64_t seed) {
+                              int64_t bits, int64_t bucket_size, bool linf, int64_t seed, double scale) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 1 && x.is_contiguous(),
               "encode_feedback: x must be a contiguous 1-D float32 CPU tensor");
   TORCH_CHECK(err.device().is_cpu() && (err.scalar_type() == torch::kFloat32 || err.scalar_type() == torch::kBFloat16) &&
@@ -150,7 +150,7 @@ torch::Tensor encode_feedback(torch::Tensor x, torch::Tensor err, torch::Tensor 
     using err_t = std::remove_pointer_t<decltype(e)>;
     (use_avx2 ? avx2::encode_feedback_payload<err_t> : generic::encode_feedback_payload<err_t>)(
         x.data_ptr<float>(), e, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits,
-        static_cast<uint64_t>(seed), codes);
+        static_cast<uint64_t>(seed), codes, static_cast<float>(scale));
   };
   if (err.scalar_type() == torch::kFloat32)
     run(err.data_ptr<float>());
