@@ -174,16 +174,17 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
     """AdamW whose second moment stops changing after ``freeze_step`` steps (1-bit Adam's schedule):
     from then on the update is linear in the gradients, as SGD with momentum's is, so the error that
     error feedback carries from step to step cancels in the parameters instead of inflating the
-    second moment."""
+    second moment. ``freeze_step`` lives in each parameter group, as the other hyperparameters do,
+    so that Horovod's DistributedOptimizer, which builds the optimizer again from its groups, keeps
+    it."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, freeze_step=100):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.freeze_step = int(freeze_step)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step))
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            (b1, b2), lr = group["betas"], group["lr"]
+            (b1, b2), lr, freeze = group["betas"], group["lr"], int(group["freeze_step"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -194,9 +195,9 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
                 t = st["step"]
                 p.mul_(1 - lr * group["weight_decay"])
                 st["m"].lerp_(p.grad, 1 - b1)
-                if t <= self.freeze_step:
+                if t <= freeze:
                     st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                denom = (st["v"] / (1 - b2 ** min(t, self.freeze_step))).sqrt_().add_(group["eps"])
+                denom = (st["v"] / (1 - b2 ** min(t, freeze))).sqrt_().add_(group["eps"])
                 p.addcdiv_(st["m"], denom, value=-lr / (1 - b1**t))
 
 

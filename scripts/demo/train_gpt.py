@@ -90,15 +90,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def split_feedback(spec: str) -> tuple[str, int | None]:
-    """``"alq@3+ef"`` -> ``("alq@3", 0)``: the ``+ef`` suffix turns on ``error_feedback``;
-    ``"alq@3+ef30"`` -> ``("alq@3", 30)``: from step 30 on (earlier steps without it); no suffix: None."""
-    base, _, start = spec.partition("+ef")
+def split_feedback(spec: str) -> tuple[str, int | None, float]:
+    """``"alq@3+ef"`` -> ``("alq@3", 0, 1.0)``: the ``+ef`` suffix turns on ``error_feedback``;
+    ``"alq@3+ef30"`` -> ``("alq@3", 30, 1.0)``: from step 30 on (earlier steps without it);
+    ``"alq@3+efx0.5"`` -> ``("alq@3", 0, 0.5)``: keeping half of each error; no suffix: None."""
+    base, _, tail = spec.partition("+ef")
     if base == spec:
-        return spec, None
-    if start and not start.isdigit():
-        raise SystemExit(f"{spec!r}: +ef or +ef<first step> (alq@3+ef30)")
-    return base, int(start or 0)
+        return spec, None, 1.0
+    start, _, scale = tail.partition("x")
+    try:
+        return base, int(start or 0), float(scale or 1.0)
+    except ValueError:
+        raise SystemExit(f"{spec!r}: +ef, +ef<first step> (alq@3+ef30) or +efx<share kept> (alq@3+efx0.5)") from None
 
 
 def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
@@ -207,7 +210,7 @@ def sent_bits(name: str, state) -> float:
 
 
 def train(spec: str, args, data, hvd) -> dict:
-    base, feedback_from = split_feedback(spec)
+    base, feedback_from, feedback_scale = split_feedback(spec)
     feedback = feedback_from is not None
     name, bits, bit_budget = parse_method(base)
     if feedback and name not in QUANTIZED and not (name.startswith("ddp-") and name[4:] in QUANTIZED):
@@ -215,6 +218,8 @@ def train(spec: str, args, data, hvd) -> dict:
     train_ids, val_ids, chars = data
     rank = hvd.rank()
     model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd, bit_budget, feedback_from == 0)
+    if feedback_scale != 1.0:  # +efx<share>: the buffers keep that share of each error
+        state._state.feedback.scale = feedback_scale
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     curve, losses, moments = [], [], []
     start = time.perf_counter()
@@ -222,7 +227,7 @@ def train(spec: str, args, data, hvd) -> dict:
         if feedback_from and step == feedback_from:  # +ef<step>: error feedback from this step on
             from horovod_alq.exchange.feedback import ErrorFeedback
 
-            state._state.feedback = ErrorFeedback()
+            state._state.feedback = ErrorFeedback(scale=feedback_scale)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = sample_batch(train_ids, args.batch_size, args.context, generator)

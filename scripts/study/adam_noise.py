@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         default="alq@3,alq@2,alq@auto2.5,alq@bucket2.5,alq@bucket3",
-        help="train_gpt.py method specs, run in turn",
+        help="train_gpt.py method specs, run in turn (+ef, +efx<share>: error feedback)",
     )
     p.add_argument("--steps", type=int, default=60, help="steps measured; default 60")
     p.add_argument("--window", type=int, default=30, help="steps per row; default 30")
@@ -75,8 +75,13 @@ def measure(spec: str, args, data, hvd) -> dict:
 
     run = tg.parse_args(["--steps", "250", "--batch-size", "8", "--seed", str(args.seed)])
     train_ids, val_ids, chars = data
-    name, bits, budget = tg.parse_method(spec)
-    model, plain, opt, _, _ = tg.make_run(name, bits, run, len(chars), hvd, budget)
+    base, feedback_from, share = tg.split_feedback(spec)  # +ef, +efx<share>: error feedback
+    if feedback_from:
+        raise SystemExit(f"{spec!r}: error feedback from a later step is not measured here")
+    name, bits, budget = tg.parse_method(base)
+    model, plain, opt, state, _ = tg.make_run(name, bits, run, len(chars), hvd, budget, feedback_from == 0)
+    if share != 1.0:
+        state._state.feedback.scale = share
     named = [(n, p, group_of(n)) for n, p in model.named_parameters()]
     local: dict = {}
     for n, p, _ in named:
@@ -99,7 +104,7 @@ def measure(spec: str, args, data, hvd) -> dict:
         exact = exact.double()
         error = torch.cat([p.grad.reshape(-1) for _, p, _ in named]).double() - exact
         if previous is not None:
-            cosines.append(abs(float(error @ previous / (error.norm() * previous.norm()).clamp_min(1e-300))))
+            cosines.append(float(error @ previous / (error.norm() * previous.norm()).clamp_min(1e-300)))
         previous = error
         acc, count, buckets = step_sums(named, exact, error, opt, run.bucket_size, levels)
         rows["loss"].append(loss.item())
@@ -121,7 +126,8 @@ def measure(spec: str, args, data, hvd) -> dict:
         "jump": jump,
         "eval": tg.evaluate(plain, val_ids, run),
         "bias": bias,
-        "cos": max(cosines, default=float("nan")),
+        "cos": max(map(abs, cosines), default=float("nan")),
+        "mean_cos": float(np.mean(cosines)) if cosines else float("nan"),
     }
 
 
@@ -218,9 +224,11 @@ def report(results: dict, args, seconds: float) -> list[str]:
         "second moment `v` before the step (the noise and the signal as AdamW scales them);",
         "- jump: standard deviation over all measured steps of `log2` of a bucket's relative error, "
         "median over the group's buckets (how much a coordinate's noise level moves between steps);",
-        "- cos: the largest |cosine| between the errors of consecutive steps;",
+        "- cos: the largest |cosine| between the errors of consecutive steps, and their mean cosine (signed: "
+        "error feedback's errors are anti-correlated by design);",
         f"- bias: one batch's exchange repeated {args.repeats} times after the measured steps (no optimizer "
-        "step), per tensor `||mean - exact||^2` over its expectation for an unbiased exchange (near 1);",
+        "step), per tensor `||mean - exact||^2` over its expectation for an unbiased exchange (near 1; with "
+        "error feedback (`+ef`) the repeats telescope, so below 1);",
         "- eval: held-out loss after the last measured step.",
         "",
     ]
@@ -269,15 +277,15 @@ def report(results: dict, args, seconds: float) -> list[str]:
         "",
         "| method | eval loss | "
         + " | ".join(f"jump {g}" for g in GROUPS)
-        + f" | cos | bias over {args.repeats} repeats (min-max over tensors) |",
-        "|---|---:|" + "---:|" * len(GROUPS) + "---:|---:|",
+        + f" | cos | mean cos | bias over {args.repeats} repeats (min-max over tensors) |",
+        "|---|---:|" + "---:|" * len(GROUPS) + "---:|---:|---:|",
     ]
     for spec, r in results.items():
         b = list(r["bias"].values())
         lines.append(
             f"| {spec} | {r['eval']:.4f} | "
             + " | ".join(f"{r['jump'][g]:.2f}" for g in GROUPS)
-            + f" | {r['cos']:.4f} | {min(b):.2f}-{max(b):.2f} |"
+            + f" | {r['cos']:.4f} | {r['mean_cos']:+.4f} | {min(b):.2f}-{max(b):.2f} |"
         )
     return lines
 

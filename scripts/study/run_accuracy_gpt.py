@@ -60,6 +60,8 @@ GRIDS = {
     # with --optimizer adamw-frozen (1-bit Adam's schedule): error feedback from the start (+ef) and
     # from the freeze step on (+ef30, the default freeze at the 30-step warm-up)
     "frozen": [["none", "alq@3", "alq@3+ef", "alq@3+ef30"], ["alq@2", "alq@2+ef", "alq@2+ef30"]],
+    # AdamW with part of each error kept (+efx<share>), against the feedback grid's rows
+    "partial": [["alq@3+efx0.5", "alq@2+efx0.5", "alq@2+efx0.25"]],
     # fp32 alone: a learning-rate sweep (one --out-dir per --lr)
     "fp32": [["none"]],
 }
@@ -103,6 +105,9 @@ PAIRS = [
     ("alq@3+ef", "none"),
     ("alq@2+ef", "none"),
     ("alq@3+ef30", "alq@3"),
+    ("alq@3+efx0.5", "alq@3"),
+    ("alq@2+efx0.5", "alq@2"),
+    ("alq@2+efx0.25", "alq@2"),
     ("alq@2+ef30", "alq@2"),
     ("psgd2", "none"),
 ]
@@ -276,8 +281,9 @@ def order(labels) -> list:
     def key(label):
         spec, _, bucket = label.partition("/")
         name, _, bits = spec.partition("@")
-        bits, _, start = bits.partition("+ef")
-        feedback = int(start or 0) if "+ef" in spec else -1
+        bits, _, tail = bits.partition("+ef")
+        start, _, scale = tail.partition("x")
+        feedback = (int(start or 0), -float(scale or 1)) if "+ef" in spec else (-1, 0.0)
         rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
         auto = bits.startswith(("auto", "bucket"))
         return (rank, -float(bits.removeprefix("auto").removeprefix("bucket") or 0), bucket, auto, feedback, name)
