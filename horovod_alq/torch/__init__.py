@@ -9,10 +9,12 @@ from .compressor import (
     TernGradCompressor,
     compressor_for,
 )
+from .optim import FrozenVarianceAdamW
 
 __all__ = [
     "ALQCompressor",
     "AMQCompressor",
+    "FrozenVarianceAdamW",
     "NUQSGDCompressor",
     "QSGDCompressor",
     "QuantizedCompressor",

@@ -170,37 +170,6 @@ def evaluate(model: torch.nn.Module, val: torch.Tensor, args) -> float:
     return float(torch.stack(losses).sum() / len(starts))
 
 
-class FrozenVarianceAdamW(torch.optim.Optimizer):
-    """AdamW whose second moment stops changing after ``freeze_step`` steps (1-bit Adam's schedule):
-    from then on the update is linear in the gradients, as SGD with momentum's is, so the error that
-    error feedback carries from step to step cancels in the parameters instead of inflating the
-    second moment. ``freeze_step`` lives in each parameter group, as the other hyperparameters do,
-    so that Horovod's DistributedOptimizer, which builds the optimizer again from its groups, keeps
-    it."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, freeze_step=100):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            (b1, b2), lr, freeze = group["betas"], group["lr"], int(group["freeze_step"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
-                st["step"] += 1
-                t = st["step"]
-                p.mul_(1 - lr * group["weight_decay"])
-                st["m"].lerp_(p.grad, 1 - b1)
-                if t <= freeze:
-                    st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                denom = (st["v"] / (1 - b2 ** min(t, freeze))).sqrt_().add_(group["eps"])
-                p.addcdiv_(st["m"], denom, value=-lr / (1 - b1**t))
-
-
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     """``--optimizer``: AdamW (betas 0.9, 0.95, decoupled weight decay), the same with its second
     moment frozen after ``--freeze-step`` steps (``adamw-frozen``), or SGD with momentum 0.9 (weight
@@ -209,6 +178,8 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=args.weight_decay)
     if kind == "adamw-frozen":
+        from horovod_alq.torch.optim import FrozenVarianceAdamW
+
         freeze = args.freeze_step if args.freeze_step is not None else args.warmup
         return FrozenVarianceAdamW(
             model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95), freeze_step=freeze
