@@ -56,10 +56,12 @@ GRIDS = {
     # the widths under SGD (--optimizer sgd), against fixed widths and fp32 of the same launch
     "sgd": [["none", "alq@3", "alq@2", "alq@bucket2.5", "alq@bucket3", "alq@auto2.5"]],
     # error_feedback=True (name@bits+ef) against the same widths without it and fp32, same launch
-    "feedback": [["none", "alq@3", "alq@3+ef", "alq@2", "alq@2+ef"], ["psgd-match", "psgd2"]],
+    "feedback": [["none", "alq@3", "alq@3+ef", "alq@2", "alq@2+ef"], ["psgd-match"]],
     # with --optimizer adamw-frozen (1-bit Adam's schedule): error feedback from the start (+ef) and
     # from the freeze step on (+ef30, the default freeze at the 30-step warm-up)
     "frozen": [["none", "alq@3", "alq@3+ef", "alq@3+ef30"], ["alq@2", "alq@2+ef", "alq@2+ef30"]],
+    # the frozen optimizer's rows without error feedback, for more seeds
+    "frozen-core": [["none", "alq@3", "alq@2"]],
     # AdamW with part of each error kept (+efx<share>), against the feedback grid's rows
     "partial": [["alq@3+efx0.5", "alq@2+efx0.5", "alq@2+efx0.25"]],
     # fp32 alone: a learning-rate sweep (one --out-dir per --lr)
@@ -109,7 +111,6 @@ PAIRS = [
     ("alq@2+efx0.5", "alq@2"),
     ("alq@2+efx0.25", "alq@2"),
     ("alq@2+ef30", "alq@2"),
-    ("psgd2", "none"),
 ]
 LABELS = {"none": "fp32", "fp16": "fp16", "terngrad": "TernGrad", "psgd2": "PowerSGD rank 2"}
 
