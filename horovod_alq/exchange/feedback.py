@@ -36,18 +36,13 @@ def check_feedback(error_feedback, dtype) -> None:
         raise ValueError(f"error_feedback_dtype must be one of {', '.join(map(repr, FEEDBACK_DTYPES))}, got {dtype!r}")
 
 
-def check_scale(scale) -> None:
-    """ValueError naming an ``error_feedback_scale`` that is not a number in (0, 1]."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
-        raise ValueError(f"error_feedback_scale must be a number in (0, 1], got {scale!r}")
-
-
 class ErrorFeedback:
     """The error buffers of one front-end's rounds, by key (see the module docstring)."""
 
     def __init__(self, dtype: str = "float32", scale: float = 1.0) -> None:
         check_feedback(True, dtype)
-        check_scale(scale)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+            raise ValueError(f"ErrorFeedback's scale (the share of each error kept) must be in (0, 1], got {scale!r}")
         self.dtype = dtype
         self.scale = float(scale)  # the share of each error kept for the next round
         self.buffers: dict[Hashable, Tensor] = {}

@@ -37,7 +37,14 @@ from pathlib import Path
 
 import torch
 
-from scripts.common.demo import ADAPTIVE, BASELINES, QUANTIZED, split_exchange, split_norm
+from scripts.common.demo import (  # noqa: F401 (split_feedback: the studies find it here too)
+    ADAPTIVE,
+    BASELINES,
+    QUANTIZED,
+    split_exchange,
+    split_feedback,
+    split_norm,
+)
 from scripts.common.gpt import (  # noqa: F401 (the studies and tests find these here too)
     GPT,
     char_splits,
@@ -90,20 +97,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def split_feedback(spec: str) -> tuple[str, int | None, float]:
-    """``"alq@3+ef"`` -> ``("alq@3", 0, 1.0)``: the ``+ef`` suffix turns on ``error_feedback``;
-    ``"alq@3+ef30"`` -> ``("alq@3", 30, 1.0)``: from step 30 on (earlier steps without it);
-    ``"alq@3+efx0.5"`` -> ``("alq@3", 0, 0.5)``: keeping half of each error; no suffix: None."""
-    base, _, tail = spec.partition("+ef")
-    if base == spec:
-        return spec, None, 1.0
-    start, _, scale = tail.partition("x")
-    try:
-        return base, int(start or 0), float(scale or 1.0)
-    except ValueError:
-        raise SystemExit(f"{spec!r}: +ef, +ef<first step> (alq@3+ef30) or +efx<share kept> (alq@3+efx0.5)") from None
-
-
 def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
     """(name, bits, bit_budget): ``"alq@2"`` -> ``("alq", 2, None)``; ``"none"`` -> ``("none", None, None)``;
     ``"alq@auto2.5"`` -> ``("alq", "auto", 2.5)`` (ALQ/AMQ forms through Horovod only). SystemExit on
@@ -136,10 +129,18 @@ def parse_method(spec: str) -> tuple[str, int | str | None, float | None]:
 
 
 def make_run(
-    name: str, bits: int | str | None, args, vocab: int, hvd, bit_budget: float | None = None, feedback: bool = False
+    name: str,
+    bits: int | str | None,
+    args,
+    vocab: int,
+    hvd,
+    bit_budget: float | None = None,
+    feedback: bool = False,
+    share: float = 1.0,
 ):
     """(model to call, model whose parameters are evaluated, optimizer, state with metrics or None, extra record).
-    ``bits="auto"`` takes ``bit_budget`` (parse_method); ``feedback``: ``error_feedback=True``."""
+    ``bits="auto"`` takes ``bit_budget`` (parse_method); ``feedback``: ``error_feedback=True``, its
+    buffers keeping ``share`` of each error (split_feedback's ``+efx<share>``; Horovod rows only)."""
     from horovod_alq import torch as alq
 
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
@@ -170,8 +171,12 @@ def make_run(
             comp = alq.compressor_for(
                 base, **kw, **({"norm": norm} if norm else {}), **({"exchange": exchange} if exchange else {})
             )
+        if share != 1.0:  # an internal knob of the compressor's error buffers, not a setting
+            comp._state.feedback.scale = share
         opt = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=comp)
         return model, model, opt, comp if hasattr(comp, "metrics") else None, extra
+    if share != 1.0:
+        raise SystemExit(f"{name!r}: +efx<share> is for the Horovod rows")
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -217,9 +222,9 @@ def train(spec: str, args, data, hvd) -> dict:
         raise SystemExit(f"{spec!r}: +ef (error feedback) is for the quantized methods")
     train_ids, val_ids, chars = data
     rank = hvd.rank()
-    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd, bit_budget, feedback_from == 0)
-    if feedback_scale != 1.0:  # +efx<share>: the buffers keep that share of each error
-        state._state.feedback.scale = feedback_scale
+    model, plain, opt, state, extra = make_run(
+        name, bits, args, len(chars), hvd, bit_budget, feedback_from == 0, feedback_scale
+    )
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     curve, losses, moments = [], [], []
     start = time.perf_counter()
@@ -296,7 +301,7 @@ def second_moment(opt) -> float | None:
     """The mean of AdamW's second-moment estimate over every parameter coordinate (None for SGD)."""
     total, count = 0.0, 0
     for st in opt.state.values():
-        v = st.get("exp_avg_sq", st.get("v"))
+        v = st.get("exp_avg_sq")
         if v is not None:
             total, count = total + float(v.double().sum()), count + v.numel()
     return total / count if count else None

@@ -79,9 +79,7 @@ def measure(spec: str, args, data, hvd) -> dict:
     if feedback_from:
         raise SystemExit(f"{spec!r}: error feedback from a later step is not measured here")
     name, bits, budget = tg.parse_method(base)
-    model, plain, opt, state, _ = tg.make_run(name, bits, run, len(chars), hvd, budget, feedback_from == 0)
-    if share != 1.0:
-        state._state.feedback.scale = share
+    model, plain, opt, _, _ = tg.make_run(name, bits, run, len(chars), hvd, budget, feedback_from == 0, share)
     named = [(n, p, group_of(n)) for n, p in model.named_parameters()]
     local: dict = {}
     for n, p, _ in named:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from scripts.common import launch
 from scripts.common import report as pages
+from scripts.common.demo import split_feedback
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = "scripts.demo.train_gpt"  # run with python -m from ROOT
@@ -281,10 +282,9 @@ def order(labels) -> list:
 
     def key(label):
         spec, _, bucket = label.partition("/")
+        spec, start, share = split_feedback(spec)
         name, _, bits = spec.partition("@")
-        bits, _, tail = bits.partition("+ef")
-        start, _, scale = tail.partition("x")
-        feedback = (int(start or 0), -float(scale or 1)) if "+ef" in spec else (-1, 0.0)
+        feedback = (-1, 0.0) if start is None else (start, -share)
         rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
         auto = bits.startswith(("auto", "bucket"))
         return (rank, -float(bits.removeprefix("auto").removeprefix("bucket") or 0), bucket, auto, feedback, name)
