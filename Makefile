@@ -7,10 +7,16 @@ MPIRUN := $(PY) -m scripts.common.launch
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint format demo demo-ddp demo-fsdp docs clean bench gpu-check
+.PHONY: install install-gpu test test-fast lint format demo demo-ddp demo-fsdp docs clean bench gpu-check gpu-device-prep
 
 install:
 	bash scripts/install/install.sh
+
+# The CUDA venv .venv-gpu (= HOROVOD_ALQ_GPU=1 make install): PyPI's CUDA torch and Horovod built with
+# NCCL (docs/guides/gpu.md). Needs nvcc, not a GPU. Not part of `make test` (a 4 GB download and a
+# long build); tests/test_install.py checks only its early failure.
+install-gpu:
+	HOROVOD_ALQ_GPU=1 bash scripts/install/install.sh
 
 # The compiled CPU codec must load (its tests would otherwise skip and the compressors run on the
 # slower torch kernels): scripts/install/check_codec.py fails the target, naming the codec and why,
@@ -81,14 +87,22 @@ bench: install
 	$(PY) -m scripts.study.time_to_accuracy --quick --fresh --out-dir build/bench
 	$(PY) -m scripts.bench.summary --dir build/bench
 
-# Every CUDA path checked and timed in one process on one GPU (docs/guides/gpu.md): codec correctness,
-# the codec benchmark, DDP step times at world size 1 over NCCL, FSDP2/DiLoCo/torch.compile smoke runs
-# and the Horovod compressor; the report goes to build/gpu_paths.md and .json. No CUDA: exit status 2.
-# Not after `install`: its venv holds the CPU build of torch. A machine whose python3 has torch with
-# CUDA, triton, numpy and scipy: make gpu-check PY=python3 (= PYTHONPATH=. python3 -m scripts.bench.gpu_paths).
+# The CUDA paths that one GPU reaches, checked and timed (docs/guides/gpu.md): codec correctness and
+# benchmark, DDP step times, FSDP2/DiLoCo/torch.compile at world size 1 over NCCL, 2 ranks on the one
+# GPU over gloo (every exchange, DDP/FSDP2/DiLoCo training, the Horovod compressor) and the Horovod
+# compressor over NCCL; the report goes to build/gpu_paths.md and .json. No CUDA: exit status 2.
+# Runs with .venv-gpu (make install-gpu) where it exists, else GPU_PY (e.g. GPU_PY=python3, a Python
+# with CUDA torch, triton, numpy and scipy); not after `install`: .venv holds the CPU build of torch.
 GPU_CHECK_ARGS ?=
+GPU_PY ?= $(if $(wildcard .venv-gpu/bin/python),.venv-gpu/bin/python,$(PY))
 gpu-check:
-	PYTHONPATH=. $(PY) -m scripts.bench.gpu_paths --out build/gpu_paths.md $(GPU_CHECK_ARGS)
+	PYTHONPATH=. $(GPU_PY) -m scripts.bench.gpu_paths --out build/gpu_paths.md $(GPU_CHECK_ARGS)
+
+# What a lent GPU machine (no network) needs beside the tree for scripts/bench/gpu_device.sh, the
+# check in one call: Horovod's source distribution in build/device/ (docs/guides/gpu.md).
+gpu-device-prep:
+	mkdir -p build/device
+	python3 -m pip download -q --no-deps --no-binary :all: horovod==0.28.1 -d build/device
 
 # Removes the venv and build leftovers; the Horovod wheel cache (~/.cache/horovod-alq) stays.
 clean:

@@ -1,8 +1,10 @@
 """The install's checks: `make test` fails when the compiled CPU codec (codec 'cpu', the default
 for CPU tensors) cannot load, unless HOROVOD_ALQ_ALLOW_TORCH_CODEC=1 asks for the plain torch
-kernels (scripts/install/check_codec.py)."""
+kernels (scripts/install/check_codec.py); `HOROVOD_ALQ_GPU=1 make install` fails early, naming what
+is missing, where CUDA's toolkit is not there, and leaves .venv alone (scripts/install/install_gpu.sh)."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +62,46 @@ def test_make_test_runs_the_check_before_pytest():
     assert check and pytest_run and check[0] < pytest_run[0], res.stdout
     lint = [i for i, line in enumerate(lines) if "ruff check" in line or "ruff format --check" in line]
     assert len(lint) == 2 and max(lint) < pytest_run[0], res.stdout  # the lint and format check first
+
+
+def _gpu_install(tmp_path, cuda_home):
+    """install.sh with HOROVOD_ALQ_GPU=1 from a copy of scripts/install/ (its root: tmp_path, where
+    a .venv stands in for the CPU venv), CUDA's folder ``cuda_home`` and no nvcc on PATH."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copytree(ROOT / "scripts" / "install", tmp_path / "scripts" / "install")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / "marker").write_text("cpu venv")
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "nvcc").exists())
+    env = {**os.environ, "HOROVOD_ALQ_GPU": "1", "HOROVOD_CUDA_HOME": str(cuda_home), "PATH": path}
+    env.pop("HOROVOD_ALQ_STOP_AFTER", None)
+    res = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "install" / "install.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode != 0, (res.stdout, res.stderr)
+    assert "nothing was installed and .venv is untouched" in res.stderr, res.stderr
+    assert not (tmp_path / ".venv-gpu").exists()
+    assert sorted(p.name for p in (tmp_path / ".venv").iterdir()) == ["marker"]
+    assert (tmp_path / ".venv" / "marker").read_text() == "cpu venv"
+    return res.stderr
+
+
+def test_gpu_install_without_nvcc_fails_early_naming_it(tmp_path):
+    cuda = tmp_path / "no-cuda"
+    cuda.mkdir()
+    err = _gpu_install(tmp_path, cuda)
+    assert f"nvcc ({cuda}/bin/nvcc" in err, err
+    assert "CUDA runtime headers" in err and "libcudart" in err, err
+
+
+def test_gpu_install_with_nvcc_but_no_cuda_headers_names_them(tmp_path):
+    cuda = tmp_path / "cuda"
+    (cuda / "bin").mkdir(parents=True)
+    (cuda / "bin" / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    (cuda / "bin" / "nvcc").chmod(0o755)
+    err = _gpu_install(tmp_path, cuda)
+    assert "bin/nvcc" not in err.split("missing:")[1], err
+    assert f"the CUDA runtime headers ({cuda}/include/cuda_runtime.h" in err, err

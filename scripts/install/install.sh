@@ -18,6 +18,8 @@
 #                               CPU wheel index), used only when pip, as configured, cannot find it
 #   HOROVOD_ALQ_STOP_AFTER      packages: stop after the python packages step (for checking the
 #                               package resolution without building Horovod)
+#   HOROVOD_ALQ_GPU             1: build the CUDA venv .venv-gpu instead (torch's CUDA build, Horovod
+#                               with NCCL; scripts/install/install_gpu.sh, `make install-gpu`)
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
@@ -32,6 +34,11 @@ SYSTEM_HOROVOD=${HOROVOD_ALQ_SYSTEM_HOROVOD:-0}
 JOBS=${HOROVOD_ALQ_JOBS:-$(nproc 2>/dev/null || echo 2)}
 TORCH_INDEX=${HOROVOD_ALQ_TORCH_INDEX:-}
 STOP_AFTER=${HOROVOD_ALQ_STOP_AFTER:-}
+
+# HOROVOD_ALQ_GPU=1: the CUDA venv .venv-gpu instead (scripts/install/install_gpu.sh; .venv untouched)
+if [[ "${HOROVOD_ALQ_GPU:-0}" == 1 ]]; then
+    exec bash "$ROOT/scripts/install/install_gpu.sh"
+fi
 
 STEP="start"
 HINT=""
