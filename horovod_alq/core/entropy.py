@@ -13,14 +13,17 @@ Frame layout (little-endian)::
 
     offset size field
     0      2    magic b"AE"
-    2      1    frame version (1)
-    3      1    kind: 0 raw (the decoded bytes follow verbatim), 1 coded
+    2      1    frame version (2)
+    3      1    kind: 0 raw (the decoded bytes follow verbatim), 1 coded, 2 refused (the sender could
+                not code its bytes: its error, UTF-8, follows; every receiver raises naming it)
     4      4    CRC-32 of the whole frame with this field set to 0
     8      8    frame size in bytes, this header included
     16     8    decoded size in bytes
+    24     4    kind 1: CRC-32 of the decoded bytes (0 otherwise: the frame's CRC covers raw bytes)
+    28     4    reserved, 0
     -- kind 1 (a payload of n codes of b bits in B buckets of d):
-    24     32   the payload's header, verbatim
-    56     4B   its float32 bucket norms, verbatim
+    32     32   the payload's header, verbatim
+    64     4B   its float32 bucket norms, verbatim
            2S   code frequencies, uint16, S = 2**b, summing to 2**PROB_BITS (0: code absent)
            4B   the coded length of each bucket's stream, uint32
                 the streams: per bucket, its LANES = 2 final rANS states (4 bytes each) then their
@@ -33,7 +36,9 @@ asymmetric numeral systems, in the byte-aligned form of Giesen's ryg_rans): codi
 frequency ``f`` and cumulative frequency ``c`` maps ``x`` to ``(x // f) * 2**PROB_BITS + x % f + c``
 after emitting low bytes while ``x >= f * 2**(31 - PROB_BITS)``. Every state starts at ``RANS_L``
 and the decoder must end there with every byte used: with the frame's CRC, a corrupted or
-truncated stream raises (ValueError naming what is wrong), it never decodes into other codes.
+truncated stream raises (ValueError naming what is wrong), it never decodes into other codes; the
+CRC of the decoded bytes catches a coder that made a frame which decodes to other bytes. The decoder
+checks the sizes a frame states against the bytes the exchange expects before it allocates.
 
 The compiled CPU codec serves the coder (:func:`use_kernel`); the NumPy functions here are its
 reference and the fallback (vectorized over buckets: slow, for tests and small payloads).
@@ -53,16 +58,16 @@ from .wire import HEADER_SIZE, Header, bucket_lengths, num_buckets, parse_header
 #: The wire formats a front-end may put on the network (``Settings.wire``).
 WIRES = ("fixed", "entropy")
 MAGIC = b"AE"
-VERSION = 1
-FRAME_HEADER = 24
-RAW, CODED = 0, 1
+VERSION = 2
+FRAME_HEADER = 32
+RAW, CODED, REFUSED = 0, 1, 2
 #: Frequencies are quantized to this many bits (total ``2**PROB_BITS``).
 PROB_BITS = 14
 PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 23
 #: Interleaved states per bucket: code ``i`` of a bucket is coded by state ``i % LANES``.
 LANES = 2
-_FRAME = struct.Struct("<2sBBIQQ")
+_FRAME = struct.Struct("<2sBBIQQII")
 assert _FRAME.size == FRAME_HEADER
 
 #: The compiled coder, or None (the NumPy reference).
@@ -202,9 +207,10 @@ def decode_streams(streams: np.ndarray, lengths: np.ndarray, n: int, d: int, bit
             states[lane] |= src[np.minimum(starts + 4 * lane + k, src.size - 1)] << np.uint64(8 * k)
     ptr = starts + 4 * LANES
     counts = bucket_lengths(n, d)
-    out = np.zeros((b, d), dtype=np.uint8)
+    width = min(d, n)  # a bucket holds at most n codes (one bucket of d > n: n)
+    out = np.zeros((b, width), dtype=np.uint8)
     mask = np.uint64(PROB_SCALE - 1)
-    for i in range(d):
+    for i in range(width):
         live = counts > i
         x = states[i % LANES]
         slot = x & mask
@@ -234,10 +240,11 @@ def _crc(frame: np.ndarray) -> int:
     return zlib.crc32(view[8:], crc)
 
 
-def _frame(kind: int, body: list, decoded: int) -> np.ndarray:
+def _frame(kind: int, body: list, decoded: int, content: int = 0) -> np.ndarray:
     size = FRAME_HEADER + sum(int(np.asarray(p).nbytes) for p in body)
     out = np.empty(size, dtype=np.uint8)
-    out[:FRAME_HEADER] = np.frombuffer(_FRAME.pack(MAGIC, VERSION, kind, 0, size, decoded), dtype=np.uint8)
+    head = _FRAME.pack(MAGIC, VERSION, kind, 0, size, decoded, content, 0)
+    out[:FRAME_HEADER] = np.frombuffer(head, dtype=np.uint8)
     pos = FRAME_HEADER
     for part in body:
         part = np.asarray(part).view(np.uint8).ravel()
@@ -251,6 +258,13 @@ def raw_frame(data: np.ndarray) -> np.ndarray:
     """``data`` (uint8) in a raw frame."""
     data = np.asarray(data, dtype=np.uint8).ravel()
     return _frame(RAW, [data], data.size)
+
+
+def refused_frame(decoded: int, reason: str) -> np.ndarray:
+    """What a sender that could not code ``decoded`` bytes sends in their place: a frame that every
+    receiver refuses, naming ``reason`` (at most 1000 bytes of it)."""
+    text = np.frombuffer(reason.encode("utf-8", "replace")[:1000], dtype=np.uint8)
+    return _frame(REFUSED, [text], int(decoded))
 
 
 def code_payload(payload: np.ndarray, header: Header | None = None) -> np.ndarray:
@@ -271,7 +285,7 @@ def code_payload(payload: np.ndarray, header: Header | None = None) -> np.ndarra
     body = [payload[: HEADER_SIZE + 4 * b], freq, np.asarray(lengths, dtype="<u4"), streams]
     if FRAME_HEADER + sum(np.asarray(p).nbytes for p in body) >= payload.size + FRAME_HEADER:
         return raw_frame(payload)
-    return _frame(CODED, body, payload.size)
+    return _frame(CODED, body, payload.size, zlib.crc32(memoryview(payload)))
 
 
 def frame_size(buf: np.ndarray, offset: int = 0) -> int:
@@ -286,29 +300,37 @@ def frame_sizes(buf: np.ndarray, offset: int = 0) -> tuple[int, int]:
         raise ValueError(
             f"entropy frame truncated: {buf.size - offset} bytes, shorter than its {FRAME_HEADER}-byte header"
         )
-    magic, version, kind, _, size, decoded = _FRAME.unpack(buf[offset : offset + FRAME_HEADER].tobytes())
+    magic, version, kind, _, size, decoded, _, _ = _FRAME.unpack(buf[offset : offset + FRAME_HEADER].tobytes())
     if magic != MAGIC:
         raise ValueError(f"bad magic {magic!r}, expected {MAGIC!r}: not an entropy-coded frame")
     if version != VERSION:
         raise ValueError(f"unsupported entropy frame version {version}, this build reads {VERSION}")
-    if kind not in (RAW, CODED) or size < FRAME_HEADER:
+    if kind not in (RAW, CODED, REFUSED) or size < FRAME_HEADER:
         raise ValueError(f"bad entropy frame header (kind {kind}, size {size})")
     if offset + size > buf.size:
         raise ValueError(f"entropy frame truncated: {buf.size - offset} bytes, its header says {size}")
     return int(size), int(decoded)
 
 
-def decode_frame(frame: np.ndarray) -> np.ndarray:
+def decode_frame(frame: np.ndarray, limit: int | None = None) -> np.ndarray:
     """The bytes a frame carries (a fixed-length payload for a coded frame); ValueError naming what
-    is wrong with a corrupted or truncated one."""
+    is wrong with a corrupted or truncated one, or one that states more than ``limit`` decoded
+    bytes (checked before anything is allocated)."""
     frame = np.asarray(frame, dtype=np.uint8).ravel()
     size = frame_size(frame)
     if size != frame.size:
         raise ValueError(f"entropy frame of {frame.size} bytes, its header says {size}")
-    _, _, kind, crc, _, decoded = _FRAME.unpack(frame[:FRAME_HEADER].tobytes())
+    _, _, kind, crc, _, decoded, content, reserved = _FRAME.unpack(frame[:FRAME_HEADER].tobytes())
     if _crc(frame) != crc:
         raise ValueError("entropy frame checksum mismatch (corrupted frame)")
     body = frame[FRAME_HEADER:]
+    if kind == REFUSED:
+        reason = body.tobytes().decode("utf-8", "replace")
+        raise ValueError(f"its sender could not code these bytes and refused them ({reason})")
+    if limit is not None and decoded > limit:
+        raise ValueError(f"entropy frame states {decoded} decoded bytes, the exchange expects at most {limit}")
+    if reserved != 0:
+        raise ValueError(f"bad entropy frame header (reserved field {reserved})")
     if kind == RAW:
         if body.size != decoded:
             raise ValueError(f"raw entropy frame holds {body.size} bytes, its header says {decoded}")
@@ -335,6 +357,8 @@ def decode_frame(frame: np.ndarray) -> np.ndarray:
     out = np.empty(decoded, dtype=np.uint8)
     out[:pos] = body[:pos]
     out[pos:] = decode_streams(streams, lengths, n, d, bits, freq)
+    if zlib.crc32(memoryview(out)) != content:
+        raise ValueError("coded entropy frame decodes to other bytes than its sender coded (decoded CRC mismatch)")
     return out
 
 
@@ -367,17 +391,41 @@ def encode_wire(buf: np.ndarray) -> np.ndarray:
     return frames[0] if len(frames) == 1 else np.concatenate(frames)
 
 
-def decode_wire(buf: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`encode_wire` (also of several of its outputs back to back)."""
+def decode_wire(buf: np.ndarray, expected: int | None = None) -> np.ndarray:
+    """Inverse of :func:`encode_wire` (also of several of its outputs back to back). ``expected``:
+    the bytes they must decode to; a frame that states more than are left raises before it is
+    decoded, and so does a total that differs."""
     buf = np.asarray(buf, dtype=np.uint8).ravel()
-    parts, pos = [], 0
+    parts, pos, got = [], 0, 0
     while pos < buf.size:
         try:
             size = frame_size(buf, pos)
-            parts.append(decode_frame(buf[pos : pos + size]))
+            left = None if expected is None else expected - got
+            parts.append(decode_frame(buf[pos : pos + size], left))
         except ValueError as err:
             raise ValueError(f"entropy frame {len(parts)} at byte {pos}: {err}") from None
-        pos += size
+        pos, got = pos + size, got + parts[-1].size
+    if expected is not None and got != expected:
+        raise ValueError(f"entropy frames decode to {got} bytes, the exchange expects {expected}")
     if not parts:
         return np.zeros(0, dtype=np.uint8)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def verify_wire(coded: np.ndarray, buf: np.ndarray) -> None:
+    """Check that ``coded`` (this rank's :func:`encode_wire` of ``buf``) decodes to ``buf``, as
+    receivers will decode it: raw frames by comparison, coded frames decoded. ValueError if not."""
+    buf = np.asarray(buf, dtype=np.uint8).ravel()
+    pos = at = 0
+    while pos < coded.size:
+        size, decoded = frame_sizes(coded, pos)
+        frame = coded[pos : pos + size]
+        if frame[3] == RAW:
+            ok = size == FRAME_HEADER + decoded and np.array_equal(frame[FRAME_HEADER:], buf[at : at + decoded])
+        else:
+            ok = np.array_equal(decode_frame(frame, buf.size - at), buf[at : at + decoded])
+        if not ok:
+            raise ValueError(f"this rank's entropy frame at byte {pos} does not decode to the bytes it codes")
+        pos, at = pos + size, at + decoded
+    if at != buf.size:
+        raise ValueError(f"this rank's entropy frames decode to {at} bytes, it coded {buf.size}")

@@ -8,10 +8,25 @@ results are those of the fixed wire, byte for byte. Coded sizes are known only a
 transport that gathers blocks of any size by itself (Horovod: ``variable_sizes``) sends them as
 they are; the others first exchange the sizes (8 bytes per peer) on the same transport.
 
-A frame that does not decode raises on every rank where every rank received it (allgather); in an
-alltoall only its receiver has it, so the receiver substitutes ``0xFF`` bytes, which fail the
-exchange's own payload check there (bad magic), and the exchange's poisoning makes every rank raise;
-a warning names the frame and what was wrong with it.
+Failures raise on every rank, the sender included (``docs/design/entropy_wire.md``, Guarantees):
+
+* a sender checks its allgather frames before it sends them (:func:`~.entropy.verify_wire`: raw
+  frames compared, coded frames decoded, as every receiver will decode them); frames that do not
+  decode to its bytes, or a coder that raises, make it send a *refused* frame naming the error in
+  their place, so every rank, itself included, raises :class:`ProtocolError` naming it;
+* every frame carries the CRC-32 of its decoded bytes, so a frame that decodes to other bytes than
+  its sender coded raises where it is decoded, never a silent disagreement;
+* the decoder checks the decoded sizes a frame states against the bytes the exchange expects before
+  it allocates; any decode failure (MemoryError included) is a protocol error naming the frame;
+* in an allgather every rank decodes the same frames and raises; in an alltoall only a frame's
+  receiver has it, so the receiver (and a sender that refused one of its frames, for its own share)
+  substitutes ``0xFF`` bytes, which fail the exchange's own payload check there (bad magic), and the
+  exchange's poisoning makes every rank raise; a warning names the frame and what was wrong.
+
+``bytes_sent`` / ``bytes_received`` of the counter (the round state) are the coded bytes: the
+exchange counts the fixed bytes of each collective, this transport adds what coding changed (the
+8-byte size exchanges are not counted, like the handshake). ``wire_fixed_bytes`` and
+``wire_coded_bytes`` are this rank's frames' bytes before and after coding, each counted once.
 """
 
 from __future__ import annotations
@@ -45,10 +60,17 @@ def load_compiled_coder() -> str:
 @dataclass
 class WireBytes:
     """What this rank's payload collectives sent: ``wire_fixed_bytes`` before coding,
-    ``wire_coded_bytes`` on the wire (:class:`~horovod_alq.core.rounds.RoundState` has both)."""
+    ``wire_coded_bytes`` after; ``bytes_sent`` / ``bytes_received``: what coding changed of the
+    exchange's counts (:class:`~horovod_alq.core.rounds.RoundState` has all four)."""
 
     wire_fixed_bytes: int = 0
     wire_coded_bytes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+#: Decode failures that are protocol errors (a frame that states a huge size may still fail to allocate).
+DECODE_ERRORS = (ValueError, MemoryError, OverflowError, IndexError, RuntimeError)
 
 
 def _sizes_bytes(sizes: Sequence[int]) -> np.ndarray:
@@ -75,11 +97,24 @@ class EntropyTransport:
     def allreduce_max(self, vec: np.ndarray, name: str) -> np.ndarray:
         return self.inner.allreduce_max(vec, name)
 
-    def _code(self, host: np.ndarray) -> np.ndarray:
-        coded = entropy.encode_wire(host)
+    def _code(self, host: np.ndarray, verify: bool) -> tuple[np.ndarray, str | None]:
+        """``host``'s frames (``verify``: checked to decode to ``host``), or a refused frame and the
+        error that made this rank refuse them."""
+        try:
+            coded = entropy.encode_wire(host)
+            if verify:
+                entropy.verify_wire(coded, host)
+        except Exception as err:  # a coder bug: every receiver must learn it, so it travels
+            reason = f"rank {self.inner.rank}: {type(err).__name__}: {err}"
+            return entropy.refused_frame(host.size, reason), reason
         self.counter.wire_fixed_bytes += int(host.size)
         self.counter.wire_coded_bytes += int(coded.size)
-        return coded
+        return coded, None
+
+    def _count(self, sent: int, received: int) -> None:
+        """Add what coding changed of the exchange's (fixed-length) counts."""
+        self.counter.bytes_sent += int(sent)
+        self.counter.bytes_received += int(received)
 
     def _peer_sizes(self, mine: Sequence[int], name: str, gather: bool) -> list[int]:
         """Every rank's coded size (``gather``: of its one block), or what each rank sends to this one."""
@@ -93,27 +128,36 @@ class EntropyTransport:
     def _decoded(self, got: Tensor, sizes, expected: Sequence[int], own: tuple, name: str, gather: bool):
         """The fixed bytes of every rank's frames, back to back in ``got`` (``sizes``: each rank's
         coded bytes, or None: cut after each rank's ``expected`` fixed bytes, read from the frames'
-        headers). ``own``: this rank's (fixed bytes, frames it sent): where its share of ``got`` is
-        those frames, it is those fixed bytes, not decoded again."""
+        headers). ``own``: this rank's (fixed bytes, frames it sent, its refusal or None): where its
+        share of ``got`` is those frames and it refused none, it is those fixed bytes, not decoded
+        again (it checked them before sending). Counts the coded bytes received."""
         host = np.ascontiguousarray(self.ops.to_numpy(got))
-        parts, pos = [], 0
+        me = self.inner.rank
+        parts, pos, coded_in = [], 0, 0
         for r, want in enumerate(expected):
+            start = pos
             try:
+                if r == me and own[2] is not None and not gather:
+                    raise ValueError(f"this rank could not code its frames for other ranks ({own[2]})")
                 end = pos + sizes[r] if sizes is not None else self._delimit(host, pos, want)
-                if r == self.inner.rank and np.array_equal(host[pos:end], own[1]):
+                if r == me and own[2] is None and np.array_equal(host[pos:end], own[1]):
                     part = own[0]
                 else:
-                    part = entropy.decode_wire(host[pos:end])
-                    if part.size != want:
-                        raise ValueError(f"frames decode to {part.size} bytes, the exchange expects {want}")
+                    part = entropy.decode_wire(host[pos:end], want)
                 pos = end
-            except ValueError as err:
+            except DECODE_ERRORS as err:
                 if gather:
                     raise ProtocolError(f"{PREFIX}: {name}: rank {r}'s entropy-coded payloads: {err}") from None
                 self._warn(r, name, err)
                 part = np.full(want, 0xFF, dtype=np.uint8)
-                pos = host.size if sizes is None else pos + sizes[r]  # without sizes the rest is lost
+                if r == me and own[2] is not None:
+                    pos += sizes[r] if sizes is not None else own[1].size
+                else:
+                    pos = host.size if sizes is None else pos + sizes[r]  # without sizes the rest is lost
+            if r != me:
+                coded_in += pos - start - want
             parts.append(part)
+        self._count(0, coded_in)
         return self.ops.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
 
     @staticmethod
@@ -133,26 +177,35 @@ class EntropyTransport:
 
     def allgather(self, payload: Tensor, sizes: Sequence[int], name: str) -> Callable[[], Tensor]:
         host = np.array(self.ops.to_numpy(payload), dtype=np.uint8, copy=True).ravel()  # kept: this rank's share
-        coded = self._code(host)
+        coded, refused = self._code(host, verify=True)
+        self._count((self.inner.size - 1) * (coded.size - host.size), 0)
         peer = None if self.variable else self._peer_sizes([coded.size], name, True)
         wait = self.inner.allgather(self.ops.from_numpy(coded), peer or [coded.size] * self.inner.size, name)
-        return lambda: self._decoded(wait(), peer, [int(s) for s in sizes], (host, coded), name, True)
+        return lambda: self._decoded(wait(), peer, [int(s) for s in sizes], (host, coded, refused), name, True)
 
     def alltoall(self, payload: Tensor, splits: Sequence[int], received: Sequence[int], name: str):
+        """Frames for other ranks are not checked here: their receiver checks them (the decoded
+        bytes' CRC) and the exchange's poisoning makes every rank raise."""
         host = np.ascontiguousarray(self.ops.to_numpy(payload)).ravel()
         bounds = np.concatenate([[0], np.cumsum([int(s) for s in splits])]).astype(np.int64)
         me = self.inner.rank
         own = host[bounds[me] : bounds[me + 1]].copy()  # this rank's share of its own alltoall: not coded
-        coded = [
-            entropy.raw_frame(own) if j == me and own.size else self._code(host[bounds[j] : bounds[j + 1]])
-            for j in range(len(splits))
-        ]
+        coded, refused = [], None
+        for j in range(len(splits)):
+            part = host[bounds[j] : bounds[j + 1]]
+            if j == me:
+                coded.append(entropy.raw_frame(own) if own.size else own)
+                continue
+            frames, why = self._code(part, verify=False)
+            coded.append(frames)
+            refused = refused or why
         own_frames = coded[me] if me < len(coded) else np.zeros(0, np.uint8)
         out_splits = [c.size for c in coded]
+        self._count(sum(c.size - int(s) for j, (c, s) in enumerate(zip(coded, splits)) if j != me), 0)
         peer = None if self.variable else self._peer_sizes(out_splits, name, False)
         body = np.concatenate(coded) if coded else np.zeros(0, np.uint8)
         wait = self.inner.alltoall(self.ops.from_numpy(body), out_splits, peer or out_splits, name)
-        return lambda: self._decoded(wait(), peer, [int(r) for r in received], (own, own_frames), name, False)
+        return lambda: self._decoded(wait(), peer, [int(r) for r in received], (own, own_frames, refused), name, False)
 
 
 def on_wire(transport: Transport, ops: TensorOps | None, wire: str, counter) -> Transport:

@@ -257,8 +257,7 @@ def row_bytes(args, key: str, b: dict | None, a: dict | None, params: int, n: in
     unc = (a["uncompressed"] - b["uncompressed"]) / rounds
     fixed, coded = a["wire_fixed"] - b["wire_fixed"], a["wire_coded"] - b["wire_coded"]
     res = {}
-    if fixed > 0:  # wire="entropy": bytes_sent is the fixed wire's; scale by what coding kept
-        sent *= coded / fixed
+    if fixed > 0:  # wire="entropy": bytes_sent counts the coded frames; what coding kept, for the record
         res.update(coded_over_fixed=coded / fixed)
     return dict(
         res,
@@ -267,8 +266,8 @@ def row_bytes(args, key: str, b: dict | None, a: dict | None, params: int, n: in
         uncompressed_per_step=unc,
         exchange=a["exchange"],
         rounds=rounds,
-        bytes_how="measured: metrics() bytes_sent (x wire_coded_bytes / wire_fixed_bytes on the entropy "
-        "wire) + 2(N-1)/N x 4 B x uncompressed coordinates",
+        bytes_how="measured: metrics() bytes_sent (the coded frames on the entropy wire) "
+        "+ 2(N-1)/N x 4 B x uncompressed coordinates",
     )
 
 
@@ -443,7 +442,7 @@ COLUMNS = (
     "MB inside nodes: the same from each namespace's lo (the ranks of a node reach each other over it, "
     "unshaped); with several ranks per node the limits below use the busiest node link's bytes; "
     "MB sent: the ALQ rows measured (metrics()['bytes_sent'] "
-    "over the timed steps, on the entropy wire times wire_coded_bytes / wire_fixed_bytes, "
+    "over the timed steps, on the entropy wire the coded frames, "
     "plus 2(N-1)/N x 4 B per coordinate that travelled uncompressed), PowerSGD "
     "from its counters (2(N-1)/N x 4 B x total_numel_after_compression: its P, Q and uncompressed "
     "tensors are allreduced in fp32), fp32 and fp16 by arithmetic (2(N-1)/N x 4 or 2 B x parameters: a "

@@ -225,12 +225,10 @@ class PlainOuter:
 
 
 def coded(outer) -> float:
-    """DiLoCo's bytes sent: on the entropy wire the engine's (fixed-wire) payload bytes times what the
-    coding kept (``wire_coded_bytes / wire_fixed_bytes``: exact for allgather, where every rank sends
-    its own frame N - 1 times), plus the uncompressed parameters' ring all_reduce."""
+    """DiLoCo's bytes sent: the engine's payload bytes (on the entropy wire the coded frames) plus the
+    uncompressed parameters' ring all_reduce."""
     m = outer.metrics()
-    scale = m["wire_coded_bytes"] / m["wire_fixed_bytes"] if m["wire_fixed_bytes"] else 1.0
-    return m["bytes_sent"] * scale + m["plain_bytes_sent"]
+    return m["bytes_sent"] + m["plain_bytes_sent"]
 
 
 class OuterProbe:
