@@ -26,8 +26,12 @@ TITLES = {
     "fsdp": "Smoke: FSDP2 comm",
     "diloco": "Smoke: DiLoCo",
     "compile": "Smoke: torch.compile(DDP) against eager",
+    "ranks-exchanges": "2 ranks: DDP hook, every exchange",
+    "ranks-train": "2 ranks: DDP hook, FSDP2, DiLoCo training",
     "horovod": "Horovod compressor",
+    "ranks-horovod": "2 ranks: Horovod compressor, gloo controller",
 }
+HOROVOD = ("horovod", "ranks-horovod")
 
 
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -36,9 +40,11 @@ def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.multiproc  # its 2-rank sections start ranks
 def test_gpu_paths_dry_run_on_cpu_passes_every_section(tmp_path):
-    """`--device cpu --tiny`: the whole check in one process, every section passed (the Horovod
-    one runs the compressor on CPU tensors where Horovod is installed). Its time (44-72 s here)
+    """`--device cpu --tiny`: the whole check, every section passed, the 2-rank ones (2 processes
+    over gloo on CPU tensors) included (the Horovod ones run the compressor on CPU tensors where
+    Horovod is installed). Its time (44-72 s here)
     is in the report, not asserted: a loaded machine would make a timed test flaky."""
     out = tmp_path / "gpu_paths.md"
     proc = _run("--device", "cpu", "--tiny", "--out", str(out))
@@ -48,11 +54,17 @@ def test_gpu_paths_dry_run_on_cpu_passes_every_section(tmp_path):
     assert [s["key"] for s in data["sections"]] == gpu_paths.SECTIONS == list(TITLES)
     for section in data["sections"]:
         assert f"## {TITLES[section['key']]}" in text
-        expected = "skipped" if section["key"] == "horovod" and not importlib.util.find_spec("horovod") else "passed"
+        expected = "skipped" if section["key"] in HOROVOD and not importlib.util.find_spec("horovod") else "passed"
         assert section["status"] == expected, (section["key"], section["reason"], section["traceback"])
         assert section["traceback"] is None
-        assert section["key"] == "horovod" or section["checks"], section["key"]
+        assert section["key"] in HOROVOD or section["checks"], section["key"]
     assert data["seconds"] > 0
+    checks = {s["key"]: [c["name"] for c in s["checks"]] for s in data["sections"]}
+    for exchange in ("allgather", "two-phase", "hierarchical", "hierarchical-two-phase"):
+        assert f"DDP hook, {exchange}: identical on both ranks" in checks["ranks-exchanges"]
+    for front in ("DDP hook", "FSDP2", "DiLoCo"):
+        assert f"{front}: parameters: identical on both ranks" in checks["ranks-train"]
+        assert f"{front}: codes exchanged" in checks["ranks-train"]
     for row in ("DDP allreduce", "fp16_compress_hook", "PowerSGD rank 4", "alq_hook bits=3", 'alq_hook bits="auto"'):
         assert f"| {row} |" in text
     assert text.count("| no exchange | ") == 2 and "## Targets" in text

@@ -1,7 +1,8 @@
-"""Every CUDA path checked and timed in one command (issue 52): one process, one GPU, one report.
+"""The CUDA paths that one GPU can reach, checked and timed in one command (issues 52, 67).
 
     PYTHONPATH=. python -m scripts.bench.gpu_paths    # a GPU machine: torch, triton, numpy, scipy
-    make gpu-check PY=python3                         # the same (make gpu-check: .venv/bin/python)
+    make gpu-check                                    # the same with .venv-gpu (make install-gpu)
+    bash scripts/bench/gpu_device.sh                  # a machine without network (docs/guides/gpu.md)
     python -m scripts.bench.gpu_paths --device cpu --tiny --out build/gpu_paths.md   # the dry run
 
 Sections (``--only`` picks some by key; each runs even if an earlier one failed, and the report
@@ -21,16 +22,20 @@ says which failed, with the traceback):
 - ``fsdp``, ``diloco``, ``compile``: smoke runs of FSDP2's comm called directly (FSDP2 skips the
   reduce-scatter at one rank), DiLoCo and ``torch.compile(DDP)`` with the hook against eager:
   loss falls, parameters finite, compiled equals eager within tolerance;
-- ``horovod``: the Horovod compressor on CUDA, in a subprocess, when a Horovod built with NCCL is
-  importable (skipped with the reason otherwise).
+- ``ranks-exchanges``, ``ranks-train``, ``ranks-horovod``: 2 ranks on the one GPU over gloo with
+  CUDA tensors (scripts/bench/gpu_paths_ranks.py): the DDP hook with every exchange (hierarchical
+  as 2 nodes of 1 rank), training with the DDP hook, FSDP2's real reduce-scatter and DiLoCo, and
+  the Horovod compressor through Horovod's gloo controller (``--horovod-gloo``);
+- ``horovod``: the Horovod compressor on CUDA at world size 1, in a subprocess, when a Horovod built
+  with NCCL is importable (skipped with the reason otherwise).
 
-The sections live in scripts/bench/gpu_paths_codec.py (codec, bench) and gpu_paths_steps.py (the
-rest); this module runs them and writes a Markdown report and a JSON sidecar (``--out``; rewritten
-before and after every section, so a crash leaves what ran and the section it died in; a section
-still running after ``--section-timeout`` seconds ends the process with every thread's stack on
-stderr). Exit status: 0 all ran or skipped, 1 a section failed, 2 no CUDA device (unless
-``--device cpu``). ``--tiny`` shrinks every size (the CPU dry run in tests/test_gpu_paths.py).
-"""
+The sections live in scripts/bench/gpu_paths_codec.py (codec, bench), gpu_paths_ranks.py (the
+2-rank ones) and gpu_paths_steps.py (the rest); this module runs them and writes a Markdown
+report and a JSON sidecar (``--out``; rewritten before and after every section, so a crash leaves
+what ran and the section it died in; a section still running after ``--section-timeout`` seconds
+ends the process with every thread's stack on stderr). Exit status: 0 all ran or skipped, 1 a
+section failed, 2 no CUDA device (unless ``--device cpu``). ``--tiny`` shrinks every size (the
+CPU dry run in tests/test_gpu_paths.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +56,19 @@ import torch
 
 from scripts.common.gpu import Skipped
 
-SECTIONS = ["codec", "bench", "ddp-gpt", "ddp-resnet", "fsdp", "diloco", "compile", "horovod"]
+SECTIONS = [
+    "codec",
+    "bench",
+    "ddp-gpt",
+    "ddp-resnet",
+    "fsdp",
+    "diloco",
+    "compile",
+    "ranks-exchanges",
+    "ranks-train",
+    "horovod",
+    "ranks-horovod",
+]
 
 
 class Section:
@@ -214,6 +231,11 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--sizes", default="", help="codec benchmark sizes (default 16M,64M,256M; --tiny 64K,256K)")
     p.add_argument("--bandwidth", type=float, default=4e12, help="bytes/s of the memory floor (default 4e12)")
     p.add_argument("--section-timeout", type=float, default=300, help="seconds; 0: none (default 300)")
+    p.add_argument(
+        "--horovod-gloo",
+        default="",
+        help="a folder holding a Horovod built without GPU operations, for ranks-horovod on CUDA",
+    )
     p.add_argument("--fail", default="", help="comma-separated section keys that raise at once (tests the report)")
     return p.parse_args(argv)
 
@@ -229,6 +251,7 @@ def main(argv=None) -> int:
         )
         return 2
     from scripts.bench import gpu_paths_codec as codec
+    from scripts.bench import gpu_paths_ranks as ranks
     from scripts.bench import gpu_paths_steps as steps
 
     ctx = Ctx(args)
@@ -238,7 +261,7 @@ def main(argv=None) -> int:
         "command": " ".join(["python -m scripts.bench.gpu_paths", *argv]),
         "environment": environment(ctx),
     }
-    fns = {**codec.SECTIONS, **steps.SECTIONS}
+    fns = {**codec.SECTIONS, **steps.SECTIONS, **ranks.SECTIONS}
     keys = [k.strip() for k in args.only.split(",") if k.strip()] or SECTIONS
     unknown = [k for k in keys if k not in fns]
     if unknown:
