@@ -1014,3 +1014,11 @@ class _Serialized:
                 return attr(*args, **kwargs)
 
         return call
+
+
+def test_cpu_codec_refuses_cuda_tensors_naming_the_codecs_that_serve_them():
+    """A CUDA device for codec 'cpu' raises at once (no allocation, so no GPU needed here),
+    naming the codecs that take CUDA tensors."""
+    with pytest.raises(ValueError, match="codec 'cpu'") as err:
+        codecs.resolve("cpu", torch.device("cuda", 0))
+    assert "codec='auto'" in str(err.value) and "'triton'" in str(err.value), err.value

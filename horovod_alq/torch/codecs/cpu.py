@@ -132,7 +132,10 @@ _CODEC: CpuCodec | None = None
 def factory(device: torch.device) -> CpuCodec:
     global _CODEC
     if device.type != "cpu":
-        raise ValueError(f"codec 'cpu' (the compiled CPU codec) takes CPU tensors, not {device}")
+        raise ValueError(
+            f"codec 'cpu' (the compiled CPU codec) takes CPU tensors, not {device}; "
+            f"use codec='auto' (Triton on CUDA), 'triton' or 'torch' for them"
+        )
     if _CODEC is None:
         module = cpu_build.load()
         if module is None:
