@@ -123,3 +123,21 @@ def test_run_sections_reports_raises_skips_and_failed_checks():
     text = gpu_paths.markdown({"date": "today", "command": "cmd", "environment": {"torch": "x"}}, sections)
     assert "ValueError: boom" in text and "- [ ] two: detail" in text and "| a target | 2x | 3x | yes |" in text
     assert json.dumps([s.as_dict() for s in sections])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_device_script_without_cuda_exits_2_and_builds_nothing(tmp_path):
+    """scripts/bench/gpu_device.sh (the check in one call on a lent GPU machine) stops before its
+    Horovod builds where the Python has no CUDA device."""
+    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "bench" / "gpu_device.sh")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no CUDA device" in proc.stdout and "nothing built or run" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["device.log"]
