@@ -248,6 +248,14 @@ def ddp_section(ctx, sec, which: str) -> None:
         if label == "alq_hook bits=3" and which == "gpt":
             value = 100 * excess / base_ms if ctx.cuda else None
             sec.target("alq_hook's own GPU cost, % of the GPT step", value, 10.0, "%", "CPU dry run")
+    alq, bf16 = sec.data.get("alq_hook bits=3"), sec.data.get("bf16_compress_hook")
+    if alq and bf16 and base_ms:
+        sec.data["alq_over_bf16_ms"] = alq["median_ms"] - bf16["median_ms"]
+        sec.lines += [
+            "",
+            f"alq_hook bits=3 against bf16_compress_hook: {alq['median_ms'] - base_ms:.2f} ms against "
+            f"{bf16['median_ms'] - base_ms:.2f} ms over the no-exchange step ({sec.data['alq_over_bf16_ms']:+.2f} ms).",
+        ]
 
 
 # ---------------------------------------------------------------------------------------- smoke runs
