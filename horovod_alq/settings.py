@@ -32,6 +32,7 @@ from .core.methods import check_bits, check_norm, get_method
 from .core.protocol import MASK64, resolve_timeout
 from .core.quantizer import Quantizer, check_code_entropy
 from .core.rounds import RefitSchedule, RoundState, schedule_from
+from .core.speed import check_compress, resolve_compress
 from .exchange import registry
 from .exchange.engine import Engine, resolve_fusion_bytes
 from .exchange.feedback import ErrorFeedback, check_feedback
@@ -155,6 +156,15 @@ class Settings:
     """Start each fusion buffer's exchange as soon as it is complete, during the backward pass, not
     at the round's first ``decompress``. Results are the same either way."""
 
+    compress: str | None = None
+    """When to quantize. ``"always"``: every round (what the studies and benchmarks of docs/results
+    run). ``"when-faster"``: only while that measures faster than the framework's own 16-bit path
+    (Horovod: its allreduce of an fp16 cast; DDP: what ``fp16_compress_hook`` does), timing real
+    training steps (the slowest rank's) in interleaved trials after 100 rounds, again every 2000
+    rounds and when the step time drifts (docs/guides/settings.md, "Never slower than 16 bits").
+    ``"auto"``: ``"when-faster"`` where the front-end serves it (Horovod PyTorch, the DDP hook),
+    ``"always"`` elsewhere. None: ``$HOROVOD_ALQ_COMPRESS``, else ``"auto"``."""
+
     timeout: float | None = None
     """Seconds to wait for any of the front-end's own collectives (payloads, handshake, statistics)
     before raising :class:`~horovod_alq.core.protocol.CollectiveTimeout` naming it; None:
@@ -214,6 +224,7 @@ class Settings:
             raise ValueError(f"codec must be a backend's name, got {self.codec!r}")
         resolve_fusion_bytes(self.fusion_bytes)
         set_(self, "overlap", bool(self.overlap))
+        check_compress(self.compress)
         resolve_timeout(self.timeout)
         if self.clip is not False and self.clip is not None and method.name != "terngrad":
             raise ValueError(f"clip applies to terngrad only, not {method.name}")
@@ -318,6 +329,18 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "clip": _TERNGRAD_CLIP,
     },
 }
+#: The front-ends that serve ``compress="when-faster"`` (each times its own 16-bit path) ...
+MEASURES = ("Horovod PyTorch", "DDP hook")
+_ALWAYS = "; use compress='always' (or 'auto', which is 'always' here)"
+#: ... and why the others do not.
+NOT_MEASURED = {
+    "Horovod TensorFlow": "no timed comparison with Horovod's fp16 compression is built into the traced step yet"
+    + _ALWAYS,
+    "FSDP2": "no timed comparison with FSDP2's bf16 reduce-scatter is built yet" + _ALWAYS,
+    "mpi4py": "a call is not a training step: there is no step to time and no 16-bit path of its own to compare"
+    + _ALWAYS,
+    "DiLoCo": "an outer step comes every sync_every inner steps: too few rounds to time a comparison" + _ALWAYS,
+}
 #: Settings a front-end accepts but that change nothing there, and why.
 IGNORED: dict[str, dict[str, str]] = {
     "DDP hook": {"fusion_bytes": "checked equal on every rank; DDP's bucket_cap_mb is the fusion"},
@@ -326,8 +349,9 @@ IGNORED: dict[str, dict[str, str]] = {
 
 def partly() -> dict[str, dict[str, tuple[tuple, str]]]:
     """Settings a front-end serves for some values only: the values, and why not the others (the
-    exchanges from :mod:`horovod_alq.exchange.registry`'s capability flags)."""
-    return {
+    exchanges from :mod:`horovod_alq.exchange.registry`'s capability flags; ``compress`` from
+    :data:`NOT_MEASURED`)."""
+    out: dict[str, dict[str, tuple[tuple, str]]] = {
         "Horovod TensorFlow": {
             "exchange": (
                 ("auto", *registry.graph_names()),
@@ -347,6 +371,9 @@ def partly() -> dict[str, dict[str, tuple[tuple, str]]]:
             )
         },
     }
+    for front_end, why in NOT_MEASURED.items():
+        out.setdefault(front_end, {})["compress"] = ((None, "auto", "always"), why)
+    return out
 
 
 def served_table() -> str:
@@ -413,10 +440,13 @@ class Setup:
         )
 
 
-def configure(settings: Settings, *, on_request: bool = False, adapt_second: bool | None = None) -> Setup:
+def configure(
+    settings: Settings, *, on_request: bool = False, adapt_second: bool | None = None, front_end: str | None = None
+) -> Setup:
     """Build a front-end's :class:`Setup` from ``settings``. ``on_request``: no refit schedule (the
     front-end refits when asked, as mpi4py's ``adapt()``); ``adapt_second``: a front-end's own
-    choice in place of the setting's (TensorFlow's).
+    choice in place of the setting's (TensorFlow's); ``front_end``: resolves ``compress`` (``"auto"``
+    measures where the front-end is one of :data:`MEASURES`).
 
     ``bits="auto"``: both phases of the two-phase exchange use a tensor's width and levels
     (:class:`~horovod_alq.core.auto_bits.AutoBits`); ``bits_per="bucket"``: a width per bucket of
@@ -443,4 +473,6 @@ def configure(settings: Settings, *, on_request: bool = False, adapt_second: boo
     schedule = RefitSchedule((), 0) if on_request else schedule_from(s.update_steps, s.update_every)
     seed = int.from_bytes(os.urandom(8), "little") if s.seed is None else int(s.seed) & MASK64
     feedback = ErrorFeedback(s.error_feedback_dtype) if s.error_feedback else None
-    return Setup(s, RoundState(first, schedule, second, adapt, auto=auto, feedback=feedback), seed)
+    state = RoundState(first, schedule, second, adapt, auto=auto, feedback=feedback)
+    state.compress = resolve_compress(s.compress, front_end in MEASURES)
+    return Setup(s, state, seed)

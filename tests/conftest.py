@@ -9,6 +9,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+# in-process tests quantize every round, as launched ranks do (scripts/common/launch.py's RANK_ENV)
+os.environ.setdefault("HOROVOD_ALQ_COMPRESS", "always")
 if "TRITON_INTERPRET" not in os.environ and not Path("/dev/nvidia0").exists():
     os.environ["TRITON_INTERPRET"] = "1"
 if importlib.util.find_spec("triton") is not None:

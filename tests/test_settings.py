@@ -40,6 +40,7 @@ CHANGED = {
     "codec": {"codec": "torch"},
     "fusion_bytes": {"fusion_bytes": 1 << 20},
     "overlap": {"overlap": False},
+    "compress": {"compress": "when-faster"},
     "timeout": {"timeout": 9},
     "clip": {"method": "terngrad", "clip": True},
 }
@@ -78,6 +79,7 @@ def test_every_setting_has_a_changed_value_and_a_docstring():
         ({"codec": 3}, "codec"),
         ({"fusion_bytes": -1}, "fusion_bytes"),
         ({"timeout": -1}, "timeout"),
+        ({"compress": "sometimes"}, "compress must be one of 'auto', 'when-faster', 'always'"),
         ({"clip": True}, "clip applies to terngrad only"),
         ({"method": "terngrad", "bits": 4}, "terngrad"),
     ],

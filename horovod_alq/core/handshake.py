@@ -28,6 +28,7 @@ SETTINGS = (
     "local_size",
     "wire",
     "error_feedback",
+    "compress",
 )
 HANDSHAKE_FIELDS = (
     "error",
@@ -107,6 +108,7 @@ def read_handshake(
             "error_feedback": "error_feedback (1: on, 0: off:",
             "round": "round numbers (a previous exchange failed on some ranks only:",
             "collecting": "refit schedules (update_steps / update_every:",
+            "compress": "compress modes (0: 'always', 1: 'when-faster':",
         }
         named = {
             "norm": ("l2", "linf"),

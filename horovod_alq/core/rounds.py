@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from .auto_bits import AutoBits
 from .methods import get_method
 from .quantizer import Quantizer
+from .speed import speed_metrics
 
 #: Rounds after which the levels are refit, as in the paper's runs (iterations 0, 100, 2000) ...
 DEFAULT_UPDATE_STEPS = (0, 100, 2000)
@@ -86,6 +87,8 @@ class RoundState:
     exchange: str | None = None  # the exchange used by the last round
     auto: AutoBits | None = None  # bits="auto": a quantizer per width and the allocation
     feedback: Any = None  # error_feedback=True: the error buffers (exchange.feedback.ErrorFeedback)
+    compress: str = "always"  # the compress mode the front-end runs ("always", "when-faster"): in the handshake
+    speed: Any = None  # compress="when-faster": the front-end's SpeedArbiter (core.speed)
 
     def __post_init__(self) -> None:
         if self.second is None:
@@ -133,6 +136,7 @@ class RoundState:
         out.update({key: getattr(self, key) for key in COUNTERS})
         out["bits_per_coordinate"] = 8.0 * self.payload_bytes / self.coordinates if self.coordinates else float("nan")
         out["error_feedback_bytes"] = self.feedback.nbytes if self.feedback is not None else 0
+        out.update(speed_metrics(self.speed))
         if self.auto is not None:
             a = self.auto
             used = a.quantizers if a.mixed is not None else sorted(set(a.bits) | {a.default})

@@ -36,6 +36,7 @@ from ..core.protocol import (
     process_set_uid,
     resolve_timeout,
 )
+from ..core.speed import SpeedArbiter
 from ..exchange import Entry
 from ..settings import Settings, configure
 from . import codecs
@@ -70,6 +71,13 @@ class _PassThrough:
 
     dtype: torch.dtype
     unsqueezed: bool = False  # sent with one more trailing 1 (core.protocol.passthrough_shape)
+
+
+@dataclass
+class _Sixteen:
+    """Context of a tensor of a 16-bit round (``compress="when-faster"``): Horovod's fp16 compression's."""
+
+    ctx: object
 
 
 class _QuantizedAllreduceGrad(torch.autograd.Function):
@@ -152,10 +160,14 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             **keywords,
         )
         self._method = get_method(s.method)
-        setup = configure(s)
+        setup = configure(s, front_end=self.FRONT_END)
         self._quantizer, self._state = setup.quantizer, setup.state
         self.min_size = s.min_size
         self._engine = setup.engine(uid=None)  # uid: at first use
+        if self._state.compress == "when-faster":
+            self._state.speed = SpeedArbiter(what=self.FRONT_END)
+        self._between = True  # no round in progress: the next compress starts one
+        self._sixteen_stats: list | None = None  # a 16-bit round's statistics for its refit
         self._timeout = resolve_timeout(s.timeout)
         self._codec = codecs.check_name(s.codec)
         self._process_set = process_set
@@ -186,6 +198,8 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         if self._engine.uid is None:  # named at its first compress of any tensor (every rank calls it)
             ps = self._process_set if self._process_set is not None else hvd().global_process_set
             self._engine.uid = process_set_uid(ps)
+        if self._state.speed is not None and not self._quantizes():
+            return self._sixteen(tensor)
         if tensor.dtype not in COMPRESSIBLE or tensor.numel() < max(self.min_size, 1) or tensor.is_sparse:
             self._state.uncompressed_coordinates += tensor.numel()
             unsqueeze = not tensor.is_sparse and len(passthrough_shape(tensor.shape)) > tensor.dim()
@@ -224,6 +238,12 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             return tensor
         if isinstance(ctx, mixins.Delegated):
             return ctx.compressor.decompress(tensor, ctx.ctx)
+        if not self._between:  # the round's first decompress
+            self._between = True
+            if isinstance(ctx, _Sixteen):
+                self._end_sixteen()
+        if isinstance(ctx, _Sixteen):
+            return hvd().Compression.fp16.decompress(tensor, ctx.ctx)
         if isinstance(ctx, _PassThrough):
             out = tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
             return out.squeeze(-1) if ctx.unsqueezed else out
@@ -300,6 +320,43 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
 
     def _ops_for(self, device: torch.device) -> TorchOps:
         return ops_for(self._ops, device, self._codec)
+
+    # ------------------------------------------------------------------ compress="when-faster"
+    def _quantizes(self) -> bool:
+        """Whether this round is quantized; a round's first compress asks the arbiter (every rank
+        alike: its collectives run at the same rounds on every rank of the set)."""
+        if self._between:
+            self._between = False
+            try:
+                transport = self._transport()
+            except NotMemberError:
+                return True  # the quantized path answers an outsider (the members' checks fail)
+            speed, st = self._state.speed, self._state
+            speed.rank = transport.rank
+            quantized = speed.start(transport.allreduce_max, f"{PREFIX}.{self._engine.uid}.speed")
+            # statistics keep adapting in 16-bit rounds (fixed widths: bits="auto" keeps its levels)
+            collects = not quantized and st.collecting and st.auto is None
+            self._sixteen_stats = [] if collects else None
+        return self._state.speed.current
+
+    def _sixteen(self, tensor: torch.Tensor):
+        """A tensor of a 16-bit round: Horovod's own fp16 compression (its statistics, in refit rounds)."""
+        stats = self._sixteen_stats
+        if stats is not None and tensor.dtype in COMPRESSIBLE and not tensor.is_sparse:
+            if tensor.numel() >= max(self.min_size, 1):
+                flat = tensor.detach().reshape(-1).float()
+                stats.append(self._ops_for(tensor.device).statistics(flat, self._quantizer))
+        small, ctx = hvd().Compression.fp16.compress(tensor)
+        return small, _Sixteen(ctx)
+
+    def _end_sixteen(self) -> None:
+        """A 16-bit round's first decompress: the round counts (the refit schedule goes on), and in
+        refit rounds every rank refits from the statistics of its own gradients (three small
+        collectives). Error-feedback buffers are kept for the next quantized round."""
+        stats, self._sixteen_stats = self._sixteen_stats, None
+        if stats is not None:
+            self._engine.refit(sum(stats) if stats else None, None, self._transport())
+        self._state.step += 1
 
     def _for_set(self, process_set) -> QuantizedCompressor:
         return QuantizedCompressor(process_set=process_set, settings=self.settings)

@@ -47,8 +47,10 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
 from ..core.protocol import PREFIX, shape_hash
+from ..core.speed import SpeedArbiter
 from ..settings import Settings
 from .dist_state import COMPRESSIBLE, StreamedState
 from .dist_transport import WATCHDOG, SettleOnce, on_completion
@@ -104,6 +106,9 @@ class ALQState(StreamedState):
     ) -> None:
         self._configure(process_group, settings, "ddp", method=method, bits=bits, bucket_size=bucket_size, **keywords)
         self._last = -1  # the index of the step's last bucket so far
+        if self.round_state.compress == "when-faster":
+            self.round_state.speed = SpeedArbiter(what=self.FRONT_END)
+        self._sixteen_stats: list | None = None  # a 16-bit step's statistics for its refit
 
     # ------------------------------------------------------------------ the round
     def _add(self, index: int, buffer: torch.Tensor, parameters=()) -> torch.futures.Future:
@@ -148,6 +153,35 @@ class ALQState(StreamedState):
         if rnd is not None:
             rnd.close()
 
+    # ------------------------------------------------------------------ compress="when-faster"
+    def _quantizes(self, bucket: dist.GradBucket) -> bool:
+        """Whether this step is quantized: bucket 0's hook asks the arbiter (every rank alike)."""
+        speed, st = self.round_state.speed, self.round_state
+        if bucket.index() == 0:
+            stage = self._stages()[0]
+            speed.rank = stage.rank
+            if speed.start(stage.allreduce_max, f"{PREFIX}.ddp.speed"):
+                return True
+            self._round = None  # a quantized step that never reached its last bucket
+            self._sixteen_stats = [] if st.collecting and st.auto is None else None
+        return speed.current
+
+    def _sixteen(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """A bucket of a 16-bit step: ``fp16_compress_hook``, and in refit steps its statistics; the
+        last bucket ends the step (every rank refits from its own statistics in refit steps, three
+        small collectives; error-feedback buffers are kept for the next quantized step)."""
+        buffer, stats = bucket.buffer(), self._sixteen_stats
+        if stats is not None and buffer.dtype in COMPRESSIBLE and buffer.numel() >= max(self.min_size, 1):
+            flat = buffer.detach().reshape(-1).float()
+            stats.append(self._ops_for(buffer.device).statistics(flat, self.engine.quantizer))
+        future = fp16_compress_hook(self.process_group, bucket)
+        if bucket.is_last():
+            self._sixteen_stats = None
+            if stats is not None:
+                self.engine.refit(sum(stats) if stats else None, None, self._stages()[0])
+            self.round_state.step += 1
+        return future
+
 
 def _complete(settle: SettleOnce, buffer: torch.Tensor, scale: float, decoded, error) -> None:
     """A bucket's exchange finished: its average into the bucket, or the error, on its future
@@ -183,6 +217,8 @@ def alq_hook(state: ALQState, bucket: dist.GradBucket) -> torch.futures.Future[t
     Returns a future holding one tensor of the bucket's shape and dtype (the bucket's own buffer,
     overwritten with the average); it completes when this bucket's exchange is done.
     """
+    if state.round_state.speed is not None and not state._quantizes(bucket):
+        return state._sixteen(bucket)  # compress="when-faster": a 16-bit step
     future = state._add(bucket.index(), bucket.buffer(), bucket.parameters() if state.bits == "auto" else ())
     if bucket.is_last():
         state._close()

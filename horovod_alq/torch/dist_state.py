@@ -36,7 +36,7 @@ class StreamedState:
         self.method = s.method
         self.min_size = s.min_size
         self.codec = codecs.check_name(s.codec)
-        setup = configure(s)
+        setup = configure(s, front_end=self.FRONT_END)
         auto = setup.state.auto
         self.bits = "auto" if auto is not None else setup.quantizer.bits
         self.bit_budget = None if auto is None else auto.budget

@@ -52,6 +52,8 @@ RANK_ENV: dict[str, str] = {
     "PYTHONUNBUFFERED": "1",
     "OMPI_ALLOW_RUN_AS_ROOT": "1",
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    # studies, benchmarks and tests quantize every round (compress="always") unless a run says otherwise
+    "HOROVOD_ALQ_COMPRESS": "always",
 }
 
 

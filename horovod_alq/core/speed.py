@@ -1,0 +1,199 @@
+"""``compress="when-faster"``: quantize only while that is faster than the framework's own 16-bit path.
+
+A :class:`SpeedArbiter` decides, at the start of every round and alike on every rank, whether the
+round is quantized or goes through the framework's 16-bit allreduce (the front-end runs either).
+It times the real training step: from the start of one round to the start of the next, that is
+from one optimizer step to the next. After ``warmup`` rounds it runs a *trial*: blocks of
+``block`` rounds in the order quantized, 16-bit, 16-bit, quantized (the order cancels a linear
+drift; the first round of each block, the transition, is not counted), every round carrying the
+real gradients. Each rank takes the median of its counted steps per path; one MAX allreduce gives
+every rank the slowest rank's pair, and every rank chooses the faster path (quantized on a tie).
+Then every ``watch`` rounds one more small MAX allreduce compares the median step since the last
+check with the chosen path's trial time: a change by more than ``drift`` (relative) starts a new
+trial, and so does reaching ``recheck`` rounds since the last one.
+
+Every collective's vector carries the round number: ranks that count rounds differently raise
+:class:`~horovod_alq.core.protocol.ProtocolError` on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from .protocol import PREFIX, ProtocolError
+
+__all__ = ["COMPRESS_MODES", "SpeedArbiter", "resolve_compress", "speed_metrics"]
+
+logger = logging.getLogger("horovod_alq")
+
+#: The values of the ``compress`` setting.
+COMPRESS_MODES = ("auto", "when-faster", "always")
+#: The environment variable that gives ``compress`` when the setting is None.
+COMPRESS_ENV = "HOROVOD_ALQ_COMPRESS"
+QUANTIZED, SIXTEEN = "quantized", "16-bit"
+
+#: Trial order of the blocks: True quantized, False 16-bit.
+PATTERN = (True, False, False, True)
+
+
+def check_compress(value) -> None:
+    """ValueError unless ``value`` is None or one of :data:`COMPRESS_MODES`."""
+    if value is not None and value not in COMPRESS_MODES:
+        raise ValueError(f"compress must be one of {', '.join(map(repr, COMPRESS_MODES))} (or None), got {value!r}")
+
+
+def resolve_compress(value: str | None, measures: bool, environ=None) -> str:
+    """The mode a front-end runs: ``"always"`` or ``"when-faster"``. ``value`` None: ``$HOROVOD_ALQ_COMPRESS``,
+    else ``"auto"``; ``"auto"``: ``"when-faster"`` where the front-end ``measures``, else ``"always"``."""
+    import os
+
+    env = os.environ if environ is None else environ
+    source = "compress"
+    if not measures and value in (None, "auto"):
+        return "always"  # the environment's default is for the front-ends that measure
+    if value is None:
+        value, source = env.get(COMPRESS_ENV, "auto"), COMPRESS_ENV
+    if value not in COMPRESS_MODES:
+        raise ValueError(f"{source} must be one of {', '.join(map(repr, COMPRESS_MODES))}, got {value!r}")
+    if value == "auto":
+        return "when-faster" if measures else "always"
+    if value == "when-faster" and not measures:
+        raise ValueError(f"{source}='when-faster' is not served by this front-end: use compress='always'")
+    return value
+
+
+class SpeedArbiter:
+    """The round-by-round choice of ``compress="when-faster"`` (module docstring).
+
+    ``clock``: seconds, monotonic (tests inject one); ``rank``: this rank in the set (rank 0 logs
+    each change); ``what``: how the log line names the front-end. ``warmup``, ``block``, ``watch``,
+    ``recheck`` count rounds; ``drift`` is relative."""
+
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        what: str = "",
+        clock: Callable[[], float] = time.perf_counter,
+        warmup: int = 100,
+        block: int = 3,
+        watch: int = 50,
+        recheck: int = 2000,
+        drift: float = 0.25,
+    ) -> None:
+        if block < 2 or warmup < 0 or watch < 1 or recheck < 1 or not drift > 0:
+            raise ValueError("SpeedArbiter: block >= 2, warmup >= 0, watch >= 1, recheck >= 1, drift > 0")
+        self.rank, self.what, self.clock = rank, what, clock
+        self.warmup, self.block, self.watch, self.recheck, self.drift = warmup, block, watch, recheck, drift
+        self.round = 0  # rounds started
+        self.quantizing = True  # the choice (what rounds outside trials do)
+        self.current = True  # whether the round in progress is quantized
+        self.times = {QUANTIZED: math.nan, SIXTEEN: math.nan}  # the last trial's step times (slowest rank), s
+        self.trials = self.changes = self.rounds_16bit = 0
+        self._plan: list[tuple[bool, bool]] = []  # (quantized, counted) of the coming trial rounds
+        self._samples: dict[bool, list[float]] = {True: [], False: []}
+        self._window: list[float] = []  # step times since the last drift check
+        self._last: tuple[float, bool, str] | None = None  # (start, quantized, "trial"/"watch"/"") of the round
+        self._next_trial = warmup
+        self._next_watch: int | None = None  # None: no trial yet
+
+    # ------------------------------------------------------------------ the round
+    def start(self, agree: Callable[[np.ndarray, str], np.ndarray], name: str) -> bool:
+        """Call at the start of every round, on every rank: whether this round is quantized.
+        ``agree(vec, name)``: the MAX allreduce of a small int64 vector over the set (called on
+        every rank at the same rounds); ``name``: the collectives' name prefix."""
+        now = self.clock()
+        if self._last is not None:
+            begun, quantized, kind = self._last
+            if kind == "trial":
+                self._samples[quantized].append(now - begun)
+            elif kind == "watch":
+                self._window.append(now - begun)
+        r = self.round
+        if not self._plan and (self._samples[True] or self._samples[False]):
+            self._decide(agree, f"{name}.trial.{r}")
+        elif not self._plan and self._next_watch is not None and r >= self._next_watch:
+            self._check_drift(agree, f"{name}.watch.{r}")
+        if not self._plan and r >= self._next_trial:
+            self._plan = [(q, i > 0) for q in PATTERN for i in range(self.block)]
+        if self._plan:
+            quantized, counted = self._plan.pop(0)
+            kind = "trial" if counted else ""
+        else:
+            quantized, kind = self.quantizing, ("watch" if self._next_watch is not None else "")
+        self._last = (now, quantized, kind)
+        self.round += 1
+        self.current = quantized
+        self.rounds_16bit += not quantized
+        return quantized
+
+    # ------------------------------------------------------------------ decisions
+    def _agree(self, agree, values_us: list[int], name: str) -> np.ndarray:
+        """MAX over the ranks of ``[round, -round, *values]``; ProtocolError on every rank if rounds differ."""
+        vec = np.array([self.round, -self.round, *values_us], dtype=np.int64)
+        out = np.asarray(agree(vec, name), dtype=np.int64)
+        if out[0] != -out[1]:
+            raise ProtocolError(
+                f"{PREFIX}: compress='when-faster': the ranks are at different rounds ({-out[1]} to {out[0]}); "
+                "every rank must run the same rounds with this compressor"
+            )
+        return out[2:]
+
+    def _decide(self, agree, name: str) -> None:
+        mine = [_us(np.median(self._samples[q])) if self._samples[q] else 0 for q in (True, False)]
+        slowest = self._agree(agree, mine, name)
+        self._samples = {True: [], False: []}
+        t_q, t_16 = (float(v) * 1e-6 for v in slowest)
+        self.times = {QUANTIZED: t_q, SIXTEEN: t_16}
+        self.trials += 1
+        choice = t_q <= t_16
+        if choice != self.quantizing:
+            self.changes += 1
+            if self.rank == 0:
+                logger.warning(
+                    "%s%s: compress='when-faster' now sends %s (step %.1f ms quantized, %.1f ms 16-bit, round %d)",
+                    PREFIX,
+                    f" ({self.what})" if self.what else "",
+                    "quantized codes" if choice else "16 bits",
+                    1e3 * t_q,
+                    1e3 * t_16,
+                    self.round,
+                )
+        self.quantizing = choice
+        self._next_trial = self.round + self.recheck
+        self._next_watch = self.round + self.watch
+        self._window = []
+
+    def _check_drift(self, agree, name: str) -> None:
+        mine = _us(np.median(self._window)) if self._window else 0
+        (slowest,) = self._agree(agree, [mine], name)
+        self._window = []
+        self._next_watch = self.round + self.watch
+        chosen = self.times[QUANTIZED if self.quantizing else SIXTEEN]
+        if slowest > 0 and chosen > 0 and abs(slowest * 1e-6 / chosen - 1) > self.drift:
+            self._next_trial = self.round  # the step time moved: measure again now
+
+
+def speed_metrics(arbiter: SpeedArbiter | None) -> dict:
+    """The ``metrics()`` keys of ``compress``: ``compress_choice`` ("quantized" or "16-bit"),
+    ``step_time_quantized`` and ``step_time_16bit`` (the last trial's, the slowest rank's, seconds;
+    NaN before the first trial and with ``compress="always"``, ``arbiter`` None), ``compress_trials``,
+    ``compress_changes``, ``rounds_16bit``."""
+    a = arbiter
+    return {
+        "compress_choice": QUANTIZED if a is None or a.quantizing else SIXTEEN,
+        "step_time_quantized": math.nan if a is None else a.times[QUANTIZED],
+        "step_time_16bit": math.nan if a is None else a.times[SIXTEEN],
+        "compress_trials": 0 if a is None else a.trials,
+        "compress_changes": 0 if a is None else a.changes,
+        "rounds_16bit": 0 if a is None else a.rounds_16bit,
+    }
+
+
+def _us(seconds: float) -> int:
+    return max(0, min(int(round(float(seconds) * 1e6)), 1 << 61))

@@ -1,0 +1,111 @@
+"""``compress="when-faster"``'s arbiter (horovod_alq.core.speed) with an injected clock and simulated
+ranks: both choices, the trial's interleaving, drift and periodic re-measurement, agreement on the
+slowest rank, rounds that differ across ranks, and the setting's resolution."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from horovod_alq.core.protocol import ProtocolError
+from horovod_alq.core.speed import PATTERN, SpeedArbiter, resolve_compress, speed_metrics
+from horovod_alq.settings import Settings, configure
+
+
+def _lockstep(n, cost, rounds, **kw):
+    """Simulated ranks where every agree sees every rank's vector: rank r's vector is computed from
+    its own state, so run the ranks' starts on copies first to gather the vectors, then for real."""
+    import copy
+
+    now = [0.0] * n
+    arbiters = [SpeedArbiter(rank=r, clock=lambda r=r: now[r], **kw) for r in range(n)]
+    choices = []
+    for t in range(rounds):
+        gathered: dict[str, list] = {}
+        for a in arbiters:  # a dry run on a copy: the vectors each rank will pass
+            dry = copy.copy(a)
+            dry._plan, dry._samples, dry._window = (
+                list(a._plan),
+                {k: list(v) for k, v in a._samples.items()},
+                list(a._window),
+            )
+            dry.start(lambda v, name: gathered.setdefault(name, []).append(np.asarray(v)) or np.asarray(v), "t")
+        out = [a.start(lambda v, name: np.max(gathered[name], axis=0), "t") for a in arbiters]
+        assert len(set(out)) == 1, f"ranks chose differently at round {t}"
+        for r, q in enumerate(out):
+            now[r] += cost(r, t, q)
+        choices.append(out[0])
+    return arbiters, choices
+
+
+def test_a_slower_quantized_step_switches_to_16_bits_and_back_when_it_pays_again():
+    # quantized costs 2 s, 16-bit 1 s, until round 60 where the link slows: 16-bit costs 4 s
+    def cost(rank, t, q):
+        return (2.0 if q else 1.0) if t < 60 else (2.0 if q else 4.0)
+
+    kw = dict(warmup=5, block=3, watch=10, recheck=1000, drift=0.25)
+    arbiters, choices = _lockstep(2, cost, 120, **kw)
+    trial = [q for q in PATTERN for _ in range(3)]
+    assert choices[:5] == [True] * 5 and choices[5 : 5 + len(trial)] == trial  # warm-up, then ABBA blocks
+    after = 5 + len(trial)
+    assert not any(choices[after:60]), "16 bits should be chosen after the first trial"
+    assert all(choices[-20:]), "the drift check should re-measure and go back to quantized"
+    m = speed_metrics(arbiters[0])
+    assert m["compress_choice"] == "quantized" and m["compress_trials"] == 2 and m["compress_changes"] == 2
+    assert m["step_time_quantized"] == pytest.approx(2.0) and m["step_time_16bit"] == pytest.approx(4.0)
+    assert m["rounds_16bit"] == sum(not q for q in choices)
+
+
+def test_the_slowest_rank_decides_and_ties_keep_quantizing():
+    # rank 1's quantized steps are slow, rank 0's fast: the MAX (rank 1's) decides on both ranks
+    def cost(rank, t, q):
+        return (3.0 if rank == 1 else 0.5) if q else 1.0
+
+    arbiters, choices = _lockstep(2, cost, 30, warmup=2, block=2, watch=50, recheck=1000)
+    assert not choices[-1] and all(a.times["quantized"] == pytest.approx(3.0) for a in arbiters)
+    _, tie = _lockstep(2, lambda r, t, q: 1.0, 30, warmup=2, block=2, watch=50, recheck=1000)
+    assert tie[-1] is True
+
+
+def test_periodic_re_measurement_and_median_against_outliers():
+    # one huge outlier in a 16-bit trial round does not flip the choice (median); recheck re-runs trials
+    def cost(rank, t, q):
+        return 100.0 if t == 6 else (2.0 if q else 1.0)
+
+    arbiters, choices = _lockstep(2, cost, 80, warmup=0, block=4, watch=1000, recheck=30)
+    assert arbiters[0].trials >= 2 and not choices[-1]
+
+
+def test_ranks_at_different_rounds_raise_on_every_rank():
+    a = SpeedArbiter(warmup=0, block=2, clock=lambda: 0.0)
+    for _ in range(len(PATTERN) * 2):
+        a.start(lambda v, n: v, "t")
+    with pytest.raises(ProtocolError, match="different rounds"):  # another rank was one round ahead
+        a.start(lambda v, n: np.maximum(v, np.array([v[0] + 1, -(v[0]), *v[2:]])), "t")
+
+
+def test_always_reports_the_quantized_choice_and_no_timings():
+    m = speed_metrics(None)
+    assert m["compress_choice"] == "quantized" and math.isnan(m["step_time_16bit"]) and m["rounds_16bit"] == 0
+
+
+def test_the_setting_resolves_per_front_end_and_refuses_unknown_values():
+    assert resolve_compress("auto", True, {}) == "when-faster"
+    assert resolve_compress("auto", False, {}) == "always"
+    assert resolve_compress(None, True, {"HOROVOD_ALQ_COMPRESS": "always"}) == "always"
+    assert resolve_compress(None, False, {"HOROVOD_ALQ_COMPRESS": "when-faster"}) == "always"
+    with pytest.raises(ValueError, match="HOROVOD_ALQ_COMPRESS must be one of 'auto', 'when-faster', 'always'"):
+        resolve_compress(None, True, {"HOROVOD_ALQ_COMPRESS": "sometimes"})
+    with pytest.raises(ValueError, match="compress must be one of 'auto', 'when-faster', 'always'"):
+        Settings(compress="faster")
+    for front_end in ("Horovod TensorFlow", "FSDP2", "mpi4py", "DiLoCo"):
+        with pytest.raises(
+            ValueError, match=f"{front_end} does not serve compress='when-faster'.*use compress='always'"
+        ):
+            Settings.of(None, front_end, compress="when-faster")
+        Settings.of(None, front_end, compress="always")
+    assert configure(Settings(compress="always"), front_end="DDP hook").state.compress == "always"
+    assert configure(Settings(compress="auto"), front_end="FSDP2").state.compress == "always"
+    assert configure(Settings(compress="auto"), front_end="Horovod PyTorch").state.compress == "when-faster"

@@ -1,0 +1,58 @@
+"""``compress="when-faster"`` on real ranks (tests/workers/speed_worker.py): the DDP hook (torchrun)
+and the Horovod compressor (mpirun) on 2 and 4 ranks switch to 16 bits and back mid-training, with
+the same path and identical parameters on every rank after every step, the refit schedule going on
+through the 16-bit steps; ranks built with different modes raise on every rank."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from multiproc import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+STEPS, FLIP = 60, 30
+
+
+def _run(frontend: str, np_: int, *extra) -> list:
+    if frontend == "torch" and importlib.util.find_spec("horovod") is None:
+        pytest.skip("Horovod is not installed")
+    launcher = "torchrun" if frontend == "ddp" else "mpi"
+    return run_ranks(
+        "speed_worker.py",
+        np=np_,
+        launcher=launcher,
+        timeout=300,
+        args=[frontend, "--steps", STEPS, "--flip", FLIP, *extra],
+    )
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+@pytest.mark.parametrize("frontend", ["ddp", "torch"])
+def test_switching_mid_training_keeps_every_rank_identical(frontend, np_):
+    ranks = _run(frontend, np_)
+    paths = ranks[0]["paths"]
+    for r in ranks[1:]:
+        assert r["paths"] == paths, "ranks took different paths"
+        assert r["digests"] == ranks[0]["digests"], "parameters differ across ranks"
+        assert r["levels"] == ranks[0]["levels"]
+    # warm-up quantized, a trial, then 16 bits until the flip's drift check, then quantized again
+    switches = [i for i in range(1, STEPS) if paths[i] != paths[i - 1]]
+    assert paths[:4] == [True] * 4 and not paths[FLIP - 1] and all(paths[-10:]), paths
+    assert len(switches) >= 4, switches  # trial blocks, then the changes
+    m = ranks[0]["metrics"]
+    assert m["compress_choice"] == "quantized" and m["compress_changes"] == 2 and m["compress_trials"] == 2, m
+    assert m["step_time_quantized"] == pytest.approx(2.0) and m["step_time_16bit"] == pytest.approx(4.0), m
+    assert m["rounds_16bit"] == paths.count(False) and m["step"] == STEPS, m
+    # refits every 5 rounds go on in 16-bit steps too (statistics of every rank's own gradients)
+    updates = ranks[0]["level_updates"]
+    sixteen_refits = [i for i in range(1, STEPS) if updates[i] > updates[i - 1] and not paths[i]]
+    assert sixteen_refits, (updates, paths)
+
+
+@pytest.mark.parametrize("frontend", ["ddp", "torch"])
+def test_ranks_built_with_different_modes_raise_on_every_rank(frontend):
+    ranks = _run(frontend, 2, "--mismatch")
+    for r in ranks:
+        assert r["raised"] and "compress modes" in r["message"], r

@@ -1,0 +1,123 @@
+"""Worker for tests/torch/test_speed_ranks.py: ``compress="when-faster"`` switching mid-training.
+
+``speed_worker.py ddp`` (torchrun, gloo) or ``speed_worker.py torch`` (Horovod, mpirun): an MLP
+trained with the DDP hook or ``hvd.DistributedOptimizer``; the arbiter's clock is injected: each
+optimizer step advances it by a simulated cost of the path the step took (quantized 2 s, 16-bit
+1 s until ``--flip``, then 16-bit 4 s), so it switches to 16 bits at its first trial and back at the
+drift check after the flip, the same on every rank. Reports, per step, the path taken and a digest
+of the parameters, and the metrics."""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from common import report
+from helpers import digest
+
+from horovod_alq.core.speed import SpeedArbiter
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 128)
+        self.fc2 = torch.nn.Linear(128, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("frontend", choices=("ddp", "torch"))
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--flip", type=int, default=30)
+    p.add_argument("--mismatch", action="store_true", help="the last rank builds compress='always'")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Net()
+    keywords = dict(compress="when-faster", bucket_size=256, min_size=256, seed=3, update_steps=(0,), update_every=5)
+    launched = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
+    last = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", 1))) - 1
+    if args.mismatch and launched == last:
+        keywords["compress"] = "always"
+    if args.frontend == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from horovod_alq.torch.ddp import ALQState, alq_hook
+
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        net = DDP(model, bucket_cap_mb=0.01)
+        state = ALQState(**keywords)
+        net.register_comm_hook(state, alq_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        round_state, metrics = state.round_state, state.metrics
+    else:
+        import horovod.torch as hvd
+
+        from horovod_alq.torch import ALQCompressor
+
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        net = model
+        compression = ALQCompressor(**keywords)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            named_parameters=model.named_parameters(),
+            compression=compression,
+        )
+        round_state, metrics = compression._state, compression.metrics
+    if args.mismatch:
+        x = torch.randn(16, 32)
+        try:
+            F.mse_loss(net(x), x[:, :4]).backward()
+            opt.step()
+        except Exception as err:  # noqa: BLE001
+            report({"rank": rank, "raised": True, "message": f"{type(err).__name__}: {err}"})
+        else:
+            report({"rank": rank, "raised": False})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # after a hook raised in backward, skip the C++ teardown (as ddp_worker.py)
+    now = [0.0]
+    arbiter = round_state.speed
+    assert arbiter is not None, "compress='when-faster' made no arbiter"
+    # the same schedule, with a short warm-up and the injected clock
+    round_state.speed = arbiter = SpeedArbiter(rank=rank, clock=lambda: now[0], warmup=4, block=2, watch=4, drift=0.25)
+    g = torch.Generator().manual_seed(100 + rank)
+    teacher = torch.Generator().manual_seed(7)
+    w = torch.randn(32, 4, generator=teacher)
+    paths, digests, updates = [], [], []
+    for step in range(args.steps):
+        x = torch.randn(16, 32, generator=g)
+        loss = F.mse_loss(net(x), x @ w)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        quantized = arbiter.current
+        now[0] += 2.0 if quantized else (1.0 if step < args.flip else 4.0)
+        paths.append(bool(quantized))
+        digests.append(digest(*model.parameters()))
+        updates.append(int(round_state.level_updates))
+    m = metrics()
+    report(
+        {
+            "rank": rank,
+            "size": size,
+            "paths": paths,
+            "digests": digests,
+            "level_updates": updates,
+            "metrics": {k: m[k] for k in m if k.startswith(("compress", "step", "rounds_16bit", "level"))},
+            "levels": [float(v) for v in round_state.quantizer.levels],
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
