@@ -294,10 +294,13 @@ def table_problems(texts: dict[str, str], computed: list[Row] | None = None) -> 
     return problems
 
 
-def first_screen_problems(readme: str, lines: int = 25) -> list[str]:
-    """What the README's first ``lines`` lines lack: the two commands, when it pays (time to
-    accuracy's 75% target at 100 Mbit/s and 1 Gbit/s, the figures from its data) and the GPU status."""
+def first_screen_problems(readme: str, lines: int = 30) -> list[str]:
+    """What the README's first ``lines`` lines lack: the two commands (its first commands), how to
+    install into an existing environment, when it pays (time to accuracy's 75% target at 100 Mbit/s
+    and 1 Gbit/s, the figures from its data) and the GPU status."""
     screen = " ".join(readme.splitlines()[:lines])
+    first = re.search(r"```sh\n(.*?)```", readme, re.S)
+    commands = [line.split("#")[0].strip() for line in first.group(1).splitlines()] if first else []
     summary = _json("time_to_accuracy.json")["summary"]
     ratios = [
         next(t for t in summary[rate]["rows"]["hvd-alq"]["targets"] if t["fraction"] == 0.75)["ratio"][0]
@@ -311,10 +314,15 @@ def first_screen_problems(readme: str, lines: int = 25) -> list[str]:
         "time to accuracy at 100 Mbit/s": f"{ratios[0]:.2f}x",
         "time to accuracy at 1 Gbit/s": f"{ratios[1]:.2f}x",
         "the GPU status": "No GPU path has run on a GPU",
+        "an install into an existing environment": "pip install",
+        "the system-Horovod route": "HOROVOD_ALQ_SYSTEM_HOROVOD=1",
     }
-    return [
+    problems = [
         f"README.md's first {lines} lines lack {what} ({text!r})" for what, text in wanted.items() if text not in screen
     ]
+    if commands[:2] != ["make demo", "make test"]:
+        problems.append(f"README.md's first commands are {commands[:2]}, not make demo and make test")
+    return problems
 
 
 # ------------------------------------------------------------------------------- status statements

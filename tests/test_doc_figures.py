@@ -91,3 +91,12 @@ def test_the_readme_first_screen_says_what_when_and_what_ran():
     assert [p for p in docs_tables.first_screen_problems(stale) if "100 Mbit/s" in p]
     pushed = "\n" * 20 + readme
     assert len(docs_tables.first_screen_problems(pushed)) >= 3
+    no_pip = readme.replace("pip install", "pip-install")
+    assert [p for p in docs_tables.first_screen_problems(no_pip) if "existing environment" in p]
+    first = readme.replace("```sh\nmake demo", "```sh\npip install .\nmake demo", 1)
+    assert [p for p in docs_tables.first_screen_problems(first) if "first commands" in p]
+
+
+def test_the_readme_is_short():
+    """At most 120 lines: everything else lives on the pages it links."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 120
