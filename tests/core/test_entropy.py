@@ -106,7 +106,7 @@ def test_fuzzed_frames_raise_and_never_decode_to_other_codes(coder):
     q, p = _payload(3, 512, 4000)
     frame = entropy.encode_wire(p)
     assert frame[3] == entropy.CODED
-    streams_at = 24 + 32 + 4 * 8 + 16 + 4 * 8  # header, payload header, norms, table, lengths
+    streams_at = entropy.FRAME_HEADER + 32 + 4 * 8 + 16 + 4 * 8  # headers, norms, table, lengths
     raised = stream_cases = stream_raised = 0
     for case in range(300):
         bad = frame.copy()
