@@ -167,6 +167,7 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         if self._state.compress == "when-faster":
             self._state.speed = SpeedArbiter(what=self.FRONT_END)
         self._between = True  # no round in progress: the next compress starts one
+        self._collectives = 0  # collectives of transports dropped by reset()
         self._sixteen_stats: list | None = None  # a 16-bit round's statistics for its refit
         self._timeout = resolve_timeout(s.timeout)
         self._codec = codecs.check_name(s.codec)
@@ -282,9 +283,12 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         """``levels``, ``multiplier``, ``second_levels``, ``level_updates``, ``step``, ``calls``,
         ``payload_bytes`` (this rank's own payloads), ``coordinates``, ``uncompressed_coordinates``,
         ``bits_per_coordinate`` (of compressed tensors), ``bytes_sent`` / ``bytes_received`` (payload
-        bytes this rank put on / took off the wire, all phases, headers included), ``exchange``;
+        bytes this rank put on / took off the wire, all phases, headers included), ``exchange``,
+        ``collectives`` (the compressor's own, started on this rank: not Horovod's allreduces of the
+        control vectors), ``compress_choice`` and the timings of ``compress="when-faster"``;
         ``process_sets``: the same for each other process set this compressor served (by ranks)."""
-        return self._sets_metrics(self._state.metrics())
+        done = self._collectives + (self._transport_cache.collectives if self._transport_cache is not None else 0)
+        return self._sets_metrics({**self._state.metrics(), "collectives": done})
 
     def state_dict(self) -> dict:
         """Levels (both quantizations), counters and seed: a resumed run continues identically."""
@@ -303,6 +307,8 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
     def reset(self) -> None:
         """Drop the round in progress (e.g. after a Horovod elastic reset); levels and counters stay."""
         self._engine.reset()
+        if self._transport_cache is not None:
+            self._collectives += self._transport_cache.collectives
         self._transport_cache = None
         for child in self._per_set.values():
             child.reset()

@@ -69,8 +69,10 @@ class StreamedState:
         """``levels``, ``multiplier``, ``second_levels``, ``level_updates``, ``step`` (rounds
         exchanged), ``calls`` (quantized buffers), ``payload_bytes``, ``coordinates``,
         ``uncompressed_coordinates``, ``bits_per_coordinate``, ``bytes_sent`` / ``bytes_received``,
-        ``exchange``: the keys of the Horovod compressors' ``metrics()``."""
-        return self.round_state.metrics()
+        ``exchange``, ``collectives`` (those this front-end started, every stage's): the keys of the
+        Horovod compressors' ``metrics()``."""
+        done = sum(t.collectives for stages in self._transports.values() for t in stages)
+        return {**self.round_state.metrics(), "collectives": done}
 
     def state_dict(self) -> dict:
         """Levels (both quantizations), counters, seed and settings: a resumed run continues with

@@ -91,6 +91,7 @@ class DistTransport:
         self.scope = f"process group {dist.get_process_group_ranks(process_group or dist.group.WORLD)}"
         self.timeout = resolve_timeout(timeout)
         self.local_size = _local_size(process_group, self.rank, self.size) if local_size is None else int(local_size)
+        self.collectives = 0  # collectives this transport started (metrics()["collectives"])
 
     def wait(self, work, name: str) -> None:
         """Wait for ``work`` (bounded by the timeout), raising its error if it failed."""
@@ -135,6 +136,7 @@ class DistTransport:
 
     def _started(self, work):
         """``work``, recorded as in flight on this transport's group until it completes."""
+        self.collectives += 1
         IN_FLIGHT.add(self.group, work)
         return work
 

@@ -45,6 +45,7 @@ class HorovodTransport:
         self.scope = "global process set" if ranks is None else f"process set {list(ranks)}"
         self.timeout = resolve_timeout(timeout)
         self.local_size = _local_size(h, ranks, self.rank, self.size)
+        self.collectives = 0  # collectives this transport started (metrics()["collectives"])
 
     def _wait(self, handle, name: str):
         wait_for(lambda: hvd().poll(handle), self.timeout, name, self.scope)
@@ -59,10 +60,12 @@ class HorovodTransport:
             return True
 
     def allgather(self, payload: torch.Tensor, sizes: Sequence[int], name: str):
+        self.collectives += 1
         handle = hvd().allgather_async(payload, name=name, process_set=self.process_set)
         return lambda: self._wait(handle, name)
 
     def alltoall(self, payload: torch.Tensor, splits: Sequence[int], received: Sequence[int], name: str):
+        self.collectives += 1
         split_tensor = torch.tensor(list(splits), dtype=torch.int32)
         handle = hvd().alltoall_async(payload, splits=split_tensor, name=name, process_set=self.process_set)
         return lambda: self._wait(handle, name)[0]
@@ -74,6 +77,7 @@ class HorovodTransport:
         return self._allreduce(vec, np.int64, hvd().Max, name)
 
     def _allreduce(self, vec: np.ndarray, dtype, op, name: str) -> np.ndarray:
+        self.collectives += 1
         t = torch.from_numpy(np.ascontiguousarray(vec, dtype=dtype))
         handle = hvd().allreduce_async(t, op=op, name=name, process_set=self.process_set)
         return self._wait(handle, name).numpy()

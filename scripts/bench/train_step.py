@@ -158,6 +158,7 @@ def worker(args) -> int:
         model = resnet18(args.width)
         sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=args.momentum)
         built[key] = rows.build(key, model, sgd, hvd, bucket_mb=args.ddp_bucket_mb, powersgd_fix=args.powersgd_fix)
+        speed_warmup(args, built[key]["state"], hvd.rank())
     timed, before, after = run_steps(args, keys, built, hvd.rank())
     # parameters after all steps: the largest difference to rank 0's (0 when every rank averaged alike)
     diffs = {key: timing.param_diff(built[key]["model"].parameters()) for key in keys}
@@ -178,6 +179,16 @@ def worker(args) -> int:
     dist.destroy_process_group()
     hvd.shutdown()
     return 0
+
+
+def speed_warmup(args, state, rank: int) -> None:
+    """``--speed-warmup``: a row with ``compress="when-faster"`` starts its first trial after that
+    many of its rounds instead of 100 (its arbiter's other defaults kept)."""
+    from horovod_alq.core.speed import SpeedArbiter
+
+    rounds = getattr(state, "round_state", None) or getattr(state, "_state", None)
+    if args.speed_warmup is not None and getattr(rounds, "speed", None) is not None:
+        rounds.speed = SpeedArbiter(rank=rank, what=rounds.speed.what, warmup=args.speed_warmup)
 
 
 def run_steps(args, keys: list[str], built: dict, rank: int) -> tuple[dict, dict, dict]:
@@ -266,6 +277,11 @@ def row_bytes(args, key: str, b: dict | None, a: dict | None, params: int, n: in
         uncompressed_per_step=unc,
         exchange=a["exchange"],
         rounds=rounds,
+        collectives_per_round=(a["collectives"] - b["collectives"]) / rounds,
+        rounds_16bit=a["rounds_16bit"] - b["rounds_16bit"],
+        compress_choice=a["compress_choice"],
+        step_time_quantized=a["step_time_quantized"],
+        step_time_16bit=a["step_time_16bit"],
         bytes_how="measured: metrics() bytes_sent (the coded frames on the entropy wire) "
         "+ 2(N-1)/N x 4 B x uncompressed coordinates",
     )
@@ -276,7 +292,7 @@ def worker_args(args, out: Path, ifname: str, rows: str | None = None) -> list[s
     cmd = [sys.executable, "-m", "scripts.bench.train_step", "--worker", "--worker-out", str(out)]
     cmd += ["--gloo-ifname", ifname, "--rows", rows or args.rows]
     cmd += launch.flags(args, "width", "batch_size", "steps", "warmup", "powersgd_fix", "gloo_timeout", "momentum")
-    cmd += launch.flags(args, "ddp_bucket_mb")
+    cmd += launch.flags(args, "ddp_bucket_mb", "speed_warmup")
     if ifname != "lo":  # in the namespaces: each node's eth0 counters around each row's steps
         cmd += ["--count-ifname", ifname]
     return cmd
@@ -346,15 +362,30 @@ def table(run: dict, rate_Bps: float | None) -> list[str]:
         lines.append("")
     links = all("link_tx_per_step" in r for r in res.values())
     nodes = run.get("local_size", 1) > 1 and links  # limits from the counted bytes of the busiest link
-    head = ["row", "step ms", "fwd+bwd ms", "vs fp16", "MB sent / step / rank"]
+    head = ["row", "step ms", "fwd+bwd ms", "vs fp16", "MB sent / step / rank", "own collectives / round"]
     if links:
         head += ["MB between nodes / step (eth0 tx, all nodes)", "busiest node link MB / step"]
         head += ["MB inside nodes / step (lo, all nodes)"]
     head += ["comm at R, ms", "limit no overlap, ms", "step / limit", "limit overlap, ms", "step / limit"]
     head += ["max param diff across ranks"]
-    return lines + report.table(
-        head, (table_row(res, key, links, nodes, rate_Bps, local) for key in res), "-" + "r" * 99
+    return (
+        lines
+        + report.table(head, (table_row(res, key, links, nodes, rate_Bps, local) for key in res), "-" + "r" * 99)
+        + speed_lines(res)
     )
+
+
+def speed_lines(res: dict) -> list[str]:
+    """What each ``compress="when-faster"`` row chose, from its last trial (the slowest rank's medians)."""
+    out = []
+    for r in res.values():
+        if r.get("compress_choice") is not None and r.get("step_time_quantized") == r.get("step_time_quantized"):
+            q, h = report.ms(r["step_time_quantized"]), report.ms(r["step_time_16bit"])
+            out.append(
+                f"{r['label']}: chose {r['compress_choice']} (trial: quantized {q} ms, 16-bit {h} ms per round "
+                f"of all rows; {r['rounds_16bit']} of the {r['rounds']} timed rounds sent 16 bits)."
+            )
+    return [""] + out if out else []
 
 
 def table_row(res: dict, key: str, links: bool, nodes: bool, rate_Bps: float | None, local: float | None) -> list:
@@ -363,6 +394,7 @@ def table_row(res: dict, key: str, links: bool, nodes: bool, rate_Bps: float | N
     ratio = f"{r['step_s'] / ref:.2f}" if ref and key != "local" else "-"
     label = r["label"] + (f" [{r['exchange']}]" if r.get("exchange") else "")
     cells = [label, ms(r["step_s"]), ms(r["fwd_bwd_s"]), ratio, f"{r['bytes_per_step'] / 1e6:.3f}"]
+    cells += [f"{r['collectives_per_round']:.1f}" if "collectives_per_round" in r else "-"]
     if links:
         cells += [f"{r['link_tx_per_step'] / 1e6:.3f}", f"{r['link_max_per_step'] / 1e6:.3f}"]
         cells += [f"{r['lo_per_step'] / 1e6:.3f}" if "lo_per_step" in r else "-"]
@@ -448,7 +480,10 @@ COLUMNS = (
     "tensors are allreduced in fp32), fp32 and fp16 by arithmetic (2(N-1)/N x 4 or 2 B x parameters: a "
     "bandwidth-optimal ring allreduce; Open MPI and gloo may send more); comm at R = bytes / R with R the "
     "measured TCP throughput of one worker link; limit no overlap = local step + comm, limit overlap = "
-    "max(local step, comm), 'local step' being the fwd+bwd+SGD row; max param diff: the largest "
+    "max(local step, comm), 'local step' being the fwd+bwd+SGD row; own collectives / round: the "
+    "collectives the ALQ row started itself per round (handshake, payload stages, refit and "
+    "compress='when-faster' allreduces; metrics()['collectives']), not Horovod's allreduces of the "
+    "control vectors (one per tensor, fused by Horovod); max param diff: the largest "
     "|parameter - rank 0's| over ranks after all steps. CPU tables: the main thread's CPU time "
     "(time.thread_time: forward, backward, the hooks and compressors, the optimizer step) and the other "
     "threads' (process time less that: Horovod's background thread, Open MPI, gloo; Open MPI's "
@@ -531,6 +566,7 @@ def parser() -> argparse.ArgumentParser:
     fix_help = "how powerSGD_hook is kept in step on gloo (see above); default one-bucket"
     add("--powersgd-fix", choices=tuple(POWERSGD_FIX), default="one-bucket", help=fix_help)
     add("--ddp-bucket-mb", type=float, help="bucket_cap_mb of the other DDP rows; default DDP's (25)")
+    add("--speed-warmup", type=int, help="compress='when-faster' rows: rounds before the first trial; default 100")
     momentum_help = "SGD momentum; default 0 (its buffers are one more model copy per row: with 0.9 the 11 rows of "
     add(
         "--momentum",

@@ -76,6 +76,7 @@ STEP_ROWS: dict[str, Row] = {
     "hvd-alq-h4": hvd("Horovod ALQ 4b, hierarchical", "alq", bits=4, exchange=_H),
     "hvd-alq-h2p": hvd("Horovod ALQ 3b, hierarchical two-phase", "alq", bits=3, exchange=_H2P),
     "hvd-alq-e": hvd("Horovod ALQ 3b, auto, entropy wire", "alq", bits=3, wire="entropy"),
+    "hvd-alq-when": hvd("Horovod ALQ 3b, auto, compress='when-faster'", "alq", bits=3, compress="when-faster"),
     "hvd-alq4-e": hvd("Horovod ALQ 4b, auto, entropy wire", "alq", bits=4, wire="entropy"),
     "ddp-fp32": ddp("DDP allreduce (fp32)", "fp32"),
     "ddp-fp16": ddp("DDP fp16_compress_hook", "fp16"),
@@ -88,6 +89,7 @@ STEP_ROWS: dict[str, Row] = {
     "ddp-alq-h2p": ddp("DDP alq_hook 3b, hierarchical two-phase", "alq", bits=3, exchange=_H2P),
     "ddp-alq-e": ddp("DDP alq_hook 3b, auto, entropy wire", "alq", bits=3, wire="entropy"),
     "ddp-alq4-e": ddp("DDP alq_hook 4b, auto, entropy wire", "alq", bits=4, wire="entropy"),
+    "ddp-alq-when": ddp("DDP alq_hook 3b, auto, compress='when-faster'", "alq", bits=3, compress="when-faster"),
 }
 ROWS: dict[str, Row] = {
     **STEP_ROWS,

@@ -66,6 +66,11 @@ def counters(state) -> dict | None:
         "exchange": m["exchange"],
         "wire_fixed": m.get("wire_fixed_bytes", 0),
         "wire_coded": m.get("wire_coded_bytes", 0),
+        "collectives": m.get("collectives", 0),
+        "rounds_16bit": m.get("rounds_16bit", 0),
+        "compress_choice": m.get("compress_choice"),
+        "step_time_quantized": m.get("step_time_quantized"),
+        "step_time_16bit": m.get("step_time_16bit"),
     }
 
 
