@@ -236,6 +236,9 @@ class DiLoCo:
             for k, start in zip(members, layout.starts):
                 averaged[k] = decoded.read(start, start + sends[k].numel(), 1.0 / self._size)
         rnd.close()  # the refit, in the rounds that collect
+        bad = [k for k in sorted(averaged) if not bool(torch.isfinite(averaged[k]).all())]
+        if bad:  # the average is the same on every rank: every rank raises here, nothing is written
+            raise ValueError(self._nonfinite(bad, sends))
         mu, lr = self.outer_momentum, self.outer_lr
         for k, (p, g, m) in enumerate(zip(self.params, self.global_params, self.momentum)):
             delta = averaged[k].view_as(g)
@@ -246,6 +249,20 @@ class DiLoCo:
                 g.sub_(delta, alpha=lr)
             p.copy_(g)
         self.outer_steps += 1
+
+    def _nonfinite(self, bad: list[int], sends: list) -> str:
+        """The error of an outer step whose averaged pseudo-gradient holds NaN or Inf (parameters ``bad``)."""
+        named = {id(p): n for n, p in self.model.named_parameters()}
+        names = ", ".join(named.get(id(self.params[k]), f"parameter {k}") for k in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        own = "finite" if all(bool(torch.isfinite(s).all()) for s in sends) else "NOT finite"
+        return (
+            f"{PREFIX}: DiLoCo outer step {self.outer_steps}: the averaged pseudo-gradient holds NaN or Inf "
+            f"in {names}{more}, so no outer step was taken: the global parameters and the outer momentum "
+            f"are unchanged on every rank, and each rank's model keeps its local parameters. This rank's "
+            f"own pseudo-gradient is {own} (a rank whose local steps diverged sends NaN or Inf). Restore "
+            f"the model (for instance from diloco.global_params or a checkpoint) before training on"
+        )
 
     def _buffers(self, members: list[int]) -> list[list[int]]:
         """The quantized parameters, in order, in buffers of about ``fusion_bytes`` of float32 (0: one each)."""

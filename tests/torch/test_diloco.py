@@ -98,3 +98,22 @@ def test_mismatch_raises_on_every_rank(ranks, which):
         assert f"DiLoCo settings differ: {which} (rank 0: " in text and text.count("(rank 0: ") == 1, text
     else:
         assert which in text, text
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+@pytest.mark.parametrize("where", ["nan-weight", "inf-bias"])
+def test_a_non_finite_average_raises_on_every_rank_and_writes_nothing(ranks, where, exchange):
+    """The last rank's parameters go NaN (a quantized weight) or Inf (a bias that travels plain)
+    between outer steps: every rank raises ValueError naming the parameter at that outer step, and
+    the global parameters and momentum stay as the previous outer step left them, finite."""
+    size = len(ranks)
+    name = "fc2.weight" if where == "nan-weight" else "fc3.bias"
+    for r in ranks:
+        res = r["nonfinite"][f"{where}|{exchange}"]
+        assert res["raised"], (r["rank"], res)
+        text = res["message"]
+        assert text.startswith("ValueError: horovod_alq: DiLoCo outer step 1: the averaged pseudo-gradient"), text
+        assert f"NaN or Inf in {name}" in text and "no outer step was taken" in text, text
+        own = "NOT finite" if r["rank"] == size - 1 else "finite"
+        assert f"own pseudo-gradient is {own} " in text, text
+        assert res["unchanged"] and res["finite"] and res["outer_steps"] == 1, res

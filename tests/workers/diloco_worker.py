@@ -219,6 +219,39 @@ def mismatch(rank: int, size: int, which: str) -> dict:
     return {"raised": False}
 
 
+def nonfinite(rank: int, size: int, where: str, exchange: str) -> dict:
+    """One clean outer step, then the last rank's local parameters go non-finite (``where``: NaN in
+    a quantized weight, Inf in a bias that travels plain) before the second: every rank must raise,
+    the global parameters must stay as the first outer step left them."""
+    model, inner, diloco = build(sync_every=2, exchange=exchange)
+    run(rank, model, inner, diloco, 0, 2)
+    before = digest(*diloco.global_params)
+    momentum = digest(*diloco.momentum)
+    x, y = batch(rank, 2)
+    F.cross_entropy(model(x), y).backward()
+    diloco.step()
+    inner.zero_grad()
+    x, y = batch(rank, 3)
+    F.cross_entropy(model(x), y).backward()
+    if rank == size - 1:  # after the backward: only this coordinate goes non-finite in the inner step
+        with torch.no_grad():
+            if where == "nan-weight":
+                model.fc2.weight[3, 5] = float("nan")
+            else:
+                model.fc3.bias[1] = float("inf")
+    try:
+        diloco.step()
+        out = {"raised": False}
+    except Exception as err:  # noqa: BLE001
+        out = {"raised": True, "message": f"{type(err).__name__}: {err}"}
+    out.update(
+        unchanged=digest(*diloco.global_params) == before and digest(*diloco.momentum) == momentum,
+        finite=all(bool(torch.isfinite(g).all()) for g in diloco.global_params),
+        outer_steps=diloco.outer_steps,
+    )
+    return out
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -238,6 +271,11 @@ def main() -> None:
     out["resume"] = resume(rank, exchange="allgather", bits=2, error_feedback=True, update_steps=(0, 1, 2, 3))
     out["mismatch"] = {
         w: mismatch(rank, size, w) for w in ("sync_every", "method", "bits", "outer_lr", "global_parameters")
+    }
+    out["nonfinite"] = {
+        f"{where}|{ex}": nonfinite(rank, size, where, ex)
+        for where in ("nan-weight", "inf-bias")
+        for ex in ("allgather", "two-phase")
     }
     report(out)
     sys.stdout.flush()
