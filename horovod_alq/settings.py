@@ -29,6 +29,7 @@ from typing import Any, Sequence
 from .core.auto_bits import AutoBits, check_auto
 from .core.entropy import check_wire
 from .core.methods import check_bits, check_norm, get_method
+from .core.precondition import check_precondition
 from .core.protocol import MASK64, resolve_timeout
 from .core.quantizer import Quantizer, check_code_entropy
 from .core.rounds import RefitSchedule, RoundState, schedule_from
@@ -143,6 +144,16 @@ class Settings:
     error_feedback_dtype: str = "float32"
     """The error buffers' dtype: ``"float32"``, or ``"bfloat16"`` (torch tensors) for half the memory."""
 
+    precondition: Any = None
+    """Quantize where Adam feels the error: each tensor is quantized as ``g * w`` and comes back as
+    ``decode(...) / w``, with ``w = 1 / (sqrt(v_hat) + floor)`` from an Adam-family optimizer's
+    second moment (``torch.optim.AdamW``, ``Adam``, ``FrozenVarianceAdamW``: pass the optimizer
+    that steps), or any per-coordinate scale (``horovod_alq.torch.Preconditioner(fn,
+    parameters=...)``). Still unbiased (``w`` is the same on every rank; its digest is in every
+    round's handshake); error feedback, if on, keeps its error in the scaled space. An optimizer
+    without a second moment (SGD) is refused. mpi4py takes a scale array per call instead
+    (``scales=``). docs/design/design.md, "Preconditioned quantization"."""
+
     codec: str = "auto"
     """PyTorch codec backend (:mod:`horovod_alq.torch.codecs`): ``"auto"`` (Triton for CUDA tensors
     when importable, the compiled CPU codec for CPU tensors when it loads, torch ops otherwise),
@@ -214,6 +225,7 @@ class Settings:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         check_wire(self.wire)
         check_feedback(self.error_feedback, self.error_feedback_dtype)
+        check_precondition(self.precondition)
         if self.code_entropy is not None:
             if self.wire != "entropy":
                 raise ValueError("code_entropy fits levels for the entropy-coded wire: it needs wire='entropy'")
@@ -259,7 +271,8 @@ class Settings:
         for name, why in NOT_SERVED[front_end].items():
             value = getattr(self, name)
             if value != DEFAULTS[name]:
-                raise ValueError(f"{front_end} does not serve {name}={value!r}: {why}")
+                shown = repr(value) if isinstance(value, (bool, int, float, str, tuple)) else type(value).__name__
+                raise ValueError(f"{front_end} does not serve {name}={shown}: {why}")
         for name, (allowed, why) in partly().get(front_end, {}).items():
             value = getattr(self, name)
             if value not in allowed:
@@ -303,6 +316,8 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "code_entropy": "it fits levels for the entropy-coded wire, which TensorFlow does not serve",
         "wire": "TensorFlow moves payloads inside its graph, where no host-side coder runs; for the "
         "entropy-coded wire use the PyTorch front-ends or mpi4py",
+        "precondition": "a Keras optimizer's slots are not readable inside the compressor's graph in one "
+        "agreed form (and Horovod TF hands the compressor gradients, not variables); use the PyTorch front-ends",
     },
     "DDP hook": {
         "overlap": "DDP overlaps by itself: each bucket's exchange starts when its hook runs",
@@ -315,6 +330,8 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "fusion_bytes": "FSDP2's own reduce-scatter input is the buffer",
         "overlap": "FSDP2 overlaps by itself: each module's reduce-scatter starts when its backward ends",
         "clip": _TERNGRAD_CLIP,
+        "precondition": "Adam's second moment is sharded like the parameters: a rank holds v only for its own "
+        "shard, while every rank must scale the whole unsharded gradient it reduce-scatters",
     },
     "mpi4py": {
         "min_size": "QuantizedAllreduce quantizes every array it is given; reduce small ones with comm.Allreduce",
@@ -323,10 +340,13 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "overlap": "a call exchanges its arrays at once, there is no backward pass to overlap",
         "update_steps": _ON_REQUEST,
         "update_every": _ON_REQUEST,
+        "precondition": "mpi4py holds no optimizer: pass each call a scale array per array (scales=)",
     },
     "DiLoCo": {
         "overlap": "the pseudo-gradient is complete when the outer step starts: there is no backward pass to overlap",
         "clip": _TERNGRAD_CLIP,
+        "precondition": "the outer step exchanges a pseudo-gradient (the drift of many inner steps) applied by "
+        "the outer optimizer (SGD with Nesterov momentum): the inner optimizer's v is not the outer step's scale",
     },
 }
 #: The front-ends that serve ``compress="when-faster"`` (each times its own 16-bit path) ...

@@ -15,6 +15,7 @@ from .protocol import EXCHANGE_NAMES, PREFIX, ProtocolError
 #: Settings every rank must share, in the order the handshake checks them.
 #: ``budget``: ``bit_budget`` in thousandths of a bit with ``bits="auto"`` (``bits`` is then 0), else 0.
 #: ``local_size``: ranks per node (nodes are runs of consecutive ranks; the hierarchical exchange's groups).
+#: ``precondition``: a digest of the round's preconditioning scales (:mod:`.precondition`; 0: off).
 SETTINGS = (
     "method",
     "bits",
@@ -29,6 +30,7 @@ SETTINGS = (
     "wire",
     "error_feedback",
     "compress",
+    "precondition",
 )
 HANDSHAKE_FIELDS = (
     "error",
@@ -108,6 +110,8 @@ def read_handshake(
             "error_feedback": "error_feedback (1: on, 0: off:",
             "round": "round numbers (a previous exchange failed on some ranks only:",
             "collecting": "refit schedules (update_steps / update_every:",
+            "precondition": "preconditioning scales (digests of w, 0: off; the optimizer states differ, "
+            "e.g. a checkpoint loaded on some ranks only:",
             "compress": "compress modes (0: 'always', 1: 'when-faster':",
         }
         named = {

@@ -89,6 +89,7 @@ class RoundState:
     feedback: Any = None  # error_feedback=True: the error buffers (exchange.feedback.ErrorFeedback)
     compress: str = "always"  # the compress mode the front-end runs ("always", "when-faster"): in the handshake
     speed: Any = None  # compress="when-faster": the front-end's SpeedArbiter (core.speed)
+    precondition: int = 0  # the digest of this round's preconditioning scales (0: off; core.precondition)
 
     def __post_init__(self) -> None:
         if self.second is None:

@@ -108,6 +108,7 @@ class RoundContext:
             wire=WIRES.index(self.wire),
             error_feedback=int(st.feedback is not None),
             compress=int(st.compress == "when-faster"),
+            precondition=int(st.precondition),
             levels=stable_hash(q.fingerprint, st.second.fingerprint, auto.fingerprint() if auto else 0),
             allocation=auto.allocation_hash() if auto else 0,
             round=self.epoch,

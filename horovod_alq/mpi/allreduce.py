@@ -8,6 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import compressor_mixins as mixins
+from ..core import precondition
 from ..core.methods import get_method
 from ..core.protocol import CollectiveTimeout, ProtocolError, error_text, stable_hash
 from ..core.quantizer import Quantizer
@@ -119,7 +120,9 @@ class QuantizedAllreduce(mixins.Configured):
         )
 
     # ----------------------------------------------------------------- exchange
-    def __call__(self, x: Any, *, op: str = "average", collect: bool | None = None) -> np.ndarray | list[np.ndarray]:
+    def __call__(
+        self, x: Any, *, op: str = "average", collect: bool | None = None, scales: Any = None
+    ) -> np.ndarray | list[np.ndarray]:
         """Quantized average (``op="sum"``: sum) over the communicator of ``x``: an array (any shape,
         float16/32/64), or a list or tuple of arrays exchanged in one round (one handshake, one
         payload per rank; each array starts on a bucket boundary, so it is quantized as it would be
@@ -127,19 +130,27 @@ class QuantizedAllreduce(mixins.Configured):
         same element counts in the same order (shapes may differ); a list of numbers is a list of
         0-d arrays (pass ``np.asarray(values)`` for one array).
         ``collect``: record this rank's statistics for the next :meth:`adapt` (None: as
-        ``collect_every``). Collective.
+        ``collect_every``). ``scales``: preconditioned quantization (docs/design/design.md,
+        "Preconditioned quantization"): a positive, finite scale array per array (``x``'s shape; one
+        array, or a list like ``x``), identical on every rank (its digest is in the handshake: ranks
+        whose scales differ raise on every rank); each array is quantized as ``x * w`` and returned
+        as ``decoded / w``. Collective.
 
         Returns the shape and dtype of ``x`` (a list: one array per array), bit-identical on all
         ranks. Raises ValueError on every rank when some rank's input is not a floating-point
         array, the element counts differ, or a payload was made with another method,
         bits, bucket size or levels."""
         listed = isinstance(x, (list, tuple))
-        arrays, decoded, starts = self._round(list(x) if listed else [x], listed, collect, op)
+        if scales is not None and not listed:
+            scales = [scales]
+        arrays, decoded, starts = self._round(list(x) if listed else [x], listed, collect, op, scales=scales)
         outs = []
-        for arr, start in zip(arrays, starts):
+        for i, (arr, start) in enumerate(zip(arrays, starts)):
             out = np.zeros(0, np.float32) if not arr.size else decoded.read(start, start + arr.size)
             if op == "average":
                 out /= np.float32(self._size)
+            if scales is not None and arr.size:
+                out = out / self._scales[i].reshape(-1)
             outs.append(out.astype(arr.dtype, copy=False).reshape(arr.shape))
         return outs if listed else outs[0]
 
@@ -170,6 +181,7 @@ class QuantizedAllreduce(mixins.Configured):
         op: str | None,
         exchange: str | None = None,
         refusal: Exception | None = None,
+        scales: Any = None,
     ):
         """One streamed round for the arrays ``xs``: the arrays, the ``Decoded`` sum over the ranks
         of their round (None when they hold no element) and each array's start in it. A local
@@ -179,8 +191,14 @@ class QuantizedAllreduce(mixins.Configured):
             if op is not None and op not in _OPS:
                 raise ValueError(f"op must be one of {_OPS}, got {op!r}")
             arrays = [_float_array(v, f"x[{i}]" if listed else "x") for i, v in enumerate(xs)]
+            self._scales = _scales(scales, arrays, listed)
         except Exception as err:
             error = error or err
+            self._scales = None
+        ws = self._scales
+        self._state.precondition = (
+            0 if ws is None else precondition.combine(map(precondition.digest, ws, range(len(ws))))
+        )
         counts = [int(a.size) for a in arrays] if error is None else [0]
         shown = counts if listed else counts[0]  # what the ranks must agree on
         numel = sum(counts)
@@ -204,6 +222,9 @@ class QuantizedAllreduce(mixins.Configured):
         layout = None
         if live:
             flats = [np.ravel(a).astype(np.float32, copy=False) for a in live]
+            if self._scales is not None:  # quantize x * w
+                ws = [w for a, w in zip(arrays, self._scales) if a.size]
+                flats = [f * w.reshape(-1) for f, w in zip(flats, ws)]
             layout = rnd.add(
                 flats, numel, lambda decoded, failure: result.update(decoded=decoded, failure=failure), whole=True
             )
@@ -321,6 +342,18 @@ class QuantizedAllreduce(mixins.Configured):
         if same_rank and state.get("seed") is not None:
             self._engine.seed = int(state["seed"])
         self._pending.load_state_dict(state, same_rank)
+
+
+def _scales(scales: Any, arrays: list[np.ndarray], listed: bool) -> list[np.ndarray] | None:
+    """The checked ``scales=`` of a call (one float32 array per array), or None; ValueError naming the array."""
+    if scales is None:
+        return None
+    if not isinstance(scales, (list, tuple)) or len(scales) != len(arrays):
+        raise ValueError(f"scales must hold one array per array of x ({len(arrays)}), got {type(scales).__name__}")
+    return [
+        precondition.check_scale(f"x[{i}]" if listed else "x", w, a.shape)
+        for i, (w, a) in enumerate(zip(scales, arrays))
+    ]
 
 
 def _float_array(x: Any, name: str) -> np.ndarray:

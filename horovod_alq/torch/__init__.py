@@ -10,12 +10,14 @@ from .compressor import (
     compressor_for,
 )
 from .optim import FrozenVarianceAdamW
+from .precondition import Preconditioner
 
 __all__ = [
     "ALQCompressor",
     "AMQCompressor",
     "FrozenVarianceAdamW",
     "NUQSGDCompressor",
+    "Preconditioner",
     "QSGDCompressor",
     "QuantizedCompressor",
     "TernGradCompressor",

@@ -42,6 +42,7 @@ from ..settings import Settings, configure
 from . import codecs
 from .horovod_transport import HorovodTransport, NotMemberError, hvd
 from .ops import TorchOps, ops_for
+from .precondition import preconditioner_from
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -56,6 +57,7 @@ class _Exchange:
     device: torch.device
     source: torch.Tensor | None  # the input, when autograd needs it
     own_set: bool = False  # the calling Horovod collective runs over the compressor's process set
+    scale: torch.Tensor | None = None  # precondition=: the tensor went as tensor * scale
 
 
 @dataclass
@@ -171,6 +173,7 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         self._sixteen_stats: list | None = None  # a 16-bit round's statistics for its refit
         self._timeout = resolve_timeout(s.timeout)
         self._codec = codecs.check_name(s.codec)
+        self._precondition = preconditioner_from(s.precondition, s.bucket_size)
         self._process_set = process_set
         self._transport_cache: HorovodTransport | None = None
         self._ops: dict[str, TorchOps] = {}
@@ -218,7 +221,12 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             size = len(self._process_set.ranks or ())
             vec = outsider_vector(size)
             return torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device), _Outsider(str(err))
-        flat = tensor.detach().reshape(-1)
+        flat, scale = tensor.detach().reshape(-1), None
+        if self._precondition is not None:  # w of every parameter, once per round; its digest to the handshake
+            self._state.precondition = self._precondition.prepare(self._state.step)
+            scale = self._precondition.for_gradient(tensor)
+            if scale is not None:
+                flat = flat * scale.reshape(-1)  # float32 (float64 stays)
         entry, vec = self._engine.add(
             flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport, ops=self._ops_for(tensor.device)
         )
@@ -226,7 +234,7 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         source = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
         calling = mixins.calling_process_set(self.HOROVOD, depth=10)
         own_set = calling is not None and calling.process_set_id == transport.process_set.process_set_id
-        ctx = _Exchange(entry, tensor.shape, tensor.dtype, tensor.device, source, own_set)
+        ctx = _Exchange(entry, tensor.shape, tensor.dtype, tensor.device, source, own_set, scale)
         # The framework holds ctx until decompress; if it drops ctx first (its allreduce raised), the
         # entry leaves the round. Not `small`: frameworks may keep only an alias (Adasum: `small.data`).
         weakref.finalize(ctx, entry.abandon)
@@ -272,6 +280,8 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             )
             out, scale = transport._wait(handle, name).double() * joined.scale, joined.scale  # as Horovod scales
             self._state.uncompressed_coordinates += flat.numel()
+        if ctx.scale is not None:  # decode(...) / w
+            out = out.to(ctx.device) / ctx.scale.reshape(-1)
         out = out.to(device=ctx.device, dtype=ctx.dtype).view(ctx.shape)
         if ctx.source is not None:
             out = _QuantizedAllreduceGrad.apply(ctx.source, out, scale, transport.process_set)

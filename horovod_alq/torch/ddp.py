@@ -54,6 +54,7 @@ from ..core.speed import SpeedArbiter
 from ..settings import Settings
 from .dist_state import COMPRESSIBLE, StreamedState
 from .dist_transport import WATCHDOG, SettleOnce, on_completion
+from .precondition import preconditioner_from
 
 __all__ = ["ALQState", "alq_hook"]
 
@@ -105,6 +106,7 @@ class ALQState(StreamedState):
         **keywords,
     ) -> None:
         self._configure(process_group, settings, "ddp", method=method, bits=bits, bucket_size=bucket_size, **keywords)
+        self._precondition = preconditioner_from(self.settings.precondition, self.bucket_size)
         self._last = -1  # the index of the step's last bucket so far
         if self.round_state.compress == "when-faster":
             self.round_state.speed = SpeedArbiter(what=self.FRONT_END)
@@ -117,6 +119,8 @@ class ALQState(StreamedState):
             # the previous step never reached its last bucket on this rank (its backward raised)
             self._round = None
         if index == 0:
+            if self._precondition is not None:  # w of every parameter for this step; its digest to the handshake
+                self.round_state.precondition = self._precondition.prepare(self.round_state.step)
             self._round = self.engine.open_stream(self._ops_for(buffer.device), self._stages(), min_size=self.min_size)
         future: torch.futures.Future = torch.futures.Future()
         if self._round is None:
@@ -132,12 +136,16 @@ class ALQState(StreamedState):
         settle = SettleOnce(future, f"DDP bucket {index} of step {self.round_state.step}", stage.scope, self.timeout)
         WATCHDOG.watch(settle)
         if buffer.dtype in COMPRESSIBLE and buffer.numel() >= max(self.min_size, 1):
-            flat = buffer.detach().reshape(-1)
+            flat, scale = buffer.detach().reshape(-1), None
+            if self._precondition is not None:
+                scale = _bucket_scale(self._precondition, parameters, flat)
+                if scale is not None:
+                    flat = flat * scale
             tensors = [(p.numel(), shape_hash(tuple(p.shape), str(p.dtype))) for p in parameters]
             self._round.add(
                 flat,
                 flat.numel(),
-                functools.partial(_complete, settle, buffer, 1.0 / n),
+                functools.partial(_complete, settle, buffer, 1.0 / n, scale),
                 tensors=tensors if self.round_state.auto is not None else None,
             )
         else:
@@ -183,9 +191,23 @@ class ALQState(StreamedState):
         return future
 
 
-def _complete(settle: SettleOnce, buffer: torch.Tensor, scale: float, decoded, error) -> None:
-    """A bucket's exchange finished: its average into the bucket, or the error, on its future
-    (through ``settle``: the watchdog may have failed it already)."""
+def _bucket_scale(pre, parameters, flat: torch.Tensor) -> torch.Tensor | None:
+    """``w`` of a DDP bucket (its parameters' scales, in the bucket's order; 1 where a parameter has
+    none); None if none has one."""
+    parts = [pre.scale(p) for p in parameters]
+    if all(w is None for w in parts):
+        return None
+    ones = [p.new_ones(p.numel(), dtype=torch.float32) for p in parameters]
+    out = torch.cat([one if w is None else w.reshape(-1) for one, w in zip(ones, parts)])
+    if out.numel() != flat.numel():
+        raise ValueError(f"{PREFIX}: a DDP bucket of {flat.numel()} elements holds parameters of {out.numel()}")
+    return out.to(flat.device)
+
+
+def _complete(settle: SettleOnce, buffer: torch.Tensor, scale: float, w, decoded, error) -> None:
+    """A bucket's exchange finished: its average into the bucket (divided by the preconditioning
+    scale ``w``, if any), or the error, on its future (through ``settle``: the watchdog may have
+    failed it already)."""
     if error is not None:
         settle.set_exception(error)
         return
@@ -193,6 +215,10 @@ def _complete(settle: SettleOnce, buffer: torch.Tensor, scale: float, decoded, e
         n = buffer.numel()
         if buffer.dtype == torch.float32 and buffer.is_contiguous():
             decoded.read(0, n, scale, buffer.view(-1))  # decoded straight into the bucket
+            if w is not None:
+                buffer.view(-1).div_(w)
+        elif w is not None:
+            buffer.copy_((decoded.read(0, n, scale).to(w.device) / w).view_as(buffer))
         else:
             buffer.copy_(decoded.read(0, n, scale).view_as(buffer))
     except BaseException as exc:  # noqa: BLE001
@@ -219,7 +245,8 @@ def alq_hook(state: ALQState, bucket: dist.GradBucket) -> torch.futures.Future[t
     """
     if state.round_state.speed is not None and not state._quantizes(bucket):
         return state._sixteen(bucket)  # compress="when-faster": a 16-bit step
-    future = state._add(bucket.index(), bucket.buffer(), bucket.parameters() if state.bits == "auto" else ())
+    wanted = state.bits == "auto" or state._precondition is not None
+    future = state._add(bucket.index(), bucket.buffer(), bucket.parameters() if wanted else ())
     if bucket.is_last():
         state._close()
     return future

@@ -99,7 +99,8 @@ class StreamedState:
     def __getstate__(self) -> dict:
         """Pickling (``torch.save(state)``): settings and :meth:`state_dict`; the process group is
         not picklable and comes back as the default group."""
-        return {"settings": self.settings.keywords(), "state": self.state_dict()}
+        # precondition (an optimizer) is not pickled: give it again to the unpickled state
+        return {"settings": {**self.settings.keywords(), "precondition": None}, "state": self.state_dict()}
 
     def __setstate__(self, saved: dict) -> None:
         if "config" in saved:  # pickled before horovod_alq.settings: the keywords themselves

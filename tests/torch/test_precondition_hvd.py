@@ -1,0 +1,34 @@
+"""Preconditioned quantization (precondition=) through the Horovod PyTorch compressor under
+hvd.DistributedOptimizer on 2 ranks: the compressor follows the optimizer Horovod builds, every
+rank ends with the same parameters (allgather, two-phase with the entropy wire, bits="auto"),
+and a rank whose AdamW state differs raises on every rank, naming the scales, without a hang."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import same
+from multiproc import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks("precondition_hvd.py", np=2, launcher="mpi", timeout=400)
+
+
+@pytest.mark.parametrize("case", ["allgather", "two-phase", "auto"])
+def test_identical_and_learning(ranks, case):
+    for r in ranks:
+        assert not r[case]["raised"], r[case]
+    assert same(ranks, lambda r: r[case]["params"]) and same(ranks, lambda r: r[case]["digest"])
+    first = ranks[0][case]
+    assert first["followed"] and first["digest"] != 0
+    assert first["loss_last"] < first["loss_first"], first
+
+
+def test_optimizer_state_mismatch_raises_on_every_rank(ranks):
+    for r in ranks:
+        m = r["mismatch"]
+        assert m["raised"] and m["at"] == 3, (r["rank"], m)
+        assert "preconditioning scales" in m["message"], m

@@ -1,0 +1,88 @@
+"""Worker for tests/torch/test_precondition_ranks.py: the DDP hook with ``precondition=`` (AdamW's
+second moment, a callable), every scenario in one torchrun launch, reported as one dict per rank."""
+
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import report
+from ddp_worker import batches, make_model, state_for
+from helpers import digest
+
+from horovod_alq.torch import Preconditioner
+from horovod_alq.torch.ddp import alq_hook
+
+
+def training(rank: int, steps: int = 12, pre: str = "adamw", **kwargs) -> dict:
+    """AdamW through the hook with preconditioning: identical parameters on every rank, and the
+    handshake's digest field set (nonzero) once AdamW has a second moment."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    source = opt
+    if pre == "callable":  # w from a callable: a fixed per-parameter ramp
+        source = Preconditioner(lambda p: torch.linspace(0.5, 2.0, p.numel()).view_as(p), parameters=model.parameters())
+    state = state_for("alq", precondition=source, **kwargs)
+    model.register_comm_hook(state, alq_hook)
+    losses = []
+    for x, y in batches(rank, steps):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {
+        "params": digest(*model.parameters()),
+        "digest": int(state.round_state.precondition),
+        "levels": state.metrics()["levels"].tolist(),
+        "loss_first": float(np.mean(losses[:3])),
+        "loss_last": float(np.mean(losses[-3:])),
+    }
+
+
+def mismatch(rank: int, size: int) -> dict:
+    """After 3 steps the last rank's AdamW state is changed (as a checkpoint loaded on that rank
+    only): the next step must raise on every rank, none may hang."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = state_for("alq", precondition=opt, timeout=60)
+    model.register_comm_hook(state, alq_hook)
+    data = batches(rank, 4)
+    for x, y in data[:3]:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == size - 1:
+        for st in opt.state.values():
+            st["exp_avg_sq"].mul_(4.0)
+    x, y = data[3]
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except Exception as err:  # noqa: BLE001
+        return {"raised": True, "message": f"{type(err).__name__}: {err}"}
+    return {"raised": False}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    out = {"rank": rank, "size": size}
+    out["train"] = {
+        "allgather": training(rank, exchange="allgather"),
+        "two-phase": training(rank, exchange="two-phase"),
+        "entropy": training(rank, exchange="two-phase", wire="entropy"),
+        "auto": training(rank, bits="auto", bit_budget=2.5),
+        "callable": training(rank, pre="callable"),
+    }
+    out["mismatch"] = mismatch(rank, size)
+    report(out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # after a hook raised inside backward, leave without the C++ teardown (ddp_worker.py)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Worker for tests/torch/test_precondition_hvd.py: the Horovod PyTorch compressor with
+``precondition=`` under hvd.DistributedOptimizer (AdamW), reported as one dict per rank."""
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+import torch.nn.functional as F
+from common import report
+from helpers import digest
+
+from horovod_alq.torch import ALQCompressor
+
+
+def model_and_data(rank: int, steps: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 4))
+    teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(123))
+    g = torch.Generator().manual_seed(1000 + rank)
+    data = []
+    for _ in range(steps):
+        x = torch.randn(32, 32, generator=g)
+        data.append((x, (x @ teacher).argmax(1)))
+    return model, data
+
+
+def run(rank: int, size: int, steps: int, perturb_at: int | None = None, bits=3, **settings) -> dict:
+    model, data = model_and_data(rank, steps)
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    comp = ALQCompressor(
+        bits=bits, bucket_size=256, min_size=64, seed=7, compress="always", precondition=base, **settings
+    )
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp)
+    losses = []
+    try:
+        for i, (x, y) in enumerate(data):
+            if i == perturb_at and rank == size - 1:  # as a checkpoint loaded on this rank only
+                for st in opt.state.values():
+                    st["exp_avg_sq"].mul_(4.0)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    except Exception as err:  # noqa: BLE001
+        return {"raised": True, "message": f"{type(err).__name__}: {err}", "at": len(losses)}
+    return {
+        "raised": False,
+        "params": digest(*model.parameters()),
+        "digest": int(comp._state.precondition),
+        "followed": comp._precondition.optimizer is opt,
+        "loss_first": float(np.mean(losses[:3])),
+        "loss_last": float(np.mean(losses[-3:])),
+    }
+
+
+def main() -> None:
+    hvd.init()
+    torch.set_num_threads(1)
+    rank, size = hvd.rank(), hvd.size()
+    out = {"rank": rank, "size": size}
+    out["allgather"] = run(rank, size, 15, exchange="allgather")
+    out["two-phase"] = run(rank, size, 15, exchange="two-phase", wire="entropy")
+    out["auto"] = run(rank, size, 15, bits="auto", bit_budget=2.5)
+    out["mismatch"] = run(rank, size, 6, perturb_at=3, timeout=60)
+    report(out)
+
+
+if __name__ == "__main__":
+    main()
