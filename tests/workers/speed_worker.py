@@ -82,6 +82,8 @@ def main() -> None:
             report({"rank": rank, "raised": True, "message": f"{type(err).__name__}: {err}"})
         else:
             report({"rank": rank, "raised": False})
+        if args.frontend == "torch":
+            return  # Horovod shuts down at exit (mpirun wants MPI finalized)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # after a hook raised in backward, skip the C++ teardown (as ddp_worker.py)
