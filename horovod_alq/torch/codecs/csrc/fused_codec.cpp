@@ -433,15 +433,20 @@ torch::Tensor rans_decode(torch::Tensor streams, torch::Tensor lengths, int64_t 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("encode", &encode, "Encode a 1-D float CPU tensor into a horovod-alq payload");
-  m.def("encode_parts", &encode_parts, "Encode the stream that holds float32 tensors at given starts, in place");
-  m.def("encode_feedback", &encode_feedback, "Encode x + err and keep in err what the payload drops");
+  // Every kernel touches only its tensors' memory (the arguments are converted before, the result
+  // after): it releases the GIL, so other Python threads (Horovod's hooks, the autograd thread,
+  // the DDP hook's decode in gloo's callbacks) run meanwhile.
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("encode", &encode, "Encode a 1-D float CPU tensor into a horovod-alq payload", nogil());
+  m.def("encode_parts", &encode_parts, "Encode the stream that holds float32 tensors at given starts, in place",
+        nogil());
+  m.def("encode_feedback", &encode_feedback, "Encode x + err and keep in err what the payload drops", nogil());
   m.def("decode_sum", &decode_sum, "Decode payloads, sum them and scale, into a float32 tensor", py::arg("out"),
         py::arg("payloads"), py::arg("offsets"), py::arg("levels"), py::arg("bits"), py::arg("bucket_size"),
-        py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1);
-  m.def("grid_statistics", &grid_statistics, "Refit statistics [W, C(grid)] of the norm-based methods");
-  m.def("grid_histograms", &grid_histograms, "grid_statistics and the same counts weighted by norm**2 (bits='auto')");
-  // The coder touches only its tensors' memory: other Python threads (Horovod's hooks) run meanwhile.
+        py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1, nogil());
+  m.def("grid_statistics", &grid_statistics, "Refit statistics [W, C(grid)] of the norm-based methods", nogil());
+  m.def("grid_histograms", &grid_histograms, "grid_statistics and the same counts weighted by norm**2 (bits='auto')",
+        nogil());
   m.def("rans_count", &rans_count, "Occurrences of each code among packed codes",
         py::call_guard<py::gil_scoped_release>());
   m.def("rans_encode", &rans_encode, "rANS-code each bucket of packed codes (the entropy wire)",
