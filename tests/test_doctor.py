@@ -127,3 +127,5 @@ def test_the_known_range_is_the_comparison_on_the_results_page():
     assert KNOWN_RANGE == (round(min(ratios), 2), round(max(ratios), 2))
     page = (ROOT / "docs" / "results" / "doctor_check.md").read_text()
     assert f"Predicted / measured: {KNOWN_RANGE[0]:.2f} to {KNOWN_RANGE[1]:.2f}" in page
+    for quoted in ("docs/guides/doctor.md", "docs/results/index.md"):  # the prose that quotes it
+        assert f"{KNOWN_RANGE[0]:.2f}-{KNOWN_RANGE[1]:.2f}x" in (ROOT / quoted).read_text(), quoted

@@ -49,7 +49,7 @@ from ..core import protocol
 from ..core.methods import get_method
 from ..exchange.registry import choose_exchange, get
 from ..settings import Settings, configure
-from . import auto, graph, joined
+from . import auto, graph, joined, traced
 from .exchanges import Exchange, GraphExchanges, own_statistics
 from .membership import SetMembership
 from .state import RoundVariables
@@ -157,6 +157,17 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
 
     FRONT_END = "Horovod TensorFlow"
 
+    def __new__(cls, *args, **keywords):
+        # Built while a tf.function is traced: the compressor an earlier trace of the same line
+        # built with the same arguments (:mod:`.traced`), so a retrace makes no new variables.
+        k = traced.key(cls, args, keywords)
+        made = traced.made(k)
+        if made is not None:
+            return made
+        self = super().__new__(cls)
+        object.__setattr__(self, "_traced_key", k)  # (untracked by tf.Module)
+        return self
+
     def __init__(
         self,
         method: str | None = None,
@@ -168,6 +179,8 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         process_set=None,
         **keywords,
     ) -> None:
+        if getattr(self, "_made", False):  # an earlier trace's compressor (__new__)
+            return
         super().__init__(name=type(self).__name__)
         s = Settings.of(
             settings,
@@ -204,6 +217,8 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
             second=graph.codec(q2.bits, q.bucket_size, q.norm, self.jit_compile),
             widths={w: graph.codec(w, q.bucket_size, q.norm, self.jit_compile) for w in widths},
         )
+        self._made = True
+        traced.keep(self.__dict__.pop("_traced_key", None), self)
 
     # ------------------------------------------------------------------ configuration
     @property
