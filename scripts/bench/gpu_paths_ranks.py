@@ -10,7 +10,8 @@ code on CPU tensors.
   ``quantize_reduce_scatter``: the real reduce-scatter, which FSDP2 skips at one rank) and with
   DiLoCo: loss falls, parameters finite and identical on both ranks;
 - ``ranks-horovod``: the Horovod compressor through Horovod's gloo controller (``horovodrun
-  --gloo -np 2``): allreduce with each exchange (unbiased, identical on both ranks) and
+  --gloo -np 2``): allreduce with the allgather, two-phase and hierarchical (2 nodes of 1 rank)
+  exchanges (unbiased, identical on both ranks) and
   ``hvd.DistributedOptimizer``. A Horovod built with NCCL sends CUDA tensors through NCCL, which
   refuses two ranks on one GPU: on CUDA the section needs a Horovod built without GPU operations
   (CUDA tensors staged through host memory to gloo), named by ``--horovod-gloo PATH`` (a folder
@@ -59,7 +60,7 @@ def launch(ctx, kind: str, timeout: float = 300, horovod_path: str | None = None
     paths = [horovod_path, ROOT, os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
-    if kind == "exchanges":
+    if kind in ("exchanges", "horovod"):
         env["HOROVOD_ALQ_LOCAL_SIZE"] = "1"  # the hierarchical exchanges: 2 nodes of 1 rank
     with tempfile.TemporaryDirectory() as out:
         worker += ["--result", out]
@@ -331,15 +332,24 @@ def horovod_worker(device_type: str, tiny: bool) -> tuple:
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     n = (1 << 12) if tiny else (1 << 20)
     checks, digests = [], {}
+    nccl = bool(hvd.nccl_built())
     checks.append(
-        {"name": "2 ranks, NCCL not built", "ok": hvd.size() == 2, "detail": f"nccl_built {hvd.nccl_built()}"}
+        {
+            "name": "2 ranks" + (", CUDA tensors not on NCCL" if device_type == "cuda" else ""),
+            "ok": hvd.size() == 2 and not (device_type == "cuda" and nccl),
+            "detail": f"size {hvd.size()}, nccl_built {nccl}",
+        }
     )
     g = rank_input(rank, n, device)
     exact = (rank_input(0, n, device) + rank_input(1, n, device)) / 2
-    for exchange in ("allgather", "two-phase"):
+    for exchange in ("allgather", "two-phase", "hierarchical"):
         comp = ALQCompressor(bits=3, exchange=exchange)
         outs = [hvd.allreduce(g, compression=comp, op=hvd.Average, name=f"{exchange}{i}") for i in range(ROUNDS)]
         unbiased(outs, exact, f"Horovod allreduce, {exchange}", checks)
+        used = comp.metrics().get("exchange")
+        checks.append(
+            {"name": f"Horovod, {exchange}: the exchange in use", "ok": used == exchange, "detail": str(used)}
+        )
         digests[f"Horovod allreduce, {exchange}"] = digest(outs)
     model = nn.Linear(32, 1).to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
