@@ -19,7 +19,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Form", "adam_scale", "check_precondition", "check_scale", "combine", "digest", "samples"]
+__all__ = [
+    "Form",
+    "adam_scale",
+    "check_precondition",
+    "check_scale",
+    "combine",
+    "digest",
+    "digest_sample",
+    "sample_indices",
+    "samples",
+]
 
 #: Coordinates of each scale that the digest reads (evenly spaced, both ends included).
 DIGEST_SAMPLES = 64
@@ -45,6 +55,11 @@ class Form:
     """Largest ratio of ``w`` to its smallest value within a quantization bucket; None: no cap."""
     start: int = 1
     """Optimizer steps ``v_hat`` must have seen before ``w`` departs from 1."""
+    every: int = 1
+    """Rounds between two computations of ``w`` (the round number divided by ``every`` picks the
+    block; within a block the first ``w`` computed from an optimizer state is kept): ``w`` costs
+    several passes over ``v``, and ``v`` moves slowly. The same on every rank, since ranks count
+    rounds alike."""
     prior: float = 0.0
     """Shrinkage of a young ``v_hat``: it is averaged with the tensor's mean ``v_hat`` weighted as
     ``prior`` gradients against the effective number of gradients ``v_hat`` holds
@@ -59,6 +74,8 @@ class Form:
             raise ValueError(f"precondition cap must be None or a number >= 1, got {self.cap!r}")
         if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 1:
             raise ValueError(f"precondition start must be a positive integer (optimizer steps), got {self.start!r}")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"precondition every must be a positive integer (rounds), got {self.every!r}")
         if not (isinstance(self.prior, (int, float)) and math.isfinite(self.prior) and self.prior >= 0):
             raise ValueError(f"precondition prior must be a finite number >= 0, got {self.prior!r}")
 
@@ -145,11 +162,19 @@ def _problem(w: np.ndarray) -> str | None:
 def digest(w: np.ndarray, key: int = 0) -> int:
     """A cheap digest of one tensor's scale: the bytes of :data:`DIGEST_SAMPLES` evenly spaced
     coordinates (float32), its size and ``key`` (the tensor's place); 62 bits."""
-    flat = np.ascontiguousarray(np.asarray(w, dtype=np.float32).reshape(-1))
-    n = flat.size
-    idx = np.unique(np.linspace(0, max(n - 1, 0), min(n, DIGEST_SAMPLES)).astype(np.int64)) if n else []
-    h = hashlib.blake2b(flat[idx].tobytes() + f"{n}.{key}".encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") & _MASK
+    flat = np.asarray(w, dtype=np.float32).reshape(-1)
+    return digest_sample(flat[sample_indices(flat.size)], flat.size, key)
+
+
+def sample_indices(n: int) -> np.ndarray:
+    """The coordinates of a tensor of ``n`` elements that :func:`digest` reads."""
+    return np.unique(np.linspace(0, max(n - 1, 0), min(n, DIGEST_SAMPLES)).astype(np.int64))
+
+
+def digest_sample(sample: np.ndarray, n: int, key: int = 0) -> int:
+    """:func:`digest` from the values at :func:`sample_indices` (a device tensor's sample, copied alone)."""
+    data = np.ascontiguousarray(np.asarray(sample, dtype=np.float32)).tobytes()
+    return int.from_bytes(hashlib.blake2b(data + f"{n}.{key}".encode(), digest_size=8).digest(), "little") & _MASK
 
 
 def combine(digests) -> int:

@@ -35,17 +35,25 @@ _NO_SECOND_MOMENT = (
 
 
 def adam_scale(
-    v_hat: torch.Tensor, form: Form, eps: float = 0.0, bucket_size: int | None = None, n: float = math.inf
+    v_hat: torch.Tensor,
+    form: Form,
+    eps: float = 0.0,
+    bucket_size: int | None = None,
+    n: float = math.inf,
+    correction: float = 1.0,
 ) -> torch.Tensor:
-    """:func:`horovod_alq.core.precondition.adam_scale` in torch (float32, on ``v_hat``'s device)."""
-    v = v_hat.detach().float()
+    """:func:`horovod_alq.core.precondition.adam_scale` in torch (float32, on ``v_hat``'s device) of
+    ``v_hat / correction`` (Adam's bias correction, folded into the first pass); in place after
+    that pass, which alone allocates."""
+    v = v_hat.detach()
+    a, b = 1.0 / correction, 0.0
     if form.prior > 0 and v.numel() and math.isfinite(n):
-        v = (n * v + form.prior * v.mean()) / (n + form.prior)
-    root = v.sqrt()
+        a, b = a * n / (n + form.prior), form.prior * float(v.float().mean()) / correction / (n + form.prior)
+    root = (v.float() * a + b if (a, b) != (1.0, 0.0) else v.float().clone()).sqrt_()
     floor = max(form.floor * float(root.mean()) if root.numel() else 0.0, float(eps))
-    w = 1.0 / (root + (floor if floor > 0 else float(np.finfo(np.float32).tiny)))
+    w = root.add_(floor if floor > 0 else float(np.finfo(np.float32).tiny)).reciprocal_()
     if form.alpha != 1:
-        w = w.pow(form.alpha)
+        w = w.pow_(form.alpha)
     if form.cap is not None and bucket_size:
         flat = w.reshape(-1)
         pad = (-flat.numel()) % bucket_size
@@ -95,7 +103,7 @@ class Preconditioner:
         self.fn: Callable | None = None if self.optimizer is not None else source
         self._names = {id(p): n for n, p in (names or ())}
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._key = None
+        self._key = self._block = None
         self._scales: dict[int, torch.Tensor | None] = {}
         self._by_grad: dict[int, int] = {}
         self.digest = 0
@@ -118,11 +126,14 @@ class Preconditioner:
         digest of them all (the handshake's ``precondition`` field)."""
         if key == self._key:
             return self.digest
+        block = None if key is None else key // self.form.every
+        if block is not None and block == self._block and any(w is not None for w in self._scales.values()):
+            self._key = key  # the block's w stands
+            return self.digest
+        self._block = block
         self._scales = {i: self._compute(p) for i, p in enumerate(self.params)}
         self._by_grad = {}
-        self.digest = core.combine(
-            core.digest(w.detach().cpu().numpy(), i) if w is not None else 0 for i, w in self._scales.items()
-        )
+        self.digest = core.combine(_digest(w, i) if w is not None else 0 for i, w in self._scales.items())
         self._key = key
         return self.digest
 
@@ -177,8 +188,14 @@ class Preconditioner:
         b2 = float(group["betas"][1])
         if "freeze_step" in group:  # FrozenVarianceAdamW: v stops at freeze_step
             t = min(t, int(group["freeze_step"]))
-        v_hat = st[key].detach().float() / (1 - b2**t)
-        return adam_scale(v_hat, self.form, float(group["eps"]), self.bucket_size, core.samples(t, b2))
+        n = core.samples(t, b2)
+        return adam_scale(st[key], self.form, float(group["eps"]), self.bucket_size, n, correction=1 - b2**t)
+
+
+def _digest(w: torch.Tensor, key: int) -> int:
+    """:func:`horovod_alq.core.precondition.digest` of ``w``, copying only its sample off the device."""
+    idx = torch.from_numpy(core.sample_indices(w.numel())).to(w.device)
+    return core.digest_sample(w.reshape(-1)[idx].cpu().numpy(), w.numel(), key)
 
 
 _FOLLOWING: weakref.WeakSet = weakref.WeakSet()  # the preconditioners that read an optimizer's state

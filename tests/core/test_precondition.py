@@ -112,7 +112,9 @@ def test_setting_refuses_what_has_no_second_moment():
             Settings.of(None, front_end, precondition=adam)
 
 
-@pytest.mark.parametrize("bad", [{"floor": -1}, {"alpha": 2}, {"cap": 0.5}, {"start": 0}, {"prior": float("nan")}])
+@pytest.mark.parametrize(
+    "bad", [{"floor": -1}, {"alpha": 2}, {"cap": 0.5}, {"start": 0}, {"prior": float("nan")}, {"every": 0}]
+)
 def test_bad_forms_are_refused(bad):
     with pytest.raises(ValueError, match="precondition " + next(iter(bad))):
         Form(**bad)

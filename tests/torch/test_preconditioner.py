@@ -119,3 +119,19 @@ def test_follows_the_optimizer_that_steps_the_groups():
     assert not base.state and pre.optimizer is wrapped
     pre.prepare(0)
     assert pre.scale(model[0].weight) is not None
+
+
+def test_w_is_kept_for_every_rounds_and_digest_matches_numpy():
+    from horovod_alq.core.precondition import combine, digest
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    pre = Preconditioner(opt, form=Form(every=3))
+    assert pre.prepare(0) == combine([0] * 4)  # no state yet: the identity, and again next round
+    _steps(model, opt, 1)
+    first = pre.prepare(1)  # the first w of block 0, from the state after one step
+    assert first == combine(digest(pre.scale(p).numpy(), i) for i, p in enumerate(model.parameters()))
+    _steps(model, opt, 1)
+    assert pre.prepare(2) == first  # block 0 keeps it
+    _steps(model, opt, 1)
+    assert pre.prepare(3) != first  # block 1: computed again
