@@ -56,7 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--report", action="store_true", help="print the Markdown tables of the runs in --json (comma-separated files)"
     )
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="3 steps, 2 workers, a 1-layer model of width 32")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.workers, args.width, args.layers, args.heads = 3, 2, 32, 1, 2
+        args.eval_windows, args.eval_every, args.update_steps = 8, 3, "0,2"
+    return args
 
 
 def parse_row(spec: str) -> dict:
