@@ -165,6 +165,34 @@ def calling_process_set(package: str, depth: int = 8):
     return None
 
 
+def calling_tensor_name(package: str, tensor, depth: int = 10):
+    """The name Horovod knows ``tensor`` by, read from the nearest frames of ``package`` above the
+    caller (Horovod does not pass it to ``compress``): the parameter's name in a
+    ``DistributedOptimizer`` (its ``_parameter_names``), else the ``name=`` of the Horovod
+    collective (with the tensor's index in a grouped one); None if there is none."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_globals.get("__name__", "").startswith(package):
+            local = frame.f_locals
+            outer = frame.f_back.f_locals if frame.f_back is not None else {}
+            owner = local.get("self", outer.get("self"))
+            names = getattr(owner, "_parameter_names", None)
+            p = local.get("p")
+            if isinstance(names, dict) and p is not None and names.get(p) is not None:
+                return names[p]
+            name = local.get("name", outer.get("name"))
+            if isinstance(name, str):
+                group = local.get("tensors", outer.get("tensors"))
+                if isinstance(group, (list, tuple)) and len(group) > 1:
+                    index = next((i for i, t in enumerate(group) if t is tensor), None)
+                    return None if index is None else (name, index)
+                return name
+        frame = frame.f_back
+    return None
+
+
 class Delegated:
     """The context of a tensor that the compressor of another process set compressed."""
 

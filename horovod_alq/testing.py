@@ -87,17 +87,23 @@ class ThreadTransport:
         return np.max(self.hub.get(name), axis=0)
 
 
-def exchange_round(engines, tensors, ops, tag: str, hub: Hub | None = None) -> list:
+def exchange_round(engines, tensors, ops, tag: str, hub: Hub | None = None, idents=None) -> list:
     """One round of every rank's ``tensors`` (a list per rank) through its engine, with the control
-    vectors summed as Horovod's allreduce would; every rank's outputs (or exception)."""
+    vectors summed as Horovod's allreduce would; every rank's outputs (or exception). ``idents``:
+    what each tensor of the list is (error feedback's keys; default: its index in the list)."""
     hub = hub or Hub(len(engines))
 
     def rank(r, t):
         entries = [
             engines[r].add(
-                x, x.size if hasattr(x, "size") and not callable(x.size) else x.numel(), tuple(x.shape), "float32", t
+                x,
+                x.size if hasattr(x, "size") and not callable(x.size) else x.numel(),
+                tuple(x.shape),
+                "float32",
+                t,
+                ident=k if idents is None else idents[k],
             )
-            for x in tensors[r]
+            for k, x in enumerate(tensors[r])
         ]
         reduced = [t.allreduce_sum(v, f"{tag}.control{k}") for k, (_, v) in enumerate(entries)]
         return [engines[r].finish(e, v, ops, t)[0] * 1 for (e, _), v in zip(entries, reduced)]

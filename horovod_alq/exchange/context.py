@@ -65,10 +65,7 @@ class RoundContext:
 
     # ---------------------------------------------------------------- counters
     def passed_handshake(self) -> None:
-        """Every rank passed this round's handshake: the round counts (``step``), and the error
-        buffers the last round did not use are dropped."""
-        if self.state.feedback is not None:
-            self.state.feedback.end_round()
+        """Every rank passed this round's handshake: the round counts (``step``)."""
         self.state.step += 1
 
     def count(self, job) -> None:
@@ -78,10 +75,18 @@ class RoundContext:
         st.bytes_received += job.received
         st.payload_bytes += job.encoded
 
-    def feedback_for(self, *key) -> dict:
-        """A :class:`~.job.Job`'s error-feedback fields: the buffers and ``key`` (what the job is)."""
+    def feedback_for(self, idents, starts=None, numels=None) -> dict:
+        """A :class:`~.job.Job`'s error-feedback fields: the buffers and what each of its tensors is
+        (their errors' keys): ``idents``, one per tensor at ``starts`` of ``numels`` elements (a
+        layout's), or (identity, start, numel) rows when ``starts`` is None."""
         fb = self.state.feedback
-        return {"feedback": fb, "feedback_key": key} if fb is not None else {}
+        if fb is None:
+            return {}
+        if idents is not None and starts is not None:
+            if len(idents) != len(starts):
+                raise ValueError(f"{self.prefix}: {len(idents)} tensor identities for {len(starts)} tensors")
+            idents = list(zip(idents, starts, numels))
+        return {"feedback": fb, "idents": None if idents is None else tuple(idents)}
 
     def collects(self) -> tuple[bool, bool]:
         """Whether this round collects statistics for the first and for the second quantizer (the

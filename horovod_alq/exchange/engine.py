@@ -155,14 +155,24 @@ class Engine:
         transport: Transport,
         error: str | None = None,
         ops: TensorOps | None = None,
+        ident=None,
     ) -> tuple[Entry, np.ndarray]:
         """Record one tensor of the current round; returns its entry and tensor vector. With
-        ``early`` (and ``ops``), a fusion buffer that this tensor closes starts its exchange."""
+        ``early`` (and ``ops``), a fusion buffer that this tensor closes starts its exchange.
+        ``ident``: what the tensor is (a parameter's name, or another identity stable across
+        rounds), the key of its error-feedback buffer; required with ``error_feedback``: without
+        it the tensor's round fails on every rank (``error``)."""
+        if self.state.feedback is not None and ident is None and error is None:
+            error = (
+                f"{PREFIX}: error_feedback=True keeps each tensor's error under its identity, and this tensor "
+                f"(shape {tuple(shape)}) has none: give the Horovod collective a name= (the same at every call "
+                "for this tensor), or the model's named_parameters to the compressor"
+            )
         rnd = self._round
         if rnd.started or (rnd.entries and not rnd.live()):
             rnd = self._round = self._fresh()
         code = shape_hash(tuple(shape), str(dtype))
-        entry = Entry(rnd, len(rnd.entries), flat, int(numel), code, error)
+        entry = Entry(rnd, len(rnd.entries), flat, int(numel), code, error, ident)
         rnd.entries.append(entry)
         self.state.calls += 1
         vec = tensor_vector(transport.rank, transport.size, entry.slot, code, error is not None)

@@ -1,23 +1,31 @@
 """Error feedback: what a rank's quantization dropped, added to what it quantizes next time.
 
-Every quantization a rank performs keeps its error ``e = x - decode(encode(x))`` under a key
-naming what was quantized: its own values of a buffer range (the first phase of every flat
-exchange), or the sums it owns (the two-phase exchange's second quantization, the node sums of the
-hierarchical ones). The next round adds ``e`` to the same key's input before encoding it. So every
-exchange gets error feedback with nothing extra on the wire; the estimate is no longer unbiased
-step by step, but the sum of what was applied stays within one buffer of the sum of the true values.
+An error belongs to one rank and to the coordinates it quantized: the buffers are keyed by
+``(stage, tensor, a, b)``, coordinates ``[a, b)`` of one tensor named by its front-end (a
+parameter's name or another stable identity, never a position in a round), quantized in ``stage``:
+``"own"`` for this rank's own values (the first phase of every exchange), or the tag of a sum it
+owns (the two-phase exchange's second quantization, the node sums of the hierarchical ones). An
+encode of a stream range assembles the errors of the pieces of tensors in it (zeros in padding and
+for pieces seen for the first time), adds them to its input, and writes what this payload dropped
+into a *pending* buffer of its job. The job's front-end commits it only when the exchange succeeded
+(:meth:`ErrorFeedback.commit`); a failed, abandoned or re-exchanged job drops it. So rounds of
+different tensors (two arrays that alternate, a DDP bucket rebuild) keep each tensor's own error,
+and no error is applied twice or lost to a failure.
 
-A key holds the job's identity (the kind of round and its layout's sizes) and the stream range:
-when a round's layout changes, the changed parts start again from zero. Buckets whose input holds
-NaN or Inf keep their previous error (a skipped step must not absorb a NaN). Buffers are float32, or
-bfloat16 to halve their memory (torch tensors only). Ops with an ``encode_feedback`` (the compiled
-CPU codec's) do all of it in one pass, with the same results; others take the two passes below.
+Buckets whose input holds NaN or Inf keep their previous error. With a loss scaler
+(:attr:`ErrorFeedback.loss_scale`, AMP), errors are kept in unscaled units and a round's errors are
+committed at the next encode only if the scale did not drop (a drop means the scaler skipped that
+step). Buffers are float32, or bfloat16 to halve their memory (torch tensors only); they follow the
+input's device. Ops with an ``encode_feedback`` (the compiled CPU codec's) do the arithmetic in one
+pass, with the same results; others take the two passes below. A job holds its pending errors until
+it completes: a round in flight holds up to twice the buffers' memory.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Hashable
+import warnings
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -26,6 +34,9 @@ from .interfaces import Tensor, TensorOps
 
 #: The dtypes an error buffer may be kept in.
 FEEDBACK_DTYPES = ("float32", "bfloat16")
+
+#: One piece of a tensor in an encoded range: (tensor identity, a, b, offset in the range).
+Span = tuple[Hashable, int, int, int]
 
 
 def check_feedback(error_feedback, dtype) -> None:
@@ -36,127 +47,248 @@ def check_feedback(error_feedback, dtype) -> None:
         raise ValueError(f"error_feedback_dtype must be one of {', '.join(map(repr, FEEDBACK_DTYPES))}, got {dtype!r}")
 
 
+def spans(idents: Sequence[tuple[Hashable, int, int]], lo: int, hi: int) -> list[Span]:
+    """The pieces of the tensors ``idents`` ((identity, start in a stream, elements) rows) in the
+    stream's ``[lo, hi)``, as :data:`Span` rows."""
+    out = []
+    for ident, s, n in idents:
+        a, b = max(lo, s), min(hi, s + n)
+        if a < b:
+            out.append((ident, a - s, b - s, a - lo))
+    return out
+
+
+class Pending:
+    """A job's errors, waiting for its exchange to succeed: (stage, spans, error, loss scale) rows."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, list[Span], Tensor, float]] = []
+
+
 class ErrorFeedback:
-    """The error buffers of one front-end's rounds, by key (see the module docstring)."""
+    """One rank's error buffers, by ``(stage, tensor, a, b)`` (see the module docstring).
+    ``scale``: the share of each error kept for the next round (1: all of it)."""
 
     def __init__(self, dtype: str = "float32", scale: float = 1.0) -> None:
         check_feedback(True, dtype)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
             raise ValueError(f"ErrorFeedback's scale (the share of each error kept) must be in (0, 1], got {scale!r}")
         self.dtype = dtype
-        self.scale = float(scale)  # the share of each error kept for the next round
-        self.buffers: dict[Hashable, Tensor] = {}
-        self._touched: set = set()
+        self.scale = float(scale)
+        #: AMP: a callable giving the loss scale of the gradients being quantized (None: 1)
+        self.loss_scale: Callable[[], float] | None = None
+        self.owner: tuple[int, int] | None = None  # (rank, size) of the rank whose errors these are
+        #: committed errors: (stage, tensor) -> (a, b) -> (buffer, the loss scale it is in units of)
+        self._pieces: dict[tuple, dict[tuple[int, int], tuple[Tensor, float]]] = {}
+        self._loaded: tuple[int, int] | None = None  # the owner a loaded state named, checked at first use
+        self._held: list[Pending] = []  # with a loss scale: succeeded jobs awaiting the next scale
+        self._held_scale = 1.0
+        self._spare: dict[tuple[str, int], Tensor] = {}  # replaced whole buffers, by (device, size)
+        self._lock = threading.Lock()
 
-    def encode(self, ops: TensorOps, x: Tensor, quantizer: Quantizer, seed: int, key: Hashable) -> Tensor:
-        """The payload of ``x`` plus ``key``'s error; ``key``'s error becomes what this payload dropped.
-        Runs in place in the key's buffer and a per-thread scratch (no allocation once warm)."""
+    # ------------------------------------------------------------------ encoding
+    def encode(
+        self,
+        ops: TensorOps,
+        x: Tensor,
+        quantizer: Quantizer,
+        seed: int,
+        stage: str,
+        pieces: Sequence[Span],
+        pending: Pending,
+        owner: tuple[int, int],
+    ) -> Tensor:
+        """The payload of ``x`` plus the errors of its ``pieces`` (:func:`spans`) kept for
+        ``stage``; what the payload dropped goes to ``pending`` (for :meth:`commit`). ``owner``:
+        this rank's (rank, size)."""
+        scale = self._begin(owner)
         n = int(x.shape[0])
-        e = self.buffers.get(key)
-        e = e if e is not None and int(e.shape[0]) == n else None
+        error = self._assemble(x, stage, pieces, n, scale)
         fused = getattr(ops, "encode_feedback", None)
         if fused is not None and not isinstance(x, np.ndarray):  # the compiled codec: one pass, same results
-            error = e if e is not None else self._stored(ops.zeros(n))
             payload = fused(x, error, quantizer, seed, self.scale)
             if payload is not None:
-                self.buffers[key] = error
-                self._touched.add(key)
+                pending.rows.append((stage, list(pieces), error, scale))
                 return payload
-        target, decoded = self._scratch(x, n)
+        target, decoded = _scratch(x, n)
         target[:] = x
-        if e is not None:
-            target += e  # (a bfloat16 buffer is promoted in place)
-        if not _finite(target):  # a bucket with NaN or Inf: keep its previous error (rare: allocate)
-            return self._encode_keeping(ops, target, quantizer, seed, key, e)
+        target += error  # (a bfloat16 buffer is promoted in place)
         payload = ops.encode(target, quantizer, seed)
         decoded[:] = 0
         ops.decode_sum(decoded, payload, [0], quantizer)
-        if e is None:
-            self.buffers[key] = self._stored(self._scaled(target - decoded))
-        elif self.dtype == "float32":
-            e[:] = target
-            e -= decoded
-            self._scaled(e)
-        else:  # bfloat16 (torch): the difference in the scratch, rounded into the buffer
-            decoded *= -1
-            decoded += target
-            e.copy_(self._scaled(decoded))
-        self._touched.add(key)
+        new = target - decoded
+        if self.scale != 1.0:  # float32, as the compiled kernel multiplies
+            new *= np.float32(self.scale) if isinstance(new, np.ndarray) else self.scale
+        for b in (None if _finite(target) else _bad_buckets(target, quantizer.bucket_size)) or ():
+            lo, hi = b * quantizer.bucket_size, min((b + 1) * quantizer.bucket_size, n)
+            new[lo:hi] = _float(error)[lo:hi]  # a bucket with NaN or Inf keeps its previous error
+        if isinstance(error, np.ndarray) or self.dtype == "float32":
+            error[:] = new
+        else:
+            error.copy_(new)
+        pending.rows.append((stage, list(pieces), error, scale))
         return payload
 
-    def _encode_keeping(self, ops, target, quantizer, seed, key, e) -> Tensor:
-        payload = ops.encode(target, quantizer, seed)
-        decoded = ops.zeros(int(target.shape[0]))
-        ops.decode_sum(decoded, payload, [0], quantizer)
-        error = self._scaled(target - decoded)
-        d = quantizer.bucket_size
-        for b in _bad_buckets(error, d) or ():
-            lo, hi = b * d, min((b + 1) * d, int(target.shape[0]))
-            error[lo:hi] = 0 if e is None else self._float(e)[lo:hi]
-        self.buffers[key] = self._stored(error)
-        self._touched.add(key)
-        return payload
+    def _begin(self, owner: tuple[int, int]) -> float:
+        """Before an encode: check a loaded state's owner, settle held jobs; the loss scale now."""
+        scale = 1.0 if self.loss_scale is None else float(self.loss_scale())
+        if not np.isfinite(scale) or scale <= 0:
+            raise ValueError(f"horovod_alq: the loss scale must be a positive finite number, got {scale!r}")
+        with self._lock:
+            if self._loaded is not None:
+                if self._loaded != tuple(owner):
+                    warnings.warn(
+                        f"horovod_alq: the error-feedback buffers were saved by rank {self._loaded[0]} of "
+                        f"{self._loaded[1]}, this is rank {owner[0]} of {owner[1]}: each rank's errors are its "
+                        "own (save and load one state per rank); error feedback starts from zero",
+                        stacklevel=2,
+                    )
+                    self._pieces = {}
+                self._loaded = None
+            self.owner = (int(owner[0]), int(owner[1]))
+            self._settle(scale)
+        return scale
 
-    def _scaled(self, error: Tensor) -> Tensor:
-        """``error`` times the kept share, in place (float32, as the compiled kernel multiplies)."""
-        if self.scale != 1.0:
-            error *= np.float32(self.scale) if isinstance(error, np.ndarray) else self.scale
+    def _settle(self, scale: float) -> None:
+        """Held jobs (with a loss scale) are stored unless the scale dropped since: the scaler backed
+        off, so it skipped the step those errors were made for."""
+        if self._held:
+            held, self._held = self._held, []
+            if scale >= self._held_scale:
+                for p in held:
+                    self._store(p)
+
+    def _assemble(self, x: Tensor, stage: str, pieces: Sequence[Span], n: int, scale: float) -> Tensor:
+        """A buffer of ``n`` (this buffer's dtype, ``x``'s device) holding the committed errors of
+        ``pieces`` at their offsets, in the units of ``scale``; zeros elsewhere."""
+        with self._lock:
+            found = [(p, self._pieces.get((stage, p[0]), {}).get((p[1], p[2]))) for p in pieces]
+        covered = sum(p[2] - p[1] for p, have in found if have is not None)
+        error = self._new(x, n, zeroed=covered < n)
+        for (_, a, b, at), have in found:
+            if have is None:
+                continue
+            buf, unit = have
+            if not isinstance(buf, np.ndarray) and buf.device != x.device:
+                buf = buf.to(x.device)  # a state loaded on another device
+            if unit == scale:
+                error[at : at + b - a] = buf
+            else:
+                error[at : at + b - a] = _float(buf) * (scale / unit)
         return error
 
-    def _scratch(self, x: Tensor, n: int) -> tuple[Tensor, Tensor]:
-        """Two float32 vectors of ``n`` like ``x`` (same framework and device), kept per thread."""
-        pool = _SCRATCH.__dict__.setdefault("pool", {})
-        kind = "numpy" if isinstance(x, np.ndarray) else str(x.device)
-        have = pool.get(kind)
-        if have is None or int(have[0].shape[0]) < n:
-            make = (lambda: np.empty(n, np.float32)) if kind == "numpy" else (lambda: x.new_empty(n))
-            have = pool[kind] = (make(), make())
-        return have[0][:n], have[1][:n]
+    def _new(self, x: Tensor, n: int, zeroed: bool) -> Tensor:
+        """A vector of ``n`` like ``x`` in the buffers' dtype: one a commit replaced, where one of
+        that size is spare (a fresh vector costs its page faults), zeroed if asked, else new zeros."""
+        numpy = isinstance(x, np.ndarray)
+        if numpy and self.dtype == "bfloat16":
+            raise ValueError("error_feedback_dtype='bfloat16' keeps torch tensors only")
+        with self._lock:
+            buf = self._spare.pop(("numpy" if numpy else str(x.device), n), None)
+        if buf is not None:
+            if zeroed:
+                buf[:] = 0
+            return buf
+        return np.zeros(n, np.float32) if numpy else x.new_zeros(n, dtype=_torch_dtype(self.dtype))
 
-    def zero(self, key: Hashable, lo: int, hi: int) -> None:
-        """Zero ``key``'s error on ``[lo, hi)`` of its input (padding between tensors)."""
-        e = self.buffers.get(key)
-        if e is not None:
-            e[lo:hi] = 0
+    # ------------------------------------------------------------------ commits
+    def commit(self, pending: Pending) -> None:
+        """A job's exchange succeeded: its errors become the committed ones (with a loss scale: at the
+        next encode, unless the scale dropped by then)."""
+        if not pending.rows:
+            return
+        with self._lock:
+            if self.loss_scale is None:
+                self._store(pending)
+            else:
+                scale = min(row[3] for row in pending.rows)
+                self._held_scale = min(self._held_scale, scale) if self._held else scale
+                self._held.append(pending)
 
-    def forget(self, kind: str) -> None:
-        """Drop the buffers of the jobs of ``kind`` (the first element of their keys): quantizations
-        whose results the round did not use (early buffers re-exchanged in the fused round)."""
-        self.buffers = {k: v for k, v in self.buffers.items() if k[0] != kind}
-        self._touched = {k for k in self._touched if k[0] != kind}
+    def _store(self, pending: Pending) -> None:
+        for stage, pieces, error, scale in pending.rows:
+            whole = len(pieces) == 1 and pieces[0][3] == 0 and pieces[0][2] - pieces[0][1] == int(error.shape[0])
+            for ident, a, b, at in pieces:
+                kept = self._pieces.setdefault((stage, ident), {})
+                have = kept.get((a, b))
+                if whole:
+                    if have is not None:  # spare for the next encode of its size
+                        self._spare[_kind(have[0])] = have[0]
+                    kept[(a, b)] = (error, scale)
+                elif have is not None:  # in place: no allocation once warm
+                    have[0][:] = error[at : at + b - a]
+                    kept[(a, b)] = (have[0], scale)
+                else:
+                    for old in [k for k in kept if k[0] < b and a < k[1]]:  # the tensor's layout changed
+                        del kept[old]
+                    kept[(a, b)] = (_copy(error[at : at + b - a]), scale)
+        pending.rows = []
 
-    def end_round(self) -> None:
-        """Drop the buffers no encode of this round used (parts of a layout that changed)."""
-        self.buffers = {k: v for k, v in self.buffers.items() if k in self._touched}
-        self._touched = set()
+    # ------------------------------------------------------------------ state
+    @property
+    def buffers(self) -> dict[tuple, Tensor]:
+        """The committed errors by ``(stage, tensor, a, b)`` (in the units of their loss scale)."""
+        return {(st, ident, a, b): v for (st, ident), kept in self._pieces.items() for (a, b), (v, _) in kept.items()}
 
     @property
     def nbytes(self) -> int:
-        """Memory held by the buffers."""
+        """Memory held by the committed buffers."""
         return sum(int(v.shape[0]) * (2 if self.dtype == "bfloat16" else 4) for v in self.buffers.values())
 
     def state_dict(self) -> dict:
-        """The buffers, copied (rounds update them in place)."""
-        return {"dtype": self.dtype, "buffers": [(k, _copy(v)) for k, v in self.buffers.items()]}
+        """This rank's buffers in unscaled units (copies), with the (rank, size) they belong to."""
+        with self._lock:
+            if self.loss_scale is not None:  # the next encode would decide on held jobs: decide now
+                self._settle(float(self.loss_scale()))
+            rows = [
+                ([st, ident, a, b], _unscaled(v, unit))
+                for (st, ident), kept in self._pieces.items()
+                for (a, b), (v, unit) in kept.items()
+            ]
+        return {"dtype": self.dtype, "owner": None if self.owner is None else list(self.owner), "buffers": rows}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take the saved buffers (copied: rounds update them in place)."""
-        self.buffers = {_key(k): _copy(v) for k, v in state["buffers"]}
-        self._touched = set(self.buffers)  # the last round's: kept by the next round's start
-
-    def _stored(self, error: Tensor) -> Tensor:
-        if self.dtype == "bfloat16":
-            if isinstance(error, np.ndarray):
-                raise ValueError("error_feedback_dtype='bfloat16' keeps torch tensors only")
-            return error.to(dtype=_torch_dtype("bfloat16"))
-        return error
-
-    def _float(self, e: Tensor) -> Tensor:
-        return e if isinstance(e, np.ndarray) or self.dtype == "float32" else e.float()
+        """Take saved buffers (copied). Only the rank (and world size) that saved them uses them,
+        checked at the next encode: another rank warns and starts from zero; so does a state of
+        the position-keyed format (before 2026-12-06). ``owner`` "any": this process's own, kept
+        whatever rank it has now (an elastic reset)."""
+        rows = list(state.get("buffers", []))
+        if rows and not (isinstance(rows[0][0], (list, tuple)) and len(rows[0][0]) == 4):
+            warnings.warn(
+                "horovod_alq: the error-feedback buffers were saved in the position-keyed format of "
+                "earlier versions; error feedback starts from zero",
+                stacklevel=3,
+            )
+            rows = []
+        owner = state.get("owner")
+        with self._lock:
+            self._pieces, self._held = {}, []
+            for k, v in rows:
+                st, ident, a, b = _key(k)
+                self._pieces.setdefault((st, ident), {})[(int(a), int(b))] = (_copy(v), 1.0)
+            # owner "any": this process's own buffers, whatever its rank now (Horovod elastic)
+            self._loaded = (int(owner[0]), int(owner[1])) if rows and owner not in (None, "any") else None
 
 
 #: Per-thread scratch vectors of :meth:`ErrorFeedback.encode` (encodes may run on several threads).
 _SCRATCH = threading.local()
+
+
+def _scratch(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Two float32 vectors of ``n`` like ``x`` (same framework and device), kept per thread."""
+    pool = _SCRATCH.__dict__.setdefault("pool", {})
+    kind = "numpy" if isinstance(x, np.ndarray) else str(x.device)
+    have = pool.get(kind)
+    if have is None or int(have[0].shape[0]) < n:
+        make = (
+            (lambda: np.empty(n, np.float32))
+            if kind == "numpy"
+            else (lambda: x.new_empty(n, dtype=_torch_dtype("float32")))
+        )
+        have = pool[kind] = (make(), make())
+    return have[0][:n], have[1][:n]
 
 
 def _finite(x: Tensor) -> bool:
@@ -179,6 +311,21 @@ def _bad_buckets(x: Tensor, bucket: int) -> list[int] | None:
             return None
         bad = (~finite).cpu().numpy()
     return sorted({int(i) // bucket for i in np.flatnonzero(bad)})
+
+
+def _float(e: Tensor) -> Tensor:
+    return e if isinstance(e, np.ndarray) or e.dtype == _torch_dtype("float32") else e.float()
+
+
+def _unscaled(v: Tensor, unit: float) -> Tensor:
+    if unit == 1.0:
+        return _copy(v)
+    out = _float(v) / unit
+    return out.astype(np.float32) if isinstance(out, np.ndarray) else out.to(v.dtype)
+
+
+def _kind(v: Tensor) -> tuple[str, int]:
+    return ("numpy" if isinstance(v, np.ndarray) else str(v.device)), int(v.shape[0])
 
 
 def _copy(v: Tensor) -> Tensor:

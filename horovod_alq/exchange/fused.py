@@ -21,7 +21,7 @@ from .context import RoundContext
 from .driver import Started, run
 from .interfaces import TensorOps, Transport
 from .job import Decoded, Job, issue
-from .layout import plan_layout
+from .layout import Layout, plan_layout
 from .refit import Refitter
 
 
@@ -35,6 +35,7 @@ class Entry:
     numel: int
     shape_code: int
     error: str | None = None
+    ident: object = None  # error_feedback: what the tensor is (its errors' key), from the front-end
     done: bool = False
     abandoned: bool = False
 
@@ -132,10 +133,20 @@ class FusedRound:
             collect_second=collect_second,
             collect_first=collect_first and ctx.exchange.own_first_statistics,
             widths=self._early_widths(ctx, entries),
-            **ctx.feedback_for("early", i, tuple(e.numel for e in entries)),
+            **self._feedback(ctx, entries, None),
         )
         steps = ctx.exchange.steps(job, 0)
         self.early.append(Started(job, steps, job.issue(next(steps)), offset))
+
+    @staticmethod
+    def _feedback(ctx: RoundContext, entries: list[Entry], layout: Layout | None) -> dict:
+        """A job's error-feedback fields: its tensors' identities at their starts (``layout``'s, or
+        an early buffer's own, back to back on bucket boundaries as :func:`plan_layout` lays them)."""
+        if ctx.state.feedback is None:
+            return {}
+        if layout is None:
+            layout = plan_layout([e.numel for e in entries], ctx.quantizer.bucket_size, None)
+        return ctx.feedback_for([e.ident for e in entries], layout.starts, layout.numels)
 
     def _early_widths(self, ctx: RoundContext, entries: list[Entry]) -> list[Quantizer] | None:
         """The widths of an early buffer's tensors: the allocation's if the round so far is its
@@ -246,7 +257,7 @@ class FusedRound:
             collect_first=collect_first and ctx.exchange.own_first_statistics,
             stream_buffer=lambda n: self.kept.get(self, "stream", n, ops),
             widths=widths if ordered else None,
-            **ctx.feedback_for("round", layout.numels),
+            **self._feedback(ctx, live, layout),
         )
         st.coordinates += sum(e.numel for e in live)
         started = {}
@@ -267,6 +278,8 @@ class FusedRound:
                 st.exchange = "allgather (unordered round)"
         finally:
             ctx.count(job)
+        for j in [job, *(s.job for s in started.values())]:  # only now: the exchange succeeded
+            j.commit_feedback()
         name = ctx.name()("statistics")
         if collecting and st.auto is not None:
             if ordered:  # per-tensor rows line up on every rank only in ordered rounds
@@ -290,9 +303,7 @@ class FusedRound:
         """Wait for the early buffers whose results are not used (their collectives complete: every
         rank issued them), so that the transport lets go of them; none where the ranks disagree on
         the round or the exchange (their names differ: such collectives never complete)."""
-        early, self.early = self.early, []
-        if early and ctx.state.feedback is not None:  # their errors were never applied
-            ctx.state.feedback.forget("early")
+        early, self.early = self.early, []  # their pending errors go with them: never applied
         if not early or any(len(set(handshake_range(reduced, f))) > 1 for f in ("round", "exchange")):
             return
         for s in early:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..core.protocol import PREFIX
 from ..core.quantizer import Quantizer
-from .feedback import ErrorFeedback
+from .feedback import ErrorFeedback, Pending, spans
 from .interfaces import Tensor, TensorOps, Transport
 from .layout import Layout
 from .plan import allgather_bytes, alltoall_bytes
@@ -99,11 +99,16 @@ class Job:
     second_statistics: np.ndarray | None = None  # the owners' statistics of their reduced shards
     first_statistics: np.ndarray | None = None  # with collect_first: the statistics of what it quantized
     feedback: ErrorFeedback | None = None  # error_feedback: the front-end's error buffers
-    feedback_key: tuple = ()  # what identifies this job's buffers from round to round
+    #: error_feedback: (identity, start, numel) of each tensor in the stream, its errors' key (a
+    #: name or another stable identity; a DDP bucket's parameters, or each of ``layout``'s tensors)
+    idents: Sequence[tuple] | None = None
+    pending: Pending = field(default_factory=Pending)  # errors made by this job, for commit_feedback()
     _stream: Tensor | None = None
     _frozen: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.feedback is not None and self.idents is None:
+            raise ValueError(f"{PREFIX}: error feedback keeps each tensor's error under its identity: none was given")
         if self.widths and self.widths[0].bits == 0:  # widths per bucket: mixed payloads
             from .mixed import MixedOps
 
@@ -144,10 +149,7 @@ class Job:
         """The payload of the stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its buffer): this
         rank's own codes (counted in ``encoded``); with error feedback, of the range plus its error."""
         if self.feedback is not None:
-            key = (*self.feedback_key, "own", lo, hi)
-            payload = self.feedback.encode(self.ops, self.stream[lo:hi], quantizer, seed, key)
-            for a, b in self.layout.padding_in(lo, hi):  # no error carried in the padding
-                self.feedback.zero(key, a - lo, b - lo)
+            payload = self._feedback_encode(self.stream[lo:hi], quantizer, seed, "own", lo, hi)
             self.encoded += int(payload.shape[0])
             return payload
         if self._stream is None:
@@ -169,12 +171,20 @@ class Job:
         """A payload of ``x`` (not of the stream: a sum this rank owns; ``key`` names it for error
         feedback: a stage and its stream range ``(tag, lo, hi)``); an empty ``x`` gives the bare header."""
         if self.feedback is not None and key:
-            full, lo = (*self.feedback_key, *key), key[-2]
-            payload = self.feedback.encode(self.ops, x, quantizer, seed, full)
-            for a, b in self.layout.padding_in(lo, key[-1]):  # no error carried in the padding
-                self.feedback.zero(full, a - lo, b - lo)
-            return payload
+            return self._feedback_encode(x, quantizer, seed, key[0], key[-2], key[-1])
         return self.ops.encode(x, quantizer, seed)
+
+    def _feedback_encode(self, x: Tensor, quantizer: Quantizer, seed: int, stage: str, lo: int, hi: int) -> Tensor:
+        """``x`` (the stream's ``[lo, hi)``, or a sum of it this rank owns in ``stage``) encoded with
+        its tensors' errors added; what it dropped waits in :attr:`pending` (no error in padding)."""
+        pieces = spans(self.idents, lo, hi)
+        owner = (self.transport.rank, self.transport.size)
+        return self.feedback.encode(self.ops, x, quantizer, seed, stage, pieces, self.pending, owner)
+
+    def commit_feedback(self) -> None:
+        """The exchange succeeded: the errors this job made become the rank's (no-op without feedback)."""
+        if self.feedback is not None:
+            self.feedback.commit(self.pending)
 
     def encode_runs(self, lo: int, hi: int, seed: Callable[[int], int]) -> tuple[Tensor, list]:
         """This rank's payloads of ``[lo, hi)``, one per run of one width (:meth:`segments`), back

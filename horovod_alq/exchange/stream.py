@@ -86,6 +86,7 @@ class StreamedRound:
         tensors: Sequence[tuple[int, int]] | None = None,
         *,
         whole: bool = False,
+        idents: Sequence | None = None,
     ) -> Layout:
         """Quantize buffer ``flat`` (1-D, ``numel`` elements; or a list of 1-D tensors of ``numel``
         elements in all, each starting on a bucket boundary: quantized as it would be alone), issue
@@ -95,7 +96,9 @@ class StreamedRound:
         ``on_done(None, error)``; on any thread. ``tensors``: for ``bits="auto"``, the (elements,
         shape code) of the tensors of the list, or of those laid back to back in ``flat`` (a DDP
         bucket's parameters); ``whole``: this buffer holds all of the round's tensors (they take
-        the allocation's widths only if they are exactly its tensors)."""
+        the allocation's widths only if they are exactly its tensors). ``idents`` (required with
+        error feedback): what the tensors are, their errors' keys, as (identity, elements) pairs:
+        one per tensor of a list, or of the tensors back to back in ``flat``."""
         ctx, t = self.ctx, self.stages[0]
         st, q = ctx.state, ctx.quantizer
         index = len(self._buffers)
@@ -120,7 +123,7 @@ class StreamedRound:
             collect_second=self.collect_second,
             collect_first=self.collect_first and own_stats and st.auto is None,
             widths=widths,
-            **ctx.feedback_for("stream", index, layout.numels),
+            **ctx.feedback_for(self._idents(idents, sizes, layout)),
         )
         if self.collect_first and st.auto is None and not own_stats:  # a list's tensors one by one, as if alone
             views = [job.stream] if len(parts) == 1 else [job.stream[a : a + n] for a, n in zip(layout.starts, sizes)]
@@ -133,6 +136,26 @@ class StreamedRound:
             self._open += 1
         self._advance(buf, 0, None)
         return layout
+
+    def _idents(self, idents: Sequence | None, sizes: list[int], layout: Layout) -> list | None:
+        """Error feedback: the (identity, start, elements) rows of a buffer's tensors from ``idents``,
+        (identity, elements) pairs: one per tensor of a list, or of the tensors back to back in one
+        buffer (a DDP bucket's parameters)."""
+        if self.ctx.state.feedback is None:
+            return None
+        if idents is None:
+            raise ValueError(f"{self.prefix}: error_feedback=True needs the identity of every tensor of a buffer")
+        pairs = [(ident, int(n)) for ident, n in idents]
+        if len(sizes) > 1:  # a list: one per part, at the layout's starts
+            if [n for _, n in pairs] != sizes:
+                raise ValueError(
+                    f"{self.prefix}: tensor identities for {[n for _, n in pairs]} elements, a list of {sizes}"
+                )
+            return [(i, s, n) for (i, n), s in zip(pairs, layout.starts)]
+        starts = np.concatenate([[0], np.cumsum([n for _, n in pairs])]).astype(int).tolist()
+        if starts[-1] != sizes[0]:
+            raise ValueError(f"{self.prefix}: the tensor identities cover {starts[-1]} elements, the buffer {sizes[0]}")
+        return [(i, s, n) for (i, n), s in zip(pairs, starts)]
 
     def _auto_layout(self, parts: list, layout: Layout, tensors: Sequence[tuple[int, int]] | None, whole: bool):
         """``bits="auto"``: the buffer's tensors (``parts``, or the tensors back to back in one
@@ -258,6 +281,8 @@ class StreamedRound:
                 self._second_stats = self._second_stats + job.second_statistics
             if job.first_statistics is not None:
                 self._first_stats = self._first_stats + job.first_statistics
+        if error is None:  # the exchange succeeded: its errors are kept before its result is handed over
+            job.commit_feedback()
         try:
             buf.on_done(decoded, error)
         except BaseException as exc:  # noqa: BLE001

@@ -121,7 +121,7 @@ class QuantizedAllreduce(mixins.Configured):
 
     # ----------------------------------------------------------------- exchange
     def __call__(
-        self, x: Any, *, op: str = "average", collect: bool | None = None, scales: Any = None
+        self, x: Any, *, op: str = "average", collect: bool | None = None, scales: Any = None, key: Any = None
     ) -> np.ndarray | list[np.ndarray]:
         """Quantized average (``op="sum"``: sum) over the communicator of ``x``: an array (any shape,
         float16/32/64), or a list or tuple of arrays exchanged in one round (one handshake, one
@@ -134,7 +134,10 @@ class QuantizedAllreduce(mixins.Configured):
         "Preconditioned quantization"): a positive, finite scale array per array (``x``'s shape; one
         array, or a list like ``x``), identical on every rank (its digest is in the handshake: ranks
         whose scales differ raise on every rank); each array is quantized as ``x * w`` and returned
-        as ``decoded / w``. Collective.
+        as ``decoded / w``. ``key`` (required with ``error_feedback=True``): what ``x`` is, the
+        key of its error-feedback buffer (a name; for a list, one per array, or one name), the
+        same at every call for the same array: arrays that alternate on one instance keep their
+        own errors. Collective.
 
         Returns the shape and dtype of ``x`` (a list: one array per array), bit-identical on all
         ranks. Raises ValueError on every rank when some rank's input is not a floating-point
@@ -143,7 +146,7 @@ class QuantizedAllreduce(mixins.Configured):
         listed = isinstance(x, (list, tuple))
         if scales is not None and not listed:
             scales = [scales]
-        arrays, decoded, starts = self._round(list(x) if listed else [x], listed, collect, op, scales=scales)
+        arrays, decoded, starts = self._round(list(x) if listed else [x], listed, collect, op, scales=scales, key=key)
         outs = []
         for i, (arr, start) in enumerate(zip(arrays, starts)):
             out = np.zeros(0, np.float32) if not arr.size else decoded.read(start, start + arr.size)
@@ -165,6 +168,13 @@ class QuantizedAllreduce(mixins.Configured):
             if self.bit_budget is None
             else ValueError("allgather() returns payloads of one width: not with bits='auto' (call the allreduce)")
         )
+        refusal = refusal or (
+            None
+            if self._state.feedback is None
+            else ValueError(
+                "allgather() returns this call's payloads: not with error_feedback=True (use the allreduce)"
+            )
+        )
         arrays, decoded, _ = self._round([x], False, collect, None, exchange="allgather", refusal=refusal)
         q = self._quantizer
         if decoded is None:  # no coordinates: every rank's payload is the same bare header
@@ -182,6 +192,7 @@ class QuantizedAllreduce(mixins.Configured):
         exchange: str | None = None,
         refusal: Exception | None = None,
         scales: Any = None,
+        key: Any = None,
     ):
         """One streamed round for the arrays ``xs``: the arrays, the ``Decoded`` sum over the ranks
         of their round (None when they hold no element) and each array's start in it. A local
@@ -192,9 +203,10 @@ class QuantizedAllreduce(mixins.Configured):
                 raise ValueError(f"op must be one of {_OPS}, got {op!r}")
             arrays = [_float_array(v, f"x[{i}]" if listed else "x") for i, v in enumerate(xs)]
             self._scales = _scales(scales, arrays, listed)
+            self._keys = _keys(key, len(arrays), listed, self._state.feedback is not None)
         except Exception as err:
             error = error or err
-            self._scales = None
+            self._scales = self._keys = None
         ws = self._scales
         self._state.precondition = (
             0 if ws is None else precondition.combine(map(precondition.digest, ws, range(len(ws))))
@@ -226,7 +238,11 @@ class QuantizedAllreduce(mixins.Configured):
                 ws = [w for a, w in zip(arrays, self._scales) if a.size]
                 flats = [f * w.reshape(-1) for f, w in zip(flats, ws)]
             layout = rnd.add(
-                flats, numel, lambda decoded, failure: result.update(decoded=decoded, failure=failure), whole=True
+                flats,
+                numel,
+                lambda decoded, failure: result.update(decoded=decoded, failure=failure),
+                whole=True,
+                idents=None if self._keys is None else [(k, a.size) for k, a in zip(self._keys, arrays) if a.size],
             )
             rnd.wait()
         failure = result.get("failure")
@@ -354,6 +370,25 @@ def _scales(scales: Any, arrays: list[np.ndarray], listed: bool) -> list[np.ndar
         precondition.check_scale(f"x[{i}]" if listed else "x", w, a.shape)
         for i, (w, a) in enumerate(zip(scales, arrays))
     ]
+
+
+def _keys(key: Any, count: int, listed: bool, feedback: bool) -> list | None:
+    """Error feedback: each array's key (``key``: a name for one array; for a list, one per array,
+    or one name, then ``(name, index)``); None without feedback, where ``key`` is not needed."""
+    if not feedback:
+        return None
+    if key is None:
+        raise ValueError(
+            "error_feedback=True keeps each array's error under a key: pass key= (a name for an array; for "
+            "a list, one per array or one name) naming what the array is, the same at every call for it"
+        )
+    if not listed:
+        return [key]
+    if isinstance(key, (list, tuple)):
+        if len(key) != count:
+            raise ValueError(f"key= names {len(key)} arrays, the list holds {count}")
+        return list(key)
+    return [(key, i) for i in range(count)]
 
 
 def _float_array(x: Any, name: str) -> np.ndarray:

@@ -23,6 +23,24 @@ def _name(key: tuple) -> str:
     return _SEPARATOR.join(str(k) for k in key)
 
 
+class SavedRows:
+    """The :class:`~horovod_alq.core.rounds.RoundState`'s error-feedback slot in TensorFlow: the
+    rows of :meth:`FeedbackVariables.state` as they are (the variables are the buffers)."""
+
+    def __init__(self) -> None:
+        self.rows: dict = {"dtype": "float32", "buffers": []}
+
+    def state_dict(self) -> dict:
+        return self.rows
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows = {"dtype": "float32", "buffers": list(state.get("buffers", []))}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(4 * int(np.size(v)) for _, v in self.rows["buffers"])
+
+
 class FeedbackVariables(tf.Module):
     """The error buffers of one compressor's tensors (see the module docstring); ``bucket_size``:
     the bucket of the finite check."""

@@ -15,7 +15,7 @@ from ..core.rounds import COUNTERS, RoundState
 from ..core.statistics import statistics_length
 from ..core.wire import HEADER_SIZE, Header, pack_header
 from .auto import AutoVariables
-from .feedback import FeedbackVariables
+from .feedback import FeedbackVariables, SavedRows
 from .graph import header_mask, signed64
 
 
@@ -38,6 +38,8 @@ class RoundVariables(tf.Module):
         self.row_length = self.stats_length if self.auto is None else self.auto.row_length
         #: error_feedback: the error buffers (None without)
         self.feedback = None if state.feedback is None else FeedbackVariables(q.bucket_size)
+        if state.feedback is not None:  # the variables are the buffers: the state holds their rows
+            state.feedback = SavedRows()
         with tf.init_scope():
             self.levels = tf.Variable(q.levels, dtype=tf.float64, trainable=False, name="levels")
             self.header_mask = tf.Variable(

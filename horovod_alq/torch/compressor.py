@@ -40,8 +40,10 @@ from ..core.speed import SpeedArbiter
 from ..exchange import Entry
 from ..settings import Settings, configure
 from . import codecs
+from .amp import loss_scale_of
 from .horovod_transport import HorovodTransport, NotMemberError, hvd
 from .ops import TorchOps, ops_for
+from .params import ParameterNames
 from .precondition import preconditioner_from
 
 COMPRESSIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -117,6 +119,12 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         Default: not pinned; the compressor serves every set it is used with (the global one, and
         each other set through a compressor of its own with these settings, made at the set's
         first use: levels, statistics and rounds per set; ``docs/design/design.md``).
+    named_parameters : iterable of (str, torch.Tensor), optional
+        With ``error_feedback=True`` each tensor's error is kept under its name: its parameter's
+        name in Horovod's ``DistributedOptimizer``, or the ``name=`` given to ``hvd.allreduce``
+        (the same at every call for the same tensor); ``model.named_parameters()`` here names
+        gradients that reach the compressor otherwise. A tensor with no name fails its round on
+        every rank, naming the tensor.
     fused : bool, optional
         Deprecated: ``fused=False`` is ``codec="torch"``, ``fused=True`` is ``codec="auto"``.
 
@@ -141,6 +149,7 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         *,
         settings: Settings | None = None,
         process_set=None,
+        named_parameters=None,
         fused: bool | None = None,
         **keywords,
     ) -> None:
@@ -175,6 +184,7 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         self._codec = codecs.check_name(s.codec)
         self._precondition = preconditioner_from(s.precondition, s.bucket_size)
         self._process_set = process_set
+        self._names = None if named_parameters is None else ParameterNames(named_parameters)
         self._transport_cache: HorovodTransport | None = None
         self._ops: dict[str, TorchOps] = {}
         self._init_sets()
@@ -227,8 +237,18 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             scale = self._precondition.for_gradient(tensor)
             if scale is not None:
                 flat = flat * scale.reshape(-1)  # float32 (float64 stays)
+        ident = None
+        if self._state.feedback is not None:  # the parameter's name, or the name Horovod was given
+            ident = self._names.of_gradient(tensor) if self._names is not None else None
+            ident = ident or mixins.calling_tensor_name(self.HOROVOD, tensor)
         entry, vec = self._engine.add(
-            flat, flat.numel(), tuple(tensor.shape), tensor.dtype, transport, ops=self._ops_for(tensor.device)
+            flat,
+            flat.numel(),
+            tuple(tensor.shape),
+            tensor.dtype,
+            transport,
+            ops=self._ops_for(tensor.device),
+            ident=ident,
         )
         small = torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device)
         source = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
@@ -314,12 +334,23 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         self._state.load_state_dict(state)
         self._engine.seed = int(state["seed"])
 
+    def use_grad_scaler(self, scaler) -> None:
+        """AMP: read the loss scale of ``scaler`` (a ``torch.amp.GradScaler``) so that error-feedback
+        buffers stay in unscaled units and a step the scaler skips leaves them unchanged (without
+        ``error_feedback`` there is nothing to keep: a no-op after the check)."""
+        read = loss_scale_of(scaler)
+        self._loss_scale = read
+        for c in (self, *self._per_set.values()):
+            if c._state.feedback is not None:
+                c._state.feedback.loss_scale = read
+
     def reset(self) -> None:
         """Drop the round in progress (e.g. after a Horovod elastic reset); levels and counters stay."""
         self._engine.reset()
         if self._transport_cache is not None:
             self._collectives += self._transport_cache.collectives
         self._transport_cache = None
+        self._between, self._sixteen_stats = True, None  # the next compress starts a round
         for child in self._per_set.values():
             child.reset()
 
@@ -375,7 +406,11 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         self._state.step += 1
 
     def _for_set(self, process_set) -> QuantizedCompressor:
-        return QuantizedCompressor(process_set=process_set, settings=self.settings)
+        child = QuantizedCompressor(process_set=process_set, settings=self.settings)
+        child._names = self._names
+        if getattr(self, "_loss_scale", None) is not None and child._state.feedback is not None:
+            child._state.feedback.loss_scale = self._loss_scale
+        return child
 
 
 class ALQCompressor(mixins.ALQ, QuantizedCompressor):

@@ -54,6 +54,7 @@ from ..core.speed import SpeedArbiter
 from ..settings import Settings
 from .dist_state import COMPRESSIBLE, StreamedState
 from .dist_transport import WATCHDOG, SettleOnce, on_completion
+from .params import FirstSeen
 from .precondition import preconditioner_from
 
 __all__ = ["ALQState", "alq_hook"]
@@ -108,6 +109,7 @@ class ALQState(StreamedState):
         self._configure(process_group, settings, "ddp", method=method, bits=bits, bucket_size=bucket_size, **keywords)
         self._precondition = preconditioner_from(self.settings.precondition, self.bucket_size)
         self._last = -1  # the index of the step's last bucket so far
+        self._param_ids = FirstSeen()  # error_feedback: each parameter's identity, its errors' key
         if self.round_state.compress == "when-faster":
             self.round_state.speed = SpeedArbiter(what=self.FRONT_END)
         self._sixteen_stats: list | None = None  # a 16-bit step's statistics for its refit
@@ -142,11 +144,15 @@ class ALQState(StreamedState):
                 if scale is not None:
                     flat = flat * scale
             tensors = [(p.numel(), shape_hash(tuple(p.shape), str(p.dtype))) for p in parameters]
+            idents = None
+            if self.round_state.feedback is not None:  # per parameter: a rebuilt bucket keeps each one's
+                idents = [(self._param_ids(p), p.numel()) for p in parameters]
             self._round.add(
                 flat,
                 flat.numel(),
                 functools.partial(_complete, settle, buffer, 1.0 / n, scale),
                 tensors=tensors if self.round_state.auto is not None else None,
+                idents=idents,
             )
         else:
             self.round_state.uncompressed_coordinates += buffer.numel()
@@ -245,7 +251,7 @@ def alq_hook(state: ALQState, bucket: dist.GradBucket) -> torch.futures.Future[t
     """
     if state.round_state.speed is not None and not state._quantizes(bucket):
         return state._sixteen(bucket)  # compress="when-faster": a 16-bit step
-    wanted = state.bits == "auto" or state._precondition is not None
+    wanted = state.bits == "auto" or state._precondition is not None or state.round_state.feedback is not None
     future = state._add(bucket.index(), bucket.buffer(), bucket.parameters() if wanted else ())
     if bucket.is_last():
         state._close()

@@ -134,7 +134,9 @@ class DiLoCo:
         self.state = _OuterState(process_group, settings, dict(method=method, bits=bits, **keywords))
         self.model, self.inner_optimizer = model, inner_optimizer
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self._names = [n for n, _ in named]  # error_feedback: each parameter's errors' key
         if not self.params:
             raise ValueError("DiLoCo: the model has no parameters that require grad")
         stage = self.state._stages()[0]
@@ -210,6 +212,7 @@ class DiLoCo:
                     lambda decoded, failure, b=b: results.__setitem__(b, (decoded, failure)),
                     tensors=tensors,
                     whole=len(buffers) == 1,
+                    idents=[(self._names[k], sends[k].numel()) for k in members],
                 )
             )
         averaged: dict[int, torch.Tensor] = {}

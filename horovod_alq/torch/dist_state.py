@@ -12,6 +12,7 @@ from ..core.protocol import PREFIX, resolve_timeout
 from ..exchange.registry import exchange_for, get
 from ..settings import Settings, configure
 from . import codecs
+from .amp import loss_scale_of
 from .dist_transport import DistTransport, companion_group
 from .ops import TorchOps, ops_for
 
@@ -95,6 +96,14 @@ class StreamedState:
             raise ValueError(f"{PREFIX}: the saved state has other settings ({'; '.join(differ)})")
         self.round_state.load_state_dict(state)
         self.seed = self.engine.seed = int(state["seed"])
+
+    def use_grad_scaler(self, scaler) -> None:
+        """AMP: read the loss scale of ``scaler`` (a ``torch.amp.GradScaler``) so that error-feedback
+        buffers stay in unscaled units and a step the scaler skips leaves them unchanged (without
+        ``error_feedback``: a no-op after the check)."""
+        read = loss_scale_of(scaler)
+        if self.round_state.feedback is not None:
+            self.round_state.feedback.loss_scale = read
 
     def __getstate__(self) -> dict:
         """Pickling (``torch.save(state)``): settings and :meth:`state_dict`; the process group is

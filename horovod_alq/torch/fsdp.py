@@ -138,10 +138,14 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         group: dist.ProcessGroup,
         op,
         async_op: bool = False,
+        *,
+        ident: str | None = None,
     ):
         """Reduce ``input_tensor`` (N shards) over ``group`` and leave this rank's shard, scaled
         as ``op`` says, in ``output_tensor``. With ``async_op`` returns a Work whose ``wait()``
-        leaves the result there; otherwise returns None with the result in place."""
+        leaves the result there; otherwise returns None with the result in place. ``ident``: the
+        FSDP module whose gradients these are (:func:`quantize_reduce_scatter` passes its name),
+        the key of their error-feedback buffer; required with ``error_feedback=True``."""
         group = self._group(group)
         stages = self._stages(group, NAME)
         exchange = self._exchange_for(stages[0])
@@ -166,11 +170,17 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         settle = SettleOnce(future, f"{PREFIX}.fsdp.{self.round_state.step - 1}.rs", stages[0].scope, self.timeout)
         WATCHDOG.watch(settle)
         pieces = self._layouts.get((flat.numel(), n)) if self.bits == "auto" else None
+        if self.round_state.feedback is not None and ident is None:
+            raise ValueError(
+                f"{PREFIX}: error_feedback=True keeps each module's error under its name: set this comm "
+                "with horovod_alq.torch.fsdp.quantize_reduce_scatter(model, comm), not set_custom_reduce_scatter"
+            )
         rnd.add(
             flat,
             flat.numel(),
             functools.partial(_complete, settle, output_tensor, scale),
             tensors=list(pieces) * n if pieces else None,
+            idents=None if ident is None else [(ident, flat.numel())],
         )
         if self._task < 0:  # a call outside a backward pass is a round of its own
             self._close()
@@ -297,6 +307,7 @@ def quantize_reduce_scatter(model: torch.nn.Module, comm: ALQReduceScatter | Non
             f"{PREFIX}: no module of this {type(model).__name__} was fully_shard-ed; call "
             f"torch.distributed.fsdp.fully_shard on its blocks and on the model first"
         )
+    names = {id(m): name for name, m in model.named_modules()}
     for module in modules:
         if _all_reduce_only(module):
             raise ValueError(
@@ -306,9 +317,22 @@ def quantize_reduce_scatter(model: torch.nn.Module, comm: ALQReduceScatter | Non
                 "all-reduce, so ALQ would never run. Use DDP with horovod_alq.torch.ddp.alq_hook, or "
                 "fully_shard over the data-parallel ranks"
             )
-        module.set_custom_reduce_scatter(comm)
+        module.set_custom_reduce_scatter(_Named(comm, names[id(module)] or "(root)"))
         comm.record_layout(module)
     return comm
+
+
+class _Named(ReduceScatter):
+    """``comm`` for one FSDP module: its calls carry the module's name (error feedback's key)."""
+
+    def __init__(self, comm: ALQReduceScatter, name: str) -> None:
+        self.comm, self.name = comm, name
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        return self.comm(output_tensor, input_tensor, group, op, async_op, ident=self.name)
 
 
 def _all_reduce_only(module) -> bool:

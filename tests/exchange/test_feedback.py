@@ -1,8 +1,10 @@
 """error_feedback=True through every exchange on threaded ranks (nodes of 2 for the hierarchical
 ones): with a fixed gradient the applied sum minus T times the true average is exactly minus the
 ranks' last error buffers (bounded), and much smaller than without error feedback (which
-grows like sqrt(T)); a bucket holding NaN keeps its previous error; a saved state resumes bit for
-bit; a rank with another setting is refused on every rank; bad values and states raise or warn."""
+grows like sqrt(T)); buffers are each tensor's, by its identity: streams of other tensors that
+alternate keep their own, and a failed round changes none; a bucket holding NaN keeps its
+previous error; a saved state resumes bit for bit on its own rank, and another rank's warns and
+starts from zero; a rank with another setting is refused on every rank; bad values raise."""
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from horovod_alq.exchange.layout import plan_layout
 from horovod_alq.exchange.numpy_ops import NumpyOps
 from horovod_alq.exchange.registry import allreduce_names
 from horovod_alq.settings import Settings, configure
-from horovod_alq.testing import Hub, exchange_rounds, start_early
+from horovod_alq.testing import Hub, exchange_round, exchange_rounds, start_early
 
 D, N = 256, 4
 SIZES = (5000, 3000, 1500)
@@ -45,15 +47,19 @@ def _setups(exchange, feedback, bits=3, fusion_bytes=None, **widths):
     ]
 
 
-def _rounds(setups, rounds, first=0, nan=None, early=False):
-    """``rounds`` rounds (numbered from ``first``) of every rank's fixed gradients; every rank's
-    outputs per round (or its error). ``nan``: (round, bucket of rank 0's first tensor) set to NaN."""
-    engines = [s.engine(uid="f") for s in setups]
+def _rounds(setups, rounds, first=0, nan=None, early=False, engines=None, scale=1.0):
+    """``rounds`` rounds (numbered from ``first``) of every rank's fixed gradients (times
+    ``scale``); every rank's outputs per round (or its error). ``nan``: (round, bucket of rank 0's
+    first tensor) set to NaN."""
+    engines = engines or [s.engine(uid="f") for s in setups]
     ops = NumpyOps()
     if early:  # fusion buffers start as soon as they are complete (Horovod's overlap=True)
         start_early(engines, ops)
     tensors = [
-        [_grads(r, nan[1] if nan is not None and nan[0] == step and r == 0 else None) for r in range(N)]
+        [
+            [x * np.float32(scale) for x in _grads(r, nan[1] if nan and nan[0] == step and r == 0 else None)]
+            for r in range(N)
+        ]
         for step in range(first, first + rounds)
     ]
     return exchange_rounds(engines, tensors, ops, Hub(N, local_size=2))
@@ -67,16 +73,15 @@ def _drift(outs, rounds):
 
 
 def _buffers(setups, layout=None):
-    """Every rank's error buffers summed at their positions in the round's stream (float64): the
-    fused job's keys hold stream positions, an early job's (``("early", i, ...)``) positions in
-    its own buffer, the round's buffer ``i``."""
+    """Every rank's error buffers summed at their positions in the round's stream (float64): a
+    key ``(stage, tensor, a, b)`` holds coordinates ``[a, b)`` of tensor ``tensor`` (its index in
+    the round, as the harness names tensors)."""
     layout = layout or plan_layout(SIZES, D, None)
     total = np.zeros(layout.length)
     for s in setups:
-        for key, buf in s.state.feedback.buffers.items():
-            offset = layout.buffers[key[1]][0] if key[0] == "early" else 0
-            lo, hi = offset + key[-2], offset + key[-1]
-            total[lo:hi] += np.asarray(buf, dtype=np.float64)[: layout.length - lo]
+        for (_, k, a, b), buf in s.state.feedback.buffers.items():
+            start = layout.starts[k]
+            total[start + a : start + b] += np.asarray(buf, dtype=np.float64)
     return total
 
 
@@ -123,22 +128,40 @@ def test_early_started_buffers_keep_their_errors(exchange):
     setups = _setups(exchange, [True] * N, fusion_bytes=fusion)
     outs = _rounds(setups, T, early=True)
     assert not any(isinstance(o, Exception) for o in outs), outs
-    assert any(k[0] == "early" for k in setups[0].state.feedback.buffers)
     layout = plan_layout(SIZES, D, fusion // 4)
     _check_drift(_drift(outs, T), -_buffers(setups, layout), layout, T)
 
 
 @pytest.mark.parametrize("exchange", sorted(allreduce_names()))
 def test_a_nan_bucket_keeps_its_previous_error(exchange):
+    """Rank 0's first tensor holds NaN in bucket 2 (coordinates [2D, 3D)): every buffer of values
+    that include them (rank 0's own, and the owners' sums) keeps its previous error there, not
+    zero and not NaN; every other coordinate moved on."""
     setups = _setups(exchange, [True] * N)
-    outs = _rounds(setups, 2, nan=(1, 2))
+    engines = [s.engine(uid="f") for s in setups]
+    _rounds(setups, 1, engines=engines)
+    before = [{k: v.copy() for k, v in s.state.feedback.buffers.items()} for s in setups]
+    outs = _rounds(setups, 1, first=1, nan=(1, 2), engines=engines)
     assert not any(isinstance(o, Exception) for o in outs), outs
-    assert np.isnan(outs[0][1][0][2 * D : 3 * D]).all()  # the bucket comes back NaN, as without feedback
-    for s in setups:
-        for key, buf in s.state.feedback.buffers.items():
-            assert np.isfinite(buf).all(), (exchange, key)
-    after = _rounds(setups, 1, first=2)
-    assert np.isfinite(np.concatenate(after[0][0])).all()
+    assert np.isnan(outs[0][0][0][2 * D : 3 * D]).all()  # the bucket comes back NaN, as without feedback
+    covering, moved = 0, 0
+    for r, (s, old) in enumerate(zip(setups, before)):
+        after = s.state.feedback.buffers
+        assert sorted(after) == sorted(old)
+        for (stage, t, a, b), buf in after.items():
+            assert np.isfinite(buf).all(), (exchange, stage, t)
+            # NaN is in rank 0's own values, its node's sums (ranks 0 and 1), and all sums over ranks
+            nan = t == 0 and {"own": r == 0, "node": r < 2, "sum": True}[stage]
+            lo, hi = (max(a, 2 * D), min(b, 3 * D)) if nan else (0, 0)
+            if lo < hi:
+                covering += 1
+                np.testing.assert_array_equal(buf[lo - a : hi - a], old[(stage, t, a, b)][lo - a : hi - a])
+            keep = np.zeros(b - a, bool)
+            keep[max(lo - a, 0) : max(hi - a, 0)] = True
+            moved += int((buf != old[(stage, t, a, b)])[~keep].sum())
+    assert covering > 0 and moved > 0.5 * sum(int(np.prod(v.shape)) for o in before for v in o.values())
+    later = _rounds(setups, 1, first=2, engines=engines)
+    assert np.isfinite(np.concatenate(later[0][0])).all()
 
 
 def test_a_saved_state_resumes_bit_for_bit():
@@ -153,6 +176,90 @@ def test_a_saved_state_resumes_bit_for_bit():
     resumed = _rounds(fresh, 1, first=3)
     for a, b in zip(straight[0][0], resumed[0][0]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_another_ranks_state_warns_and_starts_from_zero():
+    setups = _setups("two-phase", [True] * N)
+    _rounds(setups, 2)
+    saved = [s.state.state_dict() for s in setups]
+    assert saved[1]["error_feedback"]["owner"] == [1, N]
+    fresh = _setups("two-phase", [True] * N)
+    for s in fresh:  # rank 0's checkpoint on every rank: its errors must not be applied N times
+        s.state.load_state_dict(saved[0])
+    engines = [s.engine(uid="f") for s in fresh]
+    with pytest.warns(UserWarning, match=r"saved by rank 0 of 4, this is rank [123] of 4.*starts from zero"):
+        outs = _rounds(fresh, 1, first=2, engines=engines)
+    assert not any(isinstance(o, Exception) for o in outs), outs
+    zero = _setups("two-phase", [True] * N)  # what ranks 1-3 must do: rank 0's levels, no buffers
+    engines0 = [s.engine(uid="f") for s in zero]
+    empty = {**saved[0], "error_feedback": {**saved[0]["error_feedback"], "buffers": []}}
+    for r, s in enumerate(zero):
+        s.state.load_state_dict(saved[0] if r == 0 else empty)
+    ref = _rounds(zero, 1, first=2, engines=engines0)
+    for r in range(N):
+        for a, b in zip(outs[r][0], ref[r][0]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_alternating_streams_keep_their_own_errors():
+    """Two lists of tensors of the same sizes, named apart, alternate on one set of engines (two
+    arrays on one mpi4py instance, two hvd.allreduce calls): each keeps its own error, so each
+    one's applied sum is its true sum less its own last buffers, as if it ran alone."""
+    T = 12
+    setups = _setups("allgather", [True] * N)
+    engines = [s.engine(uid="f") for s in setups]
+    ops, hub = NumpyOps(), Hub(N, local_size=2)
+    streams = {
+        "a": [_grads(r) for r in range(N)],
+        "b": [[-2 * x[::-1].copy() for x in _grads(r)] for r in range(N)],
+    }
+    applied = {k: [np.zeros(n) for n in SIZES] for k in streams}
+    for step in range(2 * T):
+        k = "ab"[step % 2]
+        idents = [(k, i) for i in range(len(SIZES))]
+        outs = exchange_round(engines, streams[k], ops, f"r{step}", hub, idents=idents)
+        assert not any(isinstance(o, Exception) for o in outs), outs
+        for i, v in enumerate(outs[0]):
+            applied[k][i] += v
+    for k, xs in streams.items():
+        left = {key[1][1]: 0 for key in setups[0].state.feedback.buffers if key[1][0] == k}
+        assert sorted(left) == [0, 1, 2], sorted(setups[0].state.feedback.buffers)
+        for i, n in enumerate(SIZES):
+            truth = sum(xs[r][i].astype(np.float64) for r in range(N))
+            buffers = sum(
+                np.asarray(s.state.feedback.buffers[(st, (k, i), 0, n)], np.float64) for s in setups for st in ("own",)
+            )
+            scale = np.abs(truth).max()
+            np.testing.assert_allclose(applied[k][i] - T * truth, -buffers, atol=1e-4 * T * scale, err_msg=(k, i))
+
+
+def test_a_failed_round_changes_no_buffer():
+    """A round that fails on every rank (here one rank's tensor could not be compressed) after its
+    early buffers were quantized and sent leaves every rank's buffers as they were."""
+    fusion = 4 * SIZES[0]  # the first tensor fills a buffer, which starts early
+    setups = _setups("two-phase", [True] * N, fusion_bytes=fusion)
+    engines = [s.engine(uid="f") for s in setups]
+    ops, hub = NumpyOps(), Hub(N, local_size=2)
+    start_early(engines, ops)
+    _rounds(setups, 2, engines=engines)
+    before = [{k: v.copy() for k, v in s.state.feedback.buffers.items()} for s in setups]
+
+    def rank(r, t):
+        xs = [x * 3 for x in _grads(r)]
+        entries = [engines[r].add(x, x.size, x.shape, "float32", t, ops=ops, ident=i) for i, x in enumerate(xs[:2])]
+        err = "cannot compress" if r == 2 else None
+        entries.append(engines[r].add(xs[2], xs[2].size, xs[2].shape, "float32", t, error=err, ident=2))
+        reduced = [t.allreduce_sum(v, f"fail.control{k}") for k, (_, v) in enumerate(entries)]
+        return engines[r].finish(entries[0][0], reduced[0], ops, t)
+
+    outs = hub.outcomes(rank)
+    assert all(isinstance(o, Exception) for o in outs), outs
+    assert any(s.state.calls > 0 for s in setups)
+    for s, b in zip(setups, before):
+        after = s.state.feedback.buffers
+        assert sorted(after) == sorted(b)
+        for k in b:
+            np.testing.assert_array_equal(after[k], b[k], err_msg=str(k))
 
 
 def test_states_with_and_without_buffers():
@@ -202,17 +309,19 @@ def test_torch_buffers_in_either_dtype(dtype):
     import torch
 
     from horovod_alq.core.quantizer import Quantizer
-    from horovod_alq.exchange.feedback import ErrorFeedback
+    from horovod_alq.exchange.feedback import ErrorFeedback, Pending
     from horovod_alq.torch.ops import TorchOps
 
     ops, q = TorchOps(torch.device("cpu")), Quantizer("alq", bits=3, bucket_size=D)
     x = torch.from_numpy(_grads(1)[0])
     fb, total = ErrorFeedback(dtype), torch.zeros(x.shape[0], dtype=torch.float64)
+    n = int(x.shape[0])
     for k in range(8):
-        out = ops.zeros(x.shape[0])
-        ops.decode_sum(out, fb.encode(ops, x, q, k, ("t",)), [0], q)
+        out, pending = ops.zeros(n), Pending()
+        ops.decode_sum(out, fb.encode(ops, x, q, k, "own", [("t", 0, n, 0)], pending, (0, 1)), [0], q)
+        fb.commit(pending)
         total += out.double()
-    e = fb.buffers[("t",)]
+    e = fb.buffers[("own", "t", 0, n)]
     assert e.dtype == getattr(torch, dtype) and fb.nbytes == x.shape[0] * (2 if dtype == "bfloat16" else 4)
     # each bfloat16 rounding of the buffer loses up to 2^-8 of it; the errors are below a level gap
     tol = (8 * 2.0**-8 if dtype == "bfloat16" else 1e-5) * float(x.abs().max())

@@ -24,7 +24,7 @@ def test_set_on_every_fsdp_module(group):
     comm = quantize_reduce_scatter(model, bits=4, bucket_size=64)
     assert isinstance(comm, ALQReduceScatter) and comm.bits == 4
     groups = [g for m in model.modules() for g in m._get_fsdp_state()._fsdp_param_groups]
-    assert len(groups) == 2 and all(g._reduce_scatter_comm is comm for g in groups)
+    assert len(groups) == 2 and all(g._reduce_scatter_comm.comm is comm for g in groups)
     with pytest.raises(TypeError, match="not both"):
         quantize_reduce_scatter(model, comm, bits=3)
 
