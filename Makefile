@@ -7,7 +7,7 @@ MPIRUN := $(PY) -m scripts.common.launch
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k torch -x"
 PYTEST_ARGS ?=
 
-.PHONY: install install-gpu test test-fast lint format demo demo-ddp demo-fsdp docs clean bench gpu-check gpu-device-prep
+.PHONY: install install-gpu test test-studies test-fast lint format demo demo-ddp demo-fsdp docs clean bench gpu-check gpu-device-prep
 
 install:
 	bash scripts/install/install.sh
@@ -23,13 +23,18 @@ install-gpu:
 # unless HOROVOD_ALQ_ALLOW_TORCH_CODEC=1 accepts the fallback.
 test: install lint
 	$(PY) scripts/install/check_codec.py
-	$(PY) -m pytest tests --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not studies" --durations=20 $(PYTEST_ARGS)
+
+# The tests of the research scripts (scripts/study, scripts/bench: tests/conftest.py's STUDY_MODULES),
+# which the product does not need: `make test` leaves them out to stay under 20 minutes.
+test-studies: install lint
+	$(PY) -m pytest tests -m studies --durations=10 $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no ranks (tests/conftest.py marks the ones that launch
 # mpirun, horovodrun or torchrun `multiproc`). `make test` stays the full suite.
 test-fast: install lint
 	$(PY) scripts/install/check_codec.py
-	$(PY) -m pytest tests -m "not multiproc" --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not multiproc and not studies" --durations=10 $(PYTEST_ARGS)
 
 # ruff's lint and format check (pyproject.toml's [tool.ruff]); `make format` applies both fixes.
 lint: install

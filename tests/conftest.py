@@ -20,14 +20,22 @@ if importlib.util.find_spec("triton") is not None:
 _LAUNCHES = ("run_ranks(", "mpirun", "torchrun", "horovodrun")
 
 
+#: The modules that test the research scripts (scripts/study, scripts/bench): ``make test-studies``
+#: runs them, ``make test`` leaves them out (marked ``studies``).
+STUDY_MODULES = ("test_scripts.py", "test_time_to_accuracy.py", "test_precondition_scripts.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test of a module that launches ranks (tests/multiproc.py, or a launcher by name)
-    ``multiproc``, as its own ``pytestmark`` may also do: ``-m "not multiproc"`` is the fast tier."""
+    ``multiproc``, as its own ``pytestmark`` may also do: ``-m "not multiproc"`` is the fast tier;
+    and the tests of the research scripts ``studies``."""
     import pytest
 
     launches: dict[str, bool] = {}
     for item in items:
         path = str(item.fspath)
+        if Path(path).name in STUDY_MODULES:
+            item.add_marker(pytest.mark.studies)
         if path not in launches:
             text = Path(path).read_text()
             launches[path] = any(word in text for word in _LAUNCHES)

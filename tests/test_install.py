@@ -62,6 +62,19 @@ def test_make_test_runs_the_check_before_pytest():
     assert check and pytest_run and check[0] < pytest_run[0], res.stdout
     lint = [i for i, line in enumerate(lines) if "ruff check" in line or "ruff format --check" in line]
     assert len(lint) == 2 and max(lint) < pytest_run[0], res.stdout  # the lint and format check first
+    assert '-m "not studies"' in lines[pytest_run[0]], lines[pytest_run[0]]  # the research scripts: test-studies
+
+
+def test_studies_are_marked_and_left_to_their_target():
+    """The research scripts' tests carry the ``studies`` marker: ``make test`` deselects exactly them."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "studies", "tests"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    files = {line.split("::")[0] for line in res.stdout.splitlines() if "::" in line}
+    from conftest import STUDY_MODULES
+
+    assert {Path(f).name for f in files} == set(STUDY_MODULES), res.stdout[-2000:]
 
 
 def _gpu_install(tmp_path, cuda_home):
