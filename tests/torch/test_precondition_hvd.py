@@ -1,6 +1,7 @@
 """Preconditioned quantization (precondition=) through the Horovod PyTorch compressor under
 hvd.DistributedOptimizer on 2 ranks: the compressor follows the optimizer Horovod builds, every
-rank ends with the same parameters (allgather, two-phase with the entropy wire, bits="auto"),
+rank ends with the same parameters (allgather, two-phase with the entropy wire, bits="auto",
+error feedback),
 and a rank whose AdamW state differs raises on every rank, naming the scales, without a hang."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def ranks():
     return run_ranks("precondition_hvd.py", np=2, launcher="mpi", timeout=400)
 
 
-@pytest.mark.parametrize("case", ["allgather", "two-phase", "auto"])
+@pytest.mark.parametrize("case", ["allgather", "two-phase", "auto", "feedback"])
 def test_identical_and_learning(ranks, case):
     for r in ranks:
         assert not r[case]["raised"], r[case]

@@ -1,6 +1,6 @@
 """Preconditioned quantization (precondition=) through the DDP hook on 2 gloo ranks launched by
 torchrun: identical parameters on every rank with each exchange, the entropy
-wire, bits="auto" and a callable's scales; a rank whose optimizer state differs raises on every
+wire, error feedback, bits="auto" and a callable's scales; a rank whose optimizer state differs raises on every
 rank, naming the preconditioning scales, and none hangs."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def ranks():
     return run_ranks("precondition_ddp.py", np=2, launcher="torchrun", timeout=600)
 
 
-@pytest.mark.parametrize("case", ["allgather", "two-phase", "entropy", "auto", "callable"])
+@pytest.mark.parametrize("case", ["allgather", "two-phase", "entropy", "feedback+entropy", "auto", "callable"])
 def test_identical_and_learning(ranks, case):
     assert same(ranks, lambda r: r["train"][case]["params"]), case
     assert same(ranks, lambda r: r["train"][case]["digest"]), case

@@ -74,6 +74,7 @@ def main() -> None:
         "allgather": training(rank, exchange="allgather"),
         "two-phase": training(rank, exchange="two-phase"),
         "entropy": training(rank, exchange="two-phase", wire="entropy"),
+        "feedback+entropy": training(rank, exchange="two-phase", error_feedback=True, wire="entropy"),
         "auto": training(rank, bits="auto", bit_budget=2.5),
         "callable": training(rank, pre="callable"),
     }

@@ -26,9 +26,8 @@ def model_and_data(rank: int, steps: int):
 def run(rank: int, size: int, steps: int, perturb_at: int | None = None, bits=3, **settings) -> dict:
     model, data = model_and_data(rank, steps)
     base = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    comp = ALQCompressor(
-        bits=bits, bucket_size=256, min_size=64, seed=7, compress="always", precondition=base, **settings
-    )
+    kw = dict(bucket_size=256, min_size=64, seed=7, compress="always", precondition=base)
+    comp = ALQCompressor(bits=bits, named_parameters=model.named_parameters(), **kw, **settings)
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp)
     losses = []
     try:
@@ -61,6 +60,7 @@ def main() -> None:
     out["allgather"] = run(rank, size, 15, exchange="allgather")
     out["two-phase"] = run(rank, size, 15, exchange="two-phase", wire="entropy")
     out["auto"] = run(rank, size, 15, bits="auto", bit_budget=2.5)
+    out["feedback"] = run(rank, size, 15, exchange="two-phase", error_feedback=True)
     out["mismatch"] = run(rank, size, 6, perturb_at=3, timeout=60)
     report(out)
 
