@@ -21,6 +21,10 @@ C++ destructor, and the process aborts ("terminate called without an active exce
 - Python callbacks on the backend's threads (:func:`on_completion`) are counted, and the
   interpreter's exit waits for them (:class:`_BackendCallbacks`);
 - the :class:`Watchdog` thread is stopped and joined at exit;
+- at exit, the backend threads of the groups still alive (one the program still references, or
+  the default group that torch keeps once an optimizer imported ``torch._dynamo``) are let finish
+  dropping their last collective before the interpreter finalizes (:func:`settle_backend_threads`,
+  issue 65);
 - the companion groups (:func:`companion_group`) are this module's: they are destroyed at exit (an
   ``atexit`` hook, before the interpreter finalizes; one with a collective of ours still in flight,
   after a :class:`~horovod_alq.core.protocol.CollectiveTimeout`, is left alone: destroying it would
@@ -397,15 +401,62 @@ class Watchdog:
 
 WATCHDOG = Watchdog()
 
+#: The process group backends' worker threads (named by torch: ``pt_gloo_runloop``,
+#: ``pt_nccl_watchdg``, ...) and gloo's transport loops.
+BACKEND_THREADS = ("pt_", "gloo")
+
+
+def settle_backend_threads(limit: float = 5.0, quiet: int = 3, period: float = 0.005) -> bool:
+    """Wait, with the GIL released, until no backend thread of this process (:data:`BACKEND_THREADS`)
+    is running or runnable in ``quiet`` successive looks ``period`` seconds apart; at most ``limit``
+    seconds. Returns whether they settled (True where ``/proc`` cannot tell: not Linux).
+
+    Why (issue 65): ``dist.destroy_process_group()`` joins no thread of a group that something still
+    references (a group the program keeps in a variable; torch keeps the default group once
+    ``torch._dynamo`` is imported, which any ``torch.optim`` optimizer does), so its worker threads
+    live until the interpreter finalizes. A worker that completed a collective drops it a moment
+    later, and with it the last C++ reference to tensors made in Python, which takes the GIL. If the
+    main thread has begun to finalize by then, CPython ends that worker inside a ``noexcept``
+    destructor and the process aborts ("terminate called without an active exception"), which a
+    loaded machine makes likely when the program exits right after its last collective."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return True
+    deadline, calm = time.monotonic() + limit, 0
+    while True:
+        calm = calm + 1 if not _busy_backend_threads(tasks) else 0
+        if calm >= quiet:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(period)
+
+
+def _busy_backend_threads(tasks: str) -> list[str]:
+    """The names of this process's backend threads that are running or runnable (state R)."""
+    busy = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        if name.startswith(BACKEND_THREADS) and stat[stat.rfind(")") + 2 :][:1] == "R":
+            busy.append(name)
+    return busy
+
 
 @atexit.register
 def _at_exit() -> None:
     """Before the interpreter finalizes: stop the watchdog, wait for the callbacks still running on
     backend threads, destroy the companion groups that have nothing in flight (where nothing else
-    holds one, its threads are joined now, not while the interpreter finalizes)."""
+    holds one, its threads are joined now, not while the interpreter finalizes), then wait until
+    the backend threads of the groups still alive are idle (:func:`settle_backend_threads`)."""
     WATCHDOG.stop()
     _CALLBACKS.drain()
     try:
         destroy_companions()
     except Exception:  # noqa: BLE001 - at exit: a teardown that fails leaves the group to the process's end
         pass
+    settle_backend_threads()

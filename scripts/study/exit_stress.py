@@ -39,9 +39,13 @@ import time
 from pathlib import Path
 
 from scripts.common import launch
+from scripts.study import exit_workers
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = ("diloco", "ddp", "fsdp", "hierarchical", "timeout", "mpi")
+TORCH_PATHS = ("diloco", "checked", "ddp", "fsdp", "hierarchical", "timeout")
+HOROVOD_PATHS = tuple(f"hvd-{w}" for w in (*exit_workers.HOROVOD_MISMATCHES, "set", "outsider", "timeout"))
+PATHS = (*TORCH_PATHS, "mpi", *HOROVOD_PATHS)
+MPIRUN_PATHS = ("mpi", *HOROVOD_PATHS)  # launched by mpirun (Horovod over MPI), the others by torchrun
 STATUS = "rank{}.status"
 LOG = "rank{}.log"
 PID = "rank{}.pid"
@@ -87,7 +91,7 @@ def launch_command(path: str, np: int, out_dir: Path, cores: bool) -> list[str]:
     python = sys.executable
     worker = [python, "-m", "scripts.study.exit_workers", path]
     rank = [python, "-m", "scripts.study.exit_stress", "--shim", str(out_dir), *(["--cores"] if cores else []), "--"]
-    return [*(launch.mpirun(np) if path == "mpi" else launch.torchrun(np)), *rank, *worker]
+    return [*(launch.mpirun(np) if path in MPIRUN_PATHS else launch.torchrun(np)), *rank, *worker]
 
 
 def run_once(path: str, np: int = 2, timeout: float = 120.0, keep: Path | None = None) -> dict:

@@ -25,11 +25,23 @@ STOPPED = "this rank stopped calling (injected)"
 #: What each path's error says (one of these substrings of ``str(error)``).
 EXPECTED = {
     "diloco": ("DiLoCo settings differ: sync_every",),
+    "checked": ("DiLoCo settings differ: sync_every",),
     "ddp": ("bits",),
     "fsdp": ("bits",),
     "hierarchical": ("differ in node layouts",),
     "mpi": ("bits",),
     "timeout": ("did not complete within", STOPPED),
+    "hvd-bits": ("differ in bits 3 on some ranks, 4 on others",),
+    "hvd-bucket": ("bucket_size 256 on some ranks, 512 on others",),
+    "hvd-method": ("differ in method",),
+    "hvd-norm": ("differ in norm",),
+    "hvd-levels": ("levels differ",),
+    "hvd-budget": ("bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)",),
+    "hvd-allocation": ("bit allocations of bits='auto'",),
+    "hvd-bits_max": ("levels differ",),
+    "hvd-set": ("process set",),
+    "hvd-outsider": ("process set",),
+    "hvd-timeout": ("did not complete within", STOPPED),
 }
 
 
@@ -68,6 +80,31 @@ def _diloco_steps(rank: int, sync_every: int, steps: int, **keywords) -> None:
 def diloco(rank: int) -> None:
     """The report of issue 56: sync_every 5 on rank 0, 10 on the others; both raise at the first outer step."""
     _diloco_steps(rank, 5 if rank == 0 else 10, 10, method="alq", bits=3)
+
+
+def checked(rank: int) -> int:
+    """Issue 65's program: the DiLoCo mismatch of :func:`diloco`, then the checker's own
+    ``all_reduce`` and ``all_gather_object`` on a second gloo group (made before training, as a
+    harness does), then ``dist.destroy_process_group()`` and ``sys.exit``: 1 when every rank raised
+    the expected error, 3 otherwise."""
+    import torch
+    import torch.distributed as dist
+
+    checker = dist.new_group(backend="gloo")
+    error = None
+    try:
+        diloco(rank)
+    except Exception as err:  # noqa: BLE001 - the checker compares every rank's error
+        error = f"{type(err).__name__}: {err}"
+    expected = error is not None and any(text in error for text in EXPECTED["diloco"])
+    raised = torch.tensor([int(expected)])
+    dist.all_reduce(raised, group=checker)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error, group=checker)
+    every = int(raised) == dist.get_world_size() and all(errors)
+    print(f"rank {rank}: {'the expected error' if expected else 'unexpected'}: {str(error)[:300]}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if every else 3)
 
 
 def hierarchical(rank: int) -> None:
@@ -133,14 +170,122 @@ def mpi(rank: int) -> None:
     ar(np.random.default_rng(rank).standard_normal(4096).astype(np.float32))
 
 
+# ------------------------------------------------------------------ Horovod PyTorch (under mpirun)
+#: The Horovod compressor's designed errors, each a path ``hvd-<what>``: what rank 1 does otherwise.
+HOROVOD_MISMATCHES = ("bits", "bucket", "method", "norm", "levels", "budget", "allocation", "bits_max")
+
+
+def _hvd_mismatch(what: str, rank: int) -> None:
+    """Rank 1's compressor differs from rank 0's in ``what`` (the test suite's cases,
+    tests/torch/test_compressor_ranks.py); a DistributedOptimizer step over a small model (``bits``:
+    the optimizer a user writes), else ``hvd.allreduce`` of one tensor: the handshake raises."""
+    import horovod.torch as hvd
+    import torch
+    import torch.nn.functional as F
+
+    from horovod_alq.torch import ALQCompressor, AMQCompressor
+
+    kw = dict(bits=3, bucket_size=256, min_size=16, seed=0)
+    other = rank == 1
+    if what == "norm":
+        kw["norm"] = "linf" if other else "l2"
+    if other and what == "bits":
+        kw["bits"] = 4
+    if other and what == "bucket":
+        kw["bucket_size"] = 512
+    if what in ("budget", "allocation", "bits_max"):
+        kw.update(bits="auto", bit_budget=2.5 if other and what == "budget" else 3.0)
+        if other and what == "bits_max":
+            kw["bits_max"] = 4
+    comp = AMQCompressor(**kw) if other and what == "method" else ALQCompressor(**kw)
+    if other and what == "levels":
+        comp._quantizer.set_levels(np.array([-1, -0.3, -0.1, -0.01, 0.01, 0.1, 0.3, 1.0]))
+    if other and what == "allocation":
+        comp._state.auto.keys, comp._state.auto.bits = ((4096, 1),), (5,)
+    if what == "bits":
+        model = _net()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(), compression=comp
+        )
+        x, y = _batch(rank)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        return
+    g = torch.from_numpy(np.random.default_rng(rank).standard_normal(4096).astype(np.float32))
+    hvd.allreduce(g, compression=comp, name="mismatch")
+
+
+def _hvd_set(rank: int) -> None:
+    """A compressor pinned to the global process set, in an allreduce over this rank's own set:
+    each rank raises, naming the set."""
+    import horovod.torch as hvd
+    import torch
+
+    from horovod_alq.torch import ALQCompressor
+
+    comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, process_set=hvd.global_process_set)
+    alone = _HVD_SETS[rank]
+    hvd.allreduce(torch.ones(4096), compression=comp, name=f"alone{rank}", process_set=alone)
+
+
+def _hvd_outsider(rank: int) -> None:
+    """A compressor pinned to the set [0], in a global allreduce: rank 1 is outside its set (takes
+    part with a vector that fails the checks, and raises), rank 0 finds the reduction over another
+    set than its compressor's."""
+    import horovod.torch as hvd
+    import torch
+
+    from horovod_alq.torch import ALQCompressor
+
+    comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, process_set=_HVD_SETS[0])
+    hvd.allreduce(torch.ones(4096), compression=comp, name="outsider")
+
+
+def _hvd_timeout(rank: int) -> None:
+    """Both ranks compress and allreduce the control vectors; rank 1 then stops calling (and fails
+    itself later): rank 0 waits in the round's handshake and raises CollectiveTimeout after ``TIMEOUT``."""
+    import horovod.torch as hvd
+    import torch
+
+    from horovod_alq.torch import ALQCompressor
+
+    comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, timeout=TIMEOUT)
+    g = torch.from_numpy(np.random.default_rng(rank).standard_normal(4096).astype(np.float32))
+    vec, ctx = comp.compress(g)
+    reduced = hvd.allreduce(vec, op=hvd.Sum, name="stop")
+    if rank == 1:
+        time.sleep(TIMEOUT + 2)
+        raise RuntimeError(STOPPED)
+    comp.decompress(reduced, ctx)
+
+
+_HVD_SETS: list = []  # each rank's process set of its own, made at hvd.init
+HOROVOD_PATHS = {
+    **{f"hvd-{what}": (lambda rank, what=what: _hvd_mismatch(what, rank)) for what in HOROVOD_MISMATCHES},
+    "hvd-set": _hvd_set,
+    "hvd-outsider": _hvd_outsider,
+    "hvd-timeout": _hvd_timeout,
+}
+
+
+def _hvd_init() -> int:
+    import horovod.torch as hvd
+
+    _HVD_SETS[:] = [hvd.ProcessSet([r]) for r in range(int(os.environ.get("OMPI_COMM_WORLD_SIZE", "2")))]
+    hvd.init(process_sets=list(_HVD_SETS))
+    return hvd.rank()
+
+
 TORCH_PATHS = {"diloco": diloco, "ddp": ddp, "fsdp": fsdp, "hierarchical": hierarchical, "timeout": timeout}
-MPI_PATHS = {"mpi": mpi}
+#: Paths that tear down and exit themselves (the process's own ``sys.exit``).
+OWN_EXIT = {"checked": checked}
+MPI_PATHS = {"mpi": mpi, **HOROVOD_PATHS}
 
 
 def run(path: str) -> int:
     """Run ``path`` on this rank; returns the exit status when no error was raised (0) or another
     error than the expected one (3). The expected error propagates (status 1)."""
-    torch_path = path in TORCH_PATHS
+    torch_path = path in TORCH_PATHS or path in OWN_EXIT
     if torch_path:
         import torch
         import torch.distributed as dist
@@ -148,10 +293,14 @@ def run(path: str) -> int:
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
         rank = dist.get_rank()
+    elif path in HOROVOD_PATHS:
+        rank = _hvd_init()
     else:
         from mpi4py import MPI
 
         rank = MPI.COMM_WORLD.Get_rank()
+    if path in OWN_EXIT:
+        return OWN_EXIT[path](rank)
     try:
         {**TORCH_PATHS, **MPI_PATHS}[path](rank)
     except Exception as err:
@@ -168,9 +317,9 @@ def run(path: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0] not in {**TORCH_PATHS, **MPI_PATHS}:
+    if len(argv) != 1 or argv[0] not in {**TORCH_PATHS, **OWN_EXIT, **MPI_PATHS}:
         print(__doc__)
-        print(f"paths: {', '.join({**TORCH_PATHS, **MPI_PATHS})}")
+        print(f"paths: {', '.join({**TORCH_PATHS, **OWN_EXIT, **MPI_PATHS})}")
         return 2
     return run(argv[0])
 
