@@ -43,9 +43,10 @@ class Form:
     capped at ``cap`` times its smallest value within each quantization bucket; the identity until
     the optimizer has taken ``start`` steps (``v_hat`` then rests on too few gradients).
 
-    The defaults are the robust form measured in docs/results/precondition_gpt.md."""
+    The defaults (``floor=0.05, prior=4``) are the form measured in docs/results/precondition_gpt.md
+    (the first form, ``floor=0.01`` without ``prior``, is ``Form(floor=0.01, prior=0)``)."""
 
-    floor: float = 0.1
+    floor: float = 0.05
     """Relative floor: a fraction of the tensor's mean ``sqrt(v_hat)`` added to every ``sqrt(v_hat)``
     (never below the optimizer's own ``eps``). Bounds how much a coordinate whose ``v_hat`` is near 0
     (a rare token's embedding row) is magnified."""
@@ -60,7 +61,7 @@ class Form:
     block; within a block the first ``w`` computed from an optimizer state is kept): ``w`` costs
     several passes over ``v``, and ``v`` moves slowly. The same on every rank, since ranks count
     rounds alike."""
-    prior: float = 0.0
+    prior: float = 4.0
     """Shrinkage of a young ``v_hat``: it is averaged with the tensor's mean ``v_hat`` weighted as
     ``prior`` gradients against the effective number of gradients ``v_hat`` holds
     (:func:`samples`: 1 after one step, ``(1 + beta2) / (1 - beta2)`` in the limit). 0: none."""
