@@ -2,14 +2,16 @@
 """Exit codes after an error, under load: does every rank end with the error's status, or does one
 die at teardown (``terminate called without an active exception``, SIGABRT)? (Issue 56.)
 
-Each error path (scripts/study/exit_workers.py: DiLoCo ranks with another ``sync_every``, the DDP
-hook, FSDP2's reduce-scatter comm and mpi4py's QuantizedAllreduce with another ``bits``, the
-hierarchical exchange with another node layout, a rank that stops calling so that the other raises
-``CollectiveTimeout``) runs ``--runs`` times on 2 ranks (torchrun, mpirun for mpi4py) beside
-``--burners`` processes that spin on the CPU (started first, killed at the end, and each stops by
-itself after ``--burn-limit`` seconds). Every rank runs under a shim that records its worker's own
-exit status and then exits 0, so that the launcher never stops the other ranks: the statuses are
-the ranks' own. A rank that ends well exits with 1 (the error, raised again after
+Each error path (scripts/study/exit_workers.py: DiLoCo ranks with another ``sync_every``, alone or
+followed by a checker's collectives on a second gloo group (issue 65), the DDP hook, FSDP2's
+reduce-scatter comm and mpi4py's QuantizedAllreduce with another ``bits``, the hierarchical exchange
+with another node layout, a rank that stops calling so that the other raises ``CollectiveTimeout``,
+and every designed error of the Horovod PyTorch compressor, ``hvd-*``) runs ``--runs`` times on 2
+ranks (torchrun; mpirun for mpi4py and Horovod) beside ``--burners`` processes that spin on the CPU
+(started first, killed at the end, and each stops by itself after ``--burn-limit`` seconds). Every
+rank runs under a shim that records its worker's own exit status and then exits 0, so that the
+launcher never stops the other ranks: the statuses are the ranks' own. A rank that ends well exits
+with 1 (the error, raised again after
 ``dist.destroy_process_group()``); a negative status is the signal that ended it.
 
     python -m scripts.study.exit_stress --runs 20 --out docs/results/exit_stress.md
@@ -259,7 +261,15 @@ never stops a rank because another one failed first. Paths: `diloco` (ranks with
 10, the report), `ddp` and `fsdp` (`bits` 3 and 4), `hierarchical` (DiLoCo over
 `exchange="hierarchical"`, rank 0 declaring a node per rank: its companion groups), `timeout` (rank 1
 never reaches its outer step; rank 0 raises `CollectiveTimeout` after 3 s with its handshake in
-flight), `mpi` (mpi4py's `QuantizedAllreduce`, `bits` 3 and 4, under mpirun). A launch past 120 s
+flight), `mpi` (mpi4py's `QuantizedAllreduce`, `bits` 3 and 4, under mpirun); from issue 65:
+`checked` (the `diloco` mismatch, then the checker's own `all_reduce` and `all_gather_object` on a
+second gloo group, `dist.destroy_process_group()` and `sys.exit(1)`), and the Horovod PyTorch
+compressor's designed errors under mpirun, `hvd-<what>`: rank 1's compressor differs in `bits`
+(through `hvd.DistributedOptimizer`), `bucket`, `method`, `norm`, `levels`, `budget`, `allocation`
+or `bits_max` (`hvd.allreduce`, the cases of tests/torch/test_compressor_ranks.py); `hvd-set` (a
+compressor pinned to the global set in an allreduce over a rank's own set), `hvd-outsider` (pinned
+to the set [0] in a global allreduce), `hvd-timeout` (rank 1 stops after the control allreduce; rank
+0 raises `CollectiveTimeout` after 3 s). A launch past 120 s
 counts as hung; "before the error" means its ranks had not raised their error yet when it was
 stopped (the compiled codec being rebuilt after another process edited its source), not a
 teardown that hangs.
