@@ -131,7 +131,7 @@ def _launch(
         pytest.skip(f"{module} is not installed")
     out = tmp_path_factory.mktemp(f"{tag}-{frontend}")
     path = os.environ.get("PYTHONPATH")
-    env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}  # this checkout's package
+    env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else ""), **PINNED_KERNELS}  # this checkout's package
     common = ["--frontend", frontend, "--exchanges", ",".join(exchanges), "--elements", N, "--bits", BITS]
     common += ["--bucket", BUCKET, "--seed", SEED, "--out", out] + (["--plugin", plugin] if plugin else [])
     reports = run_ranks(WORKER, np=SIZE, launcher=launcher, timeout=300, env=env, args=common + args)
@@ -401,18 +401,28 @@ def test_error_feedback_applies_the_true_sum_less_the_buffers(launched_feedback,
 
 # ------------------------------------------------------------------ golden rounds (refactoring guard)
 GOLDEN = ROOT / "tests" / "data" / "golden_conformance.json"
+#: The kernels of every conformance launch: torch's generic (not AVX2 / AVX-512) kernels, the
+#: compiled codec's generic kernels, NumPy's x86-64-v2 baseline loops and no oneDNN in TensorFlow.
+#: Results then do not depend on the CPU: test_golden_rounds runs, and compares, on any x86-64.
+PINNED_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "HOROVOD_ALQ_SIMD": "0",
+    "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR",
+    "TF_ENABLE_ONEDNN_OPTS": "0",
+}
 UPDATE_GOLDEN = "HOROVOD_ALQ_UPDATE_GOLDEN"
 
 
 def _signature() -> dict:
-    """What the recorded digests depend on besides the code: the packages' versions and the CPU
-    kernels torch picked (another vector width may sum floats in another order)."""
+    """What the recorded digests depend on besides the code: the architecture, the packages'
+    versions and the kernels, which the launches pin (:data:`PINNED_KERNELS`), so that no CPU's
+    vector width changes the order in which floats are summed: the same on every x86-64 CPU."""
     import platform
 
     import torch
 
     return {"machine": platform.machine(), "torch": torch.__version__, "numpy": np.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+            "kernels": " ".join(f"{k}={v}" for k, v in sorted(PINNED_KERNELS.items()))}  # fmt: skip
 
 
 def _fingerprint(infos: list) -> dict:
@@ -429,8 +439,9 @@ def test_golden_rounds(launched, frontend):
     output digests on every rank, the levels and the bytes of tests/data/golden_conformance.json.
     A change that alters results on purpose (a wire format, a rounding rule) re-records them with
     ``HOROVOD_ALQ_UPDATE_GOLDEN=1 pytest tests/test_conformance.py -k golden`` and says why in its
-    commit; a refactoring must leave them alone. Skipped on machines whose signature differs from
-    the recording's (another CPU kernel width may sum floats in another order)."""
+    commit; a refactoring must leave them alone. The launches pin their kernels, so the digests are
+    the same on any x86-64 CPU; skipped only on another architecture or other package versions
+    than requirements/pinned.txt's (the recording's), never for the CPU model."""
     import json
 
     reports, _ = launched(frontend)
