@@ -197,6 +197,7 @@ def mpirun_command(
     env_vars.update(
         PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), **({"HOROVOD_ALQ_LOCAL_SIZE": str(g)} if g > 1 else {})
     )
+    env_vars["HOROVOD_ALQ_COMPRESS"] = launching.RANK_ENV["HOROVOD_ALQ_COMPRESS"]  # studies: compress="always"
     shm = intra == "shm" and g > 1
     mca = {
         "plm_rsh_agent": str(agent),

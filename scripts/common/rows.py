@@ -136,7 +136,8 @@ def _compression(row: Row, hvd, seed: int | None):
     if row.codec in ("fp32", "fp16"):
         return hvd.Compression.none if row.codec == "fp32" else hvd.Compression.fp16
     kind = ALQCompressor if row.codec == "alq" else QSGDCompressor
-    return kind(**row.options, **({} if seed is None else {"seed": seed}))
+    options = {"compress": "always", **row.options}  # a row times one path unless it says otherwise
+    return kind(**options, **({} if seed is None else {"seed": seed}))
 
 
 def build(
@@ -186,6 +187,6 @@ def _ddp(row: Row, model, seed, bucket_mb, powersgd_fix: str, matched_rank) -> d
         call.register_comm_hook(state, hooks["psgd-wait"] if powersgd_fix == "wait" else psgd.powerSGD_hook)
         out.update(state=state, extra={"powersgd_rank": rank} if row.options["rank"] == "matched" else {})
     elif row.codec == "alq":
-        out["state"] = ALQState(**{"exchange": "auto", "wire": "fixed", **row.options})
+        out["state"] = ALQState(**{"exchange": "auto", "wire": "fixed", "compress": "always", **row.options})
         call.register_comm_hook(out["state"], alq_hook)
     return out
