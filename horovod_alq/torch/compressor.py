@@ -178,10 +178,6 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         if self._state.compress == "when-faster":
             self._state.speed = SpeedArbiter(what=self.FRONT_END)
         self._between = True  # no round in progress: the next compress starts one
-        self._sixteen_stats: list | None = None  # a 16-bit round's statistics for its refit
-        if self._state.compress == "when-faster":
-            self._state.speed = SpeedArbiter(what=self.FRONT_END)
-        self._between = True  # no round in progress: the next compress starts one
         self._collectives = 0  # collectives of transports dropped by reset()
         self._sixteen_stats: list | None = None  # a 16-bit round's statistics for its refit
         self._timeout = resolve_timeout(s.timeout)
