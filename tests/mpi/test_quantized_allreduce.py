@@ -225,6 +225,7 @@ BAD_INPUT = {  # only rank 1 is at fault; everyone names it
     "str_input": "rank 1: ValueError: x must be a floating-point array",
     "adapt_stats": "could not adapt on rank 1: ValueError: stats has shape (3,)",
     "bad_op": "rank 1: ValueError: op must be one of ('average', 'sum'), got 'max'",
+    "feedback_key": "rank 1: ValueError: error_feedback=True keeps each array's error under a key: pass key=",
 }
 
 

@@ -211,6 +211,9 @@ def errors(comm) -> dict:
         "adapt_config": lambda: config(bits=4).adapt(),
         "norm": lambda: config(norm="linf" if good.norm == "l2" else "l2")(x),
         "adapt_norm": lambda: config(norm="linf" if good.norm == "l2" else "l2").adapt(),
+        "feedback_key": lambda: QuantizedAllreduce(comm, "alq", bits=3, bucket_size=64, error_feedback=True)(
+            x, key=None if odd else "x"
+        ),
     }
     for name, fn in cases.items():
         res[name] = _attempt(fn)
