@@ -224,6 +224,8 @@ class ErrorFeedback:
                     for old in [k for k in kept if k[0] < b and a < k[1]]:  # the tensor's layout changed
                         del kept[old]
                     kept[(a, b)] = (_copy(error[at : at + b - a]), scale)
+            if not whole:  # copied out: the vector serves the next encode of its size
+                self._spare[_kind(error)] = error
         pending.rows = []
 
     # ------------------------------------------------------------------ state
