@@ -11,6 +11,7 @@ process dies with "terminate called without an active exception", SIGABRT).
 import sys
 import tempfile
 import threading
+import time
 import weakref
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 if sys.argv[1] == "package":
     import horovod_alq.torch.dist_transport  # noqa: F401 - its exit hook
 
+BUSY = 1.0  # seconds the worker stays busy once the main thread exits (whatever the machine's load)
 MAIN = threading.main_thread()
 on_worker = threading.Event()
 exiting = threading.Event()
@@ -30,8 +32,8 @@ def late() -> None:
         return
     on_worker.set()
     exiting.wait()
-    a = torch.randn(300, 300)
-    for _ in range(20):  # each op releases the GIL: the thread stays runnable, as a late one is
+    a, end = torch.randn(200, 200), time.monotonic() + BUSY
+    while time.monotonic() < end:  # each op releases the GIL: the thread stays runnable, as a late one is
         a = torch.tanh(a @ a)
     print("worker dropped the work", flush=True)
 
