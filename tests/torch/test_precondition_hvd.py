@@ -25,6 +25,7 @@ def test_identical_and_learning(ranks, case):
     assert same(ranks, lambda r: r[case]["params"]) and same(ranks, lambda r: r[case]["digest"])
     first = ranks[0][case]
     assert first["followed"] and first["digest"] != 0
+    assert first["scaled"] == [[4, 128], [128], [128, 32]]  # all but the 4-element bias (below min_size)
     assert first["loss_last"] < first["loss_first"], first
 
 

@@ -29,6 +29,15 @@ def run(rank: int, size: int, steps: int, perturb_at: int | None = None, bits=3,
     kw = dict(bucket_size=256, min_size=64, seed=7, compress="always", precondition=base)
     comp = ALQCompressor(bits=bits, named_parameters=model.named_parameters(), **kw, **settings)
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp)
+    scaled, find = set(), comp._precondition.for_gradient
+
+    def recorded(tensor):  # the shapes of the gradients that went scaled
+        w = find(tensor)
+        if w is not None:
+            scaled.add(tuple(tensor.shape))
+        return w
+
+    comp._precondition.for_gradient = recorded
     losses = []
     try:
         for i, (x, y) in enumerate(data):
@@ -47,6 +56,7 @@ def run(rank: int, size: int, steps: int, perturb_at: int | None = None, bits=3,
         "params": digest(*model.parameters()),
         "digest": int(comp._state.precondition),
         "followed": comp._precondition.optimizer is opt,
+        "scaled": sorted(scaled),
         "loss_first": float(np.mean(losses[:3])),
         "loss_last": float(np.mean(losses[-3:])),
     }
