@@ -23,6 +23,11 @@ def test_identical_and_learning(ranks, case):
     assert same(ranks, lambda r: r["train"][case]["digest"]), case
     first = ranks[0]["train"][case]
     assert first["digest"] != 0
+    # the quantized buckets went scaled: a callable's from the start, AdamW's once it has a second
+    # moment (step 0's buckets: w = 1)
+    scaled = first["scaled"]
+    assert scaled and all(n > 0 for n in (scaled if case == "callable" else scaled[-3:])), scaled
+    assert case == "callable" or scaled[0] == 0, scaled
     assert first["loss_last"] < first["loss_first"], first
 
 

@@ -13,7 +13,20 @@ from ddp_worker import batches, make_model, state_for
 from helpers import digest
 
 from horovod_alq.torch import Preconditioner
+from horovod_alq.torch import ddp as hook_module
 from horovod_alq.torch.ddp import alq_hook
+
+SCALED: list = []  # elements of each quantized bucket that went scaled
+_bucket_scale = hook_module._bucket_scale
+
+
+def _recorded(pre, parameters, flat):
+    w = _bucket_scale(pre, parameters, flat)
+    SCALED.append(0 if w is None else int(w.numel()))
+    return w
+
+
+hook_module._bucket_scale = _recorded
 
 
 def training(rank: int, steps: int = 12, pre: str = "adamw", **kwargs) -> dict:
@@ -27,6 +40,7 @@ def training(rank: int, steps: int = 12, pre: str = "adamw", **kwargs) -> dict:
     state = state_for("alq", precondition=source, **kwargs)
     model.register_comm_hook(state, alq_hook)
     losses = []
+    SCALED.clear()
     for x, y in batches(rank, steps):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -36,6 +50,7 @@ def training(rank: int, steps: int = 12, pre: str = "adamw", **kwargs) -> dict:
     return {
         "params": digest(*model.parameters()),
         "digest": int(state.round_state.precondition),
+        "scaled": list(SCALED),
         "levels": state.metrics()["levels"].tolist(),
         "loss_first": float(np.mean(losses[:3])),
         "loss_last": float(np.mean(losses[-3:])),
