@@ -152,13 +152,13 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     net.join_gloo(hvd, args.gloo_ifname, args.gloo_timeout)
     keys = args.rows.split(",")
-    built = {}
+    built, staggered = {}, 0
     for key in keys:
         torch.manual_seed(0)  # the same initial weights in every row and on every rank
         model = resnet18(args.width)
         sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=args.momentum)
         built[key] = rows.build(key, model, sgd, hvd, bucket_mb=args.ddp_bucket_mb, powersgd_fix=args.powersgd_fix)
-        speed_warmup(args, built[key]["state"], hvd.rank())
+        staggered += speed_warmup(args, built[key]["state"], hvd.rank(), staggered)
     timed, before, after = run_steps(args, keys, built, hvd.rank())
     # parameters after all steps: the largest difference to rank 0's (0 when every rank averaged alike)
     diffs = {key: timing.param_diff(built[key]["model"].parameters()) for key in keys}
@@ -181,14 +181,21 @@ def worker(args) -> int:
     return 0
 
 
-def speed_warmup(args, state, rank: int) -> None:
+def speed_warmup(args, state, rank: int, before: int) -> int:
     """``--speed-warmup``: a row with ``compress="when-faster"`` starts its first trial after that
-    many of its rounds instead of 100 (its arbiter's other defaults kept)."""
-    from horovod_alq.core.speed import SpeedArbiter
+    many of its rounds instead of 100 (its arbiter's other defaults kept), plus a trial's length
+    for each such row ``before`` it, so that no two rows' trials overlap (the arbiter times a
+    round from start to start, which here spans every row's step: a trial must be the only one
+    changing them). Returns 1 for such a row, else 0."""
+    from horovod_alq.core.speed import PATTERN, SpeedArbiter
 
     rounds = getattr(state, "round_state", None) or getattr(state, "_state", None)
-    if args.speed_warmup is not None and getattr(rounds, "speed", None) is not None:
-        rounds.speed = SpeedArbiter(rank=rank, what=rounds.speed.what, warmup=args.speed_warmup)
+    if args.speed_warmup is None or getattr(rounds, "speed", None) is None:
+        return 0
+    trial = len(PATTERN) * rounds.speed.block  # rounds of one trial
+    arbiter = SpeedArbiter(rank=rank, what=rounds.speed.what, warmup=args.speed_warmup + before * trial)
+    rounds.speed = arbiter
+    return 1
 
 
 def run_steps(args, keys: list[str], built: dict, rank: int) -> tuple[dict, dict, dict]:
