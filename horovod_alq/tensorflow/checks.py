@@ -29,6 +29,9 @@ _CONFIG_FIELDS = {
     **{i: "levels" for i in range(24, 32)},
     HEADER_SIZE: "bits_second",
 }
+#: Every control vector ends with ``v = 1 + error_feedback`` and ``v**2``: the ranks agree on it when
+#: ``(mean v)**2 == mean v**2`` (no payload header carries it, so this is the only place it is compared).
+FEEDBACK = 2
 
 
 def check_vector(
@@ -41,13 +44,15 @@ def check_vector(
     extra: int,
     config: str | None = None,
     layout: int | None = None,
+    feedback: int | None = None,
 ) -> None:
     """The core's checks of the reduced vector (its length against the one compress made, with
     ``extra`` entries after the core's; the op and scale, the process set, shapes and dtypes,
     slots), then TensorFlow's: every rank gave the tensor the same slot (its payload collectives
     are named after it); with ``config`` (the exchange's name), the same configuration bytes ``c``
     (``(mean c)**2 == mean c**2``); with ``layout`` (where the ranks' entries start), the same
-    ranks per node. Raises when one fails."""
+    ranks per node; with ``feedback`` (where :data:`FEEDBACK` starts), the same ``error_feedback``.
+    Raises when one fails."""
     try:
         read = protocol.read_tensor_vector(reduced, rank=rank, size=size, slot=slot, shape_code=shape_code, extra=extra)
     except protocol.ProtocolError as err:
@@ -66,6 +71,15 @@ def check_vector(
             raise ProtocolError(
                 f"horovod_alq: the ranks declare different node layouts (ranks per node, in rank order: {g}); "
                 f"every rank must see the same HOROVOD_ALQ_LOCAL_SIZE or launcher layout. Refusing to exchange"
+            )
+    if feedback is not None:
+        v, v2 = (float(x) for x in reduced[feedback : feedback + FEEDBACK] / reduced[0])
+        if abs(v * v - v2) > 1e-9 * max(1.0, v2):
+            on = int(round((v - 1.0) * size))
+            raise ProtocolError(
+                f"horovod_alq: the ranks' compressors differ in error_feedback (True on {on} of {size} ranks; "
+                f"compared before any payload moved). Every rank must build the compressor with the same "
+                f"error_feedback"
             )
     if config is not None:
         w = reduced[head : head + 2 * CONFIG] / reduced[0]

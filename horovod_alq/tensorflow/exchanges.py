@@ -124,7 +124,8 @@ class GraphExchanges:
     def _control_head(self, head: tf.Tensor, exchange: str, header: tf.Tensor, width, g: int) -> tf.Tensor:
         """The core's tensor vector ``head``, then (:meth:`_head_parts`) the configuration sums
         (the header bytes and ``bits_second``, and their squares) and this rank's ranks per node
-        at its place among the set's."""
+        at its place among the set's; last, always, ``error_feedback`` as ``v = 1 + on`` and
+        ``v**2`` (:data:`.checks.FEEDBACK`: no payload header carries it)."""
         config, layout = self._head_parts(exchange)
         if config:
             second = tf.constant(float(self._second.bits), tf.float64) if width is None else tf.cast(width, tf.float64)
@@ -134,12 +135,13 @@ class GraphExchanges:
             mine = np.zeros(self._set_size())
             mine[self._set_rank()] = g
             head = tf.concat([head, tf.constant(mine, tf.float64)], 0)
-        return head
+        v = 1.0 + float(self._vars.feedback is not None)
+        return tf.concat([head, tf.constant([v, v * v], tf.float64)], 0)
 
     def _head_len(self, exchange: str) -> int:
         """Length of the vector compress hands the allreduce, statistics aside (:meth:`_control_head`)."""
         n, (config, layout) = self._set_size(), self._head_parts(exchange)
-        return protocol.tensor_vector_length(n) + 2 * checks.CONFIG * config + n * layout
+        return protocol.tensor_vector_length(n) + 2 * checks.CONFIG * config + n * layout + checks.FEEDBACK
 
     def _check_vector(self, ctx: Exchange, reduced: np.ndarray, expected) -> None:
         n = self._set_size()
@@ -155,6 +157,7 @@ class GraphExchanges:
             extra=int(expected) - size,
             config=ctx.exchange if e.requantizes or e.node_aware else None,
             layout=size + 2 * checks.CONFIG * config if layout else None,
+            feedback=self._head_len(ctx.exchange) - checks.FEEDBACK,
         )
 
     # ------------------------------------------------------------------ decompress

@@ -112,7 +112,7 @@ def test_keras_model_fit_with_tf_keras():
 @pytest.fixture(scope="module")
 def checks():
     """One 2-rank launch of six scenarios in turn (TensorFlow starts once); the refusing ones last."""
-    return _run("misc+compat+fusion+feedback+mismatch+deadlock")
+    return _run("misc+compat+fusion+feedback+mismatch+feedback_mismatch+deadlock")
 
 
 def _scenario(runs, name):
@@ -134,6 +134,19 @@ def test_mismatched_configuration_is_refused_on_every_rank(checks):
                 err = r[f"{mode}.{what}"]["error"]
                 assert err is not None, f"rank {rank} decoded a mismatched payload ({mode}, {what})"
                 assert "the payload of rank" in err and all(w in err for w in words), err
+        assert r["after"] == res[0]["after"], "a matching exchange after the refusals failed"
+
+
+def test_ranks_that_disagree_on_error_feedback_raise_on_every_rank(checks):
+    """No payload header carries error_feedback: the control vector does, and every rank refuses,
+    eagerly and in tf.function, for allgather and two-phase, naming the setting and the count."""
+    res = _scenario(checks, "feedback_mismatch")
+    for rank, r in enumerate(res):
+        for mode in ("eager", "function"):
+            for exchange in ("allgather", "two-phase"):
+                err = r[f"{mode}.{exchange}"]["error"]
+                assert err is not None, f"rank {rank} decoded with another error_feedback ({mode}, {exchange})"
+                assert "differ in error_feedback (True on 1 of 2 ranks" in err, err
         assert r["after"] == res[0]["after"], "a matching exchange after the refusals failed"
 
 
