@@ -147,21 +147,27 @@ class CompressorBase(Configured):
         return cls._default_instance
 
 
+def _package_frames(package: str, depth: int):
+    """The frames of ``package`` among the ``depth`` frames above the caller's caller."""
+    frame = sys._getframe(3)
+    for _ in range(depth):
+        if frame is None:
+            return
+        if frame.f_globals.get("__name__", "").startswith(package):
+            yield frame
+        frame = frame.f_back
+
+
 def calling_process_set(package: str, depth: int = 8):
     """The ``process_set`` of the nearest frame of ``package`` (e.g. ``"horovod.torch"``) among the
     ``depth`` frames above the caller: the argument of the Horovod collective (or the
     ``process_set`` of the Horovod object, e.g. a ``DistributedOptimizer``) that called
     ``compress``; None if there is none. Horovod does not pass the process set to ``compress``."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        if frame.f_globals.get("__name__", "").startswith(package):
-            local = frame.f_locals
-            ps = local.get("process_set", getattr(local.get("self"), "process_set", None))
-            if ps is not None and hasattr(ps, "process_set_id"):
-                return ps
-        frame = frame.f_back
+    for frame in _package_frames(package, depth):
+        local = frame.f_locals
+        ps = local.get("process_set", getattr(local.get("self"), "process_set", None))
+        if ps is not None and hasattr(ps, "process_set_id"):
+            return ps
     return None
 
 
@@ -170,26 +176,20 @@ def calling_tensor_name(package: str, tensor, depth: int = 10):
     caller (Horovod does not pass it to ``compress``): the parameter's name in a
     ``DistributedOptimizer`` (its ``_parameter_names``), else the ``name=`` of the Horovod
     collective (with the tensor's index in a grouped one); None if there is none."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        if frame.f_globals.get("__name__", "").startswith(package):
-            local = frame.f_locals
-            outer = frame.f_back.f_locals if frame.f_back is not None else {}
-            owner = local.get("self", outer.get("self"))
-            names = getattr(owner, "_parameter_names", None)
-            p = local.get("p")
-            if isinstance(names, dict) and p is not None and names.get(p) is not None:
-                return names[p]
-            name = local.get("name", outer.get("name"))
-            if isinstance(name, str):
-                group = local.get("tensors", outer.get("tensors"))
-                if isinstance(group, (list, tuple)) and len(group) > 1:
-                    index = next((i for i, t in enumerate(group) if t is tensor), None)
-                    return None if index is None else (name, index)
-                return name
-        frame = frame.f_back
+    for frame in _package_frames(package, depth):
+        local = frame.f_locals
+        outer = frame.f_back.f_locals if frame.f_back is not None else {}
+        names = getattr(local.get("self", outer.get("self")), "_parameter_names", None)
+        p = local.get("p")
+        if isinstance(names, dict) and p is not None and names.get(p) is not None:
+            return names[p]
+        name = local.get("name", outer.get("name"))
+        if isinstance(name, str):
+            group = local.get("tensors", outer.get("tensors"))
+            if isinstance(group, (list, tuple)) and len(group) > 1:
+                index = next((i for i, t in enumerate(group) if t is tensor), None)
+                return None if index is None else (name, index)
+            return name
     return None
 
 
