@@ -25,6 +25,8 @@ PY=${PY:-python3}
 SDIST="$ROOT/build/device/horovod-0.28.1.tar.gz"
 JOBS=${HOROVOD_ALQ_JOBS:-7}  # compile jobs of each of the two Horovod builds
 VARIANTS=${GPU_DEVICE_VARIANTS-nccl gloo}  # which Horovod builds ("": none)
+BUDGET=${GPU_DEVICE_BUDGET:-570}  # seconds for the whole call: builds still running 90 s before it are stopped
+export PATH="$PATH:/usr/local/cuda/bin"
 mkdir -p "$OUT"
 cd "$ROOT"
 exec > >(tee "$OUT/device.log") 2>&1
@@ -106,7 +108,15 @@ echo "   exit $rc after $((SECONDS - start)) s"
 
 echo "== Horovod"
 built=1
-for pid in "${pids[@]}"; do wait "$pid" || built=0; done
+for pid in "${pids[@]}"; do
+    while kill -0 "$pid" 2>/dev/null && (( SECONDS - start < BUDGET - 90 )); do sleep 2; done
+    if kill -0 "$pid" 2>/dev/null; then
+        echo "   a Horovod build still runs at $((SECONDS - start)) s: stopped (GPU_DEVICE_BUDGET=$BUDGET)"
+        pkill -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null
+        built=0
+    fi
+    wait "$pid" || built=0
+done
 [[ ${#pids[@]} -gt 0 ]] || built=0
 tail -n 3 "$OUT"/build-*.log 2>/dev/null
 hargs=()
