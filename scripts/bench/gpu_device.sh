@@ -71,7 +71,8 @@ build() {
                   HOROVOD_NCCL_LIB="/tmp/nccl-lib-$name")
         fi
         local t0=$SECONDS
-        (cd "$src" && env "${env[@]}" "$PY" -m pip wheel -v --no-index --no-build-isolation --no-deps -w "/tmp/whl-$name" .)
+        # torch's cpp_extension finds cudart through CUDA_HOME, else through the nvcc on PATH
+        (cd "$src" && env "${env[@]}" CUDA_HOME="$(dirname "$here")" PATH="$(dirname "$here")/bin:$PATH" "$PY" -m pip wheel -v --no-index --no-build-isolation --no-deps -w "/tmp/whl-$name" .)
         "$PY" -m pip install -q --no-index --no-deps --target "/tmp/hvd-$name" /tmp/whl-"$name"/horovod-*.whl
         echo "built $name in $((SECONDS - t0)) s"
     ) >"$log" 2>&1

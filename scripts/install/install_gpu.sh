@@ -197,14 +197,16 @@ else
         for patch in "${patches[@]}"; do
             "$VPY" "$patch" "$BUILD_TMP/horovod-$HOROVOD_VERSION"
         done
-        # The NCCL wheel ships libnccl.so.2 only; Horovod's CMake looks for libnccl.so.
+        # The NCCL wheel ships libnccl.so.2 only; Horovod's CMake looks for libnccl.so. torch's
+        # cpp_extension (Horovod's FindPytorch) finds cudart through CUDA_HOME, else through the nvcc
+        # on PATH, which may be a wrapper elsewhere (/usr/local/bin/nvcc here): both are set.
         mkdir "$BUILD_TMP/nccl-lib"
         ln -s "$nccl_dir/lib/libnccl.so.2" "$BUILD_TMP/nccl-lib/libnccl.so"
         HINT="the Horovod build failed: see the end of $log (printed above)"
         start=$SECONDS
         if ! (cd "$BUILD_TMP/horovod-$HOROVOD_VERSION" &&
               env "${build_env[@]}" HOROVOD_NCCL_INCLUDE="$nccl_dir/include" HOROVOD_NCCL_LIB="$BUILD_TMP/nccl-lib" \
-                  PATH="$CUDA_HOME/bin:$PATH" "$VPY" -m pip wheel -v --no-input --no-build-isolation --no-deps \
+                  CUDA_HOME="$CUDA_HOME" PATH="$CUDA_HOME/bin:$PATH" "$VPY" -m pip wheel -v --no-input --no-build-isolation --no-deps \
                   -w "$BUILD_TMP/wheel" .) >"$log" 2>&1; then
             tail -n 40 "$log" >&2
             false
