@@ -7,7 +7,8 @@ from one optimizer step to the next. After ``warmup`` rounds it runs a *trial*: 
 ``block`` rounds in the order quantized, 16-bit, 16-bit, quantized (the order cancels a linear
 drift; the first round of each block, the transition, is not counted), every round carrying the
 real gradients. Each rank takes the median of its counted steps per path; one MAX allreduce gives
-every rank the slowest rank's pair, and every rank chooses the faster path (quantized on a tie).
+every rank the slowest rank's pair, and every rank quantizes only if that step is at least
+``margin`` (3%) shorter than the 16-bit one: a tie goes to the framework's own path.
 Then every ``watch`` rounds one more small MAX allreduce compares the median step since the last
 check with the chosen path's trial time: a change by more than ``drift`` (relative) starts a new
 trial, and so does reaching ``recheck`` rounds since the last one.
@@ -72,7 +73,8 @@ class SpeedArbiter:
 
     ``clock``: seconds, monotonic (tests inject one); ``rank``: this rank in the set (rank 0 logs
     each change); ``what``: how the log line names the front-end. ``warmup``, ``block``, ``watch``,
-    ``recheck`` count rounds; ``drift`` is relative."""
+    ``recheck`` count rounds; ``drift`` and ``margin`` (how much shorter a quantized step must be)
+    are relative."""
 
     def __init__(
         self,
@@ -85,9 +87,13 @@ class SpeedArbiter:
         watch: int = 50,
         recheck: int = 2000,
         drift: float = 0.25,
+        margin: float = 0.03,
     ) -> None:
-        if block < 2 or warmup < 0 or watch < 1 or recheck < 1 or not drift > 0:
-            raise ValueError("SpeedArbiter: block >= 2, warmup >= 0, watch >= 1, recheck >= 1, drift > 0")
+        if block < 2 or warmup < 0 or watch < 1 or recheck < 1 or not drift > 0 or not 0 <= margin < 1:
+            raise ValueError(
+                "SpeedArbiter: block >= 2, warmup >= 0, watch >= 1, recheck >= 1, drift > 0, 0 <= margin < 1"
+            )
+        self.margin = margin
         self.rank, self.what, self.clock = rank, what, clock
         self.warmup, self.block, self.watch, self.recheck, self.drift = warmup, block, watch, recheck, drift
         self.round = 0  # rounds started
@@ -151,7 +157,7 @@ class SpeedArbiter:
         t_q, t_16 = (float(v) * 1e-6 for v in slowest)
         self.times = {QUANTIZED: t_q, SIXTEEN: t_16}
         self.trials += 1
-        choice = t_q <= t_16
+        choice = t_q <= (1 - self.margin) * t_16
         if choice != self.quantizing:
             self.changes += 1
             if self.rank == 0:

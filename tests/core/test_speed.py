@@ -58,7 +58,7 @@ def test_a_slower_quantized_step_switches_to_16_bits_and_back_when_it_pays_again
     assert m["rounds_16bit"] == sum(not q for q in choices)
 
 
-def test_the_slowest_rank_decides_and_ties_keep_quantizing():
+def test_the_slowest_rank_decides_and_a_tie_goes_to_16_bits():
     # rank 1's quantized steps are slow, rank 0's fast: the MAX (rank 1's) decides on both ranks
     def cost(rank, t, q):
         return (3.0 if rank == 1 else 0.5) if q else 1.0
@@ -66,7 +66,10 @@ def test_the_slowest_rank_decides_and_ties_keep_quantizing():
     arbiters, choices = _lockstep(2, cost, 30, warmup=2, block=2, watch=50, recheck=1000)
     assert not choices[-1] and all(a.times["quantized"] == pytest.approx(3.0) for a in arbiters)
     _, tie = _lockstep(2, lambda r, t, q: 1.0, 30, warmup=2, block=2, watch=50, recheck=1000)
-    assert tie[-1] is True
+    assert tie[-1] is False  # quantizing must be at least `margin` (3%) faster
+    _, close = _lockstep(2, lambda r, t, q: 0.98 if q else 1.0, 30, warmup=2, block=2, watch=50, recheck=1000)
+    _, clear = _lockstep(2, lambda r, t, q: 0.9 if q else 1.0, 30, warmup=2, block=2, watch=50, recheck=1000)
+    assert close[-1] is False and clear[-1] is True
 
 
 def test_periodic_re_measurement_and_median_against_outliers():
