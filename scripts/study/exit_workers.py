@@ -225,6 +225,7 @@ def _hvd_set(rank: int) -> None:
 
     comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, process_set=hvd.global_process_set)
     alone = _HVD_SETS[rank]
+    hvd.barrier()  # Horovod's background loop has registered the sets (right after hvd.init it may not have)
     hvd.allreduce(torch.ones(4096), compression=comp, name=f"alone{rank}", process_set=alone)
 
 
