@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "scripts" / "install" / "check_codec.py"
 ALLOW = "HOROVOD_ALQ_ALLOW_TORCH_CODEC"
@@ -118,3 +120,31 @@ def test_gpu_install_with_nvcc_but_no_cuda_headers_names_them(tmp_path):
     err = _gpu_install(tmp_path, cuda)
     assert "bin/nvcc" not in err.split("missing:")[1], err
     assert f"the CUDA runtime headers ({cuda}/include/cuda_runtime.h" in err, err
+
+
+@pytest.mark.skipif(
+    not Path("/usr/local/cuda/include/cuda_runtime.h").exists()
+    or not all(map(shutil.which, ("g++", "cmake", "mpicc"))),
+    reason="no CUDA toolkit in /usr/local/cuda, or no g++, cmake or mpicc",
+)
+def test_gpu_install_without_the_cuda_packages_fails_before_the_venv(tmp_path):
+    """An index that does not serve torch's CUDA build (here: an empty one) stops the install at its
+    check of the index, before .venv-gpu is created."""
+    for name in ("requirements", "scripts"):
+        (tmp_path / name).mkdir()
+    shutil.copytree(ROOT / "scripts" / "install", tmp_path / "scripts" / "install")
+    for name in ("requirements/pinned.txt", "setup.cfg", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    (tmp_path / "index").mkdir()
+    env = {**os.environ, "HOROVOD_CUDA_HOME": "/usr/local/cuda", "HOROVOD_ALQ_GPU_INDEX": (tmp_path / "index").as_uri()}
+    res = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "install" / "install_gpu.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode != 0, (res.stdout, res.stderr)
+    assert "failed at step 'CUDA packages on file://" in res.stderr, res.stderr
+    assert "cannot resolve torch==" in res.stderr and ".venv is untouched" in res.stderr, res.stderr
+    assert not (tmp_path / ".venv-gpu").exists()

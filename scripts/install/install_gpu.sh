@@ -103,6 +103,22 @@ cuda_version=$("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\)
 echo "    nvcc: CUDA $cuda_version in $CUDA_HOME (from $from); g++ $(g++ -dumpfullversion); $(cmake --version | head -1)"
 
 # --------------------------------------------------------------------------------------------
+torch_pin=$(grep -E '^torch==' "$PIN")
+torch_plain=${torch_pin%%+*}
+stamp="$VENV/.horovod-alq-packages"
+want=$(cat "$PIN" "$ROOT/setup.cfg" "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" <(echo "index=$INDEX") | sha)
+if ! [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    step "CUDA packages on $INDEX" "$INDEX must serve $torch_plain built for CUDA (HOROVOD_ALQ_GPU_INDEX); nothing was installed and .venv is untouched"
+    # Resolves torch's metadata only (no download of the wheel): the CUDA build requires nvidia-* packages.
+    report=$(PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS="" PIP_EXTRA_INDEX_URL="" PIP_INDEX_URL="$INDEX" \
+        "$PYTHON" -m pip install --dry-run --quiet --no-input --no-deps --ignore-installed --report - "$torch_plain" 2>&1) ||
+        { HINT="cannot resolve $torch_plain on $INDEX (network?): ${report: -300}; $HINT"; false; }
+    requires=$("$PYTHON" -c 'import json, sys; d = json.load(sys.stdin)["install"][0]["metadata"]; import re; print(d["version"], " ".join(re.split(r"[ ;=<>!~(\[]", r)[0] for r in d.get("requires_dist") or [] if r.startswith("nvidia-")))' <<<"$report")
+    [[ "$requires" == *nvidia-* ]] || { HINT="$INDEX serves torch ${requires%% *} without the CUDA packages (nvidia-*); $HINT"; false; }
+    echo "    torch ${requires%% *} requires ${requires#* }"
+fi
+
+# --------------------------------------------------------------------------------------------
 step "virtual environment (.venv-gpu)" "delete .venv-gpu and run HOROVOD_ALQ_GPU=1 make install again"
 "$PYTHON" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))'
 if [[ ! -x "$VPY" ]]; then
@@ -114,13 +130,9 @@ fi
 
 # --------------------------------------------------------------------------------------------
 step "python packages (CUDA torch)" "read pip's error above; $INDEX must serve torch's CUDA build (HOROVOD_ALQ_GPU_INDEX)"
-torch_pin=$(grep -E '^torch==' "$PIN")
-torch_plain=${torch_pin%%+*}
 # numpy, scipy, mpi4py and the rest at requirements/pinned.txt's versions; torch from the index
 # with the CUDA packages and Triton it declares.
 constraints="$VENV/.horovod-alq-constraints.txt"
-stamp="$VENV/.horovod-alq-packages"
-want=$(cat "$PIN" "$ROOT/setup.cfg" "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" <(echo "index=$INDEX") | sha)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     echo "    up to date"
 else
