@@ -52,9 +52,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(ctx, kind: str, timeout: float = 300, horovod_path: str | None = None) -> list:
+def launch(ctx, kind: str, timeout: float = 240, horovod_path: str | None = None) -> list:
     """Runs the ``kind`` worker on 2 ranks; returns both ranks' results (raises with their output
-    when a rank fails or writes nothing)."""
+    when a rank fails, writes nothing or outlives ``timeout``, below the check's 300-second section
+    timeout, so that a hung launch fails its section and the next sections still run)."""
     worker = [sys.executable, "-m", "scripts.bench.gpu_paths_ranks", "--worker", kind, "--device", ctx.device.type]
     worker += ["--tiny"] if ctx.tiny else []
     paths = [horovod_path, ROOT, os.environ.get("PYTHONPATH")]
