@@ -8,7 +8,6 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import compressor_mixins as mixins
-from ..core import precondition
 from ..core.methods import get_method
 from ..core.protocol import CollectiveTimeout, ProtocolError, error_text, stable_hash
 from ..core.quantizer import Quantizer
@@ -19,6 +18,7 @@ from ..exchange.numpy_ops import NumpyOps
 from ..exchange.payloads import check_payloads
 from ..exchange.refit import RefitError
 from ..settings import Settings, configure
+from . import inputs
 from .blame import blame
 from .pending import Pending, without_rng
 from .transport import MpiTransport
@@ -26,7 +26,6 @@ from .transport import MpiTransport
 __all__ = ["QuantizedAllreduce"]
 
 _PREFIX = "horovod_alq.mpi"
-_OPS = ("average", "sum")
 
 
 class QuantizedAllreduce(mixins.Configured):
@@ -199,18 +198,13 @@ class QuantizedAllreduce(mixins.Configured):
         error (or ``refusal``) travels in the handshake, so that no rank waits alone."""
         arrays, error = [], refusal
         try:
-            if op is not None and op not in _OPS:
-                raise ValueError(f"op must be one of {_OPS}, got {op!r}")
-            arrays = [_float_array(v, f"x[{i}]" if listed else "x") for i, v in enumerate(xs)]
-            self._scales = _scales(scales, arrays, listed)
-            self._keys = _keys(key, len(arrays), listed, self._state.feedback is not None)
+            arrays, self._scales, self._keys = inputs.checked(
+                xs, listed, op, scales, key, self._state.feedback is not None
+            )
         except Exception as err:
             error = error or err
             self._scales = self._keys = None
-        ws = self._scales
-        self._state.precondition = (
-            0 if ws is None else precondition.combine(map(precondition.digest, ws, range(len(ws))))
-        )
+        self._state.precondition = inputs.scales_digest(self._scales)
         counts = [int(a.size) for a in arrays] if error is None else [0]
         shown = counts if listed else counts[0]  # what the ranks must agree on
         numel = sum(counts)
@@ -259,8 +253,8 @@ class QuantizedAllreduce(mixins.Configured):
         """Check and decode payloads (e.g. from :meth:`allgather`), made with this configuration and
         levels, and average (or sum) them in list order. Local. Returns shape (n,), ``dtype``
         (float16/32/64; summed in float64 for float64, else in float32)."""
-        if op not in _OPS:
-            raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+        if op not in inputs.OPS:
+            raise ValueError(f"op must be one of {inputs.OPS}, got {op!r}")
         if self.bit_budget is not None:
             raise ValueError("reduce() decodes payloads of one width: not with bits='auto'")
         if not payloads:
@@ -358,41 +352,3 @@ class QuantizedAllreduce(mixins.Configured):
         if same_rank and state.get("seed") is not None:
             self._engine.seed = int(state["seed"])
         self._pending.load_state_dict(state, same_rank)
-
-
-def _scales(scales: Any, arrays: list[np.ndarray], listed: bool) -> list[np.ndarray] | None:
-    """The checked ``scales=`` of a call (one float32 array per array), or None; ValueError naming the array."""
-    if scales is None:
-        return None
-    if not isinstance(scales, (list, tuple)) or len(scales) != len(arrays):
-        raise ValueError(f"scales must hold one array per array of x ({len(arrays)}), got {type(scales).__name__}")
-    return [
-        precondition.check_scale(f"x[{i}]" if listed else "x", w, a.shape)
-        for i, (w, a) in enumerate(zip(scales, arrays))
-    ]
-
-
-def _keys(key: Any, count: int, listed: bool, feedback: bool) -> list | None:
-    """Error feedback: each array's key (``key``: a name for one array; for a list, one per array,
-    or one name, then ``(name, index)``); None without feedback, where ``key`` is not needed."""
-    if not feedback:
-        return None
-    if key is None:
-        raise ValueError(
-            "error_feedback=True keeps each array's error under a key: pass key= (a name for an array; for "
-            "a list, one per array or one name) naming what the array is, the same at every call for it"
-        )
-    if not listed:
-        return [key]
-    if isinstance(key, (list, tuple)):
-        if len(key) != count:
-            raise ValueError(f"key= names {len(key)} arrays, the list holds {count}")
-        return list(key)
-    return [(key, i) for i in range(count)]
-
-
-def _float_array(x: Any, name: str) -> np.ndarray:
-    arr = np.asarray(x)
-    if not np.issubdtype(arr.dtype, np.floating):
-        raise ValueError(f"{name} must be a floating-point array (float16/32/64), got dtype {arr.dtype}")
-    return arr
