@@ -273,8 +273,9 @@ def test_a_cycle_through_a_package_init_is_seen(tmp_path):
 
 
 #: Front-end modules kept small enough to read in one sitting: their shared work belongs in the
-#: engine, the settings or a module of the front-end's package named for what it holds.
-MAX_LINES = {"tensorflow/compressor.py": 500, "mpi/allreduce.py": 360}  # mpi: scales= and key= (checked in mpi/inputs.py)
+#: engine, the settings or a module of the front-end's package named for what it holds (mpi4py's
+#: scales= and key= are checked in mpi/inputs.py).
+MAX_LINES = {"tensorflow/compressor.py": 500, "mpi/allreduce.py": 360}
 
 
 def test_front_end_modules_stay_within_their_size():
