@@ -255,9 +255,16 @@ def test_cpu_encode_feedback_is_the_two_pass_error_feedback(simd, dtype, scale, 
     """The compiled one-pass error feedback gives the bytes and the buffer of the two-pass one
     (add, encode, decode, subtract, scale), bit for bit, over rounds with a NaN bucket (which keeps
     its error), a bucket of tiny values, a zero bucket and a short last bucket."""
-    from horovod_alq.exchange.feedback import ErrorFeedback
+    from horovod_alq.exchange.feedback import ErrorFeedback, Pending
     from horovod_alq.torch.ops import TorchOps
 
+    def encode(fb, o, x, seed):  # one tensor "k", its error committed (the exchange succeeded)
+        pending = Pending()
+        payload = fb.encode(o, x, q, seed, "own", [("k", 0, n, 0)], pending, (0, 1))
+        fb.commit(pending)
+        return payload
+
+    key = ("own", "k", 0, n)
     cpu = _resolve("cpu")
     cpu._module.set_simd(simd)
     try:
@@ -279,12 +286,12 @@ def test_cpu_encode_feedback_is_the_two_pass_error_feedback(simd, dtype, scale, 
                 x[3] = float("nan")
             if step == 3:
                 x[2 * d + 1] = float("inf")
-            before = None if step == 0 else one.buffers[("k",)].clone()
-            got = one.encode(ops, x, q, 100 + step, ("k",))
-            want = two.encode(TwoPass(), x, q, 100 + step, ("k",))
+            before = None if step == 0 else one.buffers[key].clone()
+            got = encode(one, ops, x, 100 + step)
+            want = encode(two, TwoPass(), x, 100 + step)
             assert torch.equal(got, want), step
-            e = one.buffers[("k",)]
-            assert e.dtype == getattr(torch, dtype) and torch.equal(e, two.buffers[("k",)]), step
+            e = one.buffers[key]
+            assert e.dtype == getattr(torch, dtype) and torch.equal(e, two.buffers[key]), step
             if step == 0 and dtype == "float32":  # the kept share of what the payload dropped
                 decoded = ops.zeros(n)
                 ops.decode_sum(decoded, got, [0], q)
@@ -293,7 +300,7 @@ def test_cpu_encode_feedback_is_the_two_pass_error_feedback(simd, dtype, scale, 
                 bad = 0 if step == 2 else 2 * d + 1
                 b = slice(bad // d * d, bad // d * d + d)
                 assert torch.equal(e[b], before[b]) and not torch.equal(e, before)
-        assert bool(one.buffers[("k",)].abs().gt(0).any())
+        assert bool(one.buffers[key].abs().gt(0).any())
     finally:
         cpu._module.set_simd(True)
 
