@@ -25,7 +25,7 @@ test: install lint
 	$(PY) scripts/install/check_codec.py
 	$(PY) -m pytest tests -m "not studies" --durations=20 $(PYTEST_ARGS)
 
-# The tests of the research scripts (scripts/study, scripts/bench: tests/conftest.py's STUDY_MODULES),
+# The tests of the research scripts (scripts/study, scripts/bench: tests/helpers.py's STUDY_MODULES),
 # which the product does not need: `make test` leaves them out to stay under 20 minutes.
 test-studies: install lint
 	$(PY) -m pytest tests -m studies --durations=10 $(PYTEST_ARGS)

@@ -20,21 +20,17 @@ if importlib.util.find_spec("triton") is not None:
 _LAUNCHES = ("run_ranks(", "mpirun", "torchrun", "horovodrun")
 
 
-#: The modules that test the research scripts (scripts/study, scripts/bench): ``make test-studies``
-#: runs them, ``make test`` leaves them out (marked ``studies``).
-STUDY_MODULES = ("test_scripts.py", "test_time_to_accuracy.py", "test_precondition_scripts.py")
-
-
 def pytest_collection_modifyitems(config, items):
     """Mark every test of a module that launches ranks (tests/multiproc.py, or a launcher by name)
     ``multiproc``, as its own ``pytestmark`` may also do: ``-m "not multiproc"`` is the fast tier;
     and the tests of the research scripts ``studies``."""
+    import helpers
     import pytest
 
     launches: dict[str, bool] = {}
     for item in items:
         path = str(item.fspath)
-        if Path(path).name in STUDY_MODULES:
+        if Path(path).name in helpers.STUDY_MODULES:
             item.add_marker(pytest.mark.studies)
         if path not in launches:
             text = Path(path).read_text()

@@ -95,3 +95,8 @@ def digest(*arrays: Any) -> str:
 def same(results: list, key: Callable[[Any], Any]) -> bool:
     """Whether ``key`` of every rank's result is the same (compared by ``repr``)."""
     return len({repr(key(r)) for r in results}) == 1
+
+
+#: The modules that test the research scripts (scripts/study, scripts/bench): ``make test-studies``
+#: runs them, ``make test`` leaves them out (conftest.py marks them ``studies``).
+STUDY_MODULES = ("test_scripts.py", "test_time_to_accuracy.py", "test_precondition_scripts.py")

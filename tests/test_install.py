@@ -74,7 +74,7 @@ def test_studies_are_marked_and_left_to_their_target():
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     files = {line.split("::")[0] for line in res.stdout.splitlines() if "::" in line}
-    from conftest import STUDY_MODULES
+    from helpers import STUDY_MODULES  # (not conftest: several conftest modules share that name)
 
     assert {Path(f).name for f in files} == set(STUDY_MODULES), res.stdout[-2000:]
 
