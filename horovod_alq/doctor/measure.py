@@ -63,6 +63,10 @@ class _GlooRanks(Ranks):
     def __init__(self) -> None:
         import torch.distributed as dist
 
+        # its exit hook waits for gloo's worker threads to go idle before the interpreter finalizes:
+        # a worker that frees a finished send's tensors after that aborts the process (SIGABRT)
+        import horovod_alq.torch.dist_transport  # noqa: F401
+
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         self.dist = dist
