@@ -188,7 +188,7 @@ def _nodes_rows() -> list[Row]:
             f"full training step, 2 nodes x 2 ranks on 2 cores, 100 Mbit/s between nodes ({steps['runs']} runs)",
             f"{_span(steps['100mbit'])}x (hierarchical, the default); {_span(steps['1gbit'])}x at 1 Gbit/s",
             "Horovod fp16",
-            "bench_train_step_repeats.md",
+            "bench_train_step.md",
             steps["files"],
         ),
     ]
@@ -361,7 +361,7 @@ STATUS_CLAIMS = (
     ),
     StatusClaim(
         r"range (over runs )?(is )?still to be measured",
-        "docs/results/bench_train_step_repeats.md",
+        "docs/results/bench_train_step.md",
         r"\(3 runs\)",
         "the range over runs of the node step times is measured (3 runs)",
     ),

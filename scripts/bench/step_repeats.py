@@ -4,7 +4,9 @@ reference row of the same run (rows interleaved in one launch, so the ratio canc
 machine's load does to both), per node layout and rate, min, median and max over the runs, with
 the bytes that crossed between nodes (interface counters, median), and the issue's step targets.
 
-    python -m scripts.bench.step_repeats build/steps/run*.json --out docs/results/bench_train_step_repeats.md
+    python -m scripts.bench.step_repeats build/steps/run*.json --out build/bench_train_step_repeats.md
+
+(its report is folded into docs/results/bench_train_step.md#repeats)
 """
 
 from __future__ import annotations

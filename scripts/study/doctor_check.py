@@ -121,7 +121,7 @@ def report(rows: list[dict], doctors: dict, argv: list[str], wall: float) -> str
         "this 2-core machine, TCP inside a node, tc-shaped links between nodes) and measured the links and "
         "the codec; from those, the scale model predicted the ALQ / fp16 step ratio of the rows "
         "scripts.bench.train_step measured on the same layouts and rates (a 0.70M-parameter CNN; "
-        "[bench_train_step_nodes](bench_train_step_nodes.md), 3 runs, medians), with their compute step, "
+        "[bench_train_step](bench_train_step.md#runs), 3 runs, medians), with their compute step, "
         "kappa 1 (the codec kernels' time only) and the doctor's ranks per core.",
         "",
         f"**Predicted / measured: {min(ratios):.2f} to {max(ratios):.2f}; {within} of {len(rows)} within 25%.**",

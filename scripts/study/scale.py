@@ -560,7 +560,7 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
     layouts = " and ".join(dict.fromkeys(r["layout"].replace("x", " nodes x ") + " ranks" for r in rows))
     runs = max(r.get("runs", 1) for r in rows)
     sources = args.calibration.split(",")
-    pages = ", ".join(f"[{Path(c).stem}](bench_train_step_nodes_runs.md#{Path(c).stem})" for c in sources)
+    pages = ", ".join(f"[{Path(c).stem}](bench_train_step.md#{Path(c).stem})" for c in sources)
     out = [
         f"# A scale model of the training step (alpha-beta), calibrated on {layouts}",
         "",
