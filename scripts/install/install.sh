@@ -66,6 +66,8 @@ step() {
 
 sha() { sha256sum | cut -c1-16; }
 
+source "$ROOT/scripts/install/horovod_wheel.sh"
+
 # pip in the venv, without the warnings about local index folders that lack a package (this
 # machine's pip configuration lists local indexes that hold only some packages).
 vpip() {
@@ -216,59 +218,10 @@ EOF
     # The wheel depends on the frameworks' versions, the patch, the build settings and the MPI.
     build_env=(MAKEFLAGS="-j$JOBS" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
                HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1)
-    # GCC 13 and later (Debian 13's GCC 14): libstdc++ no longer includes some standard headers
-    # through others, which Horovod 0.28.1 relies on (pre-include them), and one FlatBuffers
-    # template no longer compiles (patch_horovod_gcc13.py). Only there do both enter the cache key,
-    # so older compilers keep theirs.
-    patches=("$ROOT/scripts/install/patch_horovod.py")
-    if (( $(g++ -dumpversion | cut -d. -f1) >= 13 )); then
-        patches+=("$ROOT/scripts/install/patch_horovod_gcc13.py")
-        build_env+=(CXXFLAGS="${CXXFLAGS:-} -include cstdint -include stdexcept -include string")
-    fi
+    horovod_patches build_env
     detail=$(cat "${patches[@]}" <(printf '%s\n' "${build_env[@]:1}") <(mpirun --version 2>&1 | head -1) <(g++ -dumpfullversion) | sha)
     key="horovod${HOROVOD_VERSION}_${versions}_${detail}"
-    wheel_dir="$CACHE/wheels/$key"
-    hstamp="$VENV/.horovod-alq-horovod"
-    installed=$("$VPY" -c "from importlib.metadata import version; print(version('horovod'))" 2>/dev/null || true)
-    if [[ "$installed" == "$HOROVOD_VERSION" && -f "$hstamp" && "$(cat "$hstamp")" == "$key" ]]; then
-        echo "    up to date (cache key $key)"
-    else
-        mkdir -p "$CACHE/wheels" "$CACHE/logs"
-        # One build at a time per cache, also across clones.
-        exec 9>"$CACHE/.lock"
-        flock 9
-        if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-            echo "    using cached wheel $(ls "$wheel_dir"/horovod-*.whl)"
-        else
-            log="$CACHE/logs/build-$key.log"
-            echo "    no cached wheel for $key"
-            echo "    building from the PyPI source distribution, about 10 minutes on 2 cores; log: $log"
-            BUILD_TMP=$(mktemp -d "$CACHE/build.XXXXXX")
-            HINT="could not download the horovod==$HOROVOD_VERSION sdist from PyPI; check the network"
-            vpip download -q --no-input --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$BUILD_TMP"
-            tar -xzf "$BUILD_TMP/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD_TMP"
-            HINT="scripts/install/patch_horovod*.py no longer match the Horovod source; see docs in those scripts"
-            for patch in "${patches[@]}"; do
-                "$VPY" "$patch" "$BUILD_TMP/horovod-$HOROVOD_VERSION"
-            done
-            HINT="the Horovod build failed: see the end of $log (printed above)"
-            start=$SECONDS
-            if ! (cd "$BUILD_TMP/horovod-$HOROVOD_VERSION" &&
-                  env "${build_env[@]}" "$VPY" -m pip wheel -v --no-input --no-build-isolation --no-deps \
-                      -w "$BUILD_TMP/wheel" .) >"$log" 2>&1; then
-                tail -n 40 "$log" >&2
-                false
-            fi
-            echo "    built in $((SECONDS - start)) s"
-            mkdir -p "$wheel_dir"
-            mv "$BUILD_TMP"/wheel/horovod-*.whl "$wheel_dir/"
-        fi
-        HINT="pip could not install the cached wheel; delete $wheel_dir to rebuild it"
-        vpip install -q --no-input --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
-        flock -u 9
-        echo "$key" > "$hstamp"
-        echo "    installed horovod $HOROVOD_VERSION"
-    fi
+    install_horovod_wheel vpip "$key" "${build_env[@]}"
     hvd_id=$key
 fi
 

@@ -59,6 +59,8 @@ step() {
 
 sha() { sha256sum | cut -c1-16; }
 
+source "$ROOT/scripts/install/horovod_wheel.sh"
+
 # pip for this venv: the GPU index only, none of this machine's pip configuration (see above).
 gpip() {
     PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS="" PIP_EXTRA_INDEX_URL="" PIP_INDEX_URL="$INDEX" \
@@ -174,65 +176,22 @@ EOF
 HINT="the NCCL wheel ($nccl_version) lacks include/nccl.h or lib/libnccl.so.2 in $nccl_dir"
 [[ -f "$nccl_dir/include/nccl.h" && -f "$nccl_dir/lib/libnccl.so.2" ]]
 echo "    NCCL: $nccl_version ($nccl_dir)"
-patches=("$ROOT/scripts/install/patch_horovod.py")
 build_env=(MAKEFLAGS="-j$JOBS" HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1
            HOROVOD_WITHOUT_MXNET=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_NCCL_LINK=SHARED
            HOROVOD_BUILD_CUDA_CC_LIST="$CC_LIST" HOROVOD_CUDA_HOME="$CUDA_HOME")
-if (( $(g++ -dumpversion | cut -d. -f1) >= 13 )); then
-    patches+=("$ROOT/scripts/install/patch_horovod_gcc13.py")
-    build_env+=(CXXFLAGS="${CXXFLAGS:-} -include cstdint -include stdexcept -include string")
-fi
+horovod_patches build_env
 HINT="could not compute the cache key (mpirun --version, g++ -dumpfullversion)"
 detail=$(cat "${patches[@]}" <(printf '%s\n' "${build_env[@]:1}" "$nccl_version" "$cuda_version") \
     <(mpirun --version 2>&1 | head -1) <(g++ -dumpfullversion) | sha)
 key="horovod${HOROVOD_VERSION}_nccl_${versions}_${detail}"
-wheel_dir="$CACHE/wheels/$key"
-hstamp="$VENV/.horovod-alq-horovod"
-installed=$("$VPY" -c "from importlib.metadata import version; print(version('horovod'))" 2>/dev/null || true)
-if [[ "$installed" == "$HOROVOD_VERSION" && -f "$hstamp" && "$(cat "$hstamp")" == "$key" ]]; then
-    echo "    up to date (cache key $key)"
-else
-    mkdir -p "$CACHE/wheels" "$CACHE/logs"
-    exec 9>"$CACHE/.lock"
-    flock 9
-    if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-        echo "    using cached wheel $(ls "$wheel_dir"/horovod-*.whl)"
-    else
-        log="$CACHE/logs/build-$key.log"
-        echo "    no cached wheel for $key"
-        echo "    building from the PyPI source distribution with $JOBS jobs; log: $log"
-        BUILD_TMP=$(mktemp -d "$CACHE/build.XXXXXX")
-        HINT="could not download the horovod==$HOROVOD_VERSION sdist from $INDEX; check the network"
-        gpip download -q --no-input --no-binary :all: --no-deps "horovod==$HOROVOD_VERSION" -d "$BUILD_TMP"
-        tar -xzf "$BUILD_TMP/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD_TMP"
-        HINT="scripts/install/patch_horovod*.py no longer match the Horovod source; see docs in those scripts"
-        for patch in "${patches[@]}"; do
-            "$VPY" "$patch" "$BUILD_TMP/horovod-$HOROVOD_VERSION"
-        done
-        # The NCCL wheel ships libnccl.so.2 only; Horovod's CMake looks for libnccl.so. torch's
-        # cpp_extension (Horovod's FindPytorch) finds cudart through CUDA_HOME, else through the nvcc
-        # on PATH, which may be a wrapper elsewhere (/usr/local/bin/nvcc here): both are set.
-        mkdir "$BUILD_TMP/nccl-lib"
-        ln -s "$nccl_dir/lib/libnccl.so.2" "$BUILD_TMP/nccl-lib/libnccl.so"
-        HINT="the Horovod build failed: see the end of $log (printed above)"
-        start=$SECONDS
-        if ! (cd "$BUILD_TMP/horovod-$HOROVOD_VERSION" &&
-              env "${build_env[@]}" HOROVOD_NCCL_INCLUDE="$nccl_dir/include" HOROVOD_NCCL_LIB="$BUILD_TMP/nccl-lib" \
-                  CUDA_HOME="$CUDA_HOME" PATH="$CUDA_HOME/bin:$PATH" "$VPY" -m pip wheel -v --no-input --no-build-isolation --no-deps \
-                  -w "$BUILD_TMP/wheel" .) >"$log" 2>&1; then
-            tail -n 40 "$log" >&2
-            false
-        fi
-        echo "    built in $((SECONDS - start)) s with $JOBS jobs"
-        mkdir -p "$wheel_dir"
-        mv "$BUILD_TMP"/wheel/horovod-*.whl "$wheel_dir/"
-    fi
-    HINT="pip could not install the cached wheel; delete $wheel_dir to rebuild it"
-    gpip install -q --no-input --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
-    flock -u 9
-    echo "$key" > "$hstamp"
-    echo "    installed horovod $HOROVOD_VERSION"
-fi
+# The NCCL wheel ships libnccl.so.2 only; Horovod's CMake looks for libnccl.so. torch's
+# cpp_extension (Horovod's FindPytorch) finds cudart through CUDA_HOME, else through the nvcc on
+# PATH, which may be a wrapper elsewhere (/usr/local/bin/nvcc here): both are set.
+nccl_lib="$CACHE/nccl-lib/$key"
+mkdir -p "$nccl_lib"
+ln -sfn "$nccl_dir/lib/libnccl.so.2" "$nccl_lib/libnccl.so"
+install_horovod_wheel gpip "$key" "${build_env[@]}" HOROVOD_NCCL_INCLUDE="$nccl_dir/include" \
+    HOROVOD_NCCL_LIB="$nccl_lib" CUDA_HOME="$CUDA_HOME" PATH="$CUDA_HOME/bin:$PATH"
 
 # --------------------------------------------------------------------------------------------
 step "horovodrun --check-build" "Horovod was built without a required part; read the build log in $CACHE/logs"
