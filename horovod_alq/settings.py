@@ -103,7 +103,7 @@ class Settings:
     """How the second (two-phase) quantization's levels follow the gradients. None: at equal bits they
     are the first quantizer's, copied at every refit; at other bits they are refit from the reduced
     shards' statistics. True: refit them at equal bits too. False: at other bits keep their initial
-    fit (docs/results/variance_two_phase.md)."""
+    fit (docs/results/variance_training.md#variance_two_phase)."""
 
     update_steps: Sequence[int] | None = None
     """Rounds (optimizer steps) whose statistics refit the levels; None: (0, 100, 2000)."""

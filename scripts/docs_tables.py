@@ -242,7 +242,7 @@ def rows() -> list[Row]:
     """Every row of the results table, computed from docs/results/data/."""
     bits = 3 + 32 / 8192  # b bits per coordinate and a float32 norm per bucket of 8192 (the wire format)
     return [
-        Row("bits per coordinate on the wire (bucket 8192)", f"{bits:.3f}", "fp16: 16", "bench_core.md", ()),
+        Row("bits per coordinate on the wire (bucket 8192)", f"{bits:.3f}", "fp16: 16", "codec_speed.md", ()),
         _variance_row(),
         *_gpt_rows(),
         _mnist_row(),
