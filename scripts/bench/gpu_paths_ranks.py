@@ -38,7 +38,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+
+from scripts.bench.gpu_paths_steps import falls, optimizer_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXCHANGES = ("allgather", "two-phase", "hierarchical", "hierarchical-two-phase")
@@ -224,10 +225,6 @@ def exchanges_worker(rank: int, device, tiny: bool) -> dict:
     return {"checks": checks, "digests": digests, "data": data}
 
 
-def falls(losses: list, k: int = 3) -> bool:
-    return sum(losses[-k:]) / k < 0.95 * sum(losses[:k]) / k
-
-
 def char_model(device, tiny: bool, seed: int = 0) -> nn.Module:
     from scripts.common.gpt import GPT
 
@@ -354,27 +351,9 @@ def horovod_worker(device_type: str, tiny: bool) -> tuple:
         digests[f"Horovod allreduce, {exchange}"] = digest(outs)
     model = nn.Linear(32, 1).to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05),
-        named_parameters=model.named_parameters(),
-        compression=ALQCompressor(bits=3, min_size=0),
-    )
-    gen = torch.Generator().manual_seed(1 + rank)
-    w, losses = torch.randn(32, 1, generator=torch.Generator().manual_seed(1)).to(device), []
-    for _ in range(40):
-        xb = torch.randn(64, 32, generator=gen).to(device)
-        opt.zero_grad()
-        loss = F.mse_loss(model(xb), xb @ w)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    checks.append(
-        {
-            "name": "DistributedOptimizer: loss falls",
-            "ok": falls(losses),
-            "detail": f"{losses[0]:.3f} -> {losses[-1]:.3f}",
-        }
-    )
+    w = torch.randn(32, 1, generator=torch.Generator().manual_seed(1)).to(device)
+    check, losses = optimizer_check(hvd, model, w, torch.Generator().manual_seed(1 + rank))
+    checks.append(check)
     digests["DistributedOptimizer: parameters"] = digest(model.parameters())
     hvd.shutdown()
     return rank, {"checks": checks, "digests": digests, "data": {"losses": losses}}

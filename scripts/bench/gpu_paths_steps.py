@@ -59,6 +59,28 @@ def falls(losses: list, k: int = 3) -> bool:
     return sum(losses[-k:]) / k < 0.95 * sum(losses[:k]) / k
 
 
+def optimizer_check(hvd, model, w, gen) -> tuple:
+    """40 SGD steps of ``hvd.DistributedOptimizer`` with ALQ on a linear regression to ``w`` (batches
+    drawn from ``gen``): the check that the loss falls, and the losses."""
+    from horovod_alq.torch import ALQCompressor
+
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        compression=ALQCompressor(bits=3, min_size=0),
+    )
+    losses = []
+    for _ in range(40):
+        xb = torch.randn(64, 32, generator=gen).to(w.device)
+        opt.zero_grad()
+        loss = F.mse_loss(model(xb), xb @ w)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    detail = f"{losses[0]:.3f} -> {losses[-1]:.3f}"
+    return {"name": "DistributedOptimizer: loss falls", "ok": falls(losses), "detail": detail}, losses
+
+
 # ---------------------------------------------------------------------------------------- models
 class GPTLoss(nn.Module):
     """DDP's module: ``forward(x, y)`` is the GPT's next-token loss."""
@@ -436,28 +458,10 @@ def horovod_worker(device: str, tiny: bool) -> dict:
             "detail": f"relative error: one {one:.3f}, mean {mean:.3f}",
         }
     )
-    model = nn.Linear(32, 1).to(dev)
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05),
-        named_parameters=model.named_parameters(),
-        compression=ALQCompressor(bits=3, min_size=0),
-    )
     g = torch.Generator().manual_seed(1)
-    w, losses = torch.randn(32, 1, generator=g).to(dev), []
-    for _ in range(40):
-        xb = torch.randn(64, 32, generator=g).to(dev)
-        opt.zero_grad()
-        loss = F.mse_loss(model(xb), xb @ w)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    checks.append(
-        {
-            "name": "DistributedOptimizer: loss falls",
-            "ok": falls(losses),
-            "detail": f"{losses[0]:.3f} -> {losses[-1]:.3f}",
-        }
-    )
+    w = torch.randn(32, 1, generator=g).to(dev)
+    check, losses = optimizer_check(hvd, nn.Linear(32, 1).to(dev), w, g)
+    checks.append(check)
     hvd.shutdown()
     return {"checks": checks, "data": {"losses": losses, "horovod": __import__("horovod").__version__}}
 
