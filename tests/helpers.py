@@ -100,3 +100,14 @@ def same(results: list, key: Callable[[Any], Any]) -> bool:
 #: The modules that test the research scripts (scripts/study, scripts/bench): ``make test-studies``
 #: runs them, ``make test`` leaves them out (conftest.py marks them ``studies``).
 STUDY_MODULES = ("test_scripts.py", "test_time_to_accuracy.py", "test_precondition_scripts.py")
+
+
+# ------------------------------------------------------------------------------ exact references
+def quantization_errors(x: np.ndarray, quantizers) -> np.ndarray:
+    """``E||Q(x) - x||^2`` of the array ``x`` under each quantizer (same norm and bucket size, their
+    own levels), shape (len(quantizers),), from the grid histograms of ``bits="auto"``."""
+    from horovod_alq.core.auto_bits import errors_from_histograms
+    from horovod_alq.core.statistics import grid_histograms, normalize
+
+    nz = normalize(x, quantizers[0].bucket_size, quantizers[0].norm)
+    return errors_from_histograms(grid_histograms(nz)[1:], [q.levels for q in quantizers])[0]

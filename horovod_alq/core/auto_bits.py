@@ -18,7 +18,7 @@ from .allocation import Allocation, allocate_bits
 from .bucket_widths import MixedWidths
 from .protocol import stable_hash
 from .quantizer import Quantizer, adapt_together
-from .statistics import GRID, auto_statistics, grid_histograms, normalize
+from .statistics import GRID, auto_statistics, normalize
 from .wire import BUDGET_UNITS
 
 #: The candidate widths of ``bits="auto"``.
@@ -93,13 +93,6 @@ def errors_from_histograms(squared: np.ndarray, level_sets: Sequence[np.ndarray]
     )
     out[live] = total[live, None] * psi
     return out
-
-
-def quantization_errors(x: np.ndarray, quantizers: Sequence) -> np.ndarray:
-    """``E||Q(x) - x||^2`` of the array ``x`` under each quantizer (same norm and bucket size, their
-    own levels), shape (len(quantizers),); see :func:`errors_from_histograms`."""
-    nz = normalize(x, quantizers[0].bucket_size, quantizers[0].norm)
-    return errors_from_histograms(grid_histograms(nz)[1:], [q.levels for q in quantizers])[0]
 
 
 class AutoBits:

@@ -110,8 +110,10 @@ def test_bad_input_is_refused(bad, match):
 
 
 # ------------------------------------------------------------------ bits="auto" (AutoBits)
+from helpers import quantization_errors  # noqa: E402
+
 from horovod_alq.core import Quantizer  # noqa: E402
-from horovod_alq.core.auto_bits import AUTO_WIDTHS, AutoBits, check_budget, quantization_errors  # noqa: E402
+from horovod_alq.core.auto_bits import AUTO_WIDTHS, AutoBits, check_budget  # noqa: E402
 
 
 @pytest.mark.parametrize("method,norm", [("alq", "linf"), ("amq", "l2"), ("alq-n", "linf")])

@@ -34,7 +34,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from ...core.wire import HEADER_SIZE
@@ -412,25 +411,3 @@ def factory(device: torch.device) -> TritonCodec:
     if interpret not in _CODECS:
         _CODECS[interpret] = TritonCodec(interpret)
     return _CODECS[interpret]
-
-
-def numpy_reference_codes(
-    x: np.ndarray, norms: np.ndarray, levels: np.ndarray, u: np.ndarray, bucket_size: int
-) -> np.ndarray:
-    """The codes the Triton encoder writes for given uniforms (tests): float32 arithmetic as in
-    ``_triton_kernels`` (``r = clamp((x * s) * (1 / (n_b * s)))``, compare ``u * width < r - lo``)."""
-    f = np.float32
-    x = np.asarray(x).astype(f)
-    nb_norm = np.repeat(np.asarray(norms, dtype=f), bucket_size)[: x.size]
-    live = np.isfinite(nb_norm) & (nb_norm > 0)
-    s = np.where(nb_norm < f(2.0**-64), f(2.0**64), f(1.0)).astype(f)
-    with np.errstate(all="ignore"):
-        inv = np.where(live, f(1.0) / (nb_norm * s), f(0.0)).astype(f)
-        r = np.clip((x * s) * inv, f(-1), f(1)).astype(f)
-    r = np.where(live, r, f(0.0)).astype(f)
-    lf = np.asarray(levels, dtype=f)
-    cell = np.clip(np.searchsorted(lf, r, side="right") - 1, 0, lf.size - 1)
-    width = np.append(lf[1:] - lf[:-1], f(0.0)).astype(f)
-    lo = lf[cell]
-    up = (np.asarray(u, dtype=f) * width[cell]).astype(f) < (r - lo).astype(f)
-    return (cell + up).astype(np.int64)
