@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import os
 import shlex
@@ -51,8 +52,10 @@ from pathlib import Path
 from scripts.common import launch as launching
 
 ROOT = Path(__file__).resolve().parents[2]
-PREFIX = "alqnet"
-SUBNET = "10.213.0"
+# One cluster per prefix on a machine (sweep() holds a lock on it); a second run beside the first
+# sets both variables, for example ALQNET_PREFIX=alqnet2 ALQNET_SUBNET=10.214.0.
+PREFIX = os.environ.get("ALQNET_PREFIX", "alqnet")
+SUBNET = os.environ.get("ALQNET_SUBNET", "10.213.0")
 
 
 def sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -410,6 +413,14 @@ def sweep(local: bool, rates: list[str], nodes: int, prefix: str, each) -> list:
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         if local:
             return each(Path(tmp), None, None)
+        lock = open(f"/tmp/{PREFIX}.lock", "w")  # noqa: SIM115 (held until this process exits)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"another run holds the namespaces {PREFIX}-* (/tmp/{PREFIX}.lock); run beside it with "
+                "ALQNET_PREFIX and ALQNET_SUBNET set to other values (see scripts/common/network.py)"
+            ) from None
         try:
             setup(nodes)
             for rate in rates:

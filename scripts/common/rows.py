@@ -108,6 +108,12 @@ ROWS: dict[str, Row] = {
     "hvd-alq-ef": hvd("ALQ 3 bits, error_feedback=True", "alq", bits=3, error_feedback=True),
     "hvd-alq2": hvd("ALQ 2 bits", "alq", bits=2),
     "hvd-alq2-ef": hvd("ALQ 2 bits, error_feedback=True", "alq", bits=2, error_feedback=True),
+    # precondition="optimizer": the row's own (Adam-family) optimizer, given to the compressor
+    "hvd-alq-pre": hvd("ALQ 3 bits, precondition=AdamW", "alq", bits=3, precondition="optimizer"),
+    "hvd-alq2-pre": hvd("ALQ 2 bits, precondition=AdamW", "alq", bits=2, precondition="optimizer"),
+    "hvd-alq-auto-pre": hvd(
+        'ALQ bits="auto", budget 2.5, precondition=AdamW', "alq", bits="auto", bit_budget=2.5, precondition="optimizer"
+    ),
 }
 
 
@@ -130,13 +136,15 @@ def _hooks():
     return {"fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook, "psgd-wait": powersgd_wait_hook}
 
 
-def _compression(row: Row, hvd, seed: int | None):
+def _compression(row: Row, hvd, seed: int | None, opt=None):
     from horovod_alq.torch import ALQCompressor, QSGDCompressor
 
     if row.codec in ("fp32", "fp16"):
         return hvd.Compression.none if row.codec == "fp32" else hvd.Compression.fp16
     kind = ALQCompressor if row.codec == "alq" else QSGDCompressor
     options = {"compress": "always", **row.options}  # a row times one path unless it says otherwise
+    if options.get("precondition") == "optimizer":
+        options["precondition"] = opt
     return kind(**options, **({} if seed is None else {"seed": seed}))
 
 
@@ -158,7 +166,7 @@ def build(
     row = ROWS[key]
     out = {"call": model, "model": model, "opt": opt, "state": None, "extra": {}}
     if row.kind == "hvd":
-        comp = _compression(row, hvd, seed)
+        comp = _compression(row, hvd, seed, opt)
         named = [(f"{key}.{k}", p) for k, p in model.named_parameters()]
         out["opt"] = hvd.DistributedOptimizer(opt, named_parameters=named, compression=comp)
         out["state"] = comp if hasattr(comp, "metrics") else None

@@ -72,7 +72,7 @@ from scripts.common import rows, timing
 ROWS = "hvd-fp16,ddp-bf16,ddp-psgd,hvd-qsgdinf,hvd-alq,hvd-alq-auto,hvd-alq-flat,hvd-alq4-entropy".split(",")
 ROWS += ["hvd-alq4-rate", "hvd-alq4-rate21", "local"]
 DEFAULT_ROWS = list(ROWS)  # the error-feedback rows run on request (--rows), with --optimizer sgd
-ROWS += ["hvd-alq-ef", "hvd-alq2", "hvd-alq2-ef"]
+ROWS += ["hvd-alq-ef", "hvd-alq2", "hvd-alq2-ef", "hvd-alq-pre", "hvd-alq2-pre", "hvd-alq-auto-pre"]
 LABELS = {k: rows.ROWS[k].label for k in ROWS}  # scripts/common/rows.py's, but for the names these pages use
 LABELS.update({"hvd-fp16": "Horovod fp16", "ddp-bf16": "DDP bf16_compress_hook", "hvd-alq": "ALQ 3 bits (defaults)"})
 LABELS["local"] = "no exchange (compute alone)"
@@ -662,7 +662,7 @@ def parser() -> argparse.ArgumentParser:
     add(
         "--rows",
         default=",".join(DEFAULT_ROWS),
-        help=f"comma-separated from {','.join(ROWS)}; default all but hvd-alq-ef, hvd-alq2, hvd-alq2-ef",
+        help=f"comma-separated from {','.join(ROWS)}; default: {','.join(DEFAULT_ROWS)}",
     )
     batch = "sequences per rank and step; default 8 (the exchange about two thirds of fp16's step at 100 Mbit/s here)"
     add("--batch-size", type=int, default=8, help=batch)
