@@ -2,6 +2,10 @@
 :mod:`horovod_alq.torch.codecs.cpu_build`).
 
 CPU tensors only; the norm-less statistics (moments per bucket) use the torch kernels.
+Preconditioned quantization (``precondition=``): the encodes take ``w`` (``scales`` for
+``encode_parts``), a float32 scale per coordinate, and quantize ``x * w`` without writing it to
+memory; ``decode_sum`` takes ``divide`` and divides its output by it in the same pass. The bytes and
+floats are those of the unfused ``encode(x * w)`` and ``decode_sum(...) / w``.
 """
 
 from __future__ import annotations
@@ -31,10 +35,18 @@ class CpuCodec:
         bucket_size: int,
         norm: str,
         seed: int,
+        w: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_encode_args(flat, bits, bucket_size, norm, seed)
         return self._module.encode(
-            flat.contiguous(), levels, header, int(bits), int(bucket_size), norm == "linf", int(seed)
+            flat.contiguous(),
+            levels,
+            header,
+            int(bits),
+            int(bucket_size),
+            norm == "linf",
+            int(seed),
+            _scale(w, flat.numel(), "encode"),
         )
 
     def encode_parts(
@@ -49,10 +61,14 @@ class CpuCodec:
         bucket_size: int,
         norm: str,
         seed: int,
+        scales: Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The payload that :meth:`encode` gives for the stream of ``length`` coordinates holding the
-        float32 ``parts`` at ``starts`` (increasing) and zeros elsewhere, read in place."""
+        float32 ``parts`` at ``starts`` (increasing) and zeros elsewhere, read in place (``scales``:
+        one per part, the stream holds ``part * scale``)."""
         check_encode_args(torch.empty(0), bits, bucket_size, norm, seed)
+        if scales is not None and len(scales) != len(parts):
+            raise ValueError(f"codec 'cpu' encode_parts: {len(scales)} scales for {len(parts)} parts")
         return self._module.encode_parts(
             list(parts),
             [int(s) for s in starts],
@@ -63,6 +79,7 @@ class CpuCodec:
             int(bucket_size),
             norm == "linf",
             int(seed),
+            None if scales is None else [_scale(w, p.numel(), "encode_parts") for w, p in zip(scales, parts)],
         )
 
     def encode_feedback(
@@ -77,14 +94,24 @@ class CpuCodec:
         norm: str,
         seed: int,
         scale: float = 1.0,
+        w: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The payload :meth:`encode` gives for ``flat + error`` (``flat`` float32, ``error`` float32
         or bfloat16, ``bucket_size`` a multiple of 8); ``error`` becomes, bucket by bucket, what
         that payload drops (times ``scale``), except in buckets where that is not finite, which
-        keep it. One pass over memory."""
+        keep it. One pass over memory. ``w``: of ``flat * w + error`` (the error in the scaled space)."""
         check_encode_args(flat, bits, bucket_size, norm, seed)
         return self._module.encode_feedback(
-            flat, error, levels, header, int(bits), int(bucket_size), norm == "linf", int(seed), float(scale)
+            flat,
+            error,
+            levels,
+            header,
+            int(bits),
+            int(bucket_size),
+            norm == "linf",
+            int(seed),
+            float(scale),
+            _scale(w, flat.numel(), "encode_feedback"),
         )
 
     def decode_sum(
@@ -99,7 +126,10 @@ class CpuCodec:
         scale: float,
         start: int = 0,
         numel: int | None = None,
+        divide: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``out`` = ``scale`` times the sum of the decoded payloads (divided by ``divide``, float32
+        as long as ``out``, if given)."""
         return self._module.decode_sum(
             out,
             payloads.contiguous(),
@@ -110,6 +140,7 @@ class CpuCodec:
             float(scale),
             int(start),
             -1 if numel is None else int(numel),
+            _scale(divide, out.numel(), "decode_sum"),
         )
 
     def grid_statistics(self, flat, grid, *, bucket_size: int, norm: str):
@@ -124,6 +155,19 @@ class CpuCodec:
 
     def bucket_moments(self, flat, *, bucket_size: int, norm: str):
         return kernels.bucket_moments(flat, bucket_size=bucket_size, norm=norm)
+
+
+def _scale(w: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
+    """A preconditioning scale as the kernels take it (flat, contiguous float32 on the CPU, ``n``
+    values), or None; ValueError naming ``what`` otherwise."""
+    if w is None:
+        return None
+    if w.dtype != torch.float32 or w.device.type != "cpu" or w.numel() != n:
+        raise ValueError(
+            f"codec 'cpu' {what}: a preconditioning scale must be float32 on the CPU with {n} values "
+            f"(one per coordinate), got {w.dtype} on {w.device} with {w.numel()}"
+        )
+    return w.reshape(-1).contiguous()
 
 
 _CODEC: CpuCodec | None = None

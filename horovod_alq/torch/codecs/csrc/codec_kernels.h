@@ -348,41 +348,74 @@ struct Contiguous {
 
 // Tensors at increasing, non-overlapping starts of a stream, zeros between them: what the engine's
 // fused stream holds, read in place. A bucket inside one tensor is read where it lies; one that
-// holds padding (a tensor's last bucket) is assembled in `scratch`.
+// holds padding (a tensor's last bucket) is assembled in `scratch`. With `scales` (one float32
+// vector per tensor: preconditioned quantization) every bucket is assembled, as x[i] * w[i].
 template <typename scalar_t>
 struct Parts {
   const scalar_t* const* data;
   const int64_t* starts;
   const int64_t* sizes;
   int64_t count;
+  const float* const* scales = nullptr;
 
   int64_t last_at_or_before(int64_t s) const {
     return static_cast<int64_t>(std::upper_bound(starts, starts + count, s) - starts) - 1;
   }
   const scalar_t* peek(int64_t s, int64_t e) const {
+    if (scales != nullptr) return nullptr;
     const int64_t k = last_at_or_before(s);
     return k >= 0 && starts[k] + sizes[k] >= e ? data[k] + (s - starts[k]) : nullptr;
   }
   const scalar_t* at(int64_t s, int64_t e, scalar_t* scratch) const {
     if (const scalar_t* direct = peek(s, e)) return direct;
-    std::fill(scratch, scratch + (e - s), scalar_t(0));
-    for (int64_t k = std::max<int64_t>(0, last_at_or_before(s)); k < count && starts[k] < e; ++k) {
+    const int64_t k0 = std::max<int64_t>(0, last_at_or_before(s));
+    if (scales == nullptr || k0 >= count || starts[k0] > s || starts[k0] + sizes[k0] < e)
+      std::fill(scratch, scratch + (e - s), scalar_t(0));  // not one tensor throughout: padding
+    for (int64_t k = k0; k < count && starts[k] < e; ++k) {
       const int64_t a = std::max(s, starts[k]), b = std::min(e, starts[k] + sizes[k]);
-      if (a < b) std::copy(data[k] + (a - starts[k]), data[k] + (b - starts[k]), scratch + (a - s));
+      if (a >= b) continue;
+      if (scales == nullptr) {
+        std::copy(data[k] + (a - starts[k]), data[k] + (b - starts[k]), scratch + (a - s));
+      } else {
+        const scalar_t* x = data[k] + (a - starts[k]);
+        const float* w = scales[k] + (a - starts[k]);
+        scalar_t* o = scratch + (a - s);
+        for (int64_t i = 0; i < b - a; ++i) o[i] = x[i] * w[i];
+      }
     }
+    return scratch;
+  }
+};
+
+// Preconditioned quantization's input: coordinate i is x[i] * w[i] (w float32), as torch computes
+// it (float32 for float32, float16 and bfloat16 x; float64 for float64 x), assembled bucket by
+// bucket in the scratch: the product is never written to memory.
+template <typename in_t>
+struct Scaled {
+  using out_t = typename std::conditional<std::is_same<in_t, double>::value, double, float>::type;
+  const in_t* x;
+  const float* w;
+  const out_t* peek(int64_t, int64_t) const { return nullptr; }
+  const out_t* at(int64_t s, int64_t e, out_t* scratch) const {
+    for (int64_t i = s; i < e; ++i) scratch[i - s] = static_cast<out_t>(x[i]) * static_cast<out_t>(w[i]);
     return scratch;
   }
 };
 
 // Error feedback's input: coordinate i is x[i] + err[i], assembled bucket by bucket in the scratch
 // (err float32 or bfloat16, added as float32).
+// With `w` (preconditioned quantization), x[i] * w[i] + err[i]: the error lives in the scaled space.
 template <typename err_t>
 struct WithError {
   const float* x;
   const err_t* err;
+  const float* w = nullptr;
   const float* peek(int64_t, int64_t) const { return nullptr; }
   const float* at(int64_t s, int64_t e, float* scratch) const {
-    for (int64_t i = s; i < e; ++i) scratch[i - s] = x[i] + static_cast<float>(err[i]);
+    if (w == nullptr)
+      for (int64_t i = s; i < e; ++i) scratch[i - s] = x[i] + static_cast<float>(err[i]);
+    else
+      for (int64_t i = s; i < e; ++i) scratch[i - s] = x[i] * w[i] + static_cast<float>(err[i]);
     return scratch;
   }
 };
@@ -529,9 +562,12 @@ inline void decode_group8(float* o, uint32_t word, __m256 table_lo, __m256 table
 #endif
 
 // Sum over payloads of norm * table[code], times scale, into out (first payload assigns).
+// With `divide` (n float32 values, preconditioned quantization), each output is then divided by its
+// own: (fscale * sum) / divide[i], the same float32 operations as a division after the decode.
 template <int BITS>
 void decode_sum_codes(float* po, int64_t n, int64_t d, const std::vector<const uint8_t*>& norm_bytes,
-                      const std::vector<const uint8_t*>& code_bytes_of, const float* table, float fscale) {
+                      const std::vector<const uint8_t*>& code_bytes_of, const float* table, float fscale,
+                      const float* divide) {
   constexpr uint64_t mask = (uint64_t{1} << BITS) - 1;
   const int64_t code_bytes = (n * BITS + 7) / 8;
   const int64_t groups = (n + 7) / 8;
@@ -597,6 +633,8 @@ void decode_sum_codes(float* po, int64_t n, int64_t d, const std::vector<const u
     if (norm_bytes.empty()) std::fill(po + first, po + last, 0.0f);
     if (fscale != 1.0f)
       for (int64_t i = first; i < last; ++i) po[i] *= fscale;
+    if (divide != nullptr)
+      for (int64_t i = first; i < last; ++i) po[i] /= divide[i];
   });
 }
 
@@ -625,11 +663,30 @@ void encode_payload(const scalar_t* x, int64_t n, int64_t d, bool linf, float* n
   });
 }
 
+// encode_payload of x * w (w float32, n values; see Scaled): the product is formed bucket by bucket in
+// cache. Buckets of a size that is not a multiple of 8 take the product whole first.
+template <typename scalar_t>
+void encode_scaled_payload(const scalar_t* x, const float* w, int64_t n, int64_t d, bool linf, float* norms,
+                           const float* levels, int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes) {
+  using out_t = typename Scaled<scalar_t>::out_t;
+  const Scaled<scalar_t> src{x, w};
+  if (d % 8 != 0) {
+    std::vector<out_t> product(static_cast<size_t>(n));
+    src.at(0, n, product.data());
+    encode_payload<out_t>(product.data(), n, d, linf, norms, levels, num_levels, bits, seed, codes);
+    return;
+  }
+  dispatch_bits(bits, [&](auto b) {
+    encode_codes<decltype(b)::value, out_t>(src, n, d, linf, norms, levels, num_levels, seed, codes);
+  });
+}
+
 // The same for the stream of n values that holds `count` float32 parts (see Parts; d a multiple of 8).
 inline void encode_parts_payload(const float* const* data, const int64_t* starts, const int64_t* sizes,
                                  int64_t count, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
-                                 int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes) {
-  const Parts<float> parts{data, starts, sizes, count};
+                                 int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes,
+                                 const float* const* scales = nullptr) {
+  const Parts<float> parts{data, starts, sizes, count, scales};
   dispatch_bits(bits, [&](auto b) {
     encode_codes<decltype(b)::value, float>(parts, n, d, linf, norms, levels, num_levels, seed, codes);
   });
@@ -696,10 +753,10 @@ struct NewError {
 template <typename err_t>
 void encode_feedback_payload(const float* x, err_t* err, int64_t n, int64_t d, bool linf, float* norms,
                              const float* levels, int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes,
-                             float scale) {
+                             float scale, const float* w = nullptr) {
   dispatch_bits(bits, [&](auto b) {
     constexpr int B = decltype(b)::value;
-    encode_codes<B, float>(WithError<err_t>{x, err}, n, d, linf, norms, levels, num_levels, seed, codes,
+    encode_codes<B, float>(WithError<err_t>{x, err, w}, n, d, linf, norms, levels, num_levels, seed, codes,
                            NewError<B, err_t>{err, codes, levels, num_levels, (n * B + 7) / 8, scale});
   });
 }
@@ -707,8 +764,11 @@ void encode_feedback_payload(const float* x, err_t* err, int64_t n, int64_t d, b
 // out = fscale * the sum over payloads of the decoded n coordinates whose norms and codes start at
 // norms[p] and codes[p].
 inline void decode_payloads(float* po, int64_t n, int64_t d, const std::vector<const uint8_t*>& norms,
-                            const std::vector<const uint8_t*>& codes, const float* table, int64_t bits, float fscale) {
-  dispatch_bits(bits, [&](auto b) { decode_sum_codes<decltype(b)::value>(po, n, d, norms, codes, table, fscale); });
+                            const std::vector<const uint8_t*>& codes, const float* table, int64_t bits, float fscale,
+                            const float* divide = nullptr) {
+  dispatch_bits(bits, [&](auto b) {
+    decode_sum_codes<decltype(b)::value>(po, n, d, norms, codes, table, fscale, divide);
+  });
 }
 
 // The grid cell of a float32 value in a few independent comparisons: for each of the 2^13 top-bit

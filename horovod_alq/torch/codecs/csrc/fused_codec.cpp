@@ -5,6 +5,9 @@
 // encode_feedback: the encode of x plus an error buffer, the buffer updated in the same pass;
 // decode_sum: unpack every rank's payload (or a window of it), scale by its norms and sum, in one
 // pass, straight into the output.
+// Preconditioned quantization (docs/design/design.md): the encodes take an optional float32 scale w
+// and quantize x * w, formed bucket by bucket in cache (never written to memory); decode_sum an
+// optional divisor, applied in the same pass.
 // Randomness is counter-based (a hash of a seed-derived key and the element index), so results
 // do not depend on the number of threads. The kernels (codec_kernels.h) are compiled twice, for
 // the default instruction set and for AVX2, and the CPU picks one at run time.
@@ -79,6 +82,15 @@ torch::Tensor level_table(const torch::Tensor& levels, int64_t bits) {
   return lv;
 }
 
+// A preconditioning scale (float32, contiguous, 1-D, n values on the CPU): its data, or nullptr if none.
+const float* scale_data(const c10::optional<torch::Tensor>& w, int64_t n, const char* what) {
+  if (!w.has_value() || !w->defined()) return nullptr;
+  TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == torch::kFloat32 && w->dim() == 1 && w->is_contiguous() &&
+                  w->numel() == n,
+              what, ": the scale must be a contiguous 1-D float32 CPU tensor of ", n, " values");
+  return w->data_ptr<float>();
+}
+
 void check_encode(int64_t bits, int64_t bucket_size) {
   TORCH_CHECK(bits >= 2 && bits <= 8, "encode: bits must be 2..8");
   TORCH_CHECK(bucket_size > 0, "encode: bucket_size must be positive");
@@ -87,16 +99,25 @@ void check_encode(int64_t bits, int64_t bucket_size) {
 }  // namespace
 
 // x: contiguous 1-D float tensor on the CPU. Returns the whole payload (header, norms, codes).
+// With w (float32, as long as x: preconditioned quantization), the payload of x * w (float32 product;
+// float64 for float64 x), formed bucket by bucket in cache: the same bytes as encode(x * w).
 torch::Tensor encode(torch::Tensor x, torch::Tensor levels, torch::Tensor header, int64_t bits,
-                     int64_t bucket_size, bool linf, int64_t seed) {
+                     int64_t bucket_size, bool linf, int64_t seed, c10::optional<torch::Tensor> w) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "encode: x must be a contiguous 1-D CPU tensor");
   check_encode(bits, bucket_size);
   auto lf = level_table(levels, bits);
   const int64_t n = x.numel();
+  const float* pw = scale_data(w, n, "encode");
   auto [out, norms, codes] = new_payload(n, bits, bucket_size, header);
   // norms: aligned to 4 bytes (the header is 32 bytes and torch's storage is aligned)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "encode", [&] {
     const scalar_t* px = x.data_ptr<scalar_t>();
+    if (pw != nullptr) {
+      auto run = use_avx2 ? avx2::encode_scaled_payload<scalar_t> : generic::encode_scaled_payload<scalar_t>;
+      run(px, pw, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed),
+          codes);
+      return;
+    }
     auto run = use_avx2 ? avx2::encode_payload<scalar_t> : generic::encode_payload<scalar_t>;
     run(px, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed), codes);
   });
@@ -105,9 +126,10 @@ torch::Tensor encode(torch::Tensor x, torch::Tensor levels, torch::Tensor header
 
 // The payload of the stream of n coordinates that holds the float32 `parts` at `starts` (increasing,
 // not overlapping) and zeros elsewhere, read in place: the same bytes as encode() of that stream.
+// With scales (one float32 tensor per part, as long as it), of the stream holding parts[k] * scales[k].
 torch::Tensor encode_parts(std::vector<torch::Tensor> parts, std::vector<int64_t> starts, int64_t n,
                            torch::Tensor levels, torch::Tensor header, int64_t bits, int64_t bucket_size,
-                           bool linf, int64_t seed) {
+                           bool linf, int64_t seed, c10::optional<std::vector<torch::Tensor>> scales) {
   check_encode(bits, bucket_size);
   TORCH_CHECK(bucket_size % 8 == 0, "encode_parts: bucket_size must be a multiple of 8");
   TORCH_CHECK(parts.size() == starts.size(), "encode_parts: one start per part");
@@ -123,19 +145,27 @@ torch::Tensor encode_parts(std::vector<torch::Tensor> parts, std::vector<int64_t
     sizes.push_back(p.numel());
     end = starts[k] + p.numel();
   }
+  std::vector<const float*> ws;
+  if (scales.has_value()) {
+    TORCH_CHECK(scales->size() == parts.size(), "encode_parts: one scale per part");
+    for (size_t k = 0; k < parts.size(); ++k) ws.push_back(scale_data((*scales)[k], parts[k].numel(), "encode_parts"));
+  }
   auto lf = level_table(levels, bits);
   auto [out, norms, codes] = new_payload(n, bits, bucket_size, header);
   (use_avx2 ? avx2::encode_parts_payload : generic::encode_parts_payload)(
       data.data(), starts.data(), sizes.data(), static_cast<int64_t>(data.size()), n, bucket_size, linf, norms,
-      lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed), codes);
+      lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed), codes,
+      scales.has_value() ? ws.data() : nullptr);
   return out;
 }
 
 // Error feedback in one pass: the payload of x + err (x float32, err float32 or bfloat16, same length),
 // and err overwritten, bucket by bucket, with `scale` times what that payload drops, except in
-// buckets where that is not finite.
+// buckets where that is not finite. With w (float32, as long as x), of x * w + err: the error is kept
+// in the scaled space.
 torch::Tensor encode_feedback(torch::Tensor x, torch::Tensor err, torch::Tensor levels, torch::Tensor header,
-                              int64_t bits, int64_t bucket_size, bool linf, int64_t seed, double scale) {
+                              int64_t bits, int64_t bucket_size, bool linf, int64_t seed, double scale,
+                              c10::optional<torch::Tensor> w) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 1 && x.is_contiguous(),
               "encode_feedback: x must be a contiguous 1-D float32 CPU tensor");
   TORCH_CHECK(err.device().is_cpu() && (err.scalar_type() == torch::kFloat32 || err.scalar_type() == torch::kBFloat16) &&
@@ -145,12 +175,13 @@ torch::Tensor encode_feedback(torch::Tensor x, torch::Tensor err, torch::Tensor 
   TORCH_CHECK(bucket_size % 8 == 0, "encode_feedback: bucket_size must be a multiple of 8");
   auto lf = level_table(levels, bits);
   const int64_t n = x.numel();
+  const float* pw = scale_data(w, n, "encode_feedback");
   auto [out, norms, codes] = new_payload(n, bits, bucket_size, header);
   auto run = [&](auto* e) {
     using err_t = std::remove_pointer_t<decltype(e)>;
     (use_avx2 ? avx2::encode_feedback_payload<err_t> : generic::encode_feedback_payload<err_t>)(
         x.data_ptr<float>(), e, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits,
-        static_cast<uint64_t>(seed), codes, static_cast<float>(scale));
+        static_cast<uint64_t>(seed), codes, static_cast<float>(scale), pw);
   };
   if (err.scalar_type() == torch::kFloat32)
     run(err.data_ptr<float>());
@@ -162,10 +193,11 @@ torch::Tensor encode_feedback(torch::Tensor x, torch::Tensor err, torch::Tensor 
 // Sum of the decoded values of coordinates [start, start + out.numel()) of payloads (already
 // validated) of `numel` coordinates each (-1: out.numel()) at the given byte offsets of `payloads`,
 // times `scale`, written into the float32 tensor `out`. `start`: a multiple of the bucket size
-// whose codes start on a byte.
+// whose codes start on a byte. With divide (float32, as long as out: preconditioned quantization),
+// each output is then divided by its own value, in the same pass.
 torch::Tensor decode_sum(torch::Tensor out, torch::Tensor payloads, std::vector<int64_t> offsets,
                          torch::Tensor levels, int64_t bits, int64_t bucket_size, double scale,
-                         int64_t start, int64_t numel) {
+                         int64_t start, int64_t numel, c10::optional<torch::Tensor> divide) {
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "decode_sum: out must be contiguous float32 on the CPU");
   TORCH_CHECK(payloads.scalar_type() == torch::kUInt8 && payloads.is_contiguous(), "decode_sum: payloads must be contiguous uint8");
   TORCH_CHECK(bits >= 2 && bits <= 8 && bucket_size > 0, "decode_sum: bad bits or bucket_size");
@@ -191,7 +223,9 @@ torch::Tensor decode_sum(torch::Tensor out, torch::Tensor payloads, std::vector<
   }
   float* po = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  (use_avx2 ? avx2::decode_payloads : generic::decode_payloads)(po, n, d, norms, codes, table.data(), bits, fscale);
+  const float* pdiv = scale_data(divide, n, "decode_sum");
+  (use_avx2 ? avx2::decode_payloads : generic::decode_payloads)(po, n, d, norms, codes, table.data(), bits, fscale,
+                                                                pdiv);
   return out;
 }
 
@@ -437,13 +471,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // after): it releases the GIL, so other Python threads (Horovod's hooks, the autograd thread,
   // the DDP hook's decode in gloo's callbacks) run meanwhile.
   using nogil = py::call_guard<py::gil_scoped_release>;
-  m.def("encode", &encode, "Encode a 1-D float CPU tensor into a horovod-alq payload", nogil());
+  m.def("encode", &encode, "Encode a 1-D float CPU tensor (times w, if given) into a horovod-alq payload",
+        py::arg("x"), py::arg("levels"), py::arg("header"), py::arg("bits"), py::arg("bucket_size"), py::arg("linf"),
+        py::arg("seed"), py::arg("w") = py::none(), nogil());
   m.def("encode_parts", &encode_parts, "Encode the stream that holds float32 tensors at given starts, in place",
-        nogil());
-  m.def("encode_feedback", &encode_feedback, "Encode x + err and keep in err what the payload drops", nogil());
-  m.def("decode_sum", &decode_sum, "Decode payloads, sum them and scale, into a float32 tensor", py::arg("out"),
-        py::arg("payloads"), py::arg("offsets"), py::arg("levels"), py::arg("bits"), py::arg("bucket_size"),
-        py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1, nogil());
+        py::arg("parts"), py::arg("starts"), py::arg("n"), py::arg("levels"), py::arg("header"), py::arg("bits"),
+        py::arg("bucket_size"), py::arg("linf"), py::arg("seed"), py::arg("scales") = py::none(), nogil());
+  m.def("encode_feedback", &encode_feedback, "Encode x (times w, if given) + err and keep in err what the payload drops",
+        py::arg("x"), py::arg("err"), py::arg("levels"), py::arg("header"), py::arg("bits"), py::arg("bucket_size"),
+        py::arg("linf"), py::arg("seed"), py::arg("scale"), py::arg("w") = py::none(), nogil());
+  m.def("decode_sum", &decode_sum, "Decode payloads, sum them and scale (and divide), into a float32 tensor",
+        py::arg("out"), py::arg("payloads"), py::arg("offsets"), py::arg("levels"), py::arg("bits"),
+        py::arg("bucket_size"), py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1,
+        py::arg("divide") = py::none(), nogil());
   m.def("grid_statistics", &grid_statistics, "Refit statistics [W, C(grid)] of the norm-based methods", nogil());
   m.def("grid_histograms", &grid_histograms, "grid_statistics and the same counts weighted by norm**2 (bits='auto')",
         nogil());
