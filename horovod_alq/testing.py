@@ -21,8 +21,11 @@ def _cat(parts):
 class Hub:
     """Where the ranks' contributions meet, by collective name."""
 
-    def __init__(self, size: int, timeout: float = 20.0, local_size: int | None = None) -> None:
+    def __init__(
+        self, size: int, timeout: float = 20.0, local_size: int | None = None, variable_sizes: bool = False
+    ) -> None:
         self.size, self.timeout = size, timeout
+        self.variable_sizes = variable_sizes  # the transports say they take blocks of any size (as Horovod's)
         self.local_size = size if local_size is None else local_size  # ranks per node (consecutive ranks)
         self._cond = threading.Condition()
         self._got: dict[str, dict[int, object]] = {}
@@ -61,6 +64,7 @@ class ThreadTransport:
     def __init__(self, hub: Hub, rank: int) -> None:
         self.hub, self.rank, self.size = hub, rank, hub.size
         self.local_size = hub.local_size
+        self.variable_sizes = hub.variable_sizes
         self.sent_to: dict[int, int] = {}  # bytes this rank's alltoalls and allgathers sent to each other rank
 
     def allgather(self, payload, sizes, name):

@@ -16,7 +16,7 @@ import numpy as np
 from ..core.handshake import handshake_range, handshake_vector, read_handshake
 from ..core.protocol import PREFIX, ProtocolError, ReductionMismatch, read_tensor_vector, stable_hash
 from ..core.quantizer import Quantizer
-from . import recovery
+from . import carrier, recovery
 from .context import RoundContext
 from .driver import Started, run
 from .interfaces import TensorOps, Transport
@@ -203,14 +203,26 @@ class FusedRound:
         return out, info.scale
 
     def run(self, ctx: RoundContext, ops: TensorOps, transport: Transport, local_error: str | None) -> None:
-        """The handshake, the exchange of every buffer (continuing the early ones) and the refit."""
+        """The handshake (carried with the first buffer's first collective where the transport
+        allows it, :mod:`.carrier`), the exchange of every buffer (continuing the early ones) and
+        the refit."""
         st, q = ctx.state, ctx.quantizer
         live = self.live()
         collect_first, collect_second = ctx.collects()
         collecting = collect_first or collect_second
         order = tuple((e.numel, e.shape_code) for e in live)
+        own = local_error or next((e.error for e in live if e.error), None)
+        widths = None if st.auto is None else st.auto.quantizers_for(order)
+        capacity = ctx.fusion_bytes // 4 if ctx.fusion_bytes else 0
+        jobs = (ctx, ops, transport, live, widths, collect_first, collect_second)
+        carrying, carried = carrier.carries(transport), None
+        if carrying and own is None:
+            try:
+                carried = self._carried(plan_layout([e.numel for e in live], q.bucket_size, capacity), jobs)
+            except Exception as exc:  # noqa: BLE001 - every rank learns it from the handshake
+                own = f"{PREFIX}: rank {transport.rank} could not start the round's exchange: {exc!r}"
         fields = dict(
-            error=int(local_error is not None or any(e.error is not None for e in live)),
+            error=int(own is not None or local_error is not None or any(e.error is not None for e in live)),
             **ctx.handshake_fields(collecting, transport),
             tensors=len(live),
             elements=sum(e.numel for e in live),
@@ -219,10 +231,14 @@ class FusedRound:
             early=len(self.early),
             early_ok=int(len(live) == len(self.entries)),
         )
-        own = local_error or next((e.error for e in live if e.error), None)
-        reduced = transport.allreduce_max(handshake_vector(**fields), ctx.name()("handshake"))
+        vec, name, index = handshake_vector(**fields), ctx.name()("handshake"), len(self.early)
+        if carrying:
+            raw = getattr(transport, "inner", transport)  # the carrier itself is not on the entropy wire
+            got = carrier.carry(raw, ops, vec, -1 if carried is None else index, carried and carried[2], name)
+            reduced = got.reduced
+        else:
+            got, reduced = None, transport.allreduce_max(vec, name)
         early = self._settle_early(ctx, reduced, ops, transport)
-        widths = None if st.auto is None else st.auto.quantizers_for(order)
         if early and widths is not None:  # early buffers guessed the allocation from the round's beginning
             guessed = [q for s in self.early for q in s.job.widths]
             early = all(a is b for a, b in zip(guessed, widths))
@@ -242,27 +258,19 @@ class FusedRound:
         self.ctx = ctx
         self.repeated = frozenset(k for k in set(order) if order.count(k) > 1)
 
-        capacity = ctx.fusion_bytes // 4 if ctx.fusion_bytes else 0
-        layout = plan_layout([e.numel for e in live], q.bucket_size, capacity if ordered else None)
-        job = Job(
-            [e.flat for e in live],
-            layout,
-            ops,
-            transport,
-            q,
-            st.second,
-            seed=ctx.round_seed,
-            name=ctx.name(),
-            collect_second=collect_second,
-            collect_first=collect_first and ctx.exchange.own_first_statistics,
-            stream_buffer=lambda n: self.kept.get(self, "stream", n, ops),
-            widths=widths if ordered else None,
-            **self._feedback(ctx, live, layout),
-        )
+        # every rank carried the same buffer of the same (ordered) layout: its first collective is done
+        use = got is not None and got.index >= 0 and ordered and (index == 0 or early)
+        if use:
+            job, started = carried[0], {index: Started(carried[0], carried[1], lambda: got.result, 0)}
+        else:
+            if carried is not None:
+                carried[1].close()
+            layout = plan_layout([e.numel for e in live], q.bucket_size, capacity if ordered else None)
+            job, started = self._job(layout, ordered, *jobs), {}
+        layout = job.layout
         st.coordinates += sum(e.numel for e in live)
-        started = {}
         if early:
-            started = dict(enumerate(self.early))
+            started.update(enumerate(self.early))
             planned = [(s.offset, s.offset + s.job.layout.length) for s in self.early]
             if list(layout.buffers[: len(planned)]) != planned:  # the same on every rank: plans are deterministic
                 raise AssertionError(f"{PREFIX}: early buffers {planned} are not the layout's {layout.buffers}")
@@ -278,7 +286,8 @@ class FusedRound:
                 st.exchange = "allgather (unordered round)"
         finally:
             ctx.count(job)
-        for j in [job, *(s.job for s in started.values())]:  # only now: the exchange succeeded
+        done = {id(j): j for j in [job, *(s.job for s in started.values())]}
+        for j in done.values():  # only now: the exchange succeeded
             j.commit_feedback()
         name = ctx.name()("statistics")
         if collecting and st.auto is not None:
@@ -286,6 +295,44 @@ class FusedRound:
                 self.refitter.after_auto_job(job, order, name)
         elif collecting:
             self.refitter.after_job(job, collect_first, second_stats, name)
+
+    def _job(self, layout, ordered, ctx, ops, transport, live, widths, collect_first, collect_second) -> Job:
+        """The round's job over ``layout`` (``ordered``: every rank laid the round out alike)."""
+        st = ctx.state
+        return Job(
+            [e.flat for e in live],
+            layout,
+            ops,
+            transport,
+            ctx.quantizer,
+            st.second,
+            seed=ctx.round_seed,
+            name=ctx.name(),
+            collect_second=collect_second,
+            collect_first=collect_first and ctx.exchange.own_first_statistics,
+            stream_buffer=lambda n: self.kept.get(self, "stream", n, ops),
+            widths=widths if ordered else None,
+            **self._feedback(ctx, live, layout),
+        )
+
+    def _carried(self, layout: Layout, jobs: tuple):
+        """Before the handshake, assuming the ranks agree: the round's job over ``layout``, the
+        steps of its first buffer not started early and that buffer's first collective, to carry
+        with the handshake (:mod:`.carrier`); None where there is none or it is too large, or the
+        transport is wrapped (the entropy wire codes its payloads itself)."""
+        transport = jobs[2]
+        k = len(self.early)
+        planned = [(s.offset, s.offset + s.job.layout.length) for s in self.early]
+        if hasattr(transport, "inner") or k >= len(layout.buffers) or list(layout.buffers[:k]) != planned:
+            return None
+        job = self._job(layout, True, *jobs)
+        steps = jobs[0].exchange.steps(job, k)
+        request = next(steps)
+        if not carrier.small(request, transport.size):
+            steps.close()
+            return None
+        job.count(request)
+        return job, steps, request
 
     def _settle_early(self, ctx: RoundContext, reduced: np.ndarray, ops: TensorOps, transport: Transport) -> bool:
         """After the handshake, before any of its checks: complete with empty contributions the

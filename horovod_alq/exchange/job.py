@@ -201,11 +201,15 @@ class Job:
 
     def issue(self, request: "Allgather | Alltoall", transport: Transport | None = None) -> Callable[[], Tensor]:
         """Start ``request`` on ``transport`` (default: the job's), counting its bytes; returns its wait."""
+        self.count(request)
+        return issue(self.transport if transport is None else transport, request, self.name(request.tag))
+
+    def count(self, request: "Allgather | Alltoall") -> None:
+        """Add ``request``'s payload bytes to :attr:`sent` / :attr:`received`."""
         if isinstance(request, Allgather):
             self.count_allgather(request.sizes)
         else:
             self.count_alltoall(request.splits, request.received)
-        return issue(self.transport if transport is None else transport, request, self.name(request.tag))
 
     def count_allgather(self, sizes: Sequence[int]) -> None:
         sent, received = allgather_bytes(sizes, self.transport.rank)

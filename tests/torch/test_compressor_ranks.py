@@ -160,7 +160,8 @@ def test_wire_bits_per_coordinate_on_large_tensors():
     ],
 )
 def test_mismatched_configuration_is_refused_on_every_rank(what, needle):
-    # the round's handshake finds the difference before any payload moves, on every rank
+    # the round's handshake finds the difference before any payload is used (Horovod carries the first
+    # buffer's first blocks with it: exchange/carrier.py), on every rank
     res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["mismatch", "--what", what])
     for rank, r in enumerate(res):
         assert r["error"] is not None, f"rank {rank} decoded a mismatched payload"
