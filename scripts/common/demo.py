@@ -35,20 +35,6 @@ def split_exchange(method: str) -> tuple[str, str | None]:
     return method, None
 
 
-def split_feedback(spec: str) -> tuple[str, int | None, float]:
-    """``"alq@3+ef"`` -> ``("alq@3", 0, 1.0)``: the ``+ef`` suffix turns on ``error_feedback``;
-    ``"alq@3+ef30"`` -> ``("alq@3", 30, 1.0)``: from step 30 on (earlier steps without it);
-    ``"alq@3+efx0.5"`` -> ``("alq@3", 0, 0.5)``: keeping half of each error; no suffix: None."""
-    base, _, tail = spec.partition("+ef")
-    if base == spec:
-        return spec, None, 1.0
-    start, _, share = tail.partition("x")
-    try:
-        return base, int(start or 0), float(share or 1.0)
-    except ValueError:
-        raise SystemExit(f"{spec!r}: +ef, +ef<first step> (alq@3+ef30) or +efx<share kept> (alq@3+efx0.5)") from None
-
-
 def split_norm(method: str) -> tuple[str, str | None]:
     """``"alq-linf"`` -> ``("alq", "linf")``; ``"alq"`` -> ``("alq", None)`` (an exchange suffix is
     dropped: ``"alq-linf-2p"`` -> ``("alq", "linf")``)."""

@@ -220,5 +220,24 @@ def output(cmd: list[str], timeout: float, **kw) -> tuple[int, str]:
         return rc, f.read()
 
 
+def resumable(cmd: list[str], path: Path, timeout: float) -> str | None:
+    """A sweep's launch that writes its JSON to ``path``: skipped (None) if ``path`` exists, so an
+    interrupted sweep resumes; else ``cmd`` runs with ``path``.part in it (``{json}``), which replaces
+    ``path`` once the launch succeeds; its output. RuntimeError with the output's end on a failure."""
+    if path.exists():
+        print(f"[skip] {path.name} exists", flush=True)
+        return None
+    part = Path(f"{path}.part")
+    cmd = [str(part) if c == "{json}" else c for c in cmd]
+    print(f"[run] {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
+    rc, out = output(cmd, timeout, env=rank_env(PYTHONWARNINGS="ignore"))
+    if rc != 0 or not part.exists():
+        raise RuntimeError(f"launch failed (rc {rc}):\n{out[-3000:]}")
+    os.replace(part, path)
+    print(f"[done] {time.monotonic() - start:.0f} s", flush=True)
+    return out
+
+
 if __name__ == "__main__":
     os.execvpe(tool("mpirun"), [tool("mpirun"), *MPI_OPTIONS, *sys.argv[1:]], {**os.environ, **RANK_ENV})

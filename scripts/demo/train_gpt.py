@@ -18,6 +18,7 @@ A method is ``name``, ``name@bits``, ``name@auto<budget>`` (``alq@auto2.5``: ``b
   compressed; one DDP bucket, the configuration in which it runs correctly on gloo, see
   scripts/bench/train_step.py), ``psgd-match`` the rank whose bytes per step are closest to the
   3-bit quantized payload of this model (``matched_rank``); ``ddp-alq@b`` the DDP hook ``alq_hook``.
+``+ef`` appended to a quantized method (``alq@3+ef``) turns on ``error_feedback``.
 
 Every method starts from the same model (``--seed``), sees the same batches on each rank (seeded
 by ``--seed`` and the rank) and rounds with ``--seed``: runs of one seed differ only in the
@@ -37,14 +38,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.common.demo import (  # noqa: F401 (split_feedback: the studies find it here too)
-    ADAPTIVE,
-    BASELINES,
-    QUANTIZED,
-    split_exchange,
-    split_feedback,
-    split_norm,
-)
+from scripts.common.demo import ADAPTIVE, BASELINES, QUANTIZED, split_exchange, split_norm
 from scripts.common.gpt import (  # noqa: F401 (the studies and tests find these here too)
     GPT,
     char_splits,
@@ -136,11 +130,9 @@ def make_run(
     hvd,
     bit_budget: float | None = None,
     feedback: bool = False,
-    share: float = 1.0,
 ):
     """(model to call, model whose parameters are evaluated, optimizer, state with metrics or None, extra record).
-    ``bits="auto"`` takes ``bit_budget`` (parse_method); ``feedback``: ``error_feedback=True``, its
-    buffers keeping ``share`` of each error (split_feedback's ``+efx<share>``; Horovod rows only)."""
+    ``bits="auto"`` takes ``bit_budget`` (parse_method); ``feedback``: ``error_feedback=True``."""
     from horovod_alq import torch as alq
 
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every run
@@ -171,12 +163,8 @@ def make_run(
             comp = alq.compressor_for(
                 base, **kw, **({"norm": norm} if norm else {}), **({"exchange": exchange} if exchange else {})
             )
-        if share != 1.0:  # an internal knob of the compressor's error buffers, not a setting
-            comp._state.feedback.scale = share
         opt = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=comp)
         return model, model, opt, comp if hasattr(comp, "metrics") else None, extra
-    if share != 1.0:
-        raise SystemExit(f"{name!r}: +efx<share> is for the Horovod rows")
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -200,6 +188,16 @@ def make_run(
     return ddp, model, optimizer, state, extra
 
 
+def split_feedback(spec: str) -> tuple[str, bool]:
+    """``"alq@3+ef"`` -> ``("alq@3", True)``: the ``+ef`` suffix turns on ``error_feedback``."""
+    base, ef, tail = spec.partition("+ef")
+    if tail:
+        raise SystemExit(
+            f"{spec!r}: +ef takes nothing after it here (+ef<step>, +efx<share>: scripts.study.feedback_switches)"
+        )
+    return base, bool(ef)
+
+
 def sent_bits(name: str, state) -> float:
     """Bits per coordinate a rank put into its exchange (the payload; a ring allreduce sends about
     twice that, allgather and two-phase per their design)."""
@@ -215,24 +213,17 @@ def sent_bits(name: str, state) -> float:
 
 
 def train(spec: str, args, data, hvd) -> dict:
-    base, feedback_from, feedback_scale = split_feedback(spec)
-    feedback = feedback_from is not None
+    base, feedback = split_feedback(spec)
     name, bits, bit_budget = parse_method(base)
     if feedback and name not in QUANTIZED and not (name.startswith("ddp-") and name[4:] in QUANTIZED):
         raise SystemExit(f"{spec!r}: +ef (error feedback) is for the quantized methods")
     train_ids, val_ids, chars = data
     rank = hvd.rank()
-    model, plain, opt, state, extra = make_run(
-        name, bits, args, len(chars), hvd, bit_budget, feedback_from == 0, feedback_scale
-    )
+    model, plain, opt, state, extra = make_run(name, bits, args, len(chars), hvd, bit_budget, feedback)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     curve, losses, moments = [], [], []
     start = time.perf_counter()
     for step in range(args.steps):
-        if feedback_from and step == feedback_from:  # +ef<step>: error feedback from this step on
-            from horovod_alq.exchange.feedback import ErrorFeedback
-
-            state._state.feedback = ErrorFeedback(scale=feedback_scale)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = sample_batch(train_ids, args.batch_size, args.context, generator)

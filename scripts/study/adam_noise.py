@@ -72,14 +72,16 @@ def measure(spec: str, args, data, hvd) -> dict:
     8 sequences per worker); every step's errors per group."""
     from scripts.common.gpt import sample_batch
     from scripts.demo import train_gpt as tg
+    from scripts.study import feedback_switches as switches
 
     run = tg.parse_args(["--steps", "250", "--batch-size", "8", "--seed", str(args.seed)])
     train_ids, val_ids, chars = data
-    base, feedback_from, share = tg.split_feedback(spec)  # +ef, +efx<share>: error feedback
+    base, feedback_from, share = switches.split(spec)  # +ef, +efx<share>: error feedback
     if feedback_from:
         raise SystemExit(f"{spec!r}: error feedback from a later step is not measured here")
     name, bits, budget = tg.parse_method(base)
-    model, plain, opt, _, _ = tg.make_run(name, bits, run, len(chars), hvd, budget, feedback_from == 0, share)
+    model, plain, opt, comp, _ = tg.make_run(name, bits, run, len(chars), hvd, budget, feedback_from == 0)
+    switches.keep_share(comp, share)
     named = [(n, p, group_of(n)) for n, p in model.named_parameters()]
     local: dict = {}
     for n, p, _ in named:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -86,30 +84,16 @@ def launches(args) -> list[dict]:
     return out
 
 
-def run_launch(job: dict, args, raw_dir: Path) -> Path:
-    path = (
-        raw_dir
-        / f"np{args.np}_b{job['bits']}_d{job['bucket']}_s{job['seed']}_e{args.epochs}_{'-'.join(job['methods'])}.json"
-    )
-    if path.exists():
-        print(f"[skip] {path.name} exists", flush=True)
-        return path
+def run_launch(job: dict, args, raw_dir: Path) -> None:
+    name = f"np{args.np}_b{job['bits']}_d{job['bucket']}_s{job['seed']}_e{args.epochs}_{'-'.join(job['methods'])}.json"
     cmd = [*launch.mpirun(args.np), sys.executable, "-m", TRAIN, "--methods", ",".join(job["methods"])]
     cmd += ["--bits", str(job["bits"]), "--bucket-size", str(job["bucket"]), "--epochs", str(args.epochs)]
-    cmd += ["--seed", str(job["seed"]), "--quiet", "--json", str(path) + ".part"]
+    cmd += ["--seed", str(job["seed"]), "--quiet", "--json", "{json}"]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
-    print(f"[run] {shlex.join(cmd)}", flush=True)
-    start = time.monotonic()
-    rc, out = launch.output(cmd, args.timeout, env=launch.rank_env(PYTHONWARNINGS="ignore"))
-    if rc != 0 or not Path(str(path) + ".part").exists():
-        raise RuntimeError(f"launch failed (rc {rc}):\n{out[-3000:]}")
-    os.replace(str(path) + ".part", path)
-    print(
-        f"[done] {time.monotonic() - start:.0f} s\n{out.strip().splitlines()[-len(job['methods']) - 1 :]}",
-        flush=True,
-    )
-    return path
+    out = launch.resumable(cmd, raw_dir / name, args.timeout)
+    if out:
+        print("\n".join(out.strip().splitlines()[-len(job["methods"]) - 1 :]), flush=True)
 
 
 def collect(raw_dir: Path, args) -> dict:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -32,10 +31,11 @@ from pathlib import Path
 
 from scripts.common import launch
 from scripts.common import report as pages
-from scripts.common.demo import split_feedback
+from scripts.study.feedback_switches import split, switched
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN = "scripts.demo.train_gpt"  # run with python -m from ROOT
+TRAIN = "scripts.demo.train_gpt"  # run with python -m from ROOT; launches with +ef<step> or +efx<share> rows:
+SWITCHES = "scripts.study.feedback_switches"  # the demo with the studies' error-feedback switches
 # Each grid is a list of launches per seed; a launch runs its methods in turn in one mpirun job.
 # At 2 bits ALQ and AMQ nearly coincide (levels -1, -a, b, 1 against -1, -p, p, 1, fitted to the same
 # objective: a, b and p agree to about 1%), so the core grid runs ALQ only there.
@@ -183,23 +183,13 @@ def raw_path(job: dict, args, raw_dir: Path) -> Path:
 
 
 def run_launch(job: dict, args, raw_dir: Path) -> None:
-    path = raw_path(job, args, raw_dir)
-    if path.exists():
-        print(f"[skip] {path.name} exists", flush=True)
-        return
-    part = Path(str(path) + ".part")
-    cmd = [*launch.mpirun(args.np), sys.executable, "-m", TRAIN, "--methods", ",".join(job["methods"])]
+    module = SWITCHES if any(switched(m) for m in job["methods"]) else TRAIN
+    cmd = [*launch.mpirun(args.np), sys.executable, "-m", module, "--methods", ",".join(job["methods"])]
     cmd += ["--seed", str(job["seed"]), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
-    cmd += ["--bucket-size", str(args.bucket_size), "--json", str(part), *optimizer_args(args)]
-    cmd += shlex.split(args.extra)
-    print(f"[run] {shlex.join(cmd)}", flush=True)
-    start = time.monotonic()
-    rc, out = launch.output(cmd, args.timeout, env=launch.rank_env(PYTHONWARNINGS="ignore"))
-    if rc != 0 or not part.exists():
-        raise RuntimeError(f"launch failed (rc {rc}):\n{out[-3000:]}")
-    os.replace(part, path)
-    lines = [ln for ln in out.splitlines() if "eval loss" in ln]
-    print(f"[done] {time.monotonic() - start:.0f} s\n" + "\n".join(lines), flush=True)
+    cmd += ["--bucket-size", str(args.bucket_size), "--json", "{json}", *optimizer_args(args)]
+    out = launch.resumable(cmd + shlex.split(args.extra), raw_path(job, args, raw_dir), args.timeout)
+    if out:
+        print("\n".join(ln for ln in out.splitlines() if "eval loss" in ln), flush=True)
 
 
 def collect(raw_dir: Path, args) -> dict:
@@ -282,7 +272,7 @@ def order(labels) -> list:
 
     def key(label):
         spec, _, bucket = label.partition("/")
-        spec, start, share = split_feedback(spec)
+        spec, start, share = split(spec)
         name, _, bits = spec.partition("@")
         feedback = (-1, 0.0) if start is None else (start, -share)
         rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
