@@ -44,10 +44,14 @@ class Decoded:
             raise AssertionError(f"{PREFIX}: the decoded pieces do not cover [{start}, {start + length}) of the stream")
         self._whole: dict[int, Tensor] = {}  # piece index -> its decoded sum (for windows off a byte)
 
-    def read(self, lo: int, hi: int, scale: float = 1.0, out: Tensor | None = None) -> Tensor:
+    def read(
+        self, lo: int, hi: int, scale: float = 1.0, out: Tensor | None = None, divide: Tensor | None = None
+    ) -> Tensor:
         """``scale`` times the reduced stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its
-        piece), in ``out`` (float32, ``hi - lo``) or a new vector."""
+        piece), in ``out`` (float32, ``hi - lo``) or a new vector; divided by ``divide`` (``hi - lo``
+        values: preconditioning's ``w``), in the decode's pass where the ops can (``fuses_scales``)."""
         out = self.ops.empty(hi - lo) if out is None else out
+        fused = divide is not None and getattr(self.ops, "fuses_scales", False)
         for k, p in enumerate(self.pieces):
             a, b = max(lo, p.lo), min(hi, p.hi)
             if a >= b:
@@ -62,12 +66,17 @@ class Decoded:
                     start=start,
                     numel=p.hi - p.lo,
                     scale=scale,
+                    **({"divide": divide[a - lo : b - lo]} if fused else {}),
                 )
+                if divide is not None and not fused:
+                    out[a - lo : b - lo] /= divide[a - lo : b - lo]
             else:  # (bucket sizes that are not multiples of 8) decode the piece once, then slice it
                 if k not in self._whole:
                     self._whole[k] = self.ops.empty(p.hi - p.lo)
                     self.ops.decode_sum(self._whole[k], p.payloads, p.offsets, p.quantizer)
                 out[a - lo : b - lo] = self._whole[k][start : start + b - a] * scale
+                if divide is not None:
+                    out[a - lo : b - lo] /= divide[a - lo : b - lo]
         return out
 
 
@@ -102,6 +111,9 @@ class Job:
     #: error_feedback: (identity, start, numel) of each tensor in the stream, its errors' key (a
     #: name or another stable identity; a DDP bucket's parameters, or each of ``layout``'s tensors)
     idents: Sequence[tuple] | None = None
+    #: precondition=: each part's float32 scale ``w`` (as long as it): the stream holds ``part * w``,
+    #: read in place by ops that fuse the multiply into the encode (``fuses_scales``), else built
+    scales: Sequence[Tensor] | None = None
     pending: Pending = field(default_factory=Pending)  # errors made by this job, for commit_feedback()
     _stream: Tensor | None = None
     _frozen: dict = field(default_factory=dict)
@@ -142,7 +154,8 @@ class Job:
         if self._stream is None:
             lay = self.layout
             out = None if self.stream_buffer is None else self.stream_buffer(lay.length)
-            self._stream = self.ops.stream(self.parts, lay.starts, lay.length, out=out, padding=lay.padding)
+            parts = self.parts if self.scales is None else [p * w for p, w in zip(self.parts, self.scales)]
+            self._stream = self.ops.stream(parts, lay.starts, lay.length, out=out, padding=lay.padding)
         return self._stream
 
     def encode_range(self, lo: int, hi: int, quantizer: Quantizer, seed: int) -> Tensor:
@@ -152,14 +165,17 @@ class Job:
             payload = self._feedback_encode(self.stream[lo:hi], quantizer, seed, "own", lo, hi)
             self.encoded += int(payload.shape[0])
             return payload
-        if self._stream is None:
-            parts, starts = [], []
-            for part, s, n in zip(self.parts, self.layout.starts, self.layout.numels):
+        if self._stream is None and (self.scales is None or getattr(self.ops, "fuses_scales", False)):
+            parts, starts, scales = [], [], []
+            for k, (part, s, n) in enumerate(zip(self.parts, self.layout.starts, self.layout.numels)):
                 a, b = max(lo, s), min(hi, s + n)
                 if a < b:
                     parts.append(part[a - s : b - s])
                     starts.append(a - lo)
-            payload = self.ops.encode_parts(parts, starts, hi - lo, quantizer, seed)
+                    if self.scales is not None:
+                        scales.append(self.scales[k][a - s : b - s])
+            kw = {} if self.scales is None else {"scales": scales}
+            payload = self.ops.encode_parts(parts, starts, hi - lo, quantizer, seed, **kw)
             if payload is not None:
                 self.encoded += int(payload.shape[0])
                 return payload

@@ -87,6 +87,7 @@ class StreamedRound:
         *,
         whole: bool = False,
         idents: Sequence | None = None,
+        scales: Any = None,
     ) -> Layout:
         """Quantize buffer ``flat`` (1-D, ``numel`` elements; or a list of 1-D tensors of ``numel``
         elements in all, each starting on a bucket boundary: quantized as it would be alone), issue
@@ -98,7 +99,9 @@ class StreamedRound:
         bucket's parameters); ``whole``: this buffer holds all of the round's tensors (they take
         the allocation's widths only if they are exactly its tensors). ``idents`` (required with
         error feedback): what the tensors are, their errors' keys, as (identity, elements) pairs:
-        one per tensor of a list, or of the tensors back to back in ``flat``."""
+        one per tensor of a list, or of the tensors back to back in ``flat``. ``scales``
+        (precondition=): ``w`` of ``flat`` (a tensor as long as it; a list: one per tensor), the
+        buffer quantized being ``flat * w`` (formed inside the encode where the ops can)."""
         ctx, t = self.ctx, self.stages[0]
         st, q = ctx.state, ctx.quantizer
         index = len(self._buffers)
@@ -108,6 +111,12 @@ class StreamedRound:
             raise ValueError(f"horovod_alq: the buffer's tensors hold {sum(sizes)} elements, not {numel}")
         layout = plan_layout(sizes, q.bucket_size, None)
         widths = None
+        if scales is not None:
+            scales = list(scales) if isinstance(scales, (list, tuple)) else [scales]
+            if [int(w.shape[0]) for w in scales] != [int(p.shape[0]) for p in parts]:
+                raise ValueError(f"horovod_alq: the buffer's scales do not match its tensors ({len(scales)} given)")
+            if st.auto is not None:  # bits="auto" splits the buffer per tensor: the products go
+                parts, scales = [p * w for p, w in zip(parts, scales)], None
         if st.auto is not None:
             parts, layout, widths = self._auto_layout(parts, layout, tensors, whole)
         own_stats = self.exchange.own_first_statistics  # it quantizes other values than these
@@ -123,6 +132,7 @@ class StreamedRound:
             collect_second=self.collect_second,
             collect_first=self.collect_first and own_stats and st.auto is None,
             widths=widths,
+            scales=scales,
             **ctx.feedback_for(self._idents(idents, sizes, layout)),
         )
         if self.collect_first and st.auto is None and not own_stats:  # a list's tensors one by one, as if alone

@@ -138,10 +138,12 @@ class ALQState(StreamedState):
         settle = SettleOnce(future, f"DDP bucket {index} of step {self.round_state.step}", stage.scope, self.timeout)
         WATCHDOG.watch(settle)
         if buffer.dtype in COMPRESSIBLE and buffer.numel() >= max(self.min_size, 1):
-            flat, scale = buffer.detach().reshape(-1), None
+            flat, scale, fused = buffer.detach().reshape(-1), None, None
             if self._precondition is not None:
                 scale = _bucket_scale(self._precondition, parameters, flat)
-                if scale is not None:
+                if scale is not None and flat.dtype == torch.float32 and self._ops_for(flat.device).fuses_scales:
+                    fused = scale  # the codec forms flat * scale inside its encode
+                elif scale is not None:
                     flat = flat * scale
             tensors = [(p.numel(), shape_hash(tuple(p.shape), str(p.dtype))) for p in parameters]
             idents = None
@@ -153,6 +155,7 @@ class ALQState(StreamedState):
                 functools.partial(_complete, settle, buffer, 1.0 / n, scale),
                 tensors=tensors if self.round_state.auto is not None else None,
                 idents=idents,
+                scales=fused,
             )
         else:
             self.round_state.uncompressed_coordinates += buffer.numel()
@@ -219,10 +222,8 @@ def _complete(settle: SettleOnce, buffer: torch.Tensor, scale: float, w, decoded
         return
     try:
         n = buffer.numel()
-        if buffer.dtype == torch.float32 and buffer.is_contiguous():
-            decoded.read(0, n, scale, buffer.view(-1))  # decoded straight into the bucket
-            if w is not None:
-                buffer.view(-1).div_(w)
+        if buffer.dtype == torch.float32 and buffer.is_contiguous():  # straight into the bucket
+            decoded.read(0, n, scale, buffer.view(-1), divide=w)
         elif w is not None:
             buffer.copy_((decoded.read(0, n, scale).to(w.device) / w).view_as(buffer))
         else:

@@ -24,6 +24,13 @@ class TorchOps:
         self._levels: dict[int, torch.Tensor] = {}
         self._grid: torch.Tensor | None = None
 
+    @property
+    def fuses_scales(self) -> bool:
+        """Whether the codec quantizes ``x * w`` and divides its decode by ``w`` inside its kernels
+        (``encode_parts(scales=)``, ``decode_sum(divide=)``: preconditioned quantization): the
+        compiled CPU codec."""
+        return self.codec.name == "cpu"
+
     def levels(self, q: Quantizer) -> torch.Tensor:
         key = q.fingerprint
         if key not in self._levels:
@@ -64,16 +71,21 @@ class TorchOps:
         args, kw = self._coding(q, x.numel(), seed)
         return self.codec.encode(x.contiguous(), *args, **kw)
 
-    def encode_parts(self, parts, starts, length, q: Quantizer, seed: int):
+    def encode_parts(self, parts, starts, length, q: Quantizer, seed: int, scales=None):
+        """The payload of the stream holding ``parts`` (times ``scales``, one float32 per part, where
+        :attr:`fuses_scales`), read in place; None where the codec cannot."""
         encode = getattr(self.codec, "encode_parts", None)
         if (
             encode is None
             or length == 0
             or q.bucket_size % 8
             or not all(p.dtype == torch.float32 and p.device == self.device for p in parts)
+            or (scales is not None and not self.fuses_scales)
         ):
             return None
         args, kw = self._coding(q, length, seed)
+        if scales is not None:
+            kw["scales"] = [w.reshape(-1).contiguous() for w in scales]
         return encode([p.reshape(-1).contiguous() for p in parts], list(starts), length, *args, **kw)
 
     def encode_feedback(self, x: torch.Tensor, error: torch.Tensor, q: Quantizer, seed: int, scale: float = 1.0):
@@ -106,7 +118,10 @@ class TorchOps:
         start: int = 0,
         numel: int | None = None,
         scale: float = 1.0,
+        divide: torch.Tensor | None = None,
     ) -> None:
+        """See :meth:`horovod_alq.exchange.interfaces.TensorOps.decode_sum`; ``divide`` (as long as
+        ``out``, where :attr:`fuses_scales`): the output divided by it in the same pass."""
         n = out.numel()
         numel = n if numel is None else int(numel)
         if n == 0:
@@ -122,6 +137,7 @@ class TorchOps:
             scale=scale,
             start=start,
             numel=numel,
+            **({} if divide is None else {"divide": divide.reshape(-1)}),
         )
         if target is not out:
             out.copy_(target)

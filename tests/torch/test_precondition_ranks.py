@@ -31,6 +31,17 @@ def test_identical_and_learning(ranks, case):
     assert first["loss_last"] < first["loss_first"], first
 
 
+@pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
+def test_fused_scaling_is_the_unfused_one(ranks, exchange):
+    """The compiled codec forms g * w inside its encode and divides its decode by w (the DDP hook
+    hands it the bucket and w): the same parameters, bit for bit, as the hook multiplying and
+    dividing itself."""
+    for r in ranks:
+        fused, unfused = r["train"][exchange], r["train"][f"{exchange}-unfused"]
+        assert fused["params"] == unfused["params"], (r["rank"], exchange)
+        assert fused["fused"] > 0 and unfused["fused"] == 0, (fused["fused"], unfused["fused"])
+
+
 def test_optimizer_state_mismatch_raises_on_every_rank(ranks):
     for r in ranks:
         m = r["mismatch"]

@@ -15,6 +15,7 @@ from helpers import digest
 from horovod_alq.torch import Preconditioner
 from horovod_alq.torch import ddp as hook_module
 from horovod_alq.torch.ddp import alq_hook
+from horovod_alq.torch.ops import TorchOps
 
 SCALED: list = []  # elements of each quantized bucket that went scaled
 _bucket_scale = hook_module._bucket_scale
@@ -28,10 +29,33 @@ def _recorded(pre, parameters, flat):
 
 hook_module._bucket_scale = _recorded
 
+FUSED: list = [0]  # encodes that formed x * w inside the codec (encode_parts with scales)
+_encode_parts = TorchOps.encode_parts
 
-def training(rank: int, steps: int = 12, pre: str = "adamw", **kwargs) -> dict:
+
+def _counted(self, *args, scales=None, **kwargs):
+    out = _encode_parts(self, *args, scales=scales, **kwargs)
+    FUSED[0] += scales is not None and out is not None
+    return out
+
+
+TorchOps.encode_parts = _counted
+
+
+def training(rank: int, steps: int = 12, pre: str = "adamw", unfused: bool = False, **kwargs) -> dict:
     """AdamW through the hook with preconditioning: identical parameters on every rank, and the
-    handshake's digest field set (nonzero) once AdamW has a second moment."""
+    handshake's digest field set (nonzero) once AdamW has a second moment. ``unfused``: the codec
+    does not form x * w (the hook multiplies and divides itself)."""
+    fuses = TorchOps.fuses_scales
+    if unfused:
+        TorchOps.fuses_scales = property(lambda self: False)
+    try:
+        return _training(rank, steps, pre, **kwargs)
+    finally:
+        TorchOps.fuses_scales = fuses
+
+
+def _training(rank: int, steps: int, pre: str, **kwargs) -> dict:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     source = opt
@@ -41,6 +65,7 @@ def training(rank: int, steps: int = 12, pre: str = "adamw", **kwargs) -> dict:
     model.register_comm_hook(state, alq_hook)
     losses = []
     SCALED.clear()
+    FUSED[0] = 0
     for x, y in batches(rank, steps):
         loss = F.cross_entropy(model(x), y)
         loss.backward()
@@ -51,6 +76,7 @@ def training(rank: int, steps: int = 12, pre: str = "adamw", **kwargs) -> dict:
         "params": digest(*model.parameters()),
         "digest": int(state.round_state.precondition),
         "scaled": list(SCALED),
+        "fused": FUSED[0],
         "levels": state.metrics()["levels"].tolist(),
         "loss_first": float(np.mean(losses[:3])),
         "loss_last": float(np.mean(losses[-3:])),
@@ -87,7 +113,9 @@ def main() -> None:
     out = {"rank": rank, "size": size}
     out["train"] = {
         "allgather": training(rank, exchange="allgather"),
+        "allgather-unfused": training(rank, exchange="allgather", unfused=True),
         "two-phase": training(rank, exchange="two-phase"),
+        "two-phase-unfused": training(rank, exchange="two-phase", unfused=True),
         "entropy": training(rank, exchange="two-phase", wire="entropy"),
         "feedback+entropy": training(rank, exchange="two-phase", error_feedback=True, wire="entropy"),
         "auto": training(rank, bits="auto", bit_budget=2.5),
