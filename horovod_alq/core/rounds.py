@@ -108,7 +108,8 @@ class RoundState:
     def collecting_second(self) -> bool:
         """Whether the next round gathers statistics of the reduced sums for the second quantizer:
         the round *after* each refit of the first, so that the sums are made with its new levels
-        (docs/results/variance_training.md#variance_two_phase: sums made with the old levels fit worse than no refit)."""
+        (docs/results/variance_training.md#variance_two_phase: sums made with the old levels fit
+        worse than no refit)."""
         return (
             self.adapt_second
             and get_method(self.quantizer.method).adaptive
