@@ -202,8 +202,9 @@ def _adam_error(opt, params, out, exact) -> float | None:
 
 
 def report(runs: list[dict], against: str = "alq@3") -> list[str]:
-    """Markdown lines: the final loss per row and seed, the same-seed differences to fp32 and to
-    ``against`` (mean, standard error over seeds, wins), and fp32's seed-to-seed standard error."""
+    """Markdown lines: the final loss per row and seed, the same-seed differences to fp32 and, for a
+    preconditioned row, to its plain row (``alq@2+pre`` to ``alq@2``; mean, standard error over
+    seeds, wins), and fp32's seed-to-seed standard error. ``against`` is listed second."""
     by = {}
     for r in runs:
         by.setdefault(r["spec"], {})[r["seed"]] = r["eval_loss"]
@@ -226,8 +227,8 @@ def report(runs: list[dict], against: str = "alq@3") -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for s in specs:
-        for ref in ("fp32", against):
-            if s == ref or ref not in by or (s == "fp32" and ref == against):
+        for ref in ("fp32", s.partition("+")[0]):
+            if s == ref or ref not in by:
                 continue
             common = [k for k in seeds if k in by[s] and k in by[ref]]
             if not common:
