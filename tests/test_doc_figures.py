@@ -1,10 +1,12 @@
 """One source per figure: the results tables of README.md and docs/index.md are what
 scripts/docs_tables.py computes from the committed data under docs/results/data/, the README's
 first screen says what the project is, its two commands, when it pays and what has not run (GPU),
-and no page says that something has not run when a committed result page shows that it did."""
+and no page says that something has not run when a committed result page shows that it did; the
+results index's prose quotes the table's computed figures."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -100,3 +102,61 @@ def test_the_readme_first_screen_says_what_when_and_what_ran():
 def test_the_readme_is_short():
     """At most 120 lines: everything else lives on the pages it links."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 120
+
+
+def _index_quotes(rows) -> list[str]:
+    """The figures docs/results/index.md's prose repeats from the results table, as that prose words
+    them, built from the table's computed cells (so the prose cannot drift from the data)."""
+    cells = {r.what: r.alq for r in rows}
+
+    def cell(start: str) -> str:
+        (found,) = [alq for what, alq in cells.items() if what.startswith(start)]
+        return found
+
+    def spans(text: str) -> list[tuple[str, str]]:
+        return re.findall(r"(\d+(?:\.\d+)?)-(\d+(?:\.\d+)?)x", text)
+
+    ((var_lo, var_hi),) = spans(cell("quantization variance on a CNN"))
+    gpt = re.match(r"-(\d\.\d+ ± \d\.\d+)", cell("held-out loss of a character GPT")).group(1)
+    psgd = re.match(r"-(\d\.\d+ ± \d\.\d+)", cell("the same, at equal bytes")).group(1)
+    auto4 = spans(cell("full training step, 4 workers, 100 Mbit/s"))[1]  # exchange="auto"
+    ((core_lo, core_hi),) = spans(cell("full training step, 2 workers (a core each)"))
+    ((four_lo, four_hi),) = spans(cell("full training step, 4 workers on 2 cores"))
+    error_lo, error_hi = spans(cell("bytes between nodes"))[0]
+    (n100_lo, n100_hi), (n1g_lo, n1g_hi) = spans(cell("full training step, 2 nodes x 2 ranks"))
+    tta = cell("time to accuracy, character GPT")
+    tta_psgd = re.search(r"equal bytes (\d\.\d+x), in (\d) of (\d) seeds", tta).groups()
+    tta_mean = re.match(r"(\d\.\d+) ±", tta).group(1)
+    tta_1g = re.match(r"(\d\.\d+) ±", cell("the same at 1 Gbit/s")).group(1)
+    return [
+        f"{var_lo}x (d=512) to {var_hi}x (d=8192) less variance than QSGDinf",
+        f"by {gpt} nats/char at 3 bits",
+        f"(−{psgd})",
+        f"{auto4[0]}-{auto4[1]}x fp16's step with 4 workers",
+        f"{core_lo}-{core_hi}x fp16 at 1 Gbit/s",
+        f"full step {four_lo}-{four_hi}x fp16's with 4 workers",
+        f"at {error_hi}x (CNN) and {error_lo}x (GPT)",
+        f"{n100_lo}-{n100_hi}x fp16's step at 100 Mbit/s",
+        f"{n1g_lo}-{n1g_hi}x at 1 Gbit/s",
+        f"and {tta_mean}x fp16's time",
+        f"{tta_psgd[0]} in {tta_psgd[1]} of {tta_psgd[2]}",
+        f"ALQ takes {tta_1g}x fp16's time",
+    ]
+
+
+def _index_prose_problems(rows) -> list[str]:
+    text = " ".join((ROOT / "docs" / "results" / "index.md").read_text().split())
+    return [quote for quote in _index_quotes(rows) if quote not in text]
+
+
+def test_the_results_index_prose_quotes_the_computed_figures():
+    """Figures the index's prose repeats from the results table are the table's computed ones; a
+    changed figure in the data (planted) is caught."""
+    rows = docs_tables.rows()
+    assert not _index_prose_problems(rows)
+    planted = [r if not r.what.startswith("full training step, 2 nodes") else _replace_cell(r) for r in rows]
+    assert _index_prose_problems(planted) == ["0.55-0.62x fp16's step at 100 Mbit/s"]
+
+
+def _replace_cell(row):
+    return dataclasses.replace(row, alq=row.alq.replace("0.53-0.62x", "0.55-0.62x"))
