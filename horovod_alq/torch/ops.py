@@ -121,7 +121,7 @@ class TorchOps:
         divide: torch.Tensor | None = None,
     ) -> None:
         """See :meth:`horovod_alq.exchange.interfaces.TensorOps.decode_sum`; ``divide`` (as long as
-        ``out``, where :attr:`fuses_scales`): the output divided by it in the same pass."""
+        ``out``): the output divided by it, in the decode's pass where :attr:`fuses_scales`."""
         n = out.numel()
         numel = n if numel is None else int(numel)
         if n == 0:
@@ -137,8 +137,10 @@ class TorchOps:
             scale=scale,
             start=start,
             numel=numel,
-            **({} if divide is None else {"divide": divide.reshape(-1)}),
+            **({"divide": divide.reshape(-1)} if divide is not None and self.fuses_scales else {}),
         )
+        if divide is not None and not self.fuses_scales:
+            target.div_(divide.reshape(target.shape))
         if target is not out:
             out.copy_(target)
 

@@ -154,3 +154,28 @@ def test_bad_scales_are_refused(cpu):
     with pytest.raises(ValueError, match="decode_sum"):
         payload = cpu.encode(x, *args, **kw)
         cpu.decode_sum(torch.empty(100), payload, [0], args[0], bits=3, bucket_size=64, scale=1.0, divide=torch.ones(3))
+
+
+@pytest.mark.parametrize("codec", ["cpu", "torch"])
+def test_ops_scale_with_every_codec(codec):
+    """TorchOps: the compiled codec fuses (encode_parts reads parts * w, decode_sum divides); other
+    codecs decline encode_parts with scales (the job then builds the products) and divide after
+    their decode: the same floats either way."""
+    from horovod_alq.torch.ops import TorchOps
+
+    try:
+        ops = TorchOps(torch.device("cpu"), codec)
+    except ValueError as err:  # compiled CPU codec not built
+        pytest.skip(str(err))
+    assert ops.fuses_scales == (codec == "cpu")
+    q = Quantizer("alq", bits=3, bucket_size=64, seed=0)
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(1000, generator=g), torch.rand(1000, generator=g) + 0.1
+    payload = ops.encode(x * w, q, 3)
+    fused = ops.encode_parts([x], [0], 1000, q, 3, scales=[w])
+    assert (fused is None) == (codec != "cpu")
+    assert fused is None or torch.equal(fused, payload)
+    want, got = ops.empty(1000), ops.empty(1000)
+    ops.decode_sum(want, payload, [0], q, scale=0.5)
+    ops.decode_sum(got, payload, [0], q, scale=0.5, divide=w)
+    assert torch.equal(got, want / w)
