@@ -132,7 +132,24 @@ def test_cpu_codec_reads_the_first_table():
     codec, source = scale.cpu_codec()
     assert codec.enc3 == pytest.approx(3.89e-3 / 3276800)
     assert codec.enc4 == pytest.approx(5.41e-3 / 3276800) and codec.dec == pytest.approx(0.74e-3 / 3276800)
-    assert "3,276,800" in source
+    assert "3,276,800" in source and source.startswith("codec_speed.md#bench_codec_widths ")
+
+
+def test_cpu_codec_reads_a_fresh_report_and_names_a_missing_section(tmp_path):
+    """A report of scripts.bench.codec_widths as it writes it (no anchor: the file's first table,
+    not its history below); a section the page lacks is a clear error."""
+    report = tmp_path / "bench_codec_widths.md"
+    row = "| {} | {} | {} | 1.00 | 1.0 | {} | 1.00 |"
+    table = ["| kernels | bits | encode ms | vs 3 bits | ns | decode ms | vs 3 bits |", "|---|" * 7]
+    fresh = [row.format("AVX2", 3, 2.0, 0.5), row.format("AVX2", 4, 3.0, 0.6)]
+    old = [row.format("AVX2", 3, 9.0, 9.0), row.format("AVX2", 4, 9.0, 9.0)]
+    text = ["# Codec", "", "1,000,000 float32 coordinates", "", *table, *fresh, "", "## History", "", *table, *old]
+    report.write_text("\n".join(text) + "\n")
+    codec, source = scale.cpu_codec(str(report))
+    assert (codec.enc3, codec.enc4, codec.dec) == pytest.approx((2.0e-9, 3.0e-9, 0.5e-9))
+    assert source == "bench_codec_widths.md (AVX2, one thread, 1,000,000 coordinates)"
+    with pytest.raises(ValueError, match="no section with the anchor"):
+        scale.cpu_codec("docs/results/codec_speed.md" + "#no_such_report")
 
 
 def test_quick_run_writes_page_plot_and_data(tmp_path):

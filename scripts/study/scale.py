@@ -33,7 +33,7 @@ log(predicted / measured); the projection
 uses stated inputs (the measured CPU codec kernels, an assumed GPU codec, 400 GB/s inside a node,
 alpha a parameter, kappa = 1).
 
-    python -m scripts.study.scale --out-dir docs/results     # writes scale_model.md, .png, data/scale_model.json
+    python -m scripts.study.scale     # writes build/results/scale_model.md, .png, data/scale_model.json
     python -m scripts.study.scale --quick --out-dir /tmp/s    # a small grid (16 and 64 GPUs, 2 rates)
 """
 
@@ -88,25 +88,51 @@ CALIBRATION = [DATA / f"bench_train_step_nodes_tcp{x}.json" for x in ("", "_2", 
 CHECKS = [DATA / f for f in ("bench_train_step_cores_two.json", "bench_train_step_cores_two_B.json")]
 CHECKS += [DATA / "bench_train_step_cores_two_100.json", DATA / "bench_train_step.json"]
 CHECKS += [DATA / f"bench_train_step_cores_long_{x}.json" for x in "AB"]
-CODEC_TABLE = ROOT / "docs" / "results" / "bench_codec_widths.md"
+#: The CPU kernels' report: scripts/bench/codec_widths.py's, a section of the codec speed page.
+CODEC_TABLE = "docs/results/codec_speed.md#bench_codec_widths"
 HBM = 4.8e12  # bytes/s, an H200's memory bandwidth (the GPU codec's floor, for comparison only)
 # the projection's reference model: 6 P tokens FLOP per step at REF_MFU of an H100's dense bf16 peak
 REF_PARAMS, REF_TOKENS, REF_MFU, REF_PEAK = 1e9, 8192, 0.4, 989e12
 
 
 # ----------------------------------------------------------------------------- inputs
-def cpu_codec(path: Path = CODEC_TABLE) -> tuple[Codec, str]:
-    """The compiled CPU codec's AVX2 kernels (one thread), from bench_codec_widths.md's first table:
+def first_table(report: str) -> tuple[str, list[str]]:
+    """The text before the first table of ``report`` ("page.md#anchor": of the page's section whose
+    heading has that anchor; a path alone: of the file, e.g. a fresh report under build/results),
+    and that table's lines. Paths are relative to the repository's root."""
+    path, _, anchor = report.partition("#")
+    text = (ROOT / path).read_text()
+    if anchor:
+        heading = re.search(rf"^#+ .*\{{#{re.escape(anchor)}\}}[ \t]*$", text, re.M)
+        if heading is None:
+            raise ValueError(f"{path} has no section with the anchor {{#{anchor}}}")
+        text = text[heading.end() :]
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if start is None:
+        raise ValueError(f"{report} has no table")
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[:start]), lines[start:end]
+
+
+def cpu_codec(report: str = CODEC_TABLE) -> tuple[Codec, str]:
+    """The compiled CPU codec's AVX2 kernels (one thread), from the first table of
+    scripts/bench/codec_widths.py's report (``report``: see first_table; later tables are history):
     encode ms at 3 and 4 bits and decode ms at 3 bits over its coordinate count."""
-    text = path.read_text()
-    count = int(re.search(r"([\d,]+) float32", text).group(1).replace(",", ""))
+    head, table = first_table(report)
+    found = re.search(r"([\d,]+) float32", head)
+    if found is None:
+        raise ValueError(f"{report}: no 'N float32' coordinate count before its first table")
+    count = int(found.group(1).replace(",", ""))
     rows = {}
-    for line in text.split("\n## ")[0].splitlines():  # the first table only (later ones are history)
+    for line in table:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 7 and cells[0] == "AVX2":
             rows[int(cells[1])] = (float(cells[2]) / 1e3 / count, float(cells[5]) / 1e3 / count)
+    if not {3, 4} <= rows.keys():
+        raise ValueError(f"{report}: its first table has no AVX2 rows of 3 and 4 bits")
     codec = Codec(rows[3][0], rows[4][0], rows[3][1])
-    return codec, f"{path.name} (AVX2, one thread, {count:,} coordinates)"
+    return codec, f"{Path(report).name} (AVX2, one thread, {count:,} coordinates)"
 
 
 def gpu_codec(throughput: float, cpu: Codec) -> Codec:
@@ -645,8 +671,8 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
         "of the run's measured TCP throughput (R).",
         f"- CPU codec: {codec_src}: encode {cpu.enc3 * 1e9:.3f} ns per coordinate at 3 bits, "
         f"{cpu.enc4 * 1e9:.3f} at 4, decode-and-add {cpu.dec * 1e9:.3f} ns per coordinate and payload.",
-        f"- GPU codec: **not measured** (no GPU here; [bench_gpu.md](bench_gpu.md) has the command): an "
-        f"assumed {args.gpu_codec:.3g} coordinates/s encoded at 3 bits ({gpu.enc3 * 1e12:.3g} ps per "
+        "- GPU codec: **not measured** (no GPU here; [the GPU codec's report](codec_speed.md#bench_gpu) has the "
+        f"command): an assumed {args.gpu_codec:.3g} coordinates/s encoded at 3 bits ({gpu.enc3 * 1e12:.3g} ps per "
         f"coordinate), 4 bits and decoding in the CPU kernels' proportions ({gpu.enc4 * 1e12:.3g} and "
         f"{gpu.dec * 1e12:.3g} ps). The memory floor of an H200 ({HBM / 1e12:g} TB/s, 4 B read and q written per "
         f"coordinate) would allow {HBM / (4 + q3) / args.gpu_codec:.0f}x this encode rate.",
@@ -726,7 +752,8 @@ def main(argv=None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="a small grid: 16 and 64 GPUs, 10 and 100 Gbit/s")
-    p.add_argument("--out-dir", default="docs/results", help="writes scale_model.md, .png and data/scale_model.json")
+    out_help = "writes scale_model.md, .png and data/scale_model.json; default build/results"
+    p.add_argument("--out-dir", default="build/results", help=out_help)
     rel = lambda path: str(path.relative_to(ROOT))  # noqa: E731
     p.add_argument(
         "--calibration",
@@ -734,7 +761,8 @@ def main(argv=None) -> int:
         help="comma-separated bench_train_step JSONs of one command: the model fits each row's median over them",
     )
     p.add_argument("--checks", default=",".join(map(rel, CHECKS)), help="JSONs to predict, not fitted")
-    p.add_argument("--codec-table", default=rel(CODEC_TABLE), help="bench_codec_widths.md, the CPU kernels")
+    codec_help = "the CPU kernels: scripts.bench.codec_widths's report, page.md#anchor or a file; default %(default)s"
+    p.add_argument("--codec-table", default=CODEC_TABLE, help=codec_help)
     p.add_argument("--host-cores", type=int, default=2, help="cores of the machine that measured the steps")
     p.add_argument("--params", type=float, default=1e9, help="projection: gradient coordinates P")
     p.add_argument("--compute", type=float, default=0.125, help="projection: compute per step, s")
@@ -751,7 +779,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.gpus, args.rates = "16,64", "10,100"
     started = time.time()
-    cpu, codec_src = cpu_codec(ROOT / args.codec_table)
+    cpu, codec_src = cpu_codec(args.codec_table)
     rows = median_rows([ROOT / c for c in args.calibration.split(",")], args.host_cores)
     fitted, ratios, spread = calibrate(rows, cpu)
     checks = []
