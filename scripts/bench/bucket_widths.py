@@ -9,7 +9,8 @@ repeats, rows interleaved, as ratios to fixed 3 bits. Gradients: one GPT gradien
 gpt.py; 19 tensors) and a synthetic 16M-coordinate step (8 tensors of 2M, bucket scales spread
 over orders of magnitude, as a real step's are).
 
-    python -m scripts.bench.bucket_widths --out docs/results/bench_bucket_widths.md
+    python -m scripts.bench.bucket_widths --out build/results/bench_bucket_widths.md
+    # the report goes by hand into docs/results/codec_speed.md#bench_bucket_widths
     python -m scripts.bench.bucket_widths --quick
 """
 

@@ -2,7 +2,8 @@
 """Time compress + exchange + decompress of one large gradient per compressor, side by side in the
 same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
 
-    mpirun -np 2 python -m scripts.bench.codec --sizes 16M --out docs/results/bench_codec.md
+    mpirun -np 2 python -m scripts.bench.codec --sizes 16M --out build/results/bench_codec.md
+    # the report goes by hand into docs/results/codec_speed.md#bench_codec
     mpirun -np 2 python -m scripts.bench.codec --quick
 
 Besides Horovod's none and fp16 and this package's compressors, it times torch's own 8-bit

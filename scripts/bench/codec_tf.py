@@ -2,7 +2,8 @@
 """Time compress + exchange + decompress of one large gradient per TensorFlow compressor, side by
 side in the same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
 
-    mpirun -np 2 python -m scripts.bench.codec_tf --out docs/results/bench_codec_tf.md
+    mpirun -np 2 python -m scripts.bench.codec_tf --out build/results/bench_codec_tf.md
+    # the report goes by hand into docs/results/codec_speed.md#bench_codec_tf
 
 Each measurement is one call of a tf.function around ``hvd.allreduce(tensor, compression=c)``
 (traced once before timing; this is how hvd.DistributedGradientTape runs it), median of --repeats
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
             "quantizers allgather b + 32/d bits per coordinate where fp16 allreduces 16: they pay off "
             "on slow links, not here. The TF codec is TF ops compiled by XLA, random draws included (a "
             "counter-based uint32 hash); the torch compressors have a fused C++ codec "
-            "(docs/results/bench_codec.md).",
+            "(docs/results/codec_speed.md#bench_codec).",
         ]
         write_report(lines, args.out)
     hvd.shutdown()

@@ -7,7 +7,8 @@ ALQ levels fitted to the gradient at each width, one float32 tensor of Student-t
 buckets of 8192; the AVX2 kernels and the generic ones (``set_simd(False)``), rows interleaved,
 medians over repeats.
 
-    python -m scripts.bench.codec_widths --out docs/results/bench_codec_widths.md
+    python -m scripts.bench.codec_widths --out build/results/bench_codec_widths.md
+    # the report goes by hand into docs/results/codec_speed.md#bench_codec_widths
     python -m scripts.bench.codec_widths --quick
 """
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark the NumPy core: adaptation time, reference-codec throughput, quantization variance.
 
-Writes a Markdown report (default ``docs/results/bench_core.md``) with the tables, the command that produced
+Writes a Markdown report (default ``build/results/bench_core.md``; folded into
+docs/results/codec_speed.md#bench_core by hand) with the tables, the command that produced
 them and a note on the machine. ``--quick`` uses smaller inputs and fewer repeats (a smoke test).
 """
 
@@ -153,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small inputs, few repeats (smoke test)")
     parser.add_argument(
         "--out",
-        default=str(Path(__file__).resolve().parents[2] / "docs" / "results" / "bench_core.md"),
-        help="Markdown report to write (default: docs/results/bench_core.md)",
+        default=str(Path(__file__).resolve().parents[2] / "build" / "results" / "bench_core.md"),
+        help="Markdown report to write (default: build/results/bench_core.md)",
     )
     args = parser.parse_args(argv)
     args.repeats = 3 if args.quick else 7
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     tput_rows = bench_throughput(args.n_codec, args.repeats)
     var_table = bench_variance(args.n_var, args.draws)
     text = report(args, adapt_rows, tput_rows, var_table, time.perf_counter() - t0)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)
 

@@ -3,7 +3,8 @@
 DistributedDataParallel's own allreduce, its fp16_compress_hook and its 8-bit quantization hook,
 side by side in the same processes (2 gloo ranks on CPU). Run with torchrun:
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench.ddp --out docs/results/bench_ddp.md
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench.ddp --out build/results/bench_ddp.md
+    # the report goes by hand into docs/results/training_steps.md#bench_ddp
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m scripts.bench.ddp --quick
 
 The model: the 161 parameters of torchvision's resnet50 (the shapes of scripts/bench/step.py's
@@ -148,6 +149,7 @@ def main(argv=None) -> int:
         text = page(args, argv, shapes, models, times, failed, profiles)
         print(text, flush=True)
         if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(text)
     dist.destroy_process_group()
     return 0

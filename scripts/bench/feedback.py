@@ -11,13 +11,15 @@ a finiteness check); and, as the memory floor, one elementwise pass ``e += x`` o
 Extra times are shares of the codec's round; the memory of the buffers per dtype is exact (4 or 2
 bytes per compressed coordinate).
 
-    python -m scripts.bench.feedback --out docs/results/bench_feedback.md
+    python -m scripts.bench.feedback --out build/results/bench_feedback.md
+    # the report goes by hand into docs/results/error_feedback.md#bench_feedback
     python -m scripts.bench.feedback --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
             f"({time.strftime('%Y-%m-%d %H:%M')} UTC; torch {torch.__version__}, codec {results[0]['codec']}, "
             "1 thread; this machine's 2 cores were shared with other jobs: read the ratios).\n\n"
         )
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             f.write(head + (__doc__ or "").split("\n\n")[1] + "\n\n" + table)
     return 0

@@ -369,7 +369,7 @@ def parser() -> argparse.ArgumentParser:
     add("--rows", default=",".join(ROWS), help=f"comma-separated, in this order: {','.join(ROWS)}")
     yield_help = "Open MPI's (it only launches the ranks here); default 1"
     add("--yield-when-idle", type=int, choices=(0, 1), default=1, help=yield_help)
-    out_help = "markdown report (JSON in data/ beside it); default docs/results/bench_fsdp.md, with --quick "
+    out_help = "markdown report (JSON in data/ beside it); default build/results/bench_fsdp.md, with --quick "
     add("--out", help=out_help + "build/bench/bench_fsdp.md")
     add("--timeout", type=float, help="seconds per mpirun; default 2400 (--quick: 600)")
     net.add_namespace_options(add)
@@ -391,7 +391,7 @@ def main(argv=None) -> int:
     if not all(2 <= w <= 8 for w in workers):
         p.error("--workers must be 2..8")
     if args.out is None:
-        args.out = "build/bench/bench_fsdp.md" if args.quick else "docs/results/bench_fsdp.md"
+        args.out = "build/bench/bench_fsdp.md" if args.quick else "build/results/bench_fsdp.md"
     start = time.monotonic()
     if args.local:
         args.master_addr = "127.0.0.1"

@@ -1,6 +1,7 @@
 """GPU codec benchmark (issue 12): the Triton codec against the memory-bandwidth floor.
 
-    python -m scripts.bench.gpu --out docs/results/bench_gpu_table.md        # 16M, 64M, 256M float32
+    python -m scripts.bench.gpu --out build/results/bench_gpu_table.md        # 16M, 64M, 256M float32
+    # the report goes by hand into docs/results/codec_speed.md#bench_gpu
 
 For each size: encode, decode-and-sum of 1, 4 and 8 payloads, grid statistics (a refit round),
 the fp16 cast round trip (``x.half().float()``), with CUDA events, median of ``--repeats`` runs

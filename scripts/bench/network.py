@@ -4,7 +4,7 @@ its own network namespace, linked through a bridge with tc-shaped veths, time pe
 (fp32), fp16, QSGDinf and ALQ (allgather and two-phase exchange), as ratios to none and to fp16.
 Needs root (ip netns, tc).
 
-    python -m scripts.bench.network --out-dir docs/results                 # unshaped, 1gbit, 100mbit
+    python -m scripts.bench.network     # unshaped, 1gbit, 100mbit: build/results/bench_network.md, .png, data/
     python -m scripts.bench.network --quick --out-dir /tmp/net     # small model, 1 rate, 2 steps
 
 The namespaces (netns alqnet-w0 .. alqnet-w3, --workers N: w0 .. w{N-1}; alqnet-head, where
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
         default=1,
         help=yield_help + "0: busy-wait, what the runs before 2026-12-01 did)",
     )
-    add("--out-dir", default="docs/results")
+    add("--out-dir", default="build/results", help="default build/results")
     tag_help = "suffix of the output file names (bench_network<tag>.md/.png, data/bench_network<tag>.json)"
     add("--tag", default="", help=tag_help)
     add("--quick", action="store_true", help="1gbit only, MLP 512, 2 steps")

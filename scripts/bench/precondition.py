@@ -11,13 +11,15 @@ encode's ``w=``, forming ``g * w`` bucket by bucket in cache; the decode's ``div
 are shares of the codec's round: from the medians, and from the minima (the least disturbed repeat,
 where other jobs share the cores).
 
-    python -m scripts.bench.precondition --out docs/results/bench_precondition.md
+    python -m scripts.bench.precondition --out build/results/bench_precondition.md
+    # the report goes by hand into docs/results/precondition_gpt.md#cost
     python -m scripts.bench.precondition --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -125,6 +127,7 @@ def main(argv=None) -> int:
             f"({time.strftime('%Y-%m-%d %H:%M')} UTC; torch {torch.__version__}, codec {results[0]['codec']}, "
             "1 thread; this machine's 2 cores were shared with other jobs: read the ratios).\n\n"
         )
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             f.write(head + (__doc__ or "").split("\n\n")[1] + "\n\n" + table)
     return 0

@@ -12,7 +12,8 @@ ratios to the plain round. Also what the cap costs: the allocation's quantizatio
 refits on another batch's gradient than the round before it (as in training: a refit's statistics
 are new), so the level fits start warm but not at their fixed point.
 
-    python -m scripts.bench.refit --out docs/results/bench_refit.md
+    python -m scripts.bench.refit --out build/results/bench_refit.md
+    # the report goes by hand into docs/results/codec_speed.md#bench_refit
     python -m scripts.bench.refit --quick
 """
 

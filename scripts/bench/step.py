@@ -2,14 +2,15 @@
 """Time one optimizer step's gradient exchange of a ResNet-50-shaped model, per compressor, side by
 side in the same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
 
-    OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --out docs/results/bench_step.md
+    OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --out build/results/bench_step.md
+    # the report goes by hand into docs/results/training_steps.md#bench_step
     OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --quick
     OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --profile alq --profile-out /tmp/alq.prof
 
 On a host with fewer cores than busy threads (2 ranks, each a main thread and Horovod's background
 thread, on 2 cores) pass ``--mca mpi_yield_when_idle 1`` to mpirun: else a background thread
-that waits in an MPI collective spins on the core its rank's main thread needs (docs/results/bench_step.md
-measures both).
+that waits in an MPI collective spins on the core its rank's main thread needs
+(docs/results/training_steps.md#bench_step measures both).
 
 The model: the 161 parameters of torchvision's resnet50 (conv weights, batch-norm weights and
 biases, fc weight and bias; 25,557,032 elements, 76 tensors of at least 1,024 elements), generated
@@ -210,6 +211,7 @@ def main(argv=None) -> int:
         text = "\n".join(lines) + "\n"
         print(text)
         if args.out:
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:
                 f.write(text)
     hvd.shutdown()

@@ -6,7 +6,8 @@ calls after it. One process (Horovod with one rank): the codec and the graph, no
 ``bits="auto"`` traces every width's codec for every tensor shape (its width is chosen at run
 time), so its first call costs more than a fixed width's; this measures how much.
 
-    python -m scripts.bench.tf_first_call --out docs/results/bench_tf_first_call.md
+    python -m scripts.bench.tf_first_call --out build/results/bench_tf_first_call.md
+    # the report goes by hand into docs/results/codec_speed.md#bench_tf_first_call
 """
 
 from __future__ import annotations

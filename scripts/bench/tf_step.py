@@ -6,11 +6,11 @@ Horovod's fp16 compression and against this package's per-tensor TF path. Needs 
 tc), except --local and --help.
 
     python -m scripts.bench.tf_step --layout 2x2 --rates 1gbit,100mbit --repeats 2 \\
-        --out docs/results/bench_tf_step.md       # ResNet-50 shapes, 10 timed steps: about 25 minutes
+        --out build/results/bench_tf_step.md       # ResNet-50 shapes, 10 timed steps: about 25 minutes
     python -m scripts.bench.tf_step --layout 2x2 --rates 1gbit,100mbit --repeats 2 \\
-        --rows fp32,fp16,alq-tensor@2p,alq-fused,alq-fused@2p --out docs/results/bench_tf_step_2p.md
+        --rows fp32,fp16,alq-tensor@2p,alq-fused,alq-fused@2p --out build/results/bench_tf_step_2p.md
     python -m scripts.bench.tf_step --layout 2x2 --rates 1gbit,100mbit \\
-        --rows fp16,alq-tensor,alq-fused,alq-fused@16,alq-fused@4 --out docs/results/bench_tf_step_fusion.md
+        --rows fp16,alq-tensor,alq-fused,alq-fused@16,alq-fused@4 --out build/results/bench_tf_step_fusion.md
     python -m scripts.bench.tf_step --layout 2x2 --quick    # ResNet-18 at width 0.25, 3 steps: 3 minutes
     python -m scripts.bench.tf_step --local --workers 2 --quick   # loopback, no root: about 30 s
 
@@ -559,7 +559,7 @@ def parser() -> argparse.ArgumentParser:
     add("--yield-when-idle", type=int, choices=(0, 1), default=1, help="Open MPI's; default 1")
     add(
         "--out",
-        help="markdown report (JSON in data/ beside it); default docs/results/bench_tf_step.md, with "
+        help="markdown report (JSON in data/ beside it); default build/results/bench_tf_step.md, with "
         "--quick or --local build/bench/bench_tf_step.md",
     )
     add("--timeout", type=float, help="seconds per mpirun; default 3600 (--quick: 600)")
@@ -587,7 +587,7 @@ def main(argv=None) -> int:
         p.error("--nodes must be 2..8" if args.nodes else "--workers must be 2..8")
     if args.out is None:
         quick = args.quick or args.local
-        args.out = "build/bench/bench_tf_step.md" if quick else "docs/results/bench_tf_step.md"
+        args.out = "build/bench/bench_tf_step.md" if quick else "build/results/bench_tf_step.md"
     if not args.local:
         status = net.preflight("scripts.bench.tf_step", args.teardown_only, "; --local runs without")
         if status is not None:

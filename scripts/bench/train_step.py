@@ -584,7 +584,7 @@ def parser() -> argparse.ArgumentParser:
     mem_help = "launch even if the ranks' estimated memory exceeds MemAvailable"
     add("--skip-memory-check", action="store_true", help=mem_help)
     add("--yield-when-idle", type=int, choices=(0, 1), default=1, help="Open MPI's; default 1")
-    out_help = "markdown report (JSON next to it); default docs/results/bench_train_step.md, with --quick build/bench/"
+    out_help = "markdown report (JSON next to it); default build/results/bench_train_step.md, with --quick build/bench/"
     add("--out", help=out_help + "bench_train_step.md")
     add("--timeout", type=float, help="seconds per mpirun; default 3600 (--quick: 600)")
     net.add_namespace_options(add)
@@ -614,7 +614,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     if args.out is None:
-        args.out = "build/bench/bench_train_step.md" if args.quick else "docs/results/bench_train_step.md"
+        args.out = "build/bench/bench_train_step.md" if args.quick else "build/results/bench_train_step.md"
     if not args.skip_memory_check and not args.teardown_only:
         problem = memory_check(args, workers)
         if problem:

@@ -4,6 +4,8 @@ the GPT's gradients and one timed round of an engine (refit.py, bucket_widths.py
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def parse_size(text: str) -> int:
     """ "16M" -> 16 * 2**20, "512K" -> 512 * 2**10, "1G" -> 2**30, "1000" -> 1000."""
@@ -28,10 +30,11 @@ def timing_table(rows: list[tuple]) -> list[str]:
 
 
 def write_report(lines: list[str], out: str | None) -> None:
-    """Print the report and write it to ``out`` if given."""
+    """Print the report and write it to ``out`` if given (its folder made if missing)."""
     text = "\n".join(lines) + "\n"
     print(text)
     if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w") as f:
             f.write(text)
 

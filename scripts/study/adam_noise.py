@@ -19,7 +19,8 @@ Per tensor group (head, embeddings, attention and MLP matrices) and window of st
   state: per tensor ``||mean - exact||^2`` over its expectation for an unbiased exchange (the sum
   of the per-coordinate error variances over the repeats), near 1 when unbiased.
 
-    mpirun -np 4 python -m scripts.study.adam_noise --out docs/results/adam_noise.md
+    mpirun -np 4 python -m scripts.study.adam_noise --out build/results/adam_noise.md
+    # the report goes by hand into docs/results/error_feedback.md#adam_noise
     mpirun -np 2 python -m scripts.study.adam_noise --quick
 """
 

@@ -2,7 +2,7 @@
 """DiLoCo with quantized pseudo-gradients on the character GPT (issue 42): held-out loss against the
 bytes each worker sent and against a modeled wall-clock on 100 Mbit/s links.
 
-    python -m scripts.study.diloco --out-dir docs/results                 # every row, 3 seeds, 4 workers
+    python -m scripts.study.diloco     # every row, 3 seeds, 4 workers, into build/results
     python -m scripts.study.diloco --quick --out-dir /tmp/diloco  # 2 workers, 1 seed, 20 steps, 3 rows
 
 Every seed is one ``torchrun`` launch of 4 worker processes (gloo over loopback) that trains every
@@ -133,7 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=50, help="a multiple of every row's H; default 50")
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows per evaluation; default 256")
     p.add_argument("--rate", type=float, default=100.0, help="link rate of the modeled wall-clock, Mbit/s")
-    p.add_argument("--out-dir", default="docs/results", help="default docs/results")
+    p.add_argument("--out-dir", default="build/results", help="default build/results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)

@@ -6,7 +6,7 @@ the rows scripts.bench.train_step measured on the same layouts and rates
 (docs/results/data/bench_train_step_nodes_tcp*.json: their model size and compute), against the
 measured ratio.
 
-    python -m scripts.study.doctor_check --out docs/results/doctor_check.md     # runs the doctor (root)
+    python -m scripts.study.doctor_check     # runs the doctor (root); build/results/doctor_check.md, data/
     python -m scripts.study.doctor_check --reuse docs/results/data/doctor_check.json --out /tmp/d.md
 """
 
@@ -144,8 +144,8 @@ def report(rows: list[dict], doctors: dict, argv: list[str], wall: float) -> str
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="docs/results/doctor_check.md")
-    p.add_argument("--data", default="docs/results/data/doctor_check.json")
+    p.add_argument("--out", default="build/results/doctor_check.md", help="default %(default)s")
+    p.add_argument("--data", default="build/results/data/doctor_check.json", help="default %(default)s")
     p.add_argument("--reuse", help="a doctor_check.json whose doctor runs to compare (no namespaces)")
     args = p.parse_args(argv)
     argv_list = list(argv) if argv is not None else sys.argv[1:]
@@ -164,6 +164,8 @@ def main(argv=None) -> int:
                     doctors[f"{nodes}x{g} {rate}"] = run_doctor(nodes, g, rate, out, Path(tmp))
                     print(f"{nodes}x{g} {rate}: {doctors[f'{nodes}x{g} {rate}']['links']}", flush=True)
     rows = compare(doctors)
+    for path in (args.out, args.data):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(report(rows, doctors, argv_list, time.time() - start))
     Path(args.data).write_text(json.dumps({"argv": argv_list, "doctors": doctors, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}, {args.data}")

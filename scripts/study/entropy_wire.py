@@ -19,7 +19,7 @@ Then the coder's throughput on one core: the GPT's stream tiled to --speed-coord
 (``encode_wire`` of a payload) and decode (``decode_wire``), in MB/s of float32 input, beside the
 fixed codec's own encode and decode (the compiled CPU codec), interleaved, --repeats times.
 
-    python -m scripts.study.entropy_wire --out docs/results/entropy_wire.md   # and data/entropy_wire.json
+    python -m scripts.study.entropy_wire     # build/results/entropy_wire.md and data/entropy_wire.json
     python -m scripts.study.entropy_wire --quick --out /tmp/entropy_wire.md
 """
 
@@ -52,7 +52,9 @@ METHODS = ("alq", "amq", "qsgdinf")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs/results/entropy_wire.md")
+    p.add_argument(
+        "--out", default="build/results/entropy_wire.md", help="default %(default)s; JSON in data/ beside it"
+    )
     p.add_argument("--iters", type=int, default=100, help="training steps before the gradient is taken")
     p.add_argument("--bits", default="2,3,4")
     p.add_argument("--bucket-size", type=int, default=8192)

@@ -14,13 +14,15 @@ launcher never stops the other ranks: the statuses are the ranks' own. A rank th
 with 1 (the error, raised again after
 ``dist.destroy_process_group()``); a negative status is the signal that ended it.
 
-    python -m scripts.study.exit_stress --runs 20 --out docs/results/exit_stress.md
-    python -m scripts.study.exit_stress --runs 20 --label "before the fix" --out docs/results/exit_stress.md
+    python -m scripts.study.exit_stress --runs 20 --out build/results/exit_stress.md
+    python -m scripts.study.exit_stress --runs 20 --label "before the fix" --out build/results/exit_stress.md
+    # the report goes by hand into docs/results/exit_stress.md (the page also holds #fault_campaign)
     python -m scripts.study.exit_stress --paths diloco --runs 5 --keep /tmp/exit-runs   # keep crashed runs' logs
 
 Prints each run's statuses per rank; writes a Markdown page (one section per ``--label``: a table
-of path x runs) and its raw data as JSON (docs/results/data/exit_stress.json). Run under
-``nice -n 19`` on a shared machine.
+of path x runs) and its raw data as JSON in data/ beside it, to which each run adds its section
+(the committed runs: docs/results/data/exit_stress.json; copy it there first to add to them). Run
+under ``nice -n 19`` on a shared machine.
 """
 
 from __future__ import annotations

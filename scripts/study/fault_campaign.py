@@ -10,10 +10,12 @@ stops a rank). Once rank ``--victim`` has printed ``round --after``, its process
 other ranks are watched until each has ended or ``--limit`` seconds have passed (then the launch is
 killed and the rank counts as still waiting).
 
-    python -m scripts.study.fault_campaign --runs 5 --out docs/results/fault_campaign.md
+    python -m scripts.study.fault_campaign --runs 5 --out build/results/fault_campaign.md
+    # the report goes by hand into docs/results/exit_stress.md#fault_campaign
 
-Writes a Markdown page (a table per front-end, every run's outcome) and its raw data as JSON
-(docs/results/data/fault_campaign.json). Run under ``nice -n 19`` on a shared machine.
+Writes a Markdown page (a table per front-end, every run's outcome) and its raw data as JSON in
+data/ beside it (the committed runs: docs/results/data/fault_campaign.json). Run under ``nice -n 19``
+on a shared machine.
 """
 
 from __future__ import annotations

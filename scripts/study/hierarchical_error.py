@@ -13,9 +13,9 @@ the relative squared error of the decoded mean against the exact mean, ||mean_Q 
 the bytes that crossed between nodes per step, counted on the transports (every byte a rank sent to
 a rank of another node, summed over ranks).
 
-    python -m scripts.study.hierarchical_error --out docs/results/hierarchical_error.md     # N=4 and 16, G=2,4,8
+    python -m scripts.study.hierarchical_error     # N=4 and 16, G=2,4,8: build/results/hierarchical_error.md
     python -m scripts.study.hierarchical_error --quick --out /tmp/h.md             # N=8, G=2, CNN only
-    python -m scripts.study.hierarchical_error --exchanges hierarchical-two-phase --append   # add rows to the page
+    python -m scripts.study.hierarchical_error --exchanges hierarchical-two-phase --append   # rows into --out's report
 """
 
 from __future__ import annotations
@@ -141,7 +141,12 @@ def main(argv=None) -> None:
     p.add_argument("--bucket", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="8 ranks, G=2, the CNN, 3 rounds, 10 warm-up steps")
-    p.add_argument("--out", default="docs/results/hierarchical_error.md")
+    p.add_argument(
+        "--out",
+        default="build/results/hierarchical_error.md",
+        help="the report, its JSON in data/ beside it; default %(default)s (folded into "
+        "docs/results/clusters.md#hierarchical_error by hand)",
+    )
     p.add_argument(
         "--exchanges",
         help="comma-separated: only the rows of these exchanges (flat two-phase, the "

@@ -40,10 +40,12 @@ put in a category:
 ``run_all_in_graph_and_eager_modes(TensorFlowTests)``, which runs each test first in a TF1 graph
 with a session, then eagerly.
 
-The report (markdown, ``--out``, default docs/results/horovod_suite.md) lists the command, date, versions,
-counts and every non-passing test; text after the line ``<!-- notes -->`` in an existing report is
-kept. Results per framework are kept as JSON in ``--results-dir`` (docs/results/data/horovod_suite, committed) so
-that one report covers every suite; the ranks' logs go to ``--work-dir`` (build/horovod_suite).
+The report (markdown, ``--out``, default build/results/horovod_suite.md; docs/results/horovod_suite.md is
+updated from it by hand) lists the command, date, versions, counts and every non-passing test; text
+after the line ``<!-- notes -->`` in an existing report is kept. Results per framework are kept as
+JSON in ``--results-dir`` (default build/results/data/horovod_suite; the committed runs:
+docs/results/data/horovod_suite) so that one report covers every suite; the ranks' logs go to
+``--work-dir`` (build/horovod_suite).
 """
 
 from __future__ import annotations
@@ -486,11 +488,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--results-dir",
         type=Path,
-        default=ROOT / "docs" / "results" / "data" / "horovod_suite",
-        help="the JSON per suite (committed: the report is rebuilt from it)",
+        default=ROOT / "build" / "results" / "data" / "horovod_suite",
+        help="the JSON per suite (the report is rebuilt from it); default build/results/data/horovod_suite, "
+        "the committed runs: docs/results/data/horovod_suite",
     )
     p.add_argument("--work-dir", type=Path, default=ROOT / "build" / "horovod_suite", help="the ranks' logs")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "horovod_suite.md")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "build" / "results" / "horovod_suite.md", help="default %(default)s"
+    )
     p.add_argument(
         "--merge",
         action="store_true",

@@ -14,7 +14,8 @@ and on synthetic Gaussian and Student-t(3) data:
     l2-start      the product's start with L2 buckets (norm="l2")
     fitted        max-abs buckets, levels fitted to the data's own statistics
 
-    python -m scripts.study.probe_initial_levels --out docs/results/initial_levels.md
+    python -m scripts.study.probe_initial_levels --out build/results/initial_levels.md
+    # the report goes by hand into docs/results/variance_training.md#initial_levels
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
                 print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     return 0
 

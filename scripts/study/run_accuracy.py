@@ -4,12 +4,12 @@ a real Horovod job of scripts/demo/train.py (``mpirun -np 4 ... -m scripts.demo.
 Markdown table (mean, standard deviation, min..max; and the same-seed difference to fp32, mean and
 standard error) and a PNG.
 
-    python -m scripts.study.run_accuracy --out-dir docs/results            # the full sweep (~18 min on 2 cores)
+    python -m scripts.study.run_accuracy     # the full sweep (~18 min on 2 cores), into build/results
     python -m scripts.study.run_accuracy --quick --out-dir /tmp/q  # 2 ranks, 1 seed, 2 methods, 1 epoch
     python -m scripts.study.run_accuracy --bits 2,3 --buckets 8192 --tag _norm --baselines none \
-        --methods alq-l2,alq-linf,amq-l2,amq-linf,qsgdinf,terngrad --out-dir docs/results   # bucket norms
+        --methods alq-l2,alq-linf,amq-l2,amq-linf,qsgdinf,terngrad   # bucket norms
     python -m scripts.study.run_accuracy --buckets 8192 --methods alq-ag,alq-2p --baselines none \
-        --tag _exchange --out-dir docs/results   # allgather vs two-phase exchange (-ag / -2p suffixes)
+        --tag _exchange   # allgather vs two-phase exchange (-ag / -2p suffixes)
 
 Every launch writes its own JSON under --raw-dir; a launch whose JSON already exists is skipped,
 so an interrupted sweep resumes where it stopped, and ``--aggregate-only`` rebuilds the table and
@@ -52,11 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
     p.add_argument("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
     p.add_argument("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
-    p.add_argument("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/accuracy_raw")
+    p.add_argument("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/data/accuracy_raw")
     p.add_argument(
         "--out-dir",
-        default="docs/results",
-        help="accuracy.md and accuracy.png go here, accuracy.json and the raw runs to its data/",
+        default="build/results",
+        help="accuracy.md and accuracy.png go here, accuracy.json and the raw runs to its data/; default build/results",
     )
     p.add_argument("--tag", default="", help="suffix of the output names: accuracy<tag>.md etc.; default none")
     p.add_argument("--timeout", type=float, default=7200, help="seconds per launch; default 7200")

@@ -6,14 +6,14 @@ evaluation loss (nats and bits per character), the same-seed differences to fp32
 the same bit width (mean and standard error over seeds), the bits per coordinate each method sent,
 and a plot of the learning curves.
 
-    python -m scripts.study.run_accuracy_gpt --out-dir docs/results                 # the core grid, 5 seeds
-    python -m scripts.study.run_accuracy_gpt --grid wide --seeds 0,1 --out-dir docs/results   # the wider grid
-    python -m scripts.study.run_accuracy_gpt --grid auto --out-dir docs/results     # bits="auto" under a budget
-    python -m scripts.study.run_accuracy_gpt --grid bucket --out-dir docs/results   # bits_per="bucket" under a budget
-    python -m scripts.study.run_accuracy_gpt --grid sgd --optimizer sgd --out-dir docs/results   # SGD, momentum 0.9
+    python -m scripts.study.run_accuracy_gpt     # the core grid, 5 seeds, into build/results
+    python -m scripts.study.run_accuracy_gpt --grid wide --seeds 0,1   # the wider grid
+    python -m scripts.study.run_accuracy_gpt --grid auto     # bits="auto" under a budget
+    python -m scripts.study.run_accuracy_gpt --grid bucket   # bits_per="bucket" under a budget
+    python -m scripts.study.run_accuracy_gpt --grid sgd --optimizer sgd   # SGD, momentum 0.9
     python -m scripts.study.run_accuracy_gpt --quick --out-dir /tmp/g       # 2 ranks, 1 seed, 20 steps
 
-Every launch writes its JSON under <out-dir>/accuracy_gpt_raw; a launch whose JSON exists is
+Every launch writes its JSON under <out-dir>/data/accuracy_gpt_raw; a launch whose JSON exists is
 skipped (an interrupted sweep resumes), and ``--aggregate-only`` rebuilds the outputs from what
 is there (both grids together). ``--optimizer sgd`` writes accuracy_gpt_sgd.md (and .png, .json,
 accuracy_gpt_sgd_raw) instead, so that its rows never mix with AdamW's.
@@ -135,8 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra", default="", help="more train_gpt.py arguments, quoted")
     p.add_argument(
         "--out-dir",
-        default="docs/results",
-        help="accuracy_gpt.md/.png go here, accuracy_gpt.json and the raw runs to its data/",
+        default="build/results",
+        help="accuracy_gpt.md/.png go here, accuracy_gpt.json and the raw runs to its data/; default build/results",
     )
     p.add_argument("--timeout", type=float, default=5400, help="seconds per launch; default 5400")
     p.add_argument("--aggregate-only", action="store_true")

@@ -5,7 +5,7 @@ namespaces whose links between nodes are shaped to 100 Mbit/s and 1 Gbit/s (scri
 network.py's namespaces; the ranks of a node talk over their namespace's loopback). Needs root,
 except --local.
 
-    python -m scripts.study.time_to_accuracy --out-dir docs/results            # 2 rates x 3 seeds, 240 steps
+    python -m scripts.study.time_to_accuracy     # 2 rates x 3 seeds, 240 steps, into build/results
     python -m scripts.study.time_to_accuracy --quick --out-dir build/bench     # 1 seed, 1 rate, 40 steps
     python -m scripts.study.time_to_accuracy --local --np 2 --quick --out-dir /tmp/tta  # loopback, no root
 
@@ -682,7 +682,7 @@ def parser() -> argparse.ArgumentParser:
     add("--eval-windows", type=int, default=256, help="held-out windows per evaluation; default 256")
     add("--local", action="store_true", help="no namespaces: --np ranks on the loopback (no root)")
     add("--np", type=int, default=2, help="ranks with --local; default 2")
-    add("--out-dir", default="docs/results", help="report, plot, data/; default docs/results")
+    add("--out-dir", default="build/results", help="report, plot, data/; default build/results")
     add("--stem", default=STEM, help=f"name of the page, plot and data; default {STEM}")
     add("--timeout", type=float, help="seconds per run; default 7200 (--quick 1200)")
     add("--aggregate-only", action="store_true", help="rebuild the report from the runs' JSON")

@@ -26,9 +26,9 @@ schedule, per tensor as the compressors quantize (buckets from each tensor's sta
 allocation within the budget (exhaustive search, every width's levels fitted from all tensors),
 written to variance_auto.md, variance_auto.png, variance_auto_bits.png and data/variance_auto.json.
 
-    python -m scripts.study.variance --out-dir docs/results  # 2,500 iterations, 2/3/4 bits, d=512,8192, both norms
+    python -m scripts.study.variance  # 2,500 iterations, 2/3/4 bits, d=512,8192, both norms: build/results
     python -m scripts.study.variance --quick --out-dir /tmp/v  # 30 iterations, 3 bits, d=512
-    python -m scripts.study.variance --auto --out-dir docs/results  # bits="auto", budgets 3.0 and 2.5, 2,500 iterations
+    python -m scripts.study.variance --auto  # bits="auto", budgets 3.0 and 2.5, 2,500 iterations
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="default 32")
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="docs/results", help="variance.md and PNGs go here, variance.json to its data/")
+    out_help = "variance.md and PNGs go here, variance.json to its data/; default build/results"
+    p.add_argument("--out-dir", default="build/results", help=out_help)
     p.add_argument(
         "--auto",
         action="store_true",

@@ -24,7 +24,7 @@ Layer types: embedding (token and position tables), attention (qkv and output pr
 head (the output projection to the vocabulary); LayerNorms and biases are all below --min-size
 and travel uncompressed (their share of ||g||^2 is shown).
 
-    python -m scripts.study.variance_gpt --out-dir docs/results           # 300 iterations, 2/3/4 bits, d=8192
+    python -m scripts.study.variance_gpt      # 300 iterations, 2/3/4 bits, d=8192, into build/results
     python -m scripts.study.variance_gpt --quick --out-dir /tmp/v # 20 iterations, 3 bits
 """
 
@@ -96,7 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budgets", default="2.5,3", help="mean bits per coordinate of the allocations; '' for none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--out-dir", default="docs/results", help="variance_gpt.md/.png go here, variance_gpt.json to its data/"
+        "--out-dir",
+        default="build/results",
+        help="variance_gpt.md/.png go here, variance_gpt.json to its data/; default build/results",
     )
     p.add_argument("--quick", action="store_true", help="20 iterations, 3 bits")
     args = p.parse_args(argv)

@@ -42,7 +42,8 @@ sum, encode, decode) per setting; the mean estimate's squared error against ||me
 estimated variance / R (ratio T ~ 1), and t statistics of the error projected on fixed directions
 must be O(1).
 
-    python -m scripts.study.variance_two_phase --out docs/results/variance_two_phase.md
+    python -m scripts.study.variance_two_phase --out build/results/variance_two_phase.md
+    # the report goes by hand into docs/results/variance_training.md#variance_two_phase
     python -m scripts.study.variance_two_phase --quick
 """
 
@@ -286,8 +287,8 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         out = Path(args.out)
-        out.write_text(text)
         (out.parent / "data").mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
         (out.parent / "data" / out.with_suffix(".json").name).write_text(json.dumps(data))
     return 0
 
