@@ -85,7 +85,7 @@ class Settings:
     """``bits="auto"`` with widths per tensor only: the widest width a tensor may get, 3 to 8; None: 8.
     A refit computes every tensor's error at every width and fits the widths in use, so a lower cap
     makes refits cheaper and bounds any one tensor's bytes, at some variance (measured in
-    docs/results/bench_refit.md)."""
+    docs/results/codec_speed.md#bench_refit)."""
 
     exchange: str = "auto"
     """How codes travel: one of :func:`horovod_alq.exchange.registry.choices`, the registered

@@ -53,7 +53,7 @@ class _Ordered:
 
 class KeptBuffers:
     """Float32 scratch vectors kept across rounds: a fresh 100 MB vector costs its page faults on
-    every round (docs/results/bench_step.md)."""
+    every round (docs/results/training_steps.md#bench_step)."""
 
     def __init__(self) -> None:
         self._kept: dict[str, tuple[Any, FusedRound]] = {}  # tag -> (buffer, the round that used it last)

@@ -17,7 +17,7 @@ from .interfaces import Transport
 #: Exchanges by name, in registration order.
 REGISTRY: dict[str, Exchange] = {}
 #: ``exchange="auto"`` uses the two-phase exchange from this many ranks (or nodes) on
-#: (docs/results/exchanges.md).
+#: (docs/results/network_wall_clock.md#exchanges).
 TWO_PHASE_FROM = 4
 
 
