@@ -163,6 +163,83 @@ def test_readme_links_into_the_docs():
     }
 
 
+# A results page named in code, comments and docstrings: docs/results/<page>.md, maybe with #anchor.
+_PAGE_REFERENCE = re.compile(r"docs/results/([\w-]+\.md)(?:#([\w-]+))?")
+_CODE_SUFFIXES = {".py", ".sh", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp", ".cuh", ".txt", ".cfg", ".toml"}
+
+
+def _broken_page_references(files) -> list[str]:
+    """'file:line: reference: why' for each docs/results page a file names that does not exist, or
+    whose anchor the page does not define."""
+    problems, anchors = [], {}
+    for path in files:
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for match in _PAGE_REFERENCE.finditer(line):
+                page, anchor = DOCS / "results" / match.group(1), match.group(2)
+                where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{number}: {match.group(0)}"
+                if not page.exists():
+                    problems.append(f"{where}: no such page")
+                elif anchor and anchor not in anchors.setdefault(page, _anchors(page)):
+                    problems.append(f"{where}: the page has no such anchor")
+    return problems
+
+
+def _code_files() -> list[Path]:
+    found = [ROOT / "Makefile"]
+    for folder in ("horovod_alq", "scripts", "tests"):
+        found += [p for p in sorted((ROOT / folder).rglob("*")) if p.suffix in _CODE_SUFFIXES and p.is_file()]
+    return found
+
+
+def test_code_names_only_results_pages_and_anchors_that_exist():
+    """Results pages get folded into one page per topic (a report becomes a section with an anchor):
+    a comment, docstring or default that names a page must name one that exists, and its anchor."""
+    files = _code_files()
+    assert len(files) > 100 and ROOT / "scripts" / "study" / "scale.py" in files
+    problems = _broken_page_references(files)
+    assert not problems, "pages folded or renamed; name page.md#anchor instead:\n" + "\n".join(problems)
+
+
+_OUTPUT_OPTIONS = {"--out", "--out-dir", "--data", "--results-dir", "--json"}
+
+
+def test_scripts_write_their_reports_under_build_by_default():
+    """The pages under docs/results are curated (reports folded by hand into one page per topic): no
+    script's default output (--out, --out-dir, ...; or ``args.out = ...`` when none was given) is
+    there; a rerun writes a fresh report under build/results."""
+    problems = []
+    for path in sorted((ROOT / "scripts").rglob("*.py")):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            value = None
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                if node.args[0].value in _OUTPUT_OPTIONS:
+                    value = next((k.value for k in node.keywords if k.arg == "default"), None)
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Attribute) and t.attr in ("out", "out_dir") for t in node.targets
+            ):
+                value = node.value
+            text = ast.get_source_segment(source, value) if value is not None else ""
+            if "docs" in text:
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+    assert not problems, "default outputs under docs/: use build/results\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("# measured in docs/" + "results/bench_no_such_page.md", "no such page"),  # split: not found here
+        ("# measured in docs/" + "results/codec_speed.md#no_such_anchor", "no such anchor"),
+    ],
+)
+def test_a_reference_to_a_missing_page_or_anchor_fails(tmp_path, text, why):
+    planted = tmp_path / "planted.py"
+    planted.write_text(f"x = 1\n{text}\n")
+    assert [why in p for p in _broken_page_references([planted])] == [True]
+    planted.write_text("# docs/results/codec_speed.md#bench_codec_widths and docs/results/index.md\n")
+    assert _broken_page_references([planted]) == []
+
+
 def _public_objects():
     for module_name in PUBLIC_MODULES:
         module = importlib.import_module(module_name)
