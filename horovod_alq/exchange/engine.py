@@ -156,12 +156,15 @@ class Engine:
         error: str | None = None,
         ops: TensorOps | None = None,
         ident=None,
+        scale=None,
     ) -> tuple[Entry, np.ndarray]:
         """Record one tensor of the current round; returns its entry and tensor vector. With
         ``early`` (and ``ops``), a fusion buffer that this tensor closes starts its exchange.
         ``ident``: what the tensor is (a parameter's name, or another identity stable across
         rounds), the key of its error-feedback buffer; required with ``error_feedback``: without
-        it the tensor's round fails on every rank (``error``)."""
+        it the tensor's round fails on every rank (``error``). ``scale`` (precondition=): ``w`` of
+        ``flat`` (as long as it): the round quantizes ``flat * w`` (formed inside the encode where
+        the ops can) and :meth:`finish` returns the reduced values divided by ``w``."""
         if self.state.feedback is not None and ident is None and error is None:
             error = (
                 f"{PREFIX}: error_feedback=True keeps each tensor's error under its identity, and this tensor "
@@ -172,7 +175,7 @@ class Engine:
         if rnd.started or (rnd.entries and not rnd.live()):
             rnd = self._round = self._fresh()
         code = shape_hash(tuple(shape), str(dtype))
-        entry = Entry(rnd, len(rnd.entries), flat, int(numel), code, error, ident)
+        entry = Entry(rnd, len(rnd.entries), flat, int(numel), code, error, ident, scale=scale)
         rnd.entries.append(entry)
         self.state.calls += 1
         vec = tensor_vector(transport.rank, transport.size, entry.slot, code, error is not None)

@@ -36,6 +36,7 @@ class Entry:
     shape_code: int
     error: str | None = None
     ident: object = None  # error_feedback: what the tensor is (its errors' key), from the front-end
+    scale: Any = None  # precondition=: w, the round quantizes flat * w and finish divides by it
     done: bool = False
     abandoned: bool = False
 
@@ -43,6 +44,14 @@ class Entry:
         """The framework dropped this exchange without decompressing it (it raised before)."""
         if not self.done:
             self.abandoned = True
+
+
+def _scales(entries: list[Entry]) -> list | None:
+    """The Job's ``scales`` of ``entries`` (precondition=): None if none has one, else each one's
+    ``w`` (ones for those without)."""
+    if all(e.scale is None for e in entries):
+        return None
+    return [e.flat.new_ones(e.numel, dtype=e.scale.dtype) if e.scale is None else e.scale for e in entries]
 
 
 @dataclass
@@ -133,6 +142,7 @@ class FusedRound:
             collect_second=collect_second,
             collect_first=collect_first and ctx.exchange.own_first_statistics,
             widths=self._early_widths(ctx, entries),
+            scales=_scales(entries),
             **self._feedback(ctx, entries, None),
         )
         steps = ctx.exchange.steps(job, 0)
@@ -195,9 +205,13 @@ class FusedRound:
             out = recovery.recover(self, entry, info.slots, ops, transport) * info.scale
         elif isinstance(self.result, _Ordered):
             start = self.result.starts[entry]
-            out = self.result.values.read(start, start + entry.numel, info.scale)
+            out = self.result.values.read(start, start + entry.numel, info.scale, divide=entry.scale)
         else:
             out = self.result.read(info.slots, entry.numel) * info.scale
+        if entry.scale is not None and (
+            not isinstance(self.result, _Ordered) or any(s != entry.slot for s in info.slots)
+        ):
+            out = out / entry.scale
         if (entry.numel, entry.shape_code) not in self.repeated:  # like tensors may still need it
             entry.flat = None
         return out, info.scale
@@ -312,6 +326,7 @@ class FusedRound:
             collect_first=collect_first and ctx.exchange.own_first_statistics,
             stream_buffer=lambda n: self.kept.get(self, "stream", n, ops),
             widths=widths if ordered else None,
+            scales=_scales(live),
             **self._feedback(ctx, live, layout),
         )
 

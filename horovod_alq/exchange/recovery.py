@@ -33,7 +33,7 @@ def recover(rnd, entry, slots: tuple[int, ...], ops, transport):
     index = {e.slot: k for k, e in enumerate(live)}
     for k, e in enumerate(live):
         if (e.numel, e.shape_code) == key and k not in rnd.recovery:
-            x = ops.stream([e.flat], [0], e.numel)
+            x = ops.stream([e.flat if e.scale is None else e.flat * e.scale], [0], e.numel)
             payload = ops.encode(x, q, ctx.recovery_seed(k))
             sizes = [int(payload.shape[0])] * transport.size
             rnd.recovery[k] = transport.allgather(payload, sizes, ctx.name("recover")(str(k)))

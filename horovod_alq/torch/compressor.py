@@ -231,11 +231,14 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             size = len(self._process_set.ranks or ())
             vec = outsider_vector(size)
             return torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device), _Outsider(str(err))
-        flat, scale = tensor.detach().reshape(-1), None
+        flat, scale, fused = tensor.detach().reshape(-1), None, None
         if self._precondition is not None:  # w of every parameter, once per round; its digest to the handshake
             self._state.precondition = self._precondition.prepare(self._state.step)
             scale = self._precondition.for_gradient(tensor)
-            if scale is not None:
+            ops = self._ops_for(tensor.device)
+            if scale is not None and flat.dtype == torch.float32 and ops.fuses_scales and self._state.auto is None:
+                fused, scale = scale.reshape(-1), None  # the codec forms flat * w; finish divides by it
+            elif scale is not None:
                 flat = flat * scale.reshape(-1)  # float32 (float64 stays)
         ident = None
         if self._state.feedback is not None:  # the parameter's name, or the name Horovod was given
@@ -249,6 +252,7 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             transport,
             ops=self._ops_for(tensor.device),
             ident=ident,
+            scale=fused,
         )
         small = torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device)
         source = tensor if tensor.requires_grad and torch.is_grad_enabled() else None

@@ -29,6 +29,17 @@ def test_identical_and_learning(ranks, case):
     assert first["loss_last"] < first["loss_first"], first
 
 
+@pytest.mark.parametrize("case", ["allgather", "two-phase"])
+def test_fused_scaling_is_the_unfused_one(ranks, case):
+    """The compiled codec forms g * w inside its encode and the round divides its decode by w (the
+    compressor hands the engine the gradient and w): the same parameters, bit for bit, as the
+    compressor multiplying and dividing itself."""
+    for r in ranks:
+        fused, unfused = r[case], r[f"{case}-unfused"]
+        assert fused["params"] == unfused["params"], (r["rank"], case)
+        assert fused["fused"] > 0 and unfused["fused"] == 0, (fused["fused"], unfused["fused"])
+
+
 def test_optimizer_state_mismatch_raises_on_every_rank(ranks):
     for r in ranks:
         m = r["mismatch"]

@@ -9,6 +9,19 @@ from common import report
 from helpers import digest
 
 from horovod_alq.torch import ALQCompressor
+from horovod_alq.torch.ops import TorchOps
+
+FUSED: list = [0]  # encodes that formed x * w inside the codec (encode_parts with scales)
+_encode_parts = TorchOps.encode_parts
+
+
+def _counted(self, *args, scales=None, **kwargs):
+    out = _encode_parts(self, *args, scales=scales, **kwargs)
+    FUSED[0] += scales is not None and out is not None
+    return out
+
+
+TorchOps.encode_parts = _counted
 
 
 def model_and_data(rank: int, steps: int):
@@ -23,7 +36,19 @@ def model_and_data(rank: int, steps: int):
     return model, data
 
 
-def run(rank: int, size: int, steps: int, perturb_at: int | None = None, bits=3, **settings) -> dict:
+def run(rank: int, size: int, steps: int, *args, unfused: bool = False, **kwargs) -> dict:
+    """``unfused``: the codec does not form x * w (the compressor multiplies and divides itself)."""
+    fuses = TorchOps.fuses_scales
+    if unfused:
+        TorchOps.fuses_scales = property(lambda self: False)
+    FUSED[0] = 0
+    try:
+        return {**_run(rank, size, steps, *args, **kwargs), "fused": FUSED[0]}
+    finally:
+        TorchOps.fuses_scales = fuses
+
+
+def _run(rank: int, size: int, steps: int, perturb_at: int | None = None, bits=3, **settings) -> dict:
     model, data = model_and_data(rank, steps)
     base = torch.optim.AdamW(model.parameters(), lr=1e-2)
     kw = dict(bucket_size=256, min_size=64, seed=7, compress="always", precondition=base)
@@ -68,7 +93,9 @@ def main() -> None:
     rank, size = hvd.rank(), hvd.size()
     out = {"rank": rank, "size": size}
     out["allgather"] = run(rank, size, 15, exchange="allgather")
+    out["allgather-unfused"] = run(rank, size, 15, exchange="allgather", unfused=True)
     out["two-phase"] = run(rank, size, 15, exchange="two-phase", wire="entropy")
+    out["two-phase-unfused"] = run(rank, size, 15, exchange="two-phase", wire="entropy", unfused=True)
     out["auto"] = run(rank, size, 15, bits="auto", bit_budget=2.5)
     out["feedback"] = run(rank, size, 15, exchange="two-phase", error_feedback=True)
     out["mismatch"] = run(rank, size, 6, perturb_at=3, timeout=60)
