@@ -146,26 +146,37 @@ def test_wire_bits_per_coordinate_on_large_tensors():
     assert res[0]["payload_bytes"] * 8 / res[0]["coordinates"] < 3.01
 
 
-@pytest.mark.parametrize(
-    "what,needle",
-    [
-        ("bits", "differ in bits 3 on some ranks, 4 on others"),
-        ("bucket", "bucket_size 256 on some ranks, 512 on others"),
-        ("levels", "levels differ"),
-        ("method", "differ in method"),
-        ("norm", "differ in norm"),
-        ("budget", "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)"),
-        ("allocation", "bit allocations of bits='auto'"),
-        ("bits_max", "levels differ"),  # the widths' level sets: 2 to 4 on one rank, 2 to 8 on the other
-    ],
-)
-def test_mismatched_configuration_is_refused_on_every_rank(what, needle):
+MISMATCHES = {
+    "bits": "differ in bits 3 on some ranks, 4 on others",
+    "bucket": "bucket_size 256 on some ranks, 512 on others",
+    "levels": "levels differ",
+    "method": "differ in method",
+    "norm": "differ in norm",
+    "budget": "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)",
+    "allocation": "bit allocations of bits='auto'",
+    "bits_max": "levels differ",  # the widths' level sets: 2 to 4 on one rank, 2 to 8 on the other
+}
+
+
+@pytest.fixture(scope="module")
+def mismatched():
+    """One 2-rank launch: each mismatch in turn (the ranks go on after each refusal), then a match."""
+    return run_ranks("torch_compressor.py", np=2, timeout=300, args=["mismatch", "--what", ",".join(MISMATCHES)])
+
+
+@pytest.mark.parametrize("what", MISMATCHES)
+def test_mismatched_configuration_is_refused_on_every_rank(what, mismatched):
     # the round's handshake finds the difference before any payload is used (Horovod carries the first
     # buffer's first blocks with it: exchange/carrier.py), on every rank
-    res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["mismatch", "--what", what])
-    for rank, r in enumerate(res):
-        assert r["error"] is not None, f"rank {rank} decoded a mismatched payload"
-        assert needle in r["error"], r["error"]
+    for rank, r in enumerate(mismatched):
+        assert r[what]["error"] is not None, f"rank {rank} decoded a mismatched payload"
+        assert MISMATCHES[what] in r[what]["error"], r[what]["error"]
+
+
+def test_matching_exchange_works_after_the_refusals(mismatched):
+    after = [r["after"] for r in mismatched]
+    assert after[0]["error"] is None and after[1]["error"] is None, after
+    assert after[0]["out"] == after[1]["out"]
 
 
 def test_dtypes_shapes_and_nan_stay_visible():

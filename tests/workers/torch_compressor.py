@@ -301,31 +301,44 @@ def auto(args) -> dict:
 
 
 def mismatch(args) -> dict:
-    """Rank 1 differs from rank 0 (bits, bucket size, levels, method or norm): every rank must refuse."""
-    rank = hvd.rank()
-    kw = dict(bits=3, bucket_size=256, min_size=16, seed=0)
-    if args.what == "norm":
-        kw["norm"] = "linf" if rank == 1 else "l2"
-    if rank == 1 and args.what == "bits":
-        kw["bits"] = 4
-    if rank == 1 and args.what == "bucket":
-        kw["bucket_size"] = 512
-    comp = AMQCompressor(**kw) if rank == 1 and args.what == "method" else ALQCompressor(**kw)
-    if rank == 1 and args.what == "levels":
-        comp._quantizer.set_levels(np.array([-1, -0.3, -0.1, -0.01, 0.01, 0.1, 0.3, 1.0]))
-    if args.what in ("budget", "allocation", "bits_max"):  # bits="auto": another budget, allocation or cap
-        kw.update(bits="auto", bit_budget=2.5 if rank == 1 and args.what == "budget" else 3.0)
-        if rank == 1 and args.what == "bits_max":
-            kw["bits_max"] = 4
-        comp = ALQCompressor(**kw)
-        if rank == 1 and args.what == "allocation":
-            auto = comp._state.auto
-            auto.keys, auto.bits = ((4096, 1),), (5,)
+    """Rank 1 differs from rank 0 in each of ``--what`` (comma-separated: bits, bucket size, levels,
+    method, norm, or bits="auto"'s budget, allocation or cap), one case after another in this launch:
+    every rank must refuse each. After them all a matching exchange still works."""
+    out = {what: _mismatch(what) for what in args.what.split(",")}
+    comp = ALQCompressor(bits=3, bucket_size=256, min_size=16, seed=0)
+    out["after"] = _attempt(lambda: digest(hvd.allreduce(rank_tensor(0, 4096), compression=comp, name="mm.after")))
+    return out
+
+
+def _attempt(fn) -> dict:
+    """``fn()`` as ``{"error": None, "out": ...}`` or ``{"error": "Type: message"}``."""
     try:
-        out = hvd.allreduce(torch.randn(4096), compression=comp, name="mismatch")
-        return {"error": None, "out": digest(out)}
+        return {"error": None, "out": fn()}
     except Exception as err:  # noqa: BLE001 - reported to the test
         return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _mismatch(what: str) -> dict:
+    rank = hvd.rank()
+    kw = dict(bits=3, bucket_size=256, min_size=16, seed=0)
+    if what == "norm":
+        kw["norm"] = "linf" if rank == 1 else "l2"
+    if rank == 1 and what == "bits":
+        kw["bits"] = 4
+    if rank == 1 and what == "bucket":
+        kw["bucket_size"] = 512
+    comp = AMQCompressor(**kw) if rank == 1 and what == "method" else ALQCompressor(**kw)
+    if rank == 1 and what == "levels":
+        comp._quantizer.set_levels(np.array([-1, -0.3, -0.1, -0.01, 0.01, 0.1, 0.3, 1.0]))
+    if what in ("budget", "allocation", "bits_max"):  # bits="auto": another budget, allocation or cap
+        kw.update(bits="auto", bit_budget=2.5 if rank == 1 and what == "budget" else 3.0)
+        if rank == 1 and what == "bits_max":
+            kw["bits_max"] = 4
+        comp = ALQCompressor(**kw)
+        if rank == 1 and what == "allocation":
+            auto = comp._state.auto
+            auto.keys, auto.bits = ((4096, 1),), (5,)
+    return _attempt(lambda: digest(hvd.allreduce(torch.randn(4096), compression=comp, name=f"mismatch.{what}")))
 
 
 def dtypes(args) -> dict:
