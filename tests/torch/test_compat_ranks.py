@@ -1,9 +1,10 @@
 """Horovod compatibility of the PyTorch compressors with real ranks (issue 14).
 
-Each scenario is one launch of tests/workers/torch_compat.py (module-scoped fixtures), on 2 ranks
-unless said, with ``ALQCompressor(bits=3, bucket_size=512, min_size=16)``. Every launch has a
-timeout: a hang fails the test (``run_ranks`` kills every process) instead of stalling the suite.
-The worker catches the errors it expects and reports them as ``"Kind/Type: message"``, Kind being
+The 2-rank MPI scenarios of tests/workers/torch_compat.py run in turn in one launch (Horovod and
+torch start once; module-scoped fixtures), the others in launches of their own (2 ranks unless
+said), with ``ALQCompressor(bits=3, bucket_size=512, min_size=16)``. Every launch has a timeout:
+a hang fails the test (``run_ranks`` kills every process) instead of stalling the suite. The worker
+catches the errors it expects and reports them as ``"Kind/Type: message"``, Kind being
 ``RuntimeError`` when the error is one (Horovod's error type in torch).
 """
 
@@ -12,11 +13,22 @@ from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
 EXCHANGES = ("allgather", "two-phase")
-TIMEOUT = 240  # seconds per launch; each takes 10-40 s on 2 shared cores
+TIMEOUT = 240  # seconds per launch of one scenario; each takes 10-40 s on 2 shared cores
+# the 2-rank MPI scenarios of one launch, those that refuse something last
+TOGETHER = ("force_allreduce", "autograd", "ops", "adasum", "shapes", "settings", "reducescatter", "join")
 
 
-def _run(scenario, np_=2, launcher="mpi"):
-    return run_ranks("torch_compat.py", np=np_, launcher=launcher, args=[scenario], timeout=TIMEOUT)
+def _run(scenario, np_=2, launcher="mpi", timeout=TIMEOUT):
+    return run_ranks("torch_compat.py", np=np_, launcher=launcher, args=[scenario], timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def together():
+    return _run("+".join(TOGETHER), timeout=600)
+
+
+def _scenario(runs, name):
+    return [r[name] for r in runs]
 
 
 def _raised(err, *needles):
@@ -46,8 +58,8 @@ def _works_after(results, key, exchange):
 
 
 @pytest.fixture(scope="module")
-def force_allreduce():
-    return _run("force_allreduce")
+def force_allreduce(together):
+    return _scenario(together, "force_allreduce")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -81,8 +93,8 @@ def test_different_parameters_per_rank_over_gloo():
 
 
 @pytest.fixture(scope="module")
-def ops():
-    return _run("ops")
+def ops(together):
+    return _scenario(together, "ops")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -95,8 +107,8 @@ def test_unsupported_ops_raise_on_every_rank_then_average_works(ops, exchange, o
     _works_after(ops, key + ".after", exchange)
 
 
-def test_adasum_optimizer_raises_on_every_rank():
-    res = _run("adasum")
+def test_adasum_optimizer_raises_on_every_rank(together):
+    res = _scenario(together, "adasum")
     for r in res:
         _raised(r["error"], "horovod_alq", "Adasum")
         assert r["after"] == [3.0] * 4  # Horovod still works
@@ -107,8 +119,8 @@ def test_adasum_optimizer_raises_on_every_rank():
 
 
 @pytest.fixture(scope="module")
-def shapes():
-    return _run("shapes")
+def shapes(together):
+    return _scenario(together, "shapes")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -204,8 +216,8 @@ def test_distributed_optimizer_over_a_process_set(process_sets):
 
 
 @pytest.fixture(scope="module")
-def autograd():
-    return _run("autograd")
+def autograd(together):
+    return _scenario(together, "autograd")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -222,8 +234,8 @@ def test_autograd_gradient_equals_horovods(autograd, exchange, op):
 
 
 @pytest.fixture(scope="module")
-def join():
-    return _run("join")
+def join(together):
+    return _scenario(together, "join")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -246,8 +258,8 @@ def test_join_is_served_as_horovod_serves_it_then_works(join, exchange):
 
 
 @pytest.fixture(scope="module")
-def reducescatter():
-    return _run("reducescatter")
+def reducescatter(together):
+    return _scenario(together, "reducescatter")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -263,8 +275,8 @@ def test_reducescatter_raises_on_every_rank_then_works(reducescatter, exchange):
 
 
 @pytest.fixture(scope="module")
-def settings():
-    return _run("settings")
+def settings(together):
+    return _scenario(together, "settings")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

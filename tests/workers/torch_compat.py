@@ -448,32 +448,38 @@ def odd_sizes(args) -> dict:
 PROCESS_SET = None
 
 
+SCENARIOS = (
+    "force_allreduce",
+    "ops",
+    "adasum",
+    "shapes",
+    "process_sets",
+    "autograd",
+    "join",
+    "reducescatter",
+    "settings",
+    "odd_sizes",
+)
+
+
 def main() -> None:
     global PROCESS_SET
     p = argparse.ArgumentParser()
-    p.add_argument(
-        "scenario",
-        choices=[
-            "force_allreduce",
-            "ops",
-            "adasum",
-            "shapes",
-            "process_sets",
-            "autograd",
-            "join",
-            "reducescatter",
-            "settings",
-            "odd_sizes",
-        ],
-    )
+    p.add_argument("scenario", help=f"one of {', '.join(SCENARIOS)}, or several joined by '+' (run in turn)")
     args = p.parse_args()
+    names = args.scenario.split("+")
+    if set(names) - set(SCENARIOS) or ("process_sets" in names and len(names) > 1):
+        p.error(f"scenario {args.scenario!r}: unknown, or process_sets not alone")
     if args.scenario == "process_sets":
         PROCESS_SET = hvd.ProcessSet([0, 1])
         hvd.init(process_sets=[PROCESS_SET])
     else:
         hvd.init()
     torch.set_num_threads(1)
-    report(globals()[args.scenario](args))
+    if len(names) > 1:  # one launch, several scenarios: {name: what the scenario reports}
+        report({name: globals()[name](args) for name in names})
+    else:
+        report(globals()[args.scenario](args))
     hvd.shutdown()
 
 
