@@ -328,8 +328,9 @@ REFUSAL_TIMEOUT = 300  # a rank left in a payload collective fails the test here
 
 @pytest.fixture(scope="module")
 def refusals():
-    """hvd.reducescatter and hvd.join with the compressors, in turn in one 2-rank launch."""
-    return run_ranks("tf_compressor.py", np=2, timeout=REFUSAL_TIMEOUT, args=["reducescatter+join"])
+    """hvd.reducescatter and hvd.join with the compressors, then issue 43's uncompressed tensor of the
+    control vector's length and stalled rank (below), in turn in one 2-rank launch (TF starts slowly)."""
+    return run_ranks("tf_compressor.py", np=2, timeout=2 * REFUSAL_TIMEOUT, args=["reducescatter+join+collide+stall"])
 
 
 @pytest.fixture(scope="module")
@@ -437,9 +438,9 @@ def test_auto_bits_agree_on_every_rank_follow_the_core_and_stay_unbiased(train_a
 
 
 @pytest.fixture(scope="module")
-def collide_and_stall():
-    """Both scenarios in one 2-rank launch (TF starts slowly)."""
-    return run_ranks("tf_compressor.py", np=2, timeout=REFUSAL_TIMEOUT, args=["collide+stall"])
+def collide_and_stall(refusals):
+    """The collide and stall scenarios of the refusals' launch."""
+    return [{name: r[name] for name in ("collide", "stall")} for r in refusals]
 
 
 @pytest.mark.parametrize("case", ["collide", "collide_2d"])
