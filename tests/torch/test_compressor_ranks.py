@@ -159,9 +159,16 @@ MISMATCHES = {
 
 
 @pytest.fixture(scope="module")
-def mismatched():
-    """One 2-rank launch: each mismatch in turn (the ranks go on after each refusal), then a match."""
-    return run_ranks("torch_compressor.py", np=2, timeout=300, args=["mismatch", "--what", ",".join(MISMATCHES)])
+def checks():
+    """One 2-rank launch: dtypes, state and amp, then each mismatch in turn (the ranks go on after
+    each refusal) and a match."""
+    args = ["dtypes+state+amp+mismatch", "--what", ",".join(MISMATCHES)]
+    return run_ranks("torch_compressor.py", np=2, timeout=300, args=args)
+
+
+@pytest.fixture(scope="module")
+def mismatched(checks):
+    return [r["mismatch"] for r in checks]
 
 
 @pytest.mark.parametrize("what", MISMATCHES)
@@ -179,8 +186,8 @@ def test_matching_exchange_works_after_the_refusals(mismatched):
     assert after[0]["out"] == after[1]["out"]
 
 
-def test_dtypes_shapes_and_nan_stay_visible():
-    res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["dtypes"])
+def test_dtypes_shapes_and_nan_stay_visible(checks):
+    res = [r["dtypes"] for r in checks]
     for r in res:
         for name in ("float16", "bfloat16", "float32", "float64"):
             big, small = r[f"{name}.1000"], r[f"{name}.10"]
@@ -195,8 +202,8 @@ def test_dtypes_shapes_and_nan_stay_visible():
     assert res[0]["float32.1000"]["digest"] == res[1]["float32.1000"]["digest"]
 
 
-def test_state_dict_round_trip_continues_identically():
-    res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["state"])
+def test_state_dict_round_trip_continues_identically(checks):
+    res = [r["state"] for r in checks]
     for r in res:
         # five rounds, the restore, then one more round on each: both at step 6 with identical output
         assert r["levels_equal"] and r["step"] == 6 and r["updates"] == 2 and r["same_output"]
@@ -204,8 +211,8 @@ def test_state_dict_round_trip_continues_identically():
     assert res[0]["levels"] == res[1]["levels"]
 
 
-def test_grad_scaler_sees_an_overflow_on_one_rank():
-    res = run_ranks("torch_compressor.py", np=2, timeout=180, args=["amp"])
+def test_grad_scaler_sees_an_overflow_on_one_rank(checks):
+    res = [r["amp"] for r in checks]
     for r in res:
         assert r["skipped"], "the step with an inf gradient on rank 1 was not skipped"
         assert r["scale"] == 512.0 and r["moved_after"]

@@ -543,9 +543,12 @@ def overlap(args) -> dict:
     return out
 
 
+SCENARIOS = ("exchange", "train", "mismatch", "dtypes", "state", "amp", "overlap", "auto")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["exchange", "train", "mismatch", "dtypes", "state", "amp", "overlap", "auto"])
+    p.add_argument("scenario", help=f"one of {', '.join(SCENARIOS)}, or several joined by '+' (run in turn)")
     p.add_argument("--method", default="alq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket", type=int, default=512)
@@ -560,9 +563,14 @@ def main() -> None:
     p.add_argument("--what", default="bits")
     p.add_argument("--bits-per", default="tensor")
     args = p.parse_args()
+    names = args.scenario.split("+")
+    if set(names) - set(SCENARIOS):
+        p.error(f"unknown scenario in {args.scenario!r}")
     hvd.init()
     torch.set_num_threads(1)
-    if args.scenario in ("exchange", "train") and "," in args.method:  # several methods, one launch
+    if len(names) > 1:  # one launch, several scenarios: {name: what the scenario reports}
+        report({name: globals()[name](args) for name in names})
+    elif args.scenario in ("exchange", "train") and "," in args.method:  # several methods, one launch
         results = {}
         for method in args.method.split(","):
             args.method = method
