@@ -215,11 +215,22 @@ def run_fsdp(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--front", choices=("mpi", "horovod", "tf", "ddp", "fsdp"), required=True)
-    parser.add_argument("--exchange", default="auto")
+    parser.add_argument("--exchange", default="auto", help="one, or several joined by ',' (mpirun fronts: in turn)")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--reps", type=int, default=60)
     args = parser.parse_args()
-    report({"mpi": run_mpi, "horovod": run_horovod, "tf": run_tf, "ddp": run_ddp, "fsdp": run_fsdp}[args.front](args))
+    run = {"mpi": run_mpi, "horovod": run_horovod, "tf": run_tf, "ddp": run_ddp, "fsdp": run_fsdp}[args.front]
+    exchanges = args.exchange.split(",")
+    if len(exchanges) == 1:
+        report(run(args))
+        return
+    if args.front not in ("mpi", "horovod", "tf"):  # one process group per launch
+        parser.error(f"--front {args.front} runs one exchange per launch")
+    out, local_size = {}, os.environ["HOROVOD_ALQ_LOCAL_SIZE"]
+    for args.exchange in exchanges:  # one launch, the exchanges in turn: {exchange: what it reports}
+        out[args.exchange] = run(args)
+        os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = local_size  # the mismatch changed the last rank's
+    report(out)
 
 
 if __name__ == "__main__":
