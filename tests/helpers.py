@@ -111,3 +111,24 @@ def quantization_errors(x: np.ndarray, quantizers) -> np.ndarray:
 
     nz = normalize(x, quantizers[0].bucket_size, quantizers[0].norm)
     return errors_from_histograms(grid_histograms(nz)[1:], [q.levels for q in quantizers])[0]
+
+
+def scenario(runs: list, name: str) -> list:
+    """Scenario ``name``'s result on every rank, from a launch whose ranks report a dict per scenario."""
+    return [r[name] for r in runs]
+
+
+def count_fused_encodes() -> list:
+    """Counts the codec encodes that formed ``x * w`` themselves (``TorchOps.encode_parts`` called
+    with ``scales``): patches TorchOps for this process and returns the one-element counter."""
+    from horovod_alq.torch.ops import TorchOps
+
+    counter, original = [0], TorchOps.encode_parts
+
+    def counted(self, *args, scales=None, **kwargs):
+        out = original(self, *args, scales=scales, **kwargs)
+        counter[0] += scales is not None and out is not None
+        return out
+
+    TorchOps.encode_parts = counted
+    return counter

@@ -5,7 +5,7 @@ things; each test here asserts on one run.
 """
 
 import pytest
-from helpers import assert_bernstein_unbiased, assert_t_unbiased
+from helpers import assert_bernstein_unbiased, assert_t_unbiased, scenario
 from multiproc import run_ranks
 
 pytest.importorskip("tensorflow")
@@ -115,12 +115,8 @@ def checks():
     return _run("misc+compat+fusion+feedback+mismatch+feedback_mismatch+deadlock")
 
 
-def _scenario(runs, name):
-    return [r[name] for r in runs]
-
-
 def test_mismatched_configuration_is_refused_on_every_rank(checks):
-    res = _scenario(checks, "mismatch")
+    res = scenario(checks, "mismatch")
     needles = {
         "bits": ("bits=4", "bits=3"),
         "bucket": ("bucket_size=512", "bucket_size=256"),
@@ -140,7 +136,7 @@ def test_mismatched_configuration_is_refused_on_every_rank(checks):
 def test_ranks_that_disagree_on_error_feedback_raise_on_every_rank(checks):
     """No payload header carries error_feedback: the control vector does, and every rank refuses,
     naming the setting and the count (allgather eagerly, two-phase in tf.function)."""
-    res = _scenario(checks, "feedback_mismatch")
+    res = scenario(checks, "feedback_mismatch")
     for rank, r in enumerate(res):
         for case in ("eager.allgather", "function.two-phase"):
             err = r[case]["error"]
@@ -150,7 +146,7 @@ def test_ranks_that_disagree_on_error_feedback_raise_on_every_rank(checks):
 
 
 def test_state_dtypes_nan_grouped_and_eager_tape(checks):
-    res = _scenario(checks, "misc")
+    res = scenario(checks, "misc")
     for r in res:
         assert r["draws_differ"], "the same rounding draws repeated across steps of a tf.function"
         assert r["rank_payloads_differ"], "two ranks drew the same rounding for the same tensor"
@@ -182,7 +178,7 @@ def test_state_dtypes_nan_grouped_and_eager_tape(checks):
 def test_ops_shapes_and_autograd_are_honoured_or_refused(checks):
     """Issue 14 in TensorFlow: Min/Max/Product and shape disagreements raise on every rank (eager
     and tf.function) instead of returning a quantized mean; autograd gives Horovod's gradient."""
-    res = _scenario(checks, "compat")
+    res = scenario(checks, "compat")
     for r in res:
         for mode in ("eager", "function"):
             for name in ("Min", "Max", "Product"):
@@ -199,7 +195,7 @@ def test_ranks_that_disagree_before_decompress_raise_and_recover(checks):
     (upstream's test_horovod_allreduce_type_error, int32 on one rank, a compressed float32 on the
     other) and one rank below min_size raise Horovod's error on both ranks instead of hanging; then
     plain and compressed allreduces work (eager and tf.function)."""
-    res = _scenario(checks, "deadlock")
+    res = scenario(checks, "deadlock")
     for mode in ("eager", "function"):
         for case in ("dtype", "min_size"):
             errors = [r[f"{mode}.{case}"] for r in res]
@@ -335,7 +331,7 @@ def refusals():
 
 @pytest.fixture(scope="module")
 def reducescatter_refused(refusals):
-    return _scenario(refusals, "reducescatter")
+    return scenario(refusals, "reducescatter")
 
 
 def _after_identical(res, keys):
@@ -368,7 +364,7 @@ def test_reducescatter_is_refused_on_every_rank_then_works(reducescatter_refused
 
 @pytest.fixture(scope="module")
 def join_refused(refusals):
-    return _scenario(refusals, "join")
+    return scenario(refusals, "join")
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
@@ -505,7 +501,7 @@ def test_fused_allreduce_buffers_rounds_and_tape(checks):
     gradients fused alike, bit for bit."""
     from helpers import t_bound
 
-    res = _scenario(checks, "fusion")
+    res = scenario(checks, "fusion")
     for key, buffers in (("eager.6000", 4), ("function.6000", 4), ("eager.0", 5), ("function.0", 5)):
         a, b = res[0][key], res[1][key]
         assert a["digest"] == b["digest"], key
@@ -528,7 +524,7 @@ def test_error_feedback_checkpoints_nan_and_states(checks):
     for bit, a NaN bucket keeps its error, a refit keeps the buffers, states without buffers warn
     and load zeros, buffers into a compressor without error feedback raise; bits="auto" and
     fused_allreduce keep a buffer per tensor, identically on both ranks."""
-    res = _scenario(checks, "feedback")
+    res = scenario(checks, "feedback")
     for r in res:
         assert r["refit_kept"] and r["resume_same"] == [True, True], r
         assert r["nan_bucket_kept"] and r["others_changed"], r

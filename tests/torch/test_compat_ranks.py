@@ -9,6 +9,7 @@ catches the errors it expects and reports them as ``"Kind/Type: message"``, Kind
 """
 
 import pytest
+from helpers import scenario
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -25,10 +26,6 @@ def _run(scenario, np_=2, launcher="mpi", timeout=TIMEOUT):
 @pytest.fixture(scope="module")
 def together():
     return _run("+".join(TOGETHER), timeout=600)
-
-
-def _scenario(runs, name):
-    return [r[name] for r in runs]
 
 
 def _raised(err, *needles):
@@ -59,7 +56,7 @@ def _works_after(results, key, exchange):
 
 @pytest.fixture(scope="module")
 def force_allreduce(together):
-    return _scenario(together, "force_allreduce")
+    return scenario(together, "force_allreduce")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -94,7 +91,7 @@ def test_different_parameters_per_rank_over_gloo():
 
 @pytest.fixture(scope="module")
 def ops(together):
-    return _scenario(together, "ops")
+    return scenario(together, "ops")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -108,7 +105,7 @@ def test_unsupported_ops_raise_on_every_rank_then_average_works(ops, exchange, o
 
 
 def test_adasum_optimizer_raises_on_every_rank(together):
-    res = _scenario(together, "adasum")
+    res = scenario(together, "adasum")
     for r in res:
         _raised(r["error"], "horovod_alq", "Adasum")
         assert r["after"] == [3.0] * 4  # Horovod still works
@@ -120,7 +117,7 @@ def test_adasum_optimizer_raises_on_every_rank(together):
 
 @pytest.fixture(scope="module")
 def shapes(together):
-    return _scenario(together, "shapes")
+    return scenario(together, "shapes")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -217,7 +214,7 @@ def test_distributed_optimizer_over_a_process_set(process_sets):
 
 @pytest.fixture(scope="module")
 def autograd(together):
-    return _scenario(together, "autograd")
+    return scenario(together, "autograd")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -235,7 +232,7 @@ def test_autograd_gradient_equals_horovods(autograd, exchange, op):
 
 @pytest.fixture(scope="module")
 def join(together):
-    return _scenario(together, "join")
+    return scenario(together, "join")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -259,7 +256,7 @@ def test_join_is_served_as_horovod_serves_it_then_works(join, exchange):
 
 @pytest.fixture(scope="module")
 def reducescatter(together):
-    return _scenario(together, "reducescatter")
+    return scenario(together, "reducescatter")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -276,7 +273,7 @@ def test_reducescatter_raises_on_every_rank_then_works(reducescatter, exchange):
 
 @pytest.fixture(scope="module")
 def settings(together):
-    return _scenario(together, "settings")
+    return scenario(together, "settings")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

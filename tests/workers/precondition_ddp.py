@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import report
 from ddp_worker import batches, make_model, state_for
-from helpers import digest
+from helpers import count_fused_encodes, digest
 
 from horovod_alq.torch import Preconditioner
 from horovod_alq.torch import ddp as hook_module
@@ -29,17 +29,7 @@ def _recorded(pre, parameters, flat):
 
 hook_module._bucket_scale = _recorded
 
-FUSED: list = [0]  # encodes that formed x * w inside the codec (encode_parts with scales)
-_encode_parts = TorchOps.encode_parts
-
-
-def _counted(self, *args, scales=None, **kwargs):
-    out = _encode_parts(self, *args, scales=scales, **kwargs)
-    FUSED[0] += scales is not None and out is not None
-    return out
-
-
-TorchOps.encode_parts = _counted
+FUSED = count_fused_encodes()  # encodes that formed x * w inside the codec (encode_parts with scales)
 
 
 def training(rank: int, steps: int = 12, pre: str = "adamw", unfused: bool = False, **kwargs) -> dict:

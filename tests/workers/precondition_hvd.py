@@ -6,22 +6,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from common import report
-from helpers import digest
+from helpers import count_fused_encodes, digest
 
 from horovod_alq.torch import ALQCompressor
 from horovod_alq.torch.ops import TorchOps
 
-FUSED: list = [0]  # encodes that formed x * w inside the codec (encode_parts with scales)
-_encode_parts = TorchOps.encode_parts
-
-
-def _counted(self, *args, scales=None, **kwargs):
-    out = _encode_parts(self, *args, scales=scales, **kwargs)
-    FUSED[0] += scales is not None and out is not None
-    return out
-
-
-TorchOps.encode_parts = _counted
+FUSED = count_fused_encodes()  # encodes that formed x * w inside the codec (encode_parts with scales)
 
 
 def model_and_data(rank: int, steps: int):
