@@ -36,6 +36,7 @@ In the ranks: :func:`join_gloo` joins torch.distributed (gloo) over a namespace'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import fcntl
 import json
@@ -404,6 +405,21 @@ def join_gloo(hvd, ifname: str, timeout: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------- sweeps
+@contextlib.contextmanager
+def _cluster_lock():
+    """Holds /tmp/<PREFIX>.lock while this process owns the namespaces <PREFIX>-*; RuntimeError,
+    naming the way around it, if another run holds it."""
+    with open(f"/tmp/{PREFIX}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"another run holds the namespaces {PREFIX}-* (/tmp/{PREFIX}.lock); run beside it with "
+                "ALQNET_PREFIX and ALQNET_SUBNET set to other values (see scripts/common/network.py)"
+            ) from None
+        yield
+
+
 def sweep(local: bool, rates: list[str], nodes: int, prefix: str, each) -> list:
     """``each(tmp, rate, bps)`` (a list) for each rate, concatenated: with ``local`` once, rate and
     bps None, for the loopback; else in ``nodes`` worker namespaces (made here, removed at the end,
@@ -413,24 +429,17 @@ def sweep(local: bool, rates: list[str], nodes: int, prefix: str, each) -> list:
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         if local:
             return each(Path(tmp), None, None)
-        lock = open(f"/tmp/{PREFIX}.lock", "w")  # noqa: SIM115 (held until this process exits)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeError(
-                f"another run holds the namespaces {PREFIX}-* (/tmp/{PREFIX}.lock); run beside it with "
-                "ALQNET_PREFIX and ALQNET_SUBNET set to other values (see scripts/common/network.py)"
-            ) from None
-        try:
-            setup(nodes)
-            for rate in rates:
-                shape(None if rate == "unshaped" else rate, nodes)
-                bps = measure_throughput()
-                print(f"[{rate}] TCP throughput w0->w1: {bps * 8 / 1e6:.0f} Mbit/s", flush=True)
-                out += each(Path(tmp), rate, bps)
-        finally:
-            left = teardown()
-            print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
+        with _cluster_lock():
+            try:
+                setup(nodes)
+                for rate in rates:
+                    shape(None if rate == "unshaped" else rate, nodes)
+                    bps = measure_throughput()
+                    print(f"[{rate}] TCP throughput w0->w1: {bps * 8 / 1e6:.0f} Mbit/s", flush=True)
+                    out += each(Path(tmp), rate, bps)
+            finally:
+                left = teardown()
+                print("teardown:", "all namespaces removed" if not left else f"LEFT {left}", flush=True)
     return out
 
 
