@@ -95,6 +95,7 @@ class Preconditioner:
             if not all("betas" in g and "eps" in g for g in groups):
                 raise ValueError(_NO_SECOND_MOMENT.format(kind=type(self.optimizer).__name__))
             self.params = [p for g in groups for p in g["params"]]
+            self._groups = {id(p): g for g in groups for p in g["params"]}  # also the follower's: same dicts
             self._follow_steps(groups)
         else:
             if parameters is None:
@@ -175,7 +176,7 @@ class Preconditioner:
         st = opt.state.get(p)
         if not st:  # no step taken yet: the identity
             return None
-        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        group = self._groups[id(p)]
         key = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
         if key not in st:
             raise ValueError(
