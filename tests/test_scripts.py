@@ -48,7 +48,6 @@ def mpirun_module(module: str, *args, np: int = 2, timeout: float = 300) -> None
         "study.adam_noise",
         "study.scale",
         "study.time_to_accuracy",
-        "bench.tf_step",
     ],
 )
 def test_help(name, capsys):

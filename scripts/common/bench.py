@@ -1,5 +1,5 @@
-"""What the benchmarks share: sizes, ratios and the table of the codec benchmarks (scripts/bench/codec.py,
-codec_tf.py); ResNet-50's parameter shapes (step.py, ddp.py, tf_step.py) and ResNet-18's (tf_step.py);
+"""What the benchmarks share: sizes, ratios and the table of the codec benchmark (scripts/bench/codec.py);
+ResNet-50's parameter shapes (step.py, ddp.py);
 the GPT's gradients and one timed round of an engine (refit.py, bucket_widths.py)."""
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ def write_report(lines: list[str], out: str | None) -> None:
 
 
 BLOCKS = (3, 4, 6, 3)  # bottlenecks per stage of ResNet-50
-BLOCKS_18 = (2, 2, 2, 2)  # basic blocks per stage of ResNet-18
 WIDTHS = (64, 128, 256, 512)
 EXPANSION = 4
 
@@ -70,27 +69,6 @@ def resnet50_shapes(width: float = 1.0, classes: int = 1000) -> list[tuple[str, 
             if b == 0:
                 _conv_bn(shapes, f"{p}.downsample.0", f"{p}.downsample.1", out, inplanes, 1)
             inplanes = out
-    shapes.append(("fc.weight", (classes, inplanes)))
-    shapes.append(("fc.bias", (classes,)))
-    return shapes
-
-
-def resnet18_shapes(width: float = 1.0, classes: int = 1000) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of torchvision's resnet18 parameters, in ``named_parameters()`` order: 62
-    tensors, 11,689,512 elements at width 1 (fc keeps its ``classes`` outputs)."""
-    c = lambda ch: max(1, int(round(ch * width)))  # noqa: E731
-    shapes: list[tuple[str, tuple[int, ...]]] = []
-    inplanes = c(64)
-    _conv_bn(shapes, "conv1", "bn1", inplanes, 3, 7)
-    for stage, (blocks, w) in enumerate(zip(BLOCKS_18, WIDTHS), start=1):
-        w = c(w)
-        for b in range(blocks):
-            p = f"layer{stage}.{b}"
-            _conv_bn(shapes, f"{p}.conv1", f"{p}.bn1", w, inplanes, 3)
-            _conv_bn(shapes, f"{p}.conv2", f"{p}.bn2", w, w, 3)
-            if b == 0 and stage > 1:
-                _conv_bn(shapes, f"{p}.downsample.0", f"{p}.downsample.1", w, inplanes, 1)
-            inplanes = w
     shapes.append(("fc.weight", (classes, inplanes)))
     shapes.append(("fc.bias", (classes,)))
     return shapes

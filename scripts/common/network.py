@@ -1,5 +1,5 @@
 """Network namespaces joined by tc-shaped links, and mpirun across them: what scripts/bench/network.py,
-train_step.py, fsdp.py, tf_step.py and scripts/study/time_to_accuracy.py share. Needs root (ip netns, tc).
+train_step.py, fsdp.py and scripts/study/time_to_accuracy.py share. Needs root (ip netns, tc).
 
 Topology (made by :func:`setup`, removed by :func:`teardown`, also on failure, Ctrl-C or SIGTERM
 once :func:`preflight` has run):
@@ -548,7 +548,7 @@ def add_layout_options(add) -> None:
 
 def parse_layout(p: argparse.ArgumentParser, args) -> None:
     """--layout into --nodes and --ranks-per-node; --nodes into the namespaces; ranks_per_node 1 without
-    (the step benchmarks' options: train_step.py, tf_step.py)."""
+    (the step benchmarks' options: train_step.py)."""
     if args.layout:
         if args.nodes or args.ranks_per_node:
             p.error("--layout replaces --nodes and --ranks-per-node")
