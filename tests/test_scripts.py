@@ -41,7 +41,6 @@ def mpirun_module(module: str, *args, np: int = 2, timeout: float = 300) -> None
         "bench.fsdp",
         "study.run_accuracy_gpt",
         "study.variance_gpt",
-        "study.horovod_suite",
         "bench.refit",
         "bench.codec_widths",
         "bench.bucket_widths",
@@ -117,89 +116,6 @@ def test_codec_widths_reports_every_width(tmp_path):
     assert [int(r[1]) for r in rows] == list(range(2, 9)) * (len(rows) // 7) and len(rows) in (7, 14)
     assert all(float(r[3]) == 1.0 for r in rows if int(r[1]) == 3)
     assert all(float(r[2]) > 0 for r in rows)
-
-
-def test_horovod_suite_categories_and_report(tmp_path):
-    """scripts/study/horovod_suite.py without Horovod's test folder: the categories of per-rank records
-    and the report written from them."""
-    mod = load("study.horovod_suite")
-
-    def entry(*ranks, **extra):
-        return {"ranks": dict(enumerate(ranks)), **extra}
-
-    ok = {"outcome": "passed"}
-    precision = {
-        "outcome": "failed",
-        "quantized": 3,
-        "message": "E       AssertionError: hvd.allreduce produces incorrect results",
-    }
-    op_min = {"outcome": "failed", "message": "E   horovod_alq: ... this allreduce used op=Min; ..."}
-    ps = {
-        "outcome": "failed",
-        "message": "E   horovod_alq: this allreduce reduced over 1 of the 2 ranks of the "
-        "compressor's process set [0, 1]",
-    }
-    base = {"outcome": "passed"}
-    c = mod.classify
-    assert c("t::test_horovod_allreduce", entry(ok, ok), None) == ("passed", "passed")
-    assert c("t::test_horovod_allreduce", entry(precision, precision), base) == ("failed", "precision")
-    assert c("t::test_horovod_allreduce", entry(precision, precision), None)[1] == "real"  # no baseline
-    assert c("t::test_horovod_allreduce_min", entry(op_min, op_min), base) == ("failed", "refusal")
-    assert c("t::test_horovod_allreduce", entry(op_min, op_min), base)[1] == "real"  # an op never passed
-    assert c("t::test_horovod_allreduce_min", entry(op_min, ok), base)[1] == "real"  # not on every rank
-    assert c("t::test_optimizer_process_sets", entry(ps, ps), base)[1] == "refusal"
-    assert c("t::test_optimizer_process_sets", entry(op_min, op_min), base)[1] == "real"
-    assert c("t::test_x", entry(precision, precision), {"outcome": "failed"})[1] == "baseline"
-    assert c("t::test_x", entry(ok, {"outcome": "hang"}, interrupted="hang"), None) == ("hang", "hang")
-    run = {
-        "framework": "torch",
-        "command": "python -m scripts.study.horovod_suite",
-        "date": "d",
-        "wall_s": 1.0,
-        "np": 2,
-        "launches": 1,
-        "compressor": "ALQCompressor()",
-        "scope_text": "s",
-        "versions": {"horovod": "0.28.1"},
-        "tests": {
-            "t::test_a": {
-                "category": "passed",
-                "outcome": "passed",
-                "error": "",
-                "where": "",
-                "ranks": {"0": ok, "1": ok},
-            },
-            "t::test_b": {
-                "category": "refusal",
-                "outcome": "failed",
-                "error": "op=Min | x",
-                "where": "test_torch.py:1",
-                "ranks": {"0": {"outcome": "failed"}},
-            },
-            "t::test_c": {
-                "category": "refusal",
-                "outcome": "failed",
-                "error": "e",
-                "where": "",
-                "ranks": {},
-                "shared": mod._run_summary("t::test_c", entry(op_min, interrupted="crash"), 2),
-                "alone": mod._run_summary("t::test_c", entry(op_min, op_min), 2),
-            },
-        },
-    }
-    assert run["tests"]["t::test_c"]["shared"]["ranks"] == {"0": "failed", "1": "left waiting"}
-    assert "op=Min" in run["tests"]["t::test_c"]["alone"]["error"]
-    (tmp_path / "torch.json").write_text(json.dumps(run))
-    out = tmp_path / "report.md"
-    out.write_text("old\n<!-- notes -->\nkept notes\n")
-    mod.write_report(tmp_path, out)
-    text = out.read_text()
-    assert "passed 1, precision 0, refusal 2" in text
-    # a record without the per-run summaries (older JSON): the final run's ranks as the shared run
-    assert "`test_b` | refusal | failed (0: failed, 1: left waiting) | not re-run |" in text
-    assert "`test_c` | refusal | crash (0: failed, 1: left waiting) | failed |" in text
-    assert "| `test_a` | passed | not re-run | passed |" in text  # every test that ran, passed ones too
-    assert "op=Min \\| x" in text and text.endswith("<!-- notes -->\nkept notes\n") and "old" not in text
 
 
 def test_variance_quick(tmp_path):
