@@ -86,7 +86,6 @@ bench: install
 	$(PY) -m scripts.study.run_accuracy --quick --out-dir build/bench
 	$(PY) -m scripts.study.run_accuracy_gpt --quick --out-dir build/bench
 	$(PY) -m scripts.study.variance_gpt --quick --out-dir build/bench
-	OMP_NUM_THREADS=1 $(MPIRUN) -np 2 $(PY) -m scripts.study.adam_noise --quick --out build/bench/adam_noise.md
 	$(PY) -m scripts.bench.refit --quick --out build/bench/bench_refit.md
 	$(PY) -m scripts.bench.bucket_widths --quick --out build/bench/bench_bucket_widths.md
 	$(PY) -m scripts.bench.network --quick --out-dir build/bench

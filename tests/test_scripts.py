@@ -44,7 +44,6 @@ def mpirun_module(module: str, *args, np: int = 2, timeout: float = 300) -> None
         "bench.refit",
         "bench.codec_widths",
         "bench.bucket_widths",
-        "study.adam_noise",
         "study.scale",
         "study.time_to_accuracy",
     ],
@@ -496,40 +495,6 @@ def test_gpt_optimizer_choice_and_sgd_sweep_outputs(tmp_path):
     assert {m for pair in mod.PAIRS for m in pair} <= {m for grid in mod.GRIDS.values() for ms in grid for m in ms}
 
 
-def test_adam_noise_two_ranks(tmp_path):
-    """scripts/study/adam_noise.py --quick under mpirun: every group's errors measured against the
-    exact average; 2-bit ALQ's relative error in the range of its variance (about 1 to 3 here, not 0);
-    the repeated exchange's bias ratio near 1 for every quantized tensor."""
-    out = tmp_path / "adam_noise.json"
-    mpirun_module("scripts.study.adam_noise", "--quick", "--out", tmp_path / "adam_noise.md", "--json", out)
-    data = json.loads(out.read_text())
-    assert data["workers"] == 2 and set(data["results"]) == {"alq@2", "alq@bucket2.5"}
-    for spec, r in data["results"].items():
-        rows = r["rows"]
-        assert len(rows["loss"]) == 6 and r["eval"] < 5.0
-        for g in ("head", "embeddings", "attention", "mlp"):
-            assert all(v > 0 for v in rows[f"rel.{g}"]), (spec, g)
-            assert all(v > 0 for v in rows[f"pre.{g}"][1:]) and all(v > 0 for v in rows[f"sig.{g}"][1:]), (spec, g)
-        # where the noise sits (every group has several buckets): a positive ratio from step 1 on
-        assert all(v > 0 for g in ("embeddings", "attention", "mlp") for v in rows[f"split.{g}"][1:]), spec
-    assert 0.3 < sum(data["results"]["alq@2"]["rows"]["rel.mlp"]) / 6 < 10
-    for r in data["results"].values():  # unbiased, independent rounding: near 1 and near 0 (4 repeats: loose)
-        assert len(r["bias"]) == 19 and all(0.3 < v < 3 for v in r["bias"].values()), r["bias"]
-        assert 0 <= r["cos"] < 0.2
-    assert "| alq@bucket2.5 | 3-6 |" in (tmp_path / "adam_noise.md").read_text()
-
-
-def test_adam_noise_low_over_high():
-    """The split of AdamW-scaled noise by bucket norm: per coordinate below the median mean square over
-    at or above it; NaN with fewer than two buckets or all alike."""
-    from scripts.study.adam_noise import low_over_high
-
-    # mean squares 1, 2, 3, 4 (median 2.5): low = the first two, 10 + 20 noise on 2 + 2 coordinates,
-    # high 3 + 1 on 1 + 3 coordinates: (30 / 4) / (4 / 4) = 7.5
-    assert low_over_high([(1.0, 10.0, 2), (2.0, 20.0, 2), (3.0, 3.0, 1), (4.0, 1.0, 3)]) == 7.5
-    assert np.isnan(low_over_high([(1.0, 1.0, 4)])) and np.isnan(low_over_high([(1.0, 1.0, 4), (1.0, 2.0, 4)]))
-
-
 @pytest.mark.multiproc
 def test_feedback_switches_two_ranks(tmp_path):
     """scripts/study/feedback_switches.py: the studies' error-feedback switches on the demo's rows, one
@@ -657,42 +622,6 @@ def test_namespace_launch_that_never_connects_fails_named_and_retried(tmp_path):
     # past the overall timeout: killed, TimeoutExpired
     with pytest.raises(subprocess.TimeoutExpired):
         net.launch([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log", 1.0, poll=0.2)
-
-
-def test_hierarchical_error_append_merges_rows(tmp_path):
-    """--append: the rows measured again replace theirs, the others stay, in the study's row order,
-    and the page names both commands and adds their seconds."""
-    from scripts.study import hierarchical_error as he
-
-    def row(exchange, bits, error, g=2):
-        label = next(lbl for lbl, e, b in he.ROWS if (e, b) == (exchange, bits))
-        return {
-            "model": "cnn",
-            "coordinates": 10,
-            "ranks": 4,
-            "local_size": g,
-            "row": label,
-            "exchange": exchange,
-            "bits": bits,
-            "error": error,
-            "error_se": 0.0,
-            "inter_node_bytes": 100,
-            "exchange_used": exchange,
-        }
-
-    raw, page = tmp_path / "h.json", tmp_path / "h.md"
-    raw.write_text(json.dumps([row("two-phase", 3, 0.5), row("hierarchical", 3, 0.25)]))
-    page.write_text("# title\n\n`python -m scripts.study.hierarchical_error --ranks 4` (2026-12-01, 100 s on this)\n")
-    new = [row("two-phase", 3, 0.4), row("hierarchical-two-phase", 3, 0.3)]
-    results, command, seconds = he.merged(raw, page, new, ["--append"], 20.0)
-    assert [(r["exchange"], r["error"]) for r in results] == [
-        ("two-phase", 0.4),
-        ("hierarchical", 0.25),
-        ("hierarchical-two-phase", 0.3),
-    ]
-    assert command.startswith("`python -m scripts.study.hierarchical_error --ranks 4` (2026-12-01), then `python -m")
-    assert command.endswith("--append`")  # the page adds this run's date after it
-    assert "--append" in command and seconds == 120.0
 
 
 def test_step_repeats_ranges_and_targets(tmp_path):

@@ -5,7 +5,7 @@ over the course of training, and the adapted levels against iteration.
 One process trains the MNIST CNN of scripts/demo/train.py (plain SGD on the uncompressed gradient, so
 every method is judged on the same sequence of gradients) and, every --eval-every iterations,
 computes for each method, bit width and bucket size the EXACT variance of unbiased stochastic
-rounding of that iteration's full gradient (scripts/study/compare_models.py's formula: per coordinate
+rounding of that iteration's full gradient (scripts/common/auto_bits.py's formula: per coordinate
 n^2 (hi - r)(r - lo); no sampling). Adaptive methods (ALQ, ALQ-N, AMQ, AMQ-N) use
 horovod_alq.core.Quantizer: at a refit iteration t the variance of g_t is computed with the old
 levels, then q.adapt(q.statistics(g_t)) fits the levels used from t + 1 on (what the Horovod
