@@ -90,6 +90,8 @@ class RoundState:
     compress: str = "always"  # the compress mode the front-end runs ("always", "when-faster"): in the handshake
     speed: Any = None  # compress="when-faster": the front-end's SpeedArbiter (core.speed)
     precondition: int = 0  # the digest of this round's preconditioning scales (0: off; core.precondition)
+    preconditioned: bool = False  # the last round quantized g * w with some w other than the identity
+    refit_at: int = -1  # a round outside the schedule that collects for a refit (preconditioning began)
 
     def __post_init__(self) -> None:
         if self.second is None:
@@ -102,7 +104,10 @@ class RoundState:
     @property
     def collecting(self) -> bool:
         """Whether the next round gathers statistics for a refit of the (first) quantizer."""
-        return get_method(self.quantizer.method).adaptive and self.schedule.collects(self.step)
+        return get_method(self.quantizer.method).adaptive and self._collects(self.step)
+
+    def _collects(self, step: int) -> bool:
+        return self.schedule.collects(step) or step == self.refit_at
 
     @property
     def collecting_second(self) -> bool:
@@ -114,8 +119,20 @@ class RoundState:
             self.adapt_second
             and get_method(self.quantizer.method).adaptive
             and self.step > 0
-            and self.schedule.collects(self.step - 1)
+            and self._collects(self.step - 1)
         )
+
+    def precondition_round(self, digest: int, active: bool) -> None:
+        """Record this round's preconditioning: the digest of its scales (the handshake's field) and
+        whether any scale departs from the identity. The round where it starts (Adam's first step
+        leaves no second moment: round 0 quantizes ``g``) collects statistics for a refit outside the
+        schedule, so that the levels fit to ``g`` are not kept for ``g * w`` until the next scheduled
+        refit. Every rank decides alike: the scales agree (the digest) and so does the refit flag
+        (the handshake)."""
+        self.precondition = int(digest)
+        if active and not self.preconditioned:
+            self.refit_at = self.step
+        self.preconditioned = bool(active)
 
     @property
     def follows_first(self) -> bool:
@@ -159,6 +176,8 @@ class RoundState:
             out["auto"] = self.auto.state_dict()
         if self.feedback is not None:
             out["error_feedback"] = self.feedback.state_dict()
+        if self.preconditioned or self.refit_at >= 0:
+            out["precondition"] = {"preconditioned": self.preconditioned, "refit_at": self.refit_at}
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -178,6 +197,8 @@ class RoundState:
             self.second.load_state_dict(state["second"])
         for key in COUNTERS:
             setattr(self, key, int(state.get(key, 0)))
+        pre = state.get("precondition") or {}  # absent: saved before preconditioning began (or before it existed)
+        self.preconditioned, self.refit_at = bool(pre.get("preconditioned", False)), int(pre.get("refit_at", -1))
         saved = state.get("error_feedback")
         if saved is not None and self.feedback is None:
             raise ValueError(

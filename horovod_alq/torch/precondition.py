@@ -108,6 +108,7 @@ class Preconditioner:
         self._scales: dict[int, torch.Tensor | None] = {}
         self._by_grad: dict[int, int] = {}
         self.digest = 0
+        self.active = False  # some parameter's w this round is not the identity
 
     def _follow_steps(self, groups) -> None:
         """Read the state of whichever optimizer steps these parameter groups: hvd.DistributedOptimizer
@@ -124,7 +125,8 @@ class Preconditioner:
     # ------------------------------------------------------------------ one round
     def prepare(self, key) -> int:
         """Compute ``w`` of every parameter for the round ``key`` (once per key) and return the
-        digest of them all (the handshake's ``precondition`` field)."""
+        digest of them all (the handshake's ``precondition`` field); :attr:`active` then says
+        whether any ``w`` departs from the identity."""
         if key == self._key:
             return self.digest
         block = None if key is None else key // self.form.every
@@ -133,6 +135,7 @@ class Preconditioner:
             return self.digest
         self._block = block
         self._scales = {i: self._compute(p) for i, p in enumerate(self.params)}
+        self.active = any(w is not None for w in self._scales.values())
         self._by_grad = {}
         self.digest = core.combine(_digest(w, i) if w is not None else 0 for i, w in self._scales.items())
         self._key = key

@@ -118,3 +118,28 @@ def test_setting_refuses_what_has_no_second_moment():
 def test_bad_forms_are_refused(bad):
     with pytest.raises(ValueError, match="precondition " + next(iter(bad))):
         Form(**bad)
+
+
+def test_the_round_where_preconditioning_starts_refits():
+    """RoundState.precondition_round: the round where w first departs from the identity collects
+    for a refit outside the schedule (and the second quantizer's round after it), once; a state
+    saved after it resumes without a second one."""
+    from horovod_alq.core.rounds import RefitSchedule, RoundState
+
+    def state():
+        return RoundState(Quantizer("alq", 3, 256), RefitSchedule((0, 100), 0), adapt_second=True)
+
+    st, collected, second = state(), [], []
+    for step in range(6):
+        st.precondition_round(12345, active=step >= 2)
+        collected.append(st.collecting)
+        second.append(st.collecting_second)
+        st.step += 1
+    assert collected == [True, False, True, False, False, False]
+    assert second == [False, True, False, True, False, False]
+    resumed = state()
+    resumed.load_state_dict(st.state_dict())
+    resumed.precondition_round(12345, active=True)
+    assert not resumed.collecting and resumed.step == 6
+    fresh = state()  # a state saved before preconditioning began holds no "precondition"
+    assert "precondition" not in fresh.state_dict()

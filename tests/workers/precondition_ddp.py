@@ -1,6 +1,7 @@
 """Worker for tests/torch/test_precondition_ranks.py: the DDP hook with ``precondition=`` (AdamW's
 second moment, a callable), every scenario in one torchrun launch, reported as one dict per rank."""
 
+import copy
 import os
 import sys
 
@@ -18,12 +19,15 @@ from horovod_alq.torch.ddp import alq_hook
 from horovod_alq.torch.ops import TorchOps
 
 SCALED: list = []  # elements of each quantized bucket that went scaled
+QUANTIZED: list = []  # what each quantized bucket went as (bucket * w, or the bucket), while refit() runs
 _bucket_scale = hook_module._bucket_scale
 
 
 def _recorded(pre, parameters, flat):
     w = _bucket_scale(pre, parameters, flat)
     SCALED.append(0 if w is None else int(w.numel()))
+    if QUANTIZED:
+        QUANTIZED.append((flat.detach().clone(), None if w is None else w.clone()))
     return w
 
 
@@ -96,6 +100,39 @@ def mismatch(rank: int, size: int) -> dict:
     return {"raised": False}
 
 
+def refit(rank: int, steps: int = 4) -> dict:
+    """Refits at steps 0 and 10: step 0 quantizes g (AdamW has no second moment yet) and refits
+    from it; step 1, the first preconditioned one, must refit too, from the statistics of the
+    scaled buckets. Reports the levels after each step, and fits of the levels before step 1 on
+    the statistics of what step 1 quantized (``scaled``) and of the bare buckets (``unscaled``),
+    summed over the ranks."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = state_for("alq", precondition=opt, exchange="allgather")
+    model.register_comm_hook(state, alq_hook)
+    ops, out = state._ops_for(torch.device("cpu")), {"levels": [], "updates": []}
+    for i, (x, y) in enumerate(batches(rank, steps)):
+        QUANTIZED[:] = [None]  # on: the hook appends after this marker
+        before = copy.deepcopy(state.engine.quantizer)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        seen = QUANTIZED[1:]
+        QUANTIZED.clear()
+        m = state.metrics()
+        out["levels"].append(m["levels"].tolist())
+        out["updates"].append(int(m["level_updates"]))
+        if i == 1:
+            out["w_active"] = bool(seen) and all(w is not None for _, w in seen)
+            for key, xs in (("scaled", [g * w for g, w in seen]), ("unscaled", [g for g, _ in seen])):
+                stats = torch.from_numpy(sum(ops.statistics(v, before) for v in xs))
+                dist.all_reduce(stats)
+                q = copy.deepcopy(before)
+                q.adapt(stats.numpy())
+                out[key] = q.levels.tolist()
+    return out
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -111,6 +148,7 @@ def main() -> None:
         "auto": training(rank, bits="auto", bit_budget=2.5),
         "callable": training(rank, pre="callable"),
     }
+    out["refit"] = refit(rank)
     out["mismatch"] = mismatch(rank, size)
     report(out)
     sys.stdout.flush()

@@ -1,6 +1,8 @@
 """Worker for tests/torch/test_precondition_hvd.py: the Horovod PyTorch compressor with
 ``precondition=`` under hvd.DistributedOptimizer (AdamW), reported as one dict per rank."""
 
+import copy
+
 import horovod.torch as hvd
 import numpy as np
 import torch
@@ -77,6 +79,46 @@ def _run(rank: int, size: int, steps: int, perturb_at: int | None = None, bits=3
     }
 
 
+def refit(rank: int, size: int, steps: int = 4) -> dict:
+    """The default refit schedule (rounds 0, 100, ...): round 0 quantizes g (AdamW has no second
+    moment yet) and refits from it; round 1, the first preconditioned round, must refit too, from
+    the statistics of g * w. Reports the levels after each round, and fits of the levels before
+    round 1 on the statistics of what round 1 quantized (``scaled``) and of the bare gradients
+    (``unscaled``), summed over the ranks."""
+    model, data = model_and_data(rank, steps)
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kw = dict(bucket_size=128, min_size=64, seed=7, compress="always", exchange="allgather")
+    comp = ALQCompressor(bits=3, precondition=base, **kw)  # 4096, 128, 512 elements: whole buckets, no padding
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp)
+    seen, find = [], comp._precondition.for_gradient
+
+    def recorded(tensor):  # what the round quantizes: g * w, or g where w is the identity
+        w = find(tensor)
+        seen.append((tensor.detach().reshape(-1).clone(), None if w is None else w.reshape(-1).clone()))
+        return w
+
+    comp._precondition.for_gradient = recorded
+    ops, out = comp._ops_for(torch.device("cpu")), {"levels": [], "updates": []}
+    for i, (x, y) in enumerate(data):
+        seen.clear()
+        before = copy.deepcopy(comp._quantizer)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        m = comp.metrics()
+        out["levels"].append(m["levels"].tolist())
+        out["updates"].append(int(m["level_updates"]))
+        if i == 1:
+            out["w_active"] = all(w is not None for _, w in seen) and len(seen) == 3
+            for key, xs in (("scaled", [g * w for g, w in seen]), ("unscaled", [g for g, _ in seen])):
+                stats = sum(ops.statistics(v, before) for v in xs)
+                total = hvd.allreduce(torch.from_numpy(stats), op=hvd.Sum, name=f"refit.{key}").numpy()
+                q = copy.deepcopy(before)
+                q.adapt(total)
+                out[key] = q.levels.tolist()
+    return out
+
+
 def main() -> None:
     hvd.init()
     torch.set_num_threads(1)
@@ -89,6 +131,7 @@ def main() -> None:
     out["auto"] = run(rank, size, 15, bits="auto", bit_budget=2.5)
     out["feedback"] = run(rank, size, 15, exchange="two-phase", error_feedback=True)
     out["mismatch"] = run(rank, size, 6, perturb_at=3, timeout=60)
+    out["refit"] = refit(rank, size)
     report(out)
 
 
