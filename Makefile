@@ -86,8 +86,6 @@ bench: install
 	$(PY) -m scripts.study.run_accuracy --quick --out-dir build/bench
 	$(PY) -m scripts.study.run_accuracy_gpt --quick --out-dir build/bench
 	$(PY) -m scripts.study.variance_gpt --quick --out-dir build/bench
-	$(PY) -m scripts.bench.refit --quick --out build/bench/bench_refit.md
-	$(PY) -m scripts.bench.bucket_widths --quick --out build/bench/bench_bucket_widths.md
 	$(PY) -m scripts.bench.network --quick --out-dir build/bench
 	$(PY) -m scripts.bench.train_step --quick --out build/bench/bench_train_step.md
 	$(PY) -m scripts.study.time_to_accuracy --quick --fresh --out-dir build/bench

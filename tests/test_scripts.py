@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,9 +40,7 @@ def mpirun_module(module: str, *args, np: int = 2, timeout: float = 300) -> None
         "bench.fsdp",
         "study.run_accuracy_gpt",
         "study.variance_gpt",
-        "bench.refit",
         "bench.codec_widths",
-        "bench.bucket_widths",
         "study.scale",
         "study.time_to_accuracy",
     ],
@@ -53,42 +50,6 @@ def test_help(name, capsys):
         load(name).main(["--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
-
-
-def test_bucket_widths_bench_compares_three_rows_per_step(tmp_path):
-    """scripts/bench/bucket_widths.py --quick: 3 bits, widths per tensor and per bucket for both
-    steps, 3 bits at 1.00, every row near 3 bits per coordinate."""
-    out = tmp_path / "bucket.md"
-    assert load("bench.bucket_widths").main(["--quick", "--repeats", "1", "--out", str(out)]) == 0
-    rows = [
-        line.split("|")[1:-1]
-        for line in out.read_text().splitlines()
-        if line.startswith("| 3 bits") or line.startswith("| bits")
-    ]
-    assert len(rows) == 6 and [float(r[2]) for r in rows[::3]] == [1.0, 1.0]
-    assert all(3.0 <= float(r[4]) < 3.1 for r in rows), rows
-
-
-def test_refit_bench_rows_allocation_and_amortized_cost(tmp_path):
-    """scripts/bench/refit.py with one repeat: the five rounds, the allocation proper's share, the
-    derived cost per round under the default schedule (3 refits in the first 10,000 rounds) and
-    what bits_max=4 costs in error (at least the uncapped allocation's: a subset of its widths)."""
-    refit = load("bench.refit")
-    out = tmp_path / "refit.md"
-    assert refit.main(["--repeats", "1", "--out", str(out)]) == 0
-    text = out.read_text()
-    rows = [
-        line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| plain") or line.startswith("| refit")
-    ]
-    assert len(rows) == 5 and float(rows[0][2]) == 1.0 and float(rows[1][3]) == 1.0
-    assert all(float(r[1]) > 0 for r in rows) and "bits_max=4" in rows[3][0]
-    assert "the allocation proper" in text and "refits 3 times in the first 10,000 rounds" in text
-    ratio = float(re.search(r"widths 2 to 4 has ([0-9.]+)x the quantization error", text).group(1))
-    assert ratio >= 1.0
-    # 4 ms more per refit, 3 refits in 10,000 rounds of 2 ms: 1.2 us per round, 0.06% of a plain round
-    assert "4.0 ms over a 3-bit refit round add 1.2 us per round on average, 0.06% of a plain round" in refit.amortized(
-        0.004, 0.002
-    )
 
 
 def test_train_step_cpu_table(monkeypatch):
@@ -206,16 +167,6 @@ def test_bench_codec_two_ranks(tmp_path):
     text = out.read_text()
     for name in ("fp16", "ALQ 3b", "torch 8-bit quantization hook helpers"):
         assert f"| {name} |" in text
-
-
-def test_bench_gpu_help_and_no_device(capsys):
-    """scripts/bench/gpu.py needs a CUDA device; without one it says so (exit status 2)."""
-    mod = load("bench.gpu")
-    with pytest.raises(SystemExit) as exc:
-        mod.main(["--help"])
-    assert exc.value.code == 0 and "--out" in capsys.readouterr().out
-    if not __import__("torch").cuda.is_available():
-        assert mod.main(["--sizes", "1M"]) == 2
 
 
 def test_run_accuracy_aggregates_several_bit_widths(tmp_path):

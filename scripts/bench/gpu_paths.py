@@ -12,8 +12,8 @@ says which failed, with the traceback):
   unbiased over many seeds with the error of the mean shrinking like 1/sqrt(T) (against the exact
   variance of stochastic rounding), NaN and Inf confined to their buckets, float16, bfloat16 and
   float64 inputs, 2, 3, 4 and 8 bits, every codec decoding every codec's payload identically, and
-  the GPU payload against the Triton interpreter's byte for byte (scripts.bench.gpu's check);
-- ``bench``: scripts.bench.gpu's table (encode, decode-sum, statistics at 16M, 64M and 256M
+  the GPU payload against the Triton interpreter's byte for byte;
+- ``bench``: the codec benchmark's table (encode, decode-sum, statistics at 16M, 64M and 256M
   against the memory floor and the fp16 round trip, with peak extra memory);
 - ``ddp-gpt``, ``ddp-resnet``: DDP step times at world size 1 (NCCL on CUDA, gloo on CPU) of a
   GPT-2-small-shaped LM and a ResNet-50, rows interleaved: DDP's allreduce, fp16 and bf16

@@ -1,5 +1,5 @@
 """The codec sections of scripts.bench.gpu_paths: correctness of ``codec="auto"`` (Triton on CUDA)
-and the torch-ops codec, and scripts.bench.gpu's benchmark table (on the CPU dry run with
+and the torch-ops codec, and the codec benchmark's table (on the CPU dry run with
 ``torch.cuda`` stood in by the CPU)."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _cross_decode(ctx, sec, named: dict, x: torch.Tensor, d: int) -> None:
 
 
 def _interpreter(ctx, sec, codecs) -> None:
-    """The payload of Triton's interpreter (scripts.bench.gpu's subprocess): on CUDA byte for byte
+    """The payload of Triton's interpreter (scripts/common/gpu.py's subprocess): on CUDA byte for byte
     against the GPU's; on every device, decoded identically by this device's codecs."""
     if importlib.util.find_spec("triton") is None:
         sec.check("Triton importable (for the interpreter's payload)", not ctx.cuda, "triton is not installed")
@@ -190,7 +190,7 @@ def _on_cpu(fn, *args, **kwargs):
 
 
 class _CpuTorch:
-    """``torch`` as scripts.bench.gpu sees it in the CPU dry run: ``device="cuda"`` means the CPU,
+    """``torch`` as scripts/common/gpu.py sees it in the CPU dry run: ``device="cuda"`` means the CPU,
     ``torch.cuda`` times with perf_counter and reports no memory."""
 
     class cuda:  # noqa: N801
@@ -204,7 +204,7 @@ class _CpuTorch:
 
 
 class _CpuCodecs:
-    """The codec registry for scripts.bench.gpu on the CPU: "triton" stands for "auto"."""
+    """The codec registry for scripts/common/gpu.py on the CPU: "triton" stands for "auto"."""
 
     def __init__(self, codecs) -> None:
         self.codecs = codecs
@@ -234,7 +234,7 @@ def codec_benchmark(ctx, sec) -> None:
         sec.lines.append(f"Measured device-to-device copy bandwidth: {gpu.copy_bandwidth() / 1e12:.2f} TB/s.")
     else:
         sec.lines.append(
-            "CPU dry run: scripts.bench.gpu.bench_size with torch.cuda stood in by the CPU "
+            "CPU dry run: scripts.common.gpu.bench_size with torch.cuda stood in by the CPU "
             "(perf_counter timing, no memory statistics)."
         )
     rows = _bench_rows(ctx, codecs, sizes, bits, d)

@@ -1,6 +1,5 @@
 """What the benchmarks share: sizes, ratios and the table of the codec benchmark (scripts/bench/codec.py);
-ResNet-50's parameter shapes (step.py, ddp.py);
-the GPT's gradients and one timed round of an engine (refit.py, bucket_widths.py)."""
+ResNet-50's parameter shapes (step.py, ddp.py)."""
 
 from __future__ import annotations
 
@@ -79,31 +78,3 @@ def numel(shape) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def gpt_gradients(min_size: int, batch: int = 0) -> list:
-    """The GPT's gradient (model seeded with 0) on batch number ``batch`` of the training text: its
-    tensors of at least ``min_size`` elements, flattened."""
-    import torch
-
-    from scripts.common.gpt import GPT, char_splits, sample_batch
-
-    torch.manual_seed(0)
-    train, _, chars = char_splits()
-    model = GPT(len(chars), 128, 4, 4, 64)
-    x, y = sample_batch(train, 16, 64, torch.Generator().manual_seed(batch))
-    model.loss(x, y).backward()
-    return [p.grad.reshape(-1).clone() for p in model.parameters() if p.numel() >= min_size]
-
-
-def one_round(setup, engine, grads, ops, transport) -> float:
-    """Seconds of one round of ``engine`` on ``grads`` with one rank's ``transport``."""
-    import time
-
-    import numpy as np
-
-    t0 = time.perf_counter()
-    entries = [engine.add(g, g.numel(), tuple(g.shape), g.dtype, transport) for g in grads]
-    for entry, vec in entries:
-        engine.finish(entry, vec.astype(np.float64), ops, transport)
-    return time.perf_counter() - t0

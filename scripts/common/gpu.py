@@ -1,6 +1,6 @@
-"""What the GPU codec benchmarks (scripts/bench/gpu.py, and gpu_paths.py's codec section) share: this
-package's codecs without its framework packages, CUDA-event timing, peak extra memory, the copy
-bandwidth, the interpreter's payload for the agreement check and the timed rows of one size."""
+"""What the GPU check's codec sections (scripts/bench/gpu_paths_codec.py) use: this package's codecs
+without its framework packages, CUDA-event timing, peak extra memory, the copy bandwidth, the
+interpreter's payload for the agreement check and the timed rows of one size."""
 
 from __future__ import annotations
 
@@ -98,37 +98,6 @@ def _interpreter_payload(n: int, bits: int, d: int, seed: int) -> torch.Tensor:
     if out.returncode != 0:
         raise RuntimeError(out.stderr.decode()[-2000:])
     return torch.frombuffer(bytearray(out.stdout), dtype=torch.uint8)
-
-
-def agreement_check(codecs, bits: int, d: int) -> list[str]:
-    """GPU payload vs interpreter payload (same seed), and the GPU payload decoded by torch ops."""
-    n, seed = 100_000, 12345
-    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    levels = torch.linspace(-1, 1, 1 << bits, dtype=torch.float64, device="cuda")
-    header = torch.zeros(32, dtype=torch.uint8)
-    gpu = codecs.resolve("triton", "cuda")
-    pg = gpu.encode(x.cuda(), levels, header, bits=bits, bucket_size=d, norm="l2", seed=seed)
-    nb = -(-n // d)
-    try:
-        pi = _interpreter_payload(n, bits, d, seed)
-        differ = int((pg.cpu() != pi).sum())
-        norms_equal = bool(torch.equal(pg.cpu()[: 32 + 4 * nb], pi[: 32 + 4 * nb]))
-        first = (
-            f"- GPU vs interpreter payload ({n} elements, {bits} bits, bucket {d}, same seed): header "
-            f"and norms identical: {norms_equal}; code bytes that differ: {differ} of {pg.numel() - 32 - 4 * nb}"
-        )
-    except Exception as exc:  # the timing below is still worth having
-        first = f"- GPU vs interpreter payload: not compared ({type(exc).__name__}: {str(exc)[-300:]})"
-    out_t = torch.empty(n, device="cuda")
-    codecs.resolve("torch", "cuda").decode_sum(out_t, pg, [0], levels, bits=bits, bucket_size=d, scale=1.0)
-    out_g = torch.empty(n, device="cuda")
-    gpu.decode_sum(out_g, pg, [0], levels, bits=bits, bucket_size=d, scale=1.0)
-    err = float((out_g - x.cuda()).abs().max() / x.abs().max())
-    return [
-        first,
-        f"- GPU payload decoded by the Triton and by the torch-ops codec: identical: {torch.equal(out_t, out_g)}; "
-        f"max |decoded - x| / max |x|: {err:.3f}",
-    ]
 
 
 def bench_size(
