@@ -1,5 +1,5 @@
 """What the benchmarks share: sizes, ratios and the table of the codec benchmark (scripts/bench/codec.py);
-ResNet-50's parameter shapes (step.py, ddp.py)."""
+ResNet-50's parameter shapes (step.py)."""
 
 from __future__ import annotations
 
