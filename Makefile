@@ -84,7 +84,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(MPIRUN) --mca mpi_yield_when_idle 1 -np 2 $(PY) -m scripts.bench.step --quick \
 		--out build/bench/bench_step.md
 	$(PY) -m scripts.study.run_accuracy --quick --out-dir build/bench
-	$(PY) -m scripts.study.run_accuracy_gpt --quick --out-dir build/bench
+	$(PY) -m scripts.study.run_accuracy --model gpt --quick --out-dir build/bench
 	$(PY) -m scripts.study.variance_gpt --quick --out-dir build/bench
 	$(PY) -m scripts.bench.network --quick --out-dir build/bench
 	$(PY) -m scripts.bench.train_step --quick --out build/bench/bench_train_step.md

@@ -38,7 +38,6 @@ def mpirun_module(module: str, *args, np: int = 2, timeout: float = 300) -> None
         "bench.codec",
         "bench.train_step",
         "bench.fsdp",
-        "study.run_accuracy_gpt",
         "study.variance_gpt",
         "bench.codec_widths",
         "study.scale",
@@ -190,7 +189,7 @@ def test_run_accuracy_aggregates_several_bit_widths(tmp_path):
     mod = load("study.run_accuracy")
     assert [
         j["methods"]
-        for j in mod.launches(
+        for j in mod.cnn_launches(
             mod.parse_args(
                 [
                     "--bits",
@@ -274,7 +273,7 @@ def test_run_accuracy_aggregates_two_phase(tmp_path):
     mod = load("study.run_accuracy")
     assert [
         j["methods"]
-        for j in mod.launches(
+        for j in mod.cnn_launches(
             mod.parse_args(["--buckets", "8192", "--seeds", "0", "--methods", "alq-ag,alq-2p", "--baselines", "none"])
         )
     ] == [["alq-ag", "alq-2p", "none"]]
@@ -303,10 +302,10 @@ def test_train_exchange_two_ranks(tmp_path):
 
 @pytest.mark.multiproc
 def test_gpt_accuracy_quick(tmp_path):
-    """run_accuracy_gpt.py --quick: one 2-rank launch of train_gpt.py (ALQ through Horovod, fp32,
+    """run_accuracy.py --model gpt --quick: one 2-rank launch of train_gpt.py (ALQ through Horovod, fp32,
     PowerSGD at the rank matched to 3-bit ALQ's bytes through DDP in the same processes)."""
-    mod = load("study.run_accuracy_gpt")
-    assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0
+    mod = load("study.run_accuracy")
+    assert mod.main(["--model", "gpt", "--quick", "--out-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "data" / "accuracy_gpt.json").read_text())["summary"]
     pairs = summary.pop("pairs")
     assert set(summary) == {"alq@3", "none", "psgd-match"}
@@ -332,14 +331,14 @@ def test_gpt_accuracy_quick(tmp_path):
     assert abs(summary["psgd-match"]["bits_per_coordinate"] - target) < 0.2 * target
     assert summary["alq@3"]["vs_fp32"]["n"] == 1 and "vs_fp32" in summary["psgd-match"]
     assert (tmp_path / "accuracy_gpt.png").stat().st_size > 10_000
-    assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0  # resumes: the launch's file exists
+    assert mod.main(["--model", "gpt", "--quick", "--out-dir", str(tmp_path)]) == 0  # resumes: the file exists
 
 
 def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
     """train_gpt's ``name@auto<budget>`` (bits="auto" for the Horovod ALQ/AMQ compressors only), the
     auto grid's raw file names, and the aggregation pairing its runs with the core grid's fixed
     widths of the same seeds (without mpirun: made-up raw files)."""
-    train_gpt, mod = load("demo.train_gpt"), load("study.run_accuracy_gpt")
+    train_gpt, mod = load("demo.train_gpt"), load("study.run_accuracy")
     assert train_gpt.parse_method("alq@3") == ("alq", 3, None)
     assert train_gpt.parse_method("none") == ("none", None, None)
     assert train_gpt.parse_method("alq@auto2.5") == ("alq", "auto", 2.5)
@@ -368,7 +367,7 @@ def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
     specs = {m for grid in mod.GRIDS.values() for launch in grid for m in launch}
     assert {m for pair in mod.PAIRS for m in pair} <= specs
     assert ["alq@auto2.5", "alq@auto3"] in mod.GRIDS["auto"]
-    args = mod.parse_args(["--grid", "auto"])
+    args = mod.parse_args(["--model", "gpt", "--grid", "auto"])
     name = mod.raw_path({"seed": 3, "methods": mod.GRIDS["auto"][0]}, args, tmp_path).name
     assert name == "np4_d8192_s3_t250_b8_alqbauto2p5-alqbauto3.json"
     assert name.count(".") == 1 and "@" not in name
@@ -412,7 +411,7 @@ def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
             mod.raw_path({"seed": seed, "methods": mod.GRIDS["auto"][0]}, args, raw).write_text(
                 json.dumps({"args": {"seed": seed, "bucket_size": 8192}, "results": auto})
             )
-    summary = mod.summarize(mod.collect(raw, args))
+    summary = mod.gpt_summarize(mod.gpt_collect(raw, args))
     pairs = summary["pairs"]
     assert pairs["alq@auto2.5 - alq@3"]["n"] == 3
     assert pairs["alq@auto2.5 - alq@3"]["diffs"] == pytest.approx([0.01, 0.02, 0.03])
@@ -421,7 +420,7 @@ def test_gpt_auto_bits_spec_raw_names_and_pairs(tmp_path):
     assert summary["alq@auto3"]["vs_qsgdinf"] is None and summary["alq@auto2.5"]["allocated_mean_bits"][2] == 2.5
     assert summary["alq@3"]["loss"]["n"] == 4 and "allocation" not in summary["alq@3"]
     assert mod.order(summary.keys() - {"pairs"}) == ["alq@3", "alq@auto3", "alq@auto2.5", "alq@2"]
-    text = mod.markdown(summary)
+    text = mod.gpt_markdown(summary)
     assert "| alq@auto2.5 − alq@2 | -0.0800 ± 0.0058 |" in text and "| alq@auto3 | 1 | 2 3 | 3.000 |" in text
 
 
@@ -430,7 +429,7 @@ def test_gpt_optimizer_choice_and_sgd_sweep_outputs(tmp_path):
     own output names and train_gpt arguments, so its rows never mix with AdamW's."""
     import torch
 
-    train_gpt, mod = load("demo.train_gpt"), load("study.run_accuracy_gpt")
+    train_gpt, mod = load("demo.train_gpt"), load("study.run_accuracy")
     model = torch.nn.Linear(3, 2)
     adamw = train_gpt.make_optimizer(model, train_gpt.parse_args([]))
     assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["betas"] == (0.9, 0.95)
@@ -438,10 +437,10 @@ def test_gpt_optimizer_choice_and_sgd_sweep_outputs(tmp_path):
     assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--optimizer", "adam"])
-    args = mod.parse_args(["--grid", "sgd", "--optimizer", "sgd"])
+    args = mod.parse_args(["--model", "gpt", "--grid", "sgd", "--optimizer", "sgd"])
     assert mod.stem(args) == "accuracy_gpt_sgd" and args.lr == 0.2
     assert mod.optimizer_args(args) == ["--optimizer", "sgd", "--weight-decay", "0", "--lr", "0.2"]
-    default = mod.parse_args([])
+    default = mod.parse_args(["--model", "gpt"])
     assert mod.stem(default) == "accuracy_gpt" and mod.optimizer_args(default) == []
     assert {m for pair in mod.PAIRS for m in pair} <= {m for grid in mod.GRIDS.values() for ms in grid for m in ms}
 

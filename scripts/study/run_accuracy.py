@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Accuracy sweep: final test accuracy of every method over several seeds and bucket sizes, each run
-a real Horovod job of scripts/demo/train.py (``mpirun -np 4 ... -m scripts.demo.train --json``), aggregated into a
-Markdown table (mean, standard deviation, min..max; and the same-seed difference to fp32, mean and
+"""Accuracy sweeps, every launch a real Horovod job, aggregated over seeds with same-seed differences.
+
+``--model cnn`` (the default): final test accuracy of the demo CNN (scripts/demo/train.py,
+``mpirun -np 4 ... -m scripts.demo.train --json``) for every method over seeds and bucket sizes: a
+Markdown table (mean, standard deviation, min..max; the same-seed difference to fp32, mean and
 standard error) and a PNG.
 
     python -m scripts.study.run_accuracy     # the full sweep (~18 min on 2 cores), into build/results
@@ -11,17 +13,37 @@ standard error) and a PNG.
     python -m scripts.study.run_accuracy --buckets 8192 --methods alq-ag,alq-2p --baselines none \
         --tag _exchange   # allgather vs two-phase exchange (-ag / -2p suffixes)
 
-Every launch writes its own JSON under --raw-dir; a launch whose JSON already exists is skipped,
-so an interrupted sweep resumes where it stopped, and ``--aggregate-only`` rebuilds the table and
-the plot from what is there. fp32 (``none``) and ``fp16`` do not depend on the bucket size: they
-run once per seed, in the launch of the first bucket size (and first bit width); so does TernGrad
-(always 2 bits) when several bit widths are swept.
+fp32 (``none``) and ``fp16`` do not depend on the bucket size: they run once per seed, in the launch
+of the first bucket size (and first bit width); so does TernGrad (always 2 bits) when several bit
+widths are swept.
+
+``--model gpt``: the held-out loss of the character-level GPT (scripts/common/gpt.py,
+scripts/demo/train_gpt.py) after a fixed token budget, for every exchange of a grid over seeds
+(``mpirun -np 4 ... -m scripts.demo.train_gpt --json``): the final evaluation loss (nats and bits per
+character), the same-seed differences to fp32 and to QSGDinf at the same bit width, the bits per
+coordinate each method sent, and the learning curves.
+
+    python -m scripts.study.run_accuracy --model gpt     # the core grid, 5 seeds, into build/results
+    python -m scripts.study.run_accuracy --model gpt --grid wide --seeds 0,1   # the wider grid
+    python -m scripts.study.run_accuracy --model gpt --grid auto     # bits="auto" under a budget
+    python -m scripts.study.run_accuracy --model gpt --grid bucket   # bits_per="bucket" under a budget
+    python -m scripts.study.run_accuracy --model gpt --grid sgd --optimizer sgd   # SGD, momentum 0.9
+    python -m scripts.study.run_accuracy --model gpt --quick --out-dir /tmp/g     # 2 ranks, 1 seed, 20 steps
+
+``--optimizer sgd`` writes accuracy_gpt_sgd.md (and .png, .json, accuracy_gpt_sgd_raw) instead, so
+that its rows never mix with AdamW's.
+
+Every launch writes its own JSON (CNN: under --raw-dir; GPT: <out-dir>/data/accuracy_gpt_raw); a
+launch whose JSON already exists is skipped, so an interrupted sweep resumes where it stopped, and
+``--aggregate-only`` rebuilds the outputs from what is there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -29,47 +51,177 @@ from pathlib import Path
 from scripts.common import launch
 from scripts.common import report as pages
 from scripts.common.demo import BASELINES, PLAIN, QUANTIZED
+from scripts.study.feedback_switches import split, switched
 
 BITS_FREE = ["terngrad"]  # always 2 bits on the wire: one run per seed whatever --bits says
+TRAIN = {"cnn": "scripts.demo.train", "gpt": "scripts.demo.train_gpt"}  # run with python -m from the root
+SWITCHES = "scripts.study.feedback_switches"  # the GPT demo with the studies' error-feedback switches
+LABELS = {"none": "fp32", "fp16": "fp16", "terngrad": "TernGrad", "psgd2": "PowerSGD rank 2"}
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAIN = "scripts.demo.train"  # run with python -m from ROOT
-LABELS = {"none": "fp32", "fp16": "fp16"}
+# Each grid is a list of launches per seed; a launch runs its methods in turn in one mpirun job.
+# At 2 bits ALQ and AMQ nearly coincide (levels -1, -a, b, 1 against -1, -p, p, 1, fitted to the same
+# objective: a, b and p agree to about 1%), so the core grid runs ALQ only there.
+GRIDS = {
+    "core": [
+        ["alq@3", "amq@3", "qsgdinf@3", "none", "psgd-match", "psgd2"],
+        ["alq@2", "qsgdinf@2", "terngrad", "fp16"],
+    ],
+    "wide": [
+        ["alq@4", "qsgdinf@4", "nuqsgd@3", "alq-n@3", "amq-n@3"],
+        ["alq-l2@3", "amq-l2@3", "alq-ag@3", "amq-ag@3", "qsgdinf-ag@3"],
+    ],
+    "bucket1024": [["alq@3", "amq@3", "qsgdinf@3", "alq@2", "qsgdinf@2"]],
+    # bits="auto": a width from 2 to 8 per tensor under a mean budget (name@auto<budget>), against
+    # the core grid's fixed widths on the same seeds
+    "auto": [["alq@auto2.5", "alq@auto3"]],
+    # bits_per="bucket": a width per bucket of every payload under the budget (name@bucket<budget>)
+    "bucket": [["alq@bucket2.5", "alq@bucket3"]],
+    # the widths under SGD (--optimizer sgd), against fixed widths and fp32 of the same launch
+    "sgd": [["none", "alq@3", "alq@2", "alq@bucket2.5", "alq@bucket3", "alq@auto2.5"]],
+    # error_feedback=True (name@bits+ef) against the same widths without it and fp32, same launch
+    "feedback": [["none", "alq@3", "alq@3+ef", "alq@2", "alq@2+ef"], ["psgd-match"]],
+    # with --optimizer adamw-frozen (1-bit Adam's schedule): error feedback from the start (+ef) and
+    # from the freeze step on (+ef30, the default freeze at the 30-step warm-up)
+    "frozen": [["none", "alq@3", "alq@3+ef", "alq@3+ef30"], ["alq@2", "alq@2+ef", "alq@2+ef30"]],
+    # the frozen optimizer's rows without error feedback, for more seeds
+    "frozen-core": [["none", "alq@3", "alq@2"]],
+    # AdamW with part of each error kept (+efx<share>), against the feedback grid's rows
+    "partial": [["alq@3+efx0.5", "alq@2+efx0.5", "alq@2+efx0.25"]],
+    # fp32 alone: a learning-rate sweep (one --out-dir per --lr)
+    "fp32": [["none"]],
+}
+# Same-seed comparisons shown in the second table: (row, against).
+PAIRS = [
+    ("alq@3", "qsgdinf@3"),
+    ("amq@3", "qsgdinf@3"),
+    ("alq@2", "qsgdinf@2"),
+    ("alq@2", "terngrad"),
+    ("alq@3", "amq@3"),
+    ("alq@3", "psgd-match"),
+    ("amq@3", "psgd-match"),
+    ("alq@3", "none"),
+    ("amq@3", "none"),
+    ("psgd-match", "none"),
+    ("qsgdinf@3", "none"),
+    ("fp16", "none"),
+    # the wider grid: 4 bits, norm-less forms, L2 buckets, allgather against two-phase (auto)
+    ("alq@4", "qsgdinf@4"),
+    ("alq-n@3", "alq@3"),
+    ("amq-n@3", "amq@3"),
+    ("alq@3", "alq-l2@3"),
+    ("amq@3", "amq-l2@3"),
+    ("alq-ag@3", "alq@3"),
+    ("amq-ag@3", "amq@3"),
+    ("qsgdinf-ag@3", "qsgdinf@3"),
+    ("nuqsgd@3", "qsgdinf@3"),
+    # bits="auto" against fixed widths (the core grid's runs of the same seeds)
+    ("alq@auto2.5", "alq@3"),
+    ("alq@auto3", "alq@3"),
+    ("alq@auto2.5", "alq@2"),
+    ("alq@bucket2.5", "alq@3"),
+    ("alq@bucket3", "alq@3"),
+    ("alq@bucket2.5", "alq@auto2.5"),
+    ("alq@bucket2.5", "alq@2"),
+    ("alq@bucket3", "none"),
+    ("alq@2", "none"),
+    # error feedback against the same widths without it, and against fp32
+    ("alq@3+ef", "alq@3"),
+    ("alq@2+ef", "alq@2"),
+    ("alq@3+ef", "none"),
+    ("alq@2+ef", "none"),
+    ("alq@3+ef30", "alq@3"),
+    ("alq@3+efx0.5", "alq@3"),
+    ("alq@2+efx0.5", "alq@2"),
+    ("alq@2+efx0.25", "alq@2"),
+    ("alq@2+ef30", "alq@2"),
+]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", choices=("cnn", "gpt"), default="cnn", help="the demo CNN or the GPT; default cnn")
+    model = pre.parse_known_args(argv)[0].model
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[pre]
+    )
     p.add_argument("--np", type=int, default=4, help="workers (ranks); default 4")
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds; default 0,1,2,3,4")
-    p.add_argument("--buckets", default="512,8192", help="bucket sizes; default 512,8192")
-    p.add_argument("--bits", default="3", help="comma-separated bit widths; default 3")
+    p.add_argument("--timeout", type=float, default=7200, help="seconds per launch; default 7200")
+    p.add_argument("--aggregate-only", action="store_true", help="do not launch, only aggregate")
+    name = "accuracy" if model == "cnn" else "accuracy_gpt"
     p.add_argument(
+        "--out-dir",
+        default="build/results",
+        help=f"{name}.md and .png go here, {name}.json and the raw runs to its data/; default build/results",
+    )
+    if model == "cnn":
+        _cnn_options(p.add_argument)
+    else:
+        _gpt_options(p.add_argument)
+    args = p.parse_args(argv)
+    if model == "cnn":
+        args.bits_list = [int(b) for b in str(args.bits).split(",") if b.strip()]
+        if args.quick:
+            args.np, args.seeds, args.buckets, args.methods, args.baselines = 2, "0", "8192", "alq", "fp16"
+            args.epochs = 1
+        return args
+    if args.bucket_size is None:
+        args.bucket_size = 1024 if args.grid == "bucket1024" else 8192
+    if args.quick:
+        args.np, args.seeds, args.steps = 2, "0", 20
+    if args.lr is None and args.optimizer == "sgd":
+        args.lr = 0.2
+    return args
+
+
+def _cnn_options(add) -> None:
+    add("--buckets", default="512,8192", help="bucket sizes; default 512,8192")
+    add("--bits", default="3", help="comma-separated bit widths; default 3")
+    add(
         "--methods",
         default=",".join(PLAIN),
         help="quantized methods; default all, each with the compressor's default exchange; "
         "-ag / -2p appended: the allgather / two-phase exchange (alq-ag,alq-2p)",
     )
-    p.add_argument("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
-    p.add_argument("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
-    p.add_argument("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
-    p.add_argument("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/data/accuracy_raw")
-    p.add_argument(
-        "--out-dir",
-        default="build/results",
-        help="accuracy.md and accuracy.png go here, accuracy.json and the raw runs to its data/; default build/results",
+    add("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
+    add("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
+    add("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
+    add("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/data/accuracy_raw")
+    add("--tag", default="", help="suffix of the output names: accuracy<tag>.md etc.; default none")
+    add("--quick", action="store_true", help="2 ranks, seed 0, alq+fp16, bucket 8192, 1 epoch")
+
+
+def _gpt_options(add) -> None:
+    add("--grid", default="core", choices=sorted(GRIDS), help="default core")
+    add("--bucket-size", type=int, default=None, help="default 8192 (1024 for --grid bucket1024)")
+    add("--steps", type=int, default=250, help="train_gpt.py --steps; default 250")
+    add("--batch-size", type=int, default=8, help="train_gpt.py --batch-size; default 8")
+    add(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "adamw-frozen", "sgd"),
+        help="train_gpt.py --optimizer; sgd runs at --lr (default 0.2) without weight decay; adamw-frozen: "
+        "AdamW with its second moment frozen after --extra '--freeze-step N' (default the warm-up)",
     )
-    p.add_argument("--tag", default="", help="suffix of the output names: accuracy<tag>.md etc.; default none")
-    p.add_argument("--timeout", type=float, default=7200, help="seconds per launch; default 7200")
-    p.add_argument("--aggregate-only", action="store_true", help="do not launch, only aggregate")
-    p.add_argument("--quick", action="store_true", help="2 ranks, seed 0, alq+fp16, bucket 8192, 1 epoch")
-    args = p.parse_args(argv)
-    args.bits_list = [int(b) for b in str(args.bits).split(",") if b.strip()]
-    if args.quick:
-        args.np, args.seeds, args.buckets, args.methods, args.baselines, args.epochs = 2, "0", "8192", "alq", "fp16", 1
-    return args
+    add("--lr", type=float, default=None, help="peak lr; default train_gpt.py's (AdamW) or 0.2 (SGD)")
+    add("--extra", default="", help="more train_gpt.py arguments, quoted")
+    add(
+        "--quick",
+        action="store_true",
+        help="2 ranks, seed 0, 20 steps: alq@3, none, psgd-match, or with a --grid other than core that grid's methods",
+    )
 
 
-def launches(args) -> list[dict]:
+def paired(diffs: list) -> dict:
+    """Mean, standard deviation, standard error, min, max and n of same-seed differences."""
+    d = pages.stats(diffs)
+    return {**d, "sem": d["std"] / math.sqrt(d["n"])}
+
+
+# ------------------------------------------------------------------------------- the demo CNN
+
+
+def cnn_launches(args) -> list[dict]:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     buckets = [int(b) for b in args.buckets.split(",") if b.strip()]
     methods = [m for m in args.methods.split(",") if m.strip()]
@@ -84,9 +236,9 @@ def launches(args) -> list[dict]:
     return out
 
 
-def run_launch(job: dict, args, raw_dir: Path) -> None:
+def cnn_run_launch(job: dict, args, raw_dir: Path) -> None:
     name = f"np{args.np}_b{job['bits']}_d{job['bucket']}_s{job['seed']}_e{args.epochs}_{'-'.join(job['methods'])}.json"
-    cmd = [*launch.mpirun(args.np), sys.executable, "-m", TRAIN, "--methods", ",".join(job["methods"])]
+    cmd = [*launch.mpirun(args.np), sys.executable, "-m", TRAIN["cnn"], "--methods", ",".join(job["methods"])]
     cmd += ["--bits", str(job["bits"]), "--bucket-size", str(job["bucket"]), "--epochs", str(args.epochs)]
     cmd += ["--seed", str(job["seed"]), "--quiet", "--json", "{json}"]
     if args.lr is not None:
@@ -96,7 +248,7 @@ def run_launch(job: dict, args, raw_dir: Path) -> None:
         print("\n".join(out.strip().splitlines()[-len(job["methods"]) - 1 :]), flush=True)
 
 
-def collect(raw_dir: Path, args) -> dict:
+def cnn_collect(raw_dir: Path, args) -> dict:
     """{(method, (bits, bucket) or None): [(seed, accuracy), ...]} over the JSON files matching np,
     the bit widths and epochs (TernGrad counts as 2 bits, what it sends)."""
     runs: dict = {}
@@ -154,20 +306,17 @@ def summarize(table: dict) -> tuple[list, list, dict]:
             cell = pages.stats([100 * a for _, a in runs])
             diffs = [100 * a - reference[seed] for seed, a in runs if seed in reference]
             if diffs and m != "none":
-                d = pages.stats(diffs)
-                cell["vs_fp32"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
+                cell["vs_fp32"] = paired(diffs)
             if m.endswith("-2p") and (m[:-3] + "-ag", c) in table:  # same method, the allgather exchange
                 ag = dict(table[(m[:-3] + "-ag", c)])
                 pairs = [100 * (a - ag[seed]) for seed, a in runs if seed in ag]
                 if pairs:
-                    d = pages.stats(pairs)
-                    cell["vs_allgather"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
+                    cell["vs_allgather"] = paired(pairs)
             if m.endswith("-linf") and (m[:-5] + "-l2", c) in table:  # same method, the paper's L2 buckets
                 l2 = dict(table[(m[:-5] + "-l2", c)])
                 pairs = [100 * (a - l2[seed]) for seed, a in runs if seed in l2]
                 if pairs:
-                    d = pages.stats(pairs)
-                    cell["vs_l2"] = {**d, "sem": d["std"] / d["n"] ** 0.5}
+                    cell["vs_l2"] = paired(pairs)
             summary[_key(m, c)] = cell
     return methods, configs, summary
 
@@ -247,7 +396,7 @@ def _same_seed_table(summary, methods, configs, labels, key: str, title: str, ro
     return lines
 
 
-def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
+def cnn_aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
     methods, configs, summary = summarize(table)
     text = markdown(methods, configs, summary)
     (out_dir / "data" / f"accuracy{args.tag}.json").write_text(
@@ -264,11 +413,11 @@ def aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
         )
     )
     (out_dir / f"accuracy{args.tag}.md").write_text(text)
-    plot(summary, methods, configs, out_dir / f"accuracy{args.tag}.png", args)
+    cnn_plot(summary, methods, configs, out_dir / f"accuracy{args.tag}.png", args)
     return text
 
 
-def plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
+def cnn_plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
     """Left: accuracy, mean and min..max over seeds. Right: same-seed difference to fp32, mean ± 2
     standard errors, on a scale where the working methods are visible (collapsed ones are marked)."""
     plt = pages.pyplot()
@@ -327,20 +476,291 @@ def plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
     pages.finish_paired_plot(fig, bx, "accuracy − fp32, same seed (points)", path)
 
 
+# ------------------------------------------------------------------------------- the GPT
+def stem(args) -> str:
+    """The outputs' name: accuracy_gpt, or accuracy_gpt_sgd for SGD runs."""
+    return "accuracy_gpt" if args.optimizer == "adamw" else f"accuracy_gpt_{args.optimizer}"
+
+
+def optimizer_args(args) -> list[str]:
+    """train_gpt.py's optimizer arguments for this sweep."""
+    out = {"adamw": [], "adamw-frozen": ["--optimizer", "adamw-frozen"]}.get(
+        args.optimizer, ["--optimizer", args.optimizer, "--weight-decay", "0"]
+    )
+    return out + ([] if args.lr is None else ["--lr", repr(args.lr)])
+
+
+def gpt_launches(args) -> list[dict]:
+    grid = [["alq@3", "none", "psgd-match"]] if args.quick and args.grid == "core" else GRIDS[args.grid]
+    return [{"seed": int(s), "methods": ms} for s in args.seeds.split(",") if s.strip() for ms in grid]
+
+
+def raw_path(job: dict, args, raw_dir: Path) -> Path:
+    """The launch's JSON: a method spec's ``@`` as ``b`` and a budget's ``.`` as ``p`` (``alq@auto2.5``:
+    ``alqbauto2p5``)."""
+    return raw_dir / (
+        f"np{args.np}_d{args.bucket_size}_s{job['seed']}_t{args.steps}_b{args.batch_size}_"
+        f"{'-'.join(m.replace('@', 'b').replace('.', 'p').replace('+', 'p') for m in job['methods'])}.json"
+    )
+
+
+def gpt_run_launch(job: dict, args, raw_dir: Path) -> None:
+    module = SWITCHES if any(switched(m) for m in job["methods"]) else TRAIN["gpt"]
+    cmd = [*launch.mpirun(args.np), sys.executable, "-m", module, "--methods", ",".join(job["methods"])]
+    cmd += ["--seed", str(job["seed"]), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    cmd += ["--bucket-size", str(args.bucket_size), "--json", "{json}", *optimizer_args(args)]
+    out = launch.resumable(cmd + shlex.split(args.extra), raw_path(job, args, raw_dir), args.timeout)
+    if out:
+        print("\n".join(ln for ln in out.splitlines() if "eval loss" in ln), flush=True)
+
+
+def gpt_collect(raw_dir: Path, args) -> dict:
+    """{row label: {seed: result}} over the raw files of this worker count, step count and batch
+    size; the row label is the method spec, with ``/d<bucket>`` where the bucket is not 8192."""
+    rows: dict = {}
+    for path in sorted(raw_dir.glob(f"np{args.np}_d*_t{args.steps}_b{args.batch_size}_*.json")):
+        data = json.loads(path.read_text())
+        seed, bucket = data["args"]["seed"], data["args"]["bucket_size"]
+        for r in data["results"]:
+            label = r["spec"] if r["bits"] is None or bucket == 8192 else f"{r['spec']}/d{bucket}"
+            if seed in rows.setdefault(label, {}):
+                raise ValueError(f"{path.name} repeats {label} seed {seed}")
+            rows[label][seed] = r
+    return rows
+
+
+def _paired(runs: dict, reference: dict | None) -> dict | None:
+    """Mean, standard error, median and the count of seeds where ``runs`` is lower, of the same-seed
+    differences ``runs - reference``."""
+    if not reference or runs is reference:
+        return None
+    diffs = [r["eval_loss"] - reference[s]["eval_loss"] for s, r in runs.items() if s in reference]
+    if not diffs:
+        return None
+    ordered = sorted(diffs)
+    median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+    return {**paired(diffs), "median": median, "lower": sum(x < 0 for x in diffs), "diffs": diffs}
+
+
+def gpt_summarize(rows: dict) -> dict:
+    """Per row: eval-loss statistics over seeds, bits per character, bits per coordinate sent, and
+    the same-seed differences to fp32 and to QSGDinf of the same bit width (and bucket)."""
+    out = {}
+    for label, runs in rows.items():
+        losses = [r["eval_loss"] for r in runs.values()]
+        first = next(iter(runs.values()))
+        bucket = label.partition("/")[2]
+        qsgd_label = f"qsgdinf@{first['bits']}" + (f"/{bucket}" if bucket else "") if first["bits"] else None
+        cell = {
+            "loss": pages.stats(losses),
+            "bpc": pages.stats([v / math.log(2) for v in losses]),
+            "bits_per_coordinate": sum(r["bits_per_coordinate"] for r in runs.values()) / len(runs),
+            "vs_fp32": _paired(runs, rows.get("none")),
+            "vs_qsgdinf": _paired(runs, rows.get(qsgd_label)) if qsgd_label else None,
+            "curve": _mean_curve(runs),
+            "seeds": sorted(runs),
+        }
+        if "rank" in first:
+            cell["powersgd_rank"] = first["rank"]
+        if "allocation" in first:  # bits="auto": each seed's last allocation
+            cell["allocated_mean_bits"] = {s: r["allocated_mean_bits"] for s, r in sorted(runs.items())}
+            cell["allocation"] = {s: r["allocation"] for s, r in sorted(runs.items())}
+            cell["allocation_elements"] = first.get("allocation_elements")
+        out[label] = cell
+    out["pairs"] = {f"{a} - {b}": _paired(rows[a], rows[b]) for a, b in PAIRS if a in rows and b in rows}
+    return out
+
+
+def _mean_curve(runs: dict) -> list:
+    curves = [r["curve"] for r in runs.values()]
+    steps = [s for s, _ in curves[0]]
+    return [
+        [s, sum(c[i][1] for c in curves) / len(curves)]
+        for i, s in enumerate(steps)
+        if all(len(c) > i and c[i][0] == s for c in curves)
+    ]
+
+
+def order(labels) -> list:
+    """Baselines first, then by method family, bit width (an auto budget beside its width, after it),
+    bucket."""
+
+    def key(label):
+        spec, _, bucket = label.partition("/")
+        spec, start, share = split(spec)
+        name, _, bits = spec.partition("@")
+        feedback = (-1, 0.0) if start is None else (start, -share)
+        rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
+        auto = bits.startswith(("auto", "bucket"))
+        return (rank, -float(bits.removeprefix("auto").removeprefix("bucket") or 0), bucket, auto, feedback, name)
+
+    return sorted(labels, key=key)
+
+
+def gpt_markdown(summary: dict) -> str:
+    def pm(d):
+        if not d:
+            return "-"
+        return f"{d['mean']:+.4f} ± {d['sem']:.4f}" if d["n"] > 1 else f"{d['mean']:+.4f} (one seed)"
+
+    lines = [
+        "| method | bits/coord sent | eval loss (nats/char) | bits/char | − fp32, same seed | "
+        "− QSGDinf same bits, same seed | seeds |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = {k: v for k, v in summary.items() if k != "pairs"}
+    for label in order(rows):
+        c = rows[label]
+        name = label.partition("@")[0]
+        shown = LABELS.get(name, label) + (f" (rank {c['powersgd_rank']})" if name == "psgd-match" else "")
+        lines.append(
+            f"| {shown} | {c['bits_per_coordinate']:.2f} | {c['loss']['mean']:.4f} ± {c['loss']['std']:.4f} "
+            f"| {c['bpc']['mean']:.3f} | {pm(c['vs_fp32'])} | {pm(c['vs_qsgdinf'])} | {c['loss']['n']} |"
+        )
+    lines += [
+        "",
+        "Same-seed differences of the evaluation loss (nats/char; negative: the first is better): mean ± "
+        "standard error, median, and on how many seeds the first was lower.",
+        "",
+        "| comparison | mean ± s.e. | median | first lower | per seed |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for key, d in summary.get("pairs", {}).items():
+        if d:
+            a, b = key.split(" - ")
+            lines.append(
+                f"| {LABELS.get(a, a)} − {LABELS.get(b, b)} | {pm(d)} | {d['median']:+.4f} | "
+                f"{d['lower']} of {d['n']} | {' '.join(f'{x:+.3f}' for x in d['diffs'])} |"
+            )
+    auto = [label for label in order(rows) if "allocation" in rows[label]]
+    if auto:
+        lines += [
+            "",
+            'bits="auto": the widths of the last refit, per tensor in the round\'s order '
+            "(elements: " + ", ".join(map(str, rows[auto[0]]["allocation_elements"] or [])) + "), and their "
+            "mean over the compressed coordinates, per seed.",
+            "",
+            "| method | seed | widths | mean bits |",
+            "|---|---:|---|---:|",
+        ]
+        for label in auto:
+            c = rows[label]
+            for seed, widths in c["allocation"].items():
+                lines.append(
+                    f"| {label} | {seed} | {' '.join(map(str, widths))} | {c['allocated_mean_bits'][seed]:.3f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def preamble(args, rows: dict) -> str:
+    """What the table is: model, data, budget, workers, seeds, date."""
+    first = json.loads(
+        next(
+            iter(
+                sorted(
+                    (Path(args.out_dir) / "data" / f"{stem(args)}_raw").glob(
+                        f"np{args.np}_d*_t{args.steps}_b{args.batch_size}_*.json"
+                    )
+                )
+            )
+        ).read_text()
+    )
+    a = first["args"]
+    optimizer = {
+        "sgd": "SGD (momentum 0.9, no weight decay)",
+        "adamw-frozen": f"AdamW (second moment frozen after step {a.get('freeze_step') or a['warmup']})",
+    }.get(a.get("optimizer"), "AdamW")
+    params = next(iter(next(iter(rows.values())).values()))["params"]
+    return (
+        f"# Held-out loss of a character-level GPT, every exchange\n\n"
+        f"Command: `python -m scripts.study.run_accuracy --model gpt` (grids and seeds as listed per row; "
+        f"{time.strftime('%Y-%m-%d')}). GPT of scripts/common/gpt.py: {a['layers']} blocks of width {a['width']}, "
+        f"{a['heads']} heads, context {a['context']}, {params:,} parameters, on Python's pydoc text "
+        f"(90% train, the last 10% held out); {args.np} workers, {args.steps} {optimizer} steps (peak lr {a['lr']}, "
+        f"{a['warmup']} warm-up, cosine to 10%), {args.batch_size} x {a['context']} characters per worker and "
+        f"step; quantized methods at bucket {a['bucket_size']} with the compressors' defaults (max-abs buckets, "
+        f"exchange auto: two-phase at 4 workers, refits at steps {a['update_steps']}). Evaluation loss on "
+        f"{a['eval_windows']} fixed held-out windows after the last step; a seed fixes the initial model, the "
+        f"batches and the rounding, so differences on one seed are paired. Bits/coord sent: the payload a "
+        f"rank contributes per coordinate (uncompressed small tensors at 32).\n\n"
+    )
+
+
+def gpt_plot(summary: dict, path: Path, title: str) -> None:
+    """Left: mean evaluation loss against step (learning curves). Right: the same-seed comparisons
+    of PAIRS, mean ± 2 standard errors and every seed's difference."""
+    plt = pages.pyplot()
+
+    pairs = {k: d for k, d in summary.get("pairs", {}).items() if d}
+    summary = {k: v for k, v in summary.items() if k != "pairs"}
+    labels = order(summary)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.6))
+    for i, label in enumerate(labels):
+        curve = summary[label]["curve"]
+        ax.plot(
+            [s for s, _ in curve], [v for _, v in curve], label=label, color=f"C{i % 10}", ls="-" if i < 10 else "--"
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("evaluation loss (nats/char), mean over seeds")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    for j, (key, d) in enumerate(pairs.items()):
+        bx.errorbar([j], [d["mean"]], yerr=[2 * d["sem"]], fmt="o", capsize=4, color="C0")
+        bx.plot([j + 0.15] * len(d["diffs"]), d["diffs"], "x", color="gray", ms=4)
+    bx.set_xticks(
+        range(len(pairs)),
+        [k.replace(" - ", " − ").replace("none", "fp32") for k in pairs],
+        rotation=45,
+        ha="right",
+        fontsize=7,
+    )
+    pages.finish_paired_plot(
+        fig,
+        bx,
+        "eval loss difference, same seed (nats/char)",
+        path,
+        "same-seed comparisons: mean ± 2 s.e. (o), each seed (x)",
+    )
+
+
+def gpt_aggregate(rows: dict, args, out_dir: Path, wall: float | None) -> str:
+    summary = gpt_summarize(rows)
+    text = preamble(args, rows) + gpt_markdown(summary)
+    (out_dir / "data" / f"{stem(args)}.json").write_text(
+        json.dumps({"np": args.np, "steps": args.steps, "batch_size": args.batch_size, "summary": summary}, indent=2)
+    )
+    (out_dir / f"{stem(args)}.md").write_text(text)
+    gpt_plot(
+        summary,
+        out_dir / f"{stem(args)}.png",
+        f"GPT on pydoc text, {args.np} workers, {args.steps} steps of {args.batch_size} x 64 chars per worker",
+    )
+    return text
+
+
+MODELS = {
+    "cnn": (cnn_launches, cnn_run_launch, cnn_collect, cnn_aggregate),
+    "gpt": (gpt_launches, gpt_run_launch, gpt_collect, gpt_aggregate),
+}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    launches, run_launch, collect, aggregate = MODELS[args.model]
     out_dir = Path(args.out_dir)
-    raw_dir = Path(args.raw_dir) if args.raw_dir else out_dir / "data" / "accuracy_raw"
+    if args.model == "cnn":
+        raw_dir = Path(args.raw_dir) if args.raw_dir else out_dir / "data" / "accuracy_raw"
+    else:
+        raw_dir = out_dir / "data" / f"{stem(args)}_raw"
     (out_dir / "data").mkdir(parents=True, exist_ok=True)
     raw_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     if not args.aggregate_only:
         jobs = launches(args)
         for k, job in enumerate(jobs):
-            print(
-                f"launch {k + 1}/{len(jobs)}: seed {job['seed']}, bits {job['bits']}, bucket {job['bucket']}",
-                flush=True,
-            )
+            what = f"bits {job['bits']}, bucket {job['bucket']}" if args.model == "cnn" else ",".join(job["methods"])
+            print(f"launch {k + 1}/{len(jobs)}: seed {job['seed']}: {what}", flush=True)
             run_launch(job, args, raw_dir)
     wall = None if args.aggregate_only else time.monotonic() - start
     table = collect(raw_dir, args)
