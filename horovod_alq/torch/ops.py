@@ -31,6 +31,14 @@ class TorchOps:
         compiled CPU codec."""
         return self.codec.name == "cpu"
 
+    @property
+    def encodes_ranges(self) -> bool:
+        """Whether the codec's draws depend only on the seed and a coordinate's index, and its encodes
+        take ``first`` (that index for the range's first coordinate): a range of a vector that starts
+        on a bucket boundary then encodes to the codes the whole vector's encode gives it (the
+        pipelined round, :mod:`horovod_alq.exchange.pipeline`): the compiled CPU codec."""
+        return self.codec.name == "cpu"
+
     def levels(self, q: Quantizer) -> torch.Tensor:
         key = q.fingerprint
         if key not in self._levels:
@@ -59,21 +67,30 @@ class TorchOps:
         header = pack_header(Header(get_method(q.method).id, q.bits, q.bucket_size, numel, q.fingerprint, norm=q.norm))
         return torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
 
-    def _coding(self, q: Quantizer, numel: int, seed: int) -> tuple[tuple, dict]:
-        """An encode's levels and header, and its keywords, as every codec's encode takes them."""
-        return (self.levels(q), self._header(q, numel)), dict(
-            bits=q.bits, bucket_size=q.bucket_size, norm=q.norm, seed=seed
-        )
+    def _coding(self, q: Quantizer, numel: int, seed: int, first: int = 0) -> tuple[tuple, dict]:
+        """An encode's levels and header, and its keywords, as every codec's encode takes them
+        (``first``, where not 0: only codecs that :attr:`encodes_ranges` take it)."""
+        kw = dict(bits=q.bits, bucket_size=q.bucket_size, norm=q.norm, seed=seed)
+        if first:
+            if not self.encodes_ranges:
+                raise ValueError(
+                    f"codec {self.codec.name!r} draws its rounding noise per encode, not per coordinate "
+                    f"index: it cannot encode a range at first={first}; use codec='cpu'"
+                )
+            kw["first"] = int(first)
+        return (self.levels(q), self._header(q, numel)), kw
 
-    def encode(self, x: torch.Tensor, q: Quantizer, seed: int) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, q: Quantizer, seed: int, first: int = 0) -> torch.Tensor:
+        """``first``: the index of ``x``'s first coordinate in the random stream (where
+        :attr:`encodes_ranges`; ValueError elsewhere unless 0)."""
         if x.numel() == 0:
             return self._header(q, 0)
-        args, kw = self._coding(q, x.numel(), seed)
+        args, kw = self._coding(q, x.numel(), seed, first)
         return self.codec.encode(x.contiguous(), *args, **kw)
 
-    def encode_parts(self, parts, starts, length, q: Quantizer, seed: int, scales=None):
+    def encode_parts(self, parts, starts, length, q: Quantizer, seed: int, scales=None, first: int = 0):
         """The payload of the stream holding ``parts`` (times ``scales``, one float32 per part, where
-        :attr:`fuses_scales`), read in place; None where the codec cannot."""
+        :attr:`fuses_scales`), read in place; None where the codec cannot. ``first``: as :meth:`encode`'s."""
         encode = getattr(self.codec, "encode_parts", None)
         if (
             encode is None
@@ -83,7 +100,7 @@ class TorchOps:
             or (scales is not None and not self.fuses_scales)
         ):
             return None
-        args, kw = self._coding(q, length, seed)
+        args, kw = self._coding(q, length, seed, first)
         if scales is not None:
             kw["scales"] = [w.reshape(-1).contiguous() for w in scales]
         return encode([p.reshape(-1).contiguous() for p in parts], list(starts), length, *args, **kw)

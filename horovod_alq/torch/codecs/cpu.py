@@ -6,6 +6,9 @@ Preconditioned quantization (``precondition=``): the encodes take ``w`` (``scale
 ``encode_parts``), a float32 scale per coordinate, and quantize ``x * w`` without writing it to
 memory; ``decode_sum`` takes ``divide`` and divides its output by it in the same pass. The bytes and
 floats are those of the unfused ``encode(x * w)`` and ``decode_sum(...) / w``.
+Ranges (the pipelined round, :mod:`horovod_alq.exchange.pipeline`): the draws depend only on the
+seed and a coordinate's index, so ``encode(v[a:b], ..., first=a)`` (``a`` on a bucket boundary and a
+multiple of 8) gives the norms and codes that ``encode(v, ...)`` gives ``v[a:b]``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ class CpuCodec:
         norm: str,
         seed: int,
         w: torch.Tensor | None = None,
+        first: int = 0,
     ) -> torch.Tensor:
+        """``first``: the index of ``flat``'s first coordinate in the random stream (see the module)."""
         check_encode_args(flat, bits, bucket_size, norm, seed)
         return self._module.encode(
             flat.contiguous(),
@@ -47,6 +52,7 @@ class CpuCodec:
             norm == "linf",
             int(seed),
             _scale(w, flat.numel(), "encode"),
+            _first(first, "encode"),
         )
 
     def encode_parts(
@@ -62,10 +68,11 @@ class CpuCodec:
         norm: str,
         seed: int,
         scales: Sequence[torch.Tensor] | None = None,
+        first: int = 0,
     ) -> torch.Tensor:
         """The payload that :meth:`encode` gives for the stream of ``length`` coordinates holding the
         float32 ``parts`` at ``starts`` (increasing) and zeros elsewhere, read in place (``scales``:
-        one per part, the stream holds ``part * scale``)."""
+        one per part, the stream holds ``part * scale``; ``first``: as :meth:`encode`'s)."""
         check_encode_args(torch.empty(0), bits, bucket_size, norm, seed)
         if scales is not None and len(scales) != len(parts):
             raise ValueError(f"codec 'cpu' encode_parts: {len(scales)} scales for {len(parts)} parts")
@@ -80,6 +87,7 @@ class CpuCodec:
             norm == "linf",
             int(seed),
             None if scales is None else [_scale(w, p.numel(), "encode_parts") for w, p in zip(scales, parts)],
+            _first(first, "encode_parts"),
         )
 
     def encode_feedback(
@@ -168,6 +176,13 @@ def _scale(w: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
             f"(one per coordinate), got {w.dtype} on {w.device} with {w.numel()}"
         )
     return w.reshape(-1).contiguous()
+
+
+def _first(first: int, what: str) -> int:
+    """A range's first index in the random stream, checked: ValueError naming ``what`` otherwise."""
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0 or first % 8:
+        raise ValueError(f"codec 'cpu' {what}: first must be a non-negative multiple of 8, got {first!r}")
+    return first
 
 
 _CODEC: CpuCodec | None = None

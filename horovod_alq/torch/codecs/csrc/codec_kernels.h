@@ -426,14 +426,18 @@ struct NoAfter {
   void operator()(int64_t, int64_t, const scalar_t*, float) const {}
 };
 
-// The codes of the n values of `src` into out, the bucket norms into norms. With d a multiple of 8
+// The codes of the n values of `src` into out, the bucket norms into norms; coordinate i draws the
+// uniform of index first + i (first: a multiple of 8, 0 for a whole payload), so a range of a
+// vector that starts on a bucket boundary encodes to the codes the whole vector's encode gives it
+// (the pipelined round's chunks: docs/design/design.md). With d a multiple of 8
 // the work goes bucket by bucket: each bucket's norm right before its codes (its values come from
 // memory once, the second read hits the cache), and the next bucket prefetched meanwhile. Otherwise
 // (Contiguous sources only) the norms come first, in a pass of their own (groups of 8 may straddle
 // buckets).
 template <int BITS, typename scalar_t, typename Source, typename After = NoAfter>
 void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
-                  int64_t num_levels, uint64_t seed, uint8_t* out, const After& after = After{}) {
+                  int64_t num_levels, uint64_t seed, uint8_t* out, int64_t first = 0,
+                  const After& after = After{}) {
   const int64_t groups = (n + 7) / 8;
   const int64_t total_bytes = (n * BITS + 7) / 8;
   const Key key(seed);
@@ -485,15 +489,15 @@ void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* nor
           std::memset(chunk_out, 0, kChunk / 8 * BITS);
         } else if constexpr (BITS <= 4) {
 #ifdef HOROVOD_ALQ_AVX2
-          encode_chunk_avx2<BITS>(xc, i0, inv, padded_levels, padded_widths, num_levels, key, chunk_out);
+          encode_chunk_avx2<BITS>(xc, first + i0, inv, padded_levels, padded_widths, num_levels, key, chunk_out);
 #else
-          encode_chunk<BITS>(xc, i0, inv, padded_levels, padded_widths, key, chunk_out);
+          encode_chunk<BITS>(xc, first + i0, inv, padded_levels, padded_widths, key, chunk_out);
 #endif
         } else {
 #ifdef HOROVOD_ALQ_AVX2
-          encode_chunk_wide_avx2<BITS>(xc, i0, inv, search.data(), levels, w, key, chunk_out);
+          encode_chunk_wide_avx2<BITS>(xc, first + i0, inv, search.data(), levels, w, key, chunk_out);
 #else
-          encode_chunk_wide<BITS>(xc, i0, inv, search.data(), levels, w, key, chunk_out);
+          encode_chunk_wide<BITS>(xc, first + i0, inv, search.data(), levels, w, key, chunk_out);
 #endif
         }
         g += kChunk / 8;
@@ -509,7 +513,7 @@ void encode_codes(const Source& src, int64_t n, int64_t d, bool linf, float* nor
         }
         if (live) {
           const float r = clamp_unit(static_cast<float>(x0[i - base]) * pre * inv);
-          word |= stochastic_code(r, uniform_at(key, i), levels, w, num_levels) << ((i - i0) * BITS);
+          word |= stochastic_code(r, uniform_at(key, first + i), levels, w, num_levels) << ((i - i0) * BITS);
         }
       }
       const int64_t offset = g * BITS;
@@ -656,10 +660,10 @@ void dispatch_bits(int64_t bits, F&& f) {
 // The whole encode of one payload's norms and codes (the entry point of this variant).
 template <typename scalar_t>
 void encode_payload(const scalar_t* x, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
-                    int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes) {
+                    int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes, int64_t first = 0) {
   dispatch_bits(bits, [&](auto b) {
     encode_codes<decltype(b)::value, scalar_t>(Contiguous<scalar_t>{x}, n, d, linf, norms, levels, num_levels,
-                                               seed, codes);
+                                               seed, codes, first);
   });
 }
 
@@ -667,17 +671,18 @@ void encode_payload(const scalar_t* x, int64_t n, int64_t d, bool linf, float* n
 // cache. Buckets of a size that is not a multiple of 8 take the product whole first.
 template <typename scalar_t>
 void encode_scaled_payload(const scalar_t* x, const float* w, int64_t n, int64_t d, bool linf, float* norms,
-                           const float* levels, int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes) {
+                           const float* levels, int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes,
+                           int64_t first = 0) {
   using out_t = typename Scaled<scalar_t>::out_t;
   const Scaled<scalar_t> src{x, w};
   if (d % 8 != 0) {
     std::vector<out_t> product(static_cast<size_t>(n));
     src.at(0, n, product.data());
-    encode_payload<out_t>(product.data(), n, d, linf, norms, levels, num_levels, bits, seed, codes);
+    encode_payload<out_t>(product.data(), n, d, linf, norms, levels, num_levels, bits, seed, codes, first);
     return;
   }
   dispatch_bits(bits, [&](auto b) {
-    encode_codes<decltype(b)::value, out_t>(src, n, d, linf, norms, levels, num_levels, seed, codes);
+    encode_codes<decltype(b)::value, out_t>(src, n, d, linf, norms, levels, num_levels, seed, codes, first);
   });
 }
 
@@ -685,10 +690,10 @@ void encode_scaled_payload(const scalar_t* x, const float* w, int64_t n, int64_t
 inline void encode_parts_payload(const float* const* data, const int64_t* starts, const int64_t* sizes,
                                  int64_t count, int64_t n, int64_t d, bool linf, float* norms, const float* levels,
                                  int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes,
-                                 const float* const* scales = nullptr) {
+                                 const float* const* scales = nullptr, int64_t first = 0) {
   const Parts<float> parts{data, starts, sizes, count, scales};
   dispatch_bits(bits, [&](auto b) {
-    encode_codes<decltype(b)::value, float>(parts, n, d, linf, norms, levels, num_levels, seed, codes);
+    encode_codes<decltype(b)::value, float>(parts, n, d, linf, norms, levels, num_levels, seed, codes, first);
   });
 }
 
@@ -756,7 +761,7 @@ void encode_feedback_payload(const float* x, err_t* err, int64_t n, int64_t d, b
                              float scale, const float* w = nullptr) {
   dispatch_bits(bits, [&](auto b) {
     constexpr int B = decltype(b)::value;
-    encode_codes<B, float>(WithError<err_t>{x, err, w}, n, d, linf, norms, levels, num_levels, seed, codes,
+    encode_codes<B, float>(WithError<err_t>{x, err, w}, n, d, linf, norms, levels, num_levels, seed, codes, 0,
                            NewError<B, err_t>{err, codes, levels, num_levels, (n * B + 7) / 8, scale});
   });
 }

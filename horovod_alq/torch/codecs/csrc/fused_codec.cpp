@@ -91,20 +91,23 @@ const float* scale_data(const c10::optional<torch::Tensor>& w, int64_t n, const 
   return w->data_ptr<float>();
 }
 
-void check_encode(int64_t bits, int64_t bucket_size) {
+void check_encode(int64_t bits, int64_t bucket_size, int64_t first = 0) {
   TORCH_CHECK(bits >= 2 && bits <= 8, "encode: bits must be 2..8");
   TORCH_CHECK(bucket_size > 0, "encode: bucket_size must be positive");
+  TORCH_CHECK(first >= 0 && first % 8 == 0, "encode: first must be a non-negative multiple of 8, got ", first);
 }
 
 }  // namespace
 
 // x: contiguous 1-D float tensor on the CPU. Returns the whole payload (header, norms, codes).
+// first: the index of x's first coordinate in the random stream (a multiple of 8; see encode_codes):
+// x = v[first:first + n] with first on a bucket boundary of v gives v's payload's norms and codes of it.
 // With w (float32, as long as x: preconditioned quantization), the payload of x * w (float32 product;
 // float64 for float64 x), formed bucket by bucket in cache: the same bytes as encode(x * w).
 torch::Tensor encode(torch::Tensor x, torch::Tensor levels, torch::Tensor header, int64_t bits,
-                     int64_t bucket_size, bool linf, int64_t seed, c10::optional<torch::Tensor> w) {
+                     int64_t bucket_size, bool linf, int64_t seed, c10::optional<torch::Tensor> w, int64_t first) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "encode: x must be a contiguous 1-D CPU tensor");
-  check_encode(bits, bucket_size);
+  check_encode(bits, bucket_size, first);
   auto lf = level_table(levels, bits);
   const int64_t n = x.numel();
   const float* pw = scale_data(w, n, "encode");
@@ -115,11 +118,12 @@ torch::Tensor encode(torch::Tensor x, torch::Tensor levels, torch::Tensor header
     if (pw != nullptr) {
       auto run = use_avx2 ? avx2::encode_scaled_payload<scalar_t> : generic::encode_scaled_payload<scalar_t>;
       run(px, pw, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed),
-          codes);
+          codes, first);
       return;
     }
     auto run = use_avx2 ? avx2::encode_payload<scalar_t> : generic::encode_payload<scalar_t>;
-    run(px, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed), codes);
+    run(px, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed), codes,
+        first);
   });
   return out;
 }
@@ -127,10 +131,12 @@ torch::Tensor encode(torch::Tensor x, torch::Tensor levels, torch::Tensor header
 // The payload of the stream of n coordinates that holds the float32 `parts` at `starts` (increasing,
 // not overlapping) and zeros elsewhere, read in place: the same bytes as encode() of that stream.
 // With scales (one float32 tensor per part, as long as it), of the stream holding parts[k] * scales[k].
+// first: as encode's.
 torch::Tensor encode_parts(std::vector<torch::Tensor> parts, std::vector<int64_t> starts, int64_t n,
                            torch::Tensor levels, torch::Tensor header, int64_t bits, int64_t bucket_size,
-                           bool linf, int64_t seed, c10::optional<std::vector<torch::Tensor>> scales) {
-  check_encode(bits, bucket_size);
+                           bool linf, int64_t seed, c10::optional<std::vector<torch::Tensor>> scales,
+                           int64_t first) {
+  check_encode(bits, bucket_size, first);
   TORCH_CHECK(bucket_size % 8 == 0, "encode_parts: bucket_size must be a multiple of 8");
   TORCH_CHECK(parts.size() == starts.size(), "encode_parts: one start per part");
   std::vector<const float*> data;
@@ -155,7 +161,7 @@ torch::Tensor encode_parts(std::vector<torch::Tensor> parts, std::vector<int64_t
   (use_avx2 ? avx2::encode_parts_payload : generic::encode_parts_payload)(
       data.data(), starts.data(), sizes.data(), static_cast<int64_t>(data.size()), n, bucket_size, linf, norms,
       lf.data_ptr<float>(), lf.numel(), bits, static_cast<uint64_t>(seed), codes,
-      scales.has_value() ? ws.data() : nullptr);
+      scales.has_value() ? ws.data() : nullptr, first);
   return out;
 }
 
@@ -473,10 +479,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = py::call_guard<py::gil_scoped_release>;
   m.def("encode", &encode, "Encode a 1-D float CPU tensor (times w, if given) into a horovod-alq payload",
         py::arg("x"), py::arg("levels"), py::arg("header"), py::arg("bits"), py::arg("bucket_size"), py::arg("linf"),
-        py::arg("seed"), py::arg("w") = py::none(), nogil());
+        py::arg("seed"), py::arg("w") = py::none(), py::arg("first") = 0, nogil());
   m.def("encode_parts", &encode_parts, "Encode the stream that holds float32 tensors at given starts, in place",
         py::arg("parts"), py::arg("starts"), py::arg("n"), py::arg("levels"), py::arg("header"), py::arg("bits"),
-        py::arg("bucket_size"), py::arg("linf"), py::arg("seed"), py::arg("scales") = py::none(), nogil());
+        py::arg("bucket_size"), py::arg("linf"), py::arg("seed"), py::arg("scales") = py::none(),
+        py::arg("first") = 0, nogil());
   m.def("encode_feedback", &encode_feedback, "Encode x (times w, if given) + err and keep in err what the payload drops",
         py::arg("x"), py::arg("err"), py::arg("levels"), py::arg("header"), py::arg("bits"), py::arg("bucket_size"),
         py::arg("linf"), py::arg("seed"), py::arg("scale"), py::arg("w") = py::none(), nogil());
