@@ -3,8 +3,8 @@ ranks under torchrun (scripts/study/exit_workers.py), each front-end's mismatch 
 every rank's own exit status recorded by the shim of scripts/study/exit_stress.py. The DiLoCo ranks
 differ in sync_every (the report), the DDP hook and FSDP2's comm in bits, the hierarchical exchange
 in node layout (its companion groups); a rank that stops calling makes the other raise
-CollectiveTimeout with a collective left in flight. The same paths under load, 20 runs each:
-``python -m scripts.study.exit_stress`` (docs/results/exit_stress.md)."""
+CollectiveTimeout with a collective left in flight. The same paths under load, 20 runs each, are in
+docs/results/exit_stress.md (a campaign whose CLI is retired)."""
 
 from __future__ import annotations
 
