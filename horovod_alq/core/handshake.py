@@ -12,7 +12,8 @@ import numpy as np
 from .entropy import WIRES
 from .protocol import EXCHANGE_NAMES, PREFIX, ProtocolError
 
-#: Settings every rank must share, in the order the handshake checks them.
+#: Settings every rank must share, in the order the handshake checks them (a fused round's also
+#: ``pipeline``: coordinates per chunk of its pipelined buffers, 0 where its codec cannot cut them).
 #: ``budget``: ``bit_budget`` in thousandths of a bit with ``bits="auto"`` (``bits`` is then 0), else 0.
 #: ``local_size``: ranks per node (nodes are runs of consecutive ranks; the hierarchical exchange's groups).
 #: ``precondition``: a digest of the round's preconditioning scales (:mod:`.precondition`; 0: off).
@@ -45,6 +46,7 @@ HANDSHAKE_FIELDS = (
     "order",
     "early",
     "early_ok",
+    "pipeline",
 )
 #: The handshake of a streamed round (the DDP hook, mpi4py): before its tensors are known, so instead
 #: of their layout the threshold that decides which of them are quantized (the framework guarantees
@@ -132,6 +134,13 @@ def read_handshake(
         raise ProtocolError(
             f"{PREFIX}: the ranks differ in {detail}. Every rank must build the compressor "
             f"with the same arguments and load the same state"
+        )
+    if "pipeline" in hi and hi["pipeline"] != lo["pipeline"]:
+        raise ProtocolError(
+            f"{PREFIX}: the ranks cut large buffers into different chunks (pipeline_bytes / 4: "
+            f"{lo['pipeline']} on some ranks, {hi['pipeline']} on others; 0 also where the codec cannot "
+            f"encode ranges, e.g. a rank without the compiled CPU codec): every rank must use the same "
+            f"pipeline_bytes ($HOROVOD_ALQ_PIPELINE_BYTES) and codec"
         )
     if "min_size" in hi and hi["min_size"] != lo["min_size"]:
         raise ProtocolError(

@@ -16,9 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.quantizer import Quantizer
+from . import pipeline
 from .descriptor import Exchange
 from .interfaces import Tensor
-from .job import Allgather, Job, Piece, Steps
+from .job import Allgather, Deferred, Job, Piece, Steps
 from .payloads import check_payloads, check_segments
 from .plan import BufferPlan, allgather_bytes, sizes
 
@@ -42,11 +43,47 @@ def steps(job: Job, i: int) -> Steps:
     t = job.transport
     lo, hi = job.layout.buffers[i]
     p = plan(lo, hi, t.size, t.rank, job.first, segments=job.segments)
+    k = pipeline.chunks(job, p.parts)
+    if k > 1:
+        return (yield from chunked_steps(job, i, k))
     payload, runs = job.encode_runs(lo, hi, lambda k: job.seed(i) if k == 0 else job.seed(i, k, 3))
     gathered = yield Allgather(payload, list(p.first) * t.size, f"ag{i}")
     expected = [(b - a, q) for a, b, q, _ in runs]
     offsets = check_segments(job.ops, gathered, [expected] * t.size, f"buffer {i}")
     return [Piece(a, b, gathered, tuple(o[k] for o in offsets), job.frozen(q)) for k, (a, b, q, _) in enumerate(runs)]
+
+
+def chunked_steps(job: Job, i: int, k: int) -> Steps:
+    """Buffer ``i`` of the allgather exchange in ``k`` chunks: chunk ``c``'s payload
+    is gathered while chunk ``c + 1`` is encoded and chunk ``c - 1`` decoded."""
+    t, ops, q = job.transport, job.ops, job.first
+    lo, hi = job.layout.buffers[i]
+    runs = pipeline.cuts(lo, hi, k, q.bucket_size)
+    seed = job.seed(i)
+    waits, pieces, failure = [], [], None
+
+    def receive(c: int) -> None:
+        nonlocal failure
+        a, b = runs[c]
+        gathered = waits[c]()
+        if failure is not None:
+            return
+        try:
+            offsets = check_payloads(ops, gathered, [b - a] * t.size, q, f"chunk {c} of buffer {i}")
+        except Exception as exc:  # noqa: BLE001 - raised after the last chunk's collective
+            failure = exc
+            return
+        pieces.append(pipeline.summed(job, a, b, gathered, offsets))
+
+    for c, (a, b) in enumerate(runs):
+        payload = job.encode_range(a, b, q, seed, first=a - lo)
+        waits.append((yield Deferred(Allgather(payload, [q.payload_bytes(b - a)] * t.size, f"ag{i}-{c}"))))
+        if c > 0:
+            receive(c - 1)
+    receive(len(runs) - 1)
+    if failure is not None:
+        raise failure
+    return pieces
 
 
 def empty_first(ops, size: int) -> Allgather:

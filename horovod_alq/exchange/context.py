@@ -37,6 +37,7 @@ class RoundContext:
     rank: int
     fusion_bytes: int
     wire: str
+    pipeline: int = 0  # coordinates per chunk of a pipelined buffer (:mod:`.pipeline`); 0: off
 
     # ---------------------------------------------------------------- names
     @property

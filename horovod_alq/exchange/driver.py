@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from .job import Decoded, Job, Piece, Steps, Tensor
+from .job import Decoded, Deferred, Job, Piece, Steps, Tensor
 
 
 @dataclass
@@ -27,6 +27,8 @@ def run(job: Job, steps: Callable[[Job, int], Steps], started: dict[int, Started
     issued, then each buffer waits for its first and issues its second, and so on, so every rank
     issues the same collectives in the same order and none waits before it has issued all of a stage.
     Exchanges raise only after their last collective, so an error leaves no collective unissued.
+    A pipelined buffer (:mod:`.pipeline`) starts its chunks' collectives itself (:class:`.job.Deferred`)
+    and waits for them in its own order, the same on every rank, each one after every rank started it.
     ``started``: buffers whose first collective is already under way (their pieces are shifted
     into the round's stream; their bytes are counted in ``job``)."""
     started = dict(started or {})
@@ -42,6 +44,8 @@ def run(job: Job, steps: Callable[[Job, int], Steps], started: dict[int, Started
             b = buffers[k]
             try:
                 request = b.steps.send(None if b.wait is None else b.wait())
+                while isinstance(request, Deferred):  # a pipelined buffer's chunk: started, not waited for
+                    request = b.steps.send(b.job.issue(request.request))
             except StopIteration as stop:
                 pieces += [dataclasses.replace(p, lo=p.lo + b.offset, hi=p.hi + b.offset) for p in stop.value]
                 continue

@@ -48,27 +48,48 @@ from .interfaces import TensorOps, Transport
 from .refit import RefitError, Refitter
 from .stream import StreamedRound
 
-__all__ = ["DEFAULT_FUSION_BYTES", "Engine", "Entry", "RefitError", "resolve_fusion_bytes"]
+__all__ = [
+    "DEFAULT_FUSION_BYTES",
+    "DEFAULT_PIPELINE_BYTES",
+    "Engine",
+    "Entry",
+    "RefitError",
+    "resolve_fusion_bytes",
+    "resolve_pipeline_bytes",
+]
 
 #: Fusion buffers hold this many bytes of float32 gradient by default (``fusion_bytes=``,
 #: ``HOROVOD_ALQ_FUSION_BYTES``; 0: one buffer per tensor).
 DEFAULT_FUSION_BYTES = 64 << 20
 
 
+#: A fusion buffer of more than this many bytes of float32 gradient is exchanged in chunks of about
+#: this size, pipelined (:mod:`.pipeline`; ``pipeline_bytes=``, ``HOROVOD_ALQ_PIPELINE_BYTES``; 0: off).
+DEFAULT_PIPELINE_BYTES = 4 << 20
+
+
+def resolve_pipeline_bytes(value: int | None) -> int:
+    """``pipeline_bytes`` as given, else ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 4 MiB; ValueError if bad."""
+    return _resolve_bytes(value, "pipeline_bytes", "HOROVOD_ALQ_PIPELINE_BYTES", DEFAULT_PIPELINE_BYTES, "pipelining")
+
+
 def resolve_fusion_bytes(value: int | None) -> int:
     """``fusion_bytes`` as given, else ``$HOROVOD_ALQ_FUSION_BYTES``, else 64 MiB; ValueError if bad."""
-    source = "fusion_bytes"
+    return _resolve_bytes(value, "fusion_bytes", "HOROVOD_ALQ_FUSION_BYTES", DEFAULT_FUSION_BYTES, "fusion")
+
+
+def _resolve_bytes(value: int | None, source: str, variable: str, default: int, what: str) -> int:
     if value is None:
-        env = os.environ.get("HOROVOD_ALQ_FUSION_BYTES")
+        env = os.environ.get(variable)
         if env is None:
-            return DEFAULT_FUSION_BYTES
-        source = "HOROVOD_ALQ_FUSION_BYTES"
+            return default
+        source = variable
         try:
             value = int(env)
         except ValueError:
             raise ValueError(f"{source} must be a non-negative integer (bytes), got {env!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{source} must be a non-negative integer (bytes; 0 turns fusion off), got {value!r}")
+        raise ValueError(f"{source} must be a non-negative integer (bytes; 0 turns {what} off), got {value!r}")
     return int(value)
 
 
@@ -98,6 +119,10 @@ class Engine:
         tensor does not fit in it), instead of at the round's first :meth:`finish`: its payloads
         travel while the framework still computes the next gradients. For transports that pair
         collectives by name (Horovod).
+    pipeline_bytes : int, optional
+        A fused round's buffer of more than this many bytes of float32 travels in chunks of about
+        this size, each encoded and decoded while another travels (:mod:`.pipeline`; the same
+        results); None: ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 4 MiB; 0: off.
     """
 
     def __init__(
@@ -111,11 +136,13 @@ class Engine:
         uid: str | None = "0",
         early: bool = False,
         wire: str = "fixed",
+        pipeline_bytes: int | None = None,
     ) -> None:
         self.quantizer = quantizer
         self.state = state
         self.exchange = registry.check_exchange(exchange)
         self.fusion_bytes = resolve_fusion_bytes(fusion_bytes)
+        self.pipeline_bytes = resolve_pipeline_bytes(pipeline_bytes)
         self.seed = int(seed)
         self.uid = uid
         self.early = early
@@ -140,6 +167,7 @@ class Engine:
             transport.rank,
             self.fusion_bytes,
             self.wire,
+            self.pipeline_bytes // 4,
         )
 
     def _on_wire(self, transport: Transport, ops: TensorOps | None) -> Transport:

@@ -20,7 +20,7 @@ from . import carrier, recovery
 from .context import RoundContext
 from .driver import Started, run
 from .interfaces import TensorOps, Transport
-from .job import Decoded, Job, issue
+from .job import Decoded, Deferred, Job, issue
 from .layout import Layout, plan_layout
 from .refit import Refitter
 
@@ -44,6 +44,12 @@ class Entry:
         """The framework dropped this exchange without decompressing it (it raised before)."""
         if not self.done:
             self.abandoned = True
+
+
+def _chunk(ctx: RoundContext, ops: TensorOps) -> int:
+    """Coordinates per chunk of the round's pipelined buffers (:mod:`.pipeline`): the engine's, where
+    the ops encode ranges; 0 otherwise. A handshake field: every rank must cut its buffers alike."""
+    return ctx.pipeline if getattr(ops, "encodes_ranges", False) else 0
 
 
 def _scales(entries: list[Entry]) -> list | None:
@@ -244,6 +250,7 @@ class FusedRound:
             order=stable_hash(order),
             early=len(self.early),
             early_ok=int(len(live) == len(self.entries)),
+            pipeline=_chunk(ctx, ops),
         )
         vec, name, index = handshake_vector(**fields), ctx.name()("handshake"), len(self.early)
         if carrying:
@@ -274,8 +281,9 @@ class FusedRound:
 
         # every rank carried the same buffer of the same (ordered) layout: its first collective is done
         use = got is not None and got.index >= 0 and ordered and (index == 0 or early)
-        if use:
-            job, started = carried[0], {index: Started(carried[0], carried[1], lambda: got.result, 0)}
+        if use:  # (a pipelined buffer's first chunk was started, not waited for: its steps take a wait)
+            wait = (lambda: lambda: got.result) if carried[3] else (lambda: got.result)
+            job, started = carried[0], {index: Started(carried[0], carried[1], wait, 0)}
         else:
             if carried is not None:
                 carried[1].close()
@@ -327,6 +335,7 @@ class FusedRound:
             stream_buffer=lambda n: self.kept.get(self, "stream", n, ops),
             widths=widths if ordered else None,
             scales=_scales(live),
+            chunk=_chunk(ctx, ops),
             **self._feedback(ctx, live, layout),
         )
 
@@ -343,11 +352,13 @@ class FusedRound:
         job = self._job(layout, True, *jobs)
         steps = jobs[0].exchange.steps(job, k)
         request = next(steps)
+        deferred = isinstance(request, Deferred)  # a pipelined buffer's first chunk (:mod:`.pipeline`)
+        request = request.request if deferred else request
         if not carrier.small(request, transport.size):
             steps.close()
             return None
         job.count(request)
-        return job, steps, request
+        return job, steps, request, deferred
 
     def _settle_early(self, ctx: RoundContext, reduced: np.ndarray, ops: TensorOps, transport: Transport) -> bool:
         """After the handshake, before any of its checks: complete with empty contributions the

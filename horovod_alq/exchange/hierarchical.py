@@ -33,9 +33,10 @@ import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
+from . import pipeline
 from .descriptor import Exchange
 from .interfaces import Tensor
-from .job import Alltoall, Job, Piece, Steps, joined
+from .job import Alltoall, Deferred, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
 from .plan import BufferPlan, alltoall_bytes, sizes, total
 from .topology import local_size
@@ -82,6 +83,9 @@ def steps(job: Job, i: int) -> Steps:
     g = local_size(t)
     local, nodes = me % g, n // g
     p = plan(*job.layout.buffers[i], n, me, job.first, segments=job.segments, g=g)
+    k = pipeline.chunks(job, p.parts)
+    if k > 1:
+        return (yield from chunked_steps(job, i, p, k))
     parts = p.parts
     a, b = parts[local]
     acc = yield from node_sum(job, i, parts, g)
@@ -190,6 +194,100 @@ def forward_in_node(
             f"buffer {i} (see their errors); refusing to decode on every rank"
         )
     return gathered
+
+
+def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
+    """Buffer ``i`` of the hierarchical exchange (its plan ``p``) in ``k`` chunks, each through the
+    exchange's three collectives (:mod:`.hierarchical`): every chunk's node sum is sent first
+    (float32, no work to overlap), then chunk ``c``'s quantized node sum crosses the nodes while
+    chunk ``c - 1``'s codes are forwarded in the node and chunk ``c - 2``'s decoded."""
+    ops, t, q = job.ops, job.transport, job.first
+    n, me = t.size, t.rank
+    g = local_size(t)
+    local, nodes = me % g, n // g
+    lo, hi = job.layout.buffers[i]
+    parts = p.parts
+    a, b = parts[local]
+    runs = [pipeline.cuts(pa, pb, k, q.bucket_size) for pa, pb in parts]  # runs[j][c]: chunk c of shard j
+    mine = runs[local]
+    seed = job.seed(i, 4, 0)
+    x = job.stream[lo:hi]
+    acc = ops.zeros(b - a)  # the node's sum of this rank's shard, chunk by chunk
+    first_wait, second_wait, third_wait = [], [None] * k, [None] * k
+    failures: list = [None] * k  # a chunk's invalid payloads from the nodes (its owner poisons them on)
+    pieces, raised = [], None
+
+    for c in range(k):  # 1. every chunk's node sum: float32, nothing to overlap with
+        chunk = [r[c] for r in runs]
+        floats = [4 * (cb - ca) for ca, cb in chunk]
+        peers = node_ranks(me, g)
+        send = splits(n, {r: floats[r % g] for r in peers})
+        got = splits(n, {r: floats[local] for r in peers})
+        payload = ops.cat([ops.as_bytes(x[ca - lo : cb - lo]) for ca, cb in chunk])
+        first_wait.append((yield Deferred(Alltoall(payload, send, got, f"h1-{i}-{c}"))))
+
+    def cross(c: int):
+        """2. chunk ``c`` of this rank's node sum, quantized, to its shard's owners on every node."""
+        ca, cb = mine[c]
+        shard = ops.from_bytes(first_wait[c]())
+        view = acc[ca - a : cb - a]
+        for m in range(g):
+            view += shard[m * (cb - ca) : (m + 1) * (cb - ca)]
+        payload = job.encode(view, q, seed, first=ca - a)
+        job.encoded += int(payload.shape[0])
+        to = splits(n, {r: q.payload_bytes(cb - ca) for r in cross_ranks(me, n, g)})
+        return Alltoall(ops.cat([payload] * nodes), to, to, f"h2-{i}-{c}")
+
+    def forward(c: int):
+        """3. every node's codes of chunk ``c`` of this rank's shard to the node's ranks."""
+        ca, cb = mine[c]
+        held = second_wait[c]()
+        try:
+            check_segments(
+                ops, held, [[(cb - ca, q)]] * nodes, f"chunk {c} of shard {local} of buffer {i} from the nodes"
+            )
+        except Exception as exc:  # noqa: BLE001 - poisons what this rank forwards
+            failures[c] = exc
+        block = [nodes * q.payload_bytes(r[c][1] - r[c][0]) for r in runs]
+        sent = held if failures[c] is None else poisoned(ops, held)
+        return Alltoall(ops.cat([sent] * g), *forward_splits(n, me, block), f"h3-{i}-{c}")
+
+    def decode(c: int) -> None:
+        """Chunk ``c`` of every shard from the node: checked, decoded and summed in node order."""
+        nonlocal raised
+        gathered = third_wait[c]()
+        if raised is not None:
+            return
+        block = [nodes * q.payload_bytes(r[c][1] - r[c][0]) for r in runs]
+        bad = [node_ranks(me, g)[j] for j in poisoned_blocks(ops.to_numpy(gathered), block)]
+        try:
+            if bad:
+                if failures[c] is not None:
+                    raise failures[c]
+                raise ProtocolError(
+                    f"{PREFIX}: rank(s) {bad} received invalid payloads from the other nodes for their "
+                    f"shards of buffer {i} (see their errors); refusing to decode on every rank"
+                )
+            expected = [[(r[c][1] - r[c][0], q)] for r in runs for _ in range(nodes)]
+            offsets = check_segments(ops, gathered, expected, f"chunk {c} of buffer {i} from the node")
+        except Exception as exc:  # noqa: BLE001 - raised after the last chunk's collective
+            raised = exc
+            return
+        for j, r in enumerate(runs):
+            pieces.append(pipeline.summed(job, *r[c], gathered, [offsets[j * nodes + m][0] for m in range(nodes)]))
+
+    for c in range(k + 2):  # stage 2 of chunk c, stage 3 of c - 1, decode of c - 2
+        if c < k:
+            second_wait[c] = yield Deferred(cross(c))
+        if 0 <= c - 1 < k:
+            third_wait[c - 1] = yield Deferred(forward(c - 1))
+        if 0 <= c - 2 < k:
+            decode(c - 2)
+    if job.collect_first and b > a:
+        job.add_first_statistics(ops.statistics(acc, q))
+    if raised is not None:
+        raise raised
+    return pieces
 
 
 def empty_first(ops, size: int) -> Alltoall:

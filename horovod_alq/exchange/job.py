@@ -22,13 +22,16 @@ from .plan import allgather_bytes, alltoall_bytes
 class Piece:
     """Stream coordinates ``[lo, hi)`` as the sum of decoded payloads of ``hi - lo`` coordinates
     each, back to back in ``payloads`` (validated) from ``offsets``, encoded with ``quantizer``'s
-    levels (a snapshot, :meth:`Job.frozen`: a refit round replaces the levels before it is read)."""
+    levels (a snapshot, :meth:`Job.frozen`: a refit round replaces the levels before it is read).
+    ``summed``: ``payloads`` is that sum already, float32 (the pipelined round decodes a chunk while
+    the next one travels, :mod:`.pipeline`), and ``offsets`` is empty."""
 
     lo: int
     hi: int
     payloads: Tensor
     offsets: tuple[int, ...]
     quantizer: Quantizer
+    summed: bool = False
 
 
 class Decoded:
@@ -57,7 +60,12 @@ class Decoded:
             if a >= b:
                 continue
             start = a - p.lo
-            if (start * p.quantizer.bits) % 8 == 0:  # the window's codes begin on a byte: decode it alone
+            if p.summed:  # the float32 operations of decode_sum's scale and divide, in its order
+                summed = p.payloads[start : start + b - a]
+                out[a - lo : b - lo] = summed if scale == 1.0 else summed * scale
+                if divide is not None:
+                    out[a - lo : b - lo] /= divide[a - lo : b - lo]
+            elif (start * p.quantizer.bits) % 8 == 0:  # the window's codes begin on a byte: decode it alone
                 self.ops.decode_sum(
                     out[a - lo : b - lo],
                     p.payloads,
@@ -114,6 +122,8 @@ class Job:
     #: precondition=: each part's float32 scale ``w`` (as long as it): the stream holds ``part * w``,
     #: read in place by ops that fuse the multiply into the encode (``fuses_scales``), else built
     scales: Sequence[Tensor] | None = None
+    #: the pipelined round (:mod:`.pipeline`): coordinates per chunk of a buffer; 0: one collective per stage
+    chunk: int = 0
     pending: Pending = field(default_factory=Pending)  # errors made by this job, for commit_feedback()
     _stream: Tensor | None = None
     _frozen: dict = field(default_factory=dict)
@@ -158,10 +168,13 @@ class Job:
             self._stream = self.ops.stream(parts, lay.starts, lay.length, out=out, padding=lay.padding)
         return self._stream
 
-    def encode_range(self, lo: int, hi: int, quantizer: Quantizer, seed: int) -> Tensor:
+    def encode_range(self, lo: int, hi: int, quantizer: Quantizer, seed: int, first: int = 0) -> Tensor:
         """The payload of the stream's ``[lo, hi)`` (``lo`` on a bucket boundary of its buffer): this
-        rank's own codes (counted in ``encoded``); with error feedback, of the range plus its error."""
+        rank's own codes (counted in ``encoded``); with error feedback, of the range plus its error.
+        ``first``: ``lo``'s index in the random stream of the encode it is a chunk of (:mod:`.pipeline`)."""
         if self.feedback is not None:
+            if first:
+                raise AssertionError(f"{PREFIX}: error feedback does not encode chunks")
             payload = self._feedback_encode(self.stream[lo:hi], quantizer, seed, "own", lo, hi)
             self.encoded += int(payload.shape[0])
             return payload
@@ -175,20 +188,23 @@ class Job:
                     if self.scales is not None:
                         scales.append(self.scales[k][a - s : b - s])
             kw = {} if self.scales is None else {"scales": scales}
+            if first:
+                kw["first"] = first
             payload = self.ops.encode_parts(parts, starts, hi - lo, quantizer, seed, **kw)
             if payload is not None:
                 self.encoded += int(payload.shape[0])
                 return payload
-        payload = self.ops.encode(self.stream[lo:hi], quantizer, seed)
+        payload = self.ops.encode(self.stream[lo:hi], quantizer, seed, **({"first": first} if first else {}))
         self.encoded += int(payload.shape[0])
         return payload
 
-    def encode(self, x: Tensor, quantizer: Quantizer, seed: int, key: tuple = ()) -> Tensor:
+    def encode(self, x: Tensor, quantizer: Quantizer, seed: int, key: tuple = (), first: int = 0) -> Tensor:
         """A payload of ``x`` (not of the stream: a sum this rank owns; ``key`` names it for error
-        feedback: a stage and its stream range ``(tag, lo, hi)``); an empty ``x`` gives the bare header."""
+        feedback: a stage and its stream range ``(tag, lo, hi)``); an empty ``x`` gives the bare header.
+        ``first``: as :meth:`encode_range`'s."""
         if self.feedback is not None and key:
             return self._feedback_encode(x, quantizer, seed, key[0], key[-2], key[-1])
-        return self.ops.encode(x, quantizer, seed)
+        return self.ops.encode(x, quantizer, seed, **({"first": first} if first else {}))
 
     def _feedback_encode(self, x: Tensor, quantizer: Quantizer, seed: int, stage: str, lo: int, hi: int) -> Tensor:
         """``x`` (the stream's ``[lo, hi)``, or a sum of it this rank owns in ``stage``) encoded with
@@ -263,6 +279,14 @@ class Alltoall:
     tag: str
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """What a pipelined exchange yields (:mod:`.pipeline`): start ``request`` and send back its wait,
+    not its result, so that the exchange encodes and decodes other chunks while it travels."""
+
+    request: "Allgather | Alltoall"
+
+
 def issue(transport: Transport, request: "Allgather | Alltoall", name: str) -> Callable[[], Tensor]:
     """Start ``request`` on ``transport`` under ``name``; returns its wait."""
     if isinstance(request, Allgather):
@@ -271,7 +295,7 @@ def issue(transport: Transport, request: "Allgather | Alltoall", name: str) -> C
 
 
 #: One buffer's exchange: yields the collectives it needs, receives each one's result (the gathered
-#: bytes in rank order), returns the buffer's pieces.
+#: bytes in rank order; for a :class:`Deferred` one, its wait), returns the buffer's pieces.
 Steps = Generator["Allgather | Alltoall", Tensor, list]
 
 

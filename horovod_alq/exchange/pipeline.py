@@ -1,0 +1,63 @@
+"""The pipelined round: a large buffer's exchange in chunks, each chunk's collectives travelling
+while this rank encodes the next chunk and decodes the previous one.
+
+A buffer (or, in the hierarchical exchange, each of its shards) is cut into ``K`` runs of whole
+buckets (:func:`cuts`); chunk ``k`` is run ``k`` of every shard. Chunk ``k`` is encoded with the
+seed of the whole buffer (shard) and ``first`` = its offset in it: the codec's draws depend only
+on the seed and a coordinate's index (:attr:`horovod_alq.torch.ops.TorchOps.encodes_ranges`), and
+the run starts on a bucket boundary and on a byte of codes, so its norms and codes are those the
+unpipelined encode gives it. Each chunk is decoded into float32 (:class:`.job.Piece` ``summed``),
+every rank's payloads added in rank (node) order as the whole decode adds them: the results are
+bit for bit the unpipelined round's. Only the framing differs: one 32-byte header per chunk and
+payload, ``K`` times the collectives.
+
+When: :func:`chunks` (> 1 for buffers of more than ``job.chunk`` coordinates, ``Engine(pipeline_bytes=)``),
+on ops that encode ranges, on the fixed wire, with one width per buffer and without error
+feedback (their encodes are not cut by coordinate), for the exchanges that call it (:func:`.allgather.chunked_steps`,
+:func:`.hierarchical.chunked_steps`). Every input
+is agreed by the handshake (the chunk size is its field ``pipeline``), so every rank cuts alike
+and issues the same collectives in the same order. Errors: a chunk's check that fails is kept
+and raised only after the buffer's last collective, as the unpipelined exchanges do; an owner
+poisons what it forwards (hierarchical), so every rank raises and none waits.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .job import Job, Piece
+from .two_phase import shards
+
+__all__ = ["chunks", "cuts", "summed"]
+
+
+def chunks(job: Job, parts: Sequence[tuple[int, int]]) -> int:
+    """How many chunks the buffer of ``parts`` (its shards; one for the allgather) travels in: 1
+    unless the job pipelines (``chunk`` > 0), its ops encode ranges, the wire is the fixed one, it
+    has one width and no error feedback, the bucket size is a multiple of 8 and the buffer holds
+    more than one chunk; at most the buckets of its smallest shard."""
+    q = job.first
+    if (
+        job.chunk <= 0
+        or hasattr(job.transport, "inner")  # the entropy wire codes each message itself: not pipelined yet
+        or job.widths is not None
+        or job.feedback is not None
+        or q.bucket_size % 8
+        or not getattr(job.ops, "encodes_ranges", False)
+    ):
+        return 1
+    length = sum(b - a for a, b in parts)
+    fewest = min(-(-(b - a) // q.bucket_size) for a, b in parts)
+    return max(1, min(-(-length // job.chunk), fewest))
+
+
+def cuts(a: int, b: int, k: int, bucket_size: int) -> list[tuple[int, int]]:
+    """``[a, b)`` as ``k`` runs of whole buckets counted from ``a`` (as even as buckets allow)."""
+    return shards(a, b, k, bucket_size)
+
+
+def summed(job: Job, a: int, b: int, gathered, offsets: Sequence[int]) -> Piece:
+    """``[a, b)`` as the float32 sum of the decoded payloads at ``offsets`` of ``gathered``, in their order."""
+    out = job.ops.empty(b - a)
+    job.ops.decode_sum(out, gathered, list(offsets), job.first)
+    return Piece(a, b, out, (), job.frozen(job.first), summed=True)

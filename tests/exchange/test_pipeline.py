@@ -1,0 +1,144 @@
+"""The pipelined round (exchange/pipeline.py), ranks as threads over the compiled CPU codec: a large
+buffer cut into chunks gives bit for bit the unpipelined round's results, with the collectives the
+chunking asks for; ranks cut alike or raise, and bad payloads raise on every rank."""
+
+import pytest
+import torch
+
+from horovod_alq.core.protocol import ProtocolError
+from horovod_alq.exchange import pipeline
+from horovod_alq.settings import Settings, configure
+from horovod_alq.testing import Hub, start_early
+from horovod_alq.torch.ops import TorchOps
+
+pytestmark = pytest.mark.skipif(
+    TorchOps(torch.device("cpu"), "auto").codec.name != "cpu", reason="the compiled CPU codec is unavailable"
+)
+
+SIZES = (3000, 1100, 70, 2090)  # 6260 coordinates: one fusion buffer
+D = 64
+
+
+def _engines(ranks, chunk, exchange, codec_rank=None, **kw):
+    kw.setdefault("update_steps", (0,))
+    kw.setdefault("update_every", 0)
+    engines = []
+    for r in range(ranks):
+        e = configure(Settings("alq", 3, D, seed=1, exchange=exchange, **kw)).engine(uid="t")
+        e.pipeline_bytes = 4 * chunk
+        engines.append(e)
+    return engines
+
+
+def _rounds(ranks, rounds, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[[torch.randn(n, generator=g) for n in SIZES] for _ in range(ranks)] for _ in range(rounds)]
+
+
+def _run(ranks, rounds, chunk, exchange, g=None, early=False, ops=None, **kw):
+    """Every rank's outputs per round, and the round's own collectives (by name) per round."""
+    engines = _engines(ranks, chunk, exchange, **kw)
+    ops = ops or [TorchOps(torch.device("cpu"), "cpu")] * ranks
+    if early:
+        start_early(engines, ops[0])
+    hub = Hub(ranks, timeout=20.0, local_size=g, variable_sizes=True)
+    outs, counts = [], []
+    for step, tensors in enumerate(rounds):
+        before = {n for n in hub._got if n.startswith("horovod_alq.")}
+        outs.append(_round(engines, tensors, ops, f"r{step}", hub))
+        counts.append(len({n for n in hub._got if n.startswith("horovod_alq.")} - before))
+    return outs, counts
+
+
+def _round(engines, tensors, ops, tag, hub):
+    def rank(r, t):
+        entries = [
+            engines[r].add(x, x.numel(), tuple(x.shape), "float32", t, ident=k) for k, x in enumerate(tensors[r])
+        ]
+        reduced = [t.allreduce_sum(v, f"{tag}.control{k}") for k, (_, v) in enumerate(entries)]
+        return [engines[r].finish(e, v, ops[r], t)[0] * 1 for (e, _), v in zip(entries, reduced)]
+
+    return hub.outcomes(rank)
+
+
+def _same(a, b):
+    for ra, rb in zip(a, b):
+        for xa, xb in zip(ra, rb):
+            assert not isinstance(xa, BaseException) and not isinstance(xb, BaseException), (xa, xb)
+            for ta, tb in zip(xa, xb):
+                assert torch.equal(ta, tb)
+
+
+@pytest.mark.parametrize(
+    "exchange, ranks, g, chunk, k",
+    [("allgather", 2, None, 2000, 4), ("allgather", 3, None, 6000, 2), ("hierarchical", 4, 2, 1500, 5)],
+)
+def test_pipelined_rounds_equal_the_unpipelined_ones_bit_for_bit(exchange, ranks, g, chunk, k):
+    rounds = _rounds(ranks, 3)  # round 0 refits (its statistics from the pipelined decode), then new levels
+    plain, n_plain = _run(ranks, rounds, 0, exchange, g)
+    piped, n_piped = _run(ranks, rounds, chunk, exchange, g)
+    _same(plain, piped)
+    stages = 3 if exchange == "hierarchical" else 1
+    # one buffer: its stages once per chunk instead of once (the handshake rides with the first)
+    assert [n + (k - 1) * stages for n in n_plain] == n_piped
+    for out in piped:  # identical on every rank
+        for r in range(1, ranks):
+            for a, b in zip(out[0], out[r]):
+                assert torch.equal(a, b)
+
+
+def test_chunks_cut_whole_buckets_and_small_buffers_stay_whole():
+    assert pipeline.cuts(10, 10 + 5 * D + 3, 3, D) == [
+        (10, 10 + 2 * D),
+        (10 + 2 * D, 10 + 4 * D),
+        (10 + 4 * D, 13 + 5 * D),
+    ]
+    small, n_small = _run(2, _rounds(2, 1), 10_000, "allgather")
+    plain, n_plain = _run(2, _rounds(2, 1), 0, "allgather")
+    _same(plain, small)
+    assert n_small == n_plain
+
+
+def test_early_buffers_and_precondition_free_rounds_pipeline_alike():
+    """Small fusion buffers started early stay whole; the round's big last buffer is pipelined."""
+    rounds = _rounds(2, 2, seed=3)
+    plain, _ = _run(2, rounds, 0, "allgather", early=True, fusion_bytes=4 * 4200)
+    piped, _ = _run(2, rounds, 1000, "allgather", early=True, fusion_bytes=4 * 4200)
+    _same(plain, piped)
+
+
+def test_ranks_that_cut_differently_raise_on_every_rank():
+    """A rank without a codec that encodes ranges (plain torch ops) cuts nothing: every rank raises."""
+    ops = [TorchOps(torch.device("cpu"), "cpu"), TorchOps(torch.device("cpu"), "torch")]
+    outs, _ = _run(2, _rounds(2, 1), 1000, "allgather", ops=ops)
+    for out in outs[0]:
+        assert isinstance(out, ProtocolError) and "chunks" in str(out), out
+
+
+def test_an_invalid_chunk_raises_on_every_rank_after_the_last_collective():
+    """Rank 1's third chunk arrives with another bucket size: every rank raises, none waits."""
+    from horovod_alq.exchange import allgather
+
+    real = allgather.chunked_steps
+
+    def corrupt(job, i, k):
+        steps = real(job, i, k)
+        request, c = next(steps), 0
+        while True:
+            if job.transport.rank == 1 and c == 2:
+                payload = request.request.payload.clone()
+                payload[8] ^= 0x7F  # the header's bucket size
+                request = type(request)(type(request.request)(payload, request.request.sizes, request.request.tag))
+            try:
+                request, c = steps.send((yield request)), c + 1
+            except StopIteration as stop:
+                return stop.value
+
+    allgather.chunked_steps = corrupt
+    try:
+        outs, counts = _run(2, _rounds(2, 1), 1000, "allgather")
+    finally:
+        allgather.chunked_steps = real
+    for r in range(2):
+        assert isinstance(outs[0][r], ProtocolError) and "chunk 2" in str(outs[0][r]), outs[0][r]
+    assert counts == [7]  # the handshake carried with the first of 7 chunks, then 6: none left waiting

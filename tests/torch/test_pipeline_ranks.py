@@ -1,0 +1,39 @@
+"""The pipelined round (exchange/pipeline.py) across real Horovod processes: 2 ranks (allgather) and
+4 ranks as 2 nodes x 2 (hierarchical): the pipelined rounds give bit for bit the unpipelined
+rounds' results on every rank, with the collectives the chunking asks for, and a rank that cuts
+its buffers into other chunks makes every rank raise (none hangs)."""
+
+import pytest
+from multiproc import run_ranks
+
+from horovod_alq.exchange import registry
+from horovod_alq.exchange.layout import plan_layout
+
+SIZES, D = (150_000, 60_000, 7_001, 90_000), 512  # one fusion buffer
+CHUNK = 1 << 18  # bytes: 65536 coordinates
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("np_, local", [(2, None), (4, 2)], ids=["2-ranks-allgather", "2x2-hierarchical"])
+def test_pipelined_rounds_are_the_unpipelined_ones_on_real_ranks(np_, local):
+    env = {"HOROVOD_ALQ_LOCAL_SIZE": str(local)} if local else {}
+    results = run_ranks(
+        "pipelined.py",
+        np=np_,
+        launcher="mpi",
+        args=["--chunk", str(CHUNK), "--sizes", ",".join(map(str, SIZES)), "--bucket", str(D)],
+        env=env,
+        timeout=400,
+    )
+    exchange = "hierarchical" if local else "allgather"
+    length = plan_layout(list(SIZES), D, None).length
+    chunks = -(-length // (CHUNK // 4))
+    assert chunks > 2
+    stages = registry.get(exchange).stages
+    for rank, r in enumerate(results):
+        assert r["plain_exchange"] == r["piped_exchange"] == exchange, rank
+        assert r["piped"] == r["plain"] == results[0]["plain"], rank  # bit for bit, and the same on every rank
+        # one buffer: its stages once per chunk, the handshake carried with the first
+        assert r["plain_collectives"] == stages, rank
+        assert r["piped_collectives"] == stages * chunks, rank
+        assert r["mismatch"] is not None and "different chunks" in r["mismatch"], (rank, r["mismatch"])
