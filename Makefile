@@ -85,7 +85,7 @@ bench: install
 		--out build/bench/bench_step.md
 	$(PY) -m scripts.study.run_accuracy --quick --out-dir build/bench
 	$(PY) -m scripts.study.run_accuracy --model gpt --quick --out-dir build/bench
-	$(PY) -m scripts.study.variance_gpt --quick --out-dir build/bench
+	$(PY) -m scripts.study.variance --model gpt --quick --out-dir build/bench
 	$(PY) -m scripts.bench.network --quick --out-dir build/bench
 	$(PY) -m scripts.bench.train_step --quick --out build/bench/bench_train_step.md
 	$(PY) -m scripts.study.time_to_accuracy --quick --fresh --out-dir build/bench

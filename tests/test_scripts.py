@@ -38,7 +38,6 @@ def mpirun_module(module: str, *args, np: int = 2, timeout: float = 300) -> None
         "bench.codec",
         "bench.train_step",
         "bench.fsdp",
-        "study.variance_gpt",
         "bench.codec_widths",
         "study.scale",
         "study.time_to_accuracy",
@@ -469,8 +468,8 @@ def test_feedback_switches_two_ranks(tmp_path):
 
 
 def test_variance_gpt_quick(tmp_path):
-    mod = load("study.variance_gpt")
-    assert mod.main(["--quick", "--out-dir", str(tmp_path)]) == 0
+    mod = load("study.variance")
+    assert mod.main(["--model", "gpt", "--quick", "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "data" / "variance_gpt.json").read_text())
     assert data["iterations"] == [0, 20]
     assert {mod.layer_type(n) for n in data["parameters"]} == set(mod.TYPES) | {"norm"}

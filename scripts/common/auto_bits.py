@@ -1,4 +1,4 @@
-"""What the variance studies (scripts/study/variance.py, variance_gpt.py) share to measure a step's
+"""What the variance studies (scripts/study/variance.py, both models) share to measure a step's
 exact quantization error per tensor, as the compressors quantize it, and the compressors'
 ``bits="auto"`` (horovod_alq.core.auto_bits.AutoBits) along a sequence of gradients."""
 
