@@ -35,7 +35,7 @@ from .core.quantizer import Quantizer, check_code_entropy
 from .core.rounds import RefitSchedule, RoundState, schedule_from
 from .core.speed import check_compress, resolve_compress
 from .exchange import registry
-from .exchange.engine import Engine, resolve_fusion_bytes
+from .exchange.engine import Engine, resolve_fusion_bytes, resolve_pipeline_bytes
 from .exchange.feedback import ErrorFeedback, check_feedback
 from .exchange.registry import check_exchange
 
@@ -163,6 +163,12 @@ class Settings:
     """A round's gradients are quantized and exchanged in buffers of this many bytes of float32;
     None: ``$HOROVOD_ALQ_FUSION_BYTES``, else 64 MiB; 0: one buffer per tensor."""
 
+    pipeline_bytes: int | None = None
+    """A round's fusion buffer of more than this many bytes of float32 travels in chunks of about
+    this size, each chunk encoded and decoded while another is on the wire (the same results bit
+    for bit; the compiled CPU codec, the allgather and hierarchical exchanges, the fixed wire);
+    None: ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 4 MiB; 0: off. docs/design/design.md, "Pipelined round"."""
+
     overlap: bool = True
     """Start each fusion buffer's exchange as soon as it is complete, during the backward pass, not
     at the round's first ``decompress``. Results are the same either way."""
@@ -235,6 +241,7 @@ class Settings:
         if not isinstance(self.codec, str):
             raise ValueError(f"codec must be a backend's name, got {self.codec!r}")
         resolve_fusion_bytes(self.fusion_bytes)
+        resolve_pipeline_bytes(self.pipeline_bytes)
         set_(self, "overlap", bool(self.overlap))
         check_compress(self.compress)
         resolve_timeout(self.timeout)
@@ -304,6 +311,7 @@ FRONT_ENDS = ("Horovod PyTorch", "Horovod TensorFlow", "DDP hook", "FSDP2", "mpi
 
 _ON_REQUEST = "levels are refit when asked (adapt()); collect_every chooses the calls that record statistics"
 _TERNGRAD_CLIP = "clipping is a NumPy reference feature; the compiled codecs have no clipping kernel"
+_STREAMED = "its rounds are streamed buffer by buffer; only Horovod PyTorch's fused round is pipelined"
 #: For each front-end, the settings it refuses (other than their default) and why.
 NOT_SERVED: dict[str, dict[str, str]] = {
     "Horovod PyTorch": {"clip": _TERNGRAD_CLIP},
@@ -318,10 +326,13 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "entropy-coded wire use the PyTorch front-ends or mpi4py",
         "precondition": "a Keras optimizer's slots are not readable inside the compressor's graph in one "
         "agreed form (and Horovod TF hands the compressor gradients, not variables); use the PyTorch front-ends",
+        "pipeline_bytes": "TensorFlow's graph runs its codec ops, which draw per encode, not per coordinate: "
+        "they cannot encode a buffer's chunks; use the PyTorch front-ends",
     },
     "DDP hook": {
         "overlap": "DDP overlaps by itself: each bucket's exchange starts when its hook runs",
         "clip": _TERNGRAD_CLIP,
+        "pipeline_bytes": _STREAMED,
     },
     "FSDP2": {
         "bits_per": "a reduce-scatter shard has no per-bucket mixed-width codec yet",
@@ -330,6 +341,7 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "fusion_bytes": "FSDP2's own reduce-scatter input is the buffer",
         "overlap": "FSDP2 overlaps by itself: each module's reduce-scatter starts when its backward ends",
         "clip": _TERNGRAD_CLIP,
+        "pipeline_bytes": _STREAMED,
         "precondition": "Adam's second moment is sharded like the parameters: a rank holds v only for its own "
         "shard, while every rank must scale the whole unsharded gradient it reduce-scatters",
     },
@@ -341,10 +353,12 @@ NOT_SERVED: dict[str, dict[str, str]] = {
         "update_steps": _ON_REQUEST,
         "update_every": _ON_REQUEST,
         "precondition": "mpi4py holds no optimizer: pass each call a scale array per array (scales=)",
+        "pipeline_bytes": _STREAMED,
     },
     "DiLoCo": {
         "overlap": "the pseudo-gradient is complete when the outer step starts: there is no backward pass to overlap",
         "clip": _TERNGRAD_CLIP,
+        "pipeline_bytes": _STREAMED,
         "precondition": "the outer step exchanges a pseudo-gradient (the drift of many inner steps) applied by "
         "the outer optimizer (SGD with Nesterov momentum): the inner optimizer's v is not the outer step's scale",
     },
@@ -457,6 +471,7 @@ class Setup:
             exchange=s.exchange if exchange is None else exchange,
             fusion_bytes=s.fusion_bytes if fusion_bytes is None else fusion_bytes,
             wire=s.wire,
+            pipeline_bytes=s.pipeline_bytes,
         )
 
 

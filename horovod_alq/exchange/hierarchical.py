@@ -260,13 +260,14 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
             return
         block = [nodes * q.payload_bytes(r[c][1] - r[c][0]) for r in runs]
         bad = [node_ranks(me, g)[j] for j in poisoned_blocks(ops.to_numpy(gathered), block)]
+        source = "from the other nodes"
         try:
             if bad:
                 if failures[c] is not None:
                     raise failures[c]
                 raise ProtocolError(
-                    f"{PREFIX}: rank(s) {bad} received invalid payloads from the other nodes for their "
-                    f"shards of buffer {i} (see their errors); refusing to decode on every rank"
+                    f"{PREFIX}: rank(s) {bad} received invalid payloads {source} for their shards of "
+                    f"buffer {i} (see their errors); refusing to decode on every rank"
                 )
             expected = [[(r[c][1] - r[c][0], q)] for r in runs for _ in range(nodes)]
             offsets = check_segments(ops, gathered, expected, f"chunk {c} of buffer {i} from the node")
