@@ -74,6 +74,7 @@ from scripts.common.auto_bits import (
     refit_from,
 )
 from scripts.common.cnn import Net, load_digits
+from scripts.common.demo import split_norm
 from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
 
 FIXED = ["qsgdinf", "qsgd", "nuqsgd", "terngrad"]
@@ -91,14 +92,6 @@ COLORS = {
     "nuqsgd": "C3",
     "terngrad": "C5",
 }
-
-
-def split_norm(name: str) -> tuple[str, str | None]:
-    """``"alq-linf"`` -> ``("alq", "linf")``; a fixed method -> ``(name, None)``."""
-    for norm in ("l2", "linf"):
-        if name.endswith(f"-{norm}"):
-            return name[: -len(norm) - 1], norm
-    return name, None
 
 
 def _color(name: str) -> str:
@@ -321,14 +314,8 @@ def report(data: dict, bits_list, buckets, argv) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plt():
-    plt = pages.pyplot()
-
-    return plt
-
-
 def plot_variance(data, bits_list, buckets, path):
-    plt = _plt()
+    plt = pages.pyplot()
     it = data["iterations"]
     fig, axes = plt.subplots(
         len(buckets), len(bits_list), figsize=(4.6 * len(bits_list), 3.6 * len(buckets)), squeeze=False, sharex=True
@@ -366,7 +353,7 @@ def _main_variants():
 
 
 def plot_staleness(data, bits_list, buckets, path):
-    plt = _plt()
+    plt = pages.pyplot()
     it = data["iterations"]
     b = 3 if 3 in bits_list else bits_list[0]
     variants = _main_variants()
@@ -388,7 +375,7 @@ def plot_staleness(data, bits_list, buckets, path):
 
 
 def plot_levels(data, bits_list, buckets, path):
-    plt = _plt()
+    plt = pages.pyplot()
     it = data["iterations"]
     b = 3 if 3 in bits_list else bits_list[0]
     variants = _main_variants()
@@ -649,7 +636,7 @@ def auto_means_table(record: dict, v: dict, after0) -> list[str]:
 
 def plot_auto(record: dict, path: Path) -> None:
     """Total normalized variance against iteration: uniform 3 bits and bits='auto' at each budget."""
-    plt = _plt()
+    plt = pages.pyplot()
     it = record["iterations"]
     labels, buckets = record["labels"], record["buckets"]
     fig, axes = plt.subplots(
@@ -690,7 +677,7 @@ def plot_auto(record: dict, path: Path) -> None:
 
 def plot_auto_bits(record: dict, path: Path) -> None:
     """Width of every quantized tensor against iteration, per method, bucket and budget."""
-    plt = _plt()
+    plt = pages.pyplot()
     it = record["iterations"]
     labels = record["labels"]
     cols = [(d, b) for d in record["buckets"] for b in record["budgets"]]
