@@ -1,7 +1,10 @@
 """The TensorFlow compressors across real ranks (mpirun, and horovodrun --gloo once).
 
-TensorFlow takes seconds to start, so every run of tests/workers/tf_compressor.py checks several
-things; each test here asserts on one run.
+TensorFlow takes seconds to start (about 12 CPU-seconds for 2 ranks), so every run of
+tests/workers/tf_compressor.py checks several things: one 2-rank mpirun launch runs every 2-rank
+scenario in turn and one 3-rank launch the two 3-rank ones (groups of scenarios with options of
+their own, separated by "::"); tf_keras (set before TensorFlow is imported) and the Gloo controller
+have a launch each. Each test asserts on its own scenario's results.
 """
 
 import pytest
@@ -14,16 +17,40 @@ pytestmark = pytest.mark.multiproc
 ALL = ["alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd", "terngrad"]
 ADAPTIVE = {"alq", "alq-n", "amq", "amq-n"}
 TIMEOUT = 600  # TF start-up and tracing on a shared 2-core machine
+# The 2-rank launch: what four launches did (each given TIMEOUT; about 200 s on a quiet 2-core host)
+TWO_RANK_TIMEOUT = 1200
+# stall is last: its rank 1 leaves rank 0's abandoned collectives behind
+TWO_RANK_SCENARIOS = [
+    # 100 rounds of hvd.allreduce inside one tf.function per method (traced once), plus 64k elements
+    ["exchange", "--methods", ",".join(ALL), "--rounds", 100, "--n", 3000, "--bucket", 512, "--large"],
+    # training per method (150 steps), then the bits="auto" scenario (40 rounds)
+    ["train+auto", "--methods", "alq,amq-n,terngrad", "--bucket", 512, "--steps", 150, "--rounds", 40],
+    # the refusing ones after the others
+    ["misc+compat+fusion+feedback+mismatch+feedback_mismatch+deadlock"],
+    # hvd.reducescatter and hvd.join with the compressors, then issue 43's uncompressed tensor of the
+    # control vector's length and stalled rank
+    ["reducescatter+join+collide+stall"],
+]
 
 
 def _run(*args, launcher="mpi"):
     return run_ranks("tf_compressor.py", np=2, launcher=launcher, timeout=TIMEOUT, args=list(args))
 
 
+def _groups(groups: list) -> list:
+    """The worker's arguments for ``groups`` of scenarios run in turn ("::" between them)."""
+    return [word for k, group in enumerate(groups) for word in ([] if k == 0 else ["::"]) + group]
+
+
 @pytest.fixture(scope="module")
-def exchange_all():
-    """100 rounds of hvd.allreduce inside one tf.function per method (traced once), plus 64k elements."""
-    return _run("exchange", "--methods", ",".join(ALL), "--rounds", 100, "--n", 3000, "--bucket", 512, "--large")
+def two_ranks():
+    """Every 2-rank mpirun scenario in one launch (TensorFlow starts once): {scenario: result} per rank."""
+    return run_ranks("tf_compressor.py", np=2, timeout=TWO_RANK_TIMEOUT, args=_groups(TWO_RANK_SCENARIOS))
+
+
+@pytest.fixture(scope="module")
+def exchange_all(two_ranks):
+    return scenario(two_ranks, "exchange")
 
 
 @pytest.mark.parametrize("method", ALL)
@@ -67,9 +94,8 @@ def test_eager_exchange_with_sum_over_gloo():
 
 
 @pytest.fixture(scope="module")
-def train_and_auto():
-    """One launch: training per method (150 steps), then the bits="auto" scenario (40 rounds)."""
-    return _run("train+auto", "--methods", "alq,amq-n,terngrad", "--bucket", 512, "--steps", 150, "--rounds", 40)
+def train_and_auto(two_ranks):
+    return two_ranks
 
 
 def test_tape_training_in_tf_function_converges_with_identical_variables(train_and_auto):
@@ -110,9 +136,8 @@ def test_keras_model_fit_with_tf_keras():
 
 
 @pytest.fixture(scope="module")
-def checks():
-    """One 2-rank launch of six scenarios in turn (TensorFlow starts once); the refusing ones last."""
-    return _run("misc+compat+fusion+feedback+mismatch+feedback_mismatch+deadlock")
+def checks(two_ranks):
+    return two_ranks
 
 
 def test_mismatched_configuration_is_refused_on_every_rank(checks):
@@ -209,11 +234,20 @@ def test_ranks_that_disagree_before_decompress_raise_and_recover(checks):
 
 
 @pytest.fixture(scope="module")
-def process_sets():
+def three_ranks():
+    """Both 3-rank scenarios in one launch: two_phase (below), then process_sets (its hvd.init
+    registers the set {0, 1}; last, as its ranks create compressors unevenly)."""
+    groups = [
+        ["two_phase", "--rounds", 40, "--n", 2900, "--bucket", 128, "--steps", 40],
+        ["process_sets", "--rounds", 20, "--n", 3000, "--bucket", 256],
+    ]
+    return run_ranks("tf_compressor.py", np=3, timeout=2 * TIMEOUT, args=_groups(groups))
+
+
+@pytest.fixture(scope="module")
+def process_sets(three_ranks):
     """3 ranks, the process set {0, 1}."""
-    return run_ranks(
-        "tf_compressor.py", np=3, timeout=TIMEOUT, args=["process_sets", "--rounds", 20, "--n", 3000, "--bucket", 256]
-    )
+    return scenario(three_ranks, "process_sets")
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "two-phase"])
@@ -264,16 +298,11 @@ def test_tape_with_process_set_trains_the_members_alike(process_sets):
 
 
 @pytest.fixture(scope="module")
-def two_phase():
+def two_phase(three_ranks):
     """exchange="two-phase" on 3 ranks: 2900 elements in 23 buckets of 128 (no multiple of 3), and
     a 200-element tensor (2 buckets: an empty shard). Two ranks: the process-set scenario's set
     {0, 1} runs the two-phase exchange (identical results, error of one draw and of the mean)."""
-    return run_ranks(
-        "tf_compressor.py",
-        np=3,
-        timeout=TIMEOUT,
-        args=["two_phase", "--rounds", 40, "--n", 2900, "--bucket", 128, "--steps", 40],
-    )
+    return scenario(three_ranks, "two_phase")
 
 
 @pytest.mark.parametrize("method", ["alq", "qsgdinf", "amq"])
@@ -319,14 +348,14 @@ def test_two_phase_tape_in_tf_function_gives_identical_variables(two_phase):
 # ---------------------------------------------------------------------------------------------
 # Issue 14, item 7: hvd.reducescatter and hvd.join with the compressors (refused, never a hang)
 
-REFUSAL_TIMEOUT = 300  # a rank left in a payload collective fails the test here instead of stalling
+# A rank left in a payload collective fails the test at the launch's timeout instead of stalling.
 
 
 @pytest.fixture(scope="module")
-def refusals():
+def refusals(two_ranks):
     """hvd.reducescatter and hvd.join with the compressors, then issue 43's uncompressed tensor of the
-    control vector's length and stalled rank (below), in turn in one 2-rank launch (TF starts slowly)."""
-    return run_ranks("tf_compressor.py", np=2, timeout=2 * REFUSAL_TIMEOUT, args=["reducescatter+join+collide+stall"])
+    control vector's length and stalled rank (below): the last scenarios of the 2-rank launch."""
+    return two_ranks
 
 
 @pytest.fixture(scope="module")

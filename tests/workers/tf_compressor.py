@@ -1,9 +1,11 @@
 """Worker for tests/tensorflow/test_tf_compressor_ranks.py: the scenario chosen by argv[1].
 
 TensorFlow starts slowly, so each scenario checks several things in one run, and scenarios joined
-by "+" ("misc+compat") run in turn in one launch, reported as {scenario: result}. The ``keras``
-scenario sets TF_USE_LEGACY_KERAS=1 before TensorFlow is imported (tf.keras is then tf_keras);
-it and ``process_sets`` (its own hvd.init) run alone.
+by "+" ("misc+compat") run in turn in one launch, reported as {scenario: result}. Groups of
+scenarios with options of their own, separated by "::" ("exchange --rounds 100 :: misc+compat"),
+run in turn too, all reported in that one dict. The ``keras`` scenario sets TF_USE_LEGACY_KERAS=1
+before TensorFlow is imported (tf.keras is then tf_keras) and runs alone; ``process_sets`` (its own
+hvd.init, with the set {0, 1}) runs last.
 """
 
 import argparse
@@ -34,7 +36,7 @@ SCENARIOS = [
 ]
 
 
-def parse_args():
+def parse_args(argv: list) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("scenario", help="one of " + ", ".join(SCENARIOS) + ", or several joined by '+'")
     p.add_argument("--methods", default="alq")
@@ -47,17 +49,33 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--large", action="store_true", help="exchange: also a 65536-element tensor")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.scenarios = args.scenario.split("+")
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
-    alone = {"keras", "process_sets"} & set(args.scenarios)
-    if unknown or (alone and len(args.scenarios) > 1):
-        p.error(f"scenario {args.scenario!r}: unknown {unknown} or {sorted(alone)} not alone")
+    if unknown:
+        p.error(f"scenario {args.scenario!r}: unknown {unknown}")
     return args
 
 
-ARGS = parse_args()
-if ARGS.scenario == "keras":
+def parse_groups() -> list:
+    """The groups of argv (separated by "::"), each parsed with its own options, in order."""
+    groups, current = [], []
+    for word in sys.argv[1:] + ["::"]:
+        if word == "::":
+            groups.append(parse_args(current))
+            current = []
+        else:
+            current.append(word)
+    names = [name for g in groups for name in g.scenarios]
+    if len(set(names)) < len(names) or ("keras" in names and len(names) > 1) or "process_sets" in names[:-1]:
+        sys.exit(f"scenarios {names}: each once, keras alone, process_sets last")
+    return groups
+
+
+START = time.monotonic()
+GROUPS = parse_groups()
+SCENARIO_NAMES = [name for g in GROUPS for name in g.scenarios]
+if SCENARIO_NAMES == ["keras"]:
     os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow is imported
 
 import horovod.tensorflow as hvd
@@ -71,9 +89,8 @@ from horovod_alq.tensorflow import ALQCompressor, AMQCompressor, QSGDCompressor,
 
 # XLA compiles the codec once per traced tensor shape (about a second each here). Only the exchange
 # scenario keeps it (tests/tensorflow/test_tf_kernels.py checks the XLA kernels against the core);
-# the others run the same TF ops op by op: jit_compile=False is their compressors' default.
-if "exchange" not in ARGS.scenarios:
-    QuantizedCompressor.__init__.__kwdefaults__["jit_compile"] = False
+# the others run the same TF ops op by op: main() makes jit_compile=False their compressors' default.
+_JIT_DEFAULT = QuantizedCompressor.__init__.__kwdefaults__["jit_compile"]
 
 ADAPTIVE = ("alq", "alq-n", "amq", "amq-n")
 
@@ -1302,15 +1319,19 @@ def feedback(args) -> dict:
 
 def main() -> None:
     global PROCESS_SET
-    if ARGS.scenario == "process_sets":
+    if SCENARIO_NAMES[-1] == "process_sets":
         PROCESS_SET = hvd.ProcessSet([0, 1])
         hvd.init(process_sets=[PROCESS_SET])
     else:
         hvd.init()
-    if len(ARGS.scenarios) > 1:
-        report({name: globals()[name](ARGS) for name in ARGS.scenarios})
-    else:
-        report(globals()["keras_fit" if ARGS.scenario == "keras" else ARGS.scenario](ARGS))
+    results = {}
+    for args in GROUPS:
+        for name in args.scenarios:
+            # (the rank's log: where a failed launch stopped, and each scenario's start)
+            print(f"== scenario {name} at {time.monotonic() - START:.1f} s", flush=True)
+            QuantizedCompressor.__init__.__kwdefaults__["jit_compile"] = _JIT_DEFAULT and name == "exchange"
+            results[name] = globals()["keras_fit" if name == "keras" else name](args)
+    report(results if len(results) > 1 else results[SCENARIO_NAMES[0]])
     hvd.shutdown()
 
 
