@@ -19,15 +19,11 @@ SIZES = (3000, 1100, 70, 2090)  # 6260 coordinates: one fusion buffer
 D = 64
 
 
-def _engines(ranks, chunk, exchange, codec_rank=None, **kw):
+def _engines(ranks, chunk, exchange, **kw):
     kw.setdefault("update_steps", (0,))
     kw.setdefault("update_every", 0)
-    engines = []
-    for r in range(ranks):
-        e = configure(Settings("alq", 3, D, seed=1, exchange=exchange, **kw)).engine(uid="t")
-        e.pipeline_bytes = 4 * chunk
-        engines.append(e)
-    return engines
+    settings = Settings("alq", 3, D, seed=1, exchange=exchange, pipeline_bytes=4 * chunk, **kw)
+    return [configure(settings).engine(uid="t") for _ in range(ranks)]
 
 
 def _rounds(ranks, rounds, seed=0):
@@ -35,7 +31,7 @@ def _rounds(ranks, rounds, seed=0):
     return [[[torch.randn(n, generator=g) for n in SIZES] for _ in range(ranks)] for _ in range(rounds)]
 
 
-def _run(ranks, rounds, chunk, exchange, g=None, early=False, ops=None, **kw):
+def _run(ranks, rounds, chunk, exchange, g=None, early=False, ops=None, scales=None, **kw):
     """Every rank's outputs per round, and the round's own collectives (by name) per round."""
     engines = _engines(ranks, chunk, exchange, **kw)
     ops = ops or [TorchOps(torch.device("cpu"), "cpu")] * ranks
@@ -45,15 +41,18 @@ def _run(ranks, rounds, chunk, exchange, g=None, early=False, ops=None, **kw):
     outs, counts = [], []
     for step, tensors in enumerate(rounds):
         before = {n for n in hub._got if n.startswith("horovod_alq.")}
-        outs.append(_round(engines, tensors, ops, f"r{step}", hub))
+        outs.append(_round(engines, tensors, ops, f"r{step}", hub, scales))
         counts.append(len({n for n in hub._got if n.startswith("horovod_alq.")} - before))
     return outs, counts
 
 
-def _round(engines, tensors, ops, tag, hub):
+def _round(engines, tensors, ops, tag, hub, scales=None):
     def rank(r, t):
         entries = [
-            engines[r].add(x, x.numel(), tuple(x.shape), "float32", t, ident=k) for k, x in enumerate(tensors[r])
+            engines[r].add(
+                x, x.numel(), tuple(x.shape), "float32", t, ident=k, scale=None if scales is None else scales[k]
+            )
+            for k, x in enumerate(tensors[r])
         ]
         reduced = [t.allreduce_sum(v, f"{tag}.control{k}") for k, (_, v) in enumerate(entries)]
         return [engines[r].finish(e, v, ops[r], t)[0] * 1 for (e, _), v in zip(entries, reduced)]
@@ -85,6 +84,18 @@ def test_pipelined_rounds_equal_the_unpipelined_ones_bit_for_bit(exchange, ranks
         for r in range(1, ranks):
             for a, b in zip(out[0], out[r]):
                 assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("exchange, ranks, g", [("allgather", 2, None), ("hierarchical", 4, 2)])
+def test_preconditioned_pipelined_rounds_equal_the_unpipelined_ones(exchange, ranks, g):
+    """Scales w (precondition=): each chunk quantizes x * w read in place, the decode divides by w."""
+    gen = torch.Generator().manual_seed(7)
+    scales = [torch.rand(n, generator=gen) + 0.25 for n in SIZES]
+    rounds = _rounds(ranks, 2, seed=5)
+    plain, n_plain = _run(ranks, rounds, 0, exchange, g, scales=scales)
+    piped, n_piped = _run(ranks, rounds, 1500, exchange, g, scales=scales)
+    _same(plain, piped)
+    assert n_piped[1] > n_plain[1]
 
 
 def test_chunks_cut_whole_buckets_and_small_buffers_stay_whole():
