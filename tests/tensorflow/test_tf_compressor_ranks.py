@@ -3,8 +3,9 @@
 TensorFlow takes seconds to start (about 12 CPU-seconds for 2 ranks), so every run of
 tests/workers/tf_compressor.py checks several things: one 2-rank mpirun launch runs every 2-rank
 scenario in turn and one 3-rank launch the two 3-rank ones (groups of scenarios with options of
-their own, separated by "::"); tf_keras (set before TensorFlow is imported) and the Gloo controller
-have a launch each. Each test asserts on its own scenario's results.
+their own, separated by "::"); a launch with the Gloo controller runs an eager exchange and Keras'
+model.fit with tf_keras (chosen before TensorFlow is imported: no other scenario uses Keras). Each
+test asserts on its own scenario's results.
 """
 
 import pytest
@@ -31,10 +32,6 @@ TWO_RANK_SCENARIOS = [
     # control vector's length and stalled rank
     ["reducescatter+join+collide+stall"],
 ]
-
-
-def _run(*args, launcher="mpi"):
-    return run_ranks("tf_compressor.py", np=2, launcher=launcher, timeout=TIMEOUT, args=list(args))
 
 
 def _groups(groups: list) -> list:
@@ -81,10 +78,17 @@ def test_wire_bits_per_coordinate_on_large_tensors(exchange_all):
     assert big["rel_err"] < 0.6  # 3-bit noise on one draw, not garbage
 
 
-def test_eager_exchange_with_sum_over_gloo():
-    res = _run(
-        "exchange", "--methods", "alq,amq-n,qsgdinf", "--rounds", 60, "--op", "sum", "--mode", "eager", launcher="gloo"
+@pytest.fixture(scope="module")
+def over_gloo():
+    """horovodrun --gloo: an eager exchange with op=Sum, then model.fit with tf_keras."""
+    args = ["exchange", "--methods", "alq,amq-n,qsgdinf", "--rounds", 60, "--op", "sum", "--mode", "eager"]
+    return run_ranks(
+        "tf_compressor.py", np=2, launcher="gloo", timeout=TIMEOUT, args=_groups([args, ["keras", "--steps", 4]])
     )
+
+
+def test_eager_exchange_with_sum_over_gloo(over_gloo):
+    res = scenario(over_gloo, "exchange")
     for method in ("alq", "amq-n", "qsgdinf"):
         r0, r1 = res[0][method], res[1][method]
         assert_bernstein_unbiased(r0)
@@ -124,8 +128,8 @@ def test_tape_training_in_tf_function_converges_with_identical_variables(train_a
     assert "ref" in k0["direct_error"], k0["direct_error"]
 
 
-def test_keras_model_fit_with_tf_keras():
-    res = _run("keras", "--bucket", 512, "--steps", 4)
+def test_keras_model_fit_with_tf_keras(over_gloo):
+    res = scenario(over_gloo, "keras")
     r0, r1 = res
     assert r0["keras"].startswith("tf_keras") and r0["keras_version"].startswith("2.")
     assert r0["params"] == r1["params"], "Keras weights diverged across ranks"
