@@ -1,16 +1,16 @@
 #!/usr/bin/env python
 """Exit codes after an error: does every rank end with the error's status, or does one die at
-teardown (``terminate called without an active exception``, SIGABRT)? (Issue 56.)
+teardown (``terminate called without an active exception``, SIGABRT)? (Issue 56.) The harness of
+tests/torch/test_exit_codes.py and tests/mpi/test_mpi_exit_codes.py.
 
-The harness of the exit-code tests (tests/torch/test_exit_codes.py, tests/mpi/test_mpi_exit_codes.py):
-:func:`run_once` launches one error path of scripts/study/exit_workers.py on 2 ranks (torchrun;
-mpirun for mpi4py and Horovod), every rank under a shim (``--shim``) that records its worker's own
-exit status and then exits 0, so that the launcher never stops the other ranks: the statuses are
-the ranks' own. A rank that ends well exits with 1 (the error, raised again after
+:func:`run_once` launches one error path of tests/workers/exit_workers.py on 2 ranks (torchrun;
+mpirun for mpi4py and Horovod), every rank under this file's shim (``--shim``) that records its
+worker's own exit status and then exits 0, so that the launcher never stops the other ranks: the
+statuses are the ranks' own. A rank that ends well exits with 1 (the error, raised again after
 ``dist.destroy_process_group()``); a negative status is the signal that ended it.
 
-The campaign that ran every path 20 times beside CPU burners and wrote docs/results/exit_stress.md
-was retired in d5446c3: ``git show d5446c3:scripts/study/exit_stress.py``.
+This was scripts/study/exit_stress.py; its 20-run campaign beside CPU burners, which wrote
+docs/results/exit_stress.md, was retired in d5446c3 (``git show d5446c3:scripts/study/exit_stress.py``).
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ import time
 from pathlib import Path
 
 from scripts.common import launch
-from scripts.study import exit_workers
 
-HOROVOD_PATHS = tuple(f"hvd-{w}" for w in (*exit_workers.HOROVOD_MISMATCHES, "set", "outsider", "timeout"))
-MPIRUN_PATHS = ("mpi", *HOROVOD_PATHS)  # launched by mpirun (Horovod over MPI), the others by torchrun
+HERE = Path(__file__).resolve().parent
 STATUS = "rank{}.status"
 LOG = "rank{}.log"
 PID = "rank{}.pid"
@@ -71,12 +69,13 @@ def shim(out_dir: Path, command: list[str], cores: bool) -> int:
 
 # ------------------------------------------------------------------ launching
 def launch_command(path: str, np: int, out_dir: Path, cores: bool) -> list[str]:
-    """The launcher (torchrun; mpirun with scripts/common/launch.py's options for mpi4py), each rank
-    the shim of ``python -m scripts.study.exit_workers PATH``."""
+    """The launcher (torchrun; mpirun with scripts/common/launch.py's options for mpi4py and Horovod),
+    each rank this file's shim around ``python tests/workers/exit_workers.py PATH``."""
     python = sys.executable
-    worker = [python, "-m", "scripts.study.exit_workers", path]
-    rank = [python, "-m", "scripts.study.exit_stress", "--shim", str(out_dir), *(["--cores"] if cores else []), "--"]
-    return [*(launch.mpirun(np) if path in MPIRUN_PATHS else launch.torchrun(np)), *rank, *worker]
+    worker = [python, str(HERE / "workers" / "exit_workers.py"), path]
+    rank = [python, str(Path(__file__).resolve()), "--shim", str(out_dir), *(["--cores"] if cores else []), "--"]
+    mpirun = path == "mpi" or path.startswith("hvd-")  # Horovod over MPI, mpi4py; the others by torchrun
+    return [*(launch.mpirun(np) if mpirun else launch.torchrun(np)), *rank, *worker]
 
 
 def run_once(path: str, np: int = 2, timeout: float = 120.0, keep: Path | None = None) -> dict:

@@ -1,12 +1,11 @@
 """mpi4py's QuantizedAllreduce: after a mismatch (another ``bits`` on rank 1) every rank exits with the
-error's status, never a signal (issue 56), a few runs in a row under mpirun (scripts/study/exit_workers.py;
-every rank's own status recorded by the shim of scripts/study/exit_stress.py)."""
+error's status, never a signal (issue 56), a few runs in a row under mpirun (tests/workers/exit_workers.py;
+every rank's own status recorded by the shim of tests/exit_ranks.py)."""
 
 from __future__ import annotations
 
 import pytest
-
-from scripts.study.exit_stress import describe, run_once
+from exit_ranks import describe, run_once
 
 pytestmark = pytest.mark.multiproc
 

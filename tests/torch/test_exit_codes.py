@@ -1,6 +1,6 @@
 """After an agreement error every rank exits with the error's status, never a signal (issue 56): real
-ranks under torchrun (scripts/study/exit_workers.py), each front-end's mismatch a few times in a row,
-every rank's own exit status recorded by the shim of scripts/study/exit_stress.py. The DiLoCo ranks
+ranks under torchrun (tests/workers/exit_workers.py), each front-end's mismatch a few times in a row,
+every rank's own exit status recorded by the shim of tests/exit_ranks.py. The DiLoCo ranks
 differ in sync_every (the report), the DDP hook and FSDP2's comm in bits, the hierarchical exchange
 in node layout (its companion groups); a rank that stops calling makes the other raise
 CollectiveTimeout with a collective left in flight. The same paths under load, 20 runs each, are in
@@ -9,8 +9,7 @@ docs/results/exit_stress.md (a campaign whose CLI is retired)."""
 from __future__ import annotations
 
 import pytest
-
-from scripts.study.exit_stress import describe, run_once
+from exit_ranks import describe, run_once
 
 pytestmark = pytest.mark.multiproc
 

@@ -1,14 +1,14 @@
-"""The ranks' side of scripts/study/exit_stress.py: one agreement error (or a timeout) per launch, then
-the teardown a user writes, then the error's own exit.
+"""The ranks' side of tests/exit_ranks.py: one agreement error (or a timeout) per launch, then the
+teardown a user writes, then the error's own exit (run as a file, the repository on PYTHONPATH).
 
-    torchrun --standalone --nproc-per-node 2 -m scripts.study.exit_workers diloco
-    mpirun -np 2 python -m scripts.study.exit_workers mpi
+    torchrun --standalone --nproc-per-node 2 tests/workers/exit_workers.py diloco
+    mpirun -np 2 python tests/workers/exit_workers.py mpi
 
 Each path makes the ranks disagree (or one rank stop), catches the error it expects on every rank,
 tears down as a user would (``dist.destroy_process_group()``; mpi4py finalizes at exit) and raises
 the error again: a rank that ends well exits with status 1 and the error's traceback. Status 0: no
 error was raised; 3: another error than the one expected (printed). Anything else, a signal above
-all, is what the stress script counts as a crash at exit.
+all, is what the exit-code tests count as a crash at exit.
 """
 
 from __future__ import annotations
