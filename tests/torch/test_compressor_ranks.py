@@ -1,7 +1,13 @@
-"""The PyTorch compressors across real ranks (mpirun and horovodrun --gloo)."""
+"""The PyTorch compressors across real ranks (mpirun and horovodrun --gloo).
+
+A 2-rank launch of torch and Horovod costs seconds of start-up on a 2-core host, so each launch
+(one per launcher and rank count) runs every scenario of that size in turn: groups of
+tests/workers/torch_compressor.py's scenarios with options of their own, each under its label
+(``_launch``); each test asserts on its own group's results.
+"""
 
 import pytest
-from helpers import assert_bernstein_unbiased, assert_t_unbiased
+from helpers import assert_bernstein_unbiased, assert_t_unbiased, scenario
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -9,44 +15,94 @@ ALL = ["alq", "alq-n", "amq", "amq-n", "qsgdinf", "qsgd", "nuqsgd", "terngrad"]
 EXCHANGED = ALL + ["alq-l2", "amq-n-l2"]  # adaptive methods default to max-abs buckets: the paper's L2 too
 
 
-def _exchange(method, np_=2, launcher="mpi", op="average", rounds=150, bits=3):
-    return run_ranks(
-        "torch_compressor.py",
-        np=np_,
-        launcher=launcher,
-        timeout=600,
-        args=[
-            "exchange",
-            "--method",
-            method,
-            "--op",
-            op,
-            "--rounds",
-            rounds,
-            "--bits",
-            bits,
-            "--numel",
-            3000,
-            "--bucket",
-            512,
-        ],
-    )
+def _exchange(method, op="average", rounds=150, bits=3):
+    return ["exchange", "--method", method, "--op", op, "--rounds", rounds, "--bits", bits, "--numel", 3000]
+
+
+def _two_phase():  # 7 buckets of 512 (the last short): shards of whole buckets that do not divide by N
+    return ["exchange", "--method", "alq", "--exchange", "two-phase", "--rounds", 120, "--numel", 3100]
+
+
+def _train(method, **extra):
+    return ["train", "--method", method, "--steps", 150, *[w for k, v in extra.items() for w in (f"--{k}", v)]]
+
+
+def _auto(*extra):
+    return ["auto", "--steps", 100, "--rounds", 80, *extra]
+
+
+MISMATCHES = {
+    "bits": "differ in bits 3 on some ranks, 4 on others",
+    "bucket": "bucket_size 256 on some ranks, 512 on others",
+    "levels": "levels differ",
+    "method": "differ in method",
+    "norm": "differ in norm",
+    "budget": "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)",
+    "allocation": "bit allocations of bits='auto'",
+    "bits_max": "levels differ",  # the widths' level sets: 2 to 4 on one rank, 2 to 8 on the other
+}
+
+#: (launcher, ranks) -> {label: the worker's arguments}: the groups of one launch, run in turn (every
+#: group with --bucket 512 unless it names its own)
+GROUPS = {
+    ("mpi", 2): {
+        "exchanged": _exchange(",".join(EXCHANGED)),  # 150 averaged exchanges with every method
+        # the small model trained through the stock optimizer with every method
+        "trained": _train(",".join(m for m in ALL if m != "terngrad"), bits=4),
+        "trained-terngrad": _train("terngrad", bits=2),
+        "two-phase": _two_phase(),
+        "large": ["exchange", "--method", "alq", "--numel", 65536, "--bucket", 8192, "--rounds", 3],
+        "overlap-allgather": ["overlap", "--exchange", "allgather", "--rounds", 40],
+        "overlap-two-phase": ["overlap", "--exchange", "two-phase", "--rounds", 40],
+        "auto": _auto("--exchange", "allgather"),
+        "bits-per-bucket": _auto("--bits-per", "bucket"),
+        # dtypes, state and amp, then each mismatch in turn (the ranks go on after each refusal) and a
+        # match: last
+        "checks": ["dtypes+state+amp+mismatch", "--what", ",".join(MISMATCHES)],
+    },
+    ("mpi", 3): {
+        "sum": _exchange("alq", op="sum", rounds=120),
+        "two-phase": _two_phase(),
+        "auto": _auto("--exchange", "two-phase"),
+    },
+    ("mpi", 4): {"two-phase": _two_phase()},
+    ("gloo", 2): {"sum": _exchange("alq", op="sum", rounds=120), "train-groups": _train("alq", groups=2, bpps=2)},
+}
+_LAUNCHES: dict = {}  # (launcher, ranks) -> the ranks' reports of that launch
+
+
+def _launch(launcher: str, np_: int) -> list:
+    """The ranks' reports, {label: result} each, of the launch of GROUPS[(launcher, np_)] (once)."""
+    key = (launcher, np_)
+    if key not in _LAUNCHES:
+        groups = GROUPS[key]
+        args = []
+        for label, words in groups.items():
+            args += [*(["::"] if args else []), *words, "--label", label]
+            if "--bucket" not in words:
+                args += ["--bucket", 512]
+        # each group was a launch of its own with 300-600 s; the 10 groups of 2 ranks take ~100 s quiet
+        timeout = 600 if len(groups) <= 3 else 1200
+        _LAUNCHES[key] = run_ranks("torch_compressor.py", np=np_, launcher=launcher, timeout=timeout, args=args)
+    return _LAUNCHES[key]
+
+
+def _group(label: str, launcher: str = "mpi", np_: int = 2) -> list:
+    """Group ``label``'s result on every rank of the launch of (``launcher``, ``np_``)."""
+    return scenario(_launch(launcher, np_), label)
 
 
 @pytest.fixture(scope="module")
 def exchanged():
-    """One 2-rank launch: 150 averaged exchanges with every method."""
-    res = _exchange(",".join(EXCHANGED))
+    res = _group("exchanged")
     return {m: [r[m] for r in res] for m in EXCHANGED}
 
 
 @pytest.fixture(scope="module")
 def trained():
-    """One 2-rank launch: the small model trained through the stock optimizer with every method."""
-    res = _train(",".join(m for m in ALL if m != "terngrad"), bits=4)
-    res_tern = _train("terngrad", bits=2)
+    res = _group("trained")
     out = {m: [r[m] for r in res] for m in ALL if m != "terngrad"}
-    out["terngrad"] = res_tern
+    out["terngrad"] = _group("trained-terngrad")
     return out
 
 
@@ -67,7 +123,7 @@ def test_average_unbiased_and_identical_on_all_ranks(method, exchanged):
 
 @pytest.mark.parametrize("launcher,np_", [("gloo", 2), ("mpi", 3)])
 def test_sum_op_unbiased_gloo_and_three_ranks(launcher, np_):
-    res = _exchange("alq", np_=np_, launcher=launcher, op="sum", rounds=120)
+    res = _group("sum", launcher, np_)
     for r in res:
         assert_bernstein_unbiased(r)
     assert all(r["digests"] == res[0]["digests"] for r in res)
@@ -77,24 +133,7 @@ def test_sum_op_unbiased_gloo_and_three_ranks(launcher, np_):
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_two_phase_unbiased_and_identical_on_all_ranks(np_):
     """7 buckets of 512 (the last short): shards of whole buckets that do not divide by N."""
-    res = run_ranks(
-        "torch_compressor.py",
-        np=np_,
-        timeout=600,
-        args=[
-            "exchange",
-            "--method",
-            "alq",
-            "--exchange",
-            "two-phase",
-            "--rounds",
-            120,
-            "--numel",
-            3100,
-            "--bucket",
-            512,
-        ],
-    )
+    res = _group("two-phase", "mpi", np_)
     for r in res:  # two-sided t tests at 1e-6 (per bucket: Bonferroni over the buckets)
         assert_t_unbiased(r)
         assert r["exchange"] == "two-phase" and r["level_updates"] == 1
@@ -102,13 +141,6 @@ def test_two_phase_unbiased_and_identical_on_all_ranks(np_):
         assert r["rel_err"] < 0.6, r["rel_err"]
     assert all(r["digests"] == res[0]["digests"] for r in res), "ranks got different results"
     assert all(r["levels"] == res[0]["levels"] for r in res)
-
-
-def _train(method, launcher="mpi", np_=2, **extra):
-    args = ["train", "--method", method, "--bucket", 512, "--steps", 150]
-    for key, value in extra.items():
-        args += [f"--{key}", value]
-    return run_ranks("torch_compressor.py", np=np_, launcher=launcher, args=args, timeout=600)
 
 
 @pytest.mark.parametrize("method", ALL)
@@ -128,42 +160,22 @@ def test_training_converges_with_identical_parameters(method, trained):
 
 
 def test_training_with_groups_and_backward_passes_over_gloo():
-    res = _train("alq", launcher="gloo", groups=2, bpps=2)
+    res = _group("train-groups", "gloo")
     assert res[0]["params"] == res[1]["params"]
     assert res[0]["accuracy"] > 0.85
     assert res[0]["step"] == 150 and res[0]["level_updates"] == 3
 
 
 def test_wire_bits_per_coordinate_on_large_tensors():
-    res = run_ranks(
-        "torch_compressor.py",
-        np=2,
-        timeout=300,
-        args=["exchange", "--method", "alq", "--numel", 65536, "--bucket", 8192, "--rounds", 3],
-    )
+    res = _group("large")
     # bits + 32 / bucket_size, within 1% (header: 32 bytes per 65536 coordinates)
     assert res[0]["bits_per_coordinate"] == pytest.approx(3 + 32 / 8192, rel=0.01)
     assert res[0]["payload_bytes"] * 8 / res[0]["coordinates"] < 3.01
 
 
-MISMATCHES = {
-    "bits": "differ in bits 3 on some ranks, 4 on others",
-    "bucket": "bucket_size 256 on some ranks, 512 on others",
-    "levels": "levels differ",
-    "method": "differ in method",
-    "norm": "differ in norm",
-    "budget": "bit_budget (thousandths of a bit: 2500 on some ranks, 3000 on others)",
-    "allocation": "bit allocations of bits='auto'",
-    "bits_max": "levels differ",  # the widths' level sets: 2 to 4 on one rank, 2 to 8 on the other
-}
-
-
 @pytest.fixture(scope="module")
 def checks():
-    """One 2-rank launch: dtypes, state and amp, then each mismatch in turn (the ranks go on after
-    each refusal) and a match."""
-    args = ["dtypes+state+amp+mismatch", "--what", ",".join(MISMATCHES)]
-    return run_ranks("torch_compressor.py", np=2, timeout=300, args=args)
+    return _group("checks")
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +236,7 @@ def test_payloads_start_inside_backward(exchange):
     """Four fusion buffers: the first three start their payload collectives while loss.backward()
     runs (the compress calls close them), in every step; the results are bit for bit those of
     overlap=False on every rank (same seeds, same codes), and the overlapped average is unbiased."""
-    res = run_ranks("torch_compressor.py", np=2, timeout=300, args=["overlap", "--exchange", exchange, "--rounds", 40])
+    res = _group(f"overlap-{exchange}")
     first = "allgather" if exchange == "allgather" else "alltoall"
     for r in res:
         on, off = r["True"], r["False"]
@@ -246,22 +258,7 @@ def test_auto_bits_agree_on_every_rank_train_and_stay_unbiased(np_):
     """bits="auto": every rank reaches the same allocation and levels and the same parameters
     (allgather and two-phase), within the budget, training as fixed bits do; the sum of tensors of
     widths chosen apart in one buffer stays unbiased (t tests at 1e-6, Bonferroni over buckets)."""
-    res = run_ranks(
-        "torch_compressor.py",
-        np=np_,
-        timeout=600,
-        args=[
-            "auto",
-            "--bucket",
-            512,
-            "--steps",
-            100,
-            "--rounds",
-            80,
-            "--exchange",
-            "two-phase" if np_ == 3 else "allgather",
-        ],
-    )
+    res = _group("auto", "mpi", np_)
     for exchange in ("allgather", "two-phase"):
         runs = [r[exchange] for r in res]
         for key in ("params", "allocation", "width_levels"):
@@ -284,12 +281,7 @@ def test_bits_per_bucket_agree_on_every_rank_train_and_stay_unbiased():
     bucket chosen from its own norms; every rank ends with the same parameters and levels
     (allgather, two-phase), training as fixed bits do, checkpoints keep the error model, and the
     sums stay unbiased (t tests at 1e-6, Bonferroni over buckets)."""
-    res = run_ranks(
-        "torch_compressor.py",
-        np=2,
-        timeout=600,
-        args=["auto", "--bucket", 512, "--steps", 100, "--rounds", 80, "--bits-per", "bucket"],
-    )
+    res = _group("bits-per-bucket")
     for exchange in ("allgather", "two-phase"):
         runs = [r[exchange] for r in res]
         for key in ("params", "width_levels"):

@@ -1,8 +1,13 @@
-"""Worker for tests/torch/test_compressor_ranks.py: one scenario per run, chosen by argv[1]."""
+"""Worker for tests/torch/test_compressor_ranks.py: the scenario chosen by argv[1] ("a+b": several in
+turn). Groups of scenarios with options of their own, each named by ``--label``, separated by "::"
+("exchange --label x --rounds 100 :: train --label t"), run in turn in one launch, reported as
+{label: what the group alone would report}."""
 
 import argparse
 import hashlib
 import json
+import sys
+import time
 
 import horovod.torch as hvd
 import numpy as np
@@ -546,9 +551,10 @@ def overlap(args) -> dict:
 SCENARIOS = ("exchange", "train", "mismatch", "dtypes", "state", "amp", "overlap", "auto")
 
 
-def main() -> None:
+def parse(argv: list) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("scenario", help=f"one of {', '.join(SCENARIOS)}, or several joined by '+' (run in turn)")
+    p.add_argument("--label", default=None, help="the group's key in the report (required with several)")
     p.add_argument("--method", default="alq")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--bucket", type=int, default=512)
@@ -562,22 +568,47 @@ def main() -> None:
     p.add_argument("--bpps", type=int, default=1)
     p.add_argument("--what", default="bits")
     p.add_argument("--bits-per", default="tensor")
-    args = p.parse_args()
-    names = args.scenario.split("+")
-    if set(names) - set(SCENARIOS):
+    args = p.parse_args(argv)
+    if set(args.scenario.split("+")) - set(SCENARIOS):
         p.error(f"unknown scenario in {args.scenario!r}")
-    hvd.init()
-    torch.set_num_threads(1)
+    return args
+
+
+def run_group(args) -> object:
+    """What one group reports: {name: result} for several scenarios, {method: result} for
+    several methods of exchange or train, else the scenario's result."""
+    names = args.scenario.split("+")
     if len(names) > 1:  # one launch, several scenarios: {name: what the scenario reports}
-        report({name: globals()[name](args) for name in names})
-    elif args.scenario in ("exchange", "train") and "," in args.method:  # several methods, one launch
+        return {name: globals()[name](args) for name in names}
+    if args.scenario in ("exchange", "train") and "," in args.method:  # several methods, one launch
         results = {}
         for method in args.method.split(","):
             args.method = method
             results[method] = globals()[args.scenario](args)
-        report(results)
-    else:
-        report(globals()[args.scenario](args))
+        return results
+    return globals()[args.scenario](args)
+
+
+def main() -> None:
+    groups, current = [], []
+    for word in sys.argv[1:] + ["::"]:
+        if word == "::":
+            groups.append(parse(current))
+            current = []
+        else:
+            current.append(word)
+    labels = [g.label for g in groups]
+    if len(groups) > 1 and (None in labels or len(set(labels)) < len(labels)):
+        sys.exit(f"several groups need a --label each, all different: {labels}")
+    start = time.monotonic()
+    hvd.init()
+    torch.set_num_threads(1)
+    results = {}
+    for args in groups:
+        # (the rank's log: where a failed launch stopped, and each group's start)
+        print(f"== group {args.label}: {args.scenario} at {time.monotonic() - start:.1f} s", flush=True)
+        results[args.label] = run_group(args)
+    report(results if labels[0] is not None else results[None])  # labelled: {label: result}
     hvd.shutdown()
 
 
