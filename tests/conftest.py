@@ -9,6 +9,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+import pytest
+
 # in-process tests quantize every round, as launched ranks do (scripts/common/launch.py's RANK_ENV)
 os.environ.setdefault("HOROVOD_ALQ_COMPRESS", "always")
 # Every mpirun a test starts (they inherit this): Open MPI ranks that wait in a collective yield
@@ -28,9 +30,8 @@ _LAUNCHES = ("run_ranks(", "mpirun", "torchrun", "horovodrun")
 def pytest_collection_modifyitems(config, items):
     """Mark every test of a module that launches ranks (tests/multiproc.py, or a launcher by name)
     ``multiproc``, as its own ``pytestmark`` may also do: ``-m "not multiproc"`` is the fast tier;
-    and the tests of the research scripts ``studies``."""
+    and the tests of the research scripts ``studies``. (This runs before ``-m`` and ``-k`` deselect.)"""
     import helpers
-    import pytest
 
     launches: dict[str, bool] = {}
     for item in items:
@@ -42,3 +43,24 @@ def pytest_collection_modifyitems(config, items):
             launches[path] = any(word in text for word in _LAUNCHES)
         if launches[path]:
             item.add_marker(pytest.mark.multiproc)
+    if _whole_suite(config):
+        _STUDY_FILES[:] = sorted({Path(str(i.fspath)).name for i in items if i.get_closest_marker("studies")})
+
+
+#: The files of the tests marked ``studies`` in this session, where it collected all of tests/.
+_STUDY_FILES: list = []
+
+
+def _whole_suite(config) -> bool:
+    """Whether this session collects every test of tests/ (``pytest tests``, as make test runs it)."""
+    here = Path(__file__).resolve().parent
+    args = [(Path(config.invocation_params.dir) / a).resolve() for a in config.args]
+    skipped = config.getoption("ignore", None) or config.getoption("ignore_glob", None)
+    return args == [here] and not skipped and not config.getoption("lf", False)
+
+
+@pytest.fixture
+def study_files():
+    """The files whose tests this session marked ``studies``, or None where it did not collect all
+    of tests/ (tests/test_install.py then collects in a pytest of its own)."""
+    return list(_STUDY_FILES) or None

@@ -67,15 +67,21 @@ def test_make_test_runs_the_check_before_pytest():
     assert '-m "not studies"' in lines[pytest_run[0]], lines[pytest_run[0]]  # the research scripts: test-studies
 
 
-def test_studies_are_marked_and_left_to_their_target():
-    """The research scripts' tests carry the ``studies`` marker: ``make test`` deselects exactly them."""
+def test_studies_are_marked_and_left_to_their_target(study_files):
+    """The research scripts' tests carry the ``studies`` marker: ``make test`` deselects exactly them.
+    A session that collected all of tests/ (make test's) knows which files' tests it marked (marks
+    come before ``-m`` deselects: tests/conftest.py); any other collects all of tests/ in a pytest
+    of its own (seconds: it imports every test module)."""
+    from helpers import STUDY_MODULES  # (not conftest: several conftest modules share that name)
+
+    if study_files is not None:
+        assert set(study_files) == set(STUDY_MODULES), study_files
+        return
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "studies", "tests"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     files = {line.split("::")[0] for line in res.stdout.splitlines() if "::" in line}
-    from helpers import STUDY_MODULES  # (not conftest: several conftest modules share that name)
-
     assert {Path(f).name for f in files} == set(STUDY_MODULES), res.stdout[-2000:]
 
 
