@@ -2,6 +2,7 @@
 buffer cut into chunks gives bit for bit the unpipelined round's results, with the collectives the
 chunking asks for; ranks cut alike or raise, and bad payloads raise on every rank."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,30 +127,51 @@ def test_ranks_that_cut_differently_raise_on_every_rank():
         assert isinstance(out, ProtocolError) and "chunks" in str(out), out
 
 
-def test_an_invalid_chunk_raises_on_every_rank_after_the_last_collective():
-    """Rank 1's third chunk arrives with another bucket size: every rank raises, none waits."""
-    from horovod_alq.exchange import allgather
+def _corrupting(module, tag, rank):
+    """``module.chunked_steps`` with ``rank``'s collective ``tag`` carrying a payload whose header is broken."""
+    real = module.chunked_steps
 
-    real = allgather.chunked_steps
-
-    def corrupt(job, i, k):
-        steps = real(job, i, k)
-        request, c = next(steps), 0
+    def corrupt(job, *args):
+        steps = real(job, *args)
+        request = next(steps)
         while True:
-            if job.transport.rank == 1 and c == 2:
-                payload = request.request.payload.clone()
-                payload[8] ^= 0x7F  # the header's bucket size
-                request = type(request)(type(request.request)(payload, request.request.sizes, request.request.tag))
+            inner = request.request
+            if job.transport.rank == rank and inner.tag == tag:
+                payload = inner.payload.clone()
+                blocks = inner.splits if hasattr(inner, "splits") else [int(payload.numel())]
+                for start, size in zip(np.cumsum([0, *blocks[:-1]]), blocks):
+                    if size:  # the header's bucket size, in the copy every receiver gets
+                        payload[int(start) + 8] ^= 0x7F
+                fields = (payload, inner.splits, inner.received) if hasattr(inner, "splits") else (payload, inner.sizes)
+                request = type(request)(type(inner)(*fields, inner.tag))
             try:
-                request, c = steps.send((yield request)), c + 1
+                request = steps.send((yield request))
             except StopIteration as stop:
                 return stop.value
 
-    allgather.chunked_steps = corrupt
+    return real, corrupt
+
+
+@pytest.mark.parametrize(
+    "exchange, ranks, g, tag, count, where",
+    [
+        ("allgather", 2, None, "ag0-2", 7, "chunk 2 of buffer 0"),
+        # rank 1's quantized node sum of its shard's chunk 2 reaches the shard's owners on both nodes
+        # (ranks 1 and 3) broken: each poisons what it forwards in its node, and every rank refuses
+        ("hierarchical", 4, 2, "h2-0-2", 3 * 5, "buffer 0"),
+    ],
+)
+def test_an_invalid_chunk_raises_on_every_rank_after_the_last_collective(exchange, ranks, g, tag, count, where):
+    """A broken payload in a chunk: every rank raises, after the buffer's last collective (none waits)."""
+    from horovod_alq.exchange import allgather, hierarchical
+
+    module = {"allgather": allgather, "hierarchical": hierarchical}[exchange]
+    real, corrupt = _corrupting(module, tag, 1)
+    module.chunked_steps = corrupt
     try:
-        outs, counts = _run(2, _rounds(2, 1), 1000, "allgather")
+        outs, counts = _run(ranks, _rounds(ranks, 1), 1000 if exchange == "allgather" else 1500, exchange, g)
     finally:
-        allgather.chunked_steps = real
-    for r in range(2):
-        assert isinstance(outs[0][r], ProtocolError) and "chunk 2" in str(outs[0][r]), outs[0][r]
-    assert counts == [7]  # the handshake carried with the first of 7 chunks, then 6: none left waiting
+        module.chunked_steps = real
+    for r in range(ranks):
+        assert isinstance(outs[0][r], ProtocolError) and where in str(outs[0][r]), (r, outs[0][r])
+    assert counts == [count]  # the handshake carried with the first chunk's first collective: all issued
