@@ -67,18 +67,29 @@ def cell_moments(x: np.ndarray, levels: np.ndarray, bucket: int, norm: str):
     return norms**2 * (hi - r) * (r - lo), norms * (hi - lo)
 
 
+_STALLS = [0]  # calls of stalled_backward so far (the same count on every rank)
+
+
 def stalled_backward(rank: int, size: int, timeout: float, backward) -> dict:
     """Run ``backward()``, in which the last rank raises (it stops in the middle of a round), and
     report whether and after how long it raised here. The last rank then stays alive, not calling,
-    for longer than ``timeout`` (a process that exits closes its connections, and the backend
-    fails the others at once), so that the others' bounded waits are what ends their wait."""
+    until every other rank has raised (a process that exits closes its connections, and the
+    backend fails the others at once), so that the others' bounded waits are what ends their wait:
+    each of them leaves a file in the result folder once it raised; the last rank waits for those
+    for ``timeout`` + 60 s at most."""
+    _STALLS[0] += 1
+    folder, tag = Path(os.environ[RESULT_DIR_ENV]), f"stalled{_STALLS[0]}"
     start = time.monotonic()
     try:
         backward()
     except Exception as err:  # noqa: BLE001 - reported to the test
         seconds = time.monotonic() - start
         if rank == size - 1:
-            time.sleep(timeout + 3)
+            deadline = time.monotonic() + timeout + 60
+            while len(list(folder.glob(f"{tag}.rank*"))) < size - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            (folder / f"{tag}.rank{rank}").touch()
         return {
             "raised": True,
             "message": f"{type(err).__name__}: {err}"[:2000],
