@@ -166,7 +166,7 @@ class Settings:
     pipeline_bytes: int | None = None
     """A round's fusion buffer of more than this many bytes of float32 travels in chunks of about
     this size, each chunk encoded and decoded while another is on the wire (the same results bit
-    for bit; the compiled CPU codec, the allgather and hierarchical exchanges, the fixed wire);
+    for bit; the compiled CPU codec, the allgather, two-phase and hierarchical exchanges, the fixed wire);
     None: ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 4 MiB; 0: off. docs/design/design.md, "Pipelined round"."""
 
     overlap: bool = True

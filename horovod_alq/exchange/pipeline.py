@@ -11,14 +11,15 @@ every rank's payloads added in rank (node) order as the whole decode adds them: 
 bit for bit the unpipelined round's. Only the framing differs: one 32-byte header per chunk and
 payload, ``K`` times the collectives.
 
-When: :func:`chunks` (> 1 for buffers of more than ``job.chunk`` coordinates, ``Engine(pipeline_bytes=)``),
-on ops that encode ranges, on the fixed wire, with one width per buffer and without error
-feedback (their encodes are not cut by coordinate), for the exchanges that call it (:func:`.allgather.chunked_steps`,
-:func:`.hierarchical.chunked_steps`). Every input
-is agreed by the handshake (the chunk size is its field ``pipeline``), so every rank cuts alike
-and issues the same collectives in the same order. Errors: a chunk's check that fails is kept
-and raised only after the buffer's last collective, as the unpipelined exchanges do; an owner
-poisons what it forwards (hierarchical), so every rank raises and none waits.
+When: :func:`chunks` (> 1 for buffers of more than ``job.chunk`` coordinates,
+``Engine(pipeline_bytes=)``), on ops that encode ranges, on the fixed wire, with one width per
+buffer and without error feedback (their encodes are not cut by coordinate), for the exchanges
+that call it (:func:`.allgather.chunked_steps`, :func:`.two_phase.chunked_steps`,
+:func:`.hierarchical.chunked_steps`; the hierarchical two-phase exchange is not pipelined). Every
+input is agreed by the handshake (the chunk size is its field ``pipeline``), so every rank cuts
+alike and issues the same collectives in the same order. Errors: a chunk's check that fails is
+kept and raised only after the buffer's last collective, as the unpipelined exchanges do; an
+owner poisons what it forwards (two-phase, hierarchical), so every rank raises and none waits.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def cuts(a: int, b: int, k: int, bucket_size: int) -> list[tuple[int, int]]:
     return shards(a, b, k, bucket_size)
 
 
-def summed(job: Job, a: int, b: int, gathered, offsets: Sequence[int]) -> Piece:
-    """``[a, b)`` as the float32 sum of the decoded payloads at ``offsets`` of ``gathered``, in their order."""
+def summed(job: Job, a: int, b: int, gathered, offsets: Sequence[int], quantizer=None) -> Piece:
+    """``[a, b)`` as the float32 sum of the decoded payloads at ``offsets`` of ``gathered``, in their
+    order, encoded with ``quantizer``'s levels (default: the job's first quantizer's)."""
+    q = job.first if quantizer is None else quantizer
     out = job.ops.empty(b - a)
-    job.ops.decode_sum(out, gathered, list(offsets), job.first)
-    return Piece(a, b, out, (), job.frozen(job.first), summed=True)
+    job.ops.decode_sum(out, gathered, list(offsets), q)
+    return Piece(a, b, out, (), job.frozen(q), summed=True)

@@ -22,7 +22,7 @@ import numpy as np
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
 from .descriptor import Exchange
-from .job import Allgather, Alltoall, Job, Piece, Steps, joined
+from .job import Allgather, Alltoall, Deferred, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
 from .plan import BufferPlan, allgather_bytes, alltoall_bytes, sizes, total
 
@@ -62,6 +62,11 @@ def steps(job: Job, i: int) -> Steps:
     q2, ops, t = job.second, job.ops, job.transport
     n, me = t.size, t.rank
     p = plan(*job.layout.buffers[i], n, me, job.first, q2, segments=job.segments)
+    from . import pipeline  # (it imports this module's shards)
+
+    k = pipeline.chunks(job, p.parts)
+    if k > 1:
+        return (yield from chunked_steps(job, i, p, k))
     parts = p.parts
     a, b = parts[me]
     payloads, runs = [], []
@@ -97,12 +102,86 @@ def steps(job: Job, i: int) -> Steps:
     ]
 
 
-def sum_shard(job: Job, gathered, runs, copies: int, a: int, b: int, what: str):
+def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
+    """Buffer ``i`` of the two-phase exchange (its plan ``p``) in ``k`` chunks (chunk ``c``: run ``c``
+    of every shard, :mod:`.pipeline`): chunk ``c``'s first phase travels while chunk ``c - 1``'s
+    shard is summed and re-quantized and chunk ``c - 2``'s second phase decoded."""
+    from . import pipeline
+
+    q1, q2, ops, t = job.first, job.second, job.ops, job.transport
+    n, me = t.size, t.rank
+    parts = p.parts
+    a, b = parts[me]
+    runs = [pipeline.cuts(pa, pb, k, q1.bucket_size) for pa, pb in parts]  # runs[j][c]: chunk c of shard j
+    acc = ops.zeros(b - a)  # this rank's shard summed over the ranks, chunk by chunk
+    first_wait, second_wait, failures = [None] * k, [None] * k, [None] * k
+    pieces, raised = [], None
+
+    def scatter(c: int) -> Alltoall:
+        """1. every rank's chunk ``c`` of each shard to the shard's owner."""
+        payloads = [
+            job.encode_range(*r[c], q1, job.seed(i, j, 1), first=r[c][0] - parts[j][0]) for j, r in enumerate(runs)
+        ]
+        ca, cb = runs[me][c]
+        sizes = [q1.payload_bytes(r[c][1] - r[c][0]) for r in runs]
+        return Alltoall(ops.cat(payloads), sizes, [q1.payload_bytes(cb - ca)] * n, f"a2a{i}-{c}")
+
+    def gather(c: int) -> Allgather:
+        """2. chunk ``c`` of this rank's summed shard, re-quantized, to every rank (poisoned on a failure)."""
+        ca, cb = runs[me][c]
+        view = acc[ca - a : cb - a]
+        what = f"chunk {c} of shard {me} of buffer {i}"
+        _, failures[c] = sum_shard(job, first_wait[c](), [(ca, cb, q1, q2)], n, ca, cb, what, out=view, collect=False)
+        payload = job.encode(view, q2, job.seed(i, me, 2), first=ca - a)
+        if failures[c] is not None:
+            payload = poisoned(ops, payload)
+        return Allgather(payload, [q2.payload_bytes(r[c][1] - r[c][0]) for r in runs], f"ag2-{i}-{c}")
+
+    def decode(c: int) -> None:
+        """Chunk ``c`` of every shard, as its owner re-quantized it: checked and decoded."""
+        nonlocal raised
+        gathered = second_wait[c]()
+        if raised is not None:
+            return
+        sizes = [q2.payload_bytes(r[c][1] - r[c][0]) for r in runs]
+        try:
+            bad = poisoned_blocks(ops.to_numpy(gathered), sizes)
+            if bad:
+                if failures[c] is not None:
+                    raise failures[c]
+                raise ProtocolError(
+                    f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
+                    f"shards of buffer {i} (see their errors); refusing to decode on every rank"
+                )
+            expected = [[(r[c][1] - r[c][0], q2)] for r in runs]
+            offsets = check_segments(ops, gathered, expected, f"second phase of chunk {c} of buffer {i}")
+        except ProtocolError as exc:
+            raised = exc
+            return
+        for j, r in enumerate(runs):
+            pieces.append(pipeline.summed(job, *r[c], gathered, [offsets[j][0]], q2))
+
+    for c in range(k + 2):  # first phase of chunk c, second phase of c - 1, decode of c - 2
+        if c < k:
+            first_wait[c] = yield Deferred(scatter(c))
+        if 0 <= c - 1 < k:
+            second_wait[c - 1] = yield Deferred(gather(c - 1))
+        if 0 <= c - 2 < k:
+            decode(c - 2)
+    if job.collect_second and b > a:
+        job.add_second_statistics(ops.statistics(acc, job.second))
+    if raised is not None:
+        raise raised
+    return pieces
+
+
+def sum_shard(job: Job, gathered, runs, copies: int, a: int, b: int, what: str, out=None, collect: bool = True):
     """Decode and sum the ``copies`` payloads of ``[a, b)`` (encoded as ``runs``) in ``gathered``:
     the sum (padding zeroed, the second quantizer's statistics collected) and the ProtocolError met
-    on the way, or None; a rank that met one poisons what it sends next, so that every rank raises."""
+    on the way, or None; a rank that met one poisons what it sends next, so that every rank raises.
+    ``out``: the sum's vector (default: a new one); ``collect``: whether to collect its statistics here."""
     ops = job.ops
-    acc = ops.zeros(b - a)
+    acc = ops.zeros(b - a) if out is None else out
     failure = None
     try:
         offsets = check_segments(ops, gathered, [[(rb - ra, q) for ra, rb, q, _ in runs]] * copies, what)
@@ -112,7 +191,7 @@ def sum_shard(job: Job, gathered, runs, copies: int, a: int, b: int, what: str):
         failure = err
     for pa, pb in job.layout.padding_in(a, b):  # keep padding out of the second norms
         acc[pa - a : pb - a] = 0
-    if job.collect_second and b > a:
+    if collect and job.collect_second and b > a:
         job.add_second_statistics(ops.statistics(acc, job.second))
     return acc, failure
 

@@ -71,14 +71,20 @@ def _same(a, b):
 
 @pytest.mark.parametrize(
     "exchange, ranks, g, chunk, k",
-    [("allgather", 2, None, 2000, 4), ("allgather", 3, None, 6000, 2), ("hierarchical", 4, 2, 1500, 5)],
+    [
+        ("allgather", 2, None, 2000, 4),
+        ("allgather", 3, None, 6000, 2),
+        ("hierarchical", 4, 2, 1500, 5),
+        ("two-phase", 3, None, 1500, 5),
+        ("two-phase", 4, None, 3000, 3),
+    ],
 )
 def test_pipelined_rounds_equal_the_unpipelined_ones_bit_for_bit(exchange, ranks, g, chunk, k):
     rounds = _rounds(ranks, 3)  # round 0 refits (its statistics from the pipelined decode), then new levels
     plain, n_plain = _run(ranks, rounds, 0, exchange, g)
     piped, n_piped = _run(ranks, rounds, chunk, exchange, g)
     _same(plain, piped)
-    stages = 3 if exchange == "hierarchical" else 1
+    stages = {"hierarchical": 3, "two-phase": 2}.get(exchange, 1)
     # one buffer: its stages once per chunk instead of once (the handshake rides with the first)
     assert [n + (k - 1) * stages for n in n_plain] == n_piped
     for out in piped:  # identical on every rank
@@ -87,7 +93,7 @@ def test_pipelined_rounds_equal_the_unpipelined_ones_bit_for_bit(exchange, ranks
                 assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("exchange, ranks, g", [("allgather", 2, None), ("hierarchical", 4, 2)])
+@pytest.mark.parametrize("exchange, ranks, g", [("allgather", 2, None), ("hierarchical", 4, 2), ("two-phase", 3, None)])
 def test_preconditioned_pipelined_rounds_equal_the_unpipelined_ones(exchange, ranks, g):
     """Scales w (precondition=): each chunk quantizes x * w read in place, the decode divides by w."""
     gen = torch.Generator().manual_seed(7)
@@ -159,13 +165,15 @@ def _corrupting(module, tag, rank):
         # rank 1's quantized node sum of its shard's chunk 2 reaches the shard's owners on both nodes
         # (ranks 1 and 3) broken: each poisons what it forwards in its node, and every rank refuses
         ("hierarchical", 4, 2, "h2-0-2", 3 * 5, "buffer 0"),
+        # rank 1's chunk 2 of every shard reaches each shard's owner broken: each poisons its second phase
+        ("two-phase", 3, None, "a2a0-2", 2 * 5, "chunk 2 of shard"),
     ],
 )
 def test_an_invalid_chunk_raises_on_every_rank_after_the_last_collective(exchange, ranks, g, tag, count, where):
     """A broken payload in a chunk: every rank raises, after the buffer's last collective (none waits)."""
-    from horovod_alq.exchange import allgather, hierarchical
+    from horovod_alq.exchange import allgather, hierarchical, two_phase
 
-    module = {"allgather": allgather, "hierarchical": hierarchical}[exchange]
+    module = {"allgather": allgather, "hierarchical": hierarchical, "two-phase": two_phase}[exchange]
     real, corrupt = _corrupting(module, tag, 1)
     module.chunked_steps = corrupt
     try:

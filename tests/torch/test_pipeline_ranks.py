@@ -1,5 +1,5 @@
-"""The pipelined round (exchange/pipeline.py) across real Horovod processes: 2 ranks (allgather) and
-4 ranks as 2 nodes x 2 (hierarchical): the pipelined rounds give bit for bit the unpipelined
+"""The pipelined round (exchange/pipeline.py) across real Horovod processes: 2 ranks (allgather), 4
+ranks (two-phase) and 4 ranks as 2 nodes x 2 (hierarchical): the pipelined rounds give bit for bit the unpipelined
 rounds' results on every rank, with the collectives the chunking asks for, and a rank that cuts
 its buffers into other chunks makes every rank raise (none hangs)."""
 
@@ -14,8 +14,12 @@ CHUNK = 1 << 18  # bytes: 65536 coordinates
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("np_, local", [(2, None), (4, 2)], ids=["2-ranks-allgather", "2x2-hierarchical"])
-def test_pipelined_rounds_are_the_unpipelined_ones_on_real_ranks(np_, local):
+@pytest.mark.parametrize(
+    "np_, local, exchange",
+    [(2, None, "allgather"), (4, None, "two-phase"), (4, 2, "hierarchical")],
+    ids=["2-ranks-allgather", "4-ranks-two-phase", "2x2-hierarchical"],
+)
+def test_pipelined_rounds_are_the_unpipelined_ones_on_real_ranks(np_, local, exchange):
     env = {"HOROVOD_ALQ_LOCAL_SIZE": str(local)} if local else {}
     results = run_ranks(
         "pipelined.py",
@@ -25,7 +29,6 @@ def test_pipelined_rounds_are_the_unpipelined_ones_on_real_ranks(np_, local):
         env=env,
         timeout=400,
     )
-    exchange = "hierarchical" if local else "allgather"
     length = plan_layout(list(SIZES), D, None).length
     chunks = -(-length // (CHUNK // 4))
     assert chunks > 2
