@@ -167,7 +167,8 @@ class Settings:
     """A round's fusion buffer of more than this many bytes of float32 travels in chunks of about
     this size, each chunk encoded and decoded while another is on the wire (the same results bit
     for bit; the compiled CPU codec, the allgather, two-phase and hierarchical exchanges, the fixed wire);
-    None: ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 4 MiB; 0: off. docs/design/design.md, "Pipelined round"."""
+    None: ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 0: off (opt-in until a run measures it faster; 4 MiB
+    is a starting point). docs/design/design.md, "Pipelined round"."""
 
     overlap: bool = True
     """Start each fusion buffer's exchange as soon as it is complete, during the backward pass, not

@@ -65,11 +65,12 @@ DEFAULT_FUSION_BYTES = 64 << 20
 
 #: A fusion buffer of more than this many bytes of float32 gradient is exchanged in chunks of about
 #: this size, pipelined (:mod:`.pipeline`; ``pipeline_bytes=``, ``HOROVOD_ALQ_PIPELINE_BYTES``; 0: off).
-DEFAULT_PIPELINE_BYTES = 4 << 20
+#: Off by default: no run has measured it faster yet (docs/results/bench_train_step.md#pipeline).
+DEFAULT_PIPELINE_BYTES = 0
 
 
 def resolve_pipeline_bytes(value: int | None) -> int:
-    """``pipeline_bytes`` as given, else ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 4 MiB; ValueError if bad."""
+    """``pipeline_bytes`` as given, else ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 0 (off); ValueError if bad."""
     return _resolve_bytes(value, "pipeline_bytes", "HOROVOD_ALQ_PIPELINE_BYTES", DEFAULT_PIPELINE_BYTES, "pipelining")
 
 
@@ -122,7 +123,7 @@ class Engine:
     pipeline_bytes : int, optional
         A fused round's buffer of more than this many bytes of float32 travels in chunks of about
         this size, each encoded and decoded while another travels (:mod:`.pipeline`; the same
-        results); None: ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 4 MiB; 0: off.
+        results); None: ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 0: off.
     """
 
     def __init__(
