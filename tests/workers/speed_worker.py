@@ -29,64 +29,66 @@ class Net(torch.nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("frontend", choices=("ddp", "torch"))
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--flip", type=int, default=30)
-    p.add_argument("--mismatch", action="store_true", help="the last rank builds compress='always'")
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = Net()
+def build(frontend: str, model: torch.nn.Module, last_compress: str | None = None) -> tuple:
+    """``model`` with the front-end, ``compress="when-faster"`` (the last rank ``last_compress``
+    where given): (net, opt, round_state, metrics, rank, size). Starts the front-end once."""
     keywords = dict(compress="when-faster", bucket_size=256, min_size=256, seed=3, update_steps=(0,), update_every=5)
     launched = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
     last = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", 1))) - 1
-    if args.mismatch and launched == last:
-        keywords["compress"] = "always"
-    if args.frontend == "ddp":
+    if last_compress is not None and launched == last:
+        keywords["compress"] = last_compress
+    if frontend == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from horovod_alq.torch.ddp import ALQState, alq_hook
 
-        dist.init_process_group("gloo")
-        rank, size = dist.get_rank(), dist.get_world_size()
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
         net = DDP(model, bucket_cap_mb=0.01)
         state = ALQState(**keywords)
         net.register_comm_hook(state, alq_hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
-        round_state, metrics = state.round_state, state.metrics
-    else:
-        import horovod.torch as hvd
+        return net, opt, state.round_state, state.metrics, dist.get_rank(), dist.get_world_size()
+    import horovod.torch as hvd
 
-        from horovod_alq.torch import ALQCompressor
+    from horovod_alq.torch import ALQCompressor
 
+    if not hvd.is_initialized():
         hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        net = model
-        compression = ALQCompressor(**keywords)
-        opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05),
-            named_parameters=model.named_parameters(),
-            compression=compression,
-        )
-        round_state, metrics = compression._state, compression.metrics
-    if args.mismatch:
-        x = torch.randn(16, 32)
-        try:
-            F.mse_loss(net(x), x[:, :4]).backward()
-            opt.step()
-        except Exception as err:  # noqa: BLE001
-            report({"rank": rank, "raised": True, "message": f"{type(err).__name__}: {err}"})
-        else:
-            report({"rank": rank, "raised": False})
-        if args.frontend == "torch":
-            return  # Horovod shuts down at exit (mpirun wants MPI finalized)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # after a hook raised in backward, skip the C++ teardown (as ddp_worker.py)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    compression = ALQCompressor(**keywords)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+    )
+    return model, opt, compression._state, compression.metrics, hvd.rank(), hvd.size()
+
+
+def mismatched(frontend: str) -> dict:
+    """A model whose last rank was built with compress='always': its first step must raise on every rank."""
+    net, opt, *_ = build(frontend, Net(), last_compress="always")
+    x = torch.randn(16, 32)
+    try:
+        F.mse_loss(net(x), x[:, :4]).backward()
+        opt.step()
+    except Exception as err:  # noqa: BLE001
+        return {"raised": True, "message": f"{type(err).__name__}: {err}"}
+    return {"raised": False}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("frontend", choices=("ddp", "torch"))
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--flip", type=int, default=30)
+    p.add_argument("--mismatch", action="store_true", help="then a model whose last rank builds compress='always'")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Net()
+    net, opt, round_state, metrics, rank, size = build(args.frontend, model)
     now = [0.0]
     arbiter = round_state.speed
     assert arbiter is not None, "compress='when-faster' made no arbiter"
@@ -108,17 +110,23 @@ def main() -> None:
         digests.append(digest(*model.parameters()))
         updates.append(int(round_state.level_updates))
     m = metrics()
-    report(
-        {
-            "rank": rank,
-            "size": size,
-            "paths": paths,
-            "digests": digests,
-            "level_updates": updates,
-            "metrics": {k: m[k] for k in m if k.startswith(("compress", "step", "rounds_16bit", "level"))},
-            "levels": [float(v) for v in round_state.quantizer.levels],
-        }
-    )
+    out = {
+        "rank": rank,
+        "size": size,
+        "paths": paths,
+        "digests": digests,
+        "level_updates": updates,
+        "metrics": {k: m[k] for k in m if k.startswith(("compress", "step", "rounds_16bit", "level"))},
+        "levels": [float(v) for v in round_state.quantizer.levels],
+    }
+    if args.mismatch:  # after the training (one launch): a mismatched model raises on every rank
+        out["mismatch"] = mismatched(args.frontend)
+    report(out)
+    if args.mismatch and args.frontend == "ddp":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # after a hook raised in backward, skip the C++ teardown (as ddp_worker.py)
+    # (Horovod shuts down at exit: mpirun wants MPI finalized)
 
 
 if __name__ == "__main__":
