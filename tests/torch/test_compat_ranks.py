@@ -1,8 +1,8 @@
 """Horovod compatibility of the PyTorch compressors with real ranks (issue 14).
 
 The 2-rank MPI scenarios of tests/workers/torch_compat.py run in turn in one launch (Horovod and
-torch start once; module-scoped fixtures), the others in launches of their own (2 ranks unless
-said), with ``ALQCompressor(bits=3, bucket_size=512, min_size=16)``. Every launch has a timeout:
+torch start once; module-scoped fixtures), the two 3-rank ones in another, the others in launches
+of their own (2 ranks unless said), with ``ALQCompressor(bits=3, bucket_size=512, min_size=16)``. Every launch has a timeout:
 a hang fails the test (``run_ranks`` kills every process) instead of stalling the suite. The worker
 catches the errors it expects and reports them as ``"Kind/Type: message"``, Kind being
 ``RuntimeError`` when the error is one (Horovod's error type in torch).
@@ -170,8 +170,15 @@ def test_uncompressed_tensor_of_the_control_vector_shape_is_reduced_in_its_shape
 
 
 @pytest.fixture(scope="module")
-def process_sets():
-    return _run("process_sets", np_=3)
+def three_ranks():
+    """The 3-rank scenarios in one launch: odd_sizes, then process_sets (last: its hvd.init
+    registers the set {0, 1})."""
+    return _run("odd_sizes+process_sets", np_=3, timeout=2 * TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def process_sets(three_ranks):
+    return scenario(three_ranks, "process_sets")
 
 
 def test_process_set_mean_over_members_only(process_sets):
@@ -285,8 +292,8 @@ def test_different_settings_raise_the_same_error_on_every_rank(settings, exchang
     assert errors[0] == errors[1]
 
 
-def test_two_phase_three_ranks_odd_sizes_identical_on_all_ranks():
-    res = _run("odd_sizes", np_=3)
+def test_two_phase_three_ranks_odd_sizes_identical_on_all_ranks(three_ranks):
+    res = scenario(three_ranks, "odd_sizes")
     sizes = [[37], [1000], [513], [5003], [17]]
     for fusion in ("0", "4096", "b4"):
         for rnd in range(3):
