@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from scripts.common import launch
 
@@ -254,6 +255,73 @@ def test_demo_bits_auto():
         dc.width_keywords(dc.parse_args("", ["--bits", "3", "--bit-budget", "2.5"]))
     with pytest.raises(SystemExit):
         dc.parse_args("", ["--bits", "many"])
+
+
+def test_demo_adam_and_precondition_options(tmp_path):
+    """--optimizer adam (default lr 3e-3) and the +pre suffix: +pre gives the compressor the optimizer
+    (SGD's is refused by it), is known to train.py only, and needs Horovod and Adam."""
+    import argparse
+
+    import scripts.common.demo as dc
+    from horovod_alq import torch as alq
+
+    train = load("demo.train")
+    args = dc.parse_args("", ["--optimizer", "adam"], optimizers=True)
+    assert args.lr == dc.ADAM_LR and dc.parse_args("", [], optimizers=True).lr == 0.05
+    model = torch.nn.Linear(4, 2)
+    assert isinstance(train.make_optimizer(model, args), torch.optim.Adam)
+    dc.make_compressor(None, alq, "alq+pre", args, precondition=torch.optim.Adam(model.parameters()))
+    with pytest.raises(ValueError, match="second moment"):
+        dc.make_compressor(None, alq, "alq+pre", args, precondition=torch.optim.SGD(model.parameters(), lr=0.1))
+    methods = argparse.Namespace(methods="alq+pre,none")
+    assert dc.selected_methods(methods, precondition=True) == ["alq+pre", "none"]
+    assert dc.selected_methods(methods) is None  # train_tf.py: no +pre
+    assert dc.selected_methods(argparse.Namespace(methods="none+pre"), precondition=True) is None
+    assert train.main(["--methods", "alq+pre"]) == 2  # SGD
+    assert train.main(["--methods", "alq+pre", "--optimizer", "adam", "--backend", "ddp"]) == 2
+
+
+def test_run_accuracy_pairs_preconditioned_with_plain(tmp_path):
+    """--optimizer adam aggregates only Adam's raw files, and pairs alq+pre with alq on each seed."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for seed, (plain, pre) in enumerate(((0.90, 0.92), (0.91, 0.90), (0.93, 0.95))):
+        results = [
+            {"method": "alq", "bucket_size": 8192, "accuracy": plain},
+            {"method": "alq+pre", "bucket_size": 8192, "accuracy": pre},
+            {"method": "none", "bucket_size": None, "accuracy": 0.92},
+        ]
+        (raw / f"np4_b3_d8192_s{seed}_e8_adam_alq-alq+pre-none.json").write_text(
+            json.dumps({"args": {"seed": seed, "lr": 0.003, "optimizer": "adam"}, "results": results})
+        )
+        (raw / f"np4_b3_d8192_s{seed}_e8_alq.json").write_text(  # SGD's, from before --optimizer
+            json.dumps({"args": {"seed": seed, "lr": 0.05}, "results": [results[0]]})
+        )
+    mod = load("study.run_accuracy")
+    argv = ["--aggregate-only", "--epochs", "8", "--raw-dir", str(raw), "--out-dir", str(tmp_path), "--tag", "_a"]
+    assert mod.main([*argv, "--optimizer", "adam"]) == 0
+    summary = json.loads((tmp_path / "data" / "accuracy_a.json").read_text())["summary"]
+    d = summary["alq+pre@8192"]["vs_plain"]
+    assert d["n"] == 3 and d["mean"] == pytest.approx(1.0) and d["higher"] == 2
+    assert summary["alq+pre@8192"]["vs_fp32"]["mean"] == pytest.approx(0.3333, abs=1e-3)
+    assert "alq: +pre − plain | +1.00 ± " in (tmp_path / "accuracy_a.md").read_text()
+    assert mod.main(argv) == 0  # SGD: the one file per seed without an optimizer, no +pre row
+    summary = json.loads((tmp_path / "data" / "accuracy_a.json").read_text())["summary"]
+    assert set(summary) == {"alq@8192"} and summary["alq@8192"]["n"] == 3
+
+
+@pytest.mark.multiproc
+def test_train_adam_preconditioned_two_ranks(tmp_path):
+    """train.py --optimizer adam with alq and alq+pre (1 epoch, 2 ranks): both train to a finite
+    accuracy, and +pre changes the run (same seed, same rounding: only w differs)."""
+    out = tmp_path / "train.json"
+    args = ["--optimizer", "adam", "--methods", "alq,alq+pre", "--epochs", "1", "--quiet", "--json", out]
+    mpirun_module("scripts.demo.train", *args)
+    data = json.loads(out.read_text())
+    plain, pre = data["results"]
+    assert data["args"]["optimizer"] == "adam" and [plain["method"], pre["method"]] == ["alq", "alq+pre"]
+    assert all(np.isfinite(r["final_loss"]) and r["accuracy"] > 0.5 and r["bits"] == 3 for r in (plain, pre))
+    assert pre["final_loss"] != plain["final_loss"]
 
 
 def test_run_accuracy_aggregates_two_phase(tmp_path):

@@ -14,6 +14,13 @@ fp16 (Horovod's own compressors). No downloads: the digits are inside the mlxten
 A quantized method with -ag or -2p appended (alq-ag, alq-2p, amq-linf-2p) uses the allgather or the
 two-phase exchange; without, the compressor's default (exchange="auto": two-phase from 4 ranks on).
 
+--optimizer adam: torch.optim.Adam (default lr 3e-3) instead of SGD with momentum 0.9 (default lr
+0.05). Then a quantized method with +pre appended (alq+pre) gives the compressor the optimizer as
+precondition=: it quantizes g * w, w = 1 / (sqrt(v_hat) + floor) from Adam's second moment
+(horovod_alq/torch/precondition.py). Horovod backend only.
+
+    mpirun -np 2 python -m scripts.demo.train --optimizer adam --methods alq,alq+pre,none
+
 --backend ddp: PyTorch DistributedDataParallel over torch.distributed (gloo), launched by
 torchrun, without Horovod: the quantized methods run as the DDP communication hook
 horovod_alq.torch.ddp.alq_hook, "none" is DDP's own allreduce and "fp16" its fp16_compress_hook.
@@ -45,6 +52,7 @@ from scripts.common.demo import (
     selected_methods,
     split_exchange,
     split_norm,
+    split_pre,
     width_keywords,
 )
 
@@ -59,16 +67,24 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return correct / len(x)
 
 
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, or Adam (--optimizer adam), at --lr."""
+    if args.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=args.lr)
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+
 def run(method: str, args: argparse.Namespace, data) -> dict:
-    """Train with Horovod's DistributedOptimizer and ``method``'s compressor."""
+    """Train with Horovod's DistributedOptimizer and ``method``'s compressor (+pre: preconditioned
+    by the optimizer's second moment)."""
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(args.seed)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     from horovod_alq import torch as alq
 
-    compressor = make_compressor(hvd, alq, method, args)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = make_optimizer(model, args)
+    compressor = make_compressor(hvd, alq, method, args, precondition=optimizer if split_pre(method)[1] else None)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compressor)
     return train(method, args, data, model, model, optimizer, compressor, rank, size)
 
@@ -102,7 +118,7 @@ def run_ddp(method: str, args: argparse.Namespace, data) -> dict:
             min_size=args.min_size,
         )
         model.register_comm_hook(state, alq_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = make_optimizer(model, args)
     return train(method, args, data, model, model.module, optimizer, state, dist.get_rank(), dist.get_world_size())
 
 
@@ -143,7 +159,7 @@ def run_fsdp(method: str, args: argparse.Namespace, data) -> dict:
                 min_size=args.min_size,
             ),
         )
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = make_optimizer(model, args)
     return train(method, args, data, model, model, optimizer, comm, dist.get_rank(), dist.get_world_size())
 
 
@@ -153,7 +169,7 @@ def train(method, args, data, model, plain_model, optimizer, compressor, rank: i
     shard_x, shard_y = train_x[rank::size], train_y[rank::size]
     steps_per_epoch = len(shard_x) // args.batch_size
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    if rank == 0 and method in QUANTIZED:  # what codec="auto" runs on these CPU tensors, and why
+    if rank == 0 and split_pre(method)[0] in QUANTIZED:  # what codec="auto" runs on these CPU tensors, and why
         print(f"{method}: codec '{codecs.resolve('auto', 'cpu').name}' ({cpu_build.status()})", flush=True)
     progress = None
     if rank == 0 and not args.quiet:
@@ -188,9 +204,13 @@ def train(method, args, data, model, plain_model, optimizer, compressor, rank: i
 
 def main(argv=None) -> int:
     global hvd
-    args = parse_args(__doc__, argv, backends=("horovod", "ddp", "fsdp"))
-    methods = selected_methods(args)
+    args = parse_args(__doc__, argv, backends=("horovod", "ddp", "fsdp"), optimizers=True)
+    methods = selected_methods(args, precondition=True)
     if methods is None:
+        return 2
+    pre = [m for m in methods if split_pre(m)[1]]
+    if pre and (args.backend != "horovod" or args.optimizer != "adam"):
+        print(f"{pre}: +pre needs --backend horovod and --optimizer adam", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     data = load_digits(args.seed)

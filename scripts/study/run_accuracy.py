@@ -12,6 +12,8 @@ standard error) and a PNG.
         --methods alq-l2,alq-linf,amq-l2,amq-linf,qsgdinf,terngrad   # bucket norms
     python -m scripts.study.run_accuracy --buckets 8192 --methods alq-ag,alq-2p --baselines none \
         --tag _exchange   # allgather vs two-phase exchange (-ag / -2p suffixes)
+    python -m scripts.study.run_accuracy --optimizer adam --buckets 8192 --methods alq,alq+pre \
+        --baselines none --tag _adam   # Adam; +pre: preconditioned by its second moment
 
 fp32 (``none``) and ``fp16`` do not depend on the bucket size: they run once per seed, in the launch
 of the first bucket size (and first bit width); so does TernGrad (always 2 bits) when several bit
@@ -50,7 +52,7 @@ from pathlib import Path
 
 from scripts.common import launch
 from scripts.common import report as pages
-from scripts.common.demo import BASELINES, PLAIN, QUANTIZED
+from scripts.common.demo import BASELINES, PLAIN, PRE, QUANTIZED
 from scripts.study.feedback_switches import split, switched
 
 BITS_FREE = ["terngrad"]  # always 2 bits on the wire: one run per seed whatever --bits says
@@ -186,6 +188,12 @@ def _cnn_options(add) -> None:
     add("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
     add("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
     add("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
+    add(
+        "--optimizer",
+        choices=("sgd", "adam"),
+        default="sgd",
+        help="train.py --optimizer; adam allows methods ending in +pre (alq+pre); default sgd",
+    )
     add("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/data/accuracy_raw")
     add("--tag", default="", help="suffix of the output names: accuracy<tag>.md etc.; default none")
     add("--quick", action="store_true", help="2 ranks, seed 0, alq+fp16, bucket 8192, 1 epoch")
@@ -237,12 +245,16 @@ def cnn_launches(args) -> list[dict]:
 
 
 def cnn_run_launch(job: dict, args, raw_dir: Path) -> None:
-    name = f"np{args.np}_b{job['bits']}_d{job['bucket']}_s{job['seed']}_e{args.epochs}_{'-'.join(job['methods'])}.json"
+    opt = "" if args.optimizer == "sgd" else f"{args.optimizer}_"  # SGD's names as before --optimizer
+    name = f"np{args.np}_b{job['bits']}_d{job['bucket']}_s{job['seed']}_e{args.epochs}_{opt}"
+    name += f"{'-'.join(job['methods'])}.json"
     cmd = [*launch.mpirun(args.np), sys.executable, "-m", TRAIN["cnn"], "--methods", ",".join(job["methods"])]
     cmd += ["--bits", str(job["bits"]), "--bucket-size", str(job["bucket"]), "--epochs", str(args.epochs)]
     cmd += ["--seed", str(job["seed"]), "--quiet", "--json", "{json}"]
     if args.lr is not None:
         cmd += ["--lr", str(args.lr)]
+    if args.optimizer != "sgd":
+        cmd += ["--optimizer", args.optimizer]
     out = launch.resumable(cmd, raw_dir / name, args.timeout)
     if out:
         print("\n".join(out.strip().splitlines()[-len(job["methods"]) - 1 :]), flush=True)
@@ -258,6 +270,8 @@ def cnn_collect(raw_dir: Path, args) -> dict:
             if args.lr is not None and data["args"]["lr"] != args.lr:
                 print(f"[skip] {path.name}: lr {data['args']['lr']}, not {args.lr}", flush=True)
                 continue
+            if data["args"].get("optimizer", "sgd") != args.optimizer:
+                continue  # another optimizer's run (the raw files of SGD predate --optimizer)
             for r in data["results"]:
                 config = None
                 if r["bucket_size"] is not None:
@@ -295,7 +309,8 @@ def summarize(table: dict) -> tuple[list, list, dict]:
     if not configs:
         configs = sorted({c for _, c in table if c is not None})
     _ONE_BIT_WIDTH[0] = len({c[0] for c in configs}) == 1
-    methods = [m for m in QUANTIZED + BASELINES if any(k[0] == m for k in table)]
+    known = [v for m in QUANTIZED for v in (m, m + PRE)] + BASELINES
+    methods = [m for m in known if any(k[0] == m for k in table)]
     reference = {seed: 100 * a for seed, a in table.get(("none", None), [])}
     summary = {}
     for m in methods:
@@ -317,6 +332,11 @@ def summarize(table: dict) -> tuple[list, list, dict]:
                 pairs = [100 * (a - l2[seed]) for seed, a in runs if seed in l2]
                 if pairs:
                     cell["vs_l2"] = paired(pairs)
+            if m.endswith(PRE) and (m[: -len(PRE)], c) in table:  # same method without preconditioning
+                plain = dict(table[(m[: -len(PRE)], c)])
+                pairs = [100 * (a - plain[seed]) for seed, a in runs if seed in plain]
+                if pairs:
+                    cell["vs_plain"] = {**paired(pairs), "higher": sum(x > 0 for x in pairs), "diffs": pairs}
             summary[_key(m, c)] = cell
     return methods, configs, summary
 
@@ -378,6 +398,15 @@ def markdown(methods: list, configs: list, summary: dict) -> str:
         "Two-phase minus allgather exchange",
         lambda m: f"{m[:-3]}: 2p − ag",
     )
+    lines += _same_seed_table(
+        summary,
+        methods,
+        configs,
+        labels,
+        "vs_plain",
+        "Preconditioned minus plain (higher: on how many seeds +pre was more accurate)",
+        lambda m: f"{m[: -len(PRE)]}: +pre − plain",
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -391,9 +420,16 @@ def _same_seed_table(summary, methods, configs, labels, key: str, title: str, ro
     cells = []
     for m in rows:
         diffs = [summary.get(_key(m, c), {}).get(key) for c in configs]
-        cells.append([row_label(m)] + [f"{d['mean']:+.2f} ± {d['sem']:.2f}" if d else "-" for d in diffs])
+        cells.append([row_label(m)] + [_diff(d) for d in diffs])
     lines += pages.table(["method", *labels], cells)
     return lines
+
+
+def _diff(d: dict | None) -> str:
+    """``mean ± s.e.``, with the count of seeds where the first was higher when known."""
+    if not d:
+        return "-"
+    return f"{d['mean']:+.2f} ± {d['sem']:.2f}" + (f" (higher {d['higher']} of {d['n']})" if "higher" in d else "")
 
 
 def cnn_aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
@@ -406,6 +442,7 @@ def cnn_aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
                 "bits": args.bits_list,
                 "epochs": args.epochs,
                 "lr": args.lr,
+                "optimizer": args.optimizer,
                 "wall_seconds": wall,
                 "summary": summary,
             },
