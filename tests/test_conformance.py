@@ -118,7 +118,7 @@ def test_plans_are_the_wire_format(exchange, size, n):
 
 
 # ------------------------------------------------------------------ launches (one per front-end)
-_CACHE: dict = {}
+_CACHE: dict = {}  # front-end -> its launch's {tag: results}, or the failure of that launch
 
 
 def _launch(
@@ -126,34 +126,55 @@ def _launch(
 ) -> tuple:
     """One launch of the worker on ``frontend`` with ``args`` over ``exchanges`` (``plugin``:
     ``FILE:FUNCTION`` that registers more): (per-rank reports, rank 0's outputs)."""
+    return _launch_groups(tmp_path_factory, frontend, {tag: args}, exchanges, plugin)[tag]
+
+
+def _launch_groups(
+    tmp_path_factory, frontend: str, groups: dict, exchanges=EXCHANGE_NAMES, plugin: str | None = None
+) -> dict:
+    """One launch of the worker on ``frontend`` that runs each of ``groups`` (tag -> its arguments)
+    in turn: {tag: (per-rank reports, rank 0's outputs)}."""
     launcher, module = FRONTENDS[frontend]
     if importlib.util.find_spec(module.split(".")[0]) is None:
         pytest.skip(f"{module} is not installed")
-    out = tmp_path_factory.mktemp(f"{tag}-{frontend}")
     path = os.environ.get("PYTHONPATH")
     env = {"PYTHONPATH": str(ROOT) + (os.pathsep + path if path else ""), **PINNED_KERNELS}  # this checkout's package
-    common = ["--frontend", frontend, "--exchanges", ",".join(exchanges), "--elements", N, "--bits", BITS]
-    common += ["--bucket", BUCKET, "--seed", SEED, "--out", out] + (["--plugin", plugin] if plugin else [])
-    reports = run_ranks(WORKER, np=SIZE, launcher=launcher, timeout=300, env=env, args=common + args)
-    return reports, dict(np.load(out / f"{frontend}.npz"))
+    argv, outs = [], {}
+    for tag, args in groups.items():
+        outs[tag] = out = tmp_path_factory.mktemp(f"{tag}-{frontend}")
+        common = ["--frontend", frontend, "--exchanges", ",".join(exchanges), "--elements", N, "--bits", BITS]
+        common += ["--bucket", BUCKET, "--seed", SEED, "--out", out] + (["--plugin", plugin] if plugin else [])
+        argv += [*(["::"] if argv else []), *common, *args]
+    reports = run_ranks(WORKER, np=SIZE, launcher=launcher, timeout=300 * len(groups), env=env, args=argv)
+    if len(groups) > 1:
+        reports = {tag: [r["groups"][k] for r in reports] for k, tag in enumerate(groups)}
+    else:
+        reports = {tag: reports for tag in groups}
+    return {tag: (reports[tag], dict(np.load(outs[tag] / f"{frontend}.npz"))) for tag in groups}
+
+
+def _front(tmp_path_factory, frontend: str) -> dict:
+    """The front-end's one launch: the fixed wire (every method), then the entropy-coded wire and
+    error feedback where it serves them (below): {tag: (per-rank reports, rank 0's outputs)}."""
+    if frontend not in _CACHE:
+        groups = {"conformance": ["--methods", ",".join(METHODS), "--rounds", ROUNDS]}
+        if frontend in ENTROPY_FRONTENDS:
+            groups["entropy"] = ["--methods", "alq", "--rounds", ENTROPY_ROUNDS, "--wire", "entropy"]
+        if frontend in FEEDBACK_FRONTENDS:
+            groups["feedback"] = ["--methods", "alq", "--rounds", FEEDBACK_ROUNDS, "--error-feedback"]
+        try:
+            _CACHE[frontend] = _launch_groups(tmp_path_factory, frontend, groups)
+        except pytest.fail.Exception as exc:  # fail every test of this front-end, launch once
+            _CACHE[frontend] = exc
+    if isinstance(_CACHE[frontend], BaseException):
+        raise _CACHE[frontend]
+    return _CACHE[frontend]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """``launched(frontend)``: (per-rank reports, rank 0's outputs) of that front-end's one launch."""
-
-    def get(frontend: str):
-        if frontend not in _CACHE:
-            try:
-                args = ["--methods", ",".join(METHODS), "--rounds", ROUNDS]
-                _CACHE[frontend] = _launch(tmp_path_factory, frontend, "conformance", args)
-            except pytest.fail.Exception as exc:  # fail every test of this front-end, launch once
-                _CACHE[frontend] = exc
-        if isinstance(_CACHE[frontend], BaseException):
-            raise _CACHE[frontend]
-        return _CACHE[frontend]
-
-    return get
+    """``launched(frontend)``: (per-rank reports, rank 0's outputs) of the fixed wire, every method."""
+    return lambda frontend: _front(tmp_path_factory, frontend)["conformance"]
 
 
 def _run(launched, frontend, method, exchange):
@@ -330,17 +351,9 @@ ENTROPY_ROUNDS = 3
 
 @pytest.fixture(scope="module")
 def launched_entropy(tmp_path_factory):
-    """``launched_entropy(frontend)``: per-rank reports of one launch with ``wire="entropy"`` (alq,
-    every exchange, the fixed launches' seed and inputs, ENTROPY_ROUNDS rounds)."""
-    cache: dict = {}
-
-    def get(frontend: str):
-        if frontend not in cache:
-            args = ["--methods", "alq", "--rounds", ENTROPY_ROUNDS, "--wire", "entropy"]
-            cache[frontend] = _launch(tmp_path_factory, frontend, "conformance-entropy", args)[0]
-        return cache[frontend]
-
-    return get
+    """``launched_entropy(frontend)``: per-rank reports of the runs with ``wire="entropy"`` (alq,
+    every exchange, the fixed runs' seed and inputs, ENTROPY_ROUNDS rounds; the front-end's launch)."""
+    return lambda frontend: _front(tmp_path_factory, frontend)["entropy"][0]
 
 
 @pytest.mark.parametrize("exchange", EXCHANGE_NAMES)
@@ -368,17 +381,10 @@ FEEDBACK_ROUNDS = 12
 
 @pytest.fixture(scope="module")
 def launched_feedback(tmp_path_factory):
-    """``launched_feedback(frontend)``: (reports, rank 0's outputs) of one launch with
-    ``error_feedback=True`` (alq, every exchange, FEEDBACK_ROUNDS rounds of the same input)."""
-    cache: dict = {}
-
-    def get(frontend: str):
-        if frontend not in cache:
-            args = ["--methods", "alq", "--rounds", FEEDBACK_ROUNDS, "--error-feedback"]
-            cache[frontend] = _launch(tmp_path_factory, frontend, "conformance-feedback", args)
-        return cache[frontend]
-
-    return get
+    """``launched_feedback(frontend)``: (reports, rank 0's outputs) of the runs with
+    ``error_feedback=True`` (alq, every exchange, FEEDBACK_ROUNDS rounds of the same input; the
+    front-end's launch)."""
+    return lambda frontend: _front(tmp_path_factory, frontend)["feedback"]
 
 
 @pytest.mark.parametrize("exchange", EXCHANGE_NAMES)

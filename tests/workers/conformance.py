@@ -14,6 +14,8 @@ Rank 0 writes ``DIR/{frontend}.npz`` (key ``"{method}|{exchange}"``: the R outpu
 every rank reports, per key, the SHA-1 of each output, the front-end's ``metrics()`` per round
 (``bytes_sent`` and ``bytes_received`` of each round, warm-up first), the levels after the run and
 the error if the front-end refused.
+Groups of these arguments separated by "::" (one --frontend) run in turn in one launch, each with
+its own --out; every rank then reports ``{"groups": [what each group alone would report]}``.
 The assertions are the test's.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -251,14 +254,31 @@ def main() -> None:
     p.add_argument("--error-feedback", action="store_true", help="error_feedback=True; reports the buffers")
     p.add_argument("--out", required=True)
     p.add_argument("--plugin", help="FILE:FUNCTION to call first (a test that registers an exchange of its own)")
-    args = p.parse_args()
-    if args.plugin:
-        load_plugin(args.plugin)
+    groups, current = [], []  # runs with arguments of their own, "::" between them: one launch
+    for word in sys.argv[1:] + ["::"]:
+        if word == "::":
+            groups.append(p.parse_args(current))
+            current = []
+        else:
+            current.append(word)
+    if len({g.frontend for g in groups}) > 1:
+        p.error("one --frontend for every group of a launch")
+    for args in groups:
+        if args.plugin:
+            load_plugin(args.plugin)
 
-    from common import placed_buffers, report
+    from common import report
 
     start = time.monotonic()
-    rank, make = FRONTENDS[args.frontend]()
+    rank, make = FRONTENDS[groups[0].frontend]()
+    outs = [run_group(args, rank, make, start) for args in groups]
+    report(outs[0] if len(outs) == 1 else {"groups": outs})
+
+
+def run_group(args, rank: int, make, start: float) -> dict:
+    """One group's runs: every (method, exchange) of ``args``; rank 0 saves the outputs in --out."""
+    from common import placed_buffers
+
     x = rank_data(rank, args.elements)
     arrays, out = {}, {"rank": rank, "startup_s": time.monotonic() - start, "runs": {}}
     for method in args.methods.split(","):
@@ -284,7 +304,7 @@ def main() -> None:
     if rank == 0:  # the other ranks' outputs are compared through their digests
         np.savez(Path(args.out) / f"{args.frontend}.npz", **arrays)
     out["total_s"] = time.monotonic() - start
-    report(out)
+    return out
 
 
 if __name__ == "__main__":
