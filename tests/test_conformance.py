@@ -40,7 +40,7 @@ from scipy.stats import t as student
 from horovod_alq.core.quantizer import Quantizer
 from horovod_alq.core.wire import payload_size
 from horovod_alq.exchange import registry
-from horovod_alq.exchange.two_phase import shards
+from horovod_alq.exchange.plan import shards
 
 pytestmark = pytest.mark.multiproc
 

@@ -16,8 +16,7 @@ from horovod_alq.exchange import registry
 from horovod_alq.exchange.descriptor import Exchange
 from horovod_alq.exchange.job import Allgather, Piece
 from horovod_alq.exchange.payloads import check_payloads
-from horovod_alq.exchange.plan import BufferPlan, allgather_bytes, sizes, total
-from horovod_alq.exchange.two_phase import shards
+from horovod_alq.exchange.plan import BufferPlan, allgather_bytes, shards, sizes, total
 
 pytestmark = pytest.mark.multiproc
 

@@ -38,9 +38,8 @@ from .descriptor import Exchange
 from .interfaces import Tensor
 from .job import Alltoall, Deferred, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
-from .plan import BufferPlan, alltoall_bytes, sizes, total
+from .plan import BufferPlan, alltoall_bytes, shards, sizes, total
 from .topology import local_size
-from .two_phase import shards
 
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 3
@@ -277,13 +276,7 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
         for j, r in enumerate(runs):
             pieces.append(pipeline.summed(job, *r[c], gathered, [offsets[j * nodes + m][0] for m in range(nodes)]))
 
-    for c in range(k + 2):  # stage 2 of chunk c, stage 3 of c - 1, decode of c - 2
-        if c < k:
-            second_wait[c] = yield Deferred(cross(c))
-        if 0 <= c - 1 < k:
-            third_wait[c - 1] = yield Deferred(forward(c - 1))
-        if 0 <= c - 2 < k:
-            decode(c - 2)
+    yield from pipeline.staggered(k, cross, forward, decode, second_wait, third_wait)  # stages 2, 3, decode
     if job.collect_first and b > a:
         job.add_first_statistics(ops.statistics(acc, q))
     if raised is not None:

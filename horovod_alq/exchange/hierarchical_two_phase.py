@@ -36,9 +36,9 @@ from .descriptor import Exchange
 from .hierarchical import cross_ranks, forward_in_node, forward_splits, node_sum, node_sum_splits, splits
 from .job import Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
-from .plan import BufferPlan, alltoall_bytes, sizes, total
+from .plan import BufferPlan, alltoall_bytes, shards, sizes, total
 from .topology import local_size
-from .two_phase import shards, sum_shard
+from .two_phase import sum_shard
 
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 4

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .job import Job, Piece
-from .two_phase import shards
+from .job import Deferred, Job, Piece
+from .plan import shards
 
 __all__ = ["chunks", "cuts", "summed"]
 
@@ -64,3 +64,17 @@ def summed(job: Job, a: int, b: int, gathered, offsets: Sequence[int], quantizer
     out = job.ops.empty(b - a)
     job.ops.decode_sum(out, gathered, list(offsets), q)
     return Piece(a, b, out, (), job.frozen(q), summed=True)
+
+
+def staggered(k: int, start, follow, finish, started: list, followed: list):
+    """The last two stages of ``k`` chunks, staggered: chunk ``c``'s ``start(c)`` request, then
+    ``follow(c - 1)``'s, then ``finish(c - 2)`` (its result decoded), so that two chunks are on the
+    wire while the main thread works on a third. The waits land in ``started[c]`` and ``followed[c]``;
+    every rank issues the requests in this same order."""
+    for c in range(k + 2):
+        if c < k:
+            started[c] = yield Deferred(start(c))
+        if 0 <= c - 1 < k:
+            followed[c - 1] = yield Deferred(follow(c - 1))
+        if 0 <= c - 2 < k:
+            finish(c - 2)

@@ -28,6 +28,19 @@ class BufferPlan:
     received: int = 0
 
 
+def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut into ``parts`` runs of whole buckets (counted from ``lo``), as even as whole
+    buckets allow: the first ``buckets % parts`` runs hold one bucket more; runs may be empty."""
+    d = bucket_size
+    buckets = -(-(hi - lo) // d)
+    base, extra = divmod(buckets, parts)
+    bounds, pos = [lo], lo
+    for j in range(parts):
+        pos += (base + (j < extra)) * d
+        bounds.append(min(pos, hi))
+    return [(bounds[j], bounds[j + 1]) for j in range(parts)]
+
+
 def sizes(parts: Sequence[tuple[int, int]], quantizer: Quantizer, segments=None, phase: int = 0) -> tuple[int, ...]:
     """The payload size of each element range under ``quantizer``; with ``segments`` (a job's
     :meth:`~.job.Job.segments`), the sum over its runs of one width, each run's quantizer of

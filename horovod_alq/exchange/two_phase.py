@@ -21,27 +21,15 @@ import numpy as np
 
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
+from . import pipeline
 from .descriptor import Exchange
-from .job import Allgather, Alltoall, Deferred, Job, Piece, Steps, joined
+from .job import Allgather, Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
-from .plan import BufferPlan, allgather_bytes, alltoall_bytes, sizes, total
+from .plan import BufferPlan, allgather_bytes, alltoall_bytes, shards, sizes, total
 
 #: Collectives per buffer (a streamed round gives each its own transport).
 STAGES = 2
 NAME = "two-phase"
-
-
-def shards(lo: int, hi: int, parts: int, bucket_size: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` cut into ``parts`` runs of whole buckets (counted from ``lo``), as even as whole
-    buckets allow: the first ``buckets % parts`` runs hold one bucket more; runs may be empty."""
-    d = bucket_size
-    buckets = -(-(hi - lo) // d)
-    base, extra = divmod(buckets, parts)
-    bounds, pos = [lo], lo
-    for j in range(parts):
-        pos += (base + (j < extra)) * d
-        bounds.append(min(pos, hi))
-    return [(bounds[j], bounds[j + 1]) for j in range(parts)]
 
 
 def plan(lo: int, hi: int, size: int, rank: int, first: Quantizer, second: Quantizer, segments=None) -> BufferPlan:
@@ -62,8 +50,6 @@ def steps(job: Job, i: int) -> Steps:
     q2, ops, t = job.second, job.ops, job.transport
     n, me = t.size, t.rank
     p = plan(*job.layout.buffers[i], n, me, job.first, q2, segments=job.segments)
-    from . import pipeline  # (it imports this module's shards)
-
     k = pipeline.chunks(job, p.parts)
     if k > 1:
         return (yield from chunked_steps(job, i, p, k))
@@ -106,8 +92,6 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
     """Buffer ``i`` of the two-phase exchange (its plan ``p``) in ``k`` chunks (chunk ``c``: run ``c``
     of every shard, :mod:`.pipeline`): chunk ``c``'s first phase travels while chunk ``c - 1``'s
     shard is summed and re-quantized and chunk ``c - 2``'s second phase decoded."""
-    from . import pipeline
-
     q1, q2, ops, t = job.first, job.second, job.ops, job.transport
     n, me = t.size, t.rank
     parts = p.parts
@@ -161,13 +145,7 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
         for j, r in enumerate(runs):
             pieces.append(pipeline.summed(job, *r[c], gathered, [offsets[j][0]], q2))
 
-    for c in range(k + 2):  # first phase of chunk c, second phase of c - 1, decode of c - 2
-        if c < k:
-            first_wait[c] = yield Deferred(scatter(c))
-        if 0 <= c - 1 < k:
-            second_wait[c - 1] = yield Deferred(gather(c - 1))
-        if 0 <= c - 2 < k:
-            decode(c - 2)
+    yield from pipeline.staggered(k, scatter, gather, decode, first_wait, second_wait)  # phases 1, 2, decode
     if job.collect_second and b > a:
         job.add_second_statistics(ops.statistics(acc, job.second))
     if raised is not None:

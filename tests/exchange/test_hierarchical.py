@@ -118,7 +118,7 @@ def test_levels_are_fitted_to_the_node_sums(exchange):
     assert all(np.array_equal(levels[0], lv) for lv in levels)
     # the same fit from the statistics of the node sums, as the owners quantize them
     ops, ref = NumpyOps(), Quantizer("alq", 3, D)
-    from horovod_alq.exchange.two_phase import shards
+    from horovod_alq.exchange.plan import shards
 
     layout = plan_layout(list(SIZES), D, None)
     stats = 0
