@@ -2,10 +2,11 @@
 
 The 2-rank MPI scenarios of tests/workers/torch_compat.py run in turn in one launch (Horovod and
 torch start once; module-scoped fixtures), the two 3-rank ones in another, the others in launches
-of their own (2 ranks unless said), with ``ALQCompressor(bits=3, bucket_size=512, min_size=16)``. Every launch has a timeout:
-a hang fails the test (``run_ranks`` kills every process) instead of stalling the suite. The worker
-catches the errors it expects and reports them as ``"Kind/Type: message"``, Kind being
-``RuntimeError`` when the error is one (Horovod's error type in torch).
+of their own (2 ranks unless said), with ``ALQCompressor(bits=3, bucket_size=512, min_size=16)``.
+Every launch has a timeout: a hang fails the test (``run_ranks`` kills every process) instead of
+stalling the suite. The worker catches the errors it expects and reports them as
+``"Kind/Type: message"``, Kind being ``RuntimeError`` when the error is one (Horovod's error type in
+torch).
 """
 
 import pytest
