@@ -132,3 +132,20 @@ def count_fused_encodes() -> list:
 
     TorchOps.encode_parts = counted
     return counter
+
+
+def assert_refits_at_first_preconditioned_round(ranks: list) -> None:
+    """Every rank's ``refit`` record (tests/workers' precondition scenarios): round 0 refit from the
+    bare gradients, round 1 (the first preconditioned one) refit again from the scaled statistics
+    summed over the ranks (levels equal to the fit on them, unlike the fit on the bare ones), the
+    same levels on every rank, and no refit after it."""
+    assert same(ranks, lambda r: r["refit"]["levels"])
+    for r in ranks:
+        m = r["refit"]
+        assert m["w_active"], m
+        assert m["updates"] == [1, 2, 2, 2], m["updates"]
+        levels = np.array(m["levels"])
+        assert np.abs(levels[1] - levels[0]).max() > 1e-3, levels
+        assert np.allclose(levels[1], m["scaled"], rtol=0, atol=1e-6), (levels[1], m["scaled"])
+        assert np.abs(levels[1] - np.array(m["unscaled"])).max() > 1e-3, (levels[1], m["unscaled"])
+        assert (levels[2:] == levels[1]).all()

@@ -6,9 +6,8 @@ and a rank whose AdamW state differs raises on every rank, naming the scales, wi
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from helpers import same
+from helpers import assert_refits_at_first_preconditioned_round, same
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -53,13 +52,4 @@ def test_first_preconditioned_round_refits_the_levels(ranks):
     preconditioned one, refits again (outside the schedule 0, 100, ...) from the statistics of
     g * w summed over the ranks: the same levels on every rank, those of a fit on the scaled
     statistics and not of one on the bare gradients; no refit after it."""
-    assert same(ranks, lambda r: r["refit"]["levels"])
-    for r in ranks:
-        m = r["refit"]
-        assert m["w_active"], m
-        assert m["updates"] == [1, 2, 2, 2], m["updates"]
-        levels = np.array(m["levels"])
-        assert np.abs(levels[1] - levels[0]).max() > 1e-3, levels
-        assert np.allclose(levels[1], m["scaled"], rtol=0, atol=1e-6), (levels[1], m["scaled"])
-        assert np.abs(levels[1] - np.array(m["unscaled"])).max() > 1e-3, (levels[1], m["unscaled"])
-        assert (levels[2:] == levels[1]).all()
+    assert_refits_at_first_preconditioned_round(ranks)
