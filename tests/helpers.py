@@ -149,3 +149,19 @@ def assert_refits_at_first_preconditioned_round(ranks: list) -> None:
         assert np.allclose(levels[1], m["scaled"], rtol=0, atol=1e-6), (levels[1], m["scaled"])
         assert np.abs(levels[1] - np.array(m["unscaled"])).max() > 1e-3, (levels[1], m["unscaled"])
         assert (levels[2:] == levels[1]).all()
+
+
+def assert_sixteen_bit_refit_fits_the_scaled_statistics(ranks: list, at: int) -> None:
+    """Every rank's ``refit16`` record: ``compress="when-faster"`` quantized rounds 0-1, then sent 16
+    bits; the scheduled refit at round ``at`` (a 16-bit one) fit the levels to the statistics of
+    g * w summed over the ranks (as a quantized round would quantize), not of the bare gradients,
+    the same on every rank."""
+    assert same(ranks, lambda r: r["refit16"]["levels"])
+    for r in ranks:
+        m = r["refit16"]
+        assert m["paths"][:2] == [True, True] and m["paths"][at] is False, m["paths"]
+        assert m["updates"][at] == m["updates"][at - 1] + 1, m["updates"]
+        assert m["w_active"], m
+        level = np.array(m["levels"][at])
+        assert np.allclose(level, m["scaled"], rtol=0, atol=1e-6), (level, m["scaled"])
+        assert np.abs(level - np.array(m["unscaled"])).max() > 1e-3, (level, m["unscaled"])

@@ -389,14 +389,20 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             # statistics keep adapting in 16-bit rounds (fixed widths: bits="auto" keeps its levels)
             collects = not quantized and st.collecting and st.auto is None
             self._sixteen_stats = [] if collects else None
+            if collects and self._precondition is not None:  # the statistics of what is quantized: g * w
+                self._precondition.prepare(st.step)
         return self._state.speed.current
 
     def _sixteen(self, tensor: torch.Tensor):
-        """A tensor of a 16-bit round: Horovod's own fp16 compression (its statistics, in refit rounds)."""
+        """A tensor of a 16-bit round: Horovod's own fp16 compression (in refit rounds, the statistics of
+        what a quantized round would quantize: ``g * w`` with ``precondition=``)."""
         stats = self._sixteen_stats
         if stats is not None and tensor.dtype in COMPRESSIBLE and not tensor.is_sparse:
             if tensor.numel() >= max(self.min_size, 1):
                 flat = tensor.detach().reshape(-1).float()
+                w = None if self._precondition is None else self._precondition.for_gradient(tensor)
+                if w is not None:
+                    flat = flat * w.reshape(-1).float()
                 stats.append(self._ops_for(tensor.device).statistics(flat, self._quantizer))
         small, ctx = hvd().Compression.fp16.compress(tensor)
         return small, _Sixteen(ctx)

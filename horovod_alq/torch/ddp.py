@@ -182,15 +182,21 @@ class ALQState(StreamedState):
                 return True
             self._round = None  # a quantized step that never reached its last bucket
             self._sixteen_stats = [] if st.collecting and st.auto is None else None
+            if self._sixteen_stats is not None and self._precondition is not None:  # statistics of g * w
+                self._precondition.prepare(st.step)
         return speed.current
 
     def _sixteen(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        """A bucket of a 16-bit step: ``fp16_compress_hook``, and in refit steps its statistics; the
-        last bucket ends the step (every rank refits from its own statistics in refit steps, three
-        small collectives; error-feedback buffers are kept for the next quantized step)."""
+        """A bucket of a 16-bit step: ``fp16_compress_hook``, and in refit steps its statistics (of the
+        scaled bucket with ``precondition=``); the last bucket ends the step (every rank refits from
+        its own statistics in refit steps, three small collectives; error-feedback buffers are kept
+        for the next quantized step)."""
         buffer, stats = bucket.buffer(), self._sixteen_stats
         if stats is not None and buffer.dtype in COMPRESSIBLE and buffer.numel() >= max(self.min_size, 1):
             flat = buffer.detach().reshape(-1).float()
+            if self._precondition is not None:
+                w = _bucket_scale(self._precondition, bucket.parameters(), flat)
+                flat = flat if w is None else flat * w
             stats.append(self._ops_for(buffer.device).statistics(flat, self.engine.quantizer))
         future = fp16_compress_hook(self.process_group, bucket)
         if bucket.is_last():

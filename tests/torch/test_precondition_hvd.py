@@ -7,7 +7,11 @@ and a rank whose AdamW state differs raises on every rank, naming the scales, wi
 from __future__ import annotations
 
 import pytest
-from helpers import assert_refits_at_first_preconditioned_round, same
+from helpers import (
+    assert_refits_at_first_preconditioned_round,
+    assert_sixteen_bit_refit_fits_the_scaled_statistics,
+    same,
+)
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -53,3 +57,11 @@ def test_first_preconditioned_round_refits_the_levels(ranks):
     g * w summed over the ranks: the same levels on every rank, those of a fit on the scaled
     statistics and not of one on the bare gradients; no refit after it."""
     assert_refits_at_first_preconditioned_round(ranks)
+
+
+def test_a_16_bit_refit_round_fits_the_scaled_statistics(ranks):
+    """compress="when-faster" chose 16 bits; a scheduled refit that falls on a 16-bit round (round 7)
+    collects the statistics of g * w, as a quantized round would quantize them: the levels after it
+    are the fit on the scaled statistics summed over the ranks, not on the bare gradients, and the
+    same on every rank."""
+    assert_sixteen_bit_refit_fits_the_scaled_statistics(ranks, 7)

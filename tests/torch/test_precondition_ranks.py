@@ -6,7 +6,11 @@ rank, naming the preconditioning scales, and none hangs."""
 from __future__ import annotations
 
 import pytest
-from helpers import assert_refits_at_first_preconditioned_round, same
+from helpers import (
+    assert_refits_at_first_preconditioned_round,
+    assert_sixteen_bit_refit_fits_the_scaled_statistics,
+    same,
+)
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -55,3 +59,11 @@ def test_first_preconditioned_step_refits_the_levels(ranks):
     scaled buckets summed over the ranks: the same levels on every rank, those of a fit on the
     scaled statistics and not of one on the bare buckets; no refit after it."""
     assert_refits_at_first_preconditioned_round(ranks)
+
+
+def test_a_16_bit_refit_step_fits_the_scaled_statistics(ranks):
+    """compress="when-faster" chose 16 bits; a scheduled refit that falls on a 16-bit step (step 7)
+    collects the statistics of the scaled buckets, as a quantized step would quantize them: the
+    levels after it are the fit on those statistics summed over the ranks, not on the bare buckets,
+    and the same on every rank."""
+    assert_sixteen_bit_refit_fits_the_scaled_statistics(ranks, 7)

@@ -13,6 +13,7 @@ from common import report
 from ddp_worker import batches, make_model, state_for
 from helpers import count_fused_encodes, digest
 
+from horovod_alq.core.speed import SpeedArbiter
 from horovod_alq.torch import Preconditioner
 from horovod_alq.torch import ddp as hook_module
 from horovod_alq.torch.ddp import alq_hook
@@ -100,16 +101,24 @@ def mismatch(rank: int, size: int) -> dict:
     return {"raised": False}
 
 
-def refit(rank: int, steps: int = 4) -> dict:
+def refit(rank: int, steps: int = 4, sixteen_at: int | None = None) -> dict:
     """Refits at steps 0 and 10: step 0 quantizes g (AdamW has no second moment yet) and refits
     from it; step 1, the first preconditioned one, must refit too, from the statistics of the
     scaled buckets. Reports the levels after each step, and fits of the levels before step 1 on
     the statistics of what step 1 quantized (``scaled``) and of the bare buckets (``unscaled``),
-    summed over the ranks."""
+    summed over the ranks.
+
+    ``sixteen_at``: ``compress="when-faster"`` with an injected clock under which 16-bit steps cost
+    less (every step from 4 on sends 16 bits) and a scheduled refit at step ``sixteen_at``, a
+    16-bit one: the same report for that step (``paths``: the steps that were quantized)."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = state_for("alq", precondition=opt, exchange="allgather")
+    kw = {} if sixteen_at is None else dict(compress="when-faster", update_steps=(0, sixteen_at))
+    state = state_for("alq", precondition=opt, exchange="allgather", **kw)
     model.register_comm_hook(state, alq_hook)
+    now, checked = [0.0], 1 if sixteen_at is None else sixteen_at
+    if sixteen_at is not None:  # steps 0-1 quantized, a trial of 2 blocks of 2, then 16 bits
+        state.round_state.speed = SpeedArbiter(rank=rank, clock=lambda: now[0], warmup=2, block=2, watch=1000)
     ops, out = state._ops_for(torch.device("cpu")), {"levels": [], "updates": []}
     for i, (x, y) in enumerate(batches(rank, steps)):
         QUANTIZED[:] = [None]  # on: the hook appends after this marker
@@ -119,10 +128,13 @@ def refit(rank: int, steps: int = 4) -> dict:
         opt.zero_grad()
         seen = QUANTIZED[1:]
         QUANTIZED.clear()
+        if sixteen_at is not None:
+            out.setdefault("paths", []).append(bool(state.round_state.speed.current))
+            now[0] += 2.0 if state.round_state.speed.current else 1.0
         m = state.metrics()
         out["levels"].append(m["levels"].tolist())
         out["updates"].append(int(m["level_updates"]))
-        if i == 1:
+        if i == checked:
             out["w_active"] = bool(seen) and all(w is not None for _, w in seen)
             for key, xs in (("scaled", [g * w for g, w in seen]), ("unscaled", [g for g, _ in seen])):
                 stats = torch.from_numpy(sum(ops.statistics(v, before) for v in xs))
@@ -149,6 +161,7 @@ def main() -> None:
         "callable": training(rank, pre="callable"),
     }
     out["refit"] = refit(rank)
+    out["refit16"] = refit(rank, steps=9, sixteen_at=7)
     out["mismatch"] = mismatch(rank, size)
     report(out)
     sys.stdout.flush()

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from common import report
 from helpers import count_fused_encodes, digest
 
+from horovod_alq.core.speed import SpeedArbiter
 from horovod_alq.torch import ALQCompressor
 from horovod_alq.torch.ops import TorchOps
 
@@ -79,17 +80,27 @@ def _run(rank: int, size: int, steps: int, perturb_at: int | None = None, bits=3
     }
 
 
-def refit(rank: int, size: int, steps: int = 4) -> dict:
+def refit(rank: int, size: int, steps: int = 4, sixteen_at: int | None = None) -> dict:
     """The default refit schedule (rounds 0, 100, ...): round 0 quantizes g (AdamW has no second
     moment yet) and refits from it; round 1, the first preconditioned round, must refit too, from
     the statistics of g * w. Reports the levels after each round, and fits of the levels before
     round 1 on the statistics of what round 1 quantized (``scaled``) and of the bare gradients
-    (``unscaled``), summed over the ranks."""
+    (``unscaled``), summed over the ranks.
+
+    ``sixteen_at``: ``compress="when-faster"`` with an injected clock under which 16-bit rounds
+    cost less, so that from round 4 on every round sends 16 bits, and a scheduled refit at round
+    ``sixteen_at`` (a 16-bit round): the same report for that round (``paths``: the rounds that
+    were quantized)."""
     model, data = model_and_data(rank, steps)
     base = torch.optim.AdamW(model.parameters(), lr=1e-2)
     kw = dict(bucket_size=128, min_size=64, seed=7, compress="always", exchange="allgather")
+    if sixteen_at is not None:
+        kw.update(compress="when-faster", update_steps=(0, sixteen_at), update_every=0)
     comp = ALQCompressor(bits=3, precondition=base, **kw)  # 4096, 128, 512 elements: whole buckets, no padding
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp)
+    now, checked = [0.0], 1 if sixteen_at is None else sixteen_at
+    if sixteen_at is not None:  # rounds 0-1 quantized, a trial of 2 blocks of 2, then 16 bits
+        comp._state.speed = SpeedArbiter(rank=rank, clock=lambda: now[0], warmup=2, block=2, watch=1000)
     seen, find = [], comp._precondition.for_gradient
 
     def recorded(tensor):  # what the round quantizes: g * w, or g where w is the identity
@@ -105,10 +116,13 @@ def refit(rank: int, size: int, steps: int = 4) -> dict:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
+        if sixteen_at is not None:
+            out.setdefault("paths", []).append(bool(comp._state.speed.current))
+            now[0] += 2.0 if comp._state.speed.current else 1.0
         m = comp.metrics()
         out["levels"].append(m["levels"].tolist())
         out["updates"].append(int(m["level_updates"]))
-        if i == 1:
+        if i == checked:
             out["w_active"] = all(w is not None for _, w in seen) and len(seen) == 3
             for key, xs in (("scaled", [g * w for g, w in seen]), ("unscaled", [g for g, _ in seen])):
                 stats = sum(ops.statistics(v, before) for v in xs)
@@ -132,6 +146,7 @@ def main() -> None:
     out["feedback"] = run(rank, size, 15, exchange="two-phase", error_feedback=True)
     out["mismatch"] = run(rank, size, 6, perturb_at=3, timeout=60)
     out["refit"] = refit(rank, size)
+    out["refit16"] = refit(rank, size, steps=9, sixteen_at=7)
     report(out)
 
 
