@@ -126,7 +126,7 @@ def worker(args) -> int:
     net.join_gloo(hvd, args.gloo_ifname, 600)
     train_ids, val_ids, chars = char_splits()
     # train_gpt.py's optimizers and schedule (AdamW: weight decay 0.1; SGD: momentum 0.9, no weight
-    # decay, as run_accuracy_gpt's; warm-up then cosine)
+    # decay, as run_accuracy --model gpt's; warm-up then cosine)
     decay = 0.1 if args.optimizer == "adamw" else 0.0
     plain = argparse.Namespace(
         optimizer=args.optimizer, lr=args.lr, weight_decay=decay, warmup=min(30, args.steps // 8), freeze_step=None
