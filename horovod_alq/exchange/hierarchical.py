@@ -31,13 +31,13 @@ from typing import Sequence
 
 import numpy as np
 
-from ..core.protocol import PREFIX, ProtocolError
+from ..core.protocol import ProtocolError
 from ..core.quantizer import Quantizer
 from . import pipeline
 from .descriptor import Exchange
 from .interfaces import Tensor
 from .job import Alltoall, Deferred, Job, Piece, Steps, joined
-from .payloads import check_segments, poisoned, poisoned_blocks
+from .payloads import check_segments, poisoned, raise_if_poisoned
 from .plan import BufferPlan, alltoall_bytes, shards, sizes, total
 from .topology import local_size
 
@@ -184,14 +184,8 @@ def forward_in_node(
     g = len(block)
     forward = held if failure is None else poisoned(ops, held)
     gathered = yield Alltoall(ops.cat([forward] * g), *forward_splits(t.size, t.rank, block), tag)
-    bad = [node_ranks(t.rank, g)[j] for j in poisoned_blocks(ops.to_numpy(gathered), block)]
-    if bad:
-        if failure is not None:
-            raise failure
-        raise ProtocolError(
-            f"{PREFIX}: rank(s) {bad} received invalid payloads {source} for their shards of "
-            f"buffer {i} (see their errors); refusing to decode on every rank"
-        )
+    what = f"payloads {source} for their shards of buffer {i}"
+    raise_if_poisoned(ops, gathered, block, failure, what, node_ranks(t.rank, g))
     return gathered
 
 
@@ -258,16 +252,9 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
         if raised is not None:
             return
         block = [nodes * q.payload_bytes(r[c][1] - r[c][0]) for r in runs]
-        bad = [node_ranks(me, g)[j] for j in poisoned_blocks(ops.to_numpy(gathered), block)]
-        source = "from the other nodes"
+        what = f"payloads from the other nodes for their shards of buffer {i}"
         try:
-            if bad:
-                if failures[c] is not None:
-                    raise failures[c]
-                raise ProtocolError(
-                    f"{PREFIX}: rank(s) {bad} received invalid payloads {source} for their shards of "
-                    f"buffer {i} (see their errors); refusing to decode on every rank"
-                )
+            raise_if_poisoned(ops, gathered, block, failures[c], what, node_ranks(me, g))
             expected = [[(r[c][1] - r[c][0], q)] for r in runs for _ in range(nodes)]
             offsets = check_segments(ops, gathered, expected, f"chunk {c} of buffer {i} from the node")
         except Exception as exc:  # noqa: BLE001 - raised after the last chunk's collective

@@ -34,6 +34,23 @@ def poisoned_blocks(host: np.ndarray, sizes: Sequence[int]) -> list[int]:
     return [j for j, s in enumerate(starts[:-1]) if host.size >= s + 2 and bytes(host[s : s + 2]) == POISON]
 
 
+def raise_if_poisoned(
+    ops: TensorOps, gathered: Tensor, sizes: Sequence[int], failure: Exception | None, what: str, ranks=None
+) -> None:
+    """Raise if a block of ``gathered`` (``sizes[j]`` bytes each, from ``ranks[j]``, default ``j``)
+    arrived poisoned: this rank's own ``failure`` if it met one, else a ProtocolError naming the
+    ranks that did (they received invalid ``what``), so that every rank raises."""
+    bad = poisoned_blocks(ops.to_numpy(gathered), sizes)
+    if not bad:
+        return
+    if failure is not None:
+        raise failure
+    names = bad if ranks is None else [ranks[j] for j in bad]
+    raise ProtocolError(
+        f"{PREFIX}: rank(s) {names} received invalid {what} (see their errors); refusing to decode on every rank"
+    )
+
+
 def check_payloads(
     ops: TensorOps, gathered: Tensor, numels: Sequence[int], quantizer: Quantizer, what: str
 ) -> list[int]:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.protocol import PREFIX, ProtocolError
+from ..core.protocol import ProtocolError
 from ..core.quantizer import Quantizer
 from . import pipeline
 from .descriptor import Exchange
 from .job import Allgather, Alltoall, Job, Piece, Steps, joined
-from .payloads import check_segments, poisoned, poisoned_blocks
+from .payloads import check_segments, poisoned, raise_if_poisoned
 from .plan import BufferPlan, allgather_bytes, alltoall_bytes, shards, sizes, total
 
 #: Collectives per buffer (a streamed round gives each its own transport).
@@ -71,14 +71,7 @@ def steps(job: Job, i: int) -> Steps:
         payload = poisoned(ops, payload)
     gathered = yield Allgather(payload, list(p.second), f"ag2-{i}")
 
-    bad = poisoned_blocks(ops.to_numpy(gathered), p.second)
-    if bad:
-        if failure is not None:
-            raise failure
-        raise ProtocolError(
-            f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
-            f"shards of buffer {i} (see their errors); refusing to decode on every rank"
-        )
+    raise_if_poisoned(ops, gathered, p.second, failure, f"first-phase payloads for their shards of buffer {i}")
     expected = [[(rb - ra, q) for ra, rb, _, q in shard_runs] for shard_runs in runs]
     check = check_segments(ops, gathered, expected, f"second phase of buffer {i}")
     return [
@@ -129,14 +122,7 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
             return
         sizes = [q2.payload_bytes(r[c][1] - r[c][0]) for r in runs]
         try:
-            bad = poisoned_blocks(ops.to_numpy(gathered), sizes)
-            if bad:
-                if failures[c] is not None:
-                    raise failures[c]
-                raise ProtocolError(
-                    f"{PREFIX}: rank(s) {bad} received invalid first-phase payloads for their "
-                    f"shards of buffer {i} (see their errors); refusing to decode on every rank"
-                )
+            raise_if_poisoned(ops, gathered, sizes, failures[c], f"first-phase payloads for their shards of buffer {i}")
             expected = [[(r[c][1] - r[c][0], q2)] for r in runs]
             offsets = check_segments(ops, gathered, expected, f"second phase of chunk {c} of buffer {i}")
         except ProtocolError as exc:

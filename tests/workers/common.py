@@ -8,8 +8,10 @@ What the tests use too (t statistics, digests, the ranks' data) is in tests/help
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -121,3 +123,38 @@ def placed_buffers(state: dict, n: int) -> list:
         lo, hi = key[-2], key[-1]
         total[lo:hi] += np.asarray(buf, dtype=np.float64)[: n - lo]
     return total.tolist()
+
+
+def argv_groups(parse) -> list:
+    """The groups of ``sys.argv`` (separated by "::"), each parsed by ``parse`` with its own options, in order."""
+    groups, current = [], []
+    for word in sys.argv[1:] + ["::"]:
+        if word == "::":
+            groups.append(parse(current))
+            current = []
+        else:
+            current.append(word)
+    return groups
+
+
+def record_refit_round(out: dict, metrics: dict, speed=None, now: list | None = None) -> None:
+    """One round of the precondition workers' ``refit`` scenarios into ``out``: the levels and the
+    refit count after it, and with ``speed`` (an arbiter on the injected clock ``now``) whether it was
+    quantized, the clock then advanced by the round's simulated cost (quantized 2 s, 16-bit 1 s)."""
+    if speed is not None:
+        out.setdefault("paths", []).append(bool(speed.current))
+        now[0] += 2.0 if speed.current else 1.0
+    out["levels"].append(metrics["levels"].tolist())
+    out["updates"].append(int(metrics["level_updates"]))
+
+
+def refit_fits(seen: list, before, ops, allreduce) -> dict:
+    """Fits of the levels ``before`` a round on the statistics of what it quantized (``scaled``:
+    each ``(g, w)`` of ``seen`` as g * w) and of the bare ``g`` (``unscaled``), summed over the ranks
+    by ``allreduce(array, key)``."""
+    out = {}
+    for key, xs in (("scaled", [g * w for g, w in seen]), ("unscaled", [g for g, _ in seen])):
+        q = copy.deepcopy(before)
+        q.adapt(allreduce(sum(ops.statistics(v, before) for v in xs), key))
+        out[key] = q.levels.tolist()
+    return out

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import report
+from common import record_refit_round, refit_fits, report
 from ddp_worker import batches, make_model, state_for
 from helpers import count_fused_encodes, digest
 
@@ -128,21 +128,17 @@ def refit(rank: int, steps: int = 4, sixteen_at: int | None = None) -> dict:
         opt.zero_grad()
         seen = QUANTIZED[1:]
         QUANTIZED.clear()
-        if sixteen_at is not None:
-            out.setdefault("paths", []).append(bool(state.round_state.speed.current))
-            now[0] += 2.0 if state.round_state.speed.current else 1.0
-        m = state.metrics()
-        out["levels"].append(m["levels"].tolist())
-        out["updates"].append(int(m["level_updates"]))
+        record_refit_round(out, state.metrics(), None if sixteen_at is None else state.round_state.speed, now)
         if i == checked:
             out["w_active"] = bool(seen) and all(w is not None for _, w in seen)
-            for key, xs in (("scaled", [g * w for g, w in seen]), ("unscaled", [g for g, _ in seen])):
-                stats = torch.from_numpy(sum(ops.statistics(v, before) for v in xs))
-                dist.all_reduce(stats)
-                q = copy.deepcopy(before)
-                q.adapt(stats.numpy())
-                out[key] = q.levels.tolist()
+            out.update(refit_fits(seen, before, ops, _summed))
     return out
+
+
+def _summed(stats: np.ndarray, key: str) -> np.ndarray:
+    total = torch.from_numpy(stats)
+    dist.all_reduce(total)
+    return total.numpy()
 
 
 def main() -> None:

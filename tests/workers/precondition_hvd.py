@@ -7,7 +7,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import report
+from common import record_refit_round, refit_fits, report
 from helpers import count_fused_encodes, digest
 
 from horovod_alq.core.speed import SpeedArbiter
@@ -116,21 +116,15 @@ def refit(rank: int, size: int, steps: int = 4, sixteen_at: int | None = None) -
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-        if sixteen_at is not None:
-            out.setdefault("paths", []).append(bool(comp._state.speed.current))
-            now[0] += 2.0 if comp._state.speed.current else 1.0
-        m = comp.metrics()
-        out["levels"].append(m["levels"].tolist())
-        out["updates"].append(int(m["level_updates"]))
+        record_refit_round(out, comp.metrics(), None if sixteen_at is None else comp._state.speed, now)
         if i == checked:
             out["w_active"] = all(w is not None for _, w in seen) and len(seen) == 3
-            for key, xs in (("scaled", [g * w for g, w in seen]), ("unscaled", [g for g, _ in seen])):
-                stats = sum(ops.statistics(v, before) for v in xs)
-                total = hvd.allreduce(torch.from_numpy(stats), op=hvd.Sum, name=f"refit.{key}").numpy()
-                q = copy.deepcopy(before)
-                q.adapt(total)
-                out[key] = q.levels.tolist()
+            out.update(refit_fits(seen, before, ops, _summed))
     return out
+
+
+def _summed(stats: np.ndarray, key: str) -> np.ndarray:
+    return hvd.allreduce(torch.from_numpy(stats), op=hvd.Sum, name=f"refit.{key}").numpy()
 
 
 def main() -> None:

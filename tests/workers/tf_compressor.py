@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+from common import argv_groups  # no TensorFlow: safe before TF_USE_LEGACY_KERAS is set
+
 SCENARIOS = [
     "exchange",
     "train",
@@ -59,13 +61,7 @@ def parse_args(argv: list) -> argparse.Namespace:
 
 def parse_groups() -> list:
     """The groups of argv (separated by "::"), each parsed with its own options, in order."""
-    groups, current = [], []
-    for word in sys.argv[1:] + ["::"]:
-        if word == "::":
-            groups.append(parse_args(current))
-            current = []
-        else:
-            current.append(word)
+    groups = argv_groups(parse_args)
     names = [name for g in groups for name in g.scenarios]
     with_keras = "keras" in names and set(names) - {"keras", "exchange"}
     if len(set(names)) < len(names) or with_keras or "process_sets" in names[:-1]:

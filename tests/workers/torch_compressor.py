@@ -12,7 +12,7 @@ import time
 import horovod.torch as hvd
 import numpy as np
 import torch
-from common import cell_moments, report
+from common import argv_groups, cell_moments, report
 from helpers import digest, rank_data, t_stat
 
 from horovod_alq.core import Quantizer
@@ -590,13 +590,7 @@ def run_group(args) -> object:
 
 
 def main() -> None:
-    groups, current = [], []
-    for word in sys.argv[1:] + ["::"]:
-        if word == "::":
-            groups.append(parse(current))
-            current = []
-        else:
-            current.append(word)
+    groups = argv_groups(parse)
     labels = [g.label for g in groups]
     if len(groups) > 1 and (None in labels or len(set(labels)) < len(labels)):
         sys.exit(f"several groups need a --label each, all different: {labels}")
