@@ -29,7 +29,7 @@ from typing import Sequence
 from .job import Deferred, Job, Piece
 from .plan import shards
 
-__all__ = ["chunks", "cuts", "summed"]
+__all__ = ["chunks", "cuts", "staggered", "summed"]
 
 
 def chunks(job: Job, parts: Sequence[tuple[int, int]]) -> int:
