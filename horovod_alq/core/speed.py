@@ -3,15 +3,24 @@
 A :class:`SpeedArbiter` decides, at the start of every round and alike on every rank, whether the
 round is quantized or goes through the framework's 16-bit allreduce (the front-end runs either).
 It times the real training step: from the start of one round to the start of the next, that is
-from one optimizer step to the next. After ``warmup`` rounds it runs a *trial*: blocks of
-``block`` rounds in the order quantized, 16-bit, 16-bit, quantized (the order cancels a linear
-drift; the first round of each block, the transition, is not counted), every round carrying the
-real gradients. Each rank takes the median of its counted steps per path; one MAX allreduce gives
-every rank the slowest rank's pair, and every rank quantizes only if that step is at least
-``margin`` (3%) shorter than the 16-bit one: a tie goes to the framework's own path.
-Then every ``watch`` rounds one more small MAX allreduce compares the median step since the last
-check with the chosen path's trial time: a change by more than ``drift`` (relative) starts a new
-trial, and so does reaching ``recheck`` rounds since the last one.
+from one optimizer step to the next. The schedule (defaults in brackets):
+
+- ``warmup`` (2) quantized rounds: the first rounds' one-off costs (the first refit, buffers, the
+  framework's first negotiations) stay out of the timings (in the studies' runs only the first
+  step is slower: docs/results/compress_when_faster.md).
+- A *trial*: units of ``block`` (2) rounds per block in the order quantized, 16-bit, 16-bit,
+  quantized (the order cancels a linear drift), every round carrying the real gradients. Not
+  counted: the trial's first round and every round that changes path (it pays the switch). After
+  each unit each rank takes the median of its counted steps per path so far and one MAX allreduce
+  gives every rank the slowest rank's pair. The trial ends when the two differ by at least
+  ``sure`` (10%) or after ``units`` (3) units; then every rank quantizes only if that step is at
+  least ``margin`` (3%) shorter than the 16-bit one (a tie goes to the framework's own path).
+  A clear difference costs one unit (8 rounds, 4 on the slower path); a close one, where either
+  path costs about the same, up to 3.
+- A confirming trial at round ``confirm`` (100), when the first rounds' effects are past, then a
+  trial every ``recheck`` (2000) rounds; every ``watch`` (50) rounds one more small MAX allreduce
+  compares the median step since the last check with the chosen path's trial time, and a change by
+  more than ``drift`` (25%) starts a trial at once.
 
 Every collective's vector carries the round number: ranks that count rounds differently raise
 :class:`~horovod_alq.core.protocol.ProtocolError` on every rank.
@@ -72,9 +81,9 @@ class SpeedArbiter:
     """The round-by-round choice of ``compress="when-faster"`` (module docstring).
 
     ``clock``: seconds, monotonic (tests inject one); ``rank``: this rank in the set (rank 0 logs
-    each change); ``what``: how the log line names the front-end. ``warmup``, ``block``, ``watch``,
-    ``recheck`` count rounds; ``drift`` and ``margin`` (how much shorter a quantized step must be)
-    are relative."""
+    each change); ``what``: how the log line names the front-end. ``warmup``, ``block``, ``units``,
+    ``confirm`` (None: no confirming trial), ``watch``, ``recheck`` count rounds; ``sure``,
+    ``drift`` and ``margin`` (how much shorter a quantized step must be) are relative."""
 
     def __init__(
         self,
@@ -82,26 +91,41 @@ class SpeedArbiter:
         rank: int = 0,
         what: str = "",
         clock: Callable[[], float] = time.perf_counter,
-        warmup: int = 100,
-        block: int = 3,
+        warmup: int = 2,
+        block: int = 2,
+        units: int = 3,
+        sure: float = 0.1,
+        confirm: int | None = 100,
         watch: int = 50,
         recheck: int = 2000,
         drift: float = 0.25,
         margin: float = 0.03,
     ) -> None:
-        if block < 2 or warmup < 0 or watch < 1 or recheck < 1 or not drift > 0 or not 0 <= margin < 1:
+        if (
+            block < 2
+            or warmup < 0
+            or units < 1
+            or not 0 <= sure < 1
+            or watch < 1
+            or recheck < 1
+            or not drift > 0
+            or not 0 <= margin < 1
+        ):
             raise ValueError(
-                "SpeedArbiter: block >= 2, warmup >= 0, watch >= 1, recheck >= 1, drift > 0, 0 <= margin < 1"
+                "SpeedArbiter: block >= 2, warmup >= 0, units >= 1, 0 <= sure < 1, watch >= 1, recheck >= 1, "
+                "drift > 0, 0 <= margin < 1"
             )
-        self.margin = margin
+        self.margin, self.sure, self.units = margin, sure, units
         self.rank, self.what, self.clock = rank, what, clock
         self.warmup, self.block, self.watch, self.recheck, self.drift = warmup, block, watch, recheck, drift
+        self.confirm = confirm
         self.round = 0  # rounds started
         self.quantizing = True  # the choice (what rounds outside trials do)
         self.current = True  # whether the round in progress is quantized
         self.times = {QUANTIZED: math.nan, SIXTEEN: math.nan}  # the last trial's step times (slowest rank), s
-        self.trials = self.changes = self.rounds_16bit = 0
-        self._plan: list[tuple[bool, bool]] = []  # (quantized, counted) of the coming trial rounds
+        self.trials = self.changes = self.rounds_16bit = self.trial_rounds = 0
+        self._plan: list[tuple[bool, bool]] = []  # (quantized, counted) of the coming rounds of the unit
+        self._units = 0  # units of the trial in progress so far (0: no trial in progress)
         self._samples: dict[bool, list[float]] = {True: [], False: []}
         self._window: list[float] = []  # step times since the last drift check
         self._last: tuple[float, bool, str] | None = None  # (start, quantized, "trial"/"watch"/"") of the round
@@ -121,15 +145,16 @@ class SpeedArbiter:
             elif kind == "watch":
                 self._window.append(now - begun)
         r = self.round
-        if not self._plan and (self._samples[True] or self._samples[False]):
-            self._decide(agree, f"{name}.trial.{r}")
+        if not self._plan and self._units:  # a unit of the trial ended: decide, or one more unit
+            self._unit_ended(agree, f"{name}.trial.{r}")
         elif not self._plan and self._next_watch is not None and r >= self._next_watch:
             self._check_drift(agree, f"{name}.watch.{r}")
-        if not self._plan and r >= self._next_trial:
-            self._plan = [(q, i > 0) for q in PATTERN for i in range(self.block)]
+        if not self._plan and not self._units and r >= self._next_trial:
+            self._unit()
         if self._plan:
             quantized, counted = self._plan.pop(0)
             kind = "trial" if counted else ""
+            self.trial_rounds += 1
         else:
             quantized, kind = self.quantizing, ("watch" if self._next_watch is not None else "")
         self._last = (now, quantized, kind)
@@ -137,6 +162,16 @@ class SpeedArbiter:
         self.current = quantized
         self.rounds_16bit += not quantized
         return quantized
+
+    def _unit(self) -> None:
+        """Plan the trial's next unit: the trial's first round and each round that changes path
+        are not counted."""
+        first, previous = not self._units, self.current
+        self._plan = []
+        for q in (q for q in PATTERN for _ in range(self.block)):
+            self._plan.append((q, not first and q == previous))
+            first, previous = False, q
+        self._units += 1
 
     # ------------------------------------------------------------------ decisions
     def _agree(self, agree, values_us: list[int], name: str) -> np.ndarray:
@@ -150,11 +185,18 @@ class SpeedArbiter:
             )
         return out[2:]
 
-    def _decide(self, agree, name: str) -> None:
+    def _unit_ended(self, agree, name: str) -> None:
+        """The slowest rank's medians so far: the trial goes on unless they differ by ``sure`` or
+        it ran ``units`` units (every rank alike: the same agreed pair, the same count)."""
         mine = [_us(np.median(self._samples[q])) if self._samples[q] else 0 for q in (True, False)]
-        slowest = self._agree(agree, mine, name)
-        self._samples = {True: [], False: []}
-        t_q, t_16 = (float(v) * 1e-6 for v in slowest)
+        t_q, t_16 = (float(v) * 1e-6 for v in self._agree(agree, mine, name))
+        if self._units < self.units and (1 - self.sure) * max(t_q, t_16) < min(t_q, t_16):
+            self._unit()
+            return
+        self._decide(t_q, t_16)
+
+    def _decide(self, t_q: float, t_16: float) -> None:
+        self._samples, self._units = {True: [], False: []}, 0
         self.times = {QUANTIZED: t_q, SIXTEEN: t_16}
         self.trials += 1
         choice = t_q <= (1 - self.margin) * t_16
@@ -171,7 +213,8 @@ class SpeedArbiter:
                     self.round,
                 )
         self.quantizing = choice
-        self._next_trial = self.round + self.recheck
+        confirming = self.confirm is not None and self.round <= self.confirm
+        self._next_trial = self.confirm if confirming else self.round + self.recheck
         self._next_watch = self.round + self.watch
         self._window = []
 

@@ -73,9 +73,11 @@ ROWS = "hvd-fp16,ddp-bf16,ddp-psgd,hvd-qsgdinf,hvd-alq,hvd-alq-auto,hvd-alq-flat
 ROWS += ["hvd-alq4-rate", "hvd-alq4-rate21", "local"]
 DEFAULT_ROWS = list(ROWS)  # the error-feedback rows run on request (--rows), with --optimizer sgd
 ROWS += ["hvd-alq-ef", "hvd-alq2", "hvd-alq2-ef", "hvd-alq-pre", "hvd-alq2-pre", "hvd-alq-auto-pre"]
+ROWS += ["hvd-alq-when"]  # ALQ 3 bits with the default compress (when-faster), docs/results/compress_when_faster.md
 LABELS = {k: rows.ROWS[k].label for k in ROWS}  # scripts/common/rows.py's, but for the names these pages use
 LABELS.update({"hvd-fp16": "Horovod fp16", "ddp-bf16": "DDP bf16_compress_hook", "hvd-alq": "ALQ 3 bits (defaults)"})
 LABELS["local"] = "no exchange (compute alone)"
+LABELS["hvd-alq-when"] = "ALQ 3 bits, compress='when-faster' (the default)"
 BASELINE = "hvd-fp16"
 TARGETS = (0.5, 0.75, 1.0)  # fractions of fp16's steps whose loss is a target
 FULL = dict(layout="2x2", rates="100mbit,1gbit", seeds="0,1,2", steps=240, eval_every=20, timeout=7200.0)

@@ -1,6 +1,7 @@
 """``compress="when-faster"``'s arbiter (horovod_alq.core.speed) with an injected clock and simulated
-ranks: both choices, the trial's interleaving, drift and periodic re-measurement, agreement on the
-slowest rank, rounds that differ across ranks, and the setting's resolution."""
+ranks: the default schedule and its cost on fast and slow links, which rounds a trial counts, its
+units, both choices, drift and periodic re-measurement, agreement on the slowest rank, rounds that
+differ across ranks, and the setting's resolution."""
 
 from __future__ import annotations
 
@@ -40,12 +41,65 @@ def _lockstep(n, cost, rounds, **kw):
     return arbiters, choices
 
 
+def _unit() -> list[bool]:
+    """One trial unit's paths with the default block of 2: quantized, 16-bit, 16-bit, quantized."""
+    return [q for q in PATTERN for _ in range(2)]
+
+
+def test_the_default_schedule_on_a_fast_link_costs_six_quantized_rounds_then_confirms_at_round_100():
+    # quantized 1.3 s (a fast link: ALQ's step longer than fp16's), 16-bit 1.0 s
+    arbiters, choices = _lockstep(2, lambda r, t, q: 1.3 if q else 1.0, 140)
+    unit = _unit()
+    assert choices[:2] == [True] * 2 and choices[2:10] == unit  # warm-up, one unit: a clear difference
+    assert not any(choices[10:100]) and choices[100:108] == unit and not any(choices[108:])
+    a = arbiters[0]
+    assert a.trials == 2 and a.changes == 1 and a.trial_rounds == 16 and a._next_trial == 108 + 2000
+    assert a.times["quantized"] == pytest.approx(1.3) and a.times["16-bit"] == pytest.approx(1.0)
+    # the cost of not knowing: 2 + 4 + 4 quantized rounds at 0.3 s more than a run of 16 bits alone
+    assert sum(1.3 if q else 1.0 for q in choices) - 140 * 1.0 == pytest.approx(10 * 0.3)
+
+
+def test_the_default_schedule_on_a_slow_link_costs_eight_16_bit_rounds():
+    # quantized 0.5 s (a slow link: ALQ's step half of fp16's), 16-bit 1.0 s
+    arbiters, choices = _lockstep(2, lambda r, t, q: 0.5 if q else 1.0, 140)
+    assert choices[2:10] == _unit() and choices[100:108] == _unit()
+    assert [i for i, q in enumerate(choices) if not q] == [4, 5, 6, 7, 102, 103, 104, 105]
+    m = speed_metrics(arbiters[0])
+    assert m["compress_choice"] == "quantized" and m["compress_changes"] == 0 and m["rounds_16bit"] == 8
+    assert sum(0.5 if q else 1.0 for q in choices) - 140 * 0.5 == pytest.approx(8 * 0.5)
+
+
+def test_the_first_round_of_a_trial_and_each_switch_are_not_counted():
+    # the trial's first round (a refit, say) and every round that changes path are slow: the medians
+    # are exactly the paths' steps, so the counted rounds are exactly the others
+    def cost(rank, t, q):
+        trial_first = t in (2, 100)
+        switch = t in (4, 8, 102, 106)
+        return 50.0 if trial_first else (9.0 if switch else (2.0 if q else 1.0))
+
+    arbiters, choices = _lockstep(2, cost, 110)
+    a = arbiters[0]
+    assert a.times["quantized"] == 2.0 and a.times["16-bit"] == 1.0 and a.trials == 2 and not choices[-1]
+
+
+def test_a_close_difference_runs_more_units_and_a_clear_one_stops_after_one():
+    # 5% apart (below `sure`, 10%): three units, 24 rounds, then the margin (3%) decides: quantized
+    arbiters, choices = _lockstep(2, lambda r, t, q: 1.0 if q else 1.05, 40, confirm=None)
+    assert choices[2:26] == _unit() * 3 and all(choices[26:]) and arbiters[0].trial_rounds == 24
+    # 20% apart: one unit
+    arbiters, choices = _lockstep(2, lambda r, t, q: 1.0 if q else 1.25, 40, confirm=None)
+    assert choices[2:10] == _unit() and all(choices[10:]) and arbiters[0].trial_rounds == 8
+    # units=1: one unit whatever the difference
+    arbiters, _ = _lockstep(2, lambda r, t, q: 1.0 if q else 1.05, 40, confirm=None, units=1)
+    assert arbiters[0].trial_rounds == 8 and arbiters[0].quantizing
+
+
 def test_a_slower_quantized_step_switches_to_16_bits_and_back_when_it_pays_again():
     # quantized costs 2 s, 16-bit 1 s, until round 60 where the link slows: 16-bit costs 4 s
     def cost(rank, t, q):
         return (2.0 if q else 1.0) if t < 60 else (2.0 if q else 4.0)
 
-    kw = dict(warmup=5, block=3, watch=10, recheck=1000, drift=0.25)
+    kw = dict(warmup=5, block=3, watch=10, recheck=1000, drift=0.25, confirm=None)
     arbiters, choices = _lockstep(2, cost, 120, **kw)
     trial = [q for q in PATTERN for _ in range(3)]
     assert choices[:5] == [True] * 5 and choices[5 : 5 + len(trial)] == trial  # warm-up, then ABBA blocks
@@ -77,7 +131,7 @@ def test_periodic_re_measurement_and_median_against_outliers():
     def cost(rank, t, q):
         return 100.0 if t == 6 else (2.0 if q else 1.0)
 
-    arbiters, choices = _lockstep(2, cost, 80, warmup=0, block=4, watch=1000, recheck=30)
+    arbiters, choices = _lockstep(2, cost, 80, warmup=0, block=4, watch=1000, recheck=30, confirm=None)
     assert arbiters[0].trials >= 2 and not choices[-1]
 
 
@@ -87,6 +141,12 @@ def test_ranks_at_different_rounds_raise_on_every_rank():
         a.start(lambda v, n: v, "t")
     with pytest.raises(ProtocolError, match="different rounds"):  # another rank was one round ahead
         a.start(lambda v, n: np.maximum(v, np.array([v[0] + 1, -(v[0]), *v[2:]])), "t")
+
+
+def test_bad_schedules_raise():
+    for bad in (dict(block=1), dict(units=0), dict(sure=1.0), dict(warmup=-1), dict(margin=-0.1)):
+        with pytest.raises(ValueError, match="SpeedArbiter: block >= 2"):
+            SpeedArbiter(**bad)
 
 
 def test_always_reports_the_quantized_choice_and_no_timings():

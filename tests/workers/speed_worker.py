@@ -3,9 +3,9 @@
 ``speed_worker.py ddp`` (torchrun, gloo) or ``speed_worker.py torch`` (Horovod, mpirun): an MLP
 trained with the DDP hook or ``hvd.DistributedOptimizer``; the arbiter's clock is injected: each
 optimizer step advances it by a simulated cost of the path the step took (quantized 2 s, 16-bit
-1 s until ``--flip``, then 16-bit 4 s), so it switches to 16 bits at its first trial and back at the
-drift check after the flip, the same on every rank. Reports, per step, the path taken and a digest
-of the parameters, and the metrics."""
+1 s until ``--flip``, then 16-bit 4 s), so it switches to 16 bits at its first trial, keeps them
+at the confirming trial and goes back at the drift check after the flip, the same on every rank.
+Reports, per step, the path taken and a digest of the parameters, and the metrics."""
 
 import argparse
 import os
@@ -92,8 +92,8 @@ def main() -> None:
     now = [0.0]
     arbiter = round_state.speed
     assert arbiter is not None, "compress='when-faster' made no arbiter"
-    # the same schedule, with a short warm-up and the injected clock
-    round_state.speed = arbiter = SpeedArbiter(rank=rank, clock=lambda: now[0], warmup=4, block=2, watch=4, drift=0.25)
+    # the default schedule on the injected clock, its confirming trial at round 20, drift checks every 4
+    round_state.speed = arbiter = SpeedArbiter(rank=rank, clock=lambda: now[0], confirm=20, watch=4)
     g = torch.Generator().manual_seed(100 + rank)
     teacher = torch.Generator().manual_seed(7)
     w = torch.randn(32, 4, generator=teacher)
