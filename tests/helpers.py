@@ -134,21 +134,27 @@ def count_fused_encodes() -> list:
     return counter
 
 
-def assert_refits_at_first_preconditioned_round(ranks: list) -> None:
-    """Every rank's ``refit`` record (tests/workers' precondition scenarios): round 0 refit from the
-    bare gradients, round 1 (the first preconditioned one) refit again from the scaled statistics
-    summed over the ranks (levels equal to the fit on them, unlike the fit on the bare ones), the
-    same levels on every rank, and no refit after it."""
-    assert same(ranks, lambda r: r["refit"]["levels"])
+def assert_refits_after_preconditioning_begins(ranks: list, key: str = "refit", delay: int = 0) -> None:
+    """Every rank's ``key`` record (tests/workers' precondition scenarios): round 0 refit from the
+    bare gradients, round ``1 + delay`` (``Form(refit=delay)`` rounds after the first preconditioned
+    one) refit again from the scaled statistics summed over the ranks (levels equal to the fit on
+    them, unlike the fit on the bare ones), the same levels on every rank, no other refit; where the
+    record has a ``replay`` (the rounds from 2 on again, after loading the state saved after round
+    1), the same refits and levels in it."""
+    assert same(ranks, lambda r: r[key]["levels"])
+    at = 1 + delay
     for r in ranks:
-        m = r["refit"]
+        m = r[key]
         assert m["w_active"], m
-        assert m["updates"] == [1, 2, 2, 2], m["updates"]
+        assert m["updates"] == [1] * at + [2] * (len(m["updates"]) - at), m["updates"]
         levels = np.array(m["levels"])
-        assert np.abs(levels[1] - levels[0]).max() > 1e-3, levels
-        assert np.allclose(levels[1], m["scaled"], rtol=0, atol=1e-6), (levels[1], m["scaled"])
-        assert np.abs(levels[1] - np.array(m["unscaled"])).max() > 1e-3, (levels[1], m["unscaled"])
-        assert (levels[2:] == levels[1]).all()
+        assert (levels[:at] == levels[0]).all() and np.abs(levels[at] - levels[0]).max() > 1e-3, levels
+        assert np.allclose(levels[at], m["scaled"], rtol=0, atol=1e-6), (levels[at], m["scaled"])
+        assert np.abs(levels[at] - np.array(m["unscaled"])).max() > 1e-3, (levels[at], m["unscaled"])
+        assert (levels[at:] == levels[at]).all()
+        if "replay" in m:
+            assert m["replay"]["updates"] == m["updates"][2:], (m["replay"]["updates"], m["updates"])
+            assert m["replay"]["levels"] == m["levels"][2:]
 
 
 def assert_sixteen_bit_refit_fits_the_scaled_statistics(ranks: list, at: int) -> None:

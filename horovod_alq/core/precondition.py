@@ -65,6 +65,11 @@ class Form:
     """Shrinkage of a young ``v_hat``: it is averaged with the tensor's mean ``v_hat`` weighted as
     ``prior`` gradients against the effective number of gradients ``v_hat`` holds
     (:func:`samples`: 1 after one step, ``(1 + beta2) / (1 - beta2)`` in the limit). 0: none."""
+    refit: int | None = 0
+    """Rounds after the first preconditioned round at which the levels refit outside the schedule,
+    from the statistics of ``g * w`` (``RoundState.precondition_round``): 0 refits in that round
+    itself, ``K`` once ``v_hat`` has seen ``K`` more steps, None not at all (the schedule's refits
+    only). Every rank counts rounds alike, so every rank refits in the same round."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.floor, (int, float)) and math.isfinite(self.floor) and self.floor >= 0):
@@ -79,6 +84,10 @@ class Form:
             raise ValueError(f"precondition every must be a positive integer (rounds), got {self.every!r}")
         if not (isinstance(self.prior, (int, float)) and math.isfinite(self.prior) and self.prior >= 0):
             raise ValueError(f"precondition prior must be a finite number >= 0, got {self.prior!r}")
+        if self.refit is not None and (
+            isinstance(self.refit, bool) or not isinstance(self.refit, int) or self.refit < 0
+        ):
+            raise ValueError(f"precondition refit must be None or an integer >= 0 (rounds), got {self.refit!r}")
 
 
 def samples(step: int, beta2: float) -> float:

@@ -91,7 +91,7 @@ class RoundState:
     speed: Any = None  # compress="when-faster": the front-end's SpeedArbiter (core.speed)
     precondition: int = 0  # the digest of this round's preconditioning scales (0: off; core.precondition)
     preconditioned: bool = False  # the last round quantized g * w with some w other than the identity
-    refit_at: int = -1  # a round outside the schedule that collects for a refit (preconditioning began)
+    refit_at: int = -1  # a round outside the schedule that collects for a refit (after preconditioning began)
 
     def __post_init__(self) -> None:
         if self.second is None:
@@ -122,16 +122,17 @@ class RoundState:
             and self._collects(self.step - 1)
         )
 
-    def precondition_round(self, digest: int, active: bool) -> None:
+    def precondition_round(self, digest: int, active: bool, refit: int | None = 0) -> None:
         """Record this round's preconditioning: the digest of its scales (the handshake's field) and
-        whether any scale departs from the identity. The round where it starts (Adam's first step
-        leaves no second moment: round 0 quantizes ``g``) collects statistics for a refit outside the
-        schedule, so that the levels fit to ``g`` are not kept for ``g * w`` until the next scheduled
-        refit. Every rank decides alike: the scales agree (the digest) and so does the refit flag
-        (the handshake)."""
+        whether any scale departs from the identity. ``refit`` rounds after the round where it starts
+        (Adam's first step leaves no second moment: round 0 quantizes ``g``; ``Form.refit``; None:
+        never) a round collects statistics for a refit outside the schedule, so that the levels fit
+        to ``g`` are not kept for ``g * w`` until the next scheduled refit. Every rank decides alike:
+        the scales agree (the digest), ranks count rounds alike, and the refit flag is in the
+        handshake; ``state_dict`` keeps the planned round."""
         self.precondition = int(digest)
-        if active and not self.preconditioned:
-            self.refit_at = self.step
+        if active and not self.preconditioned and refit is not None:
+            self.refit_at = self.step + int(refit)
         self.preconditioned = bool(active)
 
     @property

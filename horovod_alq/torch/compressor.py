@@ -233,8 +233,8 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             return torch.from_numpy(vec).view(control_shape(vec.size)).to(tensor.device), _Outsider(str(err))
         flat, scale, fused = tensor.detach().reshape(-1), None, None
         if self._precondition is not None:  # w of every parameter, once per round; its digest to the handshake
-            pre = self._precondition  # the round where it starts refits the levels (RoundState.precondition_round)
-            self._state.precondition_round(pre.prepare(self._state.step), pre.active)
+            pre = self._precondition  # Form.refit rounds after it starts, a refit (RoundState.precondition_round)
+            self._state.precondition_round(pre.prepare(self._state.step), pre.active, pre.form.refit)
             scale = self._precondition.for_gradient(tensor)
             ops = self._ops_for(tensor.device)
             if scale is not None and flat.dtype == torch.float32 and ops.fuses_scales and self._state.auto is None:

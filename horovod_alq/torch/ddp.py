@@ -122,8 +122,8 @@ class ALQState(StreamedState):
             self._round = None
         if index == 0:
             if self._precondition is not None:  # w of every parameter for this step; its digest to the handshake
-                pre = self._precondition  # the step where it starts refits the levels (RoundState.precondition_round)
-                self.round_state.precondition_round(pre.prepare(self.round_state.step), pre.active)
+                pre = self._precondition  # Form.refit steps after it starts, a refit (RoundState.precondition_round)
+                self.round_state.precondition_round(pre.prepare(self.round_state.step), pre.active, pre.form.refit)
             self._round = self.engine.open_stream(self._ops_for(buffer.device), self._stages(), min_size=self.min_size)
         future: torch.futures.Future = torch.futures.Future()
         if self._round is None:

@@ -113,7 +113,8 @@ def test_setting_refuses_what_has_no_second_moment():
 
 
 @pytest.mark.parametrize(
-    "bad", [{"floor": -1}, {"alpha": 2}, {"cap": 0.5}, {"start": 0}, {"prior": float("nan")}, {"every": 0}]
+    "bad",
+    [{"floor": -1}, {"alpha": 2}, {"cap": 0.5}, {"start": 0}, {"prior": float("nan")}, {"every": 0}, {"refit": -1}],
 )
 def test_bad_forms_are_refused(bad):
     with pytest.raises(ValueError, match="precondition " + next(iter(bad))):
@@ -143,3 +144,32 @@ def test_the_round_where_preconditioning_starts_refits():
     assert not resumed.collecting and resumed.step == 6
     fresh = state()  # a state saved before preconditioning began holds no "precondition"
     assert "precondition" not in fresh.state_dict()
+
+
+def test_a_delayed_refit_waits_for_its_round_and_survives_a_resume():
+    """Form.refit=K: the refit comes K rounds after the first preconditioned round, not in it; a state
+    saved between the two resumes with the refit still planned (and a state saved after it, with none
+    to come); refit=None plans none."""
+    from horovod_alq.core.rounds import RefitSchedule, RoundState
+
+    def state():
+        return RoundState(Quantizer("alq", 3, 256), RefitSchedule((0, 100), 0))
+
+    def run(st, steps, refit):
+        out = []
+        for _ in range(steps):
+            st.precondition_round(12345, active=st.step >= 1, refit=refit)
+            out.append(st.collecting)
+            st.step += 1
+        return out
+
+    assert run(state(), 8, 3) == [True, False, False, False, True, False, False, False]
+    assert run(state(), 8, None) == [True] + [False] * 7
+    first = state()
+    assert run(first, 2, 3) == [True, False]  # saved at round 2: the refit (round 4) still to come
+    resumed = state()
+    resumed.load_state_dict(first.state_dict())
+    assert run(resumed, 6, 3) == [False, False, True, False, False, False]
+    again = state()
+    again.load_state_dict(resumed.state_dict())
+    assert run(again, 3, 3) == [False, False, False]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import (
-    assert_refits_at_first_preconditioned_round,
+    assert_refits_after_preconditioning_begins,
     assert_sixteen_bit_refit_fits_the_scaled_statistics,
     same,
 )
@@ -56,7 +56,15 @@ def test_first_preconditioned_round_refits_the_levels(ranks):
     preconditioned one, refits again (outside the schedule 0, 100, ...) from the statistics of
     g * w summed over the ranks: the same levels on every rank, those of a fit on the scaled
     statistics and not of one on the bare gradients; no refit after it."""
-    assert_refits_at_first_preconditioned_round(ranks)
+    assert_refits_after_preconditioning_begins(ranks)
+
+
+def test_a_delayed_refit_comes_later_and_survives_a_resume(ranks):
+    """Form(refit=2): the refit comes in round 3, two rounds after the first preconditioned one,
+    from the statistics of g * w of round 3, and no other refit; with the compressor's, the
+    optimizer's and the model's state saved after round 1 and loaded in place, rounds 2-5 again
+    refit in round 3, alike."""
+    assert_refits_after_preconditioning_begins(ranks, "refit_late", delay=2)
 
 
 def test_a_16_bit_refit_round_fits_the_scaled_statistics(ranks):

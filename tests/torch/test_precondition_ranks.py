@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import (
-    assert_refits_at_first_preconditioned_round,
+    assert_refits_after_preconditioning_begins,
     assert_sixteen_bit_refit_fits_the_scaled_statistics,
     same,
 )
@@ -58,7 +58,15 @@ def test_first_preconditioned_step_refits_the_levels(ranks):
     first preconditioned one, refits again (outside the schedule 0, 10) from the statistics of the
     scaled buckets summed over the ranks: the same levels on every rank, those of a fit on the
     scaled statistics and not of one on the bare buckets; no refit after it."""
-    assert_refits_at_first_preconditioned_round(ranks)
+    assert_refits_after_preconditioning_begins(ranks)
+
+
+def test_a_delayed_refit_comes_later_and_survives_a_resume(ranks):
+    """Form(refit=2): the refit comes at step 3, two steps after the first preconditioned one, from
+    the statistics of the scaled buckets of step 3, and no other refit; with the hook's, the
+    optimizer's and the model's state saved after step 1 and loaded in place, steps 2-5 again
+    refit at step 3, alike."""
+    assert_refits_after_preconditioning_begins(ranks, "refit_late", delay=2)
 
 
 def test_a_16_bit_refit_step_fits_the_scaled_statistics(ranks):

@@ -13,6 +13,7 @@ from common import record_refit_round, refit_fits, report
 from ddp_worker import batches, make_model, state_for
 from helpers import count_fused_encodes, digest
 
+from horovod_alq.core.precondition import Form
 from horovod_alq.core.speed import SpeedArbiter
 from horovod_alq.torch import Preconditioner
 from horovod_alq.torch import ddp as hook_module
@@ -101,7 +102,7 @@ def mismatch(rank: int, size: int) -> dict:
     return {"raised": False}
 
 
-def refit(rank: int, steps: int = 4, sixteen_at: int | None = None) -> dict:
+def refit(rank: int, steps: int = 4, sixteen_at: int | None = None, delay: int | None = None) -> dict:
     """Refits at steps 0 and 10: step 0 quantizes g (AdamW has no second moment yet) and refits
     from it; step 1, the first preconditioned one, must refit too, from the statistics of the
     scaled buckets. Reports the levels after each step, and fits of the levels before step 1 on
@@ -110,17 +111,23 @@ def refit(rank: int, steps: int = 4, sixteen_at: int | None = None) -> dict:
 
     ``sixteen_at``: ``compress="when-faster"`` with an injected clock under which 16-bit steps cost
     less (every step from 4 on sends 16 bits) and a scheduled refit at step ``sixteen_at``, a
-    16-bit one: the same report for that step (``paths``: the steps that were quantized)."""
+    16-bit one: the same report for that step (``paths``: the steps that were quantized).
+
+    ``delay``: ``Form(refit=delay)``, the refit at step ``1 + delay`` (the same report for that
+    step); the model's, optimizer's and hook's state saved after step 1 are then loaded in place
+    and steps 2 on run again (``replay``: their levels and refit counts)."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     kw = {} if sixteen_at is None else dict(compress="when-faster", update_steps=(0, sixteen_at))
-    state = state_for("alq", precondition=opt, exchange="allgather", **kw)
+    source = opt if delay is None else Preconditioner(opt, form=Form(refit=delay))
+    state = state_for("alq", precondition=source, exchange="allgather", **kw)
     model.register_comm_hook(state, alq_hook)
-    now, checked = [0.0], 1 if sixteen_at is None else sixteen_at
+    now, checked = [0.0], 1 + (delay or 0) if sixteen_at is None else sixteen_at
     if sixteen_at is not None:  # steps 0-1 quantized, a trial of 2 blocks of 2, then 16 bits
         state.round_state.speed = SpeedArbiter(rank=rank, clock=lambda: now[0], warmup=2, block=2, watch=1000)
     ops, out = state._ops_for(torch.device("cpu")), {"levels": [], "updates": []}
-    for i, (x, y) in enumerate(batches(rank, steps)):
+    data = batches(rank, steps)
+    for i, (x, y) in enumerate(data):
         QUANTIZED[:] = [None]  # on: the hook appends after this marker
         before = copy.deepcopy(state.engine.quantizer)
         F.cross_entropy(model(x), y).backward()
@@ -132,6 +139,18 @@ def refit(rank: int, steps: int = 4, sixteen_at: int | None = None) -> dict:
         if i == checked:
             out["w_active"] = bool(seen) and all(w is not None for _, w in seen)
             out.update(refit_fits(seen, before, ops, _summed))
+        if i == 1 and delay is not None:
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "alq": state.state_dict()})
+    if delay is not None:  # resumed after step 1, the planned refit still to come
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(saved["alq"])
+        out["replay"] = {"levels": [], "updates": []}
+        for x, y in data[2:]:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            record_refit_round(out["replay"], state.metrics())
     return out
 
 
@@ -158,6 +177,7 @@ def main() -> None:
     }
     out["refit"] = refit(rank)
     out["refit16"] = refit(rank, steps=9, sixteen_at=7)
+    out["refit_late"] = refit(rank, steps=6, delay=2)
     out["mismatch"] = mismatch(rank, size)
     report(out)
     sys.stdout.flush()

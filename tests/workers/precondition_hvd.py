@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from common import record_refit_round, refit_fits, report
 from helpers import count_fused_encodes, digest
 
+from horovod_alq.core.precondition import Form
 from horovod_alq.core.speed import SpeedArbiter
-from horovod_alq.torch import ALQCompressor
+from horovod_alq.torch import ALQCompressor, Preconditioner
 from horovod_alq.torch.ops import TorchOps
 
 FUSED = count_fused_encodes()  # encodes that formed x * w inside the codec (encode_parts with scales)
@@ -80,7 +81,7 @@ def _run(rank: int, size: int, steps: int, perturb_at: int | None = None, bits=3
     }
 
 
-def refit(rank: int, size: int, steps: int = 4, sixteen_at: int | None = None) -> dict:
+def refit(rank: int, size: int, steps: int = 4, sixteen_at: int | None = None, delay: int | None = None) -> dict:
     """The default refit schedule (rounds 0, 100, ...): round 0 quantizes g (AdamW has no second
     moment yet) and refits from it; round 1, the first preconditioned round, must refit too, from
     the statistics of g * w. Reports the levels after each round, and fits of the levels before
@@ -90,15 +91,20 @@ def refit(rank: int, size: int, steps: int = 4, sixteen_at: int | None = None) -
     ``sixteen_at``: ``compress="when-faster"`` with an injected clock under which 16-bit rounds
     cost less, so that from round 4 on every round sends 16 bits, and a scheduled refit at round
     ``sixteen_at`` (a 16-bit round): the same report for that round (``paths``: the rounds that
-    were quantized)."""
+    were quantized).
+
+    ``delay``: ``Form(refit=delay)``, the refit in round ``1 + delay`` (the same report for that
+    round); the model's, optimizer's and compressor's state saved after round 1 are then loaded in
+    place and rounds 2 on run again (``replay``: their levels and refit counts)."""
     model, data = model_and_data(rank, steps)
     base = torch.optim.AdamW(model.parameters(), lr=1e-2)
     kw = dict(bucket_size=128, min_size=64, seed=7, compress="always", exchange="allgather")
     if sixteen_at is not None:
         kw.update(compress="when-faster", update_steps=(0, sixteen_at), update_every=0)
-    comp = ALQCompressor(bits=3, precondition=base, **kw)  # 4096, 128, 512 elements: whole buckets, no padding
+    source = base if delay is None else Preconditioner(base, form=Form(refit=delay))
+    comp = ALQCompressor(bits=3, precondition=source, **kw)  # 4096, 128, 512 elements: whole buckets, no padding
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=comp)
-    now, checked = [0.0], 1 if sixteen_at is None else sixteen_at
+    now, checked = [0.0], 1 + (delay or 0) if sixteen_at is None else sixteen_at
     if sixteen_at is not None:  # rounds 0-1 quantized, a trial of 2 blocks of 2, then 16 bits
         comp._state.speed = SpeedArbiter(rank=rank, clock=lambda: now[0], warmup=2, block=2, watch=1000)
     seen, find = [], comp._precondition.for_gradient
@@ -120,6 +126,18 @@ def refit(rank: int, size: int, steps: int = 4, sixteen_at: int | None = None) -
         if i == checked:
             out["w_active"] = all(w is not None for _, w in seen) and len(seen) == 3
             out.update(refit_fits(seen, before, ops, _summed))
+        if i == 1 and delay is not None:
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "alq": comp.state_dict()})
+    if delay is not None:  # resumed after round 1, the planned refit still to come
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        comp.load_state_dict(saved["alq"])
+        out["replay"] = {"levels": [], "updates": []}
+        for x, y in data[2:]:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            record_refit_round(out["replay"], comp.metrics())
     return out
 
 
@@ -141,6 +159,7 @@ def main() -> None:
     out["mismatch"] = run(rank, size, 6, perturb_at=3, timeout=60)
     out["refit"] = refit(rank, size)
     out["refit16"] = refit(rank, size, steps=9, sixteen_at=7)
+    out["refit_late"] = refit(rank, size, steps=6, delay=2)
     report(out)
 
 
