@@ -85,6 +85,25 @@ def test_reach_and_targets_on_made_up_curves():
     assert tta.cumulative([0.5, 0.25, 1.0]) == [0.5, 0.75, 1.75]
 
 
+def test_a_row_alone_with_an_earlier_baseline(tmp_path, quick_run, capsys):
+    """--baseline-from: a row run alone takes fp16's row from the earlier run of the same rate and
+    seed, and its own curve is the one it had beside the other rows (each row its own model, seed
+    and batches); fp16 in --rows as well is refused."""
+    earlier = quick_run / "data" / "time_to_accuracy_raw"
+    argv = ["--local", "--np", "2", "--quick", "--steps", "8", "--eval-every", "2", "--baseline-from", str(earlier)]
+    argv += ["--width", "32", "--layers", "1", "--batch-size", "4", "--eval-windows", "32", "--out-dir", str(tmp_path)]
+    assert tta.main([*argv, "--rows", "hvd-alq"]) == 0
+    before = json.loads((earlier / "loopback_s0.json").read_text())["rows"]
+    run = json.loads((tmp_path / "data" / "time_to_accuracy_raw" / "loopback_s0.json").read_text())
+    assert list(run["rows"]) == ["hvd-fp16", "hvd-alq"]
+    assert run["rows"]["hvd-fp16"] == before["hvd-fp16"]
+    assert run["rows"]["hvd-alq"]["curve"] == before["hvd-alq"]["curve"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        tta.main([*argv, "--rows", "hvd-fp16,hvd-alq"])
+    assert "without it and with --baseline-from" in capsys.readouterr().err
+
+
 def test_eval_every_must_divide_the_target_steps(capsys):
     with pytest.raises(SystemExit):
         tta.main(["--local", "--steps", "40", "--eval-every", "7"])

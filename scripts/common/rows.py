@@ -113,6 +113,10 @@ ROWS: dict[str, Row] = {
     "hvd-alq2-ef": hvd("ALQ 2 bits, error_feedback=True", "alq", bits=2, error_feedback=True),
     # precondition="optimizer": the row's own (Adam-family) optimizer, given to the compressor
     "hvd-alq-pre": hvd("ALQ 3 bits, precondition=AdamW", "alq", bits=3, precondition="optimizer"),
+    # ("optimizer", K): Preconditioner(optimizer, form=Form(refit=K)), the levels refit K rounds in
+    "hvd-alq-pre30": hvd(
+        "ALQ 3 bits, precondition=AdamW, refit 30 rounds in", "alq", bits=3, precondition=("optimizer", 30)
+    ),
     "hvd-alq2-pre": hvd("ALQ 2 bits, precondition=AdamW", "alq", bits=2, precondition="optimizer"),
     "hvd-alq-auto-pre": hvd(
         'ALQ bits="auto", budget 2.5, precondition=AdamW', "alq", bits="auto", bit_budget=2.5, precondition="optimizer"
@@ -146,8 +150,14 @@ def _compression(row: Row, hvd, seed: int | None, opt=None):
         return hvd.Compression.none if row.codec == "fp32" else hvd.Compression.fp16
     kind = ALQCompressor if row.codec == "alq" else QSGDCompressor
     options = {"compress": "always", **row.options}  # a row times one path unless it says otherwise
-    if options.get("precondition") == "optimizer":
+    pre = options.get("precondition")
+    if pre == "optimizer":
         options["precondition"] = opt
+    elif isinstance(pre, tuple):
+        from horovod_alq.torch import Preconditioner
+        from horovod_alq.torch.precondition import Form
+
+        options["precondition"] = Preconditioner(opt, form=Form(refit=pre[1]))
     return kind(**options, **({} if seed is None else {"seed": seed}))
 
 

@@ -9,7 +9,8 @@ same batches; only the exchange differs.
 Rows: ``fp32`` (exact average), ``alq@<bits>`` (plain), ``alq@<bits>+pre[:k=v,...]`` (quantize
 ``g * w`` and divide the decoded average by ``w``, :class:`horovod_alq.torch.Preconditioner` on the
 run's AdamW; keys ``floor``, ``alpha``, ``cap``, ``start``: :class:`horovod_alq.core.precondition.Form`;
-``refit=1``: also refit the levels at the step preconditioning starts).
+``refit=1``: also refit the levels at the step preconditioning starts; ``after=K``: refit ``K`` steps
+after it, as ``Form(refit=K)`` does in the front-ends).
 
 Per step it records the Adam-space error ``sum_i (g^_i - g_i)^2 / v_hat_i`` over the signal
 ``sum_i g_i^2 / v_hat_i`` (``v_hat`` before the step, from step 2 on) and the largest bucket crest
@@ -70,7 +71,7 @@ def parse_row(spec: str) -> dict:
         return {"spec": spec, "method": None}
     base, _, pre = spec.partition("+")
     method, _, bits = base.partition("@")
-    row = {"spec": spec, "method": method, "bits": int(bits), "pre": None, "refit": False}
+    row = {"spec": spec, "method": method, "bits": int(bits), "pre": None, "refit": False, "after": None}
     if pre:
         kind, _, opts = pre.partition(":")
         if kind != "pre":
@@ -80,6 +81,8 @@ def parse_row(spec: str) -> dict:
             k, _, v = kv.partition("=")
             if k == "refit":
                 row["refit"] = bool(int(v))
+            elif k == "after":
+                row["after"] = int(v)
             elif k in ("floor", "alpha", "prior"):
                 form[k] = float(v)
             elif k == "cap":
@@ -114,6 +117,8 @@ def train(row: dict, seed: int, args, data) -> dict:
     refits = set(int(s) for s in args.update_steps.split(",") if s.strip())
     if row.get("refit") and start > 0:
         refits.add(start)
+    if row.get("after") is not None and pre is not None:
+        refits.add(start + row["after"])
     curve, err_ratio, crest, crest_at = [], [], [], []
     t0 = time.perf_counter()
     for step in range(args.steps):

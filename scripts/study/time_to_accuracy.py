@@ -73,6 +73,7 @@ ROWS = "hvd-fp16,ddp-bf16,ddp-psgd,hvd-qsgdinf,hvd-alq,hvd-alq-auto,hvd-alq-flat
 ROWS += ["hvd-alq4-rate", "hvd-alq4-rate21", "local"]
 DEFAULT_ROWS = list(ROWS)  # the error-feedback rows run on request (--rows), with --optimizer sgd
 ROWS += ["hvd-alq-ef", "hvd-alq2", "hvd-alq2-ef", "hvd-alq-pre", "hvd-alq2-pre", "hvd-alq-auto-pre"]
+ROWS += ["hvd-alq-pre30"]
 ROWS += ["hvd-alq-when"]  # ALQ 3 bits with the default compress (when-faster), docs/results/compress_when_faster.md
 LABELS = {k: rows.ROWS[k].label for k in ROWS}  # scripts/common/rows.py's, but for the names these pages use
 LABELS.update({"hvd-fp16": "Horovod fp16", "ddp-bf16": "DDP bf16_compress_hook", "hvd-alq": "ALQ 3 bits (defaults)"})
@@ -689,6 +690,8 @@ def parser() -> argparse.ArgumentParser:
     add("--timeout", type=float, help="seconds per run; default 7200 (--quick 1200)")
     add("--aggregate-only", action="store_true", help="rebuild the report from the runs' JSON")
     add("--fresh", action="store_true", help="run again what has its JSON already (make bench)")
+    reuse = "a raw directory of an earlier run: its fp16 row joins each run of the same rate and seed, "
+    add("--baseline-from", help=reuse + "which then runs without it (fp16's losses are deterministic per seed)")
     add("--teardown-only", action="store_true", help="remove leftover namespaces")
     add("--worker", action="store_true", help=argparse.SUPPRESS)
     add("--worker-out", help=argparse.SUPPRESS)
@@ -709,8 +712,9 @@ def parse(p: argparse.ArgumentParser, argv: list[str]):
 
 def check(p: argparse.ArgumentParser, args) -> None:
     unknown = [r for r in args.rows.split(",") if r not in ROWS]
-    if unknown or BASELINE not in args.rows.split(","):
-        p.error(f"--rows: choose from {ROWS}, with {BASELINE} (the baseline); unknown: {unknown}")
+    if unknown or (BASELINE not in args.rows.split(",")) == (args.baseline_from is None):
+        base = f"with {BASELINE} (the baseline), or without it and with --baseline-from"
+        p.error(f"--rows: choose from {ROWS}, {base}; unknown: {unknown}")
     for f in TARGETS:
         step = round(f * args.steps)
         if step % args.eval_every and step != args.steps:
@@ -737,6 +741,10 @@ def run_all(args, argv: list[str], raw: Path, data: Path, rates: list[str], seed
         for seed in [s for r, s in todo if r == rate]:
             run = launch(args, tmp, rate, seed, data)
             run.update(throughput_Bps=bps, argv=argv)
+            if args.baseline_from:  # fp16's row of the earlier run, same rate and seed
+                earlier = json.loads((Path(args.baseline_from) / f"{rate}_s{seed}.json").read_text())
+                run["rows"] = {BASELINE: earlier["rows"][BASELINE], **run["rows"]}
+                run["baseline_from"] = args.baseline_from
             (raw / f"{rate}_s{seed}.json").write_text(json.dumps(run))
         return []
 
