@@ -68,15 +68,11 @@ class Pending:
 
 
 class ErrorFeedback:
-    """One rank's error buffers, by ``(stage, tensor, a, b)`` (see the module docstring).
-    ``scale``: the share of each error kept for the next round (1: all of it)."""
+    """One rank's error buffers, by ``(stage, tensor, a, b)`` (see the module docstring)."""
 
-    def __init__(self, dtype: str = "float32", scale: float = 1.0) -> None:
+    def __init__(self, dtype: str = "float32") -> None:
         check_feedback(True, dtype)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
-            raise ValueError(f"ErrorFeedback's scale (the share of each error kept) must be in (0, 1], got {scale!r}")
         self.dtype = dtype
-        self.scale = float(scale)
         #: AMP: a callable giving the loss scale of the gradients being quantized (None: 1)
         self.loss_scale: Callable[[], float] | None = None
         self.owner: tuple[int, int] | None = None  # (rank, size) of the rank whose errors these are
@@ -108,7 +104,7 @@ class ErrorFeedback:
         error = self._assemble(x, stage, pieces, n, scale)
         fused = getattr(ops, "encode_feedback", None)
         if fused is not None and not isinstance(x, np.ndarray):  # the compiled codec: one pass, same results
-            payload = fused(x, error, quantizer, seed, self.scale)
+            payload = fused(x, error, quantizer, seed)
             if payload is not None:
                 pending.rows.append((stage, list(pieces), error, scale))
                 return payload
@@ -119,8 +115,6 @@ class ErrorFeedback:
         decoded[:] = 0
         ops.decode_sum(decoded, payload, [0], quantizer)
         new = target - decoded
-        if self.scale != 1.0:  # float32, as the compiled kernel multiplies
-            new *= np.float32(self.scale) if isinstance(new, np.ndarray) else self.scale
         for b in (None if _finite(target) else _bad_buckets(target, quantizer.bucket_size)) or ():
             lo, hi = b * quantizer.bucket_size, min((b + 1) * quantizer.bucket_size, n)
             new[lo:hi] = _float(error)[lo:hi]  # a bucket with NaN or Inf keeps its previous error

@@ -52,10 +52,10 @@ class MixedOps:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def encode_feedback(self, x, error, q, seed, scale=1.0):
+    def encode_feedback(self, x, error, q, seed):
         """The wrapped ops' one-pass error feedback for one width; None for mixed widths."""
         fused = None if isinstance(q, MixedWidths) else getattr(self.inner, "encode_feedback", None)
-        return None if fused is None else fused(x, error, q, seed, scale)
+        return None if fused is None else fused(x, error, q, seed)
 
     def encode(self, x, q, seed):
         if not isinstance(q, MixedWidths):

@@ -105,7 +105,7 @@ class TorchOps:
             kw["scales"] = [w.reshape(-1).contiguous() for w in scales]
         return encode([p.reshape(-1).contiguous() for p in parts], list(starts), length, *args, **kw)
 
-    def encode_feedback(self, x: torch.Tensor, error: torch.Tensor, q: Quantizer, seed: int, scale: float = 1.0):
+    def encode_feedback(self, x: torch.Tensor, error: torch.Tensor, q: Quantizer, seed: int):
         """The payload of ``x + error`` with ``error`` updated in place (see
         :meth:`horovod_alq.torch.codecs.cpu.CpuCodec.encode_feedback`), or None where the codec
         has no such kernel or the tensors do not suit it."""
@@ -123,7 +123,7 @@ class TorchOps:
         ):
             return None
         args, kw = self._coding(q, x.numel(), seed)
-        return encode(x, error, *args, **kw, scale=scale)
+        return encode(x, error, *args, **kw)
 
     def decode_sum(
         self,

@@ -192,9 +192,7 @@ def split_feedback(spec: str) -> tuple[str, bool]:
     """``"alq@3+ef"`` -> ``("alq@3", True)``: the ``+ef`` suffix turns on ``error_feedback``."""
     base, ef, tail = spec.partition("+ef")
     if tail:
-        raise SystemExit(
-            f"{spec!r}: +ef takes nothing after it here (+ef<step>, +efx<share>: scripts.study.feedback_switches)"
-        )
+        raise SystemExit(f"{spec!r}: +ef takes nothing after it here (+ef<step>: scripts.study.feedback_switches)")
     return base, bool(ef)
 
 

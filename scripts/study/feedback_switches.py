@@ -1,11 +1,10 @@
 #!/usr/bin/env python
-"""scripts/demo/train_gpt.py with the error-feedback switches that only the studies use, set through
-the compressor's private state (they are not settings): ``+ef<step>`` turns error feedback on from
-that step (``alq@3+ef30``; earlier steps without it) and ``+efx<share>`` keeps ``share`` of each
-error in the buffers (``alq@3+efx0.5``). Plain specs and ``+ef`` (``error_feedback=True``) pass
-through to the demo unchanged.
+"""scripts/demo/train_gpt.py with error feedback from a later step, a switch only the studies use,
+set through the compressor's private state (not a setting): ``+ef<step>`` turns error feedback on
+from that step (``alq@3+ef30``; earlier steps without it). Plain specs and ``+ef``
+(``error_feedback=True``) pass through to the demo unchanged.
 
-    mpirun -np 4 python -m scripts.study.feedback_switches --methods alq@3,alq@3+ef30,alq@2+efx0.5
+    mpirun -np 4 python -m scripts.study.feedback_switches --methods alq@3,alq@3+ef30
 """
 
 from __future__ import annotations
@@ -15,34 +14,26 @@ import sys
 from scripts.demo import train_gpt as tg
 
 
-def split(spec: str) -> tuple[str, int | None, float]:
-    """``"alq@3+ef"`` -> ``("alq@3", 0, 1.0)``; ``"alq@3+ef30"`` -> ``("alq@3", 30, 1.0)``;
-    ``"alq@3+efx0.5"`` -> ``("alq@3", 0, 0.5)``; no suffix: ``(spec, None, 1.0)``."""
+def split(spec: str) -> tuple[str, int | None]:
+    """``"alq@3+ef"`` -> ``("alq@3", 0)``; ``"alq@3+ef30"`` -> ``("alq@3", 30)``; no suffix:
+    ``(spec, None)``."""
     base, _, tail = spec.partition("+ef")
     if base == spec:
-        return spec, None, 1.0
-    start, _, share = tail.partition("x")
+        return spec, None
     try:
-        return base, int(start or 0), float(share or 1.0)
+        return base, int(tail or 0)
     except ValueError:
-        raise SystemExit(f"{spec!r}: +ef, +ef<first step> (alq@3+ef30) or +efx<share kept> (alq@3+efx0.5)") from None
+        raise SystemExit(f"{spec!r}: +ef or +ef<first step> (alq@3+ef30)") from None
 
 
 def switched(spec: str) -> bool:
     """Whether ``spec`` needs this module (a switch the demo does not have)."""
-    _, start, share = split(spec)
-    return bool(start) or share != 1.0
+    return bool(split(spec)[1])
 
 
-def keep_share(comp, share: float) -> None:
-    """The compressor's error buffers keep ``share`` of each error (an internal knob)."""
-    if share != 1.0:
-        comp._state.feedback.scale = share
-
-
-def feedback_from(opt, comp, step: int, share: float = 1.0) -> None:
-    """Error feedback on ``comp`` from step ``step`` on (keeping ``share`` of each error): installed at
-    that step's ``zero_grad``, before its backward pass hands the gradients to the exchange."""
+def feedback_from(opt, comp, step: int) -> None:
+    """Error feedback on ``comp`` from step ``step`` on: installed at that step's ``zero_grad``,
+    before its backward pass hands the gradients to the exchange."""
     from horovod_alq.exchange.feedback import ErrorFeedback
 
     calls = [0]
@@ -50,7 +41,7 @@ def feedback_from(opt, comp, step: int, share: float = 1.0) -> None:
 
     def counted(*a, **kw):
         if calls[0] == step:
-            comp._state.feedback = ErrorFeedback(scale=share)
+            comp._state.feedback = ErrorFeedback()
         calls[0] += 1
         return zero_grad(*a, **kw)
 
@@ -61,20 +52,20 @@ def main(argv=None) -> int:
     demo_train, demo_make_run = tg.train, tg.make_run
 
     def train(spec, args, data, hvd):
-        base, start, share = split(spec)
+        base, start = split(spec)
         if not switched(spec):
             return demo_train(spec, args, data, hvd)
         if tg.parse_method(base)[0] not in tg.QUANTIZED:
-            raise SystemExit(f"{spec!r}: +ef<step> and +efx<share> are for the Horovod rows")
+            raise SystemExit(f"{spec!r}: +ef<step> is for the Horovod rows")
 
         def make_run(*a, **kw):
             model, plain, opt, state, extra = demo_make_run(*a, **kw)
-            feedback_from(opt, state, start, share) if start else keep_share(state, share)
+            feedback_from(opt, state, start)
             return model, plain, opt, state, extra
 
         tg.make_run = make_run
         try:
-            out = demo_train(base if start else f"{base}+ef", args, data, hvd)
+            out = demo_train(base, args, data, hvd)
         finally:
             tg.make_run = demo_make_run
         return {**out, "spec": spec}

@@ -87,8 +87,6 @@ GRIDS = {
     "frozen": [["none", "alq@3", "alq@3+ef", "alq@3+ef30"], ["alq@2", "alq@2+ef", "alq@2+ef30"]],
     # the frozen optimizer's rows without error feedback, for more seeds
     "frozen-core": [["none", "alq@3", "alq@2"]],
-    # AdamW with part of each error kept (+efx<share>), against the feedback grid's rows
-    "partial": [["alq@3+efx0.5", "alq@2+efx0.5", "alq@2+efx0.25"]],
     # fp32 alone: a learning-rate sweep (one --out-dir per --lr)
     "fp32": [["none"]],
 }
@@ -132,9 +130,6 @@ PAIRS = [
     ("alq@3+ef", "none"),
     ("alq@2+ef", "none"),
     ("alq@3+ef30", "alq@3"),
-    ("alq@3+efx0.5", "alq@3"),
-    ("alq@2+efx0.5", "alq@2"),
-    ("alq@2+efx0.25", "alq@2"),
     ("alq@2+ef30", "alq@2"),
 ]
 
@@ -151,11 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=7200, help="seconds per launch; default 7200")
     p.add_argument("--aggregate-only", action="store_true", help="do not launch, only aggregate")
     name = "accuracy" if model == "cnn" else "accuracy_gpt"
-    p.add_argument(
-        "--out-dir",
-        default="build/results",
-        help=f"{name}.md and .png go here, {name}.json and the raw runs to its data/; default build/results",
-    )
+    p.add_argument("--out-dir", default="build/results", help=f"{name}.md, .png; {name}.json and raw runs in data/")
     if model == "cnn":
         _cnn_options(p.add_argument)
     else:
@@ -188,12 +179,7 @@ def _cnn_options(add) -> None:
     add("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
     add("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
     add("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
-    add(
-        "--optimizer",
-        choices=("sgd", "adam"),
-        default="sgd",
-        help="train.py --optimizer; adam allows methods ending in +pre (alq+pre); default sgd",
-    )
+    add("--optimizer", choices=("sgd", "adam"), default="sgd", help="train.py --optimizer; adam allows alq+pre")
     add("--raw-dir", default=None, help="per-launch JSON files; default <out-dir>/data/accuracy_raw")
     add("--tag", default="", help="suffix of the output names: accuracy<tag>.md etc.; default none")
     add("--quick", action="store_true", help="2 ranks, seed 0, alq+fp16, bucket 8192, 1 epoch")
@@ -386,27 +372,16 @@ def markdown(methods: list, configs: list, summary: dict) -> str:
         if m != "none"
     ]
     lines += pages.table(["method", *labels], cells)
-    lines += _same_seed_table(
-        summary, methods, configs, labels, "vs_l2", "Max-abs minus L2 buckets", lambda m: f"{m[:-5]}: linf − l2"
-    )
-    lines += _same_seed_table(
-        summary,
-        methods,
-        configs,
-        labels,
-        "vs_allgather",
-        "Two-phase minus allgather exchange",
-        lambda m: f"{m[:-3]}: 2p − ag",
-    )
-    lines += _same_seed_table(
-        summary,
-        methods,
-        configs,
-        labels,
-        "vs_plain",
-        "Preconditioned minus plain (higher: on how many seeds +pre was more accurate)",
-        lambda m: f"{m[: -len(PRE)]}: +pre − plain",
-    )
+    for key, title, row_label in (
+        ("vs_l2", "Max-abs minus L2 buckets", lambda m: f"{m[:-5]}: linf − l2"),
+        ("vs_allgather", "Two-phase minus allgather exchange", lambda m: f"{m[:-3]}: 2p − ag"),
+        (
+            "vs_plain",
+            "Preconditioned minus plain (higher: on how many seeds +pre was more accurate)",
+            lambda m: f"{m[: -len(PRE)]}: +pre − plain",
+        ),
+    ):
+        lines += _same_seed_table(summary, methods, configs, labels, key, title, row_label)
     return "\n".join(lines) + "\n"
 
 
@@ -435,20 +410,9 @@ def _diff(d: dict | None) -> str:
 def cnn_aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
     methods, configs, summary = summarize(table)
     text = markdown(methods, configs, summary)
-    (out_dir / "data" / f"accuracy{args.tag}.json").write_text(
-        json.dumps(
-            {
-                "np": args.np,
-                "bits": args.bits_list,
-                "epochs": args.epochs,
-                "lr": args.lr,
-                "optimizer": args.optimizer,
-                "wall_seconds": wall,
-                "summary": summary,
-            },
-            indent=2,
-        )
-    )
+    data = dict(np=args.np, bits=args.bits_list, epochs=args.epochs, lr=args.lr, optimizer=args.optimizer)
+    data.update(wall_seconds=wall, summary=summary)
+    (out_dir / "data" / f"accuracy{args.tag}.json").write_text(json.dumps(data, indent=2))
     (out_dir / f"accuracy{args.tag}.md").write_text(text)
     cnn_plot(summary, methods, configs, out_dir / f"accuracy{args.tag}.png", args)
     return text
@@ -624,9 +588,9 @@ def order(labels) -> list:
 
     def key(label):
         spec, _, bucket = label.partition("/")
-        spec, start, share = split(spec)
+        spec, start = split(spec)
         name, _, bits = spec.partition("@")
-        feedback = (-1, 0.0) if start is None else (start, -share)
+        feedback = -1 if start is None else start
         rank = {"none": 0, "fp16": 1}.get(name, 3 if name.startswith("psgd") else 2)
         auto = bits.startswith(("auto", "bucket"))
         return (rank, -float(bits.removeprefix("auto").removeprefix("bucket") or 0), bucket, auto, feedback, name)
@@ -691,17 +655,8 @@ def gpt_markdown(summary: dict) -> str:
 
 def preamble(args, rows: dict) -> str:
     """What the table is: model, data, budget, workers, seeds, date."""
-    first = json.loads(
-        next(
-            iter(
-                sorted(
-                    (Path(args.out_dir) / "data" / f"{stem(args)}_raw").glob(
-                        f"np{args.np}_d*_t{args.steps}_b{args.batch_size}_*.json"
-                    )
-                )
-            )
-        ).read_text()
-    )
+    raw = Path(args.out_dir) / "data" / f"{stem(args)}_raw"
+    first = json.loads(min(raw.glob(f"np{args.np}_d*_t{args.steps}_b{args.batch_size}_*.json")).read_text())
     a = first["args"]
     optimizer = {
         "sgd": "SGD (momentum 0.9, no weight decay)",

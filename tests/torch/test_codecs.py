@@ -247,13 +247,13 @@ def test_cpu_encode_parts_is_the_encode_of_the_stream(simd, bits, d, norm):
 
 
 @pytest.mark.parametrize("simd", [True, False], ids=["avx2", "generic"])
-@pytest.mark.parametrize("dtype,scale", [("float32", 1.0), ("bfloat16", 1.0), ("float32", 0.5), ("bfloat16", 0.3)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     "bits,d,n,norm", [(3, 64, 1000, "linf"), (2, 8, 77, "l2"), (4, 128, 517, "l2"), (8, 16, 260, "linf")]
 )
-def test_cpu_encode_feedback_is_the_two_pass_error_feedback(simd, dtype, scale, bits, d, n, norm):
+def test_cpu_encode_feedback_is_the_two_pass_error_feedback(simd, dtype, bits, d, n, norm):
     """The compiled one-pass error feedback gives the bytes and the buffer of the two-pass one
-    (add, encode, decode, subtract, scale), bit for bit, over rounds with a NaN bucket (which keeps
+    (add, encode, decode, subtract), bit for bit, over rounds with a NaN bucket (which keeps
     its error), a bucket of tiny values, a zero bucket and a short last bucket."""
     from horovod_alq.exchange.feedback import ErrorFeedback, Pending
     from horovod_alq.torch.ops import TorchOps
@@ -277,7 +277,7 @@ def test_cpu_encode_feedback_is_the_two_pass_error_feedback(simd, dtype, scale, 
                 return getattr(ops, name)
 
         q = Quantizer("alq", bits=bits, bucket_size=d, norm=norm, seed=0)
-        one, two = ErrorFeedback(dtype, scale), ErrorFeedback(dtype, scale)
+        one, two = ErrorFeedback(dtype), ErrorFeedback(dtype)
         g = torch.Generator().manual_seed(bits * 7 + d)
         for step in range(5):
             x = torch.randn(n, generator=g)
@@ -292,10 +292,10 @@ def test_cpu_encode_feedback_is_the_two_pass_error_feedback(simd, dtype, scale, 
             assert torch.equal(got, want), step
             e = one.buffers[key]
             assert e.dtype == getattr(torch, dtype) and torch.equal(e, two.buffers[key]), step
-            if step == 0 and dtype == "float32":  # the kept share of what the payload dropped
+            if step == 0 and dtype == "float32":  # what the payload dropped
                 decoded = ops.zeros(n)
                 ops.decode_sum(decoded, got, [0], q)
-                assert torch.equal(e, (x - decoded) * scale)
+                assert torch.equal(e, x - decoded)
             if step in (2, 3):  # the bucket holding NaN or Inf kept its error, the others moved
                 bad = 0 if step == 2 else 2 * d + 1
                 b = slice(bad // d * d, bad // d * d + d)

@@ -101,12 +101,11 @@ class CpuCodec:
         bucket_size: int,
         norm: str,
         seed: int,
-        scale: float = 1.0,
         w: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The payload :meth:`encode` gives for ``flat + error`` (``flat`` float32, ``error`` float32
         or bfloat16, ``bucket_size`` a multiple of 8); ``error`` becomes, bucket by bucket, what
-        that payload drops (times ``scale``), except in buckets where that is not finite, which
+        that payload drops, except in buckets where that is not finite, which
         keep it. One pass over memory. ``w``: of ``flat * w + error`` (the error in the scaled space)."""
         check_encode_args(flat, bits, bucket_size, norm, seed)
         return self._module.encode_feedback(
@@ -118,7 +117,6 @@ class CpuCodec:
             int(bucket_size),
             norm == "linf",
             int(seed),
-            float(scale),
             _scale(w, flat.numel(), "encode_feedback"),
         )
 

@@ -699,8 +699,8 @@ inline void encode_parts_payload(const float* const* data, const int64_t* starts
 
 // Error feedback's new error of bucket [s, e) right after its codes, while its values are in cache:
 // err = values - decode(codes), the decoder's float32 product norm * level; a bucket whose error is
-// not finite (NaN or Inf in its values, an overflowing norm) keeps its previous error. The buffer
-// keeps `scale` times the error (1: all of it); a bfloat16 buffer takes it rounded to nearest even.
+// not finite (NaN or Inf in its values, an overflowing norm) keeps its previous error. A bfloat16
+// buffer takes it rounded to nearest even.
 template <int BITS, typename err_t>
 struct NewError {
   err_t* err;
@@ -708,7 +708,6 @@ struct NewError {
   const float* levels;
   int64_t num_levels;
   int64_t total_bytes;
-  float scale;
   void operator()(int64_t s, int64_t e, const float* values, float norm) const {
     constexpr uint64_t mask = (uint64_t{1} << BITS) - 1;
     constexpr int entries = 1 << BITS;
@@ -740,7 +739,7 @@ struct NewError {
     uint32_t bad = 0;  // an error that is NaN or Inf (exponent all ones): bitwise, so it vectorizes
     for (int64_t i = 0; i < m; ++i) {
       const float v = values[i] - decoded[i];
-      decoded[i] = v * scale;  // exact for scale 1
+      decoded[i] = v;
       uint32_t u;
       std::memcpy(&u, &v, 4);
       bad |= static_cast<uint32_t>((u & 0x7F800000U) == 0x7F800000U);
@@ -758,11 +757,11 @@ struct NewError {
 template <typename err_t>
 void encode_feedback_payload(const float* x, err_t* err, int64_t n, int64_t d, bool linf, float* norms,
                              const float* levels, int64_t num_levels, int64_t bits, uint64_t seed, uint8_t* codes,
-                             float scale, const float* w = nullptr) {
+                             const float* w = nullptr) {
   dispatch_bits(bits, [&](auto b) {
     constexpr int B = decltype(b)::value;
     encode_codes<B, float>(WithError<err_t>{x, err, w}, n, d, linf, norms, levels, num_levels, seed, codes, 0,
-                           NewError<B, err_t>{err, codes, levels, num_levels, (n * B + 7) / 8, scale});
+                           NewError<B, err_t>{err, codes, levels, num_levels, (n * B + 7) / 8});
   });
 }
 

@@ -166,11 +166,10 @@ torch::Tensor encode_parts(std::vector<torch::Tensor> parts, std::vector<int64_t
 }
 
 // Error feedback in one pass: the payload of x + err (x float32, err float32 or bfloat16, same length),
-// and err overwritten, bucket by bucket, with `scale` times what that payload drops, except in
-// buckets where that is not finite. With w (float32, as long as x), of x * w + err: the error is kept
-// in the scaled space.
+// and err overwritten, bucket by bucket, with what that payload drops, except in buckets where that
+// is not finite. With w (float32, as long as x), of x * w + err: the error is kept in the scaled space.
 torch::Tensor encode_feedback(torch::Tensor x, torch::Tensor err, torch::Tensor levels, torch::Tensor header,
-                              int64_t bits, int64_t bucket_size, bool linf, int64_t seed, double scale,
+                              int64_t bits, int64_t bucket_size, bool linf, int64_t seed,
                               c10::optional<torch::Tensor> w) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 1 && x.is_contiguous(),
               "encode_feedback: x must be a contiguous 1-D float32 CPU tensor");
@@ -187,7 +186,7 @@ torch::Tensor encode_feedback(torch::Tensor x, torch::Tensor err, torch::Tensor 
     using err_t = std::remove_pointer_t<decltype(e)>;
     (use_avx2 ? avx2::encode_feedback_payload<err_t> : generic::encode_feedback_payload<err_t>)(
         x.data_ptr<float>(), e, n, bucket_size, linf, norms, lf.data_ptr<float>(), lf.numel(), bits,
-        static_cast<uint64_t>(seed), codes, static_cast<float>(scale), pw);
+        static_cast<uint64_t>(seed), codes, pw);
   };
   if (err.scalar_type() == torch::kFloat32)
     run(err.data_ptr<float>());
@@ -486,7 +485,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("first") = 0, nogil());
   m.def("encode_feedback", &encode_feedback, "Encode x (times w, if given) + err and keep in err what the payload drops",
         py::arg("x"), py::arg("err"), py::arg("levels"), py::arg("header"), py::arg("bits"), py::arg("bucket_size"),
-        py::arg("linf"), py::arg("seed"), py::arg("scale"), py::arg("w") = py::none(), nogil());
+        py::arg("linf"), py::arg("seed"), py::arg("w") = py::none(), nogil());
   m.def("decode_sum", &decode_sum, "Decode payloads, sum them and scale (and divide), into a float32 tensor",
         py::arg("out"), py::arg("payloads"), py::arg("offsets"), py::arg("levels"), py::arg("bits"),
         py::arg("bucket_size"), py::arg("scale"), py::arg("start") = 0, py::arg("numel") = -1,
