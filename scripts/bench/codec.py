@@ -1,23 +1,14 @@
 #!/usr/bin/env python
 """Time compress + exchange + decompress of one large gradient per compressor, side by side in the
-same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
+same processes, as ratios to Horovod's fp16 compressor: Horovod's none and fp16, this package's
+compressors, torch's own 8-bit ``quantization_pertensor_hook`` path (with Horovod's allgather), and
+"ALQ, refit every step" (the cost of a refit round). Each measurement is ``hvd.allreduce(tensor,
+compression=c)``, the median of --repeats calls after --warmup, methods interleaved. Results:
+docs/results/codec_speed.md#bench_codec. Run under a launcher:
 
     mpirun -np 2 python -m scripts.bench.codec --sizes 16M --out build/results/bench_codec.md
     # the report goes by hand into docs/results/codec_speed.md#bench_codec
     mpirun -np 2 python -m scripts.bench.codec --quick
-
-Besides Horovod's none and fp16 and this package's compressors, it times torch's own 8-bit
-quantization from torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks, run the way
-``quantization_pertensor_hook`` runs it (MinMaxObserver scale and zero point, allgather of those,
-``_quantize_per_tensor_backend`` to uint8, allgather of the codes, ``_dequantize_per_tensor_backend``
-of every rank's codes, mean), with Horovod's allgather in place of torch.distributed's, on the same
-tensor. "ALQ, refit every step" collects the level statistics in every call and refits (the cost
-of a refit round; by default the compressors refit at steps 0, 100, 2000 and every 10,000).
-
-Each measurement is ``hvd.allreduce(tensor, compression=c)`` (what the optimizer does per tensor),
-median of --repeats timed calls after --warmup calls, methods interleaved round-robin so that noise
-from this shared machine hits them alike. Also times the pure-torch kernels (HOROVOD_ALQ_FUSED=0
-path) and the level adaptation.
 """
 
 from __future__ import annotations

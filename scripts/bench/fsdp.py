@@ -1,59 +1,17 @@
 #!/usr/bin/env python
-"""The wall-clock time of a FULL FSDP2 training step (forward with FSDP's parameter all-gathers,
-backward with its re-gathers and gradient reduce-scatters, AdamW step on the shards) of a small
-character-level GPT (scripts/common/gpt.py) on CPU, with FSDP's own float32 and bfloat16 reduce-scatter
-and with this package's quantized one (ALQ, 3 bits), on 4 workers in network namespaces with
-tc-shaped links (1 Gbit/s, 100 Mbit/s; also ``unshaped``). Needs root (ip netns, tc), except
---local and --help.
+"""The wall-clock time of a full FSDP2 training step (forward with its parameter all-gathers, backward
+with its re-gathers and gradient reduce-scatters, AdamW on the shards) of the small character-level GPT
+(scripts/common/gpt.py) on CPU: FSDP's own float32 and bfloat16 reduce-scatter against this package's
+quantized one (``quantize_reduce_scatter``, ALQ 3 bits), on workers in network namespaces with
+tc-shaped links (scripts/common/network.py). Needs root (ip netns, tc), except --local and --help.
+No Horovod or MPI inside the ranks: mpirun only starts them, and they join a gloo group on the
+namespace interface, so every byte FSDP moves crosses the shaped links. Rows, columns and runs:
+docs/results/training_steps.md#bench_fsdp (each report states its setup).
 
     python -m scripts.bench.fsdp                                # 4 workers x 1gbit,100mbit
     python -m scripts.bench.fsdp --rates unshaped,1gbit,100mbit --steps 10
     python -m scripts.bench.fsdp --quick                        # tiny GPT, 1gbit, 2 timed steps
     python -m scripts.bench.fsdp --local --workers 2 --quick    # no namespaces, loopback, no root
-
-The namespaces, links, shaping and the mpirun launches (in the namespaces and on the loopback) are
-scripts/common/network.py's (see its docstring). No Horovod
-and no MPI inside the ranks: mpirun (through bench_network's rsh agent) only starts them; each
-takes its rank and size from Open MPI's environment (``OMPI_COMM_WORLD_RANK``/``_SIZE``; torchrun's
-``RANK``/``WORLD_SIZE`` also work) and joins a torch.distributed gloo group with rendezvous at
-rank 0's address on the namespace interface (``eth0``, 10.213.0.1; ``lo`` with --local), so every
-byte FSDP moves crosses the shaped veths.
-
-Model: ``GPT(vocab 103, width, layers, heads, context)`` (defaults 192, 4, 4, 128: 1.84M
-parameters), a random batch of --batch-size windows of Python's pydoc text per rank and step
-(different per rank, the same for every row of a step). Each block is ``fully_shard``-ed, then
-the root (embeddings, final LayerNorm, head), on ``init_device_mesh("cpu", (world,))``, gloo, FSDP's
-defaults otherwise (blocks resharded after forward: their parameters are all-gathered in the
-forward and again in the backward; the root's once).
-
-Rows, all in the same processes and interleaved (each row takes one step in turn, a barrier
-before each, so the machine's noise hits them alike), one model and AdamW (lr --lr,
-``foreach=True``: torch's CPU default, the per-tensor loop, costs about 10x more on FSDP's DTensor
-shards) per row, all from the same initial weights:
-
-- local: a plain (unsharded) copy, forward + backward + AdamW with no collective at all (the
-  compute the others must hide; its AdamW updates the whole model, the FSDP rows' a 1/N shard);
-- fsdp-fp32: FSDP2's own reduce-scatter, float32 (default ``MixedPrecisionPolicy()``);
-- fsdp-bf16: ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``: FSDP's reduce-scatter in bf16;
-- fsdp-alq: ``quantize_reduce_scatter(model, ALQReduceScatter(method="alq", bits=3,
-  bucket_size=8192, seed=1))`` (horovod_alq/torch/fsdp.py): bit-packed 3-bit codes, one
-  all_to_all per reduce-scatter, one streamed round per backward.
-
-Every row's parameter all-gathers are FSDP's own, float32 (no ``param_dtype``): the same bytes in
-every row, uncompressed.
-
-For every row: the median over --steps timed steps (after --warmup) of the slowest rank's step time
-(forward + backward + optimizer step; zero_grad outside); the ratios to fsdp-bf16 and fsdp-fp32;
-bytes sent per step and rank: the gradient reduce-scatter measured for ALQ (``comm.metrics()
-["bytes_sent"]`` over the timed steps, plus (N-1)/N x 4 B per coordinate that went through torch's
-own reduce-scatter) and by arithmetic for fp32 / bf16 ((N-1)/N x 4 or 2 B x the padded elements
-FSDP reduces), the all-gathers by arithmetic ((N-1)/N x 4 B x padded elements, twice for the
-blocks, once for the root), and, in the namespaces, what the rank's eth0 actually transmitted
-(``/proc/net/dev`` tx bytes between a barrier before and one after the step: TCP/IP headers and
-gloo's framing included); a limit without overlap (local step + eth0 tx bytes / R, R the measured
-TCP throughput of a worker link); the mean training loss over the timed steps; and the largest
-difference between ranks of any parameter after the run (``full_tensor()`` of each DTensor,
-compared with rank 0's: 0 when every rank holds the same model).
 """
 
 from __future__ import annotations

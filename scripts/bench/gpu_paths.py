@@ -5,37 +5,15 @@
     bash scripts/bench/gpu_device.sh                  # a machine without network (docs/guides/gpu.md)
     python -m scripts.bench.gpu_paths --device cpu --tiny --out build/gpu_paths.md   # the dry run
 
-Sections (``--only`` picks some by key; each runs even if an earlier one failed, and the report
-says which failed, with the traceback):
-
-- ``codec``: codec correctness for ``codec="auto"`` (Triton on CUDA) and the torch-ops codec:
-  unbiased over many seeds with the error of the mean shrinking like 1/sqrt(T) (against the exact
-  variance of stochastic rounding), NaN and Inf confined to their buckets, float16, bfloat16 and
-  float64 inputs, 2, 3, 4 and 8 bits, every codec decoding every codec's payload identically, and
-  the GPU payload against the Triton interpreter's byte for byte;
-- ``bench``: the codec benchmark's table (encode, decode-sum, statistics at 16M, 64M and 256M
-  against the memory floor and the fp16 round trip, with peak extra memory);
-- ``ddp-gpt``, ``ddp-resnet``: DDP step times at world size 1 (NCCL on CUDA, gloo on CPU) of a
-  GPT-2-small-shaped LM and a ResNet-50, rows interleaved: DDP's allreduce, fp16 and bf16
-  compress hooks, PowerSGD rank 4, alq_hook at 3 bits and ``bits="auto"``, and a no-exchange hook
-  (a row's excess over it is the hook's own cost: the collectives are trivial at one rank);
-- ``fsdp``, ``diloco``, ``compile``: smoke runs of FSDP2's comm called directly (FSDP2 skips the
-  reduce-scatter at one rank), DiLoCo and ``torch.compile(DDP)`` with the hook against eager:
-  loss falls, parameters finite, compiled equals eager within tolerance;
-- ``ranks-exchanges``, ``ranks-train``, ``ranks-horovod``: 2 ranks on the one GPU over gloo with
-  CUDA tensors (scripts/bench/gpu_paths_ranks.py): the DDP hook with every exchange (hierarchical
-  as 2 nodes of 1 rank), training with the DDP hook, FSDP2's real reduce-scatter and DiLoCo, and
-  the Horovod compressor through Horovod's gloo controller (``--horovod-gloo``);
-- ``horovod``: the Horovod compressor on CUDA at world size 1, in a subprocess, when a Horovod built
-  with NCCL is importable (skipped with the reason otherwise).
-
-The sections live in scripts/bench/gpu_paths_codec.py (codec, bench), gpu_paths_ranks.py (the
-2-rank ones) and gpu_paths_steps.py (the rest); this module runs them and writes a Markdown
-report and a JSON sidecar (``--out``; rewritten before and after every section, so a crash leaves
-what ran and the section it died in; a section still running after ``--section-timeout`` seconds
-ends the process with every thread's stack on stderr). Exit status: 0 all ran or skipped, 1 a
-section failed, 2 no CUDA device (unless ``--device cpu``). ``--tiny`` shrinks every size (the
-CPU dry run in tests/test_gpu_paths.py)."""
+Sections (``--only`` picks some by key; each runs even if an earlier one failed): ``codec`` and
+``bench`` (scripts/bench/gpu_paths_codec.py), ``ddp-gpt``, ``ddp-resnet``, ``fsdp``, ``diloco``,
+``compile``, ``horovod`` (gpu_paths_steps.py), ``ranks-exchanges``, ``ranks-train``,
+``ranks-horovod`` (2 ranks on the one GPU, gpu_paths_ranks.py); what each checks:
+docs/guides/gpu.md. This module runs them and writes a Markdown report and a JSON sidecar
+(``--out``, rewritten around every section, so a crash leaves what ran). Exit status: 0 all ran or
+skipped, 1 a section failed, 2 no CUDA device (unless ``--device cpu``). ``--tiny`` shrinks every
+size (the CPU dry run in tests/test_gpu_paths.py).
+"""
 
 from __future__ import annotations
 
@@ -56,19 +34,9 @@ import torch
 
 from scripts.common.gpu import Skipped
 
-SECTIONS = [
-    "codec",
-    "bench",
-    "ddp-gpt",
-    "ddp-resnet",
-    "fsdp",
-    "diloco",
-    "compile",
-    "ranks-exchanges",
-    "ranks-train",
-    "horovod",
-    "ranks-horovod",
-]
+SECTIONS = (
+    "codec bench ddp-gpt ddp-resnet fsdp diloco compile ranks-exchanges ranks-train horovod ranks-horovod".split()
+)
 
 
 class Section:

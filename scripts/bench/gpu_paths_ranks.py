@@ -1,22 +1,10 @@
 """The 2-rank sections of scripts.bench.gpu_paths: two processes on the one GPU, both on ``cuda:0``,
 over gloo with CUDA tensors (NCCL refuses two ranks on one device); in the CPU dry run the same
-code on CPU tensors.
-
-- ``ranks-exchanges``: the DDP hook with each exchange (allgather, two-phase, hierarchical and
-  hierarchical two-phase, the latter two as 2 nodes of 1 rank: ``HOROVOD_ALQ_LOCAL_SIZE=1``) on
-  known gradients: the mean of 16 rounds closer to the exact average than one round (unbiased),
-  the exchange in use the one asked for, identical results on both ranks;
-- ``ranks-train``: the character GPT trained with the DDP hook, with FSDP2 (``fully_shard`` and
-  ``quantize_reduce_scatter``: the real reduce-scatter, which FSDP2 skips at one rank) and with
-  DiLoCo: loss falls, parameters finite and identical on both ranks;
-- ``ranks-horovod``: the Horovod compressor through Horovod's gloo controller (``horovodrun
-  --gloo -np 2``): allreduce with the allgather, two-phase and hierarchical (2 nodes of 1 rank)
-  exchanges (unbiased, identical on both ranks) and
-  ``hvd.DistributedOptimizer``. A Horovod built with NCCL sends CUDA tensors through NCCL, which
-  refuses two ranks on one GPU: on CUDA the section needs a Horovod built without GPU operations
-  (CUDA tensors staged through host memory to gloo), named by ``--horovod-gloo PATH`` (a folder
-  put first on the workers' PYTHONPATH; scripts/bench/gpu_device.sh builds one), and is skipped
-  with the reason otherwise.
+code on CPU tensors. ``ranks-exchanges``: the DDP hook with every exchange on known gradients;
+``ranks-train``: the GPT trained with the DDP hook, FSDP2's real reduce-scatter and DiLoCo;
+``ranks-horovod``: the Horovod compressor through Horovod's gloo controller, which on CUDA needs a
+Horovod built without GPU operations (``--horovod-gloo PATH``; scripts/bench/gpu_device.sh builds
+one), skipped with the reason otherwise. What each checks: docs/guides/gpu.md.
 
 Each worker (``python -m scripts.bench.gpu_paths_ranks --worker KIND``) writes its rank's JSON to
 ``--result DIR/rank<r>.json``; the section takes rank 0's checks, adds rank 1's failed ones and
@@ -39,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scripts.bench.gpu_paths_steps import falls, optimizer_check
+from scripts.bench.gpu_paths_steps import falls, optimizer_check, train_losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXCHANGES = ("allgather", "two-phase", "hierarchical", "hierarchical-two-phase")
@@ -162,6 +150,10 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
+def check(checks: list, name: str, ok, detail: str = "") -> None:
+    checks.append({"name": name, "ok": bool(ok), "detail": detail})
+
+
 def rank_input(rank: int, n: int, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + rank)
     return (torch.randn(n, generator=g) * (1 + rank) + 0.1 * rank).to(device)
@@ -171,14 +163,13 @@ def unbiased(outs: list, exact: torch.Tensor, name: str, checks: list) -> None:
     one = float((outs[-1] - exact).norm() / exact.norm())
     mean = float((torch.stack(outs).mean(0) - exact).norm() / exact.norm())
     ok = all(o.device == exact.device and o.dtype == exact.dtype and bool(torch.isfinite(o).all()) for o in outs)
-    checks.append({"name": f"{name}: on the device, float32, finite", "ok": ok, "detail": f"{len(outs)} rounds"})
+    check(checks, f"{name}: on the device, float32, finite", ok, f"{len(outs)} rounds")
     # unbiased and independent rounds: the mean's error is about one round's / sqrt(16) = 1/4
-    checks.append(
-        {
-            "name": f"{name}: mean of {len(outs)} rounds closer than one (unbiased)",
-            "ok": mean < 0.5 * one,
-            "detail": f"relative error: one {one:.3f}, mean {mean:.3f}",
-        }
+    check(
+        checks,
+        f"{name}: mean of {len(outs)} rounds closer than one (unbiased)",
+        mean < 0.5 * one,
+        f"relative error: one {one:.3f}, mean {mean:.3f}",
     )
 
 
@@ -217,9 +208,7 @@ def exchanges_worker(rank: int, device, tiny: bool) -> dict:
             outs.append(model.module.w.grad.detach().clone())
         unbiased(outs, exact, f"DDP hook, {exchange}", checks)
         used = state.metrics().get("exchange")
-        checks.append(
-            {"name": f"DDP hook, {exchange}: the exchange in use", "ok": used == exchange, "detail": str(used)}
-        )
+        check(checks, f"DDP hook, {exchange}: the exchange in use", used == exchange, str(used))
         digests[f"DDP hook, {exchange}"] = digest(outs)
         data[exchange] = {"bits_per_coordinate": state.metrics().get("bits_per_coordinate")}
     return {"checks": checks, "digests": digests, "data": data}
@@ -257,13 +246,9 @@ def train_worker(rank: int, device, tiny: bool) -> dict:
         if state is not None:
             m = state.metrics()
             sent = f"{m['bytes_sent']} bytes sent, {m['coordinates']} coordinates"
-            checks.append(
-                {"name": f"{name}: codes exchanged", "ok": m["bytes_sent"] > 0 < m["coordinates"], "detail": sent}
-            )
-        checks.append(
-            {"name": f"{name}: loss falls", "ok": falls(losses), "detail": f"{losses[0]:.3f} -> {losses[-1]:.3f}"}
-        )
-        checks.append({"name": f"{name}: parameters finite", "ok": all(bool(torch.isfinite(p).all()) for p in params)})
+            check(checks, f"{name}: codes exchanged", m["bytes_sent"] > 0 < m["coordinates"], sent)
+        check(checks, f"{name}: loss falls", falls(losses), f"{losses[0]:.3f} -> {losses[-1]:.3f}")
+        check(checks, f"{name}: parameters finite", all(bool(torch.isfinite(p).all()) for p in params))
         digests[f"{name}: parameters"] = digest(params)
         out[name] = {"losses": losses}
 
@@ -273,14 +258,7 @@ def train_worker(rank: int, device, tiny: bool) -> dict:
     model = ddp(GPTLoss(char_model(device, tiny)), device)
     state = ALQState(bits=3, seed=0)
     model.register_comm_hook(state, alq_hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for x, y in data:
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = train_losses(data, torch.optim.AdamW(model.parameters(), lr=3e-3), model)
     record("DDP hook", losses, list(model.parameters()), state)
 
     # FSDP2: each block and the whole model sharded over the 2 ranks, the ALQ reduce-scatter
@@ -290,31 +268,16 @@ def train_worker(rank: int, device, tiny: bool) -> dict:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     comm = quantize_reduce_scatter(model, ALQReduceScatter(bits=3, seed=0))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for x, y in data:
-        opt.zero_grad(set_to_none=True)
-        loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = train_losses(data, torch.optim.AdamW(model.parameters(), lr=3e-3), model.loss)
     record("FSDP2", losses, [p.full_tensor() for p in model.parameters()], comm)
 
     # DiLoCo: an outer step every 5 inner steps
     model = char_model(device, tiny)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loco = DiLoCo(model, inner, sync_every=5, bits=3)
-    losses = []
-    for x, y in data:
-        inner.zero_grad(set_to_none=True)
-        loss = model.loss(x, y)
-        loss.backward()
-        loco.step()
-        losses.append(float(loss.detach()))
+    losses = train_losses(data, inner, model.loss, loco.step)
     record("DiLoCo", losses, list(model.parameters()), loco)
-    checks.append(
-        {"name": "DiLoCo: an outer step every 5", "ok": loco.outer_steps == steps // 5, "detail": str(loco.outer_steps)}
-    )
+    check(checks, "DiLoCo: an outer step every 5", loco.outer_steps == steps // 5, str(loco.outer_steps))
     return {"checks": checks, "digests": digests, "data": out}
 
 
@@ -331,12 +294,9 @@ def horovod_worker(device_type: str, tiny: bool) -> tuple:
     n = (1 << 12) if tiny else (1 << 20)
     checks, digests = [], {}
     nccl = bool(hvd.nccl_built())
-    checks.append(
-        {
-            "name": "2 ranks" + (", CUDA tensors not on NCCL" if device_type == "cuda" else ""),
-            "ok": hvd.size() == 2 and not (device_type == "cuda" and nccl),
-            "detail": f"size {hvd.size()}, nccl_built {nccl}",
-        }
+    name = "2 ranks" + (", CUDA tensors not on NCCL" if device_type == "cuda" else "")
+    check(
+        checks, name, hvd.size() == 2 and not (device_type == "cuda" and nccl), f"size {hvd.size()}, nccl_built {nccl}"
     )
     g = rank_input(rank, n, device)
     exact = (rank_input(0, n, device) + rank_input(1, n, device)) / 2
@@ -345,15 +305,13 @@ def horovod_worker(device_type: str, tiny: bool) -> tuple:
         outs = [hvd.allreduce(g, compression=comp, op=hvd.Average, name=f"{exchange}{i}") for i in range(ROUNDS)]
         unbiased(outs, exact, f"Horovod allreduce, {exchange}", checks)
         used = comp.metrics().get("exchange")
-        checks.append(
-            {"name": f"Horovod, {exchange}: the exchange in use", "ok": used == exchange, "detail": str(used)}
-        )
+        check(checks, f"Horovod, {exchange}: the exchange in use", used == exchange, str(used))
         digests[f"Horovod allreduce, {exchange}"] = digest(outs)
     model = nn.Linear(32, 1).to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     w = torch.randn(32, 1, generator=torch.Generator().manual_seed(1)).to(device)
-    check, losses = optimizer_check(hvd, model, w, torch.Generator().manual_seed(1 + rank))
-    checks.append(check)
+    done, losses = optimizer_check(hvd, model, w, torch.Generator().manual_seed(1 + rank))
+    checks.append(done)
     digests["DistributedOptimizer: parameters"] = digest(model.parameters())
     hvd.shutdown()
     return rank, {"checks": checks, "digests": digests, "data": {"losses": losses}}

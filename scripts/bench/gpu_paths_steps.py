@@ -54,6 +54,19 @@ def finite(params) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in params)
 
 
+def train_losses(data, opt, loss_of, step=None) -> list[float]:
+    """The losses of a run over ``data`` ((x, y) batches): zero_grad, ``loss_of(x, y)``, backward,
+    then ``step`` (default ``opt.step``)."""
+    losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(x, y)
+        loss.backward()
+        (step or opt.step)()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def falls(losses: list, k: int = 3) -> bool:
     """The mean of the last ``k`` losses below 95% of the mean of the first ``k``."""
     return sum(losses[-k:]) / k < 0.95 * sum(losses[:k]) / k
@@ -332,14 +345,8 @@ def diloco_smoke(ctx, sec) -> None:
     model = gpt(ctx, "char")
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loco = DiLoCo(model, inner, sync_every=5, bits=3)
-    losses = []
     data = char_data(ctx, ctx.pick(30, 60))
-    for x, y in data:
-        inner.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        loco.step()
-        losses.append(float(loss.detach()))
+    losses = train_losses(data, inner, model, loco.step)
     sec.check("loss falls", falls(losses), f"{losses[0]:.3f} -> {losses[-1]:.3f}")
     sec.check("parameters finite", finite(model.parameters()))
     sec.check(

@@ -1,20 +1,12 @@
 #!/usr/bin/env python
-"""Wall-clock per training step under limited bandwidth: 4 (--workers: 2..8) Horovod workers, each in
-its own network namespace, linked through a bridge with tc-shaped veths, time per step for none
-(fp32), fp16, QSGDinf and ALQ (allgather and two-phase exchange), as ratios to none and to fp16.
-Needs root (ip netns, tc).
+"""Wall-clock per training step under limited bandwidth: 4 (--workers: 2..8) Horovod workers in
+network namespaces with tc-shaped links (scripts/common/network.py), time per step for none (fp32),
+fp16, QSGDinf and ALQ (allgather and two-phase), as ratios to none and to fp16, on a wide MLP (about
+20M parameters, batch 8 per worker: communication dominates); the median over steps of the slowest
+rank's step. Needs root (ip netns, tc). Results: docs/results/network_wall_clock.md.
 
     python -m scripts.bench.network     # unshaped, 1gbit, 100mbit: build/results/bench_network.md, .png, data/
     python -m scripts.bench.network --quick --out-dir /tmp/net     # small model, 1 rate, 2 steps
-
-The namespaces (netns alqnet-w0 .. alqnet-w3, --workers N: w0 .. w{N-1}; alqnet-head, where
-mpirun runs; alqnet-br, the bridge), the tc tbf shaping of each worker link and the mpirun launch
-through them are scripts/common/network.py's (see its docstring); they are torn down at the end,
-also on failure, Ctrl-C or SIGTERM.
-
-The model is a wide MLP (784 -> H -> H -> 10, about 20.0M parameters for H = 4096) with a batch of
-8 per worker: communication dominates. Each method runs --warmup untimed then --steps timed steps;
-the reported time is the median over steps of the slowest rank's step time.
 """
 
 from __future__ import annotations

@@ -1,45 +1,20 @@
 #!/usr/bin/env python
-"""Time one optimizer step's gradient exchange of a ResNet-50-shaped model, per compressor, side by
-side in the same processes, as ratios to Horovod's fp16 compressor. Run under a launcher:
+"""Time one optimizer step's gradient exchange of a ResNet-50-shaped model (161 parameters generated
+from the architecture, no torchvision; --width scales the channels), per compressor, side by side in
+the same processes, as ratios to Horovod's fp16 compressor. One step is what
+``hvd.DistributedOptimizer`` does with ``compression=c`` (compress, ``allreduce_async_`` in backward
+order, then synchronize and decompress); a barrier precedes every step, the methods run interleaved,
+and the table gives the median over --steps of the slowest rank's step. Rows and results:
+docs/results/training_steps.md#bench_step (it also measures ``--mca mpi_yield_when_idle 1``, which
+hosts with fewer cores than busy threads need).
 
     OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --out build/results/bench_step.md
     # the report goes by hand into docs/results/training_steps.md#bench_step
     OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --quick
     OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --profile alq --profile-out /tmp/alq.prof
 
-On a host with fewer cores than busy threads (2 ranks, each a main thread and Horovod's background
-thread, on 2 cores) pass ``--mca mpi_yield_when_idle 1`` to mpirun: else a background thread
-that waits in an MPI collective spins on the core its rank's main thread needs
-(docs/results/training_steps.md#bench_step measures both).
-
-The model: the 161 parameters of torchvision's resnet50 (conv weights, batch-norm weights and
-biases, fc weight and bias; 25,557,032 elements, 76 tensors of at least 1,024 elements), generated
-here from the architecture (no torchvision import, no download); --width scales every channel
-count (fc keeps its 1,000 outputs). Each rank fills them with its own random "gradients"
-(normal, a different scale per tensor).
-
-One step is what ``hvd.DistributedOptimizer`` does with ``compression=c``: for every parameter in
-backward order, ``compressed, ctx = c.compress(grad)`` and ``hvd.allreduce_async_(compressed,
-name=..., op=hvd.Average)``; then, in the same order, ``c.decompress(hvd.synchronize(handle),
-ctx)``. The names are the parameter names prefixed by the compressor's label (so that Horovod's
-response cache never sees one name with two shapes). A barrier precedes every step; the step time
-of the slowest rank (an allreduce with Max, outside the timed region) is recorded, and the table
-gives the median over --steps timed steps after --warmup steps. The methods run interleaved, one
-step each in turn, so the machine's noise hits them alike.
-
-Rows: Horovod's none (fp32) and fp16, ALQ at its default settings (3 bits, bucket 8192, 64 MiB
-fusion buffers) with exchange="allgather" and "two-phase", and ALQ with fusion_bytes=0 (one buffer
-per tensor, the exchange before fusion). The ALQ compressors refit their levels only at step 0
-(update_steps=(0,), update_every=0), which the warm-up covers, so the table is the steady state;
-"ALQ, refit round" refits in every step (update_every=1): the cost of a step whose statistics are
-collected, allreduced and fitted (by default steps 0, 100, 2000, then every 10,000). "no repeated
-shapes (diagnostic)" passes the same gradients as views whose shapes never repeat (a leading 1 per
-earlier tensor of the same shape): the same bytes and codec work, but the engine then takes its
-fast "ordered" path, which it refuses when two compressed tensors of a round share a shape
-(ResNet-50 has many); the difference between the two ALQ allgather rows is the cost of that fallback.
-
 --profile METHOD runs only that method's steps, under cProfile on rank 0, and prints the functions
-that take the time (also a small breakdown: compress + submit vs synchronize + decompress).
+that take the time (also compress + submit against synchronize + decompress).
 """
 
 from __future__ import annotations

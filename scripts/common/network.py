@@ -8,29 +8,14 @@ once :func:`preflight` has run):
     netns alqnet-head                 eth0 = 10.213.0.100/24 (unshaped; mpirun runs here)
     netns alqnet-br                   bridge br0 with the peer veths (tbf egress toward each worker)
 
-Only interfaces inside these namespaces are created or shaped: the machine's own interfaces,
-loopback and routing are never touched. Each worker's link is shaped in both directions (its own
-eth0 egress and the bridge port toward it), like a full-duplex NIC of the given rate per worker.
-
-Launch: mpirun runs in the head namespace with a hostfile of the worker addresses and
-``--mca plm_rsh_agent <agent>``; the agent is a small shell script (written to a temp dir) that maps
-the address to the worker's namespace and runs Open MPI's orted there with ``ip netns exec``.
-Every rank of a launch must run within a minute (:func:`launch` polls each namespace for the
-orted's children); otherwise mpirun and everything in the namespaces are killed, the namespaces
-missing ranks are named (with or without an orted), and the launch is tried once more
-(:func:`launch_retry`); the caller's ``finally`` tears the namespaces down either way.
-
-Node layout (``mpirun_command(..., n=K, ranks_per_node=G)``): G consecutive ranks in each of K
-namespaces (``slots=G``, ``--map-by slot``; Open MPI's local size G, ``HOROVOD_ALQ_LOCAL_SIZE=G``
-exported). The G ranks of a node reach each other at their namespace's own address, which Linux
-routes over the namespace's loopback: unshaped, and not in eth0's counters. Only traffic between
-nodes crosses the shaped veths; :func:`link_counters` reads each node's eth0 bytes.
-Open MPI's out-of-band and TCP BTL traffic are restricted to 10.213.0.0/24 (``btl self,tcp``: no
-shared memory between ranks, since they are on "different hosts"), so every byte of the gradient
-exchange between nodes crosses the shaped veths (with ``intra="shm"`` the ranks of one node use
-shared memory between them). Horovod uses MPI for its CPU collectives (HOROVOD_CPU_OPERATIONS=mpi).
-
-In the ranks: :func:`join_gloo` joins torch.distributed (gloo) over a namespace's interface.
+Only interfaces inside these namespaces are created or shaped; each worker's link is shaped in both
+directions, like a full-duplex NIC of the given rate. mpirun runs in the head namespace with an rsh
+agent that runs Open MPI's orted in each worker's namespace (:func:`launch`, retried once by
+:func:`launch_retry` when a rank does not start within a minute). Node layout
+(``ranks_per_node=G``): G consecutive ranks per namespace, which reach each other over its loopback
+(unshaped, not in eth0's counters, :func:`link_counters`). Open MPI's traffic is restricted to
+10.213.0.0/24, so every byte between nodes crosses the shaped veths. In the ranks, :func:`join_gloo`
+joins torch.distributed (gloo) over a namespace's interface.
 """
 
 from __future__ import annotations
@@ -515,11 +500,7 @@ def log_path(out: str, n: int, rate: str) -> Path:
 def add_namespace_options(add) -> None:
     """The options every benchmark through the namespaces shares (``add``: a parser's add_argument):
     ``--local`` and the hidden ones of the worker and of the teardown."""
-    add(
-        "--local",
-        action="store_true",
-        help="no namespaces or shaping: the ranks on this host's loopback (no root needed)",
-    )
+    add("--local", action="store_true", help="no namespaces or shaping: the ranks on loopback (no root needed)")
     add("--gloo-timeout", type=float, default=600, help=argparse.SUPPRESS)
     add("--teardown-only", action="store_true", help="remove leftover namespaces of scripts.bench.network")
     add("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -1,45 +1,26 @@
 #!/usr/bin/env python
 """DiLoCo with quantized pseudo-gradients on the character GPT (issue 42): held-out loss against the
-bytes each worker sent and against a modeled wall-clock on 100 Mbit/s links.
+bytes each worker sent and against a modeled wall-clock on 100 Mbit/s links (the loop's measured time
+plus the bytes at --rate). Each seed is one ``torchrun`` launch of 4 gloo workers that trains every
+row in turn from the same initial model: per-step data parallelism with fp16 gradients (``dp-fp16``)
+and :class:`horovod_alq.torch.diloco.DiLoCo` every H steps with the pseudo-gradient in fp32, int8,
+QSGDinf or ALQ. Every DiLoCo row also records per outer step the norms of :class:`OuterProbe`. Rows,
+bytes and results: docs/results/diloco_study.md.
 
     python -m scripts.study.diloco     # every row, 3 seeds, 4 workers, into build/results
     python -m scripts.study.diloco --quick --out-dir /tmp/diloco  # 2 workers, 1 seed, 20 steps, 3 rows
 
-Every seed is one ``torchrun`` launch of 4 worker processes (gloo over loopback) that trains every
-row in turn from the same initial model, for the same number of inner steps: per-step data
-parallelism with fp16 gradients (``dp-fp16``, the reference: AdamW on the averaged gradient), and
-DiLoCo (:class:`horovod_alq.torch.diloco.DiLoCo`: AdamW inner steps, Nesterov outer steps, lr 0.7,
-momentum 0.9) every H = 50 or 10 steps with the pseudo-gradient in fp32 (an exact all_reduce),
-int8 (per-tensor absmax, round to nearest, as INTELLECT-1; allgathered), QSGDinf, or ALQ, the
-quantized rows over the allgather exchange (error feedback needs it). Rank 0 evaluates the
-held-out loss (the global parameters, right after an outer step) every ``--eval-every`` steps.
-
-Bytes are those each worker sent: the engine's payload bytes for the quantized rows (allgather:
-``N - 1`` copies of a rank's payload), ``8 (N-1)/N`` bytes per coordinate for an fp32 ring all_reduce
-(``4 (N-1)/N`` for fp16), ``(N-1)(n + 4)`` per tensor of ``n`` coordinates for int8. Modeled
-wall-clock: the loop's measured time on this machine (compute, codec and loopback collectives)
-plus the bytes sent at ``--rate`` Mbit/s. Outputs under --out-dir: diloco_study.md (table),
-diloco_study.png (plot), data/diloco_study.json (every seed's curves); each seed's launch also
-writes data/diloco_study_raw/seed<k>.json, and a seed whose file exists is not run again.
+Outputs: diloco_study.md, .png, data/diloco_study.json; each seed's launch writes
+data/diloco_study_raw/seed<k>.json, and a seed whose file exists is not run again.
 
 Row names (``--rows``, comma-separated; :func:`row_spec` reads them)::
 
     row    := base ("@lr" NUMBER)? ("@m" NUMBER)? ("@n" NUMBER)?   e.g.  h50-fp32@lr0.5@m0.9
     base   := a key of ROWS | "h" H "-" kind                        e.g.  h100-fp32, h10-alq2-ef
 
-``hH-kind`` is the H = 50 row ``h50-kind`` with H inner steps per outer step; ``@lr`` and ``@m`` set
-that row's outer learning rate and Nesterov momentum (``@m0``: plain SGD), overriding
-``--outer-lr`` / ``--outer-momentum``, for the fp32/int8 rows and the DiLoCo rows alike, so one
-launch can sweep them. ``@n`` (fp32 rows only) is the noise control of issue 54: after the exact
-all_reduce, every outer step adds isotropic Gaussian noise of norm ``n`` times the averaged
-pseudo-gradient's (per coordinate ``N(0, (n ||avg|| / sqrt(d))^2)``, unbiased), drawn from a
-generator seeded by the seed and the outer step, the same on every rank, so that the ranks stay
-identical; ``h50-fp32@lr0.7@m0@n0.875`` matches QSGDinf 2 bits' measured relative error.
-Rank 0 evaluates a row every lcm(``--eval-every``, H) steps. Every DiLoCo
-row also records, per outer step (:class:`OuterProbe`), the L2 norms of the exact average of the
-ranks' pseudo-gradients (one extra fp32 all_reduce, neither timed nor counted in the bytes), of the
-averaged pseudo-gradient the outer optimizer was given (quantized or not) and of their difference,
-the ranks' mean own pseudo-gradient norm, and the norm of the global parameters' update.
+``hH-kind``: the H = 50 row ``h50-kind`` with H inner steps per outer step; ``@lr`` and ``@m``: that
+row's outer learning rate and Nesterov momentum (``@m0``: plain SGD); ``@n`` (fp32 rows, issue 54):
+isotropic Gaussian noise of norm ``n`` times the averaged pseudo-gradient's, the same on every rank.
 """
 
 from __future__ import annotations
@@ -53,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from scripts.common import launch as launching
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Every row: (name, H or None for per-step data parallelism, method, bits, error feedback, wire).
@@ -421,54 +404,11 @@ def worker(args) -> int:
 
 # ---------------------------------------------------------------------------------- the driver
 def launch(args, seed: int, path: Path) -> None:
-    passed = [
-        "--rows",
-        args.rows,
-        "--steps",
-        args.steps,
-        "--batch-size",
-        args.batch_size,
-        "--context",
-        args.context,
-        "--width",
-        args.width,
-        "--layers",
-        args.layers,
-        "--heads",
-        args.heads,
-        "--lr",
-        args.lr,
-        "--warmup",
-        args.warmup,
-        "--weight-decay",
-        args.weight_decay,
-        "--outer-lr",
-        args.outer_lr,
-        "--outer-momentum",
-        args.outer_momentum,
-        "--bucket-size",
-        args.bucket_size,
-        "--eval-every",
-        args.eval_every,
-        "--eval-windows",
-        args.eval_windows,
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(args.workers),
-        "-m",
-        "scripts.study.diloco",
-        "--worker",
-        "--seed",
-        str(seed),
-        "--json",
-        str(path),
-        *map(str, passed),
-    ]
+    passed = launching.flags(args, "rows", "steps", "batch_size", "context", "width", "layers", "heads", "lr")
+    passed += launching.flags(args, "warmup", "weight_decay", "outer_lr", "outer_momentum", "bucket_size")
+    passed += launching.flags(args, "eval_every", "eval_windows")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers)]
+    cmd += ["-m", "scripts.study.diloco", "--worker", "--seed", str(seed), "--json", str(path), *passed]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 

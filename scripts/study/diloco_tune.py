@@ -7,23 +7,12 @@
     python -m scripts.study.diloco_tune --stage quant --seeds 0,1,2 --out-dir build/diloco_tuned
     python -m scripts.study.diloco_tune --stage report --out-dir build/diloco_tuned   # tables.md
 
-``sweep``: fp32 pseudo-gradients at H = 50, outer lr {0.3, 0.5, 0.7, 1.0} x Nesterov momentum
-{0, 0.9} (``--lrs``, ``--momenta``), one launch of seed 0. ``horizon``: the sweep's best pair on the
-held-out loss (or ``--lr`` / ``--momentum``) at H = 10 and 100, seed 0. ``quant``: at that pair, H = 50,
-fp32, int8, QSGDinf 2 bits, ALQ 2, 3, 4 bits and ALQ 2 bits with error feedback, one launch per seed.
-Each launch writes ``<out-dir>/raw/<stage>_seed<k>.json``; a row a seed already has in any of those
-files is not run again (the tuned fp32 row of seed 0 comes from the sweep); a later launch of a stage
-and seed writes ``<stage>2_seed<k>.json`` and so on. ``--kinds`` limits the quant stage's rows.
-``report`` writes ``<out-dir>/tables.md``: the sweep, the H table, the quantizers at the tuned point
-(mean ± standard error over the seeds each row ran, same-seed differences against tuned fp32), the
-gap to per-step fp16 data parallelism (``dp-fp16`` of the earlier study's raw files, ``--dp-raw``,
-used only when their recorded arguments match), paired differences between the quantizers, and the
-outer-step norms of :class:`scripts.study.diloco.OuterProbe`. Rows that other launches of
-:mod:`scripts.study.diloco` wrote into ``<out-dir>/raw/`` (``noise_seed<k>.json``,
-``noise2_seed<k>.json``: the noise controls ``h50-fp32@lr0.7@m0@n0.875`` and ``@n0.638``, fp32 at
-lr 1.0 on more seeds) join the quantizers' table when a seed other than 0 ran them or they carry
-``@n``. Every other argument is the study's default (4 workers,
-1000 inner steps, the same GPT).
+``sweep``: fp32 at H = 50 over outer lr x Nesterov momentum (``--lrs``, ``--momenta``); ``horizon``:
+the best pair at H = 10 and 100; ``quant``: the quantizers at that pair (``--kinds``), one launch per
+seed; ``report``: the tables of docs/results/diloco_study.md#tuned. Each launch writes
+``<out-dir>/raw/<stage>_seed<k>.json`` (a later one ``<stage>2_seed<k>.json``); a row a seed already
+has in any raw file is not run again, and rows other launches of :mod:`scripts.study.diloco` wrote
+there (the noise controls) join the report.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 #!/usr/bin/env python
 """Bits per coordinate of the fixed and the entropy-coded wire on real gradients, and the coder's speed.
 
-For the character GPT (AdamW, 4 layers of 128) and the demo CNN (SGD + momentum), trained --iters
-steps on their uncompressed gradients, the tensors the compressors quantize (>= --min-size) are
-fused into one stream, as a fusion buffer. For each method and width, with levels refit from that
-gradient's statistics (as a compressor's refit round would), one payload of the stream is made
-and coded as ``wire="entropy"`` sends it, and the report gives:
-
-- fixed and coded bits per coordinate (whole payloads: norms, headers, frequency table included),
-  and their ratio;
-- the empirical entropy of the codes (the floor of any code of the codes alone), and what a static
-  model derived from the agreed statistics and levels would cost instead of the payload's own
-  frequencies (its cross-entropy: the mismatch of the fitted distribution);
-- the exact quantization variance relative to ||g||^2, and as a multiple of the Gaussian
-  rate-distortion bound ``sigma^2 2^(-2R)`` at the coded rate R (sigma^2 = ||g||^2 / n).
-
-Then the coder's throughput on one core: the GPT's stream tiled to --speed-coordinates, encode
-(``encode_wire`` of a payload) and decode (``decode_wire``), in MB/s of float32 input, beside the
-fixed codec's own encode and decode (the compiled CPU codec), interleaved, --repeats times.
+For the character GPT and the demo CNN, trained --iters steps on their uncompressed gradients, the
+tensors the compressors quantize are fused into one stream; for each method and width, with levels
+refit from that gradient, one payload is coded as ``wire="entropy"`` sends it. Reported: fixed and
+coded bits per coordinate, the codes' entropy and a static model's cross-entropy, the variance
+against the Gaussian rate-distortion bound, and the coder's throughput on one core beside the fixed
+codec's. Columns and results: docs/results/entropy_wire.md.
 
     python -m scripts.study.entropy_wire     # build/results/entropy_wire.md and data/entropy_wire.json
     python -m scripts.study.entropy_wire --quick --out /tmp/entropy_wire.md

