@@ -48,12 +48,20 @@ class Exchange:
         return self.span is None
 
     def bytes(
-        self, n: int, rank: int, size: int, first: Quantizer, second: Quantizer | None = None, local_size=None
+        self,
+        n: int,
+        rank: int,
+        size: int,
+        first: Quantizer,
+        second: Quantizer | None = None,
+        local_size=None,
+        status: bool = True,
     ) -> tuple[int, int]:
         """``(sent, received)`` payload bytes of one ``n``-element buffer on ``rank`` of ``size`` in
-        nodes of ``local_size`` (None: one node), from :attr:`plan`."""
+        nodes of ``local_size`` (None: one node), from :attr:`plan` (``status``: the node-aware
+        exchanges' status bytes between nodes, which TensorFlow's graph does not send)."""
         if self.plan is None:
             raise ValueError(f"exchange {self.name!r} has no plan (streamed rounds only)")
-        g = {"g": local_size or size} if self.node_aware else {}
+        g = {"g": local_size or size, "status": status} if self.node_aware else {}
         p = self.plan(0, n, size, rank, first, second if second is not None else first, **g)
         return p.sent, p.received

@@ -21,8 +21,10 @@ the variance of the average is between equal to and ``G`` times the flat exchang
 inter-node bytes the hierarchical exchange can spend more bits (docs/guides/settings.md, "Clusters of
 nodes"). In refit rounds the owners collect the statistics of what they quantize (the node sums).
 
-An owner that finds an invalid payload among those it received poisons what it forwards, so that
-every rank raises after the last collective (none waits in a collective another will not issue).
+An owner that finds an invalid payload among those it received poisons what it forwards, and in
+the same last collective sends every rank of the other nodes one status byte (1: it found one), so
+that every rank, on every node, raises after the last collective (none waits in a collective
+another will not issue).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..core.protocol import ProtocolError
+from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
 from . import pipeline
 from .descriptor import Exchange
@@ -55,16 +57,18 @@ def plan(
     second: Quantizer | None = None,
     segments=None,
     g: int | None = None,
+    status: bool = True,
 ) -> BufferPlan:
     """``[lo, hi)`` as ``g`` shards (``g``: ranks per node, default ``size``): ``first`` holds each
     shard's payload size; ``sent`` / ``received`` this rank's bytes on the wire over the three
-    collectives (float32 inside the node, codes between nodes and again inside the node)."""
+    collectives (float32 inside the node, codes between nodes and again inside the node; with
+    ``status``, the last stage's status bytes: TensorFlow's graph sends none)."""
     g = size if g is None else g
     parts = tuple(shards(lo, hi, g, first.bucket_size))
     own = sizes(parts, first, segments)
     local, nodes = rank % g, size // g
     to = splits(size, {r: own[local] for r in cross_ranks(rank, size, g)})
-    stage3 = forward_splits(size, rank, [nodes * s for s in own])
+    stage3 = (last_splits if status else forward_splits)(size, rank, [nodes * s for s in own])
     counts = total(*(alltoall_bytes(s, r, rank) for s, r in (node_sum_splits(parts, size, rank), (to, to), stage3)))
     return BufferPlan(parts, own, (), *counts)
 
@@ -149,6 +153,48 @@ def forward_splits(size: int, rank: int, block: Sequence[int]) -> tuple[list[int
     return splits(size, {r: block[rank % g] for r in peers}), splits(size, {r: block[r % g] for r in peers})
 
 
+def last_splits(size: int, rank: int, block: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The byte counts of the last stage of the engine's exchanges: :func:`forward_splits` inside
+    the node, and one status byte to and from every rank of the other nodes."""
+    g = len(block)
+    sent, received = forward_splits(size, rank, block)
+    for r in range(size):
+        if r // g != rank // g:
+            sent[r] = received[r] = 1
+    return sent, received
+
+
+def last_stage(ops, t, forward: Tensor, block: Sequence[int], failure, tag: str) -> Alltoall:
+    """The last stage's collective: ``forward`` to the node's ranks (poisoned when ``failure``),
+    this rank's status byte to the ranks of the other nodes (see :func:`node_part`)."""
+    g = len(block)
+    node = t.rank // g
+    status = ops.from_numpy(np.full(1, failure is not None, dtype=np.uint8))
+    sent = forward if failure is None else poisoned(ops, forward)
+    blocks = [status] * (node * g) + [sent] * g + [status] * (t.size - (node + 1) * g)
+    return Alltoall(ops.cat(blocks), *last_splits(t.size, t.rank, block), tag)
+
+
+def node_part(ops, t, gathered: Tensor, block: Sequence[int], failure, what: str) -> Tensor:
+    """What :func:`last_stage` gathered, checked: raises on this rank if a block from its node
+    arrived poisoned (its own ``failure`` first) or a rank of another node sent status 1 (naming
+    it: it received invalid ``what``); else returns the node's blocks."""
+    g = len(block)
+    node = t.rank // g
+    before, inside = node * g, int(sum(block))
+    ranks = node_ranks(t.rank, g)
+    raise_if_poisoned(ops, gathered[before : before + inside], block, failure, what, ranks)
+    host = ops.to_numpy(gathered)
+    status = np.concatenate([host[:before], host[before + inside :]])
+    others = [r for r in range(t.size) if r // g != node]
+    flagged = [others[j] for j in np.flatnonzero(status).tolist()]
+    if flagged:
+        raise ProtocolError(
+            f"{PREFIX}: rank(s) {flagged} received invalid {what} (see their errors); refusing to decode on every rank"
+        )
+    return gathered[before : before + inside]
+
+
 def cross_ranks(rank: int, size: int, g: int) -> list[int]:
     """The ranks with ``rank``'s local rank, one per node, in node order: the owners of its shard."""
     return [k * g + rank % g for k in range(size // g)]
@@ -178,15 +224,12 @@ def forward_in_node(
 ):
     """The last stage: this rank's ``held`` payloads of its shard go to its node's ranks (poisoned
     when ``failure``: it found an invalid payload), each rank receiving ``block[j]`` bytes from
-    local rank ``j``. Yields one :class:`Alltoall`, returns the gathered bytes; raises on every
-    rank of a node (its ``failure``, else naming the ranks) if any block arrived poisoned."""
+    local rank ``j``, and its status to the other nodes (:func:`last_stage`). Yields one
+    :class:`Alltoall`, returns the node's bytes; raises on every rank of every node if any rank
+    found an invalid payload (:func:`node_part`)."""
     ops, t = job.ops, job.transport
-    g = len(block)
-    forward = held if failure is None else poisoned(ops, held)
-    gathered = yield Alltoall(ops.cat([forward] * g), *forward_splits(t.size, t.rank, block), tag)
-    what = f"payloads {source} for their shards of buffer {i}"
-    raise_if_poisoned(ops, gathered, block, failure, what, node_ranks(t.rank, g))
-    return gathered
+    gathered = yield last_stage(ops, t, held, block, failure, tag)
+    return node_part(ops, t, gathered, block, failure, f"payloads {source} for their shards of buffer {i}")
 
 
 def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
@@ -242,8 +285,7 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
         except Exception as exc:  # noqa: BLE001 - poisons what this rank forwards
             failures[c] = exc
         block = [nodes * q.payload_bytes(r[c][1] - r[c][0]) for r in runs]
-        sent = held if failures[c] is None else poisoned(ops, held)
-        return Alltoall(ops.cat([sent] * g), *forward_splits(n, me, block), f"h3-{i}-{c}")
+        return last_stage(ops, t, held, block, failures[c], f"h3-{i}-{c}")
 
     def decode(c: int) -> None:
         """Chunk ``c`` of every shard from the node: checked, decoded and summed in node order."""
@@ -254,7 +296,7 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
         block = [nodes * q.payload_bytes(r[c][1] - r[c][0]) for r in runs]
         what = f"payloads from the other nodes for their shards of buffer {i}"
         try:
-            raise_if_poisoned(ops, gathered, block, failures[c], what, node_ranks(me, g))
+            gathered = node_part(ops, t, gathered, block, failures[c], what)
             expected = [[(r[c][1] - r[c][0], q)] for r in runs for _ in range(nodes)]
             offsets = check_segments(ops, gathered, expected, f"chunk {c} of buffer {i} from the node")
         except Exception as exc:  # noqa: BLE001 - raised after the last chunk's collective

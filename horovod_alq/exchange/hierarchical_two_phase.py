@@ -33,7 +33,7 @@ import numpy as np
 from ..core.protocol import PREFIX, ProtocolError
 from ..core.quantizer import Quantizer
 from .descriptor import Exchange
-from .hierarchical import cross_ranks, forward_in_node, forward_splits, node_sum, node_sum_splits, splits
+from .hierarchical import cross_ranks, forward_in_node, forward_splits, last_splits, node_sum, node_sum_splits, splits
 from .job import Alltoall, Job, Piece, Steps, joined
 from .payloads import check_segments, poisoned, poisoned_blocks
 from .plan import BufferPlan, alltoall_bytes, shards, sizes, total
@@ -60,10 +60,11 @@ def plan(
     second: Quantizer,
     segments=None,
     g: int | None = None,
+    status: bool = True,
 ) -> BufferPlan:
     """``[lo, hi)`` as :func:`sub_shards` (``g``: ranks per node, default ``size``): ``first`` and
     ``second`` hold each sub-shard's payload sizes in both quantizations; ``sent`` / ``received``
-    this rank's bytes on the wire over the four collectives."""
+    this rank's bytes on the wire over the four collectives (``status``: as :func:`.hierarchical.plan`)."""
     g = size if g is None else g
     m = size // g
     parts = tuple(sub_shards(lo, hi, g, m, first.bucket_size))
@@ -74,7 +75,9 @@ def plan(
             for s, r in (
                 node_sum_splits([(parts[j * m][0], parts[j * m + m - 1][1]) for j in range(g)], size, rank),
                 *between_splits(size, rank, g, own, again),
-                forward_splits(size, rank, [sum(again[j * m : (j + 1) * m]) for j in range(g)]),
+                (last_splits if status else forward_splits)(
+                    size, rank, [sum(again[j * m : (j + 1) * m]) for j in range(g)]
+                ),
             )
         )
     )

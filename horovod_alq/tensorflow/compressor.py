@@ -295,7 +295,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         n, me = self._set_size(), self._set_rank()
         h = protocol.shape_hash(tuple(tensor.shape.as_list()), tensor.dtype.name)
         width = None if v.auto is None else v.auto.width(slot, numel, h)
-        layout = {"g": g} if get(exchange).node_aware else {}
+        layout = {"g": g, "status": False} if get(exchange).node_aware else {}  # the graph sends no status bytes
         plans = {w: get(exchange).plan(0, numel, n, me, q, q2, **layout) for w, (q, q2) in self._widths().items()}
         counters = v.count(
             calls=1,

@@ -47,9 +47,13 @@ def test_same_results_as_the_fixed_wire_for_fewer_bytes(exchange):
     sent = [(e.state.wire_fixed_bytes, e.state.wire_coded_bytes) for e in engines]
     assert all(fixed > 0 for fixed, _ in sent)
     # heavy-tailed gradients at 3 bits with fitted levels: codes well below 3 bits of entropy; the
-    # hierarchical exchanges also move float32 sums inside the node (raw frames: 32 bytes more)
+    # hierarchical exchanges also move float32 sums inside the node (raw frames: 32 bytes more), and
+    # in their last stage each rank's status byte to the 2 ranks of the other node (a raw frame each:
+    # 33 bytes), counted out here: 4 ranks, 2 rounds of one buffer
     bound = 0.99 if exchange.startswith("hierarchical") else 0.9
-    assert sum(c for _, c in sent) < bound * sum(f for f, _ in sent), sent
+    status = 4 * 2 * 2 if exchange.startswith("hierarchical") else 0
+    coded = sum(c for _, c in sent) - status * (entropy.FRAME_HEADER + 1)
+    assert coded < bound * (sum(f for f, _ in sent) - status), sent
 
 
 def test_bytes_sent_and_received_are_the_coded_bytes():

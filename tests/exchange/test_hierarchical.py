@@ -254,6 +254,49 @@ def test_an_invalid_payload_between_nodes_raises_on_every_rank(exchange, bad):
     assert any("refusing to decode on every rank" in str(o) for o in out), out
 
 
+@pytest.mark.parametrize("exchange", BOTH)
+def test_a_payload_broken_only_on_its_way_to_one_node_raises_on_every_node(exchange):
+    """Rank 0's codes between nodes arrive garbled at one rank of another node only, the copies to
+    the other nodes intact: the node that received them raises, and so does every other node (the
+    last stage carries each rank's status to the other nodes), in the same round."""
+    n, g = 8 if exchange == "hierarchical-two-phase" else 4, 2
+    engines = [s.engine(uid="h") for s in _setups(n, exchange=exchange, update_steps=())]
+    transports = Hub(n, local_size=g).transports()
+    t = transports[0]
+    honest = t.alltoall
+    victim = next(r for r, b in enumerate(_stage_two_splits(engines[0], n, g, exchange)) if b and r // g == 1)
+
+    def garbled(payload, splits, received, name):
+        if "h2-" in name:
+            payload = payload.copy()
+            start = int(np.sum(splits[:victim]))
+            payload[start : start + splits[victim]] = 0x7F
+        return honest(payload, splits, received, name)
+
+    t.alltoall = garbled
+    out = _round(engines, transports, [_grads(0, r) for r in range(n)], "one-node")
+    assert all(isinstance(o, ProtocolError) for o in out), out
+    assert any("does not match" in str(o) or "invalid" in str(o) for o in out[victim : victim + 1]), out[victim]
+    for r in range(n):
+        if r // g != victim // g:  # the nodes that received intact codes raise, naming a rank that did not
+            assert "refusing to decode on every rank" in str(out[r]), (r, out[r])
+            if exchange == "hierarchical":  # from the victim's status byte
+                assert f"rank(s) [{victim}]" in str(out[r]), (r, out[r])
+
+
+def _stage_two_splits(engine, n, g, exchange):
+    """Rank 0's byte counts per destination in the exchange's first stage between nodes."""
+    from horovod_alq.exchange import hierarchical, hierarchical_two_phase
+
+    elements = plan_layout(list(SIZES), D, None).length
+    q = Quantizer("alq", 3, D)
+    if exchange == "hierarchical":
+        own = hierarchical.plan(0, elements, n, 0, q, g=g).first[0]
+        return hierarchical.splits(n, {r: own for r in hierarchical.cross_ranks(0, n, g)})
+    p = hierarchical_two_phase.plan(0, elements, n, 0, q, q, g=g)
+    return hierarchical_two_phase.between_splits(n, 0, g, p.first, p.second)[0][0]
+
+
 def test_local_size_from_the_environment(monkeypatch):
     monkeypatch.setenv(topology.LOCAL_SIZE_ENV, "2")
     assert topology.local_size_from_env(4) == 2

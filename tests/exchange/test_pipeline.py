@@ -133,8 +133,9 @@ def test_ranks_that_cut_differently_raise_on_every_rank():
         assert isinstance(out, ProtocolError) and "chunks" in str(out), out
 
 
-def _corrupting(module, tag, rank):
-    """``module.chunked_steps`` with ``rank``'s collective ``tag`` carrying a payload whose header is broken."""
+def _corrupting(module, tag, rank, only=None):
+    """``module.chunked_steps`` with ``rank``'s collective ``tag`` carrying a payload whose header is
+    broken (in the copy to rank ``only`` alone, if given)."""
     real = module.chunked_steps
 
     def corrupt(job, *args):
@@ -145,8 +146,8 @@ def _corrupting(module, tag, rank):
             if job.transport.rank == rank and inner.tag == tag:
                 payload = inner.payload.clone()
                 blocks = inner.splits if hasattr(inner, "splits") else [int(payload.numel())]
-                for start, size in zip(np.cumsum([0, *blocks[:-1]]), blocks):
-                    if size:  # the header's bucket size, in the copy every receiver gets
+                for to, (start, size) in enumerate(zip(np.cumsum([0, *blocks[:-1]]), blocks)):
+                    if size and only in (None, to):  # the header's bucket size, in the copy every receiver gets
                         payload[int(start) + 8] ^= 0x7F
                 fields = (payload, inner.splits, inner.received) if hasattr(inner, "splits") else (payload, inner.sizes)
                 request = type(request)(type(inner)(*fields, inner.tag))
@@ -156,6 +157,23 @@ def _corrupting(module, tag, rank):
                 return stop.value
 
     return real, corrupt
+
+
+def test_a_chunk_broken_only_on_its_way_to_one_node_raises_on_every_node():
+    """Rank 1's quantized node sum of chunk 2 reaches rank 3 (the other node) broken and rank 1
+    itself intact: rank 3's node raises, and rank 1's node learns it from rank 3's status byte."""
+    from horovod_alq.exchange import hierarchical
+
+    real, corrupt = _corrupting(hierarchical, "h2-0-2", 1, only=3)
+    hierarchical.chunked_steps = corrupt
+    try:
+        outs, counts = _run(4, _rounds(4, 1), 1500, "hierarchical", 2)
+    finally:
+        hierarchical.chunked_steps = real
+    for r in range(4):
+        assert isinstance(outs[0][r], ProtocolError), (r, outs[0][r])
+    assert "rank(s) [3]" in str(outs[0][0]) and "rank(s) [3]" in str(outs[0][1]), outs[0][:2]
+    assert counts == [3 * 5]  # every chunk's three collectives issued: none waits
 
 
 @pytest.mark.parametrize(

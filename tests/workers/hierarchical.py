@@ -50,6 +50,7 @@ def run_mpi(args) -> dict:
     out = summarize(outs, exact)
     out["exchange"] = ar.metrics()["exchange"]
     out["sent"] = ar.metrics()["bytes_sent"]
+    out["broken_copy"] = broken_copy(ar, x, rank)
     if rank == size - 1:
         os.environ["HOROVOD_ALQ_LOCAL_SIZE"] = str(size)  # this rank declares one node of every rank
     other = QuantizedAllreduce(comm, "alq", bits=args.bits, bucket_size=D, seed=5, exchange=args.exchange)
@@ -59,6 +60,29 @@ def run_mpi(args) -> dict:
     except Exception as err:  # noqa: BLE001 - reported
         out["mismatch"] = f"{type(err).__name__}: {err}"
     return out
+
+
+def broken_copy(ar, x, rank: int) -> str | None:
+    """One more round in which rank 0's codes between nodes reach rank 2 (the other node) garbled
+    and its other copies intact: the error this rank raised, or None."""
+    t = ar._transport
+    honest = t.alltoall
+
+    def garbled(payload, splits, received, name):
+        if rank == 0 and ".h2-" in name:
+            payload = np.array(payload, copy=True)
+            start = int(sum(splits[:2]))
+            payload[start : start + int(splits[2])] = 0x7F
+        return honest(payload, splits, received, name)
+
+    t.alltoall = garbled
+    try:
+        ar(x)
+        return None
+    except Exception as err:  # noqa: BLE001 - reported
+        return f"{type(err).__name__}: {err}"
+    finally:
+        t.alltoall = honest
 
 
 def horovod_mismatch(hvd, compressor, x, args) -> str | None:
