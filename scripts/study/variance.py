@@ -280,17 +280,9 @@ def plot_variance(data, bits_list, buckets, path):
         for j, b in enumerate(bits_list):
             ax = axes[i][j]
             for m in FIXED + ADAPTIVE:
-                s = "-" if m in FIXED else "paper"
-                ax.plot(
-                    it,
-                    data["variance"][_key(m, b, d, s)],
-                    color=_color(m),
-                    label=m,
-                    lw=1.6 if m in ADAPTIVE else 1.0,
-                    ls=_style(m),
-                )
-            ax.set_yscale("log")
-            ax.set_title(f"{b} bits, bucket {d}")
+                s, width = ("-", 1.0) if m in FIXED else ("paper", 1.6)
+                ax.plot(it, data["variance"][_key(m, b, d, s)], color=_color(m), label=m, lw=width, ls=_style(m))
+            ax.set(yscale="log", title=f"{b} bits, bucket {d}")
             ax.grid(alpha=0.3, which="both")
             if i == len(buckets) - 1:
                 ax.set_xlabel("iteration")
@@ -321,10 +313,7 @@ def plot_staleness(data, bits_list, buckets, path):
             for s in SCHEDULES:
                 ax.plot(it, data["variance"][_key(m, b, d, s)], color=f"C{k}", ls=styles[s], label=f"{m}, refit {s}")
         ax.plot(it, data["variance"][_key("qsgdinf", b, d, "-")], color="gray", lw=0.8, label="qsgdinf (fixed)")
-        ax.set_yscale("log")
-        ax.set_title(f"{b} bits, bucket {d}: schedules")
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("normalized variance")
+        ax.set(yscale="log", title=f"{b} bits, bucket {d}: schedules", xlabel="iteration", ylabel="normalized variance")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6, ncol=2)
     pages.save(fig, path, dpi=100)
@@ -347,9 +336,7 @@ def plot_levels(data, bits_list, buckets, path):
                 for c in range(inner.shape[1]):
                     ax.plot(it, inner[:, c], color=f"C{c}", ls=ls, lw=1.0, label=f"refit {s}" if c == 0 else None)
             ax.set_yscale("symlog", linthresh=1e-2)
-            ax.set_title(f"{m} {b} bits, bucket {d}")
-            ax.set_xlabel("iteration")
-            ax.set_ylabel("interior levels (symlog)")
+            ax.set(title=f"{m} {b} bits, bucket {d}", xlabel="iteration", ylabel="interior levels (symlog)")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
     pages.save(fig, path, dpi=100)
@@ -587,15 +574,9 @@ def plot_auto(record: dict, path: Path) -> None:
             ax.plot(it, record["variance"][f"{label}|{d}|uniform3"], color="gray", label="uniform 3 bits")
             for k, b in enumerate(record["budgets"]):
                 ax.plot(it, record["variance"][f"{label}|{d}|{b}"], color=f"C{k}", lw=1.2, label=f"auto, budget {b}")
-                if f"{label}|{d}|{b}|best" in record["variance"]:
-                    ax.plot(
-                        it,
-                        record["variance"][f"{label}|{d}|{b}|best"],
-                        color=f"C{k}",
-                        lw=0.8,
-                        ls="--",
-                        label=f"best allocation, budget {b}",
-                    )
+                best = record["variance"].get(f"{label}|{d}|{b}|best")
+                if best is not None:
+                    ax.plot(it, best, color=f"C{k}", lw=0.8, ls="--", label=f"best allocation, budget {b}")
             for r in record["refits"][1:]:
                 ax.axvline(r, color="k", ls=":", lw=0.8)
             ax.set_yscale("log")
@@ -629,13 +610,8 @@ def plot_auto_bits(record: dict, path: Path) -> None:
             ax = axes[i][j]
             bits = np.array(record["bits"][f"{label}|{d}|{b}"])
             for k, n in enumerate(names):  # offset so that equal widths stay visible
-                ax.step(
-                    it,
-                    bits[:, k] + 0.12 * (k - (len(names) - 1) / 2),
-                    where="post",
-                    color=f"C{k}",
-                    label=n.replace(".weight", ""),
-                )
+                shift = 0.12 * (k - (len(names) - 1) / 2)
+                ax.step(it, bits[:, k] + shift, where="post", color=f"C{k}", label=n.replace(".weight", ""))
             ax.set_title(f"{label}, bucket {d}, budget {b}", fontsize=9)
             ax.set_ylim(1.5, 8.5)
             ax.grid(alpha=0.3)
@@ -940,9 +916,7 @@ def plot(record: dict, bits_list, path: Path) -> None:
     for i, (label, _, _) in enumerate(METHODS):
         rows = record["variance"][f"{label}|{b}"]
         ax.plot(it, [r["total"] for r in rows], label=label, color=f"C{i}", ls="-" if i < 6 else "--")
-    ax.set_yscale("log")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("normalized variance (total)")
+    ax.set(yscale="log", xlabel="iteration", ylabel="normalized variance (total)")
     ax.set_title(f"GPT gradients, {b} bits, bucket {record['args']['bucket_size']}", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
@@ -959,9 +933,8 @@ def plot(record: dict, bits_list, path: Path) -> None:
             label=label,
             color=f"C{[m[0] for m in METHODS].index(label)}",
         )
-    bx.set_yscale("log")
     bx.set_xticks(range(len(TYPES)), TYPES)
-    bx.set_ylabel("normalized variance of the layer type")
+    bx.set(yscale="log", ylabel="normalized variance of the layer type")
     bx.set_title(f"per layer type, {b} bits (mean over iterations > 0)", fontsize=10)
     bx.grid(axis="y", alpha=0.3, which="both")
     bx.legend(fontsize=7, ncol=3)
