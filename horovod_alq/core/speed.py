@@ -11,12 +11,15 @@ from one optimizer step to the next. The schedule (defaults in brackets):
 - A *trial*: units of ``block`` (2) rounds per block in the order quantized, 16-bit, 16-bit,
   quantized (the order cancels a linear drift), every round carrying the real gradients. Not
   counted: the trial's first round and every round that changes path (it pays the switch). After
-  each unit each rank takes the median of its counted steps per path so far and one MAX allreduce
-  gives every rank the slowest rank's pair. The trial ends when the two differ by at least
-  ``sure`` (10%) or after ``units`` (3) units; then every rank quantizes only if that step is at
-  least ``margin`` (3%) shorter than the 16-bit one (a tie goes to the framework's own path).
-  A clear difference costs one unit (8 rounds, 4 on the slower path); a close one, where either
-  path costs about the same, up to 3.
+  each unit each rank takes the median of its counted steps per path so far and the share of
+  (quantized, 16-bit) pairs of them where the quantized step is shorter; one MAX allreduce gives
+  every rank the slowest rank's medians and the smallest share. The trial ends when the medians
+  differ by at least ``sure`` (10%) and the share agrees (at least ``pairs``, 75%, for quantized;
+  at most 25% for 16 bits), or after ``units`` (3) units. Every rank then quantizes only if the
+  quantized step is at least ``margin`` (3%) shorter and the share at least ``pairs``: a tie, or a
+  difference the noise does not confirm, goes to the framework's own path. A clear difference
+  costs one unit (8 rounds, 4 on the slower path); a close one, where either path costs about the
+  same, up to 3.
 - A confirming trial at round ``confirm`` (100), when the first rounds' effects are past, then a
   trial every ``recheck`` (2000) rounds; every ``watch`` (50) rounds one more small MAX allreduce
   compares the median step since the last check with the chosen path's trial time, and a change by
@@ -83,7 +86,8 @@ class SpeedArbiter:
     ``clock``: seconds, monotonic (tests inject one); ``rank``: this rank in the set (rank 0 logs
     each change); ``what``: how the log line names the front-end. ``warmup``, ``block``, ``units``,
     ``confirm`` (None: no confirming trial), ``watch``, ``recheck`` count rounds; ``sure``,
-    ``drift`` and ``margin`` (how much shorter a quantized step must be) are relative."""
+    ``drift`` and ``margin`` (how much shorter a quantized step must be) are relative; ``pairs``:
+    the share of step pairs in which the quantized one must be shorter."""
 
     def __init__(
         self,
@@ -100,6 +104,7 @@ class SpeedArbiter:
         recheck: int = 2000,
         drift: float = 0.25,
         margin: float = 0.03,
+        pairs: float = 0.75,
     ) -> None:
         if (
             block < 2
@@ -110,12 +115,13 @@ class SpeedArbiter:
             or recheck < 1
             or not drift > 0
             or not 0 <= margin < 1
+            or not 0.5 <= pairs <= 1
         ):
             raise ValueError(
                 "SpeedArbiter: block >= 2, warmup >= 0, units >= 1, 0 <= sure < 1, watch >= 1, recheck >= 1, "
-                "drift > 0, 0 <= margin < 1"
+                "drift > 0, 0 <= margin < 1, 0.5 <= pairs <= 1"
             )
-        self.margin, self.sure, self.units = margin, sure, units
+        self.margin, self.sure, self.units, self.pairs = margin, sure, units, pairs
         self.rank, self.what, self.clock = rank, what, clock
         self.warmup, self.block, self.watch, self.recheck, self.drift = warmup, block, watch, recheck, drift
         self.confirm = confirm
@@ -123,6 +129,7 @@ class SpeedArbiter:
         self.quantizing = True  # the choice (what rounds outside trials do)
         self.current = True  # whether the round in progress is quantized
         self.times = {QUANTIZED: math.nan, SIXTEEN: math.nan}  # the last trial's step times (slowest rank), s
+        self.shorter = math.nan  # the last trial's share of pairs with the quantized step shorter (smallest)
         self.trials = self.changes = self.rounds_16bit = self.trial_rounds = 0
         self._plan: list[tuple[bool, bool]] = []  # (quantized, counted) of the coming rounds of the unit
         self._units = 0  # units of the trial in progress so far (0: no trial in progress)
@@ -186,30 +193,38 @@ class SpeedArbiter:
         return out[2:]
 
     def _unit_ended(self, agree, name: str) -> None:
-        """The slowest rank's medians so far: the trial goes on unless they differ by ``sure`` or
-        it ran ``units`` units (every rank alike: the same agreed pair, the same count)."""
-        mine = [_us(np.median(self._samples[q])) if self._samples[q] else 0 for q in (True, False)]
-        t_q, t_16 = (float(v) * 1e-6 for v in self._agree(agree, mine, name))
-        if self._units < self.units and (1 - self.sure) * max(t_q, t_16) < min(t_q, t_16):
+        """The slowest rank's medians so far and the smallest share of pairs with the quantized step
+        shorter: the trial goes on unless both say the same clearly or it ran ``units`` units (every
+        rank alike: the same agreed values, the same count)."""
+        q, h = self._samples[True], self._samples[False]
+        share = np.mean([(a < b) + 0.5 * (a == b) for a in q for b in h]) if q and h else 0.5
+        mine = [_us(np.median(q)) if q else 0, _us(np.median(h)) if h else 0, -int(round(1000 * share))]
+        out = self._agree(agree, mine, name)
+        t_q, t_16, shorter = float(out[0]) * 1e-6, float(out[1]) * 1e-6, float(-out[2]) / 1000
+        quantized = t_q <= (1 - self.sure) * t_16 and shorter >= self.pairs
+        sixteen = t_16 <= (1 - self.sure) * t_q and shorter <= 1 - self.pairs
+        if self._units < self.units and not (quantized or sixteen):
             self._unit()
             return
-        self._decide(t_q, t_16)
+        self._decide(t_q, t_16, shorter)
 
-    def _decide(self, t_q: float, t_16: float) -> None:
+    def _decide(self, t_q: float, t_16: float, shorter: float) -> None:
         self._samples, self._units = {True: [], False: []}, 0
-        self.times = {QUANTIZED: t_q, SIXTEEN: t_16}
+        self.times, self.shorter = {QUANTIZED: t_q, SIXTEEN: t_16}, shorter
         self.trials += 1
-        choice = t_q <= (1 - self.margin) * t_16
+        choice = t_q <= (1 - self.margin) * t_16 and shorter >= self.pairs
         if choice != self.quantizing:
             self.changes += 1
             if self.rank == 0:
                 logger.warning(
-                    "%s%s: compress='when-faster' now sends %s (step %.1f ms quantized, %.1f ms 16-bit, round %d)",
+                    "%s%s: compress='when-faster' now sends %s (step %.1f ms quantized, %.1f ms 16-bit, "
+                    "quantized shorter in %.0f%% of pairs, round %d)",
                     PREFIX,
                     f" ({self.what})" if self.what else "",
                     "quantized codes" if choice else "16 bits",
                     1e3 * t_q,
                     1e3 * t_16,
+                    100 * shorter,
                     self.round,
                 )
         self.quantizing = choice

@@ -183,7 +183,7 @@ def worker(args) -> int:
 
 def speed_warmup(args, state, rank: int, before: int) -> int:
     """``--speed-warmup``: a row with ``compress="when-faster"`` starts its first trial after that
-    many of its rounds instead of 3 (its arbiter's other defaults kept), plus a trial's longest
+    many of its rounds instead of 2 (its arbiter's other defaults kept), plus a trial's longest
     for each such row ``before`` it, so that no two rows' trials overlap (the arbiter times a
     round from start to start, which here spans every row's step: a trial must be the only one
     changing them). Returns 1 for such a row, else 0."""
@@ -573,7 +573,7 @@ def parser() -> argparse.ArgumentParser:
     fix_help = "how powerSGD_hook is kept in step on gloo (see above); default one-bucket"
     add("--powersgd-fix", choices=tuple(POWERSGD_FIX), default="one-bucket", help=fix_help)
     add("--ddp-bucket-mb", type=float, help="bucket_cap_mb of the other DDP rows; default DDP's (25)")
-    add("--speed-warmup", type=int, help="compress='when-faster' rows: rounds before the first trial; default 3")
+    add("--speed-warmup", type=int, help="compress='when-faster' rows: rounds before the first trial; default 2")
     momentum_help = "SGD momentum; default 0 (its buffers are one more model copy per row: with 0.9 the 11 rows of "
     add(
         "--momentum",

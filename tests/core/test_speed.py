@@ -94,6 +94,29 @@ def test_a_close_difference_runs_more_units_and_a_clear_one_stops_after_one():
     assert arbiters[0].trial_rounds == 8 and arbiters[0].quantizing
 
 
+def test_a_median_that_the_pairs_do_not_confirm_keeps_16_bits():
+    # quantized steps 0.95 s but 2 in 5 of them 1.5 s, 16-bit 1.0 s: the median says 5% shorter
+    # (beyond the 3% margin), yet only about 3 in 5 pairs have the quantized step shorter (under 75%)
+    def make_cost():
+        seen = {0: 0, 1: 0}  # quantized rounds so far, per rank
+
+        def cost(rank, t, q):
+            if not q:
+                return 1.0
+            seen[rank] += 1
+            return 1.5 if seen[rank] % 5 in (1, 3) else 0.95
+
+        return cost
+
+    arbiters, choices = _lockstep(2, make_cost(), 40, confirm=None)
+    a = arbiters[0]
+    assert a.times["quantized"] == pytest.approx(0.95) and 0.5 < a.shorter < 0.75, (a.times, a.shorter)
+    assert a.trial_rounds == 24 and not choices[-1]  # three units, then the framework's path
+    # with pairs=0.6 the same steps quantize
+    arbiters, choices = _lockstep(2, make_cost(), 40, confirm=None, pairs=0.6)
+    assert choices[-1] and arbiters[0].shorter == pytest.approx(a.shorter)
+
+
 def test_a_slower_quantized_step_switches_to_16_bits_and_back_when_it_pays_again():
     # quantized costs 2 s, 16-bit 1 s, until round 60 where the link slows: 16-bit costs 4 s
     def cost(rank, t, q):
@@ -144,7 +167,7 @@ def test_ranks_at_different_rounds_raise_on_every_rank():
 
 
 def test_bad_schedules_raise():
-    for bad in (dict(block=1), dict(units=0), dict(sure=1.0), dict(warmup=-1), dict(margin=-0.1)):
+    for bad in (dict(block=1), dict(units=0), dict(sure=1.0), dict(warmup=-1), dict(margin=-0.1), dict(pairs=0.4)):
         with pytest.raises(ValueError, match="SpeedArbiter: block >= 2"):
             SpeedArbiter(**bad)
 
