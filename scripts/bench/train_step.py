@@ -1,84 +1,18 @@
 #!/usr/bin/env python
-"""What users feel: the wall-clock time of a FULL training step (forward, backward, gradient
-exchange, optimizer step) of a ResNet-18-shaped CNN computed on CPU, with Horovod and with
-PyTorch DDP, on 4 and 8 workers in network namespaces with tc-shaped links (unshaped, 1 Gbit/s,
-100 Mbit/s). Needs root (ip netns, tc), except --local and --help.
+"""The wall-clock time of a full training step (forward, backward, exchange, SGD) of a ResNet-18-shaped
+CNN on CPU, Horovod and DDP rows in the same processes, interleaved, on workers in network namespaces
+with tc-shaped links (scripts/common/network.py). Needs root (ip netns, tc), except --local and --help.
+The rows, columns and runs: docs/results/bench_train_step.md (each report says its setup).
 
     python -m scripts.bench.train_step                                # 4,8 workers x unshaped,1gbit,100mbit
     python -m scripts.bench.train_step --quick      # width 0.25, 4 workers, 1gbit and 100mbit, 5 steps
     python -m scripts.bench.train_step --local --workers 2 --quick    # no namespaces, loopback, no root
+    python -m scripts.bench.train_step --layout 2x2 --quick           # 2 nodes of 2 ranks (issue 41)
 
-The namespaces, links, shaping and the mpirun launch (a hostfile of worker addresses and an rsh
-agent that runs Open MPI's orted in each worker's namespace; Open MPI's traffic restricted to the
-shaped links) are scripts/common/network.py's; see its docstring. Every rank
-also joins a torch.distributed gloo group (rendezvous at rank 0's address on --gloo-ifname,
-``eth0`` in the namespaces, sent to the other ranks with Horovod), so Horovod's and DDP's
-traffic both cross the shaped veths, from the same processes. The full run (6 tables of the
-11.2M-parameter model) takes about an hour on 2 cores (estimated, not timed); 8 ranks of it need
-about 20 GB (the script compares its estimate with MemAvailable before launching).
-
-Rows, all in the same processes and interleaved (each row takes one step in turn, a barrier
-before each, so the machine's noise hits them alike), one model and optimizer per row (same
-initial weights, SGD lr 0.01 (momentum 0 by default: memory, see --momentum), the same random batch
-every step, a different one per rank):
-
-- local: forward + backward + SGD with no exchange at all (the compute the others must hide);
-- Horovod (``hvd.DistributedOptimizer``, MPI CPU operations): fp32 (``hvd.Compression.none``),
-  fp16 (``hvd.Compression.fp16``), ``ALQCompressor(bits=3)`` (exchange "auto": two-phase from 4
-  ranks on, allgather below), the same with ``fusion_bytes=4 MiB`` (several fusion buffers, so
-  the first start during the backward pass), ``exchange="allgather"``, ``exchange="two-phase"``;
-- DDP (gloo): default allreduce, ``fp16_compress_hook``, ``powerSGD_hook`` at
-  matrix_approximation_rank 2 and 8 (its defaults otherwise: error feedback, warm start,
-  min_compression_rate 2, except start_powerSGD_iter=2, the smallest it takes, which --warmup
-  covers), ``alq_hook`` with ``ALQState(bits=3)`` (exchange "auto").
-
-PowerSGD on gloo: ``powerSGD_hook`` issues its second and third allreduce from future callbacks,
-which gloo runs on its own worker threads when the previous allreduce completes, while the autograd
-thread goes on issuing the next DDP bucket's allreduce. Gloo pairs collectives across ranks by a
-tag taken when a collective is issued, so with more than one DDP bucket the ranks can issue them in
-different orders and pair, e.g., one rank's P allreduce with another's next-bucket allreduce
-("Received data size doesn't match expected size", or a hang). The PowerSGD rows therefore run with
-one DDP bucket (``bucket_cap_mb`` above the model's size: the hook's three allreduces are then the
-only collectives of the backward, issued in the same order everywhere); --powersgd-fix wait keeps
-DDP's buckets and waits for each bucket's chain in the hook instead; --powersgd-fix none runs it as
-it stands (to reproduce the failure).
-(``batched_powerSGD_hook`` also issues its second allreduce from a callback, and in torch 2.13 it
-fails before that on every backend: it passes its 2-D Q to ``_orthogonalize``, which asserts a
-3-D batch.)
-
-Node layout (--nodes K --ranks-per-node G, or --layout KxG; issue 41): K namespaces ("nodes") of
-G consecutive ranks each (Open MPI ``slots=G``, ``--map-by slot``: ``hvd.local_size()`` = G, and
-``HOROVOD_ALQ_LOCAL_SIZE=G`` exported for the DDP rows, which read it before torchrun's
-LOCAL_WORLD_SIZE); the ranks of a node talk over their namespace's loopback (unshaped), the nodes
-over the shaped links. Default rows then: local, Horovod fp32, fp16, fp16 with
-HOROVOD_HIERARCHICAL_ALLREDUCE=1 (``hvd-fp16-hier``: a process-wide setting read at ``hvd.init()``,
-so it runs in a launch of its own; Horovod 0.28.1 implements hierarchical allreduce for NCCL only,
-so on CPU tensors with MPI operations it should change nothing, and the counters check that),
-ALQ 3b two-phase (flat), ALQ hierarchical at 3 and 4 bits, ALQ 3b hierarchical two-phase, DDP
-fp16_compress_hook, bf16_compress_hook (DDP refuses to register the hook of that name without CUDA
-and NCCL, so it is registered under another name; gloo allreduces bfloat16 on CPU), alq_hook
-two-phase, hierarchical and hierarchical two-phase (``exchange="auto"`` picks hierarchical across 2
-or 3 nodes, hierarchical two-phase from 4: the rows name theirs).
-In the namespaces every row also reports the bytes that crossed between namespaces per step, read
-from each namespace's eth0 counters (see the columns' note in the report); the default one-rank-
-per-namespace layout is unchanged.
-
-For every row: the median over --steps timed steps (after --warmup) of the slowest rank's step
-time; the ratio to fp16 (Horovod rows to Horovod fp16, DDP rows to DDP's fp16_compress_hook);
-bytes sent per step and rank, measured for the ALQ rows (``metrics()["bytes_sent"]`` over the
-timed steps, plus ring arithmetic for the few tensors that travel uncompressed) and for PowerSGD
-from its own counters (``total_numel_after_compression``, allreduced in fp32) times a
-bandwidth-optimal allreduce's 2(N-1)/N, arithmetic for fp32 and fp16 (2(N-1)/N x 4 or 2 bytes
-x parameters); and the ratio of the step to two limits at the measured TCP throughput R of a
-worker link: without overlap ``local + bytes / R``, with perfect overlap ``max(local, bytes / R)``.
-Last column: the largest difference of any parameter between rank 0 and another rank after all
-steps (0 for every exchange that averages correctly).
-
-Where the time goes, a second table per run: CPU time per step and rank (mean over ranks, median
-over steps) of the main thread (``time.thread_time``: forward, backward, hooks, codec, optimizer)
-and of the process's other threads (Horovod's background thread, Open MPI, gloo, the DDP hook's
-decode in gloo's callbacks), and all ranks' CPU over the cores against the step. Open MPI's
-yield-when-idle polling counts as CPU time: where ranks share cores the cores are always busy.
+PowerSGD on gloo issues its second and third allreduce from future callbacks on gloo's threads, so
+with several DDP buckets the ranks can pair different collectives ("Received data size doesn't match
+expected size", or a hang): its rows run with one DDP bucket; --powersgd-fix wait waits for each
+bucket's chain in the hook instead, --powersgd-fix none reproduces the failure.
 """
 
 import argparse
@@ -564,12 +498,8 @@ def parser() -> argparse.ArgumentParser:
         "loopback, or shared memory (vader), as a node's fast links would; gloo (the DDP rows) always uses TCP; "
         "default tcp",
     )
-    add(
-        "--connect-timeout",
-        type=float,
-        default=60.0,
-        help="seconds for every rank of a launch to start; then it is killed, named and retried once; default 60",
-    )
+    connect = "seconds for every rank of a launch to start; then it is killed, named and retried once; default 60"
+    add("--connect-timeout", type=float, default=60.0, help=connect)
     fix_help = "how powerSGD_hook is kept in step on gloo (see above); default one-bucket"
     add("--powersgd-fix", choices=tuple(POWERSGD_FIX), default="one-bucket", help=fix_help)
     add("--ddp-bucket-mb", type=float, help="bucket_cap_mb of the other DDP rows; default DDP's (25)")
