@@ -1,55 +1,20 @@
 #!/usr/bin/env python
 """Time to accuracy on slow links: the held-out loss of the character GPT (scripts/common/gpt.py)
-against wall-clock training seconds, for every exchange, on 2 nodes x 2 ranks in network
-namespaces whose links between nodes are shaped to 100 Mbit/s and 1 Gbit/s (scripts/common/
-network.py's namespaces; the ranks of a node talk over their namespace's loopback). Needs root,
-except --local.
+against wall-clock training seconds, for every exchange, on 2 nodes x 2 ranks in network namespaces
+whose links between nodes are shaped to 100 Mbit/s and 1 Gbit/s (scripts/common/network.py). Needs
+root, except --local. The rows (Horovod fp16, DDP's bf16 and PowerSGD hooks at matched bytes, QSGD,
+ALQ 3 bits, bits="auto", the flat two-phase exchange, a local row; more with --rows) run in the same
+processes, interleaved, from the same weights and batches; each row's clock sums its steps' times
+(the slowest rank's), evaluation and barriers excluded. Targets per seed: fp16's held-out loss at
+50%, 75% and 100% of its steps. The method, columns and results: docs/results/time_to_accuracy.md.
 
     python -m scripts.study.time_to_accuracy     # 2 rates x 3 seeds, 240 steps, into build/results
     python -m scripts.study.time_to_accuracy --quick --out-dir build/bench     # 1 seed, 1 rate, 40 steps
     python -m scripts.study.time_to_accuracy --local --np 2 --quick --out-dir /tmp/tta  # loopback, no root
 
-Rows (all in the same processes, interleaved: at every step each row takes its step in turn, a
-barrier before each, so the machine's noise hits them alike; each row its own model, from the
-same initial weights, fed the same batches, a different one per rank, same seed):
-
-- ``hvd-fp16``: Horovod ``Compression.fp16``, the 16-bit baseline every ratio is taken to;
-- ``ddp-bf16``: DDP's ``bf16_compress_hook`` over gloo (registered under another name: DDP
-  refuses the hook of that name without CUDA and NCCL; gloo allreduces bfloat16 on CPU);
-- ``ddp-psgd``: DDP's ``powerSGD_hook`` at the rank whose bytes per step are closest to the
-  3-bit payload (scripts/common/gpt.py's ``matched_rank``; one DDP bucket, see
-  scripts/bench/train_step.py for why on gloo);
-- ``hvd-qsgdinf``: ``QSGDCompressor(bits=3)``; ``hvd-alq``: ``ALQCompressor(bits=3)``;
-  ``hvd-alq-auto``: ``ALQCompressor(bits="auto", bit_budget=2.5)``: default settings otherwise,
-  so ``exchange="auto"``, which on 2 nodes x 2 ranks is the hierarchical exchange;
-- ``hvd-alq-flat``: ``ALQCompressor(bits=3, exchange="two-phase")``, the flat exchange the
-  hierarchical one replaces;
-- ``local``: forward, backward and AdamW with no exchange (its loss is not compared: it sees a
-  quarter of the data): the compute the exchanges must add to, for the step profile.
-
-The clock: each row's wall-clock seconds since its start are the sum of its steps' times, a
-step's time being the slowest rank's (forward, backward, exchange, optimizer; a synchronous step
-ends when its slowest rank does). The held-out loss (scripts/common/gpt.py's ``evaluate``:
-fixed, evenly spaced windows of the last 10% of the text) is measured by rank 0 every
---eval-every steps, outside the clock (evaluation time is excluded, as are the barriers).
-Every rank writes a log line per row and step (JSON: row, step, seconds since the start on
-this rank's clock and the slowest rank's, its step's seconds, bytes it sent, the held-out loss
-where measured) to <out-dir>/data/time_to_accuracy_logs/<run>/rank<r>.jsonl.
-
-Targets per seed, read off that seed's fp16 curve: the held-out loss fp16 reaches at 50%, 75% and
-100% of its steps. A row reaches a target at its first evaluation at or below it; its time is its
-clock at that step. The table gives the mean and standard error over seeds of that time, the
-ratio to fp16's (per seed, then mean and s.e.), "not reached" where a row misses it (with how
-many seeds did reach), and the bytes each rank sends per step beside it.
-
-Bytes per step and rank: measured for this package's rows (``metrics()["bytes_sent"]`` plus ring
-arithmetic 2(N-1)/N x 4 B for the few tensors sent uncompressed), PowerSGD's counters
-(``total_numel_after_compression``, allreduced in float32) x 2(N-1)/N, arithmetic for fp16 and bf16
-(2(N-1)/N x 2 B x parameters); in the namespaces also the bytes that crossed each node's shaped
-link (eth0's counters, read around each row's step by each node's first rank).
-
-Every (rate, seed) run writes its JSON to <out-dir>/data/time_to_accuracy_raw/; a run whose JSON
-exists is skipped (an interrupted study resumes) and ``--aggregate-only`` rebuilds the report.
+Every rank logs each row's steps to <out-dir>/data/time_to_accuracy_logs/<run>/rank<r>.jsonl; every
+(rate, seed) run writes its JSON to <out-dir>/data/time_to_accuracy_raw/; a run whose JSON exists is
+skipped (an interrupted study resumes) and ``--aggregate-only`` rebuilds the report.
 """
 
 import argparse
