@@ -1,16 +1,10 @@
 """The rows that run side by side in the same processes, in one declarative registry: the step
-benchmark's (scripts/bench/train_step.py) and the time-to-accuracy study's
-(scripts/study/time_to_accuracy.py). A row is Horovod's ``DistributedOptimizer`` with a compression,
-a DDP communication hook, or no exchange at all (``local``); :func:`build` makes one around a model
-and its optimizer, and :attr:`Row.counted` says how its bytes per step are counted
-(scripts/common/timing.py).
-
-Rows take one step each in turn, a barrier before each, so the machine's noise hits them alike;
-their Horovod tensor names are prefixed by the row's key, so that Horovod's response cache never
-sees one name in two rows.
-
-PowerSGD on gloo needs its rows kept in step (``powersgd_fix``: one DDP bucket, the default; "wait"
-for each bucket's chain in the hook; "none"): scripts/bench/train_step.py's docstring says why.
+benchmark's (scripts/bench/train_step.py) and the time-to-accuracy study's. A row is Horovod's
+``DistributedOptimizer`` with a compression, a DDP communication hook, or no exchange (``local``);
+:func:`build` makes one around a model and its optimizer, and :attr:`Row.counted` says how its bytes
+per step are counted (scripts/common/timing.py). Horovod tensor names are prefixed by the row's key,
+so that Horovod's response cache never sees one name in two rows. PowerSGD on gloo needs its rows
+kept in step (``powersgd_fix``): scripts/bench/train_step.py's docstring says why.
 """
 
 from __future__ import annotations
