@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from scripts.common import launch as launching
+from scripts.common import report as pages
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Every row: (name, H or None for per-step data parallelism, method, bits, error feedback, wire).
@@ -455,11 +456,7 @@ def summarize(runs: dict[int, dict], args) -> str:
 
 
 def plot(runs: dict[int, dict], args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pages.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for row in args.rows.split(","):
         curves = [runs[s]["results"][row]["curve"] for s in sorted(runs) if row in runs[s]["results"]]
@@ -472,17 +469,14 @@ def plot(runs: dict[int, dict], args, path: Path) -> None:
         loss = [m[3] for m in mean]
         axes[0].plot(sent, loss, marker=".", label=row)
         axes[1].plot(wall, loss, marker=".", label=row)
-    axes[0].set_xscale("log")
-    axes[0].set_xlabel("MB sent per worker")
-    axes[1].set_xlabel(f"modeled wall-clock at {args.rate:g} Mbit/s (s)")
+    axes[0].set(xscale="log", xlabel="MB sent per worker")
+    axes[1].set(xlabel=f"modeled wall-clock at {args.rate:g} Mbit/s (s)")
     for ax in axes:
         ax.set_ylabel("held-out loss (nats/char)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
     fig.suptitle(f"DiLoCo on the character GPT, {args.workers} workers, {len(runs)} seed(s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pages.save(fig, path)
 
 
 def main(argv=None) -> int:
