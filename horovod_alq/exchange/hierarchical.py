@@ -184,8 +184,7 @@ def node_part(ops, t, gathered: Tensor, block: Sequence[int], failure, what: str
     before, inside = node * g, int(sum(block))
     ranks = node_ranks(t.rank, g)
     raise_if_poisoned(ops, gathered[before : before + inside], block, failure, what, ranks)
-    host = ops.to_numpy(gathered)
-    status = np.concatenate([host[:before], host[before + inside :]])
+    status = np.concatenate([ops.to_numpy(gathered[:before]), ops.to_numpy(gathered[before + inside :])])
     others = [r for r in range(t.size) if r // g != node]
     flagged = [others[j] for j in np.flatnonzero(status).tolist()]
     if flagged:
