@@ -160,8 +160,8 @@ def _package_frames(package: str, depth: int):
 
 def _other_sets(package: str) -> bool:
     """Whether Horovod (``package``'s) holds a process set besides the global one: one call into its
-    library, which spares the frame walk of :func:`calling_process_set` for every tensor (1-2 ms a
-    step of 62 tensors, docs/results/compress_when_faster.md); True where it cannot tell."""
+    library (under a microsecond), which spares the frame walk of :func:`calling_process_set` (1-2 ms
+    a step of 62 tensors, docs/results/compress_when_faster.md); True where it cannot tell."""
     try:
         lib = sys.modules[package + ".mpi_ops"]._basics.MPI_LIB_CTYPES
         return int(lib.horovod_number_of_process_sets()) != 1
@@ -239,9 +239,7 @@ class PerProcessSet:
         a wrong guess raises on every rank, naming the set."""
         if self._process_set is not None:
             return None
-        if getattr(self, "_between", True) or getattr(self, "_others", None) is None:  # once a round
-            self._others = _other_sets(self.HOROVOD)
-        if not self._others:
+        if not _other_sets(self.HOROVOD):
             return None
         ps = calling_process_set(self.HOROVOD, depth=10)
         if ps is None or ps.process_set_id in (None, 0):
