@@ -148,6 +148,28 @@ def record_refit_round(out: dict, metrics: dict, speed=None, now: list | None = 
     out["updates"].append(int(metrics["level_updates"]))
 
 
+def snapshot(model, opt, alq) -> dict:
+    """Copies of the state dicts of a model, its optimizer and its compressor (or ALQState)."""
+    return copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "alq": alq.state_dict()})
+
+
+def replay(saved: dict, model, opt, alq, batches) -> dict:
+    """The precondition workers' resume: ``saved`` (:func:`snapshot`) loaded, then a training step
+    per ``(x, y)`` of ``batches``, each round recorded as :func:`record_refit_round` does."""
+    import torch.nn.functional as F
+
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    alq.load_state_dict(saved["alq"])
+    out = {"levels": [], "updates": []}
+    for x, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        record_refit_round(out, alq.metrics())
+    return out
+
+
 def refit_fits(seen: list, before, ops, allreduce) -> dict:
     """Fits of the levels ``before`` a round on the statistics of what it quantized (``scaled``:
     each ``(g, w)`` of ``seen`` as g * w) and of the bare ``g`` (``unscaled``), summed over the ranks

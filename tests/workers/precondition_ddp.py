@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import record_refit_round, refit_fits, report
+from common import record_refit_round, refit_fits, replay, report, snapshot
 from ddp_worker import batches, make_model, state_for
 from helpers import count_fused_encodes, digest
 
@@ -140,17 +140,9 @@ def refit(rank: int, steps: int = 4, sixteen_at: int | None = None, delay: int |
             out["w_active"] = bool(seen) and all(w is not None for _, w in seen)
             out.update(refit_fits(seen, before, ops, _summed))
         if i == 1 and delay is not None:
-            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "alq": state.state_dict()})
+            saved = snapshot(model, opt, state)
     if delay is not None:  # resumed after step 1, the planned refit still to come
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state.load_state_dict(saved["alq"])
-        out["replay"] = {"levels": [], "updates": []}
-        for x, y in data[2:]:
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            record_refit_round(out["replay"], state.metrics())
+        out["replay"] = replay(saved, model, opt, state, data[2:])
     return out
 
 

@@ -7,7 +7,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import record_refit_round, refit_fits, report
+from common import record_refit_round, refit_fits, replay, report, snapshot
 from helpers import count_fused_encodes, digest
 
 from horovod_alq.core.precondition import Form
@@ -127,17 +127,9 @@ def refit(rank: int, size: int, steps: int = 4, sixteen_at: int | None = None, d
             out["w_active"] = all(w is not None for _, w in seen) and len(seen) == 3
             out.update(refit_fits(seen, before, ops, _summed))
         if i == 1 and delay is not None:
-            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "alq": comp.state_dict()})
+            saved = snapshot(model, opt, comp)
     if delay is not None:  # resumed after round 1, the planned refit still to come
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        comp.load_state_dict(saved["alq"])
-        out["replay"] = {"levels": [], "updates": []}
-        for x, y in data[2:]:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            record_refit_round(out["replay"], comp.metrics())
+        out["replay"] = replay(saved, model, opt, comp, data[2:])
     return out
 
 
