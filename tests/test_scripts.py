@@ -63,6 +63,30 @@ def test_train_step_cpu_table(monkeypatch):
     assert ts.cpu_table({"size": 4, "results": {"hvd-alq": {"label": "r", "step_s": 1.0}}}) == []
 
 
+def test_row_clock_runs_only_around_its_rows_steps(monkeypatch):
+    """scripts/common/timing.py: a compress='when-faster' row's arbiter times its rounds on a clock
+    that stands still while the other rows step (the benchmarks interleave rows); other rows get none."""
+    from horovod_alq.torch.ddp import ALQState
+    from scripts.common import timing
+
+    now = [10.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    state = ALQState(bits=3, compress="when-faster")
+    clock = timing.row_clock(state, rank=0, warmup=5)
+    assert state.round_state.speed.clock is clock and state.round_state.speed.warmup == 5
+    assert timing.row_clock(ALQState(bits=3, compress="always"), rank=0) is None
+    clock.resume()
+    now[0] += 2.0  # this row's step
+    clock.pause()
+    now[0] += 7.0  # the other rows' steps
+    clock.resume()
+    now[0] += 0.5
+    assert clock() == pytest.approx(2.5)
+    clock.pause()
+    now[0] += 1.0
+    assert clock() == pytest.approx(2.5)
+
+
 def test_codec_widths_reports_every_width(tmp_path):
     """scripts/bench/codec_widths.py on a small tensor: a row per width and kernel set, 3 bits at 1.00."""
     out = tmp_path / "widths.md"

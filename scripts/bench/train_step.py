@@ -86,13 +86,15 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     net.join_gloo(hvd, args.gloo_ifname, args.gloo_timeout)
     keys = args.rows.split(",")
-    built, staggered = {}, 0
+    built = {}
     for key in keys:
         torch.manual_seed(0)  # the same initial weights in every row and on every rank
         model = resnet18(args.width)
         sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=args.momentum)
         built[key] = rows.build(key, model, sgd, hvd, bucket_mb=args.ddp_bucket_mb, powersgd_fix=args.powersgd_fix)
-        staggered += speed_warmup(args, built[key]["state"], hvd.rank(), staggered)
+        # a trial times this row's steps alone (--speed-warmup: its first after that many rounds)
+        warmup = {} if args.speed_warmup is None else {"warmup": args.speed_warmup}
+        built[key]["clock"] = timing.row_clock(built[key]["state"], hvd.rank(), **warmup)
     timed, before, after = run_steps(args, keys, built, hvd.rank())
     # parameters after all steps: the largest difference to rank 0's (0 when every rank averaged alike)
     diffs = {key: timing.param_diff(built[key]["model"].parameters()) for key in keys}
@@ -113,23 +115,6 @@ def worker(args) -> int:
     dist.destroy_process_group()
     hvd.shutdown()
     return 0
-
-
-def speed_warmup(args, state, rank: int, before: int) -> int:
-    """``--speed-warmup``: a row with ``compress="when-faster"`` starts its first trial after that
-    many of its rounds instead of 2 (its arbiter's other defaults kept), plus a trial's longest
-    for each such row ``before`` it, so that no two rows' trials overlap (the arbiter times a
-    round from start to start, which here spans every row's step: a trial must be the only one
-    changing them). Returns 1 for such a row, else 0."""
-    from horovod_alq.core.speed import PATTERN, SpeedArbiter
-
-    rounds = getattr(state, "round_state", None) or getattr(state, "_state", None)
-    if args.speed_warmup is None or getattr(rounds, "speed", None) is None:
-        return 0
-    trial = rounds.speed.units * len(PATTERN) * rounds.speed.block  # the most rounds of one trial
-    arbiter = SpeedArbiter(rank=rank, what=rounds.speed.what, warmup=args.speed_warmup + before * trial)
-    rounds.speed = arbiter
-    return 1
 
 
 def run_steps(args, keys: list[str], built: dict, rank: int) -> tuple[dict, dict, dict]:
@@ -155,7 +140,11 @@ def run_steps(args, keys: list[str], built: dict, rank: int) -> tuple[dict, dict
         for key in keys:
             row = built[key]
             fb = lambda: F.cross_entropy(row["call"](x), y).backward()
+            if row["clock"]:
+                row["clock"].resume()
             rec = timing.timed_step(fb, row["opt"].step, row["opt"].zero_grad, dist.barrier, link, bool(link))
+            if row["clock"]:
+                row["clock"].pause()
             if step >= args.warmup:
                 for field in TIMED + (("link",) if link else ()):
                     timed[field][key].append(rec[field])
@@ -323,8 +312,8 @@ def speed_lines(res: dict) -> list[str]:
         if r.get("compress_choice") is not None and r.get("step_time_quantized") == r.get("step_time_quantized"):
             q, h = report.ms(r["step_time_quantized"]), report.ms(r["step_time_16bit"])
             out.append(
-                f"{r['label']}: chose {r['compress_choice']} (trial: quantized {q} ms, 16-bit {h} ms per round "
-                f"of all rows; {r['rounds_16bit']} of the {r['rounds']} timed rounds sent 16 bits)."
+                f"{r['label']}: chose {r['compress_choice']} (trial: quantized {q} ms, 16-bit {h} ms per step of "
+                f"this row alone; {r['rounds_16bit']} of the {r['rounds']} timed rounds sent 16 bits)."
             )
     return [""] + out if out else []
 

@@ -49,6 +49,40 @@ def timed_step(forward_backward, optimizer_step, zero_grad, barrier, link=None, 
     return rec
 
 
+class RowClock:
+    """A clock that runs only between :meth:`resume` and :meth:`pause`: around its row's steps. The
+    benchmarks interleave rows step by step, so a clock on the wall would time, from one of a row's
+    rounds to its next, every row's step: a ``compress="when-faster"`` trial would see its row's
+    difference diluted by the others'."""
+
+    def __init__(self) -> None:
+        self.elapsed, self.since = 0.0, None
+
+    def __call__(self) -> float:
+        return self.elapsed + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+    def resume(self) -> None:
+        self.since = time.perf_counter()
+
+    def pause(self) -> None:
+        self.elapsed, self.since = self(), None
+
+
+def row_clock(state, rank: int, **arbiter) -> RowClock | None:
+    """For a row whose ``state`` (rows.build's) runs ``compress="when-faster"``: a new arbiter (its
+    front-end's defaults but for ``arbiter``'s keywords) that times the rounds on a :class:`RowClock`,
+    which the caller resumes and pauses around the row's steps; returns that clock, None for
+    other rows."""
+    from horovod_alq.core.speed import SpeedArbiter
+
+    rounds = getattr(state, "round_state", None) or getattr(state, "_state", None)
+    if getattr(rounds, "speed", None) is None:
+        return None
+    clock = RowClock()
+    rounds.speed = SpeedArbiter(rank=rank, what=rounds.speed.what, clock=clock, **arbiter)
+    return clock
+
+
 def counters(state) -> dict | None:
     """The bytes counters so far of a row's ``state`` (rows.build's): PowerSGD's coordinates before
     and after its compression, or this package's ``metrics()`` (payload bytes, coordinates sent
