@@ -104,6 +104,30 @@ def test_a_row_alone_with_an_earlier_baseline(tmp_path, quick_run, capsys):
     assert "without it and with --baseline-from" in capsys.readouterr().err
 
 
+def test_stretched_rows_train_longer_on_their_own_schedule(tmp_path, quick_run, capsys):
+    """--stretch 1.5 (MLPerf's rule): the ALQ row trains 12 steps against fp16's 8, its cosine decay
+    to step 12, so its curve leaves the 8-step run's after the first evaluation (the lr is the same
+    up to there); the targets stay fp16's (read at its steps 4, 6 and 8)."""
+    earlier = quick_run / "data" / "time_to_accuracy_raw"
+    argv = ["--local", "--np", "2", "--quick", "--steps", "8", "--eval-every", "2", "--baseline-from", str(earlier)]
+    argv += ["--width", "32", "--layers", "1", "--batch-size", "4", "--eval-windows", "32", "--out-dir", str(tmp_path)]
+    assert tta.main([*argv, "--rows", "hvd-alq", "--stretch", "1.5"]) == 0
+    before = json.loads((earlier / "loopback_s0.json").read_text())["rows"]
+    run = json.loads((tmp_path / "data" / "time_to_accuracy_raw" / "loopback_s0.json").read_text())
+    alq = run["rows"]["hvd-alq"]
+    assert len(alq["step_s"]) == 12 and [s for s, _ in alq["curve"]] == [2, 4, 6, 8, 10, 12]
+    assert alq["curve"][0] == before["hvd-alq"]["curve"][0]
+    assert alq["curve"][1][1] != before["hvd-alq"]["curve"][1][1]
+    summary = json.loads((tmp_path / "data" / "time_to_accuracy.json").read_text())["summary"]["loopback"]
+    fp16 = dict(before["hvd-fp16"]["curve"])
+    assert [t["loss"] for t in summary["rows"]["hvd-alq"]["targets"]] == pytest.approx([fp16[4], fp16[6], fp16[8]])
+    assert "Stretched (MLPerf's rule)" in (tmp_path / "time_to_accuracy.md").read_text()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        tta.main([*argv, "--rows", "hvd-alq", "--stretch", "0.5"])
+    assert "--stretch 0.5" in capsys.readouterr().err
+
+
 def test_eval_every_must_divide_the_target_steps(capsys):
     with pytest.raises(SystemExit):
         tta.main(["--local", "--steps", "40", "--eval-every", "7"])

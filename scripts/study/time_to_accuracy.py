@@ -101,9 +101,13 @@ def worker(args) -> int:
     )
     plain.__dict__.update(steps=args.steps, context=args.context, eval_windows=args.eval_windows)
     keys = args.rows.split(",")
-    built = {k: build_row(k, args, len(chars), hvd, plain) for k in keys}
+    # --stretch: every row but fp16 trains that many times fp16's steps, its cosine schedule to its own end
+    plains = {k: argparse.Namespace(**{**vars(plain), "steps": row_steps(args, k)}) for k in keys}
+    built = {k: build_row(k, args, len(chars), hvd, plains[k]) for k in keys}
+    for row in built.values():  # compress="when-faster": a trial times this row's steps alone
+        row["clock"] = timing.row_clock(row["state"], hvd.rank())
     params = sum(p.numel() for p in built[keys[0]]["model"].parameters())
-    per, curves = train(args, built, (train_ids, val_ids), plain, params, hvd)
+    per, curves = train(args, built, (train_ids, val_ids), plains, params, hvd)
     # the parameters after all steps: the largest difference to rank 0's (0 where every rank averaged alike)
     diffs = {key: timing.param_diff(built[key]["model"].parameters()) for key in keys}
     gathered = hvd.allgather_object({"per": per, "local_rank": hvd.local_rank()})
@@ -117,10 +121,16 @@ def worker(args) -> int:
     return 0
 
 
-def train(args, built: dict, data: tuple, plain, params: int, hvd) -> tuple[dict, dict]:
+def row_steps(args, key: str) -> int:
+    """The steps ``key`` trains: fp16's ``--steps``, the other rows ``--stretch`` times that."""
+    return args.steps if key == BASELINE else round(args.stretch * args.steps)
+
+
+def train(args, built: dict, data: tuple, plains: dict, params: int, hvd) -> tuple[dict, dict]:
     """Every row's steps in turn on the same batches (a different one per rank), each row's clock the
-    sum of its steps' (the slowest rank's); every rank logs every row's step as a JSON line. Returns
-    {field: {row: [per step]}} (:data:`FIELDS`) and each row's held-out curve ([step, loss])."""
+    sum of its steps' (the slowest rank's); every rank logs every row's step as a JSON line.
+    ``plains``: each row's schedule (its ``steps``). Returns {field: {row: [per step]}}
+    (:data:`FIELDS`) and each row's held-out curve ([step, loss])."""
     import torch
 
     from scripts.common.gpt import sample_batch
@@ -135,9 +145,11 @@ def train(args, built: dict, data: tuple, plain, params: int, hvd) -> tuple[dict
     last = {k: sent_so_far(built[k]) for k in keys}
     link = (lambda: timing.if_bytes(args.count_ifname)) if args.count_ifname and hvd.local_rank() == 0 else None
     with open(log_dir / f"rank{rank}.jsonl", "w") as log:
-        for step in range(args.steps):
+        total = max(plains[k].steps for k in keys)
+        for step in range(total):
             batch = sample_batch(train_ids, args.batch_size, args.context, generator)
-            for key in keys:
+            for key in (k for k in keys if step < plains[k].steps):
+                plain = plains[key]
                 rec, last[key] = row_step(
                     args, key, built[key], batch, step, plain, link, last[key], params, hvd.size()
                 )
@@ -148,16 +160,16 @@ def train(args, built: dict, data: tuple, plain, params: int, hvd) -> tuple[dict
                 line = {"row": key, "step": step + 1, "seconds": round(clocks[key][0], 6)}
                 line.update(seconds_slowest=round(clocks[key][1], 6), step_seconds=round(rec["own_s"], 6))
                 line.update(bytes_sent=round(rec["bytes"], 1), train_loss=round(float(rec["out"]), 5))
-                if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                if (step + 1) % args.eval_every == 0 or step + 1 == plain.steps:
                     value = evaluation(built[key], key, val_ids, plain, hvd)
                     if value is not None:
                         curves[key].append([step + 1, value])
                         line["eval_loss"] = round(value, 6)
                 log.write(json.dumps(line) + "\n")
             log.flush()
-            if rank == 0 and (step + 1) % max(1, args.steps // 10) == 0:
+            if rank == 0 and (step + 1) % max(1, total // 10) == 0:
                 clock = ", ".join(f"{k} {clocks[k][1]:.1f} s" for k in keys)
-                print(f"step {step + 1}/{args.steps}: " + clock, flush=True)
+                print(f"step {step + 1}/{total}: " + clock, flush=True)
     return per, curves
 
 
@@ -193,9 +205,13 @@ def row_step(args, key: str, row: dict, batch, step: int, plain, link, last, par
             torch.nn.utils.clip_grad_norm_(row["model"].parameters(), args.clip)
         row["opt"].step()
 
+    if row["clock"]:
+        row["clock"].resume()
     rec = timing.timed_step(
         forward_backward, optimizer_step, row["opt"].zero_grad, dist.barrier, link, bool(args.count_ifname)
     )
+    if row["clock"]:
+        row["clock"].pause()
     now, ring, counted = sent_so_far(row), timing.ring(n), rows.ROWS[key].counted
     if counted == "arithmetic":
         rec["bytes"] = ring * rows.ROWS[key].width * params
@@ -536,6 +552,16 @@ def report(args, argv, runs: list[dict], summary: dict, plotted: bool, date: str
         f"gradient norm clipped to {args.clip:g} (after the average), "
         f"{args.steps} steps, held-out loss every {args.eval_every} steps on {args.eval_windows} windows.",
         "",
+    ]
+    if args.stretch != 1:
+        lines += [
+            f"**Stretched (MLPerf's rule):** every row but fp16 trains {row_steps(args, 'hvd-alq')} steps "
+            f"({args.stretch:g}x fp16's {args.steps}), its warm-up the same and its cosine decay to its own end; "
+            "the targets stay fp16's, so the 100% column is each row's time to fp16's final loss within "
+            f"{args.stretch:g}x fp16's steps, and the final loss column compares each row's own end with fp16's.",
+            "",
+        ]
+    lines += [
         "Every row runs in the same processes, step by step in turn, on the same seeds and batches; its clock "
         "sums its own steps' times (the slowest rank's), evaluation and barriers excluded. All ranks share the "
         "machine's cores, so compute is slower than on a node of its own, which makes the exchange a smaller "
@@ -595,7 +621,7 @@ def worker_command(args, out: Path, log_dir: Path, ifname: str, seed: int) -> li
     cmd = [sys.executable, "-m", "scripts.study.time_to_accuracy", "--worker", "--worker-out", str(out)]
     cmd += ["--log-dir", str(log_dir), "--gloo-ifname", ifname, "--seed", str(seed), "--rows", args.rows]
     names = ("steps", "eval_every", "eval_windows", "batch_size", "context", "width", "layers", "heads", "lr", "clip")
-    names += ("optimizer",)
+    names += ("optimizer", "stretch")
     cmd += launching.flags(args, *names)
     if ifname != "lo":
         cmd += ["--count-ifname", ifname]
@@ -627,6 +653,8 @@ def parser() -> argparse.ArgumentParser:
     add("--seeds", help=f"default {FULL['seeds']}")
     add("--steps", type=int, help=f"steps per row; default {FULL['steps']}")
     add("--eval-every", type=int, help=f"steps between evaluations; default {FULL['eval_every']}")
+    stretch = "every row but fp16 trains this many times --steps, its schedule stretched to that length "
+    add("--stretch", type=float, default=1.0, help=stretch + "(MLPerf's rule: time to fp16's final loss); default 1")
     add(
         "--rows",
         default=",".join(DEFAULT_ROWS),
@@ -680,6 +708,8 @@ def check(p: argparse.ArgumentParser, args) -> None:
     if unknown or (BASELINE not in args.rows.split(",")) == (args.baseline_from is None):
         base = f"with {BASELINE} (the baseline), or without it and with --baseline-from"
         p.error(f"--rows: choose from {ROWS}, {base}; unknown: {unknown}")
+    if not 1.0 <= args.stretch <= 4.0:
+        p.error(f"--stretch {args.stretch}: from 1 to 4 (times fp16's steps)")
     for f in TARGETS:
         step = round(f * args.steps)
         if step % args.eval_every and step != args.steps:
