@@ -65,7 +65,8 @@ def chunked_steps(job: Job, i: int, k: int) -> Steps:
     def receive(c: int) -> None:
         nonlocal failure
         a, b = runs[c]
-        gathered = waits[c]()
+        gathered, error = pipeline.waited(waits[c])
+        failure = failure or error
         if failure is not None:
             return
         try:

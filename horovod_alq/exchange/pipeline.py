@@ -12,35 +12,43 @@ bit for bit the unpipelined round's. Only the framing differs: one 32-byte heade
 payload, ``K`` times the collectives.
 
 When: :func:`chunks` (> 1 for buffers of more than ``job.chunk`` coordinates,
-``Engine(pipeline_bytes=)``), on ops that encode ranges, on the fixed wire, with one width per
-buffer and without error feedback (their encodes are not cut by coordinate), for the exchanges
-that call it (:func:`.allgather.chunked_steps`, :func:`.two_phase.chunked_steps`,
-:func:`.hierarchical.chunked_steps`; the hierarchical two-phase exchange is not pipelined). Every
-input is agreed by the handshake (the chunk size is its field ``pipeline``), so every rank cuts
-alike and issues the same collectives in the same order. Errors: a chunk's check that fails is
-kept and raised only after the buffer's last collective, as the unpipelined exchanges do; an
-owner poisons what it forwards (two-phase, hierarchical), so every rank raises and none waits.
+``Engine(pipeline_bytes=)``), on ops that encode ranges, with one width per buffer and without
+error feedback (their encodes are not cut by coordinate), for the exchanges that call it
+(:func:`.allgather.chunked_steps`, :func:`.two_phase.chunked_steps`,
+:func:`.hierarchical.chunked_steps`; the hierarchical two-phase exchange is not pipelined), on the
+fixed wire or on the entropy wire over a transport that takes blocks of any size (Horovod's,
+``variable_sizes``): there chunk ``k``'s frames are coded when it is issued and decoded in its
+wait, so coding chunk ``k + 1`` overlaps chunk ``k``'s transfer; on the other transports each
+coded collective first exchanges its sizes, a blocking collective that would hold every chunk's
+issue until every rank reached it, so they stay whole. Every input is agreed by the handshake
+(the chunk size is its field ``pipeline``), so every rank cuts alike and issues the same
+collectives in the same order. Errors: a chunk's check that fails is kept and raised only after
+the buffer's last collective, as the unpipelined exchanges do, and so is an entropy-coded
+allgather's frame that does not decode (its wait raises it on every rank); an owner poisons what
+it forwards (two-phase, hierarchical), so every rank raises and none waits.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from ..core.protocol import ProtocolError
 from .job import Deferred, Job, Piece
 from .plan import shards
 
-__all__ = ["chunks", "cuts", "staggered", "summed"]
+__all__ = ["chunks", "cuts", "staggered", "summed", "waited"]
 
 
 def chunks(job: Job, parts: Sequence[tuple[int, int]]) -> int:
     """How many chunks the buffer of ``parts`` (its shards; one for the allgather) travels in: 1
-    unless the job pipelines (``chunk`` > 0), its ops encode ranges, the wire is the fixed one, it
-    has one width and no error feedback, the bucket size is a multiple of 8 and the buffer holds
-    more than one chunk; at most the buckets of its smallest shard."""
-    q = job.first
+    unless the job pipelines (``chunk`` > 0), its ops encode ranges, the wire is the fixed one or
+    the entropy wire on a transport that takes blocks of any size, it has one width and no error
+    feedback, the bucket size is a multiple of 8 and the buffer holds more than one chunk; at most
+    the buckets of its smallest shard."""
+    q, t = job.first, job.transport
     if (
         job.chunk <= 0
-        or hasattr(job.transport, "inner")  # the entropy wire codes each message itself: not pipelined yet
+        or (hasattr(t, "inner") and not getattr(t, "variable_sizes", False))  # the entropy wire's size exchanges
         or job.widths is not None
         or job.feedback is not None
         or q.bucket_size % 8
@@ -64,6 +72,18 @@ def summed(job: Job, a: int, b: int, gathered, offsets: Sequence[int], quantizer
     out = job.ops.empty(b - a)
     job.ops.decode_sum(out, gathered, list(offsets), q)
     return Piece(a, b, out, (), job.frozen(q), summed=True)
+
+
+def waited(wait) -> tuple:
+    """``(wait(), None)``, or ``(None, error)`` where the wait raised a protocol error (the entropy
+    wire's allgather raises, on every rank, a frame that does not decode), to be raised after the
+    buffer's last collective; a timeout is raised at once."""
+    try:
+        return wait(), None
+    except TimeoutError:
+        raise
+    except ProtocolError as exc:
+        return None, exc
 
 
 def staggered(k: int, start, follow, finish, started: list, followed: list):

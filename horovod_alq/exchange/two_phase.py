@@ -117,7 +117,8 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
     def decode(c: int) -> None:
         """Chunk ``c`` of every shard, as its owner re-quantized it: checked and decoded."""
         nonlocal raised
-        gathered = second_wait[c]()
+        gathered, error = pipeline.waited(second_wait[c])
+        raised = raised or error
         if raised is not None:
             return
         sizes = [q2.payload_bytes(r[c][1] - r[c][0]) for r in runs]

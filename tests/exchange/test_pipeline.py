@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from horovod_alq.core.protocol import ProtocolError
+from horovod_alq.core.wire import HEADER_SIZE
 from horovod_alq.exchange import pipeline
 from horovod_alq.settings import Settings, configure
 from horovod_alq.testing import Hub, start_early
@@ -20,10 +21,10 @@ SIZES = (3000, 1100, 70, 2090)  # 6260 coordinates: one fusion buffer
 D = 64
 
 
-def _engines(ranks, chunk, exchange, **kw):
+def _engines(ranks, chunk, exchange, d=D, **kw):
     kw.setdefault("update_steps", (0,))
     kw.setdefault("update_every", 0)
-    settings = Settings("alq", 3, D, seed=1, exchange=exchange, pipeline_bytes=4 * chunk, **kw)
+    settings = Settings("alq", 3, d, seed=1, exchange=exchange, pipeline_bytes=4 * chunk, **kw)
     return [configure(settings).engine(uid="t") for _ in range(ranks)]
 
 
@@ -32,31 +33,36 @@ def _rounds(ranks, rounds, seed=0):
     return [[[torch.randn(n, generator=g) for n in SIZES] for _ in range(ranks)] for _ in range(rounds)]
 
 
-def _run(ranks, rounds, chunk, exchange, g=None, early=False, ops=None, scales=None, **kw):
-    """Every rank's outputs per round, and the round's own collectives (by name) per round."""
+def _run(ranks, rounds, chunk, exchange, g=None, early=False, ops=None, scales=None, probe=None, **kw):
+    """Every rank's outputs per round, and the round's own collectives (by name) per round.
+    ``probe`` (a dict): receives the ``engines`` and each rank's payload bytes ``moved`` to other
+    ranks on the hub (:class:`_Below`); takes a ``fault``, ``(rank, tag)``, for :class:`_Below`."""
     engines = _engines(ranks, chunk, exchange, **kw)
     ops = ops or [TorchOps(torch.device("cpu"), "cpu")] * ranks
     if early:
         start_early(engines, ops[0])
     hub = Hub(ranks, timeout=20.0, local_size=g, variable_sizes=True)
+    if probe is not None:
+        probe.update(engines=engines, moved=[0] * ranks)
     outs, counts = [], []
     for step, tensors in enumerate(rounds):
         before = {n for n in hub._got if n.startswith("horovod_alq.")}
-        outs.append(_round(engines, tensors, ops, f"r{step}", hub, scales))
+        outs.append(_round(engines, tensors, ops, f"r{step}", hub, scales, probe))
         counts.append(len({n for n in hub._got if n.startswith("horovod_alq.")} - before))
     return outs, counts
 
 
-def _round(engines, tensors, ops, tag, hub, scales=None):
+def _round(engines, tensors, ops, tag, hub, scales=None, probe=None):
     def rank(r, t):
+        wired = t if probe is None else _Below(t, probe, *probe.get("fault", (None, None)))
         entries = [
             engines[r].add(
-                x, x.numel(), tuple(x.shape), "float32", t, ident=k, scale=None if scales is None else scales[k]
+                x, x.numel(), tuple(x.shape), "float32", wired, ident=k, scale=None if scales is None else scales[k]
             )
             for k, x in enumerate(tensors[r])
         ]
         reduced = [t.allreduce_sum(v, f"{tag}.control{k}") for k, (_, v) in enumerate(entries)]
-        return [engines[r].finish(e, v, ops[r], t)[0] * 1 for (e, _), v in zip(entries, reduced)]
+        return [engines[r].finish(e, v, ops[r], wired)[0] * 1 for (e, _), v in zip(entries, reduced)]
 
     return hub.outcomes(rank)
 
@@ -201,3 +207,125 @@ def test_an_invalid_chunk_raises_on_every_rank_after_the_last_collective(exchang
     for r in range(ranks):
         assert isinstance(outs[0][r], ProtocolError) and where in str(outs[0][r]), (r, outs[0][r])
     assert counts == [count]  # the handshake carried with the first chunk's first collective: all issued
+
+
+# ------------------------------------------------------------------ the entropy wire
+#: Buckets of 256: each coded bucket's stream lengths and states (12 bytes) leave the coding a saving.
+ENTROPY = dict(wire="entropy", d=256)
+STAGES = {"allgather": 1, "hierarchical": 3, "two-phase": 2}
+
+
+def _heavy(ranks, rounds, seed=0):
+    """:func:`_rounds` of Student t(3) values: heavy tails, whose codes the entropy wire shrinks."""
+    rng = np.random.default_rng(seed)
+    return [
+        [[torch.from_numpy(rng.standard_t(3, n).astype(np.float32)) for n in SIZES] for _ in range(ranks)]
+        for _ in range(rounds)
+    ]
+
+
+@pytest.mark.parametrize(
+    "exchange, ranks, g, chunk, k",
+    [("allgather", 2, None, 2000, 4), ("hierarchical", 4, 2, 1500, 5), ("two-phase", 3, None, 1500, 5)],
+)
+def test_pipelined_rounds_on_the_entropy_wire_equal_the_unpipelined_ones(exchange, ranks, g, chunk, k):
+    """wire="entropy" over a transport that takes blocks of any size (Horovod's): each chunk's frames
+    are coded when it is issued and decoded in its wait. The results are bit for bit the unpipelined
+    round's (and the fixed wire's) with each chunk's collectives, and the byte counters add up: what
+    an engine counts as sent is what its transport moved to other ranks, every byte sent is
+    received, and the frames are smaller than the fixed payloads."""
+    rounds = _heavy(ranks, 3)
+    fixed, _ = _run(ranks, rounds, 0, exchange, g, d=256)
+    plain_probe, piped_probe = {}, {}
+    plain, n_plain = _run(ranks, rounds, 0, exchange, g, probe=plain_probe, **ENTROPY)
+    piped, n_piped = _run(ranks, rounds, chunk, exchange, g, probe=piped_probe, **ENTROPY)
+    _same(fixed, plain)
+    _same(plain, piped)
+    assert [n + (k - 1) * STAGES[exchange] for n in n_plain] == n_piped  # (no size exchanges: none counted)
+    for out in piped:  # identical on every rank
+        for r in range(1, ranks):
+            for a, b in zip(out[0], out[r]):
+                assert torch.equal(a, b)
+    for probe in (plain_probe, piped_probe):
+        states = [e.state for e in probe["engines"]]
+        assert [st.bytes_sent for st in states] == probe["moved"], (probe["moved"], states)
+        assert sum(st.bytes_sent for st in states) == sum(st.bytes_received for st in states)
+    if exchange == "allgather":  # payloads only: the frames are smaller, and each added chunk adds a header
+        plain_states, piped_states = [[e.state for e in p["engines"]] for p in (plain_probe, piped_probe)]
+        extra = len(rounds) * (k - 1) * HEADER_SIZE
+        assert [st.wire_fixed_bytes for st in piped_states] == [st.wire_fixed_bytes + extra for st in plain_states]
+        assert all(st.wire_coded_bytes < 0.95 * st.wire_fixed_bytes for st in piped_states), piped_states
+
+
+class _Below:
+    """A rank's hub transport as its engine gets it (below the entropy wire, which the engine wraps
+    around it): adds the payload bytes it sends other ranks (not the handshake's) to
+    ``probe["moved"]``; collective ``tag`` of rank ``faulty`` arrives with a byte flipped in what it
+    sends each other rank (a fault on the way)."""
+
+    def __init__(self, inner, probe: dict, faulty: int | None = None, tag: str | None = None) -> None:
+        self.inner, self.probe, self.faulty, self.tag = inner, probe, faulty, tag
+
+    def __getattr__(self, name):  # rank, size, local_size, variable_sizes, the allreduces
+        return getattr(self.inner, name)
+
+    def _count(self, name: str, blocks) -> None:
+        if not name.endswith(".handshake"):
+            self.probe["moved"][self.inner.rank] += sum(int(b) for to, b in enumerate(blocks) if to != self.inner.rank)
+
+    def _hit(self, name: str) -> bool:
+        return self.inner.rank == self.faulty and name.endswith("." + self.tag)
+
+    def allgather(self, payload, sizes, name):
+        self._count(name, [sizes[self.inner.rank]] * self.inner.size)
+        if self._hit(name):
+            payload = payload.clone()
+            payload[payload.numel() // 2] ^= 0x10
+        return self.inner.allgather(payload, sizes, name)
+
+    def alltoall(self, payload, splits, received, name):
+        self._count(name, splits)
+        if self._hit(name):
+            payload, start = payload.clone(), 0
+            for to, size in enumerate(splits):
+                if size and to != self.inner.rank:
+                    payload[start + size // 2] ^= 0x10
+                start += size
+        return self.inner.alltoall(payload, splits, received, name)
+
+
+@pytest.mark.filterwarnings("ignore:horovod_alq.*do not decode:RuntimeWarning")
+@pytest.mark.parametrize(
+    "exchange, ranks, g, chunk, k, tag, why",
+    [
+        # every rank decodes rank 1's frame of chunk 1 (the CRC fails), the sender its own copy too,
+        # and its wait raises that on every rank: kept until chunk 3's collective is issued
+        ("allgather", 2, None, 2000, 4, "ag0-1", {r: "ag0-1: rank 1's entropy-coded" for r in (0, 1)}),
+        # the same in the two-phase exchange's second phase (an allgather), chunks 2 to 4 still to come
+        ("two-phase", 3, None, 1500, 5, "ag2-0-1", {r: "ag2-0-1: rank 1's entropy-coded" for r in (0, 1, 2)}),
+        # rank 1's node sum of chunk 2 reaches rank 3 (the other node) broken: rank 3 poisons what it
+        # forwards in its node and sends status 1 to the other node
+        ("hierarchical", 4, 2, 1500, 5, "h2-0-2", {0: "rank(s) [3]", 1: "rank(s) [3]", 3: "chunk 2 of shard 1"}),
+        # rank 1's chunk 2 reaches the owners of shards 0 and 2 broken: each poisons its second phase
+        (
+            "two-phase",
+            3,
+            None,
+            1500,
+            5,
+            "a2a0-2",
+            {0: "chunk 2 of shard 0", 1: "rank(s) [0, 2]", 2: "chunk 2 of shard 2"},
+        ),
+    ],
+)
+def test_a_broken_frame_in_one_chunk_raises_on_every_rank(exchange, ranks, g, chunk, k, tag, why):
+    """A coded frame of one chunk corrupted on its way (its CRC fails where it is decoded): every
+    rank raises, after the buffer's last collective (the same collectives as a clean round: none waits)."""
+    rounds, kw = _heavy(ranks, 1), dict(ENTROPY, update_steps=(5,))  # (no refit's allreduce after the exchange)
+    _, clean = _run(ranks, rounds, chunk, exchange, g, **kw)
+    outs, counts = _run(ranks, rounds, chunk, exchange, g, probe={"fault": (1, tag)}, **kw)
+    for r in range(ranks):
+        assert isinstance(outs[0][r], ProtocolError), (r, outs[0][r])
+    for r, text in why.items():
+        assert text in str(outs[0][r]), (r, outs[0][r])
+    assert counts == clean == [1 + k * STAGES[exchange]]  # the handshake and every chunk's collectives
