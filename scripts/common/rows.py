@@ -73,6 +73,13 @@ STEP_ROWS: dict[str, Row] = {
     "hvd-alq-h4": hvd("Horovod ALQ 4b, hierarchical", "alq", bits=4, exchange=_H),
     "hvd-alq-h2p": hvd("Horovod ALQ 3b, hierarchical two-phase", "alq", bits=3, exchange=_H2P),
     "hvd-alq-e": hvd("Horovod ALQ 3b, auto, entropy wire", "alq", bits=3, wire="entropy"),
+    "hvd-alq-e-p": hvd(
+        "Horovod ALQ 3b, auto, entropy wire, pipelined in 1 MiB chunks",
+        "alq",
+        bits=3,
+        wire="entropy",
+        pipeline_bytes=1 << 20,
+    ),
     "hvd-alq-when": hvd("Horovod ALQ 3b, auto, compress='when-faster'", "alq", bits=3, compress="when-faster"),
     "hvd-alq4-e": hvd("Horovod ALQ 4b, auto, entropy wire", "alq", bits=4, wire="entropy"),
     "ddp-fp32": ddp("DDP allreduce (fp32)", "fp32"),
