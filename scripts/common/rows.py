@@ -80,6 +80,13 @@ STEP_ROWS: dict[str, Row] = {
         wire="entropy",
         pipeline_bytes=1 << 20,
     ),
+    "hvd-alq-e-p4": hvd(
+        "Horovod ALQ 3b, auto, entropy wire, pipelined in 4 MiB chunks",
+        "alq",
+        bits=3,
+        wire="entropy",
+        pipeline_bytes=4 << 20,
+    ),
     "hvd-alq-when": hvd("Horovod ALQ 3b, auto, compress='when-faster'", "alq", bits=3, compress="when-faster"),
     "hvd-alq4-e": hvd("Horovod ALQ 4b, auto, entropy wire", "alq", bits=4, wire="entropy"),
     "ddp-fp32": ddp("DDP allreduce (fp32)", "fp32"),
