@@ -35,6 +35,7 @@ from scripts.common.launch import MPI_OPTIONS, RANK_ENV
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 BOOT = WORKERS / "_boot.py"
+HOROVODRUN = WORKERS.parent / "horovodrun.py"
 LAUNCHERS = ("mpi", "gloo", "torchrun")
 
 # One host's Open MPI options and rank environment (scripts/common/launch.py), with Python's fault
@@ -46,9 +47,8 @@ _TAIL = 4000
 
 
 def _horovodrun() -> list[str]:
-    """horovodrun of this Python's Horovod (outside a venv when reusing an existing Horovod)."""
-    local = Path(sys.executable).parent / "horovodrun"
-    return [str(local)] if local.exists() else [sys.executable, "-m", "horovod.runner.launch"]
+    """horovodrun of this Python's Horovod, less its build check's TensorFlow import (tests/horovodrun.py)."""
+    return [sys.executable, str(HOROVODRUN)]
 
 
 def launch_command(launcher: str, np: int) -> list[str]:
