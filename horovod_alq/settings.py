@@ -166,7 +166,8 @@ class Settings:
     pipeline_bytes: int | None = None
     """A round's fusion buffer of more than this many bytes of float32 travels in chunks of about
     this size, each chunk encoded and decoded while another is on the wire (the same results bit
-    for bit; the compiled CPU codec, the allgather, two-phase and hierarchical exchanges, the fixed wire);
+    for bit; the compiled CPU codec, the allgather, two-phase and hierarchical exchanges, either wire:
+    on the entropy wire each chunk is also coded while another travels, on Horovod's transport);
     None: ``$HOROVOD_ALQ_PIPELINE_BYTES``, else 0: off (opt-in until a run measures it faster; 4 MiB
     is a starting point). docs/design/design.md, "Pipelined round"."""
 
