@@ -21,7 +21,8 @@ Failures raise on every rank, the sender included (``docs/design/entropy_wire.md
 * in an allgather every rank decodes the same frames and raises; in an alltoall only a frame's
   receiver has it, so the receiver (and a sender that refused one of its frames, for its own share)
   substitutes ``0xFF`` bytes, which fail the exchange's own payload check there (bad magic), and the
-  exchange's poisoning makes every rank raise; a warning names the frame and what was wrong.
+  exchange's poisoning makes every rank raise; a warning names the frame and what was wrong. Bytes
+  that have no payload check (the hierarchical node sums) ask :meth:`EntropyTransport.undecoded`.
 
 ``bytes_sent`` / ``bytes_received`` of the counter (the round state) are the coded bytes: the
 exchange counts the fixed bytes of each collective, this transport adds what coding changed (the
@@ -86,7 +87,16 @@ class EntropyTransport:
         self.inner, self.ops = transport, ops
         self.counter = WireBytes() if counter is None else counter
         self.variable = bool(getattr(transport, "variable_sizes", False))
+        self._undecoded: dict[str, str] = {}  # alltoall name -> why a frame that arrived here did not decode
         load_compiled_coder()
+
+    def undecoded(self, name: str) -> str | None:
+        """Why a frame that this rank received in alltoall ``name`` (the exchange's name, without the
+        round's prefix) did not decode (its bytes were replaced by 0xFF), or None; forgets it. For
+        the exchanges whose float32 blocks have no payload check of their own (the hierarchical
+        node sums)."""
+        key = next((k for k in self._undecoded if k == name or k.endswith("." + name)), None)
+        return None if key is None else self._undecoded.pop(key)
 
     def __getattr__(self, name: str):  # rank, size, local_size, scope, ... of the wrapped transport
         return getattr(self.inner, name)
@@ -149,6 +159,7 @@ class EntropyTransport:
                 if gather:
                     raise ProtocolError(f"{PREFIX}: {name}: rank {r}'s entropy-coded payloads: {err}") from None
                 self._warn(r, name, err)
+                self._undecoded.setdefault(name, f"rank {r}'s frames: {err}")
                 part = np.full(want, 0xFF, dtype=np.uint8)
                 if r == me and own[2] is not None:
                     pos += sizes[r] if sizes is not None else own[1].size

@@ -91,7 +91,7 @@ def steps(job: Job, i: int) -> Steps:
         return (yield from chunked_steps(job, i, p, k))
     parts = p.parts
     a, b = parts[local]
-    acc = yield from node_sum(job, i, parts, g)
+    acc, failure = yield from node_sum(job, i, parts, g)
 
     # 2. the node's sum of this shard, quantized, to the owners of the same shard on every node
     runs = job.segments(a, b)
@@ -108,7 +108,6 @@ def steps(job: Job, i: int) -> Steps:
     own = p.first[local]
     to = splits(n, {r: own for r in cross_ranks(me, n, g)})
     gathered = yield Alltoall(ops.cat([payload] * nodes), to, to, f"h2-{i}")
-    failure = None
     try:
         check_segments(
             ops,
@@ -117,7 +116,7 @@ def steps(job: Job, i: int) -> Steps:
             f"shard {local} of buffer {i} from the nodes",
         )
     except ProtocolError as err:
-        failure = err
+        failure = failure or err
 
     # 3. every node's codes of this shard to the node's ranks
     gathered = yield from forward_in_node(
@@ -202,7 +201,8 @@ def cross_ranks(rank: int, size: int, g: int) -> list[int]:
 def node_sum(job: Job, i: int, parts: Sequence[tuple[int, int]], g: int):
     """Stage 1 of buffer ``i`` (``parts``: its ``g`` shards), an exact float32 reduce-scatter inside
     the node: yields one :class:`Alltoall`, returns this rank's node sum of its shard ``local``
-    (the node's ranks' shards summed in rank order, so that a node's owners agree bit for bit)."""
+    (the node's ranks' shards summed in rank order, so that a node's owners agree bit for bit) and
+    the error to poison what it forwards with, or None (:func:`undecoded`)."""
     ops, t = job.ops, job.transport
     n, me = t.size, t.rank
     lo, hi = job.layout.buffers[i]
@@ -215,7 +215,18 @@ def node_sum(job: Job, i: int, parts: Sequence[tuple[int, int]], g: int):
     acc = ops.zeros(b - a)
     for k in range(g):
         acc += shard[k * (b - a) : (k + 1) * (b - a)]
-    return acc
+    return acc, undecoded(t, f"h1-{i}", f"the node's float32 shards of buffer {i}")
+
+
+def undecoded(t, name: str, what: str) -> ProtocolError | None:
+    """The error when a frame of ``what`` that this rank received in alltoall ``name`` did not
+    decode on the entropy wire (which then hands over 0xFF bytes: NaN as float32, and the node
+    sums have no payload check to catch them), else None. The caller poisons what it forwards,
+    so every rank raises."""
+    why = getattr(t, "undecoded", lambda _: None)(name)
+    if why is None:
+        return None
+    return ProtocolError(f"{PREFIX}: {name}: {what} arrived undecodable ({why}); refusing to decode on every rank")
 
 
 def forward_in_node(
@@ -265,6 +276,7 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
         """2. chunk ``c`` of this rank's node sum, quantized, to its shard's owners on every node."""
         ca, cb = mine[c]
         shard = ops.from_bytes(first_wait[c]())
+        failures[c] = undecoded(t, f"h1-{i}-{c}", f"chunk {c} of the node's float32 shards of buffer {i}")
         view = acc[ca - a : cb - a]
         for m in range(g):
             view += shard[m * (cb - ca) : (m + 1) * (cb - ca)]
@@ -282,7 +294,7 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
                 ops, held, [[(cb - ca, q)]] * nodes, f"chunk {c} of shard {local} of buffer {i} from the nodes"
             )
         except Exception as exc:  # noqa: BLE001 - poisons what this rank forwards
-            failures[c] = exc
+            failures[c] = failures[c] or exc
         block = [nodes * q.payload_bytes(r[c][1] - r[c][0]) for r in runs]
         return last_stage(ops, t, held, block, failures[c], f"h3-{i}-{c}")
 

@@ -112,7 +112,7 @@ def steps(job: Job, i: int) -> Steps:
     p = plan(*job.layout.buffers[i], n, me, job.first, job.second, segments=job.segments, g=g)
     mine = p.parts[local * m : (local + 1) * m]
     a, b = mine[0][0], mine[-1][1]
-    acc = yield from node_sum(job, i, [(p.parts[j * m][0], p.parts[j * m + m - 1][1]) for j in range(g)], g)
+    acc, early = yield from node_sum(job, i, [(p.parts[j * m][0], p.parts[j * m + m - 1][1]) for j in range(g)], g)
     if job.collect_first and b > a and job.widths is None:
         job.add_first_statistics(ops.statistics(acc, job.first))
 
@@ -133,6 +133,7 @@ def steps(job: Job, i: int) -> Steps:
     gathered = yield Alltoall(ops.cat(payloads), *phase1, f"h2-{i}")
     sa, sb = mine[node]
     reduced, failure = sum_shard(job, gathered, runs[node], m, sa, sb, f"sub-shard {local}.{node} of buffer {i}")
+    failure = early or failure  # a node sum that arrived undecodable poisons what this rank sends on
     again = joined(
         ops,
         [

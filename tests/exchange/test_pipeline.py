@@ -257,6 +257,32 @@ def test_pipelined_rounds_on_the_entropy_wire_equal_the_unpipelined_ones(exchang
         assert all(st.wire_coded_bytes < 0.95 * st.wire_fixed_bytes for st in piped_states), piped_states
 
 
+@pytest.mark.filterwarnings("ignore:horovod_alq.*do not decode:RuntimeWarning")
+@pytest.mark.parametrize(
+    "exchange, chunk, tag, mine, others",
+    [
+        # rank 1's float32 shard for rank 0 (its node) arrives undecodable: the entropy wire hands
+        # rank 0 0xFF bytes (NaN as float32), which no payload check sees; rank 0 poisons what it
+        # forwards in its node and sends status 1 to the other node
+        ("hierarchical", 0, "h1-0", "h1-0: the node's float32 shards of buffer 0 arrived undecodable", [0, 0, 0]),
+        ("hierarchical", 1500, "h1-0-2", "h1-0-2: chunk 2 of the node's float32 shards", [0, 0, 0]),
+        # rank 0 poisons its re-quantized sub-shard: rank 2, its owner on the other node, names it,
+        # then rank 0's and rank 2's nodes learn it from them
+        ("hierarchical-two-phase", 0, "h1-0", "h1-0: the node's float32 shards of buffer 0 arrived", [0, 0, 2]),
+    ],
+)
+def test_an_undecodable_node_sum_raises_on_every_rank(exchange, chunk, tag, mine, others):
+    """Never NaN gradients from a frame broken on its way: every rank raises, rank 0 naming it,
+    ranks 1 to 3 the rank (``others``) whose error they learnt it from."""
+    rounds, kw = _heavy(4, 1), dict(ENTROPY, update_steps=(5,))
+    outs, _ = _run(4, rounds, chunk, exchange, 2, probe={"fault": (1, tag)}, **kw)
+    for r in range(4):
+        assert isinstance(outs[0][r], ProtocolError), (r, outs[0][r])
+    assert mine in str(outs[0][0]) and "rank 1's frames" in str(outs[0][0]), outs[0][0]
+    for r, source in zip((1, 2, 3), others):
+        assert f"rank(s) [{source}]" in str(outs[0][r]), (r, outs[0][r])
+
+
 class _Below:
     """A rank's hub transport as its engine gets it (below the entropy wire, which the engine wraps
     around it): adds the payload bytes it sends other ranks (not the handshake's) to
