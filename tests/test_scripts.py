@@ -86,6 +86,13 @@ def test_row_clock_runs_only_around_its_rows_steps(monkeypatch):
     now[0] += 1.0
     assert clock() == pytest.approx(2.5)
 
+    def backward():  # timed_step runs the clock around the whole step, barriers included
+        now[0] += 0.25
+
+    nothing = lambda: None  # noqa: E731
+    rec = timing.timed_step(backward, nothing, nothing, backward, clock=clock)
+    assert rec["step_s"] == pytest.approx(0.25) and clock() == pytest.approx(3.0)
+
 
 def test_codec_widths_reports_every_width(tmp_path):
     """scripts/bench/codec_widths.py on a small tensor: a row per width and kernel set, 3 bits at 1.00."""

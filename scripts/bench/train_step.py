@@ -87,13 +87,13 @@ def worker(args) -> int:
     net.join_gloo(hvd, args.gloo_ifname, args.gloo_timeout)
     keys = args.rows.split(",")
     built = {}
+    # a when-faster row's trial times its steps alone (--speed-warmup: its first after that many rounds)
+    warmup = {} if args.speed_warmup is None else {"warmup": args.speed_warmup}
     for key in keys:
         torch.manual_seed(0)  # the same initial weights in every row and on every rank
         model = resnet18(args.width)
         sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=args.momentum)
         built[key] = rows.build(key, model, sgd, hvd, bucket_mb=args.ddp_bucket_mb, powersgd_fix=args.powersgd_fix)
-        # a trial times this row's steps alone (--speed-warmup: its first after that many rounds)
-        warmup = {} if args.speed_warmup is None else {"warmup": args.speed_warmup}
         built[key]["clock"] = timing.row_clock(built[key]["state"], hvd.rank(), **warmup)
     timed, before, after = run_steps(args, keys, built, hvd.rank())
     # parameters after all steps: the largest difference to rank 0's (0 when every rank averaged alike)
@@ -140,11 +140,8 @@ def run_steps(args, keys: list[str], built: dict, rank: int) -> tuple[dict, dict
         for key in keys:
             row = built[key]
             fb = lambda: F.cross_entropy(row["call"](x), y).backward()
-            if row["clock"]:
-                row["clock"].resume()
-            rec = timing.timed_step(fb, row["opt"].step, row["opt"].zero_grad, dist.barrier, link, bool(link))
-            if row["clock"]:
-                row["clock"].pause()
+            step_args = (fb, row["opt"].step, row["opt"].zero_grad, dist.barrier, link, bool(link))
+            rec = timing.timed_step(*step_args, clock=row["clock"])
             if step >= args.warmup:
                 for field in TIMED + (("link",) if link else ()):
                     timed[field][key].append(rec[field])

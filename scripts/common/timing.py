@@ -23,13 +23,18 @@ def if_bytes(name: str) -> tuple[int, int]:
     raise RuntimeError(f"no interface {name!r} in /proc/net/dev")
 
 
-def timed_step(forward_backward, optimizer_step, zero_grad, barrier, link=None, settle: bool = False) -> dict:
+def timed_step(
+    forward_backward, optimizer_step, zero_grad, barrier, link=None, settle: bool = False, clock=None
+) -> dict:
     """One row's step after ``barrier()``: {"out": what ``forward_backward()`` returned, "step_s"
     (forward, backward and ``optimizer_step()``), "fwd_bwd_s", "cpu_main_s" (``time.thread_time``:
     forward, backward, hooks, codec, optimizer), "cpu_all_s" (the process's, Horovod's, Open MPI's
     and gloo's threads too), "link" (``link()``'s counters after less before, None without)}.
     ``zero_grad()`` comes after the clock; with ``settle`` a second barrier follows (every rank's
-    traffic has ended before ``link()`` is read again)."""
+    traffic has ended before ``link()`` is read again). ``clock``: the row's :class:`RowClock`
+    (or None), running from the first barrier to the end."""
+    if clock is not None:
+        clock.resume()
     barrier()
     l0 = link() if link else None
     c0, p0 = time.thread_time(), time.process_time()
@@ -46,14 +51,16 @@ def timed_step(forward_backward, optimizer_step, zero_grad, barrier, link=None, 
         barrier()
     rec = {"out": out, "step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "cpu_main_s": c2 - c0, "cpu_all_s": p2 - p0}
     rec["link"] = tuple(b - a for a, b in zip(l0, link())) if link else None
+    if clock is not None:
+        clock.pause()
     return rec
 
 
 class RowClock:
-    """A clock that runs only between :meth:`resume` and :meth:`pause`: around its row's steps. The
-    benchmarks interleave rows step by step, so a clock on the wall would time, from one of a row's
-    rounds to its next, every row's step: a ``compress="when-faster"`` trial would see its row's
-    difference diluted by the others'."""
+    """A clock that runs only between :meth:`resume` and :meth:`pause` (:func:`timed_step` calls
+    them around its row's step). The benchmarks interleave rows step by step, so a clock on the
+    wall would time, from one of a row's rounds to its next, every row's step: a
+    ``compress="when-faster"`` trial would see its row's difference diluted by the others'."""
 
     def __init__(self) -> None:
         self.elapsed, self.since = 0.0, None

@@ -205,13 +205,15 @@ def row_step(args, key: str, row: dict, batch, step: int, plain, link, last, par
             torch.nn.utils.clip_grad_norm_(row["model"].parameters(), args.clip)
         row["opt"].step()
 
-    if row["clock"]:
-        row["clock"].resume()
     rec = timing.timed_step(
-        forward_backward, optimizer_step, row["opt"].zero_grad, dist.barrier, link, bool(args.count_ifname)
+        forward_backward,
+        optimizer_step,
+        row["opt"].zero_grad,
+        dist.barrier,
+        link,
+        bool(args.count_ifname),
+        clock=row["clock"],
     )
-    if row["clock"]:
-        row["clock"].pause()
     now, ring, counted = sent_so_far(row), timing.ring(n), rows.ROWS[key].counted
     if counted == "arithmetic":
         rec["bytes"] = ring * rows.ROWS[key].width * params
