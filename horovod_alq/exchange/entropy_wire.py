@@ -91,12 +91,10 @@ class EntropyTransport:
         load_compiled_coder()
 
     def undecoded(self, name: str) -> str | None:
-        """Why a frame that this rank received in alltoall ``name`` (the exchange's name, without the
-        round's prefix) did not decode (its bytes were replaced by 0xFF), or None; forgets it. For
-        the exchanges whose float32 blocks have no payload check of their own (the hierarchical
-        node sums)."""
-        key = next((k for k in self._undecoded if k == name or k.endswith("." + name)), None)
-        return None if key is None else self._undecoded.pop(key)
+        """Why a frame that this rank received in alltoall ``name`` (its full name) did not decode
+        (its bytes were replaced by 0xFF), or None; forgets it. For the exchanges whose float32
+        blocks have no payload check of their own (the hierarchical node sums)."""
+        return self._undecoded.pop(name, None)
 
     def __getattr__(self, name: str):  # rank, size, local_size, scope, ... of the wrapped transport
         return getattr(self.inner, name)

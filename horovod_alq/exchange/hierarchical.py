@@ -215,18 +215,18 @@ def node_sum(job: Job, i: int, parts: Sequence[tuple[int, int]], g: int):
     acc = ops.zeros(b - a)
     for k in range(g):
         acc += shard[k * (b - a) : (k + 1) * (b - a)]
-    return acc, undecoded(t, f"h1-{i}", f"the node's float32 shards of buffer {i}")
+    return acc, undecoded(job, f"h1-{i}", f"the node's float32 shards of buffer {i}")
 
 
-def undecoded(t, name: str, what: str) -> ProtocolError | None:
-    """The error when a frame of ``what`` that this rank received in alltoall ``name`` did not
-    decode on the entropy wire (which then hands over 0xFF bytes: NaN as float32, and the node
+def undecoded(job: Job, tag: str, what: str) -> ProtocolError | None:
+    """The error when a frame of ``what`` that this rank received in the job's alltoall ``tag`` did
+    not decode on the entropy wire (which then hands over 0xFF bytes: NaN as float32, and the node
     sums have no payload check to catch them), else None. The caller poisons what it forwards,
     so every rank raises."""
-    why = getattr(t, "undecoded", lambda _: None)(name)
+    why = getattr(job.transport, "undecoded", lambda _: None)(job.name(tag))
     if why is None:
         return None
-    return ProtocolError(f"{PREFIX}: {name}: {what} arrived undecodable ({why}); refusing to decode on every rank")
+    return ProtocolError(f"{PREFIX}: {tag}: {what} arrived undecodable ({why}); refusing to decode on every rank")
 
 
 def forward_in_node(
@@ -276,7 +276,7 @@ def chunked_steps(job: Job, i: int, p: BufferPlan, k: int) -> Steps:
         """2. chunk ``c`` of this rank's node sum, quantized, to its shard's owners on every node."""
         ca, cb = mine[c]
         shard = ops.from_bytes(first_wait[c]())
-        failures[c] = undecoded(t, f"h1-{i}-{c}", f"chunk {c} of the node's float32 shards of buffer {i}")
+        failures[c] = undecoded(job, f"h1-{i}-{c}", f"chunk {c} of the node's float32 shards of buffer {i}")
         view = acc[ca - a : cb - a]
         for m in range(g):
             view += shard[m * (cb - ca) : (m + 1) * (cb - ca)]
