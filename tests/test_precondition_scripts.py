@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from scripts.bench import precondition as bench
 from scripts.study import precondition_gpt as study
 
@@ -27,3 +29,20 @@ def test_cost_bench_quick(tmp_path):
     out = tmp_path / "bench.md"
     assert bench.main(["--quick", "--out", str(out)]) == 0
     assert "| 65,536 |" in out.read_text()
+
+
+def test_study_node_size_quantizes_node_sums(tmp_path):
+    """--node-size 2: fp32 is unchanged, the quantized rows quantize the workers' sum instead."""
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    rows = "fp32;alq@3+pre"
+    assert study.main(["--quick", "--rows", rows, "--json", str(one)]) == 0
+    assert study.main(["--quick", "--node-size", "2", "--rows", rows, "--json", str(two)]) == 0
+    a, b = ([json.loads(line) for line in f.read_text().splitlines()] for f in (one, two))
+    assert a[0]["curve"] == b[0]["curve"] and b[0]["node_size"] == 2
+    assert a[1]["curve"] != b[1]["curve"]
+
+
+def test_study_node_size_must_divide_workers(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        study.main(["--node-size", "3", "--json", str(tmp_path / "x.jsonl")])
+    assert "--node-size must divide --workers (4), got 3" in capsys.readouterr().err

@@ -10,7 +10,8 @@ Rows: ``fp32`` (exact average), ``alq@<bits>`` (plain), ``alq@<bits>+pre[:k=v,..
 ``g * w`` and divide the decoded average by ``w``, :class:`horovod_alq.torch.Preconditioner` on the
 run's AdamW; keys ``floor``, ``alpha``, ``cap``, ``start``: :class:`horovod_alq.core.precondition.Form`;
 ``refit=1``: also refit the levels at the step preconditioning starts; ``after=K``: refit ``K`` steps
-after it, as ``Form(refit=K)`` does in the front-ends).
+after it, as ``Form(refit=K)`` does in the front-ends). ``--node-size G``: the hierarchical
+exchange's arithmetic instead, the float32 sums of ``G`` consecutive workers each quantized once.
 
 Per step it records the Adam-space error ``sum_i (g^_i - g_i)^2 / v_hat_i`` over the signal
 ``sum_i g_i^2 / v_hat_i`` (``v_hat`` before the step, from step 2 on) and the largest bucket crest
@@ -38,6 +39,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument(
+        "--node-size",
+        type=int,
+        default=1,
+        help="quantize the float32 sums of this many consecutive workers (the hierarchical exchange's "
+        "node sums, once each) instead of each worker's own gradient; 1: each worker's",
+    )
     p.add_argument("--batch-size", type=int, default=16, help="sequences per worker and step")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--width", type=int, default=128)
@@ -59,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="3 steps, 2 workers, a 1-layer model of width 32")
     args = p.parse_args(argv)
+    if args.node_size < 1 or args.workers % args.node_size:
+        p.error(f"--node-size must divide --workers ({args.workers}), got {args.node_size}")
     if args.quick:
         args.steps, args.workers, args.width, args.layers, args.heads = 3, 2, 32, 1, 2
         args.eval_windows, args.eval_every, args.update_steps = 8, 3, "0,2"
@@ -119,6 +129,8 @@ def train(row: dict, seed: int, args, data) -> dict:
         refits.add(start)
     if row.get("after") is not None and pre is not None:
         refits.add(start + row["after"])
+    per_node = args.node_size
+    nodes = [list(range(j, j + per_node)) for j in range(0, args.workers, per_node)]  # what is quantized
     curve, err_ratio, crest, crest_at = [], [], [], []
     t0 = time.perf_counter()
     for step in range(args.steps):
@@ -141,8 +153,10 @@ def train(row: dict, seed: int, args, data) -> dict:
                     continue
                 w = pre.scale(p) if pre is not None else None
                 total = np.zeros(p.numel(), np.float32)
-                for k in range(args.workers):
-                    xk = grads[k][i].reshape(-1).numpy()
+                for k, node in enumerate(nodes):
+                    xk = grads[node[0]][i].reshape(-1).numpy()
+                    for m in node[1:]:  # the node's float32 sum, in rank order
+                        xk = xk + grads[m][i].reshape(-1).numpy()
                     if w is not None:
                         xk = xk * w.reshape(-1).numpy()
                     rng = np.random.default_rng([seed, step, k, i])
@@ -268,6 +282,7 @@ def main(argv=None) -> int:
                 continue
             r = train(parse_row(spec), seed, args, data)
             r.update(tag=args.tag, lr=args.lr, warmup=args.warmup, steps=args.steps)
+            r.update(batch_size=args.batch_size, node_size=args.node_size)
             if not math.isfinite(r["eval_loss"]):
                 r["diverged"] = True
             with out.open("a") as f:
