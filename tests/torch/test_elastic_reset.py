@@ -94,14 +94,17 @@ def test_error_mid_round_resets_and_resyncs(tmp_path):
     assert inject["batch"] == AT and inject["pending"]
     assert 0 < inject["compressed"] < 5 and inject["decompressed"] == 0
     (failed,) = _events(r0, "failed")
-    assert failed["batch"] == AT and failed["phase"] in ("backward", "step"), failed
-    if failed["phase"] == "step":
-        assert failed["compressed"] == 5 and failed["decompressed"] < 5, failed
-    elif failed["decompressed"] == 5:  # the shutdown reached it before its first compress of batch AT:
-        assert failed["compressed"] == 5 and not failed["pending"], failed  # the round is batch AT-1's, done
-    else:
-        assert failed["compressed"] <= 5 and failed["decompressed"] == 0, failed
-    assert failed["pending"] or (failed["failure"] or "").startswith("HorovodInternalError"), failed
+    assert failed["batch"] == AT and failed["phase"] in ("backward", "step"), str(failed)
+    if failed["phase"] == "backward" and failed["decompressed"] == 5:
+        # the shutdown reached it before its first compress of batch AT: the round is batch AT-1's,
+        # done, with no failure of its own (seen in 1 of 28 loaded launches, 2026-12-07)
+        assert failed["compressed"] == 5 and not failed["pending"] and failed["failure"] is None, str(failed)
+    else:  # batch AT's round: pending, or failed with Horovod's error
+        if failed["phase"] == "step":
+            assert failed["compressed"] == 5 and failed["decompressed"] < 5, str(failed)
+        else:
+            assert failed["compressed"] <= 5 and failed["decompressed"] == 0, str(failed)
+        assert failed["pending"] or (failed["failure"] or "").startswith("HorovodInternalError"), str(failed)
     for r in res:  # restore() dropped those rounds: nothing of them is left
         (reset,) = _events(r, "reset")
         assert reset["compressed"] == 0 and reset["failure"] is None
