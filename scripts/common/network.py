@@ -1,21 +1,8 @@
-"""Network namespaces joined by tc-shaped links, and mpirun across them: what scripts/bench/network.py,
-train_step.py, fsdp.py and scripts/study/time_to_accuracy.py share. Needs root (ip netns, tc).
-
-Topology (made by :func:`setup`, removed by :func:`teardown`, also on failure, Ctrl-C or SIGTERM
-once :func:`preflight` has run):
-
-    netns alqnet-w0 .. alqnet-w{n-1}  eth0 = 10.213.0.1 .. 10.213.0.n/24, tc tbf egress (:func:`shape`)
-    netns alqnet-head                 eth0 = 10.213.0.100/24 (unshaped; mpirun runs here)
-    netns alqnet-br                   bridge br0 with the peer veths (tbf egress toward each worker)
-
-Only interfaces inside these namespaces are created or shaped; each worker's link is shaped in both
-directions, like a full-duplex NIC of the given rate. mpirun runs in the head namespace with an rsh
-agent that runs Open MPI's orted in each worker's namespace (:func:`launch`, retried once by
-:func:`launch_retry` when a rank does not start within a minute). Node layout
-(``ranks_per_node=G``): G consecutive ranks per namespace, which reach each other over its loopback
-(unshaped, not in eth0's counters, :func:`link_counters`). Open MPI's traffic is restricted to
-10.213.0.0/24, so every byte between nodes crosses the shaped veths. In the ranks, :func:`join_gloo`
-joins torch.distributed (gloo) over a namespace's interface.
+"""Network namespaces joined by tc-shaped links, and mpirun across them (needs root): worker
+namespaces alqnet-w<i> (10.213.0.<i+1>, shaped both ways), alqnet-head (mpirun, unshaped) and a
+bridge alqnet-br; torn down also on failure, Ctrl-C or SIGTERM once :func:`preflight` ran. With
+``ranks_per_node=G``, G consecutive ranks share a namespace and its unshaped loopback. Used by
+scripts/bench/network.py, train_step.py, fsdp.py and scripts/study/time_to_accuracy.py.
 """
 
 from __future__ import annotations
@@ -167,14 +154,9 @@ def mpirun_command(
     ranks_per_node: int = 1,
     intra: str = "tcp",
 ) -> list[str]:
-    """``ip netns exec <head> mpirun ...`` for ``n`` worker namespaces, with
-    the agent and hostfile written to ``tmp``; append the program and its arguments.
-    ``ranks_per_node`` G: each namespace is a node of G consecutive ranks (``slots=G``,
-    ``--map-by slot``: Open MPI's local size, so ``hvd.local_size()``, is G, and
-    ``HOROVOD_ALQ_LOCAL_SIZE=G`` is exported for the DDP rows); their TCP between each other goes to
-    the namespace's own address, i.e. over its loopback, unshaped and not counted on eth0. G = 1
-    (the default): one rank per namespace, every link between ranks shaped.
-    ``env``: more variables exported to the ranks."""
+    """``ip netns exec <head> mpirun ...`` over ``n`` worker namespaces (agent and hostfile in
+    ``tmp``), ``ranks_per_node`` consecutive ranks per namespace (also exported as
+    HOROVOD_ALQ_LOCAL_SIZE), ``env`` exported; append the program."""
     g = int(ranks_per_node)
     cases = "\n".join(f"  {SUBNET}.{i + 1}) ns={PREFIX}-w{i};;" for i in range(n))
     agent = tmp / "netns_agent.sh"
@@ -215,9 +197,7 @@ def mpirun_command(
 
 
 def link_counters(n: int) -> list[tuple[int, int]]:
-    """(tx_bytes, rx_bytes) of eth0 of each of the first ``n`` worker
-    namespaces, from ``ip -n <ns> -s -j link show eth0`` (whole frames: Ethernet, IP and TCP
-    headers included)."""
+    """(tx_bytes, rx_bytes) of eth0 of the first ``n`` worker namespaces (whole frames)."""
     out = []
     for i in range(n):
         st = json.loads(sh(f"ip -n {PREFIX}-w{i} -s -j link show eth0").stdout)[0]["stats64"]
@@ -243,9 +223,8 @@ def _proc_stat(pid: str) -> tuple[str, int] | None:
 
 
 def missing_ranks(n: int, ranks_per_node: int = 1) -> list[tuple[str, str | None]]:
-    """(namespace, None when its ``ranks_per_node`` ranks run, else what runs there) for each of
-    the first ``n`` worker namespaces: a rank is a child of an ``orted``, which mpirun starts
-    through the agent, and launches ranks on only after every orted has connected back to it."""
+    """(namespace, None when its ranks run, else what runs there) for the first ``n`` worker
+    namespaces."""
     missing = []
     for i in range(n):
         ns = f"{PREFIX}-w{i}"
@@ -274,13 +253,9 @@ def launch(
     poll: float = 1.0,
     cleanup=None,
 ) -> int:
-    """Run a :func:`mpirun_command` line from the repository root, output to ``log``; its exit status.
-    ``missing``: a callable returning (key, None if started else a description) for each part of
-    the launch (e.g. ``lambda: missing_ranks(n, g)``; a key once started stays started); while
-    anything is missing after ``connect_timeout`` seconds, mpirun's process group is killed,
-    ``cleanup()`` called (e.g. :func:`kill_in_namespaces`; the namespaces stay, for a retry) and
-    :class:`LaunchTimeout` names what was missing. Past ``timeout``: the same kill, and
-    ``subprocess.TimeoutExpired`` (scripts/common/launch.py's :func:`~scripts.common.launch.run`)."""
+    """Run a :func:`mpirun_command` line from the root, output to ``log``; its exit status. While
+    ``missing()`` names a part not started after ``connect_timeout`` s: kill, ``cleanup()`` and
+    :class:`LaunchTimeout`; past ``timeout``: the same kill and ``subprocess.TimeoutExpired``."""
     start, started, waiting = time.monotonic(), set(), [missing is not None]
 
     def watch() -> None:
@@ -325,9 +300,8 @@ def launch_retry(
 
 
 def preflight(script: str, teardown_only: bool, hint: str = "") -> int | None:
-    """Before any namespace is made: root, ``--teardown-only``, namespaces left by another run, and
-    SIGTERM / SIGHUP raised as KeyboardInterrupt (so the caller's cleanup tears the namespaces
-    down). Returns an exit status to stop with, or None to go on."""
+    """Before any namespace: root, ``--teardown-only``, leftovers of another run, SIGTERM/SIGHUP as
+    KeyboardInterrupt. An exit status to stop with, or None."""
     if os.geteuid() != 0:
         print(f"{script} needs root (ip netns, tc){hint}", file=sys.stderr)
         return 2
@@ -406,10 +380,8 @@ def _cluster_lock():
 
 
 def sweep(local: bool, rates: list[str], nodes: int, prefix: str, each) -> list:
-    """``each(tmp, rate, bps)`` (a list) for each rate, concatenated: with ``local`` once, rate and
-    bps None, for the loopback; else in ``nodes`` worker namespaces (made here, removed at the end,
-    also on failure) for every rate (tc's; "unshaped": no qdisc), the links shaped to it and their
-    TCP throughput ``bps`` (bytes/s) measured first."""
+    """``each(tmp, rate, bps)`` per rate, concatenated: on the loopback with ``local`` (rate and bps
+    None), else in ``nodes`` namespaces shaped to each rate, ``bps`` measured first."""
     out = []
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         if local:
@@ -429,9 +401,8 @@ def sweep(local: bool, rates: list[str], nodes: int, prefix: str, each) -> list:
 
 
 def step_runs(args, workers: list[int], prefix: str, run) -> list[dict]:
-    """A step benchmark's runs: ``run(args, tmp, n, rate)`` for every worker count (node count with
-    ``args.ranks_per_node`` > 1), on the loopback (``args.local``, rate None) or in the namespaces at
-    every rate of ``args.rates``; by worker count, then in the order of ``args.rates``."""
+    """``run(args, tmp, n, rate)`` per worker (or node) count and rate of ``args.rates``, or on the
+    loopback with ``args.local``."""
     rates, g = args.rates.split(","), getattr(args, "ranks_per_node", 1) or 1
 
     def each(tmp: Path, rate: str | None, bps: float | None) -> list[dict]:
@@ -456,11 +427,9 @@ def _result(rc: int, out: Path, log: Path) -> dict:
 
 
 def run_netns(args, tmp: Path, n: int, rate: str, cmd, log: Path, suffix: str = "", env: dict | None = None) -> dict:
-    """The worker command ``cmd(out, "eth0")`` (its JSON written to ``out``) on ``n`` nodes of
-    ``args.ranks_per_node`` ranks (default 1) and that JSON back, with the whole launch's bytes on
-    the node links (start-up, wire-up, warm-up, barriers, results included) as "launch_bytes".
-    Each launch has ``args.connect_timeout`` (default a minute) to start every rank, else it is
-    killed, named and tried once more; mpirun's output goes to ``log``."""
+    """The worker command ``cmd(out, "eth0")`` on ``n`` nodes of ``args.ranks_per_node`` ranks: its
+    JSON, with the launch's node-link bytes as "launch_bytes"; a launch that does not start in
+    ``args.connect_timeout`` is killed and tried once more."""
     g = getattr(args, "ranks_per_node", 1) or 1
     out = tmp / f"result_{n}_{rate}{suffix}.json"
     yield_when_idle, intra = getattr(args, "yield_when_idle", 1), getattr(args, "intra_node", "tcp")

@@ -1,26 +1,15 @@
 #!/usr/bin/env python
-"""DiLoCo with quantized pseudo-gradients on the character GPT (issue 42): held-out loss against the
-bytes each worker sent and against a modeled wall-clock on 100 Mbit/s links (the loop's measured time
-plus the bytes at --rate). Each seed is one ``torchrun`` launch of 4 gloo workers that trains every
-row in turn from the same initial model: per-step data parallelism with fp16 gradients (``dp-fp16``)
-and :class:`horovod_alq.torch.diloco.DiLoCo` every H steps with the pseudo-gradient in fp32, int8,
-QSGDinf or ALQ. Every DiLoCo row also records per outer step the norms of :class:`OuterProbe`. Rows,
-bytes and results: docs/results/diloco_study.md.
+"""DiLoCo with quantized pseudo-gradients on the character GPT (issue 42): held-out loss against
+bytes sent and a modeled wall-clock at --rate; one torchrun launch of 4 gloo workers per seed (its
+JSON under data/diloco_study_raw/, skipped when present). Rows, their names and the results:
+docs/results/diloco_study.md.
 
     python -m scripts.study.diloco     # every row, 3 seeds, 4 workers, into build/results
     python -m scripts.study.diloco --quick --out-dir /tmp/diloco  # 2 workers, 1 seed, 20 steps, 3 rows
 
-Outputs: diloco_study.md, .png, data/diloco_study.json; each seed's launch writes
-data/diloco_study_raw/seed<k>.json, and a seed whose file exists is not run again.
-
-Row names (``--rows``, comma-separated; :func:`row_spec` reads them)::
-
-    row    := base ("@lr" NUMBER)? ("@m" NUMBER)? ("@n" NUMBER)?   e.g.  h50-fp32@lr0.5@m0.9
-    base   := a key of ROWS | "h" H "-" kind                        e.g.  h100-fp32, h10-alq2-ef
-
-``hH-kind``: the H = 50 row ``h50-kind`` with H inner steps per outer step; ``@lr`` and ``@m``: that
-row's outer learning rate and Nesterov momentum (``@m0``: plain SGD); ``@n`` (fp32 rows, issue 54):
-isotropic Gaussian noise of norm ``n`` times the averaged pseudo-gradient's, the same on every rank.
+A row is ``base(@lrX)?(@mX)?(@nX)?``: base a key of ROWS or ``h<H>-<kind>`` (``h50-<kind>`` with H
+inner steps); ``@lr``, ``@m``: outer lr and Nesterov momentum; ``@n``: fp32 only, Gaussian noise of
+that norm relative to the averaged pseudo-gradient (issue 54).
 """
 
 from __future__ import annotations
@@ -63,10 +52,8 @@ _ROW = re.compile(r"(?P<base>[^@]+)(?:@lr(?P<lr>[^@]+))?(?:@m(?P<m>[^@]+))?(?:@n
 
 
 def row_spec(row: str, args=None) -> tuple:
-    """``(H, method, bits, error feedback, wire, outer lr, outer momentum, relative noise)`` of a row
-    name (the grammar in the module docstring; ``args.outer_lr`` / ``args.outer_momentum`` where the
-    name sets none; noise 0.0 without ``@n``). ValueError when the name is not a row or its outer step
-    or noise is out of range."""
+    """``(H, method, bits, error feedback, wire, outer lr, outer momentum, noise)`` of a row name
+    (the module docstring's grammar); ValueError when it is not a row or out of range."""
     match = _ROW.fullmatch(row)
     base = match["base"] if match else ""
     if base in ROWS:
@@ -138,11 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------------- the workers
 class PlainOuter:
-    """DiLoCo's outer step with the pseudo-gradient in fp32 (an exact all_reduce) or int8 (per-tensor
-    absmax, allgathered): the same Nesterov update as :class:`~horovod_alq.torch.diloco.DiLoCo`.
-    ``noise > 0`` (fp32 only): isotropic Gaussian noise of norm about ``noise`` times the averaged
-    pseudo-gradient's is added to it before the update, drawn from a generator seeded by ``seed`` and
-    the outer step (the same on every rank; the ranks' exact averages are equal, so are the updates)."""
+    """DiLoCo's outer step (the Nesterov update of horovod_alq.torch.diloco.DiLoCo) in fp32 (exact
+    all_reduce) or int8 (per-tensor absmax, allgathered); ``noise``: fp32's seeded Gaussian noise,
+    the same on every rank."""
 
     def __init__(
         self,
@@ -216,16 +201,10 @@ def coded(outer) -> float:
 
 
 class OuterProbe:
-    """Measures every outer step of ``outer`` (a :class:`PlainOuter` or a
-    :class:`~horovod_alq.torch.diloco.DiLoCo`, read only): a post-hook on the inner optimizer sees the
-    ranks' parameters right before the outer step (one fp32 all_reduce: the exact average of the
-    pseudo-gradients ``global - local`` and the ranks' mean own norm); :meth:`after`, called right
-    after the step, reads the new global parameters and momentum. The averaged pseudo-gradient the
-    outer optimizer applied, ``a``, follows from ``m' = mu m + a`` (or ``g' = g - lr a`` without
-    momentum). Per outer step, the L2 norms of: the exact average (``exact_norm``), ``a``
-    (``applied_norm``), ``a`` minus the exact average (``error_norm``), the ranks' own
-    pseudo-gradients (``local_norm``, their mean) and the update ``g - g'`` (``update_norm``).
-    ``seconds``: the probe's own time, to leave out of the timed loop."""
+    """Per outer step of ``outer`` (read only), the L2 norms of the exact average pseudo-gradient,
+    the applied one (from the momentum update), their difference, the ranks' own (mean) and the
+    update; the inner optimizer's post-hook reads the ranks before the step, :meth:`after` the new
+    globals. ``seconds``: its own time, left out of the timed loop."""
 
     KEYS = ("exact_norm", "applied_norm", "error_norm", "local_norm", "update_norm")
 

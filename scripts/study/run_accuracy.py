@@ -1,43 +1,12 @@
 #!/usr/bin/env python
-"""Accuracy sweeps, every launch a real Horovod job, aggregated over seeds with same-seed differences.
+"""Accuracy sweeps over seeds, every launch a real Horovod job (mpirun -np 4), with same-seed
+differences; what each grid runs and the results: docs/results/accuracy_cnn.md and
+accuracy_transformer.md. Every launch writes its own JSON and is skipped when it exists (a sweep
+resumes; --aggregate-only only rebuilds the outputs).
 
-``--model cnn`` (the default): final test accuracy of the demo CNN (scripts/demo/train.py,
-``mpirun -np 4 ... -m scripts.demo.train --json``) for every method over seeds and bucket sizes: a
-Markdown table (mean, standard deviation, min..max; the same-seed difference to fp32, mean and
-standard error) and a PNG.
-
-    python -m scripts.study.run_accuracy     # the full sweep (~18 min on 2 cores), into build/results
-    python -m scripts.study.run_accuracy --quick --out-dir /tmp/q  # 2 ranks, 1 seed, 2 methods, 1 epoch
-    python -m scripts.study.run_accuracy --bits 2,3 --buckets 8192 --tag _norm --baselines none \
-        --methods alq-l2,alq-linf,amq-l2,amq-linf,qsgdinf,terngrad   # bucket norms
-    python -m scripts.study.run_accuracy --buckets 8192 --methods alq-ag,alq-2p --baselines none \
-        --tag _exchange   # allgather vs two-phase exchange (-ag / -2p suffixes)
-    python -m scripts.study.run_accuracy --optimizer adam --buckets 8192 --methods alq,alq+pre \
-        --baselines none --tag _adam   # Adam; +pre: preconditioned by its second moment
-
-fp32 (``none``) and ``fp16`` do not depend on the bucket size: they run once per seed, in the launch
-of the first bucket size (and first bit width); so does TernGrad (always 2 bits) when several bit
-widths are swept.
-
-``--model gpt``: the held-out loss of the character-level GPT (scripts/common/gpt.py,
-scripts/demo/train_gpt.py) after a fixed token budget, for every exchange of a grid over seeds
-(``mpirun -np 4 ... -m scripts.demo.train_gpt --json``): the final evaluation loss (nats and bits per
-character), the same-seed differences to fp32 and to QSGDinf at the same bit width, the bits per
-coordinate each method sent, and the learning curves.
-
-    python -m scripts.study.run_accuracy --model gpt     # the core grid, 5 seeds, into build/results
-    python -m scripts.study.run_accuracy --model gpt --grid wide --seeds 0,1   # the wider grid
-    python -m scripts.study.run_accuracy --model gpt --grid auto     # bits="auto" under a budget
-    python -m scripts.study.run_accuracy --model gpt --grid bucket   # bits_per="bucket" under a budget
-    python -m scripts.study.run_accuracy --model gpt --grid sgd --optimizer sgd   # SGD, momentum 0.9
-    python -m scripts.study.run_accuracy --model gpt --quick --out-dir /tmp/g     # 2 ranks, 1 seed, 20 steps
-
-``--optimizer sgd`` writes accuracy_gpt_sgd.md (and .png, .json, accuracy_gpt_sgd_raw) instead, so
-that its rows never mix with AdamW's.
-
-Every launch writes its own JSON (CNN: under --raw-dir; GPT: <out-dir>/data/accuracy_gpt_raw); a
-launch whose JSON already exists is skipped, so an interrupted sweep resumes where it stopped, and
-``--aggregate-only`` rebuilds the outputs from what is there.
+    python -m scripts.study.run_accuracy     # the demo CNN's test accuracy (build/results)
+    python -m scripts.study.run_accuracy --model gpt --grid core   # the GPT's held-out loss
+    python -m scripts.study.run_accuracy --quick --out-dir /tmp/q  # 2 ranks, 1 seed, 1 epoch
 """
 
 from __future__ import annotations
@@ -90,47 +59,19 @@ GRIDS = {
     # fp32 alone: a learning-rate sweep (one --out-dir per --lr)
     "fp32": [["none"]],
 }
-# Same-seed comparisons shown in the second table: (row, against).
+# Same-seed comparisons shown in the second table, "row:against": the core grid; the wider grid (4 bits,
+# norm-less forms, L2 buckets, allgather against two-phase); bits="auto"/"bucket" against fixed widths;
+# error feedback against the same widths without it and against fp32.
 PAIRS = [
-    ("alq@3", "qsgdinf@3"),
-    ("amq@3", "qsgdinf@3"),
-    ("alq@2", "qsgdinf@2"),
-    ("alq@2", "terngrad"),
-    ("alq@3", "amq@3"),
-    ("alq@3", "psgd-match"),
-    ("amq@3", "psgd-match"),
-    ("alq@3", "none"),
-    ("amq@3", "none"),
-    ("psgd-match", "none"),
-    ("qsgdinf@3", "none"),
-    ("fp16", "none"),
-    # the wider grid: 4 bits, norm-less forms, L2 buckets, allgather against two-phase (auto)
-    ("alq@4", "qsgdinf@4"),
-    ("alq-n@3", "alq@3"),
-    ("amq-n@3", "amq@3"),
-    ("alq@3", "alq-l2@3"),
-    ("amq@3", "amq-l2@3"),
-    ("alq-ag@3", "alq@3"),
-    ("amq-ag@3", "amq@3"),
-    ("qsgdinf-ag@3", "qsgdinf@3"),
-    ("nuqsgd@3", "qsgdinf@3"),
-    # bits="auto" against fixed widths (the core grid's runs of the same seeds)
-    ("alq@auto2.5", "alq@3"),
-    ("alq@auto3", "alq@3"),
-    ("alq@auto2.5", "alq@2"),
-    ("alq@bucket2.5", "alq@3"),
-    ("alq@bucket3", "alq@3"),
-    ("alq@bucket2.5", "alq@auto2.5"),
-    ("alq@bucket2.5", "alq@2"),
-    ("alq@bucket3", "none"),
-    ("alq@2", "none"),
-    # error feedback against the same widths without it, and against fp32
-    ("alq@3+ef", "alq@3"),
-    ("alq@2+ef", "alq@2"),
-    ("alq@3+ef", "none"),
-    ("alq@2+ef", "none"),
-    ("alq@3+ef30", "alq@3"),
-    ("alq@2+ef30", "alq@2"),
+    tuple(pair.split(":"))
+    for pair in (
+        "alq@3:qsgdinf@3 amq@3:qsgdinf@3 alq@2:qsgdinf@2 alq@2:terngrad alq@3:amq@3 alq@3:psgd-match "
+        "amq@3:psgd-match alq@3:none amq@3:none psgd-match:none qsgdinf@3:none fp16:none alq@4:qsgdinf@4 "
+        "alq-n@3:alq@3 amq-n@3:amq@3 alq@3:alq-l2@3 amq@3:amq-l2@3 alq-ag@3:alq@3 amq-ag@3:amq@3 "
+        "qsgdinf-ag@3:qsgdinf@3 nuqsgd@3:qsgdinf@3 alq@auto2.5:alq@3 alq@auto3:alq@3 alq@auto2.5:alq@2 "
+        "alq@bucket2.5:alq@3 alq@bucket3:alq@3 alq@bucket2.5:alq@auto2.5 alq@bucket2.5:alq@2 alq@bucket3:none "
+        "alq@2:none alq@3+ef:alq@3 alq@2+ef:alq@2 alq@3+ef:none alq@2+ef:none alq@3+ef30:alq@3 alq@2+ef30:alq@2"
+    ).split()
 ]
 
 

@@ -1,17 +1,10 @@
 #!/usr/bin/env python
-"""A latency-bandwidth (alpha-beta) model of a data-parallel training step for each exchange,
-calibrated on the step times measured in network namespaces and projected to 16-1024 GPUs.
+"""Calibrates the alpha-beta step model of horovod_alq/doctor/model.py on the namespace runs of
+2 and 4 nodes x 2 ranks (least squares on log(predicted / measured)), predicts the flat runs out
+of sample and projects to 16-1024 GPUs. Formulas, inputs, results: docs/results/scale_model.md.
 
-The model (the collectives' costs and one step, ``T = T_compute + L + W - phi min(L, W)``: L the
-host's work, W the wire) lives in horovod_alq/doctor/model.py, where the doctor predicts with it.
-This script fits its alpha, eta, B_intra, kappa and phi to the measured steps of 2 and 4 nodes x 2
-ranks (each row's median over repeated runs) by least squares on log(predicted / measured), predicts
-the flat runs out of sample, and projects with stated inputs (the measured CPU codec kernels, an
-assumed GPU codec, 400 GB/s inside a node, kappa = 1). The formulas, inputs and results:
-docs/results/scale_model.md.
-
-    python -m scripts.study.scale     # writes build/results/scale_model.md, .png, data/scale_model.json
-    python -m scripts.study.scale --quick --out-dir /tmp/s    # a small grid (16 and 64 GPUs, 2 rates)
+    python -m scripts.study.scale     # build/results/scale_model.md, .png, data/scale_model.json
+    python -m scripts.study.scale --quick --out-dir /tmp/s    # 16 and 64 GPUs, 2 rates
 """
 
 from __future__ import annotations
@@ -74,9 +67,8 @@ REF_PARAMS, REF_TOKENS, REF_MFU, REF_PEAK = 1e9, 8192, 0.4, 989e12
 
 # ----------------------------------------------------------------------------- inputs
 def first_table(report: str) -> tuple[str, list[str]]:
-    """The text before the first table of ``report`` ("page.md#anchor": of the page's section whose
-    heading has that anchor; a path alone: of the file, e.g. a fresh report under build/results),
-    and that table's lines. Paths are relative to the repository's root."""
+    """The text before the first table of ``report`` (``page.md#anchor``: in that section; paths
+    from the repository root) and that table's lines."""
     path, _, anchor = report.partition("#")
     text = (ROOT / path).read_text()
     if anchor:
@@ -93,9 +85,8 @@ def first_table(report: str) -> tuple[str, list[str]]:
 
 
 def cpu_codec(report: str = CODEC_TABLE) -> tuple[Codec, str]:
-    """The compiled CPU codec's AVX2 kernels (one thread), from the first table of
-    scripts/bench/codec_widths.py's report (``report``: see first_table; later tables are history):
-    encode ms at 3 and 4 bits and decode ms at 3 bits over its coordinate count."""
+    """The compiled CPU codec's AVX2 kernels (one thread) per coordinate, from the first table of
+    scripts/bench/codec_widths.py's report: encode at 3 and 4 bits, decode at 3."""
     head, table = first_table(report)
     found = re.search(r"([\d,]+) float32", head)
     if found is None:
@@ -204,9 +195,8 @@ def load_rows(path: Path, host_cores: int = 2) -> list[dict]:
 
 
 def median_rows(paths: list[Path], host_cores: int = 2) -> list[dict]:
-    """:func:`load_rows` of repeated runs of one command: one row per layout, rate and row, with the
-    median over the runs of its measured step, its run's step alone, R and bytes (``runs``: how many,
-    ``spread``: the largest of its steps over the smallest)."""
+    """:func:`load_rows` of repeated runs: per layout, rate and row, the median measured step
+    (``runs``: how many; ``spread``: largest step over smallest)."""
     groups: dict = {}
     for path in paths:
         for r in load_rows(path, host_cores):
@@ -242,9 +232,8 @@ def unpack(x: np.ndarray) -> Params:
 
 
 def calibrate(rows: list[dict], codec: Codec) -> tuple[Params, np.ndarray, dict]:
-    """Least squares on log(predicted / measured) over ``rows`` for alpha, eta, B_intra, kappa and
-    phi. Returns the fitted Params, the ratios predicted / measured and each parameter's
-    uncertainty from the fit's Jacobian (a factor for the four fitted as logs, +- for phi)."""
+    """Least squares on log(predicted / measured) for alpha, eta, B_intra, kappa and phi: the
+    Params, the ratios and each parameter's uncertainty (a factor; +- for phi)."""
     from scipy.optimize import least_squares
 
     measured = np.array([r["measured_s"] for r in rows])
@@ -293,9 +282,8 @@ def _cost_bits(label, p, n, g, compute, rate, m, codec):
 def crossover(
     label: str, p: float, compute: float, n: int, g: int, m: Params, codec: Codec, lo: float = 1e6 / 8, hi=1e13 / 8
 ) -> float | None:
-    """The inter-node rate (bytes/s) below which row ``label`` is faster than the best 16-bit
-    exchange, by bisection on log(rate) over [lo, hi] (default 1 Mbit/s to 10 Tbit/s); inf when it
-    is faster at every rate there, None when at none."""
+    """The inter-node rate (bytes/s) below which ``label`` beats the best 16-bit exchange (bisection
+    on log rate in [lo, hi]); inf when faster everywhere, None when nowhere."""
 
     def gap(rate):  # < 0: the ALQ row is faster
         best = min(step_time(*_cost_bits(r[0], p, n, g, compute, rate, m, codec)) for r in SIXTEEN)

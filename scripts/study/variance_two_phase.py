@@ -1,20 +1,10 @@
 #!/usr/bin/env python
-"""Variance of the two-phase exchange's estimate against the allgather exchange's, for N simulated
-workers, on real gradients of the demo CNN, with the NumPy core only (horovod_alq.core.Quantizer).
-
-One process trains the CNN of scripts/demo/train.py on the uncompressed gradient and, at a few
-checkpoints, simulates N workers with their own minibatch gradients g_i:
-
-    allgather  est = (1/N) sum_i D1(E1(g_i))
-    two-phase  est = (1/N) D2(E2(S)),  S = sum_i D1(E1(g_i))
-
-for each second quantizer (VARIANTS: reuse the first levels, initial levels, levels adapted to S, to S
-of the new first levels, 4 bits). Reported: the normalized variance E||est - mean||^2 / ||mean||^2
-(exact for allgather, plus E_S[V2(S)] / N^2 sampled for two-phase), and sampled checks of
-unbiasedness. The settings (a)-(c'), refits and results: docs/results/variance_training.md#variance_two_phase.
+"""Variance of the two-phase exchange's estimate against allgather's for N simulated workers
+on real gradients of the demo CNN (NumPy core only): normalized variance (exact for allgather,
+sampled for two-phase) and sampled unbiasedness checks, for each second quantizer of VARIANTS.
+Settings and results: docs/results/variance_training.md#variance_two_phase.
 
     python -m scripts.study.variance_two_phase --out build/results/variance_two_phase.md
-    # the report goes by hand into docs/results/variance_training.md#variance_two_phase
     python -m scripts.study.variance_two_phase --quick
 """
 
