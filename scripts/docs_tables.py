@@ -1,15 +1,10 @@
 #!/usr/bin/env python
 """The results tables of README.md and docs/index.md, written from the committed data under
-docs/results/data/ (one source per figure), and the checks that keep the pages honest.
+docs/results/data/, between ``<!-- generated: python -m scripts.docs_tables -->`` and
+``<!-- end generated -->``, and the checks that keep the pages honest (tests/test_doc_figures.py).
 
     python -m scripts.docs_tables            # rewrite both tables in place
     python -m scripts.docs_tables --check    # exit 1, saying what differs, if a page is out of date
-
-Each row computes its figure from the raw data the result page's script wrote, and names that page.
-The table sits between ``<!-- generated: python -m scripts.docs_tables -->`` and
-``<!-- end generated -->`` on both pages; tests/test_doc_figures.py fails when what is there is not
-what this module writes, and when a status statement of a page ("not run", "untested", "to be
-measured") contradicts a committed result page (:data:`STATUS_CLAIMS`).
 """
 
 from __future__ import annotations

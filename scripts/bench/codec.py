@@ -1,13 +1,10 @@
 #!/usr/bin/env python
-"""Time compress + exchange + decompress of one large gradient per compressor, side by side in the
-same processes, as ratios to Horovod's fp16 compressor: Horovod's none and fp16, this package's
-compressors, torch's own 8-bit ``quantization_pertensor_hook`` path (with Horovod's allgather), and
-"ALQ, refit every step" (the cost of a refit round). Each measurement is ``hvd.allreduce(tensor,
-compression=c)``, the median of --repeats calls after --warmup, methods interleaved. Results:
+"""Time compress + exchange + decompress of one large gradient per compressor (Horovod's none and
+fp16, this package's, torch's 8-bit per-tensor path, ALQ refit every step), interleaved, as ratios
+to fp16: ``hvd.allreduce(tensor, compression=c)``, median of --repeats. Results:
 docs/results/codec_speed.md#bench_codec. Run under a launcher:
 
     mpirun -np 2 python -m scripts.bench.codec --sizes 16M --out build/results/bench_codec.md
-    # the report goes by hand into docs/results/codec_speed.md#bench_codec
     mpirun -np 2 python -m scripts.bench.codec --quick
 """
 

@@ -1,16 +1,10 @@
 #!/usr/bin/env python
-"""The wall-clock time of a full FSDP2 training step (forward with its parameter all-gathers, backward
-with its re-gathers and gradient reduce-scatters, AdamW on the shards) of the small character-level GPT
-(scripts/common/gpt.py) on CPU: FSDP's own float32 and bfloat16 reduce-scatter against this package's
-quantized one (``quantize_reduce_scatter``, ALQ 3 bits), on workers in network namespaces with
-tc-shaped links (scripts/common/network.py). Needs root (ip netns, tc), except --local and --help.
-No Horovod or MPI inside the ranks: mpirun only starts them, and they join a gloo group on the
-namespace interface, so every byte FSDP moves crosses the shaped links. Rows, columns and runs:
-docs/results/training_steps.md#bench_fsdp (each report states its setup).
+"""Wall clock of a full FSDP2 training step of the character GPT on CPU: FSDP's float32 and
+bfloat16 reduce-scatter against ``quantize_reduce_scatter`` (ALQ 3 bits), on gloo workers in
+network namespaces with tc-shaped links (needs root, except --local and --help). Rows and runs:
+docs/results/training_steps.md#bench_fsdp.
 
     python -m scripts.bench.fsdp                                # 4 workers x 1gbit,100mbit
-    python -m scripts.bench.fsdp --rates unshaped,1gbit,100mbit --steps 10
-    python -m scripts.bench.fsdp --quick                        # tiny GPT, 1gbit, 2 timed steps
     python -m scripts.bench.fsdp --local --workers 2 --quick    # no namespaces, loopback, no root
 """
 
@@ -140,9 +134,8 @@ def build_row(args, key: str, vocab: int, n: int) -> dict:
 
 
 def run_steps(args, keys: list[str], built: dict, train, rank: int) -> tuple[dict, dict, dict]:
-    """Every row's steps in turn on the same batch (a different one per rank): {field: {row: [per
-    timed step]}} for step_s, fwd_bwd_s, loss and link (eth0's tx, in the namespaces), and the rows'
-    counters before and after the timed steps."""
+    """Every row's steps in turn on one batch per rank: {field: {row: [per step]}} for step_s,
+    fwd_bwd_s, loss and link, and the rows' counters before and after."""
     import torch
     import torch.distributed as dist
 

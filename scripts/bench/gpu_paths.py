@@ -1,18 +1,10 @@
-"""The CUDA paths that one GPU can reach, checked and timed in one command (issues 52, 67).
+"""The CUDA paths that one GPU can reach, checked and timed in one command (issues 52, 67); the
+sections, what each checks and how to run it: docs/guides/gpu.md. Writes a Markdown report and a
+JSON sidecar (rewritten around every section). Exit status: 0 all ran or skipped, 1 a section
+failed, 2 no CUDA device (unless ``--device cpu``).
 
     PYTHONPATH=. python -m scripts.bench.gpu_paths    # a GPU machine: torch, triton, numpy, scipy
-    make gpu-check                                    # the same with .venv-gpu (make install-gpu)
-    bash scripts/bench/gpu_device.sh                  # a machine without network (docs/guides/gpu.md)
     python -m scripts.bench.gpu_paths --device cpu --tiny --out build/gpu_paths.md   # the dry run
-
-Sections (``--only`` picks some by key; each runs even if an earlier one failed): ``codec`` and
-``bench`` (scripts/bench/gpu_paths_codec.py), ``ddp-gpt``, ``ddp-resnet``, ``fsdp``, ``diloco``,
-``compile``, ``horovod`` (gpu_paths_steps.py), ``ranks-exchanges``, ``ranks-train``,
-``ranks-horovod`` (2 ranks on the one GPU, gpu_paths_ranks.py); what each checks:
-docs/guides/gpu.md. This module runs them and writes a Markdown report and a JSON sidecar
-(``--out``, rewritten around every section, so a crash leaves what ran). Exit status: 0 all ran or
-skipped, 1 a section failed, 2 no CUDA device (unless ``--device cpu``). ``--tiny`` shrinks every
-size (the CPU dry run in tests/test_gpu_paths.py).
 """
 
 from __future__ import annotations
@@ -81,10 +73,9 @@ class Ctx:
 
 
 def run_sections(specs, ctx: Ctx, write=None, fail=(), limit: float = 0) -> list[Section]:
-    """Run each ``(key, title, fn)`` as ``fn(ctx, section)``, whatever the earlier ones did; a raise
-    fails the section (traceback kept), a :class:`Skipped` skips it, a false check fails it.
-    ``write(sections)`` before and after each one; ``fail``: keys whose section raises at once
-    (tests); ``limit``: seconds after which a section that has not returned ends the process."""
+    """Run each ``(key, title, fn)`` as ``fn(ctx, section)`` whatever the earlier ones did (a raise
+    fails it, :class:`Skipped` skips it); ``write(sections)`` around each, ``fail``: keys that raise
+    at once (tests), ``limit``: seconds after which the process ends."""
     done: list[Section] = []
     for key, title, fn in specs:
         sec = Section(key, title)

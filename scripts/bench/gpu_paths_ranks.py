@@ -1,14 +1,7 @@
-"""The 2-rank sections of scripts.bench.gpu_paths: two processes on the one GPU, both on ``cuda:0``,
-over gloo with CUDA tensors (NCCL refuses two ranks on one device); in the CPU dry run the same
-code on CPU tensors. ``ranks-exchanges``: the DDP hook with every exchange on known gradients;
-``ranks-train``: the GPT trained with the DDP hook, FSDP2's real reduce-scatter and DiLoCo;
-``ranks-horovod``: the Horovod compressor through Horovod's gloo controller, which on CUDA needs a
-Horovod built without GPU operations (``--horovod-gloo PATH``; scripts/bench/gpu_device.sh builds
-one), skipped with the reason otherwise. What each checks: docs/guides/gpu.md.
-
-Each worker (``python -m scripts.bench.gpu_paths_ranks --worker KIND``) writes its rank's JSON to
-``--result DIR/rank<r>.json``; the section takes rank 0's checks, adds rank 1's failed ones and
-compares the ranks' digests.
+"""The 2-rank sections of scripts.bench.gpu_paths: two processes on ``cuda:0`` over gloo (on CPU in
+the dry run): the DDP hook's exchanges, the GPT trained with the hook, FSDP2 and DiLoCo, and the
+Horovod compressor (on CUDA with a Horovod built without GPU operations, ``--horovod-gloo``).
+Each worker writes ``--result DIR/rank<r>.json``; the section merges the ranks' checks and digests.
 """
 
 # no `from __future__ import annotations`: DDP checks the hooks' annotations as objects
@@ -42,9 +35,8 @@ def free_port() -> int:
 
 
 def launch(ctx, kind: str, timeout: float = 240, horovod_path: str | None = None) -> list:
-    """Runs the ``kind`` worker on 2 ranks; returns both ranks' results (raises with their output
-    when a rank fails, writes nothing or outlives ``timeout``, below the check's 300-second section
-    timeout, so that a hung launch fails its section and the next sections still run)."""
+    """Both ranks' results of the ``kind`` worker; raises with their output when a rank fails or
+    outlives ``timeout`` (below the section timeout, so the next sections still run)."""
     worker = [sys.executable, "-m", "scripts.bench.gpu_paths_ranks", "--worker", kind, "--device", ctx.device.type]
     worker += ["--tiny"] if ctx.tiny else []
     paths = [horovod_path, ROOT, os.environ.get("PYTHONPATH")]

@@ -1,9 +1,6 @@
-"""The training sections of scripts.bench.gpu_paths: DDP step times at world size 1, the smoke runs
-(FSDP2's comm, DiLoCo, torch.compile(DDP) against eager) and the Horovod compressor.
-
-World size 1 in this process (an in-process store, no port): NCCL on CUDA, gloo on CPU. The Horovod
-check runs in a subprocess (``python -m scripts.bench.gpu_paths_steps --horovod-worker DEVICE``),
-so that Horovod's own initialization, or a crash in it, cannot take the report down.
+"""The training sections of scripts.bench.gpu_paths: DDP step times at world size 1 (NCCL on CUDA,
+gloo on CPU), the FSDP2, DiLoCo and torch.compile smoke runs, and the Horovod compressor (in a
+subprocess, ``--horovod-worker DEVICE``, so a crash cannot take the report down).
 """
 
 # no `from __future__ import annotations`: DDP checks the hooks' annotations as objects
@@ -107,10 +104,8 @@ class GPTLoss(nn.Module):
 
 
 def gpt(ctx, size: str) -> GPTLoss:
-    """The GPT of scripts.common.gpt, its head tied to the token embedding. ``size`` "gpt2": GPT-2
-    small's shape (vocab 50257, width 768, 12 layers, 12 heads, context 1024: 124.5M parameters,
-    GPT-2 small's 124.4M and the head's bias); "char": the character GPT of the studies; --tiny:
-    width 64, 2 layers."""
+    """The GPT of scripts.common.gpt, head tied to the token embedding: ``size`` "gpt2" (GPT-2 small's
+    shape, 124.5M parameters) or "char" (the studies'); --tiny: width 64, 2 layers."""
     from scripts.common.gpt import GPT
 
     shapes = {"gpt2": (50257, 768, 12, 12, 1024), "char": (103, 192, 4, 4, 128), "tiny": (103, 64, 2, 2, 32)}
@@ -372,9 +367,8 @@ def _ddp_with_hook(ctx, base: nn.Module) -> DDP:
 
 
 def compile_smoke(ctx, sec) -> None:
-    """``torch.compile(DDP(model))`` with alq_hook against the same model and hook in eager mode,
-    float32: at every step the compiled model gets the eager one's weights, both take the same
-    batch, and their losses and averaged gradients are compared; the eager model then steps."""
+    """``torch.compile(DDP(model))`` with alq_hook against eager on the same weights and batch at
+    every step: losses and averaged gradients compared; then the eager model steps."""
     ensure_group(ctx)
     base = gpt(ctx, "char")
     eager, plain = _ddp_with_hook(ctx, base), _ddp_with_hook(ctx, base)

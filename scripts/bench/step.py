@@ -1,20 +1,11 @@
 #!/usr/bin/env python
-"""Time one optimizer step's gradient exchange of a ResNet-50-shaped model (161 parameters generated
-from the architecture, no torchvision; --width scales the channels), per compressor, side by side in
-the same processes, as ratios to Horovod's fp16 compressor. One step is what
-``hvd.DistributedOptimizer`` does with ``compression=c`` (compress, ``allreduce_async_`` in backward
-order, then synchronize and decompress); a barrier precedes every step, the methods run interleaved,
-and the table gives the median over --steps of the slowest rank's step. Rows and results:
-docs/results/training_steps.md#bench_step (it also measures ``--mca mpi_yield_when_idle 1``, which
-hosts with fewer cores than busy threads need).
+"""Time one optimizer step's gradient exchange of a ResNet-50-shaped model (--width scales the
+channels) per compressor, interleaved in the same processes, as ratios to Horovod's fp16: the
+median over --steps of the slowest rank's step. Rows and results:
+docs/results/training_steps.md#bench_step. --profile METHOD runs that method under cProfile.
 
     OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --out build/results/bench_step.md
-    # the report goes by hand into docs/results/training_steps.md#bench_step
     OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --quick
-    OMP_NUM_THREADS=1 mpirun -np 2 python -m scripts.bench.step --profile alq --profile-out /tmp/alq.prof
-
---profile METHOD runs only that method's steps, under cProfile on rank 0, and prints the functions
-that take the time (also compress + submit against synchronize + decompress).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""A small GPT (decoder-only transformer), a character-level corpus (the English text that ships with
-Python, ``pydoc_data.topics``, about 465k characters, 103 distinct) and what its training runs share
-(the optimizer, the held-out evaluation, the PowerSGD rank matched to a quantized payload's bytes).
-
-    from scripts.common.gpt import GPT, char_splits, sample_batch
-
-    train, val, chars = char_splits()                  # 1-D int64 tensors of character ids
-    model = GPT(len(chars), width=192, layers=4, heads=4, context=128)
-    x, y = sample_batch(train, 8, 128, torch.Generator().manual_seed(0))
-    loss = model.loss(x, y)
-
-Each transformer block is one element of ``model.blocks`` (an ``nn.ModuleList``), so FSDP2 can
-``fully_shard`` them one by one (and then the root: embeddings, final LayerNorm, head).
+"""A small GPT (decoder-only transformer), a character-level corpus (``pydoc_data.topics``, about
+465k characters, 103 distinct) and what its training runs share (optimizer, held-out evaluation,
+the PowerSGD rank matched to a quantized payload's bytes). Each block is one element of
+``model.blocks``, so FSDP2 can shard them one by one.
 """
 
 from __future__ import annotations

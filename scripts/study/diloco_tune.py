@@ -1,18 +1,12 @@
 #!/usr/bin/env python
-"""DiLoCo with a tuned fp32 baseline first, then the quantizers at its optimum (issue 54): a driver of
-:mod:`scripts.study.diloco` (whose rows carry their own outer lr and momentum, ``h50-fp32@lr0.5@m0.9``).
+"""DiLoCo with a tuned fp32 baseline first, then the quantizers at its optimum (issue 54), a driver
+of scripts.study.diloco: stages ``sweep`` (fp32 at H = 50 over outer lr x momentum), ``horizon``
+(the best pair at H = 10, 100), ``quant`` (the quantizers there) and ``report`` (the tables of
+docs/results/diloco_study.md#tuned). Launches write ``<out-dir>/raw/<stage>_seed<k>.json``; rows a
+seed already has there are not run again.
 
-    python -m scripts.study.diloco_tune --stage sweep --out-dir build/diloco_tuned    # seed 0, H = 50
-    python -m scripts.study.diloco_tune --stage horizon --out-dir build/diloco_tuned  # best pair, H = 10, 100
-    python -m scripts.study.diloco_tune --stage quant --seeds 0,1,2 --out-dir build/diloco_tuned
-    python -m scripts.study.diloco_tune --stage report --out-dir build/diloco_tuned   # tables.md
-
-``sweep``: fp32 at H = 50 over outer lr x Nesterov momentum (``--lrs``, ``--momenta``); ``horizon``:
-the best pair at H = 10 and 100; ``quant``: the quantizers at that pair (``--kinds``), one launch per
-seed; ``report``: the tables of docs/results/diloco_study.md#tuned. Each launch writes
-``<out-dir>/raw/<stage>_seed<k>.json`` (a later one ``<stage>2_seed<k>.json``); a row a seed already
-has in any raw file is not run again, and rows other launches of :mod:`scripts.study.diloco` wrote
-there (the noise controls) join the report.
+    python -m scripts.study.diloco_tune --stage sweep --out-dir build/diloco_tuned
+    python -m scripts.study.diloco_tune --stage report --out-dir build/diloco_tuned
 """
 
 from __future__ import annotations
@@ -228,9 +222,8 @@ def quant_table(runs: dict, lr: float, mu: float, h: int, dp: dict[int, float], 
 
 
 def pair_table(runs: dict, lr: float, mu: float, h: int, extra=()) -> list[str]:
-    """The issue's comparisons, seed by seed: ALQ 2 bits (with and without error feedback) against
-    tuned fp32, int8 and QSGDinf 2 bits, every extra row against QSGDinf 2 bits and ALQ 2 bits, and
-    the noise rows (``@n``) against each other, in order of noise; the bytes ratio."""
+    """The issue's same-seed comparisons (ALQ 2 bits against tuned fp32, int8 and QSGDinf 2 bits,
+    every extra row against those, the noise rows in order) and the bytes ratio."""
     rows = {k: name(k, lr, mu, h) for k in QUANT}
     pairs = [(rows[a], rows[b]) for a in ("alq2", "alq2-ef") for b in ("fp32", "int8", "qsgdinf2")]
     pairs += [(rows["qsgdinf2"], rows["fp32"])] + [(r, rows[k]) for r in extra for k in ("qsgdinf2", "alq2")]
@@ -253,9 +246,8 @@ def pair_table(runs: dict, lr: float, mu: float, h: int, extra=()) -> list[str]:
 
 
 def norm_table(runs: dict, rows: list[str]) -> list[str]:
-    """Per row, means over seeds of the per-outer-step means of OuterProbe's norms and the cosine of
-    the applied averaged pseudo-gradient with the exact one; the relative error is the mean over outer
-    steps of ``‖applied − exact‖ / ‖exact‖`` (``@n`` of the noise control matches it)."""
+    """Per row, means over seeds of OuterProbe's per-outer-step norms, the cosine of applied and
+    exact pseudo-gradients and the relative error ``‖applied − exact‖ / ‖exact‖``."""
     lines = [
         "| row | seeds | ‖exact avg‖ | ‖applied avg‖ | ‖applied − exact‖ | ‖applied − exact‖ / ‖exact‖ | "
         "cos(applied, exact) | mean ‖own‖ | ‖update‖ | ‖update‖ / ‖applied‖ |",

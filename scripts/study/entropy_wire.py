@@ -1,12 +1,7 @@
 #!/usr/bin/env python
-"""Bits per coordinate of the fixed and the entropy-coded wire on real gradients, and the coder's speed.
-
-For the character GPT and the demo CNN, trained --iters steps on their uncompressed gradients, the
-tensors the compressors quantize are fused into one stream; for each method and width, with levels
-refit from that gradient, one payload is coded as ``wire="entropy"`` sends it. Reported: fixed and
-coded bits per coordinate, the codes' entropy and a static model's cross-entropy, the variance
-against the Gaussian rate-distortion bound, and the coder's throughput on one core beside the fixed
-codec's. Columns and results: docs/results/entropy_wire.md.
+"""Bits per coordinate of the fixed and the entropy-coded wire on the GPT's and the CNN's real
+gradients (levels refit per method and width), against entropy and the rate-distortion bound, and
+the coder's speed on one core. Columns and results: docs/results/entropy_wire.md.
 
     python -m scripts.study.entropy_wire     # build/results/entropy_wire.md and data/entropy_wire.json
     python -m scripts.study.entropy_wire --quick --out /tmp/entropy_wire.md
@@ -93,9 +88,8 @@ def _stream(grads, min_size: int) -> np.ndarray:
 
 
 def model_cross_entropy(q: Quantizer, dist, counts: np.ndarray) -> float:
-    """Bits per code of the codes ``counts`` under the static model of the fitted distribution
-    ``dist``: P(code j) = E[weight of level j] under unbiased rounding (rate_levels.code_probabilities),
-    floored at the coder's least frequency."""
+    """Bits per code of ``counts`` under the static model of ``dist`` (unbiased rounding's
+    code probabilities, floored at the coder's least frequency)."""
     p = rate_levels.code_probabilities(q.levels, dist)
     p = np.maximum(p / p.sum(), 2.0**-entropy.PROB_BITS)
     c = counts[: p.size].astype(np.float64)
@@ -131,9 +125,8 @@ def measure(g: np.ndarray, method: str, bits: int, d: int, code_entropy: float |
 
 
 def rows_for(g: np.ndarray, bits: list[int], d: int) -> list[dict]:
-    """Every method and width; then 16 levels for a code entropy: at ALQ 3 bits' (equal modeled
-    bytes), and at the entropy whose measured coded size is about 3.0 bits per coordinate (ALQ 4
-    bits' measured excess over its modeled entropy taken off), against ALQ 3 bits fixed."""
+    """Every method and width; then 16 levels at ALQ 3 bits' entropy and at a measured 3.0 bits per
+    coordinate, against ALQ 3 bits fixed."""
     rows = [measure(g, m, b, d) for m in METHODS for b in bits]
     done = {(r["method"], r["bits"]): r for r in rows}
     alq3 = done.get(("alq", 3)) or measure(g, "alq", 3, d)

@@ -1,21 +1,12 @@
 #!/usr/bin/env python
-"""Normalized quantization variance E||Q(g) - g||^2 / ||g||^2 of every method on real gradients over
-the course of training, exact (scripts/common/auto_bits.py's formula, no sampling), and the adapted
-levels against iteration. One process trains on the uncompressed gradient, so every method is judged
-on the same gradients; adaptive methods refit as the compressors do (statistics of round t, levels
-from t + 1), on the paper's schedule (0, 100, 2000), once, or every --refit-every iterations.
-
-- ``--model cnn`` (default): the MNIST CNN of scripts/demo/train.py, its whole gradient, every
-  method, bit width, bucket size and bucket norm (docs/results/variance_training.md#variance);
-- ``--auto``: the compressors' ``bits="auto"`` at each budget against uniform 3 bits, per tensor as
-  the compressors quantize, beside the best allocations (#variance_auto);
-- ``--model gpt``: the character GPT (scripts/common/gpt.py) with AdamW, per tensor and layer type,
-  with bits per tensor under --budgets (#variance_gpt).
+"""Exact normalized quantization variance E||Q(g) - g||^2 / ||g||^2 of every method on real
+gradients over training (scripts/common/auto_bits.py's formula), and the adapted levels; one
+process trains on the uncompressed gradient, adaptive methods refit as the compressors do.
+``--model cnn`` (default), ``--auto`` (bits="auto" against uniform 3 bits) and ``--model gpt``
+(per layer type, bits per tensor under --budgets): docs/results/variance_training.md.
 
     python -m scripts.study.variance  # 2,500 iterations, 2/3/4 bits, d=512,8192, both norms: build/results
     python -m scripts.study.variance --quick --out-dir /tmp/v  # 30 iterations, 3 bits, d=512
-    python -m scripts.study.variance --auto  # bits="auto", budgets 3.0 and 2.5, 2,500 iterations
-    python -m scripts.study.variance --model gpt   # 300 iterations, 2/3/4 bits, d=8192: build/results
     python -m scripts.study.variance --model gpt --quick --out-dir /tmp/v  # 20 iterations, 3 bits
 """
 
@@ -347,11 +338,9 @@ def plot_levels(data, bits_list, buckets, path):
 
 
 def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
-    """Train, measure every --eval-every iterations and refit on the paper schedule (the variance
-    of iteration t with the levels and widths fitted before t); write the outputs. Besides the
-    compressors' AutoBits: every width's levels fitted from all quantized tensors (3 bits: the
-    uniform baseline) and, from them, the best allocation within each budget at every measurement
-    (exhaustive search; a bound on what any allocation of widths per tensor reaches)."""
+    """Train, measure every --eval-every iterations, refit on the paper schedule; besides the
+    compressors' AutoBits, every width's levels and the best allocation per budget (exhaustive
+    search: a bound on any allocation of widths per tensor)."""
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     labels = [f"{m}-{norm}" for m in AUTO_METHODS for norm in norms]
     widths = {
