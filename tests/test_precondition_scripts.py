@@ -46,3 +46,13 @@ def test_study_node_size_must_divide_workers(tmp_path, capsys):
     with pytest.raises(SystemExit):
         study.main(["--node-size", "3", "--json", str(tmp_path / "x.jsonl")])
     assert "--node-size must divide --workers (4), got 3" in capsys.readouterr().err
+
+
+def test_study_exact_first_steps(tmp_path):
+    """``exact=K``: the exact average in the first K steps (all 3 of --quick: fp32's curve), then quantized."""
+    out = tmp_path / "runs.jsonl"
+    rows = "fp32;alq@3:exact=3;alq@3+pre:exact=2;alq@3+pre"
+    assert study.main(["--quick", "--rows", rows, "--json", str(out)]) == 0
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert runs[1]["curve"] == runs[0]["curve"] and runs[1]["adam_error"] == []
+    assert len(runs[2]["adam_error"]) == 1 and runs[2]["curve"] not in (runs[0]["curve"], runs[3]["curve"])

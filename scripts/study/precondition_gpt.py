@@ -10,7 +10,8 @@ Rows: ``fp32`` (exact average), ``alq@<bits>`` (plain), ``alq@<bits>+pre[:k=v,..
 ``g * w`` and divide the decoded average by ``w``, :class:`horovod_alq.torch.Preconditioner` on the
 run's AdamW; keys ``floor``, ``alpha``, ``cap``, ``start``: :class:`horovod_alq.core.precondition.Form`;
 ``refit=1``: also refit the levels at the step preconditioning starts; ``after=K``: refit ``K`` steps
-after it, as ``Form(refit=K)`` does in the front-ends). ``--node-size G``: the hierarchical
+after it, as ``Form(refit=K)`` does in the front-ends; ``exact=K`` (also ``alq@3:exact=K``): the
+exact average in the first ``K`` steps, quantized from step ``K`` on). ``--node-size G``: the hierarchical
 exchange's arithmetic instead, the float32 sums of ``G`` consecutive workers each quantized once.
 
 Per step it records the Adam-space error ``sum_i (g^_i - g_i)^2 / v_hat_i`` over the signal
@@ -80,8 +81,14 @@ def parse_row(spec: str) -> dict:
     if spec == "fp32":
         return {"spec": spec, "method": None}
     base, _, pre = spec.partition("+")
+    base, _, base_opts = base.partition(":")
     method, _, bits = base.partition("@")
-    row = {"spec": spec, "method": method, "bits": int(bits), "pre": None, "refit": False, "after": None}
+    row = {"spec": spec, "method": method, "bits": int(bits), "pre": None, "refit": False, "after": None, "exact": 0}
+    for kv in filter(None, base_opts.split(",")):
+        k, _, v = kv.partition("=")
+        if k != "exact":
+            raise SystemExit(f"{spec!r}: unknown key {k!r}")
+        row["exact"] = int(v)
     if pre:
         kind, _, opts = pre.partition(":")
         if kind != "pre":
@@ -91,6 +98,8 @@ def parse_row(spec: str) -> dict:
             k, _, v = kv.partition("=")
             if k == "refit":
                 row["refit"] = bool(int(v))
+            elif k == "exact":
+                row["exact"] = int(v)
             elif k == "after":
                 row["after"] = int(v)
             elif k in ("floor", "alpha", "prior"):
@@ -129,6 +138,8 @@ def train(row: dict, seed: int, args, data) -> dict:
         refits.add(start)
     if row.get("after") is not None and pre is not None:
         refits.add(start + row["after"])
+    if row.get("exact"):  # the first quantized step fits the levels, as step 0 does otherwise
+        refits = {max(s, row["exact"]) for s in refits}
     per_node = args.node_size
     nodes = [list(range(j, j + per_node)) for j in range(0, args.workers, per_node)]  # what is quantized
     curve, err_ratio, crest, crest_at = [], [], [], []
@@ -143,7 +154,7 @@ def train(row: dict, seed: int, args, data) -> dict:
             model.loss(x, y).backward()
             grads.append([p.grad.detach().clone() for p in params])
         exact = [sum(gs[i] for gs in grads) / args.workers for i in range(len(params))]
-        if quantized:
+        if quantized and step >= row["exact"]:
             if pre is not None:
                 pre.prepare(step)
             stats, out, worst = None, [], (0.0, "")
