@@ -34,3 +34,20 @@ def load_digits(seed: int):
         torch.from_numpy(test_x).unsqueeze(1),
         torch.from_numpy(test_y),
     )
+
+
+def sgd_gradients(seed: int, iters: int, lr: float = 0.05, batch_size: int = 32):
+    """Plain SGD (momentum 0.9) of :class:`Net` on the uncompressed gradient: yields, for t = 0..iters,
+    ``(t, loss, [(name, flat gradient)])``; the step is taken on the next call."""
+    torch.manual_seed(seed)
+    train_x, train_y, _, _ = load_digits(seed)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed)
+    for t in range(iters + 1):
+        idx = torch.randint(0, len(train_x), (batch_size,), generator=gen)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
+        loss.backward()
+        yield t, loss.item(), [(n, p.grad.detach().reshape(-1)) for n, p in model.named_parameters()]
+        opt.step()

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from horovod_alq.core import Quantizer, entropy, rate_levels
 from horovod_alq.core.methods import get_method
@@ -28,7 +27,7 @@ from horovod_alq.core.wire import Header, pack_header
 from horovod_alq.torch.codecs import cpu_build
 from scripts.common import report as pages
 from scripts.common.auto_bits import exact_error
-from scripts.common.cnn import Net, load_digits
+from scripts.common.cnn import sgd_gradients
 from scripts.common.gpt import GPT, char_splits, sample_batch
 
 METHODS = ("alq", "amq", "qsgdinf")
@@ -69,18 +68,8 @@ def gpt_gradient(args) -> np.ndarray:
 
 
 def cnn_gradient(args) -> np.ndarray:
-    torch.manual_seed(args.seed)
-    train_x, train_y, _, _ = load_digits(args.seed)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    gen = torch.Generator().manual_seed(args.seed)
-    for _ in range(args.iters + 1):
-        idx = torch.randint(0, len(train_x), (32,), generator=gen)
-        opt.zero_grad()
-        F.cross_entropy(model(train_x[idx]), train_y[idx]).backward()
-        grads = [p.grad.detach().reshape(-1).clone() for p in model.parameters()]
-        opt.step()
-    return _stream(grads, args.min_size)
+    *_, (_, _, grads) = sgd_gradients(args.seed, args.iters)
+    return _stream([g.clone() for _, g in grads], args.min_size)
 
 
 def _stream(grads, min_size: int) -> np.ndarray:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from horovod_alq.core import Quantizer
 from horovod_alq.core.allocation import allocate_bits
@@ -38,7 +37,7 @@ from scripts.common.auto_bits import (
     quantized_tensors,
     refit_from,
 )
-from scripts.common.cnn import Net, load_digits
+from scripts.common.cnn import sgd_gradients
 from scripts.common.demo import split_norm
 from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
 
@@ -109,20 +108,9 @@ def gradients(args):
 
 
 def cnn_gradients(args):
-    """Plain SGD (momentum 0.9) of the demo CNN on the uncompressed gradient: yields, for
-    t = 0..--iters, ``(t, loss, [(name, flat float64 gradient)])``; the step is taken on the next call."""
-    torch.manual_seed(args.seed)
-    train_x, train_y, _, _ = load_digits(args.seed)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    gen = torch.Generator().manual_seed(args.seed)
-    for t in range(args.iters + 1):
-        idx = torch.randint(0, len(train_x), (args.batch_size,), generator=gen)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
-        loss.backward()
-        yield t, loss.item(), [(n, p.grad.reshape(-1).double().numpy()) for n, p in model.named_parameters()]
-        opt.step()
+    """:func:`scripts.common.cnn.sgd_gradients` of the demo CNN, as float64 arrays."""
+    for t, loss, grads in sgd_gradients(args.seed, args.iters, args.lr, args.batch_size):
+        yield t, loss, [(n, g.double().numpy()) for n, g in grads]
 
 
 def main(argv=None) -> int:
