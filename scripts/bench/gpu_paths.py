@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scripts.common.gpu import Skipped
+from scripts.bench.gpu_paths_codec import Skipped
 
 SECTIONS = (
     "codec bench ddp-gpt ddp-resnet fsdp diloco compile ranks-exchanges ranks-train horovod ranks-horovod".split()
@@ -190,11 +190,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--sizes", default="", help="codec benchmark sizes (default 16M,64M,256M; --tiny 64K,256K)")
     p.add_argument("--bandwidth", type=float, default=4e12, help="bytes/s of the memory floor (default 4e12)")
     p.add_argument("--section-timeout", type=float, default=300, help="seconds; 0: none (default 300)")
-    p.add_argument(
-        "--horovod-gloo",
-        default="",
-        help="a folder holding a Horovod built without GPU operations, for ranks-horovod on CUDA",
-    )
+    p.add_argument("--horovod-gloo", default="", help="a Horovod built without GPU operations (ranks-horovod)")
     p.add_argument("--fail", default="", help="comma-separated section keys that raise at once (tests the report)")
     return p.parse_args(argv)
 

@@ -1,19 +1,161 @@
 """The codec sections of scripts.bench.gpu_paths: correctness of ``codec="auto"`` (Triton on CUDA)
-and the torch-ops codec, and the codec benchmark's table (on the CPU dry run with
-``torch.cuda`` stood in by the CPU)."""
+and the torch-ops codec, and the codec benchmark's table (in the CPU dry run, ``torch.cuda`` stood
+in by the CPU); the codecs imported without this package's framework modules, CUDA-event timing."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
 import math
+import os
+import statistics
+import subprocess
+import sys
 import time
+import types
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
 import torch
+import torch as _torch  # the real one, while the CPU dry run patches ``torch`` here
 
-from scripts.common import gpu
+from scripts.common.bench import parse_size
+
+
+class Skipped(Exception):
+    """A section of the GPU check (scripts/bench/gpu_paths.py) that cannot run here: reported as
+    skipped with this reason."""
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _import_codecs():
+    """horovod_alq.torch.codecs, without horovod_alq.torch's __init__ (the compressors need scipy
+    and Horovod, which a bare GPU machine may lack)."""
+    try:
+        from horovod_alq.torch import codecs
+
+        return codecs
+    except ImportError:
+        for name in list(sys.modules):
+            if name.startswith("horovod_alq.torch"):
+                del sys.modules[name]
+        pkg = types.ModuleType("horovod_alq.torch")
+        pkg.__path__ = [str(ROOT / "horovod_alq" / "torch")]
+        sys.modules["horovod_alq.torch"] = pkg
+        from horovod_alq.torch import codecs
+
+        return codecs
+
+
+def _grid() -> torch.Tensor:
+    try:
+        from horovod_alq.core.statistics import GRID
+    except ImportError:  # the same grid (core/statistics.py), without scipy
+        GRID = np.concatenate([-np.geomspace(1e-6, 1.0, 400)[::-1], [0.0], np.geomspace(1e-6, 1.0, 400)])
+    return torch.tensor(GRID, dtype=torch.float64, device="cuda")
+
+
+def time_ms(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_extra(fn, keep_bytes: int) -> int:
+    """Bytes allocated by ``fn`` at its peak beyond what existed before, minus ``keep_bytes``
+    (its own output)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - keep_bytes
+    del result
+    return max(0, extra)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), 10)
+    return 2 * x.numel() * 4 / (ms * 1e-3)
+
+
+def _interpreter_payload(n: int, bits: int, d: int, seed: int) -> torch.Tensor:
+    """The same encode under Triton's interpreter, in a fresh process (Triton picks interpreter or
+    compiler at its first import)."""
+    code = (
+        f"import sys, torch; "
+        f"sys.argv = ['x']; import scripts.bench.gpu_paths_codec as b; codecs = b._import_codecs(); "
+        f"x = torch.randn({n}, generator=torch.Generator().manual_seed(0)); "
+        f"lv = torch.linspace(-1, 1, {1 << bits}, dtype=torch.float64); "
+        f"p = codecs.resolve('triton', 'cpu').encode(x, lv, torch.zeros(32, dtype=torch.uint8), bits={bits}, "
+        f"bucket_size={d}, norm='l2', seed={seed}); sys.stdout.buffer.write(p.numpy().tobytes())"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.decode()[-2000:])
+    return torch.frombuffer(bytearray(out.stdout), dtype=torch.uint8)
+
+
+def bench_size(
+    codecs, name: str, n: int, bits: int, d: int, repeats: int, bandwidth: float, baseline: bool
+) -> list[tuple]:
+    torch.manual_seed(0)
+    x = torch.randn(n, device="cuda")
+    levels = torch.linspace(-1, 1, 1 << bits, dtype=torch.float64, device="cuda")
+    header = torch.zeros(32, dtype=torch.uint8)
+    nb = -(-n // d)
+    code_bytes = -(-n * bits // 8)
+    payload_bytes = 32 + 4 * nb + code_bytes
+    in_bytes = 4 * n
+    grid = _grid()
+    rows = []
+    backends = ["triton"] + (["torch"] if baseline else [])
+    for backend in backends:
+        codec = codecs.resolve(backend, "cuda")
+        enc = lambda: codec.encode(x, levels, header, bits=bits, bucket_size=d, norm="l2", seed=7)  # noqa: E731
+        payload = enc()
+        assert payload.numel() == payload_bytes
+        ms = time_ms(enc, repeats)
+        extra = peak_extra(enc, payload_bytes)
+        floor = (in_bytes + 4 * nb + code_bytes) / bandwidth * 1e3
+        rows.append((name, backend, "encode", ms, floor, extra / in_bytes))
+        for p in (1, 4, 8):
+            payloads = payload.repeat(p)
+            offsets = [i * payload_bytes for i in range(p)]
+            out = torch.empty(n, dtype=torch.float32, device="cuda")
+            dec = lambda: codec.decode_sum(out, payloads, offsets, levels, bits=bits, bucket_size=d, scale=1.0 / p)  # noqa: E731
+            ms = time_ms(dec, repeats)
+            extra = peak_extra(dec, 0)
+            floor = (p * (4 * nb + code_bytes) + 4 * n) / bandwidth * 1e3
+            rows.append((name, backend, f"decode-sum x{p}", ms, floor, extra / in_bytes))
+        stats = lambda: codec.grid_statistics(x, grid, bucket_size=d, norm="l2")  # noqa: E731
+        ms = time_ms(stats, max(3, repeats // 2), warmup=1)
+        extra = peak_extra(stats, 0)
+        rows.append((name, backend, "grid statistics", ms, in_bytes / bandwidth * 1e3, extra / in_bytes))
+        del payload
+    cast = lambda: x.half().float()  # noqa: E731
+    ms = time_ms(cast, repeats)
+    rows.append(
+        (name, "torch", "fp16 cast round trip", ms, 12 * n / bandwidth * 1e3, peak_extra(cast, 4 * n) / in_bytes)
+    )
+    return rows
+
 
 HEADER = torch.zeros(32, dtype=torch.uint8)  # the payload header: copied, never read here
 
@@ -119,14 +261,14 @@ def _cross_decode(ctx, sec, named: dict, x: torch.Tensor, d: int) -> None:
 
 
 def _interpreter(ctx, sec, codecs) -> None:
-    """The payload of Triton's interpreter (scripts/common/gpu.py's subprocess): on CUDA byte for byte
+    """The payload of Triton's interpreter (:func:`_interpreter_payload`): on CUDA byte for byte
     against the GPU's; on every device, decoded identically by this device's codecs."""
     if importlib.util.find_spec("triton") is None:
         sec.check("Triton importable (for the interpreter's payload)", not ctx.cuda, "triton is not installed")
         sec.lines.append("- interpreter payload: not compared (triton is not installed)")
         return
     n, bits, d, seed = ctx.pick(20_000, 100_000), 3, 8192, 12345
-    interp = gpu._interpreter_payload(n, bits, d, seed).to(ctx.device)
+    interp = _interpreter_payload(n, bits, d, seed).to(ctx.device)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(ctx.device)
     nb = -(-n // d)
     mine = _encode(codecs.resolve("triton" if ctx.cuda else "auto", ctx.device), x, bits, d, seed)
@@ -151,7 +293,7 @@ def _interpreter(ctx, sec, codecs) -> None:
 
 
 def codec_correctness(ctx, sec) -> None:
-    codecs = gpu._import_codecs()
+    codecs = _import_codecs()
     auto = codecs.resolve("auto", ctx.device)
     if ctx.cuda:
         sec.check("codec='auto' picks Triton on CUDA", auto.name == "triton", f"picked {auto.name}")
@@ -190,7 +332,7 @@ def _on_cpu(fn, *args, **kwargs):
 
 
 class _CpuTorch:
-    """``torch`` as scripts/common/gpu.py sees it in the CPU dry run: ``device="cuda"`` means the CPU,
+    """``torch`` as :func:`bench_size` sees it in the CPU dry run: ``device="cuda"`` means the CPU,
     ``torch.cuda`` times with perf_counter and reports no memory."""
 
     class cuda:  # noqa: N801
@@ -199,12 +341,12 @@ class _CpuTorch:
         memory_allocated = max_memory_allocated = staticmethod(lambda: 0)
 
     def __getattr__(self, name):
-        attr = getattr(torch, name)
+        attr = getattr(_torch, name)
         return functools.partial(_on_cpu, attr) if callable(attr) and not isinstance(attr, type) else attr
 
 
 class _CpuCodecs:
-    """The codec registry for scripts/common/gpu.py on the CPU: "triton" stands for "auto"."""
+    """The codec registry for :func:`bench_size` on the CPU: "triton" stands for "auto"."""
 
     def __init__(self, codecs) -> None:
         self.codecs = codecs
@@ -216,26 +358,23 @@ class _CpuCodecs:
 def _bench_rows(ctx, codecs, sizes: list[str], bits: int, d: int) -> list[tuple]:
     repeats, bandwidth = ctx.pick(2, 10), ctx.args.bandwidth
     if ctx.cuda:
-        return [
-            r for s in sizes for r in gpu.bench_size(codecs, s, gpu.parse_size(s), bits, d, repeats, bandwidth, True)
-        ]
-    with mock.patch.object(gpu, "torch", _CpuTorch()):
+        return [r for s in sizes for r in bench_size(codecs, s, parse_size(s), bits, d, repeats, bandwidth, True)]
+    with mock.patch.object(sys.modules[__name__], "torch", _CpuTorch()):
         cpu = _CpuCodecs(codecs)
-        rows = [r for s in sizes for r in gpu.bench_size(cpu, s, gpu.parse_size(s), bits, d, repeats, bandwidth, True)]
+        rows = [r for s in sizes for r in bench_size(cpu, s, parse_size(s), bits, d, repeats, bandwidth, True)]
     name = codecs.resolve("auto", "cpu").name
     return [(r[0], f"{name} (for triton)" if r[1] == "triton" else r[1], *r[2:]) for r in rows]
 
 
 def codec_benchmark(ctx, sec) -> None:
-    codecs = gpu._import_codecs()
+    codecs = _import_codecs()
     sizes = [s.strip() for s in (ctx.args.sizes or ctx.pick("64K,256K", "16M,64M,256M")).split(",")]
     bits, d = 3, 8192
     if ctx.cuda:
-        sec.lines.append(f"Measured device-to-device copy bandwidth: {gpu.copy_bandwidth() / 1e12:.2f} TB/s.")
+        sec.lines.append(f"Measured device-to-device copy bandwidth: {copy_bandwidth() / 1e12:.2f} TB/s.")
     else:
         sec.lines.append(
-            "CPU dry run: scripts.common.gpu.bench_size with torch.cuda stood in by the CPU "
-            "(perf_counter timing, no memory statistics)."
+            "CPU dry run: bench_size with torch.cuda stood in by the CPU (perf_counter timing, no memory statistics)."
         )
     rows = _bench_rows(ctx, codecs, sizes, bits, d)
     sec.lines += [
@@ -257,7 +396,7 @@ def codec_benchmark(ctx, sec) -> None:
             enc, dec = (next(r for r in mine if r[1] == codec and r[2] == op) for op in ("encode", "decode-sum x1"))
             total, floor = enc[3] + dec[3], enc[4] + dec[4]
             sec.lines.append(f"| {size} | {codec} | {total:.3f} | {total / fp16:.1f}x | {total / floor:.1f}x |")
-            if codec == "triton" and gpu.parse_size(size) >= 64 << 20:
+            if codec == "triton" and parse_size(size) >= 64 << 20:
                 sec.target(f"Triton encode + decode at {size}, x the memory floor", total / floor, 3.0, "x")
     sec.data["rows"] = [dict(zip(("elements", "codec", "operation", "ms", "floor_ms", "peak_extra"), r)) for r in rows]
     sec.check("every row timed", all(r[3] > 0 for r in rows) and len(rows) == 11 * len(sizes))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scripts.bench.gpu_paths_steps import falls, optimizer_check, train_losses
+from scripts.bench.gpu_paths_steps import char_data, check, falls, optimizer_check, train_losses, unbiased
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXCHANGES = ("allgather", "two-phase", "hierarchical", "hierarchical-two-phase")
@@ -48,24 +48,12 @@ def launch(ctx, kind: str, timeout: float = 240, horovod_path: str | None = None
         worker += ["--result", out]
         if kind == "horovod":
             runner = [sys.executable, "-m", "horovod.runner.launch", "-np", "2", "-H", "localhost:2", "--gloo"]
-            procs = [
-                subprocess.Popen(
-                    runner + worker, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                )
-            ]
+            cmds = [(runner + worker, env)]
         else:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
-            procs = [
-                subprocess.Popen(
-                    worker,
-                    cwd=ROOT,
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-                for r in range(2)
-            ]
+            cmds = [(worker, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+        pipe = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs = [subprocess.Popen(cmd, env=e, **pipe) for cmd, e in cmds]
         outputs = []
         for p in procs:
             try:
@@ -110,7 +98,7 @@ def train_section(ctx, sec) -> None:
 
 
 def horovod_section(ctx, sec) -> None:
-    from scripts.common.gpu import Skipped
+    from scripts.bench.gpu_paths_codec import Skipped
 
     path = getattr(ctx.args, "horovod_gloo", "") or None
     if path is None and importlib.util.find_spec("horovod") is None:
@@ -142,27 +130,9 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
-def check(checks: list, name: str, ok, detail: str = "") -> None:
-    checks.append({"name": name, "ok": bool(ok), "detail": detail})
-
-
 def rank_input(rank: int, n: int, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + rank)
     return (torch.randn(n, generator=g) * (1 + rank) + 0.1 * rank).to(device)
-
-
-def unbiased(outs: list, exact: torch.Tensor, name: str, checks: list) -> None:
-    one = float((outs[-1] - exact).norm() / exact.norm())
-    mean = float((torch.stack(outs).mean(0) - exact).norm() / exact.norm())
-    ok = all(o.device == exact.device and o.dtype == exact.dtype and bool(torch.isfinite(o).all()) for o in outs)
-    check(checks, f"{name}: on the device, float32, finite", ok, f"{len(outs)} rounds")
-    # unbiased and independent rounds: the mean's error is about one round's / sqrt(16) = 1/4
-    check(
-        checks,
-        f"{name}: mean of {len(outs)} rounds closer than one (unbiased)",
-        mean < 0.5 * one,
-        f"relative error: one {one:.3f}, mean {mean:.3f}",
-    )
 
 
 class Vector(nn.Module):
@@ -213,15 +183,6 @@ def char_model(device, tiny: bool, seed: int = 0) -> nn.Module:
     return GPT(*((103, 64, 2, 2, 32) if tiny else (103, 192, 4, 4, 128))).to(device)
 
 
-def char_batches(rank: int, device, tiny: bool, count: int) -> list:
-    from scripts.common.gpt import char_splits, sample_batch
-
-    train, _, _ = char_splits()
-    g = torch.Generator().manual_seed(10 + rank)
-    b, t = (8, 32) if tiny else (16, 128)
-    return [tuple(v.to(device) for v in sample_batch(train, b, t, g)) for _ in range(count)]
-
-
 def train_worker(rank: int, device, tiny: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -231,7 +192,7 @@ def train_worker(rank: int, device, tiny: bool) -> dict:
     from horovod_alq.torch.fsdp import ALQReduceScatter, quantize_reduce_scatter
 
     steps = 30 if tiny else 60
-    data = char_batches(rank, device, tiny, steps)
+    data = char_data(device, tiny, steps, 10 + rank)
     checks, digests, out = [], {}, {}
 
     def record(name, losses, params, state=None):

@@ -91,6 +91,24 @@ def optimizer_check(hvd, model, w, gen) -> tuple:
     return {"name": "DistributedOptimizer: loss falls", "ok": falls(losses), "detail": detail}, losses
 
 
+def check(checks: list, name: str, ok, detail: str = "") -> None:
+    checks.append({"name": name, "ok": bool(ok), "detail": detail})
+
+
+def unbiased(outs: list, exact: torch.Tensor, name: str, checks: list) -> None:
+    one = float((outs[-1] - exact).norm() / exact.norm())
+    mean = float((torch.stack(outs).mean(0) - exact).norm() / exact.norm())
+    ok = all(o.device == exact.device and o.dtype == exact.dtype and bool(torch.isfinite(o).all()) for o in outs)
+    check(checks, f"{name}: on the device, float32, finite", ok, f"{len(outs)} rounds")
+    # unbiased and independent rounds: the mean's error is about one round's / sqrt(16) = 1/4
+    check(
+        checks,
+        f"{name}: mean of {len(outs)} rounds closer than one (unbiased)",
+        mean < 0.5 * one,
+        f"relative error: one {one:.3f}, mean {mean:.3f}",
+    )
+
+
 # ---------------------------------------------------------------------------------------- models
 class GPTLoss(nn.Module):
     """DDP's module: ``forward(x, y)`` is the GPT's next-token loss."""
@@ -289,13 +307,13 @@ def ddp_section(ctx, sec, which: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- smoke runs
-def char_data(ctx, count: int) -> list:
+def char_data(device, tiny: bool, count: int, seed: int = 0) -> list:
     from scripts.common.gpt import char_splits, sample_batch
 
     train, _, _ = char_splits()
-    g = torch.Generator().manual_seed(0)
-    b, t = ctx.pick((8, 32), (16, 128))
-    return [tuple(v.to(ctx.device) for v in sample_batch(train, b, t, g)) for _ in range(count)]
+    g = torch.Generator().manual_seed(seed)
+    b, t = (8, 32) if tiny else (16, 128)
+    return [tuple(v.to(device) for v in sample_batch(train, b, t, g)) for _ in range(count)]
 
 
 def fsdp_smoke(ctx, sec) -> None:
@@ -309,7 +327,7 @@ def fsdp_smoke(ctx, sec) -> None:
     opt = torch.optim.AdamW(params, lr=3e-3)
     comm = ALQReduceScatter(bits=3)
     losses = []
-    for x, y in char_data(ctx, ctx.pick(30, 60)):
+    for x, y in char_data(ctx.device, ctx.tiny, ctx.pick(30, 60)):
         opt.zero_grad(set_to_none=True)
         loss = model(x, y)
         loss.backward()
@@ -340,7 +358,7 @@ def diloco_smoke(ctx, sec) -> None:
     model = gpt(ctx, "char")
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loco = DiLoCo(model, inner, sync_every=5, bits=3)
-    data = char_data(ctx, ctx.pick(30, 60))
+    data = char_data(ctx.device, ctx.tiny, ctx.pick(30, 60))
     losses = train_losses(data, inner, model, loco.step)
     sec.check("loss falls", falls(losses), f"{losses[0]:.3f} -> {losses[-1]:.3f}")
     sec.check("parameters finite", finite(model.parameters()))
@@ -375,7 +393,7 @@ def compile_smoke(ctx, sec) -> None:
     compiled = torch.compile(plain)
     opt = torch.optim.SGD(eager.parameters(), lr=0.3)
     losses, loss_diff, flips, total, seconds = [], 0.0, 0, 0, {"eager": 0.0, "compiled": 0.0}
-    for x, y in char_data(ctx, ctx.pick(8, 20)):
+    for x, y in char_data(ctx.device, ctx.tiny, ctx.pick(8, 20)):
         with torch.no_grad():
             for p, q in zip(plain.parameters(), eager.parameters()):
                 p.copy_(q)
@@ -411,7 +429,7 @@ def compile_smoke(ctx, sec) -> None:
 
 # ---------------------------------------------------------------------------------------- Horovod
 def horovod_section(ctx, sec) -> None:
-    from scripts.common.gpu import Skipped
+    from scripts.bench.gpu_paths_codec import Skipped
 
     if importlib.util.find_spec("horovod") is None:
         raise Skipped("Horovod is not importable (building it with NCCL: docs/guides/gpu.md)")
@@ -448,17 +466,7 @@ def horovod_worker(device: str, tiny: bool) -> dict:
     comp = ALQCompressor(bits=3)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(dev)
     outs = [hvd.allreduce(x, compression=comp, op=hvd.Average, name=f"x{i}") for i in range(rounds)]
-    one = float((outs[-1] - x).norm() / x.norm())
-    mean = float((torch.stack(outs).mean(0) - x).norm() / x.norm())
-    ok = all(o.device == x.device and o.dtype == x.dtype and bool(torch.isfinite(o).all()) for o in outs)
-    checks.append({"name": "allreduce: on the device, float32, finite", "ok": ok, "detail": f"{rounds} rounds"})
-    checks.append(
-        {
-            "name": f"mean of {rounds} rounds closer than one (unbiased)",
-            "ok": mean < 0.5 * one,
-            "detail": f"relative error: one {one:.3f}, mean {mean:.3f}",
-        }
-    )
+    unbiased(outs, x, "allreduce", checks)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(32, 1, generator=g).to(dev)
     check, losses = optimizer_check(hvd, nn.Linear(32, 1).to(dev), w, g)
