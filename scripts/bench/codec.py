@@ -108,11 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="1M elements, 3 repeats")
-    p.add_argument(
-        "--skip-slow-above",
-        default="16M",
-        help="sizes above this skip the plain-torch-kernel ALQ (minutes per call); default 16M",
-    )
+    p.add_argument("--skip-slow-above", default="16M", help="larger sizes skip the plain-torch-kernel ALQ")
     p.add_argument("--out", help="rank 0 writes a Markdown table here")
     args = p.parse_args(argv)
     if args.quick:

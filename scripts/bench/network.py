@@ -251,14 +251,7 @@ def main(argv=None) -> int:
     add("--steps", type=int, default=5)
     add("--warmup", type=int, default=2)
     add("--timeout", type=float, default=1200, help="seconds per mpirun")
-    yield_help = "Open MPI's mpi_yield_when_idle for the ranks; default 1 (the ranks share this machine's cores; "
-    add(
-        "--yield-when-idle",
-        type=int,
-        choices=(0, 1),
-        default=1,
-        help=yield_help + "0: busy-wait, what the runs before 2026-12-01 did)",
-    )
+    add("--yield-when-idle", type=int, choices=(0, 1), default=1, help="mpi_yield_when_idle; 0: busy-wait")
     add("--out-dir", default="build/results", help="default build/results")
     tag_help = "suffix of the output file names (bench_network<tag>.md/.png, data/bench_network<tag>.json)"
     add("--tag", default="", help=tag_help)

@@ -487,11 +487,7 @@ def apply_defaults(args, quick: dict, full: dict) -> None:
 def add_layout_options(add) -> None:
     """--nodes, --ranks-per-node and --layout (``add``: a parser's add_argument); :func:`parse_layout`
     reads them."""
-    add(
-        "--nodes",
-        help="node layout: comma-separated node counts (2..8), each node a namespace of --ranks-per-node ranks, "
-        "the nodes joined by the shaped links (instead of --workers: one rank per namespace)",
-    )
+    add("--nodes", help="node counts (2..8), each a namespace of --ranks-per-node ranks (instead of --workers)")
     add("--ranks-per-node", type=int, help="ranks in each node's namespace; default 2 with --nodes")
     add("--layout", help="KxG[,KxG]: --nodes K --ranks-per-node G in one (one G for all)")
 

@@ -81,12 +81,7 @@ def row_spec(row: str, args=None) -> tuple:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 workers, 1 seed, 20 steps of a tiny GPT, 3 rows")
-    p.add_argument(
-        "--rows",
-        default=",".join(DEFAULT_ROWS),
-        help=f"comma-separated rows of {', '.join(ROWS)}, or hH-<kind>, each with @lr<x>@m<x> (see above); "
-        "default all but the -entropy ones",
-    )
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma-separated rows (above); default: no -entropy")
     p.add_argument("--seeds", default="0,1,2", help="default 0,1,2")
     p.add_argument("--workers", type=int, default=4, help="default 4")
     p.add_argument("--steps", type=int, default=1000, help="inner steps of every row; default 1000 (20 at H=50)")

@@ -35,9 +35,7 @@ METHODS = ("alq", "amq", "qsgdinf")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--out", default="build/results/entropy_wire.md", help="default %(default)s; JSON in data/ beside it"
-    )
+    p.add_argument("--out", default="build/results/entropy_wire.md", help="JSON in data/ beside it")
     p.add_argument("--iters", type=int, default=100, help="training steps before the gradient is taken")
     p.add_argument("--bits", default="2,3,4")
     p.add_argument("--bucket-size", type=int, default=8192)

@@ -111,12 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _cnn_options(add) -> None:
     add("--buckets", default="512,8192", help="bucket sizes; default 512,8192")
     add("--bits", default="3", help="comma-separated bit widths; default 3")
-    add(
-        "--methods",
-        default=",".join(PLAIN),
-        help="quantized methods; default all, each with the compressor's default exchange; "
-        "-ag / -2p appended: the allgather / two-phase exchange (alq-ag,alq-2p)",
-    )
+    add("--methods", default=",".join(PLAIN), help="quantized methods (-ag/-2p: the exchange); default all")
     add("--baselines", default=",".join(BASELINES), help="default none,fp16 ('' for none)")
     add("--epochs", type=int, default=8, help="train.py --epochs; default 8 (248 steps at 4 workers)")
     add("--lr", type=float, default=None, help="train.py --lr (default: train.py's)")
@@ -131,20 +126,10 @@ def _gpt_options(add) -> None:
     add("--bucket-size", type=int, default=None, help="default 8192 (1024 for --grid bucket1024)")
     add("--steps", type=int, default=250, help="train_gpt.py --steps; default 250")
     add("--batch-size", type=int, default=8, help="train_gpt.py --batch-size; default 8")
-    add(
-        "--optimizer",
-        default="adamw",
-        choices=("adamw", "adamw-frozen", "sgd"),
-        help="train_gpt.py --optimizer; sgd runs at --lr (default 0.2) without weight decay; adamw-frozen: "
-        "AdamW with its second moment frozen after --extra '--freeze-step N' (default the warm-up)",
-    )
+    add("--optimizer", default="adamw", choices=("adamw", "adamw-frozen", "sgd"), help="train_gpt.py --optimizer")
     add("--lr", type=float, default=None, help="peak lr; default train_gpt.py's (AdamW) or 0.2 (SGD)")
     add("--extra", default="", help="more train_gpt.py arguments, quoted")
-    add(
-        "--quick",
-        action="store_true",
-        help="2 ranks, seed 0, 20 steps: alq@3, none, psgd-match, or with a --grid other than core that grid's methods",
-    )
+    add("--quick", action="store_true", help="2 ranks, seed 0, 20 steps (core grid: alq@3, none, psgd-match)")
 
 
 def paired(diffs: list) -> dict:

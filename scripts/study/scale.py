@@ -720,11 +720,7 @@ def main(argv=None) -> int:
     out_help = "writes scale_model.md, .png and data/scale_model.json; default build/results"
     p.add_argument("--out-dir", default="build/results", help=out_help)
     rel = lambda path: str(path.relative_to(ROOT))  # noqa: E731
-    p.add_argument(
-        "--calibration",
-        default=",".join(rel(c) for c in CALIBRATION if c.exists()),
-        help="comma-separated bench_train_step JSONs of one command: the model fits each row's median over them",
-    )
+    p.add_argument("--calibration", default=",".join(rel(c) for c in CALIBRATION if c.exists()), help="JSONs to fit")
     p.add_argument("--checks", default=",".join(map(rel, CHECKS)), help="JSONs to predict, not fitted")
     codec_help = "the CPU kernels: scripts.bench.codec_widths's report, page.md#anchor or a file; default %(default)s"
     p.add_argument("--codec-table", default=CODEC_TABLE, help=codec_help)

@@ -647,9 +647,7 @@ def gpt_parse_args(argv, pre: argparse.ArgumentParser) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (train_gpt.py's); default 3e-3")
     p.add_argument("--budgets", default="2.5,3", help="mean bits per coordinate of the allocations; '' for none")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--out-dir", default="build/results", help="variance_gpt.md/.png, data/variance_gpt.json; default build/results"
-    )
+    p.add_argument("--out-dir", default="build/results", help="variance_gpt.md/.png, data/variance_gpt.json")
     p.add_argument("--quick", action="store_true", help="20 iterations, 3 bits")
     args = p.parse_args(argv)
     if args.quick:

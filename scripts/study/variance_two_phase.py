@@ -50,13 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoints", default="50,400,1000,2000", help="iterations to measure at; default %(default)s")
     p.add_argument("--draws", type=int, default=3, help="evaluation rounds per checkpoint; default 3")
     p.add_argument("--samples", type=int, default=2, help="draws of S per evaluation round; default 2")
-    p.add_argument(
-        "--unbiased-samples",
-        type=int,
-        default=60,
-        help="full two-phase estimates per setting for the unbiasedness check (last checkpoint, "
-        "first bucket size, variants a and c'); 0 skips it; default 60",
-    )
+    p.add_argument("--unbiased-samples", type=int, default=60, help="estimates per setting of the unbiasedness check")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
     p.add_argument("--seed", type=int, default=0)
