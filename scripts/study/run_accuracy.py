@@ -234,21 +234,18 @@ def summarize(table: dict) -> tuple[list, list, dict]:
             diffs = [100 * a - reference[seed] for seed, a in runs if seed in reference]
             if diffs and m != "none":
                 cell["vs_fp32"] = paired(diffs)
-            if m.endswith("-2p") and (m[:-3] + "-ag", c) in table:  # same method, the allgather exchange
-                ag = dict(table[(m[:-3] + "-ag", c)])
-                pairs = [100 * (a - ag[seed]) for seed, a in runs if seed in ag]
+            # the same method with the allgather exchange, the paper's L2 buckets, without preconditioning
+            for key, suffix, other in (
+                ("vs_allgather", "-2p", "-ag"),
+                ("vs_l2", "-linf", "-l2"),
+                ("vs_plain", PRE, ""),
+            ):
+                ref = dict(table.get((m[: -len(suffix)] + other, c), [])) if m.endswith(suffix) else {}
+                pairs = [100 * (a - ref[seed]) for seed, a in runs if seed in ref]
                 if pairs:
-                    cell["vs_allgather"] = paired(pairs)
-            if m.endswith("-linf") and (m[:-5] + "-l2", c) in table:  # same method, the paper's L2 buckets
-                l2 = dict(table[(m[:-5] + "-l2", c)])
-                pairs = [100 * (a - l2[seed]) for seed, a in runs if seed in l2]
-                if pairs:
-                    cell["vs_l2"] = paired(pairs)
-            if m.endswith(PRE) and (m[: -len(PRE)], c) in table:  # same method without preconditioning
-                plain = dict(table[(m[: -len(PRE)], c)])
-                pairs = [100 * (a - plain[seed]) for seed, a in runs if seed in plain]
-                if pairs:
-                    cell["vs_plain"] = {**paired(pairs), "higher": sum(x > 0 for x in pairs), "diffs": pairs}
+                    cell[key] = paired(pairs)
+                    if key == "vs_plain":
+                        cell[key].update(higher=sum(x > 0 for x in pairs), diffs=pairs)
             summary[_key(m, c)] = cell
     return methods, configs, summary
 
