@@ -1,7 +1,8 @@
 """The install's checks: `make test` fails when the compiled CPU codec (codec 'cpu', the default
 for CPU tensors) cannot load, unless HOROVOD_ALQ_ALLOW_TORCH_CODEC=1 asks for the plain torch
 kernels (scripts/install/check_codec.py); `HOROVOD_ALQ_GPU=1 make install` fails early, naming what
-is missing, where CUDA's toolkit is not there, and leaves .venv alone (scripts/install/install_gpu.sh)."""
+is missing, where CUDA's toolkit is not there, and leaves .venv alone (scripts/install/install_gpu.sh);
+the Horovod patch that releases the GIL in every enqueue (scripts/install/patch_horovod.py)."""
 
 import os
 import shutil
@@ -154,3 +155,31 @@ def test_gpu_install_without_the_cuda_packages_fails_before_the_venv(tmp_path):
     assert "failed at step 'CUDA packages on file://" in res.stderr, res.stderr
     assert "cannot resolve torch==" in res.stderr and ".venv is untouched" in res.stderr, res.stderr
     assert not (tmp_path / ".venv-gpu").exists()
+
+
+def test_horovod_patch_releases_the_gil_in_every_enqueue_once(tmp_path):
+    """patch_horovod.py's edit 4 on a copy of Horovod 0.28.1's binding lines: each enqueueing
+    m.def (one spread over two lines too) gets the GIL release, others not; a second run changes
+    nothing; a file without any enqueueing m.def fails loudly."""
+    sys.path.insert(0, str(ROOT / "scripts" / "install"))
+    try:
+        import patch_horovod
+    finally:
+        sys.path.pop(0)
+    src = tmp_path / "horovod" / "torch" / "mpi_ops_v2.cc"
+    src.parent.mkdir(parents=True)
+    src.write_text(
+        'PYBIND11_MODULE(mpi_lib_v2, m) {\n  m.def("horovod_torch_allreduce_async_torch_FloatTensor", &DoAllreduce);\n'
+        '  m.def("horovod_torch_alltoall_async_torch_cuda_FloatTensor",\n        &DoAlltoallCudaOnCPU);\n'
+        '  m.def("horovod_torch_join", &DoJoin);\n  m.def("horovod_torch_barrier", &DoBarrier);\n'
+        '  m.def("horovod_torch_poll", &PollHandle);\n}\n'
+    )
+    patch_horovod.release_gil(tmp_path)
+    once = src.read_text()
+    guarded = [line for line in once.splitlines() if "py::call_guard<py::gil_scoped_release>()" in line]
+    assert len(guarded) == 4 and not any("poll" in line for line in guarded), once
+    patch_horovod.release_gil(tmp_path)
+    assert src.read_text() == once
+    src.write_text('m.def("horovod_torch_poll", &PollHandle);\n')
+    with pytest.raises(SystemExit, match="no enqueueing m.def"):
+        patch_horovod.release_gil(tmp_path)
