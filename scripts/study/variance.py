@@ -249,12 +249,22 @@ def report(data: dict, bits_list, buckets, argv) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _panels(nrows: int, ncols: int, width: float, height: float, **kw):
+    """A figure of nrows x ncols axes (always 2-D), each ``width`` x ``height`` inches."""
+    return pages.pyplot().subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False, **kw)
+
+
+def _label_edges(axes, ylabel: str) -> None:
+    """ "iteration" under the bottom row, ``ylabel`` beside the first column."""
+    for ax in axes[-1]:
+        ax.set_xlabel("iteration")
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+
+
 def plot_variance(data, bits_list, buckets, path):
-    plt = pages.pyplot()
     it = data["iterations"]
-    fig, axes = plt.subplots(
-        len(buckets), len(bits_list), figsize=(4.6 * len(bits_list), 3.6 * len(buckets)), squeeze=False, sharex=True
-    )
+    fig, axes = _panels(len(buckets), len(bits_list), 4.6, 3.6, sharex=True)
     for i, d in enumerate(buckets):
         for j, b in enumerate(bits_list):
             ax = axes[i][j]
@@ -263,10 +273,7 @@ def plot_variance(data, bits_list, buckets, path):
                 ax.plot(it, data["variance"][_key(m, b, d, s)], color=_color(m), label=m, lw=width, ls=_style(m))
             ax.set(yscale="log", title=f"{b} bits, bucket {d}")
             ax.grid(alpha=0.3, which="both")
-            if i == len(buckets) - 1:
-                ax.set_xlabel("iteration")
-            if j == 0:
-                ax.set_ylabel("normalized variance")
+    _label_edges(axes, "normalized variance")
     axes[0][0].legend(fontsize=6, ncol=2)
     fig.suptitle(
         "Exact normalized variance on MNIST-CNN gradients (adaptive: refit at 0, 100, 2000; "
@@ -280,11 +287,10 @@ def _main_variants():
 
 
 def plot_staleness(data, bits_list, buckets, path):
-    plt = pages.pyplot()
     it = data["iterations"]
     b = 3 if 3 in bits_list else bits_list[0]
     variants = _main_variants()
-    fig, axes = plt.subplots(1, len(buckets), figsize=(6 * len(buckets), 4.2), squeeze=False)
+    fig, axes = _panels(1, len(buckets), 6, 4.2)
     styles = {"every": "-", "paper": "--", "once": ":"}
     for i, d in enumerate(buckets):
         ax = axes[0][i]
@@ -299,13 +305,10 @@ def plot_staleness(data, bits_list, buckets, path):
 
 
 def plot_levels(data, bits_list, buckets, path):
-    plt = pages.pyplot()
     it = data["iterations"]
     b = 3 if 3 in bits_list else bits_list[0]
     variants = _main_variants()
-    fig, axes = plt.subplots(
-        len(buckets), len(variants), figsize=(4.2 * len(variants), 3.4 * len(buckets)), squeeze=False
-    )
+    fig, axes = _panels(len(buckets), len(variants), 4.2, 3.4)
     for i, d in enumerate(buckets):
         for j, m in enumerate(variants):
             ax = axes[i][j]
@@ -539,12 +542,9 @@ def auto_means_table(record: dict, v: dict, after0) -> list[str]:
 
 def plot_auto(record: dict, path: Path) -> None:
     """Total normalized variance against iteration: uniform 3 bits and bits='auto' at each budget."""
-    plt = pages.pyplot()
     it = record["iterations"]
     labels, buckets = record["labels"], record["buckets"]
-    fig, axes = plt.subplots(
-        len(buckets), len(labels), figsize=(4.2 * len(labels), 3.3 * len(buckets)), squeeze=False, sharex=True
-    )
+    fig, axes = _panels(len(buckets), len(labels), 4.2, 3.3, sharex=True)
     for i, d in enumerate(buckets):
         for j, label in enumerate(labels):
             ax = axes[i][j]
@@ -559,10 +559,7 @@ def plot_auto(record: dict, path: Path) -> None:
             ax.set_yscale("log")
             ax.set_title(f"{label}, bucket {d}", fontsize=10)
             ax.grid(alpha=0.3, which="both")
-            if i == len(buckets) - 1:
-                ax.set_xlabel("iteration")
-            if j == 0:
-                ax.set_ylabel("total normalized variance")
+    _label_edges(axes, "total normalized variance")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(
         "bits='auto' against uniform 3 bits on MNIST-CNN gradients (refits at "
@@ -574,14 +571,11 @@ def plot_auto(record: dict, path: Path) -> None:
 
 def plot_auto_bits(record: dict, path: Path) -> None:
     """Width of every quantized tensor against iteration, per method, bucket and budget."""
-    plt = pages.pyplot()
     it = record["iterations"]
     labels = record["labels"]
     cols = [(d, b) for d in record["buckets"] for b in record["budgets"]]
     names = record["quantized_parameters"]
-    fig, axes = plt.subplots(
-        len(labels), len(cols), figsize=(3.6 * len(cols), 2.4 * len(labels)), squeeze=False, sharex=True, sharey=True
-    )
+    fig, axes = _panels(len(labels), len(cols), 3.6, 2.4, sharex=True, sharey=True)
     for i, label in enumerate(labels):
         for j, (d, b) in enumerate(cols):
             ax = axes[i][j]
@@ -592,10 +586,7 @@ def plot_auto_bits(record: dict, path: Path) -> None:
             ax.set_title(f"{label}, bucket {d}, budget {b}", fontsize=9)
             ax.set_ylim(1.5, 8.5)
             ax.grid(alpha=0.3)
-            if i == len(labels) - 1:
-                ax.set_xlabel("iteration")
-            if j == 0:
-                ax.set_ylabel("bits")
+    _label_edges(axes, "bits")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("bits='auto': width of each quantized tensor against iteration (lines offset by 0.12)")
     pages.save(fig, path, dpi=100)
@@ -920,11 +911,9 @@ def plot(record: dict, bits_list, path: Path) -> None:
 
 def plot_bits(record: dict, path: Path) -> None:
     """Bits per quantized tensor chosen at each refit, per method and budget."""
-    plt = pages.pyplot()
-
     names = record["quantized_parameters"]
     keys = list(record["refit_bits"])
-    fig, axes = plt.subplots(len(keys), 1, figsize=(13, 2.2 * len(keys)), sharex=True, squeeze=False)
+    fig, axes = _panels(len(keys), 1, 13, 2.2, sharex=True)
     for ax, key in zip(axes[:, 0], keys):
         refits = record["refit_bits"][key]
         width = 0.8 / len(refits)
