@@ -341,6 +341,10 @@ def cnn_aggregate(table: dict, args, out_dir: Path, wall: float | None) -> str:
     return text
 
 
+#: the mark of a method whose accuracy falls below the difference plot's scale
+COLLAPSED = dict(xytext=(0, 6), textcoords="offset points", rotation=90, ha="center", va="bottom", fontsize=8)
+
+
 def cnn_plot(summary: dict, methods: list, configs: list, path: Path, args) -> None:
     """Left: accuracy, mean and min..max over seeds. Right: same-seed difference to fp32, mean ± 2
     standard errors, on a scale where the working methods are visible (collapsed ones are marked)."""
@@ -374,17 +378,7 @@ def cnn_plot(summary: dict, methods: list, configs: list, path: Path, args) -> N
                 dmeans.append(d["mean"])
                 derr.append(2 * d["sem"])
             elif d:
-                bx.annotate(
-                    "collapsed",
-                    (j + shift, -limit),
-                    xytext=(0, 6),
-                    textcoords="offset points",
-                    rotation=90,
-                    ha="center",
-                    va="bottom",
-                    color=color,
-                    fontsize=8,
-                )
+                bx.annotate("collapsed", (j + shift, -limit), color=color, **COLLAPSED)
         if xs:
             ax.errorbar(xs, means, yerr=[lo, hi], fmt="o", capsize=4, label=label, color=color)
         if dxs:
