@@ -158,15 +158,21 @@ def _package_frames(package: str, depth: int):
         frame = frame.f_back
 
 
-def _other_sets(package: str) -> bool:
+_COUNTERS: dict = {}  # package -> its library's horovod_number_of_process_sets
+
+
+def other_sets(package: str) -> bool:
     """Whether Horovod (``package``'s) holds a process set besides the global one: one call into its
     library (under a microsecond), which spares the frame walk of :func:`calling_process_set` (1-2 ms
     a step of 62 tensors, docs/results/compress_when_faster.md); True where it cannot tell."""
-    try:
-        lib = sys.modules[package + ".mpi_ops"]._basics.MPI_LIB_CTYPES
-        return int(lib.horovod_number_of_process_sets()) != 1
-    except Exception:  # noqa: BLE001 (another Horovod build: walk the frames)
-        return True
+    count = _COUNTERS.get(package)
+    if count is None:
+        try:
+            count = sys.modules[package + ".mpi_ops"]._basics.MPI_LIB_CTYPES.horovod_number_of_process_sets
+        except Exception:  # noqa: BLE001 (another Horovod build: walk the frames)
+            return True
+        _COUNTERS[package] = count
+    return count() != 1
 
 
 def calling_process_set(package: str, depth: int = 8):
@@ -239,7 +245,7 @@ class PerProcessSet:
         a wrong guess raises on every rank, naming the set."""
         if self._process_set is not None:
             return None
-        if not _other_sets(self.HOROVOD):
+        if not other_sets(self.HOROVOD):
             return None
         ps = calling_process_set(self.HOROVOD, depth=10)
         if ps is None or ps.process_set_id in (None, 0):

@@ -77,7 +77,7 @@ class _PassThrough:
     unsqueezed: bool = False  # sent with one more trailing 1 (core.protocol.passthrough_shape)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sixteen:
     """Context of a tensor of a 16-bit round (``compress="when-faster"``): Horovod's fp16 compression's."""
 
@@ -102,7 +102,17 @@ class _QuantizedAllreduceGrad(torch.autograd.Function):
         return summed * ctx.scale, None, None, None
 
 
-class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
+class _DefaultBound(type):
+    """The class itself as ``compression=`` (``ALQCompressor``) runs its :meth:`~CompressorBase.default`
+    instance's ``compress``, ``decompress`` and ``metrics`` (as :class:`mixins.ClassOrInstance`); an
+    instance's are plain methods, with no descriptor of Python's to run at every tensor's call."""
+
+    compress = property(lambda cls: cls.default().compress)
+    decompress = property(lambda cls: cls.default().decompress)
+    metrics = property(lambda cls: cls.default().metrics)
+
+
+class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase, metaclass=_DefaultBound):
     """Base class: a Horovod ``compression=`` object for one quantization method.
 
     Parameters
@@ -178,6 +188,8 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         if self._state.compress == "when-faster":
             self._state.speed = SpeedArbiter(what=self.FRONT_END)
         self._between = True  # no round in progress: the next compress starts one
+        self._fp16 = None  # compress="when-faster": Horovod's fp16 compression (at the first 16-bit round)
+        self._plain16 = False  # a 16-bit round without statistics is in progress
         self._collectives = 0  # collectives of transports dropped by reset()
         self._sixteen_stats: list | None = None  # a 16-bit round's statistics for its refit
         self._timeout = resolve_timeout(s.timeout)
@@ -202,9 +214,11 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         )
 
     # ------------------------------------------------------------------ Horovod interface
-    @mixins.ClassOrInstance
     def compress(self, tensor: torch.Tensor):
         """Record ``tensor`` for this round's exchange; return the control vector to allreduce."""
+        if self._plain16 and (self._process_set is not None or not mixins.other_sets(self.HOROVOD)):
+            small, ctx = self._fp16.compress(tensor)  # a 16-bit round: Horovod's fp16, nothing else per tensor
+            return small, _Sixteen(ctx)
         other = self._for_calling_process_set()
         if other is not None:
             small, ctx = other.compress(tensor)
@@ -265,19 +279,18 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         weakref.finalize(ctx, entry.abandon)
         return small, ctx
 
-    @mixins.ClassOrInstance
     def decompress(self, tensor: torch.Tensor, ctx):
         """Exchange the round's codes (first call of a round) and return this tensor's reduced values."""
+        if type(ctx) is _Sixteen:
+            if not self._between:  # the round's first decompress
+                self._between, self._plain16 = True, False
+                self._end_sixteen()
+            return self._fp16.decompress(tensor, ctx.ctx)
         if ctx is None:  # sparse gradients: Horovod reduced them itself
             return tensor
         if isinstance(ctx, mixins.Delegated):
             return ctx.compressor.decompress(tensor, ctx.ctx)
-        if not self._between:  # the round's first decompress
-            self._between = True
-            if isinstance(ctx, _Sixteen):
-                self._end_sixteen()
-        if isinstance(ctx, _Sixteen):
-            return hvd().Compression.fp16.decompress(tensor, ctx.ctx)
+        self._between, self._plain16 = True, False  # (the round's first decompress ends it)
         if isinstance(ctx, _PassThrough):
             out = tensor.to(ctx.dtype) if tensor.dtype != ctx.dtype else tensor
             return out.squeeze(-1) if ctx.unsqueezed else out
@@ -313,7 +326,6 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         return out
 
     # ------------------------------------------------------------------ metrics and state
-    @mixins.ClassOrInstance
     def metrics(self) -> dict:
         """``levels``, ``multiplier``, ``second_levels``, ``level_updates``, ``step``, ``calls``,
         ``payload_bytes`` (this rank's own payloads), ``coordinates``, ``uncompressed_coordinates``,
@@ -355,7 +367,7 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
         if self._transport_cache is not None:
             self._collectives += self._transport_cache.collectives
         self._transport_cache = None
-        self._between, self._sixteen_stats = True, None  # the next compress starts a round
+        self._between, self._sixteen_stats, self._plain16 = True, None, False  # the next compress starts a round
         for child in self._per_set.values():
             child.reset()
 
@@ -389,6 +401,8 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
             # statistics keep adapting in 16-bit rounds (fixed widths: bits="auto" keeps its levels)
             collects = not quantized and st.collecting and st.auto is None
             self._sixteen_stats = [] if collects else None
+            if not quantized:  # a 16-bit round without statistics: compress's first lines serve it
+                self._fp16, self._plain16 = hvd().Compression.fp16, not collects
             if collects and self._precondition is not None:  # the statistics of what is quantized: g * w
                 self._precondition.prepare(st.step)
         return self._state.speed.current
@@ -404,7 +418,7 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase):
                 if w is not None:
                     flat = flat * w.reshape(-1).float()
                 stats.append(self._ops_for(tensor.device).statistics(flat, self._quantizer))
-        small, ctx = hvd().Compression.fp16.compress(tensor)
+        small, ctx = self._fp16.compress(tensor)
         return small, _Sixteen(ctx)
 
     def _end_sixteen(self) -> None:

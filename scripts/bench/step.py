@@ -28,6 +28,7 @@ from scripts.common.bench import numel, resnet50_shapes
 
 
 def make_compressors(bits: int, bucket: int, include_refit: bool) -> dict:
+    from horovod_alq.core.speed import SpeedArbiter
     from horovod_alq.torch import ALQCompressor
 
     steady = dict(bits=bits, bucket_size=bucket, update_steps=(0,), update_every=0, seed=0)
@@ -41,6 +42,9 @@ def make_compressors(bits: int, bucket: int, include_refit: bool) -> dict:
     # the same tensors viewed with distinct shapes (see distinct_views): the exchange's "ordered" path
     methods[DISTINCT] = ALQCompressor(exchange="allgather", **steady)
     methods[DISTINCT_TP] = ALQCompressor(exchange="two-phase", **steady)
+    methods[SIXTEEN] = sixteen = ALQCompressor(compress="when-faster", **steady)
+    sixteen._state.speed = SpeedArbiter(warmup=1 << 62)  # no trial ever: held on its 16-bit path
+    sixteen._state.speed.quantizing = False
     if include_refit:
         methods["ALQ, allgather, refit round"] = ALQCompressor(
             bits=bits, bucket_size=bucket, update_steps=(0,), update_every=1, seed=0, exchange="allgather"
@@ -50,6 +54,7 @@ def make_compressors(bits: int, bucket: int, include_refit: bool) -> dict:
 
 DISTINCT = "ALQ, allgather, no repeated shapes (diagnostic)"
 DISTINCT_TP = "ALQ, two-phase, no repeated shapes (diagnostic)"
+SIXTEEN = "ALQ, compress='when-faster' on its 16-bit path"
 
 PROFILE_KEYS = {
     "alq-distinct": DISTINCT,
@@ -62,6 +67,7 @@ PROFILE_KEYS = {
     "alq-two-phase": "ALQ, two-phase",
     "alq-nofusion": "ALQ, allgather, fusion_bytes=0",
     "alq-refit": "ALQ, allgather, refit round",
+    "alq-16bit": SIXTEEN,
 }
 
 

@@ -1,8 +1,9 @@
 """``compress="when-faster"`` on real ranks (tests/workers/speed_worker.py): the DDP hook (torchrun)
 and the Horovod compressor (mpirun) on 2 and 4 ranks follow the default schedule (its confirming trial
 moved to round 20) and switch to 16 bits and back mid-training, with the same path and identical
-parameters on every rank after every step, the refit schedule going on through the 16-bit steps;
-ranks built with different modes raise on every rank."""
+parameters on every rank after every step, the refit schedule going on through the 16-bit steps,
+and Horovod's 16-bit steps reducing exactly what ``hvd.Compression.fp16`` does; ranks built with
+different modes raise on every rank."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def test_switching_mid_training_keeps_every_rank_identical(frontend, np_):
     updates = ranks[0]["level_updates"]
     sixteen_refits = [i for i in range(1, STEPS) if updates[i] > updates[i - 1] and not paths[i]]
     assert sixteen_refits, (updates, paths)
+    if frontend == "torch" and np_ == 2:  # every 16-bit step (refit rounds included) is Horovod's fp16
+        for r in ranks:
+            assert r["as_fp16"] == [True] * paths.count(False), r["as_fp16"]
 
 
 @pytest.mark.parametrize("frontend", ["ddp", "torch"])

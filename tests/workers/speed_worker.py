@@ -5,7 +5,9 @@ trained with the DDP hook or ``hvd.DistributedOptimizer``; the arbiter's clock i
 optimizer step advances it by a simulated cost of the path the step took (quantized 2 s, 16-bit
 1 s until ``--flip``, then 16-bit 4 s), so it switches to 16 bits at its first trial, keeps them
 at the confirming trial and goes back at the drift check after the flip, the same on every rank.
-Reports, per step, the path taken and a digest of the parameters, and the metrics."""
+Reports, per step, the path taken and a digest of the parameters, and the metrics; with Horovod,
+per 16-bit step, whether every reduced gradient equals ``hvd.Compression.fp16``'s of the same
+gradients (checked on 2 ranks, where a sum of two fp16 values is the same in any order)."""
 
 import argparse
 import os
@@ -66,6 +68,17 @@ def build(frontend: str, model: torch.nn.Module, last_compress: str | None = Non
     return model, opt, compression._state, compression.metrics, hvd.rank(), hvd.size()
 
 
+def same_as_fp16(model: torch.nn.Module, local: list, step: int) -> bool:
+    """Whether the reduced gradients (``p.grad`` after a step) are Horovod's fp16 average of ``local``."""
+    import horovod.torch as hvd
+
+    ref = [
+        hvd.allreduce(g, op=hvd.Average, compression=hvd.Compression.fp16, name=f"fp16.{step}.{i}")
+        for i, g in enumerate(local)
+    ]
+    return all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), ref))
+
+
 def mismatched(frontend: str) -> dict:
     """A model whose last rank was built with compress='always': its first step must raise on every rank."""
     net, opt, *_ = build(frontend, Net(), last_compress="always")
@@ -97,14 +110,17 @@ def main() -> None:
     g = torch.Generator().manual_seed(100 + rank)
     teacher = torch.Generator().manual_seed(7)
     w = torch.randn(32, 4, generator=teacher)
-    paths, digests, updates = [], [], []
+    paths, digests, updates, as_fp16 = [], [], [], []
     for step in range(args.steps):
         x = torch.randn(16, 32, generator=g)
         loss = F.mse_loss(net(x), x @ w)
         opt.zero_grad()
         loss.backward()
+        local = [p.grad.clone() for p in model.parameters()]
         opt.step()
         quantized = arbiter.current
+        if args.frontend == "torch" and size == 2 and not quantized:
+            as_fp16.append(same_as_fp16(model, local, step))
         now[0] += 2.0 if quantized else (1.0 if step < args.flip else 4.0)
         paths.append(bool(quantized))
         digests.append(digest(*model.parameters()))
@@ -116,6 +132,7 @@ def main() -> None:
         "paths": paths,
         "digests": digests,
         "level_updates": updates,
+        "as_fp16": as_fp16,
         "metrics": {k: m[k] for k in m if k.startswith(("compress", "step", "rounds_16bit", "level"))},
         "levels": [float(v) for v in round_state.quantizer.levels],
     }
