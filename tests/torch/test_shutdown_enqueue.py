@@ -2,7 +2,7 @@
 tests/workers/torch_shutdown_enqueue.py).
 
 Rank 1 leaves while rank 0 has a backlog of unmatched allreduces and keeps enqueueing. Unpatched
-Horovod 0.28.1 with torch >= 2.10 deadlocked there: its background thread holds the process-set
+Horovod 0.28.1 with torch 2.13 deadlocked there: its background thread holds the process-set
 table's lock and waits for the GIL to release the backlog's tensors, while the enqueue holds the GIL
 and waits for that lock (scripts/install/patch_horovod.py, edit 4). This is the hang that an
 elastic reset met when a peer failed during a round (tests/torch/test_elastic_reset.py).

@@ -2,7 +2,7 @@
 collectives while its Horovod shuts down because rank 1 left.
 
 Rank 0 first queues BACKLOG allreduces that rank 1 never matches, keeping its own references to
-their tensors. With torch >= 2.10 every one of them, when Horovod's background thread drops its last
+their tensors. With torch 2.13 every one of them, when Horovod's background thread drops its last
 C++ reference at shutdown, releases the tensor's Python object, which takes the GIL. Horovod 0.28.1
 does that while it holds its process-set table's lock, and its torch enqueue functions take that lock
 while holding the GIL, so an enqueue made then waited forever (an elastic reset's flaky hang).
