@@ -83,9 +83,10 @@ def distinct_views(work: list) -> list:
     return out
 
 
-def one_step(comp, label: str, params: list, work: list, master: list) -> tuple[float, float, float]:
+def one_step(comp, label: str, params: list, work: list, master: list) -> tuple[float, float, float, float]:
     """One exchange of every gradient; returns (compress + submit, synchronize + decompress) wall
-    seconds and the process's CPU seconds (all its threads: Horovod's background thread included)."""
+    seconds, the process's CPU seconds (all its threads: Horovod's background thread included) and
+    the main thread's CPU seconds inside compress and decompress."""
     for w, m in zip(work, master):  # fp32's in-place allreduce overwrote last step's gradients
         w.copy_(m)
     hvd.barrier()
@@ -93,14 +94,20 @@ def one_step(comp, label: str, params: list, work: list, master: list) -> tuple[
     t0 = time.perf_counter()
     handles = []
     grads = distinct_views(work) if label in (DISTINCT, DISTINCT_TP) else work
+    calls = 0.0
     for (name, _), grad in zip(reversed(params), reversed(grads)):  # backward order
+        c = time.thread_time()
         compressed, ctx = comp.compress(grad)
+        calls += time.thread_time() - c
         handles.append((hvd.allreduce_async_(compressed, name=f"{label}.{name}", op=hvd.Average), ctx))
     t1 = time.perf_counter()
     for handle, ctx in handles:
-        comp.decompress(hvd.synchronize(handle), ctx)
+        reduced = hvd.synchronize(handle)
+        c = time.thread_time()
+        comp.decompress(reduced, ctx)
+        calls += time.thread_time() - c
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, time.process_time() - c0
+    return t1 - t0, t2 - t1, time.process_time() - c0, calls
 
 
 def slowest(seconds: float) -> float:
@@ -167,13 +174,13 @@ def main(argv=None) -> int:
     parts: dict[str, list] = {k: [] for k in methods}
     for i in range(args.warmup + args.steps):
         for label, comp in methods.items():
-            submit, finish, cpu = one_step(comp, label, shapes, work, master)
+            submit, finish, cpu, calls = one_step(comp, label, shapes, work, master)
             total = slowest(submit + finish)
             if i == 0:
                 first[label] = total
             if i >= args.warmup:
                 times[label].append(total)
-                parts[label].append((slowest(submit), slowest(finish), slowest(cpu)))
+                parts[label].append((slowest(submit), slowest(finish), slowest(cpu), slowest(calls)))
     wall = time.monotonic() - start
     load_after = os.getloadavg()[0]
     if hvd.rank() == 0:
@@ -227,25 +234,24 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
         f"{args.warmup} warm-up step(s), slowest rank; methods interleaved step by step.",
         "",
         "| compressor | ms per step | vs fp16 | vs fp32 | compress + submit ms | synchronize + decompress ms "
-        "| CPU ms | first step ms | exchange in use |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| CPU ms | calls CPU ms | first step ms | exchange in use |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label in methods:
-        sub = statistics.median(a for a, _, _ in parts[label])
-        fin = statistics.median(b for _, b, _ in parts[label])
-        cpu = statistics.median(c for _, _, c in parts[label])
+        sub, fin, cpu, calls = (statistics.median(p[i] for p in parts[label]) for i in range(4))
         lines.append(
             f"| {label} | {1e3 * med[label]:.1f} | {med[label] / fp16:.2f} | "
             f"{med[label] / med['none (fp32)']:.2f} | {1e3 * sub:.1f} | {1e3 * fin:.1f} | {1e3 * cpu:.0f} | "
-            f"{1e3 * first[label]:.0f} | {exchange_in_use(methods[label])} |"
+            f"{1e3 * calls:.2f} | {1e3 * first[label]:.0f} | {exchange_in_use(methods[label])} |"
         )
     lines += [
         "",
         "Columns: the two phases are medians of the slowest rank each, so they need not add up to the "
         'step; "CPU ms": the process CPU time of the step (all threads of the rank, Horovod\'s background '
         "thread and MPI's polling included; slowest rank, median), less sensitive than wall time to other "
-        'jobs on the machine; "first step" is step 0 (for ALQ its refit round, plus first-call costs such as Horovod '
-        'negotiating new names). "refit round" refits at every step: statistics of every buffer, one '
+        'jobs on the machine; "calls CPU": the main thread\'s CPU time inside compress and decompress '
+        '(slowest rank, median); "first step" is step 0 (for ALQ its refit round, plus first-call costs '
+        'such as Horovod negotiating new names). "refit round" refits at every step: statistics of every buffer, one '
         "allreduce of them, the level fit, on top of a plain step.",
         "All steps (ms): " + "; ".join(f"{k}: " + ", ".join(f"{1e3 * t:.0f}" for t in v) for k, v in times.items()),
     ]
@@ -262,7 +268,7 @@ def profile(comp, label: str, shapes, work, master, args) -> int:
     for _ in range(args.steps):
         if prof:
             prof.enable()
-        s, f, _ = one_step(comp, label, shapes, work, master)
+        s, f, _, _ = one_step(comp, label, shapes, work, master)
         if prof:
             prof.disable()
         totals.append(slowest(s + f))
