@@ -4,6 +4,7 @@ kernels (scripts/install/check_codec.py); `HOROVOD_ALQ_GPU=1 make install` fails
 is missing, where CUDA's toolkit is not there, and leaves .venv alone (scripts/install/install_gpu.sh);
 the Horovod patch that releases the GIL in every enqueue (scripts/install/patch_horovod.py)."""
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -161,11 +162,9 @@ def test_horovod_patch_releases_the_gil_in_every_enqueue_once(tmp_path):
     """patch_horovod.py's edit 4 on a copy of Horovod 0.28.1's binding lines: each enqueueing
     m.def (one spread over two lines too) gets the GIL release, others not; a second run changes
     nothing; a file without any enqueueing m.def fails loudly."""
-    sys.path.insert(0, str(ROOT / "scripts" / "install"))
-    try:
-        import patch_horovod
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location("patch_horovod", ROOT / "scripts" / "install" / "patch_horovod.py")
+    patch_horovod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patch_horovod)
     src = tmp_path / "horovod" / "torch" / "mpi_ops_v2.cc"
     src.parent.mkdir(parents=True)
     src.write_text(
