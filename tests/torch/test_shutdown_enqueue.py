@@ -22,4 +22,4 @@ def test_enqueue_during_shutdown_raises(launcher):
     assert r1 == {"rank": 1}
     assert r0["error"] is not None, r0  # Horovod refused a later enqueue: it shut down
     assert "shut down" in r0["error"].lower() or "shutdown" in r0["error"].lower(), r0["error"]
-    assert r0["probes"] >= 0 and r0["seconds"] < 100, r0
+    assert r0["seconds"] < 100, r0  # refused well before the worker gives up (120 s)
