@@ -56,3 +56,35 @@ def test_study_exact_first_steps(tmp_path):
     runs = [json.loads(line) for line in out.read_text().splitlines()]
     assert runs[1]["curve"] == runs[0]["curve"] and runs[1]["adam_error"] == []
     assert len(runs[2]["adam_error"]) == 1 and runs[2]["curve"] not in (runs[0]["curve"], runs[3]["curve"])
+
+
+def test_study_cnn_model(tmp_path, capsys):
+    """--model cnn: the same loop on the MNIST CNN under Adam, held-out loss and accuracy reported."""
+    out = tmp_path / "cnn.jsonl"
+    rows = "fp32;alq@2;alq@2+pre:floor=0.05,prior=4"
+    assert study.main(["--quick", "--model", "cnn", "--rows", rows, "--json", str(out)]) == 0
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["model"], r["batch_size"]) for r in runs] == [("cnn", 32)] * 3
+    assert all(0 <= r["accuracy"] <= 1 and r["eval_loss"] > 0 for r in runs)
+    assert runs[0]["curve"] != runs[1]["curve"] != runs[2]["curve"]
+    assert runs[2]["adam_error"][0] is None and runs[2]["adam_error"][1] >= 0
+    assert set(runs[1]["crest_at"]) <= {"conv2.weight", "fc1.weight", "fc2.weight"}  # 1,024 elements or more
+    capsys.readouterr()
+    assert study.main(["--report", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "\nAccuracy:\n" in text and text.count("| `alq@2+pre:floor=0.05,prior=4` | `alq@2` | 1 |") == 2
+
+
+def test_study_report_accuracy_and_learning_rates():
+    """Accuracy: higher is better; runs at two learning rates: one row each, each fp32 its own error."""
+
+    def run(spec, seed, acc, lr=1e-3):
+        return {"spec": spec, "seed": seed, "eval_loss": 1 - acc, "accuracy": acc, "lr": lr}
+
+    runs = [run("fp32", 0, 0.90), run("fp32", 1, 0.92), run("alq@3", 0, 0.91), run("alq@3", 1, 0.90)]
+    lines = study.report(runs, key="accuracy")
+    assert "| `alq@3` | `fp32` | 2 | -0.0050 | 0.0150 | 1 of 2 | -0.0200 |" in lines
+    assert "fp32's final accuracy over 2 seeds: 0.9100, standard error 0.0100." in lines
+    lines = study.report(runs + [run("fp32", 0, 0.80, 3e-3), run("fp32", 1, 0.84, 3e-3)])
+    assert "fp32 lr=0.003's final loss over 2 seeds: 0.1800, standard error 0.0200." in lines
+    assert "| `fp32 lr=0.001` | 0.1000 | 0.0800 | 0.0900 |" in lines

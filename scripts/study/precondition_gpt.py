@@ -18,6 +18,11 @@ Per step it records the Adam-space error ``sum_i (g^_i - g_i)^2 / v_hat_i`` over
 ``sum_i g_i^2 / v_hat_i`` (``v_hat`` before the step, from step 2 on) and the largest bucket crest
 factor ``max|x| / rms(x)`` of what was quantized (and the tensor that holds it).
 
+``--model cnn``: the same loop on the demo's MNIST CNN (scripts/common/cnn.py, 80k parameters, the
+4,000 training digits of ``load_digits(seed)``, 32 a worker and step) under torch.optim.Adam (betas
+0.9, 0.999, no weight decay: the demo's ``--optimizer adam``), the held-out loss and accuracy over
+the 1,000 test digits.
+
     python -m scripts.study.precondition_gpt --rows "fp32;alq@3;alq@3+pre" --seeds 0,1,2,3,4 \
         --json docs/results/data/precondition_gpt_runs.jsonl
 """
@@ -47,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="quantize the float32 sums of this many consecutive workers (the hierarchical exchange's "
         "node sums, once each) instead of each worker's own gradient; 1: each worker's",
     )
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per worker and step")
+    p.add_argument("--model", choices=("gpt", "cnn"), default="gpt")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences (digits) per worker and step; 16 (32)")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
@@ -70,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.node_size < 1 or args.workers % args.node_size:
         p.error(f"--node-size must divide --workers ({args.workers}), got {args.node_size}")
+    if args.batch_size is None:
+        args.batch_size = 32 if args.model == "cnn" else 16
     if args.quick:
         args.steps, args.workers, args.width, args.layers, args.heads = 3, 2, 32, 1, 2
         args.eval_windows, args.eval_every, args.update_steps = 8, 3, "0,2"
@@ -114,16 +122,51 @@ def parse_row(spec: str) -> dict:
     return row
 
 
-def train(row: dict, seed: int, args, data) -> dict:
-    from horovod_alq.core.precondition import Form
-    from horovod_alq.core.quantizer import Quantizer
-    from horovod_alq.torch.precondition import Preconditioner
-    from scripts.common.gpt import GPT, evaluate, lr_at, sample_batch
+def _task(seed: int, args, data):
+    """``--model``'s model, optimizer, ``loss(generator)`` (one worker's batch) and held-out
+    ``evaluate() -> (loss, accuracy or None)``."""
+    if args.model == "cnn":
+        import torch.nn.functional as F
+
+        from scripts.common.cnn import Net, load_digits
+
+        train_x, train_y, test_x, test_y = load_digits(seed)
+        torch.manual_seed(seed)
+        model = Net()
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+        def loss(gen):
+            idx = torch.randint(0, len(train_x), (args.batch_size,), generator=gen)
+            return F.cross_entropy(model(train_x[idx]), train_y[idx])
+
+        def evaluate():
+            with torch.no_grad():
+                logits = model(test_x)
+            return float(F.cross_entropy(logits, test_y)), float((logits.argmax(1) == test_y).float().mean())
+
+        return model, opt, loss, evaluate
+    from scripts.common.gpt import GPT, sample_batch
+    from scripts.common.gpt import evaluate as gpt_evaluate
 
     train_ids, val_ids, chars = data
     torch.manual_seed(seed)
     model = GPT(len(chars), args.width, args.layers, args.heads, args.context)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    return (
+        model,
+        opt,
+        lambda gen: model.loss(*sample_batch(train_ids, args.batch_size, args.context, gen)),
+        lambda: (gpt_evaluate(model, val_ids, args), None),
+    )
+
+
+def train(row: dict, seed: int, args, data) -> dict:
+    from horovod_alq.core.precondition import Form
+    from horovod_alq.core.quantizer import Quantizer
+    from horovod_alq.torch.precondition import Preconditioner
+    from scripts.common.gpt import lr_at
+
+    model, opt, batch_loss, evaluate = _task(seed, args, data)
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
     gens = [torch.Generator().manual_seed(seed * 1000 + k) for k in range(args.workers)]
@@ -142,16 +185,15 @@ def train(row: dict, seed: int, args, data) -> dict:
         refits = {max(s, row["exact"]) for s in refits}
     per_node = args.node_size
     nodes = [list(range(j, j + per_node)) for j in range(0, args.workers, per_node)]  # what is quantized
-    curve, err_ratio, crest, crest_at = [], [], [], []
+    curve, err_ratio, crest, crest_at, accuracy = [], [], [], [], None
     t0 = time.perf_counter()
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         grads = []
         for k in range(args.workers):
-            x, y = sample_batch(train_ids, args.batch_size, args.context, gens[k])
             model.zero_grad(set_to_none=True)
-            model.loss(x, y).backward()
+            batch_loss(gens[k]).backward()
             grads.append([p.grad.detach().clone() for p in params])
         exact = [sum(gs[i] for gs in grads) / args.workers for i in range(len(params))]
         if quantized and step >= row["exact"]:
@@ -193,8 +235,9 @@ def train(row: dict, seed: int, args, data) -> dict:
             torch.nn.utils.clip_grad_norm_(params, args.clip)
         opt.step()
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            curve.append([step + 1, evaluate(model, val_ids, args)])
-    return {
+            loss, accuracy = evaluate()
+            curve.append([step + 1, loss])
+    result = {
         "spec": row["spec"],
         "seed": seed,
         "eval_loss": curve[-1][1],
@@ -205,6 +248,9 @@ def train(row: dict, seed: int, args, data) -> dict:
         "levels": None if q is None else [float(v) for v in q.levels],
         "seconds": time.perf_counter() - t0,
     }
+    if accuracy is not None:
+        result["accuracy"] = accuracy
+    return result
 
 
 def _crest(x: np.ndarray, d: int) -> float:
@@ -231,13 +277,16 @@ def _adam_error(opt, params, out, exact) -> float | None:
     return round(num / den, 5)
 
 
-def report(runs: list[dict], against: str = "alq@3") -> list[str]:
-    """Markdown lines: the final loss per row and seed, the same-seed differences to fp32 and, for a
-    preconditioned row, to its plain row (``alq@2+pre`` to ``alq@2``; mean, standard error over
-    seeds, wins), and fp32's seed-to-seed standard error. ``against`` is listed second."""
-    by = {}
+def report(runs: list[dict], against: str = "alq@3", key: str = "eval_loss") -> list[str]:
+    """Markdown lines: the final loss (``key="accuracy"``: accuracy, higher is better) per row and
+    seed, the same-seed differences to fp32 and, for a preconditioned row, to its plain row
+    (``alq@2+pre`` to ``alq@2``; mean, standard error over seeds, wins), and fp32's seed-to-seed
+    standard error. ``against`` is listed second. Runs at several learning rates: rows per lr."""
+    by, lrs = {}, {r.get("lr") for r in runs}
     for r in runs:
-        by.setdefault(r["spec"], {})[r["seed"]] = r["eval_loss"]
+        label = r["spec"] if len(lrs) < 2 else f"{r['spec']} lr={r['lr']:g}"
+        by.setdefault(label, {})[r["seed"]] = r[key]
+    sign, what = (-1, "accuracy") if key == "accuracy" else (1, "loss")
     specs = ["fp32", against] + sorted(s for s in by if s not in ("fp32", against))
     specs = [s for s in specs if s in by]
     seeds = sorted({k for v in by.values() for k in v})
@@ -247,10 +296,11 @@ def report(runs: list[dict], against: str = "alq@3") -> list[str]:
         done = [v for v in vals if v is not None]
         cells = [f"{v:.4f}" if v is not None else "-" for v in vals]
         lines.append(f"| `{s}` | " + " | ".join(cells) + f" | {np.mean(done):.4f} |")
-    base = [by["fp32"][k] for k in seeds if k in by.get("fp32", {})]
-    if len(base) > 1:
-        se = np.std(base, ddof=1) / math.sqrt(len(base))
-        lines += ["", f"fp32's final loss over {len(base)} seeds: {np.mean(base):.4f}, standard error {se:.4f}."]
+    for s in (s for s in specs if s.split()[0] == "fp32"):
+        base = [by[s][k] for k in seeds if k in by[s]]
+        if len(base) > 1:
+            se = np.std(base, ddof=1) / math.sqrt(len(base))
+            lines += ["", f"{s}'s final {what} over {len(base)} seeds: {np.mean(base):.4f}, standard error {se:.4f}."]
     lines += [
         "",
         "| row | against | seeds | mean difference | standard error | better on | worst |",
@@ -265,8 +315,9 @@ def report(runs: list[dict], against: str = "alq@3") -> list[str]:
                 continue
             d = np.array([by[s][k] - by[ref][k] for k in common])
             se = d.std(ddof=1) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
-            wins = f"{int((d < 0).sum())} of {len(d)}"
-            lines.append(f"| `{s}` | `{ref}` | {len(d)} | {d.mean():+.4f} | {se:.4f} | {wins} | {d.max():+.4f} |")
+            wins = f"{int((sign * d < 0).sum())} of {len(d)}"
+            worst = d[np.argmax(sign * d)]
+            lines.append(f"| `{s}` | `{ref}` | {len(d)} | {d.mean():+.4f} | {se:.4f} | {wins} | {worst:+.4f} |")
     return lines
 
 
@@ -275,25 +326,27 @@ def main(argv=None) -> int:
     if args.report:
         runs = [json.loads(line) for path in args.json.split(",") for line in Path(path).read_text().splitlines()]
         print("\n".join(report(runs)))
+        if all("accuracy" in r for r in runs):
+            print("\nAccuracy:\n\n" + "\n".join(report(runs, key="accuracy")))
         return 0
     torch.set_num_threads(1)
     from scripts.common.gpt import char_splits
 
-    data = char_splits()
+    data = char_splits() if args.model == "gpt" else None
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if out.exists():
         for line in out.read_text().splitlines():
             r = json.loads(line)
-            done.add((r["spec"], r["seed"], r.get("tag", ""), r.get("lr"), r.get("warmup")))
+            done.add((r["spec"], r["seed"], r.get("tag", ""), r.get("lr"), r.get("warmup"), r.get("model", "gpt")))
     for seed in (int(s) for s in args.seeds.split(",")):
         for spec in args.rows.split(";"):
-            if (spec, seed, args.tag, args.lr, args.warmup) in done:
+            if (spec, seed, args.tag, args.lr, args.warmup, args.model) in done:
                 continue
             r = train(parse_row(spec), seed, args, data)
             r.update(tag=args.tag, lr=args.lr, warmup=args.warmup, steps=args.steps)
-            r.update(batch_size=args.batch_size, node_size=args.node_size)
+            r.update(batch_size=args.batch_size, node_size=args.node_size, model=args.model)
             if not math.isfinite(r["eval_loss"]):
                 r["diverged"] = True
             with out.open("a") as f:
