@@ -103,8 +103,6 @@ def adaptation_ms(bits: int, bucket: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1M,16M", help="comma-separated element counts (K, M suffixes)")
-    p.add_argument("--bits", type=int, default=3)
-    p.add_argument("--bucket-size", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="1M elements, 3 repeats")
@@ -116,7 +114,7 @@ def main(argv=None) -> int:
     hvd.init()
     from horovod_alq.torch.codecs import cpu_build
 
-    methods = compressors(args.bits, args.bucket_size)
+    methods = compressors(3, 8192)
     rows = []
     load_before = os.getloadavg()[0]
     for size_text in args.sizes.split(","):
@@ -126,7 +124,7 @@ def main(argv=None) -> int:
         med = time_methods(chosen, tensor, args.warmup, args.repeats)
         rows += ratio_rows(size_text, med)
     load_after = os.getloadavg()[0]
-    adapt = adaptation_ms(args.bits, args.bucket_size)
+    adapt = adaptation_ms(3, 8192)
     if hvd.rank() == 0:
         lines = [
             "# Codec speed: compress + exchange + decompress",
@@ -136,14 +134,14 @@ def main(argv=None) -> int:
             "",
             f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads per rank, "
             f"{hvd.size()} ranks on one host (shared memory), CPU. {cpu_build.status()}. "
-            f"Bucket size {args.bucket_size}. Median of {args.repeats} calls, slowest rank. "
+            f"Bucket size 8192. Median of {args.repeats} calls, slowest rank. "
             f"Load average {load_before:.1f} before, {load_after:.1f} after.",
             "",
             *timing_table(rows),
         ]
         lines += [
             "",
-            f"Level adaptation ({args.bits} bits, statistics of a 1M-element gradient): "
+            "Level adaptation (3 bits, statistics of a 1M-element gradient): "
             + ", ".join(f"{m} {ms:.1f} ms" for m, ms in adapt.items()),
         ]
         write_report(lines, args.out)

@@ -13,7 +13,6 @@ bytes per compressed coordinate).
 
     python -m scripts.bench.feedback --out build/results/bench_feedback.md
     # the report goes by hand into docs/results/error_feedback.md#bench_feedback
-    python -m scripts.bench.feedback --quick
 """
 
 from __future__ import annotations
@@ -101,11 +100,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1048576,16777216", help="coordinates; default 1M and 16M")
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--quick", action="store_true", help="65536 coordinates, 3 repeats")
     p.add_argument("--out", help="Markdown report")
     args = p.parse_args(argv)
-    if args.quick:
-        args.sizes, args.repeats = "65536", 3
     torch.set_num_threads(1)
     results = [measure(int(n), args.repeats, d) for n in args.sizes.split(",") for d in ("float32", "bfloat16")]
     lines = [

@@ -130,7 +130,7 @@ def build_row(args, key: str, vocab: int, n: int) -> dict:
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if key == "fsdp-alq":
             comm = quantize_reduce_scatter(model, ALQReduceScatter(method="alq", bits=3, bucket_size=8192, seed=1))
-    return {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True), "comm": comm}
+    return {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), "comm": comm}
 
 
 def run_steps(args, keys: list[str], built: dict, train, rank: int) -> tuple[dict, dict, dict]:
@@ -204,7 +204,7 @@ def row_bytes(args, key: str, b: dict | None, a: dict | None, n: int, sizes: dic
 # ---------------------------------------------------------------------------------------- driver
 def worker_args(args, out: Path, ifname: str) -> list[str]:
     cmd = [sys.executable, "-m", "scripts.bench.fsdp", "--worker", "--worker-out", str(out), "--gloo-ifname", ifname]
-    names = ("master_addr", "master_port", "rows", "width", "layers", "heads", "context", "batch_size", "lr")
+    names = ("master_addr", "master_port", "rows", "width", "layers", "heads", "context", "batch_size")
     return cmd + launch.flags(args, *names, "steps", "warmup", "gloo_timeout")
 
 
@@ -295,7 +295,7 @@ def page(args, argv, runs: list[dict], wall: float) -> str:
         f"context {args.context}), {first['params']:,} parameters in {first['param_tensors']} tensors "
         f"(blocks {first['block_elements']:,} and root {first['root_elements']:,} elements as FSDP pads "
         f"them on {first['size']} ranks); character-level, batch {args.batch_size} x {args.context} tokens per "
-        f"rank; AdamW lr {args.lr:g}. Median over {args.steps} timed steps (after {args.warmup} warm-up) of the "
+        f"rank; AdamW lr 0.001. Median over {args.steps} timed steps (after {args.warmup} warm-up) of the "
         "slowest rank's step; rows interleaved, a barrier before each step.",
         "",
     ]
@@ -312,7 +312,6 @@ def parser() -> argparse.ArgumentParser:
     for k in ("width", "layers", "heads", "context"):
         add(f"--{k}", type=int, help=f"GPT {k}; default {FULL[k]}")
     add("--batch-size", type=int, help=f"windows per rank and step; default {FULL['batch_size']}")
-    add("--lr", type=float, default=1e-3, help="AdamW learning rate; default 1e-3")
     add("--steps", type=int, help=f"timed steps per row; default {FULL['steps']}")
     add("--warmup", type=int, help=f"untimed steps per row first; default {FULL['warmup']}")
     quick = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in QUICK.items())

@@ -22,6 +22,7 @@ from scripts.common import launch, report
 from scripts.common import network as net
 
 N_WORKERS = 4
+BITS, BUCKET, BUDGET, BATCH = 3, 8192, 2.5, 8  # the compressors' bits, bucket and bits="auto" budget; batch
 METHODS = ["none", "fp16", "qsgdinf", "alq", "alq-2p"]
 LABELS = {
     "none": "none (fp32)",
@@ -31,7 +32,7 @@ LABELS = {
     "alq-2p": "ALQ 3b two-phase",
     "alq-auto": "ALQ bits='auto' allgather",
     "alq-auto-2p": "ALQ bits='auto' two-phase",
-}  # (the last two: --methods; budget --bit-budget)
+}  # (the last two: --methods; budget BUDGET)
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -45,8 +46,8 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     from horovod_alq.torch import ALQCompressor, QSGDCompressor
 
-    common = dict(bits=args.bits, bucket_size=args.bucket_size, update_steps=(0,), update_every=0, seed=1)
-    auto = dict(common, bits="auto", bit_budget=args.bit_budget)  # allocated at step 0, used from step 1
+    common = dict(bits=BITS, bucket_size=BUCKET, update_steps=(0,), update_every=0, seed=1)
+    auto = dict(common, bits="auto", bit_budget=BUDGET)  # allocated at step 0, used from step 1
     comps = {
         "none": hvd.Compression.none,
         "fp16": hvd.Compression.fp16,
@@ -69,8 +70,8 @@ def worker(args) -> int:
             named_parameters=model.named_parameters(),
             compression=comps[method],
         )
-        x = torch.randn(args.batch_size, 784)
-        y = torch.randint(0, 10, (args.batch_size,))
+        x = torch.randn(BATCH, 784)
+        y = torch.randint(0, 10, (BATCH,))
         times, compute = [], []
         for step in range(args.warmup + args.steps):
             hvd.barrier()
@@ -112,7 +113,7 @@ def run_workers(args, tmp: Path, rate: str) -> dict:
     """The worker in the :data:`N_WORKERS` namespaces (links shaped to ``rate``); its JSON."""
     cmd = lambda out, ifname: (
         [sys.executable, "-m", "scripts.bench.network", "--worker", "--worker-out", str(out)]
-        + (launch.flags(args, "methods", "hidden", "batch_size", "bits", "bucket_size", "steps", "warmup"))
+        + (launch.flags(args, "methods", "hidden", "steps", "warmup"))
     )
     return net.run_netns(args, tmp, N_WORKERS, rate, cmd, tmp / f"mpirun_{rate}.log")
 
@@ -130,8 +131,8 @@ def wire_bits(method: str, bits: float, bucket: int, n: int) -> float:
     return (n - 1) * (bits + 32 / bucket)
 
 
-def _bits(method: str, args) -> float:
-    return args.bit_budget if "auto" in method else args.bits
+def _bits(method: str) -> float:
+    return BUDGET if "auto" in method else BITS
 
 
 def page(runs: dict, args, argv, throughput: dict, wall: float) -> str:
@@ -153,16 +154,14 @@ def page(runs: dict, args, argv, throughput: dict, wall: float) -> str:
         *map(label, methods),
         "fwd+bwd incl. compress calls (max over methods)",
     ]
-    wire = ", ".join(
-        f"{label(m)} {wire_bits(m, _bits(m, args), args.bucket_size, N_WORKERS):.2f} bits" for m in methods
-    )
+    wire = ", ".join(f"{label(m)} {wire_bits(m, _bits(m), BUCKET, N_WORKERS):.2f} bits" for m in methods)
     lines = [
         f"Command: `python -m scripts.bench.network {' '.join(argv if argv is not None else sys.argv[1:])}` "
         f"({wall:.0f} s in all).",
         "",
         f"{N_WORKERS} workers in network namespaces, MLP 784-{args.hidden}-{args.hidden}-10 "
         f"({params / 1e6:.1f}M parameters), "
-        f"batch {args.batch_size} per worker, {args.bits} bits, bucket {args.bucket_size}; median over "
+        f"batch {BATCH} per worker, {BITS} bits, bucket {BUCKET}; median over "
         f"{args.steps} timed steps (after {args.warmup} warm-up) of the slowest rank's step time; "
         f"Open MPI mpi_yield_when_idle={args.yield_when_idle}.",
         "",
@@ -189,10 +188,10 @@ def bytes_lines(runs: dict, args, params: int) -> list[str]:
     measured = [m for m in methods if "bytes_received_per_step" in res[m]]
     if not measured:
         return []
-    arithmetic = lambda m, bits: f"{wire_bits(m, bits, args.bucket_size, N_WORKERS) * params / 8e6:.2f} MB"
+    arithmetic = lambda m, bits: f"{wire_bits(m, bits, BUCKET, N_WORKERS) * params / 8e6:.2f} MB"
     cells = [
         [LABELS.get(m, m), res[m]["exchange"], f"{res[m]['bytes_sent_per_step'] / 1e6:.2f} MB"]
-        + [f"{res[m]['bytes_received_per_step'] / 1e6:.2f} MB", arithmetic(m, _bits(m, args))]
+        + [f"{res[m]['bytes_received_per_step'] / 1e6:.2f} MB", arithmetic(m, _bits(m))]
         for m in measured
     ]
     ring = "ring allreduce (arithmetic) | | |"
@@ -202,8 +201,8 @@ def bytes_lines(runs: dict, args, params: int) -> list[str]:
         "same on every link), against the wire arithmetic above times the parameter count:",
         "",
         *report.table(["method", "exchange", "sent", "received", "arithmetic (received)"], cells),
-        f"| {LABELS['none']} | {ring} {arithmetic('none', args.bits)} |",
-        f"| fp16 | {ring} {arithmetic('fp16', args.bits)} |",
+        f"| {LABELS['none']} | {ring} {arithmetic('none', BITS)} |",
+        f"| fp16 | {ring} {arithmetic('fp16', BITS)} |",
     ]
     for m in measured:
         if res[m].get("allocation"):
@@ -211,9 +210,9 @@ def bytes_lines(runs: dict, args, params: int) -> list[str]:
                 "",
                 f"{LABELS.get(m, m)}: widths {res[m]['allocation']} of the compressed tensors in "
                 f"round order (the last layer first), {res[m]['allocated_mean_bits']:.2f} bits per "
-                f"coordinate (budget {args.bit_budget}); "
+                f"coordinate (budget {BUDGET}); "
                 "the bytes above average every step, the first one (all at the default "
-                f"{int(args.bit_budget)} bits, before the allocation) included.",
+                f"{int(BUDGET)} bits, before the allocation) included.",
             ]
     return lines
 
@@ -244,10 +243,6 @@ def main(argv=None) -> int:
     add("--methods", default=",".join(METHODS))
     add("--workers", type=int, default=4, help="worker namespaces and ranks, 2..8; default 4")
     add("--hidden", type=int, default=4096, help="MLP width; default 4096 (20.0M parameters)")
-    add("--batch-size", type=int, default=8)
-    add("--bits", type=int, default=3)
-    add("--bucket-size", type=int, default=8192)
-    add("--bit-budget", type=float, default=2.5, help="of the alq-auto methods; default 2.5")
     add("--steps", type=int, default=5)
     add("--warmup", type=int, default=2)
     add("--timeout", type=float, default=1200, help="seconds per mpirun")

@@ -27,11 +27,11 @@ import torch
 from scripts.common.bench import numel, resnet50_shapes
 
 
-def make_compressors(bits: int, bucket: int, include_refit: bool) -> dict:
+def make_compressors(include_refit: bool) -> dict:
     from horovod_alq.core.speed import SpeedArbiter
     from horovod_alq.torch import ALQCompressor
 
-    steady = dict(bits=bits, bucket_size=bucket, update_steps=(0,), update_every=0, seed=0)
+    steady = dict(bits=3, bucket_size=8192, update_steps=(0,), update_every=0, seed=0)
     methods = {
         "none (fp32)": hvd.Compression.none,
         "fp16": hvd.Compression.fp16,
@@ -47,7 +47,7 @@ def make_compressors(bits: int, bucket: int, include_refit: bool) -> dict:
     sixteen._state.speed.quantizing = False
     if include_refit:
         methods["ALQ, allgather, refit round"] = ALQCompressor(
-            bits=bits, bucket_size=bucket, update_steps=(0,), update_every=1, seed=0, exchange="allgather"
+            bits=3, bucket_size=8192, update_steps=(0,), update_every=1, seed=0, exchange="allgather"
         )
     return methods
 
@@ -121,21 +121,12 @@ def parser() -> argparse.ArgumentParser:
     warmup = "untimed steps per method first (>= 1: step 0 of an ALQ compressor is its refit round); default 2"
     add("--warmup", type=int, default=2, help=warmup)
     add("--width", type=float, default=1.0, help="channel-count scale of ResNet-50; default 1")
-    add("--bits", type=int, default=3)
-    add("--bucket-size", type=int, default=8192)
     add("--no-refit-row", action="store_true", help="skip the 'refit round' row")
     add("--methods", help="only these rows (fp32 and fp16 always run), comma-separated from: " + keys)
     add("--quick", action="store_true", help="--width 0.5 --steps 3 --warmup 1 (for make bench)")
-    add(
-        "--profile",
-        metavar="METHOD",
-        choices=sorted(PROFILE_KEYS),
-        help="only this method, under cProfile on rank 0: " + keys,
-    )
-    clock = "with --profile: wall time, or the main thread's CPU time (time.thread_time: insensitive to other jobs, "
-    add("--profile-clock", choices=("wall", "cpu"), default="wall", help=clock + "blind to waiting); default wall")
-    add("--profile-out", help="with --profile: write the pstats file here (rank 0)")
-    add("--profile-lines", type=int, default=30, help="functions listed per sort; default 30")
+    add("--profile", metavar="METHOD", choices=sorted(PROFILE_KEYS), help="only this one, cProfile on rank 0: " + keys)
+    clock = "with --profile: wall time or the main thread's CPU time (time.thread_time); default wall"
+    add("--profile-clock", choices=("wall", "cpu"), default="wall", help=clock)
     add("--out", help="rank 0 writes the Markdown report here")
     return p
 
@@ -159,7 +150,7 @@ def main(argv=None) -> int:
         for _, shape in shapes
     ]
     work = [m.clone() for m in master]
-    methods = make_compressors(args.bits, args.bucket_size, not args.no_refit_row)
+    methods = make_compressors(not args.no_refit_row)
     if args.methods:
         keep = {PROFILE_KEYS[k] for k in args.methods.split(",")} | {"none (fp32)", "fp16"}
         methods = {k: v for k, v in methods.items() if k in keep}
@@ -229,7 +220,7 @@ def report(args, argv, shapes, methods, times, parts, first, load_before, load_a
         f"HOROVOD_CACHE_CAPACITY={os.environ.get('HOROVOD_CACHE_CAPACITY')}, Open MPI mpi_yield_when_idle="
         f"{os.environ.get('OMPI_MCA_mpi_yield_when_idle', 'default')}. Load average {load_before:.1f} before, "
         f"{load_after:.1f} after.",
-        f"ALQ: {args.bits} bits, bucket {args.bucket_size}, default fusion (64 MiB of float32 per buffer) unless "
+        "ALQ: 3 bits, bucket 8192, default fusion (64 MiB of float32 per buffer) unless "
         f"named; levels refit at step 0 only (inside the warm-up). Median of {args.steps} steps after "
         f"{args.warmup} warm-up step(s), slowest rank; methods interleaved step by step.",
         "",
@@ -281,11 +272,9 @@ def profile(comp, label: str, shapes, work, master, args) -> int:
             f"{1e3 * statistics.median(totals):.1f} ms; this rank's compress + submit median "
             f"{1e3 * statistics.median(subs):.1f} ms, synchronize + decompress {1e3 * statistics.median(fins):.1f} ms"
         )
-        if args.profile_out:
-            prof.dump_stats(args.profile_out)
         for sort in ("tottime", "cumulative"):
             buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(args.profile_lines)
+            pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(30)
             print(f"## sorted by {sort}\n" + buf.getvalue())
     hvd.shutdown()
     return 0

@@ -11,8 +11,7 @@ The rows, columns and runs: docs/results/bench_train_step.md (each report says i
 
 PowerSGD on gloo issues its second and third allreduce from future callbacks on gloo's threads, so
 with several DDP buckets the ranks can pair different collectives ("Received data size doesn't match
-expected size", or a hang): its rows run with one DDP bucket; --powersgd-fix wait waits for each
-bucket's chain in the hook instead, --powersgd-fix none reproduces the failure.
+expected size", or a hang): its rows run with one DDP bucket.
 """
 
 import argparse
@@ -92,8 +91,7 @@ def worker(args) -> int:
     for key in keys:
         torch.manual_seed(0)  # the same initial weights in every row and on every rank
         model = resnet18(args.width)
-        sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=args.momentum)
-        built[key] = rows.build(key, model, sgd, hvd, bucket_mb=args.ddp_bucket_mb, powersgd_fix=args.powersgd_fix)
+        built[key] = rows.build(key, model, torch.optim.SGD(model.parameters(), lr=0.01), hvd)
         built[key]["clock"] = timing.row_clock(built[key]["state"], hvd.rank(), **warmup)
     timed, before, after = run_steps(args, keys, built, hvd.rank())
     # parameters after all steps: the largest difference to rank 0's (0 when every rank averaged alike)
@@ -218,8 +216,7 @@ def row_bytes(args, key: str, b: dict | None, a: dict | None, params: int, n: in
 def worker_args(args, out: Path, ifname: str, rows: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "scripts.bench.train_step", "--worker", "--worker-out", str(out)]
     cmd += ["--gloo-ifname", ifname, "--rows", rows or args.rows]
-    cmd += launch.flags(args, "width", "batch_size", "steps", "warmup", "powersgd_fix", "gloo_timeout", "momentum")
-    cmd += launch.flags(args, "ddp_bucket_mb", "speed_warmup")
+    cmd += launch.flags(args, "width", "batch_size", "steps", "warmup", "gloo_timeout", "speed_warmup")
     if ifname != "lo":  # in the namespaces: each node's eth0 counters around each row's steps
         cmd += ["--count-ifname", ifname]
     return cmd
@@ -258,11 +255,10 @@ def run(args, tmp: Path, n: int, rate: str | None) -> dict:
 def memory_check(args, workers: list[int]) -> str | None:
     """None, or why the largest launch would not fit in MemAvailable. Per rank: 0.45 GB (torch,
     Horovod, MPI) plus 15 bytes per parameter and row (parameters, gradients, DDP buckets, hook and
-    compressor buffers), 4 more with momentum; measured peaks: 2.35 GB at width 1 with momentum 0,
-    2.83 GB with 0.9, 0.68 GB at width 0.25, 11 rows."""
+    compressor buffers); measured peaks: 2.35 GB at width 1, 0.68 GB at width 0.25, 11 rows."""
     params = sum(p.numel() for p in resnet18(args.width).parameters())
     rows = len(args.rows.split(","))
-    per_rank = 0.45e9 + params * rows * (15 + (4 if args.momentum else 0)) * 1.1
+    per_rank = 0.45e9 + params * rows * 15 * 1.1
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     ranks = max(workers) * args.ranks_per_node
@@ -271,8 +267,8 @@ def memory_check(args, workers: list[int]) -> str | None:
         return None
     return (
         f"{ranks} ranks x about {per_rank / 1e9:.2f} GB ({params:,} parameters x {rows} rows) = "
-        f"{need / 1e9:.1f} GB > {avail / 1e9:.1f} GB available; use --momentum 0, a smaller --width, fewer "
-        "--rows or --workers (or --skip-memory-check)"
+        f"{need / 1e9:.1f} GB > {avail / 1e9:.1f} GB available; use a smaller --width, fewer --rows or "
+        "--workers"
     )
 
 
@@ -417,11 +413,6 @@ COLUMNS = (
     "yield-when-idle polling counts as CPU time, so a long wait on a slow link shows there); all ranks' CPU / "
     "cores = N x process CPU time / cores, the step time if the cores were the only limit."
 )
-POWERSGD_FIX = {
-    "one-bucket": "one DDP bucket (bucket_cap_mb above the model's size)",
-    "wait": "DDP's buckets, each bucket's future chain waited for in the hook",
-    "none": "DDP's buckets, the hook as it stands",
-}
 
 
 def page(args, argv, runs: list[dict], wall: float) -> str:
@@ -441,16 +432,13 @@ def page(args, argv, runs: list[dict], wall: float) -> str:
         f"Model: ResNet-18 (CIFAR form) at width {args.width}, {first['params']:,} parameters in "
         f"{first['param_tensors']} tensors ({first['buffers']:,} batch-norm buffer elements, which DDP "
         f"broadcasts from rank 0 at every forward and Horovod leaves alone); 3x32x32 inputs, batch "
-        f"{args.batch_size} per worker; SGD lr 0.01 momentum {args.momentum:g}. Median over {args.steps} "
+        f"{args.batch_size} per worker; SGD lr 0.01 momentum 0. Median over {args.steps} "
         "timed steps "
         f"(after {args.warmup} warm-up) of the slowest rank's step; rows interleaved, a barrier before each "
         f"step. Open MPI mpi_yield_when_idle={args.yield_when_idle}"
         + (f", between the ranks of a node {intra}" if getattr(args, "nodes", None) else "")
         + f". PowerSGD: start_powerSGD_iter={PSGD_START}, "
-        + POWERSGD_FIX[args.powersgd_fix]
-        + "; the other DDP rows DDP's default buckets"
-        + (f" ({args.ddp_bucket_mb} MB)" if args.ddp_bucket_mb else " (25 MB)")
-        + ".",
+        + "one DDP bucket (bucket_cap_mb above the model's size); the other DDP rows DDP's default buckets (25 MB).",
         "",
     ]
     for r in runs:
@@ -476,29 +464,9 @@ def parser() -> argparse.ArgumentParser:
     rows_help = f"comma-separated, from {','.join(ROWS)}; default {','.join(DEFAULT_ROWS)}, with --nodes "
     add("--rows", help=rows_help + ",".join(NODE_ROWS))
     net.add_layout_options(add)
-    add(
-        "--intra-node",
-        choices=("tcp", "shm"),
-        default="tcp",
-        help="how Open MPI (the Horovod rows) moves bytes between the ranks of a node: TCP over the namespace's "
-        "loopback, or shared memory (vader), as a node's fast links would; gloo (the DDP rows) always uses TCP; "
-        "default tcp",
-    )
-    connect = "seconds for every rank of a launch to start; then it is killed, named and retried once; default 60"
-    add("--connect-timeout", type=float, default=60.0, help=connect)
-    fix_help = "how powerSGD_hook is kept in step on gloo (see above); default one-bucket"
-    add("--powersgd-fix", choices=tuple(POWERSGD_FIX), default="one-bucket", help=fix_help)
-    add("--ddp-bucket-mb", type=float, help="bucket_cap_mb of the other DDP rows; default DDP's (25)")
+    intra = "Open MPI (the Horovod rows) between a node's ranks: TCP over its loopback or shared memory; default tcp"
+    add("--intra-node", choices=("tcp", "shm"), default="tcp", help=intra)
     add("--speed-warmup", type=int, help="compress='when-faster' rows: rounds before the first trial; default 2")
-    momentum_help = "SGD momentum; default 0 (its buffers are one more model copy per row: with 0.9 the 11 rows of "
-    add(
-        "--momentum",
-        type=float,
-        default=0.0,
-        help=momentum_help + "the full model take 2.8 GB per rank, 8 ranks more than 23 GB)",
-    )
-    mem_help = "launch even if the ranks' estimated memory exceeds MemAvailable"
-    add("--skip-memory-check", action="store_true", help=mem_help)
     add("--yield-when-idle", type=int, choices=(0, 1), default=1, help="Open MPI's; default 1")
     out_help = "markdown report (JSON next to it); default build/results/bench_train_step.md, with --quick build/bench/"
     add("--out", help=out_help + "bench_train_step.md")
@@ -531,7 +499,7 @@ def main(argv=None) -> int:
         )
     if args.out is None:
         args.out = "build/bench/bench_train_step.md" if args.quick else "build/results/bench_train_step.md"
-    if not args.skip_memory_check and not args.teardown_only:
+    if not args.teardown_only:
         problem = memory_check(args, workers)
         if problem:
             print(f"scripts.bench.train_step: {problem}", file=sys.stderr)

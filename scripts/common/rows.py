@@ -3,8 +3,8 @@ benchmark's (scripts/bench/train_step.py) and the time-to-accuracy study's. A ro
 ``DistributedOptimizer`` with a compression, a DDP communication hook, or no exchange (``local``);
 :func:`build` makes one around a model and its optimizer, and :attr:`Row.counted` says how its bytes
 per step are counted (scripts/common/timing.py). Horovod tensor names are prefixed by the row's key,
-so that Horovod's response cache never sees one name in two rows. PowerSGD on gloo needs its rows
-kept in step (``powersgd_fix``): scripts/bench/train_step.py's docstring says why.
+so that Horovod's response cache never sees one name in two rows. PowerSGD's rows run with one DDP
+bucket: scripts/bench/train_step.py's docstring says why.
 """
 
 from __future__ import annotations
@@ -133,22 +133,15 @@ ROWS: dict[str, Row] = {
 
 
 def _hooks():
-    """DDP's hooks by codec, PowerSGD's kept in step on gloo by waiting (``powersgd_fix="wait"``)."""
+    """DDP's 16-bit hooks by codec."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-    def powersgd_wait_hook(state, bucket):  # (no annotations: DDP checks them, and these would be strings)
-        """powerSGD_hook, its future chain waited for before the backward goes on."""
-        fut = psgd.powerSGD_hook(state, bucket)
-        fut.wait()
-        return fut
-
-    def bf16_hook(state, bucket):
+    def bf16_hook(state, bucket):  # (no annotations: DDP checks them, and these would be strings)
         """bf16_compress_hook itself, under another name: DDP refuses to register the hook of that
         name without CUDA and NCCL 2.10+, though gloo allreduces bfloat16 on CPU."""
         return default_hooks.bf16_compress_hook(state, bucket)
 
-    return {"fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook, "psgd-wait": powersgd_wait_hook}
+    return {"fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook}
 
 
 def _compression(row: Row, hvd, seed: int | None, opt=None):
@@ -175,15 +168,13 @@ def build(
     opt,
     hvd=None,
     seed: int | None = None,
-    bucket_mb: float | None = None,
-    powersgd_fix: str = "one-bucket",
     matched_rank=None,
 ) -> dict:
     """Row ``key`` around ``model`` and its optimizer ``opt``: {"call": what to call (the model or
     its DDP wrapper), "model", "opt" (Horovod's wrapper for "hvd" rows), "state" (what counts its
     bytes: this package's compressor or ALQState, PowerSGDState, or None), "extra" (for the
-    results)}. ``seed``: the compressors' and PowerSGD's (theirs by default); ``bucket_mb``: DDP's
-    bucket_cap_mb (DDP's default by default); ``matched_rank(model)``: PowerSGD's rank "matched"."""
+    results)}. ``seed``: the compressors' and PowerSGD's (theirs by default); ``matched_rank(model)``:
+    PowerSGD's rank "matched"."""
     row = ROWS[key]
     out = {"call": model, "model": model, "opt": opt, "state": None, "extra": {}}
     if row.kind == "hvd":
@@ -192,19 +183,18 @@ def build(
         out["opt"] = hvd.DistributedOptimizer(opt, named_parameters=named, compression=comp)
         out["state"] = comp if hasattr(comp, "metrics") else None
     elif row.kind == "ddp":
-        out.update(_ddp(row, model, seed, bucket_mb, powersgd_fix, matched_rank))
+        out.update(_ddp(row, model, seed, matched_rank))
     return out
 
 
-def _ddp(row: Row, model, seed, bucket_mb, powersgd_fix: str, matched_rank) -> dict:
+def _ddp(row: Row, model, seed, matched_rank) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from horovod_alq.torch.ddp import ALQState, alq_hook
 
-    if row.codec == "psgd" and powersgd_fix == "one-bucket":
-        bucket_mb = 4 * sum(p.numel() for p in model.parameters()) / 2**20 + 1  # one bucket
-    call = DDP(model, bucket_cap_mb=bucket_mb)  # (the optimizer holds the same parameters)
+    one = 4 * sum(p.numel() for p in model.parameters()) / 2**20 + 1  # PowerSGD's rows: one bucket
+    call = DDP(model, bucket_cap_mb=one if row.codec == "psgd" else None)  # (the optimizer holds the same parameters)
     out, hooks = {"call": call}, _hooks()
     if row.codec in ("fp16", "bf16"):
         call.register_comm_hook(None, hooks[row.codec])
@@ -213,7 +203,7 @@ def _ddp(row: Row, model, seed, bucket_mb, powersgd_fix: str, matched_rank) -> d
         rank = matched_rank(model) if rank == "matched" else rank
         seeded = {} if seed is None else {"random_seed": seed}
         state = psgd.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=PSGD_START, **seeded)
-        call.register_comm_hook(state, hooks["psgd-wait"] if powersgd_fix == "wait" else psgd.powerSGD_hook)
+        call.register_comm_hook(state, psgd.powerSGD_hook)
         out.update(state=state, extra={"powersgd_rank": rank} if row.options["rank"] == "matched" else {})
     elif row.codec == "alq":
         out["state"] = ALQState(**{"exchange": "auto", "wire": "fixed", "compress": "always", **row.options})
