@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -128,7 +127,6 @@ def _gpt_options(add) -> None:
     add("--batch-size", type=int, default=8, help="train_gpt.py --batch-size; default 8")
     add("--optimizer", default="adamw", choices=("adamw", "adamw-frozen", "sgd"), help="train_gpt.py --optimizer")
     add("--lr", type=float, default=None, help="peak lr; default train_gpt.py's (AdamW) or 0.2 (SGD)")
-    add("--extra", default="", help="more train_gpt.py arguments, quoted")
     add("--quick", action="store_true", help="2 ranks, seed 0, 20 steps (core grid: alq@3, none, psgd-match)")
 
 
@@ -427,7 +425,7 @@ def gpt_run_launch(job: dict, args, raw_dir: Path) -> None:
     cmd = [*launch.mpirun(args.np), sys.executable, "-m", module, "--methods", ",".join(job["methods"])]
     cmd += ["--seed", str(job["seed"]), "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
     cmd += ["--bucket-size", str(args.bucket_size), "--json", "{json}", *optimizer_args(args)]
-    out = launch.resumable(cmd + shlex.split(args.extra), raw_path(job, args, raw_dir), args.timeout)
+    out = launch.resumable(cmd, raw_path(job, args, raw_dir), args.timeout)
     if out:
         print("\n".join(ln for ln in out.splitlines() if "eval loss" in ln), flush=True)
 

@@ -60,6 +60,10 @@ CHECKS += [DATA / "bench_train_step_cores_two_100.json", DATA / "bench_train_ste
 CHECKS += [DATA / f"bench_train_step_cores_long_{x}.json" for x in "AB"]
 #: The CPU kernels' report: scripts/bench/codec_widths.py's, a section of the codec speed page.
 CODEC_TABLE = "docs/results/codec_speed.md#bench_codec_widths"
+#: The projection's machine beyond --params, --compute, --alpha and --alpha-intra: nodes of NODE GPUs,
+#: INTRA GB/s per GPU inside a node, ETA of the inter-node rate achieved, an assumed GPU codec encoding
+#: GPU_CODEC coordinates/s, OVERLAP (phi) of codec/copies and wire; HOST_CORES: cores of the measuring host.
+NODE, INTRA, ETA, GPU_CODEC, OVERLAP, HOST_CORES = 8, 400.0, 1.0, 1e11, 0.0, 2
 HBM = 4.8e12  # bytes/s, an H200's memory bandwidth (the GPU codec's floor, for comparison only)
 # the projection's reference model: 6 P tokens FLOP per step at REF_MFU of an H100's dense bf16 peak
 REF_PARAMS, REF_TOKENS, REF_MFU, REF_PEAK = 1e9, 8192, 0.4, 989e12
@@ -158,7 +162,7 @@ def measured_cost(key: str, p: float, n: int, g: int, small: float) -> tuple[Cos
     return cost, bits
 
 
-def load_rows(path: Path, host_cores: int = 2) -> list[dict]:
+def load_rows(path: Path, host_cores: int = HOST_CORES) -> list[dict]:
     """Every modelled row of a bench_train_step JSON: its inputs and the measured step (the runs
     shared the ``host_cores`` cores of one machine)."""
     data = json.loads(path.read_text())
@@ -194,7 +198,7 @@ def load_rows(path: Path, host_cores: int = 2) -> list[dict]:
     return rows
 
 
-def median_rows(paths: list[Path], host_cores: int = 2) -> list[dict]:
+def median_rows(paths: list[Path], host_cores: int = HOST_CORES) -> list[dict]:
     """:func:`load_rows` of repeated runs: per layout, rate and row, the median measured step
     (``runs``: how many; ``spread``: largest step over smallest)."""
     groups: dict = {}
@@ -550,7 +554,7 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
     msgs = [r["cost"].msgs + r["cost"].msgs_intra for r in rows]
     layouts = " and ".join(dict.fromkeys(r["layout"].replace("x", " nodes x ") + " ranks" for r in rows))
     runs = max(r.get("runs", 1) for r in rows)
-    sources = args.calibration.split(",")
+    sources = [str(c.relative_to(ROOT)) for c in CALIBRATION if c.exists()]
     pages = ", ".join(f"[{Path(c).stem}](bench_train_step.md#{Path(c).stem})" for c in sources)
     out = [
         f"# A scale model of the training step (alpha-beta), calibrated on {layouts}",
@@ -589,7 +593,7 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
         if checks
         else "- No out-of-sample runs read.",
         f"- **Projection** (P = {args.params:.3g} parameters, compute {args.compute * 1e3:g} ms per step, nodes of "
-        f"{args.node_size}, {args.intra:g} GB/s inside a node, alpha {args.alpha * 1e6:g} us between nodes): "
+        f"{NODE}, {INTRA:g} GB/s inside a node, alpha {args.alpha * 1e6:g} us between nodes): "
         f"the hierarchical exchange sends (M-1) P q between nodes per node, an allgather of the node sums, "
         f"against 2(M-1)/M · 2P for Horovod's hierarchical fp16: at 3 bits (q = {q3:.4f} B) fewer bytes only while "
         f"M < 4/q = {4 / q3:.1f} nodes. The hierarchical two-phase exchange (what exchange='auto' picks from 4 "
@@ -619,10 +623,10 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
         "    W = inter / (eta R) + messages between alpha",
         "",
         "L is the host's (or GPU's) own work, W the wire. In the calibration share = ranks / host cores "
-        f"(the runs shared {args.host_cores} cores), B_host = B_intra (on one host a byte through TCP costs "
+        f"(the runs shared {HOST_CORES} cores), B_host = B_intra (on one host a byte through TCP costs "
         "the same to loopback or to a veth) and alpha_intra = alpha; in the projection share = 1, "
         "B_host infinite (RDMA), kappa = 1 and phi = "
-        f"{args.overlap:g}. The formulas are the docstrings of `ring_allreduce`, `hierarchical_allreduce`, "
+        f"{OVERLAP:g}. The formulas are the docstrings of `ring_allreduce`, `hierarchical_allreduce`, "
         "`alltoall`, `allgather` and the `alq_*` functions of scripts/study/scale.py, checked against "
         "hand-computed cases in tests/test_scale_model.py.",
         "",
@@ -637,16 +641,16 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
         f"- CPU codec: {codec_src}: encode {cpu.enc3 * 1e9:.3f} ns per coordinate at 3 bits, "
         f"{cpu.enc4 * 1e9:.3f} at 4, decode-and-add {cpu.dec * 1e9:.3f} ns per coordinate and payload.",
         "- GPU codec: **not measured** (no GPU here; [the GPU codec's report](codec_speed.md#bench_gpu) has the "
-        f"command): an assumed {args.gpu_codec:.3g} coordinates/s encoded at 3 bits ({gpu.enc3 * 1e12:.3g} ps per "
+        f"command): an assumed {GPU_CODEC:.3g} coordinates/s encoded at 3 bits ({gpu.enc3 * 1e12:.3g} ps per "
         f"coordinate), 4 bits and decoding in the CPU kernels' proportions ({gpu.enc4 * 1e12:.3g} and "
         f"{gpu.dec * 1e12:.3g} ps). The memory floor of an H200 ({HBM / 1e12:g} TB/s, 4 B read and q written per "
-        f"coordinate) would allow {HBM / (4 + q3) / args.gpu_codec:.0f}x this encode rate.",
+        f"coordinate) would allow {HBM / (4 + q3) / GPU_CODEC:.0f}x this encode rate.",
         f"- Projection model: P = {args.params:.3g} parameters and {args.compute * 1e3:g} ms of compute per step "
         f"(`--params`, `--compute`): a transformer of {REF_PARAMS:,.0f} parameters at {REF_TOKENS} tokens per GPU "
         f"and step takes 6 P tokens = {6 * REF_PARAMS * REF_TOKENS:.2e} FLOP, {ref_compute * 1e3:.0f} ms at "
         f"{REF_MFU:.0%} of an H100's {REF_PEAK / 1e12:g} TFLOP/s (bf16, dense); the default rounds that.",
-        f"- Network: {', '.join(f'{r:g}' for r in rates)} Gbit/s per node between nodes at eta = {args.eta:g} "
-        f"of it, {args.intra:g} GB/s per GPU inside a node, alpha = {args.alpha * 1e6:g} us per message between "
+        f"- Network: {', '.join(f'{r:g}' for r in rates)} Gbit/s per node between nodes at eta = {ETA:g} "
+        f"of it, {INTRA:g} GB/s per GPU inside a node, alpha = {args.alpha * 1e6:g} us per message between "
         f"nodes and {args.alpha_intra * 1e6:g} us inside (`--alpha`, `--alpha-intra`).",
         "",
         "## Calibration",
@@ -692,7 +696,7 @@ def report(args, argv, rows, ratios, fitted, spread, checks, proj, cross, codecs
     out += [
         "## Projection",
         "",
-        f"Step time in ms; for the ALQ rows (in brackets) over the best 16-bit row's. Nodes of {args.node_size}.",
+        f"Step time in ms; for the ALQ rows (in brackets) over the best 16-bit row's. Nodes of {NODE}.",
         "",
         "![scale model](scale_model.png)",
         "",
@@ -719,40 +723,29 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small grid: 16 and 64 GPUs, 10 and 100 Gbit/s")
     out_help = "writes scale_model.md, .png and data/scale_model.json; default build/results"
     p.add_argument("--out-dir", default="build/results", help=out_help)
-    rel = lambda path: str(path.relative_to(ROOT))  # noqa: E731
-    p.add_argument("--calibration", default=",".join(rel(c) for c in CALIBRATION if c.exists()), help="JSONs to fit")
-    p.add_argument("--checks", default=",".join(map(rel, CHECKS)), help="JSONs to predict, not fitted")
-    codec_help = "the CPU kernels: scripts.bench.codec_widths's report, page.md#anchor or a file; default %(default)s"
-    p.add_argument("--codec-table", default=CODEC_TABLE, help=codec_help)
-    p.add_argument("--host-cores", type=int, default=2, help="cores of the machine that measured the steps")
     p.add_argument("--params", type=float, default=1e9, help="projection: gradient coordinates P")
     p.add_argument("--compute", type=float, default=0.125, help="projection: compute per step, s")
     p.add_argument("--gpus", default="16,32,64,128,256,512,1024", help="projection: GPU counts")
-    p.add_argument("--node-size", type=int, default=8, help="projection: GPUs per node G")
     p.add_argument("--rates", default="10,25,100", help="projection: inter-node rates, Gbit/s per node")
-    p.add_argument("--eta", type=float, default=1.0, help="projection: fraction of the inter-node rate achieved")
-    p.add_argument("--intra", type=float, default=400.0, help="projection: GB/s per GPU inside a node")
     p.add_argument("--alpha", type=float, default=5e-6, help="projection: s per message between nodes")
     p.add_argument("--alpha-intra", type=float, default=1e-6, help="projection: s per message inside a node")
-    p.add_argument("--gpu-codec", type=float, default=1e11, help="projection: assumed GPU encode, coordinates/s")
-    p.add_argument("--overlap", type=float, default=0.0, help="projection: phi, overlap of codec/copies and wire")
     args = p.parse_args(argv)
     if args.quick:
         args.gpus, args.rates = "16,64", "10,100"
     started = time.time()
-    cpu, codec_src = cpu_codec(args.codec_table)
-    rows = median_rows([ROOT / c for c in args.calibration.split(",")], args.host_cores)
+    cpu, codec_src = cpu_codec()
+    rows = median_rows([c for c in CALIBRATION if c.exists()])
     fitted, ratios, spread = calibrate(rows, cpu)
     checks = []
-    for path in (ROOT / c for c in args.checks.split(",") if c):
+    for path in CHECKS:
         if path.exists():
-            rs = load_rows(path, args.host_cores)
+            rs = load_rows(path)
             checks += list(zip(rs, predict(rs, fitted, cpu) / np.array([r["measured_s"] for r in rs])))
-    machine = Params(args.alpha, args.alpha_intra, args.eta, args.intra * 1e9, 1.0, args.overlap)
-    codecs = {"GPU codec": gpu_codec(args.gpu_codec, cpu), "CPU codec": cpu}
+    machine = Params(args.alpha, args.alpha_intra, ETA, INTRA * 1e9, 1.0, OVERLAP)
+    codecs = {"GPU codec": gpu_codec(GPU_CODEC, cpu), "CPU codec": cpu}
     gpus = [int(v) for v in args.gpus.split(",")]
     rates = [float(v) * GBIT for v in args.rates.split(",")]
-    g = args.node_size
+    g = NODE
     proj = project(args.params, args.compute, gpus, g, rates, machine, codecs)
     cross = [
         {

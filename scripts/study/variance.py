@@ -43,9 +43,10 @@ from scripts.common.gpt import GPT, char_splits, lr_at, sample_batch
 
 FIXED = ["qsgdinf", "qsgd", "nuqsgd", "terngrad"]
 BASES = ["alq", "alq-n", "amq", "amq-n"]
-ADAPTIVE = [f"{m}-{norm}" for m in BASES for norm in ("l2", "linf")]  # narrowed by --norms in main()
+NORMS = ("l2", "linf")  # the adaptive methods' bucket norms
+ADAPTIVE = [f"{m}-{norm}" for m in BASES for norm in NORMS]
 SCHEDULES = ["paper", "once", "every"]
-AUTO_METHODS = ["alq", "amq"]  # --auto: bits="auto" of these, each with every norm of --norms
+AUTO_METHODS = ["alq", "amq"]  # --auto: bits="auto" of these, each with both norms
 COLORS = {
     "alq": "C0",
     "alq-n": "C9",
@@ -66,35 +67,41 @@ def _style(name: str) -> str:
     return {"l2": "-.", "linf": "-", None: "--"}[split_norm(name)[1]]
 
 
+#: Per model, the defaults of the options left at None, then what --quick sets.
+DEFAULTS = {
+    "cnn": dict(iters=2500, batch_size=32, lr=0.05, budgets="3.0,2.5"),
+    "gpt": dict(iters=300, batch_size=8, lr=3e-3, budgets="2.5,3"),
+}
+QUICK = {
+    "cnn": dict(iters=30, eval_every=10, refit_every=10, paper_steps="0,20", bits="3", buckets="512"),
+    "gpt": dict(iters=20, eval_every=20, bits="3", refit_steps="0,10", budgets="3"),
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--model", choices=("cnn", "gpt"), default="cnn", help="the demo CNN or the GPT; default cnn")
-    if pre.parse_known_args(argv)[0].model == "gpt":
-        return gpt_parse_args(argv, pre)
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[pre]
-    )
-    p.add_argument("--iters", type=int, default=2500, help="SGD iterations; default 2500")
-    p.add_argument("--eval-every", type=int, default=25, help="measure every this many iterations; default 25")
-    p.add_argument("--refit-every", type=int, default=50, help="the 'every' schedule's period; default 50")
-    p.add_argument("--paper-steps", default="0,100,2000", help="the 'paper' schedule; default 0,100,2000")
-    p.add_argument("--bits", default="2,3,4", help="default 2,3,4 (TernGrad: always its 2-bit ternary)")
-    p.add_argument("--buckets", default="512,8192", help="default 512,8192")
-    p.add_argument("--norms", default="l2,linf", help="bucket norms of the adaptive methods; default l2,linf")
-    p.add_argument("--batch-size", type=int, default=32, help="default 32")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
-    p.add_argument("--seed", type=int, default=0)
-    out_help = "variance.md and PNGs go here, variance.json to its data/; default build/results"
-    p.add_argument("--out-dir", default="build/results", help=out_help)
-    p.add_argument("--auto", action="store_true", help="bits='auto' (--budgets) against uniform 3 bits")
-    p.add_argument("--budgets", default="3.0,2.5", help="--auto: mean bits per coordinate; default 3.0,2.5")
-    p.add_argument("--min-size", type=int, default=1024, help="--auto: smaller tensors are not quantized; default 1024")
-    p.add_argument("--quick", action="store_true", help="30 iterations, 3 bits, bucket 512")
-    p.add_argument("--replot", action="store_true", help="only rebuild the page and PNGs from data/variance*.json")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--model", choices=("cnn", "gpt"), default="cnn", help="the demo CNN (SGD) or the GPT (AdamW); default cnn")
+    add("--iters", type=int, help="training iterations; default 2500 (gpt: 300)")
+    add("--eval-every", type=int, default=25, help="measure every this many iterations; default 25")
+    add("--bits", default="2,3,4", help="default 2,3,4 (TernGrad: always its 2-bit ternary)")
+    add("--batch-size", type=int, help="one worker's batch; default 32 (gpt: 8)")
+    add("--lr", type=float, help="SGD lr, momentum 0.9 (gpt: AdamW's peak, train_gpt.py's); default 0.05 (gpt: 3e-3)")
+    add("--budgets", help="--auto, gpt: mean bits per coordinate of the allocations; default 3.0,2.5 (gpt: 2.5,3)")
+    add("--min-size", type=int, default=1024, help="--auto, gpt: smaller tensors are not quantized; default 1024")
+    add("--seed", type=int, default=0)
+    add("--out-dir", default="build/results", help="the pages and PNGs; the JSON in its data/; default build/results")
+    add("--quick", action="store_true", help="cnn: 30 iterations, 3 bits, bucket 512; gpt: 20 iterations, 3 bits")
+    add("--refit-every", type=int, default=50, help="cnn: the 'every' schedule's period; default 50")
+    add("--paper-steps", default="0,100,2000", help="cnn: the 'paper' schedule; default 0,100,2000")
+    add("--buckets", default="512,8192", help="cnn: default 512,8192")
+    add("--auto", action="store_true", help="cnn: bits='auto' (--budgets) against uniform 3 bits")
+    add("--replot", action="store_true", help="cnn: only rebuild the page and PNGs from data/variance*.json")
+    add("--bucket-size", type=int, default=8192, help="gpt: default 8192")
+    add("--refit-steps", default="0,100,2000", help="gpt: the compressors' schedule; default 0,100,2000")
     args = p.parse_args(argv)
-    if args.quick:
-        args.iters, args.eval_every, args.refit_every, args.paper_steps = 30, 10, 10, "0,20"
-        args.bits, args.buckets = "3", "512"
+    unset = {k: v for k, v in DEFAULTS[args.model].items() if getattr(args, k) is None}
+    vars(args).update(unset, **(QUICK[args.model] if args.quick else {}))
     return args
 
 
@@ -122,15 +129,12 @@ def main(argv=None) -> int:
     bits_list = [int(b) for b in args.bits.split(",")]
     buckets = [int(b) for b in args.buckets.split(",")]
     paper_steps = {int(s) for s in args.paper_steps.split(",") if s.strip()}
-    norms = [n.strip() for n in args.norms.split(",") if n.strip()]
-    ADAPTIVE[:] = [f"{m}-{norm}" for m in BASES for norm in norms]
     if args.auto:
         if args.replot:
             return write_auto_outputs(json.loads((out / "data" / "variance_auto.json").read_text()), out)
-        return run_auto(args, buckets, norms, paper_steps, out, argv if argv is not None else sys.argv[1:])
+        return run_auto(args, buckets, paper_steps, out, argv if argv is not None else sys.argv[1:])
     if args.replot:
         data = json.loads((out / "data" / "variance.json").read_text())
-        ADAPTIVE[:] = [f"{m}-{norm}" for m in BASES for norm in data["args"].get("norms", "l2").split(",")]
         bits_list = [int(b) for b in data["args"]["bits"].split(",")]
         buckets = [int(b) for b in data["args"]["buckets"].split(",")]
         return write_outputs(data, bits_list, buckets, out, data.get("argv"))
@@ -328,12 +332,12 @@ def plot_levels(data, bits_list, buckets, path):
 # --auto: the compressors' bits="auto" against uniform 3 bits
 
 
-def run_auto(args, buckets, norms, paper_steps, out: Path, argv: list) -> int:
+def run_auto(args, buckets, paper_steps, out: Path, argv: list) -> int:
     """Train, measure every --eval-every iterations, refit on the paper schedule; besides the
     compressors' AutoBits, every width's levels and the best allocation per budget (exhaustive
     search: a bound on any allocation of widths per tensor)."""
     budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
-    labels = [f"{m}-{norm}" for m in AUTO_METHODS for norm in norms]
+    labels = [f"{m}-{norm}" for m in AUTO_METHODS for norm in NORMS]
     widths = {
         (label, d): [
             Quantizer(split_norm(label)[0], bits=w, bucket_size=d, norm=split_norm(label)[1]) for w in AUTO_WIDTHS
@@ -624,28 +628,6 @@ def layer_type(name: str) -> str:
     return "norm"
 
 
-def gpt_parse_args(argv, pre: argparse.ArgumentParser) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[pre]
-    )
-    p.add_argument("--iters", type=int, default=300, help="AdamW iterations; default 300")
-    p.add_argument("--eval-every", type=int, default=25, help="default 25")
-    p.add_argument("--bits", default="2,3,4", help="default 2,3,4 (TernGrad: always 2)")
-    p.add_argument("--bucket-size", type=int, default=8192, help="default 8192")
-    p.add_argument("--min-size", type=int, default=1024, help="smaller tensors are not quantized; default 1024")
-    p.add_argument("--refit-steps", default="0,100,2000", help="the compressors' schedule; default 0,100,2000")
-    p.add_argument("--batch-size", type=int, default=8, help="one worker's batch; default 8")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (train_gpt.py's); default 3e-3")
-    p.add_argument("--budgets", default="2.5,3", help="mean bits per coordinate of the allocations; '' for none")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="build/results", help="variance_gpt.md/.png, data/variance_gpt.json")
-    p.add_argument("--quick", action="store_true", help="20 iterations, 3 bits")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.iters, args.eval_every, args.bits, args.refit_steps, args.budgets = 20, 20, "3", "0,10", "3"
-    return args
-
-
 def gpt_main(args, out: Path, argv: list) -> int:
     """The GPT's measurements (--model gpt): per layer type, and with --budgets the allocations."""
     bits_list = [int(b) for b in args.bits.split(",")]
@@ -739,14 +721,13 @@ def measure(record: dict, t: int, loss: float, grads, tensors: tuple, est: dict,
         row = {k: err[k] / sq[k] for k in TYPES if sq[k] > 0}
         row["total"] = sum(err.values()) / total
         record["variance"].setdefault(f"{label}|{b}", []).append(row)
-    if budgets:
-        measure_allocations(record, widths, current, quantized, sizes, budgets, total)
-        for (m, budget), auto in autos.items():
-            err, _ = auto_error(auto, quantized, keys)
-            record["allocation"][f"{m}|{budget}"][-1]["compressor"] = err / total
-        for (m, budget), auto in per_bucket.items():
-            err, _ = bucket_auto_error(auto, quantized)
-            record["allocation"][f"{m}|{budget}"][-1]["per_bucket"] = err / total
+    measure_allocations(record, widths, current, quantized, sizes, budgets, total)
+    for (m, budget), auto in autos.items():
+        err, _ = auto_error(auto, quantized, keys)
+        record["allocation"][f"{m}|{budget}"][-1]["compressor"] = err / total
+    for (m, budget), auto in per_bucket.items():
+        err, _ = bucket_auto_error(auto, quantized)
+        record["allocation"][f"{m}|{budget}"][-1]["per_bucket"] = err / total
 
 
 def refit(record: dict, t: int, tensors: tuple, est: dict) -> None:
@@ -758,19 +739,18 @@ def refit(record: dict, t: int, tensors: tuple, est: dict) -> None:
     for (label, b), q in quantizers.items():
         if q.method in ("alq", "alq-n", "amq", "amq-n"):
             refit_from(q, quantized)
-    if budgets:
-        for q in widths.values():
-            refit_from(q, quantized)
-        for auto in per_bucket.values():
-            auto_refit(auto, quantized, sizes, keys)
-        for (m, budget), auto in autos.items():
-            bits = auto_refit(auto, quantized, sizes, keys)
-            record["compressor_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = bits
-        for m in ALLOC_METHODS:
-            e = error_matrix([widths[(m, w)] for w in ALLOC_WIDTHS], quantized)
-            for budget in budgets:
-                current[(m, budget)] = allocate_bits(e, sizes, budget, ALLOC_WIDTHS).bits
-                record["refit_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = current[(m, budget)].tolist()
+    for q in widths.values():
+        refit_from(q, quantized)
+    for auto in per_bucket.values():
+        auto_refit(auto, quantized, sizes, keys)
+    for (m, budget), auto in autos.items():
+        bits = auto_refit(auto, quantized, sizes, keys)
+        record["compressor_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = bits
+    for m in ALLOC_METHODS:
+        e = error_matrix([widths[(m, w)] for w in ALLOC_WIDTHS], quantized)
+        for budget in budgets:
+            current[(m, budget)] = allocate_bits(e, sizes, budget, ALLOC_WIDTHS).bits
+            record["refit_bits"].setdefault(f"{m}|{budget}", {})[str(t)] = current[(m, budget)].tolist()
 
 
 def measure_allocations(record, widths, current, quantized, sizes, budgets, total) -> None:
@@ -829,8 +809,7 @@ def gpt_report(record: dict, bits_list) -> str:
             cells = [f"{_mean(rows, k, after0):.3g}" for k in TYPES]
             lines.append(f"| {label} | {total:.3g} | " + " | ".join(cells) + f" | {total / reference:.2f} |")
         lines.append("")
-    if record["allocation"]:
-        lines += allocation_report(record, after0)
+    lines += allocation_report(record, after0)
     return "\n".join(lines) + "\n"
 
 
@@ -905,8 +884,7 @@ def plot(record: dict, bits_list, path: Path) -> None:
     bx.grid(axis="y", alpha=0.3, which="both")
     bx.legend(fontsize=7, ncol=3)
     pages.save(fig, path)
-    if record["refit_bits"]:
-        plot_bits(record, path.with_name(path.stem + "_bits.png"))
+    plot_bits(record, path.with_name(path.stem + "_bits.png"))
 
 
 def plot_bits(record: dict, path: Path) -> None:

@@ -40,23 +40,22 @@ VARIANT_NAMES = {
 }
 
 
+#: The fixed settings (kept with the options in the data): simulated worker counts N, first-phase bits
+#: (and (a), (a0), (b)), variant (c)'s second bits, the CNN's batch and SGD lr (momentum 0.9).
+SETTINGS = dict(methods="alq,amq,qsgdinf", workers="2,4,8", bits=3, bits_second=4, batch_size=32, lr=0.05, seed=0)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default="alq,amq,qsgdinf", help="default alq,amq,qsgdinf")
-    p.add_argument("--workers", default="2,4,8", help="simulated worker counts N; default 2,4,8")
-    p.add_argument("--bits", type=int, default=3, help="first-phase bits (and (a), (a0), (b)); default 3")
-    p.add_argument("--bits-second", type=int, default=4, help="variant (c)'s second bits; default 4")
     p.add_argument("--buckets", default="8192,512", help="bucket sizes; default 8192,512")
     p.add_argument("--checkpoints", default="50,400,1000,2000", help="iterations to measure at; default %(default)s")
     p.add_argument("--draws", type=int, default=3, help="evaluation rounds per checkpoint; default 3")
     p.add_argument("--samples", type=int, default=2, help="draws of S per evaluation round; default 2")
     p.add_argument("--unbiased-samples", type=int, default=60, help="estimates per setting of the unbiasedness check")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.05, help="SGD lr, momentum 0.9; default 0.05")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the Markdown report here (and the raw numbers to data/<name>.json beside it)")
     p.add_argument("--quick", action="store_true", help="checkpoints 20, 60, 2 draws, bucket 8192, 20 unbiased samples")
     args = p.parse_args(argv)
+    vars(args).update(SETTINGS)
     if args.quick:
         args.checkpoints, args.draws, args.samples, args.buckets, args.unbiased_samples = "20,60", 2, 2, "8192", 20
     return args
