@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scripts.bench.gpu_paths_steps import char_data, check, falls, optimizer_check, train_losses, unbiased
+from scripts.common.network import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXCHANGES = ("allgather", "two-phase", "hierarchical", "hierarchical-two-phase")
@@ -28,12 +28,6 @@ ROUNDS = 16
 
 
 # ---------------------------------------------------------------------------------------- parent
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(ctx, kind: str, timeout: float = 240, horovod_path: str | None = None) -> list:
     """Both ranks' results of the ``kind`` worker; raises with their output when a rank fails or
     outlives ``timeout`` (below the section timeout, so the next sections still run)."""
@@ -50,7 +44,7 @@ def launch(ctx, kind: str, timeout: float = 240, horovod_path: str | None = None
             runner = [sys.executable, "-m", "horovod.runner.launch", "-np", "2", "-H", "localhost:2", "--gloo"]
             cmds = [(runner + worker, env)]
         else:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")), WORLD_SIZE="2")
             cmds = [(worker, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
         pipe = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs = [subprocess.Popen(cmd, env=e, **pipe) for cmd, e in cmds]

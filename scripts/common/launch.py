@@ -124,20 +124,6 @@ def dump_stacks(pids: Iterable[int]) -> None:
         time.sleep(1.0)
 
 
-#: The launches in flight (their process groups): :func:`kill_running` stops them, e.g. from a
-#: driver's signal handler.
-RUNNING: set[int] = set()
-
-
-def kill_running(*_) -> None:
-    """SIGKILL every launch in flight."""
-    for group in list(RUNNING):
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def run(
     cmd: list[str],
     log,
@@ -163,7 +149,6 @@ def run(
     proc = subprocess.Popen(
         cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
     )
-    RUNNING.add(proc.pid)
     start = time.monotonic()
     try:
         while True:
@@ -181,7 +166,6 @@ def run(
             cleanup()
         raise
     finally:
-        RUNNING.discard(proc.pid)
         if out is not log:
             out.close()
 

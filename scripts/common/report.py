@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -94,6 +96,12 @@ def stats(values) -> dict:
         "min": float(v.min()),
         "max": float(v.max()),
     }
+
+
+def mean_se(values) -> tuple[float, float]:
+    """Mean and standard error (nan for one value)."""
+    m = statistics.fmean(values)
+    return m, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
 
 
 def finish_paired_plot(

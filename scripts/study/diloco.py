@@ -8,7 +8,7 @@ docs/results/diloco_study.md.
     python -m scripts.study.diloco --quick --out-dir /tmp/diloco  # 2 workers, 1 seed, 20 steps, 3 rows
 
 A row is ``base(@lrX)?(@mX)?(@nX)?``: base a key of ROWS or ``h<H>-<kind>`` (``h50-<kind>`` with H
-inner steps); ``@lr``, ``@m``: outer lr and Nesterov momentum; ``@n``: fp32 only, Gaussian noise of
+inner steps); ``@lr``, ``@m``: outer lr and Nesterov momentum (0.7, 0.9); ``@n``: fp32 only, noise of
 that norm relative to the averaged pseudo-gradient (issue 54).
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from scripts.common import launch as launching
 from scripts.common import report as pages
+from scripts.common.report import mean_se
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Every row: (name, H or None for per-step data parallelism, method, bits, error feedback, wire).
@@ -51,7 +52,7 @@ QUICK_ROWS = ("dp-fp16", "h10-fp32", "h10-alq3")
 _ROW = re.compile(r"(?P<base>[^@]+)(?:@lr(?P<lr>[^@]+))?(?:@m(?P<m>[^@]+))?(?:@n(?P<n>[^@]+))?")
 
 
-def row_spec(row: str, args=None) -> tuple:
+def row_spec(row: str) -> tuple:
     """``(H, method, bits, error feedback, wire, outer lr, outer momentum, noise)`` of a row name
     (the module docstring's grammar); ValueError when it is not a row or out of range."""
     match = _ROW.fullmatch(row)
@@ -68,8 +69,8 @@ def row_spec(row: str, args=None) -> tuple:
     if match["n"] and spec[1] != "fp32":
         raise ValueError(f"row {row!r}: @n (added noise) is for the fp32 rows only")
     try:
-        lr = float(match["lr"]) if match["lr"] else float(getattr(args, "outer_lr", 0.7))
-        mu = float(match["m"]) if match["m"] else float(getattr(args, "outer_momentum", 0.9))
+        lr = float(match["lr"]) if match["lr"] else 0.7
+        mu = float(match["m"]) if match["m"] else 0.9
         noise = float(match["n"]) if match["n"] else 0.0
     except ValueError:
         raise ValueError(f"row {row!r}: @lr, @m and @n take numbers") from None
@@ -93,8 +94,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate; default 3e-3")
     p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps; default 30")
     p.add_argument("--weight-decay", type=float, default=0.1, help="default 0.1")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="default 0.7")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="default 0.9")
     p.add_argument("--bucket-size", type=int, default=8192, help="default 8192")
     p.add_argument("--eval-every", type=int, default=50, help="a multiple of every row's H; default 50")
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows per evaluation; default 256")
@@ -110,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.eval_every, args.eval_windows, args.warmup = 10, 16, 2
     for row in args.rows.split(","):
         try:
-            h = row_spec(row, args)[0]
+            h = row_spec(row)[0]
         except ValueError as err:
             p.error(f"{err}; the rows are {', '.join(ROWS)}, hH-<kind>, each with @lr<x>, @m<x> (fp32: @n<x>)")
         if h and args.steps % math.lcm(h, args.eval_every):
@@ -301,7 +300,7 @@ def run_row(row: str, args, data) -> dict:
 
     train_ids, val_ids, chars = data
     rank, n = dist.get_rank(), dist.get_world_size()
-    spec = row_spec(row, args)
+    spec = row_spec(row)
     h = spec[0]
     torch.manual_seed(args.seed)  # the same initial model on every rank and in every row
     model = GPT(len(chars), args.width, args.layers, args.heads, args.context)
@@ -380,19 +379,12 @@ def worker(args) -> int:
 # ---------------------------------------------------------------------------------- the driver
 def launch(args, seed: int, path: Path) -> None:
     passed = launching.flags(args, "rows", "steps", "batch_size", "context", "width", "layers", "heads", "lr")
-    passed += launching.flags(args, "warmup", "weight_decay", "outer_lr", "outer_momentum", "bucket_size")
+    passed += launching.flags(args, "warmup", "weight_decay", "bucket_size")
     passed += launching.flags(args, "eval_every", "eval_windows")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers)]
     cmd += ["-m", "scripts.study.diloco", "--worker", "--seed", str(seed), "--json", str(path), *passed]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
-
-
-def _mean_se(values: list[float]) -> tuple[float, float]:
-    m = sum(values) / len(values)
-    if len(values) < 2:
-        return m, float("nan")
-    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
 def _se(value: float) -> str:
@@ -417,10 +409,10 @@ def summarize(runs: dict[int, dict], args) -> str:
     base_bytes = sum(runs[s]["results"][base]["bytes"] for s in seeds) / len(seeds)
     for row in rows:
         res = [runs[s]["results"][row] for s in seeds]
-        loss, loss_se = _mean_se([r["final_loss"] for r in res])
-        diff, diff_se = _mean_se([r["final_loss"] - runs[s]["results"][base]["final_loss"] for s, r in zip(seeds, res)])
+        loss, loss_se = mean_se([r["final_loss"] for r in res])
+        diff, diff_se = mean_se([r["final_loss"] - runs[s]["results"][base]["final_loss"] for s, r in zip(seeds, res)])
         mbytes = sum(r["bytes"] for r in res) / len(res)
-        wall, _ = _mean_se([r["seconds"] + 8 * r["bytes"] / (args.rate * 1e6) for r in res])
+        wall, _ = mean_se([r["seconds"] + 8 * r["bytes"] / (args.rate * 1e6) for r in res])
         ratio = mbytes / base_bytes if base_bytes else float("nan")
         lines.append(
             f"| {row} | {loss:.4f}{_se(loss_se)} | {diff:+.4f}{_se(diff_se)} | {mbytes / 1e6:.3f} | "

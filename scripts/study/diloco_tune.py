@@ -17,12 +17,16 @@ import math
 import sys
 from pathlib import Path
 
+from scripts.common import report as pages
 from scripts.study import diloco
 
 QUANT = ("fp32", "int8", "qsgdinf2", "alq2", "alq3", "alq4", "alq2-ef")
 #: The arguments a DP reference's raw file must share with this study's launches.
 SHARED = ("steps", "batch_size", "context", "width", "layers", "heads", "lr", "warmup", "weight_decay")
 SHARED += ("eval_windows",)
+LRS, MOMENTA = (0.3, 0.5, 0.7, 1.0), (0.0, 0.9)  # the sweep's outer learning rates and Nesterov momenta
+H, HORIZONS = 50, (10, 100)  # the sweep's and the quantizers' H; the horizon stage's
+DP_RAW = Path("docs/results/data/diloco_study_raw")  # dp-fp16's raw files
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,15 +34,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stage", required=True, choices=("sweep", "horizon", "quant", "report"))
     p.add_argument("--out-dir", default="build/diloco_tuned", help="default build/diloco_tuned")
     p.add_argument("--seeds", default="0", help="the quant stage's seeds; default 0")
-    p.add_argument("--lrs", default="0.3,0.5,0.7,1.0", help="the sweep's outer learning rates")
-    p.add_argument("--momenta", default="0.0,0.9", help="the sweep's Nesterov momenta")
-    p.add_argument("--lr", type=float, help="the tuned outer lr (default: the sweep's best)")
-    p.add_argument("--momentum", type=float, help="the tuned outer momentum (default: the sweep's best)")
-    p.add_argument("--kinds", default=",".join(QUANT), help=f"the quant stage's rows; default {','.join(QUANT)}")
-    p.add_argument("--h", type=int, default=50, help="the sweep's and the quantizers' H; default 50")
-    p.add_argument("--horizons", default="10,100", help="the horizon stage's H; default 10,100")
-    p.add_argument("--study", default="", help="more arguments for scripts.study.diloco (a smoke test)")
-    p.add_argument("--dp-raw", default="docs/results/data/diloco_study_raw", help="dp-fp16's raw files")
     return p.parse_args(argv)
 
 
@@ -56,17 +51,15 @@ def load_all(raw: Path) -> dict[int, dict]:
     return runs
 
 
-def sweep_rows(args) -> list[str]:
-    return [name("fp32", float(lr), float(mu), args.h) for lr in args.lrs.split(",") for mu in args.momenta.split(",")]
+def sweep_rows() -> list[str]:
+    return [name("fp32", lr, mu, H) for lr in LRS for mu in MOMENTA]
 
 
-def tuned(args, runs: dict) -> tuple[float, float]:
-    """The tuned pair: ``--lr`` / ``--momentum``, else the sweep's row with the lowest held-out loss."""
-    if args.lr is not None and args.momentum is not None:
-        return args.lr, args.momentum
-    sweep = {r: runs[0]["results"][r] for r in sweep_rows(args) if r in runs.get(0, {}).get("results", {})}
+def tuned(runs: dict) -> tuple[float, float]:
+    """The tuned pair: the sweep's row with the lowest held-out loss."""
+    sweep = {r: runs[0]["results"][r] for r in sweep_rows() if r in runs.get(0, {}).get("results", {})}
     if not sweep:
-        raise SystemExit("no sweep results: run --stage sweep first, or give --lr and --momentum")
+        raise SystemExit("no sweep results: run --stage sweep first")
     best = min(sweep, key=lambda r: sweep[r]["final_loss"])
     return sweep[best]["outer_lr"], sweep[best]["outer_momentum"]
 
@@ -82,7 +75,7 @@ def run_stage(args, rows: list[str], seed: int, raw: Path, runs: dict) -> None:
         if not path.exists():
             break
         path = raw / f"{args.stage}{k}_seed{seed}.json"
-    study = diloco.parse_args(["--rows", ",".join(todo), *args.study.split()])
+    study = diloco.parse_args(["--rows", ",".join(todo)])
     diloco.launch(study, seed, path)
 
 
@@ -93,41 +86,37 @@ def main(argv=None) -> int:
     raw.mkdir(parents=True, exist_ok=True)
     runs = load_all(raw)
     if args.stage == "sweep":
-        run_stage(args, sweep_rows(args), 0, raw, runs)
+        run_stage(args, sweep_rows(), 0, raw, runs)
     elif args.stage == "horizon":
-        lr, mu = tuned(args, runs)
-        run_stage(args, [name("fp32", lr, mu, int(h)) for h in args.horizons.split(",")], 0, raw, runs)
+        lr, mu = tuned(runs)
+        run_stage(args, [name("fp32", lr, mu, h) for h in HORIZONS], 0, raw, runs)
     elif args.stage == "quant":
-        lr, mu = tuned(args, runs)
+        lr, mu = tuned(runs)
         for seed in (int(s) for s in args.seeds.split(",")):
-            run_stage(args, [name(k, lr, mu, args.h) for k in args.kinds.split(",")], seed, raw, runs)
+            run_stage(args, [name(k, lr, mu, H) for k in QUANT], seed, raw, runs)
             runs = load_all(raw)
     else:
-        text = report(args, runs)
+        text = report(runs)
         (out / "tables.md").write_text(text)
         print(text)
     return 0
 
 
 # ---------------------------------------------------------------------------------- the report
-def mean_se(values: list[float]) -> tuple[float, float]:
-    return diloco._mean_se(values)
-
-
 def fmt(values: list[float], sign: str = "") -> str:
     """Mean ± standard error (4 decimals; no error for one value); ``sign="+"``: signed."""
-    m, se = mean_se(values)
+    m, se = pages.mean_se(values)
     return f"{m:{sign}.4f}" + ("" if math.isnan(se) else f" ± {se:.4f}")
 
 
-def sweep_table(args, runs: dict) -> list[str]:
+def sweep_table(runs: dict) -> list[str]:
     res = runs.get(0, {}).get("results", {})
     lines = [
         "| outer lr | momentum | held-out loss, step 500 | held-out loss, step 1000 | "
         "mean ‖pseudo-gradient‖ | mean ‖update‖ | ‖update‖ / ‖pseudo-gradient‖ |",
         "|---|---|---|---|---|---|---|",
     ]
-    for row in sweep_rows(args):
+    for row in sweep_rows():
         if row in res:
             r = res[row]
             mid = next((c[3] for c in r["curve"] if c[0] == 500), float("nan"))
@@ -139,13 +128,13 @@ def sweep_table(args, runs: dict) -> list[str]:
     return lines
 
 
-def horizon_table(args, runs: dict, lr: float, mu: float) -> list[str]:
+def horizon_table(runs: dict, lr: float, mu: float) -> list[str]:
     res = runs.get(0, {}).get("results", {})
     lines = [
         "| H | outer steps | held-out loss | MB sent per worker | mean ‖pseudo-gradient‖ | mean ‖update‖ |",
         "|---|---|---|---|---|---|",
     ]
-    for h in sorted({args.h, *(int(h) for h in args.horizons.split(","))}):
+    for h in sorted({H, *HORIZONS}):
         row = name("fp32", lr, mu, h)
         if row in res:
             r = res[row]
@@ -157,11 +146,11 @@ def horizon_table(args, runs: dict, lr: float, mu: float) -> list[str]:
     return lines
 
 
-def dp_reference(args, runs: dict) -> dict[int, float]:
-    """dp-fp16's final held-out loss per seed from ``--dp-raw``, where the recorded args match."""
+def dp_reference(runs: dict) -> dict[int, float]:
+    """dp-fp16's final held-out loss per seed from :data:`DP_RAW`, where the recorded args match."""
     out = {}
     for seed, run in runs.items():
-        path = Path(args.dp_raw) / f"seed{seed}.json"
+        path = DP_RAW / f"seed{seed}.json"
         if not path.exists():
             continue
         data = json.loads(path.read_text())
@@ -216,7 +205,7 @@ def quant_table(runs: dict, lr: float, mu: float, h: int, dp: dict[int, float], 
             "",
             f"dp-fp16 (seeds {', '.join(map(str, both))}, the earlier study's raw files): "
             f"{fmt([dp[s] for s in both])}; tuned fp32 DiLoCo minus dp-fp16, same seed: {fmt(gap, '+')} nats/char "
-            f"({100 * mean_se(rel)[0]:+.1f}% of dp-fp16's loss).",
+            f"({100 * pages.mean_se(rel)[0]:+.1f}% of dp-fp16's loss).",
         ]
     return lines
 
@@ -273,21 +262,21 @@ def norm_table(runs: dict, rows: list[str]) -> list[str]:
     return lines
 
 
-def report(args, runs: dict) -> str:
-    lr, mu = tuned(args, runs)
-    dp = dp_reference(args, runs)
-    mine = [name(k, lr, mu, args.h) for k in QUANT]
+def report(runs: dict) -> str:
+    lr, mu = tuned(runs)
+    dp = dp_reference(runs)
+    mine = [name(k, lr, mu, H) for k in QUANT]
     extra = extra_rows(runs, mine)
     others = sorted({r for run in runs.values() for r in run["results"]} - set(mine))
     parts = [
-        f"## Sweep (seed 0, H = {args.h}, fp32)\n\nTuned pair: outer lr {lr:g}, momentum {mu:g}.\n",
-        "\n".join(sweep_table(args, runs)),
+        f"## Sweep (seed 0, H = {H}, fp32)\n\nTuned pair: outer lr {lr:g}, momentum {mu:g}.\n",
+        "\n".join(sweep_table(runs)),
         "\n## H at the tuned pair (seed 0, fp32)\n",
-        "\n".join(horizon_table(args, runs, lr, mu)),
-        f"\n## The quantizers at the tuned point (H = {args.h})\n",
-        "\n".join(quant_table(runs, lr, mu, args.h, dp, extra)),
+        "\n".join(horizon_table(runs, lr, mu)),
+        f"\n## The quantizers at the tuned point (H = {H})\n",
+        "\n".join(quant_table(runs, lr, mu, H, dp, extra)),
         "\n## Paired differences (same seed)\n",
-        "\n".join(pair_table(runs, lr, mu, args.h, extra)),
+        "\n".join(pair_table(runs, lr, mu, H, extra)),
         "\n## Outer-step norms (mean over outer steps, then over seeds)\n",
         "\n".join(norm_table(runs, mine + others)),
     ]

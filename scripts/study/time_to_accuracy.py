@@ -1,12 +1,8 @@
 #!/usr/bin/env python
-"""Time to accuracy on slow links: the held-out loss of the character GPT (scripts/common/gpt.py)
-against wall-clock training seconds, for every exchange, on 2 nodes x 2 ranks in network namespaces
-whose links between nodes are shaped to 100 Mbit/s and 1 Gbit/s (scripts/common/network.py). Needs
-root, except --local. The rows (Horovod fp16, DDP's bf16 and PowerSGD hooks at matched bytes, QSGD,
-ALQ 3 bits, bits="auto", the flat two-phase exchange, a local row; more with --rows) run in the same
-processes, interleaved, from the same weights and batches; each row's clock sums its steps' times
-(the slowest rank's), evaluation and barriers excluded. Targets per seed: fp16's held-out loss at
-50%, 75% and 100% of its steps. The method, columns and results: docs/results/time_to_accuracy.md.
+"""Time to accuracy on slow links: the held-out loss of the character GPT against wall-clock
+training seconds, every row (scripts/common/rows.py) in the same processes, on 2 nodes x 2 ranks in
+network namespaces with shaped links between nodes (needs root, except --local). The method, the
+targets, the columns and the results: docs/results/time_to_accuracy.md.
 
     python -m scripts.study.time_to_accuracy     # 2 rates x 3 seeds, 240 steps, into build/results
     python -m scripts.study.time_to_accuracy --quick --out-dir build/bench     # 1 seed, 1 rate, 40 steps
@@ -293,11 +289,6 @@ def cumulative(step_s: list[float]) -> list[float]:
     return out
 
 
-def mean_se(values: list[float]) -> tuple[float, float]:
-    m = statistics.fmean(values)
-    return m, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
-
-
 def summarize(runs: list[dict]) -> dict:
     """Per rate: per row the time to each target over seeds (mean, s.e., ratio to fp16, seeds that
     reached it), bytes, step profile, final loss."""
@@ -328,18 +319,18 @@ def summarize(runs: list[dict]) -> dict:
                         "loss": statistics.fmean(losses),
                         "reached": len(times),
                         "seeds": len(group),
-                        "seconds": mean_se(times) if times else None,
-                        "ratio": mean_se(ratios) if ratios else None,
+                        "seconds": pages.mean_se(times) if times else None,
+                        "ratio": pages.mean_se(ratios) if ratios else None,
                         "steps": statistics.fmean(steps_to) if steps_to else None,
                     }
                 )
             rws = [run["rows"][key] for run in group]
             entry.update(
-                final_loss=mean_se([r["curve"][-1][1] for r in rws]),
-                final_vs_fp16=mean_se(
+                final_loss=pages.mean_se([r["curve"][-1][1] for r in rws]),
+                final_vs_fp16=pages.mean_se(
                     [r["curve"][-1][1] - run["rows"][BASELINE]["curve"][-1][1] for r, run in zip(rws, group)]
                 ),
-                total_s=mean_se([sum(r["step_s"]) for r in rws]),
+                total_s=pages.mean_se([sum(r["step_s"]) for r in rws]),
                 step_s=statistics.median(statistics.median(r["step_s"]) for r in rws),
                 bytes_per_step=statistics.fmean(r["bytes_per_step"] for r in rws),
                 link_max_per_step=(
@@ -655,28 +646,16 @@ def parser() -> argparse.ArgumentParser:
     add("--seeds", help=f"default {FULL['seeds']}")
     add("--steps", type=int, help=f"steps per row; default {FULL['steps']}")
     add("--eval-every", type=int, help=f"steps between evaluations; default {FULL['eval_every']}")
-    stretch = "every row but fp16 trains this many times --steps, its schedule stretched to that length "
-    add("--stretch", type=float, default=1.0, help=stretch + "(MLPerf's rule: time to fp16's final loss); default 1")
-    add(
-        "--rows",
-        default=",".join(DEFAULT_ROWS),
-        help=f"comma-separated from {','.join(ROWS)}; default: {','.join(DEFAULT_ROWS)}",
-    )
-    batch = "sequences per rank and step; default 8 (the exchange about two thirds of fp16's step at 100 Mbit/s here)"
-    add("--batch-size", type=int, default=8, help=batch)
+    add("--stretch", type=float, default=1.0, help="every row but fp16 trains this many times --steps; default 1")
+    add("--rows", default=",".join(DEFAULT_ROWS), help=f"from {','.join(ROWS)}; default {','.join(DEFAULT_ROWS)}")
+    add("--batch-size", type=int, default=8, help="sequences per rank and step; default 8")
     add("--context", type=int, default=64, help="default 64")
     add("--width", type=int, default=128, help="default 128")
     add("--layers", type=int, default=4, help="default 4")
     add("--heads", type=int, default=4, help="default 4")
     add("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", help="default adamw")
     add("--lr", type=float, help=f"peak lr; default {LR['adamw']} (AdamW), {LR['sgd']} (SGD, tuned for fp32)")
-    clip = "clip the averaged gradient's norm to this (0: no clipping); default 1.0 (without it one seed "
-    add(
-        "--clip",
-        type=float,
-        default=1.0,
-        help=clip + "of three spikes after the warm-up and never recovers, in fp32 too)",
-    )
+    add("--clip", type=float, default=1.0, help="clip the averaged gradient's norm to this (0: no clipping); default 1")
     add("--eval-windows", type=int, default=256, help="held-out windows per evaluation; default 256")
     add("--local", action="store_true", help="no namespaces: --np ranks on the loopback (no root)")
     add("--np", type=int, default=2, help="ranks with --local; default 2")
@@ -685,8 +664,7 @@ def parser() -> argparse.ArgumentParser:
     add("--timeout", type=float, help="seconds per run; default 7200 (--quick 1200)")
     add("--aggregate-only", action="store_true", help="rebuild the report from the runs' JSON")
     add("--fresh", action="store_true", help="run again what has its JSON already (make bench)")
-    reuse = "a raw directory of an earlier run: its fp16 row joins each run of the same rate and seed, "
-    add("--baseline-from", help=reuse + "which then runs without it (fp16's losses are deterministic per seed)")
+    add("--baseline-from", help="a raw directory of an earlier run: its fp16 row joins each run of its rate and seed")
     add("--teardown-only", action="store_true", help="remove leftover namespaces")
     add("--worker", action="store_true", help=argparse.SUPPRESS)
     add("--worker-out", help=argparse.SUPPRESS)
