@@ -19,7 +19,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from scripts.common import launch, report, timing
@@ -334,25 +333,9 @@ def main(argv=None) -> int:
     net.apply_defaults(args, QUICK, FULL)
     if args.worker:
         return worker(args)
-    unknown = [r for r in args.rows.split(",") if r not in ROWS]
-    if unknown:
-        p.error(f"unknown rows {unknown}; choose from {ROWS}")
-    workers = [int(w) for w in args.workers.split(",")]
-    if not all(2 <= w <= 8 for w in workers):
-        p.error("--workers must be 2..8")
-    if args.out is None:
-        args.out = "build/bench/bench_fsdp.md" if args.quick else "build/results/bench_fsdp.md"
-    start = time.monotonic()
     if args.local:
         args.master_addr = "127.0.0.1"
-    else:
-        status = net.preflight("scripts.bench.fsdp", args.teardown_only, "; --local runs without")
-        if status is not None:
-            return status
-    runs = net.step_runs(args, workers, "alqfsdp-", run)
-    data = {"args": vars(args), "argv": argv if argv is not None else sys.argv[1:], "runs": runs}
-    report.write(Path(args.out), page(args, argv, runs, time.monotonic() - start), data)
-    return 0
+    return net.step_main(p, args, argv, "scripts.bench.fsdp", ROWS, run, page)
 
 
 if __name__ == "__main__":

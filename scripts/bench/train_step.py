@@ -20,7 +20,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from scripts.common import launch, report, rows, timing
@@ -485,34 +484,13 @@ def main(argv=None) -> int:
         args.rows = ",".join(NODE_ROWS if args.nodes else DEFAULT_ROWS)
     if args.worker:
         return worker(args)
-    unknown = [r for r in args.rows.split(",") if r not in ROWS]
-    if unknown:
-        p.error(f"unknown rows {unknown}; choose from {ROWS}")
-    workers = [int(w) for w in args.workers.split(",")]
-    if not all(2 <= w <= 8 for w in workers):
-        p.error("--nodes must be 2..8" if args.nodes else "--workers must be 2..8")
     if any("psgd" in r for r in args.rows.split(",")) and args.warmup < PSGD_START + 1:
         print(
             f"note: --warmup {args.warmup} < {PSGD_START + 1}: PowerSGD's timed steps include its first "
             "(allocating, vanilla) ones",
             file=sys.stderr,
         )
-    if args.out is None:
-        args.out = "build/bench/bench_train_step.md" if args.quick else "build/results/bench_train_step.md"
-    if not args.teardown_only:
-        problem = memory_check(args, workers)
-        if problem:
-            print(f"scripts.bench.train_step: {problem}", file=sys.stderr)
-            return 2
-    start = time.monotonic()
-    if not args.local:
-        status = net.preflight("scripts.bench.train_step", args.teardown_only, "; --local runs without")
-        if status is not None:
-            return status
-    runs = net.step_runs(args, workers, "alqtrain-", run)
-    data = {"args": vars(args), "argv": argv if argv is not None else sys.argv[1:], "runs": runs}
-    report.write(Path(args.out), page(args, argv, runs, time.monotonic() - start), data)
-    return 0
+    return net.step_main(p, args, argv, "scripts.bench.train_step", ROWS, run, page, memory_check)
 
 
 if __name__ == "__main__":

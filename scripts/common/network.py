@@ -420,6 +420,36 @@ def step_runs(args, workers: list[int], prefix: str, run) -> list[dict]:
     return sorted(runs, key=lambda r: (r["workers"], rates.index(r["rate"]) if r["rate"] in rates else 0))
 
 
+def step_main(p: argparse.ArgumentParser, args, argv, module: str, rows: list[str], run, page, check=None) -> int:
+    """A step benchmark's driver (train_step.py's, fsdp.py's) once its options are parsed: --rows and
+    --workers checked, --out's default, ``check(args, workers)`` (why not to launch, or None), root,
+    :func:`step_runs` of ``run`` and ``page(args, argv, runs, wall)`` with its JSON."""
+    from scripts.common import report
+
+    unknown = [r for r in args.rows.split(",") if r not in rows]
+    if unknown:
+        p.error(f"unknown rows {unknown}; choose from {rows}")
+    workers = [int(w) for w in args.workers.split(",")]
+    if not all(2 <= w <= 8 for w in workers):
+        p.error("--nodes must be 2..8" if getattr(args, "nodes", None) else "--workers must be 2..8")
+    name = module.rsplit(".", 1)[1]
+    if args.out is None:
+        args.out = f"build/{'bench' if args.quick else 'results'}/bench_{name}.md"
+    problem = None if check is None or args.teardown_only else check(args, workers)
+    if problem:
+        print(f"{module}: {problem}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    if not args.local:
+        status = preflight(module, args.teardown_only, "; --local runs without")
+        if status is not None:
+            return status
+    runs = step_runs(args, workers, f"alq{name.split('_')[0]}-", run)
+    data = {"args": vars(args), "argv": argv if argv is not None else sys.argv[1:], "runs": runs}
+    report.write(Path(args.out), page(args, argv, runs, time.monotonic() - start), data)
+    return 0
+
+
 def _result(rc: int, out: Path, log: Path) -> dict:
     if rc != 0 or not out.exists():
         raise RuntimeError(f"mpirun failed ({rc}):\n{log.read_text()[-6000:]}")
