@@ -171,8 +171,7 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     if kind == "adamw-frozen":
         from horovod_alq.torch.optim import FrozenVarianceAdamW
 
-        freeze = args.freeze_step if args.freeze_step is not None else args.warmup
         return FrozenVarianceAdamW(
-            model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95), freeze_step=freeze
+            model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95), freeze_step=args.warmup
         )
     return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))

@@ -71,11 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--optimizer",
         default="adamw",
         choices=("adamw", "adamw-frozen", "sgd"),
-        help="AdamW (betas 0.9, 0.95), the same with its second moment frozen after --freeze-step "
+        help="AdamW (betas 0.9, 0.95), the same with its second moment frozen after the warm-up "
         "(1-bit Adam's schedule), or SGD with momentum 0.9; default adamw",
-    )
-    p.add_argument(
-        "--freeze-step", type=int, help="adamw-frozen: steps that update the second moment; default --warmup"
     )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate; default 3e-3 (AdamW's)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="default 0.1 (decoupled with AdamW)")

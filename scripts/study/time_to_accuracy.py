@@ -93,7 +93,7 @@ def worker(args) -> int:
     # decay, as run_accuracy --model gpt's; warm-up then cosine)
     decay = 0.1 if args.optimizer == "adamw" else 0.0
     plain = argparse.Namespace(
-        optimizer=args.optimizer, lr=args.lr, weight_decay=decay, warmup=min(30, args.steps // 8), freeze_step=None
+        optimizer=args.optimizer, lr=args.lr, weight_decay=decay, warmup=min(30, args.steps // 8)
     )
     plain.__dict__.update(steps=args.steps, context=args.context, eval_windows=args.eval_windows)
     keys = args.rows.split(",")
