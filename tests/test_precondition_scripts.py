@@ -85,6 +85,7 @@ def test_study_report_accuracy_and_learning_rates():
     lines = study.report(runs, key="accuracy")
     assert "| `alq@3` | `fp32` | 2 | -0.0050 | 0.0150 | 1 of 2 | -0.0200 |" in lines
     assert "fp32's final accuracy over 2 seeds: 0.9100, standard error 0.0100." in lines
-    lines = study.report(runs + [run("fp32", 0, 0.80, 3e-3), run("fp32", 1, 0.84, 3e-3)])
+    lines = study.report(runs + [run("fp32", 0, 0.80, 3e-3), run("fp32", 1, 0.84, 3e-3), run("alq@3", 1, 0.85, 3e-3)])
     assert "fp32 lr=0.003's final loss over 2 seeds: 0.1800, standard error 0.0200." in lines
-    assert "| `fp32 lr=0.001` | 0.1000 | 0.0800 | 0.0900 |" in lines
+    assert lines[2] == "| `fp32 lr=0.001` | 0.1000 | 0.0800 | 0.0900 |"  # the smaller lr first, fp32 first
+    assert "| `alq@3 lr=0.003` | `fp32 lr=0.003` | 1 | -0.0100 | nan | 1 of 1 | -0.0100 |" in lines

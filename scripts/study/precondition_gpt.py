@@ -281,14 +281,20 @@ def report(runs: list[dict], against: str = "alq@3", key: str = "eval_loss") -> 
     """Markdown lines: the final loss (``key="accuracy"``: accuracy, higher is better) per row and
     seed, the same-seed differences to fp32 and, for a preconditioned row, to its plain row
     (``alq@2+pre`` to ``alq@2``; mean, standard error over seeds, wins), and fp32's seed-to-seed
-    standard error. ``against`` is listed second. Runs at several learning rates: rows per lr."""
-    by, lrs = {}, {r.get("lr") for r in runs}
+    standard error. ``against`` is listed second. Runs at several learning rates: rows per lr,
+    compared within their lr."""
+    lrs = {r.get("lr") for r in runs}
+
+    def label(spec: str, lr) -> str:
+        return spec if len(lrs) < 2 else f"{spec} lr={lr:g}"
+
+    by, spec_lr = {}, {}
     for r in runs:
-        label = r["spec"] if len(lrs) < 2 else f"{r['spec']} lr={r['lr']:g}"
-        by.setdefault(label, {})[r["seed"]] = r[key]
+        by.setdefault(label(r["spec"], r.get("lr")), {})[r["seed"]] = r[key]
+        spec_lr[label(r["spec"], r.get("lr"))] = (r["spec"], r.get("lr"))
     sign, what = (-1, "accuracy") if key == "accuracy" else (1, "loss")
-    specs = ["fp32", against] + sorted(s for s in by if s not in ("fp32", against))
-    specs = [s for s in specs if s in by]
+    rank = {"fp32": (0, ""), against: (1, "")}
+    specs = sorted(by, key=lambda s: (spec_lr[s][1] or 0, rank.get(spec_lr[s][0], (2, spec_lr[s][0]))))
     seeds = sorted({k for v in by.values() for k in v})
     lines = ["| row | " + " | ".join(f"seed {k}" for k in seeds) + " | mean |", "|---|" + "---:|" * (len(seeds) + 1)]
     for s in specs:
@@ -296,7 +302,7 @@ def report(runs: list[dict], against: str = "alq@3", key: str = "eval_loss") -> 
         done = [v for v in vals if v is not None]
         cells = [f"{v:.4f}" if v is not None else "-" for v in vals]
         lines.append(f"| `{s}` | " + " | ".join(cells) + f" | {np.mean(done):.4f} |")
-    for s in (s for s in specs if s.split()[0] == "fp32"):
+    for s in (s for s in specs if spec_lr[s][0] == "fp32"):
         base = [by[s][k] for k in seeds if k in by[s]]
         if len(base) > 1:
             se = np.std(base, ddof=1) / math.sqrt(len(base))
@@ -307,7 +313,8 @@ def report(runs: list[dict], against: str = "alq@3", key: str = "eval_loss") -> 
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for s in specs:
-        for ref in ("fp32", s.partition("+")[0]):
+        spec, lr = spec_lr[s]
+        for ref in (label("fp32", lr), label(spec.partition("+")[0], lr)):
             if s == ref or ref not in by:
                 continue
             common = [k for k in seeds if k in by[s] and k in by[ref]]
