@@ -7,7 +7,7 @@ each framework declares its public classes on top of its base::
     class ALQCompressor(compressor_mixins.ALQ, QuantizedCompressor): ...
 
 so the keywords, defaults and checks exist once for both frameworks; so do the base pieces of
-their ``QuantizedCompressor`` (:class:`CompressorBase`, :class:`ClassOrInstance`) and the
+their ``QuantizedCompressor`` (:class:`CompressorBase`, :class:`DefaultBound`) and the
 configuration properties of every front-end (:class:`Configured`, mpi4py's too). Plain Python
 over the NumPy :class:`~horovod_alq.core.Quantizer`, with no framework import; the settings the
 front-ends share are :class:`horovod_alq.settings.Settings`.
@@ -92,18 +92,14 @@ class TernGrad:
 SCHEMES = (ALQ, AMQ, QSGD, NUQSGD, TernGrad)
 
 
-class ClassOrInstance:
-    """Method usable on an instance or on the class itself (``compression=ALQCompressor``), in
-    which case it binds to the class's :meth:`CompressorBase.default` instance."""
+class DefaultBound(type):
+    """Metaclass: the class itself as ``compression=`` (``ALQCompressor``) runs its
+    :meth:`CompressorBase.default` instance's ``compress``, ``decompress`` and ``metrics``; an
+    instance's are plain methods, with no descriptor of Python's to run at every tensor's call."""
 
-    def __init__(self, func):
-        self.func = func
-        self.__doc__ = func.__doc__
-
-    def __get__(self, obj, cls):
-        if obj is None:
-            obj = cls.default()
-        return self.func.__get__(obj, cls)
+    compress = property(lambda cls: cls.default().compress)
+    decompress = property(lambda cls: cls.default().decompress)
+    metrics = property(lambda cls: cls.default().metrics)
 
 
 class Configured:

@@ -63,6 +63,11 @@ def test_class_docstrings_and_default_instance(package):
     default = package.AMQCompressor.default()
     assert default is package.AMQCompressor.default()  # one per class
     assert _method_name(default) == "amq" and default.bits == 3
+    for name in ("compress", "decompress", "metrics"):  # the class as compression= runs its default's
+        bound = getattr(package.AMQCompressor, name)
+        assert bound.__self__ is default and bound.__doc__ == getattr(type(default), name).__doc__ is not None
+        plain = next(vars(c)[name] for c in type(default).__mro__ if name in vars(c))
+        assert getattr(default, name).__func__ is plain  # an instance's: a plain method
 
 
 @pytest.mark.parametrize(

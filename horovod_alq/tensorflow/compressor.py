@@ -90,16 +90,9 @@ class _PassThrough:
     restore: Any = None  # graph.passthrough's: how to give the reduced tensor its shape back
 
 
-class _ClassOrInstance(mixins.ClassOrInstance):
-    """:class:`mixins.ClassOrInstance` whose method autograph leaves alone: it is plain Python
-    over static shapes, called from inside tf.function."""
-
-    def __init__(self, func):
-        super().__init__(tf.autograph.experimental.do_not_convert(func))
-        self.__doc__ = func.__doc__
-
-
-class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, mixins.CompressorBase, tf.Module):
+class QuantizedCompressor(
+    SetMembership, GraphExchanges, mixins.PerProcessSet, mixins.CompressorBase, tf.Module, metaclass=mixins.DefaultBound
+):
     """Base class: a Horovod ``compression=`` object for one quantization method (TensorFlow).
 
     A ``tf.Module``: its state (levels, :class:`~horovod_alq.core.rounds.RoundState`'s counters,
@@ -252,7 +245,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
             self._claimed_uid = protocol.process_set_uid(self.process_set)
         return self._claimed_uid
 
-    @_ClassOrInstance
+    @tf.autograph.experimental.do_not_convert  # plain Python over static shapes, called in tf.function
     def compress(self, tensor):
         """Encode ``tensor`` and return the small vector to allreduce (no collective here)."""
         other = self._for_calling_process_set()
@@ -359,7 +352,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         hist = self._fns.codec.histograms(tensor)
         return tf.concat([hist[1], self._fns.codec.normless(tensor) if self._vars.stats_length == 4 else hist[0]], 0)
 
-    @_ClassOrInstance
+    @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):
         """Check the reduced vector, exchange the payloads, and return the reduced gradient in
         the original shape and dtype."""
@@ -390,7 +383,7 @@ class QuantizedCompressor(SetMembership, GraphExchanges, mixins.PerProcessSet, m
         return graph.connect_gradient(ctx.source, out, reduced[0] / n, self.process_set)
 
     # ------------------------------------------------------------------ metrics and state
-    @_ClassOrInstance
+    @tf.autograph.experimental.do_not_convert
     def metrics(self) -> dict:
         """:meth:`horovod_alq.core.rounds.RoundState.metrics` (the PyTorch compressors' metrics):
         ``levels``, ``multiplier``, ``second_levels`` (two-phase), ``exchange``, the counters

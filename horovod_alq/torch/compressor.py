@@ -102,17 +102,7 @@ class _QuantizedAllreduceGrad(torch.autograd.Function):
         return summed * ctx.scale, None, None, None
 
 
-class _DefaultBound(type):
-    """The class itself as ``compression=`` (``ALQCompressor``) runs its :meth:`~CompressorBase.default`
-    instance's ``compress``, ``decompress`` and ``metrics`` (as :class:`mixins.ClassOrInstance`); an
-    instance's are plain methods, with no descriptor of Python's to run at every tensor's call."""
-
-    compress = property(lambda cls: cls.default().compress)
-    decompress = property(lambda cls: cls.default().decompress)
-    metrics = property(lambda cls: cls.default().metrics)
-
-
-class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase, metaclass=_DefaultBound):
+class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase, metaclass=mixins.DefaultBound):
     """Base class: a Horovod ``compression=`` object for one quantization method.
 
     Parameters
