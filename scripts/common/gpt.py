@@ -163,7 +163,7 @@ def evaluate(model: torch.nn.Module, val: torch.Tensor, args) -> float:
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     """``--optimizer``: AdamW (betas 0.9, 0.95, decoupled weight decay), the same with its second
-    moment frozen after ``--freeze-step`` steps (``adamw-frozen``), or SGD with momentum 0.9 (weight
+    moment frozen after the ``--warmup`` steps (``adamw-frozen``), or SGD with momentum 0.9 (weight
     decay added to the gradient), all at ``--lr`` (the schedule sets it every step)."""
     kind = getattr(args, "optimizer", "adamw")
     if kind == "sgd":
