@@ -178,11 +178,12 @@ class Settings:
     compress: str | None = None
     """When to quantize. ``"always"``: every round (what the studies and benchmarks of docs/results
     run). ``"when-faster"``: only while that measures faster than the framework's own 16-bit path
-    (Horovod: its allreduce of an fp16 cast; DDP: what ``fp16_compress_hook`` does), timing real
+    (Horovod: its allreduce of an fp16 cast; DDP: what ``fp16_compress_hook`` does; FSDP2: its
+    reduce-scatter in bfloat16, as ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``), timing real
     training steps (the slowest rank's) in interleaved trials of 8 rounds (up to 24 where the paths
     differ by less than 10%) from round 2, again from round 100, every 2000 rounds and when the step
     time drifts (docs/guides/settings.md, "Never slower than 16 bits").
-    ``"auto"``: ``"when-faster"`` where the front-end serves it (Horovod PyTorch, the DDP hook),
+    ``"auto"``: ``"when-faster"`` where the front-end serves it (Horovod PyTorch, the DDP hook, FSDP2),
     ``"always"`` elsewhere. None: ``$HOROVOD_ALQ_COMPRESS``, else ``"auto"``."""
 
     timeout: float | None = None
@@ -367,13 +368,12 @@ NOT_SERVED: dict[str, dict[str, str]] = {
     },
 }
 #: The front-ends that serve ``compress="when-faster"`` (each times its own 16-bit path) ...
-MEASURES = ("Horovod PyTorch", "DDP hook")
+MEASURES = ("Horovod PyTorch", "DDP hook", "FSDP2")
 _ALWAYS = "; use compress='always' (or 'auto', which is 'always' here)"
 #: ... and why the others do not.
 NOT_MEASURED = {
     "Horovod TensorFlow": "no timed comparison with Horovod's fp16 compression is built into the traced step yet"
     + _ALWAYS,
-    "FSDP2": "no timed comparison with FSDP2's bf16 reduce-scatter is built yet" + _ALWAYS,
     "mpi4py": "a call is not a training step: there is no step to time and no 16-bit path of its own to compare"
     + _ALWAYS,
     "DiLoCo": "an outer step comes every sync_every inner steps: too few rounds to time a comparison" + _ALWAYS,

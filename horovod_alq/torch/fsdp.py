@@ -34,6 +34,14 @@ elements go through torch.distributed's own reduce-scatter. A quantization bucke
 Inf comes back NaN in its owner's shard. HSDP (``fully_shard(mesh=...)`` with a replicate
 dimension): the reduce-scatter over the shard dimension is quantized; the all-reduce across
 replicas stays FSDP's own (float).
+
+``compress="when-faster"`` (the default's choice here, :mod:`horovod_alq.core.speed`): the first
+reduce-scatter of a backward asks the arbiter, alike on every rank, whether the backward is
+quantized. A 16-bit backward reduce-scatters every input as ``MixedPrecisionPolicy(reduce_dtype=
+torch.bfloat16)`` does (torch.distributed's own reduce-scatter of a bfloat16 cast, float16 inputs in
+float16; the op's factor applied to the sum in the output's dtype); in refit steps every rank
+collects the statistics of its inputs and refits at the end of the backward, and the step counter
+advances as in a quantized round. Error-feedback buffers are kept for the next quantized backward.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..core.protocol import PREFIX, shape_hash, stable_hash
+from ..core.speed import SpeedArbiter
 from ..exchange import registry, topology
 from ..exchange.reduce_scatter import NAME
 from ..settings import Settings
@@ -106,6 +115,9 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         # bits="auto": (input elements, shards) -> each parameter chunk's (elements, shape code) in a
         # shard (None: modules with other layouts share that size), from quantize_reduce_scatter
         self._layouts: dict[tuple[int, int], tuple | None] = {}
+        if self.round_state.compress == "when-faster":
+            self.round_state.speed = SpeedArbiter(what=self.FRONT_END)
+        self._sixteen: _Sixteen | None = None  # the 16-bit backward in progress
 
     def record_layout(self, module) -> None:
         """``bits="auto"``: remember how FSDP lays out ``module``'s reduce-scatter input (shard
@@ -159,6 +171,9 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
             _REDUCE_SCATTER(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
             if scale != 1.0:
                 output_tensor.mul_(scale)
+            return _done_work() if async_op else None
+        if self.round_state.speed is not None and not self._quantizes(stages[0]):
+            self._sixteen_call(output_tensor, input_tensor, group, scale)
             return _done_work() if async_op else None
         rnd = self._open(stages, input_tensor.device, exchange)
         flat = input_tensor.detach().reshape(-1)
@@ -222,6 +237,69 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         rnd, self._round, self._task = self._round, None, -1
         if rnd is not None:
             rnd.close()
+
+    @property
+    def _pending(self) -> bool:
+        return self._round is not None or self._sixteen is not None
+
+    # ------------------------------------------------------------------ compress="when-faster"
+    def _quantizes(self, stage) -> bool:
+        """Whether this call's backward is quantized: its first call asks the arbiter (every rank alike)."""
+        task = torch._C._current_graph_task_id()
+        if self._round is not None or self._sixteen is not None:
+            if task >= 0 and task == self._task:
+                return self._sixteen is None
+            self._round = self._sixteen = None  # that backward raised before its end on this rank
+        speed, st = self.round_state.speed, self.round_state
+        speed.rank = stage.rank
+        if speed.start(stage.allreduce_max, f"{PREFIX}.fsdp.speed"):
+            return True  # _open opens the round
+        self._sixteen, self._task = _Sixteen([] if st.collecting and st.auto is None else None, stage), task
+        if task >= 0:  # ended once the backward pass is over
+            torch.autograd.Variable._execution_engine.queue_callback(self._close_sixteen)
+        return False
+
+    def _sixteen_call(self, output: torch.Tensor, source: torch.Tensor, group, scale: float) -> None:
+        """A call of a 16-bit backward: :func:`_bf16_reduce_scatter`, and in refit steps the
+        statistics of the input (as the flat quantized round collects them)."""
+        sixteen = self._sixteen
+        if sixteen.stats is not None:
+            sixteen.stats.append(
+                self._ops_for(source.device).statistics(source.detach().reshape(-1).float(), self.engine.quantizer)
+            )
+        _bf16_reduce_scatter(output, source, group, scale)
+        if self._task < 0:  # a call outside a backward pass is a round of its own
+            self._close_sixteen()
+
+    def _close_sixteen(self) -> None:
+        """A 16-bit backward's end: in refit steps every rank refits from its own statistics (small
+        collectives); the step counter advances."""
+        sixteen, self._sixteen, self._task = self._sixteen, None, -1
+        if sixteen is None:
+            return
+        if sixteen.stats is not None:
+            self.engine.refit(sum(sixteen.stats) if sixteen.stats else None, None, sixteen.stage)
+        self.round_state.step += 1
+
+
+class _Sixteen:
+    """A 16-bit backward in progress: its statistics (None: not a refit step), the transport it refits over."""
+
+    def __init__(self, stats: list | None, stage) -> None:
+        self.stats, self.stage = stats, stage
+
+
+def _bf16_reduce_scatter(output: torch.Tensor, source: torch.Tensor, group, scale: float) -> None:
+    """FSDP2's bf16 reduce-scatter (``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``): the sum of
+    ``source`` cast to bfloat16 (float16 stays float16), reduce-scattered by torch.distributed,
+    into ``output`` in its dtype, times ``scale``."""
+    half = source.detach() if source.dtype in (torch.bfloat16, torch.float16) else source.detach().to(torch.bfloat16)
+    out = output if output.dtype == half.dtype else torch.empty(output.shape, dtype=half.dtype, device=output.device)
+    _REDUCE_SCATTER(out, half.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    if out is not output:
+        output.copy_(out)
+    if scale != 1.0:
+        output.mul_(scale)
 
 
 def _shard_layout(module) -> tuple[int, tuple] | None:

@@ -186,12 +186,13 @@ def test_the_setting_resolves_per_front_end_and_refuses_unknown_values():
         resolve_compress(None, True, {"HOROVOD_ALQ_COMPRESS": "sometimes"})
     with pytest.raises(ValueError, match="compress must be one of 'auto', 'when-faster', 'always'"):
         Settings(compress="faster")
-    for front_end in ("Horovod TensorFlow", "FSDP2", "mpi4py", "DiLoCo"):
+    for front_end in ("Horovod TensorFlow", "mpi4py", "DiLoCo"):
         with pytest.raises(
             ValueError, match=f"{front_end} does not serve compress='when-faster'.*use compress='always'"
         ):
             Settings.of(None, front_end, compress="when-faster")
         Settings.of(None, front_end, compress="always")
     assert configure(Settings(compress="always"), front_end="DDP hook").state.compress == "always"
-    assert configure(Settings(compress="auto"), front_end="FSDP2").state.compress == "always"
+    assert configure(Settings(compress="auto"), front_end="FSDP2").state.compress == "when-faster"
+    assert configure(Settings(compress="auto"), front_end="mpi4py").state.compress == "always"
     assert configure(Settings(compress="auto"), front_end="Horovod PyTorch").state.compress == "when-faster"

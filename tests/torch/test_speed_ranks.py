@@ -1,9 +1,10 @@
-"""``compress="when-faster"`` on real ranks (tests/workers/speed_worker.py): the DDP hook (torchrun)
-and the Horovod compressor (mpirun) on 2 and 4 ranks follow the default schedule (its confirming trial
-moved to round 20) and switch to 16 bits and back mid-training, with the same path and identical
-parameters on every rank after every step, the refit schedule going on through the 16-bit steps,
-and Horovod's 16-bit steps reducing exactly what ``hvd.Compression.fp16`` does; ranks built with
-different modes raise on every rank."""
+"""``compress="when-faster"`` on real ranks (tests/workers/speed_worker.py): the DDP hook and FSDP2's
+reduce-scatter (torchrun) and the Horovod compressor (mpirun) on 2 and 4 ranks follow the default
+schedule (its confirming trial moved to round 20) and switch to 16 bits and back mid-training, with
+the same path and identical parameters on every rank after every step, the refit schedule going on
+through the 16-bit steps, Horovod's 16-bit steps reducing exactly what ``hvd.Compression.fp16``
+does and FSDP2's 16-bit calls exactly what a bf16 reduce-scatter does (quantizing nothing); ranks
+built with different modes raise on every rank."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ def _run(frontend: str, np_: int) -> list:
     if frontend == "torch" and importlib.util.find_spec("horovod") is None:
         pytest.skip("Horovod is not installed")
     if (frontend, np_) not in _LAUNCHES:
-        launcher = "torchrun" if frontend == "ddp" else "mpi"
+        launcher = "mpi" if frontend == "torch" else "torchrun"
         args = [frontend, "--steps", STEPS, "--flip", FLIP, *(["--mismatch"] if np_ == 2 else [])]
         _LAUNCHES[frontend, np_] = run_ranks("speed_worker.py", np=np_, launcher=launcher, timeout=300, args=args)
     return _LAUNCHES[frontend, np_]
 
 
 @pytest.mark.parametrize("np_", [2, 4])
-@pytest.mark.parametrize("frontend", ["ddp", "torch"])
+@pytest.mark.parametrize("frontend", ["ddp", "fsdp", "torch"])
 def test_switching_mid_training_keeps_every_rank_identical(frontend, np_):
     ranks = _run(frontend, np_)
     paths = ranks[0]["paths"]
@@ -56,9 +57,24 @@ def test_switching_mid_training_keeps_every_rank_identical(frontend, np_):
     if frontend == "torch" and np_ == 2:  # every 16-bit step (refit rounds included) is Horovod's fp16
         for r in ranks:
             assert r["as_fp16"] == [True] * paths.count(False), r["as_fp16"]
+    if frontend == "fsdp":  # a 16-bit backward quantizes nothing; a quantized one its 2 groups (fc1, fc2)
+        calls = ranks[0]["calls"]
+        added = [b - a for a, b in zip([0, *calls], calls)]
+        assert added == [2 if q else 0 for q in paths], (added, paths)
 
 
-@pytest.mark.parametrize("frontend", ["ddp", "torch"])
+@pytest.mark.parametrize("np_", [2, 4])
+def test_fsdp_sixteen_bit_calls_are_a_bf16_reduce_scatter(np_):
+    """FSDP2's 16-bit calls, made directly: rounds 2-5 of 8 with warm-up 0; on 2 ranks (where a sum
+    of two bfloat16 values is the same in any order) each output equals the bf16 reduction."""
+    for r in _run("fsdp", np_):
+        for key, got in r["sixteen"].items():
+            assert got["rounds_16bit"] == 4 and got["step"] == 8 and len(got["equal"]) == 4, (key, got)
+            if np_ == 2:
+                assert all(got["equal"]), (key, got)
+
+
+@pytest.mark.parametrize("frontend", ["ddp", "fsdp", "torch"])
 def test_ranks_built_with_different_modes_raise_on_every_rank(frontend):
     for r in _run(frontend, 2):
         m = r["mismatch"]

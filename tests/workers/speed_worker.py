@@ -1,18 +1,23 @@
 """Worker for tests/torch/test_speed_ranks.py: ``compress="when-faster"`` switching mid-training.
 
-``speed_worker.py ddp`` (torchrun, gloo) or ``speed_worker.py torch`` (Horovod, mpirun): an MLP
-trained with the DDP hook or ``hvd.DistributedOptimizer``; the arbiter's clock is injected: each
+``speed_worker.py ddp`` or ``fsdp`` (torchrun, gloo) or ``speed_worker.py torch`` (Horovod, mpirun):
+an MLP trained with the DDP hook, FSDP2's ``fully_shard`` with the ALQ reduce-scatter, or
+``hvd.DistributedOptimizer``; the arbiter's clock is injected: each
 optimizer step advances it by a simulated cost of the path the step took (quantized 2 s, 16-bit
 1 s until ``--flip``, then 16-bit 4 s), so it switches to 16 bits at its first trial, keeps them
 at the confirming trial and goes back at the drift check after the flip, the same on every rank.
 Reports, per step, the path taken and a digest of the parameters, and the metrics; with Horovod,
 per 16-bit step, whether every reduced gradient equals ``hvd.Compression.fp16``'s of the same
-gradients (checked on 2 ranks, where a sum of two fp16 values is the same in any order)."""
+gradients (checked on 2 ranks, where a sum of two fp16 values is the same in any order). FSDP2 also
+reports the quantized calls after each step and, called directly as FSDP calls it, whether each
+16-bit call's output is the bf16 reduce-scatter of the same inputs (AVG, SUM, PREMUL_SUM; float32
+and bfloat16 inputs)."""
 
 import argparse
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from common import report
@@ -52,6 +57,22 @@ def build(frontend: str, model: torch.nn.Module, last_compress: str | None = Non
         net.register_comm_hook(state, alq_hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
         return net, opt, state.round_state, state.metrics, dist.get_rank(), dist.get_world_size()
+    if frontend == "fsdp":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from horovod_alq.torch.fsdp import ALQReduceScatter, quantize_reduce_scatter
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model.fc1, model.fc2):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        comm = quantize_reduce_scatter(model, ALQReduceScatter(**keywords))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        return model, opt, comm.round_state, comm.metrics, dist.get_rank(), dist.get_world_size()
     import horovod.torch as hvd
 
     from horovod_alq.torch import ALQCompressor
@@ -79,6 +100,42 @@ def same_as_fp16(model: torch.nn.Module, local: list, step: int) -> bool:
     return all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), ref))
 
 
+def sixteen_calls(rank: int, size: int, per: int = 300) -> dict:
+    """FSDP2: direct calls of a ``compress="when-faster"`` comm (each a round: warm-up 0, so the
+    trial's rounds 2-5 are 16-bit); per op and input dtype, whether every 16-bit call's output equals
+    the bf16 reduce-scatter of the same inputs (their bfloat16 sum, in rank order, scaled)."""
+    import torch.distributed as dist
+
+    from horovod_alq.torch.fsdp import ALQReduceScatter
+
+    ops = {"avg": (dist.ReduceOp.AVG, 1.0 / size), "sum": (dist.ReduceOp.SUM, 1.0)}
+    ops["premul"] = (dist.ReduceOp.PREMUL_SUM(0.25), 0.25)
+    out = {}
+    for name, (op, factor) in ops.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = [torch.from_numpy(np.random.default_rng([11, r]).standard_normal(size * per)) for r in range(size)]
+            xs = [x.to(dtype) for x in xs]
+            total = xs[0].bfloat16()
+            for x in xs[1:]:
+                total = total + x.bfloat16()
+            ref = total[rank * per : (rank + 1) * per].to(dtype) * factor
+            comm = ALQReduceScatter(compress="when-faster", bucket_size=64, min_size=64, seed=3)
+            now = [0.0]
+            comm.round_state.speed = arbiter = SpeedArbiter(rank=rank, clock=lambda: now[0], warmup=0)
+            equal = []
+            for i in range(8):
+                o = torch.empty(per, dtype=dtype)
+                work = comm(o, xs[rank], dist.group.WORLD, op, async_op=bool(i % 2))
+                if work is not None:
+                    work.wait()
+                if not arbiter.current:
+                    equal.append(bool(torch.equal(o, ref)))
+                now[0] += 1.0
+            m = comm.metrics()
+            out[f"{name}/{str(dtype)[6:]}"] = {"equal": equal, "rounds_16bit": m["rounds_16bit"], "step": m["step"]}
+    return out
+
+
 def mismatched(frontend: str) -> dict:
     """A model whose last rank was built with compress='always': its first step must raise on every rank."""
     net, opt, *_ = build(frontend, Net(), last_compress="always")
@@ -93,7 +150,7 @@ def mismatched(frontend: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("frontend", choices=("ddp", "torch"))
+    p.add_argument("frontend", choices=("ddp", "fsdp", "torch"))
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--flip", type=int, default=30)
     p.add_argument("--mismatch", action="store_true", help="then a model whose last rank builds compress='always'")
@@ -110,7 +167,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(100 + rank)
     teacher = torch.Generator().manual_seed(7)
     w = torch.randn(32, 4, generator=teacher)
-    paths, digests, updates, as_fp16 = [], [], [], []
+    paths, digests, updates, as_fp16, calls = [], [], [], [], []
     for step in range(args.steps):
         x = torch.randn(16, 32, generator=g)
         loss = F.mse_loss(net(x), x @ w)
@@ -123,8 +180,10 @@ def main() -> None:
             as_fp16.append(same_as_fp16(model, local, step))
         now[0] += 2.0 if quantized else (1.0 if step < args.flip else 4.0)
         paths.append(bool(quantized))
-        digests.append(digest(*model.parameters()))
+        params = [p.full_tensor() for p in model.parameters()] if args.frontend == "fsdp" else model.parameters()
+        digests.append(digest(*params))
         updates.append(int(round_state.level_updates))
+        calls.append(int(round_state.calls))
     m = metrics()
     out = {
         "rank": rank,
@@ -133,13 +192,16 @@ def main() -> None:
         "digests": digests,
         "level_updates": updates,
         "as_fp16": as_fp16,
+        "calls": calls,
         "metrics": {k: m[k] for k in m if k.startswith(("compress", "step", "rounds_16bit", "level"))},
         "levels": [float(v) for v in round_state.quantizer.levels],
     }
+    if args.frontend == "fsdp":
+        out["sixteen"] = sixteen_calls(rank, size)
     if args.mismatch:  # after the training (one launch): a mismatched model raises on every rank
         out["mismatch"] = mismatched(args.frontend)
     report(out)
-    if args.mismatch and args.frontend == "ddp":
+    if args.frontend == "fsdp" or (args.mismatch and args.frontend == "ddp"):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # after a hook raised in backward, skip the C++ teardown (as ddp_worker.py)
