@@ -292,7 +292,9 @@ class _Sixteen:
 def _bf16_reduce_scatter(output: torch.Tensor, source: torch.Tensor, group, scale: float) -> None:
     """FSDP2's bf16 reduce-scatter (``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``): the sum of
     ``source`` cast to bfloat16 (float16 stays float16), reduce-scattered by torch.distributed,
-    into ``output`` in its dtype, times ``scale``."""
+    into ``output`` in its dtype, times ``scale``. Its wait is torch.distributed's own, bounded by
+    the process group's timeout, not ``timeout`` (gloo's reduce-scatter work never reports completion
+    to a poll, nor honours ``wait(timeout)``)."""
     half = source.detach() if source.dtype in (torch.bfloat16, torch.float16) else source.detach().to(torch.bfloat16)
     out = output if output.dtype == half.dtype else torch.empty(output.shape, dtype=half.dtype, device=output.device)
     _REDUCE_SCATTER(out, half.contiguous(), op=dist.ReduceOp.SUM, group=group)
