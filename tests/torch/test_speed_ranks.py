@@ -3,7 +3,8 @@ reduce-scatter (torchrun) and the Horovod compressor (mpirun) on 2 and 4 ranks f
 schedule (its confirming trial moved to round 20) and switch to 16 bits and back mid-training, with
 the same path and identical parameters on every rank after every step, the refit schedule going on
 through the 16-bit steps, Horovod's 16-bit steps reducing exactly what ``hvd.Compression.fp16``
-does and FSDP2's 16-bit calls exactly what a bf16 reduce-scatter does (quantizing nothing); ranks
+does and FSDP2's 16-bit calls exactly what a bf16 reduce-scatter does (quantizing nothing, keeping
+the error-feedback buffers); ranks
 built with different modes raise on every rank."""
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def test_switching_mid_training_keeps_every_rank_identical(frontend, np_):
         calls = ranks[0]["calls"]
         added = [b - a for a, b in zip([0, *calls], calls)]
         assert added == [2 if q else 0 for q in paths], (added, paths)
+        # error_feedback=True: a 16-bit backward keeps the buffers, a quantized one changes them
+        errors = ranks[0]["errors"]
+        kept = [errors[i] == errors[i - 1] for i in range(1, STEPS)]
+        assert kept == [not q for q in paths[1:]], (kept, paths)
 
 
 @pytest.mark.parametrize("np_", [2, 4])

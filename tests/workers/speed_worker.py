@@ -9,7 +9,8 @@ at the confirming trial and goes back at the drift check after the flip, the sam
 Reports, per step, the path taken and a digest of the parameters, and the metrics; with Horovod,
 per 16-bit step, whether every reduced gradient equals ``hvd.Compression.fp16``'s of the same
 gradients (checked on 2 ranks, where a sum of two fp16 values is the same in any order). FSDP2 also
-reports the quantized calls after each step and, called directly as FSDP calls it, whether each
+runs with ``error_feedback=True`` and reports the quantized calls and a digest of the error buffers
+after each step and, called directly as FSDP calls it, whether each
 16-bit call's output is the bf16 reduce-scatter of the same inputs (AVG, SUM, PREMUL_SUM; float32
 and bfloat16 inputs)."""
 
@@ -70,7 +71,7 @@ def build(frontend: str, model: torch.nn.Module, last_compress: str | None = Non
         for layer in (model.fc1, model.fc2):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        comm = quantize_reduce_scatter(model, ALQReduceScatter(**keywords))
+        comm = quantize_reduce_scatter(model, ALQReduceScatter(**keywords, error_feedback=True))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         return model, opt, comm.round_state, comm.metrics, dist.get_rank(), dist.get_world_size()
     import horovod.torch as hvd
@@ -167,7 +168,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(100 + rank)
     teacher = torch.Generator().manual_seed(7)
     w = torch.randn(32, 4, generator=teacher)
-    paths, digests, updates, as_fp16, calls = [], [], [], [], []
+    paths, digests, updates, as_fp16, calls, errors = [], [], [], [], [], []
     for step in range(args.steps):
         x = torch.randn(16, 32, generator=g)
         loss = F.mse_loss(net(x), x @ w)
@@ -184,6 +185,8 @@ def main() -> None:
         digests.append(digest(*params))
         updates.append(int(round_state.level_updates))
         calls.append(int(round_state.calls))
+        if round_state.feedback is not None:  # FSDP2: a digest of the error-feedback buffers
+            errors.append(digest(*(b for _, b in sorted(round_state.feedback.buffers.items(), key=repr))))
     m = metrics()
     out = {
         "rank": rank,
@@ -193,6 +196,7 @@ def main() -> None:
         "level_updates": updates,
         "as_fp16": as_fp16,
         "calls": calls,
+        "errors": errors,
         "metrics": {k: m[k] for k in m if k.startswith(("compress", "step", "rounds_16bit", "level"))},
         "levels": [float(v) for v in round_state.quantizer.levels],
     }
