@@ -169,6 +169,8 @@ def mpirun_command(
         PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), **({"HOROVOD_ALQ_LOCAL_SIZE": str(g)} if g > 1 else {})
     )
     env_vars["HOROVOD_ALQ_COMPRESS"] = launching.RANK_ENV["HOROVOD_ALQ_COMPRESS"]  # studies: compress="always"
+    if "HOROVOD_CYCLE_TIME" in os.environ:  # Horovod's coordination cycle (ms), passed on when set
+        env_vars["HOROVOD_CYCLE_TIME"] = os.environ["HOROVOD_CYCLE_TIME"]
     shm = intra == "shm" and g > 1
     mca = {
         "plm_rsh_agent": str(agent),
