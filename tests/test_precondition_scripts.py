@@ -89,3 +89,14 @@ def test_study_report_accuracy_and_learning_rates():
     assert "fp32 lr=0.003's final loss over 2 seeds: 0.1800, standard error 0.0200." in lines
     assert lines[2] == "| `fp32 lr=0.001` | 0.1000 | 0.0800 | 0.0900 |"  # the smaller lr first, fp32 first
     assert "| `alq@3 lr=0.003` | `fp32 lr=0.003` | 1 | -0.0100 | nan | 1 of 1 | -0.0100 |" in lines
+
+
+def test_study_diagnostics_table():
+    """Crest: the mean over runs of each run's worst in steps 1-5 and of its median; the Adam-space
+    error's mean and median over steps 1-30 and 31 on, pooled over runs (step 0 has none)."""
+    crest = [50.0, 10.0, 30.0, 10.0, 10.0, 10.0, 99.0] + [10.0] * 33
+    err = [None] + [0.1] * 30 + [0.2, 0.2, 1.4]
+    runs = [{"spec": "fp32"}, {"spec": "alq@3", "crest": crest, "adam_error": err}]
+    runs.append({"spec": "alq@3", "crest": [c * 2 for c in crest], "adam_error": err})
+    lines = study.diagnostics(runs)
+    assert len(lines) == 3 and lines[2] == "| `alq@3` | 2 | 45.0 | 15.0 | 0.100 | 0.600 | 0.100 | 0.200 |"

@@ -328,6 +328,31 @@ def report(runs: list[dict], against: str = "alq@3", key: str = "eval_loss") -> 
     return lines
 
 
+def diagnostics(runs: list[dict]) -> list[str]:
+    """Markdown lines, one row per quantized row (all its runs): the mean over runs of each run's
+    largest crest factor in steps 1-5 and of its median crest factor, and the Adam-space error over
+    signal in steps 1-30 and 31 on (mean and median over every step of every run)."""
+    by, nan = {}, float("nan")
+    for r in runs:
+        if r["spec"] != "fp32":
+            by.setdefault(r["spec"], []).append(r)
+    lines = [
+        "| row | runs | worst crest, steps 1-5 | median crest, all steps | Adam-space error / signal, steps 1-30 "
+        "| steps 31 on | median, steps 1-30 | median, steps 31 on |",
+        "|---|" + "---:|" * 7,
+    ]
+    for spec, rs in sorted(by.items()):
+        early = [v for r in rs for v in r["adam_error"][1:31] if v is not None]
+        late = [v for r in rs for v in r["adam_error"][31:] if v is not None]
+        worst = np.mean([max(r["crest"][1:6], default=nan) for r in rs])
+        crest = (worst, np.mean([np.median(r["crest"]) for r in rs]))
+        errs = [f(x) if x else nan for f in (np.mean, np.median) for x in (early, late)]
+        lines.append(
+            f"| `{spec}` | {len(rs)} | {crest[0]:.1f} | {crest[1]:.1f} | " + " | ".join(f"{e:.3f}" for e in errs) + " |"
+        )
+    return lines
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report:
@@ -335,6 +360,7 @@ def main(argv=None) -> int:
         print("\n".join(report(runs)))
         if all("accuracy" in r for r in runs):
             print("\nAccuracy:\n\n" + "\n".join(report(runs, key="accuracy")))
+        print("\nDiagnostics:\n\n" + "\n".join(diagnostics(runs)))
         return 0
     torch.set_num_threads(1)
     from scripts.common.gpt import char_splits
