@@ -309,3 +309,17 @@ class Engine:
             error=error,
             keys=keys,
         )
+
+    # ------------------------------------------------------------------ 16-bit rounds (compress="when-faster")
+    def sixteen_stats(self) -> list | None:
+        """The statistics list of a 16-bit round: ``[]`` in refit rounds, so the levels keep adapting
+        (fixed widths: ``bits="auto"`` keeps its levels), else None."""
+        return [] if self.state.collecting and self.state.auto is None else None
+
+    def end_sixteen(self, stats: list | None, transport: Transport) -> None:
+        """A 16-bit round's end: in refit rounds every rank refits from the statistics of its own
+        inputs (small collectives); the round counts, so the refit schedule goes on. Error-feedback
+        buffers are left for the next quantized round."""
+        if stats is not None:
+            self.refit(sum(stats) if stats else None, None, transport)
+        self.state.step += 1

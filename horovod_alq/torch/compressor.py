@@ -388,9 +388,8 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase, metaclass
             speed, st = self._state.speed, self._state
             speed.rank = transport.rank
             quantized = speed.start(transport.allreduce_max, f"{PREFIX}.{self._engine.uid}.speed")
-            # statistics keep adapting in 16-bit rounds (fixed widths: bits="auto" keeps its levels)
-            collects = not quantized and st.collecting and st.auto is None
-            self._sixteen_stats = [] if collects else None
+            self._sixteen_stats = None if quantized else self._engine.sixteen_stats()
+            collects = self._sixteen_stats is not None
             if not quantized:  # a 16-bit round without statistics: compress's first lines serve it
                 self._fp16, self._plain16 = hvd().Compression.fp16, not collects
             if collects and self._precondition is not None:  # the statistics of what is quantized: g * w
@@ -412,13 +411,9 @@ class QuantizedCompressor(mixins.PerProcessSet, mixins.CompressorBase, metaclass
         return small, _Sixteen(ctx)
 
     def _end_sixteen(self) -> None:
-        """A 16-bit round's first decompress: the round counts (the refit schedule goes on), and in
-        refit rounds every rank refits from the statistics of its own gradients (three small
-        collectives). Error-feedback buffers are kept for the next quantized round."""
+        """A 16-bit round's first decompress: :meth:`~horovod_alq.exchange.engine.Engine.end_sixteen`."""
         stats, self._sixteen_stats = self._sixteen_stats, None
-        if stats is not None:
-            self._engine.refit(sum(stats) if stats else None, None, self._transport())
-        self._state.step += 1
+        self._engine.end_sixteen(stats, self._transport())
 
     def _for_set(self, process_set) -> QuantizedCompressor:
         child = QuantizedCompressor(process_set=process_set, settings=self.settings)

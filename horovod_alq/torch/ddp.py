@@ -181,7 +181,7 @@ class ALQState(StreamedState):
             if speed.start(stage.allreduce_max, f"{PREFIX}.ddp.speed"):
                 return True
             self._round = None  # a quantized step that never reached its last bucket
-            self._sixteen_stats = [] if st.collecting and st.auto is None else None
+            self._sixteen_stats = self.engine.sixteen_stats()
             if self._sixteen_stats is not None and self._precondition is not None:  # statistics of g * w
                 self._precondition.prepare(st.step)
         return speed.current
@@ -201,9 +201,7 @@ class ALQState(StreamedState):
         future = fp16_compress_hook(self.process_group, bucket)
         if bucket.is_last():
             self._sixteen_stats = None
-            if stats is not None:
-                self.engine.refit(sum(stats) if stats else None, None, self._stages()[0])
-            self.round_state.step += 1
+            self.engine.end_sixteen(stats, self._stages()[0])
         return future
 
 

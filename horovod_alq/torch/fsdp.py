@@ -246,15 +246,15 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
     def _quantizes(self, stage) -> bool:
         """Whether this call's backward is quantized: its first call asks the arbiter (every rank alike)."""
         task = torch._C._current_graph_task_id()
-        if self._round is not None or self._sixteen is not None:
+        if self._pending:
             if task >= 0 and task == self._task:
                 return self._sixteen is None
             self._round = self._sixteen = None  # that backward raised before its end on this rank
-        speed, st = self.round_state.speed, self.round_state
+        speed = self.round_state.speed
         speed.rank = stage.rank
         if speed.start(stage.allreduce_max, f"{PREFIX}.fsdp.speed"):
             return True  # _open opens the round
-        self._sixteen, self._task = _Sixteen([] if st.collecting and st.auto is None else None, stage), task
+        self._sixteen, self._task = _Sixteen(self.engine.sixteen_stats(), stage), task
         if task >= 0:  # ended once the backward pass is over
             torch.autograd.Variable._execution_engine.queue_callback(self._close_sixteen)
         return False
@@ -275,11 +275,8 @@ class ALQReduceScatter(StreamedState, ReduceScatter):
         """A 16-bit backward's end: in refit steps every rank refits from its own statistics (small
         collectives); the step counter advances."""
         sixteen, self._sixteen, self._task = self._sixteen, None, -1
-        if sixteen is None:
-            return
-        if sixteen.stats is not None:
-            self.engine.refit(sum(sixteen.stats) if sixteen.stats else None, None, sixteen.stage)
-        self.round_state.step += 1
+        if sixteen is not None:
+            self.engine.end_sixteen(sixteen.stats, sixteen.stage)
 
 
 class _Sixteen:
